@@ -1,0 +1,36 @@
+# kvfork: `make serve` and `make test` do all the set-up they need.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# MLX's Linux wheel bundles a reference BLAS; preload OpenBLAS when the machine has it.
+BLAS_ENV = LD_PRELOAD="$$($(BIN)/python -m backends.mlx.blas)"
+ARGS ?=
+
+.PHONY: install model serve test smoke bench peers clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/python -m backends.mlx.blas --install
+	touch $(STAMP)
+
+model: install
+	$(BIN)/kvfork fetch-model
+
+serve: install
+	$(BIN)/kvfork serve $(ARGS)
+
+test: install
+	$(BLAS_ENV) $(BIN)/python -m pytest -q $(ARGS)
+
+smoke: install
+	$(BIN)/kvfork smoke $(ARGS)
+
+bench: install
+	$(BIN)/kvfork bench --preset paired-small $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

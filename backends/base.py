@@ -1,0 +1,176 @@
+"""The backend interface every kvfork backend implements.
+
+Every call, `load` included, runs on one thread: the engine's runner. A backend
+never needs locks of its own.
+
+Sessions hold the KV state of one token sequence. `position` is the number of
+tokens committed to that state. The engine decides chunking and batching; the
+backend runs what it is asked to, in as few forward passes as it can.
+
+Sliding-window rule (every backend obeys it, `clone_refusal` states it):
+  a sliding layer of window W keeps a ring of the last `capacity = W` positions
+  it was written (a backend may transiently hold more, never less). A query at
+  position p attends keys [p - W + 1, p], so a clone at `upto` needs the layer
+  to still hold [max(0, upto - W + 1), upto). With capacity W, a snapshot taken
+  at prompt length L can serve a clone at L - 1, so an identical prompt sent
+  again is served from it. A donor that has moved on further than that has
+  overwritten what the clone needs, and the clone is refused.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Literal, Sequence
+
+
+class CloneRefused(Exception):
+    """A clone that cannot reproduce `[0, upto)`. A refusal changes nothing."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason  # short label, used as a metrics label
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    kind: Literal["full", "sliding"]
+    window: int | None = None  # tokens, for sliding layers
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    vocab_size: int
+    context_length: int
+    layers: tuple[LayerAttention, ...]
+    eos_token_ids: tuple[int, ...]
+    kv_bytes_per_token: int  # full-attention layers; sliding layers cost at most window tokens
+    dtype: str
+    device: str
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0  # over prompt and output, as in transformers
+    presence_penalty: float = 0.0  # over output, as in OpenAI
+    frequency_penalty: float = 0.0  # over output, as in OpenAI
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Sampled:
+    token: int
+    logprob: float | None = None  # set when logprobs were asked for
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class SamplerState:
+    """One request's sampling settings and its own random stream.
+
+    `rng` is backend-owned (an MLX key or a torch Generator) and is created
+    lazily from `params.seed`, so a seeded request replays exactly.
+    """
+
+    params: SamplingParams
+    prompt: Sequence[int] = ()
+    output: list[int] = field(default_factory=list)
+    rng: Any = None
+
+
+class Session:
+    """A handle on one KV state. Backends subclass it to hang their buffers off."""
+
+    _next_id = 0
+
+    def __init__(self) -> None:
+        Session._next_id += 1
+        self.id = Session._next_id
+        self.position = 0
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.id} at {self.position}>"
+
+
+def clone_refusal(session_position: int, upto: int, info: ModelInfo, held_from: Sequence[int]) -> CloneRefused | None:
+    """Why `clone(upto)` cannot be served, or None when it can.
+
+    `held_from[i]` is the oldest position sliding layer i (in layer order, among
+    the sliding layers only) still holds.
+    """
+    if upto <= 0:
+        return CloneRefused("empty", f"upto={upto}")
+    if upto > session_position:
+        return CloneRefused("beyond_position", f"upto={upto} > position={session_position}")
+    sliding = [layer for layer in info.layers if layer.kind == "sliding"]
+    for layer, oldest in zip(sliding, held_from):
+        assert layer.window is not None
+        if oldest > max(0, upto - layer.window + 1):
+            return CloneRefused("window_overwritten", f"needs {max(0, upto - layer.window + 1)}, holds from {oldest}")
+    return None
+
+
+class Backend(abc.ABC):
+    """One model on one device."""
+
+    info: ModelInfo
+
+    @abc.abstractmethod
+    def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
+        """Load a Hugging Face style folder. dtype None: float32 on the CPU, bf16/fp16 on a GPU."""
+
+    @abc.abstractmethod
+    def open_session(self) -> Session:
+        """A new empty session."""
+
+    @abc.abstractmethod
+    def release(self, session: Session) -> None:
+        """Free a session's state. Releasing twice is a no-op."""
+
+    @abc.abstractmethod
+    def prefill(self, sessions: Sequence[Session], chunks: Sequence[Sequence[int]]) -> Any:
+        """Commit chunks[i] to sessions[i]; return each session's last-token logits, shape [n, vocab]."""
+
+    @abc.abstractmethod
+    def decode(self, sessions: Sequence[Session], tokens: Sequence[int]) -> Any:
+        """Commit one token per session in one batched pass; return logits [n, vocab]."""
+
+    @abc.abstractmethod
+    def sample(self, logits: Any, states: Sequence[SamplerState]) -> list[Sampled]:
+        """Pick one token per row of logits, each under its own request's settings and stream."""
+
+    @abc.abstractmethod
+    def clone(self, session: Session, upto: int) -> Session:
+        """An independent session holding the state of the first `upto` committed tokens.
+
+        The donor may keep running; neither session sees the other's later writes.
+        Raises CloneRefused (see `clone_refusal`) and then changes nothing.
+        """
+
+    @abc.abstractmethod
+    def session_bytes(self, session: Session) -> int:
+        """Bytes allocated for this session's state."""
+
+    @abc.abstractmethod
+    def total_bytes(self) -> int:
+        """Bytes allocated for all live sessions."""
+
+    @abc.abstractmethod
+    def live_sessions(self) -> int:
+        """How many sessions are open (opened or cloned, not yet released)."""
+
+    @abc.abstractmethod
+    def to_numpy(self, logits: Any) -> Any:
+        """Logits as a float32 numpy array, for tests and tools."""

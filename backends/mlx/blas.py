@@ -1,0 +1,79 @@
+"""An optimized BLAS for MLX on Linux.
+
+The `mlx[cpu]` Linux wheel bundles a reference (netlib) BLAS. On a 2-core x86_64
+machine it prefilled the default model about 30x slower than with Debian's
+OpenBLAS preloaded. The preload must be in place before the process starts, so
+the launcher re-executes itself with it (`reexec_with_openblas`) and the
+Makefile sets it for the test runner (`python -m backends.mlx.blas` prints it).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+_CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+    "/usr/lib/libopenblas.so.0",
+)
+_REEXEC_MARK = "KVFORK_BLAS_CHECKED"
+
+
+def find_openblas() -> str | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    for path in _CANDIDATES + tuple(glob.glob("/usr/lib/*/openblas*/libopenblas*.so*")):
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def install_openblas() -> None:
+    """Install Debian's OpenBLAS where apt exists and we are root; never prompts."""
+    if find_openblas() or not sys.platform.startswith("linux"):
+        return
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        print("kvfork: no OpenBLAS and cannot install it (needs root and apt); MLX will be slow on the CPU")
+        return
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    if subprocess.call(["apt-get", "install", "-y", "-q", "libopenblas0-pthread"], **quiet) != 0:
+        subprocess.call(["apt-get", "update", "-q"], **quiet)
+        subprocess.call(["apt-get", "install", "-y", "-q", "libopenblas0-pthread"], **quiet)
+    if not find_openblas():
+        print("kvfork: installing libopenblas0-pthread failed; MLX will be slow on the CPU")
+
+
+def thread_env() -> dict[str, str]:
+    """Cap BLAS threads at the machine's cores, so two backends in one process do not fight."""
+    cores = str(os.cpu_count() or 1)
+    return {"OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS", cores)}
+
+
+def reexec_with_openblas() -> None:
+    """Restart this process with OpenBLAS preloaded, once; warn once when none can be had."""
+    if os.environ.get(_REEXEC_MARK) or not sys.platform.startswith("linux"):
+        return
+    path = find_openblas()
+    env = dict(os.environ, **thread_env(), **{_REEXEC_MARK: "1"})
+    if path is None:
+        print("kvfork: no optimized BLAS found (install libopenblas0-pthread); MLX on the CPU will be slow", file=sys.stderr)
+        os.environ.update(env)
+        return
+    if path in os.environ.get("LD_PRELOAD", ""):
+        os.environ.update(env)
+        return
+    env["LD_PRELOAD"] = ":".join(p for p in (path, os.environ.get("LD_PRELOAD", "")) if p)
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+if __name__ == "__main__":
+    if "--install" in sys.argv:
+        install_openblas()
+    else:
+        print(find_openblas() or "")

@@ -1,0 +1,25 @@
+"""Shared fixtures: tiny random model folders, made once per test run."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiny_models import ARCHS, write_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A function arch -> folder; each arch is written once per run."""
+    made: dict[str, str] = {}
+
+    def get(arch: str) -> str:
+        if arch not in made:
+            made[arch] = str(write_model(tmp_path_factory.mktemp(arch), arch))
+        return made[arch]
+
+    return get
+
+
+@pytest.fixture(params=ARCHS)
+def arch(request) -> str:
+    return request.param
