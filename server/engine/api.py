@@ -1,0 +1,82 @@
+"""What the daemon hands the engine and what it gets back.
+
+The daemon tokenizes, submits a `GenerateRequest`, and reads `TokenEvent`s then
+one `DoneEvent` from the returned handle. Text concerns (detokenizing, stop
+strings, tool-call parsing) stay in the daemon: when it matches a stop string it
+calls `handle.finish()`, which ends the request as a normal `stop`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from backends.base import SamplingParams
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+ReuseSource = Literal["cache", "donor", "session"]
+
+
+class EngineError(Exception):
+    """A request the engine turns away; `code` and `status` map onto the API's error shape."""
+
+    code = "engine_error"
+    status = 500
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class CapacityExhausted(EngineError):
+    code, status = "capacity_exhausted", 429
+
+
+class SessionBusy(EngineError):
+    code, status = "session_busy", 409
+
+
+class ContextTooLong(EngineError):
+    code, status = "context_length_exceeded", 400
+
+
+class NotReady(EngineError):
+    code, status = "not_ready", 503
+
+
+@dataclass
+class GenerateRequest:
+    request_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    session_id: str | None = None  # named session: warm resume, never a reuse recipient
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    reuse_source: ReuseSource | None = None
+    prefilled_tokens: int = 0
+    generated_tokens: int = 0
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+
+
+@dataclass
+class TokenEvent:
+    token: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class DoneEvent:
+    finish_reason: FinishReason
+    usage: Usage = field(default_factory=Usage)
+    error: str | None = None  # set when finish_reason == "error"
