@@ -109,9 +109,12 @@ def default_model():
 
 
 @pytest.mark.slow
-def test_converted_folder(default_model):
+def test_converted_folder(default_model, capsys):
     folder, _, tokenizer = default_model
     assert fetch_model.is_current(folder)
+    # A second run finds the stamped folder and only prints where it is.
+    assert fetch_model.main([]) == 0
+    assert capsys.readouterr().out.strip() == str(folder)
     config = json.loads((folder / "config.json").read_text())
     # mlx-lm reads only a top-level rope_theta; a missing one silently means 10000.
     assert config["rope_theta"] == 100000
