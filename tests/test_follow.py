@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from server.engine.follow import FollowPolicy, Following, Leader, Promotion, chunk_end, plan, promote
+from server.engine.follow import (FollowPolicy, Following, Leader, Promotion, chunk_end, leader_views, plan,
+                                  promote)
 from server.engine.matching import Recipient, Source, choose_reuse, common_prefix
 from server.engine.rates import Rates, RateTracker
 
@@ -168,6 +169,21 @@ def test_leader_eta():
     assert stuck.eta(5) == 0.0 and stuck.eta(6) == math.inf
 
 
+def test_leader_views_see_parked_followers_down_a_chain():
+    rates = Rates(prefill_tps=10.0, clone_fixed_s=1.0, clone_s_per_token=0.0)
+    a = active("a", list(range(100)), committed=20, tps=10.0)
+    b = Following("b", "a", target=40, order=1, deadline=math.inf)  # a reaches 40 in 2 s, clone 1 s
+    c = Following("c", "b", target=60, order=2, deadline=math.inf)  # b reaches 60 at 3 + 2 s, clone 1 s
+    orphan = Following("d", "not-a-leader", target=5, order=3, deadline=math.inf)
+    views = leader_views([a], [(f, Source.donor(f.request_id, list(range(100)), 7, f.order)) for f in (b, c, orphan)],
+                         rates, tps=10.0)
+    assert [v.source.key for v in views] == ["a", "b", "c", "d"]
+    assert [v.source.committed for v in views] == [20, 0, 0, 0]  # a parked follower holds nothing yet
+    assert [v.eta(40) for v in views[:2]] == [2.0, 3.0]
+    assert views[2].eta(60) == 6.0 and views[2].eta(70) == 7.0
+    assert views[3].eta(5) == math.inf
+
+
 # ---- parking, chunk stops, promotion ----
 
 def test_following_ready_and_deadline():
@@ -227,17 +243,12 @@ class Sim:
     def __post_init__(self):
         self.prefilled = [[] for _ in self.prompts]
 
-    def leader_view(self, i: int) -> Leader:
-        tps = float(self.chunk)
-        if i in self.committed:
-            return Leader.active(Source.donor(i, self.prompts[i], self.committed[i], i), tps)
-        f = self.parked[i]
-        return Leader.starting(Source.donor(i, self.prompts[i], 0, i), f.target,
-                               self.leader_view(f.leader).eta(f.target), tps)
-
     def admit(self, i: int) -> None:
         # time unit = one step; the recipient would prefill `chunk` tokens a step like everyone
-        leaders = [self.leader_view(j) for j in [*self.committed, *self.parked]]
+        tps = float(self.chunk)
+        active = [Leader.active(Source.donor(j, self.prompts[j], c, j), tps) for j, c in self.committed.items()]
+        parked = [(f, Source.donor(j, self.prompts[j], 0, j)) for j, f in self.parked.items()]
+        leaders = leader_views(active, parked, FREE_CLONES, tps)
         p = plan(Recipient(i, self.prompts[i]), leaders, 0, Rates(self.chunk * (len(self.committed) + 1), 0, 0),
                  ON, prefilling=len(self.committed))
         if p.follow:

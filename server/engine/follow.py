@@ -1,15 +1,29 @@
 """Follow the leader: requests that share a prompt prefix share one prefill. Pure policy.
 
-The engine calls (and RateTracker/Rates from server/engine/rates.py):
-  Leader.active(source, tps) -> Leader             # an admitted request, prefilling or decoding
-  Leader.starting(source, at, after_s, tps) -> Leader   # a parked follower, or a pending clone
-  Leader.eta(position) -> float
-  plan(recipient, leaders, cached, rates, policy, prefilling) -> Plan    # on arrival / at admission
-  Plan.log_fields() -> dict
+The engine calls (Rates and RateTracker live in server/engine/rates.py):
+  Leader.active(source, tps) -> Leader          # an admitted request, prefilling or decoding
+  Leader.starting(source, at, after_s, tps) -> Leader   # an admitted request whose clone is pending
+  leader_views(active, parked, rates, tps) -> list[Leader]   # + the parked followers, as leaders
+  plan(recipient, leaders, cached, rates, policy, prefilling) -> Plan
+  Plan.log_fields() -> dict                     # the decision and its inputs, for the log line
   Following.park(request_id, plan, order, first_parked_at, max_wait_s) -> Following
   Following.ready(leader_committed) -> bool; Following.expired(now) -> bool
-  chunk_end(committed, planned_end, stops) -> int  # where a leader's next prefill chunk must stop
-  promote(gone, gone_committed, parked, state_usable) -> Promotion   # a leader cancelled or failed
+  chunk_end(committed, planned_end, stops) -> int   # where a leader's prefill chunk stops
+  promote(gone, gone_committed, parked, state_usable) -> Promotion
+
+Engine flow:
+  - Admitting an anonymous text request (on arrival, or when a slot frees):
+    p = plan(...). p.follow: park it (Following.park; no slot, it stays in the
+    queue's count and timeout). Otherwise p.now is the seed's choice (matching.py).
+  - Each step: a leader's prefill chunk ends at chunk_end(...) of its followers'
+    targets; a follower whose leader is `ready` clones [0, target) from it as soon
+    as it has a slot, then prefills its tail; an `expired` one is unparked and
+    planned again with FollowPolicy(follow=False), the seed's path.
+  - A leader leaving while followed (cancelled, failed, or finished before a
+    ready follower got a slot): promote(). Clone the heir's [0, upto) BEFORE
+    releasing the leader's state; the heir takes its slot. Unpark `replan`, then
+    plan each again in order, with max_wait_s = what is left to its deadline.
+  - Any refused clone takes the seed's fallback: normal admission, fresh cache lookup.
 
 Rules (each also stated where it binds):
   - Grouping: a recipient follows the leader offering the longest match it will
@@ -22,19 +36,18 @@ Rules (each also stated where it binds):
     choice now (clone what is committed / cached prefix / full prefill), and when
     the match beats the cached one by min_tokens. Otherwise the seed's choice
     stands unchanged; follow=False (--no-follow) gives exactly the seed's rule.
-  - A follower holds no slot. It clones [0, target) when its leader has committed
-    target (`ready`), the leader's chunk stopping there so sliding windows still
-    hold it; it gives up at its deadline and takes the seed's path (`expired`).
-  - A leader that goes away hands its committed prefix to one follower, which
-    takes its slot, clones it and prefills on; the rest plan again and find it.
-Cost: `plan` is O(leaders x common_prefix); run it on arrival and at admission,
-not per queued request per step. Per step only `ready`, `expired`, `chunk_end`.
+  - Only requests nobody follows are planned (new, queued, or unparked by
+    promote), so no request ever follows its own follower.
+  - A follower holds no slot and gives up at its deadline, which runs from the
+    first time it parked: no follower waits forever.
+Cost: `plan` is O(leaders x common_prefix), ~15 us per 2,000-token leader; run it
+on arrival and at admission. Per step only `ready`, `expired` and `chunk_end`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Hashable, Iterable, Literal, Sequence
 
 from server.engine.matching import Recipient, ReuseChoice, Source, choose_reuse, common_prefix
@@ -57,13 +70,13 @@ class Leader:
 
     @classmethod
     def active(cls, source: Source, tps: float) -> Leader:
+        """`tps`: its expected prefill rate, e.g. rates.share(prefilling); moot once decoding."""
         return cls(source, 0.0, source.committed, tps)
 
     @classmethod
     def starting(cls, source: Source, at: int, after_s: float, tps: float) -> Leader:
         """Holds nothing usable yet; holds [0, at) in `after_s` seconds, then prefills on.
 
-        A parked follower: after_s = its leader's eta(target) + rates.clone_s(target).
         A request whose clone is pending (a recipient, an heir): after_s = rates.clone_s(at).
         """
         return cls(source, after_s, at, tps)
@@ -75,6 +88,23 @@ class Leader:
         if position <= self.start_at:
             return self.start_s
         return self.start_s + (position - self.start_at) / self.tps if self.tps > 0 else math.inf
+
+
+def leader_views(active: Iterable[Leader], parked: Iterable[tuple[Following, Source]], rates: Rates,
+                 tps: float) -> list[Leader]:
+    """Everyone a newcomer may follow: `active` (Leader.active of each admitted
+    request), then each parked follower with its prompt's Source, IN THE ORDER THEY
+    PARKED, each seen as starting when its own leader reaches its target and the
+    clone lands. `tps`: the rate a follower will prefill at once it starts.
+    """
+    # A follower parks after its leader is a leader, and a re-planned one parks
+    # again after it, so park order builds every leader's view before its followers'.
+    views = {lead.source.key: lead for lead in active}
+    for f, source in parked:
+        lead = views.get(f.leader)
+        after = (lead.eta(f.target) if lead else math.inf) + rates.clone_s(f.target)
+        views[f.request_id] = Leader.starting(replace(source, committed=0), f.target, after, tps)
+    return list(views.values())
 
 
 @dataclass(frozen=True)
@@ -192,6 +222,7 @@ class Following:
         assert plan.follow and plan.leader is not None
         return cls(request_id, plan.leader, plan.target, order, first_parked_at + max_wait_s)
 
+    # When ready, the clone should be taken before the leader writes again (see chunk_end).
     def ready(self, leader_committed: int) -> bool:
         return leader_committed >= self.target
 
