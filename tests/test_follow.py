@@ -214,12 +214,25 @@ def test_promotion_heir_salvages_most_then_earliest():
     assert (promo.heir, promo.upto, promo.replan) == ("f1", 50, ("f2", "f3"))
 
 
-def test_promotion_replans_the_whole_tree_below_except_the_heirs():
+def test_promotion_replans_the_whole_tree_below_the_gone_leader():
     parked = [follower("f1", 100, 1), follower("f2", 50, 2),
               follower("c1", 120, 5, leader="f1"), follower("c2", 60, 4, leader="f2"),
               follower("g2", 70, 3, leader="c2"), follower("x", 9, 0, leader="elsewhere")]
     promo = promote("gone", 100, parked)
-    assert (promo.heir, promo.upto, promo.replan) == ("f1", 100, ("f2", "g2", "c2"))
+    # the heir's own follower c1 plans again too: the heir plans first, and must not pick c1 as its leader
+    assert (promo.heir, promo.upto, promo.replan) == ("f1", 100, ("f2", "g2", "c2", "c1"))
+
+
+def test_heir_clones_the_gone_state_unless_another_leader_offers_more():
+    shared = list(range(100))
+    gone = Leader.active(Source.donor("gone", shared + [1], 60, 1), tps=0.0)  # a state that will not move
+    heir = Recipient("heir", shared + [2])
+    p = plan(heir, [gone], 0, FREE_CLONES, ON, prefilling=0)
+    assert (p.follow, p.now.kind, p.now.donor, p.now.upto) == (False, "donor", "gone", 60)
+    # another leader, further along the same prefix, commits all 100 soon: follow it instead
+    other = active("other", shared + [3], 90, admitted=0)
+    p = plan(heir, [gone, other], 0, FREE_CLONES, ON, prefilling=1)
+    assert (p.follow, p.leader, p.target) == (True, "other", 100)
 
 
 def test_promotion_with_nothing_to_salvage_replans_everyone_in_order():
@@ -243,12 +256,12 @@ class Sim:
     def __post_init__(self):
         self.prefilled = [[] for _ in self.prompts]
 
-    def admit(self, i: int) -> None:
+    def admit(self, i: int, gone: Leader | None = None) -> None:
         # time unit = one step; the recipient would prefill `chunk` tokens a step like everyone
         tps = float(self.chunk)
         active = [Leader.active(Source.donor(j, self.prompts[j], c, j), tps) for j, c in self.committed.items()]
         parked = [(f, Source.donor(j, self.prompts[j], 0, j)) for j, f in self.parked.items()]
-        leaders = leader_views(active, parked, FREE_CLONES, tps)
+        leaders = leader_views(active + ([gone] if gone else []), parked, FREE_CLONES, tps)
         p = plan(Recipient(i, self.prompts[i]), leaders, 0, Rates(self.chunk * (len(self.committed) + 1), 0, 0),
                  ON, prefilling=len(self.committed))
         if p.follow:
@@ -271,13 +284,13 @@ class Sim:
 
     def cancel(self, i: int) -> None:
         self.gone.add(i)
-        promo = promote(i, self.committed.pop(i, 0), list(self.parked.values()))
+        committed = self.committed.pop(i, 0)
+        promo = promote(i, committed, list(self.parked.values()))
         self.parked.pop(i, None)
-        for rid in promo.replan:
+        for rid in (promo.heir, *promo.replan) if promo.heir is not None else promo.replan:
             del self.parked[rid]
         if promo.heir is not None:
-            del self.parked[promo.heir]
-            self.committed[promo.heir] = promo.upto
+            self.admit(promo.heir, gone=Leader.active(Source.donor(i, self.prompts[i], committed, i), 0.0))
         for rid in promo.replan:
             self.admit(rid)
 
@@ -328,7 +341,7 @@ def test_cancelling_a_leader_or_follower_at_every_step_loses_no_one():
 
 def test_random_longer_bursts_with_chunks():
     rng = random.Random(7)
-    for _ in range(300):
+    for _ in range(1500):
         base = [rng.randrange(3) for _ in range(12)]
         prompts = [tuple(base[:rng.randrange(1, 13)] + [rng.randrange(3) for _ in range(rng.randrange(4))])
                    for _ in range(5)]

@@ -20,9 +20,9 @@ Engine flow:
     as it has a slot, then prefills its tail; an `expired` one is unparked and
     planned again with FollowPolicy(follow=False), the seed's path.
   - A leader leaving while followed (cancelled, failed, or finished before a
-    ready follower got a slot): promote(). Clone the heir's [0, upto) BEFORE
-    releasing the leader's state; the heir takes its slot. Unpark `replan`, then
-    plan each again in order, with max_wait_s = what is left to its deadline.
+    ready follower got a slot): promote(); unpark the heir and `replan`; plan the
+    heir first, offered the gone state (see promote), then the others in order,
+    each with max_wait_s = what is left to its deadline.
   - Any refused clone takes the seed's fallback: normal admission, fresh cache lookup.
 
 Rules (each also stated where it binds):
@@ -36,8 +36,11 @@ Rules (each also stated where it binds):
     choice now (clone what is committed / cached prefix / full prefill), and when
     the match beats the cached one by min_tokens. Otherwise the seed's choice
     stands unchanged; follow=False (--no-follow) gives exactly the seed's rule.
-  - Only requests nobody follows are planned (new, queued, or unparked by
-    promote), so no request ever follows its own follower.
+  - A leader that goes away offers its committed prefix to the follower that
+    salvages most (the heir), which takes its slot unless another leader offers
+    it more; everyone below the gone leader plans again and finds the heir.
+  - Only requests nobody follows plan with following on (new, queued, or
+    unparked by promote), so no request ever follows its own follower.
   - A follower holds no slot and gives up at its deadline, which runs from the
     first time it parked: no follower waits forever.
 Cost: `plan` is O(leaders x common_prefix), ~15 us per 2,000-token leader; run it
@@ -111,7 +114,7 @@ def leader_views(active: Iterable[Leader], parked: Iterable[tuple[Following, Sou
 class FollowPolicy:
     min_tokens: int  # --active-prefix-reuse-min-tokens; 0 disables reuse, following included
     follow: bool = True  # --no-follow: the seed's rule exactly
-    max_wait_s: float = 10.0  # --follow-max-wait
+    max_wait_s: float = 120.0  # --follow-max-wait: a safety net for a stalled leader, above a long CPU prefill
 
 
 FollowReason = Literal["follow", "off", "no_leader", "below_threshold", "too_long", "slower"]
@@ -244,10 +247,10 @@ def chunk_end(committed: int, planned_end: int, stops: Iterable[int]) -> int:
 
 @dataclass(frozen=True)
 class Promotion:
-    heir: Hashable | None  # takes the gone leader's slot, clones [0, upto) from its state, then prefills on
-    upto: int
-    # Everyone else who waited on the gone leader, directly or down a chain,
-    # earliest first. Unpark them all, then plan each again in this order.
+    heir: Hashable | None  # plans first, offered the gone leader's state; may take its slot
+    upto: int  # what the heir would salvage by the seed's rule: min(its target, gone_committed)
+    # Everyone else who waited on the gone leader, directly or down a chain
+    # (the heir's own followers too), earliest first.
     replan: tuple[Hashable, ...]
 
 
@@ -256,28 +259,30 @@ def promote(gone: Hashable, gone_committed: int, parked: Iterable[Following], st
 
     `gone_committed`: its committed position (0 if it was itself parked);
     `state_usable`: False when its state cannot be cloned (a failed step).
+    Unpark the heir and `replan`. Plan the heir first with the gone state added
+    to the leaders as Leader.active(its source, tps=0.0), a state that will not
+    move; if the heir's plan clones from it, clone BEFORE releasing it. Then plan
+    the others in order: they find the heir as their leader.
     """
     children: dict[Hashable, list[Following]] = {}
     for f in parked:
         children.setdefault(f.leader, []).append(f)
-    direct = sorted(children.get(gone, []), key=lambda f: f.order)
 
     def salvage(f: Following) -> int:
         return min(f.target, gone_committed) if state_usable else 0
 
     # The heir is the follower that salvages most of what the leader committed
-    # (ties: the earliest), so none of it is computed again. Clone it BEFORE the
-    # leader's state is released. The heir keeps its own followers; the others
-    # plan again and find the heir as their leader (its clone pending:
-    # Leader.starting). With nothing to salvage, the earliest of them plans alone
-    # and the rest follow it.
+    # (ties: the earliest), so as little as possible is computed again. It plans
+    # rather than simply cloning: another leader may offer it more. Everyone below
+    # the gone leader plans again, so no request is planned while another follows it.
+    direct = sorted(children.get(gone, []), key=lambda f: f.order)
     heir = max(direct, key=salvage, default=None)
     if heir is not None and salvage(heir) <= 0:
         heir = None
-    waiting, todo = [], [f for f in direct if f is not heir]
-    while todo:  # the rest of the tree below the gone leader: their chains are broken too
+    below, todo = [], list(direct)
+    while todo:
         f = todo.pop()
-        waiting.append(f)
+        below.append(f)
         todo.extend(children.get(f.request_id, []))
-    replan = tuple(f.request_id for f in sorted(waiting, key=lambda f: f.order))
+    replan = tuple(f.request_id for f in sorted(below, key=lambda f: f.order) if f is not heir)
     return Promotion(heir.request_id if heir else None, salvage(heir) if heir else 0, replan)
