@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -175,13 +175,34 @@ def test_leader_views_see_parked_followers_down_a_chain():
     b = Following("b", "a", target=40, order=1, deadline=math.inf)  # a reaches 40 in 2 s, clone 1 s
     c = Following("c", "b", target=60, order=2, deadline=math.inf)  # b reaches 60 at 3 + 2 s, clone 1 s
     orphan = Following("d", "not-a-leader", target=5, order=3, deadline=math.inf)
-    views = leader_views([a], [(f, Source.donor(f.request_id, list(range(100)), 7, f.order)) for f in (b, c, orphan)],
+    views = leader_views([a], [(f, Source.donor(f.request_id, list(range(100)), 0, f.order)) for f in (b, c, orphan)],
                          rates, tps=10.0)
     assert [v.source.key for v in views] == ["a", "b", "c", "d"]
-    assert [v.source.committed for v in views] == [20, 0, 0, 0]  # a parked follower holds nothing yet
+    assert [v.follows for v in views] == [None, "a", "b", "not-a-leader"]
     assert [v.eta(40) for v in views[:2]] == [2.0, 3.0]
     assert views[2].eta(60) == 6.0 and views[2].eta(70) == 7.0
     assert views[3].eta(5) == math.inf
+
+
+def test_scanning_followers_through_their_leaders_changes_no_plan():
+    # plan skips comparing a parked follower's shared part with its leader's; the
+    # same views without `follows` compare every prompt in full, and must agree
+    rng = random.Random(3)
+    for _ in range(400):
+        base = [rng.randrange(2) for _ in range(10)]
+        prompts = [base[:rng.randrange(1, 11)] + [rng.randrange(2) for _ in range(rng.randrange(3))] for _ in range(7)]
+        active = [Leader.active(Source.donor(0, prompts[0], rng.randrange(len(prompts[0]) + 1), 0), 3.0)]
+        parked = []
+        for j in range(1, 6):
+            lead = rng.randrange(j)
+            target = min(common_prefix(prompts[j], prompts[lead]), len(prompts[j]) - 1)
+            if target > 0:
+                parked.append((Following(j, lead, target, j, math.inf), Source.donor(j, prompts[j], 0, j)))
+        views = leader_views(active, parked, FREE_CLONES, 3.0)
+        assert all(v.follows is not None for v in views[1:])
+        blind = [replace(v, follows=None) for v in views]
+        recipient = Recipient(6, prompts[6])
+        assert plan(recipient, views, 0, FREE_CLONES, ON, 1) == plan(recipient, blind, 0, FREE_CLONES, ON, 1)
 
 
 # ---- parking, chunk stops, promotion ----

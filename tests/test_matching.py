@@ -51,6 +51,8 @@ def test_common_prefix_long_sequences_diverging_everywhere():
         assert common_prefix(other, base) == cut
         assert common_prefix(base, base[:cut]) == cut
         assert common_prefix(tuple(base), other) == cut
+        for known in (0, cut // 2, cut):  # a length already known to be shared
+            assert common_prefix(base, other, start=known) == cut
 
 
 # ---- usable match ----

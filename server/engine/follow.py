@@ -43,14 +43,16 @@ Rules (each also stated where it binds):
     unparked by promote), so no request ever follows its own follower.
   - A follower holds no slot and gives up at its deadline, which runs from the
     first time it parked: no follower waits forever.
-Cost: `plan` is O(leaders x common_prefix), ~15 us per 2,000-token leader; run it
-on arrival and at admission. Per step only `ready`, `expired` and `chunk_end`.
+Cost: run `plan` on arrival and at admission, not per step: with 256 parked
+followers of 2,000-token prompts, leader_views + plan take ~2 ms (a parked
+follower is compared only beyond its leader's part). Per step only `ready`,
+`expired` and `chunk_end`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Hashable, Iterable, Literal, Sequence
 
 from server.engine.matching import Recipient, ReuseChoice, Source, choose_reuse, common_prefix
@@ -70,6 +72,7 @@ class Leader:
     start_s: float
     start_at: int
     tps: float
+    follows: Hashable | None = None  # a parked follower's leader: its prompt agrees with it on [0, start_at)
 
     @classmethod
     def active(cls, source: Source, tps: float) -> Leader:
@@ -77,12 +80,12 @@ class Leader:
         return cls(source, 0.0, source.committed, tps)
 
     @classmethod
-    def starting(cls, source: Source, at: int, after_s: float, tps: float) -> Leader:
+    def starting(cls, source: Source, at: int, after_s: float, tps: float, follows: Hashable | None = None) -> Leader:
         """Holds nothing usable yet; holds [0, at) in `after_s` seconds, then prefills on.
 
         A request whose clone is pending (a recipient, an heir): after_s = rates.clone_s(at).
         """
-        return cls(source, after_s, at, tps)
+        return cls(source, after_s, at, tps, follows)
 
     def eta(self, position: int) -> float:
         """Seconds until the committed position reaches `position`."""
@@ -96,9 +99,10 @@ class Leader:
 def leader_views(active: Iterable[Leader], parked: Iterable[tuple[Following, Source]], rates: Rates,
                  tps: float) -> list[Leader]:
     """Everyone a newcomer may follow: `active` (Leader.active of each admitted
-    request), then each parked follower with its prompt's Source, IN THE ORDER THEY
-    PARKED, each seen as starting when its own leader reaches its target and the
-    clone lands. `tps`: the rate a follower will prefill at once it starts.
+    request), then each parked follower with its prompt's Source (committed 0: it
+    holds nothing yet), IN THE ORDER THEY PARKED, each seen as starting when its
+    own leader reaches its target and the clone lands. `tps`: the rate a follower
+    will prefill at once it starts.
     """
     # A follower parks after its leader is a leader, and a re-planned one parks
     # again after it, so park order builds every leader's view before its followers'.
@@ -106,7 +110,7 @@ def leader_views(active: Iterable[Leader], parked: Iterable[tuple[Following, Sou
     for f, source in parked:
         lead = views.get(f.leader)
         after = (lead.eta(f.target) if lead else math.inf) + rates.clone_s(f.target)
-        views[f.request_id] = Leader.starting(replace(source, committed=0), f.target, after, tps)
+        views[f.request_id] = Leader.starting(source, f.target, after, tps, f.leader)
     return list(views.values())
 
 
@@ -180,11 +184,13 @@ def plan(recipient: Recipient, leaders: Sequence[Leader], cached: int, rates: Ra
     best: tuple[int, float, int] | None = None
     chosen: Leader | None = None
     too_long = False
+    shared: dict[Hashable, int] = {}  # common prefix with each leader compared so far
     for lead in leaders:
         if lead.source.key == recipient.request_id or not lead.source.text:
             continue
         # the match it will have once committed: its prompt only, never generated output
-        target = min(common_prefix(recipient.prompt, lead.source.tokens), length - 1)
+        shared[lead.source.key] = _shared_prefix(recipient.prompt, lead, shared)
+        target = min(shared[lead.source.key], length - 1)
         if target <= now.upto:  # nothing gained over the seed's choice
             continue
         eta = lead.eta(target)
@@ -206,6 +212,20 @@ def plan(recipient: Recipient, leaders: Sequence[Leader], cached: int, rates: Ra
     # others. The tolerance keeps float rounding from breaking exact ties.
     faster = decided.ttft_follow_s <= decided.ttft_now_s * (1 + 1e-9)
     return decided if faster else result("slower", chosen, target)
+
+
+def _shared_prefix(prompt: Sequence[int], lead: Leader, known: dict[Hashable, int]) -> int:
+    # A parked follower's prompt agrees with its leader's on [0, start_at). If the
+    # recipient leaves the leader's prompt before that, it leaves the follower's
+    # there too; otherwise only the follower's own part needs comparing. In a
+    # burst this makes the hundreds of parked followers nearly free to scan.
+    start = 0
+    if lead.follows in known:
+        before = known[lead.follows]
+        if before < lead.start_at:
+            return before
+        start = lead.start_at
+    return common_prefix(prompt, lead.source.tokens, start)
 
 
 @dataclass(frozen=True)
