@@ -82,6 +82,14 @@ def test_nothing_to_wait_for_when_the_leader_has_committed_the_match():
     assert (p.follow, p.reason, p.now.kind, p.now.donor, p.now.upto) == (False, "no_leader", "donor", "a", 100)
 
 
+def test_a_leader_past_the_match_is_not_followed_even_when_its_window_forgot_it():
+    shared = list(range(100))
+    # decoding at 120 with a sliding window: it can serve only upto >= 119, so nothing now
+    lead = Leader.active(Source.donor("a", shared + [1], 120, 0, clone_floor=119), tps=100.0)
+    p = plan(Recipient("b", shared + [2]), [lead], 0, FREE_CLONES, ON, prefilling=0)
+    assert (p.follow, p.reason, p.now.kind) == (False, "no_leader", "none")
+
+
 def test_generated_output_is_not_a_follow_target():
     prompt, output = [1, 2, 3], [4, 5, 6, 7]
     lead = active("a", prompt, committed=3)  # will decode `output`, which is not its prompt

@@ -175,7 +175,9 @@ def plan(recipient: Recipient, leaders: Sequence[Leader], cached: int, rates: Ra
         # the match it will have once committed: its prompt only, never generated output
         shared[lead.source.key] = _shared_prefix(recipient.prompt, lead, shared)
         target = min(shared[lead.source.key], length - 1)
-        if target <= now.upto:  # nothing gained over the seed's choice
+        # Nothing to wait for once the leader holds the target: the seed's rule
+        # already weighed it (and a sliding window may have dropped it since).
+        if target <= now.upto or target <= lead.source.committed:
             continue
         eta = lead.eta(target)
         if eta > policy.max_wait_s:  # follow_max_wait bounds every wait
