@@ -14,10 +14,13 @@ measured rates):
   rates.RateTracker().observe_prefill(tokens, s) / .observe_clone(tokens, s); .rates -> Rates
 
 Engine flow:
-  - Admitting an anonymous text request (on arrival, or when a slot frees):
-    p = plan(...). p.follow: park it (Following.park; no slot, it stays in the
-    queue's count and timeout). Otherwise p.now is the seed's choice (matching.py).
-  - Each step: a leader's prefill chunk ends at chunk_end(...) of its followers'
+  - Admitting an anonymous text request (on arrival, or when a slot frees), with
+    cached = matching.best_match(prompt, cache entries).upto (0 if none):
+    p = plan(Recipient(...), leaders, cached, tracker.rates, policy, prefilling).
+    p.follow: park it (Following.park), holding no slot but counted in the queue
+    and its timeout. Otherwise take p.now, exactly matching.choose_reuse's choice
+    (so --no-follow is FollowPolicy(follow=False), nothing else). Log p.log_fields().
+  - Each step: a leader's prefill chunk ends at chunk_end() of its followers'
     targets; a follower whose leader is `ready` clones [0, target) from it as soon
     as it has a slot, then prefills its tail; an `expired` one is unparked and
     planned again with FollowPolicy(follow=False), the seed's path.
