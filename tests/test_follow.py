@@ -9,9 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from server.engine.follow import FollowPolicy, Leader, plan
+from server.engine.follow import FollowPolicy, Following, Leader, leader_views, plan
 from server.engine.matching import Recipient, Source, choose_reuse, common_prefix
-from server.engine.parking import Following, leader_views
 from server.engine.rates import Rates
 
 FREE_CLONES = Rates(prefill_tps=100.0, clone_fixed_s=0.0, clone_s_per_token=0.0)

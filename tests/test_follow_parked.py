@@ -14,11 +14,11 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from server.engine.follow import Leader, plan
+from server.engine.follow import Following, Leader, Promotion, chunk_end, leader_views, plan, promote
 from server.engine.matching import Recipient, Source, common_prefix
-from server.engine.parking import Following, Promotion, chunk_end, leader_views, promote
 from server.engine.rates import Rates
 from test_follow import FREE_CLONES, ON, active
+
 
 def test_following_ready_and_deadline():
     shared = list(range(100))
