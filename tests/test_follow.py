@@ -120,6 +120,35 @@ def test_no_follow_gives_exactly_the_seed_choice_all_small_cases():
             assert p.now == choose_reuse(Recipient("r", prompt), [lead.source for lead in leaders], cached, min_tokens)
 
 
+def test_every_follow_decision_keeps_the_rules_random_cases():
+    rng = random.Random(11)
+    for _ in range(3000):
+        base = [rng.randrange(2) for _ in range(8)]
+
+        def prompt():
+            return base[:rng.randrange(0, 9)] + [rng.randrange(2) for _ in range(rng.randrange(1, 3))]
+
+        leaders = [Leader.starting(Source.donor(k, prompt(), rng.randrange(3), k), rng.randrange(9),
+                                   rng.random() * 3, rng.choice((0.0, 0.5, 2.0, 8.0))) for k in range(3)]
+        rates = Rates(rng.choice((1.0, 4.0)), rng.choice((0.0, 0.3)), rng.choice((0.0, 0.05)))
+        policy = FollowPolicy(rng.randrange(3), max_wait_s=rng.choice((0.5, 2.0, math.inf)))
+        recipient, cached = Recipient("r", prompt()), rng.randrange(3)
+        p = plan(recipient, leaders, cached, rates, policy, prefilling=rng.randrange(3))
+        assert p.now == choose_reuse(recipient, [lead.source for lead in leaders], cached, policy.min_tokens)
+        if not p.follow:
+            continue
+        lead = next(lead for lead in leaders if lead.source.key == p.leader)
+        assert p.target == min(common_prefix(recipient.prompt, lead.source.tokens), len(recipient.prompt) - 1)
+        assert p.target > max(p.now.upto, lead.source.committed) and p.target - cached >= policy.min_tokens
+        assert p.wait_s == lead.eta(p.target) <= policy.max_wait_s
+        assert p.ttft_follow_s <= p.ttft_now_s * (1 + 1e-9)
+        # no other leader within the wait offers a longer match
+        for other in leaders:
+            m = min(common_prefix(recipient.prompt, other.source.tokens), len(recipient.prompt) - 1)
+            if m > max(p.now.upto, other.source.committed) and other.eta(m) <= policy.max_wait_s:
+                assert m <= p.target
+
+
 def test_log_fields_carry_the_inputs():
     shared = list(range(100))
     p = plan(Recipient("b", shared + [2]), [active("a", shared + [1], 0)], 0, Rates(prefill_tps=100.0), ON, 1)
