@@ -116,20 +116,21 @@ class Match:
     recency: int
 
 
+def _matches(prompt: Sequence[int], sources: Iterable[Source]) -> Iterable[Match]:
+    return (Match(s.key, u, s.recency) for s in sources if (u := usable_match(prompt, s)) > 0)
+
+
+def _rank(m: Match) -> tuple[int, int]:
+    return m.upto, m.recency  # the longest match wins; ties go to the most recent
+
+
 def ranked_matches(prompt: Sequence[int], sources: Iterable[Source]) -> list[Match]:
-    """Every usable match, best first: the longest, ties to the most recent."""
-    found = [Match(s.key, u, s.recency) for s in sources if (u := usable_match(prompt, s)) > 0]
-    found.sort(key=lambda m: (m.upto, m.recency), reverse=True)
-    return found
+    """Every usable match, best first."""
+    return sorted(_matches(prompt, sources), key=_rank, reverse=True)
 
 
 def best_match(prompt: Sequence[int], sources: Iterable[Source]) -> Match | None:
-    best = None
-    for s in sources:
-        u = usable_match(prompt, s)
-        if u > 0 and (best is None or (u, s.recency) > (best.upto, best.recency)):
-            best = Match(s.key, u, s.recency)
-    return best
+    return max(_matches(prompt, sources), key=_rank, default=None)
 
 
 @dataclass(frozen=True)
