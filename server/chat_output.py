@@ -1,0 +1,106 @@
+"""From generated text to what a chat reply holds: reasoning, content, tool calls.
+
+One `ChatOutputParser` per request: text deltas go through the reasoning
+splitter, then its content through the tool-call parser. Streaming routes
+forward the events; non-streaming routes feed everything and `collect` them,
+so both give the same reply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from server.reasoning import ReasoningSplitter, starts_in_reasoning, template_reasons
+from server.settings import setting
+from server.toolcalls import PARSERS, TOOL_PARSER_CHOICES, resolve_tool_parser
+from server.toolcalls.base import (
+    Event,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArguments,
+    ToolCallStart,
+    ToolParser,
+    openai_call_id,
+)
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    tool_parser: str = setting(
+        "auto", "tool-call format to parse; auto reads the chat template", choices=TOOL_PARSER_CHOICES
+    )
+    reasoning_parser: str = setting(
+        "auto", "split <think> reasoning from content; auto: when the chat template uses <think>",
+        choices=("auto", "none", "think"),
+    )
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+
+@dataclass
+class ChatOutput:
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+class ChatOutputParser:
+    def __init__(self, tool_parser: ToolParser | None = None, reasoning: ReasoningSplitter | None = None):
+        self.tool_parser = tool_parser
+        self.reasoning = reasoning
+
+    def feed(self, text: str) -> list[Event]:
+        return self._tools(self.reasoning.feed(text) if self.reasoning else [TextDelta(text)], final=False)
+
+    def finish(self) -> list[Event]:
+        return self._tools(self.reasoning.finish() if self.reasoning else [], final=True)
+
+    def _tools(self, events: list[Event], final: bool) -> list[Event]:
+        if not self.tool_parser:
+            return [e for e in events if not isinstance(e, TextDelta) or e.text]
+        out: list[Event] = []
+        for event in events:
+            out.extend(self.tool_parser.feed(event.text) if isinstance(event, TextDelta) else [event])
+        if final:
+            out.extend(self.tool_parser.finish())
+        return out
+
+
+def output_parser(
+    config: OutputConfig,
+    chat_template: str | None,
+    prompt_text: str,
+    tools: list[dict] | None,
+    tool_choice: object = "auto",
+    make_id: Callable[[], str] = openai_call_id,
+) -> ChatOutputParser:
+    """The parser for one request: tools are parsed only when offered and not turned off."""
+    name = resolve_tool_parser(config.tool_parser, chat_template)
+    tool_parser = PARSERS[name](tools, make_id) if name and tools and tool_choice != "none" else None
+    reasons = config.reasoning_parser == "think" or (
+        config.reasoning_parser == "auto" and template_reasons(chat_template)
+    )
+    splitter = ReasoningSplitter(starts_in_reasoning(prompt_text)) if reasons else None
+    return ChatOutputParser(tool_parser, splitter)
+
+
+def collect(events: list[Event]) -> ChatOutput:
+    out = ChatOutput()
+    content, reasoning = [], []
+    for event in events:
+        if isinstance(event, TextDelta):
+            content.append(event.text)
+        elif isinstance(event, ReasoningDelta):
+            reasoning.append(event.text)
+        elif isinstance(event, ToolCallStart):
+            out.tool_calls.append(ToolCall(event.id, event.name, ""))
+        elif isinstance(event, ToolCallArguments):
+            out.tool_calls[event.index].arguments += event.text
+    out.content, out.reasoning = "".join(content), "".join(reasoning)
+    return out

@@ -1,0 +1,14 @@
+"""Hermes / Qwen2.5 / Qwen3 calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`."""
+
+from __future__ import annotations
+
+from server.toolcalls.base import MarkupToolParser, ParsedCall, call_from_json, json_object
+
+
+class HermesParser(MarkupToolParser):
+    name = "hermes"
+    markers = (("<tool_call>", "</tool_call>"),)
+
+    def parse_call(self, opening: str, body: str) -> list[ParsedCall] | None:
+        call = call_from_json(json_object(body.strip()))
+        return None if call is None else [call]
