@@ -4,6 +4,17 @@ One `ChatOutputParser` per request: text deltas go through the reasoning
 splitter, then its content through the tool-call parser. Streaming routes
 forward the events; non-streaming routes feed everything and `collect` them,
 so both give the same reply.
+
+tool_choice, and how far it is enforced:
+- `auto`: the model decides; calls it writes are parsed.
+- `none`: tools still reach the template (the prompt stays the one other turns
+  share), and nothing is parsed: whatever the model writes is content.
+- `required` / a named function: the prompt ends with the parser's opening
+  markup (`<tool_call>` ..., with the function's name when one is named), so the
+  reply starts inside a call to it. The arguments are not constrained by a
+  grammar: a call the model then botches falls back to text, markup included.
+  A reply that would start inside a `<think>` block is not forced (forcing
+  would cut the reasoning off); the choice then acts as `auto`.
 """
 
 from __future__ import annotations
@@ -51,9 +62,14 @@ class ChatOutput:
 
 
 class ChatOutputParser:
-    def __init__(self, tool_parser: ToolParser | None = None, reasoning: ReasoningSplitter | None = None):
+    def __init__(
+        self, tool_parser: ToolParser | None = None, reasoning: ReasoningSplitter | None = None, forced: str = ""
+    ):
         self.tool_parser = tool_parser
         self.reasoning = reasoning
+        self.prompt_suffix = forced  # appended to the prompt; the reply continues from inside it
+        if forced:
+            assert tool_parser is not None and not tool_parser.feed(forced)
 
     def feed(self, text: str) -> list[Event]:
         return self._tools(self.reasoning.feed(text) if self.reasoning else [TextDelta(text)], final=False)
@@ -77,17 +93,25 @@ def output_parser(
     chat_template: str | None,
     prompt_text: str,
     tools: list[dict] | None,
-    tool_choice: object = "auto",
+    tool_choice: str = "auto",
+    tool_name: str | None = None,
     make_id: Callable[[], str] = openai_call_id,
 ) -> ChatOutputParser:
-    """The parser for one request: tools are parsed only when offered and not turned off."""
+    """The parser for one request: tools are parsed only when offered and not turned off.
+
+    `tool_choice` is auto, none, required or function (then `tool_name` names it).
+    """
     name = resolve_tool_parser(config.tool_parser, chat_template)
     tool_parser = PARSERS[name](tools, make_id) if name and tools and tool_choice != "none" else None
     reasons = config.reasoning_parser == "think" or (
         config.reasoning_parser == "auto" and template_reasons(chat_template)
     )
-    splitter = ReasoningSplitter(starts_in_reasoning(prompt_text)) if reasons else None
-    return ChatOutputParser(tool_parser, splitter)
+    in_reasoning = reasons and starts_in_reasoning(prompt_text)
+    splitter = ReasoningSplitter(in_reasoning) if reasons else None
+    forced = ""
+    if tool_parser and tool_choice in ("required", "function") and not in_reasoning:
+        forced = tool_parser.opening(tool_name if tool_choice == "function" else None)
+    return ChatOutputParser(tool_parser, splitter, forced)
 
 
 def collect(events: list[Event]) -> ChatOutput:

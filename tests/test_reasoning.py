@@ -67,7 +67,7 @@ def test_reasoning_then_tool_call_through_the_pipeline():
     )
 
     def make():
-        return output_parser(OutputConfig(), QWEN3_TEMPLATE, "assistant\n", TOOLS, "auto", counting_ids())
+        return output_parser(OutputConfig(), QWEN3_TEMPLATE, "assistant\n", TOOLS, "auto", make_id=counting_ids())
 
     out = parse_every_way(make, text)
     # a call written inside the reasoning is thought, not made
@@ -93,3 +93,24 @@ def test_pipeline_without_parsers_passes_text_through():
     events = run(lambda: ChatOutputParser(), ["<think>a</think>", "<tool_call>{}</tool_call>", ""])
     assert events == [TextDelta("<think>a</think>"), TextDelta("<tool_call>{}</tool_call>")]
     assert set(PARSERS) == {"hermes", "qwen3_coder", "llama3"}
+
+
+def test_required_and_named_choices_force_the_opening():
+    def make(choice, name=None, template=QWEN3_TEMPLATE, prompt="assistant\n"):
+        return lambda: output_parser(OutputConfig(), template, prompt, TOOLS, choice, name, counting_ids())
+
+    assert make("required")().prompt_suffix == "<tool_call>\n"
+    out = parse_every_way(make("required"), '{"name": "ls", "arguments": {}}\n</tool_call>')
+    assert (out.content, out.tool_calls) == ("", [ToolCall("call_0", "ls", "{}")])
+
+    assert make("function", "ls")().prompt_suffix == '<tool_call>\n{"name": "ls", "arguments": '
+    out = parse_every_way(make("function", "ls"), '{"dir": "/"}}\n</tool_call>\nDone.')
+    assert (out.content, out.tool_calls) == ("Done.", [ToolCall("call_0", "ls", '{"dir": "/"}')])
+
+    # a botched forced call comes back as text, the forced opening included
+    out = parse_every_way(make("function", "ls"), "oops</tool_call>")
+    assert out.content == '<tool_call>\n{"name": "ls", "arguments": oops</tool_call>'
+
+    # nothing is forced where the reply starts inside <think>, nor for auto
+    assert make("required", prompt="assistant\n<think>\n")().prompt_suffix == ""
+    assert make("auto")().prompt_suffix == ""

@@ -226,3 +226,26 @@ def test_parser_is_chosen_from_the_template():
     assert resolve_tool_parser("auto", coder) == "qwen3_coder"
     assert resolve_tool_parser("hermes", coder) == "hermes"
     assert resolve_tool_parser("none", coder) is None
+
+
+@pytest.mark.parametrize(
+    "name, model_text",
+    [
+        ("hermes", '{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'),
+        ("qwen3_coder", "get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"),
+        ("llama3", '"get_weather", "parameters": {"city": "Oslo"}}'),
+    ],
+)
+def test_forced_openings_continue_into_a_call(name, model_text):
+    """`required` appends the parser's opening to the prompt; the model's text continues the call.
+
+    A named opening holds the name already: the model goes on from there.
+    """
+    full = PARSERS[name](TOOLS).opening(None) + model_text
+    for forced in (None, "get_weather"):
+        p = PARSERS[name](TOOLS, counting_ids())
+        opening = p.opening(forced)
+        assert full.startswith(opening)
+        assert p.feed(opening) == []
+        events = p.feed(full[len(opening):]) + p.finish()
+        assert events == [ToolCallStart(0, "call_0", "get_weather"), ToolCallArguments(0, '{"city": "Oslo"}')]

@@ -91,6 +91,10 @@ class ToolParser:
     def finish(self) -> list[Event]:
         raise NotImplementedError
 
+    def opening(self, name: str | None) -> str:
+        """Text that starts a call (to `name`, when given): appended to the prompt to force one."""
+        raise NotImplementedError
+
     def _calls(self, calls: list[ParsedCall], out: list[Event]) -> None:
         self._pending_ws, self._after_call = "", True
         for call in calls:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
+
 from server.toolcalls.base import MarkupToolParser, ParsedCall, call_from_json, json_object
 
 
 class HermesParser(MarkupToolParser):
     name = "hermes"
     markers = (("<tool_call>", "</tool_call>"),)
+
+    def opening(self, name: str | None) -> str:
+        return "<tool_call>\n" + (f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ' if name else "")
 
     def parse_call(self, opening: str, body: str) -> list[ParsedCall] | None:
         call = call_from_json(json_object(body.strip()))

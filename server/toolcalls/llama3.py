@@ -44,6 +44,9 @@ class Llama3Parser(ToolParser):
             self._release(out, final=False)
         return out
 
+    def opening(self, name: str | None) -> str:
+        return '{"name": ' + (json.dumps(name, ensure_ascii=False) + ', "parameters": ' if name else "")
+
     def finish(self) -> list[Event]:
         out: list[Event] = []
         if self._mode == "calls":

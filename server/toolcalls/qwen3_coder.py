@@ -60,6 +60,9 @@ class Qwen3CoderParser(MarkupToolParser):
     name = "qwen3_coder"
     markers = (("<tool_call>", "</tool_call>"), ("<function=", "</function>"))
 
+    def opening(self, name: str | None) -> str:
+        return "<tool_call>\n<function=" + (f"{name}>\n" if name else "")
+
     def parse_call(self, opening: str, body: str) -> list[ParsedCall] | None:
         text = body.strip() if opening == "<tool_call>" else opening + body + "</function>"
         calls, end = [], 0
