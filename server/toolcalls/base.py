@@ -132,6 +132,7 @@ class MarkupToolParser(ToolParser):
         super().__init__(tools, make_id)
         self._buffer = ""  # text not yet released
         self._open: tuple[str, str] | None = None  # the markers of the call being read
+        self._searched = 0  # how far the open call's body is known to hold no closing marker
 
     def parse_call(self, opening: str, body: str) -> list[ParsedCall] | None:
         raise NotImplementedError
@@ -141,9 +142,11 @@ class MarkupToolParser(ToolParser):
         out: list[Event] = []
         while True:
             if self._open:
-                at = self._buffer.find(self._open[1])
-                if at < 0:
+                at = self._buffer.find(self._open[1], self._searched)
+                if at < 0:  # a long call is searched once, not again on every delta
+                    self._searched = max(0, len(self._buffer) - len(self._open[1]) + 1)
                     break
+                self._searched = 0
                 body, self._buffer = self._buffer[:at], self._buffer[at + len(self._open[1]):]
                 self._close(body, closed=True, out=out)
             else:
