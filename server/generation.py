@@ -50,32 +50,23 @@ async def generation(engine, request: GenerateRequest, tokenizer: PromptTokenize
                      keepalive_s: float | None = None) -> AsyncIterator[AsyncIterator[Piece | Finished | KeepAlive]]:
     """Submit now (an engine refusal raises here, before any response starts); yield the events."""
     handle = engine.submit(request)
-    events: asyncio.Queue = asyncio.Queue()
-    pump = asyncio.create_task(_pump(handle, events))
-    state = _State()
-    stream = _events(handle, events, tokenizer, stops, keepalive_s, state)
+    stream = _events(handle, tokenizer, stops, keepalive_s)
     try:
         yield stream
     finally:
-        pump.cancel()
         await stream.aclose()
-        if not state.done:
+        if handle.done is None:
             handle.cancel()
 
 
-@dataclass
-class _State:
-    done: bool = False  # the engine sent its DoneEvent
-
-
-async def _events(handle, events: asyncio.Queue, tokenizer: PromptTokenizer, stops: list[str],
-                  keepalive_s: float | None, state: _State) -> AsyncIterator[Piece | Finished | KeepAlive]:
+async def _events(handle, tokenizer: PromptTokenizer, stops: list[str],
+                  keepalive_s: float | None) -> AsyncIterator[Piece | Finished | KeepAlive]:
     detokenizer, matcher = IncrementalDetokenizer(tokenizer.decode), StopMatcher(stops)
     stopped = False
     while True:
         try:
-            async with asyncio.timeout(keepalive_s):
-                event = await events.get()
+            async with asyncio.timeout(keepalive_s):  # the handle is a queue: a timeout loses nothing
+                event = await anext(handle)
         except TimeoutError:
             yield KEEP_ALIVE
             continue
@@ -88,9 +79,6 @@ async def _events(handle, events: asyncio.Queue, tokenizer: PromptTokenizer, sto
                 stopped = True
                 handle.finish()
             continue
-        state.done = True
-        if isinstance(event, Exception):
-            raise ApiError(503, f"generation failed: {event}", code="engine_error")
         if event.finish_reason in ("error", "cancelled"):
             raise _failure(event)
         if not stopped:
@@ -101,15 +89,6 @@ async def _events(handle, events: asyncio.Queue, tokenizer: PromptTokenizer, sto
             stopped = tail.stopped
         yield Finished("stop" if stopped else event.finish_reason, event.usage)
         return
-
-
-async def _pump(handle, events: asyncio.Queue) -> None:
-    """Move the handle's events into a queue, so the consumer can wait with a timeout safely."""
-    try:
-        async for event in handle:
-            events.put_nowait(event)
-    except Exception as e:  # an engine failure reaches the consumer, not the loop's log
-        events.put_nowait(e)
 
 
 def _failure(event: DoneEvent) -> ApiError:

@@ -1,7 +1,7 @@
 """From a request body's sampling fields to the engine's `GenerateRequest`.
 
-Defaults follow OpenAI (temperature 1, top_p 1); `max_tokens` left out takes the
-engine's `--max-tokens`, and the engine clamps it to the context left.
+Defaults follow OpenAI (temperature 1, top_p 1); `max_tokens` left out (None)
+takes the engine's `--max-tokens`, and the engine clamps it to the context left.
 """
 
 from __future__ import annotations
@@ -10,11 +10,9 @@ import uuid
 
 from backends.base import SamplingParams
 from server.engine.api import GenerateRequest
+from server.engine.sessions import check_session_id
 from server.errors import invalid, unsupported
 from server.protocol.openai import SamplingFields
-
-MAX_SESSION_ID = 128
-
 
 def request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -23,10 +21,11 @@ def request_id(prefix: str) -> str:
 def session_id(body_value: str | None, header_value: str | None) -> str | None:
     """The named session, from the body or the X-Session-ID header: printable ASCII, at most 128."""
     value = body_value if body_value is not None else header_value
-    if value is None:
-        return None
-    if not 1 <= len(value) <= MAX_SESSION_ID or not all(" " <= c <= "~" for c in value):
-        raise invalid("session_id", f"a session id is 1 to {MAX_SESSION_ID} printable ASCII characters")
+    if value is not None:
+        try:
+            check_session_id(value)
+        except ValueError as e:
+            raise invalid("session_id", str(e)) from None
     return value
 
 
@@ -41,8 +40,8 @@ def check_supported(body: SamplingFields) -> None:
         raise unsupported("n", "n > 1 is not supported yet; send one request per choice")
 
 
-def generate_request(body: SamplingFields, prompt: list[int], *, rid: str, vocab_size: int, default_max_tokens: int,
-                     max_tokens: int | None, session: str | None, logprobs: bool = False,
+def generate_request(body: SamplingFields, prompt: list[int], *, rid: str, vocab_size: int, max_tokens: int | None,
+                     session: str | None, logprobs: bool = False,
                      top_logprobs: int = 0) -> GenerateRequest:
     bias = {}
     for key, value in (body.logit_bias or {}).items():
@@ -69,7 +68,7 @@ def generate_request(body: SamplingFields, prompt: list[int], *, rid: str, vocab
         request_id=rid,
         prompt=prompt,
         sampling=sampling,
-        max_tokens=max_tokens or default_max_tokens,
+        max_tokens=max_tokens,  # type: ignore[arg-type]  # None: the engine's default
         stop_token_ids=stop_ids,
         ignore_eos=body.ignore_eos,
         session_id=session,

@@ -20,7 +20,6 @@ class AppState:
     engine: Any  # server.engine.engine.Engine, or a test double with its API
     served_names: list[str]
     registry: Registry
-    default_max_tokens: int
     tokenizer: PromptTokenizer | None = None  # set once loaded
     created: int = field(default_factory=lambda: int(time.time()))
 

@@ -80,7 +80,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str | int | list[int]]  # text, token ids, or a batch of one of either
     logprobs: TopLogprobs | None = None
     echo: bool = False
     best_of: Positive | None = None

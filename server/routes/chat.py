@@ -14,11 +14,13 @@ from server.protocol.openai import (
     AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
     ChoiceLogprobs, ChunkChoice, Delta, TokenLogprob, TopLogprob,
 )
-from server.routes.common import json_response, read_body, usage_info
+from server.routes.common import decoder, json_response, read_body, usage_info
 from server.sampling import check_supported, generate_request, request_id, session_id, stop_strings
 from server.sse import EventStream
 from server.state import AppState, state_of
 from server.text.tokenizer import PromptTokenizer
+
+DECODE = decoder(ChatCompletionRequest)
 
 
 def template_message(index: int, message: ChatMessage) -> dict[str, Any]:
@@ -54,7 +56,7 @@ def token_logprobs(events: list[TokenEvent], tokenizer: PromptTokenizer) -> list
 
 async def handle(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
-    body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
+    body: ChatCompletionRequest = await read_body(request, DECODE)
     check_supported(body)
     if body.response_format is not None and body.response_format.type != "text":
         raise unsupported("response_format", f"response_format {body.response_format.type!r} is not supported yet")
@@ -67,7 +69,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
     prompt = await tokenizer.chat(messages, body.tools, body.chat_template_kwargs)
     rid = request_id("chatcmpl")
     generate = generate_request(
-        body, prompt, rid=rid, vocab_size=state.engine.info.vocab_size, default_max_tokens=state.default_max_tokens,
+        body, prompt, rid=rid, vocab_size=state.engine.info.vocab_size,
         max_tokens=body.max_completion_tokens or body.max_tokens, session=session,
         logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
     )

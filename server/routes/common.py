@@ -10,12 +10,17 @@ from server.errors import ApiError, from_decode
 from server.protocol.openai import PromptTokensDetails, UsageInfo, encoder
 
 
-async def read_body(request: web.Request, kind: type):
+def decoder(kind: type) -> msgspec.json.Decoder:
+    """Built when a route module loads, so a type msgspec cannot decode fails at import, not per request."""
+    return msgspec.json.Decoder(kind)
+
+
+async def read_body(request: web.Request, decode: msgspec.json.Decoder):
     raw = await request.read()  # over --max-body-bytes: aiohttp raises 413 here
     if not raw:
         raise ApiError(400, "the request body is empty; send a JSON object", code="invalid_json")
     try:
-        return msgspec.json.decode(raw, type=kind)
+        return decode.decode(raw)
     except msgspec.MsgspecError as e:
         raise from_decode(e) from None
 

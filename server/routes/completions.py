@@ -9,24 +9,28 @@ from aiohttp import web
 from server.errors import ApiError, invalid, unsupported
 from server.generation import Finished, KeepAlive, Piece, generation
 from server.protocol.openai import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
-from server.routes.common import json_response, read_body, usage_info
+from server.routes.common import decoder, json_response, read_body, usage_info
 from server.sampling import check_supported, generate_request, request_id, session_id, stop_strings
 from server.sse import EventStream
 from server.state import AppState, state_of
 from server.text.tokenizer import PromptTokenizer
 
+DECODE = decoder(CompletionRequest)
 
-async def prompt_tokens(prompt: str | list[str] | list[int], tokenizer: PromptTokenizer, vocab_size: int) -> list[int]:
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+
+async def prompt_tokens(prompt: str | list, tokenizer: PromptTokenizer, vocab_size: int) -> list[int]:
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
             raise unsupported("prompt", "a batch of prompts is not supported; send one request per prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
         tokens = await tokenizer.text(prompt)
-    else:
-        tokens = list(prompt)  # type: ignore[arg-type]
+    elif all(isinstance(t, int) for t in prompt):
+        tokens = prompt
         if any(not 0 <= t < vocab_size for t in tokens):
             raise invalid("prompt", f"prompt token ids must be in [0, {vocab_size})")
+    else:
+        raise invalid("prompt", "the prompt is a string, a list of token ids, or a list holding one of those")
     if not tokens:
         raise invalid("prompt", "the prompt is empty")
     return tokens
@@ -65,7 +69,7 @@ class _Reply:
 
 async def handle(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
-    body: CompletionRequest = await read_body(request, CompletionRequest)
+    body: CompletionRequest = await read_body(request, DECODE)
     check_supported(body)
     if body.best_of not in (None, 1):
         raise unsupported("best_of", "best_of > 1 is not supported yet")
@@ -80,7 +84,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
     prompt = await prompt_tokens(body.prompt, tokenizer, vocab)
     rid = request_id("cmpl")
     generate = generate_request(
-        body, prompt, rid=rid, vocab_size=vocab, default_max_tokens=state.default_max_tokens,
+        body, prompt, rid=rid, vocab_size=vocab,
         max_tokens=body.max_tokens, session=session, logprobs=body.logprobs is not None,
         top_logprobs=body.logprobs or 0,
     )
