@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from server.reasoning import ReasoningSplitter, starts_in_reasoning, template_reasons
-from server.settings import setting
-from server.toolcalls import PARSERS, TOOL_PARSER_CHOICES, resolve_tool_parser
+from server.toolcalls import PARSERS, resolve_tool_parser
 from server.toolcalls.base import (
     Event,
     ReasoningDelta,
@@ -34,17 +33,6 @@ from server.toolcalls.base import (
     ToolParser,
     openai_call_id,
 )
-
-
-@dataclass(frozen=True)
-class OutputConfig:
-    tool_parser: str = setting(
-        "auto", "tool-call format to parse; auto reads the chat template", choices=TOOL_PARSER_CHOICES
-    )
-    reasoning_parser: str = setting(
-        "auto", "split <think> reasoning from content; auto: when the chat template uses <think>",
-        choices=("auto", "none", "think"),
-    )
 
 
 @dataclass
@@ -89,7 +77,8 @@ class ChatOutputParser:
 
 
 def output_parser(
-    config: OutputConfig,
+    tool_parser_setting: str,
+    reasoning_setting: str,
     chat_template: str | None,
     prompt_text: str,
     tools: list[dict] | None,
@@ -101,11 +90,9 @@ def output_parser(
 
     `tool_choice` is auto, none, required or function (then `tool_name` names it).
     """
-    name = resolve_tool_parser(config.tool_parser, chat_template)
+    name = resolve_tool_parser(tool_parser_setting, chat_template)
     tool_parser = PARSERS[name](tools, make_id) if name and tools and tool_choice != "none" else None
-    reasons = config.reasoning_parser == "think" or (
-        config.reasoning_parser == "auto" and template_reasons(chat_template)
-    )
+    reasons = reasoning_setting == "think" or (reasoning_setting == "auto" and template_reasons(chat_template))
     in_reasoning = reasons and starts_in_reasoning(prompt_text)
     splitter = ReasoningSplitter(in_reasoning) if reasons else None
     forced = ""

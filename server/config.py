@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from server.settings import at_least, between, setting
+from server.toolcalls import TOOL_PARSER_CHOICES
 
 BACKENDS = ("auto", "mlx", "torch")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -37,3 +38,7 @@ class ServerConfig:
     shutdown_grace: float = setting(10.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM",
                                     check=at_least(0))
     log_level: str = setting("info", "log verbosity", choices=LOG_LEVELS)
+    tool_parser: str = setting("auto", "tool-call format to parse from replies (auto: the one the chat template "
+                               "teaches; none: never parse)", choices=TOOL_PARSER_CHOICES)
+    reasoning_parser: str = setting("auto", "split <think> reasoning from content (auto: when the chat template "
+                                    "uses <think>)", choices=("auto", "none", "think"))

@@ -36,6 +36,7 @@ class Piece:
 class Finished:
     finish_reason: str  # "stop" or "length"
     usage: Usage
+    stop_string: str | None = None  # the stop string that ended the text, if one did
 
 
 class KeepAlive:
@@ -87,7 +88,7 @@ async def _events(handle, tokenizer: PromptTokenizer, stops: list[str],
             if text:
                 yield Piece(text)
             stopped = tail.stopped
-        yield Finished("stop" if stopped else event.finish_reason, event.usage)
+        yield Finished("stop" if stopped else event.finish_reason, event.usage, matcher.matched)
         return
 
 

@@ -37,12 +37,15 @@ class EventStream:
         try:
             yield
         except ApiError as e:
-            await self.send(e.body())
+            await self.send_error(e)
         except ConnectionError:
             raise  # the client is gone: nothing to tell it
         except Exception:
             log.exception("unexpected error while streaming")
-            await self.send(ApiError(500, "internal error", code="internal_error").body())
+            await self.send_error(ApiError(500, "internal error", code="internal_error"))
+
+    async def send_error(self, error: ApiError) -> None:
+        await self.send(error.body())
 
     async def close(self) -> web.StreamResponse:
         await self.response.write(b"data: [DONE]\n\n")

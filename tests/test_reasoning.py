@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from server.chat_output import ChatOutputParser, OutputConfig, ToolCall, output_parser
+from server.chat_output import ChatOutputParser, ToolCall, output_parser
 from server.reasoning import ReasoningSplitter, starts_in_reasoning, template_reasons
 from server.toolcalls import PARSERS
 from server.toolcalls.base import ReasoningDelta, TextDelta
@@ -67,7 +67,7 @@ def test_reasoning_then_tool_call_through_the_pipeline():
     )
 
     def make():
-        return output_parser(OutputConfig(), QWEN3_TEMPLATE, "assistant\n", TOOLS, "auto", make_id=counting_ids())
+        return output_parser("auto", "auto", QWEN3_TEMPLATE, "assistant\n", TOOLS, "auto", make_id=counting_ids())
 
     out = parse_every_way(make, text)
     # a call written inside the reasoning is thought, not made
@@ -77,16 +77,16 @@ def test_reasoning_then_tool_call_through_the_pipeline():
 
 
 def test_pipeline_choices():
-    def parts(config=OutputConfig(), template=QWEN3_TEMPLATE, tools=TOOLS, choice="auto"):
-        p = output_parser(config, template, "x", tools, choice)
+    def parts(settings=("auto", "auto"), template=QWEN3_TEMPLATE, tools=TOOLS, choice="auto"):
+        p = output_parser(*settings, template, "x", tools, choice)
         return type(p.tool_parser).__name__ if p.tool_parser else None, p.reasoning is not None
 
     assert parts() == ("HermesParser", True)
     assert parts(tools=None) == (None, True)  # no tools offered: nothing to parse
     assert parts(choice="none") == (None, True)
-    assert parts(config=OutputConfig(tool_parser="llama3", reasoning_parser="none")) == ("Llama3Parser", False)
+    assert parts(settings=("llama3", "none")) == ("Llama3Parser", False)
     assert parts(template="{{ messages }}") == (None, False)
-    assert parts(template="{{ messages }}", config=OutputConfig(reasoning_parser="think")) == (None, True)
+    assert parts(template="{{ messages }}", settings=("auto", "think")) == (None, True)
 
 
 def test_pipeline_without_parsers_passes_text_through():
@@ -97,7 +97,7 @@ def test_pipeline_without_parsers_passes_text_through():
 
 def test_required_and_named_choices_force_the_opening():
     def make(choice, name=None, template=QWEN3_TEMPLATE, prompt="assistant\n"):
-        return lambda: output_parser(OutputConfig(), template, prompt, TOOLS, choice, name, counting_ids())
+        return lambda: output_parser("auto", "auto", template, prompt, TOOLS, choice, name, counting_ids())
 
     assert make("required")().prompt_suffix == "<tool_call>\n"
     out = parse_every_way(make("required"), '{"name": "ls", "arguments": {}}\n</tool_call>')

@@ -118,9 +118,36 @@ class ChoiceLogprobs(Struct):
     content: list[TokenLogprob]
 
 
+class FunctionCall(Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class AssistantMessage(Struct):
     content: str | None
     role: str = "assistant"
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class FunctionDelta(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(Struct, omit_defaults=True):
+    """A call streams as OpenAI's do: index, id, type and name first, then argument chunks."""
+
+    index: int
+    function: FunctionDelta
+    id: str | None = None
+    type: str | None = None
 
 
 class ChatChoice(Struct):
@@ -142,6 +169,8 @@ class ChatCompletion(Struct):
 class Delta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChunkChoice(Struct):

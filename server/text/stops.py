@@ -21,13 +21,15 @@ class StopMatcher:
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
         self.held = ""
+        self.matched: str | None = None  # the stop string that ended the text (Anthropic reports it)
 
     def feed(self, piece: str) -> StopMatch:
         if not self.stops:
             return StopMatch(piece, False)
         text = self.held + piece
-        first = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if first >= 0:
+        found = [(at, stop) for stop in self.stops if (at := text.find(stop)) >= 0]
+        if found:
+            first, self.matched = min(found, key=lambda f: f[0])
             self.held = ""
             return StopMatch(text[:first], True)
         keep = self._partial_suffix(text)

@@ -36,16 +36,29 @@ class PromptTokenizer:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
+    @property
+    def chat_template(self) -> str:
+        """The template text (all of a model's named templates), for choosing the output parsers."""
+        return str(self.tokenizer.chat_template or "")
+
     async def chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        return await self.encode_rendered(await self.render_chat(messages, tools, template_kwargs))
+
+    async def render_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
+                          template_kwargs: dict[str, Any] | None = None) -> str:
         size = sum(len(str(m.get("content") or "")) for m in messages) + len(str(tools or ""))
-        return await self._run(size, self.encode_chat, messages, tools, template_kwargs or {})
+        return await self._run(size, self.render, messages, tools, template_kwargs or {})
+
+    async def encode_rendered(self, text: str) -> list[int]:
+        """Rendered chat text (or a piece of it) as ids, special tokens as the text writes them."""
+        return await self._run(len(text), self.encode_rendered_text, text)
 
     async def text(self, text: str) -> list[int]:
         return await self._run(len(text), self.encode_text, text)
 
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None,
-                    template_kwargs: dict[str, Any]) -> list[int]:
+    def render(self, messages: list[dict[str, Any]], tools: list[dict] | None,
+               template_kwargs: dict[str, Any]) -> str:
         kwargs = {k: v for k, v in template_kwargs.items() if k not in ("tokenize", "add_generation_prompt")}
         try:
             rendered = self.tokenizer.apply_chat_template(
@@ -54,7 +67,10 @@ class PromptTokenizer:
         except Exception as e:  # jinja raises its own errors for histories a template rejects
             raise ApiError(400, f"the chat template rejected the messages: {e}", code="invalid_value",
                            param="messages") from None
-        return self.tokenizer.encode(rendered, add_special_tokens=False)
+        return rendered
+
+    def encode_rendered_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def encode_text(self, text: str) -> list[int]:
         starts_with_bos = bool(self.bos_token) and text.startswith(self.bos_token)
