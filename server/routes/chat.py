@@ -1,24 +1,35 @@
-"""POST /v1/chat/completions."""
+"""POST /v1/chat/completions.
+
+`prepare` is the one path from a chat request to prompt tokens and an output
+parser; the Anthropic route (routes/messages.py) translates its body into a
+chat request and takes the same path, so both get the same tokens and reuse.
+"""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from aiohttp import web
 
-from server.engine.api import TokenEvent
+from server.chat_output import ChatOutputParser, collect, output_parser
+from server.engine.api import GenerateRequest, TokenEvent
 from server.errors import ApiError, invalid, unsupported
 from server.generation import Finished, KeepAlive, Piece, generation
 from server.protocol.openai import (
-    AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
+    ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
     ChoiceLogprobs, ChunkChoice, Delta, TokenLogprob, TopLogprob,
+)
+from server.routes.chat_tools import (
+    assistant_message, check_tools, deltas, finish_reason, template_tool_calls, tool_choice_of,
 )
 from server.routes.common import decoder, json_response, read_body, usage_info
 from server.sampling import check_supported, generate_request, request_id, session_id, stop_strings
 from server.sse import EventStream
 from server.state import AppState, state_of
 from server.text.tokenizer import PromptTokenizer
+from server.toolcalls.base import openai_call_id
 
 DECODE = decoder(ChatCompletionRequest)
 
@@ -33,9 +44,11 @@ def template_message(index: int, message: ChatMessage) -> dict[str, Any]:
                                code="unsupported_content", param=f"messages[{index}].content[{j}]")
         content = "\n".join(part.text or "" for part in content)
     out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role, "content": content or ""}
-    for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
+    for key in ("name", "tool_call_id", "reasoning_content"):
         if getattr(message, key) is not None:
             out[key] = getattr(message, key)
+    if message.tool_calls is not None:
+        out["tool_calls"] = template_tool_calls(message.tool_calls)
     return out
 
 
@@ -54,9 +67,17 @@ def token_logprobs(events: list[TokenEvent], tokenizer: PromptTokenizer) -> list
     return out
 
 
-async def handle(request: web.Request) -> web.StreamResponse:
-    state = state_of(request)
-    body: ChatCompletionRequest = await read_body(request, DECODE)
+@dataclass
+class PreparedChat:
+    model: str  # the name to answer with
+    prompt: list[int]
+    generate: GenerateRequest
+    parser: ChatOutputParser
+    stops: list[str]
+
+
+async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Request, rid: str,
+                  make_call_id: Callable[[], str] = openai_call_id) -> PreparedChat:
     check_supported(body)
     if body.response_format is not None and body.response_format.type != "text":
         raise unsupported("response_format", f"response_format {body.response_format.type!r} is not supported yet")
@@ -65,36 +86,54 @@ async def handle(request: web.Request) -> web.StreamResponse:
     model = state.model_name(body.model)
     session = session_id(body.session_id, request.headers.get("X-Session-ID"))
     messages = [template_message(i, m) for i, m in enumerate(body.messages)]
+    choice, tool_name = tool_choice_of(body.tool_choice, check_tools(body.tools))
     tokenizer = state.require_ready()
-    prompt = await tokenizer.chat(messages, body.tools, body.chat_template_kwargs)
-    rid = request_id("chatcmpl")
+    text = await tokenizer.render_chat(messages, body.tools, body.chat_template_kwargs)
+    config = state.config
+    parser = output_parser(config.tool_parser, config.reasoning_parser, tokenizer.chat_template, text, body.tools,
+                           choice, tool_name, make_call_id)
+    prompt = await tokenizer.encode_rendered(text)
+    if parser.prompt_suffix:  # encoded on its own: the prompt before it keeps the tokens other turns share
+        prompt += await tokenizer.encode_rendered(parser.prompt_suffix)
     generate = generate_request(
         body, prompt, rid=rid, vocab_size=state.engine.info.vocab_size,
         max_tokens=body.max_completion_tokens or body.max_tokens, session=session,
         logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
     )
-    reply = _Reply(rid, int(time.time()), model, body.logprobs, tokenizer)
+    return PreparedChat(model, prompt, generate, parser, stop_strings(body))
+
+
+async def handle(request: web.Request) -> web.StreamResponse:
+    state = state_of(request)
+    body: ChatCompletionRequest = await read_body(request, DECODE)
+    rid = request_id("chatcmpl")
+    chat = await prepare(state, body, request, rid)
+    tokenizer = state.require_ready()
+    reply = _Reply(rid, int(time.time()), chat.model, body.logprobs, tokenizer)
     if body.stream:
-        return await _stream(request, state, body, generate, reply)
-    parts: list[str] = []
+        return await _stream(request, state, body, chat, reply)
+    outputs = []
     logprobs: list[TokenLogprob] = []
-    async with generation(state.engine, generate, tokenizer, stop_strings(body)) as events:
+    async with generation(state.engine, chat.generate, tokenizer, chat.stops) as events:
         async for event in events:
             if isinstance(event, Piece):
-                parts.append(event.text)
+                outputs += chat.parser.feed(event.text)
                 logprobs += reply.logprobs_of(event)
             elif isinstance(event, Finished):
-                choice = ChatChoice(0, AssistantMessage("".join(parts)), event.finish_reason,
-                                    ChoiceLogprobs(logprobs) if body.logprobs else None)
-                completion = ChatCompletion(rid, reply.created, model, [choice], usage_info(event.usage))
+                output = collect(outputs + chat.parser.finish())
+                choice = ChatChoice(0, assistant_message(output), finish_reason(event.finish_reason,
+                                    bool(output.tool_calls)), ChoiceLogprobs(logprobs) if body.logprobs else None)
+                completion = ChatCompletion(rid, reply.created, chat.model, [choice], usage_info(event.usage))
                 return json_response(completion)
     raise ApiError(503, "the engine ended the request without a result", code="engine_error")
 
 
-async def _stream(request: web.Request, state: AppState, body: ChatCompletionRequest, generate, reply: "_Reply"):
+async def _stream(request: web.Request, state: AppState, body: ChatCompletionRequest, chat: PreparedChat,
+                  reply: "_Reply"):
     stream = EventStream(request)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    async with generation(state.engine, generate, reply.tokenizer, stop_strings(body),
+    calls = False
+    async with generation(state.engine, chat.generate, reply.tokenizer, chat.stops,
                           keepalive_s=state.config.sse_keepalive) as events:
         await stream.open()
         await stream.send(reply.chunk(Delta(role="assistant", content="")))
@@ -104,10 +143,16 @@ async def _stream(request: web.Request, state: AppState, body: ChatCompletionReq
                     await stream.keep_alive()
                 elif isinstance(event, Piece):
                     logprobs = reply.logprobs_of(event)
-                    if event.text or logprobs:
-                        await stream.send(reply.chunk(Delta(content=event.text), logprobs=logprobs))
+                    out = deltas(chat.parser.feed(event.text)) or ([Delta(content="")] if logprobs else [])
+                    for i, delta in enumerate(out):  # the piece's logprobs ride on its first chunk
+                        calls = calls or bool(delta.tool_calls)
+                        await stream.send(reply.chunk(delta, logprobs=logprobs if i == 0 else None))
                 elif isinstance(event, Finished):
-                    await stream.send(reply.chunk(Delta(), finish_reason=event.finish_reason))
+                    for delta in deltas(chat.parser.finish()):
+                        calls = calls or bool(delta.tool_calls)
+                        await stream.send(reply.chunk(delta))
+                    reason = finish_reason(event.finish_reason, calls)
+                    await stream.send(reply.chunk(Delta(), finish_reason=reason))
                     if include_usage:
                         await stream.send(ChatCompletionChunk(reply.rid, reply.created, reply.model, [],
                                                               usage_info(event.usage)))
