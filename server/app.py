@@ -18,7 +18,8 @@ from aiohttp import web
 from server.engine.api import EngineError
 from server.errors import ApiError, from_engine
 from server.protocol.openai import encoder
-from server.routes import chat, completions, models, sessions
+from server.protocol.anthropic import error_body
+from server.routes import chat, completions, messages, models, sessions
 from server.state import STATE, AppState
 
 log = logging.getLogger("kvfork.http")
@@ -26,8 +27,13 @@ log = logging.getLogger("kvfork.http")
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
 
 
-def error_response(error: ApiError) -> web.Response:
-    return web.Response(status=error.status, body=encoder.encode(error.body()), content_type="application/json")
+def error_response(error: ApiError, path: str = "") -> web.Response:
+    """The error in the shape of the API the path belongs to: Anthropic's on /v1/messages, else OpenAI's."""
+    if path.startswith(messages.PATH):
+        body = error_body(error.status, error.message)
+    else:
+        body = encoder.encode(error.body())
+    return web.Response(status=error.status, body=body, content_type="application/json")
 
 
 def _api_error(e: BaseException) -> ApiError:
@@ -50,14 +56,14 @@ def _middlewares(state: AppState, requests_total) -> list:
         try:
             response = await handler(request)
         except web.HTTPException as e:
-            response = e if e.status < 400 else error_response(_api_error(e))
+            response = e if e.status < 400 else error_response(_api_error(e), request.path)
         except ApiError as e:
-            response = error_response(e)
+            response = error_response(e, request.path)
         except (asyncio.CancelledError, ConnectionError):  # the client went away; aiohttp drops it quietly
             requests_total.inc(route=route, status="499")  # nginx's "client closed request"
             raise
         except Exception as e:
-            response = error_response(_api_error(e))
+            response = error_response(_api_error(e), request.path)
         requests_total.inc(route=route, status=str(response.status))
         return response
 
@@ -80,6 +86,8 @@ def build_app(state: AppState) -> web.Application:
     app[STATE] = state
     app.router.add_post("/v1/chat/completions", chat.handle)
     app.router.add_post("/v1/completions", completions.handle)
+    app.router.add_post(messages.PATH, messages.handle)
+    app.router.add_post(messages.PATH + "/count_tokens", messages.count_tokens)
     app.router.add_get("/v1/models", models.list_models)
     app.router.add_get("/health", models.health)
     app.router.add_get("/metrics", models.metrics)

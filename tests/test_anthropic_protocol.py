@@ -91,7 +91,7 @@ OPENAI_TWIN = {
         {"role": "tool", "tool_call_id": "toolu_3", "content": ""},
     ],
     "tools": [
-        {"type": "function", "function": {"name": "read_file", "parameters": SCHEMA, "description": "Read a file"}},
+        {"type": "function", "function": {"name": "read_file", "description": "Read a file", "parameters": SCHEMA}},
         {"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}},
     ],
     "tool_choice": "auto",
@@ -108,7 +108,10 @@ def decode(body: dict, type_=MessagesRequest):
 
 
 def test_agent_history_translates_to_its_openai_twin():
-    assert chat_request(decode(AGENT_HISTORY)) == OPENAI_TWIN
+    translated = chat_request(decode(AGENT_HISTORY))
+    assert translated == OPENAI_TWIN
+    # key order too: templates render tools with `tojson`, which keeps it
+    assert json.dumps(translated["tools"]) == json.dumps(OPENAI_TWIN["tools"])
 
 
 def test_count_tokens_request_translates_the_same_prompt():

@@ -12,6 +12,7 @@ route's) decides how text parts join:
 - An assistant message's text blocks become its content parts, `tool_use`
   blocks its `tool_calls` (arguments rendered as the templates' `tojson` does),
   `thinking` blocks its `reasoning_content`.
+- tools become functions keyed in OpenAI's order (templates `tojson` them).
 - tool_choice: auto → auto, any → required, tool → the named function, none → none.
 - thinking enabled/adaptive/disabled → chat_template_kwargs.enable_thinking.
 """
@@ -100,9 +101,12 @@ def _assistant(content: str | list, index: int) -> dict[str, Any]:
 
 
 def _tool(tool: Tool) -> dict[str, Any]:
-    function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
+    # Key order matters: templates render tools with `tojson`, which keeps it.
+    # This is the order OpenAI's documentation and clients use.
+    function: dict[str, Any] = {"name": tool.name}
     if tool.description is not None:
         function["description"] = tool.description
+    function["parameters"] = tool.input_schema
     return {"type": "function", "function": function}
 
 

@@ -221,8 +221,13 @@ class ErrorReply(Struct, tag_field="type", tag="error"):
     error: ErrorDetail
 
 
+def error_reply(status: int, message: str) -> ErrorReply:
+    return ErrorReply(ErrorDetail(ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error"),
+                                  message))
+
+
 def error_body(status: int, message: str) -> bytes:
-    return msgspec.json.encode(ErrorReply(ErrorDetail(ERROR_TYPES.get(status, "api_error"), message)))
+    return msgspec.json.encode(error_reply(status, message))
 
 
 def sse(event: StreamEvent | ErrorReply) -> bytes:

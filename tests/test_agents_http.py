@@ -1,0 +1,272 @@
+"""Agent clients over real HTTP: tool calls, reasoning and the Anthropic Messages API,
+through the official `openai` and `anthropic` clients, on a backend that writes chosen text."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import openai
+import pytest
+
+from agent_models import with_agent_template
+from http_daemon import serving
+from scripted_replies import scripted
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+# What the scripted model writes, by the last user turn (the forced openings of
+# tool_choice required/named are the start of the turn it completes).
+REPLIES = {
+    "weather?": "Let me check.\n" + CALL,
+    "two calls": CALL + "\n" + CALL.replace("Paris", "Oslo"),
+    "think first": "<think>\nThe user wants a greeting.\n</think>\n\nHello there!",
+    "forced": CALL,
+    "forced broken": "<tool_call>\n{not json}\n</tool_call>",
+    "say stop": "one two STOP three",
+}
+
+
+def reply(history: str) -> str:
+    last = history.rsplit("<|im_start|>user\n", 1)[-1]
+    if "<tool_response>" in last:
+        return "It is sunny in Paris."
+    text = last.split("<|im_end|>", 1)[0]
+    return REPLIES.get(text, "Plain answer.")
+
+
+@pytest.fixture(scope="session")
+def agent_model(tiny_model_dir, tmp_path_factory) -> str:
+    return str(with_agent_template(tiny_model_dir("llama"), tmp_path_factory.mktemp("agent")))
+
+
+@pytest.fixture
+async def daemon(agent_model):
+    async with serving(agent_model, scripted(agent_model, reply), served_model_name=["tiny"], api_key="sekrit") as d:
+        yield d
+
+
+@pytest.fixture
+def oai(daemon):
+    return openai.AsyncOpenAI(base_url=daemon.url + "/v1", api_key="sekrit", max_retries=0)
+
+
+@pytest.fixture
+def claude(daemon):
+    return anthropic.AsyncAnthropic(base_url=daemon.url, api_key="sekrit", max_retries=0)
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+# --- chat completions -----------------------------------------------------------------------------
+
+
+async def test_chat_tool_call_non_streaming(oai):
+    done = await oai.chat.completions.create(model="tiny", messages=user("weather?"), tools=[WEATHER])
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me check."
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function"
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+
+
+async def test_chat_tool_calls_streaming_deltas(oai):
+    stream = await oai.chat.completions.create(model="tiny", messages=user("two calls"), tools=[WEATHER], stream=True)
+    content, calls, finish = "", {}, None
+    async for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for d in delta.tool_calls or ():
+            if d.index not in calls:  # the first delta of a call carries its id and name
+                assert d.id and d.type == "function" and d.function.name == "get_weather"
+                calls[d.index] = ""
+            else:
+                assert d.id is None and d.function.name is None
+            calls[d.index] += d.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert content == "" and finish == "tool_calls"
+    assert [json.loads(a) for a in calls.values()] == [{"city": "Paris"}, {"city": "Oslo"}]
+
+
+async def test_tool_result_round_trip(oai):
+    first = await oai.chat.completions.create(model="tiny", messages=user("weather?"), tools=[WEATHER])
+    message = first.choices[0].message
+    history = user("weather?") + [
+        message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "sunny"},
+    ]
+    second = await oai.chat.completions.create(model="tiny", messages=history, tools=[WEATHER])
+    assert second.choices[0].message.content == "It is sunny in Paris."
+    assert second.choices[0].finish_reason == "stop" and second.choices[0].message.tool_calls is None
+    # the resent history shares the first prompt: it is read from the prefix cache
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+
+
+async def test_reasoning_content_split_streaming_and_not(oai):
+    done = await oai.chat.completions.create(model="tiny", messages=user("think first"))
+    assert done.choices[0].message.reasoning_content == "The user wants a greeting."
+    assert done.choices[0].message.content == "Hello there!"
+    stream = await oai.chat.completions.create(model="tiny", messages=user("think first"), stream=True)
+    reasoning, content = "", ""
+    async for chunk in stream:
+        delta = chunk.choices[0].delta
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        content += delta.content or ""
+    assert (reasoning, content) == ("The user wants a greeting.", "Hello there!")
+
+
+async def test_tool_choice_none_leaves_markup_as_text(oai):
+    done = await oai.chat.completions.create(model="tiny", messages=user("weather?"), tools=[WEATHER],
+                                             tool_choice="none")
+    assert done.choices[0].message.content == REPLIES["weather?"]
+    assert done.choices[0].message.tool_calls is None and done.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+async def test_required_and_named_tool_choice_force_a_call(oai, choice):
+    auto = await oai.chat.completions.create(model="tiny", messages=user("forced"), tools=[WEATHER])
+    forced = await oai.chat.completions.create(model="tiny", messages=user("forced"), tools=[WEATHER],
+                                               tool_choice=choice)
+    # the prompt ends with the opening markup, so the reply continues inside the call
+    assert forced.usage.prompt_tokens > auto.usage.prompt_tokens
+    (call,) = forced.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+async def test_botched_forced_call_falls_back_to_text(oai):
+    done = await oai.chat.completions.create(model="tiny", messages=user("forced broken"), tools=[WEATHER],
+                                             tool_choice="required")
+    assert done.choices[0].message.content == REPLIES["forced broken"]
+    assert done.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize(
+    "choice, tools, param",
+    [
+        ({"type": "function", "function": {"name": "nope"}}, [WEATHER], "tool_choice"),
+        ("required", None, "tool_choice"),
+        ("sometimes", [WEATHER], "tool_choice"),
+        ("auto", [{"type": "function"}], "tools[0]"),
+    ],
+)
+async def test_bad_tools_and_tool_choice_are_400(oai, choice, tools, param):
+    extra = {"tools": tools} if tools else {}
+    with pytest.raises(openai.BadRequestError) as caught:
+        await oai.chat.completions.create(model="tiny", messages=user("x"), tool_choice=choice, **extra)
+    assert caught.value.body["param"] == param
+
+
+# --- Anthropic Messages ---------------------------------------------------------------------------
+
+CLAUDE_TOOL = {"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER["function"]["parameters"]}
+
+
+async def test_messages_tool_use_non_streaming(claude):
+    message = await claude.messages.create(model="tiny", max_tokens=200, messages=user("weather?"),
+                                           tools=[CLAUDE_TOOL], system="You are helpful.")
+    assert message.stop_reason == "tool_use" and message.role == "assistant" and message.model == "tiny"
+    text, tool = message.content
+    assert (text.type, text.text) == ("text", "Let me check.")
+    assert (tool.type, tool.name, tool.input) == ("tool_use", "get_weather", {"city": "Paris"})
+    assert tool.id.startswith("toolu_")
+    assert message.usage.output_tokens > 0 and message.usage.cache_read_input_tokens == 0
+
+
+async def test_messages_streaming_rebuilds_the_same_message(claude):
+    kwargs = dict(model="tiny", max_tokens=200, messages=user("think first"), tools=[CLAUDE_TOOL])
+    whole = await claude.messages.create(**kwargs)
+    kinds = []
+    async with claude.messages.stream(**kwargs) as stream:
+        async for event in stream:
+            kinds.append(event.type)
+        streamed = await stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "message_delta" in kinds
+    assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in whole.content]
+    assert [b.type for b in whole.content] == ["thinking", "text"]
+    assert whole.content[0].thinking == "The user wants a greeting."
+    assert streamed.stop_reason == whole.stop_reason == "end_turn"
+    assert streamed.usage.output_tokens == whole.usage.output_tokens
+
+
+async def test_messages_stop_sequence_and_max_tokens(claude):
+    stopped = await claude.messages.create(model="tiny", max_tokens=200, messages=user("say stop"),
+                                           stop_sequences=["STOP"])
+    assert (stopped.stop_reason, stopped.stop_sequence, stopped.content[0].text) == ("stop_sequence", "STOP", "one two ")
+    cut = await claude.messages.create(model="tiny", max_tokens=2, messages=user("say stop"))
+    assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 2
+
+
+async def test_messages_tool_result_round_trip_reads_the_cache(claude):
+    first = await claude.messages.create(model="tiny", max_tokens=200, messages=user("weather?"), tools=[CLAUDE_TOOL])
+    tool = first.content[1]
+    history = user("weather?") + [
+        {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool.id, "content": "sunny",
+                                      "cache_control": {"type": "ephemeral"}}]},
+    ]
+    second = await claude.messages.create(model="tiny", max_tokens=200, messages=history, tools=[CLAUDE_TOOL])
+    assert second.content[0].text == "It is sunny in Paris." and second.stop_reason == "end_turn"
+    first_prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    assert second.usage.cache_read_input_tokens >= first_prompt - 1
+
+
+async def test_history_through_either_api_is_the_same_prompt(oai, claude):
+    """The OpenAI twin of an Anthropic history: same token count, and the second is served from the first's cache."""
+    tool_use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
+    anthropic_history = user("weather?") + [
+        {"role": "assistant", "content": [{"type": "text", "text": "Let me check."}, tool_use]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]},
+    ]
+    openai_history = user("weather?") + [
+        {"role": "assistant", "content": "Let me check.", "tool_calls": [
+            {"id": "toolu_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
+    ]
+    counted = await claude.messages.count_tokens(model="tiny", messages=anthropic_history, tools=[CLAUDE_TOOL],
+                                                 system="Be brief.")
+    done = await oai.chat.completions.create(model="tiny", tools=[WEATHER],
+                                             messages=[{"role": "system", "content": "Be brief."}] + openai_history)
+    assert counted.input_tokens == done.usage.prompt_tokens
+    again = await claude.messages.create(model="tiny", max_tokens=50, messages=anthropic_history,
+                                         tools=[CLAUDE_TOOL], system="Be brief.")
+    assert again.usage.input_tokens + again.usage.cache_read_input_tokens == done.usage.prompt_tokens
+    assert again.usage.cache_read_input_tokens == done.usage.prompt_tokens - 1
+    assert again.content[0].text == done.choices[0].message.content == "It is sunny in Paris."
+
+
+# --- Anthropic errors, keys and names -------------------------------------------------------------
+
+
+async def test_messages_errors_use_anthropic_shape(daemon, claude):
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        await claude.messages.create(model="my-agent-model", max_tokens=5, messages=user("hi"))
+    assert caught.value.body == {"type": "error", "error": {"type": "not_found_error", "message": caught.value.body["error"]["message"]}}
+    assert "my-agent-model" in caught.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        await claude.messages.create(model="tiny", max_tokens=0, messages=user("hi"))
+    assert caught.value.body["error"]["type"] == "invalid_request_error" and "max_tokens" in caught.value.body["error"]["message"]
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
+    with pytest.raises(anthropic.BadRequestError, match="not supported"):
+        await claude.messages.create(model="tiny", max_tokens=5, messages=[{"role": "user", "content": [image]}])
+    wrong = anthropic.AsyncAnthropic(base_url=daemon.url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as caught:
+        await wrong.messages.create(model="tiny", max_tokens=5, messages=user("hi"))
+    assert caught.value.body["error"]["type"] == "authentication_error"
+
+
+async def test_messages_accept_any_model(agent_model):
+    async with serving(agent_model, scripted(agent_model, reply), accept_any_model=True) as d:
+        client = anthropic.AsyncAnthropic(base_url=d.url, api_key="unused", max_retries=0)
+        message = await client.messages.create(model="my-agent-model", max_tokens=20, messages=user("hi"))
+        assert message.model == "my-agent-model" and message.content[0].text == "Plain answer."
