@@ -195,6 +195,8 @@ class Engine:
                 r.expiry.cancel()
             r.admitted_at = time.monotonic()
             self.metrics.queue_wait.observe(r.admitted_at - r.submitted_at)
+            if not r.capture_slot and adm.cache.worth_capturing(len(r.prompt)):
+                self.metrics.captures.inc(outcome="skipped")
             self._start(r)
 
     def _start(self, r: Request, **source: Any) -> None:
