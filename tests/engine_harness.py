@@ -65,3 +65,9 @@ def stored_sessions(engine: Engine) -> int:
     """Sessions the engine keeps on purpose: prefix cache snapshots and named sessions' state."""
     adm = engine._admission
     return len(adm.cache) + adm.named.holding()
+
+
+async def settled(engine: Engine, backend, extra: int = 0) -> None:
+    """Wait until the runner has released what the engine let go of (releases are asynchronous):
+    the backend then holds exactly the stored sessions, plus `extra` still in use."""
+    await until(lambda: backend.live_sessions() == stored_sessions(engine) + extra)

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from engine_harness import collect, prompt_of, reached, request, run, start_engine, stored_sessions
+from engine_harness import collect, prompt_of, reached, request, run, settled, start_engine
 from scripted_backend import EOS, Gate, ScriptedBackend
 from server.engine.api import CapacityExhausted, ContextTooLong, InvalidRequest, NotReady
 
@@ -135,7 +135,8 @@ async def test_a_failing_request_fails_alone():
     (tokens_bad, done_bad), (tokens_good, done_good) = await asyncio.gather(run(engine, bad, 4), run(engine, good, 4))
     assert done_bad.finish_reason == "error" and tokens_bad == []
     assert done_good.finish_reason == "length" and tokens_good == backend.greedy(good, 4)
-    assert backend.live_sessions() == stored_sessions(engine) == 1  # the good prompt's snapshot
+    await settled(engine, backend)
+    assert backend.live_sessions() == 1  # the good prompt's snapshot
     await engine.shutdown(1)
 
 

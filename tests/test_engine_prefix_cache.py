@@ -2,7 +2,7 @@
 
 import asyncio
 
-from engine_harness import collect, prompt_of, reached, request, run, start_engine, stored_sessions
+from engine_harness import collect, prompt_of, reached, request, run, settled, start_engine, stored_sessions
 from scripted_backend import Gate, ScriptedBackend
 
 
@@ -93,7 +93,7 @@ async def test_a_refused_clone_falls_back_to_an_older_entry_then_to_a_full_prefi
     tokens, done = await run(engine, base + [6], 4)
     assert tokens == backend.greedy(base + [6], 4)
     assert (done.usage.reused_tokens, done.usage.reuse_source, done.usage.prefilled_tokens) == (0, None, 61)
-    assert backend.live_sessions() == stored_sessions(engine)
+    await settled(engine, backend)
     await engine.shutdown(1)
 
 
@@ -102,6 +102,7 @@ async def test_cache_eviction_by_entries_releases_snapshots():
     engine = await start_engine(backend, prefix_cache_entries=2)
     for i in range(4):
         await run(engine, prompt_of(20, start=i * 50), 2)
+    await settled(engine, backend)
     assert len(engine._admission.cache) == 2 and backend.live_sessions() == 2
     await engine.shutdown(1)
     assert backend.live_sessions() == 0
