@@ -117,6 +117,8 @@ class ScriptedBackend(Backend):
         return [self.script(s.tokens) for s in sessions]  # type: ignore[attr-defined]
 
     def sample(self, logits: list[int], states: Sequence[SamplerState]) -> list[Sampled]:
+        for t, state in zip(logits, states):
+            state.output.append(t)  # as every backend's sampler does
         return [Sampled(t, 0.0 if st.params.logprobs else None) for t, st in zip(logits, states)]
 
     def clone(self, session: Session, upto: int) -> ScriptedSession:

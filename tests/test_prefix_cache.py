@@ -1,19 +1,10 @@
 """The prefix cache as a data structure: matching, recency, eviction."""
 
-from server.engine.prefix_cache import PrefixCache, common_prefix
+from server.engine.prefix_cache import PrefixCache
 
 
 def cache(entries=16, nbytes=None, min_tokens=1) -> PrefixCache:
     return PrefixCache(entries, nbytes, min_tokens)
-
-
-def test_common_prefix():
-    a = list(range(1000))
-    assert common_prefix(a, a) == 1000
-    assert common_prefix(a, a[:10]) == 10
-    assert common_prefix(a, a[:637] + [-1] + a[638:]) == 637
-    assert common_prefix(a, [5]) == 0
-    assert common_prefix([], a) == 0
 
 
 def test_longest_match_beats_a_more_recent_shorter_one():

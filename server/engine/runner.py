@@ -217,8 +217,7 @@ class Runner:
             self.events.append(m.Captured(slot.start.rid, prompt, None))
 
     def _accept(self, slot: _Slot, pick: Sampled) -> None:
-        slot.generated += 1
-        slot.sampler.output.append(pick.token)
+        slot.generated += 1  # the backend's sampler has appended the token to `sampler.output`
         if pick.token in slot.start.stop_ids:
             self._end(slot, "stop")
             return
