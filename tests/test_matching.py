@@ -9,7 +9,7 @@ import random
 import pytest
 
 from server.engine.matching import (Recipient, Source, best_match, choose_reuse, common_prefix, ranked_matches,
-                                    usable_match)
+                                    usable_match, window_floor)
 
 
 def prompts(alphabet: int, max_len: int, min_len: int = 0) -> list[tuple[int, ...]]:
@@ -84,6 +84,17 @@ def test_generated_output_is_never_matched():
 
 def test_non_text_donor_gives_nothing():
     assert usable_match([1, 2, 3], Source.donor("d", [1, 2, 3], 3, 0, text=False)) == 0
+
+
+def test_window_floor_agrees_with_the_backend_refusal_rule():
+    from backends.base import LayerAttention, ModelInfo, clone_refusal
+    for window, position in itertools.product((1, 2, 4, 16), range(0, 40)):
+        info = ModelInfo("m", 10, 100, (LayerAttention("full"), LayerAttention("sliding", window)), (0,), 1, "f32", "cpu")
+        held_from = [max(0, position - window)]  # a ring of exactly W positions
+        servable = [u for u in range(1, position + 1) if clone_refusal(position, u, info, held_from) is None]
+        floor = window_floor(position, [window])
+        assert servable == list(range(max(1, floor), position + 1))
+    assert window_floor(1000, []) == 0
 
 
 def test_clone_floor_excludes_what_a_sliding_window_forgot():

@@ -4,6 +4,7 @@ The engine calls:
   common_prefix(a, b) -> int
   Source.donor(request_id, prompt, committed, admitted, *, text=True, clone_floor=0) -> Source
   Source.entry(key, tokens, stamp, *, clone_floor=0) -> Source
+  window_floor(position, windows) -> int           # clone_floor of a state with sliding layers
   usable_match(prompt, source) -> int
   ranked_matches(prompt, sources) -> list[Match]   # prefix cache: try in order while clones are refused
   best_match(prompt, sources) -> Match | None
@@ -18,6 +19,8 @@ Rules (each also stated where it binds):
     donor is a `Source` whose committed position is the one the runner published;
     a cache entry is a `Source` whose exact tokens are all committed.
   - `upto` is fixed at selection: the donor's committed prompt prefix never changes.
+  - A state with sliding layers only serves what its windows still hold
+    (clone_floor, from window_floor); a clone refused anyway falls back.
   - Only anonymous text recipients take part; named sessions and multimodal
     prompts keep their own path. Any active text request, named or not, donates.
   - min_tokens == 0 disables active reuse; otherwise a donor must save at least
@@ -48,6 +51,17 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     while a[i] == b[i]:
         i += 1
     return i
+
+
+def window_floor(position: int, windows: Iterable[int]) -> int:
+    """Smallest `upto` a state at `position` can serve, given its sliding layers' windows.
+
+    A sliding layer of window W keeps at least the last W positions, and a clone at
+    `upto` needs [upto - W + 1, upto) (backends.base.clone_refusal): past W, only
+    upto >= position - 1 is guaranteed. No sliding layers: 0.
+    """
+    window = min(windows, default=None)
+    return 0 if window is None or position <= window else position - 1
 
 
 @dataclass(frozen=True)
