@@ -2,8 +2,10 @@
 
 The template follows the Hermes/Qwen layout (tools listed in the system turn,
 calls as `<tool_call>` JSON, results as `<tool_response>` in a user turn, past
-reasoning as a `<think>` block, `enable_thinking=false` closing an empty one),
-so the daemon picks the Hermes parser and the reasoning split from it.
+reasoning as a `<think>` block), so the daemon picks the Hermes parser and the
+reasoning split from it. `enable_thinking` false closes an empty think block in
+the generation prompt (as Qwen3's template does); true opens one (as templates
+that always think do), so the reply starts inside it.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ AGENT_TEMPLATE = """\
 {%- if add_generation_prompt -%}
 {{- '<|im_start|>assistant\\n' -}}
 {%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif -%}
+{%- if enable_thinking is defined and enable_thinking is true %}{{ '<think>\\n' }}{% endif -%}
 {%- endif -%}
 """
 

@@ -4,7 +4,9 @@ through the official `openai` and `anthropic` clients, on a backend that writes 
 from __future__ import annotations
 
 import json
+import random
 
+import aiohttp
 import anthropic
 import openai
 import pytest
@@ -31,6 +33,7 @@ REPLIES = {
     "forced": CALL,
     "forced broken": "<tool_call>\n{not json}\n</tool_call>",
     "say stop": "one two STOP three",
+    "no think": "<think>\n\n</think>\n\nNo thinking.",  # the template closed the block (enable_thinking false)
 }
 
 
@@ -125,6 +128,22 @@ async def test_reasoning_content_split_streaming_and_not(oai):
     assert (reasoning, content) == ("The user wants a greeting.", "Hello there!")
 
 
+async def test_enable_thinking_reaches_the_template_and_the_split_follows(oai):
+    """true: the prompt opens <think>, the reply starts inside it; false: the prompt closes an empty one."""
+    opened = await oai.chat.completions.create(model="tiny", messages=user("think first"),
+                                               extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert opened.choices[0].message.reasoning_content == "The user wants a greeting."
+    assert opened.choices[0].message.content == "Hello there!"
+    stream = await oai.chat.completions.create(model="tiny", messages=user("think first"), stream=True,
+                                               extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    reasoning = "".join([getattr(c.choices[0].delta, "reasoning_content", None) or "" async for c in stream])
+    assert reasoning == "The user wants a greeting."
+    closed = await oai.chat.completions.create(model="tiny", messages=user("no think"),
+                                               extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert closed.choices[0].message.content == "No thinking."
+    assert closed.choices[0].message.reasoning_content is None
+
+
 async def test_tool_choice_none_leaves_markup_as_text(oai):
     done = await oai.chat.completions.create(model="tiny", messages=user("weather?"), tools=[WEATHER],
                                              tool_choice="none")
@@ -198,6 +217,18 @@ async def test_messages_streaming_rebuilds_the_same_message(claude):
     assert streamed.usage.output_tokens == whole.usage.output_tokens
 
 
+async def test_messages_thinking_setting_reaches_the_template(claude):
+    kwargs = dict(model="tiny", messages=user("think first"))
+    plain = await claude.messages.count_tokens(**kwargs)
+    enabled = await claude.messages.count_tokens(thinking={"type": "enabled", "budget_tokens": 1024}, **kwargs)
+    disabled = await claude.messages.count_tokens(thinking={"type": "disabled"}, **kwargs)
+    assert plain.input_tokens < enabled.input_tokens < disabled.input_tokens  # <think>\n, then a closed block
+    message = await claude.messages.create(max_tokens=100, thinking={"type": "enabled", "budget_tokens": 1024},
+                                           **kwargs)
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in message.content] == [
+        ("thinking", "The user wants a greeting."), ("text", "Hello there!")]
+
+
 async def test_messages_stop_sequence_and_max_tokens(claude):
     stopped = await claude.messages.create(model="tiny", max_tokens=200, messages=user("say stop"),
                                            stop_sequences=["STOP"])
@@ -263,6 +294,43 @@ async def test_messages_errors_use_anthropic_shape(daemon, claude):
     with pytest.raises(anthropic.AuthenticationError) as caught:
         await wrong.messages.create(model="tiny", max_tokens=5, messages=user("hi"))
     assert caught.value.body["error"]["type"] == "authentication_error"
+
+
+async def test_messages_bearer_key_and_error_mid_stream(daemon):
+    bearer = anthropic.AsyncAnthropic(base_url=daemon.url, auth_token="sekrit", max_retries=0)
+    message = await bearer.messages.create(model="tiny", max_tokens=20, messages=user("hi"))
+    assert message.content[0].text == "Plain answer."
+    daemon.engine.backend.fail = lambda kind, sessions, inputs: kind == "decode"
+    with pytest.raises(anthropic.APIStatusError) as caught:
+        async with bearer.messages.stream(model="tiny", max_tokens=20, messages=user("hi")) as stream:
+            async for _ in stream:
+                pass
+    assert caught.value.body["type"] == "error" and "generation failed" in caught.value.body["error"]["message"]
+
+
+async def test_messages_no_input_yields_a_500(daemon):
+    rng = random.Random(0)
+    values = [None, True, -1, 0, 1.5, "", "x", [], [1, "a"], {}, {"type": "x"}, [{"type": "text"}],
+              [{"type": "tool_result"}], [{"type": "tool_use", "id": "a", "name": "b", "input": 1}]]
+    fields = ["model", "max_tokens", "messages", "system", "tools", "tool_choice", "stop_sequences", "temperature",
+              "top_p", "top_k", "stream", "metadata", "thinking"]
+    good = {"model": "tiny", "max_tokens": 1, "messages": user("hi")}
+    bodies = [b"null", b"[]", b"{" * 5000, b'{"messages": 1}']
+    for _ in range(120):
+        body = dict(good)
+        for field in rng.sample(fields, rng.randint(1, 3)):
+            body[field] = rng.choice(values)
+        if rng.random() < 0.4:
+            body["messages"] = [{"role": rng.choice(["user", "assistant", "x"]), "content": rng.choice(values)}]
+        bodies.append(json.dumps(body).encode())
+    async with aiohttp.ClientSession(headers={"x-api-key": "sekrit"}) as http:
+        for route in ("/v1/messages", "/v1/messages/count_tokens"):
+            for data in bodies:
+                async with http.post(daemon.url + route, data=data) as r:
+                    body = await r.json(content_type=None) if r.status >= 400 else None
+                    assert r.status < 500, (data[:200], body)
+                    if body is not None:
+                        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
 
 
 async def test_messages_accept_any_model(agent_model):
