@@ -8,7 +8,7 @@ import aiohttp
 import anthropic
 import pytest
 
-from agent_models import with_agent_template
+from agent_server import agent_model  # noqa: F401 (fixture)
 from http_daemon import metrics, serving
 
 pytest.importorskip("mlx.core")
@@ -24,11 +24,6 @@ HISTORY = [
     {"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "toolu_1", "content": "the model cache prefix token prompt " * 6}]},
 ]
-
-
-@pytest.fixture(scope="module")
-def agent_model(tiny_model_dir, tmp_path_factory) -> str:
-    return str(with_agent_template(tiny_model_dir("llama"), tmp_path_factory.mktemp("agent-mlx")))
 
 
 def client(daemon) -> anthropic.AsyncAnthropic:
