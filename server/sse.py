@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import asynccontextmanager
 
 from aiohttp import web
@@ -20,15 +21,26 @@ class EventStream:
         self.response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
+        self.last_write = time.monotonic()
 
     async def open(self) -> None:
         await self.response.prepare(self.request)
 
+    async def write(self, frame: bytes) -> None:
+        self.last_write = time.monotonic()
+        await self.response.write(frame)
+
     async def send(self, body) -> None:
-        await self.response.write(b"data: " + encoder.encode(body) + b"\n\n")
+        await self.write(b"data: " + encoder.encode(body) + b"\n\n")
 
     async def keep_alive(self) -> None:
-        await self.response.write(b": keep-alive\n\n")
+        await self.write(b": keep-alive\n\n")
+
+    async def keep_alive_if_quiet(self, seconds: float) -> None:
+        """Tokens can arrive with nothing to send (a long tool call is held until it closes):
+        a keep-alive once in a while then keeps proxies and clients from timing out."""
+        if time.monotonic() - self.last_write >= seconds:
+            await self.keep_alive()
 
     @asynccontextmanager
     async def reporting_errors(self):

@@ -120,3 +120,21 @@ async def test_bad_tools_and_tool_choice_are_400(oai, choice, tools, param):
     with pytest.raises(openai.BadRequestError) as caught:
         await oai.chat.completions.create(model="tiny", messages=user("x"), tool_choice=choice, **extra)
     assert caught.value.body["param"] == param
+
+
+async def test_a_held_call_gets_keep_alives_and_a_busy_stream_does_not():
+    """A long call sends nothing until it closes: the stream writes a keep-alive once it has been quiet."""
+    from server.sse import EventStream
+
+    class Response:
+        def __init__(self):
+            self.frames = []
+
+        async def write(self, frame):
+            self.frames.append(frame)
+
+    stream = EventStream(None)  # type: ignore[arg-type]
+    stream.response, stream.last_write = Response(), 0.0
+    await stream.keep_alive_if_quiet(5.0)  # quiet since long ago
+    await stream.keep_alive_if_quiet(5.0)  # it just wrote
+    assert stream.response.frames == [b": keep-alive\n\n"]

@@ -147,6 +147,7 @@ async def _stream(request: web.Request, state: AppState, body: ChatCompletionReq
                     for i, delta in enumerate(out):  # the piece's logprobs ride on its first chunk
                         calls = calls or bool(delta.tool_calls)
                         await stream.send(reply.chunk(delta, logprobs=logprobs if i == 0 else None))
+                    await stream.keep_alive_if_quiet(state.config.sse_keepalive)
                 elif isinstance(event, Finished):
                     for delta in deltas(chat.parser.finish()):
                         calls = calls or bool(delta.tool_calls)

@@ -73,7 +73,7 @@ class MessagesEventStream(EventStream):
     """Anthropic's SSE framing: `event:` + `data:` per event, pings as keep-alives, no [DONE]."""
 
     async def send(self, event) -> None:
-        await self.response.write(sse(event))
+        await self.write(sse(event))
 
     async def send_error(self, error: ApiError) -> None:
         await self.send(error_reply(error.status, error.message))
@@ -100,6 +100,7 @@ async def _stream(request: web.Request, state: AppState, chat: PreparedChat, rid
                 elif isinstance(event, Piece):
                     for out in reply.events(chat.parser.feed(event.text)):
                         await stream.send(out)
+                    await stream.keep_alive_if_quiet(state.config.sse_keepalive)
                 elif isinstance(event, Finished):
                     used = usage(event.usage.prompt_tokens, event.usage.reused_tokens, event.usage.generated_tokens)
                     for out in reply.events(chat.parser.finish()) + reply.finish(event.finish_reason,
