@@ -153,7 +153,6 @@ def test_minimal_request_and_thinking_disabled():
         ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "role"),
         ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "video"}]}]}, "type"),
         ({"max_tokens": 5, "messages": [], "temperature": 1.5}, "temperature"),
-        ({"max_tokens": 5, "messages": [], "tools": [{"name": "x"}]}, "input_schema"),
         ({"max_tokens": 5, "messages": [], "tool_choice": {"type": "sometimes"}}, "tool_choice"),
     ],
 )
@@ -174,9 +173,18 @@ def test_images_and_documents_are_unsupported(content):
         chat_request(decode({"max_tokens": 5, "messages": [{"role": "user", "content": content}]}))
 
 
-def test_tool_choice_tool_needs_a_name():
-    with pytest.raises(ValueError, match="needs a name"):
+def test_tool_choice_tool_needs_a_name_and_a_custom_tool_a_schema():
+    with pytest.raises(ValueError, match="^tool_choice: .*needs a name"):
         chat_request(decode({"max_tokens": 5, "messages": [], "tool_choice": {"type": "tool"}}))
+    with pytest.raises(ValueError, match=r"^tools\[1\]: .*input_schema"):
+        chat_request(decode({"max_tokens": 5, "messages": [], "tools": [AGENT_HISTORY["tools"][1], {"name": "x"}]}))
+
+
+def test_server_tools_are_dropped():
+    web_search = {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}
+    body = dict(AGENT_HISTORY, tools=[web_search, *AGENT_HISTORY["tools"]])
+    assert chat_request(decode(body))["tools"] == OPENAI_TWIN["tools"]
+    assert "tools" not in chat_request(decode(dict(AGENT_HISTORY, tools=[web_search])))
 
 
 def test_error_shape():

@@ -12,7 +12,9 @@ route's) decides how text parts join:
 - An assistant message's text blocks become its content parts, `tool_use`
   blocks its `tool_calls` (arguments rendered as the templates' `tojson` does),
   `thinking` blocks its `reasoning_content`.
-- tools become functions keyed in OpenAI's order (templates `tojson` them).
+- client tools become functions keyed in OpenAI's order (templates `tojson`
+  them); Anthropic's server tools (web search ...) are dropped: nothing here
+  can run them, and refusing the request would stop the agent.
 - tool_choice: auto → auto, any → required, tool → the named function, none → none.
 - thinking enabled/adaptive/disabled → chat_template_kwargs.enable_thinking.
 """
@@ -100,7 +102,9 @@ def _assistant(content: str | list, index: int) -> dict[str, Any]:
     return message
 
 
-def _tool(tool: Tool) -> dict[str, Any]:
+def _tool(index: int, tool: Tool) -> dict[str, Any]:
+    if tool.input_schema is None:
+        raise ValueError(f"tools[{index}]: a custom tool needs an input_schema")
     # Key order matters: templates render tools with `tojson`, which keeps it.
     # This is the order OpenAI's documentation and clients use.
     function: dict[str, Any] = {"name": tool.name}
@@ -133,8 +137,9 @@ def chat_request(request: MessagesRequest | CountTokensRequest) -> dict[str, Any
     body: dict[str, Any] = {"messages": messages}
     if request.model is not None:
         body["model"] = request.model
-    if request.tools:
-        body["tools"] = [_tool(t) for t in request.tools]
+    tools = [_tool(i, t) for i, t in enumerate(request.tools or ()) if t.type in (None, "custom")]
+    if tools:
+        body["tools"] = tools
     if request.tool_choice:
         body["tool_choice"] = _tool_choice(request.tool_choice)
         if request.tool_choice.disable_parallel_tool_use:

@@ -56,10 +56,13 @@ class Message(Struct):
 
 
 class Tool(Struct):
+    """A client tool (`custom`, the default), or one of Anthropic's server tools (web_search_...),
+    which have no input_schema and which a local model cannot run."""
+
     name: Annotated[str, Meta(min_length=1)]
-    input_schema: dict[str, Any]
+    input_schema: dict[str, Any] | None = None
     description: str | None = None
-    type: Literal["custom"] | None = None
+    type: str | None = None
 
 
 class ToolChoice(Struct):

@@ -34,8 +34,8 @@ def as_chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletio
         chat = chat_request(body)
     except UnsupportedContent as e:
         raise ApiError(400, str(e), code="unsupported_content", param="messages") from None
-    except ValueError as e:
-        raise invalid("tool_choice", str(e)) from None
+    except ValueError as e:  # the message names the field
+        raise invalid(str(e).split(":", 1)[0], str(e)) from None
     try:
         return msgspec.convert(chat, ChatCompletionRequest)
     except msgspec.ValidationError as e:
