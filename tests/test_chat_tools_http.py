@@ -7,7 +7,13 @@ import json
 import openai
 import pytest
 
-from agent_server import REPLIES, WEATHER, agent_model, daemon, oai, user  # noqa: F401 (fixtures)
+from agent_server import REPLIES, WEATHER, agent_model, daemon, oai, reply, user  # noqa: F401 (fixtures)
+from http_daemon import serving
+from scripted_replies import scripted
+from server.cli import serve_parser
+from server.config import ServerConfig
+from server.settings import from_args
+from server.sse import EventStream
 
 
 async def test_chat_tool_call_non_streaming(oai):
@@ -124,8 +130,6 @@ async def test_bad_tools_and_tool_choice_are_400(oai, choice, tools, param):
 
 async def test_a_held_call_gets_keep_alives_and_a_busy_stream_does_not():
     """A long call sends nothing until it closes: the stream writes a keep-alive once it has been quiet."""
-    from server.sse import EventStream
-
     class Response:
         def __init__(self):
             self.frames = []
@@ -138,3 +142,21 @@ async def test_a_held_call_gets_keep_alives_and_a_busy_stream_does_not():
     await stream.keep_alive_if_quiet(5.0)  # quiet since long ago
     await stream.keep_alive_if_quiet(5.0)  # it just wrote
     assert stream.response.frames == [b": keep-alive\n\n"]
+
+
+async def test_tool_parser_setting_overrides_the_template(agent_model):
+    async with serving(agent_model, scripted(agent_model, reply), tool_parser="none",
+                       served_model_name=["tiny"]) as d:
+        client = openai.AsyncOpenAI(base_url=d.url + "/v1", api_key="unused", max_retries=0)
+        done = await client.chat.completions.create(messages=user("weather?"), tools=[WEATHER], model="tiny")
+        assert done.choices[0].message.content == REPLIES["weather?"] and not done.choices[0].message.tool_calls
+
+
+def test_tool_parser_flag():
+    args = serve_parser().parse_args(["--tool-parser", "qwen3_coder", "--reasoning-parser", "none"])
+    config = from_args(ServerConfig, args)
+    assert (config.tool_parser, config.reasoning_parser) == ("qwen3_coder", "none")
+    assert from_args(ServerConfig, serve_parser().parse_args([])).tool_parser == "auto"
+    with pytest.raises(SystemExit) as caught:
+        serve_parser().parse_args(["--tool-parser", "xml"])
+    assert caught.value.code == 2
