@@ -68,12 +68,22 @@ class Daemon:
         )
 
 
+def pick_backend(name: str) -> tuple[str, Backend]:
+    """`auto` prefers the machine's default (torch off Apple Silicon) and falls back to MLX where
+    that backend is not installed."""
+    if name == "auto":
+        try:
+            return default_backend(), create_backend("auto")
+        except ImportError:
+            name = "mlx"
+    return name, create_backend(name)
+
+
 async def run(config: ServerConfig, engine_config: EngineConfig, model: str) -> int:
-    backend_name = default_backend() if config.backend == "auto" else config.backend
     try:
-        backend = create_backend(backend_name)
+        backend_name, backend = pick_backend(config.backend)
     except ImportError as e:
-        print(f"kvfork: the {backend_name} backend cannot load here: {e}")
+        print(f"kvfork: the {config.backend} backend cannot load here: {e}")
         return 1
     daemon = Daemon(config, engine_config, model, backend)
     try:
