@@ -55,7 +55,10 @@ def serve(argv: list[str]) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from server.serve import run  # the engine and backends load only for a valid command line
 
-    return asyncio.run(run(config, engine_config, model))
+    try:
+        return asyncio.run(run(config, engine_config, model))
+    except KeyboardInterrupt:  # a second Ctrl-C during shutdown
+        return 130
 
 
 def _default_model() -> Path:

@@ -95,8 +95,14 @@ async def run(config: ServerConfig, engine_config: EngineConfig, model: str) -> 
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        stop.set()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal stops at once
+            loop.remove_signal_handler(sig)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     loading, stopping = asyncio.create_task(daemon.load()), asyncio.create_task(stop.wait())
     try:
         await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
