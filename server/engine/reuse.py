@@ -78,7 +78,7 @@ class Reuse:
         below = self._followers_below(r)
         active = []
         for x in self.engine._requests.values():
-            if x is r or x.rid in below:
+            if x is r or x.rid in below or x.ending:  # a request on its way out gives nothing
                 continue
             if x.phase in (Phase.STARTING, Phase.RUNNING):
                 floor = x.committed - 1 if self.window is not None and x.committed > self.window else 0
