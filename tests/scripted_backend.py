@@ -8,7 +8,8 @@ the same rule as the real backends. Tests steer the runner with:
 - `delay`: seconds each call of a kind sleeps;
 - `gates`: a `Gate` per call kind that holds the runner inside that call until
   the test opens it (the runner thread blocks, the test's loop does not);
-- `fail`: a predicate (kind, sessions) -> bool making a call raise;
+- `fail`: a predicate (kind, sessions, inputs) -> bool making a call raise
+  (inputs: the chunks of a prefill, the tokens of a decode);
 - `refuse`: a predicate (session, upto) -> reason or None forcing a clone refusal;
 - `calls`: every call, in order, for assertions on what ran when.
 """
@@ -38,9 +39,11 @@ def next_token(sequence: Sequence[int]) -> int:
 
 
 class Gate:
-    """Holds the runner inside a backend call until the test opens it."""
+    """Holds the runner inside the first backend call of its kind for which `when(sessions, inputs)` holds,
+    until the test opens it."""
 
-    def __init__(self) -> None:
+    def __init__(self, when: Callable[[Sequence[Session], Sequence], bool] = lambda sessions, inputs: True) -> None:
+        self.when = when
         self.reached = threading.Event()
         self.opened = threading.Event()
 
@@ -68,18 +71,20 @@ class ScriptedBackend(Backend):
         self.window, self.context_length, self.script = window, context_length, script
         self.delay: dict[str, float] = {}
         self.gates: dict[str, Gate] = {}
-        self.fail: Callable[[str, Sequence[Session]], bool] = lambda kind, sessions: False
+        self.fail: Callable[[str, Sequence[Session], Sequence], bool] = lambda kind, sessions, inputs: False
         self.refuse: Callable[[Session, int], str | None] = lambda session, upto: None
         self.calls: list[tuple] = []
         self._open: dict[int, ScriptedSession] = {}
         self.loaded_on: threading.Thread | None = None
 
-    def _enter(self, kind: str, sessions: Sequence[Session] = ()) -> None:
-        if kind in self.gates:
-            self.gates.pop(kind).wait_here()
+    def _enter(self, kind: str, sessions: Sequence[Session] = (), inputs: Sequence = ()) -> None:
+        gate = self.gates.get(kind)
+        if gate is not None and gate.when(sessions, inputs):
+            del self.gates[kind]
+            gate.wait_here()
         if self.delay.get(kind):
             time.sleep(self.delay[kind])
-        if self.fail(kind, sessions):
+        if self.fail(kind, sessions, inputs):
             raise RuntimeError(f"scripted {kind} failure")
 
     def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
@@ -101,7 +106,7 @@ class ScriptedBackend(Backend):
 
     def prefill(self, sessions: Sequence[Session], chunks: Sequence[Sequence[int]]) -> list[int]:
         self.calls.append(("prefill", [(s.id, len(c)) for s, c in zip(sessions, chunks)]))
-        self._enter("prefill", sessions)
+        self._enter("prefill", sessions, chunks)
         for s, chunk in zip(sessions, chunks):
             assert s.id in self._open, "prefill on a released session"
             s.commit(chunk)  # type: ignore[attr-defined]
@@ -109,13 +114,15 @@ class ScriptedBackend(Backend):
 
     def decode(self, sessions: Sequence[Session], tokens: Sequence[int]) -> list[int]:
         self.calls.append(("decode", [s.id for s in sessions]))
-        self._enter("decode", sessions)
+        self._enter("decode", sessions, tokens)
         for s, t in zip(sessions, tokens):
             assert s.id in self._open, "decode on a released session"
             s.commit([t])  # type: ignore[attr-defined]
         return [self.script(s.tokens) for s in sessions]  # type: ignore[attr-defined]
 
     def sample(self, logits: list[int], states: Sequence[SamplerState]) -> list[Sampled]:
+        for t, state in zip(logits, states):
+            state.output.append(t)  # as every backend's sampler does
         return [Sampled(t, 0.0 if st.params.logprobs else None) for t, st in zip(logits, states)]
 
     def clone(self, session: Session, upto: int) -> ScriptedSession:

@@ -18,6 +18,7 @@ from server.engine.api import (CapacityExhausted, ContextTooLong, DoneEvent, Gen
                                NotReady, TokenEvent)
 from server.engine.config import EngineConfig
 from server.engine.request import Phase, Request, RequestHandle
+from server.engine.reuse import Reuse
 from server.engine.runner import Runner
 from server.engine.scheduler import clamp_max_tokens
 from server.engine.sessions import check_session_id
@@ -44,23 +45,13 @@ class Engine:
         self._idle = asyncio.Event()
         self._idle.set()
         self.stats = m.StepStats({}, 0, 0, 0.0, 0.0)
-        self.metrics = EngineMetrics(registry, {
-            "queue_depth": ("requests waiting for a slot", lambda: len(self._admission.queue) if self._admission else 0),
-            "running_requests": ("requests holding an inference slot",
-                                 lambda: self._admission.slots_used if self._admission else 0),
-            "live_sessions": ("backend sessions open", lambda: self.stats.live_sessions),
-            "kv_bytes": ("bytes of KV state the backend holds", lambda: self.stats.total_bytes),
-            "named_sessions": ("named sessions kept", lambda: len(self._admission.named) if self._admission else 0),
-            "prefix_cache_entries": ("snapshots in the prefix cache",
-                                     lambda: len(self._admission.cache) if self._admission else 0),
-            "prefix_cache_bytes": ("bytes of the prefix cache",
-                                   lambda: self._admission.cache.nbytes if self._admission else 0),
-        })
+        self.reuse: Reuse | None = None
+        self.metrics = EngineMetrics(registry, self)
 
     # ---- lifecycle ----
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._loaded = loop.create_future()
 
         def notify() -> None:
@@ -126,9 +117,9 @@ class Engine:
         need = adm.bytes_for(n + max_tokens)
         if adm.never_fits(need):
             raise CapacityExhausted(f"the request needs {need} bytes of KV state; the budget is {adm.budget}")
-        waits = bool(adm.queue) or adm.slots_used >= config.inference_slots
-        if waits and len(adm.queue) >= config.max_queue:
-            raise CapacityExhausted(f"{len(adm.queue)} requests are already waiting")
+        waiting = len(adm.queue) + len(self.reuse.followers)  # type: ignore[union-attr]
+        if (waiting or adm.slots_used >= config.inference_slots) and waiting >= config.max_queue:
+            raise CapacityExhausted(f"{waiting} requests are already waiting")
         named = None
         if req.session_id is not None:
             named, evicted = adm.named.acquire(req.session_id)
@@ -143,6 +134,7 @@ class Engine:
         self._admit()
         if r.phase is Phase.QUEUED:
             r.expiry = asyncio.get_running_loop().call_later(config.queue_timeout, self._expire, rid)
+            self.reuse.arrived(r)  # type: ignore[union-attr]
         return handle
 
     def reset_session(self, session_id: str) -> bool:
@@ -195,11 +187,14 @@ class Engine:
                 r.expiry.cancel()
             r.admitted_at = time.monotonic()
             self.metrics.queue_wait.observe(r.admitted_at - r.submitted_at)
-            self._start(r)
+            if not r.capture_slot and adm.cache.worth_capturing(len(r.prompt)):
+                self.metrics.captures.inc(outcome="skipped")
+            self.reuse.place(r)  # type: ignore[union-attr]
 
     def _start(self, r: Request, **source: Any) -> None:
         r.phase = Phase.STARTING
         self._runner.send(self._admission.start(r, **source))  # type: ignore[union-attr]
+        self.reuse.started(r)  # type: ignore[union-attr]
 
     def _complete(self, r: Request, reason: str, error: str | None = None) -> None:
         if r.phase is Phase.DONE:
@@ -213,6 +208,10 @@ class Engine:
                 adm.queue.remove(r)
             if r.named is not None and r.named.busy:
                 adm.named.release(r.named.name, r.named.session, r.named.tokens)
+            if r.landed is not None:
+                adm.release_sessions([r.landed[0]])
+        if self.reuse is not None:
+            self.reuse.gone(r)
         if r.expiry is not None:
             r.expiry.cancel()
         r.phase = Phase.DONE
@@ -236,6 +235,7 @@ class Engine:
         self.info = ev.info
         self.config = self.config.resolve(ev.info)
         self._admission = Admission(self.config, ev.info, self._runner.send)  # type: ignore[union-attr]
+        self.reuse = Reuse(self)
         if self._loaded is not None and not self._loaded.done():
             self._loaded.set_result(None)
 
@@ -299,12 +299,15 @@ class Engine:
 
     def _on_clonedone(self, ev: m.CloneDone) -> None:
         r = self._requests.get(ev.rid)
-        if r is None or r.phase is not Phase.CLONING:
+        if r is None or r.phase not in (Phase.CLONING, Phase.FOLLOWING):  # it left, or stopped following
             self._admission.release_sessions([ev.session])  # type: ignore[union-attr]
+        else:
+            self.reuse.clone_done(r, ev)  # type: ignore[union-attr]
 
     def _on_stepstats(self, ev: m.StepStats) -> None:
         self.stats = ev
         self.metrics.step(ev)
+        self.reuse.step(ev)  # type: ignore[union-attr]
         for rid, position in ev.committed.items():
             r = self._requests.get(rid)
             if r is not None:

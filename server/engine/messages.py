@@ -49,11 +49,19 @@ class Finish:
 
 @dataclass
 class CloneDonor:
-    """Clone `[0, upto)` of a running request's session for a waiting one."""
+    """Clone `[0, upto)` of a running request's session for another request.
+
+    Now (the seed's one attempt on state already computed), or, for a follower
+    (`wait`), as soon as the donor has committed `upto`: its prefill chunks stop
+    there and the clone runs before the donor writes again, so a sliding window
+    still holds what the clone needs. A Cancel of the recipient drops the order.
+    """
 
     rid: int  # the recipient
     donor: int
     upto: int
+    wait: bool = False
+    order: int = 0  # the recipient's arrival order (a gone donor's heir is chosen by it)
 
 
 @dataclass
@@ -110,8 +118,10 @@ class Finished:
 @dataclass
 class CloneDone:
     rid: int
-    session: Any | None  # None: refused
-    reason: str = ""
+    session: Any | None  # None: refused, or the donor left
+    upto: int = 0  # tokens the session holds (less than asked when a leaving donor handed over what it had)
+    reason: str = ""  # why there is no session
+    seconds: float = 0.0  # how long the clone took
 
 
 @dataclass
@@ -121,6 +131,8 @@ class StepStats:
     total_bytes: int
     step_s: float
     backend_s: float
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
 
 
 @dataclass

@@ -4,7 +4,8 @@ The control loop owns the cache; the sessions in it are opaque handles that only
 the runner touches (it clones from them, and releases what the cache evicts).
 
 Design rules:
-- a match is `min(common prefix, prompt length - 1)`: the prompt's last token
+- a match is `min(common prefix, prompt length - 1)` (the rule matching.py shares
+  with active reuse): the prompt's last token
   always runs through the model, so every request samples from fresh logits;
 - the longest match wins, ties go to the most recently used entry;
 - a clone the backend refuses leaves its entry in place: the next candidate is
@@ -18,20 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common prefix, by slice comparisons (C speed on long prompts)."""
-    n = min(len(a), len(b))
-    if list(a[:n]) == list(b[:n]):
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if list(a[lo:mid]) == list(b[lo:mid]):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+from server.engine.matching import Source, ranked_matches
 
 
 @dataclass
@@ -61,13 +49,9 @@ class PrefixCache:
 
     def lookup(self, prompt: Sequence[int]) -> list[CacheMatch]:
         """Usable matches, best first: longest, then most recently used."""
-        found = []
-        for recency, entry in enumerate(self._entries.values()):
-            upto = min(common_prefix(entry.tokens, prompt), len(prompt) - 1)
-            if upto >= self.min_tokens:
-                found.append((upto, recency, entry))
-        found.sort(key=lambda f: (f[0], f[1]), reverse=True)
-        return [CacheMatch(entry, upto) for upto, _, entry in found]
+        sources = (Source.entry(key, key, stamp) for stamp, key in enumerate(self._entries))
+        return [CacheMatch(self._entries[m.key], m.upto) for m in ranked_matches(prompt, sources)
+                if m.upto >= self.min_tokens]
 
     def best(self, prompt: Sequence[int]) -> int:
         matches = self.lookup(prompt)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from server.engine.api import DoneEvent, GenerateRequest, ReuseSource, TokenEvent, Usage
+from server.engine.follow import Following
 from server.engine.sessions import NamedSession
 
 
@@ -81,6 +82,15 @@ class Request:
     generated: int = 0
     ending: str | None = None  # "cancelled" or "stop": asked for, runner not yet done
     expiry: asyncio.TimerHandle | None = None
+    # active reuse and following (reuse.py)
+    cached_match: int = 0  # the best prefix-cache match when its reuse was decided
+    clone_upto: int = 0  # CLONING: what the donor clone will hold
+    following: Following | None = None  # FOLLOWING: whom, up to where, until when
+    registered: bool = False  # its follow order is with the runner
+    follow_timer: asyncio.TimerHandle | None = None
+    first_parked_at: float = 0.0  # the follow deadline runs from here, across re-parks
+    no_follow: bool = False  # a failed or expired follow: the seed's path from then on
+    landed: tuple[Any, int] | None = None  # (session, tokens) a follow clone gave it, until it has a slot
     decision: dict[str, Any] = field(default_factory=dict)  # reuse decision and its inputs, for the log line
     submitted_at: float = field(default_factory=time.monotonic)
     admitted_at: float = 0.0

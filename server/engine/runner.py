@@ -9,6 +9,10 @@ Design rules:
 - a capture (a clone at prompt length) runs right after the last prefill chunk
   and before the first decode writes: a decode would overwrite what a sliding
   layer's snapshot needs;
+- a follower's clone order is served the moment its donor has committed the
+  target (the donor's chunk stops there), before the donor writes again;
+- a donor that leaves hands what it committed to the follower that salvages
+  most (follow.promote), cloned before its state is released;
 - a backend call that fails is retried request by request, so one bad request
   fails alone and never loses another's output.
 """
@@ -24,6 +28,7 @@ from typing import Any, Callable
 
 from backends.base import Backend, CloneRefused, Sampled, SamplerState, SamplingParams, Session
 from server.engine import messages as m
+from server.engine.follow import Following, chunk_end, promote
 from server.engine.scheduler import Running, plan_step
 
 log = logging.getLogger("kvfork.engine")
@@ -56,6 +61,7 @@ class Runner:
         self._notify = notify
         self._wake = threading.Event()
         self._slots: dict[int, _Slot] = {}
+        self._orders: dict[int, list[m.CloneDonor]] = {}  # donor rid -> followers' clone orders
         self._rotation: int | None = None
         self._stopping = False
         self._backend_s = 0.0
@@ -105,6 +111,7 @@ class Runner:
             if isinstance(command, m.Start):
                 self._start(command)
             elif isinstance(command, (m.Cancel, m.Finish)):
+                self._drop_orders_of(command.rid)
                 slot = self._slots.get(command.rid)
                 if slot is not None:
                     self._end(slot, "cancelled" if isinstance(command, m.Cancel) else "stop")
@@ -117,6 +124,7 @@ class Runner:
                 for slot in list(self._slots.values()):
                     self._end(slot, "cancelled")
                 self._stopping = True
+        self._serve_orders()
         if self.events:
             self._notify()
 
@@ -143,32 +151,78 @@ class Runner:
     def _clone_donor(self, command: m.CloneDonor) -> None:
         donor = self._slots.get(command.donor)
         if donor is None:
-            self.events.append(m.CloneDone(command.rid, None, "donor_gone"))
-            return
+            self.events.append(m.CloneDone(command.rid, None, reason="donor_gone"))
+        elif command.wait and donor.session.position < command.upto:
+            self._orders.setdefault(command.donor, []).append(command)
+        else:
+            self._clone_for(command.rid, donor, command.upto)
+
+    def _clone_for(self, rid: int, donor: _Slot, upto: int, refused_reason: str | None = None) -> None:
+        t0 = time.perf_counter()
         try:
-            session = self._timed(self.backend.clone, donor.session, command.upto)
-            self.events.append(m.CloneDone(command.rid, session))
+            session = self._timed(self.backend.clone, donor.session, upto)
+            self.events.append(m.CloneDone(rid, session, upto, seconds=time.perf_counter() - t0))
         except CloneRefused as refusal:
-            self.events.append(m.CloneDone(command.rid, None, refusal.reason))
+            self.events.append(m.CloneDone(rid, None, reason=refused_reason or refusal.reason))
         except Exception as exc:
-            log.warning("clone for request %d failed: %s", command.rid, exc)
-            self.events.append(m.CloneDone(command.rid, None, "error"))
+            log.warning("clone for request %d failed: %s", rid, exc)
+            self.events.append(m.CloneDone(rid, None, reason=refused_reason or "error"))
+
+    def _serve_orders(self) -> None:
+        for donor_rid, orders in list(self._orders.items()):
+            donor = self._slots[donor_rid]
+            due = [o for o in orders if o.upto <= donor.session.position]
+            for order in due:
+                orders.remove(order)
+                self._clone_for(order.rid, donor, order.upto)
+            if not orders:
+                del self._orders[donor_rid]
+
+    def _drop_orders_of(self, rid: int) -> None:
+        for orders in self._orders.values():
+            orders[:] = [o for o in orders if o.rid != rid]
+
+    def _hand_over(self, slot: _Slot, usable: bool) -> None:
+        """A donor with followers waiting is leaving: its heir gets what it committed, the rest plan again."""
+        orders = self._orders.pop(slot.start.rid, [])
+        if not orders:
+            return
+        committed = min(slot.session.position, len(slot.start.prompt))
+        parked = [Following(o.rid, o.donor, o.upto, o.order, float("inf")) for o in orders]
+        promotion = promote(slot.start.rid, committed, parked, usable)
+        for order in orders:
+            if order.rid == promotion.heir:
+                self._clone_for(order.rid, slot, promotion.upto, refused_reason="leader_gone")
+            else:
+                self.events.append(m.CloneDone(order.rid, None, reason="leader_gone"))
 
     # ---- one step ----
 
     def _step(self) -> None:
         t0, self._backend_s = time.perf_counter(), 0.0
-        plan = plan_step([Running(rid, s.prefill_left) for rid, s in self._slots.items()],
+        plan = plan_step([Running(rid, s.prefill_left, self._prefill_cap(s)) for rid, s in self._slots.items()],
                          self.max_batch_tokens, self.prefill_chunk, self._rotation)
         self._rotation = plan.last_prefilled
         if plan.decode:
             self._guarded([self._slots[rid] for rid in plan.decode], self._decode)
+        prefill_s = 0.0
         if plan.prefill:
             chunks = dict(plan.prefill)
+            before = self._backend_s
             self._guarded([self._slots[rid] for rid, _ in plan.prefill], lambda slots: self._prefill(slots, chunks))
+            prefill_s = self._backend_s - before
+        self._serve_orders()
         committed = {rid: s.session.position for rid, s in self._slots.items()}
         self._publish(m.StepStats(committed, self.backend.live_sessions(), self.backend.total_bytes(),
-                                  time.perf_counter() - t0, self._backend_s))
+                                  time.perf_counter() - t0, self._backend_s,
+                                  sum(n for _, n in plan.prefill), prefill_s))
+
+    def _prefill_cap(self, slot: _Slot) -> int | None:
+        orders = self._orders.get(slot.start.rid)
+        if not orders:
+            return None
+        at = slot.session.position
+        return chunk_end(at, at + slot.prefill_left, (o.upto for o in orders)) - at
 
     def _guarded(self, slots: list[_Slot], run: Callable[[list[_Slot]], None]) -> None:
         try:
@@ -217,8 +271,7 @@ class Runner:
             self.events.append(m.Captured(slot.start.rid, prompt, None))
 
     def _accept(self, slot: _Slot, pick: Sampled) -> None:
-        slot.generated += 1
-        slot.sampler.output.append(pick.token)
+        slot.generated += 1  # the backend's sampler has appended the token to `sampler.output`
         if pick.token in slot.start.stop_ids:
             self._end(slot, "stop")
             return
@@ -228,6 +281,7 @@ class Runner:
             self._end(slot, "length")
 
     def _end(self, slot: _Slot, reason: str, error: str | None = None) -> None:
+        self._hand_over(slot, usable=reason != "error")
         del self._slots[slot.start.rid]
         kept, held = None, []
         if slot.start.keep_session and reason != "error":

@@ -49,6 +49,10 @@ class NamedSessions:
         """Tokens held by sessions no request is using (busy ones are counted by their request)."""
         return sum(len(r.tokens) for r in self._table.values() if not r.busy)
 
+    def holding(self) -> int:
+        """How many sessions hold KV state."""
+        return sum(1 for r in self._table.values() if r.session is not None)
+
     def get(self, name: str) -> NamedSession | None:
         return self._table.get(name)
 

@@ -1,0 +1,207 @@
+"""Active prefix reuse and following, on the control loop.
+
+When an anonymous request gets a slot, `place` asks the pure policy
+(follow.plan, over matching.choose_reuse) where it starts from:
+- the seed's choice: clone what the best donor has committed NOW (one attempt,
+  the recipient holding its slot meanwhile), the prefix cache, or nothing;
+- or follow (unless --no-follow): park without a slot, the runner clones
+  `[0, target)` from the leader the moment the leader has committed it, and the
+  follower then takes the next free slot ahead of the queue and prefills its tail.
+Every failure (refused clone, donor or leader gone) sends the request back to
+the head of the queue: the normal admission path, with a fresh cache lookup.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from server.engine import messages as m
+from server.engine.follow import FollowPolicy, Following, Leader, Plan, leader_views, plan
+from server.engine.matching import Recipient, Source
+from server.engine.rates import RateTracker
+from server.engine.request import Phase, Request
+
+if TYPE_CHECKING:
+    from server.engine.engine import Engine
+
+
+class Reuse:
+    def __init__(self, engine: "Engine"):
+        self.engine = engine
+        self.rates = RateTracker()
+        self.followers: dict[int, Request] = {}  # parked, in park order
+        windows = [layer.window for layer in engine.info.layers if layer.kind == "sliding"]  # type: ignore[union-attr]
+        self.window = min(windows) if windows else None
+
+    @property
+    def enabled(self) -> bool:
+        return self.engine.config.active_prefix_reuse_min_tokens > 0
+
+    # ---- admission ----
+
+    def place(self, r: Request) -> None:
+        """`r` holds a slot: start it, clone for it, or park it behind a leader."""
+        engine = self.engine
+        if r.landed is not None:  # its clone landed while it was parked
+            session, upto = r.landed
+            r.landed = None
+            engine._start(r, resume=session, resume_at=upto)
+            return
+        if r.named is not None or not self.enabled:
+            engine._start(r)
+            return
+        decided = self._plan(r)
+        if decided.follow:
+            engine._admission.free_slot(r)  # type: ignore[union-attr]
+            engine._admission.free_capture_slot(r)  # type: ignore[union-attr]
+            self._park(r, decided)
+        elif decided.now.kind == "donor":
+            r.phase, r.clone_upto = Phase.CLONING, decided.now.upto
+            engine._runner.send(m.CloneDonor(r.rid, decided.now.donor, decided.now.upto))  # type: ignore
+        else:
+            engine._start(r)
+
+    def arrived(self, r: Request) -> None:
+        """`r` has to wait for a slot: if it would follow a leader, it parks now (holding no slot)."""
+        if self.enabled and r.named is None and not self.engine.config.no_follow:
+            decided = self._plan(r)
+            if decided.follow:
+                self.engine._admission.queue.remove(r)  # type: ignore[union-attr]
+                self._park(r, decided)
+
+    def _plan(self, r: Request) -> Plan:
+        engine, config = self.engine, self.engine.config
+        now = time.monotonic()
+        cached = engine._admission.cache.best(r.prompt)  # type: ignore[union-attr]
+        waited = now - r.first_parked_at if r.first_parked_at else 0.0
+        policy = FollowPolicy(config.active_prefix_reuse_min_tokens, follow=not (config.no_follow or r.no_follow),
+                              max_wait_s=max(0.0, config.follow_max_wait - waited))
+        prefilling = self.prefilling()
+        decided = plan(Recipient(r.rid, r.prompt), self._leaders(r), cached, self.rates.rates, policy, prefilling)
+        r.decision = decided.log_fields()
+        engine.metrics.follow.inc(choice=decided.reason)
+        r.cached_match = cached
+        return decided
+
+    def prefilling(self) -> int:
+        return sum(1 for x in self.engine._requests.values()
+                   if x.phase in (Phase.STARTING, Phase.RUNNING) and x.committed < len(x.prompt))
+
+    def _leaders(self, r: Request) -> list[Leader]:
+        rates = self.rates.rates
+        # a leader prefills at its share of the rate; a follower does not compete with it
+        tps = rates.share(self.prefilling())
+        below = self._followers_below(r)
+        active = []
+        for x in self.engine._requests.values():
+            if x is r or x.rid in below or x.ending:  # a request on its way out gives nothing
+                continue
+            if x.phase in (Phase.STARTING, Phase.RUNNING):
+                floor = x.committed - 1 if self.window is not None and x.committed > self.window else 0
+                active.append(Leader.active(Source.donor(x.rid, x.prompt, x.committed_prompt, x.rid,
+                                                         clone_floor=floor), tps))
+            elif x.phase is Phase.CLONING or x.landed is not None:
+                at = x.clone_upto if x.phase is Phase.CLONING else x.landed[1]  # type: ignore[index]
+                after = rates.clone_s(at) if x.phase is Phase.CLONING else 0.0
+                active.append(Leader.starting(Source.donor(x.rid, x.prompt, 0, x.rid), at, after, tps))
+        parked = [(f.following, Source.donor(f.rid, f.prompt, 0, f.rid)) for f in self.followers.values()
+                  if f.rid not in below and f is not r]
+        return leader_views(active, parked, rates, tps)  # type: ignore[arg-type]
+
+    def _followers_below(self, r: Request) -> set[int]:
+        """Everyone following `r`, directly or down a chain: never a leader for `r`."""
+        below, grew = {r.rid}, True
+        while grew:
+            grew = False
+            for f in self.followers.values():
+                if f.rid not in below and f.following.leader in below:  # type: ignore[union-attr]
+                    below.add(f.rid)
+                    grew = True
+        return below - {r.rid}
+
+    def _park(self, r: Request, decided: Plan) -> None:
+        engine, now = self.engine, time.monotonic()
+        r.phase = Phase.FOLLOWING
+        r.first_parked_at = r.first_parked_at or now
+        r.following = Following.park(r.rid, decided, r.rid, r.first_parked_at, engine.config.follow_max_wait)
+        self.followers[r.rid] = r
+        loop = engine._loop
+        r.follow_timer = loop.call_later(max(0.0, r.following.deadline - now), self._expired, r.rid)
+        if r.expiry is not None:
+            r.expiry.cancel()  # followers wait under the same queue timeout as anyone
+        r.expiry = loop.call_later(max(0.0, r.submitted_at + engine.config.queue_timeout - now), engine._expire, r.rid)
+        lead = engine._requests.get(decided.leader)  # type: ignore[arg-type]
+        if lead is not None and lead.phase in (Phase.STARTING, Phase.RUNNING):
+            self._register(r)
+
+    def _register(self, f: Request) -> None:
+        f.registered = True
+        order = f.following
+        self.engine._runner.send(m.CloneDonor(f.rid, order.leader, order.target, wait=True, order=order.order))  # type: ignore
+
+    def started(self, r: Request) -> None:
+        """`r` was handed to the runner: the clone orders of its followers can go there now."""
+        for f in self.followers.values():
+            if f.following.leader == r.rid and not f.registered:  # type: ignore[union-attr]
+                self._register(f)
+
+    # ---- outcomes ----
+
+    def clone_done(self, r: Request, ev: m.CloneDone) -> None:
+        engine, metrics = self.engine, self.engine.metrics
+        metrics.clone("donor", [ev.reason] if ev.session is None and ev.reason != "leader_gone" else [],
+                      ev.session is not None)
+        if ev.session is not None:
+            self.rates = self.rates.observe_clone(ev.upto, ev.seconds)
+            r.reuse_source = "donor"
+            metrics.donor_saved.inc(max(0, ev.upto - r.cached_match))
+        if r.phase is Phase.CLONING:
+            if ev.session is None:
+                r.decision["clone_refused"] = ev.reason
+                engine._start(r)  # the normal path, with a fresh prefix cache lookup
+            else:
+                engine._start(r, resume=ev.session, resume_at=ev.upto)
+            return
+        r.registered = False  # the runner has dealt with its order
+        self._unpark(r)
+        if ev.session is not None:
+            r.landed = (ev.session, ev.upto)
+        elif ev.reason != "leader_gone":
+            r.decision["clone_refused"] = ev.reason
+            r.no_follow = True  # the seed's path from here on
+        engine._admission.requeue(r)  # type: ignore[union-attr]
+
+    def gone(self, r: Request) -> None:
+        """`r` is done on the loop: a parked `r` drops its order; requests parked behind it plan again."""
+        if self.followers.pop(r.rid, None) is not None:
+            self._stop_following(r)
+        orphans = [f for f in self.followers.values() if f.following.leader == r.rid and not f.registered]  # type: ignore
+        for f in orphans:  # back to the queue, in arrival order: they plan again when admitted
+            self._unpark(f)
+            self.engine._admission.requeue(f)  # type: ignore[union-attr]
+
+    def _expired(self, rid: int) -> None:
+        f = self.followers.get(rid)
+        if f is None:
+            return
+        self._unpark(f)
+        f.decision["follow_expired"] = True
+        f.no_follow = True
+        self.engine._admission.requeue(f)  # type: ignore[union-attr]
+        self.engine._admit()
+
+    def _unpark(self, f: Request) -> None:
+        self.followers.pop(f.rid, None)
+        self._stop_following(f)
+        f.phase = Phase.QUEUED
+
+    def _stop_following(self, f: Request) -> None:
+        if f.follow_timer is not None:
+            f.follow_timer.cancel()
+        if f.registered and f.phase is Phase.FOLLOWING:
+            self.engine._runner.send(m.Cancel(f.rid))  # type: ignore[union-attr]  (drops its clone order)
+        f.following, f.registered = None, False
+
+    def step(self, stats: m.StepStats) -> None:
+        self.rates = self.rates.observe_prefill(stats.prefill_tokens, stats.prefill_s)
