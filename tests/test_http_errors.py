@@ -195,7 +195,7 @@ async def test_no_input_yields_a_500(daemon, http):
 
 async def test_health_is_503_once_the_runner_has_died(tiny_model_dir, http):
     backend = ScriptedBackend()
-    backend.fail = lambda kind, sessions: kind == "load"
+    backend.fail = lambda kind, sessions, inputs: kind == "load"
     async with serving(tiny_model_dir("llama"), backend, load=False) as d:
         with pytest.raises(RuntimeError):
             await d.load()

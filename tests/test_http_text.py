@@ -34,7 +34,7 @@ def replying(tokenizer: PromptTokenizer, text: str, fail_after: int | None = Non
         k = len(sequence) - len(prompt)
         return reply[k] if 0 <= k < len(reply) else EOS
 
-    def fails(kind: str, sessions) -> bool:
+    def fails(kind: str, sessions, inputs) -> bool:
         return kind == "decode" and any(s.tokens[:len(prompt)] == prompt and s.position >= len(prompt) + fail_after
                                         for s in sessions)
 
