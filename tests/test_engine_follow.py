@@ -6,7 +6,6 @@ import pytest
 
 from engine_harness import collect, prompt_of, reached, request, settled, start_engine
 from scripted_backend import Gate, ScriptedBackend
-from server.engine.api import TokenEvent
 
 S, T = 200, 5
 SHARED = prompt_of(S, start=3)
