@@ -121,6 +121,7 @@ class Runner:
                 for session in command.sessions:
                     self.backend.release(session)
             elif isinstance(command, m.Stop):
+                self._orders = CloneOrders()  # nobody is left to hand anything over to
                 for slot in list(self._slots.values()):
                     self._end(slot, "cancelled")
                 self._stopping = True
