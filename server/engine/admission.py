@@ -37,7 +37,10 @@ class Admission:
         self.captures_in_use = 0
 
     def check(self, req: GenerateRequest, waiting: int) -> tuple[int, int]:
-        """Turn away what can never run or cannot wait; else (max_tokens as clamped, bytes to reserve)."""
+        """Turn away what can never run or cannot wait; else (max_tokens as clamped, bytes to reserve).
+
+        `waiting`: the queue and the parked followers, who count against --max-queue alike.
+        """
         n, context = len(req.prompt), self.config.max_context
         assert context is not None  # resolved
         if n == 0:
@@ -53,7 +56,8 @@ class Admission:
         need = self.bytes_for(n + max_tokens)
         if fit_admission(need, 0, 0, self.budget).never:
             raise CapacityExhausted(f"the request needs {need} bytes of KV state; the budget is {self.budget}")
-        if (waiting or self.slots_used >= self.config.inference_slots) and waiting >= self.config.max_queue:
+        waits = bool(self.queue) or self.slots_used >= self.config.inference_slots
+        if waits and waiting >= self.config.max_queue:
             raise CapacityExhausted(f"{waiting} requests are already waiting")
         return max_tokens, need
 
