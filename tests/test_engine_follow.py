@@ -6,7 +6,7 @@ import pytest
 
 from engine_harness import collect, prompt_of, reached, request, settled, start_engine
 from scripted_backend import Gate, ScriptedBackend
-from server.engine.api import TokenEvent
+from server.engine.api import CapacityExhausted
 
 S, T = 200, 5
 SHARED = prompt_of(S, start=3)
@@ -175,3 +175,22 @@ async def test_races_repeated():
         assert not engine.reuse.followers
         await engine.shutdown(1)
         assert backend.live_sessions() == 0
+
+
+async def test_followers_count_against_the_queue_and_its_timeout():
+    backend = slow_prefill(ScriptedBackend())
+    engine = await start_engine(backend, **FOLLOW, inference_slots=1, max_queue=1, queue_timeout=0.2)
+    gate = backend.gates["prefill"] = Gate(lambda sessions, chunks: sessions[0].position == 64)
+    leader = engine.submit(request(PROMPTS[0], 4))
+    await reached(gate)
+    follower = engine.submit(request(PROMPTS[1], 4))
+    assert engine.reuse.followers  # parked, holding no slot
+    with pytest.raises(CapacityExhausted):
+        engine.submit(request(PROMPTS[2], 4))  # the slot is taken and the follower fills the queue
+    tokens, done = await collect(follower)  # the leader is stuck past the queue timeout
+    assert done.finish_reason == "error" and "queue-timeout" in done.error and tokens == []
+    gate.open()
+    assert (await collect(leader))[0] == backend.greedy(PROMPTS[0], 4)
+    await settled(engine, backend)
+    assert backend.live_sessions() == 0
+    await engine.shutdown(1)

@@ -89,3 +89,14 @@ async def test_seeded_sampling_replays_while_batched(tiny_model_dir):
                                    run(engine, prompt(33, seed=2), 12))
     assert batched[0][0] == alone
     await engine.shutdown(1)
+
+
+async def test_requests_beyond_the_slots_wait_their_turn_exactly(tiny_model_dir):
+    engine = await mlx_engine(tiny_model_dir("qwen3"), inference_slots=2, prefix_cache_entries=0, prefill_chunk=8)
+    prompts = [prompt(20 + i, seed=20 + i) for i in range(5)]
+    alone = [(await run(engine, p, 6))[0] for p in prompts]
+    handles = [engine.submit(request(p, 6)) for p in prompts]
+    assert len(engine._admission.queue) == 3  # two slots: the rest wait
+    together = await asyncio.gather(*(collect(h) for h in handles))
+    assert [tokens for tokens, _ in together] == alone
+    await engine.shutdown(1)

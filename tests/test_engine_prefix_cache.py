@@ -2,7 +2,7 @@
 
 import asyncio
 
-from engine_harness import collect, prompt_of, reached, request, run, settled, start_engine, stored_sessions
+from engine_harness import collect, prompt_of, reached, request, run, settled, start_engine
 from scripted_backend import Gate, ScriptedBackend
 
 

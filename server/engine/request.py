@@ -37,28 +37,33 @@ class RequestHandle:
         self.request_id = request_id
         self._events: asyncio.Queue = asyncio.Queue()
         self._on_cancel, self._on_finish = on_cancel, on_finish
+        self._ending = False  # after cancel() or finish(), no more tokens: only the DoneEvent
         self.done: DoneEvent | None = None  # set once the DoneEvent has been read
 
     def __aiter__(self) -> "RequestHandle":
         return self
 
     async def __anext__(self) -> TokenEvent | DoneEvent:
-        if self.done is not None:
-            raise StopAsyncIteration
-        event = await self._events.get()
-        if isinstance(event, DoneEvent):
-            self.done = event
-        return event
+        while self.done is None:
+            event = await self._events.get()
+            if isinstance(event, DoneEvent):
+                self.done = event
+                return event
+            if not self._ending:
+                return event
+        raise StopAsyncIteration
 
     def put(self, event: TokenEvent | DoneEvent) -> None:
         self._events.put_nowait(event)
 
     def cancel(self) -> None:
         """The client is gone: the request leaves the batch within one step."""
+        self._ending = True
         self._on_cancel()
 
     def finish(self) -> None:
         """The daemon matched a stop string: end as a normal "stop"."""
+        self._ending = True
         self._on_finish()
 
 

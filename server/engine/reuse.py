@@ -80,6 +80,9 @@ class Reuse:
         prefilling = self.prefilling()
         decided = plan(Recipient(r.rid, r.prompt), self._leaders(r), cached, self.rates.rates, policy, prefilling)
         r.decision = decided.log_fields()
+        for key in ("donor", "leader"):  # name them as the client did
+            other = engine._requests.get(r.decision[key])
+            r.decision[key] = other.req.request_id if other is not None else None
         engine.metrics.follow.inc(choice=decided.reason)
         r.cached_match = cached
         return decided

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from backends.base import Backend, CloneRefused, Sampled, SamplerState, SamplingParams, Session
 from server.engine import messages as m
-from server.engine.follow import Following, chunk_end, promote
+from server.engine.clone_orders import CloneOrders
 from server.engine.scheduler import Running, plan_step
 
 log = logging.getLogger("kvfork.engine")
@@ -61,7 +61,7 @@ class Runner:
         self._notify = notify
         self._wake = threading.Event()
         self._slots: dict[int, _Slot] = {}
-        self._orders: dict[int, list[m.CloneDonor]] = {}  # donor rid -> followers' clone orders
+        self._orders = CloneOrders()
         self._rotation: int | None = None
         self._stopping = False
         self._backend_s = 0.0
@@ -111,7 +111,7 @@ class Runner:
             if isinstance(command, m.Start):
                 self._start(command)
             elif isinstance(command, (m.Cancel, m.Finish)):
-                self._drop_orders_of(command.rid)
+                self._orders.drop_recipient(command.rid)
                 slot = self._slots.get(command.rid)
                 if slot is not None:
                     self._end(slot, "cancelled" if isinstance(command, m.Cancel) else "stop")
@@ -121,6 +121,7 @@ class Runner:
                 for session in command.sessions:
                     self.backend.release(session)
             elif isinstance(command, m.Stop):
+                self._orders = CloneOrders()  # nobody is left to hand anything over to
                 for slot in list(self._slots.values()):
                     self._end(slot, "cancelled")
                 self._stopping = True
@@ -153,7 +154,7 @@ class Runner:
         if donor is None:
             self.events.append(m.CloneDone(command.rid, None, reason="donor_gone"))
         elif command.wait and donor.session.position < command.upto:
-            self._orders.setdefault(command.donor, []).append(command)
+            self._orders.add(command)
         else:
             self._clone_for(command.rid, donor, command.upto)
 
@@ -169,39 +170,25 @@ class Runner:
             self.events.append(m.CloneDone(rid, None, reason=refused_reason or "error"))
 
     def _serve_orders(self) -> None:
-        for donor_rid, orders in list(self._orders.items()):
-            donor = self._slots[donor_rid]
-            due = [o for o in orders if o.upto <= donor.session.position]
-            for order in due:
-                orders.remove(order)
-                self._clone_for(order.rid, donor, order.upto)
-            if not orders:
-                del self._orders[donor_rid]
-
-    def _drop_orders_of(self, rid: int) -> None:
-        for orders in self._orders.values():
-            orders[:] = [o for o in orders if o.rid != rid]
+        for order in self._orders.due({rid: slot.session.position for rid, slot in self._slots.items()}):
+            self._clone_for(order.rid, self._slots[order.donor], order.upto)
 
     def _hand_over(self, slot: _Slot, usable: bool) -> None:
         """A donor with followers waiting is leaving: its heir gets what it committed, the rest plan again."""
-        orders = self._orders.pop(slot.start.rid, [])
-        if not orders:
-            return
         committed = min(slot.session.position, len(slot.start.prompt))
-        parked = [Following(o.rid, o.donor, o.upto, o.order, float("inf")) for o in orders]
-        promotion = promote(slot.start.rid, committed, parked, usable)
-        for order in orders:
-            if order.rid == promotion.heir:
-                self._clone_for(order.rid, slot, promotion.upto, refused_reason="leader_gone")
-            else:
-                self.events.append(m.CloneDone(order.rid, None, reason="leader_gone"))
+        heir, upto, others = self._orders.leaving(slot.start.rid, committed, usable)
+        if heir is not None:
+            self._clone_for(heir.rid, slot, upto, refused_reason="leader_gone")
+        for order in others:
+            self.events.append(m.CloneDone(order.rid, None, reason="leader_gone"))
 
     # ---- one step ----
 
     def _step(self) -> None:
         t0, self._backend_s = time.perf_counter(), 0.0
-        plan = plan_step([Running(rid, s.prefill_left, self._prefill_cap(s)) for rid, s in self._slots.items()],
-                         self.max_batch_tokens, self.prefill_chunk, self._rotation)
+        running = [Running(rid, s.prefill_left, self._orders.prefill_cap(rid, s.session.position, s.prefill_left))
+                   for rid, s in self._slots.items()]
+        plan = plan_step(running, self.max_batch_tokens, self.prefill_chunk, self._rotation)
         self._rotation = plan.last_prefilled
         if plan.decode:
             self._guarded([self._slots[rid] for rid in plan.decode], self._decode)
@@ -216,13 +203,6 @@ class Runner:
         self._publish(m.StepStats(committed, self.backend.live_sessions(), self.backend.total_bytes(),
                                   time.perf_counter() - t0, self._backend_s,
                                   sum(n for _, n in plan.prefill), prefill_s))
-
-    def _prefill_cap(self, slot: _Slot) -> int | None:
-        orders = self._orders.get(slot.start.rid)
-        if not orders:
-            return None
-        at = slot.session.position
-        return chunk_end(at, at + slot.prefill_left, (o.upto for o in orders)) - at
 
     def _guarded(self, slots: list[_Slot], run: Callable[[list[_Slot]], None]) -> None:
         try:

@@ -1,0 +1,93 @@
+"""Engine figures, measured in process on one backend, side by side in one run:
+
+1. decode throughput (generated tokens/s over all requests) with 1, 4 and 8
+   requests decoding together;
+2. the engine's own overhead per runner step: step time outside the backend
+   calls, as a share of the step time, from the runner's step counters.
+
+    python -m tools.engine_bench [--model FOLDER] [--backend mlx] [--tokens 64]
+
+Prompts are distinct and the prefix cache is off, so every request prefills
+and decodes in full. Decode is timed from the moment every request has its
+first token to the moment the last one ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+from backends import create_backend
+from backends.base import SamplingParams
+from server.engine.api import GenerateRequest, TokenEvent
+from server.engine.config import EngineConfig
+from server.engine.engine import Engine
+from server.metrics import Registry
+from tools.fetch_model import default_model_dir
+
+
+async def decode_round(engine: Engine, concurrent: int, prompt_len: int, tokens: int, seed: int) -> dict:
+    prompts = [[(seed * 7919 + i * 104729 + j * 31) % 30000 + 100 for j in range(prompt_len)]
+               for i in range(concurrent)]
+    handles = [engine.submit(GenerateRequest(f"b{seed}-{i}", p, SamplingParams(), tokens, ignore_eos=True))
+               for i, p in enumerate(prompts)]
+    first: list[float] = []
+    counts = [0] * concurrent
+    stamps: list[list[float]] = [[] for _ in range(concurrent)]
+
+    async def read(i: int) -> None:
+        async for event in handles[i]:
+            if isinstance(event, TokenEvent):
+                counts[i] += 1
+                stamps[i].append(time.perf_counter())
+                if counts[i] == 1:
+                    first.append(stamps[i][-1])
+
+    m = engine.metrics
+    await asyncio.gather(*(read(i) for i in range(concurrent)))
+    start, end = max(first), max(s[-1] for s in stamps)
+    decoded = sum(sum(1 for t in s if t > start) for s in stamps)
+    return {"concurrent": concurrent, "decode_tokens": decoded, "decode_s": round(end - start, 4),
+            "decode_tps": round(decoded / (end - start), 1), "steps": m.steps.get()}
+
+
+async def measure(args: argparse.Namespace) -> dict:
+    backend = create_backend(args.backend)
+    config = EngineConfig(prefix_cache_entries=0, kv_budget_bytes=8 << 30, max_tokens=args.tokens)
+    engine = Engine(backend, args.model, args.dtype, config, Registry())
+    await engine.start()
+    await decode_round(engine, 1, args.prompt, 8, seed=0)  # warm-up: kernels compile
+    rows = []
+    for round_ in range(args.repeat):
+        for concurrent in (1, 4, 8):
+            m = engine.metrics
+            before = (m.steps.get(), m.step_seconds.get(), m.backend_seconds.get())
+            row = await decode_round(engine, concurrent, args.prompt, args.tokens, seed=1 + round_ * 10 + concurrent)
+            steps, step_s, backend_s = (a - b for a, b in zip((m.steps.get(), m.step_seconds.get(),
+                                                                m.backend_seconds.get()), before))
+            row.update(steps=int(steps), step_ms=round(1000 * step_s / steps, 3),
+                       overhead_us_per_step=round(1e6 * (step_s - backend_s) / steps, 1),
+                       overhead_share=round((step_s - backend_s) / step_s, 4))
+            rows.append(row)
+    await engine.shutdown(5)
+    return {"model": args.model, "backend": args.backend, "dtype": engine.info.dtype, "device": engine.info.device,
+            "prompt_tokens": args.prompt, "max_tokens": args.tokens, "rounds": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=str(default_model_dir()))
+    parser.add_argument("--backend", default="mlx")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
+    parser.add_argument("--repeat", type=int, default=2)
+    args = parser.parse_args(argv)
+    print(json.dumps(asyncio.run(measure(args)), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
