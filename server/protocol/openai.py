@@ -129,9 +129,11 @@ class ToolCallOut(Struct):
     type: str = "function"
 
 
-class AssistantMessage(Struct):
+class AssistantMessage(Struct, omit_defaults=True):
+    """`role` and `content` always (content null beside tool calls); the rest when there is some."""
+
+    role: Literal["assistant"]
     content: str | None
-    role: str = "assistant"
     reasoning_content: str | None = None
     tool_calls: list[ToolCallOut] | None = None
 

@@ -65,7 +65,7 @@ def template_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def assistant_message(output: ChatOutput) -> AssistantMessage:
     calls = [ToolCallOut(c.id, FunctionCall(c.name, c.arguments)) for c in output.tool_calls]
     content = output.content if output.content or not calls else None
-    return AssistantMessage(content, reasoning_content=output.reasoning or None, tool_calls=calls or None)
+    return AssistantMessage("assistant", content, reasoning_content=output.reasoning or None, tool_calls=calls or None)
 
 
 def finish_reason(reason: str, has_calls: bool) -> str:

@@ -43,12 +43,11 @@ class PromptTokenizer:
 
     async def chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        return await self.encode_rendered(await self.render_chat(messages, tools, template_kwargs))
+        return await self._run(_size(messages, tools), self.encode_chat, messages, tools, template_kwargs or {})
 
     async def render_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
                           template_kwargs: dict[str, Any] | None = None) -> str:
-        size = sum(len(str(m.get("content") or "")) for m in messages) + len(str(tools or ""))
-        return await self._run(size, self.render, messages, tools, template_kwargs or {})
+        return await self._run(_size(messages, tools), self.render, messages, tools, template_kwargs or {})
 
     async def encode_rendered(self, text: str) -> list[int]:
         """Rendered chat text (or a piece of it) as ids, special tokens as the text writes them."""
@@ -56,6 +55,10 @@ class PromptTokenizer:
 
     async def text(self, text: str) -> list[int]:
         return await self._run(len(text), self.encode_text, text)
+
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None,
+                    template_kwargs: dict[str, Any]) -> list[int]:
+        return self.encode_rendered_text(self.render(messages, tools, template_kwargs))
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict] | None,
                template_kwargs: dict[str, Any]) -> str:
@@ -89,3 +92,7 @@ class PromptTokenizer:
         if size <= _OFF_LOOP_CHARS:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+
+def _size(messages: list[dict[str, Any]], tools: list[dict] | None) -> int:
+    return sum(len(str(m.get("content") or "")) for m in messages) + len(str(tools or ""))
