@@ -56,8 +56,9 @@ class ChatOutputParser:
         self.tool_parser = tool_parser
         self.reasoning = reasoning
         self.prompt_suffix = forced  # appended to the prompt; the reply continues from inside it
-        if forced:
-            assert tool_parser is not None and not tool_parser.feed(forced)
+        if forced:  # the parser reads the forced opening as the start of the reply (it yields nothing yet)
+            assert tool_parser is not None
+            tool_parser.feed(forced)
 
     def feed(self, text: str) -> list[Event]:
         return self._tools(self.reasoning.feed(text) if self.reasoning else [TextDelta(text)], final=False)
