@@ -20,10 +20,12 @@ from server.errors import ApiError, from_engine
 from server.protocol.anthropic import error_body
 from server.routes import chat, completions, messages, models, sessions
 from server.routes.common import json_response
+from server.sse import CLIENT_GONE
 from server.state import STATE, AppState
 
 log = logging.getLogger("kvfork.http")
 
+CLIENT_CLOSED = "499"  # nginx's "client closed request", for the metrics
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
 
 
@@ -60,12 +62,15 @@ def _middlewares(state: AppState, requests_total) -> list:
             response = _error_response(_api_error(e), request.path)
         except ApiError as e:
             response = _error_response(e, request.path)
-        except (asyncio.CancelledError, ConnectionError):  # the client went away; aiohttp drops it quietly
-            requests_total.inc(route=route, status="499")  # nginx's "client closed request"
+        except asyncio.CancelledError:  # the client went away (handler_cancellation)
+            requests_total.inc(route=route, status=CLIENT_CLOSED)
             raise
+        except ConnectionError:  # the client went away under a write; answering is moot, aiohttp drops it
+            request[CLIENT_GONE] = True
+            response = web.Response(status=499)
         except Exception as e:
             response = _error_response(_api_error(e), request.path)
-        requests_total.inc(route=route, status=str(response.status))
+        requests_total.inc(route=route, status=CLIENT_CLOSED if request.get(CLIENT_GONE) else str(response.status))
         return response
 
     @web.middleware

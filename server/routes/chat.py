@@ -130,34 +130,31 @@ async def handle(request: web.Request) -> web.StreamResponse:
 
 async def _stream(request: web.Request, state: AppState, body: ChatCompletionRequest, chat: PreparedChat,
                   reply: "_Reply"):
-    stream = EventStream(request)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     calls = False
-    async with generation(state.engine, chat.generate, reply.tokenizer, chat.stops,
-                          keepalive_s=state.config.sse_keepalive) as events:
-        await stream.open()
+    async with (generation(state.engine, chat.generate, reply.tokenizer, chat.stops,
+                           keepalive_s=state.config.sse_keepalive) as events,
+                EventStream(request) as stream):
         await stream.send(reply.chunk(Delta(role="assistant", content="")))
-        async with stream.reporting_errors():
-            async for event in events:
-                if isinstance(event, KeepAlive):
-                    await stream.keep_alive()
-                elif isinstance(event, Piece):
-                    logprobs = reply.logprobs_of(event)
-                    out = deltas(chat.parser.feed(event.text)) or ([Delta(content="")] if logprobs else [])
-                    for i, delta in enumerate(out):  # the piece's logprobs ride on its first chunk
-                        calls = calls or bool(delta.tool_calls)
-                        await stream.send(reply.chunk(delta, logprobs=logprobs if i == 0 else None))
-                    await stream.keep_alive_if_quiet(state.config.sse_keepalive)
-                elif isinstance(event, Finished):
-                    for delta in deltas(chat.parser.finish()):
-                        calls = calls or bool(delta.tool_calls)
-                        await stream.send(reply.chunk(delta))
-                    reason = finish_reason(event.finish_reason, calls)
-                    await stream.send(reply.chunk(Delta(), finish_reason=reason))
-                    if include_usage:
-                        await stream.send(ChatCompletionChunk(reply.rid, reply.created, reply.model, [],
-                                                              usage_info(event.usage)))
-    return await stream.close()
+        async for event in events:
+            if isinstance(event, KeepAlive):
+                await stream.keep_alive()
+            elif isinstance(event, Piece):
+                logprobs = reply.logprobs_of(event)
+                out = deltas(chat.parser.feed(event.text)) or ([Delta(content="")] if logprobs else [])
+                for i, delta in enumerate(out):  # the piece's logprobs ride on its first chunk
+                    calls = calls or bool(delta.tool_calls)
+                    await stream.send(reply.chunk(delta, logprobs=logprobs if i == 0 else None))
+                await stream.keep_alive_if_quiet(state.config.sse_keepalive)
+            elif isinstance(event, Finished):
+                for delta in deltas(chat.parser.finish()):
+                    calls = calls or bool(delta.tool_calls)
+                    await stream.send(reply.chunk(delta))
+                await stream.send(reply.chunk(Delta(), finish_reason=finish_reason(event.finish_reason, calls)))
+                if include_usage:
+                    await stream.send(ChatCompletionChunk(reply.rid, reply.created, reply.model, [],
+                                                          usage_info(event.usage)))
+    return stream.response
 
 
 class _Reply:

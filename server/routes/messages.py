@@ -81,29 +81,27 @@ class MessagesEventStream(EventStream):
     async def keep_alive(self) -> None:
         await self.send(Ping())
 
-    async def close(self) -> web.StreamResponse:
+    async def finish(self) -> None:
         await self.response.write_eof()
-        return self.response
 
 
 async def _stream(request: web.Request, state: AppState, chat: PreparedChat, rid: str) -> web.StreamResponse:
-    stream, reply = MessagesEventStream(request), MessageStream(rid, chat.model)
-    async with generation(state.engine, chat.generate, state.require_ready(), chat.stops,
-                          keepalive_s=state.config.sse_keepalive) as events:
-        await stream.open()
+    reply = MessageStream(rid, chat.model)
+    async with (generation(state.engine, chat.generate, state.require_ready(), chat.stops,
+                           keepalive_s=state.config.sse_keepalive) as events,
+                MessagesEventStream(request) as stream):
         for out in reply.start(len(chat.prompt)):
             await stream.send(out)
-        async with stream.reporting_errors():
-            async for event in events:
-                if isinstance(event, KeepAlive):
-                    await stream.keep_alive()
-                elif isinstance(event, Piece):
-                    for out in reply.events(chat.parser.feed(event.text)):
-                        await stream.send(out)
-                    await stream.keep_alive_if_quiet(state.config.sse_keepalive)
-                elif isinstance(event, Finished):
-                    used = usage(event.usage.prompt_tokens, event.usage.reused_tokens, event.usage.generated_tokens)
-                    for out in reply.events(chat.parser.finish()) + reply.finish(event.finish_reason,
-                                                                                 event.stop_string, used):
-                        await stream.send(out)
-    return await stream.close()
+        async for event in events:
+            if isinstance(event, KeepAlive):
+                await stream.keep_alive()
+            elif isinstance(event, Piece):
+                for out in reply.events(chat.parser.feed(event.text)):
+                    await stream.send(out)
+                await stream.keep_alive_if_quiet(state.config.sse_keepalive)
+            elif isinstance(event, Finished):
+                used = usage(event.usage.prompt_tokens, event.usage.reused_tokens, event.usage.generated_tokens)
+                for out in reply.events(chat.parser.finish()) + reply.finish(event.finish_reason,
+                                                                             event.stop_string, used):
+                    await stream.send(out)
+    return stream.response
