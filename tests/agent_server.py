@@ -29,6 +29,7 @@ REPLIES = {
     "forced": CALL,
     "forced broken": "<tool_call>\n{not json}\n</tool_call>",
     "say stop": "one two STOP three",
+    "go on": "and on " * 1500,  # longer than any test lets a request run
     "no think": "<think>\n\n</think>\n\nNo thinking.",  # the template closed the block (enable_thinking false)
 }
 

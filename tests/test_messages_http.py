@@ -11,7 +11,7 @@ import anthropic
 import pytest
 
 from agent_server import CLAUDE_TOOL, WEATHER, agent_model, claude, daemon, oai, reply, user  # noqa: F401
-from http_daemon import serving
+from http_daemon import metrics, serving, until
 from scripted_replies import scripted
 
 
@@ -131,6 +131,23 @@ async def test_messages_bearer_key_and_error_mid_stream(daemon):
             async for _ in stream:
                 pass
     assert caught.value.body["type"] == "error" and "generation failed" in caught.value.body["error"]["message"]
+
+
+async def test_messages_stream_hang_up_cancels_the_request(daemon):
+    daemon.engine.backend.delay["decode"] = 0.002
+    headers = {"x-api-key": "sekrit"}
+    body = {"model": "tiny", "max_tokens": 3000, "messages": user("go on"), "stream": True}
+    async with aiohttp.ClientSession(headers=headers) as http:
+        async with aiohttp.ClientSession(headers=headers) as client:
+            response = await client.post(daemon.url + "/v1/messages", json=body)
+            async for line in response.content:
+                if line.startswith(b"event: content_block_delta"):
+                    break
+            response.close()  # the client goes away mid-stream
+        cancelled = 'kvfork_requests_total{finish_reason="cancelled"}'
+        seen = await until(lambda: metrics(http, daemon.url), lambda m: m.get(cancelled) == 1, "the stream cancelled")
+        assert seen["kvfork_generated_tokens_total"] < 3000
+        assert seen['kvfork_http_requests_total{route="/v1/messages",status="499"}'] == 1
 
 
 async def test_messages_no_input_yields_a_500(daemon):
