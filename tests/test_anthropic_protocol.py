@@ -259,3 +259,16 @@ def test_stop_reasons(finish, stop_sequence, reason):
     parser = ChatOutputParser()
     reply = message_reply("m1", "m", collect(parser.feed("Just text.") + parser.finish()), finish, stop_sequence, usage(3, 0, 2))
     assert (reply.stop_reason, reply.stop_sequence) == (reason, stop_sequence)
+
+
+@pytest.mark.parametrize(
+    "role, block, match",
+    [
+        ("user", {"type": "tool_use", "id": "t", "name": "ls", "input": {}}, r"^messages\[0\]: tool_use blocks belong"),
+        ("assistant", {"type": "tool_result", "tool_use_id": "t"}, r"^messages\[0\]: tool_result blocks belong"),
+    ],
+)
+def test_blocks_in_the_wrong_turn_name_the_message(role, block, match):
+    with pytest.raises(ValueError, match=match) as caught:
+        chat_request(decode({"max_tokens": 5, "messages": [{"role": role, "content": [block]}]}))
+    assert not isinstance(caught.value, UnsupportedContent)

@@ -73,7 +73,8 @@ def _user(content: str | list, index: int) -> list[dict[str, Any]]:
                 result = _parts(result)  # type: ignore[arg-type]
             out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": result})
         elif not isinstance(block, (ThinkingBlock, RedactedThinkingBlock)):
-            raise UnsupportedContent(f"messages[{index}]: {type(block).__struct_config__.tag} blocks belong to assistant messages")
+            kind = type(block).__struct_config__.tag
+            raise ValueError(f"messages[{index}]: {kind} blocks belong to assistant messages")
     if texts or not out:
         out.append({"role": "user", "content": _parts(texts)})
     return out
@@ -93,7 +94,7 @@ def _assistant(content: str | list, index: int) -> dict[str, Any]:
         elif isinstance(block, ThinkingBlock):
             thoughts.append(block.thinking)
         elif isinstance(block, ToolResultBlock):
-            raise UnsupportedContent(f"messages[{index}]: tool_result blocks belong to user messages")
+            raise ValueError(f"messages[{index}]: tool_result blocks belong to user messages")
     message: dict[str, Any] = {"role": "assistant", "content": _parts(texts) if texts or not calls else None}
     if calls:
         message["tool_calls"] = calls

@@ -47,7 +47,9 @@ class RedactedThinkingBlock(Struct, tag_field="type", tag="redacted_thinking"):
     data: str = ""
 
 
-RequestBlock = TextBlock | ImageBlock | DocumentBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+RequestBlock = (
+    TextBlock | ImageBlock | DocumentBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+)
 
 
 class Message(Struct):
@@ -197,7 +199,9 @@ class Ping(Struct, tag_field="type", tag="ping"):
     pass
 
 
-StreamEvent = MessageStart | ContentBlockStart | ContentBlockDelta | ContentBlockStop | MessageDelta | MessageStop | Ping
+StreamEvent = (
+    MessageStart | ContentBlockStart | ContentBlockDelta | ContentBlockStop | MessageDelta | MessageStop | Ping
+)
 
 
 # --- errors ---------------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ def check_tools(tools: list[dict[str, Any]] | None) -> list[str]:
     names = []
     for i, tool in enumerate(tools or ()):
         function = tool.get("function")
-        if tool.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        named = isinstance(function, dict) and isinstance(function.get("name"), str)
+        if tool.get("type") != "function" or not named:
             raise invalid(f"tools[{i}]", 'a tool is {"type": "function", "function": {"name": ..., "parameters": ...}}')
         names.append(function["name"])
     return names
