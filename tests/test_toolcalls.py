@@ -77,9 +77,17 @@ def test_hermes_arguments_as_json_string_and_parameters_key():
     assert parse_every_way(parser("hermes"), text).tool_calls == [call(0, "get_weather", {"city": "Rome"})]
 
 
+def test_hermes_list_of_calls_in_one_element():
+    text = '<tool_call>[{"name": "get_weather", "arguments": {"city": "A"}}, {"name": "get_weather"}]</tool_call>'
+    out = parse_every_way(parser("hermes"), text)
+    assert out.tool_calls == [call(0, "get_weather", {"city": "A"}), call(1, "get_weather", {})]
+
+
 @pytest.mark.parametrize(
     "body",
     [
+        '[{"name": "get_weather"}, {"nom": "x"}]',  # a list with a non-call in it
+        "[]",
         '{"name": "get_weather", "arguments": {"city": "Paris"}',  # broken JSON
         '{"arguments": {"city": "Paris"}}',  # no name
         '{"name": "get_weather", "arguments": [1, 2]}',  # arguments not an object

@@ -1,4 +1,7 @@
-"""Hermes / Qwen2.5 / Qwen3 calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`."""
+"""Hermes / Qwen2.5 / Qwen3 calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+
+Some models put a JSON list of calls in one element; each must be a call.
+"""
 
 from __future__ import annotations
 
@@ -15,5 +18,6 @@ class HermesParser(MarkupToolParser):
         return "<tool_call>\n" + (f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ' if name else "")
 
     def parse_call(self, opening: str, body: str) -> list[ParsedCall] | None:
-        call = call_from_json(json_object(body.strip()))
-        return None if call is None else [call]
+        value = json_object(body.strip())
+        calls = [call_from_json(v) for v in (value if isinstance(value, list) else [value])]
+        return None if not calls or None in calls else calls  # type: ignore[return-value]
