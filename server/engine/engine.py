@@ -76,8 +76,8 @@ class Engine(Control):
         if self._runner is None or self._closing:
             return
         self._closing = True
-        for r in list(self._requests.values()):
-            if not r.holds_slot or r.phase is Phase.CLONING:
+        for r in list(self._requests.values()):  # not started yet: nothing in flight to finish
+            if r.phase in (Phase.QUEUED, Phase.FOLLOWING):
                 self._cancel(r.rid)
         await self._wait_idle(grace_s)
         for rid in list(self._requests):

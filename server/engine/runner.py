@@ -200,8 +200,8 @@ class Runner:
             prefill_s = self._backend_s - before
         self._serve_orders()
         committed = {rid: s.session.position for rid, s in self._slots.items()}
-        self._publish(m.StepStats(committed, self.backend.live_sessions(), self.backend.total_bytes(),
-                                  time.perf_counter() - t0, self._backend_s,
+        live, nbytes = self._timed(self.backend.live_sessions), self._timed(self.backend.total_bytes)
+        self._publish(m.StepStats(committed, live, nbytes, time.perf_counter() - t0, self._backend_s,
                                   sum(n for _, n in plan.prefill), prefill_s))
 
     def _guarded(self, slots: list[_Slot], run: Callable[[list[_Slot]], None]) -> None:
