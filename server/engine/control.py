@@ -160,6 +160,7 @@ class Control:
             r.reuse_source = "session" if ev.reused else None
         elif ev.clone_index is not None:
             r.reuse_source = "cache"
+            self.reuser.observe_clone(ev.reused, ev.clone_s)
             self.adm.cache.touch(r.cache_matches[ev.clone_index].entry)
         elif not ev.reused:
             r.reuse_source = None

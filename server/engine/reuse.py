@@ -159,7 +159,7 @@ class Reuse:
         metrics.clone("donor", [ev.reason] if ev.session is None and ev.reason != "leader_gone" else [],
                       ev.session is not None)
         if ev.session is not None:
-            self.rates = self.rates.observe_clone(ev.upto, ev.seconds)
+            self.observe_clone(ev.upto, ev.seconds)
             r.reuse_source = "donor"
             metrics.donor_saved.inc(max(0, ev.upto - r.cached_match))
         if r.phase is Phase.CLONING:
@@ -209,5 +209,10 @@ class Reuse:
             self.engine.runner.send(m.Cancel(f.rid))  # drops its clone order
         f.following, f.registered = None, False
 
+    # ---- measured rates, for the cost model ----
+
     def step(self, stats: m.StepStats) -> None:
         self.rates = self.rates.observe_prefill(stats.prefill_tokens, stats.prefill_s)
+
+    def observe_clone(self, tokens: int, seconds: float) -> None:
+        self.rates = self.rates.observe_clone(tokens, seconds)

@@ -130,11 +130,13 @@ class Runner:
             self._notify()
 
     def _start(self, start: m.Start) -> None:
-        session, reused, index, refused = start.resume, start.resume_at, None, []
+        session, reused, index, refused, clone_s = start.resume, start.resume_at, None, [], 0.0
         try:
             for i, (source, upto) in enumerate(start.clone_from if session is None else ()):
                 try:
+                    t0 = time.perf_counter()
                     session, reused, index = self._timed(self.backend.clone, source, upto), upto, i
+                    clone_s = time.perf_counter() - t0
                     break
                 except CloneRefused as refusal:
                     refused.append(refusal.reason)
@@ -147,7 +149,7 @@ class Runner:
             return
         sampler = SamplerState(start.sampling, prompt=start.prompt)
         self._slots[start.rid] = _Slot(start, session, sampler)
-        self.events.append(m.Started(start.rid, reused, index, refused))
+        self.events.append(m.Started(start.rid, reused, index, refused, clone_s))
 
     def _clone_donor(self, command: m.CloneDonor) -> None:
         donor = self._slots.get(command.donor)
