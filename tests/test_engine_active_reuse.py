@@ -11,7 +11,7 @@ from server.engine.api import TokenEvent
 SHARED = prompt_of(60, start=11)
 DONOR = SHARED + [7, 7, 7, 7, 7]
 RECIPIENT = SHARED + [9, 9, 9, 9, 9, 9]
-SEED_RULE = dict(active_prefix_reuse_min_tokens=8, no_follow=True, prefix_cache_entries=0, prefill_chunk=16)
+SEED_RULE = dict(active_prefix_reuse_min_tokens=8, follow=False, prefix_cache_entries=0, prefill_chunk=16)
 
 
 async def first_token(handle) -> int:

@@ -65,7 +65,7 @@ class Reuse:
 
     def arrived(self, r: Request) -> None:
         """`r` has to wait for a slot: if it would follow a leader, it parks now (holding no slot)."""
-        if self.enabled and r.named is None and not self.engine.config.no_follow:
+        if self.enabled and r.named is None and self.engine.config.follow:
             decided = self._plan(r)
             if decided.follow:
                 self.engine.adm.queue.remove(r)
@@ -76,7 +76,7 @@ class Reuse:
         now = time.monotonic()
         cached = engine.adm.cache.best(r.prompt)
         waited = now - r.first_parked_at if r.first_parked_at else 0.0
-        policy = FollowPolicy(config.active_prefix_reuse_min_tokens, follow=not (config.no_follow or r.no_follow),
+        policy = FollowPolicy(config.active_prefix_reuse_min_tokens, follow=config.follow and not r.no_follow,
                               max_wait_s=max(0.0, config.follow_max_wait - waited))
         prefilling = self.prefilling()
         decided = plan(Recipient(r.rid, r.prompt), self._leaders(r), cached, self.rates.rates, policy, prefilling)
