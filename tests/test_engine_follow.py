@@ -103,6 +103,7 @@ async def test_a_follower_past_its_wait_takes_the_seed_path():
     tokens, done = await collect(follower)
     assert tokens == backend.greedy(PROMPTS[1], 4)
     assert done.usage.reuse_source == "donor" and done.usage.reused_tokens == 64  # what was committed then
+    assert engine.metrics.follow.get(choice="follow") == 1  # it did follow first
     await collect(leader)
     await settled(engine, backend)
     await engine.shutdown(1)

@@ -80,7 +80,8 @@ class Reuse:
                               max_wait_s=max(0.0, config.follow_max_wait - waited))
         prefilling = self.prefilling()
         decided = plan(Recipient(r.rid, r.prompt), self._leaders(r), cached, self.rates.rates, policy, prefilling)
-        r.decision = decided.log_fields()
+        earlier = {k: v for k, v in r.decision.items() if k in ("clone_refused", "follow_expired")}
+        r.decision = {**decided.log_fields(), **earlier}
         for key in ("donor", "leader"):  # name them as the client did
             other = engine._requests.get(r.decision[key])
             r.decision[key] = other.req.request_id if other is not None else None
