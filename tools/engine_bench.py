@@ -3,7 +3,8 @@
 1. decode throughput (generated tokens/s over all requests) with 1, 4 and 8
    requests decoding together;
 2. the engine's own overhead per runner step: step time outside the backend
-   calls, as a share of the step time, from the runner's step counters;
+   calls, as a share of the step time, from the runner's step counters; and
+   the control loop's time on runner events per step (another thread);
 3. with --burst N: N requests sent at once that share a prompt prefix, with
    reuse off, with the seed's rule (--no-follow) and with following: TTFT,
    prompt tokens prefilled, and wall time.
@@ -95,13 +96,14 @@ async def measure(args: argparse.Namespace) -> dict:
     for round_ in range(args.repeat):
         for concurrent in (1, 4, 8):
             m = engine.metrics
-            before = (m.steps.get(), m.step_seconds.get(), m.backend_seconds.get())
+            counters = (m.steps, m.step_seconds, m.backend_seconds, m.control_seconds)
+            before = [c.get() for c in counters]
             row = await decode_round(engine, concurrent, args.prompt, args.tokens, seed=1 + round_ * 10 + concurrent)
-            steps, step_s, backend_s = (a - b for a, b in zip((m.steps.get(), m.step_seconds.get(),
-                                                                m.backend_seconds.get()), before))
+            steps, step_s, backend_s, control_s = (c.get() - b for c, b in zip(counters, before))
             row.update(steps=int(steps), step_ms=round(1000 * step_s / steps, 3),
                        overhead_us_per_step=round(1e6 * (step_s - backend_s) / steps, 1),
-                       overhead_share=round((step_s - backend_s) / step_s, 4))
+                       overhead_share=round((step_s - backend_s) / step_s, 4),
+                       control_loop_us_per_step=round(1e6 * control_s / steps, 1))
             rows.append(row)
     await engine.shutdown(5)
     return {"model": args.model, "backend": args.backend, "dtype": engine.info.dtype, "device": engine.info.device,

@@ -130,11 +130,13 @@ class Control:
     # ---- runner events ----
 
     def _drain(self) -> None:
+        t0 = time.perf_counter()
         events = self.runner.events
         while events:
             event = events.popleft()
             getattr(self, "_on_" + type(event).__name__.lower())(event)
         self._admit()
+        self.metrics.control_seconds.inc(time.perf_counter() - t0)
 
     def _on_loaded(self, ev: m.Loaded) -> None:
         self.info = ev.info
