@@ -11,7 +11,7 @@ from server.engine.api import TokenEvent
 SHARED = prompt_of(60, start=11)
 DONOR = SHARED + [7, 7, 7, 7, 7]
 RECIPIENT = SHARED + [9, 9, 9, 9, 9, 9]
-SEED_RULE = dict(active_prefix_reuse_min_tokens=8, no_follow=True, prefix_cache_entries=0, prefill_chunk=16)
+SEED_RULE = dict(active_prefix_reuse_min_tokens=8, follow=False, prefix_cache_entries=0, prefill_chunk=16)
 
 
 async def first_token(handle) -> int:
@@ -209,3 +209,23 @@ async def test_races_repeated():
         assert engine._admission.slots_used == 0 and engine._admission.reserved == 0
         await engine.shutdown(1)
         assert backend.live_sessions() == 0
+
+
+async def test_a_pending_clone_is_in_flight_work_that_shutdown_lets_finish():
+    backend = ScriptedBackend()
+    backend.delay["decode"] = 0.001
+    engine = await start_engine(backend, **SEED_RULE)
+    donor = engine.submit(request(DONOR, 100))
+    await first_token(donor)
+    gate = backend.gates["clone"] = Gate()
+    recipient = engine.submit(request(RECIPIENT, 6))
+    await reached(gate)
+    closing = asyncio.create_task(engine.shutdown(grace_s=30))
+    await asyncio.sleep(0.01)
+    gate.open()
+    tokens, done = await collect(recipient)
+    assert done.finish_reason == "length" and tokens == backend.greedy(RECIPIENT, 6)
+    assert done.usage.reuse_source == "donor"
+    await closing
+    assert (await collect(donor))[1].finish_reason == "length"
+    assert backend.live_sessions() == 0

@@ -44,7 +44,7 @@ async def test_a_burst_of_six_prefills_the_shared_prefix_once(window):
 
 async def test_the_seed_rule_alone_saves_little_in_a_burst():
     backend = ScriptedBackend()
-    engine = await start_engine(backend, **FOLLOW, no_follow=True)
+    engine = await start_engine(backend, **FOLLOW, follow=False)
     _, results = await burst(engine)
     for p, (tokens, _) in zip(PROMPTS, results):
         assert tokens == backend.greedy(p, 4)
@@ -103,6 +103,7 @@ async def test_a_follower_past_its_wait_takes_the_seed_path():
     tokens, done = await collect(follower)
     assert tokens == backend.greedy(PROMPTS[1], 4)
     assert done.usage.reuse_source == "donor" and done.usage.reused_tokens == 64  # what was committed then
+    assert engine.metrics.follow.get(choice="follow") == 1  # it did follow first
     await collect(leader)
     await settled(engine, backend)
     await engine.shutdown(1)

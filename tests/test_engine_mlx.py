@@ -100,3 +100,20 @@ async def test_requests_beyond_the_slots_wait_their_turn_exactly(tiny_model_dir)
     together = await asyncio.gather(*(collect(h) for h in handles))
     assert [tokens for tokens, _ in together] == alone
     await engine.shutdown(1)
+
+
+async def test_logprobs_and_per_request_settings_while_batched(tiny_model_dir):
+    engine = await mlx_engine(tiny_model_dir("llama"), prefix_cache_entries=0)
+    with_logprobs = SamplingParams(logprobs=True, top_logprobs=3)
+    p = prompt(24, seed=6)
+    plain, _ = await run(engine, p, 8)
+    handle = engine.submit(request(p, 8, sampling=with_logprobs))
+    other = engine.submit(request(prompt(30, seed=7), 8, sampling=SamplingParams(temperature=0.8, seed=3)))
+    events = [e async for e in handle]
+    await collect(other)
+    tokens = [e.token for e in events[:-1]]
+    assert tokens == plain  # greedy either way: logprobs change nothing
+    for e in events[:-1]:
+        assert e.logprob is not None and e.logprob <= 0.0
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0][0] == e.token
+    await engine.shutdown(1)

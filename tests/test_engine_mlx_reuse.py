@@ -61,7 +61,7 @@ async def test_a_donor_clone_gives_the_tokens_of_a_fresh_prefill(arch, tiny_mode
     if arch != "gemma3":  # a shared prefix then a different tail: a decoding sliding-window donor has lost it
         recipients.append(donor_prompt[:40] + prompt(9, seed=3))
     want = await references(folder, [donor_prompt] + recipients, 12)
-    engine = await engine_on(folder, prefix_cache_entries=0, active_prefix_reuse_min_tokens=8, no_follow=True)
+    engine = await engine_on(folder, prefix_cache_entries=0, active_prefix_reuse_min_tokens=8, follow=False)
     for recipient, expected in zip(recipients, want[1:]):
         gate = engine.backend.decode_gate = Gate()
         donor = engine.submit(request(donor_prompt, 12))

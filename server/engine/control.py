@@ -39,13 +39,29 @@ class Control:
     _requests: dict[int, Request]
     _idle: asyncio.Event
 
+    # Set once the model is loaded; nothing below runs before that.
+    @property
+    def adm(self) -> Admission:
+        assert self._admission is not None
+        return self._admission
+
+    @property
+    def runner(self) -> Runner:
+        assert self._runner is not None
+        return self._runner
+
+    @property
+    def reuser(self) -> Reuse:
+        assert self.reuse is not None
+        return self.reuse
+
     def _cancel(self, rid: int) -> None:
         r = self._requests.get(rid)
         if r is None or r.ending == "cancelled":
             return
         r.ending = "cancelled"
         if r.phase in (Phase.STARTING, Phase.RUNNING):
-            self._runner.send(m.Cancel(rid))  # type: ignore[union-attr]
+            self.runner.send(m.Cancel(rid))
         else:  # the runner holds nothing of it (a pending clone comes back to nobody and is released)
             self._complete(r, "cancelled")
             self._admit()
@@ -56,7 +72,7 @@ class Control:
             return
         r.ending = "stop"
         if r.phase in (Phase.STARTING, Phase.RUNNING):
-            self._runner.send(m.Finish(rid))  # type: ignore[union-attr]
+            self.runner.send(m.Finish(rid))
         else:
             self._complete(r, "stop")
 
@@ -78,12 +94,12 @@ class Control:
             self.metrics.queue_wait.observe(r.admitted_at - r.submitted_at)
             if not r.capture_slot and adm.cache.worth_capturing(len(r.prompt)):
                 self.metrics.captures.inc(outcome="skipped")
-            self.reuse.place(r)  # type: ignore[union-attr]
+            self.reuser.place(r)
 
     def _start(self, r: Request, **source: Any) -> None:
         r.phase = Phase.STARTING
-        self._runner.send(self._admission.start(r, **source))  # type: ignore[union-attr]
-        self.reuse.started(r)  # type: ignore[union-attr]
+        self.runner.send(self.adm.start(r, **source))
+        self.reuser.started(r)
 
     def _complete(self, r: Request, reason: str, error: str | None = None) -> None:
         if r.phase is Phase.DONE:
@@ -114,17 +130,19 @@ class Control:
     # ---- runner events ----
 
     def _drain(self) -> None:
-        events = self._runner.events  # type: ignore[union-attr]
+        t0 = time.perf_counter()
+        events = self.runner.events
         while events:
             event = events.popleft()
             getattr(self, "_on_" + type(event).__name__.lower())(event)
         self._admit()
+        self.metrics.control_seconds.inc(time.perf_counter() - t0)
 
     def _on_loaded(self, ev: m.Loaded) -> None:
         self.info = ev.info
         self.config = self.config.resolve(ev.info)
-        self._admission = Admission(self.config, ev.info, self._runner.send)  # type: ignore[union-attr]
-        self.reuse = Reuse(self)
+        self._admission = Admission(self.config, ev.info, self.runner.send)
+        self.reuse = Reuse(self, ev.info)
         if self._loaded is not None and not self._loaded.done():
             self._loaded.set_result(None)
 
@@ -144,7 +162,8 @@ class Control:
             r.reuse_source = "session" if ev.reused else None
         elif ev.clone_index is not None:
             r.reuse_source = "cache"
-            self._admission.cache.touch(r.cache_matches[ev.clone_index].entry)  # type: ignore[union-attr]
+            self.reuser.observe_clone(ev.reused, ev.clone_s)
+            self.adm.cache.touch(r.cache_matches[ev.clone_index].entry)
         elif not ev.reused:
             r.reuse_source = None
         if r.named is None and r.reuse_source != "donor":
@@ -163,40 +182,40 @@ class Control:
         r.handle.put(TokenEvent(ev.sampled.token, ev.sampled.logprob, ev.sampled.top_logprobs))
 
     def _on_captured(self, ev: m.Captured) -> None:
-        adm = self._admission
+        adm = self.adm
         r = self._requests.get(ev.rid)
         if r is not None:
-            adm.free_capture_slot(r)  # type: ignore[union-attr]
+            adm.free_capture_slot(r)
         if ev.session is None:
             self.metrics.captures.inc(outcome="refused")
         elif r is None or r.ending == "cancelled":  # a capture of a cancelled request is discarded
             self.metrics.captures.inc(outcome="discarded")
-            adm.release_sessions([ev.session])  # type: ignore[union-attr]
+            adm.release_sessions([ev.session])
         else:
             self.metrics.captures.inc(outcome="stored")
-            adm.store_capture(ev.tokens, ev.session, ev.nbytes)  # type: ignore[union-attr]
+            adm.store_capture(ev.tokens, ev.session, ev.nbytes)
 
     def _on_finished(self, ev: m.Finished) -> None:
         r = self._requests.get(ev.rid)
         if r is None:
-            self._admission.release_sessions([ev.session])  # type: ignore[union-attr]
+            self.adm.release_sessions([ev.session])
             return
         if r.named is not None:
-            self._admission.named.release(r.named.name, ev.session, ev.held)  # type: ignore[union-attr]
+            self.adm.named.release(r.named.name, ev.session, ev.held)
         r.prefilled, r.generated = ev.prefilled, ev.generated
         self._complete(r, ev.reason, ev.error)
 
     def _on_clonedone(self, ev: m.CloneDone) -> None:
         r = self._requests.get(ev.rid)
         if r is None or r.phase not in (Phase.CLONING, Phase.FOLLOWING):  # it left, or stopped following
-            self._admission.release_sessions([ev.session])  # type: ignore[union-attr]
+            self.adm.release_sessions([ev.session])
         else:
-            self.reuse.clone_done(r, ev)  # type: ignore[union-attr]
+            self.reuser.clone_done(r, ev)
 
     def _on_stepstats(self, ev: m.StepStats) -> None:
         self.stats = ev
         self.metrics.step(ev)
-        self.reuse.step(ev)  # type: ignore[union-attr]
+        self.reuser.step(ev)
         for rid, position in ev.committed.items():
             r = self._requests.get(rid)
             if r is not None:

@@ -76,8 +76,8 @@ class Engine(Control):
         if self._runner is None or self._closing:
             return
         self._closing = True
-        for r in list(self._requests.values()):
-            if not r.holds_slot or r.phase is Phase.CLONING:
+        for r in list(self._requests.values()):  # not started yet: nothing in flight to finish
+            if r.phase in (Phase.QUEUED, Phase.FOLLOWING):
                 self._cancel(r.rid)
         await self._wait_idle(grace_s)
         for rid in list(self._requests):
@@ -104,12 +104,13 @@ class Engine(Control):
         if not self.ready or self._admission is None or self._runner is None:
             raise NotReady("the engine is not running" if self.info is not None else "the model is still loading")
         adm, config = self._admission, self.config
-        max_tokens, need = adm.check(req, waiting=len(adm.queue) + len(self.reuse.followers))  # type: ignore
+        max_tokens, need = adm.check(req, waiting=len(adm.queue) + len(self.reuser.followers))
         named = None
         if req.session_id is not None:
             named, evicted = adm.named.acquire(req.session_id)
             adm.release_sessions(evicted)
-        stop_ids = req.stop_token_ids | (frozenset() if req.ignore_eos else frozenset(self.info.eos_token_ids))  # type: ignore
+        eos = frozenset() if req.ignore_eos else frozenset(self.info.eos_token_ids)  # type: ignore[union-attr]
+        stop_ids = req.stop_token_ids | eos
         self._next_rid += 1
         rid = self._next_rid
         handle = RequestHandle(req.request_id, lambda: self._cancel(rid), lambda: self._finish(rid))
@@ -119,7 +120,7 @@ class Engine(Control):
         self._admit()
         if r.phase is Phase.QUEUED:
             r.expiry = asyncio.get_running_loop().call_later(config.queue_timeout, self._expire, rid)
-            self.reuse.arrived(r)  # type: ignore[union-attr]
+            self.reuser.arrived(r)
         return handle
 
     def reset_session(self, session_id: str) -> bool:

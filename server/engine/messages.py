@@ -88,6 +88,7 @@ class Started:
     reused: int  # prompt tokens the start did not have to prefill
     clone_index: int | None  # which `clone_from` candidate served it, if one did
     refused: list[str] = field(default_factory=list)  # reasons, for the candidates tried before it
+    clone_s: float = 0.0  # how long the clone that served it took
 
 
 @dataclass

@@ -112,6 +112,11 @@ class Request:
         return min(self.committed, len(self.req.prompt))
 
     @property
+    def leader(self) -> int | None:
+        """Whom it follows, while it follows."""
+        return self.following.leader if self.following is not None else None  # type: ignore[return-value]
+
+    @property
     def holds_slot(self) -> bool:
         return self.phase in (Phase.CLONING, Phase.STARTING, Phase.RUNNING)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from backends.base import ModelInfo
 from server.engine import messages as m
 from server.engine.follow import FollowPolicy, Following, Leader, Plan, leader_views, plan
 from server.engine.matching import Recipient, Source
@@ -27,11 +28,11 @@ if TYPE_CHECKING:
 
 
 class Reuse:
-    def __init__(self, engine: "Engine"):
+    def __init__(self, engine: "Engine", info: ModelInfo):
         self.engine = engine
         self.rates = RateTracker()
         self.followers: dict[int, Request] = {}  # parked, in park order
-        windows = [layer.window for layer in engine.info.layers if layer.kind == "sliding"]  # type: ignore[union-attr]
+        windows = [layer.window for layer in info.layers if layer.kind == "sliding" and layer.window]
         self.window = min(windows) if windows else None
 
     @property
@@ -53,33 +54,34 @@ class Reuse:
             return
         decided = self._plan(r)
         if decided.follow:
-            engine._admission.free_slot(r)  # type: ignore[union-attr]
-            engine._admission.free_capture_slot(r)  # type: ignore[union-attr]
+            engine.adm.free_slot(r)
+            engine.adm.free_capture_slot(r)
             self._park(r, decided)
         elif decided.now.kind == "donor":
             r.phase, r.clone_upto = Phase.CLONING, decided.now.upto
-            engine._runner.send(m.CloneDonor(r.rid, decided.now.donor, decided.now.upto))  # type: ignore
+            engine.runner.send(m.CloneDonor(r.rid, decided.now.donor, decided.now.upto))
         else:
             engine._start(r)
 
     def arrived(self, r: Request) -> None:
         """`r` has to wait for a slot: if it would follow a leader, it parks now (holding no slot)."""
-        if self.enabled and r.named is None and not self.engine.config.no_follow:
+        if self.enabled and r.named is None and self.engine.config.follow:
             decided = self._plan(r)
             if decided.follow:
-                self.engine._admission.queue.remove(r)  # type: ignore[union-attr]
+                self.engine.adm.queue.remove(r)
                 self._park(r, decided)
 
     def _plan(self, r: Request) -> Plan:
         engine, config = self.engine, self.engine.config
         now = time.monotonic()
-        cached = engine._admission.cache.best(r.prompt)  # type: ignore[union-attr]
+        cached = engine.adm.cache.best(r.prompt)
         waited = now - r.first_parked_at if r.first_parked_at else 0.0
-        policy = FollowPolicy(config.active_prefix_reuse_min_tokens, follow=not (config.no_follow or r.no_follow),
+        policy = FollowPolicy(config.active_prefix_reuse_min_tokens, follow=config.follow and not r.no_follow,
                               max_wait_s=max(0.0, config.follow_max_wait - waited))
         prefilling = self.prefilling()
         decided = plan(Recipient(r.rid, r.prompt), self._leaders(r), cached, self.rates.rates, policy, prefilling)
-        r.decision = decided.log_fields()
+        earlier = {k: v for k, v in r.decision.items() if k in ("clone_refused", "follow_expired")}
+        r.decision = {**decided.log_fields(), **earlier}
         for key in ("donor", "leader"):  # name them as the client did
             other = engine._requests.get(r.decision[key])
             r.decision[key] = other.req.request_id if other is not None else None
@@ -104,13 +106,14 @@ class Reuse:
                 floor = x.committed - 1 if self.window is not None and x.committed > self.window else 0
                 active.append(Leader.active(Source.donor(x.rid, x.prompt, x.committed_prompt, x.rid,
                                                          clone_floor=floor), tps))
-            elif x.phase is Phase.CLONING or x.landed is not None:
-                at = x.clone_upto if x.phase is Phase.CLONING else x.landed[1]  # type: ignore[index]
-                after = rates.clone_s(at) if x.phase is Phase.CLONING else 0.0
-                active.append(Leader.starting(Source.donor(x.rid, x.prompt, 0, x.rid), at, after, tps))
+            elif x.phase is Phase.CLONING:  # holds [0, clone_upto) once its clone lands
+                active.append(Leader.starting(Source.donor(x.rid, x.prompt, 0, x.rid), x.clone_upto,
+                                              rates.clone_s(x.clone_upto), tps))
+            elif x.landed is not None:  # holds it already, waiting for a slot
+                active.append(Leader.starting(Source.donor(x.rid, x.prompt, 0, x.rid), x.landed[1], 0.0, tps))
         parked = [(f.following, Source.donor(f.rid, f.prompt, 0, f.rid)) for f in self.followers.values()
-                  if f.rid not in below and f is not r]
-        return leader_views(active, parked, rates, tps)  # type: ignore[arg-type]
+                  if f.following is not None and f.rid not in below and f is not r]
+        return leader_views(active, parked, rates, tps)
 
     def _followers_below(self, r: Request) -> set[int]:
         """Everyone following `r`, directly or down a chain: never a leader for `r`."""
@@ -118,7 +121,7 @@ class Reuse:
         while grew:
             grew = False
             for f in self.followers.values():
-                if f.rid not in below and f.following.leader in below:  # type: ignore[union-attr]
+                if f.rid not in below and f.leader in below:
                     below.add(f.rid)
                     grew = True
         return below - {r.rid}
@@ -134,19 +137,20 @@ class Reuse:
         if r.expiry is not None:
             r.expiry.cancel()  # followers wait under the same queue timeout as anyone
         r.expiry = loop.call_later(max(0.0, r.submitted_at + engine.config.queue_timeout - now), engine._expire, r.rid)
-        lead = engine._requests.get(decided.leader)  # type: ignore[arg-type]
+        lead = engine._requests.get(r.following.leader)
         if lead is not None and lead.phase in (Phase.STARTING, Phase.RUNNING):
             self._register(r)
 
     def _register(self, f: Request) -> None:
         f.registered = True
         order = f.following
-        self.engine._runner.send(m.CloneDonor(f.rid, order.leader, order.target, wait=True, order=order.order))  # type: ignore
+        assert order is not None
+        self.engine.runner.send(m.CloneDonor(f.rid, order.leader, order.target, wait=True, order=order.order))
 
     def started(self, r: Request) -> None:
         """`r` was handed to the runner: the clone orders of its followers can go there now."""
         for f in self.followers.values():
-            if f.following.leader == r.rid and not f.registered:  # type: ignore[union-attr]
+            if f.leader == r.rid and not f.registered:
                 self._register(f)
 
     # ---- outcomes ----
@@ -156,7 +160,7 @@ class Reuse:
         metrics.clone("donor", [ev.reason] if ev.session is None and ev.reason != "leader_gone" else [],
                       ev.session is not None)
         if ev.session is not None:
-            self.rates = self.rates.observe_clone(ev.upto, ev.seconds)
+            self.observe_clone(ev.upto, ev.seconds)
             r.reuse_source = "donor"
             metrics.donor_saved.inc(max(0, ev.upto - r.cached_match))
         if r.phase is Phase.CLONING:
@@ -173,16 +177,16 @@ class Reuse:
         elif ev.reason != "leader_gone":
             r.decision["clone_refused"] = ev.reason
             r.no_follow = True  # the seed's path from here on
-        engine._admission.requeue(r)  # type: ignore[union-attr]
+        engine.adm.requeue(r)
 
     def gone(self, r: Request) -> None:
         """`r` is done on the loop: a parked `r` drops its order; requests parked behind it plan again."""
         if self.followers.pop(r.rid, None) is not None:
             self._stop_following(r)
-        orphans = [f for f in self.followers.values() if f.following.leader == r.rid and not f.registered]  # type: ignore
+        orphans = [f for f in self.followers.values() if f.leader == r.rid and not f.registered]
         for f in orphans:  # back to the queue, in arrival order: they plan again when admitted
             self._unpark(f)
-            self.engine._admission.requeue(f)  # type: ignore[union-attr]
+            self.engine.adm.requeue(f)
 
     def _expired(self, rid: int) -> None:
         f = self.followers.get(rid)
@@ -191,7 +195,7 @@ class Reuse:
         self._unpark(f)
         f.decision["follow_expired"] = True
         f.no_follow = True
-        self.engine._admission.requeue(f)  # type: ignore[union-attr]
+        self.engine.adm.requeue(f)
         self.engine._admit()
 
     def _unpark(self, f: Request) -> None:
@@ -203,8 +207,13 @@ class Reuse:
         if f.follow_timer is not None:
             f.follow_timer.cancel()
         if f.registered and f.phase is Phase.FOLLOWING:
-            self.engine._runner.send(m.Cancel(f.rid))  # type: ignore[union-attr]  (drops its clone order)
+            self.engine.runner.send(m.Cancel(f.rid))  # drops its clone order
         f.following, f.registered = None, False
+
+    # ---- measured rates, for the cost model ----
 
     def step(self, stats: m.StepStats) -> None:
         self.rates = self.rates.observe_prefill(stats.prefill_tokens, stats.prefill_s)
+
+    def observe_clone(self, tokens: int, seconds: float) -> None:
+        self.rates = self.rates.observe_clone(tokens, seconds)

@@ -130,11 +130,13 @@ class Runner:
             self._notify()
 
     def _start(self, start: m.Start) -> None:
-        session, reused, index, refused = start.resume, start.resume_at, None, []
+        session, reused, index, refused, clone_s = start.resume, start.resume_at, None, [], 0.0
         try:
             for i, (source, upto) in enumerate(start.clone_from if session is None else ()):
                 try:
+                    t0 = time.perf_counter()
                     session, reused, index = self._timed(self.backend.clone, source, upto), upto, i
+                    clone_s = time.perf_counter() - t0
                     break
                 except CloneRefused as refusal:
                     refused.append(refusal.reason)
@@ -147,7 +149,7 @@ class Runner:
             return
         sampler = SamplerState(start.sampling, prompt=start.prompt)
         self._slots[start.rid] = _Slot(start, session, sampler)
-        self.events.append(m.Started(start.rid, reused, index, refused))
+        self.events.append(m.Started(start.rid, reused, index, refused, clone_s))
 
     def _clone_donor(self, command: m.CloneDonor) -> None:
         donor = self._slots.get(command.donor)
@@ -200,8 +202,8 @@ class Runner:
             prefill_s = self._backend_s - before
         self._serve_orders()
         committed = {rid: s.session.position for rid, s in self._slots.items()}
-        self._publish(m.StepStats(committed, self.backend.live_sessions(), self.backend.total_bytes(),
-                                  time.perf_counter() - t0, self._backend_s,
+        live, nbytes = self._timed(self.backend.live_sessions), self._timed(self.backend.total_bytes)
+        self._publish(m.StepStats(committed, live, nbytes, time.perf_counter() - t0, self._backend_s,
                                   sum(n for _, n in plan.prefill), prefill_s))
 
     def _guarded(self, slots: list[_Slot], run: Callable[[list[_Slot]], None]) -> None:

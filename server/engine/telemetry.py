@@ -48,6 +48,7 @@ class EngineMetrics:
         self.step_seconds = c("runner_step_seconds_total", "wall time of runner steps")
         self.backend_seconds = c("runner_backend_seconds_total", "time of runner steps spent in backend calls")
         self.steps = c("runner_steps_total", "runner steps")
+        self.control_seconds = c("control_loop_seconds_total", "time the control loop spent on runner events")
         def admission(read):  # a gauge over admission state, 0 until the model is loaded
             return lambda: read(engine._admission) if engine._admission is not None else 0
 
