@@ -1,0 +1,118 @@
+"""From generated text to what a chat reply holds: reasoning, content, tool calls.
+
+One `ChatOutputParser` per request: text deltas go through the reasoning
+splitter, then its content through the tool-call parser. Streaming routes
+forward the events; non-streaming routes feed everything and `collect` them,
+so both give the same reply.
+
+tool_choice, and how far it is enforced:
+- `auto`: the model decides; calls it writes are parsed.
+- `none`: tools still reach the template (the prompt stays the one other turns
+  share), and nothing is parsed: whatever the model writes is content.
+- `required` / a named function: the prompt ends with the parser's opening
+  markup (`<tool_call>` ..., with the function's name when one is named), so the
+  reply starts inside a call to it. The arguments are not constrained by a
+  grammar: a call the model then botches falls back to text, markup included.
+  A reply that would start inside a `<think>` block is not forced (forcing
+  would cut the reasoning off); the choice then acts as `auto`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from server.reasoning import ReasoningSplitter, starts_in_reasoning, template_reasons
+from server.toolcalls import PARSERS, resolve_tool_parser
+from server.toolcalls.base import (
+    Event,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArguments,
+    ToolCallStart,
+    ToolParser,
+    openai_call_id,
+)
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+
+@dataclass
+class ChatOutput:
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+class ChatOutputParser:
+    def __init__(
+        self, tool_parser: ToolParser | None = None, reasoning: ReasoningSplitter | None = None, forced: str = ""
+    ):
+        self.tool_parser = tool_parser
+        self.reasoning = reasoning
+        self.prompt_suffix = forced  # appended to the prompt; the reply continues from inside it
+        if forced:  # the parser reads the forced opening as the start of the reply (it yields nothing yet)
+            assert tool_parser is not None
+            tool_parser.feed(forced)
+
+    def feed(self, text: str) -> list[Event]:
+        return self._tools(self.reasoning.feed(text) if self.reasoning else [TextDelta(text)], final=False)
+
+    def finish(self) -> list[Event]:
+        return self._tools(self.reasoning.finish() if self.reasoning else [], final=True)
+
+    def _tools(self, events: list[Event], final: bool) -> list[Event]:
+        if not self.tool_parser:
+            return [e for e in events if not isinstance(e, TextDelta) or e.text]
+        out: list[Event] = []
+        for event in events:
+            out.extend(self.tool_parser.feed(event.text) if isinstance(event, TextDelta) else [event])
+        if final:
+            out.extend(self.tool_parser.finish())
+        return out
+
+
+def output_parser(
+    tool_parser_setting: str,
+    reasoning_setting: str,
+    chat_template: str | None,
+    prompt_text: str,
+    tools: list[dict] | None,
+    tool_choice: str = "auto",
+    tool_name: str | None = None,
+    make_id: Callable[[], str] = openai_call_id,
+) -> ChatOutputParser:
+    """The parser for one request: tools are parsed only when offered and not turned off.
+
+    `tool_choice` is auto, none, required or function (then `tool_name` names it).
+    """
+    name = resolve_tool_parser(tool_parser_setting, chat_template)
+    tool_parser = PARSERS[name](tools, make_id) if name and tools and tool_choice != "none" else None
+    reasons = reasoning_setting == "think" or (reasoning_setting == "auto" and template_reasons(chat_template))
+    in_reasoning = reasons and starts_in_reasoning(prompt_text)
+    splitter = ReasoningSplitter(in_reasoning) if reasons else None
+    forced = ""
+    if tool_parser and tool_choice in ("required", "function") and not in_reasoning:
+        forced = tool_parser.opening(tool_name if tool_choice == "function" else None)
+    return ChatOutputParser(tool_parser, splitter, forced)
+
+
+def collect(events: list[Event]) -> ChatOutput:
+    out = ChatOutput()
+    content, reasoning = [], []
+    for event in events:
+        if isinstance(event, TextDelta):
+            content.append(event.text)
+        elif isinstance(event, ReasoningDelta):
+            reasoning.append(event.text)
+        elif isinstance(event, ToolCallStart):
+            out.tool_calls.append(ToolCall(event.id, event.name, ""))
+        elif isinstance(event, ToolCallArguments):
+            out.tool_calls[event.index].arguments += event.text
+    out.content, out.reasoning = "".join(content), "".join(reasoning)
+    return out

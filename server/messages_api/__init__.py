@@ -1,0 +1,1 @@
+"""Anthropic Messages API on top of the chat-completions path (translation in, reply shapes out)."""

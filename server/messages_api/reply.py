@@ -1,0 +1,125 @@
+"""Chat output as Anthropic Messages replies: whole, or as the stream of events.
+
+`MessageStream` turns the output parser's events into Anthropic's: a content
+block opens when the kind of output changes (thinking, text, one per tool call),
+and closes before the next one opens, so block indices follow output order.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from server.chat_output import ChatOutput
+from server.protocol.anthropic import (
+    ContentBlockDelta,
+    ContentBlockStart,
+    ContentBlockStop,
+    ContentOut,
+    InputJsonDelta,
+    MessageDelta,
+    MessageReply,
+    MessageStart,
+    MessageStop,
+    StopDelta,
+    StopReason,
+    StreamEvent,
+    TextDeltaOut,
+    TextOut,
+    ThinkingDeltaOut,
+    ThinkingOut,
+    ToolUseOut,
+    Usage,
+)
+from server.toolcalls.base import Event, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart
+
+
+def message_id() -> str:
+    return "msg_" + uuid.uuid4().hex[:24]
+
+
+def tool_use_id() -> str:
+    return "toolu_" + uuid.uuid4().hex[:24]
+
+
+def usage(prompt_tokens: int, reused_tokens: int, output_tokens: int) -> Usage:
+    # Anthropic's input_tokens leaves out what was read from the cache.
+    return Usage(prompt_tokens - reused_tokens, output_tokens, cache_read_input_tokens=reused_tokens)
+
+
+def stop_reason(finish_reason: str, has_tool_calls: bool, stop_sequence: str | None) -> StopReason:
+    if has_tool_calls:
+        return "tool_use"
+    if finish_reason == "length":
+        return "max_tokens"
+    return "stop_sequence" if stop_sequence is not None else "end_turn"
+
+
+def _tool_input(arguments: str) -> dict:
+    value = json.loads(arguments) if arguments else {}
+    return value if isinstance(value, dict) else {}
+
+
+def message_reply(
+    id: str, model: str, output: ChatOutput, finish_reason: str, stop_sequence: str | None, usage: Usage
+) -> MessageReply:
+    content: list[ContentOut] = []
+    if output.reasoning:
+        content.append(ThinkingOut(output.reasoning))
+    if output.content:
+        content.append(TextOut(output.content))
+    content += [ToolUseOut(c.id, c.name, _tool_input(c.arguments)) for c in output.tool_calls]
+    reason = stop_reason(finish_reason, bool(output.tool_calls), stop_sequence)
+    return MessageReply(
+        id=id, model=model, content=content, usage=usage, stop_reason=reason,
+        stop_sequence=stop_sequence if reason == "stop_sequence" else None,
+    )
+
+
+class MessageStream:
+    def __init__(self, id: str, model: str):
+        self.id, self.model = id, model
+        self._index = -1
+        self._open: str | None = None  # kind of the open block: "thinking", "text" or "tool_use"
+        self._tool_calls = 0
+
+    def start(self, prompt_tokens: int) -> list[StreamEvent]:
+        empty = MessageReply(id=self.id, model=self.model, content=[], usage=usage(prompt_tokens, 0, 0))
+        return [MessageStart(empty)]
+
+    def events(self, events: list[Event]) -> list[StreamEvent]:
+        out: list[StreamEvent] = []
+        for event in events:
+            if isinstance(event, ReasoningDelta):
+                self._ensure("thinking", ThinkingOut(""), out)
+                out.append(ContentBlockDelta(self._index, ThinkingDeltaOut(event.text)))
+            elif isinstance(event, TextDelta):
+                self._ensure("text", TextOut(""), out)
+                out.append(ContentBlockDelta(self._index, TextDeltaOut(event.text)))
+            elif isinstance(event, ToolCallStart):
+                self._close(out)
+                self._ensure("tool_use", ToolUseOut(event.id, event.name, {}), out)
+                self._tool_calls += 1
+            elif isinstance(event, ToolCallArguments):
+                out.append(ContentBlockDelta(self._index, InputJsonDelta(event.text)))
+        return out
+
+    def finish(self, finish_reason: str, stop_sequence: str | None, usage: Usage) -> list[StreamEvent]:
+        out: list[StreamEvent] = []
+        self._close(out)
+        reason = stop_reason(finish_reason, self._tool_calls > 0, stop_sequence)
+        delta = StopDelta(reason, stop_sequence if reason == "stop_sequence" else None)
+        return out + [MessageDelta(delta, usage), MessageStop()]
+
+    def _ensure(self, kind: str, block: ContentOut, out: list[StreamEvent]) -> None:
+        if self._open == kind:
+            return
+        self._close(out)
+        self._index += 1
+        self._open = kind
+        out.append(ContentBlockStart(self._index, block))
+
+    def _close(self, out: list[StreamEvent]) -> None:
+        if self._open is not None:
+            out.append(ContentBlockStop(self._index))
+            self._open = None

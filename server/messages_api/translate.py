@@ -1,0 +1,155 @@
+"""An Anthropic Messages request, said as the OpenAI chat request it means.
+
+The daemon feeds chat templates from OpenAI chat requests, so a Messages request
+is translated into one and then takes exactly that path: an agent history sent
+through either API renders to the same prompt tokens and gets the same reuse.
+
+The mapping keeps structure rather than flattening it, so one rule (the chat
+route's) decides how text parts join:
+- `system` as a string stays a string; as blocks it becomes text parts.
+- A user message's `tool_result` blocks become `tool` messages, in order; runs
+  of text blocks between them become user messages with text parts.
+- An assistant message's text blocks become its content parts, `tool_use`
+  blocks its `tool_calls` (arguments rendered as the templates' `tojson` does),
+  `thinking` blocks its `reasoning_content`.
+- client tools become functions keyed in OpenAI's order (templates `tojson`
+  them); Anthropic's server tools (web search ...) are dropped: nothing here
+  can run them, and refusing the request would stop the agent.
+- tool_choice: auto → auto, any → required, tool → the named function, none → none.
+- thinking enabled/adaptive/disabled → chat_template_kwargs.enable_thinking.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from server.protocol.anthropic import (
+    CountTokensRequest,
+    DocumentBlock,
+    ImageBlock,
+    MessagesRequest,
+    RedactedThinkingBlock,
+    TextBlock,
+    ThinkingBlock,
+    Tool,
+    ToolChoice,
+    ToolResultBlock,
+    ToolUseBlock,
+)
+from server.toolcalls.base import arguments_json
+
+
+class UnsupportedContent(ValueError):
+    """A block kvfork cannot feed a text model (images, documents)."""
+
+
+def _parts(blocks: list[TextBlock]) -> list[dict[str, str]]:
+    return [{"type": "text", "text": b.text} for b in blocks]
+
+
+def _check_text(block: object, where: str) -> None:
+    if isinstance(block, (ImageBlock, DocumentBlock)):
+        raise UnsupportedContent(f"{where}: {type(block).__struct_config__.tag} content is not supported")
+
+
+def _user(content: str | list, index: int) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        return [{"role": "user", "content": content}]
+    out: list[dict[str, Any]] = []
+    texts: list[TextBlock] = []
+    for block in content:
+        _check_text(block, f"messages[{index}]")
+        if isinstance(block, TextBlock):
+            texts.append(block)
+            continue
+        if texts:
+            out.append({"role": "user", "content": _parts(texts)})
+            texts = []
+        if isinstance(block, ToolResultBlock):
+            result = block.content
+            if not isinstance(result, str):
+                for part in result:
+                    _check_text(part, f"messages[{index}] tool_result")
+                result = _parts(result)  # type: ignore[arg-type]
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": result})
+        elif not isinstance(block, (ThinkingBlock, RedactedThinkingBlock)):
+            kind = type(block).__struct_config__.tag
+            raise ValueError(f"messages[{index}]: {kind} blocks belong to assistant messages")
+    if texts or not out:
+        out.append({"role": "user", "content": _parts(texts)})
+    return out
+
+
+def _assistant(content: str | list, index: int) -> dict[str, Any]:
+    if isinstance(content, str):
+        return {"role": "assistant", "content": content}
+    texts, calls, thoughts = [], [], []
+    for block in content:
+        _check_text(block, f"messages[{index}]")
+        if isinstance(block, TextBlock):
+            texts.append(block)
+        elif isinstance(block, ToolUseBlock):
+            function = {"name": block.name, "arguments": arguments_json(block.input)}
+            calls.append({"id": block.id, "type": "function", "function": function})
+        elif isinstance(block, ThinkingBlock):
+            thoughts.append(block.thinking)
+        elif isinstance(block, ToolResultBlock):
+            raise ValueError(f"messages[{index}]: tool_result blocks belong to user messages")
+    message: dict[str, Any] = {"role": "assistant", "content": _parts(texts) if texts or not calls else None}
+    if calls:
+        message["tool_calls"] = calls
+    if thoughts:
+        message["reasoning_content"] = "".join(thoughts)
+    return message
+
+
+def _tool(index: int, tool: Tool) -> dict[str, Any]:
+    if tool.input_schema is None:
+        raise ValueError(f"tools[{index}]: a custom tool needs an input_schema")
+    # Key order matters: templates render tools with `tojson`, which keeps it.
+    # This is the order OpenAI's documentation and clients use.
+    function: dict[str, Any] = {"name": tool.name}
+    if tool.description is not None:
+        function["description"] = tool.description
+    function["parameters"] = tool.input_schema
+    return {"type": "function", "function": function}
+
+
+def _tool_choice(choice: ToolChoice) -> str | dict[str, Any]:
+    if choice.type == "tool":
+        if not choice.name:
+            raise ValueError("tool_choice: type 'tool' needs a name")
+        return {"type": "function", "function": {"name": choice.name}}
+    return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+
+
+def chat_request(request: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
+    """The OpenAI chat-completions request body (as decoded JSON) this Messages request means."""
+    messages: list[dict[str, Any]] = []
+    if isinstance(request.system, str):
+        messages.append({"role": "system", "content": request.system})
+    elif request.system:
+        messages.append({"role": "system", "content": _parts(request.system)})
+    for index, message in enumerate(request.messages):
+        if message.role == "user":
+            messages += _user(message.content, index)
+        else:
+            messages.append(_assistant(message.content, index))
+    body: dict[str, Any] = {"messages": messages}
+    if request.model is not None:
+        body["model"] = request.model
+    tools = [_tool(i, t) for i, t in enumerate(request.tools or ()) if t.type in (None, "custom")]
+    if tools:
+        body["tools"] = tools
+    if request.tool_choice:
+        body["tool_choice"] = _tool_choice(request.tool_choice)
+        if request.tool_choice.disable_parallel_tool_use:
+            body["parallel_tool_calls"] = False
+    if request.thinking:
+        body["chat_template_kwargs"] = {"enable_thinking": request.thinking.type != "disabled"}
+    if isinstance(request, MessagesRequest):
+        body["max_tokens"] = request.max_tokens
+        optional = {"stop": request.stop_sequences, "temperature": request.temperature,
+                    "top_p": request.top_p, "top_k": request.top_k}
+        body.update({k: v for k, v in optional.items() if v is not None})
+    return body

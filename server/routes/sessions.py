@@ -1,0 +1,29 @@
+"""Named sessions: POST /v1/sessions/{id}/reset drops the held state, DELETE forgets the session."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from server.errors import ApiError
+from server.protocol.openai import SessionReply
+from server.routes.common import json_response
+from server.sampling import session_id
+from server.state import state_of
+
+
+async def reset(request: web.Request) -> web.Response:
+    name = _known_session(request, state_of(request).engine.reset_session)
+    return json_response(SessionReply(name, "session", reset=True))
+
+
+async def delete(request: web.Request) -> web.Response:
+    name = _known_session(request, state_of(request).engine.delete_session)
+    return json_response(SessionReply(name, "session", deleted=True))
+
+
+def _known_session(request: web.Request, act) -> str:
+    state_of(request).require_ready()
+    name = session_id(request.match_info["session_id"], None)
+    if not act(name):  # SessionBusy raises: the middleware answers 409
+        raise ApiError(404, f"no session named {name!r}", code="session_not_found", param="session_id")
+    return name

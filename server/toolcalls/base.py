@@ -1,0 +1,203 @@
+"""The streaming interface every tool-call parser shares.
+
+A parser is fed the model's text in deltas and returns events in output order:
+`TextDelta` for plain content, then for each call a `ToolCallStart` (index, id,
+name) followed by `ToolCallArguments` (a JSON text chunk). Non-streaming use is
+the same parser fed everything and finished.
+
+Design rules:
+- Markup never leaks: text that may be the start of a marker is held back until
+  the marker is ruled in or out.
+- A call is released only once it is complete and valid, so a malformed call can
+  still fall back to plain text (as the model wrote it). Its arguments follow as
+  one chunk; clients accumulate chunks, as they do for OpenAI's.
+- Whitespace that only separates content from a call is dropped (models put
+  newlines around their calls); other text passes through untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallStart:
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ToolCallArguments:
+    index: int
+    text: str  # a chunk of the arguments' JSON text
+
+
+Event = TextDelta | ReasoningDelta | ToolCallStart | ToolCallArguments
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: dict[str, Any]
+
+
+def openai_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def held_prefix(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
+def arguments_json(arguments: dict[str, Any]) -> str:
+    # Same rendering as the chat templates' `tojson`, so a resent call re-renders
+    # to the text the client got.
+    return json.dumps(arguments, ensure_ascii=False)
+
+
+class ToolParser:
+    """Base: holds the event bookkeeping; subclasses decide where calls are."""
+
+    name = ""
+
+    def __init__(self, tools: list[dict] | None = None, make_id: Callable[[], str] = openai_call_id):
+        self.tools = {t["function"]["name"]: t["function"] for t in tools or () if t.get("type") == "function"}
+        self.make_id = make_id
+        self.calls = 0
+        self._pending_ws = ""  # trailing whitespace of released text, held in case a call follows
+        self._after_call = False
+
+    def feed(self, text: str) -> list[Event]:
+        raise NotImplementedError
+
+    def finish(self) -> list[Event]:
+        raise NotImplementedError
+
+    def opening(self, name: str | None) -> str:
+        """Text that starts a call (to `name`, when given): appended to the prompt to force one."""
+        raise NotImplementedError
+
+    def _calls(self, calls: list[ParsedCall], out: list[Event]) -> None:
+        self._pending_ws, self._after_call = "", True
+        for call in calls:
+            out.append(ToolCallStart(self.calls, self.make_id(), call.name))
+            out.append(ToolCallArguments(self.calls, arguments_json(call.arguments)))
+            self.calls += 1
+
+    def _text(self, text: str, out: list[Event]) -> None:
+        core = text.rstrip()
+        if not core:
+            self._pending_ws += text
+            return
+        head = self._pending_ws + core
+        if self._after_call:
+            head, self._after_call = head.lstrip(), False
+        out.append(TextDelta(head))
+        self._pending_ws = text[len(core):]
+
+    def _flush_ws(self, out: list[Event]) -> None:
+        if not self._after_call and self._pending_ws:
+            out.append(TextDelta(self._pending_ws))
+        self._pending_ws = ""
+
+
+class MarkupToolParser(ToolParser):
+    """Calls delimited by markers: `markers` pairs each opening marker with its closing one.
+
+    Subclasses implement `parse_call(opening, body)`: the calls in a body, or
+    None when it is malformed.
+    """
+
+    markers: tuple[tuple[str, str], ...] = ()
+
+    def __init__(self, tools: list[dict] | None = None, make_id: Callable[[], str] = openai_call_id):
+        super().__init__(tools, make_id)
+        self._buffer = ""  # text not yet released
+        self._open: tuple[str, str] | None = None  # the markers of the call being read
+        self._searched = 0  # how far the open call's body is known to hold no closing marker
+
+    def parse_call(self, opening: str, body: str) -> list[ParsedCall] | None:
+        raise NotImplementedError
+
+    def feed(self, text: str) -> list[Event]:
+        self._buffer += text
+        out: list[Event] = []
+        while True:
+            if self._open:
+                at = self._buffer.find(self._open[1], self._searched)
+                if at < 0:  # a long call is searched once, not again on every delta
+                    self._searched = max(0, len(self._buffer) - len(self._open[1]) + 1)
+                    break
+                self._searched = 0
+                body, self._buffer = self._buffer[:at], self._buffer[at + len(self._open[1]):]
+                self._close(body, closed=True, out=out)
+            else:
+                found = [(at, pair) for pair in self.markers if (at := self._buffer.find(pair[0])) >= 0]
+                if not found:
+                    break
+                at, pair = min(found, key=lambda f: f[0])
+                self._text(self._buffer[:at], out)
+                self._buffer, self._open = self._buffer[at + len(pair[0]):], pair
+        if not self._open:
+            keep = max(held_prefix(self._buffer, opening) for opening, _ in self.markers)
+            ready, self._buffer = self._buffer[: len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
+            self._text(ready, out)
+        return out
+
+    def finish(self) -> list[Event]:
+        out: list[Event] = []
+        if self._open:
+            self._close(self._buffer, closed=False, out=out)
+        else:
+            self._text(self._buffer, out)
+        self._buffer = ""
+        self._flush_ws(out)
+        return out
+
+    def _close(self, body: str, closed: bool, out: list[Event]) -> None:
+        assert self._open
+        opening, closing = self._open
+        self._open = None
+        calls = self.parse_call(opening, body)
+        if calls is None:  # malformed: the model's text, markup and all
+            self._text(opening + body + (closing if closed else ""), out)
+        else:
+            self._calls(calls, out)
+
+
+def json_object(text: str) -> Any:
+    """The JSON value in `text`, or None when it is not valid JSON."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def call_from_json(value: Any) -> ParsedCall | None:
+    """A call from `{"name": ..., "arguments"|"parameters": {...}}`; arguments may be a JSON string."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    args = value.get("arguments", value.get("parameters", {}))
+    if isinstance(args, str):
+        args = json_object(args) if args.strip() else {}
+    if not isinstance(args, dict):
+        return None
+    return ParsedCall(value["name"], args)
