@@ -60,3 +60,20 @@ def test_unclonable_state_is_refused_at_load(tmp_path, tiny_model_dir):
     save_file(weights, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match="cannot clone"):
         create_backend("mlx").load(str(folder))
+
+
+def test_dtype_choice_and_missing_folder(tiny_model_dir):
+    tokens = prompt(20)
+    rows = {}
+    for dtype in ("float32", "bfloat16"):
+        b = create_backend("mlx")
+        assert b.load(tiny_model_dir("qwen3"), dtype).dtype == dtype
+        s, logits = fresh(b, tokens)
+        rows[dtype] = logits_np(b, logits)
+        b.release(s)
+    assert rows["bfloat16"].dtype == np.float32
+    assert rows["bfloat16"].argmax() == rows["float32"].argmax()
+    with pytest.raises(FileNotFoundError, match="no model folder"):
+        create_backend("mlx").load("/nonexistent/model")
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        create_backend("mlx").load(tiny_model_dir("qwen3"), "int8")
