@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     b = MLXBackend()
     b.load(args.model)
     report = {"model": args.model, "dtype": b.info.dtype, "device": b.info.device, "decode": []}
-    for context in map(int, args.contexts.split(",")):
+    for context in [int(c) for c in args.contexts.split(",") if c]:
         report["decode"].append(bench_decode(b, args.sessions, context, args.steps, args.repeat))
     if all(layer.kind == "full" for layer in b.info.layers):
         report["clone_room"] = bench_clone_room(b, args.clone, args.repeat)
