@@ -53,6 +53,8 @@ class MLXBackend(Backend):
         self._check(sessions, chunks)
         if any(not chunk for chunk in chunks):
             raise ValueError("prefill needs at least one token per session")
+        if not sessions:
+            return mx.zeros((0, self.info.vocab_size), mx.float32)
         rows = []
         for session, chunk in zip(sessions, chunks):
             if self._batch.has(session):
@@ -65,6 +67,8 @@ class MLXBackend(Backend):
 
     def decode(self, sessions: Sequence[MLXSession], tokens: Sequence[int]) -> mx.array:
         self._check(sessions, [[t] for t in tokens])
+        if not sessions:
+            return mx.zeros((0, self.info.vocab_size), mx.float32)
         rows = self._batch.sync(sessions)
         row_tokens = [0] * len(rows)
         for row, token in zip(rows, tokens):
