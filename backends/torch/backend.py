@@ -162,7 +162,7 @@ class TorchBackend(Backend):
         if self.device.type == "cuda":
             clone = self._clone_aside(session, upto)
         else:
-            clone = TorchSession(kv.copy_layers(session.layers, upto, session.position))
+            clone = TorchSession(kv.copy_layers(session.layers, upto))
         clone.position = upto
         self._sessions[clone.id] = clone
         return clone
@@ -180,7 +180,7 @@ class TorchBackend(Backend):
         side = self._copy_stream
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            clone = TorchSession(kv.copy_layers(donor.layers, upto, donor.position))
+            clone = TorchSession(kv.copy_layers(donor.layers, upto))
             done = torch.cuda.Event()
             done.record(side)
         for layer in donor.layers:

@@ -104,11 +104,11 @@ class RingKV:
         self.values[:, slots] = v
         self.held_from = max(self.held_from, start + k.shape[1] - self.window)
 
-    def copy_prefix(self, upto: int, position: int) -> RingKV:
-        # Slot upto % W holds position `upto` once the donor has written it, not upto - W:
-        # the copy then holds one position fewer (the next write fills that slot).
-        held_from = max(self.held_from, upto - self.window + (1 if position > upto else 0), 0)
-        return RingKV(self.keys.clone(), self.values.clone(), held_from)
+    def copy_prefix(self, upto: int) -> RingKV:
+        # clone_refusal admits upto >= position - 1 once the ring has wrapped, so the copy
+        # holds what the donor holds. Slot upto % W may carry the donor's position `upto`:
+        # the clone's next write replaces it before anything reads it.
+        return RingKV(self.keys.clone(), self.values.clone(), self.held_from)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.keys, self.values
@@ -124,8 +124,8 @@ def new_layers(windows: tuple[int | None, ...], kv_heads: int, head_dim: int, dt
     ]
 
 
-def copy_layers(layers: list[LayerKV], upto: int, position: int) -> list[LayerKV]:
-    return [layer.copy_prefix(upto, position) if isinstance(layer, RingKV) else layer.copy_prefix(upto) for layer in layers]
+def copy_layers(layers: list[LayerKV], upto: int) -> list[LayerKV]:
+    return [layer.copy_prefix(upto) for layer in layers]
 
 
 def held_from(layers: list[LayerKV]) -> list[int]:
