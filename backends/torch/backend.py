@@ -62,17 +62,20 @@ class TorchBackend(Backend):
     # -- model -----------------------------------------------------------
 
     def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
-        folder_path = Path(folder)
-        cfg = read_config(folder_path)
+        path = Path(folder)
+        return self.install(read_config(path), read_weights(path, self.device), path.name, dtype)
+
+    def install(self, cfg: ArchConfig, weights: dict[str, torch.Tensor], name: str, dtype: str | None = None) -> ModelInfo:
+        """Take a model from weights already in memory (HF names); `load` reads them from a folder,
+        tools/gpu_check.py makes random ones of realistic shapes."""
         self.dtype = DTYPES[dtype] if dtype else default_dtype(self.device)
-        weights = read_weights(folder_path, self.device)
         with torch.device("meta"):
             model = Transformer(cfg, tied="lm_head.weight" not in weights)
         wanted = model.state_dict().keys()
-        model.load_state_dict({k: weights[k].to(self.dtype) for k in wanted if k in weights}, strict=True, assign=True)
+        model.load_state_dict({k: weights[k].to(self.device, self.dtype) for k in wanted if k in weights}, strict=True, assign=True)
         model.place(self.device)
         self.model, self.cfg = model.eval(), cfg
-        self.info = self._describe(cfg, folder_path.name)
+        self.info = self._describe(cfg, name)
         return self.info
 
     def _describe(self, cfg: ArchConfig, name: str) -> ModelInfo:

@@ -81,6 +81,10 @@ def _eos_ids(cfg: dict, folder: Path) -> tuple[int, ...]:
 def read_config(folder: str | Path) -> ArchConfig:
     folder = Path(folder)
     cfg = json.loads((folder / "config.json").read_text())
+    return parse_config(cfg, _eos_ids(cfg, folder))
+
+
+def parse_config(cfg: dict, eos_token_ids: tuple[int, ...] = ()) -> ArchConfig:
     family = cfg.get("model_type")
     if family not in FAMILIES:
         raise ValueError(f"torch backend: model_type {family!r} is not one of {FAMILIES}")
@@ -112,7 +116,7 @@ def read_config(folder: str | Path) -> ArchConfig:
         head_dim=head_dim,
         norm_eps=cfg.get("rms_norm_eps", 1e-6),
         context_length=cfg.get("max_position_embeddings", 4096),
-        eos_token_ids=_eos_ids(cfg, folder),
+        eos_token_ids=eos_token_ids,
         sliding=_layer_windows(cfg, n),
         rope_full=rope_full,
         rope_sliding=rope_sliding,

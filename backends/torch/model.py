@@ -20,7 +20,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from backends.torch.config import ArchConfig
 from backends.torch.kv import LayerKV
-from backends.torch.rope import inverse_frequencies, rotate
+from backends.torch.rope import angles, inverse_frequencies, rotate
 
 
 class RMSNorm(nn.Module):
@@ -57,17 +57,15 @@ class Attention(nn.Module):
             offset = 1.0 if cfg.gemma else 0.0
             self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, offset)
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, offset)
-        self.inv_freq: torch.Tensor | None = None  # set by Transformer.place: the layer's rope
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: Sequence[LayerKV], starts: Sequence[int]):
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: Sequence[LayerKV], starts: Sequence[int]):
         b, n, _ = x.shape
         q = self.q_proj(x).view(b, n, self.heads, self.head_dim)
         k = self.k_proj(x).view(b, n, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rotate(q.transpose(1, 2), positions, self.inv_freq)
-        k = rotate(k.transpose(1, 2), positions, self.inv_freq)
+        q, k = rotate(q.transpose(1, 2), *rope), rotate(k.transpose(1, 2), *rope)
         out = torch.cat([self._attend(q[i : i + 1], k[i], v[i], kv[i], starts[i]) for i in range(b)])
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
@@ -113,8 +111,8 @@ class Block(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, offset)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, offset)
 
-    def forward(self, x, positions, kv, starts):
-        attn = self.self_attn(self.input_layernorm(x), positions, kv, starts)
+    def forward(self, x, rope, kv, starts):
+        attn = self.self_attn(self.input_layernorm(x), rope, kv, starts)
         if not self.gemma:
             h = x + attn
             return h + self.mlp(self.post_attention_layernorm(h))
@@ -138,19 +136,19 @@ class Transformer(nn.Module):
         self.lm_head = None if tied else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def place(self, device: torch.device) -> None:
-        """Rope tables live outside the state dict: build them on the model's device."""
-        full = inverse_frequencies(self.cfg.rope_full, self.cfg.head_dim).to(device)
-        local = inverse_frequencies(self.cfg.rope_sliding, self.cfg.head_dim).to(device)
-        for block, window in zip(self.model.layers, self.cfg.sliding):
-            block.self_attn.inv_freq = local if window else full
+        """Rope frequencies live outside the state dict: build them on the model's device."""
+        self.inv_freq_full = inverse_frequencies(self.cfg.rope_full, self.cfg.head_dim).to(device)
+        self.inv_freq_sliding = inverse_frequencies(self.cfg.rope_sliding, self.cfg.head_dim).to(device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv: Sequence[Sequence[LayerKV]], starts: Sequence[int]):
         """tokens, positions: [rows, n]; kv[row][layer]. Returns the last position's logits, [rows, vocab]."""
+        full = angles(positions, self.inv_freq_full)  # once per pass, shared by every layer of a kind
+        sliding = angles(positions, self.inv_freq_sliding) if any(self.cfg.sliding) else full
         h = self.model.embed_tokens(tokens)
         if self.cfg.gemma:
             h = h * torch.tensor(self.cfg.hidden_size**0.5, dtype=h.dtype)  # in the model dtype, as trained
         for i, block in enumerate(self.model.layers):
-            h = block(h, positions, [row[i] for row in kv], starts)
+            h = block(h, sliding if self.cfg.sliding[i] else full, [row[i] for row in kv], starts)
         h = self.model.norm(h[:, -1])
         head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         return h @ head.T
