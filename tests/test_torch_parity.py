@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-mx = pytest.importorskip("mlx.core")
-mlx_lm = pytest.importorskip("mlx_lm")
+mx = pytest.importorskip("mlx.core", exc_type=ImportError)
+mlx_lm = pytest.importorskip("mlx_lm", exc_type=ImportError)
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from backends.base import SamplerState, SamplingParams  # noqa: E402
