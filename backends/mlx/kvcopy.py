@@ -47,9 +47,12 @@ def view(cache, row: int | None = None, row_offset: int = 0, row_padding: int = 
     return LayerView(cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :], 0)
 
 
-def _placed(part: mx.array, slots: int, at: int) -> mx.array:
+def placed(part: mx.array, slots: int, at: int) -> mx.array:
     """A new buffer of `slots` time slots holding `part` from slot `at`, zeros elsewhere."""
     shape = list(part.shape)
+    if shape[2] == slots:
+        # Assigning over a whole buffer would just alias `part`, the donor's buffer.
+        return part * 1
     buffer = mx.zeros(shape[:2] + [slots] + shape[3:], part.dtype)
     buffer[..., at : at + shape[2], :] = part
     return buffer
@@ -59,8 +62,8 @@ def clone_full(v: LayerView, upto: int) -> KVCache:
     cache = KVCache()
     if upto > 0:
         slots = with_room(upto)
-        cache.keys = _placed(v.keys[..., :upto, :], slots, 0)
-        cache.values = _placed(v.values[..., :upto, :], slots, 0)
+        cache.keys = placed(v.keys[..., :upto, :], slots, 0)
+        cache.values = placed(v.values[..., :upto, :], slots, 0)
     cache.offset = upto
     return cache
 
@@ -80,7 +83,7 @@ def clone_sliding(v: LayerView, held_from: int, upto: int, window: int) -> tuple
     cache = RotatingKVCache(max_size=window, keep=0)
     n = upto - start
     at = 0 if upto < window else window - n
-    cache.keys, cache.values = _placed(part_k, window, at), _placed(part_v, window, at)
+    cache.keys, cache.values = placed(part_k, window, at), placed(part_v, window, at)
     cache._idx = n if upto < window else window
     cache.offset = upto
     return cache, start
