@@ -53,7 +53,7 @@ class GenerateRequest:
     request_id: str
     prompt: list[int]
     sampling: SamplingParams
-    max_tokens: int
+    max_tokens: int  # 0: the engine's --max-tokens; always clamped to the context left after the prompt
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     session_id: str | None = None  # named session: warm resume, never a reuse recipient

@@ -212,6 +212,9 @@ class Control:
         else:
             self.reuser.clone_done(r, ev)
 
+    def _on_holding(self, ev: m.Holding) -> None:
+        self.stats.live_sessions, self.stats.total_bytes = ev.live_sessions, ev.total_bytes
+
     def _on_stepstats(self, ev: m.StepStats) -> None:
         self.stats = ev
         self.metrics.step(ev)

@@ -36,6 +36,7 @@ class Engine(Control):
                  registry: Registry):
         validate(config)
         self.backend, self.model_path, self.dtype, self.config = backend, model_path, dtype, config
+        self.registry = registry
         self.info: ModelInfo | None = None
         self.dead = False
         self._closing = False

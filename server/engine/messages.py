@@ -137,5 +137,13 @@ class StepStats:
 
 
 @dataclass
+class Holding:
+    """What the backend holds after commands ran while no request was running (no step reports it)."""
+
+    live_sessions: int
+    total_bytes: int
+
+
+@dataclass
 class Died:
     error: str

@@ -106,6 +106,7 @@ class Runner:
     # ---- commands ----
 
     def _take_commands(self) -> None:
+        took = bool(self.inbox)
         while self.inbox:
             command = self.inbox.popleft()
             if isinstance(command, m.Start):
@@ -126,6 +127,8 @@ class Runner:
                     self._end(slot, "cancelled")
                 self._stopping = True
         self._serve_orders()
+        if took and not self._slots:
+            self.events.append(m.Holding(self.backend.live_sessions(), self.backend.total_bytes()))
         if self.events:
             self._notify()
 
