@@ -54,7 +54,9 @@ def read_weights(folder: Path, device: torch.device) -> dict[str, torch.Tensor]:
 
 class TorchBackend(Backend):
     def __init__(self, device: str | None = None):
-        torch.set_num_threads(os.cpu_count() or 1)
+        # At most the machine's cores (two backends in one process must not fight); fewer when
+        # OMP_NUM_THREADS asks for it: on an oversubscribed CPU one thread can beat two.
+        torch.set_num_threads(min(torch.get_num_threads(), os.cpu_count() or 1))
         self.device = torch.device(device) if device else default_device()
         self._sessions: dict[int, TorchSession] = {}
         self._copy_stream: torch.cuda.Stream | None = None
