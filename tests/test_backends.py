@@ -14,7 +14,6 @@ from backend_fixtures import (  # noqa: F401  (fixtures)
     backend_name,
     continue_greedy,
     fresh,
-    greedy,
     logits_np,
     prompt,
     release_all,
@@ -138,7 +137,8 @@ def test_batched_decode_matches_solo(backend):
         tokens = prompt(len(active), seed=seed)
         rows = logits_np(b, b.decode([lanes[k][0] for k in active], tokens))
         for row, lane, token in zip(rows, active, tokens):
-            np.testing.assert_allclose(row[None], logits_np(b, b.decode([lanes[lane][1]], [token])), atol=ATOL, rtol=RTOL)
+            solo = logits_np(b, b.decode([lanes[lane][1]], [token]))
+            np.testing.assert_allclose(row[None], solo, atol=ATOL, rtol=RTOL)
 
     for lane, length in enumerate((5, 12, 23, 37)):
         add(lane, length)

@@ -55,8 +55,9 @@ def tight_clone(b: MLXBackend, donor, upto: int) -> list[KVCache]:
     caches = []
     for c in donor.caches:
         v, cache = kvcopy.view(c), KVCache()
-        cache.keys = kvcopy.placed(v.keys[..., :upto, :], upto, 0)
-        cache.values = kvcopy.placed(v.values[..., :upto, :], upto, 0)
+        # As mlx-lm's BatchKVCache.extract copies: exactly `upto` slots.
+        cache.keys = mx.contiguous(v.keys[..., :upto, :])
+        cache.values = mx.contiguous(v.values[..., :upto, :])
         cache.offset = upto
         caches.append(cache)
     mx.eval([kvcopy.arrays(c) for c in caches])
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     b = MLXBackend()
     b.load(args.model)
     report = {"model": args.model, "dtype": b.info.dtype, "device": b.info.device, "decode": []}
-    for context in map(int, args.contexts.split(",")):
+    for context in [int(c) for c in args.contexts.split(",") if c]:
         report["decode"].append(bench_decode(b, args.sessions, context, args.steps, args.repeat))
     if all(layer.kind == "full" for layer in b.info.layers):
         report["clone_room"] = bench_clone_room(b, args.clone, args.repeat)

@@ -35,8 +35,8 @@ def with_room(n: int) -> int:
 def view(cache, row: int | None = None, row_offset: int = 0, row_padding: int = 0) -> LayerView:
     """The positions a standalone cache (row None) or a batch row still holds."""
     if isinstance(cache, BatchKVCache):
-        end = row_padding + row_offset
-        return LayerView(cache.keys[row : row + 1, :, row_padding:end], cache.values[row : row + 1, :, row_padding:end], 0)
+        held = (slice(row, row + 1), slice(None), slice(row_padding, row_padding + row_offset))
+        return LayerView(cache.keys[held], cache.values[held], 0)
     if isinstance(cache, BatchRotatingKVCache):
         cache = cache.extract(row)  # a copy of at most the window
     if cache.keys is None:
@@ -50,6 +50,9 @@ def view(cache, row: int | None = None, row_offset: int = 0, row_padding: int = 
 def placed(part: mx.array, slots: int, at: int) -> mx.array:
     """A new buffer of `slots` time slots holding `part` from slot `at`, zeros elsewhere."""
     shape = list(part.shape)
+    if shape[2] == slots:
+        # Assigning over a whole buffer would just alias `part`, the donor's buffer.
+        return part * 1
     buffer = mx.zeros(shape[:2] + [slots] + shape[3:], part.dtype)
     buffer[..., at : at + shape[2], :] = part
     return buffer
