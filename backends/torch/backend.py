@@ -135,6 +135,8 @@ class TorchBackend(Backend):
     @torch.inference_mode()
     def prefill(self, sessions: Sequence[TorchSession], chunks: Sequence[Sequence[int]]) -> torch.Tensor:
         self._check(sessions, chunks)
+        if not sessions:
+            return torch.zeros((0, self.info.vocab_size), device=self.device)
         self._wait_for_clones(sessions)
         out = []
         for session, chunk in zip(sessions, chunks):
@@ -148,6 +150,8 @@ class TorchBackend(Backend):
     @torch.inference_mode()
     def decode(self, sessions: Sequence[TorchSession], tokens: Sequence[int]) -> torch.Tensor:
         self._check(sessions, [[t] for t in tokens])
+        if not sessions:
+            return torch.zeros((0, self.info.vocab_size), device=self.device)
         self._wait_for_clones(sessions)
         starts = [s.position for s in sessions]
         ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)[:, None]
