@@ -169,6 +169,8 @@ class TorchBackend(Backend):
 
     @torch.inference_mode()
     def clone(self, session: TorchSession, upto: int) -> TorchSession:
+        if session.id not in self._sessions:
+            raise ValueError(f"{session!r} was released")
         refusal = clone_refusal(session.position, upto, self.info, kv.held_from(session.layers))
         if refusal is not None:
             raise refusal
