@@ -63,6 +63,14 @@ def test_a_clone_has_room_to_grow(llama):
     llama.release(clone)
 
 
+def test_a_released_session_cannot_be_cloned(llama):
+    session = llama.open_session()
+    llama.prefill([session], [tokens(53, 5)])
+    llama.release(session)
+    with pytest.raises(ValueError, match="released"):
+        llama.clone(session, 3)
+
+
 def test_install_from_memory_equals_load(llama, tiny_model_dir):
     folder = tiny_model_dir("llama")
     other = TorchBackend(DEVICE)

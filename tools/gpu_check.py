@@ -72,10 +72,10 @@ def check_shape(name: str, device: torch.device, dtype: str | None, prompt_len: 
     params = sum(p.numel() for p in backend.model.parameters())
     prompt = torch.randint(0, config["vocab_size"], (prompt_len,)).tolist()
 
-    warm = backend.open_session()  # kernels, allocator, cuBLAS plans
-    backend.prefill([warm], [prompt[:256]])
+    warm, warm_len = backend.open_session(), min(256, prompt_len)  # kernels, allocator, cuBLAS plans
+    backend.prefill([warm], [prompt[:warm_len]])
     backend.decode([warm], [1])
-    backend.release(backend.clone(warm, 256))
+    backend.release(backend.clone(warm, warm_len))
     backend.release(warm)
 
     session = backend.open_session()

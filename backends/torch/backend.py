@@ -54,7 +54,9 @@ def read_weights(folder: Path, device: torch.device) -> dict[str, torch.Tensor]:
 
 class TorchBackend(Backend):
     def __init__(self, device: str | None = None):
-        torch.set_num_threads(os.cpu_count() or 1)
+        # At most the machine's cores (two backends in one process must not fight); fewer when
+        # OMP_NUM_THREADS asks for it: on an oversubscribed CPU one thread can beat two.
+        torch.set_num_threads(min(torch.get_num_threads(), os.cpu_count() or 1))
         self.device = torch.device(device) if device else default_device()
         self._sessions: dict[int, TorchSession] = {}
         self._copy_stream: torch.cuda.Stream | None = None
@@ -133,6 +135,8 @@ class TorchBackend(Backend):
     @torch.inference_mode()
     def prefill(self, sessions: Sequence[TorchSession], chunks: Sequence[Sequence[int]]) -> torch.Tensor:
         self._check(sessions, chunks)
+        if not sessions:
+            return torch.zeros((0, self.info.vocab_size), device=self.device)
         self._wait_for_clones(sessions)
         out = []
         for session, chunk in zip(sessions, chunks):
@@ -146,6 +150,8 @@ class TorchBackend(Backend):
     @torch.inference_mode()
     def decode(self, sessions: Sequence[TorchSession], tokens: Sequence[int]) -> torch.Tensor:
         self._check(sessions, [[t] for t in tokens])
+        if not sessions:
+            return torch.zeros((0, self.info.vocab_size), device=self.device)
         self._wait_for_clones(sessions)
         starts = [s.position for s in sessions]
         ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)[:, None]
@@ -163,6 +169,8 @@ class TorchBackend(Backend):
 
     @torch.inference_mode()
     def clone(self, session: TorchSession, upto: int) -> TorchSession:
+        if session.id not in self._sessions:
+            raise ValueError(f"{session!r} was released")
         refusal = clone_refusal(session.position, upto, self.info, kv.held_from(session.layers))
         if refusal is not None:
             raise refusal
