@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from backends.mlx.blas import reexec_with_openblas
+from backends.model_path import resolve_model
 from server.config import ServerConfig
 from server.engine.config import EngineConfig
 from server.settings import add_arguments, from_args
@@ -49,7 +50,10 @@ def serve(argv: list[str]) -> int:
         engine_config = from_args(EngineConfig, args)
     except ValueError as e:
         parser.error(str(e))
-    model = config.model or str(_default_model())
+    try:
+        model = str(resolve_model(config.model)) if config.model else str(_default_model())
+    except FileNotFoundError as e:
+        parser.error(f"--model: {e}")
     if not (Path(model) / "config.json").is_file():
         parser.error(f"--model: {model} is not a model folder (it has no config.json)")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

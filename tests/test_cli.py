@@ -26,9 +26,10 @@ def kvfork(*args: str, **kw) -> subprocess.CompletedProcess:
     (["--max-body-bytes", "10"], "--max-body-bytes"),
     (["--temperature-typo", "1"], "--temperature-typo"),
     (["--model", "/no/such/folder"], "--model"),
+    (["--model", "no-such-org/no-such-model"], "--model"),  # a hub id the (offline) hub cannot give
 ])
 def test_invalid_values_exit_2_with_one_line(args, flag):
-    done = kvfork("serve", *args)
+    done = kvfork("serve", *args, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and flag in lines[0] and lines[0].startswith("kvfork serve: error:")

@@ -14,9 +14,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
-from mlx_lm.utils import _download, load
+from mlx_lm.utils import load
 
 from backends.base import LayerAttention, ModelInfo
+from backends.model_path import resolve_model
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -26,11 +27,11 @@ def default_dtype() -> str:
 
 
 def load_model(folder: str, dtype: str | None) -> tuple[nn.Module, Any, ModelInfo]:
-    """(model, tokenizer, info). `folder` may also be a hub id, resolved as mlx-lm does."""
+    """(model, tokenizer, info). `folder` may also be a hub id (see backends.model_path)."""
     dtype = dtype or default_dtype()
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
-    path = _resolve(str(folder))
+    path = resolve_model(str(folder))
     model, tokenizer, config = load(str(path), return_config=True)
     # Quantized weights stay packed: set_dtype casts floating parameters only.
     model.set_dtype(DTYPES[dtype])
@@ -48,15 +49,6 @@ def load_model(folder: str, dtype: str | None) -> tuple[nn.Module, Any, ModelInf
     )
     return model, tokenizer, info
 
-
-def _resolve(folder: str) -> Path:
-    """A local folder, or a hub id fetched (or found in the hub cache) as mlx-lm does."""
-    local = Path(folder).expanduser()
-    if local.exists():
-        return local
-    if folder.startswith(("/", ".", "~")):
-        raise FileNotFoundError(f"no model folder at {folder}")
-    return _download(folder)
 
 
 def layer_kinds(model: nn.Module) -> tuple[LayerAttention, ...]:

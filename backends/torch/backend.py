@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from backends.base import Backend, LayerAttention, ModelInfo, Sampled, SamplerState, Session, clone_refusal
+from backends.model_path import resolve_model
 from backends.torch import kv, sampling
 from backends.torch.config import ArchConfig, read_config
 from backends.torch.model import Transformer
@@ -64,7 +65,7 @@ class TorchBackend(Backend):
     # -- model -----------------------------------------------------------
 
     def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
-        path = Path(folder)
+        path = resolve_model(folder)
         return self.install(read_config(path), read_weights(path, self.device), path.name, dtype)
 
     def install(self, cfg: ArchConfig, weights: dict[str, torch.Tensor], name: str, dtype: str | None = None) -> ModelInfo:
