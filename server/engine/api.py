@@ -44,6 +44,10 @@ class NotReady(EngineError):
     code, status = "not_ready", 503
 
 
+class InvalidRequest(EngineError):
+    code, status = "invalid_request_error", 400
+
+
 @dataclass
 class GenerateRequest:
     request_id: str

@@ -1,0 +1,142 @@
+"""The MLX backend: mlx-lm models and caches behind kvfork's backend interface.
+
+A session is either standalone (its own mlx-lm cache per layer: `KVCache`,
+`RotatingKVCache` of the window for sliding layers) or a row of the
+persistent decode batch (batch.py). Prefill runs standalone; decode runs the
+batch; clone copies from either into a new standalone session (kvcopy.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+from backends.base import Backend, ModelInfo, Sampled, SamplerState, Session, clone_refusal
+from backends.mlx import kvcopy, sampling
+from backends.mlx.batch import DecodeBatch
+from backends.mlx.loading import load_model
+
+
+class MLXSession(Session):
+    def __init__(self, caches: list[Any], held_from: list[int]):
+        super().__init__()
+        self.caches: list[Any] | None = caches  # None while a row of the decode batch
+        # Oldest position each sliding layer holds for sure (the rule in base.py);
+        # a clone made one short of its donor's position holds one less than the window.
+        self.held_from = held_from
+
+
+class MLXBackend(Backend):
+    def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
+        self.model, self.tokenizer, self.info = load_model(folder, dtype)
+        self._windows = [layer.window for layer in self.info.layers if layer.kind == "sliding"]
+        self._sessions: dict[int, MLXSession] = {}
+        self._batch = DecodeBatch(self.model)
+        return self.info
+
+    def open_session(self) -> MLXSession:
+        return self._track(MLXSession(make_prompt_cache(self.model), [0] * len(self._windows)))
+
+    def release(self, session: MLXSession) -> None:
+        if self._sessions.pop(session.id, None) is None:
+            return
+        if self._batch.has(session):
+            self._batch.release(session)
+        session.caches = None
+
+    def prefill(self, sessions: Sequence[MLXSession], chunks: Sequence[Sequence[int]]) -> mx.array:
+        self._check(sessions, chunks)
+        if any(not chunk for chunk in chunks):
+            raise ValueError("prefill needs at least one token per session")
+        rows = []
+        for session, chunk in zip(sessions, chunks):
+            if self._batch.has(session):
+                self._batch.leave(session)
+            logits = self.model(mx.array(chunk)[None], cache=session.caches)[0, -1]
+            mx.eval(logits)
+            self._advance(session, len(chunk))
+            rows.append(logits)
+        return mx.stack(rows).astype(mx.float32)
+
+    def decode(self, sessions: Sequence[MLXSession], tokens: Sequence[int]) -> mx.array:
+        self._check(sessions, [[t] for t in tokens])
+        rows = self._batch.sync(sessions)
+        row_tokens = [0] * len(rows)
+        for row, token in zip(rows, tokens):
+            row_tokens[row] = token
+        logits = self._batch.step(row_tokens)
+        logits = logits[mx.array(rows)].astype(mx.float32)
+        mx.eval(logits)
+        for session in sessions:
+            self._advance(session, 1)
+        return logits
+
+    def sample(self, logits: mx.array, states: Sequence[SamplerState]) -> list[Sampled]:
+        return sampling.sample(logits, states)
+
+    def clone(self, session: MLXSession, upto: int) -> MLXSession:
+        refusal = clone_refusal(session.position, upto, self.info, session.held_from)
+        if refusal is not None:
+            raise refusal
+        caches, held_from = [], []
+        sliding = iter(zip(self._windows, session.held_from))
+        for layer, view in zip(self.info.layers, self._views(session)):
+            if layer.kind == "full":
+                caches.append(kvcopy.clone_full(view, upto))
+            else:
+                window, held = next(sliding)
+                cache, start = kvcopy.clone_sliding(view, held, upto, window)
+                caches.append(cache)
+                held_from.append(start)
+        mx.eval([kvcopy.arrays(c) for c in caches])
+        clone = MLXSession(caches, held_from)
+        clone.position = upto
+        return self._track(clone)
+
+    def session_bytes(self, session: MLXSession) -> int:
+        if self._batch.has(session):
+            return self._batch.row_bytes()
+        return sum(c.nbytes for c in session.caches or ())
+
+    def total_bytes(self) -> int:
+        standalone = sum(self.session_bytes(s) for s in self._sessions.values() if not self._batch.has(s))
+        return standalone + self._batch.nbytes()
+
+    def live_sessions(self) -> int:
+        return len(self._sessions)
+
+    def to_numpy(self, logits: mx.array) -> np.ndarray:
+        return np.array(logits.astype(mx.float32))
+
+    def _track(self, session: MLXSession) -> MLXSession:
+        self._sessions[session.id] = session
+        return session
+
+    def _views(self, session: MLXSession) -> list[kvcopy.LayerView]:
+        if not self._batch.has(session):
+            return [kvcopy.view(c) for c in session.caches]
+        row = self._batch.row(session)
+        # A full layer's row is right-aligned at the batch's write index.
+        return [
+            kvcopy.view(c, row, session.position, getattr(c, "_idx", 0) - session.position) for c in self._batch.caches
+        ]
+
+    def _advance(self, session: MLXSession, n: int) -> None:
+        session.position += n
+        session.held_from = [max(h, session.position - w) for h, w in zip(session.held_from, self._windows)]
+
+    def _check(self, sessions: Sequence[MLXSession], chunks: Sequence[Sequence[int]]) -> None:
+        if len(sessions) != len(chunks):
+            raise ValueError(f"{len(sessions)} sessions but {len(chunks)} inputs")
+        if len({s.id for s in sessions}) != len(sessions):
+            raise ValueError("a session appears twice in one call")
+        for session, chunk in zip(sessions, chunks):
+            if session.id not in self._sessions:
+                raise ValueError(f"{session} is released")
+            if any(not 0 <= t < self.info.vocab_size for t in chunk):
+                raise ValueError(f"token id out of range [0, {self.info.vocab_size})")
+            if session.position + len(chunk) > self.info.context_length:
+                raise ValueError(f"{session} would pass the context length {self.info.context_length}")

@@ -1,0 +1,91 @@
+"""The persistent decode batch: sessions decoding together share one mlx-lm
+batch cache per layer (`BatchKVCache`, `BatchRotatingKVCache`).
+
+Design rule: merging every session's cache into a batch on every step copies
+all the KV twice per step (merge, then extract); measured by
+tools/mlx_batch_bench.py. So rows join (extend) and leave (filter, extract)
+only when the set of decoding sessions changes; a step then writes in place.
+The batch is the set of sessions of the last decode call: a row left out of a
+call leaves the batch, back to a standalone cache of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+class DecodeBatch:
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.rows: list[Any] = []  # sessions, in row order
+        self.caches: list[Any] | None = None  # one batch cache per layer
+        self.dead: set[int] = set()  # rows of released sessions, dropped at the next compaction
+
+    def has(self, session) -> bool:
+        return any(r is session for r in self.rows)
+
+    def row(self, session) -> int:
+        return next(i for i, r in enumerate(self.rows) if r is session)
+
+    def release(self, session) -> None:
+        self.dead.add(self.row(session))
+
+    def leave(self, session) -> None:
+        """Take one session out, back to standalone caches."""
+        self._reshape(keep=[r for r in self.rows if r is not session])
+
+    def sync(self, sessions: Sequence[Any]) -> list[int]:
+        """Make the batch hold exactly `sessions`; returns each one's row."""
+        wanted = {id(s) for s in sessions}
+        self._reshape(keep=[r for r in self.rows if id(r) in wanted])
+        joiners = [s for s in sessions if not self.has(s)]
+        if joiners:
+            self._join(joiners)
+        index = {id(r): i for i, r in enumerate(self.rows)}
+        return [index[id(s)] for s in sessions]
+
+    def step(self, row_tokens: Sequence[int]) -> mx.array:
+        """One decode step of every row; logits [rows, vocab]."""
+        logits = self.model(mx.array(row_tokens)[:, None], cache=self.caches)
+        return logits[:, -1, :]
+
+    def compact(self) -> None:
+        if self.dead:
+            self._reshape(keep=[r for i, r in enumerate(self.rows) if i not in self.dead])
+
+    def nbytes(self) -> int:
+        self.compact()
+        return sum(c.nbytes for c in self.caches) if self.caches else 0
+
+    def row_bytes(self) -> int:
+        return self.nbytes() // len(self.rows)
+
+    def _reshape(self, keep: list[Any]) -> None:
+        """Filter down to `keep`; live rows not kept get their own caches back."""
+        if len(keep) == len(self.rows) and not self.dead:
+            return
+        for i, session in enumerate(self.rows):
+            if i not in self.dead and not any(k is session for k in keep):
+                session.caches = [c.extract(i) for c in self.caches]
+        index = [i for i, r in enumerate(self.rows) if i not in self.dead and any(k is r for k in keep)]
+        self.rows, self.dead = [self.rows[i] for i in index], set()
+        if not self.rows:
+            self.caches = None
+            return
+        for cache in self.caches:
+            cache.filter(mx.array(index))
+
+    def _join(self, sessions: list[Any]) -> None:
+        layers = len(sessions[0].caches)
+        merged = [type(sessions[0].caches[l]).merge([s.caches[l] for s in sessions]) for l in range(layers)]
+        if self.caches is None:
+            self.caches = merged
+        else:
+            for cache, new in zip(self.caches, merged):
+                cache.extend(new)
+        self.rows.extend(sessions)
+        for s in sessions:
+            s.caches = None

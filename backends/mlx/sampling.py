@@ -1,0 +1,113 @@
+"""Sampling on the device, each row under its own request's settings and stream.
+
+Order (the torch backend follows it too): penalties and logit_bias shape the
+logits; greedy takes their argmax; otherwise temperature, then top_k, top_p,
+min_p cut the distribution and the request's own key draws from it. Logprobs
+are those of the model's raw distribution (before penalties, bias and
+temperature), as OpenAI reports them. The chosen token is appended to
+`state.output`, which is what presence/frequency penalties count.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import Counter
+from typing import Sequence
+
+import mlx.core as mx
+
+from backends.base import Sampled, SamplerState, SamplingParams
+
+
+def _plain(p: SamplingParams) -> bool:
+    """Greedy with nothing that changes the argmax or asks for logprobs."""
+    shaped = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.logit_bias
+    return p.greedy and not shaped and not p.logprobs and not p.top_logprobs
+
+
+def shaped_logits(row: mx.array, state: SamplerState) -> mx.array:
+    """Penalties and bias applied to one row of logits [vocab]."""
+    p = state.params
+    if p.repetition_penalty != 1.0:
+        seen = mx.array(sorted(set(state.prompt) | set(state.output)), mx.int32)
+        if seen.size:
+            picked = row[seen]
+            row[seen] = mx.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and state.output:
+        counts = Counter(state.output)
+        ids = mx.array(list(counts), mx.int32)
+        row[ids] = row[ids] - (p.presence_penalty + p.frequency_penalty * mx.array(list(counts.values()), mx.float32))
+    if p.logit_bias:
+        ids = mx.array(list(p.logit_bias), mx.int32)
+        row[ids] = row[ids] + mx.array(list(p.logit_bias.values()), mx.float32)
+    return row
+
+
+def truncated(row: mx.array, p: SamplingParams) -> mx.array:
+    """Temperature-scaled logits with the tokens top_k, top_p and min_p drop set to -inf."""
+    row = row / p.temperature
+    drop = mx.array(-float("inf"), row.dtype)
+    if 0 < p.top_k < row.shape[-1]:
+        kth = mx.sort(row)[-p.top_k]
+        row = mx.where(row >= kth, row, drop)
+    if p.top_p < 1.0:
+        probs = mx.softmax(row)
+        descending = mx.sort(probs)[::-1]
+        kept = (mx.cumsum(descending) - descending) < p.top_p  # always keeps the first
+        floor = descending[mx.sum(kept) - 1]
+        row = mx.where(probs >= floor, row, drop)
+    if p.min_p > 0.0:
+        probs = mx.softmax(row)
+        row = mx.where(probs >= p.min_p * mx.max(probs), row, drop)
+    return row
+
+
+def _next_key(state: SamplerState) -> mx.array:
+    if state.rng is None:
+        seed = state.params.seed if state.params.seed is not None else secrets.randbits(63)
+        state.rng = mx.random.key(seed)
+    state.rng, key = mx.random.split(state.rng)
+    return key
+
+
+def sample(logits: mx.array, states: Sequence[SamplerState]) -> list[Sampled]:
+    logits = logits.astype(mx.float32)
+    if all(_plain(s.params) for s in states):
+        tokens = mx.argmax(logits, axis=-1).tolist()
+        results = [Sampled(t) for t in tokens]
+    else:
+        results = _sample_rows(logits, states)
+    for state, result in zip(states, results):
+        state.output.append(result.token)
+    return results
+
+
+def _sample_rows(logits: mx.array, states: Sequence[SamplerState]) -> list[Sampled]:
+    picks, logprobs, tops = [], [], []
+    for i, state in enumerate(states):
+        p = state.params
+        raw = logits[i]
+        row = shaped_logits(mx.array(raw), state)
+        if p.greedy:
+            token = mx.argmax(row)
+        else:
+            token = mx.random.categorical(truncated(row, p), key=_next_key(state))
+        picks.append(token)
+        if p.logprobs or p.top_logprobs:
+            lp = raw - mx.logsumexp(raw)
+            logprobs.append(lp[token])
+            order = mx.argsort(-lp)[: p.top_logprobs]
+            tops.append((order, lp[order]))
+        else:
+            logprobs.append(None)
+            tops.append(None)
+    mx.eval(picks, [x for x in logprobs if x is not None], [t for t in tops if t is not None])
+    out = []
+    for token, lp, top in zip(picks, logprobs, tops):
+        result = Sampled(int(token.item()))
+        if lp is not None:
+            result.logprob = float(lp.item())
+            if top[0].size:
+                result.top_logprobs = list(zip(top[0].tolist(), top[1].tolist()))
+        out.append(result)
+    return out

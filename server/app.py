@@ -1,0 +1,96 @@
+"""The aiohttp application: routes, the error and auth middlewares, and how it listens.
+
+Disconnects: aiohttp leaves a handler running when its client goes away unless
+the runner is built with `handler_cancellation=True`. `listen` always builds it
+so: a lost connection cancels the handler at once, wherever it waits (queued,
+prefilling, streaming), and the handler's `generation` block cancels the engine
+request on the way out. Tests listen through the same function.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+
+from aiohttp import web
+
+from server.engine.api import EngineError
+from server.errors import ApiError, from_engine
+from server.protocol.openai import encoder
+from server.routes import chat, completions, models, sessions
+from server.state import STATE, AppState
+
+log = logging.getLogger("kvfork.http")
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
+
+
+def error_response(error: ApiError) -> web.Response:
+    return web.Response(status=error.status, body=encoder.encode(error.body()), content_type="application/json")
+
+
+def _api_error(e: BaseException) -> ApiError:
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, EngineError):
+        return from_engine(e)
+    if isinstance(e, web.HTTPException):
+        return ApiError(e.status, e.reason if e.status != 413 else e.text or e.reason,
+                        code=_HTTP_CODES.get(e.status, f"http_{e.status}"))
+    log.exception("unexpected error")  # the log keeps the traceback; the client gets none
+    return ApiError(500, "internal error", code="internal_error")
+
+
+def _middlewares(state: AppState, requests_total) -> list:
+    @web.middleware
+    async def errors(request: web.Request, handler):
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource else "unmatched"
+        try:
+            response = await handler(request)
+        except web.HTTPException as e:
+            response = e if e.status < 400 else error_response(_api_error(e))
+        except ApiError as e:
+            response = error_response(e)
+        except (asyncio.CancelledError, ConnectionError):  # the client went away; aiohttp drops it quietly
+            requests_total.inc(route=route, status="499")  # nginx's "client closed request"
+            raise
+        except Exception as e:
+            response = error_response(_api_error(e))
+        requests_total.inc(route=route, status=str(response.status))
+        return response
+
+    @web.middleware
+    async def auth(request: web.Request, handler):
+        key = state.config.api_key
+        if key and request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+            given = given or request.headers.get("x-api-key", "")
+            if not hmac.compare_digest(given.encode(), key.encode()):
+                raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
+        return await handler(request)
+
+    return [errors, auth]
+
+
+def build_app(state: AppState) -> web.Application:
+    requests_total = state.registry.counter("http_requests_total", "HTTP requests answered, by route and status")
+    app = web.Application(middlewares=_middlewares(state, requests_total), client_max_size=state.config.max_body_bytes)
+    app[STATE] = state
+    app.router.add_post("/v1/chat/completions", chat.handle)
+    app.router.add_post("/v1/completions", completions.handle)
+    app.router.add_get("/v1/models", models.list_models)
+    app.router.add_get("/health", models.health)
+    app.router.add_get("/metrics", models.metrics)
+    app.router.add_post("/v1/sessions/{session_id}/reset", sessions.reset)
+    app.router.add_delete("/v1/sessions/{session_id}", sessions.delete)
+    return app
+
+
+async def listen(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Start serving; returns the runner (to clean up) and the port bound (port 0 picks one)."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner, runner.addresses[0][1]

@@ -1,0 +1,88 @@
+"""`kvfork`: serve, fetch-model, bench, smoke.
+
+Every serve flag comes from a config dataclass (ServerConfig here, EngineConfig
+in the engine), so a flag's default, check and help live in one place. A bad
+value exits with code 2 and one line saying why, before anything loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from backends.mlx.blas import reexec_with_openblas
+from server.config import ServerConfig
+from server.engine.config import EngineConfig
+from server.settings import add_arguments, from_args
+
+# Tools are imported only when asked for: each pulls its own dependencies.
+TOOLS = {
+    "fetch-model": ("tools.fetch_model", "fetch the default model (SmolLM2) and convert it"),
+    "bench": ("tools.bench", "replay benchmark against a running daemon"),
+    "smoke": ("tools.smoke", "end-to-end check of active prefix reuse on the default model"),
+}
+USAGE = "usage: kvfork {serve,fetch-model,bench,smoke} [options]   (kvfork COMMAND --help for a command's options)"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="kvfork serve", description="Serve a model over an OpenAI-compatible HTTP API.")
+    add_arguments(parser, ServerConfig)
+    add_arguments(parser, EngineConfig)
+    return parser
+
+
+def serve(argv: list[str]) -> int:
+    parser = serve_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = from_args(ServerConfig, args)
+        engine_config = from_args(EngineConfig, args)
+    except ValueError as e:
+        parser.error(str(e))
+    model = config.model or str(_default_model())
+    if not (Path(model) / "config.json").is_file():
+        parser.error(f"--model: {model} is not a model folder (it has no config.json)")
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from server.serve import run  # the engine and backends load only for a valid command line
+
+    return asyncio.run(run(config, engine_config, model))
+
+
+def _default_model() -> Path:
+    from tools.fetch_model import FetchError, ensure_default_model
+
+    try:
+        return ensure_default_model()
+    except FetchError as e:
+        sys.exit(f"kvfork: the default model is not available: {e} (or pass --model FOLDER)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    reexec_with_openblas()
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        lines = [USAGE, "  serve        run the daemon (default model unless --model)"]
+        lines += [f"  {name:<12} {help_text}" for name, (_, help_text) in TOOLS.items()]
+        print("\n".join(lines))
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        return serve(rest)
+    if command in TOOLS:
+        return importlib.import_module(TOOLS[command][0]).main(rest) or 0
+    print(f"kvfork: error: unknown command {command!r} (commands: serve, {', '.join(TOOLS)})", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

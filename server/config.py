@@ -1,0 +1,39 @@
+"""The daemon's own flags (the engine's are in server/engine/config.py); see server/settings.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from server.settings import at_least, between, setting
+
+BACKENDS = ("auto", "mlx", "torch")
+DTYPES = ("float32", "float16", "bfloat16")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _name_check(names: list[str]) -> str | None:
+    bad = [n for n in names if not n.strip()]
+    return "a served model name cannot be empty" if bad else None
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str | None = setting(None, "model folder (Hugging Face layout); default: SmolLM2, converted and "
+                                "fetched by `kvfork fetch-model` on first run")
+    backend: str = setting("auto", "auto: MLX on Apple Silicon, torch elsewhere (CUDA when present, else the CPU)",
+                           choices=BACKENDS)
+    dtype: str | None = setting(None, "weights and KV dtype (default: float32 on the CPU, bf16/fp16 on a GPU)",
+                                choices=DTYPES)
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(8080, "port to listen on (0: any free port)", check=between(0, 65535))
+    api_key: str | None = setting(None, "require this key (Authorization: Bearer KEY) on every /v1 route")
+    served_model_name: list[str] = setting([], "a name clients may use for the model; repeat for more "
+                                           "(default: the model folder's name)", repeat=True, check=_name_check)
+    accept_any_model: bool = setting(False, "serve requests whatever model name they send (for agents that send "
+                                     "their own)")
+    max_body_bytes: int = setting(16 * 1024 * 1024, "largest request body; bigger gets 413", check=at_least(1024))
+    sse_keepalive: float = setting(5.0, "seconds of silence (a long prefill, a queue wait) before a stream sends a "
+                                   "keep-alive comment", check=at_least(0.01))
+    shutdown_grace: float = setting(10.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM",
+                                    check=at_least(0))
+    log_level: str = setting("info", "log verbosity", choices=LOG_LEVELS)

@@ -1,0 +1,120 @@
+"""Admission on the control loop: who gets a slot, and what state it starts from.
+
+Design rules:
+- first come, first served over `inference_slots`; a head that does not fit the
+  KV budget waits (the prefix cache gives way first), so memory never runs out;
+- every byte the engine may come to hold is reserved before it exists: a slot
+  reserves its prompt plus max_tokens, a capture slot its snapshot, and named
+  sessions and cache entries count what they hold;
+- bytes are estimated from `kv_bytes_per_token`; cache entries count what the
+  backend measured for them.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable
+
+from backends.base import ModelInfo
+from server.engine import messages as m
+from server.engine.config import EngineConfig
+from server.engine.prefix_cache import CacheMatch, PrefixCache
+from server.engine.request import Request
+from server.engine.scheduler import fit_admission
+from server.engine.sessions import NamedSessions
+
+
+class Admission:
+    def __init__(self, config: EngineConfig, info: ModelInfo, send: Callable[[Any], None]):
+        self.config, self.info, self.send = config, info, send
+        self.budget: int = config.kv_budget_bytes  # type: ignore[assignment]  (resolved)
+        self.queue: collections.deque[Request] = collections.deque()
+        self.cache = PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes, config.prefix_cache_min_tokens)
+        self.named = NamedSessions(config.max_named_sessions)
+        self.slots_used = 0
+        self.reserved = 0  # bytes: requests holding slots, and capture slots
+        self.captures_in_use = 0
+
+    def bytes_for(self, tokens: int) -> int:
+        return self.info.kv_bytes_per_token * tokens
+
+    def held(self) -> int:
+        return self.reserved + self.cache.nbytes + self.bytes_for(self.named.idle_tokens())
+
+    def never_fits(self, need: int) -> bool:
+        return fit_admission(need, 0, 0, self.budget).never
+
+    def next(self) -> Request | None:
+        """The queue's head, if a slot is free and its bytes fit; it then holds the slot."""
+        if not self.queue or self.slots_used >= self.config.inference_slots:
+            return None
+        head = self.queue[0]
+        if not self.reserve(head.need_bytes):
+            return None
+        self.queue.popleft()
+        self.slots_used += 1
+        self._offer_capture_slot(head)
+        return head
+
+    def reserve(self, need: int) -> bool:
+        fit = fit_admission(need, self.held(), self.cache.nbytes, self.budget)
+        if not fit.admit:
+            return False
+        if fit.evict_bytes:
+            self.release_sessions(self.cache.evict_bytes(fit.evict_bytes))
+        self.reserved += need
+        return True
+
+    def _offer_capture_slot(self, request: Request) -> None:
+        """A capture slot is held from admission, so its snapshot's bytes are in the budget before it exists;
+        when none is free the prompt is simply not captured, and nothing waits for it."""
+        prompt_len = len(request.prompt)
+        if not self.cache.worth_capturing(prompt_len) or self.captures_in_use >= (self.config.capture_slots or 0):
+            return
+        nbytes = self.bytes_for(prompt_len)
+        if fit_admission(nbytes, self.held(), 0, self.budget).admit:
+            self.reserved += nbytes
+            self.captures_in_use += 1
+            request.capture_slot, request.capture_bytes = True, nbytes
+
+    def free_capture_slot(self, request: Request) -> None:
+        if request.capture_slot:
+            request.capture_slot = False
+            self.captures_in_use -= 1
+            self.reserved -= request.capture_bytes
+
+    def free_slot(self, request: Request) -> None:
+        """The request no longer holds a slot (it ended, or it was parked)."""
+        self.slots_used -= 1
+        self.reserved -= request.need_bytes
+
+    def store_capture(self, tokens: list[int], session: Any, nbytes: int) -> None:
+        self.release_sessions(self.cache.insert(tokens, session, nbytes))
+
+    def release_sessions(self, sessions: list[Any]) -> None:
+        sessions = [s for s in sessions if s is not None]
+        if sessions:
+            self.send(m.Release(sessions))
+
+    def start(self, request: Request, resume: Any = None, resume_at: int = 0,
+              cache_matches: list[CacheMatch] | None = None) -> m.Start:
+        """The Start command for a request that holds a slot: warm resume for a named session,
+        else the given `resume` (a donor's clone), else the prefix cache's candidates."""
+        named = request.named
+        clone_from: list[tuple[Any, int]] = []
+        if named is not None:
+            if named.resumes(request.prompt):
+                resume, resume_at = named.session, len(named.tokens)
+            else:
+                self.release_sessions([named.session])
+            named.session, named.tokens = None, []  # the request owns it now; it comes back at the end
+        elif resume is None:
+            request.cache_matches = self.cache.lookup(request.prompt) if cache_matches is None else cache_matches
+            clone_from = [(match.entry.session, match.upto) for match in request.cache_matches]
+        return m.Start(request.rid, request.prompt, request.req.sampling, request.max_tokens, request.stop_ids,
+                       capture=request.capture_slot, keep_session=named is not None,
+                       resume=resume, resume_at=resume_at, clone_from=clone_from)
+
+    def drain(self) -> list[Any]:
+        """Every session the cache and the named sessions hold (for shutdown)."""
+        return self.cache.clear() + self.named.clear()

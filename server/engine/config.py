@@ -1,0 +1,70 @@
+"""Every engine flag, each with its one home (see server/settings.py).
+
+Defaults that depend on the machine or the model are resolved in one place
+(`resolve`), once the model is loaded, and the rules are written next to them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from backends.base import ModelInfo
+from server.settings import at_least, setting
+
+# The KV budget defaults to this share of physical memory: the rest is left to
+# the weights, the activations of a 2048-token step, and the rest of the system.
+KV_BUDGET_FRACTION = 0.5
+# Automatic capture sizing: a capture slot per inference slot (every request that
+# finishes its prefill in the same step can be captured), but never more than
+# this share of the KV budget, counting each snapshot at a full context.
+CAPTURE_BUDGET_FRACTION = 0.25
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    inference_slots: int = setting(8, "requests decoded together", check=at_least(1))
+    max_batch_tokens: int = setting(2048, "tokens one step may run: decodes first, prefill chunks fill the rest",
+                                    check=at_least(1))
+    prefill_chunk: int = setting(512, "most prompt tokens one request prefills in one step", check=at_least(1))
+    max_queue: int = setting(256, "requests waiting for a slot before capacity_exhausted", check=at_least(0))
+    queue_timeout: float = setting(300.0, "seconds a request may wait for a slot before it ends with an error",
+                                   check=at_least(0.001))
+    kv_budget_bytes: int | None = setting(None, f"KV cache bytes the engine may hold (default: {KV_BUDGET_FRACTION:g} "
+                                          "of physical memory); admission waits rather than exceed it",
+                                          check=at_least(1))
+    prefix_cache_entries: int = setting(16, "finished prompts kept for reuse (0 disables the prefix cache)",
+                                        check=at_least(0))
+    prefix_cache_bytes: int | None = setting(None, "most bytes the prefix cache holds (default: no cap of its own; "
+                                             "it still gives way to admission)", check=at_least(0))
+    prefix_cache_min_tokens: int = setting(64, "shortest prompt captured, and shortest cached match used",
+                                           check=at_least(1))
+    capture_slots: int | None = setting(None, "snapshots that may wait for the control loop at once (default: "
+                                        "one per inference slot, capped at "
+                                        f"{CAPTURE_BUDGET_FRACTION:g} of the KV budget at full context)",
+                                        check=at_least(0))
+    max_named_sessions: int = setting(64, "named sessions kept (least recently used first out)", check=at_least(1))
+    max_context: int | None = setting(None, "most tokens of prompt and output per request (default: the model's)",
+                                      check=at_least(2))
+    max_tokens: int = setting(512, "max_tokens when a request gives none; always clamped to the context left",
+                              check=at_least(1))
+    active_prefix_reuse_min_tokens: int = setting(
+        0, "prefill tokens active prefix reuse must save beyond the best cached match (0 disables it; "
+        "1024 suits long agent prompts)", check=at_least(0))
+    follow_max_wait: float = setting(30.0, "most seconds a request follows a prefilling donor", check=at_least(0))
+    no_follow: bool = setting(False, "never follow a prefilling donor: clone only what is already committed")
+
+    def resolve(self, info: ModelInfo) -> "EngineConfig":
+        """The config with every machine- or model-dependent default filled in."""
+        budget = self.kv_budget_bytes or int(KV_BUDGET_FRACTION * physical_memory_bytes())
+        context = min(self.max_context or info.context_length, info.context_length)
+        slots = self.capture_slots
+        if slots is None:
+            snapshot = max(1, info.kv_bytes_per_token * context)
+            slots = max(1, min(self.inference_slots, int(CAPTURE_BUDGET_FRACTION * budget) // snapshot))
+        return dataclasses.replace(self, kv_budget_bytes=budget, max_context=context, capture_slots=slots)
+
+
+def physical_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,0 +1,283 @@
+"""Follow the leader: requests that share a prompt prefix share one prefill. Pure policy.
+
+The engine calls (Rates and RateTracker live in server/engine/rates.py):
+  Leader.active(source, tps) -> Leader          # an admitted request, prefilling or decoding
+  Leader.starting(source, at, after_s, tps) -> Leader   # an admitted request whose clone is pending
+  leader_views(active, parked, rates, tps) -> list[Leader]   # + the parked followers, as leaders
+  plan(recipient, leaders, cached, rates, policy, prefilling) -> Plan
+  Plan.log_fields() -> dict                     # the decision and its inputs, for the log line
+  Following.park(request_id, plan, order, first_parked_at, max_wait_s) -> Following
+  Following.ready(leader_committed) -> bool; Following.expired(now) -> bool
+  chunk_end(committed, planned_end, stops) -> int   # where a leader's prefill chunk stops
+  promote(gone, gone_committed, parked, state_usable) -> Promotion
+
+Engine flow:
+  - Admitting an anonymous text request (on arrival, or when a slot frees):
+    p = plan(...). p.follow: park it (Following.park; no slot, it stays in the
+    queue's count and timeout). Otherwise p.now is the seed's choice (matching.py).
+  - Each step: a leader's prefill chunk ends at chunk_end(...) of its followers'
+    targets; a follower whose leader is `ready` clones [0, target) from it as soon
+    as it has a slot, then prefills its tail; an `expired` one is unparked and
+    planned again with FollowPolicy(follow=False), the seed's path.
+  - A leader leaving while followed (cancelled, failed, or finished before a
+    ready follower got a slot): promote(). Clone the heir's [0, upto) BEFORE
+    releasing the leader's state; the heir takes its slot. Unpark `replan`, then
+    plan each again in order, with max_wait_s = what is left to its deadline.
+  - Any refused clone takes the seed's fallback: normal admission, fresh cache lookup.
+
+Rules (each also stated where it binds):
+  - Grouping: a recipient follows the leader offering the longest match it will
+    have, min(common prefix, len - 1), whose wait fits follow_max_wait; ties go to
+    the leader reaching it soonest, then the earliest. Leaders are the admitted
+    requests and the parked followers (a follower becomes a leader once it clones).
+    So in a burst the earliest request prefills the shared part and the others
+    follow it: no two requests prefill the same shared tokens at once.
+  - It follows only when the cost model expects a TTFT no worse than the seed's
+    choice now (clone what is committed / cached prefix / full prefill), and when
+    the match beats the cached one by min_tokens. Otherwise the seed's choice
+    stands unchanged; follow=False (--no-follow) gives exactly the seed's rule.
+  - Only requests nobody follows are planned (new, queued, or unparked by
+    promote), so no request ever follows its own follower.
+  - A follower holds no slot and gives up at its deadline, which runs from the
+    first time it parked: no follower waits forever.
+Cost: `plan` is O(leaders x common_prefix), ~15 us per 2,000-token leader; run it
+on arrival and at admission. Per step only `ready`, `expired` and `chunk_end`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Hashable, Iterable, Literal, Sequence
+
+from server.engine.matching import Recipient, ReuseChoice, Source, choose_reuse, common_prefix
+from server.engine.rates import Rates
+
+
+@dataclass(frozen=True)
+class Leader:
+    """A request whose prompt others may wait for, with when its committed position moves.
+
+    Position over time: source.committed until start_s, then start_at, then
+    + tps per second. An admitted request starts now; a parked follower starts
+    when its own clone lands.
+    """
+
+    source: Source  # committed = what it holds NOW (0 for a parked follower)
+    start_s: float
+    start_at: int
+    tps: float
+
+    @classmethod
+    def active(cls, source: Source, tps: float) -> Leader:
+        """`tps`: its expected prefill rate, e.g. rates.share(prefilling); moot once decoding."""
+        return cls(source, 0.0, source.committed, tps)
+
+    @classmethod
+    def starting(cls, source: Source, at: int, after_s: float, tps: float) -> Leader:
+        """Holds nothing usable yet; holds [0, at) in `after_s` seconds, then prefills on.
+
+        A request whose clone is pending (a recipient, an heir): after_s = rates.clone_s(at).
+        """
+        return cls(source, after_s, at, tps)
+
+    def eta(self, position: int) -> float:
+        """Seconds until the committed position reaches `position`."""
+        if position <= self.source.committed:
+            return 0.0
+        if position <= self.start_at:
+            return self.start_s
+        return self.start_s + (position - self.start_at) / self.tps if self.tps > 0 else math.inf
+
+
+def leader_views(active: Iterable[Leader], parked: Iterable[tuple[Following, Source]], rates: Rates,
+                 tps: float) -> list[Leader]:
+    """Everyone a newcomer may follow: `active` (Leader.active of each admitted
+    request), then each parked follower with its prompt's Source, IN THE ORDER THEY
+    PARKED, each seen as starting when its own leader reaches its target and the
+    clone lands. `tps`: the rate a follower will prefill at once it starts.
+    """
+    # A follower parks after its leader is a leader, and a re-planned one parks
+    # again after it, so park order builds every leader's view before its followers'.
+    views = {lead.source.key: lead for lead in active}
+    for f, source in parked:
+        lead = views.get(f.leader)
+        after = (lead.eta(f.target) if lead else math.inf) + rates.clone_s(f.target)
+        views[f.request_id] = Leader.starting(replace(source, committed=0), f.target, after, tps)
+    return list(views.values())
+
+
+@dataclass(frozen=True)
+class FollowPolicy:
+    min_tokens: int  # --active-prefix-reuse-min-tokens; 0 disables reuse, following included
+    follow: bool = True  # --no-follow: the seed's rule exactly
+    max_wait_s: float = 10.0  # --follow-max-wait
+
+
+FollowReason = Literal["follow", "off", "no_leader", "below_threshold", "too_long", "slower"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    follow: bool  # park behind `leader` until it commits `target`; else take `now` (the seed's choice)
+    now: ReuseChoice
+    leader: Hashable | None
+    target: int
+    wait_s: float  # expected, when following
+    # Expected TTFTs, None where the option does not exist:
+    ttft_clone_s: float | None  # clone what the best donor has committed now, prefill the rest
+    ttft_alone_s: float  # cached prefix (if any) and prefill the rest
+    ttft_follow_s: float | None  # wait for the leader, clone [0, target), prefill the tail
+    reason: FollowReason
+    rates: Rates
+    prefilling: int
+
+    @property
+    def ttft_now_s(self) -> float:
+        """Expected TTFT of the seed's choice."""
+        return self.ttft_clone_s if self.now.kind == "donor" and self.ttft_clone_s is not None else self.ttft_alone_s
+
+    def log_fields(self) -> dict:
+        def secs(value: float | None) -> float | None:
+            return None if value is None else round(value, 4)
+
+        return {**self.now.log_fields(), "follow": self.follow, "follow_reason": self.reason, "leader": self.leader,
+                "follow_target": self.target, "follow_wait_s": secs(self.wait_s),
+                "ttft_clone_s": secs(self.ttft_clone_s), "ttft_alone_s": secs(self.ttft_alone_s),
+                "ttft_follow_s": secs(self.ttft_follow_s), "prefill_tps": round(self.rates.prefill_tps, 1),
+                "clone_fixed_s": self.rates.clone_fixed_s, "clone_s_per_token": self.rates.clone_s_per_token,
+                "prefilling": self.prefilling}
+
+
+def plan(recipient: Recipient, leaders: Sequence[Leader], cached: int, rates: Rates, policy: FollowPolicy,
+         prefilling: int) -> Plan:
+    """Follow a leader, or take the seed's choice now.
+
+    `leaders`: admitted requests and parked followers (see Leader); `cached`: the
+    best prefix-cache match; `prefilling`: requests prefilling now, the recipient
+    not counted (it would share the prefill rate with them).
+    """
+    now = choose_reuse(recipient, [lead.source for lead in leaders], cached, policy.min_tokens)
+    tps = rates.share(prefilling + 1)
+    length = len(recipient.prompt)
+
+    def ttft(wait: float, reused: int) -> float:
+        return wait + rates.clone_s(reused) + (length - reused) / tps
+
+    ttft_clone = ttft(0.0, now.donor_match) if now.donor_match > 0 else None
+    ttft_alone = ttft(0.0, now.upto if now.kind != "donor" else cached)
+
+    def result(reason: FollowReason, lead: Leader | None = None, target: int = 0) -> Plan:
+        wait = lead.eta(target) if lead else 0.0
+        return Plan(reason == "follow", now, lead.source.key if lead else None, target, wait, ttft_clone,
+                    ttft_alone, ttft(wait, target) if lead else None, reason, rates, prefilling)
+
+    if not policy.follow or now.reason in ("disabled", "named_session", "not_text"):
+        return result("off")
+    best: tuple[int, float, int] | None = None
+    chosen: Leader | None = None
+    too_long = False
+    for lead in leaders:
+        if lead.source.key == recipient.request_id or not lead.source.text:
+            continue
+        # the match it will have once committed: its prompt only, never generated output
+        target = min(common_prefix(recipient.prompt, lead.source.tokens), length - 1)
+        if target <= now.upto:  # nothing gained over the seed's choice
+            continue
+        eta = lead.eta(target)
+        if eta > policy.max_wait_s:  # follow_max_wait bounds every wait
+            too_long = True
+            continue
+        # longest match first, then the soonest there, then the earliest request
+        rank = (target, -eta, -lead.source.recency)
+        if best is None or rank > best:
+            best, chosen = rank, lead
+    if chosen is None or best is None:
+        return result("too_long" if too_long else "no_leader")
+    target = best[0]
+    if target - cached < policy.min_tokens:
+        return result("below_threshold", chosen, target)
+    decided = result("follow", chosen, target)
+    assert decided.ttft_follow_s is not None
+    # Ties follow: the same wait for fewer prefill tokens, which frees compute for
+    # others. The tolerance keeps float rounding from breaking exact ties.
+    faster = decided.ttft_follow_s <= decided.ttft_now_s * (1 + 1e-9)
+    return decided if faster else result("slower", chosen, target)
+
+
+@dataclass(frozen=True)
+class Following:
+    """A parked request. It holds no inference slot and counts against the queue limits."""
+
+    request_id: Hashable
+    leader: Hashable
+    target: int  # clone [0, target) from the leader once it has committed that much
+    order: int  # arrival order, lower = earlier
+    deadline: float  # engine clock; past it, stop following and take the seed's path
+
+    @classmethod
+    def park(cls, request_id: Hashable, plan: Plan, order: int, first_parked_at: float, max_wait_s: float) -> Following:
+        # The deadline runs from the FIRST time the request parked: a follower that
+        # parks again after a promotion keeps it, so no follower waits forever.
+        assert plan.follow and plan.leader is not None
+        return cls(request_id, plan.leader, plan.target, order, first_parked_at + max_wait_s)
+
+    # When ready, the clone should be taken before the leader writes again (see chunk_end).
+    def ready(self, leader_committed: int) -> bool:
+        return leader_committed >= self.target
+
+    def expired(self, now: float) -> bool:
+        return now >= self.deadline
+
+
+def chunk_end(committed: int, planned_end: int, stops: Iterable[int]) -> int:
+    """Where a leader's prefill chunk [committed, planned_end) ends: its followers' targets inside it cut it.
+
+    `stops`: the targets of the requests following it.
+    """
+    # A sliding-window layer keeps only its last W positions, so a clone at
+    # `target` must be taken before the leader writes far past it
+    # (backends.base.clone_refusal): the chunk stops there and the runner serves
+    # the ready followers' clones before the leader's next write.
+    return min((s for s in stops if committed < s < planned_end), default=planned_end)
+
+
+@dataclass(frozen=True)
+class Promotion:
+    heir: Hashable | None  # takes the gone leader's slot, clones [0, upto) from its state, then prefills on
+    upto: int
+    # Everyone else who waited on the gone leader, directly or down a chain,
+    # earliest first. Unpark them all, then plan each again in this order.
+    replan: tuple[Hashable, ...]
+
+
+def promote(gone: Hashable, gone_committed: int, parked: Iterable[Following], state_usable: bool = True) -> Promotion:
+    """A leader is cancelled or failed; `parked`: every parked follower.
+
+    `gone_committed`: its committed position (0 if it was itself parked);
+    `state_usable`: False when its state cannot be cloned (a failed step).
+    """
+    children: dict[Hashable, list[Following]] = {}
+    for f in parked:
+        children.setdefault(f.leader, []).append(f)
+    direct = sorted(children.get(gone, []), key=lambda f: f.order)
+
+    def salvage(f: Following) -> int:
+        return min(f.target, gone_committed) if state_usable else 0
+
+    # The heir is the follower that salvages most of what the leader committed
+    # (ties: the earliest), so none of it is computed again. Clone it BEFORE the
+    # leader's state is released. The heir keeps its own followers; the others
+    # plan again and find the heir as their leader (its clone pending:
+    # Leader.starting). With nothing to salvage, the earliest of them plans alone
+    # and the rest follow it.
+    heir = max(direct, key=salvage, default=None)
+    if heir is not None and salvage(heir) <= 0:
+        heir = None
+    waiting, todo = [], [f for f in direct if f is not heir]
+    while todo:  # the rest of the tree below the gone leader: their chains are broken too
+        f = todo.pop()
+        waiting.append(f)
+        todo.extend(children.get(f.request_id, []))
+    replan = tuple(f.request_id for f in sorted(waiting, key=lambda f: f.order))
+    return Promotion(heir.request_id if heir else None, salvage(heir) if heir else 0, replan)

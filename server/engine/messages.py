@@ -1,0 +1,128 @@
+"""What the control loop and the runner thread say to each other.
+
+Two lock-free deques, one each way. Commands run in the order they were sent, so
+a snapshot the loop evicts after naming it in a `Start` is cloned before it is
+released. Backend sessions travel as opaque handles: only the runner calls into
+the backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from backends.base import ModelInfo, Sampled, SamplingParams
+
+# ---- control loop -> runner ----
+
+
+@dataclass
+class Start:
+    """Put a request in an inference slot.
+
+    The runner starts it from `resume` (a session it takes over, already holding
+    `resume_at` prompt tokens), else from the first of `clone_from` (session, upto)
+    the backend agrees to clone, else from an empty session.
+    """
+
+    rid: int
+    prompt: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    stop_ids: frozenset[int]
+    capture: bool  # snapshot the prompt before the first decode (a capture slot is held for it)
+    keep_session: bool  # a named session: hand the session back at the end instead of releasing it
+    resume: Any = None
+    resume_at: int = 0
+    clone_from: list[tuple[Any, int]] = field(default_factory=list)
+
+
+@dataclass
+class Cancel:
+    rid: int
+
+
+@dataclass
+class Finish:
+    rid: int  # the daemon matched a stop string: end as "stop"
+
+
+@dataclass
+class CloneDonor:
+    """Clone `[0, upto)` of a running request's session for a waiting one."""
+
+    rid: int  # the recipient
+    donor: int
+    upto: int
+
+
+@dataclass
+class Release:
+    sessions: list[Any]
+
+
+@dataclass
+class Stop:
+    pass
+
+
+# ---- runner -> control loop ----
+
+
+@dataclass
+class Loaded:
+    info: ModelInfo
+
+
+@dataclass
+class Started:
+    rid: int
+    reused: int  # prompt tokens the start did not have to prefill
+    clone_index: int | None  # which `clone_from` candidate served it, if one did
+    refused: list[str] = field(default_factory=list)  # reasons, for the candidates tried before it
+
+
+@dataclass
+class Token:
+    rid: int
+    sampled: Sampled
+
+
+@dataclass
+class Captured:
+    rid: int
+    tokens: list[int]
+    session: Any | None  # None: the backend refused the snapshot
+    nbytes: int = 0
+
+
+@dataclass
+class Finished:
+    rid: int
+    reason: str  # stop / length / cancelled / error
+    prefilled: int
+    generated: int
+    error: str | None = None
+    session: Any = None  # a kept (named) session
+    held: list[int] = field(default_factory=list)  # the tokens it has committed
+
+
+@dataclass
+class CloneDone:
+    rid: int
+    session: Any | None  # None: refused
+    reason: str = ""
+
+
+@dataclass
+class StepStats:
+    committed: dict[int, int]  # every running request's committed prompt+output position
+    live_sessions: int
+    total_bytes: int
+    step_s: float
+    backend_s: float
+
+
+@dataclass
+class Died:
+    error: str

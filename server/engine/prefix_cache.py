@@ -1,0 +1,94 @@
+"""Snapshots of finished prompts, keyed by their exact token sequence, LRU.
+
+The control loop owns the cache; the sessions in it are opaque handles that only
+the runner touches (it clones from them, and releases what the cache evicts).
+
+Design rules:
+- a match is `min(common prefix, prompt length - 1)` (the rule matching.py shares
+  with active reuse): the prompt's last token
+  always runs through the model, so every request samples from fresh logits;
+- the longest match wins, ties go to the most recently used entry;
+- a clone the backend refuses leaves its entry in place: the next candidate is
+  tried, then a full prefill;
+- entries outlive the request they came from; eviction goes by count and bytes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from server.engine.matching import Source, ranked_matches
+
+
+@dataclass
+class CacheEntry:
+    tokens: tuple[int, ...]
+    session: Any  # backend session, at position len(tokens)
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class CacheMatch:
+    entry: CacheEntry
+    upto: int  # tokens a clone of the entry gives the request
+
+
+class PrefixCache:
+    def __init__(self, max_entries: int, max_bytes: int | None, min_tokens: int):
+        self.max_entries, self.max_bytes, self.min_tokens = max_entries, max_bytes, min_tokens
+        self._entries: OrderedDict[tuple[int, ...], CacheEntry] = OrderedDict()  # oldest first
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def worth_capturing(self, prompt_len: int) -> bool:
+        return self.max_entries > 0 and prompt_len >= self.min_tokens
+
+    def lookup(self, prompt: Sequence[int]) -> list[CacheMatch]:
+        """Usable matches, best first: longest, then most recently used."""
+        sources = (Source.entry(key, key, stamp) for stamp, key in enumerate(self._entries))
+        return [CacheMatch(self._entries[m.key], m.upto) for m in ranked_matches(prompt, sources)
+                if m.upto >= self.min_tokens]
+
+    def best(self, prompt: Sequence[int]) -> int:
+        matches = self.lookup(prompt)
+        return matches[0].upto if matches else 0
+
+    def touch(self, entry: CacheEntry) -> None:
+        if entry.tokens in self._entries:
+            self._entries.move_to_end(entry.tokens)
+
+    def insert(self, tokens: Sequence[int], session: Any, nbytes: int) -> list[Any]:
+        """Add a snapshot; returns the sessions to release (evicted, or the duplicate)."""
+        key = tuple(tokens)
+        if key in self._entries:  # the same prompt again: refresh, keep the older snapshot
+            self._entries.move_to_end(key)
+            return [session]
+        if self.max_entries == 0 or (self.max_bytes is not None and nbytes > self.max_bytes):
+            return [session]
+        self._entries[key] = CacheEntry(key, session, nbytes)
+        self.nbytes += nbytes
+        out = []
+        while len(self._entries) > self.max_entries or (self.max_bytes is not None and self.nbytes > self.max_bytes):
+            out.append(self._pop_oldest())
+        return out
+
+    def evict_bytes(self, need: int) -> list[Any]:
+        """Evict least recently used entries until `need` bytes are freed (or the cache is empty)."""
+        out, freed = [], 0
+        while self._entries and freed < need:
+            before = self.nbytes
+            out.append(self._pop_oldest())
+            freed += before - self.nbytes
+        return out
+
+    def clear(self) -> list[Any]:
+        return [self._pop_oldest() for _ in range(len(self._entries))]
+
+    def _pop_oldest(self) -> Any:
+        _, entry = self._entries.popitem(last=False)
+        self.nbytes -= entry.nbytes
+        return entry.session

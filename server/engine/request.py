@@ -1,0 +1,116 @@
+"""One request as the control loop sees it: its phase, its handle, its accounting.
+
+Phases (one way only):
+    QUEUED -> [CLONING | FOLLOWING ->] STARTING -> RUNNING -> DONE
+QUEUED waits for a slot; CLONING holds a slot while a donor's state is cloned for
+it; FOLLOWING is parked, holding no slot, until a prefilling donor has committed
+what it needs; STARTING has been handed to the runner, RUNNING has a session
+there. Any phase may jump to DONE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from server.engine.api import DoneEvent, GenerateRequest, ReuseSource, TokenEvent, Usage
+from server.engine.sessions import NamedSession
+
+
+class Phase(enum.Enum):
+    QUEUED = "queued"
+    CLONING = "cloning"
+    FOLLOWING = "following"
+    STARTING = "starting"
+    RUNNING = "running"
+    DONE = "done"
+
+
+class RequestHandle:
+    """What `Engine.submit` returns: an async stream of TokenEvents, then one DoneEvent."""
+
+    def __init__(self, request_id: str, on_cancel: Callable[[], None], on_finish: Callable[[], None]):
+        self.request_id = request_id
+        self._events: asyncio.Queue = asyncio.Queue()
+        self._on_cancel, self._on_finish = on_cancel, on_finish
+        self.done: DoneEvent | None = None  # set once the DoneEvent has been read
+
+    def __aiter__(self) -> "RequestHandle":
+        return self
+
+    async def __anext__(self) -> TokenEvent | DoneEvent:
+        if self.done is not None:
+            raise StopAsyncIteration
+        event = await self._events.get()
+        if isinstance(event, DoneEvent):
+            self.done = event
+        return event
+
+    def put(self, event: TokenEvent | DoneEvent) -> None:
+        self._events.put_nowait(event)
+
+    def cancel(self) -> None:
+        """The client is gone: the request leaves the batch within one step."""
+        self._on_cancel()
+
+    def finish(self) -> None:
+        """The daemon matched a stop string: end as a normal "stop"."""
+        self._on_finish()
+
+
+@dataclass
+class Request:
+    rid: int  # admission order, also the runner's key
+    req: GenerateRequest
+    handle: RequestHandle
+    max_tokens: int  # clamped
+    stop_ids: frozenset[int]
+    need_bytes: int  # reserved while it holds a slot (or a pending clone)
+    named: NamedSession | None = None
+    phase: Phase = Phase.QUEUED
+    capture_slot: bool = False  # holds a capture slot (and its bytes)
+    capture_bytes: int = 0
+    cache_matches: list = field(default_factory=list)  # the prefix cache candidates its Start named
+    committed: int = 0  # as the runner last published
+    reused: int = 0
+    reuse_source: ReuseSource | None = None
+    prefilled: int = 0
+    generated: int = 0
+    ending: str | None = None  # "cancelled" or "stop": asked for, runner not yet done
+    expiry: asyncio.TimerHandle | None = None
+    decision: dict[str, Any] = field(default_factory=dict)  # reuse decision and its inputs, for the log line
+    submitted_at: float = field(default_factory=time.monotonic)
+    admitted_at: float = 0.0
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.req.prompt
+
+    @property
+    def committed_prompt(self) -> int:
+        """Prompt tokens this request's session holds: what a donor can give."""
+        return min(self.committed, len(self.req.prompt))
+
+    @property
+    def holds_slot(self) -> bool:
+        return self.phase in (Phase.CLONING, Phase.STARTING, Phase.RUNNING)
+
+    def usage(self, now: float) -> Usage:
+        started = self.admitted_at or now
+        first = self.first_token_at or now
+        return Usage(
+            prompt_tokens=len(self.req.prompt),
+            reused_tokens=self.reused,
+            reuse_source=self.reuse_source,
+            prefilled_tokens=self.prefilled,
+            generated_tokens=self.generated,
+            queue_s=started - self.submitted_at,
+            prefill_s=max(0.0, first - started),
+            ttft_s=(self.first_token_at - self.submitted_at) if self.first_token_at else 0.0,
+            decode_s=max(0.0, now - first) if self.first_token_at else 0.0,
+        )

@@ -1,0 +1,237 @@
+"""The runner: the one thread that owns the backend.
+
+Each step it takes what the control loop sent (starts, cancellations, clones,
+releases), asks the scheduler what to run, runs it, and publishes the results,
+with every running request's committed position, on the event deque; then it
+wakes the loop with `call_soon_threadsafe`. It never waits on the loop.
+
+Design rules:
+- a capture (a clone at prompt length) runs right after the last prefill chunk
+  and before the first decode writes: a decode would overwrite what a sliding
+  layer's snapshot needs;
+- a backend call that fails is retried request by request, so one bad request
+  fails alone and never loses another's output.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from backends.base import Backend, CloneRefused, Sampled, SamplerState, SamplingParams, Session
+from server.engine import messages as m
+from server.engine.scheduler import Running, plan_step
+
+log = logging.getLogger("kvfork.engine")
+_DISCARD = SamplingParams()  # greedy: samples the logits rows nobody reads, leaving real streams untouched
+
+
+@dataclass
+class _Slot:
+    """A request in an inference slot, as the runner sees it."""
+
+    start: m.Start
+    session: Session
+    sampler: SamplerState
+    prefilled: int = 0
+    generated: int = 0
+    next_token: int | None = None  # sampled, not yet committed
+
+    @property
+    def prefill_left(self) -> int:
+        return max(0, len(self.start.prompt) - self.session.position)
+
+
+class Runner:
+    def __init__(self, backend: Backend, model_path: str, dtype: str | None,
+                 max_batch_tokens: int, prefill_chunk: int, notify: Callable[[], None]):
+        self.backend, self.model_path, self.dtype = backend, model_path, dtype
+        self.max_batch_tokens, self.prefill_chunk = max_batch_tokens, prefill_chunk
+        self.inbox: collections.deque = collections.deque()  # control loop -> runner
+        self.events: collections.deque = collections.deque()  # runner -> control loop
+        self._notify = notify
+        self._wake = threading.Event()
+        self._slots: dict[int, _Slot] = {}
+        self._rotation: int | None = None
+        self._stopping = False
+        self._backend_s = 0.0
+        self.thread = threading.Thread(target=self._main, name="kvfork-runner", daemon=True)
+
+    def send(self, command: Any) -> None:
+        self.inbox.append(command)
+        self._wake.set()
+
+    # ---- thread body ----
+
+    def _main(self) -> None:
+        try:
+            self._publish(m.Loaded(self.backend.load(self.model_path, self.dtype)))
+        except Exception as exc:
+            log.exception("model load failed")
+            self._publish(m.Died(f"model load failed: {exc}"))
+            return
+        try:
+            while not self._stopping:
+                self._wake.clear()
+                self._take_commands()
+                if self._slots:
+                    self._step()
+                elif not self._stopping:
+                    self._wake.wait()
+        except BaseException as exc:  # the thread is dying: say so, never leave the loop waiting
+            log.exception("runner died")
+            self._publish(m.Died(f"runner died: {exc!r}"))
+
+    def _publish(self, *events: Any) -> None:
+        self.events.extend(events)
+        self._notify()
+
+    def _timed(self, fn: Callable, *args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self._backend_s += time.perf_counter() - t0
+
+    # ---- commands ----
+
+    def _take_commands(self) -> None:
+        while self.inbox:
+            command = self.inbox.popleft()
+            if isinstance(command, m.Start):
+                self._start(command)
+            elif isinstance(command, (m.Cancel, m.Finish)):
+                slot = self._slots.get(command.rid)
+                if slot is not None:
+                    self._end(slot, "cancelled" if isinstance(command, m.Cancel) else "stop")
+            elif isinstance(command, m.CloneDonor):
+                self._clone_donor(command)
+            elif isinstance(command, m.Release):
+                for session in command.sessions:
+                    self.backend.release(session)
+            elif isinstance(command, m.Stop):
+                for slot in list(self._slots.values()):
+                    self._end(slot, "cancelled")
+                self._stopping = True
+        if self.events:
+            self._notify()
+
+    def _start(self, start: m.Start) -> None:
+        session, reused, index, refused = start.resume, start.resume_at, None, []
+        try:
+            for i, (source, upto) in enumerate(start.clone_from if session is None else ()):
+                try:
+                    session, reused, index = self._timed(self.backend.clone, source, upto), upto, i
+                    break
+                except CloneRefused as refusal:
+                    refused.append(refusal.reason)
+            if session is None:
+                session, reused = self.backend.open_session(), 0
+        except Exception as exc:
+            log.exception("start failed")
+            self.events.append(m.Started(start.rid, 0, None, refused))
+            self.events.append(m.Finished(start.rid, "error", 0, 0, error=f"start failed: {exc}"))
+            return
+        sampler = SamplerState(start.sampling, prompt=start.prompt)
+        self._slots[start.rid] = _Slot(start, session, sampler)
+        self.events.append(m.Started(start.rid, reused, index, refused))
+
+    def _clone_donor(self, command: m.CloneDonor) -> None:
+        donor = self._slots.get(command.donor)
+        if donor is None:
+            self.events.append(m.CloneDone(command.rid, None, "donor_gone"))
+            return
+        try:
+            session = self._timed(self.backend.clone, donor.session, command.upto)
+            self.events.append(m.CloneDone(command.rid, session))
+        except CloneRefused as refusal:
+            self.events.append(m.CloneDone(command.rid, None, refusal.reason))
+        except Exception as exc:
+            log.warning("clone for request %d failed: %s", command.rid, exc)
+            self.events.append(m.CloneDone(command.rid, None, "error"))
+
+    # ---- one step ----
+
+    def _step(self) -> None:
+        t0, self._backend_s = time.perf_counter(), 0.0
+        plan = plan_step([Running(rid, s.prefill_left) for rid, s in self._slots.items()],
+                         self.max_batch_tokens, self.prefill_chunk, self._rotation)
+        self._rotation = plan.last_prefilled
+        if plan.decode:
+            self._guarded([self._slots[rid] for rid in plan.decode], self._decode)
+        if plan.prefill:
+            chunks = dict(plan.prefill)
+            self._guarded([self._slots[rid] for rid, _ in plan.prefill], lambda slots: self._prefill(slots, chunks))
+        committed = {rid: s.session.position for rid, s in self._slots.items()}
+        self._publish(m.StepStats(committed, self.backend.live_sessions(), self.backend.total_bytes(),
+                                  time.perf_counter() - t0, self._backend_s))
+
+    def _guarded(self, slots: list[_Slot], run: Callable[[list[_Slot]], None]) -> None:
+        try:
+            run(slots)
+        except Exception as exc:
+            if len(slots) == 1:
+                log.warning("request %d failed: %s", slots[0].start.rid, exc)
+                self._end(slots[0], "error", error=str(exc))
+                return
+            for slot in slots:  # find the culprit; the others go on
+                if slot.start.rid in self._slots:
+                    self._guarded([slot], run)
+
+    def _decode(self, slots: list[_Slot]) -> None:
+        logits = self._timed(self.backend.decode, [s.session for s in slots], [s.next_token for s in slots])
+        sampled = self._timed(self.backend.sample, logits, [s.sampler for s in slots])
+        for slot, pick in zip(slots, sampled):
+            self._accept(slot, pick)
+
+    def _prefill(self, slots: list[_Slot], chunks: dict[int, int]) -> None:
+        pieces = []
+        for s in slots:
+            at = s.session.position
+            pieces.append(s.start.prompt[at:at + chunks[s.start.rid]])
+        logits = self._timed(self.backend.prefill, [s.session for s in slots], pieces)
+        for slot, piece in zip(slots, pieces):
+            slot.prefilled += len(piece)
+        done = [s.prefill_left == 0 for s in slots]
+        for slot, finished in zip(slots, done):
+            if finished and slot.start.capture:
+                self._capture(slot)
+        if any(done):
+            states = [s.sampler if d else SamplerState(_DISCARD) for s, d in zip(slots, done)]
+            sampled = self._timed(self.backend.sample, logits, states)
+            for slot, finished, pick in zip(slots, done, sampled):
+                if finished:
+                    self._accept(slot, pick)
+
+    def _capture(self, slot: _Slot) -> None:
+        prompt = slot.start.prompt
+        try:
+            snapshot = self._timed(self.backend.clone, slot.session, len(prompt))
+            self.events.append(m.Captured(slot.start.rid, prompt, snapshot, self.backend.session_bytes(snapshot)))
+        except CloneRefused as refusal:
+            log.info("capture of request %d refused: %s", slot.start.rid, refusal)
+            self.events.append(m.Captured(slot.start.rid, prompt, None))
+
+    def _accept(self, slot: _Slot, pick: Sampled) -> None:
+        slot.generated += 1  # the backend's sampler has appended the token to `sampler.output`
+        if pick.token in slot.start.stop_ids:
+            self._end(slot, "stop")
+            return
+        self.events.append(m.Token(slot.start.rid, pick))
+        slot.next_token = pick.token
+        if slot.generated >= slot.start.max_tokens:
+            self._end(slot, "length")
+
+    def _end(self, slot: _Slot, reason: str, error: str | None = None) -> None:
+        del self._slots[slot.start.rid]
+        kept, held = None, []
+        if slot.start.keep_session and reason != "error":
+            kept = slot.session
+            held = (slot.start.prompt + slot.sampler.output)[:slot.session.position]
+        else:
+            self.backend.release(slot.session)
+        self.events.append(m.Finished(slot.start.rid, reason, slot.prefilled, slot.generated, error, kept, held))

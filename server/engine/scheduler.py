@@ -1,0 +1,79 @@
+"""Decode-first continuous batching, as pure functions (no threads, no arrays).
+
+Design rules:
+- every decoding request advances one token each step, in one batched call;
+  latency of running requests never waits on a newcomer's prompt;
+- the rest of the step's token budget goes to prefill chunks, handed out in
+  rotation so a long prompt cannot starve a shorter one behind it;
+- admission is first come, first served: a head that does not fit the KV budget
+  waits (the prefix cache gives way first), one that never could is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class Running:
+    """What the scheduler needs to know of one request in an inference slot."""
+
+    rid: int  # admission order: smaller is older
+    prefill_left: int  # prompt tokens not yet committed; 0 once decoding
+
+
+@dataclass
+class StepPlan:
+    decode: list[int] = field(default_factory=list)  # rids
+    prefill: list[tuple[int, int]] = field(default_factory=list)  # (rid, tokens this step)
+    last_prefilled: int | None = None  # rotation cursor for the next step
+
+    @property
+    def tokens(self) -> int:
+        return len(self.decode) + sum(n for _, n in self.prefill)
+
+
+def plan_step(running: Sequence[Running], max_batch_tokens: int, prefill_chunk: int,
+              last_prefilled: int | None = None) -> StepPlan:
+    plan = StepPlan(decode=[r.rid for r in running if r.prefill_left == 0], last_prefilled=last_prefilled)
+    budget = max_batch_tokens - len(plan.decode)
+    waiting = sorted((r for r in running if r.prefill_left > 0), key=lambda r: r.rid)
+    if last_prefilled is not None:  # rotate: start after the one served last
+        cut = next((i for i, r in enumerate(waiting) if r.rid > last_prefilled), 0)
+        waiting = waiting[cut:] + waiting[:cut]
+    for r in waiting:
+        if budget <= 0:
+            break
+        n = min(prefill_chunk, r.prefill_left, budget)
+        plan.prefill.append((r.rid, n))
+        plan.last_prefilled = r.rid
+        budget -= n
+    return plan
+
+
+@dataclass(frozen=True)
+class Fit:
+    admit: bool  # fits now (after evicting `evict_bytes` from the prefix cache)
+    evict_bytes: int = 0
+    never: bool = False  # could not fit even with nothing else held
+
+
+def fit_admission(need: int, held: int, cache_bytes: int, budget: int) -> Fit:
+    """Whether `need` more bytes fit a `budget` of which `held` (cache included) is taken.
+
+    The prefix cache gives way first: it is evicted only as far as needed.
+    """
+    if need > budget:
+        return Fit(admit=False, never=True)
+    free = budget - held
+    if need <= free:
+        return Fit(admit=True)
+    if need <= free + cache_bytes:
+        return Fit(admit=True, evict_bytes=need - free)
+    return Fit(admit=False)
+
+
+def clamp_max_tokens(asked: int | None, default: int, prompt_len: int, max_context: int) -> int:
+    """max_tokens as asked (or the default), never past the context left after the prompt."""
+    return max(0, min(asked or default, max_context - prompt_len))

@@ -1,0 +1,97 @@
+"""Named sessions: a client's conversation kept warm between its requests.
+
+The control loop owns this table; the backend sessions in it are opaque handles
+the runner touches. Design rules:
+- warm resume: a prompt that extends the exact tokens the session holds (its
+  last prompt and what it generated, as committed) prefills only the new tokens;
+  anything else restarts the session cold;
+- one request at a time per session: a second gets `session_busy`;
+- at most `max_sessions`; the least recently used idle one goes first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from server.engine.api import CapacityExhausted, SessionBusy
+
+MAX_SESSION_ID = 128
+
+
+def check_session_id(session_id: str) -> None:
+    if not session_id or len(session_id) > MAX_SESSION_ID or not all(" " <= c <= "~" for c in session_id):
+        raise ValueError(f"session_id must be 1-{MAX_SESSION_ID} printable ASCII characters")
+
+
+@dataclass
+class NamedSession:
+    name: str
+    session: Any = None  # backend session, None when it holds nothing
+    tokens: list[int] = field(default_factory=list)  # what `session` has committed
+    busy: bool = False
+
+    def resumes(self, prompt: Sequence[int]) -> bool:
+        held = len(self.tokens)
+        return self.session is not None and 0 < held < len(prompt) and list(prompt[:held]) == self.tokens
+
+
+class NamedSessions:
+    def __init__(self, max_sessions: int):
+        self.max_sessions = max_sessions
+        self._table: OrderedDict[str, NamedSession] = OrderedDict()  # least recently used first
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def idle_tokens(self) -> int:
+        """Tokens held by sessions no request is using (busy ones are counted by their request)."""
+        return sum(len(r.tokens) for r in self._table.values() if not r.busy)
+
+    def holding(self) -> int:
+        """How many sessions hold KV state."""
+        return sum(1 for r in self._table.values() if r.session is not None)
+
+    def get(self, name: str) -> NamedSession | None:
+        return self._table.get(name)
+
+    def acquire(self, name: str) -> tuple[NamedSession, list[Any]]:
+        """Mark `name` busy (creating it); returns it and the sessions evicted to make room."""
+        record = self._table.get(name)
+        if record is not None and record.busy:
+            raise SessionBusy(f"session {name!r} is busy with another request")
+        evicted: list[Any] = []
+        if record is None:
+            if len(self._table) >= self.max_sessions:
+                idle = next((r for r in self._table.values() if not r.busy), None)
+                if idle is None:
+                    raise CapacityExhausted("every named session is busy")
+                del self._table[idle.name]
+                evicted = [idle.session] if idle.session is not None else []
+            record = self._table[name] = NamedSession(name)
+        self._table.move_to_end(name)
+        record.busy = True
+        return record, evicted
+
+    def release(self, name: str, session: Any, tokens: list[int]) -> None:
+        """The request on `name` ended, leaving `session` holding `tokens`."""
+        record = self._table[name]
+        record.session, record.tokens, record.busy = session, tokens, False
+
+    def drop(self, name: str, forget: bool) -> tuple[bool, Any]:
+        """Reset (forget=False) or delete a session; returns (existed, session to release)."""
+        record = self._table.get(name)
+        if record is None:
+            return False, None
+        if record.busy:
+            raise SessionBusy(f"session {name!r} is busy with another request")
+        held, record.session, record.tokens = record.session, None, []
+        if forget:
+            del self._table[name]
+        return True, held
+
+    def clear(self) -> list[Any]:
+        held = [r.session for r in self._table.values() if r.session is not None]
+        self._table.clear()
+        return held

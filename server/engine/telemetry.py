@@ -1,0 +1,95 @@
+"""The engine's metrics and its one structured log line per request.
+
+Only the control loop writes here. Reuse of every kind is one counter family
+labelled by source (cache, donor, session), so `/metrics` adds them up or splits
+them the same way the usage does. The log line never carries prompt text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Callable
+
+from server.engine import messages as m
+from server.engine.api import DoneEvent
+from server.engine.request import Request
+from server.metrics import Registry
+
+log = logging.getLogger("kvfork.requests")
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class EngineMetrics:
+    def __init__(self, registry: Registry, gauges: dict[str, tuple[str, Callable[[], float]]]):
+        c, h = registry.counter, registry.histogram
+        self.requests = c("requests_total", "requests ended, by finish_reason")
+        self.prompt_tokens = c("prompt_tokens_total", "prompt tokens of ended requests")
+        self.reused_tokens = c("reused_tokens_total", "prompt tokens not prefilled, by source (cache, donor, session)")
+        self.prefilled_tokens = c("prefilled_tokens_total", "prompt tokens run through the model")
+        self.generated_tokens = c("generated_tokens_total", "tokens generated")
+        self.ttft = h("time_to_first_token_seconds", "submit to first token", _LATENCY_BUCKETS)
+        self.token_gap = h("inter_token_seconds", "time between two tokens of one request", _TOKEN_GAP_BUCKETS)
+        self.queue_wait = h("queue_wait_seconds", "submit to admission into a slot", _LATENCY_BUCKETS)
+        self.cache_hits = c("prefix_cache_hits_total", "admissions served from a prefix cache snapshot")
+        self.cache_misses = c("prefix_cache_misses_total", "anonymous admissions no snapshot served")
+        self.captures = c("prefix_cache_captures_total", "prompt snapshots, by outcome (stored, refused, skipped)")
+        self.clone_attempts = c("clone_attempts_total", "clones tried, by source (cache, donor)")
+        self.clone_successes = c("clone_successes_total", "clones that worked, by source")
+        self.clone_refusals = c("clone_refusals_total", "clones refused, by source and reason")
+        self.donor_saved = c("active_reuse_saved_tokens_total",
+                             "prefill tokens active reuse saved beyond the best cached match")
+        self.follow = c("follow_decisions_total", "reuse decisions for anonymous requests, by choice")
+        self.step_seconds = c("runner_step_seconds_total", "wall time of runner steps")
+        self.backend_seconds = c("runner_backend_seconds_total", "time of runner steps spent in backend calls")
+        self.steps = c("runner_steps_total", "runner steps")
+        for name, (help_text, read) in gauges.items():
+            registry.gauge(name, help_text, read)
+
+    def step(self, stats: m.StepStats) -> None:
+        self.steps.inc()
+        self.step_seconds.inc(stats.step_s)
+        self.backend_seconds.inc(stats.backend_s)
+
+    def token(self, request: Request, now: float) -> None:
+        if request.last_token_at:
+            self.token_gap.observe(now - request.last_token_at)
+        else:
+            self.ttft.observe(now - request.submitted_at)
+
+    def clone(self, source: str, refused: list[str], success: bool) -> None:
+        for reason in refused:
+            self.clone_attempts.inc(source=source)
+            self.clone_refusals.inc(source=source, reason=reason)
+        if success:
+            self.clone_attempts.inc(source=source)
+            self.clone_successes.inc(source=source)
+
+    def done(self, request: Request, event: DoneEvent) -> None:
+        usage = event.usage
+        self.requests.inc(finish_reason=event.finish_reason)
+        self.prompt_tokens.inc(usage.prompt_tokens)
+        if usage.reused_tokens:
+            self.reused_tokens.inc(usage.reused_tokens, source=usage.reuse_source or "cache")
+        self.prefilled_tokens.inc(usage.prefilled_tokens)
+        self.generated_tokens.inc(usage.generated_tokens)
+        fields = {
+            "request_id": request.req.request_id,
+            "finish_reason": event.finish_reason,
+            "session": request.req.session_id,
+            "prompt_tokens": usage.prompt_tokens,
+            "reused_tokens": usage.reused_tokens,
+            "reuse_source": usage.reuse_source,
+            "prefilled_tokens": usage.prefilled_tokens,
+            "generated_tokens": usage.generated_tokens,
+            "queue_s": round(usage.queue_s, 4),
+            "prefill_s": round(usage.prefill_s, 4),
+            "ttft_s": round(usage.ttft_s, 4),
+            "decode_s": round(usage.decode_s, 4),
+            **request.decision,
+        }
+        if event.error:
+            fields["error"] = event.error
+        log.info("request %s", json.dumps(fields, separators=(",", ":")))

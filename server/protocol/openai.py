@@ -1,0 +1,210 @@
+"""OpenAI request and response bodies as msgspec structs.
+
+Decoding is strict on the fields we know (a string where a number belongs is a
+400 naming the field) and ignores the rest: agents send `user`, `metadata`,
+`parallel_tool_calls` and more, and refusing them would break those clients.
+Fields beyond OpenAI's (top_k, min_p, repetition_penalty, stop_token_ids,
+ignore_eos, session_id, chat_template_kwargs) follow vLLM's names.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+Positive = Annotated[int, Meta(ge=1)]
+TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
+
+
+class StreamOptions(Struct):
+    include_usage: bool = False
+
+
+class ResponseFormat(Struct):
+    type: str = "text"
+
+
+class ContentPart(Struct):
+    """One part of a message's content; only text parts are served (others: unsupported_content)."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class SamplingFields(Struct, kw_only=True):
+    """What chat and text completions share, in OpenAI's spelling."""
+
+    model: str | None = None
+    max_tokens: Positive | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    seed: int | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
+    ignore_eos: bool = False
+    n: Positive = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    session_id: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: Positive | None = None
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    prompt: str | list[str | int | list[int]]  # text, token ids, or a batch of one of either
+    logprobs: TopLogprobs | None = None
+    echo: bool = False
+    best_of: Positive | None = None
+    suffix: str | None = None
+
+
+# ---- responses -------------------------------------------------------------
+
+
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0
+
+
+class UsageInfo(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(Struct):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(Struct):
+    content: str | None
+    role: str = "assistant"
+
+
+class ChatChoice(Struct):
+    index: int
+    message: AssistantMessage
+    finish_reason: str
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    object: str = "chat.completion"
+
+
+class Delta(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChunkChoice(Struct):
+    index: int
+    delta: Delta
+    finish_reason: str | None = None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: UsageInfo | None = None
+    object: str = "chat.completion.chunk"
+
+
+class CompletionLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: CompletionLogprobs | None = None
+
+
+class Completion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    object: str = "text_completion"
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    owned_by: str = "kvfork"
+    max_model_len: int | None = None
+    object: str = "model"
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class ErrorDetail(Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(Struct):
+    error: ErrorDetail
+
+
+encoder = msgspec.json.Encoder()

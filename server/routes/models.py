@@ -1,0 +1,27 @@
+"""GET /v1/models, /health and /metrics."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from server.protocol.openai import ModelCard, ModelList
+from server.routes.common import json_response
+from server.state import state_of
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = state_of(request)
+    info = state.engine.info if state.ready else None
+    context = info.context_length if info else None
+    return json_response(ModelList([ModelCard(name, state.created, max_model_len=context) for name in state.served_names]))
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 once the model is loaded; 503 while it loads and after the runner has died."""
+    state_of(request).require_ready()
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    text = state_of(request).registry.render()
+    return web.Response(text=text, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})

@@ -1,0 +1,75 @@
+"""From a request body's sampling fields to the engine's `GenerateRequest`.
+
+Defaults follow OpenAI (temperature 1, top_p 1); `max_tokens` left out (None)
+takes the engine's `--max-tokens`, and the engine clamps it to the context left.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from backends.base import SamplingParams
+from server.engine.api import GenerateRequest
+from server.engine.sessions import check_session_id
+from server.errors import invalid, unsupported
+from server.protocol.openai import SamplingFields
+
+def request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def session_id(body_value: str | None, header_value: str | None) -> str | None:
+    """The named session, from the body or the X-Session-ID header: printable ASCII, at most 128."""
+    value = body_value if body_value is not None else header_value
+    if value is not None:
+        try:
+            check_session_id(value)
+        except ValueError as e:
+            raise invalid("session_id", str(e)) from None
+    return value
+
+
+def stop_strings(body: SamplingFields) -> list[str]:
+    if body.stop is None:
+        return []
+    return [body.stop] if isinstance(body.stop, str) else list(body.stop)
+
+
+def check_supported(body: SamplingFields) -> None:
+    if body.n != 1:
+        raise unsupported("n", "n > 1 is not supported yet; send one request per choice")
+
+
+def generate_request(body: SamplingFields, prompt: list[int], *, rid: str, vocab_size: int, max_tokens: int | None,
+                     session: str | None, logprobs: bool = False,
+                     top_logprobs: int = 0) -> GenerateRequest:
+    bias = {}
+    for key, value in (body.logit_bias or {}).items():
+        if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+            raise invalid("logit_bias", f"logit_bias keys are token ids in [0, {vocab_size}), got {key!r}")
+        bias[int(key)] = value
+    stop_ids = frozenset(body.stop_token_ids or ())
+    if any(t >= vocab_size for t in stop_ids):
+        raise invalid("stop_token_ids", f"stop_token_ids are token ids in [0, {vocab_size})")
+    sampling = SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(0, body.top_k or 0),  # -1 (vLLM's "off") and 0 both mean off
+        min_p=body.min_p or 0.0,
+        seed=body.seed,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        logit_bias=bias,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+    return GenerateRequest(
+        request_id=rid,
+        prompt=prompt,
+        sampling=sampling,
+        max_tokens=max_tokens,  # type: ignore[arg-type]  # None: the engine's default
+        stop_token_ids=stop_ids,
+        ignore_eos=body.ignore_eos,
+        session_id=session,
+    )

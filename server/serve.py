@@ -1,0 +1,104 @@
+"""Run the daemon: listen first (so /health can say "loading"), load, serve until a signal.
+
+Shutdown on SIGINT/SIGTERM: the engine stops admitting (new requests get 503),
+in-flight requests get `--shutdown-grace` seconds to finish, the rest are
+cancelled, then the listener closes. Tests drive the same `Daemon` class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+from aiohttp import web
+
+from backends import create_backend, default_backend
+from backends.base import Backend
+from server.app import build_app, listen
+from server.config import ServerConfig
+from server.engine.config import EngineConfig
+from server.engine.engine import Engine
+from server.metrics import Registry
+from server.state import AppState
+from server.text.tokenizer import PromptTokenizer
+
+GiB = 1024**3
+
+
+class Daemon:
+    def __init__(self, config: ServerConfig, engine_config: EngineConfig, model: str, backend: Backend):
+        self.config, self.model = config, model
+        self.registry = Registry()
+        self.engine = Engine(backend, model, config.dtype, engine_config, self.registry)
+        names = list(config.served_model_name) or [Path(model).name]
+        self.state = AppState(config, self.engine, names, self.registry)
+        self.runner: web.AppRunner | None = None
+        self.port = config.port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    async def listen(self) -> None:
+        self.runner, self.port = await listen(build_app(self.state), self.config.host, self.config.port)
+
+    async def load(self) -> None:
+        _, self.state.tokenizer = await asyncio.gather(
+            self.engine.start(), asyncio.to_thread(PromptTokenizer.load, self.model)
+        )
+
+    async def close(self) -> None:
+        await self.engine.shutdown(self.config.shutdown_grace)
+        if self.runner is not None:
+            await self.runner.cleanup()
+        if self.state.tokenizer is not None:
+            self.state.tokenizer.close()
+
+    def loaded_line(self) -> str:
+        info, c = self.engine.info, self.engine.config
+        assert info is not None
+        cache_cap = f"{c.prefix_cache_bytes / GiB:.2f} GiB" if c.prefix_cache_bytes else "no cap of its own"
+        return (
+            f"kvfork: loaded {info.name} ({len(info.layers)} layers, {info.dtype} on {info.device}, "
+            f"context {c.max_context}) as {', '.join(self.state.served_names)}\n"
+            f"kvfork: set aside {c.kv_budget_bytes / GiB:.2f} GiB for KV state ({info.kv_bytes_per_token} "
+            f"bytes/token): {c.inference_slots} inference slots, {c.capture_slots} capture slots, prefix cache "
+            f"of {c.prefix_cache_entries} entries ({cache_cap})"
+        )
+
+
+async def run(config: ServerConfig, engine_config: EngineConfig, model: str) -> int:
+    backend_name = default_backend() if config.backend == "auto" else config.backend
+    try:
+        backend = create_backend(backend_name)
+    except ImportError as e:
+        print(f"kvfork: the {backend_name} backend cannot load here: {e}")
+        return 1
+    daemon = Daemon(config, engine_config, model, backend)
+    try:
+        await daemon.listen()
+    except OSError as e:
+        print(f"kvfork: cannot listen on {config.host}:{config.port}: {e.strerror or e}")
+        return 1
+    print(f"kvfork: listening on {daemon.url} (loading {model} on {backend_name})", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    loading, stopping = asyncio.create_task(daemon.load()), asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
+        if loading.done():
+            if loading.exception() is not None:  # a model the backend or the tokenizer cannot read
+                print(f"kvfork: loading {model} failed: {loading.exception()}")
+                return 1
+            print(daemon.loaded_line(), flush=True)
+            await stopping
+        print("kvfork: shutting down", flush=True)
+        return 0
+    finally:
+        stopping.cancel()
+        loading.cancel()
+        await daemon.close()

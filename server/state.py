@@ -1,0 +1,51 @@
+"""What every route reads: the engine, the tokenizer, the names the model answers to."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from server.config import ServerConfig
+from server.errors import ApiError
+from server.metrics import Registry
+from server.text.tokenizer import PromptTokenizer
+
+
+@dataclass
+class AppState:
+    config: ServerConfig
+    engine: Any  # server.engine.engine.Engine, or a test double with its API
+    served_names: list[str]
+    registry: Registry
+    tokenizer: PromptTokenizer | None = None  # set once loaded
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def model_name(self, requested: str | None) -> str:
+        """The name to answer with; 404 model_not_found for a name we do not serve."""
+        if requested is None or requested in self.served_names:
+            return requested or self.served_names[0]
+        if self.config.accept_any_model:
+            return requested
+        raise ApiError(404, f"the model {requested!r} does not exist; this server serves "
+                       f"{', '.join(repr(n) for n in self.served_names)}", code="model_not_found", param="model")
+
+    @property
+    def ready(self) -> bool:
+        return self.tokenizer is not None and bool(self.engine.ready) and not self.engine.dead
+
+    def require_ready(self) -> PromptTokenizer:
+        if not self.ready:
+            reason = "the model runner has stopped" if self.engine.dead else "the model is still loading"
+            raise ApiError(503, reason, code="not_ready")
+        assert self.tokenizer is not None
+        return self.tokenizer
+
+
+STATE = web.AppKey("state", AppState)
+
+
+def state_of(request: web.Request) -> AppState:
+    return request.app[STATE]

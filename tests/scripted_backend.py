@@ -1,0 +1,158 @@
+"""A Backend that emits chosen tokens with controllable delays, for engine tests.
+
+Each session holds its committed token ids. The next token is a hash of the
+whole committed sequence, so any state an engine bug corrupts (a wrong clone, a
+wrong resume) shows up as different tokens; warm, cloned and cold runs must agree
+exactly. A sliding window (ring of `window` positions) makes clones refusable by
+the same rule as the real backends. Tests steer the runner with:
+- `delay`: seconds each call of a kind sleeps;
+- `gates`: a `Gate` per call kind that holds the runner inside that call until
+  the test opens it (the runner thread blocks, the test's loop does not);
+- `fail`: a predicate (kind, sessions, inputs) -> bool making a call raise
+  (inputs: the chunks of a prefill, the tokens of a decode);
+- `refuse`: a predicate (session, upto) -> reason or None forcing a clone refusal;
+- `calls`: every call, in order, for assertions on what ran when.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from backends.base import (Backend, CloneRefused, LayerAttention, ModelInfo, Sampled, SamplerState, Session,
+                           clone_refusal)
+
+EOS = 2
+VOCAB = 512
+BYTES_PER_TOKEN = 1024
+
+
+def next_token(sequence: Sequence[int]) -> int:
+    """Deterministic in the whole sequence; never EOS unless a script says so."""
+    h = 1469598103934665603
+    for t in sequence:
+        h = ((h ^ t) * 1099511628211) & 0xFFFFFFFFFFFF
+    return 3 + h % (VOCAB - 3)
+
+
+class Gate:
+    """Holds the runner inside a backend call until the test opens it."""
+
+    def __init__(self) -> None:
+        self.reached = threading.Event()
+        self.opened = threading.Event()
+
+    def wait_here(self) -> None:
+        self.reached.set()
+        self.opened.wait(timeout=30)
+
+    def open(self) -> None:
+        self.opened.set()
+
+
+class ScriptedSession(Session):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens: list[int] = []
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        self.tokens.extend(tokens)
+        self.position = len(self.tokens)
+
+
+class ScriptedBackend(Backend):
+    def __init__(self, window: int | None = None, context_length: int = 4096,
+                 script: Callable[[Sequence[int]], int] = next_token):
+        self.window, self.context_length, self.script = window, context_length, script
+        self.delay: dict[str, float] = {}
+        self.gates: dict[str, Gate] = {}
+        self.fail: Callable[[str, Sequence[Session], Sequence], bool] = lambda kind, sessions, inputs: False
+        self.refuse: Callable[[Session, int], str | None] = lambda session, upto: None
+        self.calls: list[tuple] = []
+        self._open: dict[int, ScriptedSession] = {}
+        self.loaded_on: threading.Thread | None = None
+
+    def _enter(self, kind: str, sessions: Sequence[Session] = (), inputs: Sequence = ()) -> None:
+        if kind in self.gates:
+            self.gates.pop(kind).wait_here()
+        if self.delay.get(kind):
+            time.sleep(self.delay[kind])
+        if self.fail(kind, sessions, inputs):
+            raise RuntimeError(f"scripted {kind} failure")
+
+    def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
+        self.loaded_on = threading.current_thread()
+        self._enter("load")
+        layers = (LayerAttention("full"),) if self.window is None else (
+            LayerAttention("sliding", self.window), LayerAttention("full"))
+        self.info = ModelInfo("scripted", VOCAB, self.context_length, layers, (EOS,), BYTES_PER_TOKEN,
+                              "float32", "cpu")
+        return self.info
+
+    def open_session(self) -> ScriptedSession:
+        session = ScriptedSession()
+        self._open[session.id] = session
+        return session
+
+    def release(self, session: Session) -> None:
+        self._open.pop(session.id, None)
+
+    def prefill(self, sessions: Sequence[Session], chunks: Sequence[Sequence[int]]) -> list[int]:
+        self.calls.append(("prefill", [(s.id, len(c)) for s, c in zip(sessions, chunks)]))
+        self._enter("prefill", sessions, chunks)
+        for s, chunk in zip(sessions, chunks):
+            assert s.id in self._open, "prefill on a released session"
+            s.commit(chunk)  # type: ignore[attr-defined]
+        return [self.script(s.tokens) for s in sessions]  # type: ignore[attr-defined]
+
+    def decode(self, sessions: Sequence[Session], tokens: Sequence[int]) -> list[int]:
+        self.calls.append(("decode", [s.id for s in sessions]))
+        self._enter("decode", sessions, tokens)
+        for s, t in zip(sessions, tokens):
+            assert s.id in self._open, "decode on a released session"
+            s.commit([t])  # type: ignore[attr-defined]
+        return [self.script(s.tokens) for s in sessions]  # type: ignore[attr-defined]
+
+    def sample(self, logits: list[int], states: Sequence[SamplerState]) -> list[Sampled]:
+        for t, state in zip(logits, states):
+            state.output.append(t)  # as every backend's sampler does
+        return [Sampled(t, 0.0 if st.params.logprobs else None) for t, st in zip(logits, states)]
+
+    def clone(self, session: Session, upto: int) -> ScriptedSession:
+        self.calls.append(("clone", session.id, upto))
+        self._enter("clone", [session])
+        assert isinstance(session, ScriptedSession) and session.id in self._open, "clone of a released session"
+        held_from = [] if self.window is None else [max(0, session.position - self.window)]
+        refusal = clone_refusal(session.position, upto, self.info, held_from)
+        reason = refusal.reason if refusal else self.refuse(session, upto)
+        if reason:
+            raise CloneRefused(reason)
+        copy = self.open_session()
+        copy.commit(session.tokens[:upto])
+        return copy
+
+    def session_bytes(self, session: Session) -> int:
+        return BYTES_PER_TOKEN * session.position
+
+    def total_bytes(self) -> int:
+        return sum(self.session_bytes(s) for s in list(self._open.values()))
+
+    def live_sessions(self) -> int:
+        return len(self._open)
+
+    def to_numpy(self, logits: Any) -> Any:
+        out = np.zeros((len(logits), VOCAB), np.float32)
+        out[np.arange(len(logits)), logits] = 1.0
+        return out
+
+    def greedy(self, prompt: Sequence[int], n: int) -> list[int]:
+        """What a lone request on this script generates (for reference outputs)."""
+        seq, out = list(prompt), []
+        for _ in range(n):
+            t = self.script(seq)
+            out.append(t)
+            seq.append(t)
+        return out

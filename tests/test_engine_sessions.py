@@ -1,0 +1,80 @@
+"""Named sessions through the engine: warm resume, busy, LRU cap, reset and delete."""
+
+import pytest
+
+from engine_harness import collect, prompt_of, request, run, settled, start_engine, stored_sessions
+from scripted_backend import ScriptedBackend
+from server.engine.api import SessionBusy
+
+
+async def test_warm_resume_prefills_only_the_new_tokens_and_equals_a_cold_run():
+    backend = ScriptedBackend()
+    engine = await start_engine(backend, prefix_cache_entries=0)
+    first = prompt_of(30)
+    out1, done1 = await run(engine, first, 6, session_id="chat")
+    assert done1.usage.reuse_source is None and done1.usage.prefilled_tokens == 30
+    follow_up = first + out1 + prompt_of(9, start=77)
+    warm, done = await run(engine, follow_up, 8, session_id="chat")
+    assert (done.usage.reuse_source, done.usage.reused_tokens) == ("session", 30 + 6 - 1)  # the last token never ran
+    assert done.usage.prefilled_tokens == len(follow_up) - 35
+    cold, cold_done = await run(engine, follow_up, 8)
+    assert warm == cold and cold_done.usage.reused_tokens == 0
+    await engine.shutdown(1)
+
+
+async def test_a_prompt_that_does_not_extend_the_session_restarts_cold():
+    backend = ScriptedBackend()
+    engine = await start_engine(backend, prefix_cache_entries=0)
+    await run(engine, prompt_of(30), 4, session_id="chat")
+    other = prompt_of(25, start=9)
+    tokens, done = await run(engine, other, 4, session_id="chat")
+    assert tokens == backend.greedy(other, 4)
+    assert done.usage.reused_tokens == 0 and done.usage.prefilled_tokens == 25
+    await settled(engine, backend)
+    assert backend.live_sessions() == 1  # the old state was released, the new one kept
+    await engine.shutdown(1)
+
+
+async def test_a_busy_session_is_refused_and_freed_when_its_request_ends():
+    backend = ScriptedBackend()
+    backend.delay["decode"] = 0.001
+    engine = await start_engine(backend)
+    handle = engine.submit(request(prompt_of(10), 10_000, session_id="s"))
+    with pytest.raises(SessionBusy):
+        engine.submit(request(prompt_of(10), 1, session_id="s"))
+    with pytest.raises(SessionBusy):
+        engine.reset_session("s")
+    handle.cancel()
+    await collect(handle)
+    tokens, done = await run(engine, prompt_of(10), 2, session_id="s")
+    assert done.finish_reason == "length"
+    await engine.shutdown(1)
+
+
+async def test_session_cap_evicts_the_least_recently_used():
+    backend = ScriptedBackend()
+    engine = await start_engine(backend, max_named_sessions=2, prefix_cache_entries=0)
+    for name in ("a", "b", "c"):
+        await run(engine, prompt_of(10), 2, session_id=name)
+    assert engine._admission.named.get("a") is None and len(engine._admission.named) == 2
+    await settled(engine, backend)
+    assert backend.live_sessions() == 2
+    await engine.shutdown(1)
+    assert backend.live_sessions() == 0
+
+
+async def test_reset_and_delete():
+    backend = ScriptedBackend()
+    engine = await start_engine(backend, prefix_cache_entries=0)
+    prompt = prompt_of(20)
+    out, _ = await run(engine, prompt, 3, session_id="s")
+    assert engine.reset_session("s") is True
+    await settled(engine, backend)
+    assert backend.live_sessions() == 0 and engine._admission.named.get("s") is not None
+    _, done = await run(engine, prompt + out + [5], 3, session_id="s")
+    assert done.usage.reused_tokens == 0  # reset: nothing to resume
+    assert engine.delete_session("s") is True
+    assert engine.delete_session("s") is False and engine.reset_session("nope") is False
+    await settled(engine, backend)
+    assert backend.live_sessions() == stored_sessions(engine) == 0
+    await engine.shutdown(1)

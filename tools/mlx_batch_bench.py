@@ -1,0 +1,103 @@
+"""The two MLX design measurements behind backends/mlx, side by side in one run:
+
+1. decode of N sessions: merging every session's cache into a batch on each
+   step (and extracting it back) against the persistent batch rows join/leave;
+2. a clone copied tightly against one copied with room, each followed by its
+   first write (a one-token prefill).
+
+    python -m tools.mlx_batch_bench --model FOLDER
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from backends.mlx import kvcopy
+from backends.mlx.backend import MLXBackend
+from tools.backend_bench import best, prompt, timed
+
+
+def merge_every_step(b: MLXBackend, sessions, tokens) -> None:
+    """One decode step the simple way: merge, run, extract every row back."""
+    layers = len(sessions[0].caches)
+    merged = [type(sessions[0].caches[l]).merge([s.caches[l] for s in sessions]) for l in range(layers)]
+    logits = b.model(mx.array(tokens)[:, None], cache=merged)
+    for i, s in enumerate(sessions):
+        s.caches = [c.extract(i) for c in merged]
+    mx.eval(logits, [kvcopy.arrays(c) for s in sessions for c in s.caches])
+    for s in sessions:
+        s.position += 1
+
+
+def bench_decode(b: MLXBackend, n: int, context: int, steps: int, repeat: int) -> dict:
+    sessions = [b.open_session() for _ in range(n)]
+    for i, s in enumerate(sessions):
+        b.prefill([s], [prompt(context + 8 * i, b.info.vocab_size, seed=i)])
+    tokens = [101 + i for i in range(n)]
+    merged_s = best(lambda: [merge_every_step(b, sessions, tokens) for _ in range(steps)], repeat)
+    persistent_s = best(lambda: [b.to_numpy(b.decode(sessions, tokens)) for _ in range(steps)], repeat)
+    for s in sessions:
+        b.release(s)
+    return {
+        "sessions": n,
+        "context": context,
+        "merge_every_step_ms": round(merged_s / steps * 1e3, 2),
+        "persistent_batch_ms": round(persistent_s / steps * 1e3, 2),
+        "merge_over_persistent": round(merged_s / persistent_s, 2),
+    }
+
+
+def tight_clone(b: MLXBackend, donor, upto: int) -> list[KVCache]:
+    caches = []
+    for c in donor.caches:
+        v, cache = kvcopy.view(c), KVCache()
+        cache.keys = kvcopy.placed(v.keys[..., :upto, :], upto, 0)
+        cache.values = kvcopy.placed(v.values[..., :upto, :], upto, 0)
+        cache.offset = upto
+        caches.append(cache)
+    mx.eval([kvcopy.arrays(c) for c in caches])
+    return caches
+
+
+def bench_clone_room(b: MLXBackend, upto: int, repeat: int) -> dict:
+    """Clone cost plus the first write, for a tight copy and one with room (full-attention models)."""
+    tokens = prompt(upto + 1, b.info.vocab_size)
+    donor = b.open_session()
+    b.prefill([donor], [tokens[:upto]])
+    out = {"clone_tokens": upto}
+    for name, make in (("tight", lambda: tight_clone(b, donor, upto)), ("room", lambda: b.clone(donor, upto).caches)):
+        copies = []
+        clone_s = best(lambda: copies.append(make()), repeat)
+        write = [timed(lambda c=c: mx.eval(b.model(mx.array([tokens[upto:]]), cache=c))) for c in copies]
+        out[f"{name}_clone_ms"] = round(clone_s * 1e3, 2)
+        out[f"{name}_first_write_ms"] = round(min(write) * 1e3, 2)
+    for s in list(b._sessions.values()):
+        b.release(s)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--contexts", default="256,1024")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--clone", type=int, default=2047)
+    parser.add_argument("--repeat", type=int, default=2)
+    args = parser.parse_args(argv)
+    b = MLXBackend()
+    b.load(args.model)
+    report = {"model": args.model, "dtype": b.info.dtype, "device": b.info.device, "decode": []}
+    for context in map(int, args.contexts.split(",")):
+        report["decode"].append(bench_decode(b, args.sessions, context, args.steps, args.repeat))
+    if all(layer.kind == "full" for layer in b.info.layers):
+        report["clone_room"] = bench_clone_room(b, args.clone, args.repeat)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
