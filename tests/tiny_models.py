@@ -92,21 +92,38 @@ def build_tokenizer(vocab_size: int):
     return tok
 
 
-def _weights(config: dict, seed: int) -> dict[str, np.ndarray]:
-    """Random weights with the parameter names and shapes mlx-lm's model has (the HF names)."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
+def _parameter_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """The HF parameter names and shapes, from mlx-lm's model class where MLX is installed,
+    else from the torch backend's (GPU machines run the torch tests without MLX)."""
+    try:
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+        from mlx_lm.utils import _get_classes
+    except ImportError:
+        import torch
 
+        from backends.torch.config import parse_config
+        from backends.torch.model import Transformer
+
+        with torch.device("meta"):
+            model = Transformer(parse_config(config), tied=config["tie_word_embeddings"])
+        return [(name, tuple(p.shape)) for name, p in model.state_dict().items()]
     model_cls, args_cls = _get_classes(config)
     model = model_cls(args_cls.from_dict(config))
+    shapes = [(name, tuple(p.shape)) for name, p in tree_flatten(model.parameters())]
+    del model
+    mx.clear_cache()
+    return shapes
+
+
+def _weights(config: dict, seed: int) -> dict[str, np.ndarray]:
+    """Random weights with the parameter names and shapes the model has (the HF names)."""
     rng = np.random.default_rng(seed)
     out = {}
     gemma = config["model_type"].startswith("gemma")
-    for name, p in tree_flatten(model.parameters()):
+    for name, shape in _parameter_shapes(config):
         if name == "lm_head.weight" and config["tie_word_embeddings"]:
             continue  # gemma's class always has one; a tied checkpoint carries none
-        shape = tuple(p.shape)
         if name.endswith("norm.weight"):
             # gemma norms scale by (1 + w): zero-centred; others scale by w.
             w = rng.normal(0.0, 0.1, shape) + (0.0 if gemma else 1.0)
@@ -115,8 +132,6 @@ def _weights(config: dict, seed: int) -> dict[str, np.ndarray]:
         else:
             w = rng.normal(0.0, 1.0, shape) / np.sqrt(shape[-1])
         out[name] = w.astype(np.float32)
-        del p
-    mx.clear_cache()
     return out
 
 

@@ -1,0 +1,210 @@
+"""The torch backend: our own model code, CUDA first, the CPU for tests.
+
+The device comes from `KVFORK_DEVICE` (cpu, cuda, cuda:1), else CUDA when
+present. On CUDA a clone copies on a side stream; both sessions carry the copy's
+event and the runner's stream waits on it before either one is next used, so
+the copy overlaps whatever the runner does meanwhile.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from safetensors import safe_open
+
+from backends.base import Backend, LayerAttention, ModelInfo, Sampled, SamplerState, Session, clone_refusal
+from backends.torch import kv, sampling
+from backends.torch.config import ArchConfig, read_config
+from backends.torch.model import Transformer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TorchSession(Session):
+    def __init__(self, layers: list[kv.LayerKV]):
+        super().__init__()
+        self.layers = layers
+        self.ready: torch.cuda.Event | None = None  # a clone's copy this session's next use must wait for
+
+
+def default_device() -> torch.device:
+    return torch.device(os.environ.get("KVFORK_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    if device.type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def read_weights(folder: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    weights = {}
+    for path in files:
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                weights[name.removeprefix("language_model.")] = f.get_tensor(name)
+    return weights
+
+
+class TorchBackend(Backend):
+    def __init__(self, device: str | None = None):
+        torch.set_num_threads(os.cpu_count() or 1)
+        self.device = torch.device(device) if device else default_device()
+        self._sessions: dict[int, TorchSession] = {}
+        self._copy_stream: torch.cuda.Stream | None = None
+
+    # -- model -----------------------------------------------------------
+
+    def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
+        path = Path(folder)
+        return self.install(read_config(path), read_weights(path, self.device), path.name, dtype)
+
+    def install(self, cfg: ArchConfig, weights: dict[str, torch.Tensor], name: str, dtype: str | None = None) -> ModelInfo:
+        """Take a model from weights already in memory (HF names); `load` reads them from a folder,
+        tools/gpu_check.py makes random ones of realistic shapes."""
+        self.dtype = DTYPES[dtype] if dtype else default_dtype(self.device)
+        with torch.device("meta"):
+            model = Transformer(cfg, tied="lm_head.weight" not in weights)
+        wanted = model.state_dict().keys()
+        model.load_state_dict({k: weights[k].to(self.device, self.dtype) for k in wanted if k in weights}, strict=True, assign=True)
+        model.place(self.device)
+        self.model, self.cfg = model.eval(), cfg
+        self.info = self._describe(cfg, name)
+        return self.info
+
+    def _describe(self, cfg: ArchConfig, name: str) -> ModelInfo:
+        layers = tuple(LayerAttention("sliding", w) if w else LayerAttention("full") for w in cfg.sliding)
+        full_layers = sum(1 for w in cfg.sliding if not w)
+        per_token = 2 * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize * full_layers
+        return ModelInfo(
+            name=name,
+            vocab_size=cfg.vocab_size,
+            context_length=cfg.context_length,
+            layers=layers,
+            eos_token_ids=cfg.eos_token_ids,
+            kv_bytes_per_token=per_token,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+        )
+
+    # -- sessions --------------------------------------------------------
+
+    def open_session(self) -> TorchSession:
+        cfg = self.cfg
+        session = TorchSession(kv.new_layers(cfg.sliding, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device))
+        self._sessions[session.id] = session
+        return session
+
+    def release(self, session: Session) -> None:
+        if self._sessions.pop(session.id, None) is not None:
+            session.layers = []
+
+    def _ready(self, sessions: Sequence[TorchSession]) -> None:
+        if len({s.id for s in sessions}) != len(sessions):
+            raise ValueError("a session appears twice in one batch")
+        for s in sessions:
+            if s.id not in self._sessions:
+                raise ValueError(f"{s!r} was released")
+            if s.ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(s.ready)
+                s.ready = None
+
+    def _check_room(self, session: Session, n: int) -> None:
+        if session.position + n > self.info.context_length:
+            raise ValueError(f"{session!r} + {n} tokens exceeds the context length {self.info.context_length}")
+
+    # -- compute ---------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, sessions: Sequence[TorchSession], chunks: Sequence[Sequence[int]]) -> torch.Tensor:
+        self._ready(sessions)
+        out = []
+        for session, chunk in zip(sessions, chunks, strict=True):
+            if not chunk:
+                raise ValueError("empty prefill chunk")
+            self._check_room(session, len(chunk))
+            start = session.position
+            tokens = torch.tensor([list(chunk)], dtype=torch.long, device=self.device)
+            positions = torch.arange(start, start + len(chunk), device=self.device)[None]
+            out.append(self.model(tokens, positions, [session.layers], [start]))
+            session.position += len(chunk)
+        return torch.cat(out)
+
+    @torch.inference_mode()
+    def decode(self, sessions: Sequence[TorchSession], tokens: Sequence[int]) -> torch.Tensor:
+        self._ready(sessions)
+        if len(sessions) != len(tokens):
+            raise ValueError(f"{len(sessions)} sessions but {len(tokens)} tokens")
+        for s in sessions:
+            self._check_room(s, 1)
+        starts = [s.position for s in sessions]
+        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)[:, None]
+        positions = torch.tensor(starts, device=self.device)[:, None]
+        logits = self.model(ids, positions, [s.layers for s in sessions], starts)
+        for s in sessions:
+            s.position += 1
+        return logits
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, states: Sequence[SamplerState]) -> list[Sampled]:
+        return sampling.sample(logits, states)
+
+    # -- clone -----------------------------------------------------------
+
+    @torch.inference_mode()
+    def clone(self, session: TorchSession, upto: int) -> TorchSession:
+        refusal = clone_refusal(session.position, upto, self.info, kv.held_from(session.layers))
+        if refusal is not None:
+            raise refusal
+        if self.device.type == "cuda":
+            clone = self._clone_aside(session, upto)
+        else:
+            clone = TorchSession(kv.copy_layers(session.layers, upto))
+        clone.position = upto
+        self._sessions[clone.id] = clone
+        return clone
+
+    def _clone_aside(self, donor: TorchSession, upto: int) -> TorchSession:
+        """Copy on the side stream, after every write already queued to the donor.
+
+        The donor waits too: its ring slots are read by the copy and rewritten by
+        its next step. record_stream keeps the allocator from handing either
+        side's memory to another stream while the copy may still touch it.
+        """
+        main = torch.cuda.current_stream(self.device)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        side = self._copy_stream
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            clone = TorchSession(kv.copy_layers(donor.layers, upto))
+            done = torch.cuda.Event()
+            done.record(side)
+        for layer in donor.layers:
+            for t in layer.tensors():
+                t.record_stream(side)
+        for layer in clone.layers:
+            for t in layer.tensors():
+                t.record_stream(main)
+        donor.ready = clone.ready = done
+        return clone
+
+    # -- accounting ------------------------------------------------------
+
+    def session_bytes(self, session: Session) -> int:
+        return kv.layers_bytes(session.layers)
+
+    def total_bytes(self) -> int:
+        return sum(kv.layers_bytes(s.layers) for s in self._sessions.values())
+
+    def live_sessions(self) -> int:
+        return len(self._sessions)
+
+    def to_numpy(self, logits: torch.Tensor):
+        return logits.float().cpu().numpy()

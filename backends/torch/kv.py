@@ -1,0 +1,137 @@
+"""Per-session KV state: one contiguous buffer per full layer, one ring per sliding layer.
+
+Design rules:
+- A full layer's buffer is [kv_heads, capacity, head_dim] and grows in steps of
+  `GROW_STEP` tokens, so a session reallocates once per step, not per token.
+  Attention reads a prefix view of it: no copy per decode step.
+- A sliding layer of window W is a ring of W slots; position p lives in slot
+  p % W. `held_from` is the oldest position whose slot is still valid. That is
+  what base.clone_refusal judges.
+- Every copy (growth, clone) writes new tensors. No two sessions ever share one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GROW_STEP = 256  # tokens per growth step of a full layer's buffer
+
+
+def _round_up(n: int) -> int:
+    return -(-n // GROW_STEP) * GROW_STEP
+
+
+class GrowingKV:
+    """A full-attention layer: keys/values for positions [0, position) at the front of a buffer."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values = keys, values
+
+    @classmethod
+    def empty(cls, kv_heads: int, head_dim: int, capacity: int, dtype, device) -> GrowingKV:
+        shape = (kv_heads, capacity, head_dim)
+        return cls(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+
+    def _reserve(self, end: int) -> None:
+        if end <= self.keys.shape[1]:
+            return
+        held = self.keys.shape[1]
+        grown = GrowingKV.empty(self.keys.shape[0], self.keys.shape[2], _round_up(end), self.keys.dtype, self.keys.device)
+        grown.keys[:, :held].copy_(self.keys)
+        grown.values[:, :held].copy_(self.values)
+        self.keys, self.values = grown.keys, grown.values
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """Write k, v ([kv_heads, n, head_dim]) at [start, start + n); return all keys, values and
+        the first key position (always 0: keys are in position order)."""
+        end = start + k.shape[1]
+        self._reserve(end)
+        self.keys[:, start:end].copy_(k)
+        self.values[:, start:end].copy_(v)
+        return self.keys[:, :end], self.values[:, :end], 0
+
+    def copy_prefix(self, upto: int) -> GrowingKV:
+        copy = GrowingKV.empty(self.keys.shape[0], self.keys.shape[2], _round_up(upto) + GROW_STEP, self.keys.dtype, self.keys.device)
+        copy.keys[:, :upto].copy_(self.keys[:, :upto], non_blocking=True)
+        copy.values[:, :upto].copy_(self.values[:, :upto], non_blocking=True)
+        return copy
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.keys, self.values
+
+
+class RingKV:
+    """A sliding-window layer: the last `window` positions, position p in slot p % window."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, held_from: int = 0):
+        self.keys, self.values = keys, values
+        self.held_from = held_from
+
+    @classmethod
+    def empty(cls, kv_heads: int, head_dim: int, window: int, dtype, device) -> RingKV:
+        shape = (kv_heads, window, head_dim)
+        return cls(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+
+    @property
+    def window(self) -> int:
+        return self.keys.shape[1]
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """Write k, v at [start, start + n); return the keys the new queries may attend.
+
+        One token (decode): the ring itself after the write, slots unordered but
+        all inside the window; first position None means "no mask needed".
+        A chunk: the held positions the chunk's first query still sees, in order,
+        followed by the chunk (the ring transiently holds more than W, never less).
+        """
+        n, w = k.shape[1], self.window
+        end = start + n
+        if n == 1:
+            self._write(k, v, start)
+            filled = min(end, w)
+            return self.keys[:, :filled], self.values[:, :filled], None
+        first = max(self.held_from, start - w + 1)
+        slots = torch.arange(first, start, device=k.device) % w
+        keys = torch.cat((self.keys[:, slots], k), dim=1)
+        values = torch.cat((self.values[:, slots], v), dim=1)
+        keep = min(n, w)
+        self._write(k[:, n - keep :], v[:, n - keep :], end - keep)
+        return keys, values, first
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        slots = torch.arange(start, start + k.shape[1], device=k.device) % self.window
+        self.keys[:, slots] = k
+        self.values[:, slots] = v
+        self.held_from = max(self.held_from, start + k.shape[1] - self.window)
+
+    def copy_prefix(self, upto: int) -> RingKV:
+        # clone_refusal admits upto >= position - 1 once the ring has wrapped, so the copy
+        # holds what the donor holds. Slot upto % W may carry the donor's position `upto`:
+        # the clone's next write replaces it before anything reads it.
+        return RingKV(self.keys.clone(), self.values.clone(), self.held_from)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.keys, self.values
+
+
+LayerKV = GrowingKV | RingKV
+
+
+def new_layers(windows: tuple[int | None, ...], kv_heads: int, head_dim: int, dtype, device) -> list[LayerKV]:
+    return [
+        RingKV.empty(kv_heads, head_dim, w, dtype, device) if w else GrowingKV.empty(kv_heads, head_dim, GROW_STEP, dtype, device)
+        for w in windows
+    ]
+
+
+def copy_layers(layers: list[LayerKV], upto: int) -> list[LayerKV]:
+    return [layer.copy_prefix(upto) for layer in layers]
+
+
+def held_from(layers: list[LayerKV]) -> list[int]:
+    """Oldest held position of each sliding layer, in layer order (base.clone_refusal's argument)."""
+    return [layer.held_from for layer in layers if isinstance(layer, RingKV)]
+
+
+def layers_bytes(layers: list[LayerKV]) -> int:
+    return sum(t.numel() * t.element_size() for layer in layers for t in layer.tensors())

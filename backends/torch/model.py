@@ -1,0 +1,154 @@
+"""Decoder-only transformers: llama, qwen2, qwen3, gemma3 text, in one file.
+
+Module names follow the Hugging Face checkpoints, so a safetensors file loads
+with `load_state_dict` as it is.
+
+The forward pass takes a batch of rows, each with its own KV state and start
+position: decode sends one token for many sessions, prefill one chunk for one
+session. Everything but attention runs batched; attention reads each row's own
+buffers at its own length (no per-step gather of the KV into a padded batch).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.bias import causal_lower_right
+
+from backends.torch.config import ArchConfig
+from backends.torch.kv import LayerKV
+from backends.torch.rope import angles, inverse_frequencies, rotate
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * w; gemma stores w zero-centred and scales by (1 + w)."""
+
+    def __init__(self, dim: int, eps: float, offset: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (self.offset + self.weight.float())).to(x.dtype)
+
+
+def window_mask(first_key: int, start: int, n: int, n_keys: int, window: int, device) -> torch.Tensor:
+    """Boolean [n, n_keys]: query start+i sees key first_key+j when it is in the past `window` positions."""
+    q = torch.arange(start, start + n, device=device)[:, None]
+    k = torch.arange(first_key, first_key + n_keys, device=device)[None, :]
+    return (k <= q) & (k > q - window)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ArchConfig, window: int | None):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.window, self.scale = window, cfg.attn_scale
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            offset = 1.0 if cfg.gemma else 0.0
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, offset)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, offset)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: Sequence[LayerKV], starts: Sequence[int]):
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.heads, self.head_dim)
+        k = self.k_proj(x).view(b, n, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotate(q.transpose(1, 2), *rope), rotate(k.transpose(1, 2), *rope)
+        out = torch.cat([self._attend(q[i : i + 1], k[i], v[i], kv[i], starts[i]) for i in range(b)])
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, start: int) -> torch.Tensor:
+        """One row: commit its new keys, then attend over everything it may see."""
+        keys, values, first_key = kv.update(k, v, start)
+        n, n_keys = q.shape[2], keys.shape[1]
+        if n == 1:
+            mask = None  # one query sees every key its layer holds
+        elif self.window is None:
+            mask = causal_lower_right(n, n_keys)
+        else:
+            mask = window_mask(first_key, start, n, n_keys, self.window, q.device)
+        return F.scaled_dot_product_attention(q, keys[None], values[None], attn_mask=mask, scale=self.scale, enable_gqa=True)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ArchConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gemma = cfg.gemma
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x)
+        gate = F.gelu(gate, approximate="tanh") if self.gemma else F.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block; gemma also norms each sublayer's output ("sandwich" norms)."""
+
+    def __init__(self, cfg: ArchConfig, window: int | None):
+        super().__init__()
+        offset = 1.0 if cfg.gemma else 0.0
+        self.self_attn = Attention(cfg, window)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, offset)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, offset)
+        self.gemma = cfg.gemma
+        if cfg.gemma:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, offset)
+
+    def forward(self, x, rope, kv, starts):
+        attn = self.self_attn(self.input_layernorm(x), rope, kv, starts)
+        if not self.gemma:
+            h = x + attn
+            return h + self.mlp(self.post_attention_layernorm(h))
+        h = x + self.post_attention_layernorm(attn)
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ArchConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, window) for window in cfg.sliding)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, 1.0 if cfg.gemma else 0.0)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ArchConfig, tied: bool):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Decoder(cfg)
+        self.lm_head = None if tied else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def place(self, device: torch.device) -> None:
+        """Rope frequencies live outside the state dict: build them on the model's device."""
+        self.inv_freq_full = inverse_frequencies(self.cfg.rope_full, self.cfg.head_dim).to(device)
+        self.inv_freq_sliding = inverse_frequencies(self.cfg.rope_sliding, self.cfg.head_dim).to(device)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv: Sequence[Sequence[LayerKV]], starts: Sequence[int]):
+        """tokens, positions: [rows, n]; kv[row][layer]. Returns the last position's logits, [rows, vocab]."""
+        full = angles(positions, self.inv_freq_full)  # once per pass, shared by every layer of a kind
+        sliding = angles(positions, self.inv_freq_sliding) if any(self.cfg.sliding) else full
+        h = self.model.embed_tokens(tokens)
+        if self.cfg.gemma:
+            h = h * torch.tensor(self.cfg.hidden_size**0.5, dtype=h.dtype)  # in the model dtype, as trained
+        for i, block in enumerate(self.model.layers):
+            h = block(h, sliding if self.cfg.sliding[i] else full, [row[i] for row in kv], starts)
+        h = self.model.norm(h[:, -1])
+        head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+        return h @ head.T

@@ -1,0 +1,86 @@
+"""Token choice on the device, each row under its own request's settings and random stream.
+
+Order: penalties and logit bias shape the distribution the logprobs report;
+temperature, top-k, top-p and min-p only shape the draw. All rows' picks come
+back to the host in one transfer; logprobs, where asked for, in one more per row.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from backends.base import Sampled, SamplerState, SamplingParams
+
+
+def _plain_greedy(p: SamplingParams) -> bool:
+    return (
+        p.greedy
+        and not (p.logprobs or p.top_logprobs or p.logit_bias)
+        and p.repetition_penalty == 1.0
+        and p.presence_penalty == 0.0
+        and p.frequency_penalty == 0.0
+    )
+
+
+def penalize(row: torch.Tensor, state: SamplerState) -> torch.Tensor:
+    """Repetition (over prompt and output, as in transformers), presence and frequency
+    (over output, as in OpenAI), then the request's logit bias. Returns a new row."""
+    p, row = state.params, row.clone()
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(state.prompt) | set(state.output)), dtype=torch.long, device=row.device)
+        if len(seen):
+            picked = row[seen]
+            row[seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and state.output:
+        ids, counts = torch.tensor(state.output, device=row.device).unique(return_counts=True)
+        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
+        row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
+    return row
+
+
+def truncate(scaled: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Drop the tokens top-k, top-p and min-p exclude (set them to -inf); the best one always stays."""
+    if 0 < p.top_k < scaled.numel():
+        kth = scaled.topk(p.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if p.top_p < 1.0:
+        ordered, order = scaled.sort(descending=True)
+        probs = ordered.softmax(-1)
+        beyond = probs.cumsum(-1) - probs >= p.top_p  # mass before this token already reaches top_p
+        scaled = scaled.scatter(0, order, ordered.masked_fill(beyond, float("-inf")))
+    if p.min_p > 0.0:
+        probs = scaled.softmax(-1)
+        scaled = scaled.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return scaled
+
+
+def draw(row: torch.Tensor, state: SamplerState) -> torch.Tensor:
+    p = state.params
+    if p.greedy:
+        return row.argmax()
+    if state.rng is None:
+        state.rng = torch.Generator(device=row.device)
+        state.rng.manual_seed(p.seed) if p.seed is not None else state.rng.seed()
+    probs = truncate(row / p.temperature, p).softmax(-1)
+    return torch.multinomial(probs, 1, generator=state.rng)[0]
+
+
+def sample(logits: torch.Tensor, states: Sequence[SamplerState]) -> list[Sampled]:
+    logits = logits.float()
+    if all(_plain_greedy(s.params) for s in states):
+        return [Sampled(token) for token in logits.argmax(-1).tolist()]
+    rows = [penalize(logits[i], s) for i, s in enumerate(states)]
+    tokens = torch.stack([draw(row, s) for row, s in zip(rows, states)]).tolist()
+    out = [Sampled(token) for token in tokens]
+    for i, s in enumerate(states):
+        if s.params.logprobs or s.params.top_logprobs:
+            logprobs = rows[i].log_softmax(-1)
+            out[i].logprob = float(logprobs[tokens[i]])
+            if s.params.top_logprobs:
+                top = logprobs.topk(s.params.top_logprobs)
+                out[i].top_logprobs = list(zip(top.indices.tolist(), top.values.tolist()))
+    return out

@@ -1,0 +1,105 @@
+"""The torch backend against mlx-lm itself: same folders, same tokens, same logits (float32, CPU).
+
+mlx-lm is the reference here, not our MLX backend: a bug shared by both of our
+backends must not be able to pass.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+mx = pytest.importorskip("mlx.core", exc_type=ImportError)
+mlx_lm = pytest.importorskip("mlx_lm", exc_type=ImportError)
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+from backends.base import SamplerState, SamplingParams  # noqa: E402
+from backends.torch.backend import TorchBackend  # noqa: E402
+
+ATOL, RTOL = 1e-5, 1e-4
+PROMPT_LEN = 40  # longer than gemma3's window (16), so its rings wrap during prefill
+CHUNKS = (0, 7, 25, PROMPT_LEN)  # the engine's chunking: uneven, one chunk longer than the window
+DECODE_STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def references():
+    """mlx-lm models loaded once per arch."""
+    loaded = {}
+
+    def get(folder: str):
+        if folder not in loaded:
+            loaded[folder] = mlx_lm.load(folder)[0]
+        return loaded[folder]
+
+    return get
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 500, n).tolist()
+
+
+def _close(got: np.ndarray, want: np.ndarray) -> None:
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
+
+
+def test_prefill_and_teacher_forced_decode_match_mlx_lm(arch, tiny_model_dir, references):
+    folder = tiny_model_dir(arch)
+    reference = references(folder)
+    backend = TorchBackend("cpu")
+    backend.load(folder, "float32")
+    prompt, forced = _tokens(1, PROMPT_LEN), _tokens(2, DECODE_STEPS)
+
+    cache = make_prompt_cache(reference)
+    want = np.array(reference(mx.array([prompt]), cache=cache)[0, -1])
+    session = backend.open_session()
+    chunks = [prompt[a:b] for a, b in zip(CHUNKS, CHUNKS[1:])]
+    for chunk in chunks:
+        got = backend.to_numpy(backend.prefill([session], [chunk]))[0]
+    _close(got, want)
+
+    for token in forced:
+        want = np.array(reference(mx.array([[token]]), cache=cache)[0, -1])
+        _close(backend.to_numpy(backend.decode([session], [token]))[0], want)
+
+
+def test_batched_decode_matches_mlx_lm_per_row(arch, tiny_model_dir, references):
+    """Rows at different lengths (some past the sliding window) decoded in one pass."""
+    folder = tiny_model_dir(arch)
+    reference = references(folder)
+    backend = TorchBackend("cpu")
+    backend.load(folder, "float32")
+    lengths = (3, 15, 17, 33)
+    prompts = [_tokens(10 + i, n) for i, n in enumerate(lengths)]
+    caches, sessions = [], []
+    for prompt in prompts:
+        caches.append(make_prompt_cache(reference))
+        reference(mx.array([prompt]), cache=caches[-1])
+        sessions.append(backend.open_session())
+        backend.prefill([sessions[-1]], [prompt])
+    for step in range(5):
+        tokens = _tokens(100 + step, len(lengths))
+        got = backend.to_numpy(backend.decode(sessions, tokens))
+        for row, (token, cache) in enumerate(zip(tokens, caches)):
+            _close(got[row], np.array(reference(mx.array([[token]]), cache=cache)[0, -1]))
+
+
+def test_greedy_continuations_agree(arch, tiny_model_dir, references):
+    """Same logits, same argmax: the greedy tokens of both sides are identical."""
+    folder = tiny_model_dir(arch)
+    reference = references(folder)
+    backend = TorchBackend("cpu")
+    backend.load(folder, "float32")
+    prompt = _tokens(3, 12)
+    cache = make_prompt_cache(reference)
+    logits = reference(mx.array([prompt]), cache=cache)[0, -1]
+    session = backend.open_session()
+    ours = backend.prefill([session], [prompt])
+    want, got = [], []
+    for _ in range(24):
+        want.append(int(mx.argmax(logits)))
+        got.append(backend.sample(ours, [SamplerState(SamplingParams())])[0].token)
+        logits = reference(mx.array([[want[-1]]]), cache=cache)[0, -1]
+        ours = backend.decode([session], [got[-1]])
+    assert got == want
+

@@ -1,0 +1,126 @@
+"""Torch backend timings on random models of realistic shapes, built in memory (no files, no network).
+
+    python -m tools.gpu_check [--shapes 0.5b,7b] [--prompt 2048] [--steps 32] [--device cuda]
+
+Per shape: prefill tokens/s for one prompt, decode tokens/s for 1 and 8 sessions
+at that length, and the time of a clone of the whole prompt: its GB/s against
+the device's own measured copy bandwidth, and its time against the prefill's.
+Random weights give meaningless tokens but the same work as trained ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from backends.torch.backend import DTYPES, TorchBackend, default_dtype
+from backends.torch.config import parse_config
+from backends.torch.model import Transformer
+
+# Qwen2.5-0.5B and Mistral-7B shapes (a GQA llama of 7.2B parameters).
+SHAPES = {
+    "0.5b": dict(
+        model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, head_dim=64, rope_theta=1e6, max_position_embeddings=32768,
+    ),
+    "7b": dict(
+        model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6, max_position_embeddings=32768,
+    ),
+}  # fmt: skip
+
+
+def random_weights(config: dict, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    with torch.device("meta"):
+        names = Transformer(parse_config(config), tied=True).state_dict()
+    out = {}
+    for name, meta in names.items():
+        w = torch.empty(meta.shape, device=device, dtype=dtype)
+        out[name] = w.fill_(1.0) if name.endswith("norm.weight") else w.normal_(0.0, 0.02)
+    return out
+
+
+class Clock:
+    def __init__(self, device: torch.device):
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def __call__(self, fn) -> float:
+        self.sync()
+        start = time.perf_counter()
+        fn()
+        self.sync()
+        return time.perf_counter() - start
+
+
+def copy_bandwidth(device: torch.device, clock: Clock, gib: float = 1.0) -> float:
+    """Bytes per second of a plain device-to-device tensor copy (bytes copied, not read + written)."""
+    src = torch.empty(int(gib * 2**30), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    seconds = min(clock(lambda: dst.copy_(src)) for _ in range(5))
+    return src.numel() / seconds
+
+
+def check_shape(name: str, device: torch.device, dtype: str | None, prompt_len: int, steps: int, copy_bps: float) -> None:
+    clock = Clock(device)
+    backend = TorchBackend(str(device))
+    config = SHAPES[name]
+    weights_dtype = DTYPES[dtype] if dtype else default_dtype(device)
+    built = clock(lambda: backend.install(parse_config(config), random_weights(config, device, weights_dtype), name, dtype))
+    params = sum(p.numel() for p in backend.model.parameters())
+    prompt = torch.randint(0, config["vocab_size"], (prompt_len,)).tolist()
+
+    warm = backend.open_session()  # kernels, allocator, cuBLAS plans
+    backend.prefill([warm], [prompt[:256]])
+    backend.decode([warm], [1])
+    backend.release(backend.clone(warm, 256))
+    backend.release(warm)
+
+    session = backend.open_session()
+    prefill_s = clock(lambda: backend.prefill([session], [prompt]))
+    clone_s = min(clock(lambda: backend.release(backend.clone(session, prompt_len))) for _ in range(3))
+    clone_bytes = prompt_len * backend.info.kv_bytes_per_token
+    batch = [session] + [backend.clone(session, prompt_len) for _ in range(7)]
+
+    def decode(sessions):
+        for _ in range(steps):
+            backend.decode(sessions, [1] * len(sessions))
+
+    one_s = clock(lambda: decode(batch[:1]))
+    eight_s = clock(lambda: decode(batch))
+    print(
+        f"{name}: {params / 1e9:.2f}B params {backend.info.dtype}, built in {built:.1f}s | "
+        f"prefill {prompt_len} tok: {prompt_len / prefill_s:,.0f} tok/s | "
+        f"decode at {prompt_len}: 1 session {steps / one_s:,.1f} tok/s, 8 sessions {8 * steps / eight_s:,.1f} tok/s | "
+        f"clone {prompt_len} tok ({clone_bytes / 2**20:,.0f} MiB): {clone_s * 1e3:.2f} ms, "
+        f"{clone_bytes / clone_s / 1e9:,.0f} GB/s = {clone_bytes / clone_s / copy_bps:.0%} of copy bandwidth, "
+        f"{clone_s / prefill_s:.4f}x the prefill time",
+        flush=True,
+    )
+    for s in batch:
+        backend.release(s)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="0.5b,7b")
+    parser.add_argument("--prompt", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16; default: the backend's")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}", flush=True)
+    copy_bps = copy_bandwidth(device, Clock(device))
+    print(f"measured copy bandwidth: {copy_bps / 1e9:,.0f} GB/s (bytes copied per second)", flush=True)
+    for name in args.shapes.split(","):
+        check_shape(name, device, args.dtype, args.prompt, args.steps, copy_bps)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
