@@ -49,7 +49,8 @@ class Double:
 
     def match(self, ids: list[int]) -> tuple[int, str | None]:
         cap = len(ids) - 1  # the last prompt token always runs
-        cached = min(max((common_prefix(ids, p) for p in self.finished), default=0), cap)
+        cache = self.finished if self.args.prefix_cache_entries else []
+        cached = min(max((common_prefix(ids, p) for p in cache), default=0), cap)
         if self.args.active_prefix_reuse_min_tokens > 0:
             donor = min(max((common_prefix(ids, p) for p in self.running.values()), default=0), cap)
             if donor - cached >= self.args.active_prefix_reuse_min_tokens:
@@ -125,6 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--active-prefix-reuse-min-tokens", type=int, default=0)
     p.add_argument("--no-follow", action="store_true")
+    p.add_argument("--prefix-cache-entries", type=int, default=16)
     p.add_argument("--prefill-s-per-token", type=float, default=0.0002)
     p.add_argument("--decode-s", type=float, default=0.01)
     p.add_argument("--perturb-reuse", action="store_true")

@@ -5,8 +5,8 @@
 3. When it streams its first token, send a second one sharing its prompt
    except the last message (the recipient).
 4. Report reused against prompt tokens: all but the new tail is expected.
-5. On a second daemon with reuse off, send both again (fresh prefills): the
-   recipient's tokens, and the donor's, must be the same.
+5. On a second daemon with reuse and the prefix cache off, send both again
+   (fresh prefills): the recipient's tokens, and the donor's, must be the same.
 Exits 1 if either check fails, 2 if the smoke itself cannot run.
 """
 
@@ -23,7 +23,7 @@ import aiohttp
 
 from tools.bench import paired
 from tools.bench.client import Record, Target, request_body, stream_chat
-from tools.bench.serve import ServerFailed, metric_total, scrape_metrics
+from tools.bench.serve import ServerFailed, exit_on_sigterm, metric_total, scrape_metrics
 from tools.bench.text import tool_definitions, words
 
 
@@ -77,17 +77,18 @@ async def donor_then_recipient(base_url: str, donor: list[dict], recipient: list
     return rec_d, rec_r
 
 
-def _pass(label: str, mode: str, args, model: str, donor, recipient, together: bool):
-    contender = paired.kvfork_contender(mode, model, args.threshold, args.server_arg)
+def _pass(label: str, mode: str, args, model: str, donor, recipient, together: bool, extra: tuple[str, ...] = ()):
+    contender = paired.kvfork_contender(mode, model, args.threshold, [*args.server_arg, *extra])
     with contender.make(Path(args.out) / f"smoke-{label}.log") as srv:
         before = scrape_metrics(srv.base_url)
         recs = asyncio.run(donor_then_recipient(srv.base_url, donor, recipient, args.max_tokens, together))
         after = scrape_metrics(srv.base_url)
-    donor_tokens = metric_total(paired.counter_delta(before, after), paired.REUSED, source="donor")
+    delta = paired.counter_delta(before, after)
+    sources = {src: metric_total(delta, paired.REUSED, source=src) for src in ("donor", "cache")}
     for rec in recs:
         if not rec.ok:
             raise ServerFailed(f"{label}: the {rec.call_id} request failed: {rec.error}")
-    return recs, donor_tokens
+    return recs, sources
 
 
 def _same(a: Record, b: Record) -> tuple[bool, str]:
@@ -105,8 +106,10 @@ def run(args) -> int:
     if len(ids_d) < 1000:
         print("smoke: the donor prompt is under 1,000 tokens; raise --prompt-tokens", file=sys.stderr)
         return 2
-    (on_d, on_r), donor_tokens = _pass("reuse-on", "on", args, model, donor, recipient, together=True)
-    (off_d, off_r), _ = _pass("reuse-off", "off", args, model, donor, recipient, together=False)
+    (on_d, on_r), sources = _pass("reuse-on", "on", args, model, donor, recipient, together=True)
+    # The reference computes every token itself: no donor and no prefix cache.
+    (off_d, off_r), _ = _pass("fresh", "off", args, model, donor, recipient, together=False,
+                              extra=("--prefix-cache-entries", "0"))
 
     donor_end = on_d.send_s + on_d.e2e_s
     overlapped = on_r.send_s < donor_end
@@ -115,7 +118,7 @@ def run(args) -> int:
     reuse_ok = overlapped and reused >= expected
     print(f"reuse: recipient reused {reused} of {on_r.prompt_tokens} prompt tokens; "
           f"new tail {on_r.prompt_tokens - reused} (expected {on_r.prompt_tokens - expected})"
-          + (f"; the server counted {donor_tokens:.0f} reused from a donor" if donor_tokens is not None else ""))
+          + "".join(f"; the server counted {n:,.0f} reused from {src}" for src, n in sources.items() if n))
     if not overlapped:
         print("  the donor finished before the recipient was sent: no active reuse was possible "
               "(raise --max-tokens)")
@@ -124,7 +127,10 @@ def run(args) -> int:
     print(f"exactness: recipient vs fresh prefill: {'same' if same_r else 'DIFFERENT'} {how_r}; "
           f"donor vs fresh: {'same' if same_d else 'DIFFERENT'} {how_d}")
     print(f"TTFT: recipient {on_r.ttft_s:.2f}s with reuse, {off_r.ttft_s:.2f}s fresh; donor {on_d.ttft_s:.2f}s")
-    ok = reuse_ok and same_r and same_d
+    fresh = not (off_r.cached_tokens or off_d.cached_tokens)
+    if not fresh:
+        print("  the reference reused tokens: it was not a fresh prefill")
+    ok = reuse_ok and fresh and same_r and same_d
     print("smoke: PASS" if ok else "smoke: FAIL")
     return 0 if ok else 1
 
@@ -140,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-arg", action="append", default=[], metavar="ARG", help="extra daemon flag, repeatable")
     ap.add_argument("--out", default="out/smoke", help="where the daemons' logs go")
     args = ap.parse_args(argv)
+    exit_on_sigterm()
     try:
         return run(args)
     except ServerFailed as e:

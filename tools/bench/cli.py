@@ -16,6 +16,7 @@ from pathlib import Path
 from tools.bench import paired, peers, report
 from tools.bench.client import Target
 from tools.bench.runner import replay
+from tools.bench.serve import exit_on_sigterm
 from tools.bench.stats import summarize
 from tools.bench.trace import TraceError, load
 from tools.bench.workload import PRESETS, Options, Workload, build
@@ -123,6 +124,7 @@ def _compare(args, workloads: list[Workload]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    exit_on_sigterm()
     try:
         workloads = _workloads(args)
         if args.command == "run":

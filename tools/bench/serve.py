@@ -10,11 +10,17 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM (timeout, CI) into SystemExit, so `with ServerProcess` stops the servers we started."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def free_port() -> int:
