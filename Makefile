@@ -27,15 +27,15 @@ test: install
 	$(BLAS_ENV) $(BIN)/python -m pytest -q $(ARGS)
 
 smoke: install
-	$(BLAS_ENV) $(BIN)/python -m tools.smoke $(ARGS)
+	$(BIN)/kvfork smoke $(ARGS)
 
 # A small paired replay (reuse off, then on) on the default model; prints the table.
 bench: install
-	$(BLAS_ENV) $(BIN)/python -m tools.bench paired $(ARGS)
+	$(BIN)/kvfork bench paired $(ARGS)
 
 # Opt-in: also mlx_lm.server and llama.cpp's server (built once, about 20 min on 2 cores).
 peers: install
-	$(BLAS_ENV) $(BIN)/python -m tools.bench peers $(ARGS)
+	$(BIN)/kvfork bench peers $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
