@@ -72,7 +72,9 @@ class SamplingParams:
 @dataclass
 class Sampled:
     token: int
-    logprob: float | None = None  # set when logprobs were asked for
+    # Set when logprobs were asked for: log-softmax of the raw model logits
+    # (before penalties, bias and temperature), as OpenAI reports them.
+    logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
 
 
@@ -149,7 +151,12 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def sample(self, logits: Any, states: Sequence[SamplerState]) -> list[Sampled]:
-        """Pick one token per row of logits, each under its own request's settings and stream."""
+        """Pick one token per row of logits, each under its own request's settings and stream.
+
+        Penalties and logit_bias shape the logits; greedy is their argmax. The
+        picked token is appended to `states[i].output` (what presence and
+        frequency penalties count), so the engine does not append it again.
+        """
 
     @abc.abstractmethod
     def clone(self, session: Session, upto: int) -> Session:

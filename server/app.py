@@ -17,17 +17,19 @@ from aiohttp import web
 
 from server.engine.api import EngineError
 from server.errors import ApiError, from_engine
-from server.protocol.openai import encoder
 from server.routes import chat, completions, models, sessions
+from server.routes.common import json_response
+from server.sse import CLIENT_GONE
 from server.state import STATE, AppState
 
 log = logging.getLogger("kvfork.http")
 
+CLIENT_CLOSED = "499"  # nginx's "client closed request", for the metrics
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
 
 
-def error_response(error: ApiError) -> web.Response:
-    return web.Response(status=error.status, body=encoder.encode(error.body()), content_type="application/json")
+def _error_response(error: ApiError) -> web.Response:
+    return json_response(error.body(), status=error.status)
 
 
 def _api_error(e: BaseException) -> ApiError:
@@ -50,15 +52,20 @@ def _middlewares(state: AppState, requests_total) -> list:
         try:
             response = await handler(request)
         except web.HTTPException as e:
-            response = e if e.status < 400 else error_response(_api_error(e))
+            if e.status < 400:
+                raise
+            response = _error_response(_api_error(e))
         except ApiError as e:
-            response = error_response(e)
-        except (asyncio.CancelledError, ConnectionError):  # the client went away; aiohttp drops it quietly
-            requests_total.inc(route=route, status="499")  # nginx's "client closed request"
+            response = _error_response(e)
+        except asyncio.CancelledError:  # the client went away (handler_cancellation)
+            requests_total.inc(route=route, status=CLIENT_CLOSED)
             raise
+        except ConnectionError:  # the client went away under a write; answering is moot, aiohttp drops it
+            request[CLIENT_GONE] = True
+            response = web.Response(status=499)
         except Exception as e:
-            response = error_response(_api_error(e))
-        requests_total.inc(route=route, status=str(response.status))
+            response = _error_response(_api_error(e))
+        requests_total.inc(route=route, status=CLIENT_CLOSED if request.get(CLIENT_GONE) else str(response.status))
         return response
 
     @web.middleware

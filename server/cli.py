@@ -55,7 +55,10 @@ def serve(argv: list[str]) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from server.serve import run  # the engine and backends load only for a valid command line
 
-    return asyncio.run(run(config, engine_config, model))
+    try:
+        return asyncio.run(run(config, engine_config, model))
+    except KeyboardInterrupt:  # a second Ctrl-C during shutdown
+        return 130
 
 
 def _default_model() -> Path:
@@ -79,7 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     if command == "serve":
         return serve(rest)
     if command in TOOLS:
-        return importlib.import_module(TOOLS[command][0]).main(rest) or 0
+        module = TOOLS[command][0]
+        try:
+            tool = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            print(f"kvfork: error: {command} is not part of this checkout ({module} is missing)", file=sys.stderr)
+            return 1
+        return tool.main(rest) or 0
     print(f"kvfork: error: unknown command {command!r} (commands: serve, {', '.join(TOOLS)})", file=sys.stderr)
     return 2
 

@@ -20,7 +20,8 @@ def _name_check(names: list[str]) -> str | None:
 class ServerConfig:
     model: str | None = setting(None, "model folder (Hugging Face layout); default: SmolLM2, converted and "
                                 "fetched by `kvfork fetch-model` on first run")
-    backend: str = setting("auto", "auto: MLX on Apple Silicon, torch elsewhere (CUDA when present, else the CPU)",
+    backend: str = setting("auto", "auto: MLX on Apple Silicon, torch elsewhere (CUDA when present, else the CPU; "
+                           "MLX where the torch backend is not installed)",
                            choices=BACKENDS)
     dtype: str | None = setting(None, "weights and KV dtype (default: float32 on the CPU, bf16/fp16 on a GPU)",
                                 choices=DTYPES)

@@ -68,12 +68,22 @@ class Daemon:
         )
 
 
+def pick_backend(name: str) -> tuple[str, Backend]:
+    """`auto` prefers the machine's default (torch off Apple Silicon) and falls back to MLX where
+    that backend is not installed."""
+    if name == "auto":
+        try:
+            return default_backend(), create_backend("auto")
+        except ImportError:
+            name = "mlx"
+    return name, create_backend(name)
+
+
 async def run(config: ServerConfig, engine_config: EngineConfig, model: str) -> int:
-    backend_name = default_backend() if config.backend == "auto" else config.backend
     try:
-        backend = create_backend(backend_name)
+        backend_name, backend = pick_backend(config.backend)
     except ImportError as e:
-        print(f"kvfork: the {backend_name} backend cannot load here: {e}")
+        print(f"kvfork: the {config.backend} backend cannot load here: {e}")
         return 1
     daemon = Daemon(config, engine_config, model, backend)
     try:
@@ -85,8 +95,14 @@ async def run(config: ServerConfig, engine_config: EngineConfig, model: str) -> 
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        stop.set()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal stops at once
+            loop.remove_signal_handler(sig)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     loading, stopping = asyncio.create_task(daemon.load()), asyncio.create_task(stop.wait())
     try:
         await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)

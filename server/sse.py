@@ -1,17 +1,21 @@
-"""Server-sent events: one `data:` frame per JSON body, comments as keep-alives, `[DONE]` last."""
+"""Server-sent events: one `data:` frame per JSON body, comments as keep-alives, `[DONE]` last.
+
+Once a stream has started, its status line is gone: a failure inside the
+`async with` block goes out as an `error` frame (OpenAI's clients read it and
+raise), and a client that went away ends the block quietly.
+"""
 
 from __future__ import annotations
 
 import logging
-from contextlib import asynccontextmanager
 
 from aiohttp import web
 
 from server.errors import ApiError
 from server.protocol.openai import encoder
 
-
 log = logging.getLogger("kvfork.http")
+CLIENT_GONE = web.RequestKey("client_gone", bool)  # set when a write found the connection closed
 
 
 class EventStream:
@@ -21,30 +25,30 @@ class EventStream:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
 
-    async def open(self) -> None:
+    async def __aenter__(self) -> "EventStream":
         await self.response.prepare(self.request)
+        return self
+
+    async def __aexit__(self, kind, error, traceback) -> bool:
+        if error is not None and not isinstance(error, Exception):
+            return False  # cancellation: the handler was cancelled with its client
+        try:
+            if isinstance(error, ApiError):
+                await self.send(error.body())
+            elif error is not None and not isinstance(error, ConnectionError):
+                log.error("unexpected error while streaming", exc_info=error)
+                await self.send(ApiError(500, "internal error", code="internal_error").body())
+            if not isinstance(error, ConnectionError):
+                await self.response.write(b"data: [DONE]\n\n")
+                await self.response.write_eof()
+        except ConnectionError:
+            error = error or ConnectionError()
+        if isinstance(error, ConnectionError):
+            self.request[CLIENT_GONE] = True
+        return True
 
     async def send(self, body) -> None:
         await self.response.write(b"data: " + encoder.encode(body) + b"\n\n")
 
     async def keep_alive(self) -> None:
         await self.response.write(b": keep-alive\n\n")
-
-    @asynccontextmanager
-    async def reporting_errors(self):
-        """Once the stream has started its status is sent: a failure goes out as an `error` frame,
-        which OpenAI's clients read and raise."""
-        try:
-            yield
-        except ApiError as e:
-            await self.send(e.body())
-        except ConnectionError:
-            raise  # the client is gone: nothing to tell it
-        except Exception:
-            log.exception("unexpected error while streaming")
-            await self.send(ApiError(500, "internal error", code="internal_error").body())
-
-    async def close(self) -> web.StreamResponse:
-        await self.response.write(b"data: [DONE]\n\n")
-        await self.response.write_eof()
-        return self.response

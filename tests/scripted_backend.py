@@ -39,9 +39,11 @@ def next_token(sequence: Sequence[int]) -> int:
 
 
 class Gate:
-    """Holds the runner inside a backend call until the test opens it."""
+    """Holds the runner inside the first backend call of its kind for which `when(sessions, inputs)` holds,
+    until the test opens it."""
 
-    def __init__(self) -> None:
+    def __init__(self, when: Callable[[Sequence[Session], Sequence], bool] = lambda sessions, inputs: True) -> None:
+        self.when = when
         self.reached = threading.Event()
         self.opened = threading.Event()
 
@@ -76,8 +78,10 @@ class ScriptedBackend(Backend):
         self.loaded_on: threading.Thread | None = None
 
     def _enter(self, kind: str, sessions: Sequence[Session] = (), inputs: Sequence = ()) -> None:
-        if kind in self.gates:
-            self.gates.pop(kind).wait_here()
+        gate = self.gates.get(kind)
+        if gate is not None and gate.when(sessions, inputs):
+            del self.gates[kind]
+            gate.wait_here()
         if self.delay.get(kind):
             time.sleep(self.delay[kind])
         if self.fail(kind, sessions, inputs):

@@ -180,6 +180,48 @@ def test_bad_input_is_refused(backend):
         b.prefill([s], [[b.info.vocab_size]])
     with pytest.raises(ValueError):
         b.prefill([s], [[]])
+    b.prefill([s], [[5]])
+    with pytest.raises(ValueError):
+        b.decode([s, s], [1, 2])  # one session twice in a batch
+    with pytest.raises(ValueError):
+        b.prefill([s, s], [[1], [2]])
+    assert s.position == 1
     b.release(s)
     with pytest.raises(ValueError):
         b.decode([s], [1])
+
+
+def test_sliding_rule_at_every_position(backend):
+    """Every donor position and cut point: served iff the rule says so (stated here
+    independently of clone_refusal), and refusals leave the donor decoding as before."""
+    b = backend
+    windows = [layer.window for layer in b.info.layers if layer.kind == "sliding"]
+    steps = prompt(2 * 16 + 4, seed=40)
+    donor, _ = fresh(b, steps[:1])
+    reference, _ = fresh(b, steps[:1])
+    for position in range(1, len(steps)):
+        for upto in range(-1, position + 2):
+            allowed = 1 <= upto <= position and all(position <= w or upto >= position - 1 for w in windows)
+            live, held = b.live_sessions(), b.session_bytes(donor)
+            if allowed:
+                b.release(b.clone(donor, upto))
+            else:
+                with pytest.raises(CloneRefused):
+                    b.clone(donor, upto)
+            assert (donor.position, b.session_bytes(donor), b.live_sessions()) == (position, held, live)
+        assert_close(b, b.decode([donor], [steps[position]]), b.decode([reference], [steps[position]]))
+    release_all(b, donor, reference)
+
+
+def test_clone_at_l_minus_1_holds_one_position_less(backend):
+    """A clone at L - 1 of a donor at L holds [L - W, L - 1): the donor's position L - 1
+    sits where L - 1 - W would, so the clone can serve its own position but not one earlier."""
+    b = backend
+    donor, want = fresh(b, PROMPT)
+    first = b.clone(donor, 39)
+    if any(layer.kind == "sliding" for layer in b.info.layers):
+        with pytest.raises(CloneRefused):
+            b.clone(first, 38)
+    second = b.clone(first, 39)
+    assert_close(b, b.prefill([second], [PROMPT[39:]]), want)
+    release_all(b, donor, first, second)

@@ -2,7 +2,7 @@
 
 import asyncio
 
-from engine_harness import collect, prompt_of, reached, request, run, settled, start_engine, stored_sessions
+from engine_harness import collect, prompt_of, reached, request, run, settled, start_engine, until
 from scripted_backend import Gate, ScriptedBackend
 
 
@@ -106,3 +106,18 @@ async def test_cache_eviction_by_entries_releases_snapshots():
     assert len(engine._admission.cache) == 2 and backend.live_sessions() == 2
     await engine.shutdown(1)
     assert backend.live_sessions() == 0
+
+
+async def test_metrics_report_the_cache_and_what_the_backend_holds_at_rest():
+    backend = ScriptedBackend()
+    engine = await start_engine(backend, prefix_cache_entries=1)
+    await run(engine, prompt_of(20, start=1), 2)
+    await run(engine, prompt_of(30, start=200), 2)  # its snapshot evicts the first one
+    await until(lambda: engine.stats.live_sessions == 1)  # the eviction's release, reported at rest
+    assert engine.stats.total_bytes == backend.total_bytes() == 30 * 1024
+    text = engine.registry.render()
+    for line in ("kvfork_prefix_cache_entries 1", f"kvfork_prefix_cache_bytes {30 * 1024}", "kvfork_live_sessions 1",
+                 'kvfork_prefix_cache_captures_total{outcome="stored"} 2', "kvfork_prefix_cache_misses_total 2",
+                 "kvfork_prefilled_tokens_total 50", 'kvfork_requests_total{finish_reason="length"} 2'):
+        assert line in text.splitlines(), line
+    await engine.shutdown(1)

@@ -167,3 +167,24 @@ async def test_named_session_resumes_warm_then_reset_and_delete(daemon, http):
         assert r.status == 200 and (await r.json())["deleted"] is True
     async with http.delete(daemon.url + "/v1/sessions/s-1") as r:
         assert r.status == 404 and (await r.json())["error"]["code"] == "session_not_found"
+
+
+async def test_cached_tokens_report_active_reuse_from_a_running_request(tiny_model_dir, http):
+    system = {"role": "system", "content": LONG}
+    async with serving(tiny_model_dir("llama"), engine=dict(prefix_cache_entries=0,
+                                                            active_prefix_reuse_min_tokens=1)) as d:
+        donor = {"messages": [system, {"role": "user", "content": "a"}], "max_tokens": 3000, "ignore_eos": True,
+                 "stream": True, "temperature": 0}
+        async with http.post(d.url + "/v1/chat/completions", json=donor) as running:
+            async for line in running.content:  # the donor is decoding: its whole prompt is committed
+                if b'"content":"' in line and b'"role"' not in line:
+                    break
+            _, recipient = await post(http, d.url + "/v1/chat/completions",
+                                      chat_body(max_tokens=2) | {"messages": [system, {"role": "user", "content": "b"}]})
+            running.close()
+        donor_ids = d.state.tokenizer.encode_chat(donor["messages"], None, {})
+        own_ids = d.state.tokenizer.encode_chat([system, {"role": "user", "content": "b"}], None, {})
+        shared = next(i for i, (a, b) in enumerate(zip(donor_ids, own_ids)) if a != b)
+        assert recipient["usage"]["prompt_tokens_details"]["cached_tokens"] == shared
+        seen = await metrics(http, d.url)
+        assert seen['kvfork_reused_tokens_total{source="donor"}'] == shared

@@ -91,3 +91,19 @@ async def test_concurrent_requests_decode_in_shared_steps(tiny_model_dir, http):
     assert generated == 160
     assert steps < generated / 2  # one at a time would take a step per token
     assert list(together) == alone  # batching does not change what each request gets
+
+
+async def test_hanging_up_mid_stream_is_quiet_and_counted(tiny_model_dir, http, caplog):
+    """Whether the hang-up cancels the handler or breaks a write, nothing is logged as an error."""
+    async with serving(tiny_model_dir("llama")) as d:
+        for n in range(1, 6):
+            async with aiohttp.ClientSession() as client:
+                response = await client.post(d.url + CHAT, json=chat_body(max_tokens=LONG_RUN, ignore_eos=True,
+                                                                        stream=True))
+                for _ in range(n * 5):
+                    await response.content.readline()
+                response.close()
+        seen = await until(lambda: metrics(http, d.url),
+                           lambda m: m.get(CANCELLED) == 5 and m["kvfork_running_requests"] == 0, "5 cancels")
+    assert seen['kvfork_http_requests_total{route="/v1/chat/completions",status="499"}'] == 5
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]

@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 
 from http_daemon import chat_body, serving
+from scripted_backend import ScriptedBackend
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
@@ -190,3 +191,14 @@ async def test_no_input_yields_a_500(daemon, http):
                 assert r.status < 500, (data[:200], text)
                 if r.status >= 400:
                     await error_of(r)
+
+
+async def test_health_is_503_once_the_runner_has_died(tiny_model_dir, http):
+    backend = ScriptedBackend()
+    backend.fail = lambda kind, sessions, inputs: kind == "load"
+    async with serving(tiny_model_dir("llama"), backend, load=False) as d:
+        with pytest.raises(RuntimeError):
+            await d.load()
+        error = await expect(http, "GET", d.url + "/health", 503, "not_ready")
+        assert "stopped" in error["message"]
+        await expect(http, "POST", d.url + CHAT, 503, "not_ready", json=chat_body())

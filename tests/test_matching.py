@@ -51,6 +51,8 @@ def test_common_prefix_long_sequences_diverging_everywhere():
         assert common_prefix(other, base) == cut
         assert common_prefix(base, base[:cut]) == cut
         assert common_prefix(tuple(base), other) == cut
+        for known in (0, cut // 2, cut):  # a length already known to be shared
+            assert common_prefix(base, other, start=known) == cut
 
 
 # ---- usable match ----
@@ -89,7 +91,8 @@ def test_non_text_donor_gives_nothing():
 def test_window_floor_agrees_with_the_backend_refusal_rule():
     from backends.base import LayerAttention, ModelInfo, clone_refusal
     for window, position in itertools.product((1, 2, 4, 16), range(0, 40)):
-        info = ModelInfo("m", 10, 100, (LayerAttention("full"), LayerAttention("sliding", window)), (0,), 1, "f32", "cpu")
+        layers = (LayerAttention("full"), LayerAttention("sliding", window))
+        info = ModelInfo("m", 10, 100, layers, (0,), 1, "f32", "cpu")
         held_from = [max(0, position - window)]  # a ring of exactly W positions
         servable = [u for u in range(1, position + 1) if clone_refusal(position, u, info, held_from) is None]
         floor = window_floor(position, [window])

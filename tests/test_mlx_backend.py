@@ -60,3 +60,34 @@ def test_unclonable_state_is_refused_at_load(tmp_path, tiny_model_dir):
     save_file(weights, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match="cannot clone"):
         create_backend("mlx").load(str(folder))
+
+
+def test_dtype_choice_and_missing_folder(tiny_model_dir):
+    tokens = prompt(20)
+    rows = {}
+    for dtype in ("float32", "bfloat16"):
+        b = create_backend("mlx")
+        assert b.load(tiny_model_dir("qwen3"), dtype).dtype == dtype
+        s, logits = fresh(b, tokens)
+        rows[dtype] = logits_np(b, logits)
+        b.release(s)
+    assert rows["bfloat16"].dtype == np.float32
+    assert rows["bfloat16"].argmax() == rows["float32"].argmax()
+    with pytest.raises(FileNotFoundError, match="no model folder"):
+        create_backend("mlx").load("/nonexistent/model")
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        create_backend("mlx").load(tiny_model_dir("qwen3"), "int8")
+
+
+def test_prefill_logits_equal_the_plain_model_call(arch, tiny_model_dir):
+    """Prefill projects only the last position; it must give mlx-lm's own last row."""
+    import mlx.core as mx
+
+    b = create_backend("mlx")
+    b.load(tiny_model_dir(arch))
+    assert b._last_only
+    tokens = prompt(33)
+    s, logits = fresh(b, tokens, chunk=10)
+    plain = b.model(mx.array([tokens]))[:, -1]
+    np.testing.assert_allclose(logits_np(b, logits), np.array(plain), atol=1e-5, rtol=1e-4)
+    b.release(s)

@@ -103,3 +103,27 @@ def test_greedy_continuations_agree(arch, tiny_model_dir, references):
         ours = backend.decode([session], [got[-1]])
     assert got == want
 
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        {"rope_type": "linear", "factor": 4.0},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    ],
+)
+def test_rope_frequencies_match_mlx_lm(scaling):
+    from mlx_lm.models.rope_utils import initialize_rope
+
+    from backends.torch.config import Rope
+    from backends.torch.rope import inverse_frequencies
+
+    head_dim, theta = 128, 500000.0
+    ours = inverse_frequencies(Rope(theta, scaling), head_dim).numpy()
+    rope = initialize_rope(head_dim, theta, False, scaling, 131072)
+    if hasattr(rope, "_freqs"):  # llama3: mlx-lm keeps the periods theta^(2i/d), reshaped
+        want = 1.0 / np.array(rope._freqs)
+    else:  # nn.RoPE: plain base, a linear factor as `scale` on the positions
+        want = rope.scale * theta ** (-np.arange(0, head_dim, 2) / head_dim)
+    np.testing.assert_allclose(ours, want, rtol=1e-5)

@@ -55,8 +55,9 @@ def tight_clone(b: MLXBackend, donor, upto: int) -> list[KVCache]:
     caches = []
     for c in donor.caches:
         v, cache = kvcopy.view(c), KVCache()
-        cache.keys = kvcopy.placed(v.keys[..., :upto, :], upto, 0)
-        cache.values = kvcopy.placed(v.values[..., :upto, :], upto, 0)
+        # As mlx-lm's BatchKVCache.extract copies: exactly `upto` slots.
+        cache.keys = mx.contiguous(v.keys[..., :upto, :])
+        cache.values = mx.contiguous(v.values[..., :upto, :])
         cache.offset = upto
         caches.append(cache)
     mx.eval([kvcopy.arrays(c) for c in caches])

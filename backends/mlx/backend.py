@@ -17,6 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from backends.base import Backend, ModelInfo, Sampled, SamplerState, Session, clone_refusal
 from backends.mlx import kvcopy, sampling
 from backends.mlx.batch import DecodeBatch
+from backends.mlx.last_token import last_logits, supports_last_position
 from backends.mlx.loading import load_model
 
 
@@ -35,6 +36,7 @@ class MLXBackend(Backend):
         self._windows = [layer.window for layer in self.info.layers if layer.kind == "sliding"]
         self._sessions: dict[int, MLXSession] = {}
         self._batch = DecodeBatch(self.model)
+        self._last_only = supports_last_position(self.model)
         return self.info
 
     def open_session(self) -> MLXSession:
@@ -55,7 +57,7 @@ class MLXBackend(Backend):
         for session, chunk in zip(sessions, chunks):
             if self._batch.has(session):
                 self._batch.leave(session)
-            logits = self.model(mx.array(chunk)[None], cache=session.caches)[0, -1]
+            logits = last_logits(self.model, mx.array(chunk)[None], session.caches, self._last_only)[0]
             mx.eval(logits)
             self._advance(session, len(chunk))
             rows.append(logits)

@@ -50,6 +50,9 @@ def view(cache, row: int | None = None, row_offset: int = 0, row_padding: int = 
 def placed(part: mx.array, slots: int, at: int) -> mx.array:
     """A new buffer of `slots` time slots holding `part` from slot `at`, zeros elsewhere."""
     shape = list(part.shape)
+    if shape[2] == slots:
+        # Assigning over a whole buffer would just alias `part`, the donor's buffer.
+        return part * 1
     buffer = mx.zeros(shape[:2] + [slots] + shape[3:], part.dtype)
     buffer[..., at : at + shape[2], :] = part
     return buffer

@@ -30,22 +30,33 @@ def load_model(folder: str, dtype: str | None) -> tuple[nn.Module, Any, ModelInf
     dtype = dtype or default_dtype()
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
-    path = _download(folder)
+    path = _resolve(str(folder))
     model, tokenizer, config = load(str(path), return_config=True)
     # Quantized weights stay packed: set_dtype casts floating parameters only.
     model.set_dtype(DTYPES[dtype])
+    layers = layer_kinds(model)
     vocab_size, kv_bytes_per_token = _probe(model)
     info = ModelInfo(
         name=Path(folder).name or str(folder),
         vocab_size=vocab_size,
         context_length=_context_length(config, path),
-        layers=layer_kinds(model),
+        layers=layers,
         eos_token_ids=_eos_ids(config, path, tokenizer),
         kv_bytes_per_token=kv_bytes_per_token,
         dtype=dtype,
         device="metal" if mx.default_device() == mx.gpu else "cpu",
     )
     return model, tokenizer, info
+
+
+def _resolve(folder: str) -> Path:
+    """A local folder, or a hub id fetched (or found in the hub cache) as mlx-lm does."""
+    local = Path(folder).expanduser()
+    if local.exists():
+        return local
+    if folder.startswith(("/", ".", "~")):
+        raise FileNotFoundError(f"no model folder at {folder}")
+    return _download(folder)
 
 
 def layer_kinds(model: nn.Module) -> tuple[LayerAttention, ...]:

@@ -105,30 +105,37 @@ class TorchBackend(Backend):
         if self._sessions.pop(session.id, None) is not None:
             session.layers = []
 
-    def _ready(self, sessions: Sequence[TorchSession]) -> None:
+    def _check(self, sessions: Sequence[TorchSession], rows: Sequence[Sequence[int]]) -> None:
+        """Every check before any state changes: a refused call leaves every session as it was."""
+        if len(sessions) != len(rows):
+            raise ValueError(f"{len(sessions)} sessions but {len(rows)} token rows")
         if len({s.id for s in sessions}) != len(sessions):
             raise ValueError("a session appears twice in one batch")
-        for s in sessions:
+        for s, row in zip(sessions, rows):
             if s.id not in self._sessions:
                 raise ValueError(f"{s!r} was released")
+            if not row:
+                raise ValueError("empty prefill chunk")
+            if s.position + len(row) > self.info.context_length:
+                raise ValueError(f"{s!r} + {len(row)} tokens exceeds the context length {self.info.context_length}")
+            # On the host: an id out of range is a device-side assert on CUDA, fatal to the process.
+            if not all(0 <= t < self.info.vocab_size for t in row):
+                raise ValueError(f"a token id is outside the vocabulary [0, {self.info.vocab_size})")
+
+    def _wait_for_clones(self, sessions: Sequence[TorchSession]) -> None:
+        for s in sessions:
             if s.ready is not None:
                 torch.cuda.current_stream(self.device).wait_event(s.ready)
                 s.ready = None
-
-    def _check_room(self, session: Session, n: int) -> None:
-        if session.position + n > self.info.context_length:
-            raise ValueError(f"{session!r} + {n} tokens exceeds the context length {self.info.context_length}")
 
     # -- compute ---------------------------------------------------------
 
     @torch.inference_mode()
     def prefill(self, sessions: Sequence[TorchSession], chunks: Sequence[Sequence[int]]) -> torch.Tensor:
-        self._ready(sessions)
+        self._check(sessions, chunks)
+        self._wait_for_clones(sessions)
         out = []
-        for session, chunk in zip(sessions, chunks, strict=True):
-            if not chunk:
-                raise ValueError("empty prefill chunk")
-            self._check_room(session, len(chunk))
+        for session, chunk in zip(sessions, chunks):
             start = session.position
             tokens = torch.tensor([list(chunk)], dtype=torch.long, device=self.device)
             positions = torch.arange(start, start + len(chunk), device=self.device)[None]
@@ -138,11 +145,8 @@ class TorchBackend(Backend):
 
     @torch.inference_mode()
     def decode(self, sessions: Sequence[TorchSession], tokens: Sequence[int]) -> torch.Tensor:
-        self._ready(sessions)
-        if len(sessions) != len(tokens):
-            raise ValueError(f"{len(sessions)} sessions but {len(tokens)} tokens")
-        for s in sessions:
-            self._check_room(s, 1)
+        self._check(sessions, [[t] for t in tokens])
+        self._wait_for_clones(sessions)
         starts = [s.position for s in sessions]
         ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)[:, None]
         positions = torch.tensor(starts, device=self.device)[:, None]

@@ -62,24 +62,27 @@ class Attention(nn.Module):
         b, n, _ = x.shape
         q = self.q_proj(x).view(b, n, self.heads, self.head_dim)
         k = self.k_proj(x).view(b, n, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate(q.transpose(1, 2), *rope), rotate(k.transpose(1, 2), *rope)
+        q, k = rotate(q, *rope), rotate(k, *rope)
         out = torch.cat([self._attend(q[i : i + 1], k[i], v[i], kv[i], starts[i]) for i in range(b)])
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+        return self.o_proj(out.reshape(b, n, -1))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, start: int) -> torch.Tensor:
-        """One row: commit its new keys, then attend over everything it may see."""
+        """One row: commit its new keys, then attend over everything it may see. Tensors are
+        token-major ([tokens, heads, head_dim], as the KV buffers); SDPA gets head-major views."""
         keys, values, first_key = kv.update(k, v, start)
-        n, n_keys = q.shape[2], keys.shape[1]
+        n, n_keys = q.shape[1], keys.shape[0]
         if n == 1:
             mask = None  # one query sees every key its layer holds
         elif self.window is None:
             mask = causal_lower_right(n, n_keys)
         else:
             mask = window_mask(first_key, start, n, n_keys, self.window, q.device)
-        return F.scaled_dot_product_attention(q, keys[None], values[None], attn_mask=mask, scale=self.scale, enable_gqa=True)
+        heads_first = [t.transpose(-3, -2) for t in (q, keys[None], values[None])]
+        out = F.scaled_dot_product_attention(*heads_first, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        return out.transpose(1, 2)
 
 
 class MLP(nn.Module):

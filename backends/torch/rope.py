@@ -39,12 +39,12 @@ def _llama3(inv: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 def angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for positions [batch, seq], shaped to broadcast over heads: [batch, 1, seq, head_dim/2]."""
-    theta = positions.to(torch.float32)[:, None, :, None] * inv_freq
+    """cos and sin for positions [batch, seq], shaped to broadcast over heads: [batch, seq, 1, head_dim/2]."""
+    theta = positions.to(torch.float32)[:, :, None, None] * inv_freq
     return theta.cos(), theta.sin()
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, heads, seq, head_dim], each half-pair turned by its angle (in float32)."""
+    """x: [batch, seq, heads, head_dim], each half-pair turned by its angle (in float32)."""
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

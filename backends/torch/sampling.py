@@ -1,8 +1,11 @@
 """Token choice on the device, each row under its own request's settings and random stream.
 
-Order: penalties and logit bias shape the distribution the logprobs report;
-temperature, top-k, top-p and min-p only shape the draw. All rows' picks come
-back to the host in one transfer; logprobs, where asked for, in one more per row.
+The order and meaning are the MLX backend's (backends/mlx/sampling.py): penalties
+and logit bias shape the logits; greedy takes their argmax; otherwise
+temperature, then top-k, top-p, min-p cut the distribution and the request's own
+generator draws from it. Logprobs are the model's raw distribution's, as OpenAI
+reports them. The pick is appended to `state.output`, which the penalties count.
+All rows' picks come back to the host in one transfer.
 """
 
 from __future__ import annotations
@@ -64,7 +67,10 @@ def draw(row: torch.Tensor, state: SamplerState) -> torch.Tensor:
         return row.argmax()
     if state.rng is None:
         state.rng = torch.Generator(device=row.device)
-        state.rng.manual_seed(p.seed) if p.seed is not None else state.rng.seed()
+        if p.seed is not None:
+            state.rng.manual_seed(p.seed)
+        else:
+            state.rng.seed()
     probs = truncate(row / p.temperature, p).softmax(-1)
     return torch.multinomial(probs, 1, generator=state.rng)[0]
 
@@ -72,15 +78,22 @@ def draw(row: torch.Tensor, state: SamplerState) -> torch.Tensor:
 def sample(logits: torch.Tensor, states: Sequence[SamplerState]) -> list[Sampled]:
     logits = logits.float()
     if all(_plain_greedy(s.params) for s in states):
-        return [Sampled(token) for token in logits.argmax(-1).tolist()]
-    rows = [penalize(logits[i], s) for i, s in enumerate(states)]
-    tokens = torch.stack([draw(row, s) for row, s in zip(rows, states)]).tolist()
-    out = [Sampled(token) for token in tokens]
-    for i, s in enumerate(states):
-        if s.params.logprobs or s.params.top_logprobs:
-            logprobs = rows[i].log_softmax(-1)
-            out[i].logprob = float(logprobs[tokens[i]])
-            if s.params.top_logprobs:
-                top = logprobs.topk(s.params.top_logprobs)
-                out[i].top_logprobs = list(zip(top.indices.tolist(), top.values.tolist()))
-    return out
+        results = [Sampled(token) for token in logits.argmax(-1).tolist()]
+    else:
+        rows = [penalize(logits[i], s) for i, s in enumerate(states)]
+        tokens = torch.stack([draw(row, s) for row, s in zip(rows, states)]).tolist()
+        results = [Sampled(token) for token in tokens]
+        for i, s in enumerate(states):
+            if s.params.logprobs or s.params.top_logprobs:
+                _add_logprobs(results[i], logits[i], s.params.top_logprobs)
+    for state, result in zip(states, results):
+        state.output.append(result.token)
+    return results
+
+
+def _add_logprobs(result: Sampled, raw: torch.Tensor, top: int) -> None:
+    logprobs = raw.log_softmax(-1)
+    result.logprob = float(logprobs[result.token])
+    if top:
+        best = logprobs.topk(top)
+        result.top_logprobs = list(zip(best.indices.tolist(), best.values.tolist()))

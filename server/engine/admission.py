@@ -17,11 +17,12 @@ from typing import Any, Callable
 
 from backends.base import ModelInfo
 from server.engine import messages as m
+from server.engine.api import CapacityExhausted, ContextTooLong, GenerateRequest, InvalidRequest
 from server.engine.config import EngineConfig
 from server.engine.prefix_cache import CacheMatch, PrefixCache
 from server.engine.request import Request
-from server.engine.scheduler import fit_admission
-from server.engine.sessions import NamedSessions
+from server.engine.scheduler import clamp_max_tokens, fit_admission
+from server.engine.sessions import NamedSessions, check_session_id
 
 
 class Admission:
@@ -35,14 +36,36 @@ class Admission:
         self.reserved = 0  # bytes: requests holding slots, and capture slots
         self.captures_in_use = 0
 
+    def check(self, req: GenerateRequest, waiting: int) -> tuple[int, int]:
+        """Turn away what can never run or cannot wait; else (max_tokens as clamped, bytes to reserve).
+
+        `waiting`: the queue and the parked followers, who count against --max-queue alike.
+        """
+        n, context = len(req.prompt), self.config.max_context
+        assert context is not None  # resolved
+        if n == 0:
+            raise InvalidRequest("the prompt holds no tokens")
+        if n >= context:
+            raise ContextTooLong(f"the prompt has {n} tokens; the context holds {context}, prompt and output together")
+        if req.session_id is not None:
+            try:
+                check_session_id(req.session_id)
+            except ValueError as exc:
+                raise InvalidRequest(str(exc)) from None
+        max_tokens = clamp_max_tokens(req.max_tokens, self.config.max_tokens, n, context)
+        need = self.bytes_for(n + max_tokens)
+        if fit_admission(need, 0, 0, self.budget).never:
+            raise CapacityExhausted(f"the request needs {need} bytes of KV state; the budget is {self.budget}")
+        waits = bool(self.queue) or self.slots_used >= self.config.inference_slots
+        if waits and waiting >= self.config.max_queue:
+            raise CapacityExhausted(f"{waiting} requests are already waiting")
+        return max_tokens, need
+
     def bytes_for(self, tokens: int) -> int:
         return self.info.kv_bytes_per_token * tokens
 
     def held(self) -> int:
         return self.reserved + self.cache.nbytes + self.bytes_for(self.named.idle_tokens())
-
-    def never_fits(self, need: int) -> bool:
-        return fit_admission(need, 0, 0, self.budget).never
 
     def next(self) -> Request | None:
         """The queue's head, if a slot is free and its bytes fit; it then holds the slot."""
@@ -55,6 +78,11 @@ class Admission:
         self.slots_used += 1
         self._offer_capture_slot(head)
         return head
+
+    def requeue(self, request: Request) -> None:
+        """Back into the queue at its arrival place: ahead of everyone who came after it."""
+        at = next((i for i, queued in enumerate(self.queue) if queued.rid > request.rid), len(self.queue))
+        self.queue.insert(at, request)
 
     def reserve(self, need: int) -> bool:
         fit = fit_admission(need, self.held(), self.cache.nbytes, self.budget)

@@ -31,21 +31,20 @@ class EngineConfig:
     max_queue: int = setting(256, "requests waiting for a slot before capacity_exhausted", check=at_least(0))
     queue_timeout: float = setting(300.0, "seconds a request may wait for a slot before it ends with an error",
                                    check=at_least(0.001))
-    kv_budget_bytes: int | None = setting(None, f"KV cache bytes the engine may hold (default: {KV_BUDGET_FRACTION:g} "
-                                          "of physical memory); admission waits rather than exceed it",
+    kv_budget_bytes: int | None = setting(None, "KV cache bytes the engine may hold; admission waits rather than "
+                                          f"exceed it (None: {KV_BUDGET_FRACTION:g} of physical memory)",
                                           check=at_least(1))
     prefix_cache_entries: int = setting(16, "finished prompts kept for reuse (0 disables the prefix cache)",
                                         check=at_least(0))
-    prefix_cache_bytes: int | None = setting(None, "most bytes the prefix cache holds (default: no cap of its own; "
+    prefix_cache_bytes: int | None = setting(None, "most bytes the prefix cache holds (None: no cap of its own; "
                                              "it still gives way to admission)", check=at_least(0))
     prefix_cache_min_tokens: int = setting(64, "shortest prompt captured, and shortest cached match used",
                                            check=at_least(1))
-    capture_slots: int | None = setting(None, "snapshots that may wait for the control loop at once (default: "
-                                        "one per inference slot, capped at "
-                                        f"{CAPTURE_BUDGET_FRACTION:g} of the KV budget at full context)",
-                                        check=at_least(0))
+    capture_slots: int | None = setting(None, "prompt snapshots that may be pending at once (None: one per "
+                                        f"inference slot, capped at {CAPTURE_BUDGET_FRACTION:g} of the KV budget "
+                                        "at full context)", check=at_least(0))
     max_named_sessions: int = setting(64, "named sessions kept (least recently used first out)", check=at_least(1))
-    max_context: int | None = setting(None, "most tokens of prompt and output per request (default: the model's)",
+    max_context: int | None = setting(None, "most tokens of prompt and output per request (None: the model's)",
                                       check=at_least(2))
     max_tokens: int = setting(512, "max_tokens when a request gives none; always clamped to the context left",
                               check=at_least(1))
@@ -53,7 +52,8 @@ class EngineConfig:
         0, "prefill tokens active prefix reuse must save beyond the best cached match (0 disables it; "
         "1024 suits long agent prompts)", check=at_least(0))
     follow_max_wait: float = setting(30.0, "most seconds a request follows a prefilling donor", check=at_least(0))
-    no_follow: bool = setting(False, "never follow a prefilling donor: clone only what is already committed")
+    follow: bool = setting(True, "with active reuse on, let a request wait for a prefilling donor to commit the "
+                           "shared prefix (--no-follow: clone only what is already committed, the seed's rule)")
 
     def resolve(self, info: ModelInfo) -> "EngineConfig":
         """The config with every machine- or model-dependent default filled in."""

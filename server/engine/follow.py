@@ -1,6 +1,7 @@
 """Follow the leader: requests that share a prompt prefix share one prefill. Pure policy.
 
-The engine calls (Rates and RateTracker live in server/engine/rates.py):
+The engine calls (and RateTracker from rates.py: .observe_prefill(tokens, s),
+.observe_clone(tokens, s), .rates -> Rates):
   Leader.active(source, tps) -> Leader          # an admitted request, prefilling or decoding
   Leader.starting(source, at, after_s, tps) -> Leader   # an admitted request whose clone is pending
   leader_views(active, parked, rates, tps) -> list[Leader]   # + the parked followers, as leaders
@@ -12,17 +13,20 @@ The engine calls (Rates and RateTracker live in server/engine/rates.py):
   promote(gone, gone_committed, parked, state_usable) -> Promotion
 
 Engine flow:
-  - Admitting an anonymous text request (on arrival, or when a slot frees):
-    p = plan(...). p.follow: park it (Following.park; no slot, it stays in the
-    queue's count and timeout). Otherwise p.now is the seed's choice (matching.py).
-  - Each step: a leader's prefill chunk ends at chunk_end(...) of its followers'
+  - Admitting an anonymous text request (on arrival, or when a slot frees), with
+    cached = matching.best_match(prompt, cache entries).upto (0 if none):
+    p = plan(Recipient(...), leaders, cached, tracker.rates, policy, prefilling).
+    p.follow: park it (Following.park), holding no slot but counted in the queue
+    and its timeout. Otherwise take p.now, exactly matching.choose_reuse's choice
+    (so --no-follow is FollowPolicy(follow=False), nothing else). Log p.log_fields().
+  - Each step: a leader's prefill chunk ends at chunk_end() of its followers'
     targets; a follower whose leader is `ready` clones [0, target) from it as soon
     as it has a slot, then prefills its tail; an `expired` one is unparked and
     planned again with FollowPolicy(follow=False), the seed's path.
   - A leader leaving while followed (cancelled, failed, or finished before a
-    ready follower got a slot): promote(). Clone the heir's [0, upto) BEFORE
-    releasing the leader's state; the heir takes its slot. Unpark `replan`, then
-    plan each again in order, with max_wait_s = what is left to its deadline.
+    ready follower got a slot): promote(); the heir clones the gone state (see
+    promote); unpark `replan` and plan each again in order, each with max_wait_s
+    = what is left to its deadline.
   - Any refused clone takes the seed's fallback: normal admission, fresh cache lookup.
 
 Rules (each also stated where it binds):
@@ -36,18 +40,23 @@ Rules (each also stated where it binds):
     choice now (clone what is committed / cached prefix / full prefill), and when
     the match beats the cached one by min_tokens. Otherwise the seed's choice
     stands unchanged; follow=False (--no-follow) gives exactly the seed's rule.
-  - Only requests nobody follows are planned (new, queued, or unparked by
-    promote), so no request ever follows its own follower.
+  - A leader that goes away offers its committed prefix to the follower that
+    salvages most (the heir), which takes its slot unless another leader offers
+    it more; everyone below the gone leader plans again and finds the heir.
+  - Only requests nobody follows plan with following on (new, queued, or
+    unparked by promote), so no request ever follows its own follower.
   - A follower holds no slot and gives up at its deadline, which runs from the
     first time it parked: no follower waits forever.
-Cost: `plan` is O(leaders x common_prefix), ~15 us per 2,000-token leader; run it
-on arrival and at admission. Per step only `ready`, `expired` and `chunk_end`.
+Cost: run `plan` on arrival and at admission, not per step: with 256 parked
+followers of 2,000-token prompts, leader_views + plan take ~2 ms (a parked
+follower is compared only beyond its leader's part). Per step only `ready`,
+`expired` and `chunk_end`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Hashable, Iterable, Literal, Sequence
 
 from server.engine.matching import Recipient, ReuseChoice, Source, choose_reuse, common_prefix
@@ -67,6 +76,7 @@ class Leader:
     start_s: float
     start_at: int
     tps: float
+    follows: Hashable | None = None  # a parked follower's leader: its prompt agrees with it on [0, start_at)
 
     @classmethod
     def active(cls, source: Source, tps: float) -> Leader:
@@ -74,12 +84,12 @@ class Leader:
         return cls(source, 0.0, source.committed, tps)
 
     @classmethod
-    def starting(cls, source: Source, at: int, after_s: float, tps: float) -> Leader:
+    def starting(cls, source: Source, at: int, after_s: float, tps: float, follows: Hashable | None = None) -> Leader:
         """Holds nothing usable yet; holds [0, at) in `after_s` seconds, then prefills on.
 
         A request whose clone is pending (a recipient, an heir): after_s = rates.clone_s(at).
         """
-        return cls(source, after_s, at, tps)
+        return cls(source, after_s, at, tps, follows)
 
     def eta(self, position: int) -> float:
         """Seconds until the committed position reaches `position`."""
@@ -93,9 +103,10 @@ class Leader:
 def leader_views(active: Iterable[Leader], parked: Iterable[tuple[Following, Source]], rates: Rates,
                  tps: float) -> list[Leader]:
     """Everyone a newcomer may follow: `active` (Leader.active of each admitted
-    request), then each parked follower with its prompt's Source, IN THE ORDER THEY
-    PARKED, each seen as starting when its own leader reaches its target and the
-    clone lands. `tps`: the rate a follower will prefill at once it starts.
+    request), then each parked follower with its prompt's Source (committed 0: it
+    holds nothing yet), IN THE ORDER THEY PARKED, each seen as starting when its
+    own leader reaches its target and the clone lands. `tps`: the rate a follower
+    will prefill at once it starts.
     """
     # A follower parks after its leader is a leader, and a re-planned one parks
     # again after it, so park order builds every leader's view before its followers'.
@@ -103,7 +114,7 @@ def leader_views(active: Iterable[Leader], parked: Iterable[tuple[Following, Sou
     for f, source in parked:
         lead = views.get(f.leader)
         after = (lead.eta(f.target) if lead else math.inf) + rates.clone_s(f.target)
-        views[f.request_id] = Leader.starting(replace(source, committed=0), f.target, after, tps)
+        views[f.request_id] = Leader.starting(source, f.target, after, tps, f.leader)
     return list(views.values())
 
 
@@ -111,7 +122,7 @@ def leader_views(active: Iterable[Leader], parked: Iterable[tuple[Following, Sou
 class FollowPolicy:
     min_tokens: int  # --active-prefix-reuse-min-tokens; 0 disables reuse, following included
     follow: bool = True  # --no-follow: the seed's rule exactly
-    max_wait_s: float = 10.0  # --follow-max-wait
+    max_wait_s: float = 120.0  # --follow-max-wait: a safety net for a stalled leader, above a long CPU prefill
 
 
 FollowReason = Literal["follow", "off", "no_leader", "below_threshold", "too_long", "slower"]
@@ -177,12 +188,16 @@ def plan(recipient: Recipient, leaders: Sequence[Leader], cached: int, rates: Ra
     best: tuple[int, float, int] | None = None
     chosen: Leader | None = None
     too_long = False
+    shared: dict[Hashable, int] = {}  # common prefix with each leader compared so far
     for lead in leaders:
         if lead.source.key == recipient.request_id or not lead.source.text:
             continue
         # the match it will have once committed: its prompt only, never generated output
-        target = min(common_prefix(recipient.prompt, lead.source.tokens), length - 1)
-        if target <= now.upto:  # nothing gained over the seed's choice
+        shared[lead.source.key] = _shared_prefix(recipient.prompt, lead, shared)
+        target = min(shared[lead.source.key], length - 1)
+        # Nothing to wait for once the leader holds the target: the seed's rule
+        # already weighed it (and a sliding window may have dropped it since).
+        if target <= now.upto or target <= lead.source.committed:
             continue
         eta = lead.eta(target)
         if eta > policy.max_wait_s:  # follow_max_wait bounds every wait
@@ -203,6 +218,20 @@ def plan(recipient: Recipient, leaders: Sequence[Leader], cached: int, rates: Ra
     # others. The tolerance keeps float rounding from breaking exact ties.
     faster = decided.ttft_follow_s <= decided.ttft_now_s * (1 + 1e-9)
     return decided if faster else result("slower", chosen, target)
+
+
+def _shared_prefix(prompt: Sequence[int], lead: Leader, known: dict[Hashable, int]) -> int:
+    # A parked follower's prompt agrees with its leader's on [0, start_at). If the
+    # recipient leaves the leader's prompt before that, it leaves the follower's
+    # there too; otherwise only the follower's own part needs comparing. In a
+    # burst this makes the hundreds of parked followers nearly free to scan.
+    start = 0
+    if lead.follows in known:
+        before = known[lead.follows]
+        if before < lead.start_at:
+            return before
+        start = lead.start_at
+    return common_prefix(prompt, lead.source.tokens, start)
 
 
 @dataclass(frozen=True)
@@ -244,40 +273,43 @@ def chunk_end(committed: int, planned_end: int, stops: Iterable[int]) -> int:
 
 @dataclass(frozen=True)
 class Promotion:
-    heir: Hashable | None  # takes the gone leader's slot, clones [0, upto) from its state, then prefills on
-    upto: int
-    # Everyone else who waited on the gone leader, directly or down a chain,
-    # earliest first. Unpark them all, then plan each again in this order.
+    heir: Hashable | None  # plans first, offered the gone leader's state; may take its slot
+    upto: int  # what the heir would salvage by the seed's rule: min(its target, gone_committed)
+    # Everyone else who waited on the gone leader, directly or down a chain
+    # (the heir's own followers too), earliest first.
     replan: tuple[Hashable, ...]
 
 
 def promote(gone: Hashable, gone_committed: int, parked: Iterable[Following], state_usable: bool = True) -> Promotion:
-    """A leader is cancelled or failed; `parked`: every parked follower.
+    """A leader is cancelled or failed; `parked`: the parked followers (all, or those behind it).
 
     `gone_committed`: its committed position (0 if it was itself parked);
     `state_usable`: False when its state cannot be cloned (a failed step).
+    Either clone the heir's [0, upto) at once, BEFORE the gone state is released
+    (the runner can, without a plan), or, on the control loop, plan the heir first
+    with the gone state added as Leader.active(its source, tps=0.0), a state that
+    will not move, in case another leader offers it more. Then plan `replan` in
+    order: they find the heir as their leader.
     """
     children: dict[Hashable, list[Following]] = {}
     for f in parked:
         children.setdefault(f.leader, []).append(f)
-    direct = sorted(children.get(gone, []), key=lambda f: f.order)
 
     def salvage(f: Following) -> int:
         return min(f.target, gone_committed) if state_usable else 0
 
     # The heir is the follower that salvages most of what the leader committed
-    # (ties: the earliest), so none of it is computed again. Clone it BEFORE the
-    # leader's state is released. The heir keeps its own followers; the others
-    # plan again and find the heir as their leader (its clone pending:
-    # Leader.starting). With nothing to salvage, the earliest of them plans alone
-    # and the rest follow it.
+    # (ties: the earliest), so as little as possible is computed again. It plans
+    # rather than simply cloning: another leader may offer it more. Everyone below
+    # the gone leader plans again, so no request is planned while another follows it.
+    direct = sorted(children.get(gone, []), key=lambda f: f.order)
     heir = max(direct, key=salvage, default=None)
     if heir is not None and salvage(heir) <= 0:
         heir = None
-    waiting, todo = [], [f for f in direct if f is not heir]
-    while todo:  # the rest of the tree below the gone leader: their chains are broken too
+    below, todo = [], list(direct)
+    while todo:
         f = todo.pop()
-        waiting.append(f)
+        below.append(f)
         todo.extend(children.get(f.request_id, []))
-    replan = tuple(f.request_id for f in sorted(waiting, key=lambda f: f.order))
+    replan = tuple(f.request_id for f in sorted(below, key=lambda f: f.order) if f is not heir)
     return Promotion(heir.request_id if heir else None, salvage(heir) if heir else 0, replan)

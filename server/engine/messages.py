@@ -49,11 +49,19 @@ class Finish:
 
 @dataclass
 class CloneDonor:
-    """Clone `[0, upto)` of a running request's session for a waiting one."""
+    """Clone `[0, upto)` of a running request's session for another request.
+
+    Now (the seed's one attempt on state already computed), or, for a follower
+    (`wait`), as soon as the donor has committed `upto`: its prefill chunks stop
+    there and the clone runs before the donor writes again, so a sliding window
+    still holds what the clone needs. A Cancel of the recipient drops the order.
+    """
 
     rid: int  # the recipient
     donor: int
     upto: int
+    wait: bool = False
+    order: int = 0  # the recipient's arrival order (a gone donor's heir is chosen by it)
 
 
 @dataclass
@@ -80,6 +88,7 @@ class Started:
     reused: int  # prompt tokens the start did not have to prefill
     clone_index: int | None  # which `clone_from` candidate served it, if one did
     refused: list[str] = field(default_factory=list)  # reasons, for the candidates tried before it
+    clone_s: float = 0.0  # how long the clone that served it took
 
 
 @dataclass
@@ -110,8 +119,10 @@ class Finished:
 @dataclass
 class CloneDone:
     rid: int
-    session: Any | None  # None: refused
-    reason: str = ""
+    session: Any | None  # None: refused, or the donor left
+    upto: int = 0  # tokens the session holds (less than asked when a leaving donor handed over what it had)
+    reason: str = ""  # why there is no session
+    seconds: float = 0.0  # how long the clone took
 
 
 @dataclass
@@ -121,6 +132,16 @@ class StepStats:
     total_bytes: int
     step_s: float
     backend_s: float
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+
+
+@dataclass
+class Holding:
+    """What the backend holds after commands ran while no request was running (no step reports it)."""
+
+    live_sessions: int
+    total_bytes: int
 
 
 @dataclass

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from server.engine.api import DoneEvent, GenerateRequest, ReuseSource, TokenEvent, Usage
+from server.engine.follow import Following
 from server.engine.sessions import NamedSession
 
 
@@ -36,28 +37,33 @@ class RequestHandle:
         self.request_id = request_id
         self._events: asyncio.Queue = asyncio.Queue()
         self._on_cancel, self._on_finish = on_cancel, on_finish
+        self._ending = False  # after cancel() or finish(), no more tokens: only the DoneEvent
         self.done: DoneEvent | None = None  # set once the DoneEvent has been read
 
     def __aiter__(self) -> "RequestHandle":
         return self
 
     async def __anext__(self) -> TokenEvent | DoneEvent:
-        if self.done is not None:
-            raise StopAsyncIteration
-        event = await self._events.get()
-        if isinstance(event, DoneEvent):
-            self.done = event
-        return event
+        while self.done is None:
+            event = await self._events.get()
+            if isinstance(event, DoneEvent):
+                self.done = event
+                return event
+            if not self._ending:
+                return event
+        raise StopAsyncIteration
 
     def put(self, event: TokenEvent | DoneEvent) -> None:
         self._events.put_nowait(event)
 
     def cancel(self) -> None:
         """The client is gone: the request leaves the batch within one step."""
+        self._ending = True
         self._on_cancel()
 
     def finish(self) -> None:
         """The daemon matched a stop string: end as a normal "stop"."""
+        self._ending = True
         self._on_finish()
 
 
@@ -81,6 +87,15 @@ class Request:
     generated: int = 0
     ending: str | None = None  # "cancelled" or "stop": asked for, runner not yet done
     expiry: asyncio.TimerHandle | None = None
+    # active reuse and following (reuse.py)
+    cached_match: int = 0  # the best prefix-cache match when its reuse was decided
+    clone_upto: int = 0  # CLONING: what the donor clone will hold
+    following: Following | None = None  # FOLLOWING: whom, up to where, until when
+    registered: bool = False  # its follow order is with the runner
+    follow_timer: asyncio.TimerHandle | None = None
+    first_parked_at: float = 0.0  # the follow deadline runs from here, across re-parks
+    no_follow: bool = False  # a failed or expired follow: the seed's path from then on
+    landed: tuple[Any, int] | None = None  # (session, tokens) a follow clone gave it, until it has a slot
     decision: dict[str, Any] = field(default_factory=dict)  # reuse decision and its inputs, for the log line
     submitted_at: float = field(default_factory=time.monotonic)
     admitted_at: float = 0.0
@@ -95,6 +110,11 @@ class Request:
     def committed_prompt(self) -> int:
         """Prompt tokens this request's session holds: what a donor can give."""
         return min(self.committed, len(self.req.prompt))
+
+    @property
+    def leader(self) -> int | None:
+        """Whom it follows, while it follows."""
+        return self.following.leader if self.following is not None else None  # type: ignore[return-value]
 
     @property
     def holds_slot(self) -> bool:

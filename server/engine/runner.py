@@ -9,6 +9,10 @@ Design rules:
 - a capture (a clone at prompt length) runs right after the last prefill chunk
   and before the first decode writes: a decode would overwrite what a sliding
   layer's snapshot needs;
+- a follower's clone order is served the moment its donor has committed the
+  target (the donor's chunk stops there), before the donor writes again;
+- a donor that leaves hands what it committed to the follower that salvages
+  most (follow.promote), cloned before its state is released;
 - a backend call that fails is retried request by request, so one bad request
   fails alone and never loses another's output.
 """
@@ -24,6 +28,7 @@ from typing import Any, Callable
 
 from backends.base import Backend, CloneRefused, Sampled, SamplerState, SamplingParams, Session
 from server.engine import messages as m
+from server.engine.clone_orders import CloneOrders
 from server.engine.scheduler import Running, plan_step
 
 log = logging.getLogger("kvfork.engine")
@@ -56,6 +61,7 @@ class Runner:
         self._notify = notify
         self._wake = threading.Event()
         self._slots: dict[int, _Slot] = {}
+        self._orders = CloneOrders()
         self._rotation: int | None = None
         self._stopping = False
         self._backend_s = 0.0
@@ -100,11 +106,13 @@ class Runner:
     # ---- commands ----
 
     def _take_commands(self) -> None:
+        took = bool(self.inbox)
         while self.inbox:
             command = self.inbox.popleft()
             if isinstance(command, m.Start):
                 self._start(command)
             elif isinstance(command, (m.Cancel, m.Finish)):
+                self._orders.drop_recipient(command.rid)
                 slot = self._slots.get(command.rid)
                 if slot is not None:
                     self._end(slot, "cancelled" if isinstance(command, m.Cancel) else "stop")
@@ -114,18 +122,24 @@ class Runner:
                 for session in command.sessions:
                     self.backend.release(session)
             elif isinstance(command, m.Stop):
+                self._orders = CloneOrders()  # nobody is left to hand anything over to
                 for slot in list(self._slots.values()):
                     self._end(slot, "cancelled")
                 self._stopping = True
+        self._serve_orders()
+        if took and not self._slots:
+            self.events.append(m.Holding(self.backend.live_sessions(), self.backend.total_bytes()))
         if self.events:
             self._notify()
 
     def _start(self, start: m.Start) -> None:
-        session, reused, index, refused = start.resume, start.resume_at, None, []
+        session, reused, index, refused, clone_s = start.resume, start.resume_at, None, [], 0.0
         try:
             for i, (source, upto) in enumerate(start.clone_from if session is None else ()):
                 try:
+                    t0 = time.perf_counter()
                     session, reused, index = self._timed(self.backend.clone, source, upto), upto, i
+                    clone_s = time.perf_counter() - t0
                     break
                 except CloneRefused as refusal:
                     refused.append(refusal.reason)
@@ -138,37 +152,62 @@ class Runner:
             return
         sampler = SamplerState(start.sampling, prompt=start.prompt)
         self._slots[start.rid] = _Slot(start, session, sampler)
-        self.events.append(m.Started(start.rid, reused, index, refused))
+        self.events.append(m.Started(start.rid, reused, index, refused, clone_s))
 
     def _clone_donor(self, command: m.CloneDonor) -> None:
         donor = self._slots.get(command.donor)
         if donor is None:
-            self.events.append(m.CloneDone(command.rid, None, "donor_gone"))
-            return
+            self.events.append(m.CloneDone(command.rid, None, reason="donor_gone"))
+        elif command.wait and donor.session.position < command.upto:
+            self._orders.add(command)
+        else:
+            self._clone_for(command.rid, donor, command.upto)
+
+    def _clone_for(self, rid: int, donor: _Slot, upto: int, refused_reason: str | None = None) -> None:
+        t0 = time.perf_counter()
         try:
-            session = self._timed(self.backend.clone, donor.session, command.upto)
-            self.events.append(m.CloneDone(command.rid, session))
+            session = self._timed(self.backend.clone, donor.session, upto)
+            self.events.append(m.CloneDone(rid, session, upto, seconds=time.perf_counter() - t0))
         except CloneRefused as refusal:
-            self.events.append(m.CloneDone(command.rid, None, refusal.reason))
+            self.events.append(m.CloneDone(rid, None, reason=refused_reason or refusal.reason))
         except Exception as exc:
-            log.warning("clone for request %d failed: %s", command.rid, exc)
-            self.events.append(m.CloneDone(command.rid, None, "error"))
+            log.warning("clone for request %d failed: %s", rid, exc)
+            self.events.append(m.CloneDone(rid, None, reason=refused_reason or "error"))
+
+    def _serve_orders(self) -> None:
+        for order in self._orders.due({rid: slot.session.position for rid, slot in self._slots.items()}):
+            self._clone_for(order.rid, self._slots[order.donor], order.upto)
+
+    def _hand_over(self, slot: _Slot, usable: bool) -> None:
+        """A donor with followers waiting is leaving: its heir gets what it committed, the rest plan again."""
+        committed = min(slot.session.position, len(slot.start.prompt))
+        heir, upto, others = self._orders.leaving(slot.start.rid, committed, usable)
+        if heir is not None:
+            self._clone_for(heir.rid, slot, upto, refused_reason="leader_gone")
+        for order in others:
+            self.events.append(m.CloneDone(order.rid, None, reason="leader_gone"))
 
     # ---- one step ----
 
     def _step(self) -> None:
         t0, self._backend_s = time.perf_counter(), 0.0
-        plan = plan_step([Running(rid, s.prefill_left) for rid, s in self._slots.items()],
-                         self.max_batch_tokens, self.prefill_chunk, self._rotation)
+        running = [Running(rid, s.prefill_left, self._orders.prefill_cap(rid, s.session.position, s.prefill_left))
+                   for rid, s in self._slots.items()]
+        plan = plan_step(running, self.max_batch_tokens, self.prefill_chunk, self._rotation)
         self._rotation = plan.last_prefilled
         if plan.decode:
             self._guarded([self._slots[rid] for rid in plan.decode], self._decode)
+        prefill_s = 0.0
         if plan.prefill:
             chunks = dict(plan.prefill)
+            before = self._backend_s
             self._guarded([self._slots[rid] for rid, _ in plan.prefill], lambda slots: self._prefill(slots, chunks))
+            prefill_s = self._backend_s - before
+        self._serve_orders()
         committed = {rid: s.session.position for rid, s in self._slots.items()}
-        self._publish(m.StepStats(committed, self.backend.live_sessions(), self.backend.total_bytes(),
-                                  time.perf_counter() - t0, self._backend_s))
+        live, nbytes = self._timed(self.backend.live_sessions), self._timed(self.backend.total_bytes)
+        self._publish(m.StepStats(committed, live, nbytes, time.perf_counter() - t0, self._backend_s,
+                                  sum(n for _, n in plan.prefill), prefill_s))
 
     def _guarded(self, slots: list[_Slot], run: Callable[[list[_Slot]], None]) -> None:
         try:
@@ -227,6 +266,7 @@ class Runner:
             self._end(slot, "length")
 
     def _end(self, slot: _Slot, reason: str, error: str | None = None) -> None:
+        self._hand_over(slot, usable=reason != "error")
         del self._slots[slot.start.rid]
         kept, held = None, []
         if slot.start.keep_session and reason != "error":

@@ -21,6 +21,7 @@ class Running:
 
     rid: int  # admission order: smaller is older
     prefill_left: int  # prompt tokens not yet committed; 0 once decoding
+    prefill_cap: int | None = None  # most tokens this step: a follower's clone point stops the chunk
 
 
 @dataclass
@@ -45,7 +46,7 @@ def plan_step(running: Sequence[Running], max_batch_tokens: int, prefill_chunk: 
     for r in waiting:
         if budget <= 0:
             break
-        n = min(prefill_chunk, r.prefill_left, budget)
+        n = min(prefill_chunk, r.prefill_left, budget, r.prefill_cap or r.prefill_left)
         plan.prefill.append((r.rid, n))
         plan.last_prefilled = r.rid
         budget -= n

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Callable
+from typing import TYPE_CHECKING
 
 from server.engine import messages as m
 from server.engine.api import DoneEvent
 from server.engine.request import Request
 from server.metrics import Registry
+
+if TYPE_CHECKING:
+    from server.engine.engine import Engine
 
 log = logging.getLogger("kvfork.requests")
 
@@ -23,8 +26,8 @@ _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 
 
 
 class EngineMetrics:
-    def __init__(self, registry: Registry, gauges: dict[str, tuple[str, Callable[[], float]]]):
-        c, h = registry.counter, registry.histogram
+    def __init__(self, registry: Registry, engine: "Engine"):
+        c, h, g = registry.counter, registry.histogram, registry.gauge
         self.requests = c("requests_total", "requests ended, by finish_reason")
         self.prompt_tokens = c("prompt_tokens_total", "prompt tokens of ended requests")
         self.reused_tokens = c("reused_tokens_total", "prompt tokens not prefilled, by source (cache, donor, session)")
@@ -45,8 +48,19 @@ class EngineMetrics:
         self.step_seconds = c("runner_step_seconds_total", "wall time of runner steps")
         self.backend_seconds = c("runner_backend_seconds_total", "time of runner steps spent in backend calls")
         self.steps = c("runner_steps_total", "runner steps")
-        for name, (help_text, read) in gauges.items():
-            registry.gauge(name, help_text, read)
+        self.control_seconds = c("control_loop_seconds_total", "time the control loop spent on runner events")
+        def admission(read):  # a gauge over admission state, 0 until the model is loaded
+            return lambda: read(engine._admission) if engine._admission is not None else 0
+
+        g("queue_depth", "requests waiting for a slot", admission(lambda a: len(a.queue)))
+        g("following_requests", "requests parked behind a prefilling leader",
+          lambda: len(engine.reuse.followers) if engine.reuse is not None else 0)
+        g("running_requests", "requests holding an inference slot", admission(lambda a: a.slots_used))
+        g("live_sessions", "backend sessions open", lambda: engine.stats.live_sessions)
+        g("kv_bytes", "bytes of KV state the backend holds", lambda: engine.stats.total_bytes)
+        g("named_sessions", "named sessions kept", admission(lambda a: len(a.named)))
+        g("prefix_cache_entries", "snapshots in the prefix cache", admission(lambda a: len(a.cache)))
+        g("prefix_cache_bytes", "bytes of the prefix cache", admission(lambda a: a.cache.nbytes))
 
     def step(self, stats: m.StepStats) -> None:
         self.steps.inc()

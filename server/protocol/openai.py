@@ -196,6 +196,17 @@ class ModelList(Struct):
     object: str = "list"
 
 
+class Health(Struct):
+    status: str = "ok"
+
+
+class SessionReply(Struct, omit_defaults=True):
+    id: str
+    object: str  # "session"; no default, so it is never omitted
+    reset: bool | None = None
+    deleted: bool | None = None
+
+
 class ErrorDetail(Struct):
     message: str
     type: str

@@ -92,26 +92,24 @@ async def handle(request: web.Request) -> web.StreamResponse:
 
 
 async def _stream(request: web.Request, state: AppState, body: ChatCompletionRequest, generate, reply: "_Reply"):
-    stream = EventStream(request)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    async with generation(state.engine, generate, reply.tokenizer, stop_strings(body),
-                          keepalive_s=state.config.sse_keepalive) as events:
-        await stream.open()
+    async with (generation(state.engine, generate, reply.tokenizer, stop_strings(body),
+                           keepalive_s=state.config.sse_keepalive) as events,
+                EventStream(request) as stream):
         await stream.send(reply.chunk(Delta(role="assistant", content="")))
-        async with stream.reporting_errors():
-            async for event in events:
-                if isinstance(event, KeepAlive):
-                    await stream.keep_alive()
-                elif isinstance(event, Piece):
-                    logprobs = reply.logprobs_of(event)
-                    if event.text or logprobs:
-                        await stream.send(reply.chunk(Delta(content=event.text), logprobs=logprobs))
-                elif isinstance(event, Finished):
-                    await stream.send(reply.chunk(Delta(), finish_reason=event.finish_reason))
-                    if include_usage:
-                        await stream.send(ChatCompletionChunk(reply.rid, reply.created, reply.model, [],
-                                                              usage_info(event.usage)))
-    return await stream.close()
+        async for event in events:
+            if isinstance(event, KeepAlive):
+                await stream.keep_alive()
+            elif isinstance(event, Piece):
+                logprobs = reply.logprobs_of(event)
+                if event.text or logprobs:
+                    await stream.send(reply.chunk(Delta(content=event.text), logprobs=logprobs))
+            elif isinstance(event, Finished):
+                await stream.send(reply.chunk(Delta(), finish_reason=event.finish_reason))
+                if include_usage:
+                    await stream.send(ChatCompletionChunk(reply.rid, reply.created, reply.model, [],
+                                                          usage_info(event.usage)))
+    return stream.response
 
 
 class _Reply:

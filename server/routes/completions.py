@@ -108,23 +108,21 @@ async def handle(request: web.Request) -> web.StreamResponse:
 
 async def _stream(request: web.Request, state: AppState, body: CompletionRequest, generate, reply: _Reply,
                   echo: str) -> web.StreamResponse:
-    stream = EventStream(request)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    async with generation(state.engine, generate, reply.tokenizer, stop_strings(body),
-                          keepalive_s=state.config.sse_keepalive) as events:
-        await stream.open()
+    async with (generation(state.engine, generate, reply.tokenizer, stop_strings(body),
+                           keepalive_s=state.config.sse_keepalive) as events,
+                EventStream(request) as stream):
         if echo:
             await stream.send(reply.chunk(echo))
-        async with stream.reporting_errors():
-            async for event in events:
-                if isinstance(event, KeepAlive):
-                    await stream.keep_alive()
-                elif isinstance(event, Piece):
-                    chunk = reply.chunk(event.text, piece=event)
-                    if event.text or chunk.choices[0].logprobs:
-                        await stream.send(chunk)
-                elif isinstance(event, Finished):
-                    await stream.send(reply.chunk("", event.finish_reason))
-                    if include_usage:
-                        await stream.send(reply.usage_chunk(event.usage))
-    return await stream.close()
+        async for event in events:
+            if isinstance(event, KeepAlive):
+                await stream.keep_alive()
+            elif isinstance(event, Piece):
+                chunk = reply.chunk(event.text, piece=event)
+                if event.text or chunk.choices[0].logprobs:
+                    await stream.send(chunk)
+            elif isinstance(event, Finished):
+                await stream.send(reply.chunk("", event.finish_reason))
+                if include_usage:
+                    await stream.send(reply.usage_chunk(event.usage))
+    return stream.response

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from server.protocol.openai import ModelCard, ModelList
+from server.protocol.openai import Health, ModelCard, ModelList
 from server.routes.common import json_response
 from server.state import state_of
 
@@ -19,7 +19,7 @@ async def list_models(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     """200 once the model is loaded; 503 while it loads and after the runner has died."""
     state_of(request).require_ready()
-    return web.json_response({"status": "ok"})
+    return json_response(Health())
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -1,0 +1,219 @@
+"""Active prefix reuse and following, on the control loop.
+
+When an anonymous request gets a slot, `place` asks the pure policy
+(follow.plan, over matching.choose_reuse) where it starts from:
+- the seed's choice: clone what the best donor has committed NOW (one attempt,
+  the recipient holding its slot meanwhile), the prefix cache, or nothing;
+- or follow (unless --no-follow): park without a slot, the runner clones
+  `[0, target)` from the leader the moment the leader has committed it, and the
+  follower then takes the next free slot ahead of the queue and prefills its tail.
+Every failure (refused clone, donor or leader gone) sends the request back to
+the head of the queue: the normal admission path, with a fresh cache lookup.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from backends.base import ModelInfo
+from server.engine import messages as m
+from server.engine.follow import FollowPolicy, Following, Leader, Plan, leader_views, plan
+from server.engine.matching import Recipient, Source
+from server.engine.rates import RateTracker
+from server.engine.request import Phase, Request
+
+if TYPE_CHECKING:
+    from server.engine.engine import Engine
+
+
+class Reuse:
+    def __init__(self, engine: "Engine", info: ModelInfo):
+        self.engine = engine
+        self.rates = RateTracker()
+        self.followers: dict[int, Request] = {}  # parked, in park order
+        windows = [layer.window for layer in info.layers if layer.kind == "sliding" and layer.window]
+        self.window = min(windows) if windows else None
+
+    @property
+    def enabled(self) -> bool:
+        return self.engine.config.active_prefix_reuse_min_tokens > 0
+
+    # ---- admission ----
+
+    def place(self, r: Request) -> None:
+        """`r` holds a slot: start it, clone for it, or park it behind a leader."""
+        engine = self.engine
+        if r.landed is not None:  # its clone landed while it was parked
+            session, upto = r.landed
+            r.landed = None
+            engine._start(r, resume=session, resume_at=upto)
+            return
+        if r.named is not None or not self.enabled:
+            engine._start(r)
+            return
+        decided = self._plan(r)
+        if decided.follow:
+            engine.adm.free_slot(r)
+            engine.adm.free_capture_slot(r)
+            self._park(r, decided)
+        elif decided.now.kind == "donor":
+            r.phase, r.clone_upto = Phase.CLONING, decided.now.upto
+            engine.runner.send(m.CloneDonor(r.rid, decided.now.donor, decided.now.upto))
+        else:
+            engine._start(r)
+
+    def arrived(self, r: Request) -> None:
+        """`r` has to wait for a slot: if it would follow a leader, it parks now (holding no slot)."""
+        if self.enabled and r.named is None and self.engine.config.follow:
+            decided = self._plan(r)
+            if decided.follow:
+                self.engine.adm.queue.remove(r)
+                self._park(r, decided)
+
+    def _plan(self, r: Request) -> Plan:
+        engine, config = self.engine, self.engine.config
+        now = time.monotonic()
+        cached = engine.adm.cache.best(r.prompt)
+        waited = now - r.first_parked_at if r.first_parked_at else 0.0
+        policy = FollowPolicy(config.active_prefix_reuse_min_tokens, follow=config.follow and not r.no_follow,
+                              max_wait_s=max(0.0, config.follow_max_wait - waited))
+        prefilling = self.prefilling()
+        decided = plan(Recipient(r.rid, r.prompt), self._leaders(r), cached, self.rates.rates, policy, prefilling)
+        earlier = {k: v for k, v in r.decision.items() if k in ("clone_refused", "follow_expired")}
+        r.decision = {**decided.log_fields(), **earlier}
+        for key in ("donor", "leader"):  # name them as the client did
+            other = engine._requests.get(r.decision[key])
+            r.decision[key] = other.req.request_id if other is not None else None
+        engine.metrics.follow.inc(choice=decided.reason)
+        r.cached_match = cached
+        return decided
+
+    def prefilling(self) -> int:
+        return sum(1 for x in self.engine._requests.values()
+                   if x.phase in (Phase.STARTING, Phase.RUNNING) and x.committed < len(x.prompt))
+
+    def _leaders(self, r: Request) -> list[Leader]:
+        rates = self.rates.rates
+        # a leader prefills at its share of the rate; a follower does not compete with it
+        tps = rates.share(self.prefilling())
+        below = self._followers_below(r)
+        active = []
+        for x in self.engine._requests.values():
+            if x is r or x.rid in below or x.ending:  # a request on its way out gives nothing
+                continue
+            if x.phase in (Phase.STARTING, Phase.RUNNING):
+                floor = x.committed - 1 if self.window is not None and x.committed > self.window else 0
+                active.append(Leader.active(Source.donor(x.rid, x.prompt, x.committed_prompt, x.rid,
+                                                         clone_floor=floor), tps))
+            elif x.phase is Phase.CLONING:  # holds [0, clone_upto) once its clone lands
+                active.append(Leader.starting(Source.donor(x.rid, x.prompt, 0, x.rid), x.clone_upto,
+                                              rates.clone_s(x.clone_upto), tps))
+            elif x.landed is not None:  # holds it already, waiting for a slot
+                active.append(Leader.starting(Source.donor(x.rid, x.prompt, 0, x.rid), x.landed[1], 0.0, tps))
+        parked = [(f.following, Source.donor(f.rid, f.prompt, 0, f.rid)) for f in self.followers.values()
+                  if f.following is not None and f.rid not in below and f is not r]
+        return leader_views(active, parked, rates, tps)
+
+    def _followers_below(self, r: Request) -> set[int]:
+        """Everyone following `r`, directly or down a chain: never a leader for `r`."""
+        below, grew = {r.rid}, True
+        while grew:
+            grew = False
+            for f in self.followers.values():
+                if f.rid not in below and f.leader in below:
+                    below.add(f.rid)
+                    grew = True
+        return below - {r.rid}
+
+    def _park(self, r: Request, decided: Plan) -> None:
+        engine, now = self.engine, time.monotonic()
+        r.phase = Phase.FOLLOWING
+        r.first_parked_at = r.first_parked_at or now
+        r.following = Following.park(r.rid, decided, r.rid, r.first_parked_at, engine.config.follow_max_wait)
+        self.followers[r.rid] = r
+        loop = engine._loop
+        r.follow_timer = loop.call_later(max(0.0, r.following.deadline - now), self._expired, r.rid)
+        if r.expiry is not None:
+            r.expiry.cancel()  # followers wait under the same queue timeout as anyone
+        r.expiry = loop.call_later(max(0.0, r.submitted_at + engine.config.queue_timeout - now), engine._expire, r.rid)
+        lead = engine._requests.get(r.following.leader)
+        if lead is not None and lead.phase in (Phase.STARTING, Phase.RUNNING):
+            self._register(r)
+
+    def _register(self, f: Request) -> None:
+        f.registered = True
+        order = f.following
+        assert order is not None
+        self.engine.runner.send(m.CloneDonor(f.rid, order.leader, order.target, wait=True, order=order.order))
+
+    def started(self, r: Request) -> None:
+        """`r` was handed to the runner: the clone orders of its followers can go there now."""
+        for f in self.followers.values():
+            if f.leader == r.rid and not f.registered:
+                self._register(f)
+
+    # ---- outcomes ----
+
+    def clone_done(self, r: Request, ev: m.CloneDone) -> None:
+        engine, metrics = self.engine, self.engine.metrics
+        metrics.clone("donor", [ev.reason] if ev.session is None and ev.reason != "leader_gone" else [],
+                      ev.session is not None)
+        if ev.session is not None:
+            self.observe_clone(ev.upto, ev.seconds)
+            r.reuse_source = "donor"
+            metrics.donor_saved.inc(max(0, ev.upto - r.cached_match))
+        if r.phase is Phase.CLONING:
+            if ev.session is None:
+                r.decision["clone_refused"] = ev.reason
+                engine._start(r)  # the normal path, with a fresh prefix cache lookup
+            else:
+                engine._start(r, resume=ev.session, resume_at=ev.upto)
+            return
+        r.registered = False  # the runner has dealt with its order
+        self._unpark(r)
+        if ev.session is not None:
+            r.landed = (ev.session, ev.upto)
+        elif ev.reason != "leader_gone":
+            r.decision["clone_refused"] = ev.reason
+            r.no_follow = True  # the seed's path from here on
+        engine.adm.requeue(r)
+
+    def gone(self, r: Request) -> None:
+        """`r` is done on the loop: a parked `r` drops its order; requests parked behind it plan again."""
+        if self.followers.pop(r.rid, None) is not None:
+            self._stop_following(r)
+        orphans = [f for f in self.followers.values() if f.leader == r.rid and not f.registered]
+        for f in orphans:  # back to the queue, in arrival order: they plan again when admitted
+            self._unpark(f)
+            self.engine.adm.requeue(f)
+
+    def _expired(self, rid: int) -> None:
+        f = self.followers.get(rid)
+        if f is None:
+            return
+        self._unpark(f)
+        f.decision["follow_expired"] = True
+        f.no_follow = True
+        self.engine.adm.requeue(f)
+        self.engine._admit()
+
+    def _unpark(self, f: Request) -> None:
+        self.followers.pop(f.rid, None)
+        self._stop_following(f)
+        f.phase = Phase.QUEUED
+
+    def _stop_following(self, f: Request) -> None:
+        if f.follow_timer is not None:
+            f.follow_timer.cancel()
+        if f.registered and f.phase is Phase.FOLLOWING:
+            self.engine.runner.send(m.Cancel(f.rid))  # drops its clone order
+        f.following, f.registered = None, False
+
+    # ---- measured rates, for the cost model ----
+
+    def step(self, stats: m.StepStats) -> None:
+        self.rates = self.rates.observe_prefill(stats.prefill_tokens, stats.prefill_s)
+
+    def observe_clone(self, tokens: int, seconds: float) -> None:
+        self.rates = self.rates.observe_clone(tokens, seconds)

@@ -1,0 +1,72 @@
+"""The launcher as a user runs it: bad flags exit 2 with one line; serve prints what it did and stops on SIGINT."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def kvfork(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "server.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, **kw)
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--port", "70000"], "--port"),
+    (["--inference-slots", "0"], "--inference-slots"),
+    (["--backend", "tpu"], "--backend"),
+    (["--max-body-bytes", "10"], "--max-body-bytes"),
+    (["--temperature-typo", "1"], "--temperature-typo"),
+    (["--model", "/no/such/folder"], "--model"),
+])
+def test_invalid_values_exit_2_with_one_line(args, flag):
+    done = kvfork("serve", *args)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and flag in lines[0] and lines[0].startswith("kvfork serve: error:")
+
+
+def test_commands():
+    assert kvfork("frobnicate").returncode == 2
+    listing = kvfork("--help")
+    assert listing.returncode == 0 and all(c in listing.stdout for c in ("serve", "fetch-model", "bench", "smoke"))
+    fetch = kvfork("fetch-model", "--help")  # dispatched to tools.fetch_model, imported only now
+    assert fetch.returncode == 0 and "kvfork fetch-model" in fetch.stdout
+    serve_help = kvfork("serve", "--help")
+    for flag in ("--model", "--backend", "--dtype", "--host", "--port", "--api-key", "--served-model-name",
+                 "--accept-any-model", "--max-body-bytes", "--log-level", "--max-context", "--inference-slots",
+                 "--active-prefix-reuse-min-tokens"):
+        assert flag in serve_help.stdout
+
+
+def test_serve_prints_what_it_loaded_and_where_and_stops_on_sigint(tiny_model_dir):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "server", "--model", tiny_model_dir("llama"), "--backend", "mlx", "--port", "0",
+         "--kv-budget-bytes", str(64 * 1024 * 1024), "--served-model-name", "tiny"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        lines = []
+        for line in process.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if "set aside" in line or process.poll() is not None:
+                break
+        text = "".join(lines)
+        url = re.search(r"listening on (http://127\.0\.0\.1:\d+)", text).group(1)  # type: ignore[union-attr]
+        assert "loaded" in text and "as tiny" in text and "0.06 GiB for KV state" in text
+        with urllib.request.urlopen(url + "/health") as r:
+            assert r.status == 200
+        process.send_signal(signal.SIGINT)
+        rest = process.communicate(timeout=60)[0]
+        assert process.returncode == 0 and "shutting down" in rest
+    finally:
+        if process.poll() is None:
+            process.kill()

@@ -1,0 +1,43 @@
+"""The rate tracker the follow cost model runs on."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.engine.rates import Rates, RateTracker
+
+def test_rate_tracker_starts_from_the_prior_and_follows_measurements():
+    tracker = RateTracker(prior=Rates(prefill_tps=123.0, clone_fixed_s=0.5, clone_s_per_token=0.25))
+    assert tracker.rates == tracker.prior
+    tracker = tracker.observe_prefill(1000, 2.0)
+    assert tracker.rates.prefill_tps == pytest.approx(500.0)  # the first sample replaces the prior
+    for _ in range(60):
+        tracker = tracker.observe_prefill(300, 3.0)
+    assert tracker.rates.prefill_tps == pytest.approx(100.0, rel=1e-3)
+    assert tracker.observe_prefill(0, 1.0) == tracker and tracker.observe_prefill(5, 0.0) == tracker
+
+
+def test_rate_tracker_recovers_the_clone_line():
+    tracker = RateTracker()
+    for tokens in [100, 2000, 500, 1500, 50, 1000] * 5:
+        tracker = tracker.observe_clone(tokens, 0.003 + 2e-6 * tokens)
+    assert tracker.rates.clone_fixed_s == pytest.approx(0.003, rel=1e-6)
+    assert tracker.rates.clone_s_per_token == pytest.approx(2e-6, rel=1e-6)
+
+
+def test_rate_tracker_clones_of_one_size_keep_the_prior_fixed_part():
+    tracker = RateTracker(prior=Rates(clone_fixed_s=0.001))
+    for _ in range(3):
+        tracker = tracker.observe_clone(1000, 0.011)
+    assert (tracker.rates.clone_fixed_s, tracker.rates.clone_s_per_token) == pytest.approx((0.001, 1e-5))
+    cheap = RateTracker(prior=Rates(clone_fixed_s=0.1)).observe_clone(1000, 0.01)
+    assert (cheap.rates.clone_fixed_s, cheap.rates.clone_s_per_token) == pytest.approx((0.01, 0.0))
+
+
+def test_rate_tracker_never_fits_a_negative_cost():
+    tracker = RateTracker()
+    for tokens, seconds in [(10, 0.0), (1000, 1.0), (10, 0.0), (1000, 1.0)]:
+        tracker = tracker.observe_clone(tokens, seconds)
+    rates = tracker.rates
+    assert rates.clone_fixed_s >= 0 and rates.clone_s_per_token >= 0
+    assert rates.clone_s(0) == 0.0 and rates.clone_s(1000) == pytest.approx(1.0, rel=0.05)

@@ -1,0 +1,129 @@
+"""Engine figures, measured in process on one backend, side by side in one run:
+
+1. decode throughput (generated tokens/s over all requests) with 1, 4 and 8
+   requests decoding together;
+2. the engine's own overhead per runner step: step time outside the backend
+   calls, as a share of the step time, from the runner's step counters; and
+   the control loop's time on runner events per step (another thread);
+3. with --burst N: N requests sent at once that share a prompt prefix, with
+   reuse off, with the seed's rule (--no-follow) and with following: TTFT,
+   prompt tokens prefilled, and wall time.
+
+    python -m tools.engine_bench [--model FOLDER] [--backend mlx] [--tokens 64] [--burst 6]
+
+Prompts are distinct and the prefix cache is off, so every request prefills
+and decodes in full. Decode is timed from the moment every request has its
+first token to the moment the last one ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+from backends import create_backend
+from backends.base import SamplingParams
+from server.engine.api import GenerateRequest, TokenEvent
+from server.engine.config import EngineConfig
+from server.engine.engine import Engine
+from server.metrics import Registry
+from tools.fetch_model import default_model_dir
+
+
+async def decode_round(engine: Engine, concurrent: int, prompt_len: int, tokens: int, seed: int) -> dict:
+    prompts = [[(seed * 7919 + i * 104729 + j * 31) % 30000 + 100 for j in range(prompt_len)]
+               for i in range(concurrent)]
+    handles = [engine.submit(GenerateRequest(f"b{seed}-{i}", p, SamplingParams(), tokens, ignore_eos=True))
+               for i, p in enumerate(prompts)]
+    first: list[float] = []
+    counts = [0] * concurrent
+    stamps: list[list[float]] = [[] for _ in range(concurrent)]
+
+    async def read(i: int) -> None:
+        async for event in handles[i]:
+            if isinstance(event, TokenEvent):
+                counts[i] += 1
+                stamps[i].append(time.perf_counter())
+                if counts[i] == 1:
+                    first.append(stamps[i][-1])
+
+    m = engine.metrics
+    await asyncio.gather(*(read(i) for i in range(concurrent)))
+    start, end = max(first), max(s[-1] for s in stamps)
+    decoded = sum(sum(1 for t in s if t > start) for s in stamps)
+    return {"concurrent": concurrent, "decode_tokens": decoded, "decode_s": round(end - start, 4),
+            "decode_tps": round(decoded / (end - start), 1), "steps": m.steps.get()}
+
+
+async def burst_round(args: argparse.Namespace, mode: str) -> dict:
+    """`--burst` requests at once: a shared prefix of `--shared` tokens, then a distinct tail of 8."""
+    reuse = {"off": dict(active_prefix_reuse_min_tokens=0), "seed": dict(active_prefix_reuse_min_tokens=1, follow=False),
+             "follow": dict(active_prefix_reuse_min_tokens=1)}[mode]
+    config = EngineConfig(prefix_cache_entries=0, kv_budget_bytes=8 << 30, **reuse)
+    engine = Engine(create_backend(args.backend), args.model, args.dtype, config, Registry())
+    await engine.start()
+    await decode_round(engine, 1, 16, 2, seed=99)  # warm-up
+    before = engine.metrics.prefilled_tokens.get()
+    shared = [(j * 7 + 11) % 30000 + 100 for j in range(args.shared)]
+    start = time.perf_counter()
+    handles = [engine.submit(GenerateRequest(f"burst-{i}", shared + [200 + i] * 8, SamplingParams(), 8))
+               for i in range(args.burst)]
+    ttft = []
+    for handle in handles:
+        async for event in handle:
+            if not isinstance(event, TokenEvent):
+                ttft.append(event.usage.ttft_s)
+    wall = time.perf_counter() - start
+    prefilled = engine.metrics.prefilled_tokens.get() - before
+    await engine.shutdown(5)
+    ttft.sort()
+    return {"mode": mode, "requests": args.burst, "shared_tokens": args.shared, "prefilled_tokens": int(prefilled),
+            "ttft_p50_s": round(ttft[len(ttft) // 2], 3), "ttft_max_s": round(ttft[-1], 3), "wall_s": round(wall, 3)}
+
+
+async def measure(args: argparse.Namespace) -> dict:
+    if args.burst:
+        return {"model": args.model, "backend": args.backend,
+                "burst": [await burst_round(args, mode) for mode in ("off", "seed", "follow")]}
+    backend = create_backend(args.backend)
+    config = EngineConfig(prefix_cache_entries=0, kv_budget_bytes=8 << 30, max_tokens=args.tokens)
+    engine = Engine(backend, args.model, args.dtype, config, Registry())
+    await engine.start()
+    await decode_round(engine, 1, args.prompt, 8, seed=0)  # warm-up: kernels compile
+    rows = []
+    for round_ in range(args.repeat):
+        for concurrent in (1, 4, 8):
+            m = engine.metrics
+            counters = (m.steps, m.step_seconds, m.backend_seconds, m.control_seconds)
+            before = [c.get() for c in counters]
+            row = await decode_round(engine, concurrent, args.prompt, args.tokens, seed=1 + round_ * 10 + concurrent)
+            steps, step_s, backend_s, control_s = (c.get() - b for c, b in zip(counters, before))
+            row.update(steps=int(steps), step_ms=round(1000 * step_s / steps, 3),
+                       overhead_us_per_step=round(1e6 * (step_s - backend_s) / steps, 1),
+                       overhead_share=round((step_s - backend_s) / step_s, 4),
+                       control_loop_us_per_step=round(1e6 * control_s / steps, 1))
+            rows.append(row)
+    await engine.shutdown(5)
+    return {"model": args.model, "backend": args.backend, "dtype": engine.info.dtype, "device": engine.info.device,
+            "prompt_tokens": args.prompt, "max_tokens": args.tokens, "rounds": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=str(default_model_dir()))
+    parser.add_argument("--backend", default="mlx")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--burst", type=int, default=0, help="measure a burst of this many requests instead")
+    parser.add_argument("--shared", type=int, default=512, help="shared prompt tokens in a burst")
+    args = parser.parse_args(argv)
+    print(json.dumps(asyncio.run(measure(args)), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
