@@ -14,6 +14,7 @@ import pytest
 
 from tools import smoke
 from tools.bench import main, paired, peers
+from tools.bench.serve import ServerProcess
 
 DOUBLE = [sys.executable, str(Path(__file__).with_name("openai_double.py"))]
 
@@ -125,3 +126,30 @@ def test_cached_llama_server_is_reused_without_building(monkeypatch, tmp_path):
 def test_cmake_builds_only_the_server():
     cmd = peers.cmake_command(Path("src"), Path("build"))
     assert "-DLLAMA_BUILD_SERVER=ON" in cmd and "-DLLAMA_CURL=OFF" in cmd and "-DLLAMA_BUILD_TESTS=OFF" in cmd
+
+
+def test_run_replays_a_trace_against_a_running_server(tiny_model_dir, tmp_path, capsys):
+    trace = tmp_path / "agent.jsonl"
+    rows = [{"t": 0, "session": "a", "prompt_tokens": 120, "prefix": "sys", "prefix_tokens": 100, "max_tokens": 4},
+            {"t": 0, "session": "b", "prompt_tokens": 130, "prefix": "sys", "prefix_tokens": 100, "max_tokens": 4},
+            {"t": 0.2, "session": "a", "messages": [{"role": "user", "content": "next"}], "max_tokens": 4}]
+    trace.write_text("\n".join(json.dumps(r) for r in rows))
+    argv = [*DOUBLE, "--model", tiny_model_dir("llama"), "--port", "{port}"]
+    with ServerProcess("double", argv, tmp_path / "double.log") as srv:
+        code = main(["run", "--url", srv.base_url, "--trace", str(trace), "--out", str(tmp_path / "out")])
+    assert code == 0
+    assert "**agent**" in capsys.readouterr().out
+    records = json.loads((tmp_path / "out" / "results.json").read_text())["passes"][0]["records"]
+    assert [r["call_id"] for r in records] == ["trace-1", "trace-2", "trace-3"]
+    assert all(r["error"] is None and r["output_tokens"] == 4 for r in records)
+    assert records[2]["send_s"] >= records[0]["send_s"] + records[0]["e2e_s"]  # session order kept
+
+
+def test_installed_mlx_peer_is_reused(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVFORK_HOME", str(tmp_path))
+    venv = tmp_path / "peers" / "mlx-venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / ".installed").touch()
+    c = peers.contender("mlx", "/models/m", None, tmp_path)
+    srv = c.make(tmp_path / "mlx.log")
+    assert srv.argv[:5] == [str(venv / "bin" / "python"), "-m", "mlx_lm.server", "--model", "/models/m"]
