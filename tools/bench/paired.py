@@ -18,7 +18,7 @@ from tools.bench import report
 from tools.bench.client import Target
 from tools.bench.runner import replay
 from tools.bench.serve import Metrics, ServerFailed, ServerProcess, metric_total, scrape_metrics
-from tools.bench.stats import output_differences, summarize
+from tools.bench.stats import summarize
 from tools.bench.workload import Workload
 
 # How the daemon is started; tests point this at their OpenAI test double.
@@ -99,23 +99,8 @@ def compare(contenders: list[Contender], workloads: list[Workload], out_dir: Pat
         print("no server could be measured", file=sys.stderr)
         return 1
     base = passes[0].label
-    lines = [report.table(passes, base)]
-    differing = 0
-    for p in passes:
-        ref = next(q for q in passes if q.label == base and q.preset == p.preset)
-        if p is ref:
-            continue
-        diff = output_differences(ref.records, p.records)
-        answered = sum(r.ok for r in p.records)
-        kind = "greedy outputs" if p.kvfork else "outputs (a peer: different numerics, not checked)"
-        lines.append(f"- {p.preset}, {p.label} vs {base}: {kind}: {len(diff)} of {answered} differ"
-                     + (f" ({', '.join(diff[:5])}{', …' if len(diff) > 5 else ''})" if diff else ""))
-        differing += len(diff) if p.kvfork and ref.kvfork else 0
-    for p in passes:
-        s = p.summary
-        if s.server_prefilled_tokens is not None and s.server_prefilled_tokens != s.prefill_tokens:
-            lines.append(f"- {p.preset}, {p.label}: the server counted {s.server_prefilled_tokens:,} prefilled "
-                         f"tokens, usage says {s.prefill_tokens:,}")
+    notes, differing = report.checks(passes, base)
+    lines = [report.table(passes, base), *notes]
     failed = sum(p.summary.failed for p in passes)
     if skipped:
         lines.append(f"- skipped (could not start): {', '.join(c.label for c in skipped)}")

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tools.bench.client import Record
-from tools.bench.stats import Summary, ratio
+from tools.bench.stats import Summary, output_differences, ratio
 
 
 @dataclass
@@ -62,6 +62,27 @@ def table(passes: list[Pass], base: str) -> str:
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
+
+
+def checks(passes: list[Pass], base: str) -> tuple[list[str], int]:
+    """Notes under the table, and how many greedy outputs differ between kvfork passes (should be 0)."""
+    notes, differing = [], 0
+    for p in passes:
+        ref = next(q for q in passes if q.label == base and q.preset == p.preset)
+        if p is ref:
+            continue
+        diff = output_differences(ref.records, p.records)
+        kind = "greedy outputs" if p.kvfork else "outputs (a peer: different numerics, not checked)"
+        shown = f" ({', '.join(diff[:5])}{', …' if len(diff) > 5 else ''})" if diff else ""
+        notes.append(f"- {p.preset}, {p.label} vs {base}: {kind}: {len(diff)} of {sum(r.ok for r in p.records)} "
+                     f"differ{shown}")
+        differing += len(diff) if p.kvfork and ref.kvfork else 0
+    for p in passes:
+        s = p.summary
+        if s.server_prefilled_tokens is not None and s.server_prefilled_tokens != s.prefill_tokens:
+            notes.append(f"- {p.preset}, {p.label}: the server counted {s.server_prefilled_tokens:,} prefilled "
+                         f"tokens, usage says {s.prefill_tokens:,}")
+    return notes, differing
 
 
 def write_json(path: Path, meta: dict, passes: list[Pass]) -> None:
