@@ -125,7 +125,8 @@ def test_cached_llama_server_is_reused_without_building(monkeypatch, tmp_path):
 
 def test_cmake_builds_only_the_server():
     cmd = peers.cmake_command(Path("src"), Path("build"))
-    assert "-DLLAMA_BUILD_SERVER=ON" in cmd and "-DLLAMA_CURL=OFF" in cmd and "-DLLAMA_BUILD_TESTS=OFF" in cmd
+    assert "-DLLAMA_BUILD_SERVER=ON" in cmd and "-DLLAMA_BUILD_TESTS=OFF" in cmd
+    assert "-DLLAMA_USE_PREBUILT_UI=OFF" in cmd  # no download during the build
 
 
 def test_run_replays_a_trace_against_a_running_server(tiny_model_dir, tmp_path, capsys):
@@ -153,3 +154,33 @@ def test_installed_mlx_peer_is_reused(monkeypatch, tmp_path):
     c = peers.contender("mlx", "/models/m", None, tmp_path)
     srv = c.make(tmp_path / "mlx.log")
     assert srv.argv[:5] == [str(venv / "bin" / "python"), "-m", "mlx_lm.server", "--model", "/models/m"]
+
+
+def test_llama_server_build_steps_and_cache(monkeypatch, tmp_path):
+    """The build orchestration with each command faked: sdist in, cached binary out, never built twice."""
+    import io
+    import tarfile
+
+    ran = []
+
+    def fake_check(cmd, what, log, cwd=None):
+        ran.append(cmd)
+        if cmd[1:4] == ["-m", "pip", "download"]:
+            dest = Path(cmd[cmd.index("-d") + 1])
+            with tarfile.open(dest / "llama_cpp_python-9.9.tar.gz", "w:gz") as tar:
+                info = tarfile.TarInfo("llama_cpp_python-9.9/vendor/llama.cpp/CMakeLists.txt")
+                info.size = 3
+                tar.addfile(info, io.BytesIO(b"x()"))
+        elif "--build" in cmd:
+            out = Path(cmd[cmd.index("--build") + 1]) / "bin" / "llama-server"
+            out.parent.mkdir(parents=True)
+            out.write_text("binary")
+
+    monkeypatch.setattr(peers, "_check", fake_check)
+    monkeypatch.setattr(peers.shutil, "which", lambda tool: f"/usr/bin/{tool}")
+    binary = peers.llama_server(tmp_path)
+    assert binary.read_text() == "binary"
+    assert [c[0] for c in ran][1:] == ["cmake", "cmake"]
+    assert ran[1][ran[1].index("-S") + 1].endswith("llama_cpp_python-9.9/vendor/llama.cpp")
+    assert peers.llama_server(tmp_path) == binary and len(ran) == 3  # cached: nothing runs again
+    assert not list(tmp_path.glob(".llama-build-*"))  # the work folder is gone

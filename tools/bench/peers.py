@@ -62,10 +62,12 @@ def mlx_python(home: Path) -> Path:
 
 
 def cmake_command(src: Path, build: Path) -> list[str]:
-    # The server alone: no curl (models are local files), no tests or examples.
+    # The server alone, plain HTTP on localhost: no tests, examples or web UI (whose
+    # prebuilt copy would be fetched from a model hub), no TLS.
     return [
-        "cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-        "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DGGML_NATIVE=ON",
+        "cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+        "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
+        "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF",
     ]  # fmt: skip
 
 
