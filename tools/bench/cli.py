@@ -102,7 +102,7 @@ def _run(args, workloads: list[Workload]) -> int:
     md = report.table(passes, args.url)
     print(md)
     (out / "summary.md").write_text(md)
-    report.write_json(out / "results.json", {"argv": sys.argv, "url": args.url}, passes)
+    report.write_json(out / "results.json", {"argv": args.argv, "url": args.url}, passes)
     why_not = report.plot_ttft(out / "ttft.png", passes)
     print(f"results: {out}" + (f" ({why_not})" if why_not else ""))
     return 1 if any(p.summary.failed for p in passes) else 0
@@ -117,13 +117,14 @@ def _compare(args, workloads: list[Workload]) -> int:
         c = peers.contender(name, model, args.gguf, out)
         if c is not None:
             contenders.append(c)
-    meta = {"argv": sys.argv, "model": model, "modes": modes, "threshold": args.threshold,
+    meta = {"argv": args.argv, "model": model, "modes": modes, "threshold": args.threshold,
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     return paired.compare(contenders, workloads, out, meta, **_replay_opts(args))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # recorded with the results
     exit_on_sigterm()
     try:
         workloads = _workloads(args)
