@@ -29,8 +29,13 @@ test: install
 smoke: install
 	$(BIN)/kvfork smoke $(ARGS)
 
+# A small paired replay (reuse off, then on) on the default model; prints the table.
 bench: install
-	$(BIN)/kvfork bench --preset paired-small $(ARGS)
+	$(BIN)/kvfork bench paired $(ARGS)
+
+# Opt-in: also mlx_lm.server and llama.cpp's server (built once, about 20 min on 2 cores).
+peers: install
+	$(BIN)/kvfork bench peers $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,186 @@
+"""Paired mode, the CLI, smoke and peers, with the OpenAI test double started as the daemon.
+
+The double (tests/openai_double.py) takes the daemon's flags, so these run the
+tools' real process handling, metrics scraping, reports and exit codes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tools import smoke
+from tools.bench import main, paired, peers
+from tools.bench.serve import ServerProcess
+
+DOUBLE = [sys.executable, str(Path(__file__).with_name("openai_double.py"))]
+
+
+@pytest.fixture(autouse=True)
+def use_double(monkeypatch):
+    monkeypatch.setattr(paired, "DAEMON", DOUBLE)
+
+
+def test_paired_prints_one_table_and_writes_everything(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(["paired", "--model", tiny_model_dir("llama"), "--preset", "staggered,burst", "--n", "3",
+                 "--prefix-tokens", "150", "--max-tokens", "12", "--threshold", "32", "--logprobs",
+                 "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "**staggered**" in printed and "**burst**" in printed and "| on/off |" in printed
+    assert "staggered, on vs off: greedy outputs: 0 of 3 differ" in printed
+    doc = json.loads((out / "results.json").read_text())
+    passes = {(p["label"], p["preset"]): p for p in doc["passes"]}
+    assert set(passes) == {(m, w) for m in ("off", "on") for w in ("staggered", "burst")}
+    assert all(len(p["records"]) == 3 for p in passes.values())
+    off, on = passes["off", "staggered"]["summary"], passes["on", "staggered"]["summary"]
+    # Recipients reuse the running donor's prefix only with reuse on, and the server's counters agree.
+    assert on["prefill_tokens"] < off["prefill_tokens"]
+    assert on["server_donor_tokens"] > 0 and off["server_donor_tokens"] == 0
+    assert on["server_prefilled_tokens"] == on["prefill_tokens"]
+    assert (out / "summary.md").read_text().strip() in printed
+    assert (out / "ttft.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "on.log").exists()
+
+
+def test_paired_counts_differing_outputs_and_fails(tiny_model_dir, tmp_path, capsys):
+    code = main(["paired", "--model", tiny_model_dir("llama"), "--preset", "staggered", "--n", "3",
+                 "--prefix-tokens", "150", "--max-tokens", "8", "--threshold", "32",
+                 "--server-arg=--perturb-reuse", "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "staggered, on vs off: greedy outputs: 2 of 3 differ (staggered-1, staggered-2)" in captured.out
+    assert "2 greedy output(s) differ" in captured.err
+
+
+def test_daemon_that_does_not_start_fails_clearly(tiny_model_dir, tmp_path, capsys):
+    code = main(["paired", "--model", tiny_model_dir("llama"), "--preset", "burst", "--modes", "off",
+                 "--server-arg=--no-such-flag", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "off: skipped: kvfork (off) exited with code 2" in err and "--no-such-flag" in err
+
+
+def test_cli_rejects_bad_input(tmp_path, capsys):
+    bad = tmp_path / "t.jsonl"
+    bad.write_text("{oops\n")
+    assert main(["run", "--url", "http://127.0.0.1:9", "--trace", str(bad)]) == 2
+    assert "t.jsonl:1: not JSON" in capsys.readouterr().err
+    assert main(["paired", "--model", "m", "--modes", "off,sideways"]) == 2
+    assert "unknown mode 'sideways'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["run", "--url", "u", "--max-tokens", "9-3"])
+
+
+def test_smoke_passes_on_exact_reuse(tiny_model_dir, tmp_path, capsys):
+    code = smoke.main(["--model", tiny_model_dir("llama"), "--prompt-tokens", "400", "--max-tokens", "64",
+                       "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "smoke: PASS" in printed
+    assert "recipient vs fresh prefill: same" in printed and "donor vs fresh: same" in printed
+
+
+def test_smoke_fails_when_reuse_changes_the_answer(tiny_model_dir, tmp_path, capsys):
+    code = smoke.main(["--model", tiny_model_dir("llama"), "--prompt-tokens", "400", "--max-tokens", "64",
+                       "--server-arg=--perturb-reuse", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert code == 1
+    assert "recipient vs fresh prefill: DIFFERENT" in printed and "smoke: FAIL" in printed
+
+
+def test_smoke_fails_without_reuse(tiny_model_dir, tmp_path, capsys):
+    # A threshold no prompt reaches: the recipient prefills everything itself.
+    code = smoke.main(["--model", tiny_model_dir("llama"), "--prompt-tokens", "400", "--max-tokens", "64",
+                       "--threshold", "100000", "--out", str(tmp_path)])
+    assert code == 1
+    assert "smoke: FAIL" in capsys.readouterr().out
+
+
+def test_peer_that_cannot_be_built_is_skipped(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("KVFORK_HOME", str(tmp_path))
+    monkeypatch.setattr(peers.shutil, "which", lambda tool: None)
+    assert peers.contender("llama", "m", None, tmp_path) is None
+    assert "skipping llama: building llama-server needs cmake and c++" in capsys.readouterr().err
+    assert peers.contender("vllm", "m", None, tmp_path) is None
+    assert "unknown peer 'vllm'" in capsys.readouterr().err
+
+
+def test_cached_llama_server_is_reused_without_building(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVFORK_HOME", str(tmp_path))
+    monkeypatch.setattr(peers.shutil, "which", lambda tool: None)  # a build would fail
+    binary = tmp_path / "peers" / "llama.cpp" / "llama-server"
+    binary.parent.mkdir(parents=True)
+    binary.touch()
+    gguf = tmp_path / "m.gguf"
+    c = peers.contender("llama", "m", str(gguf), tmp_path)
+    assert c is not None and not c.kvfork
+    srv = c.make(tmp_path / "llama.log")
+    assert srv.argv[:3] == [str(binary), "-m", str(gguf)]
+
+
+def test_cmake_builds_only_the_server():
+    cmd = peers.cmake_command(Path("src"), Path("build"))
+    assert "-DLLAMA_BUILD_SERVER=ON" in cmd and "-DLLAMA_BUILD_TESTS=OFF" in cmd
+    assert "-DLLAMA_USE_PREBUILT_UI=OFF" in cmd  # no download during the build
+
+
+def test_run_replays_a_trace_against_a_running_server(tiny_model_dir, tmp_path, capsys):
+    trace = tmp_path / "agent.jsonl"
+    rows = [{"t": 0, "session": "a", "prompt_tokens": 120, "prefix": "sys", "prefix_tokens": 100, "max_tokens": 4},
+            {"t": 0, "session": "b", "prompt_tokens": 130, "prefix": "sys", "prefix_tokens": 100, "max_tokens": 4},
+            {"t": 0.2, "session": "a", "messages": [{"role": "user", "content": "next"}], "max_tokens": 4}]
+    trace.write_text("\n".join(json.dumps(r) for r in rows))
+    argv = [*DOUBLE, "--model", tiny_model_dir("llama"), "--port", "{port}"]
+    with ServerProcess("double", argv, tmp_path / "double.log") as srv:
+        code = main(["run", "--url", srv.base_url, "--trace", str(trace), "--out", str(tmp_path / "out")])
+    assert code == 0
+    assert "**agent**" in capsys.readouterr().out
+    records = json.loads((tmp_path / "out" / "results.json").read_text())["passes"][0]["records"]
+    assert [r["call_id"] for r in records] == ["trace-1", "trace-2", "trace-3"]
+    assert all(r["error"] is None and r["output_tokens"] == 4 for r in records)
+    assert records[2]["send_s"] >= records[0]["send_s"] + records[0]["e2e_s"]  # session order kept
+
+
+def test_installed_mlx_peer_is_reused(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVFORK_HOME", str(tmp_path))
+    venv = tmp_path / "peers" / "mlx-venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / ".installed").touch()
+    c = peers.contender("mlx", "/models/m", None, tmp_path)
+    srv = c.make(tmp_path / "mlx.log")
+    assert srv.argv[:5] == [str(venv / "bin" / "python"), "-m", "mlx_lm.server", "--model", "/models/m"]
+
+
+def test_llama_server_build_steps_and_cache(monkeypatch, tmp_path):
+    """The build orchestration with each command faked: sdist in, cached binary out, never built twice."""
+    import io
+    import tarfile
+
+    ran = []
+
+    def fake_check(cmd, what, log, cwd=None):
+        ran.append(cmd)
+        if cmd[1:4] == ["-m", "pip", "download"]:
+            dest = Path(cmd[cmd.index("-d") + 1])
+            with tarfile.open(dest / "llama_cpp_python-9.9.tar.gz", "w:gz") as tar:
+                info = tarfile.TarInfo("llama_cpp_python-9.9/vendor/llama.cpp/CMakeLists.txt")
+                info.size = 3
+                tar.addfile(info, io.BytesIO(b"x()"))
+        elif "--build" in cmd:
+            out = Path(cmd[cmd.index("--build") + 1]) / "bin" / "llama-server"
+            out.parent.mkdir(parents=True)
+            out.write_text("binary")
+
+    monkeypatch.setattr(peers, "_check", fake_check)
+    monkeypatch.setattr(peers.shutil, "which", lambda tool: f"/usr/bin/{tool}")
+    binary = peers.llama_server(tmp_path)
+    assert binary.read_text() == "binary"
+    assert [c[0] for c in ran][1:] == ["cmake", "cmake"]
+    assert ran[1][ran[1].index("-S") + 1].endswith("llama_cpp_python-9.9/vendor/llama.cpp")
+    assert peers.llama_server(tmp_path) == binary and len(ran) == 3  # cached: nothing runs again
+    assert not list(tmp_path.glob(".llama-build-*"))  # the work folder is gone

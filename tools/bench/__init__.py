@@ -1,0 +1,5 @@
+"""The replay benchmark: `kvfork bench` (see cli.py for the commands)."""
+
+from tools.bench.cli import main
+
+__all__ = ["main"]
