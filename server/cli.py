@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from backends.mlx.blas import reexec_with_openblas
+from backends import default_backend
+from backends.mlx.blas import reexec_for_backend
 from backends.model_path import resolve_model
 from server.config import ServerConfig
 from server.engine.config import EngineConfig
@@ -50,6 +51,7 @@ def serve(argv: list[str]) -> int:
         engine_config = from_args(EngineConfig, args)
     except ValueError as e:
         parser.error(str(e))
+    reexec_for_backend(mlx=(default_backend() if config.backend == "auto" else config.backend) == "mlx")
     try:
         model = str(resolve_model(config.model)) if config.model else str(_default_model())
     except FileNotFoundError as e:
@@ -75,7 +77,6 @@ def _default_model() -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    reexec_with_openblas()
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         lines = [USAGE, "  serve        run the daemon (default model unless --model)"]

@@ -11,6 +11,8 @@ import urllib.request
 
 import pytest
 
+from backends.mlx.blas import find_openblas
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -46,6 +48,34 @@ def test_commands():
                  "--accept-any-model", "--max-body-bytes", "--log-level", "--max-context", "--inference-slots",
                  "--active-prefix-reuse-min-tokens"):
         assert flag in serve_help.stdout
+
+
+def preloads_openblas(pid: int) -> bool:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    return b"libopenblas" in env.get(b"LD_PRELOAD", b"")
+
+
+@pytest.mark.skipif(not (sys.platform.startswith("linux") and find_openblas()), reason="needs Linux with OpenBLAS")
+@pytest.mark.parametrize("backend, preloaded", [("mlx", True), ("torch", False)])
+def test_serve_preloads_openblas_for_mlx_only(tiny_model_dir, backend, preloaded):
+    # Inherited either way: the daemon adds it for MLX and drops it for torch, whose BLAS it slows.
+    env = dict(os.environ, LD_PRELOAD="" if preloaded else find_openblas())
+    env.pop("KVFORK_BLAS_CHECKED", None)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "server", "--model", tiny_model_dir("llama"), "--backend", backend, "--port", "0",
+         "--kv-budget-bytes", str(64 * 1024 * 1024)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    try:
+        for line in process.stdout:  # type: ignore[union-attr]
+            if "listening on" in line or process.poll() is not None:
+                break
+        assert "listening on" in line
+        assert preloads_openblas(process.pid) == preloaded
+    finally:
+        process.kill()
+        process.wait(timeout=30)
 
 
 def test_serve_prints_what_it_loaded_and_where_and_stops_on_sigint(tiny_model_dir):

@@ -3,8 +3,8 @@
 The `mlx[cpu]` Linux wheel bundles a reference (netlib) BLAS. On a 2-core x86_64
 machine it prefilled the default model about 30x slower than with Debian's
 OpenBLAS preloaded. The preload must be in place before the process starts, so
-the launcher re-executes itself with it (`reexec_with_openblas`) and the
-Makefile sets it for the test runner (`python -m backends.mlx.blas` prints it).
+the launcher re-executes itself with it when it serves on MLX (`reexec_for_backend`)
+and the Makefile sets it for the test runner (`python -m backends.mlx.blas` prints it).
 """
 
 from __future__ import annotations
@@ -55,20 +55,26 @@ def thread_env() -> dict[str, str]:
     return {"OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS", cores)}
 
 
-def reexec_with_openblas() -> None:
-    """Restart this process with OpenBLAS preloaded, once; warn once when none can be had."""
+def reexec_for_backend(mlx: bool) -> None:
+    """Restart this process once: with OpenBLAS preloaded for MLX, without an inherited one for torch.
+
+    A preloaded OpenBLAS also takes over torch's own (MKL) BLAS calls: on a 2-core
+    machine it made torch's prefill 6.5x and decode 2.5x slower (docs/benchmarks.md).
+    Warns once when MLX is to run and no optimized BLAS can be had.
+    """
     if os.environ.get(_REEXEC_MARK) or not sys.platform.startswith("linux"):
         return
-    path = find_openblas()
-    env = dict(os.environ, **thread_env(), **{_REEXEC_MARK: "1"})
-    if path is None:
+    inherited = os.environ.get("LD_PRELOAD", "")
+    preload = [p for p in inherited.split(":") if p and "libopenblas" not in os.path.basename(p)]
+    path = find_openblas() if mlx else None
+    if mlx and path is None:
         print("kvfork: no optimized BLAS found (install libopenblas0-pthread); MLX on the CPU will be slow", file=sys.stderr)
+    env = dict(os.environ, **thread_env(), **{_REEXEC_MARK: "1"})
+    wanted = ":".join(([path] if path else []) + preload)
+    if wanted == inherited:
         os.environ.update(env)
         return
-    if path in os.environ.get("LD_PRELOAD", ""):
-        os.environ.update(env)
-        return
-    env["LD_PRELOAD"] = ":".join(p for p in (path, os.environ.get("LD_PRELOAD", "")) if p)
+    env["LD_PRELOAD"] = wanted
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
