@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from backends.mlx.blas import find_openblas
 from tools import smoke
 from tools.bench import main, paired, peers
 from tools.bench.serve import ServerProcess
@@ -154,6 +155,8 @@ def test_installed_mlx_peer_is_reused(monkeypatch, tmp_path):
     c = peers.contender("mlx", "/models/m", None, tmp_path)
     srv = c.make(tmp_path / "mlx.log")
     assert srv.argv[:5] == [str(venv / "bin" / "python"), "-m", "mlx_lm.server", "--model", "/models/m"]
+    # A fair peer: the same optimized BLAS kvfork preloads for its own MLX path.
+    assert srv.env.get("LD_PRELOAD") == find_openblas()
 
 
 def test_llama_server_build_steps_and_cache(monkeypatch, tmp_path):
