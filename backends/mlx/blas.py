@@ -59,7 +59,7 @@ def reexec_for_backend(mlx: bool) -> None:
     """Restart this process once: with OpenBLAS preloaded for MLX, without an inherited one for torch.
 
     A preloaded OpenBLAS also takes over torch's own (MKL) BLAS calls: on a 2-core
-    machine it made torch's prefill 6.5x and decode 2.5x slower (docs/benchmarks.md).
+    machine it made torch's prefill 3-5x and decode about 3x slower (docs/benchmarks.md).
     Warns once when MLX is to run and no optimized BLAS can be had.
     """
     if os.environ.get(_REEXEC_MARK) or not sys.platform.startswith("linux"):
