@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from typing import Any, Container, Literal, Sequence
 
 
 class CloneRefused(Exception):
@@ -122,6 +122,26 @@ def clone_refusal(session_position: int, upto: int, info: ModelInfo, held_from: 
         if oldest > max(0, upto - layer.window + 1):
             return CloneRefused("window_overwritten", f"needs {max(0, upto - layer.window + 1)}, holds from {oldest}")
     return None
+
+
+def check_inputs(sessions: Sequence[Session], rows: Sequence[Sequence[int]], live: Container[int],
+                 info: ModelInfo) -> None:
+    """Every check a backend makes before it changes any state, so a refused call leaves
+    every session as it was. Raises ValueError."""
+    if len(sessions) != len(rows):
+        raise ValueError(f"{len(sessions)} sessions but {len(rows)} token rows")
+    if len({s.id for s in sessions}) != len(sessions):
+        raise ValueError("a session appears twice in one batch")
+    for s, row in zip(sessions, rows):
+        if s.id not in live:
+            raise ValueError(f"{s!r} was released")
+        if not row:
+            raise ValueError("empty prefill chunk")
+        if s.position + len(row) > info.context_length:
+            raise ValueError(f"{s!r} + {len(row)} tokens exceeds the context length {info.context_length}")
+        # On the host: an id out of range is a device-side assert on CUDA, fatal to the process.
+        if not all(0 <= t < info.vocab_size for t in row):
+            raise ValueError(f"a token id is outside the vocabulary [0, {info.vocab_size})")
 
 
 class Backend(abc.ABC):

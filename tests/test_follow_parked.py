@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from server.engine.follow import FollowPolicy, Following, Leader, Promotion, chunk_end, leader_views, plan, promote
-from server.engine.matching import Recipient, Source, common_prefix
+from server.engine.matching import Recipient, Source
 from server.engine.rates import Rates
 from test_follow import FREE_CLONES, ON, active
 

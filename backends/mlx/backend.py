@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from backends.base import Backend, ModelInfo, Sampled, SamplerState, Session, clone_refusal
+from backends.base import Backend, ModelInfo, Sampled, SamplerState, Session, check_inputs, clone_refusal
 from backends.mlx import kvcopy, sampling
 from backends.mlx.batch import DecodeBatch
 from backends.mlx.last_token import last_logits, supports_last_position
@@ -50,9 +50,7 @@ class MLXBackend(Backend):
         session.caches = None
 
     def prefill(self, sessions: Sequence[MLXSession], chunks: Sequence[Sequence[int]]) -> mx.array:
-        self._check(sessions, chunks)
-        if any(not chunk for chunk in chunks):
-            raise ValueError("prefill needs at least one token per session")
+        check_inputs(sessions, chunks, self._sessions, self.info)
         if not sessions:
             return mx.zeros((0, self.info.vocab_size), mx.float32)
         rows = []
@@ -66,7 +64,7 @@ class MLXBackend(Backend):
         return mx.stack(rows).astype(mx.float32)
 
     def decode(self, sessions: Sequence[MLXSession], tokens: Sequence[int]) -> mx.array:
-        self._check(sessions, [[t] for t in tokens])
+        check_inputs(sessions, [[t] for t in tokens], self._sessions, self.info)
         if not sessions:
             return mx.zeros((0, self.info.vocab_size), mx.float32)
         rows = self._batch.sync(sessions)
@@ -133,16 +131,3 @@ class MLXBackend(Backend):
     def _advance(self, session: MLXSession, n: int) -> None:
         session.position += n
         session.held_from = [max(h, session.position - w) for h, w in zip(session.held_from, self._windows)]
-
-    def _check(self, sessions: Sequence[MLXSession], chunks: Sequence[Sequence[int]]) -> None:
-        if len(sessions) != len(chunks):
-            raise ValueError(f"{len(sessions)} sessions but {len(chunks)} inputs")
-        if len({s.id for s in sessions}) != len(sessions):
-            raise ValueError("a session appears twice in one call")
-        for session, chunk in zip(sessions, chunks):
-            if session.id not in self._sessions:
-                raise ValueError(f"{session} is released")
-            if any(not 0 <= t < self.info.vocab_size for t in chunk):
-                raise ValueError(f"token id out of range [0, {self.info.vocab_size})")
-            if session.position + len(chunk) > self.info.context_length:
-                raise ValueError(f"{session} would pass the context length {self.info.context_length}")

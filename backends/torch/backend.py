@@ -15,7 +15,8 @@ from typing import Sequence
 import torch
 from safetensors import safe_open
 
-from backends.base import Backend, LayerAttention, ModelInfo, Sampled, SamplerState, Session, clone_refusal
+from backends.base import (Backend, LayerAttention, ModelInfo, Sampled, SamplerState, Session, check_inputs,
+                           clone_refusal)
 from backends.model_path import resolve_model
 from backends.torch import kv, sampling
 from backends.torch.config import ArchConfig, read_config
@@ -108,23 +109,6 @@ class TorchBackend(Backend):
         if self._sessions.pop(session.id, None) is not None:
             session.layers = []
 
-    def _check(self, sessions: Sequence[TorchSession], rows: Sequence[Sequence[int]]) -> None:
-        """Every check before any state changes: a refused call leaves every session as it was."""
-        if len(sessions) != len(rows):
-            raise ValueError(f"{len(sessions)} sessions but {len(rows)} token rows")
-        if len({s.id for s in sessions}) != len(sessions):
-            raise ValueError("a session appears twice in one batch")
-        for s, row in zip(sessions, rows):
-            if s.id not in self._sessions:
-                raise ValueError(f"{s!r} was released")
-            if not row:
-                raise ValueError("empty prefill chunk")
-            if s.position + len(row) > self.info.context_length:
-                raise ValueError(f"{s!r} + {len(row)} tokens exceeds the context length {self.info.context_length}")
-            # On the host: an id out of range is a device-side assert on CUDA, fatal to the process.
-            if not all(0 <= t < self.info.vocab_size for t in row):
-                raise ValueError(f"a token id is outside the vocabulary [0, {self.info.vocab_size})")
-
     def _wait_for_clones(self, sessions: Sequence[TorchSession]) -> None:
         for s in sessions:
             if s.ready is not None:
@@ -135,7 +119,7 @@ class TorchBackend(Backend):
 
     @torch.inference_mode()
     def prefill(self, sessions: Sequence[TorchSession], chunks: Sequence[Sequence[int]]) -> torch.Tensor:
-        self._check(sessions, chunks)
+        check_inputs(sessions, chunks, self._sessions, self.info)
         if not sessions:
             return torch.zeros((0, self.info.vocab_size), device=self.device)
         self._wait_for_clones(sessions)
@@ -150,7 +134,7 @@ class TorchBackend(Backend):
 
     @torch.inference_mode()
     def decode(self, sessions: Sequence[TorchSession], tokens: Sequence[int]) -> torch.Tensor:
-        self._check(sessions, [[t] for t in tokens])
+        check_inputs(sessions, [[t] for t in tokens], self._sessions, self.info)
         if not sessions:
             return torch.zeros((0, self.info.vocab_size), device=self.device)
         self._wait_for_clones(sessions)
