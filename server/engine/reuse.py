@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from backends.base import ModelInfo
 from server.engine import messages as m
 from server.engine.follow import FollowPolicy, Following, Leader, Plan, leader_views, plan
-from server.engine.matching import Recipient, Source
+from server.engine.matching import Recipient, Source, window_floor
 from server.engine.rates import RateTracker
 from server.engine.request import Phase, Request
 
@@ -32,8 +32,7 @@ class Reuse:
         self.engine = engine
         self.rates = RateTracker()
         self.followers: dict[int, Request] = {}  # parked, in park order
-        windows = [layer.window for layer in info.layers if layer.kind == "sliding" and layer.window]
-        self.window = min(windows) if windows else None
+        self.windows = [layer.window for layer in info.layers if layer.kind == "sliding" and layer.window]
 
     @property
     def enabled(self) -> bool:
@@ -103,7 +102,7 @@ class Reuse:
             if x is r or x.rid in below or x.ending:  # a request on its way out gives nothing
                 continue
             if x.phase in (Phase.STARTING, Phase.RUNNING):
-                floor = x.committed - 1 if self.window is not None and x.committed > self.window else 0
+                floor = window_floor(x.committed, self.windows)
                 active.append(Leader.active(Source.donor(x.rid, x.prompt, x.committed_prompt, x.rid,
                                                          clone_floor=floor), tps))
             elif x.phase is Phase.CLONING:  # holds [0, clone_upto) once its clone lands
