@@ -20,6 +20,7 @@ Sliding-window rule (every backend obeys it, `clone_refusal` states it):
 from __future__ import annotations
 
 import abc
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Container, Literal, Sequence
 
@@ -30,6 +31,29 @@ class CloneRefused(Exception):
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason  # short label, used as a metrics label
+
+
+class RowState(enum.Enum):
+    """What a failed batched call did to one of its sessions."""
+
+    UNTOUCHED = "untouched"  # state exactly as before the call: safe to run again
+    COMMITTED = "committed"  # its tokens are in the state; `BatchFailed.logits` has its row, or None
+    CORRUPT = "corrupt"  # partly written: the session must never be read again
+
+
+class BatchFailed(Exception):
+    """Fault contract of `prefill` and `decode`: a call that fails after it may have changed
+    state raises this, saying per session what it did. (A ValueError from `check_inputs`
+    means every session is untouched.) Anything else a backend raises is a bug, and the
+    engine treats every session of that call as corrupt.
+
+    `logits`, when not None, holds valid rows for the COMMITTED sessions (same row order
+    as the call), so a runner can go on with them without computing anything twice.
+    """
+
+    def __init__(self, cause: BaseException, rows: Sequence[RowState], logits: Any = None):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause, self.rows, self.logits = cause, list(rows), logits
 
 
 @dataclass(frozen=True)
