@@ -47,8 +47,9 @@ class BatchFailed(Exception):
     means every session is untouched.) Anything else a backend raises is a bug, and the
     engine treats every session of that call as corrupt.
 
-    `logits`, when not None, holds valid rows for the COMMITTED sessions (same row order
-    as the call), so a runner can go on with them without computing anything twice.
+    `logits`, when not None, has one row per session of the call, in call order; only the
+    rows of COMMITTED sessions are valid, so a runner can go on with them without computing
+    anything twice. A COMMITTED session's `position` has advanced; an UNTOUCHED one's has not.
     """
 
     def __init__(self, cause: BaseException, rows: Sequence[RowState], logits: Any = None):
@@ -74,6 +75,13 @@ class ModelInfo:
     device: str
 
 
+# Below this temperature, logits / temperature overflows to inf (vLLM and llama.cpp also
+# sample greedily there): one threshold, read by both backends through `greedy`.
+GREEDY_BELOW = 1e-5
+# The seeds a request may send: any signed or unsigned 64-bit value.
+SEEDS = range(-2**63, 2**64)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
@@ -88,9 +96,19 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
 
+    def __post_init__(self) -> None:
+        if self.seed is not None and self.seed not in SEEDS:
+            raise ValueError(f"seed {self.seed} is outside [-2**63, 2**64)")
+
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def stream_seed(self) -> int | None:
+        """The seed as both backends' generators take it, in [0, 2**64): a negative seed wraps
+        as its two's complement, so today's non-negative seeds keep their streams."""
+        return None if self.seed is None else self.seed % 2**64
 
 
 @dataclass
@@ -196,6 +214,9 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def sample(self, logits: Any, states: Sequence[SamplerState]) -> list[Sampled]:
         """Pick one token per row of logits, each under its own request's settings and stream.
+
+        A call that raises changes no state (outputs, streams), so the runner can sample
+        again row by row and charge the failure to the row that causes it.
 
         Penalties and logit_bias shape the logits; greedy is their argmax. The
         picked token is appended to `states[i].output` (what presence and

@@ -8,8 +8,15 @@ the same rule as the real backends. Tests steer the runner with:
 - `delay`: seconds each call of a kind sleeps;
 - `gates`: a `Gate` per call kind that holds the runner inside that call until
   the test opens it (the runner thread blocks, the test's loop does not);
-- `fail`: a predicate (kind, sessions, inputs) -> bool making a call raise
-  (inputs: the chunks of a prefill, the tokens of a decode);
+- `fail`: (kind, sessions, inputs) -> what a call does instead of running
+  (inputs: the chunks of a prefill, the tokens of a decode): False runs it;
+  True raises before touching anything (for prefill and decode, a BatchFailed
+  with every row UNTOUCHED); a list of RowState raises BatchFailed after doing
+  that to each row (COMMITTED commits it, CORRUPT commits a wrong token), with
+  logits unless `withhold_logits`; an exception instance is raised as it is,
+  after committing every row (a backend bug);
+- `sample_fail`: a predicate on one row's SamplerState making `sample` raise
+  (before it changes anything, as the real samplers);
 - `refuse`: a predicate (session, upto) -> reason or None forcing a clone refusal;
 - `calls`: every call, in order, for assertions on what ran when.
 """
@@ -22,8 +29,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from backends.base import (Backend, CloneRefused, LayerAttention, ModelInfo, Sampled, SamplerState, Session,
-                           clone_refusal)
+from backends.base import (Backend, BatchFailed, CloneRefused, LayerAttention, ModelInfo, RowState, Sampled,
+                           SamplerState, Session, check_inputs, clone_refusal)
 
 EOS = 2
 VOCAB = 512
@@ -71,21 +78,49 @@ class ScriptedBackend(Backend):
         self.window, self.context_length, self.script = window, context_length, script
         self.delay: dict[str, float] = {}
         self.gates: dict[str, Gate] = {}
-        self.fail: Callable[[str, Sequence[Session], Sequence], bool] = lambda kind, sessions, inputs: False
+        self.fail: Callable[[str, Sequence[Session], Sequence], Any] = lambda kind, sessions, inputs: False
+        self.withhold_logits = False
+        self.sample_fail: Callable[[SamplerState], bool] = lambda state: False
         self.refuse: Callable[[Session, int], str | None] = lambda session, upto: None
         self.calls: list[tuple] = []
         self._open: dict[int, ScriptedSession] = {}
         self.loaded_on: threading.Thread | None = None
 
-    def _enter(self, kind: str, sessions: Sequence[Session] = (), inputs: Sequence = ()) -> None:
+    def _enter(self, kind: str, sessions: Sequence[Session] = (), inputs: Sequence = ()) -> Any:
+        """Gates and delays; then what `fail` says (raised here when nothing runs)."""
         gate = self.gates.get(kind)
         if gate is not None and gate.when(sessions, inputs):
             del self.gates[kind]
             gate.wait_here()
         if self.delay.get(kind):
             time.sleep(self.delay[kind])
-        if self.fail(kind, sessions, inputs):
-            raise RuntimeError(f"scripted {kind} failure")
+        fault = self.fail(kind, sessions, inputs)
+        if fault is True:
+            cause = RuntimeError(f"scripted {kind} failure")
+            if kind in ("prefill", "decode"):
+                raise BatchFailed(cause, [RowState.UNTOUCHED] * len(sessions))
+            raise cause
+        return fault
+
+    def _forward(self, kind: str, sessions: Sequence[Session], rows: Sequence[Sequence[int]],
+                 inputs: Sequence) -> list[int]:
+        check_inputs(sessions, rows, self._open, self.info)
+        fault = self._enter(kind, sessions, inputs)
+        if isinstance(fault, BaseException):
+            for s, row in zip(sessions, rows):
+                s.commit(row)  # type: ignore[attr-defined]
+            raise fault
+        states = list(fault) if fault else [RowState.COMMITTED] * len(sessions)
+        for s, row, state in zip(sessions, rows, states):
+            if state is RowState.COMMITTED:
+                s.commit(row)  # type: ignore[attr-defined]
+            elif state is RowState.CORRUPT:
+                s.commit([(t + 1) % VOCAB for t in row])  # type: ignore[attr-defined]
+        logits = [self.script(s.tokens) for s in sessions]  # type: ignore[attr-defined]
+        if fault:
+            raise BatchFailed(RuntimeError(f"scripted {kind} failure"), states,
+                              None if self.withhold_logits else logits)
+        return logits
 
     def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
         self.loaded_on = threading.current_thread()
@@ -106,21 +141,15 @@ class ScriptedBackend(Backend):
 
     def prefill(self, sessions: Sequence[Session], chunks: Sequence[Sequence[int]]) -> list[int]:
         self.calls.append(("prefill", [(s.id, len(c)) for s, c in zip(sessions, chunks)]))
-        self._enter("prefill", sessions, chunks)
-        for s, chunk in zip(sessions, chunks):
-            assert s.id in self._open, "prefill on a released session"
-            s.commit(chunk)  # type: ignore[attr-defined]
-        return [self.script(s.tokens) for s in sessions]  # type: ignore[attr-defined]
+        return self._forward("prefill", sessions, chunks, chunks)
 
     def decode(self, sessions: Sequence[Session], tokens: Sequence[int]) -> list[int]:
         self.calls.append(("decode", [s.id for s in sessions]))
-        self._enter("decode", sessions, tokens)
-        for s, t in zip(sessions, tokens):
-            assert s.id in self._open, "decode on a released session"
-            s.commit([t])  # type: ignore[attr-defined]
-        return [self.script(s.tokens) for s in sessions]  # type: ignore[attr-defined]
+        return self._forward("decode", sessions, [[t] for t in tokens], tokens)
 
     def sample(self, logits: list[int], states: Sequence[SamplerState]) -> list[Sampled]:
+        if any(self.sample_fail(state) for state in states):
+            raise RuntimeError("scripted sample failure")
         for t, state in zip(logits, states):
             state.output.append(t)  # as every backend's sampler does
         return [Sampled(t, 0.0 if st.params.logprobs else None) for t, st in zip(logits, states)]

@@ -14,9 +14,10 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from backends.base import Backend, ModelInfo, Sampled, SamplerState, Session, check_inputs, clone_refusal
+from backends.base import (Backend, BatchFailed, ModelInfo, RowState, Sampled, SamplerState, Session, check_inputs,
+                           clone_refusal)
 from backends.mlx import kvcopy, sampling
-from backends.mlx.batch import DecodeBatch
+from backends.mlx.batch import DecodeBatch, cache_marks, unmoved
 from backends.mlx.last_token import last_logits, supports_last_position
 from backends.mlx.loading import load_model
 
@@ -28,6 +29,7 @@ class MLXSession(Session):
         # Oldest position each sliding layer holds for sure (the rule in base.py);
         # a clone made one short of its donor's position holds one less than the window.
         self.held_from = held_from
+        self.lost = False  # its state went with an abandoned decode batch (batch.py): corrupt
 
 
 class MLXBackend(Backend):
@@ -49,16 +51,34 @@ class MLXBackend(Backend):
             self._batch.release(session)
         session.caches = None
 
+    # Fault contract (base.BatchFailed): prefill runs one session at a time, so a failure leaves
+    # the earlier sessions COMMITTED with their logits and the later ones UNTOUCHED; the session
+    # that failed is UNTOUCHED only if none of its caches moved (batch.py's fault rule), else
+    # CORRUPT. Decode classifies the whole batch the same way. A `lost` session is CORRUPT in
+    # any call, before anything runs.
+
     def prefill(self, sessions: Sequence[MLXSession], chunks: Sequence[Sequence[int]]) -> mx.array:
         check_inputs(sessions, chunks, self._sessions, self.info)
         if not sessions:
             return mx.zeros((0, self.info.vocab_size), mx.float32)
-        rows = []
+        self._refuse_lost(sessions)
+        rows: list[mx.array] = []
         for session, chunk in zip(sessions, chunks):
-            if self._batch.has(session):
-                self._batch.leave(session)
-            logits = last_logits(self.model, mx.array(chunk)[None], session.caches, self._last_only)[0]
-            mx.eval(logits)
+            marks = None
+            try:
+                if self._batch.has(session):
+                    self._batch.leave(session)
+                marks = cache_marks(session.caches)
+                logits = last_logits(self.model, mx.array(chunk)[None], session.caches, self._last_only)[0]
+                mx.eval(logits)
+            except Exception as exc:
+                if marks is None:  # failed while leaving the batch: the batch is not trustworthy
+                    self._batch.abandon()
+                failed = RowState.UNTOUCHED if marks and unmoved(marks, cache_marks(session.caches)) else RowState.CORRUPT
+                later = [RowState.CORRUPT if s.lost else RowState.UNTOUCHED for s in sessions[len(rows) + 1:]]
+                done = mx.stack([*rows, *[mx.zeros_like(rows[0])] * (len(sessions) - len(rows))]) if rows else None
+                raise BatchFailed(exc, [RowState.COMMITTED] * len(rows) + [failed] + later,
+                                  None if done is None else done.astype(mx.float32)) from exc
             self._advance(session, len(chunk))
             rows.append(logits)
         return mx.stack(rows).astype(mx.float32)
@@ -67,13 +87,21 @@ class MLXBackend(Backend):
         check_inputs(sessions, [[t] for t in tokens], self._sessions, self.info)
         if not sessions:
             return mx.zeros((0, self.info.vocab_size), mx.float32)
-        rows = self._batch.sync(sessions)
-        row_tokens = [0] * len(rows)
-        for row, token in zip(rows, tokens):
-            row_tokens[row] = token
-        logits = self._batch.step(row_tokens)
-        logits = logits[mx.array(rows)].astype(mx.float32)
-        mx.eval(logits)
+        self._refuse_lost(sessions)
+        marks = None
+        try:
+            rows = self._batch.sync(sessions)
+            marks = self._batch.marks()
+            row_tokens = [0] * len(rows)
+            for row, token in zip(rows, tokens):
+                row_tokens[row] = token
+            logits = self._batch.step(row_tokens)
+            logits = logits[mx.array(rows)].astype(mx.float32)
+            mx.eval(logits)
+        except Exception as exc:
+            if marks is None or not unmoved(marks, self._batch.marks()):
+                self._batch.abandon()  # joiners not yet absorbed keep their own caches: untouched
+            raise BatchFailed(exc, [RowState.CORRUPT if s.lost else RowState.UNTOUCHED for s in sessions]) from exc
         for session in sessions:
             self._advance(session, 1)
         return logits
@@ -114,6 +142,11 @@ class MLXBackend(Backend):
 
     def to_numpy(self, logits: mx.array) -> np.ndarray:
         return np.array(logits.astype(mx.float32))
+
+    def _refuse_lost(self, sessions: Sequence[MLXSession]) -> None:
+        if any(s.lost for s in sessions):
+            rows = [RowState.CORRUPT if s.lost else RowState.UNTOUCHED for s in sessions]
+            raise BatchFailed(RuntimeError("the session's state was lost in a failed decode step"), rows)
 
     def _track(self, session: MLXSession) -> MLXSession:
         self._sessions[session.id] = session

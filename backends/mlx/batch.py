@@ -7,6 +7,12 @@ tools/mlx_batch_bench.py. So rows join (extend) and leave (filter, extract)
 only when the set of decoding sessions changes; a step then writes in place.
 The batch is the set of sessions of the last decode call: a row left out of a
 call leaves the batch, back to a standalone cache of its own.
+
+Fault rule: mlx-lm caches advance their offsets inside the model call, layer by
+layer, and a failed `mx.eval` leaves them pointing at arrays that never came to
+be. So a failed step (or join) is undone only when no cache moved (`unmoved`);
+otherwise the batch is abandoned: every row's session is `lost` (never read
+again) and the batch starts empty, consistent, with the next call's sessions.
 """
 
 from __future__ import annotations
@@ -15,6 +21,18 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+
+
+def cache_marks(caches: Sequence[Any]) -> list[Any]:
+    """Where each cache stands, to tell whether a failed call moved it. A cache without
+    an offset (a recurrent state) cannot be told apart: it always counts as moved."""
+    return [(c.offset, getattr(c, "_idx", None)) if hasattr(c, "offset") else object() for c in caches]
+
+
+def unmoved(before: list[Any], after: list[Any]) -> bool:
+    def same(a: Any, b: Any) -> bool:  # ints by value; arrays (a batch's offsets) by identity, replaced on update
+        return a is b or (isinstance(a, int) and isinstance(b, int) and a == b)
+    return all(isinstance(x, tuple) and isinstance(y, tuple) and all(map(same, x, y)) for x, y in zip(before, after))
 
 
 class DecodeBatch:
@@ -51,6 +69,16 @@ class DecodeBatch:
         """One decode step of every row; logits [rows, vocab]."""
         logits = self.model(mx.array(row_tokens)[:, None], cache=self.caches)
         return logits[:, -1, :]
+
+    def marks(self) -> list[Any]:
+        return cache_marks(self.caches or ())
+
+    def abandon(self) -> None:
+        """Drop every row after a failure left the batch's caches untrustworthy."""
+        for i, session in enumerate(self.rows):
+            if i not in self.dead:
+                session.caches, session.lost = None, True
+        self.rows, self.caches, self.dead = [], None, set()
 
     def compact(self) -> None:
         if self.dead:

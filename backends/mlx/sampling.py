@@ -64,7 +64,7 @@ def truncated(row: mx.array, p: SamplingParams) -> mx.array:
 
 def _next_key(state: SamplerState) -> mx.array:
     if state.rng is None:
-        seed = state.params.seed if state.params.seed is not None else secrets.randbits(63)
+        seed = state.params.stream_seed if state.params.seed is not None else secrets.randbits(63)
         state.rng = mx.random.key(seed)
     state.rng, key = mx.random.split(state.rng)
     return key
@@ -76,7 +76,13 @@ def sample(logits: mx.array, states: Sequence[SamplerState]) -> list[Sampled]:
         tokens = mx.argmax(logits, axis=-1).tolist()
         results = [Sampled(t) for t in tokens]
     else:
-        results = _sample_rows(logits, states)
+        keys = [s.rng for s in states]  # immutable arrays: holding them is the whole snapshot
+        try:
+            results = _sample_rows(logits, states)
+        except BaseException:
+            for state, key in zip(states, keys):  # a failed call leaves every stream as it was
+                state.rng = key
+            raise
     for state, result in zip(states, results):
         state.output.append(result.token)
     return results

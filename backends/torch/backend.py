@@ -15,8 +15,8 @@ from typing import Sequence
 import torch
 from safetensors import safe_open
 
-from backends.base import (Backend, LayerAttention, ModelInfo, Sampled, SamplerState, Session, check_inputs,
-                           clone_refusal)
+from backends.base import (Backend, BatchFailed, LayerAttention, ModelInfo, RowState, Sampled, SamplerState, Session,
+                           check_inputs, clone_refusal)
 from backends.model_path import resolve_model
 from backends.torch import kv, sampling
 from backends.torch.config import ArchConfig, read_config
@@ -117,19 +117,32 @@ class TorchBackend(Backend):
 
     # -- compute ---------------------------------------------------------
 
+    # Fault contract (base.BatchFailed): prefill runs one session at a time, so a failure leaves
+    # the earlier sessions COMMITTED with their logits and the later ones UNTOUCHED; the session
+    # that failed, and every session of a failed decode, is UNTOUCHED unless one of its rings was
+    # written (kv.py: writes past `position` in a growing buffer are invisible), else CORRUPT.
+    # `position` advances only once a session's forward pass has returned.
+
     @torch.inference_mode()
     def prefill(self, sessions: Sequence[TorchSession], chunks: Sequence[Sequence[int]]) -> torch.Tensor:
         check_inputs(sessions, chunks, self._sessions, self.info)
         if not sessions:
             return torch.zeros((0, self.info.vocab_size), device=self.device)
-        self._wait_for_clones(sessions)
-        out = []
-        for session, chunk in zip(sessions, chunks):
-            start = session.position
-            tokens = torch.tensor([list(chunk)], dtype=torch.long, device=self.device)
-            positions = torch.arange(start, start + len(chunk), device=self.device)[None]
-            out.append(self.model(tokens, positions, [session.layers], [start]))
-            session.position += len(chunk)
+        out: list[torch.Tensor] = []
+        writes = [kv.ring_writes(s.layers) for s in sessions]
+        try:
+            self._wait_for_clones(sessions)
+            for session, chunk in zip(sessions, chunks):
+                start = session.position
+                tokens = torch.tensor([list(chunk)], dtype=torch.long, device=self.device)
+                positions = torch.arange(start, start + len(chunk), device=self.device)[None]
+                out.append(self.model(tokens, positions, [session.layers], [start]))
+                session.position += len(chunk)
+        except Exception as exc:
+            done = len(out)
+            rows = [RowState.COMMITTED] * done + [self._after_failure(s, w) for s, w in zip(sessions[done:], writes[done:])]
+            logits = torch.cat([*out, out[0].new_zeros((len(sessions) - done, out[0].shape[-1]))]) if out else None
+            raise BatchFailed(exc, rows, logits) from exc
         return torch.cat(out)
 
     @torch.inference_mode()
@@ -137,14 +150,22 @@ class TorchBackend(Backend):
         check_inputs(sessions, [[t] for t in tokens], self._sessions, self.info)
         if not sessions:
             return torch.zeros((0, self.info.vocab_size), device=self.device)
-        self._wait_for_clones(sessions)
-        starts = [s.position for s in sessions]
-        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)[:, None]
-        positions = torch.tensor(starts, device=self.device)[:, None]
-        logits = self.model(ids, positions, [s.layers for s in sessions], starts)
+        writes = [kv.ring_writes(s.layers) for s in sessions]
+        try:
+            self._wait_for_clones(sessions)
+            starts = [s.position for s in sessions]
+            ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)[:, None]
+            positions = torch.tensor(starts, device=self.device)[:, None]
+            logits = self.model(ids, positions, [s.layers for s in sessions], starts)
+        except Exception as exc:
+            raise BatchFailed(exc, [self._after_failure(s, w) for s, w in zip(sessions, writes)]) from exc
         for s in sessions:
             s.position += 1
         return logits
+
+    @staticmethod
+    def _after_failure(session: TorchSession, ring_writes: int) -> RowState:
+        return RowState.UNTOUCHED if kv.ring_writes(session.layers) == ring_writes else RowState.CORRUPT
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, states: Sequence[SamplerState]) -> list[Sampled]:

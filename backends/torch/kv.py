@@ -9,6 +9,10 @@ Design rules:
 - A sliding layer of window W is a ring of W slots; position p lives in slot
   p % W. `held_from` is the oldest position whose slot is still valid. That is
   what base.clone_refusal judges.
+- A write past `position` into a growing buffer is invisible (reads stop at the
+  writer's end, the next write overwrites it); a ring write replaces positions
+  still read. So a failed call leaves a session untouched exactly when none of
+  its rings was written (`ring_writes` counts them).
 - Every copy (growth, clone) writes new tensors. No two sessions ever share one.
 """
 
@@ -68,6 +72,7 @@ class RingKV:
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, held_from: int = 0):
         self.keys, self.values = keys, values
         self.held_from = held_from
+        self.writes = 0
 
     @classmethod
     def empty(cls, kv_heads: int, head_dim: int, window: int, dtype, device) -> RingKV:
@@ -102,6 +107,7 @@ class RingKV:
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         slots = torch.arange(start, start + k.shape[0], device=k.device) % self.window
+        self.writes += 1  # before the first byte moves: a write that fails midway still counts
         self.keys[slots] = k
         self.values[slots] = v
         self.held_from = max(self.held_from, start + k.shape[0] - self.window)
@@ -133,6 +139,10 @@ def copy_layers(layers: list[LayerKV], upto: int) -> list[LayerKV]:
 def held_from(layers: list[LayerKV]) -> list[int]:
     """Oldest held position of each sliding layer, in layer order (base.clone_refusal's argument)."""
     return [layer.held_from for layer in layers if isinstance(layer, RingKV)]
+
+
+def ring_writes(layers: list[LayerKV]) -> int:
+    return sum(layer.writes for layer in layers if isinstance(layer, RingKV))
 
 
 def layers_bytes(layers: list[LayerKV]) -> int:

@@ -68,7 +68,7 @@ def draw(row: torch.Tensor, state: SamplerState) -> torch.Tensor:
     if state.rng is None:
         state.rng = torch.Generator(device=row.device)
         if p.seed is not None:
-            state.rng.manual_seed(p.seed)
+            state.rng.manual_seed(p.stream_seed)
         else:
             state.rng.seed()
     probs = truncate(row / p.temperature, p).softmax(-1)
@@ -80,12 +80,22 @@ def sample(logits: torch.Tensor, states: Sequence[SamplerState]) -> list[Sampled
     if all(_plain_greedy(s.params) for s in states):
         results = [Sampled(token) for token in logits.argmax(-1).tolist()]
     else:
-        rows = [penalize(logits[i], s) for i, s in enumerate(states)]
-        tokens = torch.stack([draw(row, s) for row, s in zip(rows, states)]).tolist()
-        results = [Sampled(token) for token in tokens]
-        for i, s in enumerate(states):
-            if s.params.logprobs or s.params.top_logprobs:
-                _add_logprobs(results[i], logits[i], s.params.top_logprobs)
+        # A failed call leaves every stream as it was: a stream made here is dropped, one that
+        # existed gets its state back (each row's draw may have advanced it before a later row failed).
+        streams = [(s.rng, None if s.rng is None else s.rng.get_state()) for s in states]
+        try:
+            rows = [penalize(logits[i], s) for i, s in enumerate(states)]
+            tokens = torch.stack([draw(row, s) for row, s in zip(rows, states)]).tolist()
+            results = [Sampled(token) for token in tokens]
+            for i, s in enumerate(states):
+                if s.params.logprobs or s.params.top_logprobs:
+                    _add_logprobs(results[i], logits[i], s.params.top_logprobs)
+        except BaseException:
+            for s, (rng, held) in zip(states, streams):
+                s.rng = rng
+                if rng is not None:
+                    rng.set_state(held)
+            raise
     for state, result in zip(states, results):
         state.output.append(result.token)
     return results

@@ -187,7 +187,7 @@ class Control:
         if r is not None:
             adm.free_capture_slot(r)
         if ev.session is None:
-            self.metrics.captures.inc(outcome="refused")
+            self.metrics.captures.inc(outcome="failed" if ev.failed else "refused")
         elif r is None or r.ending == "cancelled":  # a capture of a cancelled request is discarded
             self.metrics.captures.inc(outcome="discarded")
             adm.release_sessions([ev.session])

@@ -101,8 +101,9 @@ class Token:
 class Captured:
     rid: int
     tokens: list[int]
-    session: Any | None  # None: the backend refused the snapshot
+    session: Any | None  # None: the backend refused the snapshot, or it failed
     nbytes: int = 0
+    failed: bool = False  # the snapshot raised (not a refusal): counted apart
 
 
 @dataclass

@@ -13,8 +13,21 @@ Design rules:
   target (the donor's chunk stops there), before the donor writes again;
 - a donor that leaves hands what it committed to the follower that salvages
   most (follow.promote), cloned before its state is released;
-- a backend call that fails is retried request by request, so one bad request
-  fails alone and never loses another's output.
+- faults stay where they start, and nothing committed is computed twice
+  (base.BatchFailed is the backends' half of this contract):
+  - a forward pass that fails says per session what it did: UNTOUCHED sessions
+    run again without the others (one by one when nothing else changed, so a
+    failure that stays is charged to its own request); COMMITTED ones go on
+    with their logits row; CORRUPT ones, and COMMITTED ones that need logits
+    the backend could not give, fail with an error and are never read again;
+  - a ValueError is check_inputs' refusal, before any state changed: the rows
+    run one by one to find the culprit; any other exception is a backend bug,
+    and every session of that call fails;
+  - sampling that fails after a forward pass samples again row by row (the
+    backend's sampler changes nothing when it raises); the forward pass is
+    never run again, and a row whose sampling fails alone fails alone;
+- optional work (a snapshot, a clone from the prefix cache) that fails for
+  any reason falls back, to the next candidate or to none, and is counted.
 """
 
 from __future__ import annotations
@@ -26,7 +39,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from backends.base import Backend, CloneRefused, Sampled, SamplerState, SamplingParams, Session
+from backends.base import (Backend, BatchFailed, CloneRefused, RowState, Sampled, SamplerState, SamplingParams,
+                           Session)
 from server.engine import messages as m
 from server.engine.clone_orders import CloneOrders
 from server.engine.scheduler import Running, plan_step
@@ -143,6 +157,9 @@ class Runner:
                     break
                 except CloneRefused as refusal:
                     refused.append(refusal.reason)
+                except Exception as exc:  # optional work: the next candidate, or a cold start
+                    log.warning("clone from the prefix cache for request %d failed: %r", start.rid, exc)
+                    refused.append("error")
             if session is None:
                 session, reused = self.backend.open_session(), 0
         except Exception as exc:
@@ -196,12 +213,11 @@ class Runner:
         plan = plan_step(running, self.max_batch_tokens, self.prefill_chunk, self._rotation)
         self._rotation = plan.last_prefilled
         if plan.decode:
-            self._guarded([self._slots[rid] for rid in plan.decode], self._decode)
+            self._decode([self._slots[rid] for rid in plan.decode])
         prefill_s = 0.0
         if plan.prefill:
-            chunks = dict(plan.prefill)
             before = self._backend_s
-            self._guarded([self._slots[rid] for rid, _ in plan.prefill], lambda slots: self._prefill(slots, chunks))
+            self._prefill([self._slots[rid] for rid, _ in plan.prefill], dict(plan.prefill))
             prefill_s = self._backend_s - before
         self._serve_orders()
         committed = {rid: s.session.position for rid, s in self._slots.items()}
@@ -209,51 +225,116 @@ class Runner:
         self._publish(m.StepStats(committed, live, nbytes, time.perf_counter() - t0, self._backend_s,
                                   sum(n for _, n in plan.prefill), prefill_s))
 
-    def _guarded(self, slots: list[_Slot], run: Callable[[list[_Slot]], None]) -> None:
-        try:
-            run(slots)
-        except Exception as exc:
-            if len(slots) == 1:
-                log.warning("request %d failed: %s", slots[0].start.rid, exc)
-                self._end(slots[0], "error", error=str(exc))
-                return
-            for slot in slots:  # find the culprit; the others go on
-                if slot.start.rid in self._slots:
-                    self._guarded([slot], run)
-
     def _decode(self, slots: list[_Slot]) -> None:
-        logits = self._timed(self.backend.decode, [s.session for s in slots], [s.next_token for s in slots])
-        sampled = self._timed(self.backend.sample, logits, [s.sampler for s in slots])
-        for slot, pick in zip(slots, sampled):
-            self._accept(slot, pick)
+        def decode(sessions: list[Session], rows: list[list[int]]) -> Any:
+            return self.backend.decode(sessions, [row[0] for row in rows])
+        for group, logits in self._forward(decode, slots, [[s.next_token] for s in slots], [True] * len(slots)):
+            self._sample(logits, group)
 
     def _prefill(self, slots: list[_Slot], chunks: dict[int, int]) -> None:
-        pieces = []
+        pieces = {}
         for s in slots:
             at = s.session.position
-            pieces.append(s.start.prompt[at:at + chunks[s.start.rid]])
-        logits = self._timed(self.backend.prefill, [s.session for s in slots], pieces)
-        for slot, piece in zip(slots, pieces):
-            slot.prefilled += len(piece)
-        done = [s.prefill_left == 0 for s in slots]
-        for slot, finished in zip(slots, done):
-            if finished and slot.start.capture:
-                self._capture(slot)
-        if any(done):
-            states = [s.sampler if d else SamplerState(_DISCARD) for s, d in zip(slots, done)]
-            sampled = self._timed(self.backend.sample, logits, states)
-            for slot, finished, pick in zip(slots, done, sampled):
-                if finished:
-                    self._accept(slot, pick)
+            pieces[s.start.rid] = s.start.prompt[at:at + chunks[s.start.rid]]
+        rows = [pieces[s.start.rid] for s in slots]
+        last = [s.prefill_left == len(piece) for s, piece in zip(slots, rows)]  # these need their logits
+        for group, logits in self._forward(self.backend.prefill, slots, rows, last):
+            for slot in group:
+                if slot is not None:
+                    slot.prefilled += len(pieces[slot.start.rid])
+            done = [s if s is not None and s.prefill_left == 0 else None for s in group]
+            for slot in done:
+                if slot is not None and slot.start.capture:
+                    self._capture(slot)
+            if any(done):
+                self._sample(logits, done)
+
+    def _forward(self, call: Callable[[list[Session], list], Any], slots: list[_Slot], rows: list,
+                 needs_logits: list[bool]) -> list[tuple[list[_Slot | None], Any]]:
+        """Run one batched forward pass, failing exactly the requests whose state can no longer be
+        trusted. Returns (group, logits) pairs: row i of logits belongs to group[i], a request
+        whose tokens are committed, or None (a row nobody reads); logits is None when no row of
+        its group needs them."""
+        try:
+            return [(list(slots), self._timed(call, [s.session for s in slots], rows))]
+        except BatchFailed as failed:
+            if len(failed.rows) != len(slots):
+                self._fail_all(slots, f"backend failure ({failed}), with {len(failed.rows)} row states for "
+                                      f"{len(slots)} sessions")
+                return []
+            return self._salvage(call, slots, rows, needs_logits, failed)
+        except ValueError as exc:  # check_inputs refused the call before it changed anything
+            if len(slots) == 1:
+                self._fail(slots[0], f"refused by the backend: {exc}")
+                return []
+            return self._one_by_one(call, slots, rows, needs_logits)
+        except Exception as exc:
+            self._fail_all(slots, f"backend failure, state lost: {exc!r}")
+            return []
+
+    def _salvage(self, call: Callable, slots: list[_Slot], rows: list, needs_logits: list[bool],
+                 failed: BatchFailed) -> list[tuple[list[_Slot | None], Any]]:
+        groups: list[tuple[list[_Slot | None], Any]] = []
+        kept: list[_Slot | None] = []
+        retry = []
+        for i, (slot, state) in enumerate(zip(slots, failed.rows)):
+            kept.append(None)
+            if state is RowState.UNTOUCHED:
+                retry.append(i)
+            elif state is RowState.COMMITTED and (failed.logits is not None or not needs_logits[i]):
+                kept[i] = slot
+            elif state is RowState.COMMITTED:
+                self._fail(slot, f"a backend failure ({failed}) left its tokens committed without their logits")
+            else:
+                self._fail(slot, f"a backend failure ({failed}) left its state partly written")
+        if any(kept):
+            groups.append((kept, failed.logits))
+        if len(retry) < len(slots):
+            if retry:
+                groups += self._forward(call, [slots[i] for i in retry], [rows[i] for i in retry],
+                                        [needs_logits[i] for i in retry])
+        elif len(slots) == 1:  # it failed alone and changed nothing: its own failure
+            self._fail(slots[0], f"backend failure: {failed}")
+        else:  # nothing changed anywhere: row by row, so a failure that stays is charged to its own request
+            groups += self._one_by_one(call, slots, rows, needs_logits)
+        return groups
+
+    def _one_by_one(self, call: Callable, slots: list[_Slot], rows: list,
+                    needs_logits: list[bool]) -> list[tuple[list[_Slot | None], Any]]:
+        return [group for i in range(len(slots))
+                for group in self._forward(call, slots[i:i + 1], rows[i:i + 1], needs_logits[i:i + 1])]
+
+    def _sample(self, logits: Any, group: list[_Slot | None]) -> None:
+        """Sample the rows of `group`'s requests (None rows are sampled greedily and dropped)."""
+        states = [s.sampler if s is not None else SamplerState(_DISCARD) for s in group]
+        try:
+            picks = self._timed(self.backend.sample, logits, states)
+        except Exception as exc:
+            wanted = [i for i, s in enumerate(group) if s is not None]
+            if len(wanted) == 1:
+                self._fail(group[wanted[0]], f"sampling failed: {exc}")
+                return
+            log.warning("sampling a batch failed (%s); sampling its rows one by one", exc)
+            for i in wanted:
+                self._sample(logits, [s if j == i else None for j, s in enumerate(group)])
+            return
+        for slot, pick in zip(group, picks):
+            if slot is not None:
+                self._accept(slot, pick)
 
     def _capture(self, slot: _Slot) -> None:
         prompt = slot.start.prompt
         try:
             snapshot = self._timed(self.backend.clone, slot.session, len(prompt))
-            self.events.append(m.Captured(slot.start.rid, prompt, snapshot, self.backend.session_bytes(snapshot)))
         except CloneRefused as refusal:
             log.info("capture of request %d refused: %s", slot.start.rid, refusal)
             self.events.append(m.Captured(slot.start.rid, prompt, None))
+            return
+        except Exception as exc:  # optional work: the request goes on without a snapshot
+            log.warning("capture of request %d failed: %r", slot.start.rid, exc)
+            self.events.append(m.Captured(slot.start.rid, prompt, None, failed=True))
+            return
+        self.events.append(m.Captured(slot.start.rid, prompt, snapshot, self.backend.session_bytes(snapshot)))
 
     def _accept(self, slot: _Slot, pick: Sampled) -> None:
         slot.generated += 1  # the backend's sampler has appended the token to `sampler.output`
@@ -264,6 +345,14 @@ class Runner:
         slot.next_token = pick.token
         if slot.generated >= slot.start.max_tokens:
             self._end(slot, "length")
+
+    def _fail(self, slot: _Slot, error: str) -> None:
+        log.warning("request %d failed: %s", slot.start.rid, error)
+        self._end(slot, "error", error=error)
+
+    def _fail_all(self, slots: list[_Slot], error: str) -> None:
+        for slot in slots:
+            self._fail(slot, error)
 
     def _end(self, slot: _Slot, reason: str, error: str | None = None) -> None:
         self._hand_over(slot, usable=reason != "error")

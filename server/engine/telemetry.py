@@ -38,7 +38,7 @@ class EngineMetrics:
         self.queue_wait = h("queue_wait_seconds", "submit to admission into a slot", _LATENCY_BUCKETS)
         self.cache_hits = c("prefix_cache_hits_total", "admissions served from a prefix cache snapshot")
         self.cache_misses = c("prefix_cache_misses_total", "anonymous admissions no snapshot served")
-        self.captures = c("prefix_cache_captures_total", "prompt snapshots, by outcome (stored, refused, skipped)")
+        self.captures = c("prefix_cache_captures_total", "prompt snapshots, by outcome (stored, refused, failed, skipped)")
         self.clone_attempts = c("clone_attempts_total", "clones tried, by source (cache, donor)")
         self.clone_successes = c("clone_successes_total", "clones that worked, by source")
         self.clone_refusals = c("clone_refusals_total", "clones refused, by source and reason")
