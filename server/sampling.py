@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import uuid
 
-from backends.base import SamplingParams
+from backends.base import SEEDS, SamplingParams
 from server.engine.api import GenerateRequest
 from server.engine.sessions import check_session_id
 from server.errors import invalid, unsupported
@@ -48,6 +48,8 @@ def generate_request(body: SamplingFields, prompt: list[int], *, rid: str, vocab
         if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
             raise invalid("logit_bias", f"logit_bias keys are token ids in [0, {vocab_size}), got {key!r}")
         bias[int(key)] = value
+    if body.seed is not None and body.seed not in SEEDS:
+        raise invalid("seed", f"seed is a signed or unsigned 64-bit integer, in [-2**63, 2**64), got {body.seed}")
     stop_ids = frozenset(body.stop_token_ids or ())
     if any(t >= vocab_size for t in stop_ids):
         raise invalid("stop_token_ids", f"stop_token_ids are token ids in [0, {vocab_size})")

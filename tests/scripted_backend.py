@@ -14,7 +14,8 @@ the same rule as the real backends. Tests steer the runner with:
   with every row UNTOUCHED); a list of RowState raises BatchFailed after doing
   that to each row (COMMITTED commits it, CORRUPT commits a wrong token), with
   logits unless `withhold_logits`; an exception instance is raised as it is,
-  after committing every row (a backend bug);
+  before anything runs (for prefill and decode: a ValueError is check_inputs'
+  refusal, anything else a backend bug);
 - `sample_fail`: a predicate on one row's SamplerState making `sample` raise
   (before it changes anything, as the real samplers);
 - `refuse`: a predicate (session, upto) -> reason or None forcing a clone refusal;
@@ -95,6 +96,8 @@ class ScriptedBackend(Backend):
         if self.delay.get(kind):
             time.sleep(self.delay[kind])
         fault = self.fail(kind, sessions, inputs)
+        if isinstance(fault, BaseException):
+            raise fault
         if fault is True:
             cause = RuntimeError(f"scripted {kind} failure")
             if kind in ("prefill", "decode"):
@@ -106,10 +109,6 @@ class ScriptedBackend(Backend):
                  inputs: Sequence) -> list[int]:
         check_inputs(sessions, rows, self._open, self.info)
         fault = self._enter(kind, sessions, inputs)
-        if isinstance(fault, BaseException):
-            for s, row in zip(sessions, rows):
-                s.commit(row)  # type: ignore[attr-defined]
-            raise fault
         states = list(fault) if fault else [RowState.COMMITTED] * len(sessions)
         for s, row, state in zip(sessions, rows, states):
             if state is RowState.COMMITTED:
