@@ -1,0 +1,119 @@
+"""The fault contract of batched calls (base.BatchFailed), on every backend and test architecture:
+a forward pass that fails says per session what it did, and a session it calls UNTOUCHED
+gives, run again, exactly what it would have given."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+from backend_fixtures import assert_close, backend, backend_name, fresh, logits_np, prompt, release_all  # noqa: F401
+
+from backends.base import BatchFailed, RowState
+
+PREFIX = 20  # past the sliding window (16) of the gemma3 test model: its rings have wrapped
+
+
+@contextmanager
+def failing_layer(b, backend_name: str, index: int, on_call: int):
+    """Layer `index` raises, before it runs, on its `on_call`-th call (1-based) while inside."""
+    if backend_name == "torch":
+        import torch.nn as nn
+        layers, base = b.model.model.layers, nn.Module
+    else:
+        import mlx.nn as nn
+        layers, base = b.model.layers, nn.Module
+    inner, calls = layers[index], []
+
+    class Failing(base):
+        def __call__(self, *args, **kwargs):
+            calls.append(True)
+            if len(calls) == on_call:
+                raise MemoryError("injected")
+            return inner(*args, **kwargs)
+
+        def __getattr__(self, name):  # the model reads the layer's settings (mlx-lm: use_sliding)
+            return getattr(inner, name)
+
+    layers[index] = Failing()
+    try:
+        yield
+    finally:
+        layers[index] = inner
+
+
+def first_layer_writes(b, backend_name: str) -> bool:
+    """Whether a failure at layer 1 leaves a session's state changed: MLX caches move their offsets
+    (always); torch writes past `position` in a growing buffer invisibly, but a ring write is not."""
+    return backend_name == "mlx" or b.info.layers[0].kind == "sliding"
+
+
+def sessions_at_prefix(b, n: int):
+    return [fresh(b, prompt(PREFIX, seed=10 + i))[0] for i in range(n)]
+
+
+def reference(b, i: int, extra: list[int]) -> np.ndarray:
+    s, logits = fresh(b, prompt(PREFIX, seed=10 + i) + extra)
+    out = logits_np(b, logits)
+    b.release(s)
+    return out
+
+
+def test_a_failed_prefill_reports_committed_failed_and_untouched_sessions(backend, backend_name):
+    b = backend
+    sessions = sessions_at_prefix(b, 3)
+    chunks = [prompt(6, seed=30 + i) for i in range(3)]
+    with failing_layer(b, backend_name, 1, on_call=2), pytest.raises(BatchFailed) as failed:
+        b.prefill(sessions, chunks)
+    touched = first_layer_writes(b, backend_name)
+    assert failed.value.rows == [RowState.COMMITTED, RowState.CORRUPT if touched else RowState.UNTOUCHED,
+                                 RowState.UNTOUCHED]
+    assert [s.position for s in sessions] == [PREFIX + 6, PREFIX, PREFIX]
+    np.testing.assert_allclose(logits_np(b, failed.value.logits)[0], reference(b, 0, chunks[0])[0],
+                               atol=1e-5, rtol=1e-4)
+    untouched = [i for i, r in enumerate(failed.value.rows) if r is RowState.UNTOUCHED]
+    again = b.prefill([sessions[i] for i in untouched], [chunks[i] for i in untouched])
+    for row, i in enumerate(untouched):  # run again, as if the failure never happened
+        np.testing.assert_allclose(logits_np(b, again)[row], reference(b, i, chunks[i])[0], atol=1e-5, rtol=1e-4)
+    release_all(b, *sessions)
+
+
+def test_a_decode_that_fails_before_any_state_moved_is_untouched(backend, backend_name):
+    b = backend
+    sessions = sessions_at_prefix(b, 3)
+    tokens = [5, 6, 7]
+    with failing_layer(b, backend_name, 0, on_call=1), pytest.raises(BatchFailed) as failed:
+        b.decode(sessions, tokens)
+    assert failed.value.rows == [RowState.UNTOUCHED] * 3
+    assert [s.position for s in sessions] == [PREFIX] * 3
+    again = b.decode(sessions, tokens)
+    for i, t in enumerate(tokens):
+        np.testing.assert_allclose(logits_np(b, again)[i], reference(b, i, [t])[0], atol=1e-5, rtol=1e-4)
+    release_all(b, *sessions)
+
+
+def test_a_decode_that_fails_midway_is_classified_and_leaves_the_backend_consistent(backend, backend_name):
+    b = backend
+    sessions = sessions_at_prefix(b, 3)
+    b.decode(sessions, [5, 6, 7])  # on MLX: now a persistent decode batch
+    with failing_layer(b, backend_name, 1, on_call=1), pytest.raises(BatchFailed) as failed:
+        b.decode(sessions, [8, 9, 10])
+    touched = first_layer_writes(b, backend_name)
+    assert failed.value.rows == [RowState.CORRUPT if touched else RowState.UNTOUCHED] * 3
+    assert [s.position for s in sessions] == [PREFIX + 1] * 3
+    if backend_name == "mlx":  # the batch was abandoned: its sessions are refused from now on
+        with pytest.raises(BatchFailed) as again:
+            b.prefill([sessions[0]], [[4]])
+        assert again.value.rows == [RowState.CORRUPT]
+    elif not touched:
+        logits = b.decode(sessions, [8, 9, 10])
+        for i, (t0, t1) in enumerate(zip([5, 6, 7], [8, 9, 10])):
+            np.testing.assert_allclose(logits_np(b, logits)[i], reference(b, i, [t0, t1])[0], atol=1e-5, rtol=1e-4)
+    release_all(b, *sessions)
+    # Whatever failed, a new batch runs and matches its references.
+    fresh_sessions = sessions_at_prefix(b, 2)
+    logits = b.decode(fresh_sessions, [11, 12])
+    for i, t in enumerate([11, 12]):
+        np.testing.assert_allclose(logits_np(b, logits)[i], reference(b, i, [t])[0], atol=1e-5, rtol=1e-4)
+    release_all(b, *fresh_sessions)
