@@ -12,6 +12,10 @@ SHARED = prompt_of(60, start=11)
 DONOR = SHARED + [7, 7, 7, 7, 7]
 RECIPIENT = SHARED + [9, 9, 9, 9, 9, 9]
 SEED_RULE = dict(active_prefix_reuse_min_tokens=8, follow=False, prefix_cache_entries=0, prefill_chunk=16)
+# A donor whose clone a test gates must still be running when the recipient is planned. Undelayed, a
+# donor decodes its whole context (4,031 tokens) in about a second; on a loaded machine the control
+# loop took longer than that to plan the recipient, found no donor, and no clone ever reached the gate.
+DONOR_STEP_S = 0.01
 
 
 async def first_token(handle) -> int:
@@ -143,6 +147,7 @@ async def test_a_refused_clone_takes_the_normal_path():
 
 async def test_a_recipient_cancelled_while_its_clone_is_pending_leaks_nothing():
     backend = ScriptedBackend()
+    backend.delay["decode"] = DONOR_STEP_S
     engine = await start_engine(backend, **SEED_RULE)
     donor = engine.submit(request(DONOR, 10_000))
     await first_token(donor)
@@ -163,6 +168,7 @@ async def test_a_recipient_cancelled_while_its_clone_is_pending_leaks_nothing():
 
 async def test_shutdown_with_a_clone_pending():
     backend = ScriptedBackend()
+    backend.delay["decode"] = DONOR_STEP_S
     engine = await start_engine(backend, **SEED_RULE)
     donor = engine.submit(request(DONOR, 10_000))
     await first_token(donor)
@@ -213,9 +219,9 @@ async def test_races_repeated():
 
 async def test_a_pending_clone_is_in_flight_work_that_shutdown_lets_finish():
     backend = ScriptedBackend()
-    backend.delay["decode"] = 0.001
+    backend.delay["decode"] = DONOR_STEP_S
     engine = await start_engine(backend, **SEED_RULE)
-    donor = engine.submit(request(DONOR, 100))
+    donor = engine.submit(request(DONOR, 200))
     await first_token(donor)
     gate = backend.gates["clone"] = Gate()
     recipient = engine.submit(request(RECIPIENT, 6))
