@@ -118,7 +118,7 @@ async def test_a_committed_row_without_the_logits_it_needs_fails():
 
 async def test_an_unexplained_backend_exception_fails_every_request_of_the_call():
     backend = ScriptedBackend()
-    backend.fail = lambda kind, sessions, inputs: RuntimeError("bug") if kind == "decode" and len(sessions) == 3 else False
+    backend.fail = lambda kind, sessions, inputs: kind == "decode" and len(sessions) == 3 and RuntimeError("bug")
     engine = await start_engine(backend, prefix_cache_entries=0)
     results = await batched(engine, backend, PROMPTS[:3])
     assert all(done.finish_reason == "error" and "state lost" in done.error for _, done in results)

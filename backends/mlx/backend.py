@@ -14,8 +14,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from backends.base import (Backend, BatchFailed, ModelInfo, RowState, Sampled, SamplerState, Session, check_inputs,
-                           clone_refusal)
+from backends.base import (Backend, BatchFailed, CloneRefused, ModelInfo, RowState, Sampled, SamplerState, Session,
+                           check_inputs, clone_refusal)
 from backends.mlx import kvcopy, sampling
 from backends.mlx.batch import DecodeBatch, cache_marks, unmoved
 from backends.mlx.last_token import last_logits, supports_last_position
@@ -74,7 +74,8 @@ class MLXBackend(Backend):
             except Exception as exc:
                 if marks is None:  # failed while leaving the batch: the batch is not trustworthy
                     self._batch.abandon()
-                failed = RowState.UNTOUCHED if marks and unmoved(marks, cache_marks(session.caches)) else RowState.CORRUPT
+                kept = bool(marks) and unmoved(marks, cache_marks(session.caches))
+                failed = RowState.UNTOUCHED if kept else RowState.CORRUPT
                 later = [RowState.CORRUPT if s.lost else RowState.UNTOUCHED for s in sessions[len(rows) + 1:]]
                 done = mx.stack([*rows, *[mx.zeros_like(rows[0])] * (len(sessions) - len(rows))]) if rows else None
                 raise BatchFailed(exc, [RowState.COMMITTED] * len(rows) + [failed] + later,
@@ -110,6 +111,8 @@ class MLXBackend(Backend):
         return sampling.sample(logits, states)
 
     def clone(self, session: MLXSession, upto: int) -> MLXSession:
+        if session.lost:
+            raise CloneRefused("lost", "its state went with a failed decode step")
         refusal = clone_refusal(session.position, upto, self.info, session.held_from)
         if refusal is not None:
             raise refusal

@@ -140,7 +140,8 @@ class TorchBackend(Backend):
                 session.position += len(chunk)
         except Exception as exc:
             done = len(out)
-            rows = [RowState.COMMITTED] * done + [self._after_failure(s, w) for s, w in zip(sessions[done:], writes[done:])]
+            rows = [RowState.COMMITTED] * done + [self._after_failure(s, w)
+                                                  for s, w in zip(sessions[done:], writes[done:])]
             logits = torch.cat([*out, out[0].new_zeros((len(sessions) - done, out[0].shape[-1]))]) if out else None
             raise BatchFailed(exc, rows, logits) from exc
         return torch.cat(out)
