@@ -4,6 +4,7 @@ gives, run again, exactly what it would have given."""
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import contextmanager
 
 import numpy as np
@@ -16,8 +17,9 @@ PREFIX = 20  # past the sliding window (16) of the gemma3 test model: its rings 
 
 
 @contextmanager
-def failing_layer(b, backend_name: str, index: int, on_call: int):
-    """Layer `index` raises, before it runs, on its `on_call`-th call (1-based) while inside."""
+def failing_layer(b, backend_name: str, index: int, on_call):
+    """Layer `index` raises, before it runs, on its `on_call`-th call (1-based) while inside, or
+    when `on_call(args)` says so."""
     if backend_name == "torch":
         import torch.nn as nn
         layers, base = b.model.model.layers, nn.Module
@@ -29,7 +31,7 @@ def failing_layer(b, backend_name: str, index: int, on_call: int):
     class Failing(base):
         def __call__(self, *args, **kwargs):
             calls.append(True)
-            if len(calls) == on_call:
+            if on_call(args) if callable(on_call) else len(calls) == on_call:
                 raise MemoryError("injected")
             return inner(*args, **kwargs)
 
@@ -117,3 +119,37 @@ def test_a_decode_that_fails_midway_is_classified_and_leaves_the_backend_consist
     for i, t in enumerate([11, 12]):
         np.testing.assert_allclose(logits_np(b, logits)[i], reference(b, i, [t])[0], atol=1e-5, rtol=1e-4)
     release_all(b, *fresh_sessions)
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+async def test_a_failed_decode_step_through_the_engine(backend_name, arch, tiny_model_dir, layer):
+    """One decode step of three requests fails at `layer`: requests the backend left untouched
+    run again and give exactly their lone tokens; those it left corrupt fail; nothing leaks."""
+    from engine_harness import run, settled
+    from test_engine_real import real_engine
+
+    engine = await real_engine(backend_name, tiny_model_dir(arch), prefix_cache_entries=0)
+    b = engine.backend
+    prompts = [prompt(PREFIX, seed=40 + i) for i in range(3)]
+    alone = [(await run(engine, p, 12))[0] for p in prompts]
+    fired = []
+
+    def when(args) -> bool:  # the first decode step of all three (rows, 1 token, width)
+        if not fired and tuple(args[0].shape[:2]) == (3, 1):
+            fired.append(True)
+            return True
+        return False
+
+    with failing_layer(b, backend_name, layer, on_call=when):
+        together = await asyncio.gather(*(run(engine, p, 12) for p in prompts))
+    assert fired
+    corrupt = layer > 0 and first_layer_writes(b, backend_name)
+    for want, (tokens, done) in zip(alone, together):
+        if corrupt:
+            assert done.finish_reason == "error" and "partly written" in done.error
+            assert tokens == want[:len(tokens)]
+        else:
+            assert done.finish_reason == "length" and tokens == want
+    await settled(engine, b)
+    await engine.shutdown(1)
+    assert b.live_sessions() == 0
