@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from backend_fixtures import assert_close, backend, backend_name, fresh, logits_np, prompt, release_all  # noqa: F401
 
-from backends.base import BatchFailed, RowState
+from backends.base import BatchFailed, RowState, SamplerState, SamplingParams
 
 PREFIX = 20  # past the sliding window (16) of the gemma3 test model: its rings have wrapped
 
@@ -153,3 +153,29 @@ async def test_a_failed_decode_step_through_the_engine(backend_name, arch, tiny_
     await settled(engine, b)
     await engine.shutdown(1)
     assert b.live_sessions() == 0
+
+
+def test_a_failed_sample_changes_no_stream_and_no_output(backend, backend_name, monkeypatch):
+    """The runner samples again row by row after a failure: rows drawn before the failing one
+    must not have moved their streams, or a seeded request would not replay."""
+    import importlib
+    module = importlib.import_module(f"backends.{backend_name}.sampling")
+    cut = "truncate" if backend_name == "torch" else "truncated"
+    real = getattr(module, cut)
+
+    def failing(row, p):
+        if p.seed == 666:
+            raise RuntimeError("injected")
+        return real(row, p)
+    a, b = fresh(backend, prompt(12, seed=3))[0], fresh(backend, prompt(7, seed=4))[0]
+    logits = backend.decode([a, b], [9, 10])
+    hot = [SamplingParams(temperature=30.0, seed=seed) for seed in (1, 666)]
+    want = backend.sample(logits, [SamplerState(hot[0]), SamplerState(SamplingParams())])[0].token
+    monkeypatch.setattr(module, cut, failing)
+    states = [SamplerState(p) for p in hot]
+    with pytest.raises(RuntimeError, match="injected"):
+        backend.sample(logits, states)
+    assert [st.output for st in states] == [[], []]
+    picked = backend.sample(logits, [states[0], SamplerState(SamplingParams())])[0].token
+    assert picked == want  # the seeded row's first draw, as if the failure never happened
+    release_all(backend, a, b)
