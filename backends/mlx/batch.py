@@ -32,7 +32,8 @@ def cache_marks(caches: Sequence[Any]) -> list[Any]:
 def unmoved(before: list[Any], after: list[Any]) -> bool:
     def same(a: Any, b: Any) -> bool:  # ints by value; arrays (a batch's offsets) by identity, replaced on update
         return a is b or (isinstance(a, int) and isinstance(b, int) and a == b)
-    return all(isinstance(x, tuple) and isinstance(y, tuple) and all(map(same, x, y)) for x, y in zip(before, after))
+    return len(before) == len(after) and all(isinstance(x, tuple) and isinstance(y, tuple) and all(map(same, x, y))
+                                             for x, y in zip(before, after))
 
 
 class DecodeBatch:
