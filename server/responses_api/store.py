@@ -1,0 +1,77 @@
+"""Stored responses, for `previous_response_id`: in memory, capped, oldest out first.
+
+A stored response keeps its conversation as chat messages (everything before it
+and its own output, without the instructions, which OpenAI does not carry over).
+Continuing it renders that history plus the new input through the chat path.
+
+Warm resume rides on named sessions: a conversation's first response opens one
+(named after it), and each response that continues the response the session
+last ended on (its head) runs in it, so the engine computes only the new input.
+Rules:
+- one continuation per head: a second request continuing the same response, at
+  once or later, runs without a session and finds its prefix in the prefix
+  cache instead (never a 409);
+- a continuation that fails or is cut off gives the head back;
+- a response dropped past the cap that is still its session's head takes the
+  session with it (its KV state is freed).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from server.errors import ApiError
+
+
+@dataclass
+class Stored:
+    messages: list[dict[str, Any]]
+    session: str | None  # the named session that ran it
+
+
+class ResponseStore:
+    def __init__(self, max_responses: int, forget_session: Callable[[str], None]):
+        self.max_responses = max_responses
+        self.forget_session = forget_session
+        self._responses: OrderedDict[str, Stored] = OrderedDict()  # oldest first
+        self._heads: dict[str, str] = {}  # session → the response it holds (or is computing)
+
+    def __len__(self) -> int:
+        return len(self._responses)
+
+    def history(self, response_id: str) -> list[dict[str, Any]]:
+        stored = self._responses.get(response_id)
+        if stored is None:
+            raise ApiError(404, f"previous response with id {response_id!r} not found",
+                           code="previous_response_not_found", param="previous_response_id")
+        return stored.messages
+
+    def claim(self, previous: str | None, response_id: str) -> str | None:
+        """The session `response_id` runs in: its conversation's, if `previous` is that session's head."""
+        if previous is None:
+            session = "resp-" + response_id
+        else:
+            session = self._responses[previous].session
+            if session is None or self._heads.get(session) != previous:
+                return None
+        self._heads[session] = response_id
+        return session
+
+    def give_back(self, session: str | None, response_id: str, previous: str | None) -> None:
+        """`response_id` ended without being stored: its session's head is `previous` again."""
+        if session is not None and self._heads.get(session) == response_id:
+            if previous is None:
+                del self._heads[session]
+                self.forget_session(session)
+            else:
+                self._heads[session] = previous
+
+    def put(self, response_id: str, messages: list[dict[str, Any]], session: str | None) -> None:
+        self._responses[response_id] = Stored(messages, session)
+        while len(self._responses) > self.max_responses:
+            old_id, old = self._responses.popitem(last=False)
+            if old.session is not None and self._heads.get(old.session) == old_id:
+                del self._heads[old.session]
+                self.forget_session(old.session)

@@ -1,0 +1,59 @@
+"""POST /v1/responses: OpenAI's Responses API, for Codex CLI and the Agents SDK.
+
+A Responses body is translated into the chat request it means
+(responses_api/translate.py), with the stored history of `previous_response_id`
+in front of its input, and prepared by the chat route's `prepare`: the same
+prompt tokens, prefix cache and active reuse as its chat twin. Stored responses
+and the named sessions that keep conversations warm: responses_api/store.py.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from aiohttp import web
+
+from server.errors import ApiError, from_decode
+from server.protocol.openai import ChatCompletionRequest
+from server.protocol.responses import ResponsesRequest
+from server.responses_api.reply import ResponsesReply, response_id
+from server.responses_api.translate import chat_messages, chat_request
+from server.routes.chat import prepare
+from server.routes.common import decoder, read_body, respond
+from server.state import state_of
+
+PATH = "/v1/responses"
+DECODE = decoder(ResponsesRequest)
+# The chat request's names for the fields a Responses body calls otherwise, for errors.
+_PARAMS = {"response_format": "text.format", "max_tokens": "max_output_tokens", "messages": "input"}
+
+
+async def handle(request: web.Request) -> web.StreamResponse:
+    state = state_of(request)
+    body: ResponsesRequest = await read_body(request, DECODE)
+    rid = response_id()
+    store = state.responses
+    previous = body.previous_response_id
+    history = (store.history(previous) if previous is not None else []) + chat_messages(body.input)
+    session = store.claim(previous, rid) if body.store else None
+    reply = None
+    try:
+        try:
+            chat = msgspec.convert(chat_request(body, history, session), ChatCompletionRequest)
+            job = await prepare(state, chat, request, rid)
+        except msgspec.ValidationError as e:
+            raise _renamed(from_decode(e)) from None
+        except ApiError as e:
+            raise _renamed(e) from None
+        keep = (lambda output: store.put(rid, history + chat_messages(output), session)) if body.store else None
+        reply = ResponsesReply(rid, job, body, keep)
+        return await respond(request, state, job, reply, body.stream)
+    finally:
+        if body.store and (reply is None or not reply.finished):
+            store.give_back(session, rid, previous)
+
+
+def _renamed(error: ApiError) -> ApiError:
+    head = (error.param or "").split(".", 1)[0].split("[", 1)[0]
+    if head in _PARAMS:
+        error.param = _PARAMS[head] + (error.param or "")[len(head):]
+    return error
