@@ -6,36 +6,23 @@ from __future__ import annotations
 import asyncio
 import json
 
+import aiohttp
 import openai
 import pytest
 
 from agent_server import WEATHER, agent_model, reply, user  # noqa: F401 (fixtures)
-from http_daemon import serving
-from scripted_replies import ReplyScript, scripted
+from http_daemon import serving, sse_events
+from scripted_replies import recording
 
 FUNCTION = {"type": "function", **WEATHER["function"]}  # the Responses API's flat tool
 CALL_ITEM = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
 
 
-class Recording(ReplyScript):
-    """The scripted reply, keeping every sequence the backend samples after (the last one of a
-    one-token request is its whole prompt)."""
-
-    def __init__(self, tokenizer, reply):
-        super().__init__(tokenizer, reply)
-        self.sequences: list[list[int]] = []
-
-    def __call__(self, sequence):
-        self.sequences.append(list(sequence))
-        return super().__call__(sequence)
-
-
 @pytest.fixture
 async def served(agent_model):
-    backend = scripted(agent_model, reply)
-    script = backend.script = Recording(backend.script.tokenizer, reply)
+    backend, script = recording(agent_model, reply)
     async with serving(agent_model, backend, served_model_name=["tiny"], max_stored_responses=3) as d:
-        yield d, script
+        yield d, script, backend
 
 
 @pytest.fixture
@@ -103,9 +90,9 @@ async def test_named_tool_choice_and_max_output_tokens(oai):
 
 
 async def test_the_same_prompt_tokens_as_the_chat_twin(served, oai):
-    daemon, script = served
+    daemon, script, _ = served
     chat = openai.AsyncOpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0)
-    await chat.chat.completions.create(model="tiny", max_tokens=1, tools=[WEATHER], messages=[
+    twin = await chat.chat.completions.create(model="tiny", max_tokens=1, tools=[WEATHER], messages=[
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "weather?"},
         {"role": "assistant", "content": "Let me check.", "reasoning_content": "Look it up.",
@@ -113,15 +100,15 @@ async def test_the_same_prompt_tokens_as_the_chat_twin(served, oai):
                          "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ])
-    via_chat = script.sequences[-1]
-    await oai.responses.create(model="tiny", max_output_tokens=1, tools=[FUNCTION], instructions="Be brief.", input=[
+    via_chat = script.prompt(twin.usage.prompt_tokens)
+    done = await oai.responses.create(model="tiny", max_output_tokens=1, tools=[FUNCTION], instructions="Be brief.", input=[
         {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
         {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Look it up."}]},
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me check."}]},
         CALL_ITEM,
         {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
     ])
-    assert script.sequences[-1] == via_chat
+    assert done.usage.input_tokens == twin.usage.prompt_tokens and script.prompt(done.usage.input_tokens) == via_chat
 
 
 async def test_store_false_and_the_cap(oai):
@@ -198,3 +185,18 @@ async def test_previous_response_id_resumes_warm_and_branches_fall_back_to_the_p
         on = await client.responses.create(model="tiny", input="and then", max_output_tokens=3, temperature=0,
                                            previous_response_id=warm.id)
         assert on.usage.input_tokens_details.cached_tokens >= warm.usage.input_tokens
+
+
+async def test_a_failure_mid_stream_is_an_error_event(served):
+    daemon, _, backend = served
+    backend.fail = lambda kind, sessions, inputs: kind == "decode" and any(len(s.tokens) > 60 for s in sessions)
+    async with aiohttp.ClientSession() as http:
+        body = {"model": "tiny", "input": "go on", "stream": True, "max_output_tokens": 500}
+        async with http.post(daemon.url + "/v1/responses", json=body) as r:
+            assert r.status == 200
+            lines = await sse_events(r)
+    events = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+    assert events[:2] == ["response.created", "response.in_progress"] and events[-1] == "error"
+    error = json.loads(lines[-1].removeprefix("data: "))
+    assert error["type"] == "error" and error["code"] == "engine_error" and error["sequence_number"] == len(events) - 1
+    assert "[DONE]" not in "".join(lines)
