@@ -16,6 +16,7 @@ from typing import Any, Callable
 import msgspec
 
 from server.errors import ApiError
+from server.chat_output import ChatOutputParser
 from server.generation import Finished, Piece
 from server.protocol.responses import (
     ArgumentsDelta, ArgumentsDone, ContentPartAdded, ContentPartDone, ErrorEvent, Event, FunctionCallOut,
@@ -24,9 +25,9 @@ from server.protocol.responses import (
     ReasoningTextDone, Response, ResponseCompleted, ResponseCreated, ResponseIncomplete, ResponseInProgress,
     ResponsesRequest, ResponseUsage, sse,
 )
-from server.routes.common import Job
 from server.sse import EventStream
-from server.toolcalls.base import ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart
+from server.toolcalls.base import Event as ParserEvent
+from server.toolcalls.base import ReasoningDelta, ToolCallArguments, ToolCallStart
 
 
 def response_id() -> str:
@@ -68,10 +69,11 @@ class ResponsesReply:
 
     stream_type = ResponsesEventStream
 
-    def __init__(self, rid: str, job: Job, body: ResponsesRequest, keep: Callable[[list[dict[str, Any]]], None] | None):
-        self.rid, self.parser, self.keep = rid, job.parser, keep
+    def __init__(self, rid: str, model: str, parser: ChatOutputParser, body: ResponsesRequest,
+                 keep: Callable[[list[dict[str, Any]]], None] | None):
+        self.rid, self.parser, self.keep = rid, parser, keep
         self.response = Response(
-            id=rid, created_at=int(time.time()), model=job.model, status="in_progress", output=[],
+            id=rid, created_at=int(time.time()), model=model, status="in_progress", output=[],
             tools=[t for t in body.tools or () if t.get("type") == "function"],
             tool_choice=body.tool_choice or "auto",
             text={"format": msgspec.to_builtins(body.text.format) if body.text and body.text.format else {"type": "text"}},
@@ -112,28 +114,25 @@ class ResponsesReply:
     def whole(self) -> Response:
         return self.response
 
-    def _events(self, events) -> list[Event]:
+    def _events(self, events: list[ParserEvent]) -> list[Event]:
         out: list[Event] = []
         for event in events:
-            if isinstance(event, ReasoningDelta):
-                item = self._ensure("reasoning", out)
-                out.append(ReasoningTextDelta(item_id=item.id, output_index=item.index, content_index=0,
-                                              delta=event.text))
-            elif isinstance(event, TextDelta):
-                item = self._ensure("message", out)
-                out.append(OutputTextDelta(item_id=item.id, output_index=item.index, content_index=0,
-                                           delta=event.text))
-            elif isinstance(event, ToolCallStart):
+            if isinstance(event, ToolCallStart):
                 self._close(out)
-                self._open = _Open("function_call", len(self.response.output), _item_id("fc"), event.name, event.id)
-                out.append(OutputItemAdded(output_index=self._open.index, item=self._item(self._open, "in_progress")))
+                item = self._open = _Open("function_call", len(self.response.output), _item_id("fc"), event.name,
+                                          event.id)
+                out.append(OutputItemAdded(output_index=item.index, item=self._item(item, "in_progress")))
                 continue
-            elif isinstance(event, ToolCallArguments):
-                assert self._open is not None
-                out.append(ArgumentsDelta(item_id=self._open.id, output_index=self._open.index, delta=event.text))
+            if isinstance(event, ToolCallArguments):
+                item = self._open
+                assert item is not None and item.kind == "function_call"
+                out.append(ArgumentsDelta(item_id=item.id, output_index=item.index, delta=event.text))
             else:
-                continue
-            self._open.text.append(event.text)  # type: ignore[union-attr]
+                reasoning = isinstance(event, ReasoningDelta)
+                item = self._ensure("reasoning" if reasoning else "message", out)
+                delta = ReasoningTextDelta if reasoning else OutputTextDelta
+                out.append(delta(item_id=item.id, output_index=item.index, content_index=0, delta=event.text))
+            item.text.append(event.text)
         return out
 
     def _ensure(self, kind: str, out: list[Event]) -> _Open:

@@ -113,12 +113,12 @@ async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Req
         raise unsupported("response_format", f"response_format {body.response_format.type!r} is not supported yet")
     if body.top_logprobs and not body.logprobs:
         raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
-    model = state.model_name(body.model)
-    session = session_id(body.session_id, request.headers.get("X-Session-ID"))
     messages = [template_message(i, m) for i, m in enumerate(body.messages)]
     choice, tool_name = tool_choice_of(body.tool_choice, check_tools(body.tools))
     constraint = Constraint(body.tools, choice, tool_name, body.response_format)
+    model = state.model_name(body.model)
     tokenizer = state.require_ready()
+    session = session_id(body.session_id, request.headers.get("X-Session-ID"))
     config = state.config
     kwargs = body.chat_template_kwargs
     text = await tokenizer.render_chat(messages, body.tools, kwargs)

@@ -45,7 +45,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
         except ApiError as e:
             raise _renamed(e) from None
         keep = (lambda output: store.put(rid, history + chat_messages(output), session)) if body.store else None
-        reply = ResponsesReply(rid, job, body, keep)
+        reply = ResponsesReply(rid, job.model, job.parser, body, keep)
         return await respond(request, state, job, reply, body.stream)
     finally:
         if body.store and (reply is None or not reply.finished):
