@@ -6,7 +6,8 @@ through /v1/responses renders to the same prompt tokens as its chat twin:
 - message items → messages; text parts stay parts (the chat route joins them).
 - `function_call` items → the `tool_calls` of the assistant message just before
   them (or of a new one); `function_call_output` → `tool` messages.
-- `reasoning` items → `reasoning_content` of the next assistant message.
+- `reasoning` items → `reasoning_content` of the next assistant message (of an
+  empty one when nothing follows them).
 - function tools → chat's `{"type": "function", "function": {...}}` in OpenAI's
   key order; other tool types (web search, local shell ...) are dropped: nothing
   here runs them, and refusing them would stop the agent.
@@ -92,6 +93,8 @@ def chat_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         else:
             raise invalid(f"{where}.type", f"{where}: input items are messages, function_call, "
                           f"function_call_output or reasoning, got {kind!r}")
+    if reasoning:  # reasoning the turn ended on (a reply cut short while it thought)
+        assistant({"role": "assistant", "content": ""})
     return out
 
 

@@ -1,0 +1,69 @@
+"""The response store's bookkeeping (pure) and the Responses input → chat messages mapping."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.errors import ApiError
+from server.responses_api.store import ResponseStore
+from server.responses_api.translate import chat_messages
+
+
+def store(cap: int = 4) -> tuple[ResponseStore, list[str]]:
+    forgotten: list[str] = []
+    return ResponseStore(cap, forgotten.append), forgotten
+
+
+def test_a_conversation_stays_in_its_session_and_a_branch_runs_without_one():
+    responses, _ = store()
+    assert responses.claim(None, "a") == "resp-a"
+    responses.put("a", [{"role": "user", "content": "1"}], "resp-a")
+    assert responses.claim("a", "b") == "resp-a"  # b continues the head
+    assert responses.claim("a", "c") is None  # a second continuation of a, while b runs
+    responses.put("b", [], "resp-a")
+    assert responses.claim("a", "d") is None  # and after: the session holds b now
+    assert responses.claim("b", "e") == "resp-a"
+
+
+def test_a_failed_continuation_gives_the_head_back():
+    responses, forgotten = store()
+    responses.claim(None, "a")
+    responses.put("a", [], "resp-a")
+    assert responses.claim("a", "b") == "resp-a"
+    responses.give_back("resp-a", "b", "a")
+    assert responses.claim("a", "c") == "resp-a"
+    responses.claim(None, "x")
+    responses.give_back("resp-x", "x", None)  # a conversation that never got its first response
+    assert forgotten == ["resp-x"]
+
+
+def test_the_cap_drops_the_oldest_and_frees_a_session_it_heads():
+    responses, forgotten = store(cap=2)
+    for rid in ("a", "b", "c"):
+        responses.put(rid, [], responses.claim(None, rid))
+    assert len(responses) == 2 and forgotten == ["resp-a"]
+    with pytest.raises(ApiError) as caught:
+        responses.history("a")
+    assert (caught.value.status, caught.value.code) == (404, "previous_response_not_found")
+    responses.put("d", [], responses.claim("b", "d"))  # b's session moves on to d; dropping b keeps it
+    assert forgotten == ["resp-a"] and responses.claim("d", "e") == "resp-b"
+
+
+def test_input_items_map_onto_chat_messages():
+    items = [
+        {"role": "user", "content": "hi"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "think"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "one"},
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "cut"}]},
+    ]
+    assert chat_messages(items) == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "text", "text": "ok"}], "reasoning_content": "think",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                        {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "one"},
+        {"role": "assistant", "content": "", "reasoning_content": "cut"},
+    ]
