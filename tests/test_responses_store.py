@@ -14,39 +14,38 @@ def store(cap: int = 4) -> tuple[ResponseStore, list[str]]:
     return ResponseStore(cap, forgotten.append), forgotten
 
 
-def test_a_conversation_stays_in_its_session_and_a_branch_runs_without_one():
+def test_a_conversation_opens_its_session_at_its_first_continuation_and_a_branch_runs_without_one():
     responses, _ = store()
-    assert responses.claim(None, "a") == "resp-a"
-    responses.put("a", [{"role": "user", "content": "1"}], "resp-a")
-    assert responses.claim("a", "b") == "resp-a"  # b continues the head
+    responses.put("a", [{"role": "user", "content": "1"}], None)  # a first response runs without a session
+    assert responses.claim("a", "b") == "resp-b"  # b opens the conversation's session
     assert responses.claim("a", "c") is None  # a second continuation of a, while b runs
-    responses.put("b", [], "resp-a")
+    responses.put("b", [], "resp-b")
     assert responses.claim("a", "d") is None  # and after: the session holds b now
-    assert responses.claim("b", "e") == "resp-a"
+    assert responses.claim("b", "e") == "resp-b"
 
 
 def test_a_failed_continuation_gives_the_head_back():
-    responses, forgotten = store()
-    responses.claim(None, "a")
-    responses.put("a", [], "resp-a")
-    assert responses.claim("a", "b") == "resp-a"
-    responses.give_back("resp-a", "b", "a")
-    assert responses.claim("a", "c") == "resp-a"
-    responses.claim(None, "x")
-    responses.give_back("resp-x", "x", None)  # a conversation that never got its first response
-    assert forgotten == ["resp-x"]
+    responses, _ = store()
+    responses.put("a", [], None)
+    assert responses.claim("a", "b") == "resp-b"
+    responses.give_back("resp-b", "b", "a")
+    assert responses.claim("a", "c") == "resp-b"
 
 
 def test_the_cap_drops_the_oldest_and_frees_a_session_it_heads():
     responses, forgotten = store(cap=2)
-    for rid in ("a", "b", "c"):
-        responses.put(rid, [], responses.claim(None, rid))
-    assert len(responses) == 2 and forgotten == ["resp-a"]
+    responses.put("a", [], None)
+    responses.put("b", [], responses.claim("a", "b"))
+    responses.put("c", [], None)
+    assert len(responses) == 2 and forgotten == []  # a went; it headed no session
     with pytest.raises(ApiError) as caught:
         responses.history("a")
     assert (caught.value.status, caught.value.code) == (404, "previous_response_not_found")
-    responses.put("d", [], responses.claim("b", "d"))  # b's session moves on to d; dropping b keeps it
-    assert forgotten == ["resp-a"] and responses.claim("d", "e") == "resp-b"
+    responses.put("d", [], None)  # b goes, and the session it heads with it
+    assert forgotten == ["resp-b"]
+    responses.put("e", [], responses.claim("c", "e"))
+    responses.put("f", [], responses.claim("e", "f"))  # c and d go; c's session moved on to e, then f
+    assert forgotten == ["resp-b"] and responses.claim("f", "g") == "resp-e"
 
 
 def test_input_items_map_onto_chat_messages():

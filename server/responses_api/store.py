@@ -4,10 +4,13 @@ A stored response keeps its conversation as chat messages (everything before it
 and its own output, without the instructions, which OpenAI does not carry over).
 Continuing it renders that history plus the new input through the chat path.
 
-Warm resume rides on named sessions: a conversation's first response opens one
-(named after it), and each response that continues the response the session
-last ended on (its head) runs in it, so the engine computes only the new input.
-Rules:
+Warm resume rides on named sessions, opened only by conversations that use
+`previous_response_id` (an agent that resends its whole history each turn, as the
+Agents SDK does by default, keeps the prefix cache: a named session that starts
+cold is not offered it). Rules:
+- the first continuation of a response opens a session, named after itself;
+  each response that continues the response the session last ended on (its
+  head) runs in it, so the engine computes only the new input;
 - one continuation per head: a second request continuing the same response, at
   once or later, runs without a session and finds its prefix in the prefix
   cache instead (never a 409);
@@ -28,7 +31,7 @@ from server.errors import ApiError
 @dataclass
 class Stored:
     messages: list[dict[str, Any]]
-    session: str | None  # the named session that ran it
+    session: str | None  # the named session of its conversation, once one is open
 
 
 class ResponseStore:
@@ -48,25 +51,20 @@ class ResponseStore:
                            code="previous_response_not_found", param="previous_response_id")
         return stored.messages
 
-    def claim(self, previous: str | None, response_id: str) -> str | None:
-        """The session `response_id` runs in: its conversation's, if `previous` is that session's head."""
-        if previous is None:
-            session = "resp-" + response_id
-        else:
-            session = self._responses[previous].session
-            if session is None or self._heads.get(session) != previous:
-                return None
-        self._heads[session] = response_id
-        return session
+    def claim(self, previous: str, response_id: str) -> str | None:
+        """The session `response_id`, continuing `previous`, runs in; None: run without one."""
+        stored = self._responses[previous]
+        if stored.session is None:  # the conversation's first continuation opens its session
+            stored.session = "resp-" + response_id
+        elif self._heads.get(stored.session) != previous:
+            return None
+        self._heads[stored.session] = response_id
+        return stored.session
 
-    def give_back(self, session: str | None, response_id: str, previous: str | None) -> None:
+    def give_back(self, session: str, response_id: str, previous: str) -> None:
         """`response_id` ended without being stored: its session's head is `previous` again."""
-        if session is not None and self._heads.get(session) == response_id:
-            if previous is None:
-                del self._heads[session]
-                self.forget_session(session)
-            else:
-                self._heads[session] = previous
+        if self._heads.get(session) == response_id:
+            self._heads[session] = previous
 
     def put(self, response_id: str, messages: list[dict[str, Any]], session: str | None) -> None:
         self._responses[response_id] = Stored(messages, session)

@@ -34,7 +34,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
     store = state.responses
     previous = body.previous_response_id
     history = (store.history(previous) if previous is not None else []) + chat_messages(body.input)
-    session = store.claim(previous, rid) if body.store else None
+    session = store.claim(previous, rid) if body.store and previous is not None else None
     reply = None
     try:
         try:
@@ -48,7 +48,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
         reply = ResponsesReply(rid, job.model, job.parser, body, keep)
         return await respond(request, state, job, reply, body.stream)
     finally:
-        if body.store and (reply is None or not reply.finished):
+        if session is not None and (reply is None or not reply.finished):
             store.give_back(session, rid, previous)
 
 
