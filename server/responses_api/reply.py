@@ -65,13 +65,14 @@ class _Open:
 
 
 class ResponsesReply:
-    """`keep(output_items)` stores the response, once it is complete, before its last event is sent."""
+    """A Responses reply. `keep(output_items)` stores the response once it is complete, before its
+    last event is sent, so a client may continue it the moment it reads that event."""
 
     stream_type = ResponsesEventStream
 
     def __init__(self, rid: str, model: str, parser: ChatOutputParser, body: ResponsesRequest,
                  keep: Callable[[list[dict[str, Any]]], None] | None):
-        self.rid, self.parser, self.keep = rid, parser, keep
+        self.parser, self.keep = parser, keep
         self.response = Response(
             id=rid, created_at=int(time.time()), model=model, status="in_progress", output=[],
             tools=[t for t in body.tools or () if t.get("type") == "function"],
