@@ -159,6 +159,11 @@ async def test_openai_agents_sdk_round_trip(served):
     async for _ in streamed.stream_events():
         pass
     assert calls == ["Paris", "Paris"] and streamed.final_output == "It is sunny in Paris."
+    # chained by the server: each request after the first sends only its new items
+    chained = await agents.Runner.run(agent, "weather?", auto_previous_response_id=True)
+    assert calls == ["Paris"] * 3 and chained.final_output == "It is sunny in Paris."
+    follow = await agents.Runner.run(agent, "say stop", previous_response_id=chained.last_response_id)
+    assert follow.final_output == "one two STOP three"
 
 
 LONG = "the capital of France is a city where many people live and work every day " * 4
