@@ -94,6 +94,8 @@ def build_app(state: AppState) -> web.Application:
     app.router.add_post("/v1/completions", completions.handle)
     app.router.add_post(messages.PATH, messages.handle)
     app.router.add_post(responses.PATH, responses.handle)
+    app.router.add_get(responses.PATH + "/{response_id}", responses.retrieve)
+    app.router.add_delete(responses.PATH + "/{response_id}", responses.delete)
     app.router.add_post(messages.PATH + "/count_tokens", messages.count_tokens)
     app.router.add_get("/v1/models", models.list_models)
     app.router.add_get("/health", models.health)

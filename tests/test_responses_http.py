@@ -111,7 +111,7 @@ async def test_the_same_prompt_tokens_as_the_chat_twin(served, oai):
     assert done.usage.input_tokens == twin.usage.prompt_tokens and script.prompt(done.usage.input_tokens) == via_chat
 
 
-async def test_store_false_and_the_cap(oai):
+async def test_store_false_the_cap_retrieve_and_delete(oai):
     unstored = await oai.responses.create(model="tiny", input="hello", store=False)
     with pytest.raises(openai.NotFoundError) as caught:
         await oai.responses.create(model="tiny", input="again", previous_response_id=unstored.id)
@@ -121,6 +121,11 @@ async def test_store_false_and_the_cap(oai):
         await oai.responses.create(model="tiny", input="next", previous_response_id=kept[0].id)
     later = await oai.responses.create(model="tiny", input="next", previous_response_id=kept[-1].id)
     assert later.status == "completed"
+    assert (await oai.responses.retrieve(later.id)).model_dump() == later.model_dump()
+    await oai.responses.delete(later.id)
+    with pytest.raises(openai.NotFoundError) as caught:
+        await oai.responses.retrieve(later.id)
+    assert caught.value.body["code"] == "response_not_found"
 
 
 async def test_bad_input_is_a_400_naming_the_field(oai):

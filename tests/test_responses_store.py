@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 
 from server.errors import ApiError
+from server.protocol.responses import Response
 from server.responses_api.store import ResponseStore
 from server.responses_api.translate import chat_messages
+
+
+def made(rid: str) -> Response:
+    return Response(id=rid, created_at=0, model="m", status="completed", output=[], tools=[], tool_choice="auto",
+                    text={}, parallel_tool_calls=True, store=True)
 
 
 def store(cap: int = 4) -> tuple[ResponseStore, list[str]]:
@@ -16,17 +22,17 @@ def store(cap: int = 4) -> tuple[ResponseStore, list[str]]:
 
 def test_a_conversation_opens_its_session_at_its_first_continuation_and_a_branch_runs_without_one():
     responses, _ = store()
-    responses.put("a", [{"role": "user", "content": "1"}], None)  # a first response runs without a session
+    responses.put(made("a"), [{"role": "user", "content": "1"}], None)  # a first response runs without a session
     assert responses.claim("a", "b") == "resp-b"  # b opens the conversation's session
     assert responses.claim("a", "c") is None  # a second continuation of a, while b runs
-    responses.put("b", [], "resp-b")
+    responses.put(made("b"), [], "resp-b")
     assert responses.claim("a", "d") is None  # and after: the session holds b now
     assert responses.claim("b", "e") == "resp-b"
 
 
 def test_a_failed_continuation_gives_the_head_back():
     responses, _ = store()
-    responses.put("a", [], None)
+    responses.put(made("a"), [], None)
     assert responses.claim("a", "b") == "resp-b"
     responses.give_back("resp-b", "b", "a")
     assert responses.claim("a", "c") == "resp-b"
@@ -34,18 +40,24 @@ def test_a_failed_continuation_gives_the_head_back():
 
 def test_the_cap_drops_the_oldest_and_frees_a_session_it_heads():
     responses, forgotten = store(cap=2)
-    responses.put("a", [], None)
-    responses.put("b", [], responses.claim("a", "b"))
-    responses.put("c", [], None)
+    responses.put(made("a"), [], None)
+    responses.put(made("b"), [], responses.claim("a", "b"))
+    responses.put(made("c"), [], None)
     assert len(responses) == 2 and forgotten == []  # a went; it headed no session
     with pytest.raises(ApiError) as caught:
         responses.history("a")
     assert (caught.value.status, caught.value.code) == (404, "previous_response_not_found")
-    responses.put("d", [], None)  # b goes, and the session it heads with it
+    responses.put(made("d"), [], None)  # b goes, and the session it heads with it
     assert forgotten == ["resp-b"]
-    responses.put("e", [], responses.claim("c", "e"))
-    responses.put("f", [], responses.claim("e", "f"))  # c and d go; c's session moved on to e, then f
+    responses.put(made("e"), [], responses.claim("c", "e"))
+    responses.put(made("f"), [], responses.claim("e", "f"))  # c and d go; c's session moved on to e, then f
     assert forgotten == ["resp-b"] and responses.claim("f", "g") == "resp-e"
+    responses.give_back("resp-e", "g", "f")
+    responses.delete("f")  # deleting a head frees its session too
+    assert forgotten == ["resp-b", "resp-e"] and responses.get("e").response.id == "e"
+    with pytest.raises(ApiError) as caught:
+        responses.get("f")
+    assert (caught.value.status, caught.value.code) == (404, "response_not_found")
 
 
 def test_input_items_map_onto_chat_messages():

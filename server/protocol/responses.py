@@ -157,6 +157,12 @@ class Response(Struct, kw_only=True):
     object: str = "response"
 
 
+class ResponseDeleted(Struct):
+    id: str
+    object: str = "response"
+    deleted: bool = True
+
+
 # ---- stream events --------------------------------------------------------
 # `sequence_number` is set by the stream as it sends each event (responses_api/reply.py).
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Callable
+from typing import Callable
 
 import msgspec
 
@@ -65,13 +65,13 @@ class _Open:
 
 
 class ResponsesReply:
-    """A Responses reply. `keep(output_items)` stores the response once it is complete, before its
+    """A Responses reply. `keep(response)` stores the response once it is complete, before its
     last event is sent, so a client may continue it the moment it reads that event."""
 
     stream_type = ResponsesEventStream
 
     def __init__(self, rid: str, model: str, parser: ChatOutputParser, body: ResponsesRequest,
-                 keep: Callable[[list[dict[str, Any]]], None] | None):
+                 keep: Callable[[Response], None] | None):
         self.parser, self.keep = parser, keep
         self.response = Response(
             id=rid, created_at=int(time.time()), model=model, status="in_progress", output=[],
@@ -107,7 +107,7 @@ class ResponsesReply:
         else:
             self.response.status = "completed"
         if self.keep is not None:
-            self.keep(msgspec.to_builtins(self.response.output))
+            self.keep(self.response)
         self.finished = True
         last = ResponseCompleted if self.response.status == "completed" else ResponseIncomplete
         return out + [last(response=self.response)]

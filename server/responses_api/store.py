@@ -15,8 +15,8 @@ cold is not offered it). Rules:
   once or later, runs without a session and finds its prefix in the prefix
   cache instead (never a 409);
 - a continuation that fails or is cut off gives the head back;
-- a response dropped past the cap that is still its session's head takes the
-  session with it (its KV state is freed).
+- a response dropped past the cap or deleted that is still its session's head
+  takes the session with it (its KV state is freed).
 """
 
 from __future__ import annotations
@@ -26,10 +26,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from server.errors import ApiError
+from server.protocol.responses import Response
 
 
 @dataclass
 class Stored:
+    response: Response  # as the client got it, for GET /v1/responses/{id}
     messages: list[dict[str, Any]]
     session: str | None  # the named session of its conversation, once one is open
 
@@ -44,12 +46,15 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._responses)
 
-    def history(self, response_id: str) -> list[dict[str, Any]]:
+    def get(self, response_id: str, param: str = "response_id") -> Stored:
         stored = self._responses.get(response_id)
         if stored is None:
-            raise ApiError(404, f"previous response with id {response_id!r} not found",
-                           code="previous_response_not_found", param="previous_response_id")
-        return stored.messages
+            raise ApiError(404, f"no stored response with id {response_id!r}", code="previous_response_not_found"
+                           if param == "previous_response_id" else "response_not_found", param=param)
+        return stored
+
+    def history(self, response_id: str) -> list[dict[str, Any]]:
+        return self.get(response_id, "previous_response_id").messages
 
     def claim(self, previous: str, response_id: str) -> str | None:
         """The session `response_id`, continuing `previous`, runs in; None: run without one."""
@@ -66,10 +71,16 @@ class ResponseStore:
         if self._heads.get(session) == response_id:
             self._heads[session] = previous
 
-    def put(self, response_id: str, messages: list[dict[str, Any]], session: str | None) -> None:
-        self._responses[response_id] = Stored(messages, session)
+    def put(self, response: Response, messages: list[dict[str, Any]], session: str | None) -> None:
+        self._responses[response.id] = Stored(response, messages, session)
         while len(self._responses) > self.max_responses:
-            old_id, old = self._responses.popitem(last=False)
-            if old.session is not None and self._heads.get(old.session) == old_id:
-                del self._heads[old.session]
-                self.forget_session(old.session)
+            self._drop(*self._responses.popitem(last=False))
+
+    def delete(self, response_id: str) -> None:
+        self.get(response_id)
+        self._drop(response_id, self._responses.pop(response_id))
+
+    def _drop(self, response_id: str, stored: Stored) -> None:
+        if stored.session is not None and self._heads.get(stored.session) == response_id:
+            del self._heads[stored.session]
+            self.forget_session(stored.session)

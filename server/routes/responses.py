@@ -5,6 +5,7 @@ A Responses body is translated into the chat request it means
 in front of its input, and prepared by the chat route's `prepare`: the same
 prompt tokens, prefix cache and active reuse as its chat twin. Stored responses
 and the named sessions that keep conversations warm: responses_api/store.py.
+GET and DELETE /v1/responses/{id} read and drop a stored response.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from aiohttp import web
 
 from server.errors import ApiError, from_decode
 from server.protocol.openai import ChatCompletionRequest
-from server.protocol.responses import ResponsesRequest
+from server.protocol.responses import Response, ResponseDeleted, ResponsesRequest
 from server.responses_api.reply import ResponsesReply, response_id
 from server.responses_api.translate import chat_messages, chat_request
 from server.routes.chat import prepare
-from server.routes.common import decoder, read_body, respond
+from server.routes.common import decoder, json_response, read_body, respond
 from server.state import state_of
 
 PATH = "/v1/responses"
@@ -44,12 +45,25 @@ async def handle(request: web.Request) -> web.StreamResponse:
             raise _renamed(from_decode(e)) from None
         except ApiError as e:
             raise _renamed(e) from None
-        keep = (lambda output: store.put(rid, history + chat_messages(output), session)) if body.store else None
-        reply = ResponsesReply(rid, job.model, job.parser, body, keep)
+
+        def keep(response: Response) -> None:
+            store.put(response, history + chat_messages(msgspec.to_builtins(response.output)), session)
+
+        reply = ResponsesReply(rid, job.model, job.parser, body, keep if body.store else None)
         return await respond(request, state, job, reply, body.stream)
     finally:
         if session is not None and (reply is None or not reply.finished):
             store.give_back(session, rid, previous)
+
+
+async def retrieve(request: web.Request) -> web.Response:
+    return json_response(state_of(request).responses.get(request.match_info["response_id"]).response)
+
+
+async def delete(request: web.Request) -> web.Response:
+    rid = request.match_info["response_id"]
+    state_of(request).responses.delete(rid)
+    return json_response(ResponseDeleted(rid))
 
 
 def _renamed(error: ApiError) -> ApiError:
