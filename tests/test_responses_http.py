@@ -195,3 +195,18 @@ async def test_previous_response_id_resumes_warm_and_branches_fall_back_to_the_p
         # the conversation's own line is still warm
         on = await turn("and then", warm.id)
         assert on.usage.input_tokens_details.cached_tokens >= warm.usage.input_tokens
+
+
+async def test_a_failure_mid_stream_is_an_error_event(served):
+    daemon, _, backend = served
+    backend.fail = lambda kind, sessions, inputs: kind == "decode" and any(len(s.tokens) > 60 for s in sessions)
+    async with aiohttp.ClientSession() as http:
+        body = {"model": "tiny", "input": "go on", "stream": True, "max_output_tokens": 500}
+        async with http.post(daemon.url + "/v1/responses", json=body) as r:
+            assert r.status == 200
+            lines = await sse_events(r)
+    events = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+    assert events[:2] == ["response.created", "response.in_progress"] and events[-1] == "error"
+    error = json.loads(lines[-1].removeprefix("data: "))
+    assert error["type"] == "error" and error["code"] == "engine_error" and error["sequence_number"] == len(events) - 1
+    assert "[DONE]" not in "".join(lines)
