@@ -18,7 +18,7 @@ from aiohttp import web
 from server.engine.api import EngineError
 from server.errors import ApiError, from_engine
 from server.protocol.anthropic import error_body
-from server.routes import chat, completions, messages, models, sessions
+from server.routes import chat, completions, messages, models, responses, sessions
 from server.routes.common import json_response
 from server.sse import CLIENT_GONE
 from server.state import STATE, AppState
@@ -93,6 +93,9 @@ def build_app(state: AppState) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat.handle)
     app.router.add_post("/v1/completions", completions.handle)
     app.router.add_post(messages.PATH, messages.handle)
+    app.router.add_post(responses.PATH, responses.handle)
+    app.router.add_get(responses.PATH + "/{response_id}", responses.retrieve)
+    app.router.add_delete(responses.PATH + "/{response_id}", responses.delete)
     app.router.add_post(messages.PATH + "/count_tokens", messages.count_tokens)
     app.router.add_get("/v1/models", models.list_models)
     app.router.add_get("/health", models.health)

@@ -41,5 +41,7 @@ class ServerConfig:
     log_level: str = setting("info", "log verbosity", choices=LOG_LEVELS)
     tool_parser: str = setting("auto", "tool-call format to parse from replies (auto: the one the chat template "
                                "teaches; none: never parse)", choices=TOOL_PARSER_CHOICES)
+    max_stored_responses: int = setting(1024, "responses kept for previous_response_id (/v1/responses), oldest "
+                                        "out first", check=at_least(1))
     reasoning_parser: str = setting("auto", "split <think> reasoning from content (auto: when the chat template "
                                     "uses <think>)", choices=("auto", "none", "think"))

@@ -55,6 +55,10 @@ class EventStream:
     async def send(self, body) -> None:
         await self.write(b"data: " + encoder.encode(body) + b"\n\n")
 
+    async def send_all(self, bodies: list) -> None:
+        for body in bodies:
+            await self.send(body)
+
     async def send_error(self, error: ApiError) -> None:
         await self.send(error.body())
 

@@ -9,8 +9,10 @@ from typing import Any
 from aiohttp import web
 
 from server.config import ServerConfig
+from server.engine.api import EngineError
 from server.errors import ApiError
 from server.metrics import Registry
+from server.responses_api.store import ResponseStore
 from server.text.tokenizer import PromptTokenizer
 
 
@@ -22,6 +24,17 @@ class AppState:
     registry: Registry
     tokenizer: PromptTokenizer | None = None  # set once loaded
     created: int = field(default_factory=lambda: int(time.time()))
+    responses: ResponseStore = field(init=False)  # for /v1/responses' previous_response_id
+
+    def __post_init__(self) -> None:
+        self.responses = ResponseStore(self.config.max_stored_responses, self._forget_session)
+
+    def _forget_session(self, name: str) -> None:
+        """Free a named session's KV state; one still running is left to the engine's LRU."""
+        try:
+            self.engine.delete_session(name)
+        except EngineError:
+            pass
 
     def model_name(self, requested: str | None) -> str:
         """The name to answer with; 404 model_not_found for a name we do not serve."""

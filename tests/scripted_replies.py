@@ -36,3 +36,30 @@ def scripted(model_folder: str, reply: Callable[[str], str], **backend) -> Scrip
     from transformers import AutoTokenizer
 
     return ScriptedBackend(script=ReplyScript(AutoTokenizer.from_pretrained(model_folder), reply), **backend)
+
+
+class RecordingScript(ReplyScript):
+    """The same replies, keeping every sequence the backend samples after (a request's first one,
+    once its prefill is done, is its whole prompt)."""
+
+    def __init__(self, tokenizer, reply: Callable[[str], str]):
+        super().__init__(tokenizer, reply)
+        self.sequences: list[list[int]] = []
+
+    def __call__(self, sequence: Sequence[int]) -> int:
+        self.sequences.append(list(sequence))
+        return super().__call__(sequence)
+
+    def prompt(self, length: int) -> list[int]:
+        """The latest prompt of `length` tokens (a request's `usage.prompt_tokens`)."""
+        return next(s for s in reversed(self.sequences) if len(s) == length)
+
+    def prompt_text(self, length: int) -> str:
+        return self.tokenizer.decode(self.prompt(length), skip_special_tokens=False)
+
+
+def recording(model_folder: str, reply: Callable[[str], str], **backend) -> tuple[ScriptedBackend, RecordingScript]:
+    from transformers import AutoTokenizer
+
+    script = RecordingScript(AutoTokenizer.from_pretrained(model_folder), reply)
+    return ScriptedBackend(script=script, **backend), script

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import openai
 import pytest
 
-from agent_server import REPLIES, WEATHER, agent_model, daemon, oai, reply, user  # noqa: F401 (fixtures)
+from agent_server import CLAUDE_TOOL, REPLIES, WEATHER, agent_model, daemon, oai, reply, user  # noqa: F401 (fixtures)
 from http_daemon import serving
-from scripted_replies import scripted
+from scripted_replies import recording, scripted
 from server.cli import serve_parser
 from server.config import ServerConfig
 from server.settings import from_args
@@ -160,3 +161,38 @@ def test_tool_parser_flag():
     with pytest.raises(SystemExit) as caught:
         serve_parser().parse_args(["--tool-parser", "xml"])
     assert caught.value.code == 2
+
+
+async def test_a_template_without_tools_gets_the_hermes_block(tiny_model_dir):
+    """The tiny model's ChatML template renders no tools (as SmolLM2's): the tools go into a system
+    block in Hermes' words, past calls and results are written as Hermes markup, replies parse as
+    Hermes calls, and tool_choice is kept (through /v1/messages too)."""
+    model = tiny_model_dir("llama")
+    backend, script = recording(model, reply)
+    async with (serving(model, backend, served_model_name=["tiny"]) as d,
+                openai.AsyncOpenAI(base_url=d.url + "/v1", api_key="unused", max_retries=0) as client):
+        plain = await client.chat.completions.create(model="tiny", messages=user("weather?"), max_tokens=1)
+        assert "<tools>" not in script.prompt_text(plain.usage.prompt_tokens)
+        done = await client.chat.completions.create(model="tiny", messages=user("weather?"), tools=[WEATHER])
+        (call,) = done.choices[0].message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+        assert done.choices[0].message.content == "Let me check." and done.usage.prompt_tokens > plain.usage.prompt_tokens
+        forced = await client.chat.completions.create(model="tiny", messages=user("forced"), tools=[WEATHER],
+                                                      tool_choice={"type": "function",
+                                                                   "function": {"name": "get_weather"}})
+        assert forced.choices[0].finish_reason == "tool_calls"
+        assert script.prompt_text(forced.usage.prompt_tokens).endswith('<tool_call>\n{"name": "get_weather", "arguments": ')
+        history = user("weather?") + [done.choices[0].message.model_dump(exclude_none=True),
+                                      {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        second = await client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER])
+        assert second.choices[0].message.content == "It is sunny in Paris."
+        text = script.prompt_text(second.usage.prompt_tokens)
+        claude = anthropic.AsyncAnthropic(base_url=d.url, api_key="unused", max_retries=0)
+        used = await claude.messages.create(model="tiny", max_tokens=100, messages=user("forced"), tools=[CLAUDE_TOOL],
+                                            tool_choice={"type": "tool", "name": "get_weather"})
+        assert [(b.type, b.name, b.input) for b in used.content] == [("tool_use", "get_weather", {"city": "Paris"})]
+    tools_json = json.dumps(WEATHER, ensure_ascii=False)
+    assert text.startswith("<|im_start|>system\n# Tools\n") and f"<tools>\n{tools_json}\n</tools>" in text
+    assert ('<|im_start|>assistant\nLet me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Paris"}}\n</tool_call><|im_end|>') in text
+    assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>" in text

@@ -202,3 +202,27 @@ async def test_health_is_503_once_the_runner_has_died(tiny_model_dir, http):
         error = await expect(http, "GET", d.url + "/health", 503, "not_ready")
         assert "stopped" in error["message"]
         await expect(http, "POST", d.url + CHAT, 503, "not_ready", json=chat_body())
+
+
+async def test_no_responses_input_yields_a_500(daemon, http):
+    rng = random.Random(1)
+    values = [None, True, -1, 0, 1.5, 10**30, "", "x", [], [1, "a"], {}, {"a": 1}, "\ud800", [[]], [{}],
+              [{"type": "message"}], [{"role": "user", "content": [{"type": "input_text"}]}],
+              [{"type": "function_call", "call_id": 1}], [{"type": "function_call_output", "call_id": "c"}],
+              [{"type": "reasoning", "summary": "x"}], {"format": {"type": "json_schema"}}, {"format": 1},
+              [{"type": "function"}], [{"type": "function", "name": 3}], {"type": "function"}, "resp_nope"]
+    fields = ["input", "model", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature",
+              "top_p", "text", "previous_response_id", "store", "stream", "parallel_tool_calls", "metadata"]
+    good = {"input": "the capital of France", "max_output_tokens": 1, "temperature": 0}
+    bodies: list[bytes] = [b"null", b"[]", b'"x"', b"{}", b"\xff\xfe\x00", b'{"input": 1}']
+    for _ in range(200):
+        body = dict(good)
+        for field in rng.sample(fields, rng.randint(1, 3)):
+            body[field] = rng.choice(values)
+        bodies.append(json.dumps(body).encode())
+    for data in bodies:
+        async with http.post(daemon.url + "/v1/responses", data=data, headers={"Content-Type": "application/json"}) as r:
+            text = await r.text()
+            assert r.status < 500, (data[:200], text)
+            if r.status >= 400:
+                await error_of(r)

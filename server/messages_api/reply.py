@@ -1,6 +1,7 @@
 """Chat output as Anthropic Messages replies: whole, or as the stream of events.
 
-`MessageStream` turns the output parser's events into Anthropic's: a content
+`MessagesReply` is the route's reply (see routes/common.py): `MessageStream`
+turns the output parser's events into Anthropic's: a content
 block opens when the kind of output changes (thinking, text, one per tool call),
 and closes before the next one opens, so block indices follow output order.
 """
@@ -10,7 +11,9 @@ from __future__ import annotations
 import json
 import uuid
 
-from server.chat_output import ChatOutput
+from server.chat_output import ChatOutput, ChatOutputParser, collect
+from server.errors import ApiError
+from server.generation import Finished, Piece
 from server.protocol.anthropic import (
     ContentBlockDelta,
     ContentBlockStart,
@@ -30,7 +33,11 @@ from server.protocol.anthropic import (
     ThinkingOut,
     ToolUseOut,
     Usage,
+    error_reply,
+    Ping,
+    sse,
 )
+from server.sse import EventStream
 from server.toolcalls.base import Event, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart
 
 
@@ -123,3 +130,55 @@ class MessageStream:
         if self._open is not None:
             out.append(ContentBlockStop(self._index))
             self._open = None
+
+
+class MessagesEventStream(EventStream):
+    """Anthropic's SSE framing: `event:` + `data:` per event, pings as keep-alives, no [DONE]."""
+
+    async def send(self, event) -> None:
+        await self.write(sse(event))
+
+    async def send_error(self, error: ApiError) -> None:
+        await self.send(error_reply(error.status, error.message))
+
+    async def keep_alive(self) -> None:
+        await self.send(Ping())
+
+    async def finish(self) -> None:
+        await self.response.write_eof()
+
+
+class MessagesReply:
+    """A Messages reply: the stream's events as the parser releases output, or one body at the end."""
+
+    stream_type = MessagesEventStream
+
+    def __init__(self, id: str, model: str, prompt_tokens: int, parser: ChatOutputParser):
+        self.id, self.model, self.prompt_tokens, self.parser = id, model, prompt_tokens, parser
+        self.stream = MessageStream(id, model)
+        self.events: list[Event] = []
+        self.done: Finished | None = None
+
+    def start(self) -> list[StreamEvent]:
+        return self.stream.start(self.prompt_tokens)
+
+    def piece(self, piece: Piece) -> list[StreamEvent]:
+        events = self.parser.feed(piece.text)
+        self.events += events
+        return self.stream.events(events)
+
+    def finish(self, done: Finished) -> list[StreamEvent]:
+        self.done = done
+        events = self.parser.finish()
+        self.events += events
+        return self.stream.events(events) + self.stream.finish(done.finish_reason, done.stop_string, self._usage())
+
+    def whole(self) -> MessageReply:
+        assert self.done is not None
+        return message_reply(self.id, self.model, collect(self.events), self.done.finish_reason,
+                             self.done.stop_string, self._usage())
+
+    def _usage(self) -> Usage:
+        assert self.done is not None
+        used = self.done.usage
+        return usage(used.prompt_tokens, used.reused_tokens, used.generated_tokens)

@@ -1,37 +1,91 @@
 """POST /v1/chat/completions.
 
 `prepare` is the one path from a chat request to prompt tokens and an output
-parser; the Anthropic route (routes/messages.py) translates its body into a
-chat request and takes the same path, so both get the same tokens and reuse.
+parser; the Anthropic and Responses routes translate their bodies into a chat
+request and take the same path, so every API gets the same tokens and reuse.
+Tools: checking tools and tool_choice, feeding past calls back to templates
+(or, for templates that render no tools, the Hermes block: toolcalls/hermes.py),
+and saying parsed output in OpenAI's message and delta shapes.
 """
 
 from __future__ import annotations
 
+import json
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from aiohttp import web
 
-from server.chat_output import ChatOutputParser, collect, output_parser
-from server.engine.api import GenerateRequest, TokenEvent
+from server.chat_output import ChatOutput, collect, output_parser
+from server.engine.api import TokenEvent
 from server.errors import ApiError, invalid, unsupported
-from server.generation import Finished, KeepAlive, Piece, generation
+from server.generation import Finished, Piece
 from server.protocol.openai import (
-    ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
-    ChoiceLogprobs, ChunkChoice, Delta, TokenLogprob, TopLogprob,
+    AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
+    ChoiceLogprobs, ChunkChoice, Delta, FunctionCall, FunctionDelta, TokenLogprob, ToolCallDelta, ToolCallOut,
+    TopLogprob,
 )
-from server.routes.chat_tools import (
-    assistant_message, check_tools, deltas, finish_reason, template_tool_calls, tool_choice_of,
-)
-from server.routes.common import decoder, json_response, read_body, usage_info
+from server.routes.common import Constraint, Job, decoder, read_body, respond, usage_info
 from server.sampling import check_supported, generate_request, request_id, session_id, stop_strings
 from server.sse import EventStream
 from server.state import AppState, state_of
 from server.text.tokenizer import PromptTokenizer
-from server.toolcalls.base import openai_call_id
+from server.toolcalls import resolve_tool_parser
+from server.toolcalls.base import Event, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart, openai_call_id
+from server.toolcalls.hermes import with_tools_block
 
 DECODE = decoder(ChatCompletionRequest)
+
+
+def check_tools(tools: list[dict[str, Any]] | None) -> list[str]:
+    """The function names offered; 400 naming the tool that is not a function with a name."""
+    names = []
+    for i, tool in enumerate(tools or ()):
+        function = tool.get("function")
+        named = isinstance(function, dict) and isinstance(function.get("name"), str)
+        if tool.get("type") != "function" or not named:
+            raise invalid(f"tools[{i}]", 'a tool is {"type": "function", "function": {"name": ..., "parameters": ...}}')
+        names.append(function["name"])
+    return names
+
+
+def tool_choice_of(choice: str | dict[str, Any] | None, names: list[str]) -> tuple[str, str | None]:
+    """(auto | none | required | function, the named function)."""
+    if choice is None:
+        return "auto", None
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise invalid("tool_choice", f"tool_choice is auto, none, required or a function, got {choice!r}")
+        if choice == "required" and not names:
+            raise invalid("tool_choice", "tool_choice 'required' needs tools")
+        return choice, None
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise invalid("tool_choice", 'a named tool_choice is {"type": "function", "function": {"name": ...}}')
+    if name not in names:
+        raise invalid("tool_choice", f"tool_choice names {name!r}, which is not among the tools")
+    return "function", name
+
+
+def template_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Calls as templates read them: JSON-object arguments as objects.
+
+    OpenAI clients send arguments as JSON text, but many templates render them
+    with `tojson` (Llama 3, Qwen2.5): text would come out quoted twice.
+    """
+    out = []
+    for call in calls:
+        function = call.get("function")
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                arguments = json.loads(function["arguments"])
+            except ValueError:
+                arguments = None
+            if isinstance(arguments, dict):
+                call = {**call, "function": {**function, "arguments": arguments}}
+        out.append(call)
+    return out
 
 
 def template_message(index: int, message: ChatMessage) -> dict[str, Any]:
@@ -52,6 +106,52 @@ def template_message(index: int, message: ChatMessage) -> dict[str, Any]:
     return out
 
 
+async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Request, rid: str,
+                  make_call_id: Callable[[], str] = openai_call_id) -> Job:
+    check_supported(body)
+    if body.response_format is not None and body.response_format.type != "text":
+        raise unsupported("response_format", f"response_format {body.response_format.type!r} is not supported yet")
+    if body.top_logprobs and not body.logprobs:
+        raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
+    messages = [template_message(i, m) for i, m in enumerate(body.messages)]
+    choice, tool_name = tool_choice_of(body.tool_choice, check_tools(body.tools))
+    constraint = Constraint(body.tools, choice, tool_name, body.response_format)
+    model = state.model_name(body.model)
+    tokenizer = state.require_ready()
+    session = session_id(body.session_id, request.headers.get("X-Session-ID"))
+    config = state.config
+    kwargs = body.chat_template_kwargs
+    text = await tokenizer.render_chat(messages, body.tools, kwargs)
+    tool_format = config.tool_parser
+    if body.tools and tool_format == "auto" and resolve_tool_parser("auto", tokenizer.chat_template) is None:
+        # A template that teaches no tool format may still render tools its own way; only one that
+        # renders none at all (the text is the same without them) gets the Hermes block.
+        if text == await tokenizer.render_chat(messages, None, kwargs):
+            text = await tokenizer.render_chat(with_tools_block(messages, body.tools), None, kwargs)
+            tool_format = "hermes"
+    parser = output_parser(tool_format, config.reasoning_parser, tokenizer.chat_template, text, body.tools,
+                           choice, tool_name, make_call_id)
+    prompt = await tokenizer.encode_rendered(text)
+    if parser.prompt_suffix:  # encoded on its own: the prompt before it keeps the tokens other turns share
+        prompt += await tokenizer.encode_rendered(parser.prompt_suffix)
+    generate = generate_request(
+        body, prompt, rid=rid, vocab_size=state.engine.info.vocab_size,
+        max_tokens=body.max_completion_tokens or body.max_tokens, session=session,
+        logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
+    )
+    return Job(model, prompt, generate, stop_strings(body), parser, constraint, body.n)
+
+
+async def handle(request: web.Request) -> web.StreamResponse:
+    state = state_of(request)
+    body: ChatCompletionRequest = await read_body(request, DECODE)
+    rid = request_id("chatcmpl")
+    job = await prepare(state, body, request, rid)
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    reply = ChatReply(rid, job, state.require_ready() if body.logprobs else None, include_usage)
+    return await respond(request, state, job, reply, body.stream)
+
+
 def token_logprobs(events: list[TokenEvent], tokenizer: PromptTokenizer) -> list[TokenLogprob]:
     def entry(token: int, logprob: float) -> TopLogprob:
         text = tokenizer.token_text(token)
@@ -67,107 +167,78 @@ def token_logprobs(events: list[TokenEvent], tokenizer: PromptTokenizer) -> list
     return out
 
 
-@dataclass
-class PreparedChat:
-    model: str  # the name to answer with
-    prompt: list[int]
-    generate: GenerateRequest
-    parser: ChatOutputParser
-    stops: list[str]
+def assistant_message(output: ChatOutput) -> AssistantMessage:
+    calls = [ToolCallOut(c.id, FunctionCall(c.name, c.arguments)) for c in output.tool_calls]
+    content = output.content if output.content or not calls else None
+    return AssistantMessage("assistant", content, reasoning_content=output.reasoning or None, tool_calls=calls or None)
 
 
-async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Request, rid: str,
-                  make_call_id: Callable[[], str] = openai_call_id) -> PreparedChat:
-    check_supported(body)
-    if body.response_format is not None and body.response_format.type != "text":
-        raise unsupported("response_format", f"response_format {body.response_format.type!r} is not supported yet")
-    if body.top_logprobs and not body.logprobs:
-        raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
-    model = state.model_name(body.model)
-    session = session_id(body.session_id, request.headers.get("X-Session-ID"))
-    messages = [template_message(i, m) for i, m in enumerate(body.messages)]
-    choice, tool_name = tool_choice_of(body.tool_choice, check_tools(body.tools))
-    tokenizer = state.require_ready()
-    text = await tokenizer.render_chat(messages, body.tools, body.chat_template_kwargs)
-    config = state.config
-    parser = output_parser(config.tool_parser, config.reasoning_parser, tokenizer.chat_template, text, body.tools,
-                           choice, tool_name, make_call_id)
-    prompt = await tokenizer.encode_rendered(text)
-    if parser.prompt_suffix:  # encoded on its own: the prompt before it keeps the tokens other turns share
-        prompt += await tokenizer.encode_rendered(parser.prompt_suffix)
-    generate = generate_request(
-        body, prompt, rid=rid, vocab_size=state.engine.info.vocab_size,
-        max_tokens=body.max_completion_tokens or body.max_tokens, session=session,
-        logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
-    )
-    return PreparedChat(model, prompt, generate, parser, stop_strings(body))
+def finish_reason(reason: str, has_calls: bool) -> str:
+    return "tool_calls" if has_calls and reason == "stop" else reason
 
 
-async def handle(request: web.Request) -> web.StreamResponse:
-    state = state_of(request)
-    body: ChatCompletionRequest = await read_body(request, DECODE)
-    rid = request_id("chatcmpl")
-    chat = await prepare(state, body, request, rid)
-    tokenizer = state.require_ready()
-    reply = _Reply(rid, int(time.time()), chat.model, body.logprobs, tokenizer)
-    if body.stream:
-        return await _stream(request, state, body, chat, reply)
-    outputs = []
-    logprobs: list[TokenLogprob] = []
-    async with generation(state.engine, chat.generate, tokenizer, chat.stops) as events:
-        async for event in events:
-            if isinstance(event, Piece):
-                outputs += chat.parser.feed(event.text)
-                logprobs += reply.logprobs_of(event)
-            elif isinstance(event, Finished):
-                output = collect(outputs + chat.parser.finish())
-                choice = ChatChoice(0, assistant_message(output), finish_reason(event.finish_reason,
-                                    bool(output.tool_calls)), ChoiceLogprobs(logprobs) if body.logprobs else None)
-                completion = ChatCompletion(rid, reply.created, chat.model, [choice], usage_info(event.usage))
-                return json_response(completion)
-    raise ApiError(503, "the engine ended the request without a result", code="engine_error")
+def deltas(events: list[Event]) -> list[Delta]:
+    out = []
+    for event in events:
+        if isinstance(event, TextDelta):
+            out.append(Delta(content=event.text))
+        elif isinstance(event, ReasoningDelta):
+            out.append(Delta(reasoning_content=event.text))
+        elif isinstance(event, ToolCallStart):
+            start = ToolCallDelta(event.index, FunctionDelta(event.name, ""), id=event.id, type="function")
+            out.append(Delta(tool_calls=[start]))
+        elif isinstance(event, ToolCallArguments):
+            out.append(Delta(tool_calls=[ToolCallDelta(event.index, FunctionDelta(arguments=event.text))]))
+    return out
 
 
-async def _stream(request: web.Request, state: AppState, body: ChatCompletionRequest, chat: PreparedChat,
-                  reply: "_Reply"):
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
-    calls = False
-    async with (generation(state.engine, chat.generate, reply.tokenizer, chat.stops,
-                           keepalive_s=state.config.sse_keepalive) as events,
-                EventStream(request) as stream):
-        await stream.send(reply.chunk(Delta(role="assistant", content="")))
-        async for event in events:
-            if isinstance(event, KeepAlive):
-                await stream.keep_alive()
-            elif isinstance(event, Piece):
-                logprobs = reply.logprobs_of(event)
-                out = deltas(chat.parser.feed(event.text)) or ([Delta(content="")] if logprobs else [])
-                for i, delta in enumerate(out):  # the piece's logprobs ride on its first chunk
-                    calls = calls or bool(delta.tool_calls)
-                    await stream.send(reply.chunk(delta, logprobs=logprobs if i == 0 else None))
-                await stream.keep_alive_if_quiet(state.config.sse_keepalive)
-            elif isinstance(event, Finished):
-                for delta in deltas(chat.parser.finish()):
-                    calls = calls or bool(delta.tool_calls)
-                    await stream.send(reply.chunk(delta))
-                await stream.send(reply.chunk(Delta(), finish_reason=finish_reason(event.finish_reason, calls)))
-                if include_usage:
-                    await stream.send(ChatCompletionChunk(reply.rid, reply.created, reply.model, [],
-                                                          usage_info(event.usage)))
-    return stream.response
+class ChatReply:
+    """A chat completion: chunks as the parser releases output, or one body at the end.
+    `tokenizer` is given when the request asked for logprobs."""
 
+    stream_type = EventStream
 
-class _Reply:
-    """The fields every response of one request repeats."""
+    def __init__(self, rid: str, job: Job, tokenizer: PromptTokenizer | None, include_usage: bool):
+        self.rid, self.created, self.model, self.parser = rid, int(time.time()), job.model, job.parser
+        self.tokenizer, self.include_usage = tokenizer, include_usage
+        self.events: list[Event] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.calls = False
+        self.done: Finished | None = None
 
-    def __init__(self, rid: str, created: int, model: str, logprobs: bool, tokenizer: PromptTokenizer):
-        self.rid, self.created, self.model, self.logprobs, self.tokenizer = rid, created, model, logprobs, tokenizer
+    def start(self) -> list[ChatCompletionChunk]:
+        return [self._chunk(Delta(role="assistant", content=""))]
 
-    def logprobs_of(self, piece: Piece) -> list[TokenLogprob]:
-        return token_logprobs(piece.tokens, self.tokenizer) if self.logprobs else []
+    def piece(self, piece: Piece) -> list[ChatCompletionChunk]:
+        events = self.parser.feed(piece.text)
+        self.events += events
+        logprobs = token_logprobs(piece.tokens, self.tokenizer) if self.tokenizer else []
+        self.logprobs += logprobs
+        out = deltas(events) or ([Delta(content="")] if logprobs else [])
+        # the piece's logprobs ride on its first chunk
+        return [self._chunk(delta, logprobs=logprobs if i == 0 else None) for i, delta in enumerate(out)]
 
-    def chunk(self, delta: Delta, *, finish_reason: str | None = None,
-              logprobs: list[TokenLogprob] | None = None) -> ChatCompletionChunk:
+    def finish(self, done: Finished) -> list[ChatCompletionChunk]:
+        self.done = done
+        events = self.parser.finish()
+        self.events += events
+        out = [self._chunk(delta) for delta in deltas(events)]
+        out.append(self._chunk(Delta(), finish_reason=finish_reason(done.finish_reason, self._has_calls())))
+        if self.include_usage:
+            out.append(ChatCompletionChunk(self.rid, self.created, self.model, [], usage_info(done.usage)))
+        return out
+
+    def whole(self) -> ChatCompletion:
+        assert self.done is not None
+        output = collect(self.events)
+        choice = ChatChoice(0, assistant_message(output), finish_reason(self.done.finish_reason, bool(output.tool_calls)),
+                            ChoiceLogprobs(self.logprobs) if self.tokenizer else None)
+        return ChatCompletion(self.rid, self.created, self.model, [choice], usage_info(self.done.usage))
+
+    def _has_calls(self) -> bool:
+        return any(isinstance(e, ToolCallStart) for e in self.events)
+
+    def _chunk(self, delta: Delta, *, finish_reason: str | None = None,
+               logprobs: list[TokenLogprob] | None = None) -> ChatCompletionChunk:
         choice = ChunkChoice(0, delta, finish_reason, ChoiceLogprobs(logprobs) if logprobs else None)
         return ChatCompletionChunk(self.rid, self.created, self.model, [choice])
-

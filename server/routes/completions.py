@@ -6,13 +6,13 @@ import time
 
 from aiohttp import web
 
-from server.errors import ApiError, invalid, unsupported
-from server.generation import Finished, KeepAlive, Piece, generation
+from server.errors import invalid, unsupported
+from server.generation import Finished, Piece
 from server.protocol.openai import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
-from server.routes.common import decoder, json_response, read_body, usage_info
+from server.routes.common import Job, decoder, read_body, respond, usage_info
 from server.sampling import check_supported, generate_request, request_id, session_id, stop_strings
 from server.sse import EventStream
-from server.state import AppState, state_of
+from server.state import state_of
 from server.text.tokenizer import PromptTokenizer
 
 DECODE = decoder(CompletionRequest)
@@ -36,22 +36,46 @@ async def prompt_tokens(prompt: str | list, tokenizer: PromptTokenizer, vocab_si
     return tokens
 
 
-class _Reply:
-    """The fields every response of one request repeats, and OpenAI's legacy logprobs block."""
+class CompletionReply:
+    """A text completion: chunks of text as released, or one body at the end; OpenAI's legacy
+    logprobs block when asked for."""
 
-    def __init__(self, rid: str, model: str, tokenizer: PromptTokenizer, logprobs: bool, offset: int):
-        self.rid, self.created, self.model = rid, int(time.time()), model
-        self.tokenizer, self.logprobs, self.offset = tokenizer, logprobs, offset
+    stream_type = EventStream
+
+    def __init__(self, rid: str, job: Job, tokenizer: PromptTokenizer, logprobs: bool, echo: str,
+                 include_usage: bool):
+        self.rid, self.created, self.model = rid, int(time.time()), job.model
+        self.tokenizer, self.logprobs, self.echo, self.include_usage = tokenizer, logprobs, echo, include_usage
+        self.offset = len(echo)
+        self.texts = [echo]
         self.all_logprobs = CompletionLogprobs([], [], [], [])
+        self.done: Finished | None = None
 
-    def chunk(self, text: str, finish: str | None = None, piece: Piece | None = None) -> Completion:
-        logprobs = self.logprobs_of(piece) if self.logprobs and piece else None
+    def start(self) -> list[Completion]:
+        return [self._chunk(self.echo)] if self.echo else []
+
+    def piece(self, piece: Piece) -> list[Completion]:
+        self.texts.append(piece.text)
+        logprobs = self._logprobs_of(piece) if self.logprobs else None
+        return [self._chunk(piece.text, logprobs=logprobs)] if piece.text or logprobs else []
+
+    def finish(self, done: Finished) -> list[Completion]:
+        self.done = done
+        out = [self._chunk("", done.finish_reason)]
+        if self.include_usage:
+            out.append(Completion(self.rid, self.created, self.model, [], usage_info(done.usage)))
+        return out
+
+    def whole(self) -> Completion:
+        assert self.done is not None
+        choice = CompletionChoice(0, "".join(self.texts), self.done.finish_reason,
+                                  self.all_logprobs if self.logprobs else None)
+        return Completion(self.rid, self.created, self.model, [choice], usage_info(self.done.usage))
+
+    def _chunk(self, text: str, finish: str | None = None, logprobs: CompletionLogprobs | None = None) -> Completion:
         return Completion(self.rid, self.created, self.model, [CompletionChoice(0, text, finish, logprobs)])
 
-    def usage_chunk(self, usage) -> Completion:
-        return Completion(self.rid, self.created, self.model, [], usage_info(usage))
-
-    def logprobs_of(self, piece: Piece) -> CompletionLogprobs | None:
+    def _logprobs_of(self, piece: Piece) -> CompletionLogprobs | None:
         out = CompletionLogprobs([], [], [], [])
         for event in piece.tokens:
             if event.logprob is None:
@@ -88,41 +112,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
         max_tokens=body.max_tokens, session=session, logprobs=body.logprobs is not None,
         top_logprobs=body.logprobs or 0,
     )
+    job = Job(model, prompt, generate, stop_strings(body), n=body.n)
     echo = tokenizer.decode(prompt) if body.echo else ""
-    reply = _Reply(rid, model, tokenizer, body.logprobs is not None, len(echo))
-    if body.stream:
-        return await _stream(request, state, body, generate, reply, echo)
-    texts = [echo]
-    async with generation(state.engine, generate, tokenizer, stop_strings(body)) as events:
-        async for event in events:
-            if isinstance(event, Piece):
-                texts.append(event.text)
-                if reply.logprobs:
-                    reply.logprobs_of(event)
-            elif isinstance(event, Finished):
-                choice = CompletionChoice(0, "".join(texts), event.finish_reason,
-                                          reply.all_logprobs if reply.logprobs else None)
-                return json_response(Completion(rid, reply.created, model, [choice], usage_info(event.usage)))
-    raise ApiError(503, "the engine ended the request without a result", code="engine_error")
-
-
-async def _stream(request: web.Request, state: AppState, body: CompletionRequest, generate, reply: _Reply,
-                  echo: str) -> web.StreamResponse:
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    async with (generation(state.engine, generate, reply.tokenizer, stop_strings(body),
-                           keepalive_s=state.config.sse_keepalive) as events,
-                EventStream(request) as stream):
-        if echo:
-            await stream.send(reply.chunk(echo))
-        async for event in events:
-            if isinstance(event, KeepAlive):
-                await stream.keep_alive()
-            elif isinstance(event, Piece):
-                chunk = reply.chunk(event.text, piece=event)
-                if event.text or chunk.choices[0].logprobs:
-                    await stream.send(chunk)
-            elif isinstance(event, Finished):
-                await stream.send(reply.chunk("", event.finish_reason))
-                if include_usage:
-                    await stream.send(reply.usage_chunk(event.usage))
-    return stream.response
+    reply = CompletionReply(rid, job, tokenizer, body.logprobs is not None, echo, include_usage)
+    return await respond(request, state, job, reply, body.stream)

@@ -12,17 +12,14 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from server.chat_output import collect
 from server.errors import ApiError, from_decode, invalid
-from server.generation import Finished, KeepAlive, Piece, generation
-from server.messages_api.reply import MessageStream, message_id, message_reply, tool_use_id, usage
+from server.messages_api.reply import MessagesReply, message_id, tool_use_id
 from server.messages_api.translate import UnsupportedContent, chat_request
-from server.protocol.anthropic import CountTokensRequest, MessagesRequest, Ping, TokenCount, error_reply, sse
+from server.protocol.anthropic import CountTokensRequest, MessagesRequest, TokenCount
 from server.protocol.openai import ChatCompletionRequest
-from server.routes.chat import PreparedChat, prepare
-from server.routes.common import decoder, json_response, read_body
-from server.sse import EventStream
-from server.state import AppState, state_of
+from server.routes.chat import prepare
+from server.routes.common import decoder, json_response, read_body, respond
+from server.state import state_of
 
 PATH = "/v1/messages"
 DECODE_MESSAGES = decoder(MessagesRequest)
@@ -46,62 +43,12 @@ async def handle(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     body: MessagesRequest = await read_body(request, DECODE_MESSAGES)
     rid = message_id()
-    chat = await prepare(state, as_chat_request(body), request, rid, make_call_id=tool_use_id)
-    if body.stream:
-        return await _stream(request, state, chat, rid)
-    outputs = []
-    async with generation(state.engine, chat.generate, state.require_ready(), chat.stops) as events:
-        async for event in events:
-            if isinstance(event, Piece):
-                outputs += chat.parser.feed(event.text)
-            elif isinstance(event, Finished):
-                output = collect(outputs + chat.parser.finish())
-                used = usage(event.usage.prompt_tokens, event.usage.reused_tokens, event.usage.generated_tokens)
-                return json_response(message_reply(rid, chat.model, output, event.finish_reason, event.stop_string,
-                                                   used))
-    raise ApiError(503, "the engine ended the request without a result", code="engine_error")
+    job = await prepare(state, as_chat_request(body), request, rid, make_call_id=tool_use_id)
+    return await respond(request, state, job, MessagesReply(rid, job.model, len(job.prompt), job.parser), body.stream)
 
 
 async def count_tokens(request: web.Request) -> web.Response:
     state = state_of(request)
     body: CountTokensRequest = await read_body(request, DECODE_COUNT)
-    chat = await prepare(state, as_chat_request(body), request, message_id())
-    return json_response(TokenCount(len(chat.prompt)))
-
-
-class MessagesEventStream(EventStream):
-    """Anthropic's SSE framing: `event:` + `data:` per event, pings as keep-alives, no [DONE]."""
-
-    async def send(self, event) -> None:
-        await self.write(sse(event))
-
-    async def send_error(self, error: ApiError) -> None:
-        await self.send(error_reply(error.status, error.message))
-
-    async def keep_alive(self) -> None:
-        await self.send(Ping())
-
-    async def finish(self) -> None:
-        await self.response.write_eof()
-
-
-async def _stream(request: web.Request, state: AppState, chat: PreparedChat, rid: str) -> web.StreamResponse:
-    reply = MessageStream(rid, chat.model)
-    async with (generation(state.engine, chat.generate, state.require_ready(), chat.stops,
-                           keepalive_s=state.config.sse_keepalive) as events,
-                MessagesEventStream(request) as stream):
-        for out in reply.start(len(chat.prompt)):
-            await stream.send(out)
-        async for event in events:
-            if isinstance(event, KeepAlive):
-                await stream.keep_alive()
-            elif isinstance(event, Piece):
-                for out in reply.events(chat.parser.feed(event.text)):
-                    await stream.send(out)
-                await stream.keep_alive_if_quiet(state.config.sse_keepalive)
-            elif isinstance(event, Finished):
-                used = usage(event.usage.prompt_tokens, event.usage.reused_tokens, event.usage.generated_tokens)
-                for out in reply.events(chat.parser.finish()) + reply.finish(event.finish_reason,
-                                                                             event.stop_string, used):
-                    await stream.send(out)
-    return stream.response
+    job = await prepare(state, as_chat_request(body), request, message_id())
+    return json_response(TokenCount(len(job.prompt)))

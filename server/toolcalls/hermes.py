@@ -21,3 +21,47 @@ class HermesParser(MarkupToolParser):
         value = json_object(body.strip())
         calls = [call_from_json(v) for v in (value if isinstance(value, list) else [value])]
         return None if not calls or None in calls else calls  # type: ignore[return-value]
+
+
+# The fallback for chat templates that render no tools (SmolLM2's, among others):
+# the tools are said in a system block in Hermes' words, past calls and their
+# results are written into the turns as Hermes markup, and replies are parsed
+# as Hermes calls. docs/agents.md quotes the block.
+TOOLS_BLOCK = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+def _call_markup(call: dict) -> str:
+    function = call.get("function") or {}
+    body = {"name": function.get("name"), "arguments": function.get("arguments")}
+    return "<tool_call>\n" + json.dumps(body, ensure_ascii=False) + "\n</tool_call>"
+
+
+def with_tools_block(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """Template messages (text content) with the tools in the system turn and calls as markup."""
+    block = TOOLS_BLOCK.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+    out: list[dict] = []
+    for message in messages:
+        if message.get("tool_calls"):
+            calls = "\n".join(_call_markup(c) for c in message["tool_calls"])
+            content = f"{message['content']}\n{calls}" if message.get("content") else calls
+            message = {k: v for k, v in message.items() if k != "tool_calls"} | {"content": content}
+        elif message["role"] == "tool":
+            message = {"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
+        out.append(message)
+    if out and out[0]["role"] == "system":
+        out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{block}"}
+    else:
+        out.insert(0, {"role": "system", "content": block})
+    return out

@@ -1,0 +1,73 @@
+"""POST /v1/responses: OpenAI's Responses API, for Codex CLI and the Agents SDK.
+
+A Responses body is translated into the chat request it means
+(responses_api/translate.py), with the stored history of `previous_response_id`
+in front of its input, and prepared by the chat route's `prepare`: the same
+prompt tokens, prefix cache and active reuse as its chat twin. Stored responses
+and the named sessions that keep conversations warm: responses_api/store.py.
+GET and DELETE /v1/responses/{id} read and drop a stored response.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from aiohttp import web
+
+from server.errors import ApiError, from_decode
+from server.protocol.openai import ChatCompletionRequest
+from server.protocol.responses import Response, ResponseDeleted, ResponsesRequest
+from server.responses_api.reply import ResponsesReply, response_id
+from server.responses_api.translate import chat_messages, chat_request
+from server.routes.chat import prepare
+from server.routes.common import decoder, json_response, read_body, respond
+from server.state import state_of
+
+PATH = "/v1/responses"
+DECODE = decoder(ResponsesRequest)
+# The chat request's names for the fields a Responses body calls otherwise, for errors.
+_PARAMS = {"response_format": "text.format", "max_tokens": "max_output_tokens", "messages": "input"}
+
+
+async def handle(request: web.Request) -> web.StreamResponse:
+    state = state_of(request)
+    body: ResponsesRequest = await read_body(request, DECODE)
+    rid = response_id()
+    store = state.responses
+    previous = body.previous_response_id
+    history = (store.history(previous) if previous is not None else []) + chat_messages(body.input)
+    session = store.claim(previous, rid) if body.store and previous is not None else None
+    reply = None
+    try:
+        try:
+            chat = msgspec.convert(chat_request(body, history, session), ChatCompletionRequest)
+            job = await prepare(state, chat, request, rid)
+        except msgspec.ValidationError as e:
+            raise _renamed(from_decode(e)) from None
+        except ApiError as e:
+            raise _renamed(e) from None
+
+        def keep(response: Response) -> None:
+            store.put(response, history + chat_messages(msgspec.to_builtins(response.output)), session)
+
+        reply = ResponsesReply(rid, job.model, job.parser, body, keep if body.store else None)
+        return await respond(request, state, job, reply, body.stream)
+    finally:
+        if session is not None and (reply is None or not reply.finished):
+            store.give_back(session, rid, previous)
+
+
+async def retrieve(request: web.Request) -> web.Response:
+    return json_response(state_of(request).responses.get(request.match_info["response_id"]).response)
+
+
+async def delete(request: web.Request) -> web.Response:
+    rid = request.match_info["response_id"]
+    state_of(request).responses.delete(rid)
+    return json_response(ResponseDeleted(rid))
+
+
+def _renamed(error: ApiError) -> ApiError:
+    head = (error.param or "").split(".", 1)[0].split("[", 1)[0]
+    if head in _PARAMS:
+        error.param = _PARAMS[head] + (error.param or "")[len(head):]
+    return error
