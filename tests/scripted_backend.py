@@ -22,8 +22,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from backends.base import (Backend, CloneRefused, LayerAttention, ModelInfo, Sampled, SamplerState, Session,
-                           clone_refusal)
+from backends.base import (Backend, CloneRefused, KVCost, LayerAttention, ModelInfo, Sampled, SamplerState,
+                           Session, clone_refusal)
 
 EOS = 2
 VOCAB = 512
@@ -92,7 +92,7 @@ class ScriptedBackend(Backend):
         self._enter("load")
         layers = (LayerAttention("full"),) if self.window is None else (
             LayerAttention("sliding", self.window), LayerAttention("full"))
-        self.info = ModelInfo("scripted", VOCAB, self.context_length, layers, (EOS,), BYTES_PER_TOKEN,
+        self.info = ModelInfo("scripted", VOCAB, self.context_length, layers, (EOS,), KVCost(BYTES_PER_TOKEN),
                               "float32", "cpu")
         return self.info
 

@@ -152,12 +152,12 @@ async def test_a_recipient_cancelled_while_its_clone_is_pending_leaks_nothing():
     recipient.cancel()
     tokens, done = await collect(recipient)
     assert done.finish_reason == "cancelled" and tokens == []
-    assert engine._admission.slots_used == 1  # its slot went back at once
+    assert engine.admission.slots_used == 1  # its slot went back at once
     gate.open()
     donor.cancel()
     await collect(donor)
     await settled(engine, backend)
-    assert backend.live_sessions() == 0 and engine._admission.reserved == 0
+    assert backend.live_sessions() == 0 and engine.admission.reserved == 0
     await engine.shutdown(1)
 
 
@@ -174,7 +174,7 @@ async def test_shutdown_with_a_clone_pending():
     gate.open()
     await closing
     assert (await collect(donor))[1].finish_reason == "cancelled"
-    assert backend.live_sessions() == 0 and not engine._runner.thread.is_alive()
+    assert backend.live_sessions() == 0 and not engine.runner_alive
 
 
 async def test_races_repeated():
@@ -206,7 +206,7 @@ async def test_races_repeated():
                 assert done.finish_reason == "cancelled"
                 assert tokens == backend.greedy(p, len(tokens))
         await settled(engine, backend)
-        assert engine._admission.slots_used == 0 and engine._admission.reserved == 0
+        assert engine.admission.slots_used == 0 and engine.admission.reserved == 0
         await engine.shutdown(1)
         assert backend.live_sessions() == 0
 

@@ -85,7 +85,7 @@ async def test_leader_cancelled_at_every_phase(cancel_at):
     assert total == S + 5 * T + max(0, leader_prefilled - S)
     await settled(engine, backend)
     assert backend.live_sessions() == 0
-    assert engine._admission.slots_used == 0 and engine._admission.reserved == 0
+    assert engine.admission.slots_used == 0 and engine.admission.reserved == 0
     await engine.shutdown(1)
 
 
@@ -172,7 +172,7 @@ async def test_races_repeated():
             assert done.finish_reason in ("length", "cancelled"), (repeat, done)
             assert tokens == backend.greedy(p, len(tokens)), (repeat, done.usage)
         await settled(engine, backend)
-        assert engine._admission.slots_used == 0 and engine._admission.reserved == 0
+        assert engine.admission.slots_used == 0 and engine.admission.reserved == 0
         assert not engine.reuse.followers
         await engine.shutdown(1)
         assert backend.live_sessions() == 0

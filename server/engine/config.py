@@ -61,7 +61,7 @@ class EngineConfig:
         context = min(self.max_context or info.context_length, info.context_length)
         slots = self.capture_slots
         if slots is None:
-            snapshot = max(1, info.kv_bytes_per_token * context)
+            snapshot = max(1, info.kv.bytes_for(context, start=context))
             slots = max(1, min(self.inference_slots, int(CAPTURE_BUDGET_FRACTION * budget) // snapshot))
         return dataclasses.replace(self, kv_budget_bytes=budget, max_context=context, capture_slots=slots)
 
