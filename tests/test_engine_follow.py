@@ -195,3 +195,17 @@ async def test_followers_count_against_the_queue_and_its_timeout():
     await settled(engine, backend)
     assert backend.live_sessions() == 0
     await engine.shutdown(1)
+
+
+async def test_cache_entries_on_a_sliding_model_never_block_following():
+    """A cached prompt longer than the window serves only a clone at its end (matching.window_floor): an
+    entry that shares the burst's 200 tokens must not report a match the backend will refuse."""
+    backend = slow_prefill(ScriptedBackend(window=16))
+    engine = await start_engine(backend, **{**FOLLOW, "prefix_cache_entries": 16})
+    tokens, _ = await collect(engine.submit(request(PROMPTS[5], 4)))
+    assert len(engine.admission.cache) == 1  # SHARED + 5 tokens, longer than the window
+    _, results = await burst(engine, PROMPTS[:4])
+    for p, (tokens, done) in zip(PROMPTS, results):
+        assert tokens == backend.greedy(p, 4) and done.finish_reason == "length"
+    assert [done.usage.reused_tokens for _, done in results] == [0, S, S, S]
+    await engine.shutdown(1)
