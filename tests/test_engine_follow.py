@@ -42,7 +42,7 @@ async def test_a_burst_of_six_prefills_the_shared_prefix_once(window):
     await engine.shutdown(1)
 
 
-async def test_the_seed_rule_alone_saves_little_in_a_burst():
+async def test_clone_now_alone_saves_little_in_a_burst():
     backend = ScriptedBackend()
     engine = await start_engine(backend, **FOLLOW, follow=False)
     _, results = await burst(engine)

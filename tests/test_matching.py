@@ -1,5 +1,5 @@
-"""Prefix matching policy: the seed's donor rule and the prefix-cache lookup, checked
-against brute-force oracles over small token alphabets, plus the seed's named cases."""
+"""Prefix matching policy: clone-now's donor rule and the prefix-cache lookup, checked
+against brute-force oracles over small token alphabets, plus named cases."""
 
 from __future__ import annotations
 
@@ -143,7 +143,7 @@ def test_ranked_matches_lists_every_fallback_in_order():
     assert [(m.key, m.upto) for m in ranked_matches(prompt, entries)] == [("b", 4), ("d", 2), ("a", 2)]
 
 
-# ---- the seed's rule at admission ----
+# ---- clone-now at admission ----
 
 def anonymous(prompt, request_id="r") -> Recipient:
     return Recipient(request_id, prompt)
