@@ -115,3 +115,17 @@ async def test_an_expired_head_lets_the_request_behind_it_in_at_once():
     assert done.finish_reason == "length" and tokens == backend.greedy(prompt_of(10, start=3), 10)
     await collect(running)
     await engine.shutdown(1)
+
+
+def test_a_report_above_the_budget_is_counted():
+    from server.engine.telemetry import EngineMetrics
+    from server.metrics import Registry
+
+    class Idle:  # the gauges read nothing in this test
+        admission = reuse = None
+
+    metrics = EngineMetrics(Registry(), Idle())
+    metrics.holding(100, 100)
+    assert metrics.budget_exceeded.get() == 0
+    metrics.holding(101, 100)
+    assert metrics.budget_exceeded.get() == 1
