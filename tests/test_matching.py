@@ -89,10 +89,10 @@ def test_non_text_donor_gives_nothing():
 
 
 def test_window_floor_agrees_with_the_backend_refusal_rule():
-    from backends.base import LayerAttention, ModelInfo, clone_refusal
+    from backends.base import KVCost, LayerAttention, ModelInfo, clone_refusal
     for window, position in itertools.product((1, 2, 4, 16), range(0, 40)):
         layers = (LayerAttention("full"), LayerAttention("sliding", window))
-        info = ModelInfo("m", 10, 100, layers, (0,), 1, "f32", "cpu")
+        info = ModelInfo("m", 10, 100, layers, (0,), KVCost(1), "f32", "cpu")
         held_from = [max(0, position - window)]  # a ring of exactly W positions
         servable = [u for u in range(1, position + 1) if clone_refusal(position, u, info, held_from) is None]
         floor = window_floor(position, [window])
