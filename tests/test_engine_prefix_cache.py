@@ -118,6 +118,9 @@ async def test_metrics_report_the_cache_and_what_the_backend_holds_at_rest():
     text = engine.registry.render()
     for line in ("kvfork_prefix_cache_entries 1", f"kvfork_prefix_cache_bytes {30 * 1024}", "kvfork_live_sessions 1",
                  'kvfork_prefix_cache_captures_total{outcome="stored"} 2', "kvfork_prefix_cache_misses_total 2",
-                 "kvfork_prefilled_tokens_total 50", 'kvfork_requests_total{finish_reason="length"} 2'):
+                 "kvfork_prefilled_tokens_total 50", 'kvfork_requests_total{finish_reason="length"} 2',
+                 # what the budget counts as held, against what the backend holds: the same at rest
+                 f"kvfork_kv_budget_held_bytes {30 * 1024}", f"kvfork_kv_bytes {30 * 1024}",
+                 "kvfork_kv_reserved_bytes 0", "kvfork_kv_budget_exceeded_total 0"):
         assert line in text.splitlines(), line
     await engine.shutdown(1)
