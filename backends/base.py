@@ -64,13 +64,51 @@ class LayerAttention:
 
 
 @dataclass(frozen=True)
+class KVCost:
+    """What one session's KV state costs, as its backend allocates it. A pure function published at
+    load (`ModelInfo.kv`), so the engine prices a session before it exists without calling the backend.
+
+    Design rules:
+    - full-attention layers allocate token slots in whole steps of `step`: a session opened at `start`
+      (0 when opened empty, `upto` when cloned) holds `round_up(start) + slack` slots, then grows to the
+      whole step past the furthest token it writes;
+    - every sliding layer holds a ring of its window whatever the length (`ring_bytes`, all rings);
+    - `shared` leading tokens held by reference in another session's memory cost nothing here: their
+      owner counts them (clone by reference). n choices over one prompt of P tokens and T in all cost
+      `bytes_for(T) + (n - 1) * bytes_for(T, shared=P)`;
+    - `checkpoints`: recurrent-state checkpoints the session keeps (hybrid models), each
+      `checkpoint_bytes`.
+    `tolerance` is how far (a fraction of `bytes_for`, plus one step of slots) the backend's own count
+    may stray from this figure for a session: 0 where the backend allocates exactly as stated.
+    """
+
+    full_bytes_per_token: int  # all full-attention layers together, per token slot
+    ring_bytes: int = 0
+    step: int = 1
+    slack: int = 0
+    checkpoint_bytes: int = 0
+    tolerance: float = 0.0
+
+    def round_up(self, tokens: int) -> int:
+        return -(-tokens // self.step) * self.step
+
+    def slots(self, tokens: int, start: int = 0) -> int:
+        """Token slots per full layer once a session opened at `start` has written `tokens` positions."""
+        return max(self.round_up(start) + self.slack, self.round_up(tokens))
+
+    def bytes_for(self, tokens: int, shared: int = 0, checkpoints: int = 0, start: int = 0) -> int:
+        own = self.slots(tokens, start) - shared // self.step * self.step
+        return max(0, own) * self.full_bytes_per_token + self.ring_bytes + checkpoints * self.checkpoint_bytes
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     name: str
     vocab_size: int
     context_length: int
     layers: tuple[LayerAttention, ...]
     eos_token_ids: tuple[int, ...]
-    kv_bytes_per_token: int  # full-attention layers; sliding layers cost at most window tokens
+    kv: KVCost  # what a session costs (see KVCost)
     dtype: str
     device: str
 

@@ -62,7 +62,7 @@ class Daemon:
         return (
             f"kvfork: loaded {info.name} ({len(info.layers)} layers, {info.dtype} on {info.device}, "
             f"context {c.max_context}) as {', '.join(self.state.served_names)}\n"
-            f"kvfork: set aside {c.kv_budget_bytes / GiB:.2f} GiB for KV state ({info.kv_bytes_per_token} "
+            f"kvfork: set aside {c.kv_budget_bytes / GiB:.2f} GiB for KV state ({info.kv.full_bytes_per_token} "
             f"bytes/token): {c.inference_slots} inference slots, {c.capture_slots} capture slots, prefix cache "
             f"of {c.prefix_cache_entries} entries ({cache_cap})"
         )

@@ -63,7 +63,7 @@ def prompt_of(n: int, start: int = 3) -> list[int]:
 
 def stored_sessions(engine: Engine) -> int:
     """Sessions the engine keeps on purpose: prefix cache snapshots and named sessions' state."""
-    adm = engine._admission
+    adm = engine.admission
     return len(adm.cache) + adm.named.holding()
 
 

@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from backends.base import (Backend, BatchFailed, CloneRefused, LayerAttention, ModelInfo, RowState, Sampled,
+from backends.base import (Backend, BatchFailed, CloneRefused, KVCost, LayerAttention, ModelInfo, RowState, Sampled,
                            SamplerState, Session, check_inputs, clone_refusal)
 
 EOS = 2
@@ -126,7 +126,7 @@ class ScriptedBackend(Backend):
         self._enter("load")
         layers = (LayerAttention("full"),) if self.window is None else (
             LayerAttention("sliding", self.window), LayerAttention("full"))
-        self.info = ModelInfo("scripted", VOCAB, self.context_length, layers, (EOS,), BYTES_PER_TOKEN,
+        self.info = ModelInfo("scripted", VOCAB, self.context_length, layers, (EOS,), KVCost(BYTES_PER_TOKEN),
                               "float32", "cpu")
         return self.info
 

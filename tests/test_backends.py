@@ -36,7 +36,9 @@ def test_model_info(backend, arch):
     kinds = [(layer.kind, layer.window) for layer in info.layers]
     full = 1 if arch == "gemma3" else 2
     assert kinds == ([("sliding", 16)] * 2 if arch == "gemma3" else []) + [("full", None)] * full
-    assert info.kv_bytes_per_token == full * 2 * 2 * 16 * 4  # layers * (k, v) * kv heads * head dim * float32
+    slot = 2 * 2 * 16 * 4  # (k, v) * kv heads * head dim * float32
+    assert info.kv.full_bytes_per_token == full * slot
+    assert info.kv.ring_bytes == (2 * 16 * slot if arch == "gemma3" else 0)  # a ring of the window per sliding layer
 
 
 @pytest.mark.parametrize("upto", [1, 7, 16, 17, 30, 39])
@@ -162,12 +164,12 @@ def test_bytes_and_sessions_return_to_baseline(backend):
     s = b.open_session()
     assert b.live_sessions() == live + 1
     b.prefill([s], [PROMPT])
-    assert b.session_bytes(s) >= 40 * b.info.kv_bytes_per_token > 0
+    assert b.session_bytes(s) >= 40 * b.info.kv.full_bytes_per_token > 0
     t, _ = fresh(b, PROMPT[:20])
     b.decode([s, t], [1, 2])
     clone = b.clone(s, 41)
-    assert b.session_bytes(clone) >= 41 * b.info.kv_bytes_per_token
-    assert b.total_bytes() >= total + b.session_bytes(clone) + 40 * b.info.kv_bytes_per_token
+    assert b.session_bytes(clone) >= 41 * b.info.kv.full_bytes_per_token
+    assert b.total_bytes() >= total + b.session_bytes(clone) + 40 * b.info.kv.full_bytes_per_token
     assert b.live_sessions() == live + 3
     release_all(b, s, t, clone)
     assert b.live_sessions() == live and b.total_bytes() == total

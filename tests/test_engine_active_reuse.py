@@ -1,4 +1,4 @@
-"""Active prefix reuse (the seed's rule, --no-follow) through the engine, on the scripted backend."""
+"""Active prefix reuse (clone-now, --no-follow) through the engine, on the scripted backend."""
 
 import asyncio
 import random
@@ -11,7 +11,7 @@ from server.engine.api import TokenEvent
 SHARED = prompt_of(60, start=11)
 DONOR = SHARED + [7, 7, 7, 7, 7]
 RECIPIENT = SHARED + [9, 9, 9, 9, 9, 9]
-SEED_RULE = dict(active_prefix_reuse_min_tokens=8, follow=False, prefix_cache_entries=0, prefill_chunk=16)
+CLONE_NOW = dict(active_prefix_reuse_min_tokens=8, follow=False, prefix_cache_entries=0, prefill_chunk=16)
 # A donor whose clone a test gates must still be running when the recipient is planned. Undelayed, a
 # donor decodes its whole context (4,031 tokens) in about a second; on a loaded machine the control
 # loop took longer than that to plan the recipient, found no donor, and no clone ever reached the gate.
@@ -27,7 +27,7 @@ async def first_token(handle) -> int:
 async def test_a_recipient_clones_what_a_decoding_donor_committed():
     backend = ScriptedBackend()
     backend.delay["decode"] = 0.001
-    engine = await start_engine(backend, **SEED_RULE)
+    engine = await start_engine(backend, **CLONE_NOW)
     donor = engine.submit(request(DONOR, 40))
     head = [await first_token(donor)]
     tokens, done = await run(engine, RECIPIENT, 12)
@@ -47,7 +47,7 @@ async def test_a_recipient_clones_what_a_decoding_donor_committed():
 async def test_named_session_recipients_keep_their_own_path():
     backend = ScriptedBackend()
     backend.delay["decode"] = 0.001
-    engine = await start_engine(backend, **SEED_RULE)
+    engine = await start_engine(backend, **CLONE_NOW)
     donor = engine.submit(request(DONOR, 10_000))
     await first_token(donor)
     tokens, done = await run(engine, RECIPIENT, 5, session_id="mine")
@@ -61,7 +61,7 @@ async def test_the_minimum_is_measured_against_the_cached_match():
     # a snapshot matches 30; the donor (which started from it) has committed 46: active reuse saves 16 more
     for min_tokens, source, reused in ((16, "donor", 46), (17, "cache", 30)):
         backend = ScriptedBackend()
-        engine = await start_engine(backend, **{**SEED_RULE, "prefix_cache_entries": 16,
+        engine = await start_engine(backend, **{**CLONE_NOW, "prefix_cache_entries": 16,
                                                 "active_prefix_reuse_min_tokens": min_tokens})
         await run(engine, SHARED[:30] + [5, 5], 2)
         gate = backend.gates["prefill"] = Gate(lambda sessions, chunks: sessions[0].position == 46)
@@ -78,7 +78,7 @@ async def test_the_minimum_is_measured_against_the_cached_match():
 
 async def test_a_donor_that_finished_before_the_clone_ran_serves_through_its_capture():
     backend = ScriptedBackend()
-    engine = await start_engine(backend, **{**SEED_RULE, "prefix_cache_entries": 16})
+    engine = await start_engine(backend, **{**CLONE_NOW, "prefix_cache_entries": 16})
     # hold the runner inside the donor's last prefill chunk: the loop saw it at 64 of 65
     gate = backend.gates["prefill"] = Gate(lambda sessions, chunks: sessions[0].position == 64)
     donor = engine.submit(request(DONOR, 1))
@@ -96,7 +96,7 @@ async def test_a_donor_that_finished_before_the_clone_ran_serves_through_its_cap
 
 async def test_a_donor_cancelled_while_the_clone_is_queued():
     backend = ScriptedBackend()
-    engine = await start_engine(backend, **SEED_RULE)
+    engine = await start_engine(backend, **CLONE_NOW)
     donor = engine.submit(request(DONOR, 10_000))
     await first_token(donor)
     gate = backend.gates["decode"] = Gate()
@@ -114,7 +114,7 @@ async def test_a_donor_cancelled_while_the_clone_is_queued():
 
 async def test_an_overwritten_sliding_window_falls_back_to_a_full_prefill():
     backend = ScriptedBackend(window=8)
-    engine = await start_engine(backend, **SEED_RULE)
+    engine = await start_engine(backend, **CLONE_NOW)
     gate = backend.gates["prefill"] = Gate(lambda sessions, chunks: sessions[0].position == 32)
     donor = engine.submit(request(DONOR, 4))
     await reached(gate)  # the loop saw 32 committed; the donor is writing 32..48
@@ -132,7 +132,7 @@ async def test_a_refused_clone_takes_the_normal_path():
     backend = ScriptedBackend()
     backend.delay["decode"] = 0.001
     backend.refuse = lambda session, upto: "no_memory"
-    engine = await start_engine(backend, **SEED_RULE)
+    engine = await start_engine(backend, **CLONE_NOW)
     donor = engine.submit(request(DONOR, 10_000))
     await first_token(donor)
     tokens, done = await run(engine, RECIPIENT, 6)
@@ -148,7 +148,7 @@ async def test_a_refused_clone_takes_the_normal_path():
 async def test_a_recipient_cancelled_while_its_clone_is_pending_leaks_nothing():
     backend = ScriptedBackend()
     backend.delay["decode"] = DONOR_STEP_S
-    engine = await start_engine(backend, **SEED_RULE)
+    engine = await start_engine(backend, **CLONE_NOW)
     donor = engine.submit(request(DONOR, 10_000))
     await first_token(donor)
     gate = backend.gates["clone"] = Gate()
@@ -157,19 +157,19 @@ async def test_a_recipient_cancelled_while_its_clone_is_pending_leaks_nothing():
     recipient.cancel()
     tokens, done = await collect(recipient)
     assert done.finish_reason == "cancelled" and tokens == []
-    assert engine._admission.slots_used == 1  # its slot went back at once
+    assert engine.admission.slots_used == 1  # its slot went back at once
     gate.open()
     donor.cancel()
     await collect(donor)
     await settled(engine, backend)
-    assert backend.live_sessions() == 0 and engine._admission.reserved == 0
+    assert backend.live_sessions() == 0 and engine.admission.reserved == 0
     await engine.shutdown(1)
 
 
 async def test_shutdown_with_a_clone_pending():
     backend = ScriptedBackend()
     backend.delay["decode"] = DONOR_STEP_S
-    engine = await start_engine(backend, **SEED_RULE)
+    engine = await start_engine(backend, **CLONE_NOW)
     donor = engine.submit(request(DONOR, 10_000))
     await first_token(donor)
     gate = backend.gates["clone"] = Gate()
@@ -180,7 +180,7 @@ async def test_shutdown_with_a_clone_pending():
     gate.open()
     await closing
     assert (await collect(donor))[1].finish_reason == "cancelled"
-    assert backend.live_sessions() == 0 and not engine._runner.thread.is_alive()
+    assert backend.live_sessions() == 0 and not engine.runner_alive
 
 
 async def test_races_repeated():
@@ -194,7 +194,7 @@ async def test_races_repeated():
         backend = ScriptedBackend(window=rng.choice([None, 8]))
         backend.delay = {"decode": rng.choice([0, 0.0005]), "prefill": rng.choice([0, 0.001]),
                          "clone": rng.choice([0, 0.001])}
-        engine = await start_engine(backend, **{**SEED_RULE, "inference_slots": rng.choice([2, 4, 8]),
+        engine = await start_engine(backend, **{**CLONE_NOW, "inference_slots": rng.choice([2, 4, 8]),
                                                 "prefix_cache_entries": rng.choice([0, 4])})
         shared = prompt_of(rng.randint(20, 80), start=repeat)
         prompts = [shared + prompt_of(rng.randint(1, 8), start=100 + i) for i in range(6)]
@@ -212,7 +212,7 @@ async def test_races_repeated():
                 assert done.finish_reason == "cancelled"
                 assert tokens == backend.greedy(p, len(tokens))
         await settled(engine, backend)
-        assert engine._admission.slots_used == 0 and engine._admission.reserved == 0
+        assert engine.admission.slots_used == 0 and engine.admission.reserved == 0
         await engine.shutdown(1)
         assert backend.live_sessions() == 0
 
@@ -220,7 +220,7 @@ async def test_races_repeated():
 async def test_a_pending_clone_is_in_flight_work_that_shutdown_lets_finish():
     backend = ScriptedBackend()
     backend.delay["decode"] = DONOR_STEP_S
-    engine = await start_engine(backend, **SEED_RULE)
+    engine = await start_engine(backend, **CLONE_NOW)
     donor = engine.submit(request(DONOR, 200))
     await first_token(donor)
     gate = backend.gates["clone"] = Gate()

@@ -42,7 +42,7 @@ async def test_a_burst_of_six_prefills_the_shared_prefix_once(window):
     await engine.shutdown(1)
 
 
-async def test_the_seed_rule_alone_saves_little_in_a_burst():
+async def test_clone_now_alone_saves_little_in_a_burst():
     backend = ScriptedBackend()
     engine = await start_engine(backend, **FOLLOW, follow=False)
     _, results = await burst(engine)
@@ -85,7 +85,7 @@ async def test_leader_cancelled_at_every_phase(cancel_at):
     assert total == S + 5 * T + max(0, leader_prefilled - S)
     await settled(engine, backend)
     assert backend.live_sessions() == 0
-    assert engine._admission.slots_used == 0 and engine._admission.reserved == 0
+    assert engine.admission.slots_used == 0 and engine.admission.reserved == 0
     await engine.shutdown(1)
 
 
@@ -172,7 +172,7 @@ async def test_races_repeated():
             assert done.finish_reason in ("length", "cancelled"), (repeat, done)
             assert tokens == backend.greedy(p, len(tokens)), (repeat, done.usage)
         await settled(engine, backend)
-        assert engine._admission.slots_used == 0 and engine._admission.reserved == 0
+        assert engine.admission.slots_used == 0 and engine.admission.reserved == 0
         assert not engine.reuse.followers
         await engine.shutdown(1)
         assert backend.live_sessions() == 0
@@ -194,4 +194,18 @@ async def test_followers_count_against_the_queue_and_its_timeout():
     assert (await collect(leader))[0] == backend.greedy(PROMPTS[0], 4)
     await settled(engine, backend)
     assert backend.live_sessions() == 0
+    await engine.shutdown(1)
+
+
+async def test_cache_entries_on_a_sliding_model_never_block_following():
+    """A cached prompt longer than the window serves only a clone at its end (matching.window_floor): an
+    entry that shares the burst's 200 tokens must not report a match the backend will refuse."""
+    backend = slow_prefill(ScriptedBackend(window=16))
+    engine = await start_engine(backend, **{**FOLLOW, "prefix_cache_entries": 16})
+    tokens, _ = await collect(engine.submit(request(PROMPTS[5], 4)))
+    assert len(engine.admission.cache) == 1  # SHARED + 5 tokens, longer than the window
+    _, results = await burst(engine, PROMPTS[:4])
+    for p, (tokens, done) in zip(PROMPTS, results):
+        assert tokens == backend.greedy(p, 4) and done.finish_reason == "length"
+    assert [done.usage.reused_tokens for _, done in results] == [0, S, S, S]
     await engine.shutdown(1)

@@ -20,7 +20,7 @@ async def test_capture_runs_after_the_last_prefill_chunk_and_before_the_first_de
     capture = first_index(backend.calls, lambda c: c == ("clone", sid, 40))
     first_decode = first_index(backend.calls, lambda c: c[0] == "decode" and sid in c[1])
     assert last_chunk < capture < first_decode
-    assert len(engine._admission.cache) == 1
+    assert len(engine.admission.cache) == 1
     await engine.shutdown(1)
 
 
@@ -57,7 +57,7 @@ async def test_short_prompts_are_not_captured():
     backend = ScriptedBackend()
     engine = await start_engine(backend, prefix_cache_min_tokens=20)
     await run(engine, prompt_of(19), 3)
-    assert len(engine._admission.cache) == 0 and backend.live_sessions() == 0
+    assert len(engine.admission.cache) == 0 and backend.live_sessions() == 0
     await engine.shutdown(1)
 
 
@@ -87,7 +87,7 @@ async def test_a_refused_clone_falls_back_to_an_older_entry_then_to_a_full_prefi
     assert tokens == backend.greedy(base + [5], 7)
     assert (done.usage.reused_tokens, done.usage.reuse_source) == (30, "cache")
     assert engine.metrics.clone_refusals.get(source="cache", reason="no_memory") == 1
-    assert len(engine._admission.cache) == 3  # the refused entry stays (and the new prompt was captured)
+    assert len(engine.admission.cache) == 3  # the refused entry stays (and the new prompt was captured)
 
     backend.refuse = lambda session, upto: "no_memory"
     tokens, done = await run(engine, base + [6], 4)
@@ -103,7 +103,7 @@ async def test_cache_eviction_by_entries_releases_snapshots():
     for i in range(4):
         await run(engine, prompt_of(20, start=i * 50), 2)
     await settled(engine, backend)
-    assert len(engine._admission.cache) == 2 and backend.live_sessions() == 2
+    assert len(engine.admission.cache) == 2 and backend.live_sessions() == 2
     await engine.shutdown(1)
     assert backend.live_sessions() == 0
 
@@ -118,6 +118,9 @@ async def test_metrics_report_the_cache_and_what_the_backend_holds_at_rest():
     text = engine.registry.render()
     for line in ("kvfork_prefix_cache_entries 1", f"kvfork_prefix_cache_bytes {30 * 1024}", "kvfork_live_sessions 1",
                  'kvfork_prefix_cache_captures_total{outcome="stored"} 2', "kvfork_prefix_cache_misses_total 2",
-                 "kvfork_prefilled_tokens_total 50", 'kvfork_requests_total{finish_reason="length"} 2'):
+                 "kvfork_prefilled_tokens_total 50", 'kvfork_requests_total{finish_reason="length"} 2',
+                 # what the budget counts as held, against what the backend holds: the same at rest
+                 f"kvfork_kv_budget_held_bytes {30 * 1024}", f"kvfork_kv_bytes {30 * 1024}",
+                 "kvfork_kv_reserved_bytes 0", "kvfork_kv_budget_exceeded_total 0"):
         assert line in text.splitlines(), line
     await engine.shutdown(1)

@@ -18,7 +18,7 @@ async def test_in_flight_requests_finish_within_the_grace():
     for i, handle in enumerate(handles):
         tokens, done = await collect(handle)
         assert done.finish_reason == "length" and tokens == backend.greedy(prompt_of(20, start=i), 10)
-    assert backend.live_sessions() == 0 and not engine._runner.thread.is_alive()
+    assert backend.live_sessions() == 0 and not engine.runner_alive
 
 
 async def test_shutdown_with_requests_in_every_phase():
@@ -40,7 +40,7 @@ async def test_shutdown_with_requests_in_every_phase():
         _, done = await collect(handle)
         assert done.finish_reason == "cancelled"
     assert backend.live_sessions() == 0 and backend.total_bytes() == 0
-    assert not engine._runner.thread.is_alive() and not engine.ready
+    assert not engine.runner_alive and not engine.ready
     with pytest.raises(NotReady):
         engine.submit(request(prompt_of(5), 1))
 
@@ -65,4 +65,4 @@ async def test_shutdown_twice_and_of_an_idle_engine():
     engine = await start_engine(backend)
     await engine.shutdown(1)
     await engine.shutdown(1)
-    assert backend.live_sessions() == 0 and not engine._runner.thread.is_alive()
+    assert backend.live_sessions() == 0 and not engine.runner_alive

@@ -29,7 +29,7 @@ def test_follows_a_leader_still_prefilling_the_shared_part():
     p = plan(Recipient("b", shared + [2]), [lead], cached=0, rates=Rates(prefill_tps=100.0), policy=ON, prefilling=1)
     assert (p.follow, p.leader, p.target, p.reason) == (True, "a", 1000, "follow")
     assert p.wait_s == pytest.approx(8.0)  # 800 tokens at 100 tok/s
-    # the seed's choice it beat: clone the 200 committed now and prefill 801 sharing the rate with the leader
+    # clone-now's choice it beat: clone the 200 committed now and prefill 801 sharing the rate with the leader
     assert (p.now.kind, p.now.upto) == ("donor", 200)
     rates = Rates(prefill_tps=100.0)
     assert p.ttft_now_s == p.ttft_clone_s == pytest.approx(rates.clone_s(200) + 801 / 50)
@@ -76,7 +76,7 @@ def test_follow_must_beat_the_cached_match_by_min_tokens():
 
 def test_nothing_to_wait_for_when_the_leader_has_committed_the_match():
     shared = list(range(100))
-    lead = active("a", shared + [1], committed=101)  # decoding: the seed's rule clones at once
+    lead = active("a", shared + [1], committed=101)  # decoding: clone-now clones at once
     p = plan(Recipient("b", shared + [2]), [lead], 0, FREE_CLONES, ON, prefilling=0)
     assert (p.follow, p.reason, p.now.kind, p.now.donor, p.now.upto) == (False, "no_leader", "donor", "a", 100)
 

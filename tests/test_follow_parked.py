@@ -1,4 +1,4 @@
-"""Parked followers: readiness, chunk stops, promotion, and a step simulator.
+"""Parked followers: deadlines, chunk stops, promotion, and a step simulator.
 
 The burst tests run the simulator over every small burst: each prefilling
 request commits `chunk` tokens a step, clones land between steps. They assert
@@ -22,13 +22,11 @@ from server.engine.rates import Rates
 from test_follow import FREE_CLONES, ON, active
 
 
-def test_following_ready_and_deadline():
+def test_a_parked_follower_waits_for_its_target_until_its_first_deadline():
     shared = list(range(100))
     p = plan(Recipient("b", shared + [2]), [active("a", shared + [1], 0)], 0, FREE_CLONES, ON, 1)
     f = Following.park("b", p, order=3, first_parked_at=10.0, max_wait_s=5.0)
     assert (f.leader, f.target, f.deadline) == ("a", 100, 15.0)
-    assert not f.ready(99) and f.ready(100) and f.ready(150)
-    assert not f.expired(14.9) and f.expired(15.0)
 
 
 def test_chunk_end_stops_at_follower_targets():
@@ -44,19 +42,14 @@ def follower(rid, target, order, leader="gone") -> Following:
 
 def test_promotion_heir_salvages_most_then_earliest():
     parked = [follower("f3", 900, 3), follower("f1", 100, 1), follower("f2", 900, 2), follower("other", 5, 0, "x")]
-    promo = promote("gone", 600, parked)
-    assert (promo.heir, promo.upto, promo.replan) == ("f2", 600, ("f1", "f3"))
-    promo = promote("gone", 50, parked)  # all salvage 50: the earliest takes over
-    assert (promo.heir, promo.upto, promo.replan) == ("f1", 50, ("f2", "f3"))
+    assert promote("gone", 600, parked) == Promotion("f2", 600)
+    assert promote("gone", 50, parked) == Promotion("f1", 50)  # all salvage 50: the earliest takes over
 
 
-def test_promotion_replans_the_whole_tree_below_the_gone_leader():
+def test_the_heir_is_a_direct_follower():
     parked = [follower("f1", 100, 1), follower("f2", 50, 2),
-              follower("c1", 120, 5, leader="f1"), follower("c2", 60, 4, leader="f2"),
-              follower("g2", 70, 3, leader="c2"), follower("x", 9, 0, leader="elsewhere")]
-    promo = promote("gone", 100, parked)
-    # the heir's own follower c1 plans again too: the heir plans first, and must not pick c1 as its leader
-    assert (promo.heir, promo.upto, promo.replan) == ("f1", 100, ("f2", "g2", "c2", "c1"))
+              follower("c1", 120, 5, leader="f1"), follower("x", 900, 0, leader="elsewhere")]
+    assert promote("gone", 100, parked) == Promotion("f1", 100)
 
 
 def test_heir_clones_the_gone_state_unless_another_leader_offers_more():
@@ -71,11 +64,21 @@ def test_heir_clones_the_gone_state_unless_another_leader_offers_more():
     assert (p.follow, p.leader, p.target) == (True, "other", 100)
 
 
-def test_promotion_with_nothing_to_salvage_replans_everyone_in_order():
+def test_promotion_with_nothing_to_salvage_has_no_heir():
     parked = [follower("f2", 10, 2), follower("f1", 10, 1), follower("c", 10, 3, leader="f2")]
-    assert promote("gone", 0, parked) == promote("gone", 500, parked, state_usable=False)
-    assert promote("gone", 0, parked) == Promotion(None, 0, ("f1", "f2", "c"))
-    assert promote("gone", 500, []) == Promotion(None, 0, ())
+    assert promote("gone", 0, parked) == promote("gone", 500, parked, state_usable=False) == Promotion(None, 0)
+    assert promote("gone", 500, []) == Promotion(None, 0)
+
+
+def below(gone, parked: dict[int, Following]) -> list[int]:
+    """Everyone waiting on `gone`, directly or down a chain, earliest first: they plan again (reuse.gone)."""
+    found, todo = [], [gone]
+    while todo:
+        leader = todo.pop()
+        children = [i for i, f in parked.items() if f.leader == leader]
+        found += children
+        todo += children
+    return sorted(found, key=lambda i: parked[i].order)
 
 
 # ---- burst simulator ----
@@ -105,7 +108,7 @@ class Sim:
         if p.follow:
             self.parked[i] = Following.park(i, p, i, 0.0, math.inf)
         else:
-            self.committed[i] = p.now.upto  # the seed's clone (or nothing) lands at once
+            self.committed[i] = p.now.upto  # clone-now's clone (or nothing) lands at once
 
     def step(self) -> None:
         for i, done in list(self.committed.items()):
@@ -116,7 +119,7 @@ class Sim:
                 self.prefilled[i].append((done, new))
                 self.committed[i] = new
         for i, f in list(self.parked.items()):
-            if f.leader in self.committed and f.ready(self.committed[f.leader]):
+            if self.committed.get(f.leader, -1) >= f.target:  # what clone_orders.due serves
                 del self.parked[i]
                 self.committed[i] = f.target
 
@@ -124,14 +127,15 @@ class Sim:
         self.gone.add(i)
         committed = self.committed.pop(i, 0)
         promo = promote(i, committed, list(self.parked.values()))
+        replan = [rid for rid in below(i, self.parked) if rid != promo.heir]
         self.parked.pop(i, None)
-        for rid in (promo.heir, *promo.replan) if promo.heir is not None else promo.replan:
+        for rid in ([promo.heir] if promo.heir is not None else []) + replan:
             del self.parked[rid]
         if promo.heir is not None and self.heir_plans:
             self.admit(promo.heir, gone=Leader.active(Source.donor(i, self.prompts[i], committed, i), 0.0))
         elif promo.heir is not None:
             self.committed[promo.heir] = promo.upto
-        for rid in promo.replan:
+        for rid in replan:
             self.admit(rid)
 
     def finished(self) -> bool:
@@ -205,7 +209,7 @@ def test_random_longer_bursts_with_chunks(heir_plans):
 
 
 def test_without_following_a_burst_prefills_the_shared_part_again():
-    # the seed's rule alone: nothing is committed yet when the burst arrives
+    # clone-now alone: nothing is committed yet when the burst arrives
     prompts = [tuple(range(10)) + (100 + i,) for i in range(3)]
     sim = run_burst(prompts, chunk=4, cancel=None, policy=FollowPolicy(min_tokens=1, follow=False))
     assert sum(e - s for ranges in sim.prefilled for s, e in ranges) == 3 * 11

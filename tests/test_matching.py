@@ -1,5 +1,5 @@
-"""Prefix matching policy: the seed's donor rule and the prefix-cache lookup, checked
-against brute-force oracles over small token alphabets, plus the seed's named cases."""
+"""Prefix matching policy: clone-now's donor rule and the prefix-cache lookup, checked
+against brute-force oracles over small token alphabets, plus named cases."""
 
 from __future__ import annotations
 
@@ -89,10 +89,10 @@ def test_non_text_donor_gives_nothing():
 
 
 def test_window_floor_agrees_with_the_backend_refusal_rule():
-    from backends.base import LayerAttention, ModelInfo, clone_refusal
+    from backends.base import KVCost, LayerAttention, ModelInfo, clone_refusal
     for window, position in itertools.product((1, 2, 4, 16), range(0, 40)):
         layers = (LayerAttention("full"), LayerAttention("sliding", window))
-        info = ModelInfo("m", 10, 100, layers, (0,), 1, "f32", "cpu")
+        info = ModelInfo("m", 10, 100, layers, (0,), KVCost(1), "f32", "cpu")
         held_from = [max(0, position - window)]  # a ring of exactly W positions
         servable = [u for u in range(1, position + 1) if clone_refusal(position, u, info, held_from) is None]
         floor = window_floor(position, [window])
@@ -143,7 +143,7 @@ def test_ranked_matches_lists_every_fallback_in_order():
     assert [(m.key, m.upto) for m in ranked_matches(prompt, entries)] == [("b", 4), ("d", 2), ("a", 2)]
 
 
-# ---- the seed's rule at admission ----
+# ---- clone-now at admission ----
 
 def anonymous(prompt, request_id="r") -> Recipient:
     return Recipient(request_id, prompt)

@@ -12,6 +12,7 @@ import torch
 
 from backends.torch import kv
 from backends.torch.backend import TorchBackend, read_weights
+from backends.model_info import read_model_facts
 from backends.torch.config import parse_config, read_config
 
 DEVICE = os.environ.get("KVFORK_DEVICE", "cpu")
@@ -43,9 +44,9 @@ def test_buffers_grow_in_steps_without_changing_answers(llama, chunks):
     prompt = tokens(50, sum(chunks))
     session = llama.open_session()
     llama.prefill([session], [prompt[:10]])
-    assert llama.session_bytes(session) == kv.GROW_STEP * llama.info.kv_bytes_per_token
+    assert llama.session_bytes(session) == kv.GROW_STEP * llama.info.kv.full_bytes_per_token
     llama.prefill([session], [prompt[10:]])
-    assert llama.session_bytes(session) == 2 * kv.GROW_STEP * llama.info.kv_bytes_per_token
+    assert llama.session_bytes(session) == 2 * kv.GROW_STEP * llama.info.kv.full_bytes_per_token
     llama.release(session)
     np.testing.assert_allclose(last_logits(llama, prompt, chunks), last_logits(llama, prompt, (300,)), atol=ATOL, rtol=RTOL)
 
@@ -55,7 +56,7 @@ def test_a_clone_has_room_to_grow(llama):
     donor = llama.open_session()
     llama.prefill([donor], [tokens(51, kv.GROW_STEP)])
     clone = llama.clone(donor, kv.GROW_STEP)
-    assert llama.session_bytes(clone) == 2 * kv.GROW_STEP * llama.info.kv_bytes_per_token
+    assert llama.session_bytes(clone) == 2 * kv.GROW_STEP * llama.info.kv.full_bytes_per_token
     buffers = [t.data_ptr() for layer in clone.layers for t in layer.tensors()]
     llama.decode([clone], [7])
     assert [t.data_ptr() for layer in clone.layers for t in layer.tensors()] == buffers
@@ -74,7 +75,8 @@ def test_a_released_session_cannot_be_cloned(llama):
 def test_install_from_memory_equals_load(llama, tiny_model_dir):
     folder = tiny_model_dir("llama")
     other = TorchBackend(DEVICE)
-    other.install(read_config(folder), read_weights(Path(folder), torch.device(DEVICE)), "mem", "float32")
+    other.install(read_config(folder), read_weights(Path(folder), torch.device(DEVICE)), "mem",
+                  read_model_facts(folder), "float32")
     prompt = tokens(52, 20)
     np.testing.assert_array_equal(last_logits(other, prompt, (20,)), last_logits(llama, prompt, (20,)))
 

@@ -6,7 +6,7 @@
    calls, as a share of the step time, from the runner's step counters; and
    the control loop's time on runner events per step (another thread);
 3. with --burst N: N requests sent at once that share a prompt prefix, with
-   reuse off, with the seed's rule (--no-follow) and with following: TTFT,
+   reuse off, with clone-now (--no-follow) and with following: TTFT,
    prompt tokens prefilled, and wall time.
 
     python -m tools.engine_bench [--model FOLDER] [--backend mlx] [--tokens 64] [--burst 6]
@@ -59,7 +59,7 @@ async def decode_round(engine: Engine, concurrent: int, prompt_len: int, tokens:
 
 async def burst_round(args: argparse.Namespace, mode: str) -> dict:
     """`--burst` requests at once: a shared prefix of `--shared` tokens, then a distinct tail of 8."""
-    reuse = {"off": dict(active_prefix_reuse_min_tokens=0), "seed": dict(active_prefix_reuse_min_tokens=1, follow=False),
+    reuse = {"off": dict(active_prefix_reuse_min_tokens=0), "clone-now": dict(active_prefix_reuse_min_tokens=1, follow=False),
              "follow": dict(active_prefix_reuse_min_tokens=1)}[mode]
     config = EngineConfig(prefix_cache_entries=0, kv_budget_bytes=8 << 30, **reuse)
     engine = Engine(create_backend(args.backend), args.model, args.dtype, config, Registry())
@@ -86,7 +86,7 @@ async def burst_round(args: argparse.Namespace, mode: str) -> dict:
 async def measure(args: argparse.Namespace) -> dict:
     if args.burst:
         return {"model": args.model, "backend": args.backend,
-                "burst": [await burst_round(args, mode) for mode in ("off", "seed", "follow")]}
+                "burst": [await burst_round(args, mode) for mode in ("off", "clone-now", "follow")]}
     backend = create_backend(args.backend)
     config = EngineConfig(prefix_cache_entries=0, kv_budget_bytes=8 << 30, max_tokens=args.tokens)
     engine = Engine(backend, args.model, args.dtype, config, Registry())

@@ -16,6 +16,7 @@ import time
 import torch
 
 from backends.torch.backend import DTYPES, TorchBackend, default_dtype
+from backends.model_info import model_facts
 from backends.torch.config import parse_config
 from backends.torch.model import Transformer
 
@@ -68,7 +69,8 @@ def check_shape(name: str, device: torch.device, dtype: str | None, prompt_len: 
     backend = TorchBackend(str(device))
     config = SHAPES[name]
     weights_dtype = DTYPES[dtype] if dtype else default_dtype(device)
-    built = clock(lambda: backend.install(parse_config(config), random_weights(config, device, weights_dtype), name, dtype))
+    built = clock(lambda: backend.install(parse_config(config), random_weights(config, device, weights_dtype), name,
+                                                  model_facts(config), dtype))
     params = sum(p.numel() for p in backend.model.parameters())
     prompt = torch.randint(0, config["vocab_size"], (prompt_len,)).tolist()
 
@@ -81,7 +83,7 @@ def check_shape(name: str, device: torch.device, dtype: str | None, prompt_len: 
     session = backend.open_session()
     prefill_s = clock(lambda: backend.prefill([session], [prompt]))
     clone_s = min(clock(lambda: backend.release(backend.clone(session, prompt_len))) for _ in range(3))
-    clone_bytes = prompt_len * backend.info.kv_bytes_per_token
+    clone_bytes = prompt_len * backend.info.kv.full_bytes_per_token + backend.info.kv.ring_bytes  # copied
     batch = [session] + [backend.clone(session, prompt_len) for _ in range(7)]
 
     def decode(sessions):

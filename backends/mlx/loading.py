@@ -2,12 +2,12 @@
 
 The description is read from what the model builds, not from config keys that
 differ per architecture: the layer kinds come from the model's own cache list,
-and the KV bytes per token from one token run through a fresh cache.
+and the KV bytes per token from one token run through a fresh cache. EOS ids and
+the context length come from backends.model_info, the reader torch shares.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,9 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import load
 
-from backends.base import LayerAttention, ModelInfo
+from backends.base import KVCost, LayerAttention, ModelInfo
+from backends.mlx.kvcopy import STEP
+from backends.model_info import read_model_facts
 from backends.model_path import resolve_model
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -32,18 +34,19 @@ def load_model(folder: str, dtype: str | None) -> tuple[nn.Module, Any, ModelInf
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     path = resolve_model(str(folder))
-    model, tokenizer, config = load(str(path), return_config=True)
+    model, tokenizer = load(str(path))
     # Quantized weights stay packed: set_dtype casts floating parameters only.
     model.set_dtype(DTYPES[dtype])
     layers = layer_kinds(model)
-    vocab_size, kv_bytes_per_token = _probe(model)
+    vocab_size, slot = _probe(model)
+    facts = read_model_facts(path)
     info = ModelInfo(
         name=Path(folder).name or str(folder),
         vocab_size=vocab_size,
-        context_length=_context_length(config, path),
+        context_length=facts.context_length,
         layers=layers,
-        eos_token_ids=_eos_ids(config, path, tokenizer),
-        kv_bytes_per_token=kv_bytes_per_token,
+        eos_token_ids=facts.eos_token_ids,
+        kv=kv_cost(layers, slot),
         dtype=dtype,
         device="metal" if mx.default_device() == mx.gpu else "cpu",
     )
@@ -66,41 +69,23 @@ def layer_kinds(model: nn.Module) -> tuple[LayerAttention, ...]:
     return tuple(kinds)
 
 
+def kv_cost(layers: tuple[LayerAttention, ...], slot: int) -> KVCost:
+    """Approximate, unlike torch's: mlx-lm's KVCache grows by whole steps of each write (a prefill
+    chunk of n adds round_up(n) slots after the last used one, so chunked prefill may hold up to a
+    step more per chunk), a ring grows towards its window in steps (and holds a chunk past it while
+    prefilling), and the decode batch pads rows on the left to a common length. A clone holds
+    round_up(upto) + STEP slots (kvcopy.with_room). So a session's count may stray by
+    `tolerance` of its figure, plus one step of slots."""
+    full = sum(1 for layer in layers if layer.kind == "full")
+    rings = sum(layer.window or 0 for layer in layers if layer.kind == "sliding")
+    return KVCost(full_bytes_per_token=slot * full, ring_bytes=slot * rings, step=STEP, slack=STEP, tolerance=0.25)
+
+
 def _probe(model: nn.Module) -> tuple[int, int]:
-    """(vocab size, KV bytes per token of the full layers), from one token run."""
+    """(vocab size, KV bytes of one token in one full layer), from one token run."""
     cache = make_prompt_cache(model)
     logits = model(mx.array([[0]]), cache=cache)
     mx.eval(logits)
     full = [c for c in cache if type(c) is KVCache]
-    return int(logits.shape[-1]), sum(c.keys[..., :1, :].nbytes + c.values[..., :1, :].nbytes for c in full)
-
-
-def _context_length(config: dict, path: Path) -> int:
-    for source in (config, config.get("text_config", {})):
-        for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-            if isinstance(source.get(key), int):
-                return source[key]
-    tokenizer_config = _read_json(path / "tokenizer_config.json")
-    length = tokenizer_config.get("model_max_length")
-    return length if isinstance(length, int) and length < 10**7 else 2048
-
-
-def _eos_ids(config: dict, path: Path, tokenizer: Any) -> tuple[int, ...]:
-    """EOS ids from config.json, generation_config.json and the tokenizer, first seen first."""
-    found: list[int] = []
-
-    def add(value: Any) -> None:
-        for v in value if isinstance(value, list) else [value]:
-            if isinstance(v, int) and v not in found:
-                found.append(v)
-
-    add(config.get("eos_token_id"))
-    add(config.get("text_config", {}).get("eos_token_id"))
-    add(_read_json(path / "generation_config.json").get("eos_token_id"))
-    add(getattr(tokenizer, "eos_token_id", None))
-    add(sorted(getattr(tokenizer, "eos_token_ids", ()) or ()))
-    return tuple(found)
-
-
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
+    one = full[0] if full else cache[0]  # every layer's keys and values have one shape per token
+    return int(logits.shape[-1]), one.keys[..., :1, :].nbytes + one.values[..., :1, :].nbytes

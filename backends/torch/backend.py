@@ -15,8 +15,9 @@ from typing import Sequence
 import torch
 from safetensors import safe_open
 
-from backends.base import (Backend, BatchFailed, LayerAttention, ModelInfo, RowState, Sampled, SamplerState, Session,
-                           check_inputs, clone_refusal)
+from backends.base import (Backend, BatchFailed, KVCost, LayerAttention, ModelInfo, RowState, Sampled, SamplerState,
+                           Session, check_inputs, clone_refusal)
+from backends.model_info import ModelFacts, read_model_facts
 from backends.model_path import resolve_model
 from backends.torch import kv, sampling
 from backends.torch.config import ArchConfig, read_config
@@ -67,9 +68,10 @@ class TorchBackend(Backend):
 
     def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
         path = resolve_model(folder)
-        return self.install(read_config(path), read_weights(path, self.device), path.name, dtype)
+        return self.install(read_config(path), read_weights(path, self.device), path.name, read_model_facts(path), dtype)
 
-    def install(self, cfg: ArchConfig, weights: dict[str, torch.Tensor], name: str, dtype: str | None = None) -> ModelInfo:
+    def install(self, cfg: ArchConfig, weights: dict[str, torch.Tensor], name: str, facts: ModelFacts,
+                dtype: str | None = None) -> ModelInfo:
         """Take a model from weights already in memory (HF names); `load` reads them from a folder,
         tools/gpu_check.py makes random ones of realistic shapes."""
         self.dtype = DTYPES[dtype] if dtype else default_dtype(self.device)
@@ -79,20 +81,23 @@ class TorchBackend(Backend):
         model.load_state_dict({k: weights[k].to(self.device, self.dtype) for k in wanted if k in weights}, strict=True, assign=True)
         model.place(self.device)
         self.model, self.cfg = model.eval(), cfg
-        self.info = self._describe(cfg, name)
+        self.info = self._describe(cfg, name, facts)
         return self.info
 
-    def _describe(self, cfg: ArchConfig, name: str) -> ModelInfo:
+    def _describe(self, cfg: ArchConfig, name: str, facts: ModelFacts) -> ModelInfo:
         layers = tuple(LayerAttention("sliding", w) if w else LayerAttention("full") for w in cfg.sliding)
-        full_layers = sum(1 for w in cfg.sliding if not w)
-        per_token = 2 * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize * full_layers
+        slot = 2 * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize  # one token's keys and values, one layer
+        # Exact: kv.py opens full layers at GROW_STEP slots, clones at round_up(upto) + GROW_STEP, grows to
+        # whole steps, and holds one ring of the window per sliding layer.
+        cost = KVCost(full_bytes_per_token=slot * sum(1 for w in cfg.sliding if not w),
+                      ring_bytes=slot * sum(w for w in cfg.sliding if w), step=kv.GROW_STEP, slack=kv.GROW_STEP)
         return ModelInfo(
             name=name,
             vocab_size=cfg.vocab_size,
-            context_length=cfg.context_length,
+            context_length=facts.context_length,
             layers=layers,
-            eos_token_ids=cfg.eos_token_ids,
-            kv_bytes_per_token=per_token,
+            eos_token_ids=facts.eos_token_ids,
+            kv=cost,
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
         )

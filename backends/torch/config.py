@@ -31,8 +31,6 @@ class ArchConfig:
     num_kv_heads: int
     head_dim: int
     norm_eps: float
-    context_length: int
-    eos_token_ids: tuple[int, ...]
     sliding: tuple[int | None, ...]  # per layer: window in tokens, or None for full attention
     rope_full: Rope
     rope_sliding: Rope
@@ -65,26 +63,12 @@ def _layer_windows(cfg: dict, n: int) -> tuple[int | None, ...]:
     return tuple(window if kind == "sliding_attention" else None for kind in kinds)
 
 
-def _eos_ids(cfg: dict, folder: Path) -> tuple[int, ...]:
-    ids: list[int] = []
-    sources = [cfg.get("eos_token_id")]
-    gen = folder / "generation_config.json"
-    if gen.exists():
-        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
-    for eos in sources:
-        for i in eos if isinstance(eos, list) else [eos]:
-            if i is not None and i not in ids:
-                ids.append(int(i))
-    return tuple(ids)
-
-
 def read_config(folder: str | Path) -> ArchConfig:
     folder = Path(folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    return parse_config(cfg, _eos_ids(cfg, folder))
+    return parse_config(json.loads((folder / "config.json").read_text()))
 
 
-def parse_config(cfg: dict, eos_token_ids: tuple[int, ...] = ()) -> ArchConfig:
+def parse_config(cfg: dict) -> ArchConfig:
     family = cfg.get("model_type")
     if family not in FAMILIES:
         raise ValueError(f"torch backend: model_type {family!r} is not one of {FAMILIES}")
@@ -115,8 +99,6 @@ def parse_config(cfg: dict, eos_token_ids: tuple[int, ...] = ()) -> ArchConfig:
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=head_dim,
         norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        context_length=cfg.get("max_position_embeddings", 4096),
-        eos_token_ids=eos_token_ids,
         sliding=_layer_windows(cfg, n),
         rope_full=rope_full,
         rope_sliding=rope_sliding,

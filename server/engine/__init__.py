@@ -2,8 +2,9 @@
 
 Where things happen:
 - api.py: the engine <-> daemon contract (requests in, events out);
-- engine.py: the facade: start, submit, sessions, shutdown;
-- control.py: the control loop's side: request phases, runner events, streams;
+- engine.py: the engine core, one object: start, submit, sessions, shutdown,
+  request phases, runner events, streams; its collaborators use only its
+  public interface;
 - admission.py: who gets a slot and the KV budget; where a request starts from
   (named session, prefix cache, a donor's clone);
 - reuse.py: active prefix reuse and following a prefilling leader, wired to the

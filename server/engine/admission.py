@@ -2,12 +2,14 @@
 
 Design rules:
 - first come, first served over `inference_slots`; a head that does not fit the
-  KV budget waits (the prefix cache gives way first), so memory never runs out;
+  KV budget waits (the prefix cache gives way first, then idle named sessions,
+  least recently used first), so memory never runs out;
 - every byte the engine may come to hold is reserved before it exists: a slot
-  reserves its prompt plus max_tokens, a capture slot its snapshot, and named
-  sessions and cache entries count what they hold;
-- bytes are estimated from `kv_bytes_per_token`; cache entries count what the
-  backend measured for them.
+  reserves the session its request grows to (prompt plus max_tokens, as the
+  backend rounds it), a capture slot its snapshot, a parked follower the clone
+  it will be handed; named sessions and cache entries count what they hold;
+- bytes are priced by the backend's own cost function (`ModelInfo.kv`, a pure
+  function); cache entries count what the backend measured for them.
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ class Admission:
         self.config, self.info, self.send = config, info, send
         self.budget: int = config.kv_budget_bytes  # type: ignore[assignment]  (resolved)
         self.queue: collections.deque[Request] = collections.deque()
-        self.cache = PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes, config.prefix_cache_min_tokens)
+        windows = [layer.window for layer in info.layers if layer.kind == "sliding" and layer.window]
+        self.cache = PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes, config.prefix_cache_min_tokens,
+                                 windows)
         self.named = NamedSessions(config.max_named_sessions)
         self.slots_used = 0
-        self.reserved = 0  # bytes: requests holding slots, and capture slots
+        self.reserved = 0  # bytes: what requests hold (slots, landed clones), and capture slots
         self.captures_in_use = 0
 
     def check(self, req: GenerateRequest, waiting: int) -> tuple[int, int]:
@@ -53,7 +57,7 @@ class Admission:
             except ValueError as exc:
                 raise InvalidRequest(str(exc)) from None
         max_tokens = clamp_max_tokens(req.max_tokens, self.config.max_tokens, n, context)
-        need = self.bytes_for(n + max_tokens)
+        need = self.request_bytes(n, max_tokens)
         if fit_admission(need, 0, 0, self.budget).never:
             raise CapacityExhausted(f"the request needs {need} bytes of KV state; the budget is {self.budget}")
         waits = bool(self.queue) or self.slots_used >= self.config.inference_slots
@@ -61,18 +65,28 @@ class Admission:
             raise CapacityExhausted(f"{waiting} requests are already waiting")
         return max_tokens, need
 
-    def bytes_for(self, tokens: int) -> int:
-        return self.info.kv_bytes_per_token * tokens
+    def request_bytes(self, prompt_len: int, max_tokens: int, start: int | None = None) -> int:
+        """What a request's session grows to: opened at `start` (an empty session 0, a clone its
+        `upto`); None, not yet known: the dearest start, a clone of all but the prompt's last token."""
+        return self.info.kv.bytes_for(prompt_len + max_tokens, start=prompt_len - 1 if start is None else start)
+
+    def clone_bytes(self, upto: int) -> int:
+        """A clone of `[0, upto)`, as it lands (a follower's, or a snapshot)."""
+        return self.info.kv.bytes_for(upto, start=upto)
 
     def held(self) -> int:
-        return self.reserved + self.cache.nbytes + self.bytes_for(self.named.idle_tokens())
+        return self.reserved + self.cache.nbytes + self.named.idle_bytes(self.info.kv)
+
+    def can_wait(self, waiting: int) -> bool:
+        """Whether one more request may wait (queued or parked) beside `waiting` others."""
+        return waiting < self.config.max_queue
 
     def next(self) -> Request | None:
         """The queue's head, if a slot is free and its bytes fit; it then holds the slot."""
         if not self.queue or self.slots_used >= self.config.inference_slots:
             return None
         head = self.queue[0]
-        if not self.reserve(head.need_bytes):
+        if not self.hold(head, head.need_bytes):
             return None
         self.queue.popleft()
         self.slots_used += 1
@@ -84,13 +98,30 @@ class Admission:
         at = next((i for i, queued in enumerate(self.queue) if queued.rid > request.rid), len(self.queue))
         self.queue.insert(at, request)
 
-    def reserve(self, need: int) -> bool:
-        fit = fit_admission(need, self.held(), self.cache.nbytes, self.budget)
+    def hold(self, request: Request, nbytes: int) -> bool:
+        """Make `request` hold `nbytes` of the budget: more only if it fits (the prefix cache, then idle
+        named sessions give way), less always. False (nothing changed) when it does not fit."""
+        extra = nbytes - request.reserved_bytes
+        if extra > 0 and not self._make_room(extra):
+            return False
+        self.reserved += extra
+        request.reserved_bytes = nbytes
+        return True
+
+    def let_go(self, request: Request) -> None:
+        self.hold(request, 0)
+
+    def _make_room(self, need: int) -> bool:
+        idle = self.named.idle_bytes(self.info.kv)
+        fit = fit_admission(need, self.held(), self.cache.nbytes + idle, self.budget)
         if not fit.admit:
             return False
         if fit.evict_bytes:
-            self.release_sessions(self.cache.evict_bytes(fit.evict_bytes))
-        self.reserved += need
+            evicted = self.cache.evict_bytes(fit.evict_bytes)
+            short = self.budget - self.held() - need
+            if short < 0:
+                evicted += self.named.evict_bytes(-short, self.info.kv)
+            self.release_sessions(evicted)
         return True
 
     def _offer_capture_slot(self, request: Request) -> None:
@@ -99,7 +130,7 @@ class Admission:
         prompt_len = len(request.prompt)
         if not self.cache.worth_capturing(prompt_len) or self.captures_in_use >= (self.config.capture_slots or 0):
             return
-        nbytes = self.bytes_for(prompt_len)
+        nbytes = self.clone_bytes(prompt_len)
         if fit_admission(nbytes, self.held(), 0, self.budget).admit:
             self.reserved += nbytes
             self.captures_in_use += 1
@@ -112,9 +143,9 @@ class Admission:
             self.reserved -= request.capture_bytes
 
     def free_slot(self, request: Request) -> None:
-        """The request no longer holds a slot (it ended, or it was parked)."""
+        """The request no longer holds a slot (it ended, or it was parked): its bytes go back too."""
         self.slots_used -= 1
-        self.reserved -= request.need_bytes
+        self.let_go(request)
 
     def store_capture(self, tokens: list[int], session: Any, nbytes: int) -> None:
         self.release_sessions(self.cache.insert(tokens, session, nbytes))

@@ -53,7 +53,7 @@ class EngineConfig:
         "1024 suits long agent prompts)", check=at_least(0))
     follow_max_wait: float = setting(30.0, "most seconds a request follows a prefilling donor", check=at_least(0))
     follow: bool = setting(True, "with active reuse on, let a request wait for a prefilling donor to commit the "
-                           "shared prefix (--no-follow: clone only what is already committed, the seed's rule)")
+                           "shared prefix (--no-follow: clone-now: clone only what is already committed)")
 
     def resolve(self, info: ModelInfo) -> "EngineConfig":
         """The config with every machine- or model-dependent default filled in."""
@@ -61,7 +61,7 @@ class EngineConfig:
         context = min(self.max_context or info.context_length, info.context_length)
         slots = self.capture_slots
         if slots is None:
-            snapshot = max(1, info.kv_bytes_per_token * context)
+            snapshot = max(1, info.kv.bytes_for(context, start=context))
             slots = max(1, min(self.inference_slots, int(CAPTURE_BUDGET_FRACTION * budget) // snapshot))
         return dataclasses.replace(self, kv_budget_bytes=budget, max_context=context, capture_slots=slots)
 

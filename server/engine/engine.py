@@ -1,4 +1,4 @@
-"""The engine facade the daemon drives, living on the control loop.
+"""The engine core, one object on the control loop.
 
     engine = Engine(backend, model_path, dtype, config, registry)
     await engine.start()                 # the runner thread loads the model
@@ -6,21 +6,28 @@
     async for event in handle: ...       # TokenEvents, then one DoneEvent
     await engine.shutdown(grace_s)
 
-It admits requests, picks where each starts from, hands work to the runner
-thread, and turns the runner's events into each request's stream (control.py).
-It never calls the backend and never blocks: the runner owns the model.
+It admits requests (admission.py), picks where each starts from (reuse.py),
+hands work to the runner thread, and turns the runner's events into each
+request's stream, moving the request through its phases (request.py) until its
+one DoneEvent is delivered. It never calls the backend and never blocks: the
+runner owns the model.
+
+Design rule: this object's state is its own. Its collaborators (Reuse,
+EngineMetrics) get the narrow public interface below ("for collaborators");
+no other module touches a private member (tests/test_engine_boundary.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from typing import Any, Iterable
 
 from backends.base import Backend, ModelInfo
 from server.engine import messages as m
 from server.engine.admission import Admission
-from server.engine.api import GenerateRequest, NotReady
+from server.engine.api import CapacityExhausted, DoneEvent, GenerateRequest, NotReady, TokenEvent
 from server.engine.config import EngineConfig
-from server.engine.control import Control
 from server.engine.request import Phase, Request, RequestHandle
 from server.engine.reuse import Reuse
 from server.engine.runner import Runner
@@ -31,7 +38,7 @@ from server.settings import validate
 STOP_WAIT_S = 10.0  # after the grace period: how long cancelled requests get to leave before we stop waiting
 
 
-class Engine(Control):
+class Engine:
     def __init__(self, backend: Backend, model_path: str, dtype: str | None, config: EngineConfig,
                  registry: Registry):
         validate(config)
@@ -43,18 +50,18 @@ class Engine(Control):
         self._runner: Runner | None = None
         self._loaded: asyncio.Future | None = None
         self._admission: Admission | None = None
+        self._reuse: Reuse | None = None
         self._requests: dict[int, Request] = {}
         self._next_rid = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self.stats = m.StepStats({}, 0, 0, 0.0, 0.0)
-        self.reuse: Reuse | None = None
         self.metrics = EngineMetrics(registry, self)
 
     # ---- lifecycle ----
 
     async def start(self) -> None:
-        loop = self._loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
         self._loaded = loop.create_future()
 
         def notify() -> None:
@@ -92,6 +99,10 @@ class Engine(Control):
         await asyncio.to_thread(self._runner.thread.join, STOP_WAIT_S)
         self._drain()
 
+    @property
+    def runner_alive(self) -> bool:
+        return self._runner is not None and self._runner.thread.is_alive()
+
     async def _wait_idle(self, timeout: float) -> None:
         if self._requests and not self.dead:
             try:
@@ -105,7 +116,7 @@ class Engine(Control):
         if not self.ready or self._admission is None or self._runner is None:
             raise NotReady("the engine is not running" if self.info is not None else "the model is still loading")
         adm, config = self._admission, self.config
-        max_tokens, need = adm.check(req, waiting=len(adm.queue) + len(self.reuser.followers))
+        max_tokens, need = adm.check(req, waiting=self.waiting())
         named = None
         if req.session_id is not None:
             named, evicted = adm.named.acquire(req.session_id)
@@ -118,11 +129,19 @@ class Engine(Control):
         r = self._requests[rid] = Request(rid, req, handle, max_tokens, stop_ids, need, named)
         self._idle.clear()
         adm.queue.append(r)
-        self._admit()
+        self.admit()
         if r.phase is Phase.QUEUED:
-            r.expiry = asyncio.get_running_loop().call_later(config.queue_timeout, self._expire, rid)
+            self.expire_at(r, r.submitted_at + config.queue_timeout)
             self.reuser.arrived(r)
+        if r.phase is Phase.FOLLOWING and not adm.can_wait(self.waiting() - 1):
+            # A follower waits like a queued request: it counts against --max-queue when it parks.
+            self._withdraw(r)
+            raise CapacityExhausted(f"{self.waiting()} requests are already waiting")
         return handle
+
+    def waiting(self) -> int:
+        """Requests waiting: queued, and parked behind a leader."""
+        return len(self.adm.queue) + len(self.reuser.followers)
 
     def reset_session(self, session_id: str) -> bool:
         return self._drop_session(session_id, forget=False)
@@ -136,3 +155,248 @@ class Engine(Control):
         existed, held = self._admission.named.drop(session_id, forget)
         self._admission.release_sessions([held])
         return existed
+
+    # ---- for collaborators (reuse.py, telemetry.py); set once the model is loaded ----
+
+    @property
+    def admission(self) -> Admission | None:
+        return self._admission
+
+    @property
+    def adm(self) -> Admission:
+        assert self._admission is not None
+        return self._admission
+
+    @property
+    def reuse(self) -> Reuse | None:
+        return self._reuse
+
+    @property
+    def reuser(self) -> Reuse:
+        assert self._reuse is not None
+        return self._reuse
+
+    def send(self, command: Any) -> None:
+        """A command to the runner thread."""
+        assert self._runner is not None
+        self._runner.send(command)
+
+    def request(self, rid: int) -> Request | None:
+        return self._requests.get(rid)
+
+    def requests(self) -> Iterable[Request]:
+        return self._requests.values()
+
+    def admit(self) -> None:
+        """Give free slots to the queue's head while its bytes fit; each admitted request is placed."""
+        adm = self._admission
+        if adm is None or self._closing:
+            return
+        while (r := adm.next()) is not None:
+            if r.expiry is not None:
+                r.expiry.cancel()
+            r.admitted_at = time.monotonic()
+            self.metrics.queue_wait.observe(r.admitted_at - r.submitted_at)
+            if not r.capture_slot and adm.cache.worth_capturing(len(r.prompt)):
+                self.metrics.captures.inc(outcome="skipped")
+            self.reuser.place(r)
+
+    def start_request(self, r: Request, **source: Any) -> None:
+        """Hand a request holding a slot to the runner (`source`: see Admission.start)."""
+        r.phase = Phase.STARTING
+        self.send(self.adm.start(r, **source))
+        self.reuser.started(r)
+
+    def expire_at(self, r: Request, deadline: float) -> None:
+        """(Re)arm the queue timeout of a waiting request, at `deadline` on the monotonic clock."""
+        if r.expiry is not None:
+            r.expiry.cancel()
+        loop = asyncio.get_running_loop()
+        r.expiry = loop.call_later(max(0.0, deadline - time.monotonic()), self._expire, r.rid)
+
+    # ---- request ends ----
+
+    def _cancel(self, rid: int) -> None:
+        r = self._requests.get(rid)
+        if r is None or r.ending == "cancelled":
+            return
+        r.ending = "cancelled"
+        if r.phase in (Phase.STARTING, Phase.RUNNING):
+            self.send(m.Cancel(rid))
+        else:  # the runner holds nothing of it (a pending clone comes back to nobody and is released)
+            self._complete(r, "cancelled")
+            self.admit()
+
+    def _finish(self, rid: int) -> None:
+        r = self._requests.get(rid)
+        if r is None or r.ending:
+            return
+        r.ending = "stop"
+        if r.phase in (Phase.STARTING, Phase.RUNNING):
+            self.send(m.Finish(rid))
+        else:
+            self._complete(r, "stop")
+
+    def _expire(self, rid: int) -> None:
+        r = self._requests.get(rid)
+        if r is not None and r.phase in (Phase.QUEUED, Phase.FOLLOWING):
+            self._complete(r, "error", f"waited longer than --queue-timeout ({self.config.queue_timeout:g} s)")
+            self.admit()  # the expired head may have been all that held the queue back
+
+    def _release_hold(self, r: Request) -> None:
+        """Everything `r` holds on the loop: its slot, bytes, capture slot, named session, landed clone."""
+        adm = self._admission
+        if adm is not None:
+            if r.holds_slot:
+                adm.free_slot(r)
+            adm.let_go(r)
+            adm.free_capture_slot(r)
+            if r.phase is Phase.QUEUED and r in adm.queue:
+                adm.queue.remove(r)
+            if r.named is not None and r.named.busy:
+                adm.named.release(r.named.name, r.named.session, r.named.tokens)
+            if r.landed is not None:
+                adm.release_sessions([r.landed[0]])
+        if self._reuse is not None:
+            self._reuse.gone(r)
+        if r.expiry is not None:
+            r.expiry.cancel()
+        r.phase = Phase.DONE
+        del self._requests[r.rid]
+        if not self._requests:
+            self._idle.set()
+
+    def _withdraw(self, r: Request) -> None:
+        """Turned away after all: as if it never came (no DoneEvent, nobody holds its handle yet)."""
+        self._release_hold(r)
+
+    def _complete(self, r: Request, reason: str, error: str | None = None) -> None:
+        if r.phase is Phase.DONE:
+            return
+        self._release_hold(r)
+        event = DoneEvent(reason, r.usage(time.monotonic()), error)  # type: ignore[arg-type]
+        self.metrics.done(r, event)
+        r.handle.put(event)
+
+    # ---- runner events ----
+
+    def _drain(self) -> None:
+        t0 = time.perf_counter()
+        assert self._runner is not None
+        events = self._runner.events
+        while events:
+            match events.popleft():
+                case m.Loaded() as ev:
+                    self._on_loaded(ev)
+                case m.Died() as ev:
+                    self._on_died(ev)
+                case m.Started() as ev:
+                    self._on_started(ev)
+                case m.Token() as ev:
+                    self._on_token(ev)
+                case m.Captured() as ev:
+                    self._on_captured(ev)
+                case m.Finished() as ev:
+                    self._on_finished(ev)
+                case m.CloneDone() as ev:
+                    self._on_clone_done(ev)
+                case m.Holding() as ev:
+                    self._on_holding(ev.live_sessions, ev.total_bytes)
+                case m.StepStats() as ev:
+                    self._on_step_stats(ev)
+                case other:
+                    raise TypeError(f"unknown runner event {other!r}")
+        self.admit()
+        self.metrics.control_seconds.inc(time.perf_counter() - t0)
+
+    def _on_loaded(self, ev: m.Loaded) -> None:
+        self.info = ev.info
+        self.config = self.config.resolve(ev.info)
+        self._admission = Admission(self.config, ev.info, self.send)
+        self._reuse = Reuse(self, ev.info)
+        if self._loaded is not None and not self._loaded.done():
+            self._loaded.set_result(None)
+
+    def _on_died(self, ev: m.Died) -> None:
+        self.dead = True
+        if self._loaded is not None and not self._loaded.done():
+            self._loaded.set_exception(RuntimeError(ev.error))
+        for r in list(self._requests.values()):
+            self._complete(r, "error", ev.error)
+
+    def _on_started(self, ev: m.Started) -> None:
+        r = self._requests.get(ev.rid)
+        if r is None:
+            return
+        r.phase, r.committed, r.reused = Phase.RUNNING, ev.reused, ev.reused
+        # Where its session starts is known now: its reservation shrinks to what that session grows to
+        # (a named session is always opened empty; a clone at `reused`).
+        start = 0 if r.named is not None else ev.reused
+        self.adm.hold(r, self.adm.request_bytes(len(r.prompt), r.max_tokens, start))
+        if r.named is not None:
+            r.reuse_source = "session" if ev.reused else None
+        elif ev.clone_index is not None:
+            r.reuse_source = "cache"
+            self.reuser.observe_clone(ev.reused, ev.clone_s)
+            self.adm.cache.touch(r.cache_matches[ev.clone_index].entry)
+        elif not ev.reused:
+            r.reuse_source = None
+        if r.named is None and r.reuse_source != "donor":
+            (self.metrics.cache_hits if ev.clone_index is not None else self.metrics.cache_misses).inc()
+        if r.cache_matches:
+            self.metrics.clone("cache", ev.refused, ev.clone_index is not None)
+
+    def _on_token(self, ev: m.Token) -> None:
+        r = self._requests.get(ev.rid)
+        if r is None or r.ending:
+            return  # asked to end: what the runner made meanwhile is dropped
+        now = time.monotonic()
+        self.metrics.token(r, now)
+        r.first_token_at = r.first_token_at or now
+        r.last_token_at = now
+        r.handle.put(TokenEvent(ev.sampled.token, ev.sampled.logprob, ev.sampled.top_logprobs))
+
+    def _on_captured(self, ev: m.Captured) -> None:
+        adm = self.adm
+        r = self._requests.get(ev.rid)
+        if r is not None:
+            adm.free_capture_slot(r)
+        if ev.session is None:
+            self.metrics.captures.inc(outcome="failed" if ev.failed else "refused")
+        elif r is None or r.ending == "cancelled":  # a capture of a cancelled request is discarded
+            self.metrics.captures.inc(outcome="discarded")
+            adm.release_sessions([ev.session])
+        else:
+            self.metrics.captures.inc(outcome="stored")
+            adm.store_capture(ev.tokens, ev.session, ev.nbytes)
+
+    def _on_finished(self, ev: m.Finished) -> None:
+        r = self._requests.get(ev.rid)
+        if r is None:
+            self.adm.release_sessions([ev.session])
+            return
+        if r.named is not None:
+            self.adm.named.release(r.named.name, ev.session, ev.held)
+        r.prefilled, r.generated = ev.prefilled, ev.generated
+        self._complete(r, ev.reason, ev.error)
+
+    def _on_clone_done(self, ev: m.CloneDone) -> None:
+        r = self._requests.get(ev.rid)
+        if r is None or r.phase not in (Phase.CLONING, Phase.FOLLOWING):  # it left, or stopped following
+            self.adm.release_sessions([ev.session])
+        else:
+            self.reuser.clone_done(r, ev)
+
+    def _on_holding(self, live_sessions: int, total_bytes: int) -> None:
+        self.stats.live_sessions, self.stats.total_bytes = live_sessions, total_bytes
+        self.metrics.holding(total_bytes, self.config.kv_budget_bytes)
+
+    def _on_step_stats(self, ev: m.StepStats) -> None:
+        self.stats = ev
+        self.metrics.step(ev)
+        self.metrics.holding(ev.total_bytes, self.config.kv_budget_bytes)
+        self.reuser.step(ev)
+        for rid, position in ev.committed.items():
+            r = self._requests.get(rid)
+            if r is not None:
+                r.committed = position

@@ -8,9 +8,8 @@ The engine calls (and RateTracker from rates.py: .observe_prefill(tokens, s),
   plan(recipient, leaders, cached, rates, policy, prefilling) -> Plan
   Plan.log_fields() -> dict                     # the decision and its inputs, for the log line
   Following.park(request_id, plan, order, first_parked_at, max_wait_s) -> Following
-  Following.ready(leader_committed) -> bool; Following.expired(now) -> bool
   chunk_end(committed, planned_end, stops) -> int   # where a leader's prefill chunk stops
-  promote(gone, gone_committed, parked, state_usable) -> Promotion
+  promote(gone, gone_committed, parked, state_usable) -> Promotion   # the runner, via clone_orders.py
 
 Engine flow:
   - Admitting an anonymous text request (on arrival, or when a slot frees), with
@@ -20,14 +19,15 @@ Engine flow:
     and its timeout. Otherwise take p.now, exactly matching.choose_reuse's choice
     (so --no-follow is FollowPolicy(follow=False), nothing else). Log p.log_fields().
   - Each step: a leader's prefill chunk ends at chunk_end() of its followers'
-    targets; a follower whose leader is `ready` clones [0, target) from it as soon
-    as it has a slot, then prefills its tail; an `expired` one is unparked and
-    planned again with FollowPolicy(follow=False), the seed's path.
-  - A leader leaving while followed (cancelled, failed, or finished before a
-    ready follower got a slot): promote(); the heir clones the gone state (see
-    promote); unpark `replan` and plan each again in order, each with max_wait_s
-    = what is left to its deadline.
-  - Any refused clone takes the seed's fallback: normal admission, fresh cache lookup.
+    targets; the runner clones [0, target) for a follower the moment its leader
+    has committed it, and the follower prefills its tail once it has a slot; one
+    past its deadline is unparked and planned again with
+    FollowPolicy(follow=False): clone-now.
+  - A leader leaving while followed (cancelled, failed, or finished): promote();
+    the heir clones the gone state; everyone else below the gone leader is
+    unparked and plans again in order, each with max_wait_s = what is left to its
+    deadline.
+  - Any refused clone falls back to clone-now: normal admission, fresh cache lookup.
 
 Rules (each also stated where it binds):
   - Grouping: a recipient follows the leader offering the longest match it will
@@ -36,21 +36,22 @@ Rules (each also stated where it binds):
     requests and the parked followers (a follower becomes a leader once it clones).
     So in a burst the earliest request prefills the shared part and the others
     follow it: no two requests prefill the same shared tokens at once.
-  - It follows only when the cost model expects a TTFT no worse than the seed's
-    choice now (clone what is committed / cached prefix / full prefill), and when
-    the match beats the cached one by min_tokens. Otherwise the seed's choice
-    stands unchanged; follow=False (--no-follow) gives exactly the seed's rule.
+  - It follows only when the cost model expects a TTFT no worse than clone-now
+    (clone what is committed / cached prefix / full prefill), and when the match
+    beats the cached one by min_tokens. Otherwise clone-now's choice stands
+    unchanged; follow=False (--no-follow) gives exactly clone-now.
   - A leader that goes away offers its committed prefix to the follower that
-    salvages most (the heir), which takes its slot unless another leader offers
-    it more; everyone below the gone leader plans again and finds the heir.
+    salvages most (the heir), cloned at once; the heir then waits for a slot
+    like any follower whose clone landed, and everyone else below the gone
+    leader plans again and finds the heir.
   - Only requests nobody follows plan with following on (new, queued, or
     unparked by promote), so no request ever follows its own follower.
-  - A follower holds no slot and gives up at its deadline, which runs from the
-    first time it parked: no follower waits forever.
+  - A follower holds no slot (but the bytes of its clone, in the budget) and
+    gives up at its deadline, which runs from the first time it parked: no
+    follower waits forever.
 Cost: run `plan` on arrival and at admission, not per step: with 256 parked
 followers of 2,000-token prompts, leader_views + plan take ~2 ms (a parked
-follower is compared only beyond its leader's part). Per step only `ready`,
-`expired` and `chunk_end`.
+follower is compared only beyond its leader's part). Per step only `chunk_end`.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def leader_views(active: Iterable[Leader], parked: Iterable[tuple[Following, Sou
 @dataclass(frozen=True)
 class FollowPolicy:
     min_tokens: int  # --active-prefix-reuse-min-tokens; 0 disables reuse, following included
-    follow: bool = True  # --no-follow: the seed's rule exactly
+    follow: bool = True  # --no-follow: clone-now exactly
     max_wait_s: float = 120.0  # --follow-max-wait: a safety net for a stalled leader, above a long CPU prefill
 
 
@@ -130,7 +131,7 @@ FollowReason = Literal["follow", "off", "no_leader", "below_threshold", "too_lon
 
 @dataclass(frozen=True)
 class Plan:
-    follow: bool  # park behind `leader` until it commits `target`; else take `now` (the seed's choice)
+    follow: bool  # park behind `leader` until it commits `target`; else take `now` (clone-now's choice)
     now: ReuseChoice
     leader: Hashable | None
     target: int
@@ -145,7 +146,7 @@ class Plan:
 
     @property
     def ttft_now_s(self) -> float:
-        """Expected TTFT of the seed's choice."""
+        """Expected TTFT of clone-now's choice."""
         return self.ttft_clone_s if self.now.kind == "donor" and self.ttft_clone_s is not None else self.ttft_alone_s
 
     def log_fields(self) -> dict:
@@ -162,7 +163,7 @@ class Plan:
 
 def plan(recipient: Recipient, leaders: Sequence[Leader], cached: int, rates: Rates, policy: FollowPolicy,
          prefilling: int) -> Plan:
-    """Follow a leader, or take the seed's choice now.
+    """Follow a leader, or take clone-now's choice.
 
     `leaders`: admitted requests and parked followers (see Leader); `cached`: the
     best prefix-cache match; `prefilling`: requests prefilling now, the recipient
@@ -195,7 +196,7 @@ def plan(recipient: Recipient, leaders: Sequence[Leader], cached: int, rates: Ra
         # the match it will have once committed: its prompt only, never generated output
         shared[lead.source.key] = _shared_prefix(recipient.prompt, lead, shared)
         target = min(shared[lead.source.key], length - 1)
-        # Nothing to wait for once the leader holds the target: the seed's rule
+        # Nothing to wait for once the leader holds the target: clone-now
         # already weighed it (and a sliding window may have dropped it since).
         if target <= now.upto or target <= lead.source.committed:
             continue
@@ -242,7 +243,7 @@ class Following:
     leader: Hashable
     target: int  # clone [0, target) from the leader once it has committed that much
     order: int  # arrival order, lower = earlier
-    deadline: float  # engine clock; past it, stop following and take the seed's path
+    deadline: float  # engine clock; past it, stop following and take clone-now
 
     @classmethod
     def park(cls, request_id: Hashable, plan: Plan, order: int, first_parked_at: float, max_wait_s: float) -> Following:
@@ -250,13 +251,6 @@ class Following:
         # parks again after a promotion keeps it, so no follower waits forever.
         assert plan.follow and plan.leader is not None
         return cls(request_id, plan.leader, plan.target, order, first_parked_at + max_wait_s)
-
-    # When ready, the clone should be taken before the leader writes again (see chunk_end).
-    def ready(self, leader_committed: int) -> bool:
-        return leader_committed >= self.target
-
-    def expired(self, now: float) -> bool:
-        return now >= self.deadline
 
 
 def chunk_end(committed: int, planned_end: int, stops: Iterable[int]) -> int:
@@ -273,43 +267,24 @@ def chunk_end(committed: int, planned_end: int, stops: Iterable[int]) -> int:
 
 @dataclass(frozen=True)
 class Promotion:
-    heir: Hashable | None  # plans first, offered the gone leader's state; may take its slot
-    upto: int  # what the heir would salvage by the seed's rule: min(its target, gone_committed)
-    # Everyone else who waited on the gone leader, directly or down a chain
-    # (the heir's own followers too), earliest first.
-    replan: tuple[Hashable, ...]
+    heir: Hashable | None  # offered the gone leader's state
+    upto: int  # what the heir salvages: min(its target, gone_committed)
 
 
 def promote(gone: Hashable, gone_committed: int, parked: Iterable[Following], state_usable: bool = True) -> Promotion:
-    """A leader is cancelled or failed; `parked`: the parked followers (all, or those behind it).
+    """A leader is leaving with followers parked on it (`parked`: at least those).
 
-    `gone_committed`: its committed position (0 if it was itself parked);
-    `state_usable`: False when its state cannot be cloned (a failed step).
-    Either clone the heir's [0, upto) at once, BEFORE the gone state is released
-    (the runner can, without a plan), or, on the control loop, plan the heir first
-    with the gone state added as Leader.active(its source, tps=0.0), a state that
-    will not move, in case another leader offers it more. Then plan `replan` in
-    order: they find the heir as their leader.
+    `gone_committed`: its committed position; `state_usable`: False when its state
+    cannot be cloned (a failed step). The runner clones the heir's [0, upto) at
+    once, BEFORE the gone state is released.
     """
-    children: dict[Hashable, list[Following]] = {}
-    for f in parked:
-        children.setdefault(f.leader, []).append(f)
-
+    # The heir is the direct follower that salvages most of what the leader
+    # committed (ties: the earliest), so as little as possible is computed again.
     def salvage(f: Following) -> int:
         return min(f.target, gone_committed) if state_usable else 0
 
-    # The heir is the follower that salvages most of what the leader committed
-    # (ties: the earliest), so as little as possible is computed again. It plans
-    # rather than simply cloning: another leader may offer it more. Everyone below
-    # the gone leader plans again, so no request is planned while another follows it.
-    direct = sorted(children.get(gone, []), key=lambda f: f.order)
+    direct = sorted((f for f in parked if f.leader == gone), key=lambda f: f.order)
     heir = max(direct, key=salvage, default=None)
-    if heir is not None and salvage(heir) <= 0:
-        heir = None
-    below, todo = [], list(direct)
-    while todo:
-        f = todo.pop()
-        below.append(f)
-        todo.extend(children.get(f.request_id, []))
-    replan = tuple(f.request_id for f in sorted(below, key=lambda f: f.order) if f is not heir)
-    return Promotion(heir.request_id if heir else None, salvage(heir) if heir else 0, replan)
+    if heir is None or salvage(heir) <= 0:
+        return Promotion(None, 0)
+    return Promotion(heir.request_id, salvage(heir))

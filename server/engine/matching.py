@@ -161,7 +161,7 @@ class ReuseChoice:
 
 
 def choose_reuse(recipient: Recipient, donors: Iterable[Source], cached: int, min_tokens: int) -> ReuseChoice:
-    """The seed's rule, applied when an anonymous text request is admitted.
+    """Clone-now: the choice made when an anonymous text request is admitted.
 
     `donors` are the active requests (prefilling or decoding, named or not);
     `cached` is the best prefix-cache match for the recipient (0 if none).

@@ -51,7 +51,7 @@ class Finish:
 class CloneDonor:
     """Clone `[0, upto)` of a running request's session for another request.
 
-    Now (the seed's one attempt on state already computed), or, for a follower
+    Now (clone-now: one attempt on state already computed), or, for a follower
     (`wait`), as soon as the donor has committed `upto`: its prefill chunks stop
     there and the clone runs before the donor writes again, so a sliding window
     still holds what the clone needs. A Cancel of the recipient drops the order.

@@ -8,6 +8,9 @@ Design rules:
   with active reuse): the prompt's last token
   always runs through the model, so every request samples from fresh logits;
 - the longest match wins, ties go to the most recently used entry;
+- an entry of a model with sliding layers serves only what its windows still
+  hold (matching.window_floor, the floor a donor gets): a match the backend
+  would refuse is never reported;
 - a clone the backend refuses leaves its entry in place: the next candidate is
   tried, then a full prefill;
 - entries outlive the request they came from; eviction goes by count and bytes.
@@ -17,9 +20,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
-from server.engine.matching import Source, ranked_matches
+from server.engine.matching import Source, ranked_matches, window_floor
 
 
 @dataclass
@@ -36,8 +39,9 @@ class CacheMatch:
 
 
 class PrefixCache:
-    def __init__(self, max_entries: int, max_bytes: int | None, min_tokens: int):
+    def __init__(self, max_entries: int, max_bytes: int | None, min_tokens: int, windows: Iterable[int] = ()):
         self.max_entries, self.max_bytes, self.min_tokens = max_entries, max_bytes, min_tokens
+        self.windows = tuple(windows)  # the sliding layers' windows
         self._entries: OrderedDict[tuple[int, ...], CacheEntry] = OrderedDict()  # oldest first
         self.nbytes = 0
 
@@ -49,7 +53,8 @@ class PrefixCache:
 
     def lookup(self, prompt: Sequence[int]) -> list[CacheMatch]:
         """Usable matches, best first: longest, then most recently used."""
-        sources = (Source.entry(key, key, stamp) for stamp, key in enumerate(self._entries))
+        sources = (Source.entry(key, key, stamp, clone_floor=window_floor(len(key), self.windows))
+                   for stamp, key in enumerate(self._entries))
         return [CacheMatch(self._entries[m.key], m.upto) for m in ranked_matches(prompt, sources)
                 if m.upto >= self.min_tokens]
 

@@ -74,9 +74,10 @@ class Request:
     handle: RequestHandle
     max_tokens: int  # clamped
     stop_ids: frozenset[int]
-    need_bytes: int  # reserved while it holds a slot (or a pending clone)
+    need_bytes: int  # what it reserves when it takes a slot (Admission.request_bytes)
     named: NamedSession | None = None
     phase: Phase = Phase.QUEUED
+    reserved_bytes: int = 0  # what it holds of the budget now: its slot's bytes, or its landing clone's
     capture_slot: bool = False  # holds a capture slot (and its bytes)
     capture_bytes: int = 0
     cache_matches: list = field(default_factory=list)  # the prefix cache candidates its Start named
@@ -94,7 +95,7 @@ class Request:
     registered: bool = False  # its follow order is with the runner
     follow_timer: asyncio.TimerHandle | None = None
     first_parked_at: float = 0.0  # the follow deadline runs from here, across re-parks
-    no_follow: bool = False  # a failed or expired follow: the seed's path from then on
+    no_follow: bool = False  # a failed or expired follow: clone-now from then on
     landed: tuple[Any, int] | None = None  # (session, tokens) a follow clone gave it, until it has a slot
     decision: dict[str, Any] = field(default_factory=dict)  # reuse decision and its inputs, for the log line
     submitted_at: float = field(default_factory=time.monotonic)

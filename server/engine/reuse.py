@@ -2,19 +2,23 @@
 
 When an anonymous request gets a slot, `place` asks the pure policy
 (follow.plan, over matching.choose_reuse) where it starts from:
-- the seed's choice: clone what the best donor has committed NOW (one attempt,
-  the recipient holding its slot meanwhile), the prefix cache, or nothing;
+- clone-now: clone what the best donor has committed NOW (one attempt, the
+  recipient holding its slot meanwhile), the prefix cache, or nothing;
 - or follow (unless --no-follow): park without a slot, the runner clones
   `[0, target)` from the leader the moment the leader has committed it, and the
   follower then takes the next free slot ahead of the queue and prefills its tail.
+A parked follower holds no slot, but the bytes of the clone it will be handed
+are in the budget from the moment it parks until its clone is released or its
+request takes a slot (and grows the hold to its own).
 Every failure (refused clone, donor or leader gone) sends the request back to
 the head of the queue: the normal admission path, with a fresh cache lookup.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Iterable, Protocol
 
 from backends.base import ModelInfo
 from server.engine import messages as m
@@ -24,11 +28,29 @@ from server.engine.rates import RateTracker
 from server.engine.request import Phase, Request
 
 if TYPE_CHECKING:
-    from server.engine.engine import Engine
+    from server.engine.admission import Admission
+    from server.engine.config import EngineConfig
+    from server.engine.telemetry import EngineMetrics
+
+
+class Core(Protocol):
+    """What reuse needs of the engine core (engine.Engine): its public interface for collaborators."""
+
+    config: "EngineConfig"
+    metrics: "EngineMetrics"
+
+    @property
+    def adm(self) -> "Admission": ...
+    def send(self, command: Any) -> None: ...
+    def request(self, rid: int) -> Request | None: ...
+    def requests(self) -> Iterable[Request]: ...
+    def admit(self) -> None: ...
+    def start_request(self, r: Request, **source: Any) -> None: ...
+    def expire_at(self, r: Request, deadline: float) -> None: ...
 
 
 class Reuse:
-    def __init__(self, engine: "Engine", info: ModelInfo):
+    def __init__(self, engine: Core, info: ModelInfo):
         self.engine = engine
         self.rates = RateTracker()
         self.followers: dict[int, Request] = {}  # parked, in park order
@@ -46,28 +68,31 @@ class Reuse:
         if r.landed is not None:  # its clone landed while it was parked
             session, upto = r.landed
             r.landed = None
-            engine._start(r, resume=session, resume_at=upto)
+            engine.start_request(r, resume=session, resume_at=upto)
             return
         if r.named is not None or not self.enabled:
-            engine._start(r)
+            engine.start_request(r)
             return
         decided = self._plan(r)
         if decided.follow:
             engine.adm.free_slot(r)
             engine.adm.free_capture_slot(r)
+            held = engine.adm.hold(r, engine.adm.clone_bytes(decided.target))
+            assert held, "a follower's clone costs no more than the slot it gives back"
             self._park(r, decided)
         elif decided.now.kind == "donor":
             r.phase, r.clone_upto = Phase.CLONING, decided.now.upto
-            engine.runner.send(m.CloneDonor(r.rid, decided.now.donor, decided.now.upto))
+            engine.send(m.CloneDonor(r.rid, decided.now.donor, decided.now.upto))
         else:
-            engine._start(r)
+            engine.start_request(r)
 
     def arrived(self, r: Request) -> None:
         """`r` has to wait for a slot: if it would follow a leader, it parks now (holding no slot)."""
         if self.enabled and r.named is None and self.engine.config.follow:
             decided = self._plan(r)
-            if decided.follow:
-                self.engine.adm.queue.remove(r)
+            adm = self.engine.adm
+            if decided.follow and adm.hold(r, adm.clone_bytes(decided.target)):  # else it waits in the queue
+                adm.queue.remove(r)
                 self._park(r, decided)
 
     def _plan(self, r: Request) -> Plan:
@@ -82,14 +107,14 @@ class Reuse:
         earlier = {k: v for k, v in r.decision.items() if k in ("clone_refused", "follow_expired")}
         r.decision = {**decided.log_fields(), **earlier}
         for key in ("donor", "leader"):  # name them as the client did
-            other = engine._requests.get(r.decision[key])
+            other = engine.request(r.decision[key])
             r.decision[key] = other.req.request_id if other is not None else None
         engine.metrics.follow.inc(choice=decided.reason)
         r.cached_match = cached
         return decided
 
     def prefilling(self) -> int:
-        return sum(1 for x in self.engine._requests.values()
+        return sum(1 for x in self.engine.requests()
                    if x.phase in (Phase.STARTING, Phase.RUNNING) and x.committed < len(x.prompt))
 
     def _leaders(self, r: Request) -> list[Leader]:
@@ -98,7 +123,7 @@ class Reuse:
         tps = rates.share(self.prefilling())
         below = self._followers_below(r)
         active = []
-        for x in self.engine._requests.values():
+        for x in self.engine.requests():
             if x is r or x.rid in below or x.ending:  # a request on its way out gives nothing
                 continue
             if x.phase in (Phase.STARTING, Phase.RUNNING):
@@ -131,12 +156,10 @@ class Reuse:
         r.first_parked_at = r.first_parked_at or now
         r.following = Following.park(r.rid, decided, r.rid, r.first_parked_at, engine.config.follow_max_wait)
         self.followers[r.rid] = r
-        loop = engine._loop
+        loop = asyncio.get_running_loop()
         r.follow_timer = loop.call_later(max(0.0, r.following.deadline - now), self._expired, r.rid)
-        if r.expiry is not None:
-            r.expiry.cancel()  # followers wait under the same queue timeout as anyone
-        r.expiry = loop.call_later(max(0.0, r.submitted_at + engine.config.queue_timeout - now), engine._expire, r.rid)
-        lead = engine._requests.get(r.following.leader)
+        engine.expire_at(r, r.submitted_at + engine.config.queue_timeout)  # the same queue timeout as anyone
+        lead = engine.request(r.following.leader)
         if lead is not None and lead.phase in (Phase.STARTING, Phase.RUNNING):
             self._register(r)
 
@@ -144,7 +167,7 @@ class Reuse:
         f.registered = True
         order = f.following
         assert order is not None
-        self.engine.runner.send(m.CloneDonor(f.rid, order.leader, order.target, wait=True, order=order.order))
+        self.engine.send(m.CloneDonor(f.rid, order.leader, order.target, wait=True, order=order.order))
 
     def started(self, r: Request) -> None:
         """`r` was handed to the runner: the clone orders of its followers can go there now."""
@@ -165,17 +188,19 @@ class Reuse:
         if r.phase is Phase.CLONING:
             if ev.session is None:
                 r.decision["clone_refused"] = ev.reason
-                engine._start(r)  # the normal path, with a fresh prefix cache lookup
+                engine.start_request(r)  # the normal path, with a fresh prefix cache lookup
             else:
-                engine._start(r, resume=ev.session, resume_at=ev.upto)
+                engine.start_request(r, resume=ev.session, resume_at=ev.upto)
             return
         r.registered = False  # the runner has dealt with its order
         self._unpark(r)
         if ev.session is not None:
-            r.landed = (ev.session, ev.upto)
-        elif ev.reason != "leader_gone":
-            r.decision["clone_refused"] = ev.reason
-            r.no_follow = True  # the seed's path from here on
+            r.landed = (ev.session, ev.upto)  # its hold covers it (a heir's clone holds no more than asked)
+        else:
+            engine.adm.let_go(r)
+            if ev.reason != "leader_gone":
+                r.decision["clone_refused"] = ev.reason
+                r.no_follow = True  # clone-now from here on
         engine.adm.requeue(r)
 
     def gone(self, r: Request) -> None:
@@ -185,6 +210,7 @@ class Reuse:
         orphans = [f for f in self.followers.values() if f.leader == r.rid and not f.registered]
         for f in orphans:  # back to the queue, in arrival order: they plan again when admitted
             self._unpark(f)
+            self.engine.adm.let_go(f)
             self.engine.adm.requeue(f)
 
     def _expired(self, rid: int) -> None:
@@ -194,8 +220,9 @@ class Reuse:
         self._unpark(f)
         f.decision["follow_expired"] = True
         f.no_follow = True
+        self.engine.adm.let_go(f)
         self.engine.adm.requeue(f)
-        self.engine._admit()
+        self.engine.admit()
 
     def _unpark(self, f: Request) -> None:
         self.followers.pop(f.rid, None)
@@ -206,7 +233,7 @@ class Reuse:
         if f.follow_timer is not None:
             f.follow_timer.cancel()
         if f.registered and f.phase is Phase.FOLLOWING:
-            self.engine.runner.send(m.Cancel(f.rid))  # drops its clone order
+            self.engine.send(m.Cancel(f.rid))  # drops its clone order
         f.following, f.registered = None, False
 
     # ---- measured rates, for the cost model ----

@@ -6,7 +6,10 @@ the runner touches. Design rules:
   last prompt and what it generated, as committed) prefills only the new tokens;
   anything else restarts the session cold;
 - one request at a time per session: a second gets `session_busy`;
-- at most `max_sessions`; the least recently used idle one goes first.
+- at most `max_sessions`; the least recently used idle one goes first;
+- idle sessions give way to admission after the prefix cache, least recently
+  used first: the record stays, its state goes, and its owner's next request
+  starts cold (never an error).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from backends.base import KVCost
 from server.engine.api import CapacityExhausted, SessionBusy
 
 MAX_SESSION_ID = 128
@@ -45,9 +49,26 @@ class NamedSessions:
     def __len__(self) -> int:
         return len(self._table)
 
-    def idle_tokens(self) -> int:
-        """Tokens held by sessions no request is using (busy ones are counted by their request)."""
-        return sum(len(r.tokens) for r in self._table.values() if not r.busy)
+    def idle_bytes(self, kv: KVCost) -> int:
+        """Bytes held by sessions no request is using (busy ones are counted by their request).
+        A named session is always opened empty, so its cost is `kv.bytes_for(tokens)`."""
+        return sum(kv.bytes_for(len(r.tokens)) for r in self._idle_holding())
+
+    def evict_bytes(self, need: int, kv: KVCost) -> list[Any]:
+        """Drop the state of idle sessions, least recently used first, until `need` bytes are freed
+        (or none is left); returns the sessions to release. The records stay: their next request
+        starts cold."""
+        out, freed = [], 0
+        for record in self._idle_holding():
+            if freed >= need:
+                break
+            freed += kv.bytes_for(len(record.tokens))
+            out.append(record.session)
+            record.session, record.tokens = None, []
+        return out
+
+    def _idle_holding(self) -> list[NamedSession]:
+        return [r for r in self._table.values() if not r.busy and r.session is not None]
 
     def holding(self) -> int:
         """How many sessions hold KV state."""

@@ -49,8 +49,11 @@ class EngineMetrics:
         self.backend_seconds = c("runner_backend_seconds_total", "time of runner steps spent in backend calls")
         self.steps = c("runner_steps_total", "runner steps")
         self.control_seconds = c("control_loop_seconds_total", "time the control loop spent on runner events")
+        self.budget_exceeded = c("kv_budget_exceeded_total",
+                                 "runner reports (each step) in which the backend held more than --kv-budget-bytes")
+
         def admission(read):  # a gauge over admission state, 0 until the model is loaded
-            return lambda: read(engine._admission) if engine._admission is not None else 0
+            return lambda: read(engine.admission) if engine.admission is not None else 0
 
         g("queue_depth", "requests waiting for a slot", admission(lambda a: len(a.queue)))
         g("following_requests", "requests parked behind a prefilling leader",
@@ -58,9 +61,18 @@ class EngineMetrics:
         g("running_requests", "requests holding an inference slot", admission(lambda a: a.slots_used))
         g("live_sessions", "backend sessions open", lambda: engine.stats.live_sessions)
         g("kv_bytes", "bytes of KV state the backend holds", lambda: engine.stats.total_bytes)
+        g("kv_budget_held_bytes", "bytes of the KV budget held: reservations, prefix cache, idle named sessions "
+          "(compare kv_bytes)", admission(lambda a: a.held()))
+        g("kv_reserved_bytes", "bytes of the KV budget reserved by requests and capture slots",
+          admission(lambda a: a.reserved))
         g("named_sessions", "named sessions kept", admission(lambda a: len(a.named)))
         g("prefix_cache_entries", "snapshots in the prefix cache", admission(lambda a: len(a.cache)))
         g("prefix_cache_bytes", "bytes of the prefix cache", admission(lambda a: a.cache.nbytes))
+
+    def holding(self, backend_bytes: int, budget: int | None) -> None:
+        """The runner's report of what the backend holds, checked against the budget."""
+        if budget is not None and backend_bytes > budget:
+            self.budget_exceeded.inc()
 
     def step(self, stats: m.StepStats) -> None:
         self.steps.inc()

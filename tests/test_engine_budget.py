@@ -1,0 +1,131 @@
+"""The KV budget on the scripted backend (1 KiB per token, priced exactly): everything the backend holds
+was reserved before it existed, and what the budget holds never blocks admission for good."""
+
+import asyncio
+
+import pytest
+
+from engine_harness import collect, prompt_of, reached, request, run, settled, start_engine, until
+from scripted_backend import BYTES_PER_TOKEN as KIB, Gate, ScriptedBackend
+from server.engine.api import CapacityExhausted
+from server.engine.request import Phase
+
+S, T = 200, 5
+SHARED = prompt_of(S, start=3)
+FOLLOW = dict(active_prefix_reuse_min_tokens=8, prefix_cache_entries=0, prefill_chunk=32)
+
+
+class Watched(ScriptedBackend):
+    """Records the most bytes it ever held, after every call that can allocate."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.delay["prefill"] = 0.005  # a model-like prefill rate, so following pays
+        self.peak = 0
+
+    def _watch(self, out):
+        self.peak = max(self.peak, self.total_bytes())
+        return out
+
+    def prefill(self, sessions, chunks):
+        return self._watch(super().prefill(sessions, chunks))
+
+    def decode(self, sessions, tokens):
+        return self._watch(super().decode(sessions, tokens))
+
+    def clone(self, session, upto):
+        return self._watch(super().clone(session, upto))
+
+
+async def test_idle_named_sessions_give_way_and_their_owners_start_cold():
+    backend = ScriptedBackend()
+    # 100 tokens of budget; each request grows to 30 + 10 tokens
+    engine = await start_engine(backend, kv_budget_bytes=100 * KIB, prefix_cache_entries=0, queue_timeout=30)
+    a, b = prompt_of(30, start=1), prompt_of(30, start=2)
+    for name, p in (("a", a), ("b", b)):
+        tokens, done = await run(engine, p, 10, session_id=name)
+        assert done.finish_reason == "length"
+    assert engine.admission.held() == 2 * 39 * KIB  # both idle, 39 tokens committed each
+    # a newcomer needs 40 of the 22 left: the least recently used idle session gives way, at once
+    tokens, done = await run(engine, prompt_of(30, start=3), 10)
+    assert done.finish_reason == "length" and done.usage.queue_s < 30
+    assert engine.admission.named.get("a").session is None and engine.admission.named.get("b").session is not None
+    # a's owner gets a cold start, never an error; b resumes warm
+    tokens, done = await run(engine, a + [7], 4, session_id="a")
+    assert done.finish_reason == "length" and done.usage.reused_tokens == 0
+    assert tokens == backend.greedy(a + [7], 4)
+    await settled(engine, backend)
+    assert engine.admission.held() == backend.total_bytes()
+    await engine.shutdown(1)
+
+
+async def test_parked_followers_count_against_max_queue():
+    backend = Watched()
+    engine = await start_engine(backend, **FOLLOW, inference_slots=2, max_queue=1)
+    prompts = [SHARED + [10 + i] * T for i in range(6)]
+    handles, refused = [], 0
+    for i, p in enumerate(prompts):
+        try:
+            handles.append(engine.submit(request(p, 4, rid=f"r{i}")))
+        except CapacityExhausted:
+            refused += 1
+        assert engine.waiting() <= 1
+    assert len(engine.reuser.followers) == 1 and refused == 4  # the leader runs, one follows, the rest: 429
+    for p, (tokens, done) in zip(prompts, await asyncio.gather(*(collect(h) for h in handles))):
+        assert done.finish_reason == "length" and tokens == backend.greedy(p, 4)
+    await engine.shutdown(1)
+
+
+async def test_landed_clones_are_inside_the_budget():
+    """Followers hold the bytes of the clone they will be handed from the moment they park, so when the
+    leader reaches the target and every order is served at once, the backend stays inside the budget."""
+    backend = Watched()
+    budget = 700 * KIB  # the leader's 209 tokens and two clones of 200; a third does not fit
+    engine = await start_engine(backend, **FOLLOW, inference_slots=2, kv_budget_bytes=budget)
+    prompts = [SHARED + [10 + i] * T for i in range(8)]
+    results = await asyncio.gather(*(run(engine, p, 4, rid=f"r{i}") for i, p in enumerate(prompts)))
+    for p, (tokens, done) in zip(prompts, results):
+        assert done.finish_reason == "length" and tokens == backend.greedy(p, 4)
+    assert sum(d.usage.reused_tokens for _, d in results) >= 2 * S  # followers did follow
+    assert backend.peak <= budget
+    assert engine.metrics.budget_exceeded.get() == 0
+    await settled(engine, backend)
+    assert engine.admission.reserved == 0 and engine.admission.held() == backend.total_bytes()
+    await engine.shutdown(1)
+
+
+async def test_an_expired_head_lets_the_request_behind_it_in_at_once():
+    backend = ScriptedBackend()
+    gate = backend.gates["decode"] = Gate()
+    # 150 tokens: the runner's 60 leave room for a 20-token request, not for a 110-token one
+    engine = await start_engine(backend, kv_budget_bytes=150 * KIB, prefix_cache_entries=0, inference_slots=2,
+                                queue_timeout=1.0)
+    running = engine.submit(request(prompt_of(10, start=1), 50, rid="running"))
+    await reached(gate)  # the runner is held inside its first decode: no step event wakes admission
+    big = engine.submit(request(prompt_of(10, start=2), 100, rid="big"))
+    await asyncio.sleep(0.5)
+    small = engine.submit(request(prompt_of(10, start=3), 10, rid="small"))
+    _, big_done = await collect(big)
+    assert big_done.finish_reason == "error" and "queue-timeout" in big_done.error
+    # admission ran again when the head expired: the small request holds a slot before its own timeout
+    await until(lambda: any(r.req.request_id == "small" and r.phase is not Phase.QUEUED for r in engine.requests())
+                or small.done is not None, timeout=10)
+    gate.open()
+    tokens, done = await collect(small)
+    assert done.finish_reason == "length" and tokens == backend.greedy(prompt_of(10, start=3), 10)
+    await collect(running)
+    await engine.shutdown(1)
+
+
+def test_a_report_above_the_budget_is_counted():
+    from server.engine.telemetry import EngineMetrics
+    from server.metrics import Registry
+
+    class Idle:  # the gauges read nothing in this test
+        admission = reuse = None
+
+    metrics = EngineMetrics(Registry(), Idle())
+    metrics.holding(100, 100)
+    assert metrics.budget_exceeded.get() == 0
+    metrics.holding(101, 100)
+    assert metrics.budget_exceeded.get() == 1
