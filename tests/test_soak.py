@@ -1,0 +1,20 @@
+"""The short soak of CI: a few hundred requests on a tiny model, with faults, hang-ups and fuzzed bodies,
+against an in-process daemon (tools/soak.py). Every check of its table must pass."""
+
+from __future__ import annotations
+
+import io
+
+from backend_fixtures import backend_name  # noqa: F401  (fixture: each importable backend)
+from tools.soak import MiB, SoakConfig, run
+
+
+async def test_short_soak_passes_every_check(backend_name, tiny_model_dir):
+    # A tight budget (a few dozen tiny sessions) so admission waits and the cache gives way.
+    config = SoakConfig(model=tiny_model_dir("llama"), backend=backend_name, requests=360, seed=1,
+                        kv_budget_bytes=4 * MiB, prompt_words=40)
+    out = io.StringIO()
+    report = await run(config, out)
+    assert report.ok, "\n" + report.table()
+    assert {c.name for c in report.checks} >= {"responses of status 500", "disconnects by phase",
+                                                "completed requests equal to a reuse-off daemon"}
