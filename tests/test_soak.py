@@ -11,8 +11,8 @@ from tools.soak import MiB, SoakConfig, run
 
 async def test_short_soak_passes_every_check(backend_name, tiny_model_dir):
     # A tight budget (a few dozen tiny sessions) so admission waits and the cache gives way.
-    config = SoakConfig(model=tiny_model_dir("llama"), backend=backend_name, requests=360, seed=1,
-                        kv_budget_bytes=4 * MiB, prompt_words=40)
+    config = SoakConfig(model=tiny_model_dir("llama"), backend=backend_name, requests=320, seed=1,
+                        kv_budget_bytes=4 * MiB, prompt_words=32, max_tokens=12)
     out = io.StringIO()
     report = await run(config, out)
     assert report.ok, "\n" + report.table()

@@ -59,6 +59,7 @@ MLX_BUDGET_TOLERANCE = 0.10  # MLX pads a batch on the left: its bytes only appr
 MIN_COMPARED = 200
 MIN_DISCONNECT_SHARE = 0.20
 MIN_PER_PHASE = 10
+ANSWER_LIMIT_S = 180.0  # a request still unanswered then is a failure, not a hung soak
 
 
 @dataclass
@@ -186,7 +187,7 @@ class Workload:
         for _ in range(rng.randint(3, 5)):  # singles
             stream = rng.random() < 0.5
             phase = rng.choice(("prefilling", "decoding"))
-            hang_up = self._disconnect(0.35, phase)
+            hang_up = self._disconnect(0.3, phase)
             if hang_up.get("disconnect") == "decoding":
                 stream = True
             long = hang_up.get("disconnect") == "prefilling" or rng.random() < 0.2
@@ -200,7 +201,7 @@ class Workload:
                 specs.append(self._chat(messages, stream, max_tokens, stagger_s=stagger, **hang_up))
         for _ in range(2):  # late: every slot is busy by now
             specs.append(self._completion(rng.randint(5, c.prompt_words // 2), rng.random() < 0.5, c.max_tokens,
-                                          stagger_s=0.06, **self._disconnect(0.45, "queued")))
+                                          stagger_s=0.06, **self._disconnect(0.35, "queued")))
         name = rng.choice(sorted(self.chains))  # one turn of a named session
         chain = self.chains[name]
         turn = chain + [{"role": "user", "content": f"Turn {self.count + 1}: " + words(rng, 10)}]
@@ -229,9 +230,14 @@ _FUZZ_FIELDS = ["messages", "model", "max_tokens", "temperature", "top_p", "top_
                 "repetition_penalty", "presence_penalty"]
 
 
+FUZZ_BASE = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
+# Bodies that are no JSON object at all, or not the one a route wants.
+MALFORMED = [b"null", b"[]", b'"x"', b"1e999", b"\xff\xfe\x00", b"{" * 5000, b'{"messages": 1}']
+
+
 def fuzz_bodies(rng: random.Random, n: int, good: dict) -> list[bytes]:
-    """`n` bodies built from `good` with 1-3 fields set to hostile values, plus a few that are no JSON object."""
-    bodies: list[bytes] = [b"null", b"[]", b'"x"', b"1e999", b"\xff\xfe\x00", b"{" * 5000, b'{"messages": 1}']
+    """`n` bodies built from `good` with 1-3 fields set to hostile values."""
+    bodies = []
     for _ in range(n):
         body = dict(good)
         for name in rng.sample(_FUZZ_FIELDS, rng.randint(1, 3)):
@@ -288,7 +294,7 @@ def _error_text(body: Any) -> str:
 async def send(http: aiohttp.ClientSession, url: str, spec: Spec, moment: "Moments") -> Outcome:
     await asyncio.sleep(spec.stagger_s)
     out = Outcome(spec, sent_at=time.monotonic())
-    talk = asyncio.ensure_future(exchange(http, url, spec, out))
+    talk = asyncio.ensure_future(asyncio.wait_for(exchange(http, url, spec, out), ANSWER_LIMIT_S))
     if spec.disconnect in ("queued", "parked", "prefilling"):
         hang_up = asyncio.ensure_future(moment.reached(spec))
         await asyncio.wait([talk, hang_up], return_when=asyncio.FIRST_COMPLETED)
@@ -303,6 +309,8 @@ async def send(http: aiohttp.ClientSession, url: str, spec: Spec, moment: "Momen
             raise
     except (aiohttp.ClientError, json.JSONDecodeError, KeyError) as e:  # the daemon broke the protocol
         out.error = f"client: {type(e).__name__}: {e}"
+    except TimeoutError:
+        out.error = f"client: no answer within {ANSWER_LIMIT_S:g} s"
     out.ended_at = time.monotonic()
     return out
 
@@ -492,7 +500,7 @@ async def _soak(c: SoakConfig, faulty: FaultyBackend, report: Report, request_lo
         while workload.count < c.requests:
             specs = workload.wave()
             extra = [_hostile(workload, rng)] if wave % 2 == 0 else []
-            bodies = fuzz_bodies(rng, 2, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})[-2:]
+            bodies = (MALFORMED if wave == 0 else []) + fuzz_bodies(rng, 2, FUZZ_BASE)
             tasks = [send(http, d.url, s, moments) for s in specs + extra]
             fuzz = [_post_raw(http, d.url + rng.choice((CHAT, COMPLETIONS)), b) for b in bodies]
             results = await asyncio.gather(*tasks, asyncio.gather(*fuzz))
@@ -609,7 +617,7 @@ def _checks(c: SoakConfig, report: Report, d: Daemon, recorder: Recorder, reques
 
     # what is held once the clients are gone (gauges where /metrics has them; else the engine, in-process)
     adm = d.engine.adm
-    live, cache, named = m.get("kvfork_live_sessions"), adm.cache, adm.named.holding()
+    live, cache, named = m.get("kvfork_live_sessions", -1), adm.cache, adm.named.holding()
     report.add("live sessions = cache entries + named sessions", f"{live:g} = {len(cache)} + {named}",
                "equal", live == len(cache) + named)
     report.add("reserved bytes (in-process: no gauge yet)", adm.reserved, "0", adm.reserved == 0)
