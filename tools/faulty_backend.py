@@ -27,6 +27,7 @@ any read of a session it reported CORRUPT.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 import weakref
@@ -80,6 +81,7 @@ class FaultyBackend(Backend):
         self._corrupt: set[int] = set()
         self._charged: dict[int, weakref.ref] = {}  # id -> the sampler (SamplerState compares by value)
         self._just_prefilled: dict[int, int] = {}  # session id -> position, after its last prefill call
+        self._watches: dict[int, tuple[list[int], asyncio.Future, asyncio.AbstractEventLoop]] = {}
 
     # ---- bookkeeping ----
 
@@ -119,11 +121,26 @@ class FaultyBackend(Backend):
             self._corrupt.add(sessions[k].id)
         raise BatchFailed(InjectedFault(f"injected {kind} fault #{fault.id} ({fault.mode})"), states)
 
-    def holds(self, tokens: Sequence[int]) -> bool:
-        """Whether some session has committed `tokens` (a prefix of its history). Read from the soak's
-        loop while the runner writes: it looks at a snapshot of each history, which is all it needs."""
-        n, want = len(tokens), list(tokens)
-        return any(len(h) >= n and h[:n] == want for h in list(self._history.values()))
+    def when_holds(self, tokens: Sequence[int]) -> asyncio.Future:
+        """A future on the calling loop, done once some session has committed `tokens` (a prefix of its
+        history): the runner thread resolves it right after the prefill that got there."""
+        loop = asyncio.get_running_loop()
+        done, want = loop.create_future(), list(tokens)
+        self._watches[id(done)] = (want, done, loop)
+        if any(h[:len(want)] == want for h in list(self._history.values())):
+            self._resolve(id(done))
+        return done
+
+    def _resolve(self, key: int) -> None:
+        watch = self._watches.pop(key, None)
+        if watch is not None:
+            _, done, loop = watch
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+    def _check_watches(self, sessions: Sequence[Session]) -> None:
+        for key, (want, _, _) in list(self._watches.items()):
+            if any(self._history[s.id][:len(want)] == want for s in sessions if s.id in self._history):
+                self._resolve(key)
 
     # ---- the Backend API ----
 
@@ -150,6 +167,7 @@ class FaultyBackend(Backend):
         for s, chunk in zip(sessions, chunks):
             self._history.setdefault(s.id, []).extend(chunk)
             self._just_prefilled[s.id] = s.position
+        self._check_watches(sessions)
         self._measure()
         return logits
 

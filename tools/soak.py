@@ -317,28 +317,24 @@ async def send(http: aiohttp.ClientSession, url: str, spec: Spec, moment: "Momen
 
 class Moments:
     """When a client hangs up: a moment after the engine has its request (queued, parked), or once the
-    backend has committed a drawn share of its prompt (prefilling)."""
+    backend has committed a drawn share of its prompt (prefilling). Both are signalled, never polled:
+    polling from the loop would fight the runner thread for the GIL."""
 
-    POLL_S, LIMIT_S = 0.001, 10.0
+    LIMIT_S = 10.0
 
     def __init__(self, recorder: "Recorder", backend: FaultyBackend):
         self.recorder, self.backend = recorder, backend
 
     async def reached(self, spec: Spec) -> None:
-        req = await self._until(lambda: self.recorder.by_seed.get(spec.seed))
-        if req is None or spec.disconnect != "prefilling":
-            await asyncio.sleep(spec.delay_s)
+        try:
+            async with asyncio.timeout(self.LIMIT_S):
+                req = await self.recorder.submitted(spec.seed)
+                if spec.disconnect == "prefilling":
+                    await self.backend.when_holds(req.prompt[:max(1, int(len(req.prompt) * spec.share))])
+                    return
+        except TimeoutError:
             return
-        part = req.prompt[:max(1, int(len(req.prompt) * spec.share))]
-        await self._until(lambda: self.backend.holds(part))
-
-    async def _until(self, read: Any) -> Any:
-        deadline = time.monotonic() + self.LIMIT_S
-        while (value := read()) is None or value is False:
-            if time.monotonic() > deadline:
-                return None
-            await asyncio.sleep(self.POLL_S)
-        return value
+        await asyncio.sleep(spec.delay_s)
 
 
 class Recorder:
@@ -347,13 +343,21 @@ class Recorder:
     def __init__(self, engine: Any):
         self.engine = engine
         self.by_seed: dict[int, GenerateRequest] = {}
-        self.by_id: dict[str, GenerateRequest] = {}
+        self._waiting: dict[int, asyncio.Future] = {}
 
     def submit(self, req: GenerateRequest) -> Any:
-        if req.sampling.seed is not None:
-            self.by_seed[req.sampling.seed] = req
-        self.by_id[req.request_id] = req
+        seed = req.sampling.seed
+        if seed is not None:
+            self.by_seed[seed] = req
+            waiting = self._waiting.pop(seed, None)
+            if waiting is not None and not waiting.done():
+                waiting.set_result(req)
         return self.engine.submit(req)
+
+    async def submitted(self, seed: int) -> GenerateRequest:
+        if seed in self.by_seed:
+            return self.by_seed[seed]
+        return await self._waiting.setdefault(seed, asyncio.get_running_loop().create_future())
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
