@@ -28,7 +28,7 @@ def one_torch_thread(backend_name):  # noqa: F811
 
 async def test_short_soak_passes_every_check(backend_name, one_torch_thread, tiny_model_dir):  # noqa: F811
     # A tight budget (a few dozen tiny sessions) so admission waits and the cache gives way.
-    config = SoakConfig(model=tiny_model_dir("llama"), backend=backend_name, requests=320, seed=1,
+    config = SoakConfig(model=tiny_model_dir("llama"), backend=backend_name, requests=360, seed=1,
                         kv_budget_bytes=4 * MiB, prompt_words=32, max_tokens=12)
     out = io.StringIO()
     report = await run(config, out)
