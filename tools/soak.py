@@ -3,15 +3,16 @@
 The daemon runs in this process (the fault-injecting backend of
 tools/faulty_backend.py is handed to it here, never by a flag) and is driven over
 HTTP on a loopback port, in waves. Each wave mixes:
-- a shared-prefix burst (a system prompt from a small pool, so later waves hit
-  the prefix cache; the rest of the burst follows the first or clones from it);
+- a shared-prefix burst (a fresh system prompt, which the rest of the burst
+  follows the first for, or one from a small pool, which the prefix cache may hold);
 - single chat and completion requests, streaming or not, short and long;
 - late arrivals that find every slot busy;
 - one turn of a named session (a few sessions, more than --max-named-sessions);
 - bad bodies from a fuzzer, and valid requests with hostile sampling values.
-About a third of the requests hang up at a point drawn up front: after a delay
-(queued, parked behind a leader, prefilling) or after some streamed tokens
-(decoding). Where each really was when it hung up is read back from the
+About a quarter of the requests hang up, at a point drawn up front: a moment
+after the engine has them (queued, parked behind a leader), once the backend has
+committed a drawn share of the prompt (prefilling), or after some streamed
+pieces (decoding). Where each really was when it hung up is read back from the
 engine's request log line.
 
 Every choice is drawn from `--seed`; which backend call a fault hits depends on
@@ -696,11 +697,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="model folder (default: the default model, fetched if needed)")
     ap.add_argument("--backend", default="auto", choices=("auto", "torch", "mlx"))
     defaults = SoakConfig(model="")
-    ap.add_argument("--requests", type=int, default=defaults.requests)
-    ap.add_argument("--seed", type=int, default=defaults.seed)
+    ap.add_argument("--requests", type=int, default=defaults.requests, help="requests to send, bad bodies aside")
+    ap.add_argument("--seed", type=int, default=defaults.seed, help="draws the workload, hang-ups and faults")
     ap.add_argument("--fault-rate", type=float, default=defaults.fault_rate,
                     help="chance that one backend call of each kind fails")
-    ap.add_argument("--kv-budget-bytes", type=int, default=defaults.kv_budget_bytes)
+    ap.add_argument("--kv-budget-bytes", type=int, default=defaults.kv_budget_bytes,
+                    help="the daemon's KV budget: small enough that admission waits and the cache gives way")
     args = ap.parse_args(argv)
     from backends import default_backend
     from backends.mlx.blas import reexec_for_backend
