@@ -8,6 +8,8 @@ import io
 import pytest
 
 from backend_fixtures import backend_name  # noqa: F401  (fixture: each importable backend)
+from backends.base import Backend
+from tools.faulty_backend import FaultyBackend
 from tools.soak import MiB, SoakConfig, run
 
 
@@ -35,3 +37,10 @@ async def test_short_soak_passes_every_check(backend_name, one_torch_thread, tin
     assert report.ok, "\n" + report.table()
     assert {c.name for c in report.checks} >= {"responses of status 500", "disconnects by phase",
                                                 "completed requests equal to a reuse-off daemon"}
+
+
+def test_the_fault_wrapper_forwards_every_backend_method():
+    """A method the Backend interface gains must reach the real backend through the wrapper,
+    not fall back to a base-class default."""
+    public = {name for name in vars(Backend) if not name.startswith("_") and callable(getattr(Backend, name))}
+    assert public <= set(vars(FaultyBackend)), sorted(public - set(vars(FaultyBackend)))
