@@ -16,8 +16,9 @@ Design rules:
 - faults stay where they start, and nothing committed is computed twice
   (base.BatchFailed is the backends' half of this contract):
   - a forward pass that fails says per session what it did: UNTOUCHED sessions
-    run again without the others (one by one when nothing else changed, so a
-    failure that stays is charged to its own request); COMMITTED ones go on
+    run again without the others (one by one when nothing else changed, and
+    alone twice, so only a failure that stays is charged to its own request);
+    COMMITTED ones go on
     with their logits row; CORRUPT ones, and COMMITTED ones that need logits
     the backend could not give, fail with an error and are never read again;
   - a ValueError is check_inputs' refusal, before any state changed: the rows
@@ -25,7 +26,7 @@ Design rules:
     and every session of that call fails;
   - sampling that fails after a forward pass samples again row by row (the
     backend's sampler changes nothing when it raises); the forward pass is
-    never run again, and a row whose sampling fails alone fails alone;
+    never run again, and a row whose sampling fails alone, twice, fails alone;
 - optional work (a snapshot, a clone from the prefix cache) that fails for
   any reason falls back, to the next candidate or to none, and is counted.
 """
@@ -250,11 +251,11 @@ class Runner:
                 self._sample(logits, done)
 
     def _forward(self, call: Callable[[list[Session], list], Any], slots: list[_Slot], rows: list,
-                 needs_logits: list[bool]) -> list[tuple[list[_Slot | None], Any]]:
+                 needs_logits: list[bool], retried: bool = False) -> list[tuple[list[_Slot | None], Any]]:
         """Run one batched forward pass, failing exactly the requests whose state can no longer be
         trusted. Returns (group, logits) pairs: row i of logits belongs to group[i], a request
         whose tokens are committed, or None (a row nobody reads); logits is None when no row of
-        its group needs them."""
+        its group needs them. `retried`: this call already failed once alone, changing nothing."""
         try:
             return [(list(slots), self._timed(call, [s.session for s in slots], rows))]
         except BatchFailed as failed:
@@ -262,7 +263,7 @@ class Runner:
                 self._fail_all(slots, f"backend failure ({failed}), with {len(failed.rows)} row states for "
                                       f"{len(slots)} sessions")
                 return []
-            return self._salvage(call, slots, rows, needs_logits, failed)
+            return self._salvage(call, slots, rows, needs_logits, failed, retried)
         except ValueError as exc:  # check_inputs refused the call before it changed anything
             if len(slots) == 1:
                 self._fail(slots[0], f"refused by the backend: {exc}")
@@ -273,7 +274,7 @@ class Runner:
             return []
 
     def _salvage(self, call: Callable, slots: list[_Slot], rows: list, needs_logits: list[bool],
-                 failed: BatchFailed) -> list[tuple[list[_Slot | None], Any]]:
+                 failed: BatchFailed, retried: bool) -> list[tuple[list[_Slot | None], Any]]:
         groups: list[tuple[list[_Slot | None], Any]] = []
         kept: list[_Slot | None] = []
         retry = []
@@ -293,8 +294,10 @@ class Runner:
             if retry:
                 groups += self._forward(call, [slots[i] for i in retry], [rows[i] for i in retry],
                                         [needs_logits[i] for i in retry])
-        elif len(slots) == 1:  # it failed alone and changed nothing: its own failure
+        elif len(slots) == 1 and retried:  # it failed alone twice and changed nothing: its own failure
             self._fail(slots[0], f"backend failure: {failed}")
+        elif len(slots) == 1:  # alone, nothing changed: once more, so a passing fault is charged to no one
+            groups += self._forward(call, slots, rows, needs_logits, retried=True)
         else:  # nothing changed anywhere: row by row, so a failure that stays is charged to its own request
             groups += self._one_by_one(call, slots, rows, needs_logits)
         return groups
@@ -304,15 +307,19 @@ class Runner:
         return [group for i in range(len(slots))
                 for group in self._forward(call, slots[i:i + 1], rows[i:i + 1], needs_logits[i:i + 1])]
 
-    def _sample(self, logits: Any, group: list[_Slot | None]) -> None:
-        """Sample the rows of `group`'s requests (None rows are sampled greedily and dropped)."""
+    def _sample(self, logits: Any, group: list[_Slot | None], retried: bool = False) -> None:
+        """Sample the rows of `group`'s requests (None rows are sampled greedily and dropped).
+        `retried`: this one row's sampling already failed once alone."""
         states = [s.sampler if s is not None else SamplerState(_DISCARD) for s in group]
         try:
             picks = self._timed(self.backend.sample, logits, states)
         except Exception as exc:
             wanted = [i for i, s in enumerate(group) if s is not None]
-            if len(wanted) == 1:
+            if len(wanted) == 1 and retried:
                 self._fail(group[wanted[0]], f"sampling failed: {exc}")
+                return
+            if len(wanted) == 1:  # the sampler changed nothing: once more before charging the request
+                self._sample(logits, group, retried=True)
                 return
             log.warning("sampling a batch failed (%s); sampling its rows one by one", exc)
             for i in wanted:
