@@ -14,7 +14,9 @@ Design rules:
 - a donor that leaves hands what it committed to the follower that salvages
   most (follow.promote), cloned before its state is released;
 - a backend call that fails is retried request by request, so one bad request
-  fails alone and never loses another's output.
+  fails alone and never loses another's output;
+- grammar-constrained rows (constraints.py) join their mask just before a sample
+  and hand the sampled token over just after it; nothing else here knows them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any, Callable
 from backends.base import Backend, CloneRefused, Sampled, SamplerState, SamplingParams, Session
 from server.engine import messages as m
 from server.engine.clone_orders import CloneOrders
+from server.engine.constraints import ConstrainedRows
 from server.engine.scheduler import Running, plan_step
 
 log = logging.getLogger("kvfork.engine")
@@ -65,6 +68,7 @@ class Runner:
         self._rotation: int | None = None
         self._stopping = False
         self._backend_s = 0.0
+        self._constrained: ConstrainedRows | None = None  # once the model is loaded (it knows the vocabulary)
         self.thread = threading.Thread(target=self._main, name="kvfork-runner", daemon=True)
 
     def send(self, command: Any) -> None:
@@ -75,7 +79,9 @@ class Runner:
 
     def _main(self) -> None:
         try:
-            self._publish(m.Loaded(self.backend.load(self.model_path, self.dtype)))
+            info = self.backend.load(self.model_path, self.dtype)
+            self._constrained = ConstrainedRows(info.vocab_size)
+            self._publish(m.Loaded(info))
         except Exception as exc:
             log.exception("model load failed")
             self._publish(m.Died(f"model load failed: {exc}"))
@@ -91,6 +97,11 @@ class Runner:
         except BaseException as exc:  # the thread is dying: say so, never leave the loop waiting
             log.exception("runner died")
             self._publish(m.Died(f"runner died: {exc!r}"))
+
+    @property
+    def _rows(self) -> ConstrainedRows:
+        assert self._constrained is not None, "no request runs before the model is loaded"
+        return self._constrained
 
     def _publish(self, *events: Any) -> None:
         self.events.extend(events)
@@ -125,6 +136,7 @@ class Runner:
                 self._orders = CloneOrders()  # nobody is left to hand anything over to
                 for slot in list(self._slots.values()):
                     self._end(slot, "cancelled")
+                self._rows.close()
                 self._stopping = True
         self._serve_orders()
         if took and not self._slots:
@@ -152,6 +164,7 @@ class Runner:
             return
         sampler = SamplerState(start.sampling, prompt=start.prompt)
         self._slots[start.rid] = _Slot(start, session, sampler)
+        self._rows.start(start.rid, start.constraint)
         self.events.append(m.Started(start.rid, reused, index, refused, clone_s))
 
     def _clone_donor(self, command: m.CloneDonor) -> None:
@@ -223,7 +236,8 @@ class Runner:
 
     def _decode(self, slots: list[_Slot]) -> None:
         logits = self._timed(self.backend.decode, [s.session for s in slots], [s.next_token for s in slots])
-        sampled = self._timed(self.backend.sample, logits, [s.sampler for s in slots])
+        states = self._rows.before_sample([s.start.rid for s in slots], [s.sampler for s in slots])
+        sampled = self._timed(self.backend.sample, logits, states)
         for slot, pick in zip(slots, sampled):
             self._accept(slot, pick)
 
@@ -241,6 +255,7 @@ class Runner:
                 self._capture(slot)
         if any(done):
             states = [s.sampler if d else SamplerState(_DISCARD) for s, d in zip(slots, done)]
+            states = self._rows.before_sample([s.start.rid if d else None for s, d in zip(slots, done)], states)
             sampled = self._timed(self.backend.sample, logits, states)
             for slot, finished, pick in zip(slots, done, sampled):
                 if finished:
@@ -256,6 +271,10 @@ class Runner:
             self.events.append(m.Captured(slot.start.rid, prompt, None))
 
     def _accept(self, slot: _Slot, pick: Sampled) -> None:
+        failure = self._rows.after_sample(slot.start.rid, pick.token)
+        if failure is not None:
+            self._end(slot, "error", error=failure)
+            return
         slot.generated += 1  # the backend's sampler has appended the token to `sampler.output`
         if pick.token in slot.start.stop_ids:
             self._end(slot, "stop")
@@ -268,6 +287,7 @@ class Runner:
     def _end(self, slot: _Slot, reason: str, error: str | None = None) -> None:
         self._hand_over(slot, usable=reason != "error")
         del self._slots[slot.start.rid]
+        self._rows.end(slot.start.rid)
         kept, held = None, []
         if slot.start.keep_session and reason != "error":
             kept = slot.session

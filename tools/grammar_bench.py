@@ -1,0 +1,173 @@
+"""llguidance against xgrammar on one tokenizer: mask time per token and compile time.
+
+    .venv/bin/python -m tools.grammar_bench [--model FOLDER] [--repeats 5]
+
+For each engine, on the same tokenizer (the default model's unless --model):
+- compile time of each schema (no cache: every compile is cold), alone and with
+  the first mask (llguidance builds its lexer lazily, on the first mask): the agent
+  preset's tool schemas (tools/bench/workload.py names its tools
+  `tool_i(path: str, query: str)`), one compiled as a `tool_choice: required`
+  union over all of them, and a typical tool schema (nested, enums, arrays);
+- the next-token mask time along a valid document, token by token (median and
+  p95): under the typical tool schema and under json_object (any JSON object).
+The document is tokenized once by the model's tokenizer and fed to both engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from typing import Any, Callable
+
+TYPICAL_TOOL = {
+    "type": "object",
+    "properties": {
+        "location": {"type": "string", "description": "City and country, e.g. Paris, France"},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+        "include": {"type": "array", "items": {"type": "string", "enum": ["wind", "rain", "uv", "humidity"]}},
+        "detail": {"type": "object", "properties": {"hourly": {"type": "boolean"}, "lang": {"type": "string"}},
+                   "required": ["hourly"], "additionalProperties": False},
+    },
+    "required": ["location", "unit", "days"],
+    "additionalProperties": False,
+}
+TYPICAL_DOC = {"location": "Paris, France", "unit": "celsius", "days": 5, "include": ["wind", "rain"],
+               "detail": {"hourly": True, "lang": "fr"}}
+OBJECT_DOC = {"files": ["src/main.py", "README.md"], "summary": "Two files changed; tests pass.", "ok": True,
+              "count": 2, "meta": {"author": "agent", "score": 0.93}}
+
+
+def agent_tool_schemas() -> list[dict[str, Any]]:
+    """The agent preset's tools, as JSON schemas of their `(path: str, query: str)` signatures."""
+    from tools.bench.text import tool_definitions
+    from tools.bench.workload import Options
+
+    names = [line[2:].split("(")[0] for line in tool_definitions(random.Random(0), Options().prefix_tokens).splitlines()
+             if line.startswith("- tool_")]
+    params = {"type": "object", "properties": {"path": {"type": "string"}, "query": {"type": "string"}},
+              "required": ["path", "query"], "additionalProperties": False}
+    return [{"name": name, "parameters": params} for name in names]
+
+
+def required_union(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """`tool_choice: required` as one schema: a call to any of the tools."""
+    return {"anyOf": [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]},
+                       "required": ["name", "arguments"], "additionalProperties": False} for t in tools]}
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+class Llguidance:
+    name = "llguidance"
+
+    def __init__(self, hf_tokenizer, vocab: int):
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+
+        self.lg, self.lgt = llguidance, llguidance.torch
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab)
+        self.mask = llguidance.torch.allocate_token_bitmask(1, vocab)
+
+    def compile(self, schema: dict | None):
+        grammar = self.lg.LLMatcher.grammar_from_json_schema(schema or {"type": "object"})
+        matcher = self.lg.LLMatcher(self.tokenizer, grammar)
+        assert not matcher.is_error(), matcher.get_error()
+        return matcher
+
+    def first_mask(self, matcher) -> None:
+        self.lgt.fill_next_token_bitmask(matcher, self.mask)
+
+    def walk(self, matcher, tokens: list[int]) -> list[float]:
+        times = []
+        for token in tokens:
+            dt, _ = timed(lambda: self.lgt.fill_next_token_bitmask(matcher, self.mask))
+            times.append(dt)
+            assert matcher.consume_token(token), matcher.get_error()
+        return times
+
+
+class Xgrammar:
+    name = "xgrammar"
+
+    def __init__(self, hf_tokenizer, vocab: int):
+        import xgrammar
+
+        self.xgr = xgrammar
+        info = xgrammar.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab)
+        self.compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+        self.mask = xgrammar.allocate_token_bitmask(1, vocab)
+
+    def compile(self, schema: dict | None):
+        if schema is None:
+            compiled = self.compiler.compile_builtin_json_grammar()
+        else:
+            compiled = self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+        return self.xgr.GrammarMatcher(compiled)
+
+    def first_mask(self, matcher) -> None:
+        matcher.fill_next_token_bitmask(self.mask)
+
+    def walk(self, matcher, tokens: list[int]) -> list[float]:
+        times = []
+        for token in tokens:
+            dt, _ = timed(lambda: matcher.fill_next_token_bitmask(self.mask))
+            times.append(dt)
+            assert matcher.accept_token(token), f"token {token} refused"
+        return times
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> None:
+    from transformers import AutoTokenizer
+
+    from tools.fetch_model import default_model_dir
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model folder whose tokenizer to use (default: the default model)")
+    ap.add_argument("--repeats", type=int, default=5, help="compiles and walks per case; the median is reported")
+    args = ap.parse_args()
+    folder = args.model or str(default_model_dir())
+    hf = AutoTokenizer.from_pretrained(folder)
+    vocab = len(hf)
+    tools = agent_tool_schemas()
+    print(f"tokenizer {folder} (vocab {vocab}); agent preset: {len(tools)} tools")
+    # json.dumps' default separators are the ones both engines accept by default.
+    docs = {"tool schema": (TYPICAL_TOOL, hf.encode(json.dumps(TYPICAL_DOC), add_special_tokens=False)),
+            "json_object": (None, hf.encode(json.dumps(OBJECT_DOC), add_special_tokens=False))}
+    compiles = {"agent preset, per tool": [t["parameters"] for t in tools][:1],
+                f"agent preset, required over {len(tools)} tools": [required_union(tools)],
+                "typical tool schema": [TYPICAL_TOOL]}
+    for engine_cls in (Llguidance, Xgrammar):
+        dt, engine = timed(lambda: engine_cls(hf, vocab))
+        print(f"\n{engine.name}: tokenizer setup {dt * 1e3:.0f} ms")
+        for label, schemas in compiles.items():
+            runs = [timed(lambda: engine.compile(schemas[0]))[0] for _ in range(args.repeats)]
+            ready = [timed(lambda: engine.first_mask(engine.compile(schemas[0])))[0] for _ in range(args.repeats)]
+            print(f"  compile {label}: median {statistics.median(runs) * 1e3:.2f} ms; "
+                  f"with the first mask {statistics.median(ready) * 1e3:.2f} ms")
+        agent_all = [timed(lambda: [engine.compile(t["parameters"]) for t in tools])[0] for _ in range(args.repeats)]
+        print(f"  compile all {len(tools)} agent tool schemas one by one: median "
+              f"{statistics.median(agent_all) * 1e3:.2f} ms")
+        for label, (schema, tokens) in docs.items():
+            times: list[float] = []
+            for _ in range(args.repeats):
+                times += engine.walk(engine.compile(schema), tokens)
+            print(f"  mask per token, {label} ({len(tokens)} tokens): median {statistics.median(times) * 1e6:.0f} us, "
+                  f"p95 {pct(times, 0.95) * 1e6:.0f} us")
+
+
+if __name__ == "__main__":
+    main()
