@@ -41,5 +41,8 @@ class ServerConfig:
     log_level: str = setting("info", "log verbosity", choices=LOG_LEVELS)
     tool_parser: str = setting("auto", "tool-call format to parse from replies (auto: the one the chat template "
                                "teaches; none: never parse)", choices=TOOL_PARSER_CHOICES)
+    grammar_compile_timeout: float = setting(5.0, "most seconds a request's grammar (response_format, "
+                                             "tool_choice) may take to compile; past it the request gets a 400",
+                                             check=at_least(0.001))
     reasoning_parser: str = setting("auto", "split <think> reasoning from content (auto: when the chat template "
                                     "uses <think>)", choices=("auto", "none", "think"))

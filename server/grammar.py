@@ -24,6 +24,8 @@ Design rules:
 - JSON is written compactly as the parsers and templates write it (`", "` and
   `": "`, no free whitespace): a small model cannot wander into endless blank
   lines, and a call re-renders to the text the model wrote;
+- an object schema that does not say `additionalProperties` gets `false`, as in
+  llama.cpp: a small model otherwise invents keys until it runs out of tokens;
 - compiled grammars are cached by grammar text, per tokenizer (one compiler per
   loaded tokenizer); each request gets a copy of the cached matcher;
 - a compile runs on a thread, bounded by --grammar-compile-timeout: past it, or
@@ -82,9 +84,27 @@ class GrammarError(ApiError):
 # ---- what each ask compiles to ----
 
 
+def closed(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` on every object schema that leaves it unsaid."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) if k in _SUBSCHEMAS else v for k, v in schema.items()}
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: closed(sub) for name, sub in schema[key].items()}
+    if "properties" in schema and "additionalProperties" not in schema and "patternProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+_SUBSCHEMAS = ("items", "anyOf", "oneOf", "allOf", "not", "prefixItems", "additionalProperties")
+
+
 def _schema_json(schema: dict[str, Any], lenient: bool) -> str:
     options = {**_JSON_OPTIONS, "lenient": lenient}
-    return json.dumps({**schema, "x-guidance": options}, ensure_ascii=False)
+    return json.dumps({**closed(schema), "x-guidance": options}, ensure_ascii=False)
 
 
 def _lit(text: str) -> str:
@@ -188,13 +208,37 @@ def grammar_text(ask: Ask) -> str:
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
         case JsonSchema(schema, strict):
             try:
-                return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides={**_JSON_OPTIONS,
+                return llguidance.LLMatcher.grammar_from_json_schema(closed(schema), overrides={**_JSON_OPTIONS,
                                                                                        "lenient": not strict})
             except ValueError as exc:
                 raise GrammarError("response_format", f"the JSON schema is not valid: {exc}") from None
         case ToolCalls():
             return llguidance.LLMatcher.grammar_from_lark(tool_lark(ask))
     raise TypeError(ask)
+
+
+def request_ask(response_format: Any, tool_parser: str | None, tools: list[dict[str, Any]] | None,
+                choice: ToolChoice, tool_name: str | None, forced: str) -> Ask | None:
+    """What a chat request asks its output to follow, or None. `response_format` is the protocol's
+    ResponseFormat; `tool_parser` the parser the reply is read with (None: tools are not parsed);
+    `forced` the opening the prompt ends with."""
+    if response_format is not None and response_format.type != "text":
+        match response_format.type:
+            case "json_object":
+                return JsonObject()
+            case "json_schema":
+                spec = response_format.json_schema
+                if spec is None or not isinstance(spec.schema, dict):
+                    raise GrammarError("response_format.json_schema.schema", "json_schema needs a schema (an object)")
+                return JsonSchema(spec.schema, bool(spec.strict))
+            case other:
+                raise GrammarError("response_format.type",
+                                   f"response_format is text, json_object or json_schema, got {other!r}")
+    if tool_parser is None or not tools or choice == "none":
+        return None
+    if choice != "auto" and not forced:  # the reply starts inside reasoning: forced calls act as auto (chat_output)
+        choice, tool_name = "auto", None
+    return ToolCalls(tool_parser, tuple(t["function"] for t in tools), choice, tool_name, forced)
 
 
 def param_of(ask: Ask) -> str:

@@ -10,6 +10,7 @@ from aiohttp import web
 
 from server.config import ServerConfig
 from server.errors import ApiError
+from server.grammar import GrammarCompiler
 from server.metrics import Registry
 from server.text.tokenizer import PromptTokenizer
 
@@ -22,6 +23,7 @@ class AppState:
     registry: Registry
     tokenizer: PromptTokenizer | None = None  # set once loaded
     created: int = field(default_factory=lambda: int(time.time()))
+    _grammars: GrammarCompiler | None = None  # built on the first constrained request
 
     def model_name(self, requested: str | None) -> str:
         """The name to answer with; 404 model_not_found for a name we do not serve."""
@@ -42,6 +44,16 @@ class AppState:
             raise ApiError(503, reason, code="not_ready")
         assert self.tokenizer is not None
         return self.tokenizer
+
+
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler for the loaded tokenizer (call once ready)."""
+        if self._grammars is None:
+            assert self.tokenizer is not None
+            info = self.engine.info
+            self._grammars = GrammarCompiler(self.tokenizer.tokenizer, info.vocab_size, info.eos_token_ids,
+                                             self.config.grammar_compile_timeout)
+        return self._grammars
 
 
 STATE = web.AppKey("state", AppState)

@@ -15,8 +15,9 @@ from aiohttp import web
 
 from server.chat_output import ChatOutputParser, collect, output_parser
 from server.engine.api import GenerateRequest, TokenEvent
-from server.errors import ApiError, invalid, unsupported
+from server.errors import ApiError, invalid
 from server.generation import Finished, KeepAlive, Piece, generation
+from server.grammar import request_ask
 from server.protocol.openai import (
     ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
     ChoiceLogprobs, ChunkChoice, Delta, TokenLogprob, TopLogprob,
@@ -79,8 +80,6 @@ class PreparedChat:
 async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Request, rid: str,
                   make_call_id: Callable[[], str] = openai_call_id) -> PreparedChat:
     check_supported(body)
-    if body.response_format is not None and body.response_format.type != "text":
-        raise unsupported("response_format", f"response_format {body.response_format.type!r} is not supported yet")
     if body.top_logprobs and not body.logprobs:
         raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
     model = state.model_name(body.model)
@@ -92,6 +91,8 @@ async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Req
     config = state.config
     parser = output_parser(config.tool_parser, config.reasoning_parser, tokenizer.chat_template, text, body.tools,
                            choice, tool_name, make_call_id)
+    ask = request_ask(body.response_format, parser.tool_parser.name if parser.tool_parser else None, body.tools,
+                      choice, tool_name, parser.prompt_suffix)  # type: ignore[arg-type]
     prompt = await tokenizer.encode_rendered(text)
     if parser.prompt_suffix:  # encoded on its own: the prompt before it keeps the tokens other turns share
         prompt += await tokenizer.encode_rendered(parser.prompt_suffix)
@@ -100,6 +101,8 @@ async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Req
         max_tokens=body.max_completion_tokens or body.max_tokens, session=session,
         logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
     )
+    if ask is not None:
+        generate.constraint = await state.grammars().compile(ask)
     return PreparedChat(model, prompt, generate, parser, stop_strings(body))
 
 
