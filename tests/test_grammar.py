@@ -14,6 +14,7 @@ from engine_harness import collect, prompt_of, request, run, start_engine
 from scripted_backend import ScriptedBackend
 
 from backends import create_backend
+from backends.base import SamplingParams
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
 from server.grammar import GrammarCompiler, GrammarError, JsonObject, JsonSchema, ToolCalls
@@ -220,8 +221,6 @@ async def test_tiny_model_output_validates_against_the_schema(backend_name, tiny
     hf = AutoTokenizer.from_pretrained(folder)
     grammar = await GrammarCompiler(hf, engine.info.vocab_size, engine.info.eos_token_ids, 5.0).compile(
         JsonSchema(SMALL, strict=True))
-    from backends.base import SamplingParams
-
     prompts = [prompt_of(12, start=i) for i in range(3)]
     handles = [engine.submit(request(p, 64, rid=f"j{i}", constraint=grammar,
                                      sampling=SamplingParams(temperature=1.0, seed=i)))
@@ -243,7 +242,6 @@ async def test_tiny_model_output_validates_against_the_schema(backend_name, tiny
 async def test_named_tool_choice_on_the_default_model():
     from transformers import AutoTokenizer
 
-    from backends.base import SamplingParams
     from tools import fetch_model
 
     folder = str(fetch_model.ensure_default_model())

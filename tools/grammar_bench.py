@@ -11,11 +11,20 @@ For each engine, on the same tokenizer (the default model's unless --model):
 - the next-token mask time along a valid document, token by token (median and
   p95): under the typical tool schema and under json_object (any JSON object).
 The document is tokenized once by the model's tokenizer and fed to both engines.
+
+    .venv/bin/python -m tools.grammar_bench --itl [--backend torch] [--rounds 3]
+
+Decode ITL in the engine with 8 requests decoding together, 0, 1 and 8 of them
+constrained by the typical tool schema (kvfork's llguidance path), in
+alternating rounds side by side. Each request asks for that JSON; the gaps
+between consecutive tokens are counted only while all 8 rows are in the batch,
+and split into constrained and unconstrained rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import statistics
@@ -130,6 +139,67 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+async def itl_round(engine, hf, grammar, constrained: int, round_: int, tokens: int) -> dict[str, list[float]]:
+    """8 requests together, the first `constrained` under the grammar; per-row token gaps while all 8 decode."""
+    from backends.base import SamplingParams
+    from server.engine.api import GenerateRequest, TokenEvent
+
+    async def one(i: int) -> list[float]:
+        question = f"Request {round_ * 8 + i}: the weather in city number {i} as JSON with location, unit and days."
+        text = hf.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                      add_generation_prompt=True)
+        prompt = hf.encode(text, add_special_tokens=False)
+        req = GenerateRequest(f"itl{round_}-{i}", prompt, SamplingParams(), tokens,
+                              constraint=grammar if i < constrained else None)
+        stamps = []
+        async for event in engine.submit(req):
+            if isinstance(event, TokenEvent):
+                stamps.append(time.perf_counter())
+        return stamps
+
+    rows = await asyncio.gather(*(one(i) for i in range(8)))
+    start = max(r[0] for r in rows)  # every row has its first token
+    end = min(r[-1] for r in rows)  # no row has left yet
+    gaps: dict[str, list[float]] = {"constrained": [], "unconstrained": []}
+    for i, stamps in enumerate(rows):
+        kind = "constrained" if i < constrained else "unconstrained"
+        gaps[kind] += [b - a for a, b in zip(stamps, stamps[1:]) if a >= start and b <= end]
+    return gaps
+
+
+async def measure_itl(args: argparse.Namespace) -> None:
+    from transformers import AutoTokenizer
+
+    from backends import create_backend
+    from server.engine.config import EngineConfig
+    from server.engine.engine import Engine
+    from server.grammar import GrammarCompiler, JsonSchema
+    from server.metrics import Registry
+
+    hf = AutoTokenizer.from_pretrained(args.model)
+    config = EngineConfig(prefix_cache_entries=0, kv_budget_bytes=8 << 30, inference_slots=8)
+    engine = Engine(create_backend(args.backend), args.model, args.dtype, config, Registry())
+    await engine.start()
+    grammar = await GrammarCompiler(hf, engine.info.vocab_size, engine.info.eos_token_ids, 5.0).compile(
+        JsonSchema(TYPICAL_TOOL))
+    print(f"{args.model} on {args.backend} ({engine.info.dtype}, {engine.info.device}): 8 rows, "
+          f"{args.tokens} tokens each at most")
+    await itl_round(engine, hf, grammar, 8, -1, 8)  # warm-up
+    totals: dict[int, dict[str, list[float]]] = {n: {"constrained": [], "unconstrained": []} for n in (0, 1, 8)}
+    for round_ in range(args.rounds):
+        for n in (0, 1, 8):
+            for kind, gaps in (await itl_round(engine, hf, grammar, n, round_ * 3 + n, args.tokens)).items():
+                totals[n][kind] += gaps
+    base = statistics.median(totals[0]["unconstrained"])
+    for n, gaps in totals.items():
+        for kind, values in gaps.items():
+            if values:
+                ms = statistics.median(values)
+                print(f"  {n} of 8 constrained, {kind} rows: ITL median {ms * 1e3:.2f} ms, p95 "
+                      f"{pct(values, 0.95) * 1e3:.2f} ms ({len(values)} gaps), {ms / base:.3f}x the unconstrained batch")
+    await engine.shutdown(5)
+
+
 def main() -> None:
     from transformers import AutoTokenizer
 
@@ -138,8 +208,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model folder whose tokenizer to use (default: the default model)")
     ap.add_argument("--repeats", type=int, default=5, help="compiles and walks per case; the median is reported")
+    ap.add_argument("--itl", action="store_true", help="measure decode ITL in the engine instead")
+    ap.add_argument("--backend", default="torch", help="with --itl: the backend")
+    ap.add_argument("--dtype", default=None, help="with --itl: the dtype (default: the backend's)")
+    ap.add_argument("--tokens", type=int, default=40, help="with --itl: most tokens per request")
+    ap.add_argument("--rounds", type=int, default=3, help="with --itl: rounds of (0, 1, 8 constrained)")
     args = ap.parse_args()
-    folder = args.model or str(default_model_dir())
+    args.model = args.model or str(default_model_dir())
+    if args.itl:
+        asyncio.run(measure_itl(args))
+        return
+    folder = args.model
     hf = AutoTokenizer.from_pretrained(folder)
     vocab = len(hf)
     tools = agent_tool_schemas()
