@@ -90,3 +90,19 @@ async def test_messages_tool_choice_tool_yields_a_valid_tool_use(daemon):
     uses = [block for block in message.content if block.type == "tool_use"]
     assert message.stop_reason == "tool_use" and [u.name for u in uses] == ["get_forecast"]
     jsonschema.validate(uses[0].input, FORECAST)
+
+
+@pytest.mark.slow
+async def test_json_schema_on_the_default_model():
+    from backends import create_backend
+    from tools import fetch_model
+
+    folder = str(fetch_model.ensure_default_model())
+    async with serving(folder, create_backend("torch"), served_model_name=["smol"]) as d:
+        client = openai.AsyncOpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0)
+        fmt = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": FORECAST, "strict": True}}
+        done = await client.chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": "Forecast for Paris, 3 days, in celsius, as JSON."}],
+            response_format=fmt, max_tokens=48, temperature=0)
+        assert done.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(done.choices[0].message.content), FORECAST)
