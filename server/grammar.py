@@ -10,7 +10,8 @@ What gets constrained (`Ask`, built by the routes):
 - `response_format: json_object`: any JSON object; `json_schema`: JSON valid
   against the schema; `strict: true` refuses keywords llguidance cannot enforce
   (a 400), otherwise they are ignored (lenient);
-- `tool_choice: required`: one or more calls among the tools, `function` (named):
+- `tool_choice: required`: one or more calls among the tools (one with
+  `parallel_tool_calls: false`), `function` (named):
   exactly one call to it, each call's arguments valid against its `parameters`,
   written in the markup of the request's tool parser (server/toolcalls/):
   hermes `<tool_call>{json}</tool_call>`, qwen3_coder's XML, llama3's JSON;
@@ -69,6 +70,7 @@ class ToolCalls:
     choice: ToolChoice  # auto, required or function
     name: str | None = None  # the named function
     forced: str = ""  # the opening the prompt already ends with
+    parallel: bool = True  # False: `required` makes exactly one call
 
 
 Ask = JsonObject | JsonSchema | ToolCalls
@@ -194,7 +196,7 @@ def tool_lark(ask: ToolCalls) -> str:
         first = [e for c in calls if (e := c.expression(ask.forced)) is not None]
         if not first:
             raise GrammarError("tool_choice", "the forced opening matches no tool")
-        more = "" if ask.choice == "function" else f" ({_lit(separator)} call)*"
+        more = "" if ask.choice == "function" or not ask.parallel else f" ({_lit(separator)} call)*"
         lines.append(f"start: ({' | '.join(f'({e})' for e in first)}){more}")
     return "\n".join(lines + rules) + "\n"
 
@@ -218,10 +220,10 @@ def grammar_text(ask: Ask) -> str:
 
 
 def request_ask(response_format: Any, tool_parser: str | None, tools: list[dict[str, Any]] | None,
-                choice: ToolChoice, tool_name: str | None, forced: str) -> Ask | None:
+                choice: ToolChoice, tool_name: str | None, forced: str, parallel: bool = True) -> Ask | None:
     """What a chat request asks its output to follow, or None. `response_format` is the protocol's
     ResponseFormat; `tool_parser` the parser the reply is read with (None: tools are not parsed);
-    `forced` the opening the prompt ends with."""
+    `forced` the opening the prompt ends with; `parallel` False (parallel_tool_calls) allows one call."""
     if response_format is not None and response_format.type != "text":
         match response_format.type:
             case "json_object":
@@ -238,7 +240,7 @@ def request_ask(response_format: Any, tool_parser: str | None, tools: list[dict[
         return None
     if choice != "auto" and not forced:  # the reply starts inside reasoning: forced calls act as auto (chat_output)
         choice, tool_name = "auto", None
-    return ToolCalls(tool_parser, tuple(t["function"] for t in tools), choice, tool_name, forced)
+    return ToolCalls(tool_parser, tuple(t["function"] for t in tools), choice, tool_name, forced, parallel)
 
 
 def param_of(ask: Ask) -> str:

@@ -153,6 +153,8 @@ def test_tool_calls_in_each_parsers_markup(compiler, parser):
     # required: one call or more, and no prose
     assert accepts(compiler, ToolCalls(parser, tools, "required"), call + separator + call)
     assert not accepts(compiler, ToolCalls(parser, tools, "required"), "hello")
+    assert accepts(compiler, ToolCalls(parser, tools, "required", parallel=False), call)
+    assert not accepts(compiler, ToolCalls(parser, tools, "required", parallel=False), call + separator + call)
     # auto: prose is free; a call, once opened, must be valid (the parsers read every accepted call back)
     assert accepts(compiler, ToolCalls(parser, tools, "auto"), "hello there")
     assert [e.name for e in _events(parser, call) if hasattr(e, "name")] == ["get_weather"]

@@ -82,6 +82,12 @@ async def test_named_and_required_tool_choice_in_chat(oai, stream):
             jsonschema.validate(json.loads(arguments), schema)
 
 
+async def test_required_without_parallel_calls_is_one_call(oai):
+    done = await oai.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                             parallel_tool_calls=False, max_tokens=96, temperature=0)
+    assert done.choices[0].finish_reason == "tool_calls" and len(done.choices[0].message.tool_calls) == 1
+
+
 async def test_messages_tool_choice_tool_yields_a_valid_tool_use(daemon):
     claude = anthropic.AsyncAnthropic(base_url=daemon.url, api_key="none", max_retries=0)
     tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]

@@ -84,6 +84,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 

@@ -92,7 +92,8 @@ async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Req
     parser = output_parser(config.tool_parser, config.reasoning_parser, tokenizer.chat_template, text, body.tools,
                            choice, tool_name, make_call_id)
     ask = request_ask(body.response_format, parser.tool_parser.name if parser.tool_parser else None, body.tools,
-                      choice, tool_name, parser.prompt_suffix)  # type: ignore[arg-type]
+                      choice, tool_name, parser.prompt_suffix,  # type: ignore[arg-type]
+                      parallel=body.parallel_tool_calls is not False)
     prompt = await tokenizer.encode_rendered(text)
     if parser.prompt_suffix:  # encoded on its own: the prompt before it keeps the tokens other turns share
         prompt += await tokenizer.encode_rendered(parser.prompt_suffix)
