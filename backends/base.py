@@ -164,12 +164,18 @@ class SamplerState:
 
     `rng` is backend-owned (an MLX key or a torch Generator) and is created
     lazily from `params.seed`, so a seeded request replays exactly.
+
+    `allowed` constrains the next pick (a grammar): a packed bitmask, numpy int32
+    [ceil(vocab / 32)], bit t of word t // 32 set when token t may be picked, at
+    least one bit set. The backend masks the row before anything else, on the
+    device; None (the common case) costs nothing.
     """
 
     params: SamplingParams
     prompt: Sequence[int] = ()
     output: list[int] = field(default_factory=list)
     rng: Any = None
+    allowed: Any = None
 
 
 class Session:
@@ -256,6 +262,8 @@ class Backend(abc.ABC):
         A call that raises changes no state (outputs, streams), so the runner can sample
         again row by row and charge the failure to the row that causes it.
 
+        A row's `allowed` mask (a grammar) forbids tokens first, on the device, and
+        rows without one pay nothing for it; logprobs stay the raw model's.
         Penalties and logit_bias shape the logits; greedy is their argmax. The
         picked token is appended to `states[i].output` (what presence and
         frequency penalties count), so the engine does not append it again.

@@ -85,8 +85,8 @@ async def test_context_length_exceeded(daemon, http):
 async def test_unsupported_parameters_and_content(daemon, http):
     url = daemon.url + CHAT
     await expect(http, "POST", url, 400, "unsupported_parameter", "n", json=chat_body(n=2))
-    await expect(http, "POST", url, 400, "unsupported_parameter", "response_format",
-                 json=chat_body(response_format={"type": "json_object"}))
+    await expect(http, "POST", url, 400, "invalid_grammar", "response_format.type",
+                 json=chat_body(response_format={"type": "yaml"}))
     image = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this"},
                                                         {"type": "image_url", "image_url": {"url": "data:,"}}]}]}
     await expect(http, "POST", url, 400, "unsupported_content", "messages[0].content[1]", json=image)

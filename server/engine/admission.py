@@ -172,7 +172,8 @@ class Admission:
             clone_from = [(match.entry.session, match.upto) for match in request.cache_matches]
         return m.Start(request.rid, request.prompt, request.req.sampling, request.max_tokens, request.stop_ids,
                        capture=request.capture_slot, keep_session=named is not None,
-                       resume=resume, resume_at=resume_at, clone_from=clone_from)
+                       resume=resume, resume_at=resume_at, clone_from=clone_from,
+                       constraint=request.req.constraint)
 
     def drain(self) -> list[Any]:
         """Every session the cache and the named sessions hold (for shutdown)."""

@@ -35,6 +35,7 @@ class Start:
     resume: Any = None
     resume_at: int = 0
     clone_from: list[tuple[Any, int]] = field(default_factory=list)
+    constraint: Any = None  # a constraints.Constraint: the grammar its tokens must follow, or None
 
 
 @dataclass

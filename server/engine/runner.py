@@ -29,6 +29,8 @@ Design rules:
     never run again, and a row whose sampling fails alone, twice, fails alone;
 - optional work (a snapshot, a clone from the prefix cache) that fails for
   any reason falls back, to the next candidate or to none, and is counted.
+- grammar-constrained rows (constraints.py) join their mask just before a sample
+  and hand the sampled token over just after it; nothing else here knows them.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from backends.base import (Backend, BatchFailed, CloneRefused, RowState, Sampled
                            Session)
 from server.engine import messages as m
 from server.engine.clone_orders import CloneOrders
+from server.engine.constraints import ConstrainedRows
 from server.engine.scheduler import Running, plan_step
 
 log = logging.getLogger("kvfork.engine")
@@ -80,6 +83,7 @@ class Runner:
         self._rotation: int | None = None
         self._stopping = False
         self._backend_s = 0.0
+        self._constrained: ConstrainedRows | None = None  # once the model is loaded (it knows the vocabulary)
         self.thread = threading.Thread(target=self._main, name="kvfork-runner", daemon=True)
 
     def send(self, command: Any) -> None:
@@ -90,7 +94,9 @@ class Runner:
 
     def _main(self) -> None:
         try:
-            self._publish(m.Loaded(self.backend.load(self.model_path, self.dtype)))
+            info = self.backend.load(self.model_path, self.dtype)
+            self._constrained = ConstrainedRows(info.vocab_size)
+            self._publish(m.Loaded(info))
         except Exception as exc:
             log.exception("model load failed")
             self._publish(m.Died(f"model load failed: {exc}"))
@@ -106,6 +112,11 @@ class Runner:
         except BaseException as exc:  # the thread is dying: say so, never leave the loop waiting
             log.exception("runner died")
             self._publish(m.Died(f"runner died: {exc!r}"))
+
+    @property
+    def _rows(self) -> ConstrainedRows:
+        assert self._constrained is not None, "no request runs before the model is loaded"
+        return self._constrained
 
     def _publish(self, *events: Any) -> None:
         self.events.extend(events)
@@ -140,6 +151,7 @@ class Runner:
                 self._orders = CloneOrders()  # nobody is left to hand anything over to
                 for slot in list(self._slots.values()):
                     self._end(slot, "cancelled")
+                self._rows.close()
                 self._stopping = True
         self._serve_orders()
         if took and not self._slots:
@@ -170,6 +182,7 @@ class Runner:
             return
         sampler = SamplerState(start.sampling, prompt=start.prompt)
         self._slots[start.rid] = _Slot(start, session, sampler)
+        self._rows.start(start.rid, start.constraint)
         self.events.append(m.Started(start.rid, reused, index, refused, clone_s))
 
     def _clone_donor(self, command: m.CloneDonor) -> None:
@@ -311,6 +324,7 @@ class Runner:
         """Sample the rows of `group`'s requests (None rows are sampled greedily and dropped).
         `retried`: this one row's sampling already failed once alone."""
         states = [s.sampler if s is not None else SamplerState(_DISCARD) for s in group]
+        states = self._rows.before_sample([s.start.rid if s is not None else None for s in group], states)
         try:
             picks = self._timed(self.backend.sample, logits, states)
         except Exception as exc:
@@ -344,6 +358,10 @@ class Runner:
         self.events.append(m.Captured(slot.start.rid, prompt, snapshot, self.backend.session_bytes(snapshot)))
 
     def _accept(self, slot: _Slot, pick: Sampled) -> None:
+        failure = self._rows.after_sample(slot.start.rid, pick.token)
+        if failure is not None:
+            self._end(slot, "error", error=failure)
+            return
         slot.generated += 1  # the backend's sampler has appended the token to `sampler.output`
         if pick.token in slot.start.stop_ids:
             self._end(slot, "stop")
@@ -364,6 +382,7 @@ class Runner:
     def _end(self, slot: _Slot, reason: str, error: str | None = None) -> None:
         self._hand_over(slot, usable=reason != "error")
         del self._slots[slot.start.rid]
+        self._rows.end(slot.start.rid)
         kept, held = None, []
         if slot.start.keep_session and reason != "error":
             kept = slot.session
