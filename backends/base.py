@@ -15,6 +15,12 @@ Sliding-window rule (every backend obeys it, `clone_refusal` states it):
   at prompt length L can serve a clone at L - 1, so an identical prompt sent
   again is served from it. A donor that has moved on further than that has
   overwritten what the clone needs, and the clone is refused.
+
+Recurrent rule (every backend obeys it, `clone_positions` states it):
+  a recurrent layer (Gated DeltaNet, Mamba, short convolution) keeps one
+  fixed-size state, that of the session's position. The state at 1,000 cannot
+  give the state at 900, so a session with such layers can be cloned at its
+  position only.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ class BatchFailed(Exception):
 
 @dataclass(frozen=True)
 class LayerAttention:
-    kind: Literal["full", "sliding"]
+    kind: Literal["full", "sliding", "recurrent"]
     window: int | None = None  # tokens, for sliding layers
 
 
@@ -73,6 +79,7 @@ class ModelInfo:
     kv_bytes_per_token: int  # full-attention layers; sliding layers cost at most window tokens
     dtype: str
     device: str
+    recurrent_bytes: int = 0  # per session, whatever its length: the state of its recurrent layers
 
 
 # Below this temperature, logits / temperature overflows to inf (vLLM and llama.cpp also
@@ -148,6 +155,14 @@ class Session:
         return f"<{type(self).__name__} {self.id} at {self.position}>"
 
 
+def clone_positions(session_position: int, info: ModelInfo) -> range:
+    """The `upto`s a session at `session_position` may be cloned at, before the sliding rule
+    (which needs the rings' held positions: `clone_refusal`). Pure, for the engine's planning."""
+    if any(layer.kind == "recurrent" for layer in info.layers):
+        return range(session_position, session_position + 1) if session_position > 0 else range(0)
+    return range(1, session_position + 1)
+
+
 def clone_refusal(session_position: int, upto: int, info: ModelInfo, held_from: Sequence[int]) -> CloneRefused | None:
     """Why `clone(upto)` cannot be served, or None when it can.
 
@@ -158,6 +173,8 @@ def clone_refusal(session_position: int, upto: int, info: ModelInfo, held_from: 
         return CloneRefused("empty", f"upto={upto}")
     if upto > session_position:
         return CloneRefused("beyond_position", f"upto={upto} > position={session_position}")
+    if upto not in clone_positions(session_position, info):
+        return CloneRefused("recurrent_position", f"upto={upto}, recurrent state held at {session_position} only")
     sliding = [layer for layer in info.layers if layer.kind == "sliding"]
     for layer, oldest in zip(sliding, held_from):
         assert layer.window is not None

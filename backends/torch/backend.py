@@ -18,15 +18,16 @@ from safetensors import safe_open
 from backends.base import (Backend, BatchFailed, LayerAttention, ModelInfo, RowState, Sampled, SamplerState, Session,
                            check_inputs, clone_refusal)
 from backends.model_path import resolve_model
-from backends.torch import kv, sampling
-from backends.torch.config import ArchConfig, read_config
+from backends.torch import checkpoints, hybrid, kv, sampling
+from backends.torch.config import ArchConfig, HybridConfig, read_config
+from backends.torch.hybrid import HybridTransformer
 from backends.torch.model import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class TorchSession(Session):
-    def __init__(self, layers: list[kv.LayerKV]):
+    def __init__(self, layers: list[kv.LayerKV | hybrid.HybridLayerState]):
         super().__init__()
         self.layers = layers
         self.ready: torch.cuda.Event | None = None  # a clone's copy this session's next use must wait for
@@ -69,12 +70,15 @@ class TorchBackend(Backend):
         path = resolve_model(folder)
         return self.install(read_config(path), read_weights(path, self.device), path.name, dtype)
 
-    def install(self, cfg: ArchConfig, weights: dict[str, torch.Tensor], name: str, dtype: str | None = None) -> ModelInfo:
+    def install(self, cfg: ArchConfig | HybridConfig, weights: dict[str, torch.Tensor], name: str, dtype: str | None = None) -> ModelInfo:
         """Take a model from weights already in memory (HF names); `load` reads them from a folder,
         tools/gpu_check.py makes random ones of realistic shapes."""
         self.dtype = DTYPES[dtype] if dtype else default_dtype(self.device)
+        if isinstance(cfg, HybridConfig):
+            weights = checkpoints.canonical(cfg, weights)
         with torch.device("meta"):
-            model = Transformer(cfg, tied="lm_head.weight" not in weights)
+            tied = "lm_head.weight" not in weights
+            model = HybridTransformer(cfg, tied) if isinstance(cfg, HybridConfig) else Transformer(cfg, tied)
         wanted = model.state_dict().keys()
         model.load_state_dict({k: weights[k].to(self.device, self.dtype) for k in wanted if k in weights}, strict=True, assign=True)
         model.place(self.device)
@@ -82,9 +86,14 @@ class TorchBackend(Backend):
         self.info = self._describe(cfg, name)
         return self.info
 
-    def _describe(self, cfg: ArchConfig, name: str) -> ModelInfo:
-        layers = tuple(LayerAttention("sliding", w) if w else LayerAttention("full") for w in cfg.sliding)
-        full_layers = sum(1 for w in cfg.sliding if not w)
+    def _describe(self, cfg: ArchConfig | HybridConfig, name: str) -> ModelInfo:
+        if isinstance(cfg, HybridConfig):
+            layers = tuple(LayerAttention("recurrent") if linear else LayerAttention("full") for linear in cfg.linear)
+            recurrent = hybrid.recurrent_bytes(cfg, self.dtype)
+        else:
+            layers = tuple(LayerAttention("sliding", w) if w else LayerAttention("full") for w in cfg.sliding)
+            recurrent = 0
+        full_layers = sum(1 for layer in layers if layer.kind == "full")
         per_token = 2 * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize * full_layers
         return ModelInfo(
             name=name,
@@ -95,13 +104,17 @@ class TorchBackend(Backend):
             kv_bytes_per_token=per_token,
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
+            recurrent_bytes=recurrent,
         )
 
     # -- sessions --------------------------------------------------------
 
     def open_session(self) -> TorchSession:
         cfg = self.cfg
-        session = TorchSession(kv.new_layers(cfg.sliding, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device))
+        if isinstance(cfg, HybridConfig):
+            session = TorchSession(hybrid.new_states(cfg, self.dtype, self.device))
+        else:
+            session = TorchSession(kv.new_layers(cfg.sliding, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device))
         self._sessions[session.id] = session
         return session
 
