@@ -42,7 +42,11 @@ _TEXT = dict(
     linear_key_head_dim=16,
     linear_value_head_dim=16,
     linear_conv_kernel_dim=4,
-    tie_word_embeddings=True,
+    # Untied: the head's rows of norm ~1 give logits about one unit wide. Random q and k read
+    # random values out of the delta rule's state, so a DeltaNet layer's output carries
+    # several times the relative float32 noise of a trained one; a tied head (rows of norm
+    # ~8) would lift it over the parity tolerance (atol 1e-5).
+    tie_word_embeddings=False,
     attention_bias=False,
 )
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
@@ -64,7 +68,7 @@ def hybrid_config(arch: str, eos: int) -> dict:
         "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
         "text_config": text,
         "vision_config": dict(_VISION),
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": False,
         "eos_token_id": eos,
         "torch_dtype": "float32",
     }
@@ -78,7 +82,7 @@ def _canonical_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
     from backends.torch.hybrid import HybridTransformer
 
     with torch.device("meta"):
-        model = HybridTransformer(parse_config(config), tied=True)
+        model = HybridTransformer(parse_config(config), tied=False)
     rng = np.random.default_rng(seed)
     out = {}
     for name, p in model.state_dict().items():
@@ -87,8 +91,10 @@ def _canonical_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
             w = 1.0 + rng.normal(0.0, 0.1, shape)
         elif name.endswith("norm.weight"):  # zero-centred: x * (1 + w)
             w = rng.normal(0.0, 0.1, shape)
-        elif name.endswith("A_log"):
-            w = np.log(rng.uniform(1.0, 16.0, shape))
+        elif name.endswith("A_log"):  # slow decays: the state remembers tens of tokens, across
+            # chunks of the rule (fast ones leave little but the last token's write, whose random
+            # readout is sometimes near zero, and the gated norm then lifts float32 noise ~100x)
+            w = np.log(rng.uniform(0.02, 0.5, shape))
         elif name.endswith("dt_bias"):
             w = rng.uniform(-1.0, 1.0, shape)
         elif name.endswith("embed_tokens.weight"):

@@ -94,28 +94,32 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     q, k, v = (x.reshape(b, n, chunk, h, -1).permute(0, 3, 1, 2, 4) for x in (q, k, v))
     g, beta = (x.reshape(b, n, chunk, h).permute(0, 3, 1, 2) for x in (g, beta))
 
-    log_gamma = g.cumsum(-1)  # [B, H, N, C]
+    # Decays accumulate in float64: Gamma_i / Gamma_j is a difference of two long sums of
+    # log decays, and in float32 it would lose the digits the recurrent form keeps.
+    log_gamma = g.double().cumsum(-1)  # [B, H, N, C]
     i = torch.arange(chunk, device=q.device)
     past = i[:, None] > i[None, :]  # j < i
     seen = i[:, None] >= i[None, :]  # j <= i
     log_ratio = log_gamma[..., :, None] - log_gamma[..., None, :]
-    decay_past = log_ratio.masked_fill(~past, float("-inf")).exp()
-    decay_seen = log_ratio.masked_fill(~seen, float("-inf")).exp()
+    decay_past = log_ratio.masked_fill(~past, float("-inf")).exp().to(q.dtype)
+    decay_seen = log_ratio.masked_fill(~seen, float("-inf")).exp().to(q.dtype)
+    gamma = log_gamma.exp().to(q.dtype)[..., None]
+    to_end = (log_gamma[..., -1:] - log_gamma).exp().to(q.dtype)[..., None]
 
     lower = beta[..., None] * (k @ k.transpose(-1, -2)) * decay_past
     system = torch.eye(chunk, device=q.device, dtype=q.dtype) + lower
     solve = functools.partial(torch.linalg.solve_triangular, system, upper=False, unitriangular=True)
     values = solve(beta[..., None] * v)  # the W of a zero S_0
-    keys = solve(beta[..., None] * log_gamma.exp()[..., None] * k)  # how S_0 enters W: W = values - keys S_0
+    keys = solve(beta[..., None] * gamma * k)  # how S_0 enters W: W = values - keys S_0
     scores = (q @ k.transpose(-1, -2)) * decay_seen
-    q_decayed = q * log_gamma.exp()[..., None]
-    k_to_end = k * (log_gamma[..., -1:] - log_gamma).exp()[..., None]
+    q_decayed, k_to_end = q * gamma, k * to_end
+    chunk_decay = gamma[..., -1, :, None]  # Gamma_C: [B, H, N, 1, 1]
 
     outs = []
     for c in range(n):  # only the hand-over of S between chunks is sequential
         written = values[:, :, c] - keys[:, :, c] @ state
         outs.append(q_decayed[:, :, c] @ state + scores[:, :, c] @ written)
-        state = state * log_gamma[:, :, c, -1, None, None].exp() + k_to_end[:, :, c].transpose(-1, -2) @ written
+        state = state * chunk_decay[:, :, c] + k_to_end[:, :, c].transpose(-1, -2) @ written
     out = torch.stack(outs, dim=2).permute(0, 2, 3, 1, 4).reshape(b, n * chunk, h, -1)
     return out[:, :t], state
 
