@@ -1,4 +1,4 @@
-"""Tiny random hybrid models (Qwen3.5 dense and MoE, Qwen3-Next, LFM2), written at test time
+"""Tiny random hybrid models (Qwen3.5 dense and MoE, Qwen3-Next, LFM2, Nemotron-H), written at test time
 in the layouts checkpoints ship in:
 
 - "hf": as the hub ships them. Qwen3.5's text config nested under `text_config`
@@ -194,8 +194,45 @@ LFM2 = dict(
 )
 
 
+NEMOTRON_H = dict(
+    model_type="nemotron_h",
+    architectures=["NemotronHForCausalLM"],
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    max_position_embeddings=4096,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    attention_bias=False,
+    mamba_num_heads=4,
+    mamba_head_dim=16,
+    mamba_proj_bias=False,
+    ssm_state_size=16,
+    conv_kernel=4,
+    n_groups=2,
+    mlp_bias=False,
+    layer_norm_epsilon=1e-5,
+    use_bias=False,
+    use_conv_bias=True,
+    hybrid_override_pattern=["M", "-", "M", "*", "-", "M"],  # Mamba-2, MLP-only and attention blocks
+    time_step_limit=[0.0, float("inf")],
+    tie_word_embeddings=False,
+)
+
+
 def write_lfm2_model(folder: Path, seed: int = 0) -> Path:
-    """A tiny LFM2 (short convolutions beside attention): MLX only, shapes from mlx-lm's own class."""
+    """A tiny LFM2 (short convolutions beside attention): MLX only."""
+    return write_mlx_only_model(folder, LFM2, seed)
+
+
+def write_nemotron_h_model(folder: Path, seed: int = 0) -> Path:
+    """A tiny Nemotron-H (Mamba-2 beside attention and MLP-only blocks): MLX only."""
+    return write_mlx_only_model(folder, NEMOTRON_H, seed)
+
+
+def write_mlx_only_model(folder: Path, config: dict, seed: int = 0) -> Path:
+    """A tiny model of a family only MLX serves, in mlx layout: shapes from mlx-lm's own class."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
@@ -203,7 +240,7 @@ def write_lfm2_model(folder: Path, seed: int = 0) -> Path:
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    config = dict(LFM2, eos_token_id=write_tokenizer(folder, LFM2["vocab_size"], LFM2["max_position_embeddings"]))
+    config = dict(config, eos_token_id=write_tokenizer(folder, config["vocab_size"], config["max_position_embeddings"]))
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     model_cls, args_cls = _get_classes(config)
     model = model_cls(args_cls.from_dict(config))
@@ -213,8 +250,10 @@ def write_lfm2_model(folder: Path, seed: int = 0) -> Path:
         shape = tuple(p.shape)
         if name.endswith("norm.weight"):
             w = 1.0 + rng.normal(0.0, 0.1, shape)
-        elif name.endswith("embed_tokens.weight"):
+        elif name.endswith("embed_tokens.weight") or name.endswith("embeddings.weight"):
             w = rng.normal(0.0, 1.0, shape)
+        elif name.endswith("A_log"):  # slow decays, as the delta rule's above
+            w = np.log(rng.uniform(0.02, 0.5, shape))
         else:
             w = rng.normal(0.0, 1.0, shape) / np.sqrt(shape[-1])
         weights[name] = w.astype(np.float32)

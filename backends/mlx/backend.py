@@ -16,7 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from backends.base import (Backend, BatchFailed, CloneRefused, ModelInfo, RowState, Sampled, SamplerState, Session,
                            check_inputs, clone_refusal)
-from backends.mlx import kvcopy, sampling
+from backends.mlx import kvcopy, recurrent, sampling
 from backends.mlx.batch import DecodeBatch, cache_marks, unmoved
 from backends.mlx.last_token import last_logits, supports_last_position
 from backends.mlx.loading import load_model
@@ -118,14 +118,18 @@ class MLXBackend(Backend):
             raise refusal
         caches, held_from = [], []
         sliding = iter(zip(self._windows, session.held_from))
-        for layer, view in zip(self.info.layers, self._views(session)):
-            if layer.kind == "full":
-                caches.append(kvcopy.clone_full(view, upto))
-            else:
-                window, held = next(sliding)
-                cache, start = kvcopy.clone_sliding(view, held, upto, window)
-                caches.append(cache)
-                held_from.append(start)
+        row = self._batch.row(session) if self._batch.has(session) else None
+        for layer, cache in zip(self.info.layers, session.caches if row is None else self._batch.caches):
+            match layer.kind:
+                case "recurrent":  # held at the session's position, which clone_refusal checked upto is
+                    caches.append(recurrent.copy_state(cache, row))
+                case "full":
+                    caches.append(kvcopy.clone_full(self._view(cache, row, session.position), upto))
+                case "sliding":
+                    window, held = next(sliding)
+                    copy, start = kvcopy.clone_sliding(self._view(cache, row, session.position), held, upto, window)
+                    caches.append(copy)
+                    held_from.append(start)
         mx.eval([kvcopy.arrays(c) for c in caches])
         clone = MLXSession(caches, held_from)
         clone.position = upto
@@ -155,14 +159,12 @@ class MLXBackend(Backend):
         self._sessions[session.id] = session
         return session
 
-    def _views(self, session: MLXSession) -> list[kvcopy.LayerView]:
-        if not self._batch.has(session):
-            return [kvcopy.view(c) for c in session.caches]
-        row = self._batch.row(session)
+    @staticmethod
+    def _view(cache: Any, row: int | None, position: int) -> kvcopy.LayerView:
+        if row is None:
+            return kvcopy.view(cache)
         # A full layer's row is right-aligned at the batch's write index.
-        return [
-            kvcopy.view(c, row, session.position, getattr(c, "_idx", 0) - session.position) for c in self._batch.caches
-        ]
+        return kvcopy.view(cache, row, position, getattr(cache, "_idx", 0) - position)
 
     def _advance(self, session: MLXSession, n: int) -> None:
         session.position += n

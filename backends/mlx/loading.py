@@ -13,10 +13,11 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import load
 
 from backends.base import LayerAttention, ModelInfo
+from backends.mlx.recurrent import state_bytes
 from backends.model_path import resolve_model
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -46,21 +47,26 @@ def load_model(folder: str, dtype: str | None) -> tuple[nn.Module, Any, ModelInf
         kv_bytes_per_token=kv_bytes_per_token,
         dtype=dtype,
         device="metal" if mx.default_device() == mx.gpu else "cpu",
+        recurrent_bytes=state_bytes(model),
     )
     return model, tokenizer, info
 
 
-
 def layer_kinds(model: nn.Module) -> tuple[LayerAttention, ...]:
-    # Design rule: only plain and rotating KV caches can be cloned at any
-    # position; recurrent or chunked state cannot, so such models are refused
-    # here with a clear message instead of failing on the first clone.
+    """One kind per entry of the model's cache list (a hybrid's MLP-only layers keep none).
+
+    Design rule: kvfork clones plain and rotating KV caches, and recurrent state
+    (`ArraysCache`: conv + SSM / delta-rule state) by base.py's recurrent rule;
+    other state (chunked attention, nested cache lists) is refused here with a
+    clear message instead of failing on the first clone."""
     kinds = []
     for i, cache in enumerate(make_prompt_cache(model)):
         if type(cache) is KVCache:
             kinds.append(LayerAttention("full"))
         elif type(cache) is RotatingKVCache and cache.keep == 0:
             kinds.append(LayerAttention("sliding", cache.max_size))
+        elif type(cache) is ArraysCache:
+            kinds.append(LayerAttention("recurrent"))
         else:
             raise ValueError(f"layer {i} keeps {type(cache).__name__} state, which kvfork cannot clone")
     return tuple(kinds)
