@@ -20,7 +20,9 @@ Recurrent rule (every backend obeys it, `clone_positions` states it):
   a recurrent layer (Gated DeltaNet, Mamba, short convolution) keeps one
   fixed-size state, that of the session's position. The state at 1,000 cannot
   give the state at 900, so a session with such layers can be cloned at its
-  position only.
+  position, or at a checkpoint: a position where `keep_at` asked the backend to
+  keep a copy of the recurrent state (`Session.kept`), each costing
+  `ModelInfo.recurrent_bytes`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from __future__ import annotations
 import abc
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Container, Literal, Sequence
+from typing import Any, Collection, Container, Literal, Sequence
 
 
 class CloneRefused(Exception):
@@ -150,20 +152,23 @@ class Session:
         Session._next_id += 1
         self.id = Session._next_id
         self.position = 0
+        self.kept: tuple[int, ...] = ()  # checkpoints of its recurrent state, ascending (Backend.keep_at)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.id} at {self.position}>"
 
 
-def clone_positions(session_position: int, info: ModelInfo) -> range:
-    """The `upto`s a session at `session_position` may be cloned at, before the sliding rule
-    (which needs the rings' held positions: `clone_refusal`). Pure, for the engine's planning."""
+def clone_positions(session_position: int, info: ModelInfo, kept: Collection[int] = ()) -> Collection[int]:
+    """The `upto`s a session at `session_position`, with checkpoints at `kept`, may be cloned at,
+    before the sliding rule (which needs the rings' held positions: `clone_refusal`). Pure, for
+    the engine's planning."""
     if any(layer.kind == "recurrent" for layer in info.layers):
-        return range(session_position, session_position + 1) if session_position > 0 else range(0)
+        return tuple(sorted({p for p in (*kept, session_position) if 0 < p <= session_position}))
     return range(1, session_position + 1)
 
 
-def clone_refusal(session_position: int, upto: int, info: ModelInfo, held_from: Sequence[int]) -> CloneRefused | None:
+def clone_refusal(session_position: int, upto: int, info: ModelInfo, held_from: Sequence[int],
+                  kept: Collection[int] = ()) -> CloneRefused | None:
     """Why `clone(upto)` cannot be served, or None when it can.
 
     `held_from[i]` is the oldest position sliding layer i (in layer order, among
@@ -173,8 +178,9 @@ def clone_refusal(session_position: int, upto: int, info: ModelInfo, held_from: 
         return CloneRefused("empty", f"upto={upto}")
     if upto > session_position:
         return CloneRefused("beyond_position", f"upto={upto} > position={session_position}")
-    if upto not in clone_positions(session_position, info):
-        return CloneRefused("recurrent_position", f"upto={upto}, recurrent state held at {session_position} only")
+    if upto not in clone_positions(session_position, info, kept):
+        held = clone_positions(session_position, info, kept)
+        return CloneRefused("recurrent_position", f"upto={upto}, recurrent state held at {list(held)} only")
     sliding = [layer for layer in info.layers if layer.kind == "sliding"]
     for layer, oldest in zip(sliding, held_from):
         assert layer.window is not None
@@ -247,6 +253,14 @@ class Backend(abc.ABC):
         The donor may keep running; neither session sees the other's later writes.
         Raises CloneRefused (see `clone_refusal`) and then changes nothing.
         """
+
+    def keep_at(self, session: Session, positions: Collection[int]) -> None:
+        """Keep the recurrent state at each of `positions` the session reaches from now on (and at
+        its position now, if listed), so that a clone there is served (the recurrent rule); drop
+        the checkpoints not listed. `session.kept` says which are held; each costs
+        `info.recurrent_bytes`, counted in `session_bytes`. A model without recurrent layers keeps
+        nothing (it clones anywhere)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no recurrent checkpoints")
 
     @abc.abstractmethod
     def session_bytes(self, session: Session) -> int:

@@ -224,3 +224,52 @@ def test_a_model_with_state_kvfork_cannot_clone_is_refused_at_load(tmp_path):
     folder = write_mlx_only_model(tmp_path / "falcon", config)
     with pytest.raises(ValueError, match="cannot clone"):
         create_backend("mlx").load(str(folder))
+
+
+def test_checkpoints_serve_exact_clones_behind_the_position(hybrid):
+    """keep_at: states kept inside one prefill chunk (split there) and at a decode step serve exact
+    clones after the session moved on; other positions stay refused; each costs recurrent_bytes."""
+    b = hybrid
+    tokens = prompt(30, seed=9)
+    s = b.open_session()
+    b.keep_at(s, [10, 20, 33])
+    assert s.kept == ()
+    logits = b.prefill([s], [tokens])  # one chunk: the checkpoints at 10 and 20 fall inside it
+    assert s.kept == (10, 20)
+    other, _ = fresh(b, prompt(5, seed=10))
+    fed = []
+    for _ in range(3):  # in the decode batch; the state at 33 is kept there
+        fed.append(greedy(b, logits)[0])
+        logits = b.decode([s, other], [fed[-1], 4])[:1]
+    assert s.kept == (10, 20, 33)
+    assert b.session_bytes(s) >= 3 * b.info.recurrent_bytes + 33 * b.info.kv_bytes_per_token
+    for upto, history in ((10, tokens[:10]), (20, tokens[:20]), (33, tokens + fed)):
+        clone = b.clone(s, upto)
+        tail = prompt(4, seed=upto)
+        reference, want = fresh(b, history + tail)
+        got = b.prefill([clone], [tail])
+        close(logits_np(b, got), logits_np(b, want))
+        assert continue_greedy(b, clone, got, 3)[0] == continue_greedy(b, reference, want, 3)[0]
+        release_all(b, clone, reference)
+    for upto in (9, 15, 32):
+        with pytest.raises(CloneRefused, match="recurrent_position"):
+            b.clone(s, upto)
+    before = b.session_bytes(s)
+    b.keep_at(s, [20])  # the others are released
+    assert s.kept == (20,) and b.session_bytes(s) == before - 2 * b.info.recurrent_bytes
+    with pytest.raises(CloneRefused):
+        b.clone(s, 10)
+    b.keep_at(s, [s.position])  # kept at once: the session is there now
+    assert s.kept == (s.position,)
+    release_all(b, s, other)
+    assert b.total_bytes() == 0
+
+
+def test_keep_at_on_a_model_without_recurrent_layers_keeps_nothing(tiny_model_dir):
+    b = create_backend("mlx")
+    b.load(tiny_model_dir("llama"), "float32")
+    s, _ = fresh(b, prompt(12))
+    bytes_before = b.session_bytes(s)
+    b.keep_at(s, [5, 12])
+    assert s.kept == () and b.session_bytes(s) == bytes_before
+    b.release(s)

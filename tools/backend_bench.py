@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
         "dtype": b.info.dtype,
         "device": b.info.device,
         "load_s": round(load_s, 2),
+        "kv_bytes_per_token": b.info.kv_bytes_per_token,  # full-attention layers
+        "recurrent_bytes": b.info.recurrent_bytes,  # per session, whatever its length (hybrids)
     }
     for n in map(int, args.prefill.split(",")):
         report[f"prefill_{n}_tok_s"] = round(bench_prefill(b, n, args.repeat), 1)
