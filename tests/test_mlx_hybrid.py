@@ -1,4 +1,4 @@
-"""MLX on hybrid models (Qwen3.5 dense and MoE, Qwen3-Next, LFM2, Nemotron-H): recurrent layers
+"""MLX on hybrid models (Qwen3.5 dense and MoE, Qwen3-Next, LFM2, Nemotron-H, Granite 4 hybrid): recurrent layers
 (`ArraysCache`) beside KV layers load in both checkpoint layouts, prefill and decode as mlx-lm's own
 model call does, decode in the persistent batch exactly as alone, and clone by base.py's recurrent
 rule: exactly at the session's position, refused elsewhere with nothing changed (float32)."""
@@ -12,12 +12,15 @@ mx = pytest.importorskip("mlx.core", exc_type=ImportError)
 pytest.importorskip("mlx_lm", exc_type=ImportError)
 from backend_fixtures import ATOL, RTOL, continue_greedy, fresh, greedy, logits_np, prompt, release_all  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-from tiny_hybrid_models import HYBRID_ARCHS, LAYOUTS, write_lfm2_model, write_nemotron_h_model  # noqa: E402
+from tiny_hybrid_models import (HYBRID_ARCHS, LAYOUTS, write_granite_hybrid_model, write_lfm2_model,  # noqa: E402
+                                write_nemotron_h_model)
 
 from backends import create_backend  # noqa: E402
+from backends.mlx.last_token import supports_last_position  # noqa: E402
 from backends.base import BatchFailed, CloneRefused, RowState  # noqa: E402
 
-MLX_ONLY = {"lfm2": write_lfm2_model, "nemotron_h": write_nemotron_h_model}
+MLX_ONLY = {"lfm2": write_lfm2_model, "nemotron_h": write_nemotron_h_model,
+            "granitemoehybrid": write_granite_hybrid_model}
 ARCHS = (*HYBRID_ARCHS, *MLX_ONLY)
 _loaded: dict[tuple[str, str], object] = {}
 
@@ -65,6 +68,7 @@ def test_loads_in_each_layout_and_runs_as_mlx_lm_does(arch, layout, folder_of):
     kinds = [layer.kind for layer in info.layers]
     assert set(kinds) == {"recurrent", "full"} and len(kinds) == len(make_prompt_cache(reference))
     assert info.recurrent_bytes > 0 and info.kv_bytes_per_token > 0
+    assert supports_last_position(reference) == (arch != "nemotron_h")  # its inner model is a `backbone`
     tokens, forced = prompt(40, seed=1), prompt(5, seed=2)
     cache = make_prompt_cache(reference)
     want = np.array(reference(mx.array([tokens]), cache=cache)[0, -1])

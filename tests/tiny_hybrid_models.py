@@ -1,4 +1,4 @@
-"""Tiny random hybrid models (Qwen3.5 dense and MoE, Qwen3-Next, LFM2, Nemotron-H), written at test time
+"""Tiny random hybrid models (Qwen3.5 dense and MoE, Qwen3-Next, LFM2, Nemotron-H, Granite hybrid), written at test time
 in the layouts checkpoints ship in:
 
 - "hf": as the hub ships them. Qwen3.5's text config nested under `text_config`
@@ -219,6 +219,40 @@ NEMOTRON_H = dict(
     time_step_limit=[0.0, float("inf")],
     tie_word_embeddings=False,
 )
+
+
+GRANITE_HYBRID = dict(
+    model_type="granitemoehybrid",
+    architectures=["GraniteMoeHybridForCausalLM"],
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    shared_intermediate_size=128,
+    num_hidden_layers=4,
+    max_position_embeddings=4096,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    attention_bias=False,
+    embedding_multiplier=1.0,
+    attention_multiplier=0.25,
+    logits_scaling=1.0,
+    residual_multiplier=1.0,
+    layer_types=["mamba", "mamba", "attention", "mamba"],
+    rms_norm_eps=1e-5,
+    mamba_n_heads=8,  # transformers checks heads x head dim = 2 x hidden
+    mamba_d_head=16,
+    mamba_proj_bias=False,
+    mamba_d_state=16,
+    mamba_d_conv=4,
+    mamba_n_groups=1,
+    mamba_conv_bias=True,
+    tie_word_embeddings=False,
+)
+
+
+def write_granite_hybrid_model(folder: Path, seed: int = 0) -> Path:
+    """A tiny Granite 4 hybrid, dense (Mamba-2 beside attention): MLX only."""
+    return write_mlx_only_model(folder, GRANITE_HYBRID, seed)
 
 
 def write_lfm2_model(folder: Path, seed: int = 0) -> Path:
