@@ -131,10 +131,10 @@ class MLXBackend(Backend):
         row = self._batch.row(session) if self._batch.has(session) else None
         live = session.caches if row is None else self._batch.caches
         # The recurrent rule: the state at `upto` is the live one or a checkpoint's (clone_refusal).
-        if upto == session.position:
-            states = iter(self._states(live, row))
-        else:
+        if upto != session.position and upto in session.checkpoints:
             states = iter([recurrent.copy_state(c) for c in session.checkpoints[upto]])
+        else:  # (a model without recurrent layers has none)
+            states = iter(self._states(live, row))
         for layer, cache in zip(self.info.layers, live):
             match layer.kind:
                 case "recurrent":
