@@ -277,3 +277,23 @@ def test_keep_at_on_a_model_without_recurrent_layers_keeps_nothing(tiny_model_di
     b.keep_at(s, [5, 12])
     assert s.kept == () and b.session_bytes(s) == bytes_before
     b.release(s)
+
+
+@pytest.mark.parametrize("arch", ["lfm2"])  # its layers list is the one it runs
+def test_a_prefill_that_fails_keeps_no_checkpoint(arch, folder_of):
+    """A chunk split at a checkpoint that fails in its second piece has moved the state: corrupt,
+    and the state taken at the split is not kept. One failing before any layer ran is untouched."""
+    from test_backend_faults import failing_layer
+
+    b = create_backend("mlx")
+    b.load(folder_of(arch), "float32")
+    tokens = prompt(20, seed=11)
+    s = b.open_session()
+    b.keep_at(s, [8])
+    with failing_layer(b, "mlx", 0, on_call=1), pytest.raises(BatchFailed) as failed:
+        b.prefill([s], [tokens])
+    assert failed.value.rows == [RowState.UNTOUCHED] and (s.position, s.kept) == (0, ())
+    with failing_layer(b, "mlx", 0, on_call=2), pytest.raises(BatchFailed) as failed:
+        b.prefill([s], [tokens])
+    assert failed.value.rows == [RowState.CORRUPT] and (s.position, s.kept) == (0, ())
+    b.release(s)
