@@ -87,14 +87,19 @@ class MLXBackend(Backend):
             raise refusal
         caches, held_from = [], []
         sliding = iter(zip(self._windows, session.held_from))
-        for layer, view in zip(self.info.layers, self._views(session)):
-            if layer.kind == "full":
-                caches.append(kvcopy.clone_full(view, upto))
-            else:
-                window, held = next(sliding)
-                cache, start = kvcopy.clone_sliding(view, held, upto, window)
-                caches.append(cache)
-                held_from.append(start)
+        row = self._batch.row(session) if self._batch.has(session) else None
+        for i, layer in enumerate(self.info.layers):
+            match layer.kind:
+                case "full":
+                    caches.append(kvcopy.clone_full(self._view(session, i), upto))
+                case "sliding":
+                    window, held = next(sliding)
+                    cache, start = kvcopy.clone_sliding(self._view(session, i), held, upto, window)
+                    caches.append(cache)
+                    held_from.append(start)
+                case "recurrent":
+                    source = session.caches[i] if row is None else self._batch.caches[i]
+                    caches.append(kvcopy.recurrent(source, row))
         mx.eval([kvcopy.arrays(c) for c in caches])
         clone = MLXSession(caches, held_from)
         clone.position = upto
@@ -119,14 +124,13 @@ class MLXBackend(Backend):
         self._sessions[session.id] = session
         return session
 
-    def _views(self, session: MLXSession) -> list[kvcopy.LayerView]:
+    def _view(self, session: MLXSession, layer: int) -> kvcopy.LayerView:
+        """The KV a full or sliding layer of the session holds, standalone or as a batch row."""
         if not self._batch.has(session):
-            return [kvcopy.view(c) for c in session.caches]
-        row = self._batch.row(session)
+            return kvcopy.view(session.caches[layer])
+        cache = self._batch.caches[layer]
         # A full layer's row is right-aligned at the batch's write index.
-        return [
-            kvcopy.view(c, row, session.position, getattr(c, "_idx", 0) - session.position) for c in self._batch.caches
-        ]
+        return kvcopy.view(cache, self._batch.row(session), session.position, getattr(cache, "_idx", 0) - session.position)
 
     def _advance(self, session: MLXSession, n: int) -> None:
         session.position += n

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
 STEP = KVCache.step
 
@@ -89,5 +89,17 @@ def clone_sliding(v: LayerView, held_from: int, upto: int, window: int) -> tuple
     return cache, start
 
 
+def recurrent(cache: ArraysCache, row: int | None = None) -> ArraysCache:
+    """A copy of a recurrent layer's state (conv and delta-rule/SSM arrays), of a standalone
+    cache or of one batch row. The state is that of the session's position: a recurrent
+    layer is only ever copied whole (base.clone_positions)."""
+    held = cache if row is None else cache.extract(row)
+    copy = ArraysCache(len(held.cache))
+    copy.cache = [None if a is None else a * 1 for a in held.cache]  # new arrays, never the donor's
+    return copy
+
+
 def arrays(cache) -> list[mx.array]:
+    if isinstance(cache, ArraysCache):
+        return [a for a in cache.cache if a is not None]
     return [a for a in (cache.keys, cache.values) if a is not None]

@@ -13,7 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import load
 
 from backends.base import LayerAttention, ModelInfo
@@ -36,7 +36,7 @@ def load_model(folder: str, dtype: str | None) -> tuple[nn.Module, Any, ModelInf
     # Quantized weights stay packed: set_dtype casts floating parameters only.
     model.set_dtype(DTYPES[dtype])
     layers = layer_kinds(model)
-    vocab_size, kv_bytes_per_token = _probe(model)
+    vocab_size, kv_bytes_per_token, recurrent_bytes = _probe(model)
     info = ModelInfo(
         name=Path(folder).name or str(folder),
         vocab_size=vocab_size,
@@ -46,33 +46,40 @@ def load_model(folder: str, dtype: str | None) -> tuple[nn.Module, Any, ModelInf
         kv_bytes_per_token=kv_bytes_per_token,
         dtype=dtype,
         device="metal" if mx.default_device() == mx.gpu else "cpu",
+        recurrent_bytes=recurrent_bytes,
     )
     return model, tokenizer, info
 
 
 
 def layer_kinds(model: nn.Module) -> tuple[LayerAttention, ...]:
-    # Design rule: only plain and rotating KV caches can be cloned at any
-    # position; recurrent or chunked state cannot, so such models are refused
-    # here with a clear message instead of failing on the first clone.
+    # Design rule: plain and rotating KV caches can be cloned at any position they
+    # hold, recurrent state (ArraysCache: Gated DeltaNet, Mamba, short convolutions)
+    # at the session's position only (base.clone_positions); other state (chunked,
+    # lists of caches) cannot, so such models are refused here with a clear message
+    # instead of failing on the first clone.
     kinds = []
     for i, cache in enumerate(make_prompt_cache(model)):
         if type(cache) is KVCache:
             kinds.append(LayerAttention("full"))
         elif type(cache) is RotatingKVCache and cache.keep == 0:
             kinds.append(LayerAttention("sliding", cache.max_size))
+        elif type(cache) is ArraysCache:
+            kinds.append(LayerAttention("recurrent"))
         else:
             raise ValueError(f"layer {i} keeps {type(cache).__name__} state, which kvfork cannot clone")
     return tuple(kinds)
 
 
-def _probe(model: nn.Module) -> tuple[int, int]:
-    """(vocab size, KV bytes per token of the full layers), from one token run."""
+def _probe(model: nn.Module) -> tuple[int, int, int]:
+    """(vocab size, KV bytes per token of the full layers, bytes of the recurrent layers'
+    fixed-size state), from one token run."""
     cache = make_prompt_cache(model)
     logits = model(mx.array([[0]]), cache=cache)
     mx.eval(logits)
     full = [c for c in cache if type(c) is KVCache]
-    return int(logits.shape[-1]), sum(c.keys[..., :1, :].nbytes + c.values[..., :1, :].nbytes for c in full)
+    recurrent = sum(c.nbytes for c in cache if type(c) is ArraysCache)
+    return int(logits.shape[-1]), sum(c.keys[..., :1, :].nbytes + c.values[..., :1, :].nbytes for c in full), recurrent
 
 
 def _context_length(config: dict, path: Path) -> int:
