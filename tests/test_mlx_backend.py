@@ -40,10 +40,17 @@ def test_quantized_model_loads_clones_and_generates(quantized_dir):
     assert b.live_sessions() == 0 and b.total_bytes() == 0
 
 
-def test_unclonable_state_is_refused_at_load(tmp_path, tiny_model_dir):
-    """A model whose layers keep recurrent state cannot serve clones at any position."""
+def test_recurrent_state_loads_and_other_unclonable_state_is_refused(tmp_path, tiny_model_dir):
+    """A Mamba model's layers keep recurrent state (ArraysCache): it loads, every layer
+    "recurrent" (cloned at the session's position only). State kvfork cannot clone at
+    all (a chunked-attention cache) is refused at load."""
     import json
     import shutil
+
+    import mlx.nn as nn
+    from mlx_lm.models.cache import ChunkedKVCache
+
+    from backends.mlx.loading import layer_kinds
 
     folder = tmp_path / "mamba"
     shutil.copytree(tiny_model_dir("llama"), folder)
@@ -58,8 +65,15 @@ def test_unclonable_state_is_refused_at_load(tmp_path, tiny_model_dir):
     model_cls, args_cls = _get_classes(config)
     weights = {k: np.asarray(v) for k, v in tree_flatten(model_cls(args_cls.from_dict(config)).parameters())}
     save_file(weights, str(folder / "model.safetensors"))
+    info = create_backend("mlx").load(str(folder))
+    assert {layer.kind for layer in info.layers} == {"recurrent"} and info.recurrent_bytes > 0
+
+    class Chunked(nn.Module):
+        def make_cache(self):
+            return [ChunkedKVCache(16)]
+
     with pytest.raises(ValueError, match="cannot clone"):
-        create_backend("mlx").load(str(folder))
+        layer_kinds(Chunked())
 
 
 def test_dtype_choice_and_missing_folder(tiny_model_dir):
