@@ -58,7 +58,8 @@ def main() -> None:
     backend = TorchBackend(str(device))
     weights_dtype = DTYPES[args.dtype] if args.dtype else default_dtype(device)
     config = dict(SHAPE, model_type="qwen3_5")
-    backend.install(parse_config(config), random_weights(SHAPE, device, weights_dtype), "qwen3.5-0.8b-shape", args.dtype)
+    weights = random_weights(SHAPE, device, weights_dtype)
+    backend.install(parse_config(config), weights, "qwen3.5-0.8b-shape", args.dtype)
     params = sum(p.numel() for p in backend.model.parameters())
     info = backend.info
     prompt = torch.randint(0, SHAPE["vocab_size"], (args.prompt,)).tolist()
@@ -92,7 +93,8 @@ def main() -> None:
         f"{params / 1e9:.2f}B params {info.dtype} on {info.device}, threads {torch.get_num_threads()} | "
         f"prefill {args.prompt} tok: chunked {args.prompt / chunked_s:,.0f} tok/s, "
         f"recurrent {args.prompt / recurrent_s:,.0f} tok/s ({recurrent_s / chunked_s:.1f}x slower) | "
-        f"decode at {args.prompt}: 1 session {args.steps / one_s:,.1f} tok/s, 4 sessions {4 * args.steps / four_s:,.1f} tok/s | "
+        f"decode at {args.prompt}: 1 session {args.steps / one_s:,.1f} tok/s, "
+        f"4 sessions {4 * args.steps / four_s:,.1f} tok/s | "
         f"KV {info.kv_bytes_per_token:,} B/token (6 full layers), recurrent state {info.recurrent_bytes:,} B/session "
         f"(= {info.recurrent_bytes / info.kv_bytes_per_token:,.0f} tokens of KV) | "
         f"clone at {args.prompt}: {clone_s * 1e3:.2f} ms = {clone_s / chunked_s:.4f}x the prefill time",

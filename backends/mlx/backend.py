@@ -130,7 +130,8 @@ class MLXBackend(Backend):
             return kvcopy.view(session.caches[layer])
         cache = self._batch.caches[layer]
         # A full layer's row is right-aligned at the batch's write index.
-        return kvcopy.view(cache, self._batch.row(session), session.position, getattr(cache, "_idx", 0) - session.position)
+        padding = getattr(cache, "_idx", 0) - session.position
+        return kvcopy.view(cache, self._batch.row(session), session.position, padding)
 
     def _advance(self, session: MLXSession, n: int) -> None:
         session.position += n

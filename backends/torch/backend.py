@@ -70,7 +70,8 @@ class TorchBackend(Backend):
         path = resolve_model(folder)
         return self.install(read_config(path), read_weights(path, self.device), path.name, dtype)
 
-    def install(self, cfg: ArchConfig | HybridConfig, weights: dict[str, torch.Tensor], name: str, dtype: str | None = None) -> ModelInfo:
+    def install(self, cfg: ArchConfig | HybridConfig, weights: dict[str, torch.Tensor], name: str,
+                dtype: str | None = None) -> ModelInfo:
         """Take a model from weights already in memory (HF names); `load` reads them from a folder,
         tools/gpu_check.py makes random ones of realistic shapes."""
         self.dtype = DTYPES[dtype] if dtype else default_dtype(self.device)
