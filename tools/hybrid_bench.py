@@ -2,7 +2,8 @@
 
     python -m tools.hybrid_bench [--prompt 512] [--steps 16] [--device cpu] [--dtype float32]
 
-Prefill tok/s with the delta rule's chunked form (what prefill runs) against its
+The delta rule of one layer alone in both forms, then the whole model: prefill tok/s
+with the delta rule's chunked form (what prefill runs) against its
 token-by-token recurrent form, decode tok/s for 1 and 4 sessions, bytes per token
 of the full-attention layers, bytes of one session's recurrent state, and the time
 of a clone at the session's position against the prefill's.
@@ -16,6 +17,7 @@ import torch
 
 from backends.torch.backend import DTYPES, TorchBackend, default_dtype
 from backends.torch.config import parse_config
+from backends.torch.gated_delta import chunked_delta_rule, l2_normalize, recurrent_delta_rule
 from backends.torch.hybrid import HybridTransformer
 from tools.gpu_check import Clock
 
@@ -46,15 +48,34 @@ def random_weights(config: dict, device: torch.device, dtype: torch.dtype) -> di
     return out
 
 
+def rule_seconds(tokens: int, device: torch.device, clock: Clock) -> tuple[float, float]:
+    """One DeltaNet layer's rule alone (16 heads, 128 x 128 state), float32: (chunked s, recurrent s)."""
+    heads, dim = SHAPE["linear_num_value_heads"], SHAPE["linear_key_head_dim"]
+    q, k = (l2_normalize(torch.randn(1, tokens, heads, dim, device=device)) for _ in range(2))
+    v = torch.randn(1, tokens, heads, dim, device=device)
+    log_decay, beta = -torch.rand(1, tokens, heads, device=device), torch.rand(1, tokens, heads, device=device)
+    state = torch.zeros(1, heads, dim, dim, device=device)
+    with torch.inference_mode():
+        chunked = min(clock(lambda: chunked_delta_rule(q, k, v, log_decay, beta, state)) for _ in range(3))
+        recurrent = min(clock(lambda: recurrent_delta_rule(q, k, v, log_decay, beta, state)) for _ in range(3))
+    return chunked, recurrent
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16; default: the backend's")
+    parser.add_argument("--rule-only", action="store_true", help="time the delta rule's two forms only")
     args = parser.parse_args()
     device = torch.device(args.device)
     clock = Clock(device)
+    chunked_s, recurrent_s = rule_seconds(args.prompt, device, clock)
+    print(f"delta rule of one layer, {args.prompt} tokens: chunked {args.prompt / chunked_s:,.0f} tok/s, "
+          f"recurrent {args.prompt / recurrent_s:,.0f} tok/s ({recurrent_s / chunked_s:.1f}x)", flush=True)
+    if args.rule_only:
+        return
     backend = TorchBackend(str(device))
     weights_dtype = DTYPES[args.dtype] if args.dtype else default_dtype(device)
     config = dict(SHAPE, model_type="qwen3_5")
@@ -92,7 +113,7 @@ def main() -> None:
     print(
         f"{params / 1e9:.2f}B params {info.dtype} on {info.device}, threads {torch.get_num_threads()} | "
         f"prefill {args.prompt} tok: chunked {args.prompt / chunked_s:,.0f} tok/s, "
-        f"recurrent {args.prompt / recurrent_s:,.0f} tok/s ({recurrent_s / chunked_s:.1f}x slower) | "
+        f"recurrent {args.prompt / recurrent_s:,.0f} tok/s ({recurrent_s / chunked_s:.1f}x the time) | "
         f"decode at {args.prompt}: 1 session {args.steps / one_s:,.1f} tok/s, "
         f"4 sessions {4 * args.steps / four_s:,.1f} tok/s | "
         f"KV {info.kv_bytes_per_token:,} B/token (6 full layers), recurrent state {info.recurrent_bytes:,} B/session "
