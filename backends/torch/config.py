@@ -169,10 +169,6 @@ class HybridConfig:
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
 
-    @property
-    def sliding(self) -> tuple[None, ...]:
-        return (None,) * self.num_layers
-
 
 def parse_hybrid_config(cfg: dict, eos_token_ids: tuple[int, ...] = ()) -> HybridConfig:
     """Qwen3.5 nests the text model's settings under `text_config` (beside a vision config
