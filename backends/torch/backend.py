@@ -81,7 +81,9 @@ class TorchBackend(Backend):
             tied = "lm_head.weight" not in weights
             model = HybridTransformer(cfg, tied) if isinstance(cfg, HybridConfig) else Transformer(cfg, tied)
         wanted = model.state_dict().keys()
-        model.load_state_dict({k: weights[k].to(self.device, self.dtype) for k in wanted if k in weights}, strict=True, assign=True)
+        # A DeltaNet layer's decay rates stay float32 (as mlx-lm keeps them): exp(A_log) in bf16 is off by ~1%.
+        dtypes = {k: torch.float32 if k.endswith("A_log") else self.dtype for k in wanted}
+        model.load_state_dict({k: weights[k].to(self.device, dtypes[k]) for k in wanted if k in weights}, strict=True, assign=True)
         model.place(self.device)
         self.model, self.cfg = model.eval(), cfg
         self.info = self._describe(cfg, name)
