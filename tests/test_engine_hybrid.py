@@ -41,7 +41,8 @@ def folder(backend_name, tiny_hybrid_dir) -> str:
 
 async def test_prefix_cache_on_a_hybrid_falls_back_exactly(backend_name, folder):
     first = prompt(40, seed=1)
-    prompts = [first, first, first + prompt(9, seed=2)]  # the same prompt again, then an extension
+    # The same prompt again, an extension, and one that leaves the cached prompt at 30.
+    prompts = [first, first, first + prompt(9, seed=2), first[:30] + prompt(9, seed=3)]
     off = await engine_on(backend_name, folder, **OFF)
     want = [(await run(off, p, 10))[0] for p in prompts]
     await off.shutdown(1)
@@ -51,8 +52,9 @@ async def test_prefix_cache_on_a_hybrid_falls_back_exactly(backend_name, folder)
         tokens, done = await run(engine, p, 10)
         assert tokens == expected and done.finish_reason in ("length", "stop")
         served.append((done.usage.reuse_source, done.usage.reused_tokens))
-    # The identical prompt's match (39) is refused; the extension's (40) is the snapshot's position.
-    assert served == [(None, 0), (None, 0), ("cache", 40)]
+    # The identical prompt's match (39) and the divergent one's (30) are refused; the extension's
+    # (40) is the snapshot's position.
+    assert served == [(None, 0), (None, 0), ("cache", 40), (None, 0)]
     assert engine.metrics.clone_refusals.get(source="cache", reason="recurrent_position") >= 1
     await settled(engine, engine.backend)
     await engine.shutdown(1)

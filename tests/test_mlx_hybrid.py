@@ -297,3 +297,22 @@ def test_a_prefill_that_fails_keeps_no_checkpoint(arch, folder_of):
         b.prefill([s], [tokens])
     assert failed.value.rows == [RowState.CORRUPT] and (s.position, s.kept) == (0, ())
     b.release(s)
+
+
+def test_a_quantized_hybrid_loads_clones_and_generates(tiny_hybrid_dir, tmp_path):
+    """mlx-lm's own converter, 4-bit: the recurrent layers' projections packed, their states float."""
+    from mlx_lm.convert import convert
+
+    out = tmp_path / "qwen3_5-q4"
+    convert(tiny_hybrid_dir("qwen3_5", "hf"), str(out), quantize=True, q_bits=4, q_group_size=32)
+    b = create_backend("mlx")
+    info = b.load(str(out))
+    assert "quantization" in (out / "config.json").read_text() and info.recurrent_bytes > 0
+    tokens = prompt(20, seed=12)
+    reference, want = fresh(b, tokens)
+    donor, got = fresh(b, tokens, chunk=7)
+    close(logits_np(b, got), logits_np(b, want))
+    clone = b.clone(donor, len(tokens))
+    assert continue_greedy(b, clone, got, 5)[0] == continue_greedy(b, reference, want, 5)[0]
+    assert np.isfinite(logits_np(b, want)).all()
+    release_all(b, reference, donor, clone)

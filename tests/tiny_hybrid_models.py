@@ -62,7 +62,8 @@ def hybrid_config(arch: str, eos: int) -> dict:
                     partial_rotary_factor=0.25, decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True,
                     eos_token_id=eos, torch_dtype="float32")
     moe = arch == "qwen3_5_moe"
-    text = dict(_TEXT, **(_MOE if moe else {}), model_type=f"{arch}_text", rope_parameters=dict(_ROPE), eos_token_id=eos)
+    text = dict(_TEXT, **(_MOE if moe else {}), model_type=f"{arch}_text", rope_parameters=dict(_ROPE),
+                eos_token_id=eos)
     return {
         "model_type": arch,
         "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],

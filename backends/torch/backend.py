@@ -70,7 +70,8 @@ class TorchBackend(Backend):
         path = resolve_model(folder)
         return self.install(read_config(path), read_weights(path, self.device), path.name, dtype)
 
-    def install(self, cfg: ArchConfig | HybridConfig, weights: dict[str, torch.Tensor], name: str, dtype: str | None = None) -> ModelInfo:
+    def install(self, cfg: ArchConfig | HybridConfig, weights: dict[str, torch.Tensor], name: str,
+                dtype: str | None = None) -> ModelInfo:
         """Take a model from weights already in memory (HF names); `load` reads them from a folder,
         tools/gpu_check.py makes random ones of realistic shapes."""
         self.dtype = DTYPES[dtype] if dtype else default_dtype(self.device)
@@ -80,7 +81,9 @@ class TorchBackend(Backend):
             tied = "lm_head.weight" not in weights
             model = HybridTransformer(cfg, tied) if isinstance(cfg, HybridConfig) else Transformer(cfg, tied)
         wanted = model.state_dict().keys()
-        model.load_state_dict({k: weights[k].to(self.device, self.dtype) for k in wanted if k in weights}, strict=True, assign=True)
+        # A DeltaNet layer's decay rates stay float32 (as mlx-lm keeps them): exp(A_log) in bf16 is off by ~1%.
+        dtypes = {k: torch.float32 if k.endswith("A_log") else self.dtype for k in wanted}
+        model.load_state_dict({k: weights[k].to(self.device, dtypes[k]) for k in wanted if k in weights}, strict=True, assign=True)
         model.place(self.device)
         self.model, self.cfg = model.eval(), cfg
         self.info = self._describe(cfg, name)

@@ -169,10 +169,6 @@ class HybridConfig:
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
 
-    @property
-    def sliding(self) -> tuple[None, ...]:
-        return (None,) * self.num_layers
-
 
 def parse_hybrid_config(cfg: dict, eos_token_ids: tuple[int, ...] = ()) -> HybridConfig:
     """Qwen3.5 nests the text model's settings under `text_config` (beside a vision config
@@ -189,7 +185,10 @@ def parse_hybrid_config(cfg: dict, eos_token_ids: tuple[int, ...] = ()) -> Hybri
     partial = rope_params.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
     kinds = text.get("layer_types")
     interval = text.get("full_attention_interval", 4)
-    linear = tuple(kind == "linear_attention" for kind in kinds) if kinds else tuple((i + 1) % interval != 0 for i in range(n))
+    if kinds:
+        linear = tuple(kind == "linear_attention" for kind in kinds)
+    else:
+        linear = tuple((i + 1) % interval != 0 for i in range(n))
     experts = text.get("num_experts", 0) or 0
     if family == "qwen3_next":  # every decoder_sparse_step-th layer, less mlp_only_layers
         step, dense_only = text.get("decoder_sparse_step", 1), set(text.get("mlp_only_layers", []))

@@ -33,7 +33,8 @@ HybridLayerState = GrowingKV | RecurrentState
 def new_states(cfg: HybridConfig, dtype, device) -> list[HybridLayerState]:
     """A fresh session's per-layer state."""
     return [
-        RecurrentState.empty(cfg, dtype, device) if linear else GrowingKV.empty(cfg.num_kv_heads, cfg.head_dim, GROW_STEP, dtype, device)
+        RecurrentState.empty(cfg, dtype, device) if linear
+        else GrowingKV.empty(cfg.num_kv_heads, cfg.head_dim, GROW_STEP, dtype, device)
         for linear in cfg.linear
     ]
 
@@ -41,7 +42,9 @@ def new_states(cfg: HybridConfig, dtype, device) -> list[HybridLayerState]:
 def recurrent_bytes(cfg: HybridConfig, dtype: torch.dtype) -> int:
     """Bytes of one session's recurrent state (all DeltaNet layers), whatever its length."""
     conv_dim = 2 * cfg.linear_k_heads * cfg.linear_k_dim + cfg.linear_v_heads * cfg.linear_v_dim
-    per_layer = (cfg.conv_kernel - 1) * conv_dim * dtype.itemsize + cfg.linear_v_heads * cfg.linear_k_dim * cfg.linear_v_dim * 4
+    conv = (cfg.conv_kernel - 1) * conv_dim * dtype.itemsize
+    delta_rule = cfg.linear_v_heads * cfg.linear_k_dim * cfg.linear_v_dim * 4  # float32
+    per_layer = conv + delta_rule
     return per_layer * sum(cfg.linear)
 
 
@@ -51,7 +54,8 @@ class GatedAttention(nn.Module):
 
     def __init__(self, cfg: HybridConfig):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim, self.rotary_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dim
+        self.heads, self.kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim, self.rotary_dim = cfg.head_dim, cfg.rotary_dim
         self.q_proj = nn.Linear(cfg.hidden_size, 2 * self.heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
