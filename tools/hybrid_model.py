@@ -1,6 +1,6 @@
-"""Write a random-weight hybrid model folder at the layer sizes of Qwen3.5-0.8B, for the
-benchmarks (tools/backend_bench.py, on either backend): Gated DeltaNet layers with every
-4th layer full attention. The weights are mlx-lm's own initialisation, in mlx-community
+"""Write a random-weight hybrid model folder at the layer sizes of Qwen3.5-0.8B (tools/hybrid_bench.py's
+SHAPE), for the benchmarks (tools/backend_bench.py, on either backend): Gated DeltaNet layers with
+every 4th layer full attention. The weights are mlx-lm's own initialisation, in mlx-community
 layout; the tokenizer is the default model's (benchmarks draw token ids below 30,000).
 
     python -m tools.hybrid_model --out FOLDER [--dtype float32]
@@ -13,32 +13,9 @@ import json
 import shutil
 from pathlib import Path
 
-# The shape, stated once (docs/benchmarks.md quotes it): 24 layers, layers 3, 7, ..., 23 full
-# attention (8 query heads and 2 KV heads of 256, output gate, a quarter of each head rotated),
-# the other 18 Gated DeltaNet (16 key and 16 value heads of 128, causal conv of 4); SwiGLU MLPs
-# of 3,584; a tied 248,320-token embedding. About 0.75B parameters.
-TEXT = dict(
-    model_type="qwen3_5_text",
-    vocab_size=248320,
-    hidden_size=1024,
-    intermediate_size=3584,
-    num_hidden_layers=24,
-    full_attention_interval=4,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    head_dim=256,
-    linear_num_key_heads=16,
-    linear_num_value_heads=16,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_conv_kernel_dim=4,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=262144,
-    tie_word_embeddings=True,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
-                     "mrope_section": [11, 11, 10], "mrope_interleaved": True},
-)
-CONFIG = dict(model_type="qwen3_5", architectures=["Qwen3_5ForConditionalGeneration"], text_config=TEXT,
+from tools.hybrid_bench import SHAPE  # the shape, stated once
+
+CONFIG = dict(model_type="qwen3_5", architectures=["Qwen3_5ForConditionalGeneration"], text_config=SHAPE,
               tie_word_embeddings=True)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
