@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from backends.base import ModelInfo
 from server.engine import messages as m
-from server.engine.api import CapacityExhausted, ContextTooLong, GenerateRequest, InvalidRequest
+from server.engine.api import CapacityExhausted, ContextTooLong, GenerateRequest, InvalidRequest, Scope
 from server.engine.config import EngineConfig
 from server.engine.prefix_cache import CacheMatch, PrefixCache
 from server.engine.request import Request
@@ -147,8 +147,8 @@ class Admission:
         self.slots_used -= 1
         self.let_go(request)
 
-    def store_capture(self, tokens: list[int], session: Any, nbytes: int) -> None:
-        self.release_sessions(self.cache.insert(tokens, session, nbytes))
+    def store_capture(self, tokens: list[int], session: Any, nbytes: int, scope: Scope) -> None:
+        self.release_sessions(self.cache.insert(tokens, session, nbytes, scope))
 
     def release_sessions(self, sessions: list[Any]) -> None:
         sessions = [s for s in sessions if s is not None]
@@ -162,13 +162,14 @@ class Admission:
         named = request.named
         clone_from: list[tuple[Any, int]] = []
         if named is not None:
-            if named.resumes(request.prompt):
+            if named.resumes(request.prompt, request.req.scope):
                 resume, resume_at = named.session, len(named.tokens)
             else:
                 self.release_sessions([named.session])
             named.session, named.tokens = None, []  # the request owns it now; it comes back at the end
         elif resume is None:
-            request.cache_matches = self.cache.lookup(request.prompt) if cache_matches is None else cache_matches
+            request.cache_matches = (self.cache.lookup(request.prompt, request.req.scope) if cache_matches is None
+                                     else cache_matches)
             clone_from = [(match.entry.session, match.upto) for match in request.cache_matches]
         return m.Start(request.rid, request.prompt, request.req.sampling, request.max_tokens, request.stop_ids,
                        capture=request.capture_slot, keep_session=named is not None,

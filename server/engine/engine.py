@@ -119,7 +119,7 @@ class Engine:
         max_tokens, need = adm.check(req, waiting=self.waiting())
         named = None
         if req.session_id is not None:
-            named, evicted = adm.named.acquire(req.session_id)
+            named, evicted = adm.named.acquire(req.session_id, req.scope.tenant)
             adm.release_sessions(evicted)
         eos = frozenset() if req.ignore_eos else frozenset(self.info.eos_token_ids)  # type: ignore[union-attr]
         stop_ids = req.stop_token_ids | eos
@@ -143,16 +143,16 @@ class Engine:
         """Requests waiting: queued, and parked behind a leader."""
         return len(self.adm.queue) + len(self.reuser.followers)
 
-    def reset_session(self, session_id: str) -> bool:
-        return self._drop_session(session_id, forget=False)
+    def reset_session(self, session_id: str, tenant: str = "") -> bool:
+        return self._drop_session(session_id, forget=False, tenant=tenant)
 
-    def delete_session(self, session_id: str) -> bool:
-        return self._drop_session(session_id, forget=True)
+    def delete_session(self, session_id: str, tenant: str = "") -> bool:
+        return self._drop_session(session_id, forget=True, tenant=tenant)
 
-    def _drop_session(self, session_id: str, forget: bool) -> bool:
+    def _drop_session(self, session_id: str, forget: bool, tenant: str) -> bool:
         if self._admission is None:
             return False
-        existed, held = self._admission.named.drop(session_id, forget)
+        existed, held = self._admission.named.drop(session_id, forget, tenant)
         self._admission.release_sessions([held])
         return existed
 
@@ -254,7 +254,7 @@ class Engine:
             if r.phase is Phase.QUEUED and r in adm.queue:
                 adm.queue.remove(r)
             if r.named is not None and r.named.busy:
-                adm.named.release(r.named.name, r.named.session, r.named.tokens)
+                adm.named.release(r.named, r.named.session, r.named.tokens, r.named.scope)
             if r.landed is not None:
                 adm.release_sessions([r.landed[0]])
         if self._reuse is not None:
@@ -368,7 +368,7 @@ class Engine:
             adm.release_sessions([ev.session])
         else:
             self.metrics.captures.inc(outcome="stored")
-            adm.store_capture(ev.tokens, ev.session, ev.nbytes)
+            adm.store_capture(ev.tokens, ev.session, ev.nbytes, r.req.scope)
 
     def _on_finished(self, ev: m.Finished) -> None:
         r = self._requests.get(ev.rid)
@@ -376,7 +376,7 @@ class Engine:
             self.adm.release_sessions([ev.session])
             return
         if r.named is not None:
-            self.adm.named.release(r.named.name, ev.session, ev.held)
+            self.adm.named.release(r.named, ev.session, ev.held, r.req.scope)
         r.prefilled, r.generated = ev.prefilled, ev.generated
         self._complete(r, ev.reason, ev.error)
 

@@ -12,6 +12,8 @@ are in the budget from the moment it parks until its clone is released or its
 request takes a slot (and grows the hold to its own).
 Every failure (refused clone, donor or leader gone) sends the request back to
 the head of the queue: the normal admission path, with a fresh cache lookup.
+Donors, leaders and cache entries are drawn from the request's own scope only
+(api.Scope): another tenant's running prompt is never cloned nor followed.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ class Reuse:
     def _plan(self, r: Request) -> Plan:
         engine, config = self.engine, self.engine.config
         now = time.monotonic()
-        cached = engine.adm.cache.best(r.prompt)
+        cached = engine.adm.cache.best(r.prompt, r.req.scope)
         waited = now - r.first_parked_at if r.first_parked_at else 0.0
         policy = FollowPolicy(config.active_prefix_reuse_min_tokens, follow=config.follow and not r.no_follow,
                               max_wait_s=max(0.0, config.follow_max_wait - waited))
@@ -122,9 +124,11 @@ class Reuse:
         # a leader prefills at its share of the rate; a follower does not compete with it
         tps = rates.share(self.prefilling())
         below = self._followers_below(r)
+        scope = r.req.scope
         active = []
         for x in self.engine.requests():
-            if x is r or x.rid in below or x.ending:  # a request on its way out gives nothing
+            # a request on its way out gives nothing; another scope's never
+            if x is r or x.rid in below or x.ending or x.req.scope != scope:
                 continue
             if x.phase in (Phase.STARTING, Phase.RUNNING):
                 floor = window_floor(x.committed, self.windows)
@@ -136,7 +140,7 @@ class Reuse:
             elif x.landed is not None:  # holds it already, waiting for a slot
                 active.append(Leader.starting(Source.donor(x.rid, x.prompt, 0, x.rid), x.landed[1], 0.0, tps))
         parked = [(f.following, Source.donor(f.rid, f.prompt, 0, f.rid)) for f in self.followers.values()
-                  if f.following is not None and f.rid not in below and f is not r]
+                  if f.following is not None and f.rid not in below and f is not r and f.req.scope == scope]
         return leader_views(active, parked, rates, tps)
 
     def _followers_below(self, r: Request) -> set[int]:
