@@ -109,8 +109,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
     rid = request_id("cmpl")
     generate = generate_request(
         body, prompt, rid=rid, vocab_size=vocab,
-        max_tokens=body.max_tokens, session=session, scope=scope_of(request, body.cache_salt), logprobs=body.logprobs is not None,
-        top_logprobs=body.logprobs or 0,
+        max_tokens=body.max_tokens, session=session, scope=scope_of(request, body.cache_salt),
+        logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
     )
     job = Job(model, prompt, generate, stop_strings(body), n=body.n)
     echo = tokenizer.decode(prompt) if body.echo else ""

@@ -57,7 +57,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
 
 
 async def retrieve(request: web.Request) -> web.Response:
-    return json_response(state_of(request).responses.get(request.match_info["response_id"], tenant_of(request)).response)
+    stored = state_of(request).responses.get(request.match_info["response_id"], tenant_of(request))
+    return json_response(stored.response)
 
 
 async def delete(request: web.Request) -> web.Response:
