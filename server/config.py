@@ -24,8 +24,10 @@ def _key_check(keys: list[str]) -> str | None:
 
 
 def _keys_file_check(path: str | None) -> str | None:
+    if path is None:
+        return None
     try:
-        read_keys_file(path) if path is not None else None
+        read_keys_file(path)
     except ValueError as e:
         return str(e)
     return None
