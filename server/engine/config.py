@@ -28,6 +28,9 @@ class EngineConfig:
     max_batch_tokens: int = setting(2048, "tokens one step may run: decodes first, prefill chunks fill the rest",
                                     check=at_least(1))
     prefill_chunk: int = setting(512, "most prompt tokens one request prefills in one step", check=at_least(1))
+    max_step_ms: float = setting(250.0, "time a step that decodes aims for: prefill chunks are sized from the "
+                                 "measured rates to keep running requests' next tokens near it, within "
+                                 "--prefill-chunk and --max-batch-tokens (0: token caps only)", check=at_least(0))
     max_queue: int = setting(256, "requests waiting for a slot before capacity_exhausted", check=at_least(0))
     queue_timeout: float = setting(300.0, "seconds a request may wait for a slot before it ends with an error",
                                    check=at_least(0.001))

@@ -64,7 +64,7 @@ class Engine(Control):
                 pass
 
         self._runner = Runner(self.backend, self.model_path, self.dtype, self.config.max_batch_tokens,
-                              self.config.prefill_chunk, notify)
+                              self.config.prefill_chunk, self.config.max_step_ms / 1000, notify)
         self._runner.thread.start()
         await self._loaded
 

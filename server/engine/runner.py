@@ -29,7 +29,8 @@ from typing import Any, Callable
 from backends.base import Backend, CloneRefused, Sampled, SamplerState, SamplingParams, Session
 from server.engine import messages as m
 from server.engine.clone_orders import CloneOrders
-from server.engine.scheduler import Running, plan_step
+from server.engine.rates import RateTracker
+from server.engine.scheduler import Running, TimeBudget, plan_step
 
 log = logging.getLogger("kvfork.engine")
 _DISCARD = SamplingParams()  # greedy: samples the logits rows nobody reads, leaving real streams untouched
@@ -53,9 +54,12 @@ class _Slot:
 
 class Runner:
     def __init__(self, backend: Backend, model_path: str, dtype: str | None,
-                 max_batch_tokens: int, prefill_chunk: int, notify: Callable[[], None]):
+                 max_batch_tokens: int, prefill_chunk: int, max_step_s: float, notify: Callable[[], None]):
         self.backend, self.model_path, self.dtype = backend, model_path, dtype
-        self.max_batch_tokens, self.prefill_chunk = max_batch_tokens, prefill_chunk
+        self.max_batch_tokens, self.prefill_chunk, self.max_step_s = max_batch_tokens, prefill_chunk, max_step_s
+        # The step budget's own rates, from the step timings measured here (the
+        # control loop keeps the cost model's, from the same StepStats).
+        self._rates = RateTracker()
         self.inbox: collections.deque = collections.deque()  # control loop -> runner
         self.events: collections.deque = collections.deque()  # runner -> control loop
         self._notify = notify
@@ -193,16 +197,20 @@ class Runner:
         t0, self._backend_s = time.perf_counter(), 0.0
         running = [Running(rid, s.prefill_left, self._orders.prefill_cap(rid, s.session.position, s.prefill_left))
                    for rid, s in self._slots.items()]
-        plan = plan_step(running, self.max_batch_tokens, self.prefill_chunk, self._rotation)
+        rates = self._rates.rates
+        budget = TimeBudget(self.max_step_s, rates.decode_s, rates.prefill_tps) if self.max_step_s else None
+        plan = plan_step(running, self.max_batch_tokens, self.prefill_chunk, self._rotation, budget)
         self._rotation = plan.last_prefilled
         if plan.decode:
             self._guarded([self._slots[rid] for rid in plan.decode], self._decode)
+            self._rates = self._rates.observe_decode(self._backend_s)
         prefill_s = 0.0
         if plan.prefill:
             chunks = dict(plan.prefill)
             before = self._backend_s
             self._guarded([self._slots[rid] for rid, _ in plan.prefill], lambda slots: self._prefill(slots, chunks))
             prefill_s = self._backend_s - before
+            self._rates = self._rates.observe_prefill(sum(chunks.values()), prefill_s)
         self._serve_orders()
         committed = {rid: s.session.position for rid, s in self._slots.items()}
         live, nbytes = self._timed(self.backend.live_sessions), self._timed(self.backend.total_bytes)
