@@ -158,6 +158,8 @@ class Control:
         if r is None:
             return
         r.phase, r.committed, r.reused = Phase.RUNNING, ev.reused, ev.reused
+        if r.clone_upto:
+            self.reuser.donor_started(r, ev)
         if r.named is not None:
             r.reuse_source = "session" if ev.reused else None
         elif ev.clone_index is not None:
@@ -207,7 +209,7 @@ class Control:
 
     def _on_clonedone(self, ev: m.CloneDone) -> None:
         r = self._requests.get(ev.rid)
-        if r is None or r.phase not in (Phase.CLONING, Phase.FOLLOWING):  # it left, or stopped following
+        if r is None or not (r.phase is Phase.FOLLOWING or r.clone_upto):  # it left, or stopped following
             self.adm.release_sessions([ev.session])
         else:
             self.reuser.clone_done(r, ev)

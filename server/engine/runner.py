@@ -138,6 +138,13 @@ class Runner:
 
     def _start(self, start: m.Start) -> None:
         session, reused, index, refused, clone_s = start.resume, start.resume_at, None, [], 0.0
+        if start.donor is not None:
+            t0 = time.perf_counter()
+            session, reason = self._clone_of(*start.donor)
+            if session is None:
+                self.events.append(m.CloneDone(start.rid, None, reason=reason))
+                return
+            reused, clone_s = start.donor[1], time.perf_counter() - t0
         try:
             for i, (source, upto) in enumerate(start.clone_from if session is None else ()):
                 try:
@@ -162,21 +169,31 @@ class Runner:
         donor = self._slots.get(command.donor)
         if donor is None:
             self.events.append(m.CloneDone(command.rid, None, reason="donor_gone"))
-        elif command.wait and donor.session.position < command.upto:
+        elif donor.session.position < command.upto:
             self._orders.add(command)
         else:
             self._clone_for(command.rid, donor, command.upto)
 
+    def _clone_of(self, donor_rid: int, upto: int) -> tuple[Session, None] | tuple[None, str]:
+        """`[0, upto)` of a running request's session, or why not (a clone fails soft)."""
+        donor = self._slots.get(donor_rid)
+        if donor is None:
+            return None, "donor_gone"
+        try:
+            return self._timed(self.backend.clone, donor.session, upto), None
+        except CloneRefused as refusal:
+            return None, refusal.reason
+        except Exception as exc:
+            log.warning("clone of request %d failed: %s", donor_rid, exc)
+            return None, "error"
+
     def _clone_for(self, rid: int, donor: _Slot, upto: int, refused_reason: str | None = None) -> None:
         t0 = time.perf_counter()
-        try:
-            session = self._timed(self.backend.clone, donor.session, upto)
+        session, reason = self._clone_of(donor.start.rid, upto)
+        if session is not None:
             self.events.append(m.CloneDone(rid, session, upto, seconds=time.perf_counter() - t0))
-        except CloneRefused as refusal:
-            self.events.append(m.CloneDone(rid, None, reason=refused_reason or refusal.reason))
-        except Exception as exc:
-            log.warning("clone for request %d failed: %s", rid, exc)
-            self.events.append(m.CloneDone(rid, None, reason=refused_reason or "error"))
+        else:
+            self.events.append(m.CloneDone(rid, None, reason=refused_reason or reason))
 
     def _serve_orders(self) -> None:
         for order in self._orders.due({rid: slot.session.position for rid, slot in self._slots.items()}):
