@@ -7,8 +7,8 @@ Design rules:
   rotation so a long prompt cannot starve a shorter one behind it;
 - a step that decodes also keeps to a time budget (--max-step-ms): prefill gets
   the tokens the measured prefill rate fits in what the decode rows leave of it,
-  but never less than MIN_PREFILL_SHARE of the budget's worth, so a prompt
-  always progresses. Chunk ends by precedence: a follower's clone point, then
+  but never less than MIN_PREFILL_SHARE of the budget's (or, when the decode rows
+  alone take longer, of theirs) worth, so a prompt always progresses. Chunk ends by precedence: a follower's clone point, then
   the time budget, within --prefill-chunk and --max-batch-tokens (hard caps);
 - admission is first come, first served: a head that does not fit the KV budget
   waits (the prefix cache gives way first), one that never could is refused.
@@ -29,9 +29,9 @@ class Running:
     prefill_cap: int | None = None  # most tokens this step: a follower's clone point stops the chunk
 
 
-# Prefill always gets at least this share of the step budget's worth of tokens,
-# even when the decode rows alone fill the budget: decoders slow down by at most
-# this much, and a prompt still finishes.
+# Prefill always gets at least this share of the step's time (the budget, or the
+# decode rows' own time when that is longer): decoders slow down by at most this
+# much, and a prompt still prefills at a fair share of the rate.
 MIN_PREFILL_SHARE = 0.25
 
 
@@ -44,7 +44,7 @@ class TimeBudget:
     prefill_tps: float  # prompt tokens per second, the whole batch
 
     def prefill_tokens(self) -> int:
-        left = max(self.max_step_s - self.decode_s, MIN_PREFILL_SHARE * self.max_step_s)
+        left = max(self.max_step_s - self.decode_s, MIN_PREFILL_SHARE * max(self.max_step_s, self.decode_s))
         return max(1, round(left * self.prefill_tps))
 
 
