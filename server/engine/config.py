@@ -51,9 +51,12 @@ class EngineConfig:
                                       check=at_least(2))
     max_tokens: int = setting(512, "max_tokens when a request gives none; always clamped to the context left",
                               check=at_least(1))
+    # Cloning beats recomputing from a few tokens on (a clone's fixed cost is about
+    # one token's prefill, docs/benchmarks.md); 64 is the prefix cache's own
+    # shortest match, so both kinds of reuse start at the same size.
     active_prefix_reuse_min_tokens: int = setting(
-        0, "prefill tokens active prefix reuse must save beyond the best cached match (0 disables it; "
-        "1024 suits long agent prompts)", check=at_least(0))
+        64, "prefill tokens active prefix reuse must save beyond the best cached match (0 disables it)",
+        check=at_least(0))
     follow_max_wait: float = setting(30.0, "most seconds a request follows a prefilling donor", check=at_least(0))
     follow: bool = setting(True, "with active reuse on, let a request wait for a prefilling donor to commit the "
                            "shared prefix (--no-follow: clone only what is already committed, the seed's rule)")
