@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 
 from backends import create_backend
@@ -121,10 +122,12 @@ async def interference_round(args: argparse.Namespace, max_step_ms: float) -> di
     await asyncio.gather(*readers)
     gaps = [b - a for s in stamps for a, b in zip(s, s[1:]) if b > sent and a < first]  # overlapping the prefill
     await engine.shutdown(5)
-    return {"max_step_ms": max_step_ms, "decoders": args.interference, "long_tokens": args.long,
-            "long_ttft_s": round(first - sent, 3), "itl_p50_ms": round(1000 * percentile(gaps, 50), 1),
-            "itl_p95_ms": round(1000 * percentile(gaps, 95), 1), "itl_max_ms": round(1000 * max(gaps), 1),
-            "gaps": len(gaps)}
+    row = {"max_step_ms": max_step_ms, "decoders": args.interference, "long_tokens": args.long,
+           "long_ttft_s": round(first - sent, 3), "itl_p50_ms": round(1000 * percentile(gaps, 50), 1),
+           "itl_p95_ms": round(1000 * percentile(gaps, 95), 1), "itl_max_ms": round(1000 * max(gaps), 1),
+           "gaps": len(gaps)}
+    print(json.dumps(row), file=sys.stderr, flush=True)  # each round as it ends: a slow run still leaves figures
+    return row
 
 
 async def measure(args: argparse.Namespace) -> dict:
