@@ -8,7 +8,7 @@ calls `handle.finish()`, which ends the request as a normal `stop`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from backends.base import SamplingParams
@@ -57,6 +57,15 @@ class GenerateRequest:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     session_id: str | None = None  # named session: warm resume, never a reuse recipient
+    n: int = 1  # choices: the prompt is prefilled once, choice i samples with seed + i (Engine.submit_choices)
+
+
+def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index`'s sampling: its own stream, seed + index (as `stream_seed` normalizes seeds),
+    so choice 0 is the n = 1 answer; without a seed every stream is drawn fresh."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    return replace(sampling, seed=(sampling.stream_seed + index) % 2**64)  # type: ignore[operator]
 
 
 @dataclass

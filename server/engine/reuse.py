@@ -115,7 +115,7 @@ class Reuse:
 
     def prefilling(self) -> int:
         return sum(1 for x in self.engine.requests()
-                   if x.phase in (Phase.STARTING, Phase.RUNNING) and x.committed < len(x.prompt))
+                   if x.phase in (Phase.STARTING, Phase.RUNNING) and x.committed < len(x.prompt) and x.lead is None)
 
     def _leaders(self, r: Request) -> list[Leader]:
         rates = self.rates.rates
@@ -124,8 +124,8 @@ class Reuse:
         below = self._followers_below(r)
         active = []
         for x in self.engine.requests():
-            if x is r or x.rid in below or x.ending:  # a request on its way out gives nothing
-                continue
+            if x is r or x.rid in below or x.ending or x.lead is not None:
+                continue  # a request on its way out gives nothing; a choice is its lead's twin
             if x.phase in (Phase.STARTING, Phase.RUNNING):
                 floor = window_floor(x.committed, self.windows)
                 active.append(Leader.active(Source.donor(x.rid, x.prompt, x.committed_prompt, x.rid,
