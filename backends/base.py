@@ -75,7 +75,8 @@ class KVCost:
     - every sliding layer holds a ring of its window whatever the length (`ring_bytes`, all rings);
     - `shared` leading tokens held by reference in another session's memory cost nothing here: their
       owner counts them (clone by reference). n choices over one prompt of P tokens and T in all cost
-      `bytes_for(T) + (n - 1) * bytes_for(T, shared=P)`;
+      `bytes_for(T) + (n - 1) * bytes_for(T, shared=P, start=P)`; both backends here copy what they
+      clone (shared=0), so each other choice is its own clone at P, `bytes_for(T, start=P)`;
     - `checkpoints`: recurrent-state checkpoints the session keeps (hybrid models), each
       `checkpoint_bytes`.
     `tolerance` is how far (a fraction of `bytes_for`, plus one step of slots) the backend's own count
