@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 BLAS_ENV = LD_PRELOAD="$$($(BIN)/python -m backends.mlx.blas)"
 ARGS ?=
 
-.PHONY: install model serve test smoke bench peers clean
+.PHONY: install model serve test smoke soak bench peers clean
 
 install: $(STAMP)
 
@@ -28,6 +28,10 @@ test: install
 
 smoke: install
 	$(BIN)/kvfork smoke $(ARGS)
+
+# 2,000 requests on the default model with faults, hang-ups and fuzzed bodies; prints the table of checks.
+soak: install
+	$(BIN)/kvfork soak $(ARGS)
 
 # A small paired replay (reuse off, then on) on the default model; prints the table.
 bench: install

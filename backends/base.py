@@ -15,6 +15,14 @@ Sliding-window rule (every backend obeys it, `clone_refusal` states it):
   at prompt length L can serve a clone at L - 1, so an identical prompt sent
   again is served from it. A donor that has moved on further than that has
   overwritten what the clone needs, and the clone is refused.
+
+Recurrent rule (every backend obeys it, `clone_positions` states it):
+  a recurrent layer (Gated DeltaNet, Mamba, short convolution) keeps one
+  fixed-size state, that of the session's position. The state at 1,000 cannot
+  give the state at 900, so a session with such layers can be cloned at its
+  position, or at a checkpoint: a position where `keep_at` asked the backend to
+  keep a copy of the recurrent state (`Session.kept`), each costing
+  `ModelInfo.kv.state_bytes`.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from __future__ import annotations
 import abc
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Container, Literal, Sequence
+from typing import Any, Collection, Container, Literal, Sequence
 
 
 class CloneRefused(Exception):
@@ -59,7 +67,7 @@ class BatchFailed(Exception):
 
 @dataclass(frozen=True)
 class LayerAttention:
-    kind: Literal["full", "sliding"]
+    kind: Literal["full", "sliding", "recurrent"]
     window: int | None = None  # tokens, for sliding layers
 
 
@@ -77,8 +85,9 @@ class KVCost:
       owner counts them (clone by reference). n choices over one prompt of P tokens and T in all cost
       `bytes_for(T) + (n - 1) * bytes_for(T, shared=P, start=P)`; both backends here copy what they
       clone (shared=0), so each other choice is its own clone at P, `bytes_for(T, start=P)`;
-    - `checkpoints`: recurrent-state checkpoints the session keeps (hybrid models), each
-      `checkpoint_bytes`.
+    - every session of a hybrid model holds one recurrent state (`state_bytes`: the conv and delta-rule
+      / SSM states of all its recurrent layers) whatever its length, and each recurrent-state checkpoint
+      it keeps (`checkpoints`) costs one more.
     `tolerance` is how far (a fraction of `bytes_for`, plus one step of slots) the backend's own count
     may stray from this figure for a session: 0 where the backend allocates exactly as stated.
     """
@@ -87,7 +96,7 @@ class KVCost:
     ring_bytes: int = 0
     step: int = 1
     slack: int = 0
-    checkpoint_bytes: int = 0
+    state_bytes: int = 0
     tolerance: float = 0.0
 
     def round_up(self, tokens: int) -> int:
@@ -99,7 +108,7 @@ class KVCost:
 
     def bytes_for(self, tokens: int, shared: int = 0, checkpoints: int = 0, start: int = 0) -> int:
         own = self.slots(tokens, start) - shared // self.step * self.step
-        return max(0, own) * self.full_bytes_per_token + self.ring_bytes + checkpoints * self.checkpoint_bytes
+        return max(0, own) * self.full_bytes_per_token + self.ring_bytes + (1 + checkpoints) * self.state_bytes
 
 
 @dataclass(frozen=True)
@@ -165,12 +174,18 @@ class SamplerState:
 
     `rng` is backend-owned (an MLX key or a torch Generator) and is created
     lazily from `params.seed`, so a seeded request replays exactly.
+
+    `allowed` constrains the next pick (a grammar): a packed bitmask, numpy int32
+    [ceil(vocab / 32)], bit t of word t // 32 set when token t may be picked, at
+    least one bit set. The backend masks the row before anything else, on the
+    device; None (the common case) costs nothing.
     """
 
     params: SamplingParams
     prompt: Sequence[int] = ()
     output: list[int] = field(default_factory=list)
     rng: Any = None
+    allowed: Any = None
 
 
 class Session:
@@ -182,12 +197,23 @@ class Session:
         Session._next_id += 1
         self.id = Session._next_id
         self.position = 0
+        self.kept: tuple[int, ...] = ()  # checkpoints of its recurrent state, ascending (Backend.keep_at)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.id} at {self.position}>"
 
 
-def clone_refusal(session_position: int, upto: int, info: ModelInfo, held_from: Sequence[int]) -> CloneRefused | None:
+def clone_positions(session_position: int, info: ModelInfo, kept: Collection[int] = ()) -> Collection[int]:
+    """The `upto`s a session at `session_position`, with checkpoints at `kept`, may be cloned at,
+    before the sliding rule (which needs the rings' held positions: `clone_refusal`). Pure, for
+    the engine's planning."""
+    if any(layer.kind == "recurrent" for layer in info.layers):
+        return tuple(sorted({p for p in (*kept, session_position) if 0 < p <= session_position}))
+    return range(1, session_position + 1)
+
+
+def clone_refusal(session_position: int, upto: int, info: ModelInfo, held_from: Sequence[int],
+                  kept: Collection[int] = ()) -> CloneRefused | None:
     """Why `clone(upto)` cannot be served, or None when it can.
 
     `held_from[i]` is the oldest position sliding layer i (in layer order, among
@@ -197,6 +223,9 @@ def clone_refusal(session_position: int, upto: int, info: ModelInfo, held_from: 
         return CloneRefused("empty", f"upto={upto}")
     if upto > session_position:
         return CloneRefused("beyond_position", f"upto={upto} > position={session_position}")
+    if upto not in clone_positions(session_position, info, kept):
+        held = clone_positions(session_position, info, kept)
+        return CloneRefused("recurrent_position", f"upto={upto}, recurrent state held at {list(held)} only")
     sliding = [layer for layer in info.layers if layer.kind == "sliding"]
     for layer, oldest in zip(sliding, held_from):
         assert layer.window is not None
@@ -257,6 +286,8 @@ class Backend(abc.ABC):
         A call that raises changes no state (outputs, streams), so the runner can sample
         again row by row and charge the failure to the row that causes it.
 
+        A row's `allowed` mask (a grammar) forbids tokens first, on the device, and
+        rows without one pay nothing for it; logprobs stay the raw model's.
         Penalties and logit_bias shape the logits; greedy is their argmax. The
         picked token is appended to `states[i].output` (what presence and
         frequency penalties count), so the engine does not append it again.
@@ -269,6 +300,14 @@ class Backend(abc.ABC):
         The donor may keep running; neither session sees the other's later writes.
         Raises CloneRefused (see `clone_refusal`) and then changes nothing.
         """
+
+    def keep_at(self, session: Session, positions: Collection[int]) -> None:
+        """Keep the recurrent state at each of `positions` the session reaches from now on (and at
+        its position now, if listed), so that a clone there is served (the recurrent rule); drop
+        the checkpoints not listed. `session.kept` says which are held; each costs
+        `info.kv.state_bytes`, counted in `session_bytes`. A model without recurrent layers keeps
+        nothing (it clones anywhere)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no recurrent checkpoints")
 
     @abc.abstractmethod
     def session_bytes(self, session: Session) -> int:

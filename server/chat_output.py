@@ -11,8 +11,8 @@ tool_choice, and how far it is enforced:
   share), and nothing is parsed: whatever the model writes is content.
 - `required` / a named function: the prompt ends with the parser's opening
   markup (`<tool_call>` ..., with the function's name when one is named), so the
-  reply starts inside a call to it. The arguments are not constrained by a
-  grammar: a call the model then botches falls back to text, markup included.
+  reply starts inside a call to it; the grammar (server/grammar.py) holds the
+  rest of the call to the tool's schema.
   A reply that would start inside a `<think>` block is not forced (forcing
   would cut the reasoning off); the choice then acts as `auto`.
 """

@@ -1,4 +1,4 @@
-"""`kvfork`: serve, fetch-model, bench, smoke.
+"""`kvfork`: serve, fetch-model, bench, smoke, soak.
 
 Every serve flag comes from a config dataclass (ServerConfig here, EngineConfig
 in the engine), so a flag's default, check and help live in one place. A bad
@@ -27,8 +27,9 @@ TOOLS = {
     "fetch-model": ("tools.fetch_model", "fetch the default model (SmolLM2) and convert it"),
     "bench": ("tools.bench", "replay benchmark against a running daemon"),
     "smoke": ("tools.smoke", "end-to-end check of active prefix reuse on the default model"),
+    "soak": ("tools.soak", "load, faults, hang-ups and bad input against an in-process daemon; one table of checks"),
 }
-USAGE = "usage: kvfork {serve,fetch-model,bench,smoke} [options]   (kvfork COMMAND --help for a command's options)"
+USAGE = "usage: kvfork {serve,fetch-model,bench,smoke,soak} [options]   (kvfork COMMAND --help for a command's options)"
 
 
 class OneLineParser(argparse.ArgumentParser):

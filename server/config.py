@@ -45,5 +45,8 @@ class ServerConfig:
                          "inference slot", check=at_least(1))
     max_stored_responses: int = setting(1024, "responses kept for previous_response_id (/v1/responses), oldest "
                                         "out first", check=at_least(1))
+    grammar_compile_timeout: float = setting(5.0, "most seconds a request's grammar (response_format, "
+                                             "tool_choice) may take to compile; past it the request gets a 400",
+                                             check=at_least(0.001))
     reasoning_parser: str = setting("auto", "split <think> reasoning from content (auto: when the chat template "
                                     "uses <think>)", choices=("auto", "none", "think"))

@@ -11,6 +11,7 @@ from aiohttp import web
 from server.config import ServerConfig
 from server.engine.api import EngineError
 from server.errors import ApiError
+from server.grammar import GrammarCompiler
 from server.metrics import Registry
 from server.responses_api.store import ResponseStore
 from server.text.tokenizer import PromptTokenizer
@@ -24,6 +25,7 @@ class AppState:
     registry: Registry
     tokenizer: PromptTokenizer | None = None  # set once loaded
     created: int = field(default_factory=lambda: int(time.time()))
+    _grammars: GrammarCompiler | None = None  # built on the first constrained request
     responses: ResponseStore = field(init=False)  # for /v1/responses' previous_response_id
 
     def __post_init__(self) -> None:
@@ -55,6 +57,16 @@ class AppState:
             raise ApiError(503, reason, code="not_ready")
         assert self.tokenizer is not None
         return self.tokenizer
+
+
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler for the loaded tokenizer (call once ready)."""
+        if self._grammars is None:
+            assert self.tokenizer is not None
+            info = self.engine.info
+            self._grammars = GrammarCompiler(self.tokenizer.tokenizer, info.vocab_size, info.eos_token_ids,
+                                             self.config.grammar_compile_timeout)
+        return self._grammars
 
 
 STATE = web.AppKey("state", AppState)

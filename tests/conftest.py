@@ -23,3 +23,19 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(params=ARCHS)
 def arch(request) -> str:
     return request.param
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_dir(tmp_path_factory):
+    """A function (arch, layout) -> folder of a tiny hybrid model (tiny_hybrid_models.py), written
+    once per run; the same weights in every layout."""
+    from tiny_hybrid_models import write_hybrid_model
+
+    made: dict[tuple[str, str], str] = {}
+
+    def get(arch: str, layout: str = "hf") -> str:
+        if (arch, layout) not in made:
+            made[arch, layout] = str(write_hybrid_model(tmp_path_factory.mktemp(f"{arch}-{layout}"), arch, layout))
+        return made[arch, layout]
+
+    return get

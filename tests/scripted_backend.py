@@ -20,6 +20,8 @@ the same rule as the real backends. Tests steer the runner with:
   (before it changes anything, as the real samplers);
 - `refuse`: a predicate (session, upto) -> reason or None forcing a clone refusal;
 - `calls`: every call, in order, for assertions on what ran when.
+Sampling honours a row's grammar mask (`SamplerState.allowed`): a token the mask
+forbids gives way to the lowest one it allows.
 """
 
 from __future__ import annotations
@@ -44,6 +46,13 @@ def next_token(sequence: Sequence[int]) -> int:
     for t in sequence:
         h = ((h ^ t) * 1099511628211) & 0xFFFFFFFFFFFF
     return 3 + h % (VOCAB - 3)
+
+
+def allowed_pick(token: int, allowed: np.ndarray) -> int:
+    """The scripted token if the row's grammar mask allows it, else the lowest token it allows."""
+    bits = np.unpackbits(allowed.view(np.uint8), bitorder="little")
+    assert bits.any(), "a backend is never asked to sample a row whose mask allows nothing"
+    return token if bits[token] else int(np.flatnonzero(bits)[0])
 
 
 class Gate:
@@ -149,9 +158,10 @@ class ScriptedBackend(Backend):
     def sample(self, logits: list[int], states: Sequence[SamplerState]) -> list[Sampled]:
         if any(self.sample_fail(state) for state in states):
             raise RuntimeError("scripted sample failure")
-        for t, state in zip(logits, states):
+        picks = [t if st.allowed is None else allowed_pick(t, st.allowed) for t, st in zip(logits, states)]
+        for t, state in zip(picks, states):
             state.output.append(t)  # as every backend's sampler does
-        return [Sampled(t, 0.0 if st.params.logprobs else None) for t, st in zip(logits, states)]
+        return [Sampled(t, 0.0 if st.params.logprobs else None) for t, st in zip(picks, states)]
 
     def clone(self, session: Session, upto: int) -> ScriptedSession:
         self.calls.append(("clone", session.id, upto))

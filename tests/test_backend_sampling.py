@@ -108,3 +108,32 @@ def test_logprobs(backend, logits):
     assert [lp for _, lp in first.top_logprobs] == pytest.approx(raw[0, ids].tolist(), abs=1e-4)
     assert second.logprob == pytest.approx(raw[1, second.token], abs=1e-4) and second.top_logprobs is None
     assert b.sample(logits, [SamplerState(SamplingParams())] * 2)[0].logprob is None
+
+
+def _mask(tokens, vocab: int) -> np.ndarray:
+    out = np.zeros((vocab + 31) // 32, dtype=np.uint32)
+    for t in tokens:
+        out[t // 32] |= np.uint32(1 << (t % 32))
+    return out.view(np.int32)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), HOT, SamplingParams(logprobs=True, top_logprobs=3)])
+def test_grammar_masks_bind_their_rows_only(backend, logits, params):
+    """A constrained row picks only what its mask allows; the unconstrained row of the same batch gets
+    exactly the token (and stream) it gets with no mask anywhere; logprobs stay the raw model's."""
+    b = backend
+    raw = logits_np(b, logits)
+    allowed = [int(raw[0].argmin()), 31, 63]  # the row's worst token among them; 31 and 63: a word's sign bit
+    seeds = [SamplingParams(**{**params.__dict__, "seed": 5}), SamplingParams(**{**params.__dict__, "seed": 6})]
+    plain = [SamplerState(p) for p in seeds]
+    masked = [SamplerState(seeds[0], allowed=_mask(allowed, raw.shape[1])), SamplerState(seeds[1])]
+    for _ in range(6):
+        want, got = b.sample(logits, plain), b.sample(logits, masked)
+        assert got[0].token in allowed
+        assert got[1].token == want[1].token and got[1].logprob == want[1].logprob
+        if params.logprobs:
+            row = raw[0].astype(np.float64)
+            logprob = row[got[0].token] - (row.max() + np.log(np.exp(row - row.max()).sum()))
+            assert got[0].logprob == pytest.approx(logprob, abs=1e-4)
+    if params.greedy:
+        assert got[0].token == max(allowed, key=lambda t: raw[0, t])

@@ -106,11 +106,15 @@ async def test_required_and_named_tool_choice_force_a_call(oai, choice):
     assert json.loads(call.function.arguments) == {"city": "Paris"}
 
 
-async def test_botched_forced_call_falls_back_to_text(oai):
+async def test_a_forced_call_the_model_would_botch_is_held_to_the_schema(oai):
+    """The scripted model wants `{not json}` inside the forced call; the grammar lets only the call's JSON
+    through, so the reply stays inside a valid call until max_tokens, and the partial text comes back."""
     done = await oai.chat.completions.create(model="tiny", messages=user("forced broken"), tools=[WEATHER],
-                                             tool_choice="required")
-    assert done.choices[0].message.content == REPLIES["forced broken"]
-    assert done.choices[0].message.tool_calls is None
+                                             tool_choice="required", max_tokens=48)
+    choice = done.choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    assert choice.message.content.startswith('<tool_call>\n{"name": "get_weather", "arguments": {"city": "')
+    assert "not json" not in choice.message.content
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """MLX only: quantized models (made with mlx-lm's own converter) load, clone
-exactly and generate; models whose state cannot be cloned are refused clearly."""
+exactly and generate; an all-recurrent model (Mamba) loads (hybrids: test_mlx_hybrid.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from backend_fixtures import continue_greedy, fresh, logits_np, prompt
 pytest.importorskip("mlx_lm")
 
 from backends import create_backend  # noqa: E402
+from backends.base import CloneRefused  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +41,8 @@ def test_quantized_model_loads_clones_and_generates(quantized_dir):
     assert b.live_sessions() == 0 and b.total_bytes() == 0
 
 
-def test_unclonable_state_is_refused_at_load(tmp_path, tiny_model_dir):
-    """A model whose layers keep recurrent state cannot serve clones at any position."""
+def test_an_all_recurrent_model_loads_and_clones_at_its_position_only(tmp_path, tiny_model_dir):
+    """Mamba: every layer keeps recurrent state and no KV (base.py's recurrent rule)."""
     import json
     import shutil
 
@@ -58,8 +59,18 @@ def test_unclonable_state_is_refused_at_load(tmp_path, tiny_model_dir):
     model_cls, args_cls = _get_classes(config)
     weights = {k: np.asarray(v) for k, v in tree_flatten(model_cls(args_cls.from_dict(config)).parameters())}
     save_file(weights, str(folder / "model.safetensors"))
-    with pytest.raises(ValueError, match="cannot clone"):
-        create_backend("mlx").load(str(folder))
+    b = create_backend("mlx")
+    info = b.load(str(folder), "float32")
+    assert {layer.kind for layer in info.layers} == {"recurrent"} and info.kv.full_bytes_per_token == 0
+    tokens = prompt(12)
+    reference, want = fresh(b, tokens)
+    donor, _ = fresh(b, tokens)
+    with pytest.raises(CloneRefused, match="recurrent_position"):
+        b.clone(donor, 11)
+    clone = b.clone(donor, 12)
+    assert continue_greedy(b, clone, want, 4)[0] == continue_greedy(b, reference, want, 4)[0]
+    for s in (reference, donor, clone):
+        b.release(s)
 
 
 def test_dtype_choice_and_missing_folder(tiny_model_dir):

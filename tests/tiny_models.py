@@ -142,10 +142,15 @@ def write_model(folder: Path, arch: str, seed: int = 0) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config = dict(CONFIGS[arch])
-    tok = build_tokenizer(config["vocab_size"])
-    config["eos_token_id"] = tok.token_to_id("<|im_end|>")
+    config["eos_token_id"] = write_tokenizer(folder, config["vocab_size"], config["max_position_embeddings"])
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     save_file(_weights(config, seed), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def write_tokenizer(folder: Path, vocab_size: int, max_positions: int) -> int:
+    """The tokenizer files of a tiny model (ChatML); returns the EOS id (<|im_end|>)."""
+    tok = build_tokenizer(vocab_size)
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(
         json.dumps(
@@ -158,10 +163,10 @@ def write_model(folder: Path, arch: str, seed: int = 0) -> Path:
                 "unk_token": None,
                 "add_bos_token": False,
                 "clean_up_tokenization_spaces": False,
-                "model_max_length": config["max_position_embeddings"],
+                "model_max_length": max_positions,
             },
             indent=2,
         )
     )
     (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
-    return folder
+    return tok.token_to_id("<|im_end|>")

@@ -84,6 +84,32 @@ def bench_clone(b, length: int, repeat: int) -> dict:
     }
 
 
+def bench_checkpoints(b, length: int, count: int, repeat: int) -> dict:
+    """A `length`-token prefill in one chunk, plain against keeping the recurrent state at `count`
+    evenly spaced positions inside it (Backend.keep_at: the chunk runs in count + 1 pieces)."""
+    tokens = prompt(length, b.info.vocab_size)
+    kept = [length * (i + 1) // (count + 1) for i in range(count)]
+    held = {}
+
+    def run(positions):
+        s = b.open_session()
+        b.keep_at(s, positions)
+        b.to_numpy(b.prefill([s], [tokens]))
+        held[len(positions)] = b.session_bytes(s)
+        b.release(s)
+
+    plain_s = best(lambda: run([]), repeat)
+    kept_s = best(lambda: run(kept), repeat)
+    return {
+        "tokens": length,
+        "checkpoints": kept,
+        "plain_prefill_ms": round(plain_s * 1e3, 1),
+        "checkpointed_prefill_ms": round(kept_s * 1e3, 1),
+        "checkpointed_over_plain": round(kept_s / plain_s, 3),
+        "bytes_per_checkpoint": (held[count] - held[0]) // count,
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backend", default="mlx", choices=["mlx", "torch", "auto"])
@@ -94,6 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=256, help="prompt tokens before decoding")
     parser.add_argument("--steps", type=int, default=16, help="decode steps per timing")
     parser.add_argument("--clone", type=int, default=2048, help="clone this many tokens (0: skip)")
+    parser.add_argument("--checkpoints", type=int, default=0,
+                        help="hybrids: also time a --clone-token prefill keeping this many checkpoints (0: skip)")
     parser.add_argument("--repeat", type=int, default=2)
     args = parser.parse_args(argv)
 
@@ -105,13 +133,17 @@ def main(argv: list[str] | None = None) -> None:
         "dtype": b.info.dtype,
         "device": b.info.device,
         "load_s": round(load_s, 2),
+        "kv_bytes_per_token": b.info.kv.full_bytes_per_token,  # full-attention layers
+        "recurrent_bytes": b.info.kv.state_bytes,  # per session, whatever its length (hybrids)
     }
-    for n in map(int, args.prefill.split(",")):
+    for n in map(int, filter(None, args.prefill.split(","))):
         report[f"prefill_{n}_tok_s"] = round(bench_prefill(b, n, args.repeat), 1)
-    for n in map(int, args.decode.split(",")):
+    for n in map(int, filter(None, args.decode.split(","))):
         report[f"decode_{n}_sessions_tok_s"] = round(bench_decode(b, n, args.context, args.steps, args.repeat), 1)
     if args.clone:
         report["clone"] = bench_clone(b, args.clone, args.repeat)
+    if args.checkpoints:
+        report["checkpoints"] = bench_checkpoints(b, args.clone, args.checkpoints, args.repeat)
     print(json.dumps(report, indent=2))
 
 

@@ -2,21 +2,24 @@
 
 A session is either standalone (its own mlx-lm cache per layer: `KVCache`,
 `RotatingKVCache` of the window for sliding layers) or a row of the
-persistent decode batch (batch.py). Prefill runs standalone; decode runs the
-batch; clone copies from either into a new standalone session (kvcopy.py).
+persistent decode batch (batch.py). A hybrid's recurrent layers keep an
+`ArraysCache` (recurrent.py), and a session may keep checkpoints of those
+states at chosen positions (`keep_at`, base.py's recurrent rule). Prefill runs
+standalone; decode runs the batch; clone copies from either into a new
+standalone session (kvcopy.py).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from backends.base import (Backend, BatchFailed, CloneRefused, ModelInfo, RowState, Sampled, SamplerState, Session,
                            check_inputs, clone_refusal)
-from backends.mlx import kvcopy, sampling
+from backends.mlx import kvcopy, recurrent, sampling
 from backends.mlx.batch import DecodeBatch, cache_marks, unmoved
 from backends.mlx.last_token import last_logits, supports_last_position
 from backends.mlx.loading import load_model
@@ -30,6 +33,8 @@ class MLXSession(Session):
         # a clone made one short of its donor's position holds one less than the window.
         self.held_from = held_from
         self.lost = False  # its state went with an abandoned decode batch (batch.py): corrupt
+        self.wanted: frozenset[int] = frozenset()  # positions to keep the recurrent state at (keep_at)
+        self.checkpoints: dict[int, list[ArraysCache]] = {}  # position -> its recurrent layers' states
 
 
 class MLXBackend(Backend):
@@ -39,6 +44,7 @@ class MLXBackend(Backend):
         self._sessions: dict[int, MLXSession] = {}
         self._batch = DecodeBatch(self.model)
         self._last_only = supports_last_position(self.model)
+        self._recurrent = any(layer.kind == "recurrent" for layer in self.info.layers)
         return self.info
 
     def open_session(self) -> MLXSession:
@@ -49,7 +55,7 @@ class MLXBackend(Backend):
             return
         if self._batch.has(session):
             self._batch.release(session)
-        session.caches = None
+        session.caches, session.checkpoints, session.kept = None, {}, ()
 
     # Fault contract (base.BatchFailed): prefill runs one session at a time, so a failure leaves
     # the earlier sessions COMMITTED with their logits and the later ones UNTOUCHED; the session
@@ -69,8 +75,8 @@ class MLXBackend(Backend):
                 if self._batch.has(session):
                     self._batch.leave(session)
                 marks = cache_marks(session.caches)
-                logits = last_logits(self.model, mx.array(chunk)[None], session.caches, self._last_only)[0]
-                mx.eval(logits)
+                logits, taken = self._run_chunk(session, chunk)
+                mx.eval(logits, self._arrays(taken))
             except Exception as exc:
                 if marks is None:  # failed while leaving the batch: the batch is not trustworthy
                     self._batch.abandon()
@@ -81,6 +87,7 @@ class MLXBackend(Backend):
                 raise BatchFailed(exc, [RowState.COMMITTED] * len(rows) + [failed] + later,
                                   None if done is None else done.astype(mx.float32)) from exc
             self._advance(session, len(chunk))
+            self._keep(session, taken)
             rows.append(logits)
         return mx.stack(rows).astype(mx.float32)
 
@@ -98,13 +105,16 @@ class MLXBackend(Backend):
                 row_tokens[row] = token
             logits = self._batch.step(row_tokens)
             logits = logits[mx.array(rows)].astype(mx.float32)
-            mx.eval(logits)
+            taken = {s: {s.position + 1: self._states(self._batch.caches, row)}
+                     for s, row in zip(sessions, rows) if s.position + 1 in s.wanted}
+            mx.eval(logits, [self._arrays(t) for t in taken.values()])
         except Exception as exc:
             if marks is None or not unmoved(marks, self._batch.marks()):
                 self._batch.abandon()  # joiners not yet absorbed keep their own caches: untouched
             raise BatchFailed(exc, [RowState.CORRUPT if s.lost else RowState.UNTOUCHED for s in sessions]) from exc
         for session in sessions:
             self._advance(session, 1)
+            self._keep(session, taken.get(session, {}))
         return logits
 
     def sample(self, logits: mx.array, states: Sequence[SamplerState]) -> list[Sampled]:
@@ -113,32 +123,58 @@ class MLXBackend(Backend):
     def clone(self, session: MLXSession, upto: int) -> MLXSession:
         if session.lost:
             raise CloneRefused("lost", "its state went with a failed decode step")
-        refusal = clone_refusal(session.position, upto, self.info, session.held_from)
+        refusal = clone_refusal(session.position, upto, self.info, session.held_from, session.kept)
         if refusal is not None:
             raise refusal
         caches, held_from = [], []
         sliding = iter(zip(self._windows, session.held_from))
-        for layer, view in zip(self.info.layers, self._views(session)):
-            if layer.kind == "full":
-                caches.append(kvcopy.clone_full(view, upto))
-            else:
-                window, held = next(sliding)
-                cache, start = kvcopy.clone_sliding(view, held, upto, window)
-                caches.append(cache)
-                held_from.append(start)
+        row = self._batch.row(session) if self._batch.has(session) else None
+        live = session.caches if row is None else self._batch.caches
+        # The recurrent rule: the state at `upto` is the live one or a checkpoint's (clone_refusal).
+        if upto != session.position and upto in session.checkpoints:
+            states = iter([recurrent.copy_state(c) for c in session.checkpoints[upto]])
+        else:  # (a model without recurrent layers has none)
+            states = iter(self._states(live, row))
+        for layer, cache in zip(self.info.layers, live):
+            match layer.kind:
+                case "recurrent":
+                    caches.append(next(states))
+                case "full":
+                    caches.append(kvcopy.clone_full(self._view(cache, row, session.position), upto))
+                case "sliding":
+                    window, held = next(sliding)
+                    copy, start = kvcopy.clone_sliding(self._view(cache, row, session.position), held, upto, window)
+                    caches.append(copy)
+                    held_from.append(start)
         mx.eval([kvcopy.arrays(c) for c in caches])
         clone = MLXSession(caches, held_from)
         clone.position = upto
         return self._track(clone)
 
+    def keep_at(self, session: MLXSession, positions: Collection[int]) -> None:
+        if session.id not in self._sessions:
+            raise ValueError(f"{session!r} was released")
+        if not self._recurrent:
+            return  # nothing to keep: every position clones from the live state
+        session.wanted = frozenset(p for p in positions if p > 0)
+        session.checkpoints = {p: states for p, states in session.checkpoints.items() if p in session.wanted}
+        taken = {}
+        if session.position in session.wanted and not session.lost:
+            row = self._batch.row(session) if self._batch.has(session) else None
+            taken[session.position] = self._states(session.caches if row is None else self._batch.caches, row)
+            mx.eval(self._arrays(taken))
+        self._keep(session, taken)
+
     def session_bytes(self, session: MLXSession) -> int:
+        kept = sum(c.nbytes for states in session.checkpoints.values() for c in states)
         if self._batch.has(session):
-            return self._batch.row_bytes()
-        return sum(c.nbytes for c in session.caches or ())
+            return self._batch.row_bytes() + kept
+        return sum(c.nbytes for c in session.caches or ()) + kept
 
     def total_bytes(self) -> int:
-        standalone = sum(self.session_bytes(s) for s in self._sessions.values() if not self._batch.has(s))
-        return standalone + self._batch.nbytes()
+        kept = sum(c.nbytes for s in self._sessions.values() for states in s.checkpoints.values() for c in states)
+        standalone = sum(c.nbytes for s in self._sessions.values() if not self._batch.has(s) for c in s.caches or ())
+        return standalone + self._batch.nbytes() + kept
 
     def live_sessions(self) -> int:
         return len(self._sessions)
@@ -155,14 +191,37 @@ class MLXBackend(Backend):
         self._sessions[session.id] = session
         return session
 
-    def _views(self, session: MLXSession) -> list[kvcopy.LayerView]:
-        if not self._batch.has(session):
-            return [kvcopy.view(c) for c in session.caches]
-        row = self._batch.row(session)
+    @staticmethod
+    def _view(cache: Any, row: int | None, position: int) -> kvcopy.LayerView:
+        if row is None:
+            return kvcopy.view(cache)
         # A full layer's row is right-aligned at the batch's write index.
-        return [
-            kvcopy.view(c, row, session.position, getattr(c, "_idx", 0) - session.position) for c in self._batch.caches
-        ]
+        return kvcopy.view(cache, row, position, getattr(cache, "_idx", 0) - position)
+
+    def _run_chunk(self, session: MLXSession, chunk: Sequence[int]) -> tuple[mx.array, dict[int, list[ArraysCache]]]:
+        """The chunk's last logits, running it in pieces that end at the wanted checkpoints inside
+        it (the engine's chunk ends are a hint; a checkpoint is exact wherever it falls); the
+        recurrent states taken there, not yet kept: a chunk that fails keeps none."""
+        start, taken = session.position, {}
+        cuts = sorted(p - start for p in session.wanted if start < p < start + len(chunk))
+        for a, b in zip([0, *cuts], [*cuts, len(chunk)]):
+            logits = last_logits(self.model, mx.array(chunk[a:b])[None], session.caches, self._last_only)[0]
+            if start + b in session.wanted:
+                taken[start + b] = self._states(session.caches, None)
+        return logits, taken
+
+    def _states(self, caches: Sequence[Any], row: int | None) -> list[ArraysCache]:
+        """Copies of the recurrent layers' states of a standalone session (row None) or a batch row."""
+        return [recurrent.copy_state(c, row) for c, layer in zip(caches, self.info.layers) if layer.kind == "recurrent"]
+
+    @staticmethod
+    def _arrays(taken: dict[int, list[ArraysCache]]) -> list[mx.array]:
+        return [a for states in taken.values() for c in states for a in kvcopy.arrays(c)]
+
+    @staticmethod
+    def _keep(session: MLXSession, taken: dict[int, list[ArraysCache]]) -> None:
+        session.checkpoints.update(taken)
+        session.kept = tuple(sorted(session.checkpoints))
 
     def _advance(self, session: MLXSession, n: int) -> None:
         session.position += n

@@ -1,5 +1,7 @@
 """The persistent decode batch: sessions decoding together share one mlx-lm
-batch cache per layer (`BatchKVCache`, `BatchRotatingKVCache`).
+batch cache per layer (`BatchKVCache`, `BatchRotatingKVCache`; a recurrent
+layer's `ArraysCache` stacks its rows' states along the batch axis, as mlx-lm's
+BatchGenerator merges them).
 
 Design rule: merging every session's cache into a batch on every step copies
 all the KV twice per step (merge, then extract); measured by
@@ -21,16 +23,24 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache
+
+from backends.mlx import recurrent
 
 
 def cache_marks(caches: Sequence[Any]) -> list[Any]:
-    """Where each cache stands, to tell whether a failed call moved it. A cache without
-    an offset (a recurrent state) cannot be told apart: it always counts as moved."""
-    return [(c.offset, getattr(c, "_idx", None)) if hasattr(c, "offset") else object() for c in caches]
+    """Where each cache stands, to tell whether a failed call moved it: a KV cache by its
+    offset, a recurrent state by its arrays (recurrent.py). Any other cache cannot be told
+    apart: it always counts as moved."""
+    def mark(c: Any) -> Any:
+        if isinstance(c, ArraysCache):
+            return recurrent.marks(c)
+        return (c.offset, getattr(c, "_idx", None)) if hasattr(c, "offset") else object()
+    return [mark(c) for c in caches]
 
 
 def unmoved(before: list[Any], after: list[Any]) -> bool:
-    def same(a: Any, b: Any) -> bool:  # ints by value; arrays (a batch's offsets) by identity, replaced on update
+    def same(a: Any, b: Any) -> bool:  # ints by value; arrays (offsets, states) by identity, replaced on update
         return a is b or (isinstance(a, int) and isinstance(b, int) and a == b)
     return len(before) == len(after) and all(isinstance(x, tuple) and isinstance(y, tuple) and all(map(same, x, y))
                                              for x, y in zip(before, after))

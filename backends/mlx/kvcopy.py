@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
 STEP = KVCache.step
 
@@ -90,4 +90,5 @@ def clone_sliding(v: LayerView, held_from: int, upto: int, window: int) -> tuple
 
 
 def arrays(cache) -> list[mx.array]:
-    return [a for a in (cache.keys, cache.values) if a is not None]
+    held = cache.cache if isinstance(cache, ArraysCache) else (cache.keys, cache.values)
+    return [a for a in held if a is not None]

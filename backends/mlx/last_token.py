@@ -4,9 +4,11 @@ mlx-lm models return logits for every position, and MLX does not push a
 slice back through the output projection: for SmolLM2 (49,152-token vocab,
 576 wide) that projection is about 15% of a 512-token prefill, spent on rows
 nobody reads. Most mlx-lm models are an inner `model` (embeddings, layers,
-norm) plus a head; while a chunk runs, a stand-in for the inner model hands
-the head only the last position. Whether a model is built that way is checked
-once, on a short input, against the plain call; other models run plainly.
+norm) plus a head, some (Qwen3.5) inside a `language_model` beside a vision
+tower; while a chunk runs, a stand-in for the inner model hands the head only
+the last position. Whether a model is built that way is checked once, on a
+short input, against the plain call; other models run plainly. (Qwen3.5's
+248,320-token head is most of a 0.8B model's prefill.)
 """
 
 from __future__ import annotations
@@ -31,17 +33,24 @@ class _LastPosition(nn.Module):
         raise AttributeError(name)
 
 
+def _owner(model: nn.Module) -> nn.Module:
+    """The module whose `model` is the inner model: the text model of a vision-language wrapper."""
+    text = model.get("language_model")
+    return text if isinstance(text, nn.Module) else model
+
+
 def _with_last_position(model: nn.Module, tokens: mx.array, cache) -> mx.array:
-    inner = model["model"]
-    model["model"] = _LastPosition(inner)
+    owner = _owner(model)
+    inner = owner["model"]
+    owner["model"] = _LastPosition(inner)
     try:
         return model(tokens, cache=cache)[:, -1]
     finally:
-        model["model"] = inner
+        owner["model"] = inner
 
 
 def supports_last_position(model: nn.Module) -> bool:
-    if not isinstance(model.get("model"), nn.Module):
+    if not isinstance(_owner(model).get("model"), nn.Module):
         return False
     tokens = mx.array([[1, 2, 3]])
     try:

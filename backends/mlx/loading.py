@@ -13,11 +13,12 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import load
 
 from backends.base import KVCost, LayerAttention, ModelInfo
 from backends.mlx.kvcopy import STEP
+from backends.mlx.recurrent import state_bytes
 from backends.model_info import read_model_facts
 from backends.model_path import resolve_model
 
@@ -46,30 +47,34 @@ def load_model(folder: str, dtype: str | None) -> tuple[nn.Module, Any, ModelInf
         context_length=facts.context_length,
         layers=layers,
         eos_token_ids=facts.eos_token_ids,
-        kv=kv_cost(layers, slot),
+        kv=kv_cost(layers, slot, state_bytes(model)),
         dtype=dtype,
         device="metal" if mx.default_device() == mx.gpu else "cpu",
     )
     return model, tokenizer, info
 
 
-
 def layer_kinds(model: nn.Module) -> tuple[LayerAttention, ...]:
-    # Design rule: only plain and rotating KV caches can be cloned at any
-    # position; recurrent or chunked state cannot, so such models are refused
-    # here with a clear message instead of failing on the first clone.
+    """One kind per entry of the model's cache list (a hybrid's MLP-only layers keep none).
+
+    Design rule: kvfork clones plain and rotating KV caches, and recurrent state
+    (`ArraysCache`: conv + SSM / delta-rule state) by base.py's recurrent rule;
+    other state (chunked attention, nested cache lists) is refused here with a
+    clear message instead of failing on the first clone."""
     kinds = []
     for i, cache in enumerate(make_prompt_cache(model)):
         if type(cache) is KVCache:
             kinds.append(LayerAttention("full"))
         elif type(cache) is RotatingKVCache and cache.keep == 0:
             kinds.append(LayerAttention("sliding", cache.max_size))
+        elif type(cache) is ArraysCache:
+            kinds.append(LayerAttention("recurrent"))
         else:
             raise ValueError(f"layer {i} keeps {type(cache).__name__} state, which kvfork cannot clone")
     return tuple(kinds)
 
 
-def kv_cost(layers: tuple[LayerAttention, ...], slot: int) -> KVCost:
+def kv_cost(layers: tuple[LayerAttention, ...], slot: int, state: int) -> KVCost:
     """Approximate, unlike torch's: mlx-lm's KVCache grows by whole steps of each write (a prefill
     chunk of n adds round_up(n) slots after the last used one, so chunked prefill may hold up to a
     step more per chunk), a ring grows towards its window in steps (and holds a chunk past it while
@@ -78,7 +83,8 @@ def kv_cost(layers: tuple[LayerAttention, ...], slot: int) -> KVCost:
     `tolerance` of its figure, plus one step of slots."""
     full = sum(1 for layer in layers if layer.kind == "full")
     rings = sum(layer.window or 0 for layer in layers if layer.kind == "sliding")
-    return KVCost(full_bytes_per_token=slot * full, ring_bytes=slot * rings, step=STEP, slack=STEP, tolerance=0.25)
+    return KVCost(full_bytes_per_token=slot * full, ring_bytes=slot * rings, step=STEP, slack=STEP, state_bytes=state,
+                  tolerance=0.25)
 
 
 def _probe(model: nn.Module) -> tuple[int, int]:
@@ -86,6 +92,9 @@ def _probe(model: nn.Module) -> tuple[int, int]:
     cache = make_prompt_cache(model)
     logits = model(mx.array([[0]]), cache=cache)
     mx.eval(logits)
-    full = [c for c in cache if type(c) is KVCache]
-    one = full[0] if full else cache[0]  # every layer's keys and values have one shape per token
+    # every attention layer's keys and values have one shape per token; an all-recurrent model has none
+    attention = [c for c in cache if type(c) is KVCache] + [c for c in cache if type(c) is RotatingKVCache]
+    if not attention:
+        return int(logits.shape[-1]), 0
+    one = attention[0]
     return int(logits.shape[-1]), one.keys[..., :1, :].nbytes + one.values[..., :1, :].nbytes

@@ -1,6 +1,7 @@
 """Sampling on the device, each row under its own request's settings and stream.
 
-Order (the torch backend follows it too): penalties and logit_bias shape the
+Order (the torch backend follows it too): a row's grammar mask (`state.allowed`)
+sets the tokens it forbids to -inf; penalties and logit_bias shape the
 logits; greedy takes their argmax; otherwise temperature, then top_k, top_p,
 min_p cut the distribution and the request's own key draws from it. Logprobs
 are those of the model's raw distribution (before penalties, bias and
@@ -15,6 +16,7 @@ from collections import Counter
 from typing import Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from backends.base import Sampled, SamplerState, SamplingParams
 
@@ -70,15 +72,29 @@ def _next_key(state: SamplerState) -> mx.array:
     return key
 
 
+def allow(logits: mx.array, states: Sequence[SamplerState]) -> mx.array:
+    """The logits with each constrained row's forbidden tokens at -inf, masked on the device in one pass;
+    `logits` itself when no row is constrained (then nothing is done at all)."""
+    masks = [s.allowed for s in states]
+    present = [m for m in masks if m is not None]
+    if not present:
+        return logits
+    everything = np.full(present[0].shape, -1, dtype=np.int32)  # all bits set: an unconstrained row
+    packed = mx.array(np.stack([everything if m is None else m for m in masks]))
+    bits = ((packed[:, :, None] >> mx.arange(32, dtype=mx.int32)) & 1).reshape(len(masks), -1)
+    return mx.where(bits[:, : logits.shape[-1]] == 1, logits, mx.array(-float("inf"), logits.dtype))
+
+
 def sample(logits: mx.array, states: Sequence[SamplerState]) -> list[Sampled]:
     logits = logits.astype(mx.float32)
+    picking = allow(logits, states)
     if all(_plain(s.params) for s in states):
-        tokens = mx.argmax(logits, axis=-1).tolist()
+        tokens = mx.argmax(picking, axis=-1).tolist()
         results = [Sampled(t) for t in tokens]
     else:
         keys = [s.rng for s in states]  # immutable arrays: holding them is the whole snapshot
         try:
-            results = _sample_rows(logits, states)
+            results = _sample_rows(picking, logits, states)
         except BaseException:
             for state, key in zip(states, keys):  # a failed call leaves every stream as it was
                 state.rng = key
@@ -88,12 +104,13 @@ def sample(logits: mx.array, states: Sequence[SamplerState]) -> list[Sampled]:
     return results
 
 
-def _sample_rows(logits: mx.array, states: Sequence[SamplerState]) -> list[Sampled]:
+def _sample_rows(picking: mx.array, logits: mx.array, states: Sequence[SamplerState]) -> list[Sampled]:
+    """Row by row: `picking` (masked) is what the pick is drawn from, `logits` (raw) what logprobs report."""
     picks, logprobs, tops = [], [], []
     for i, state in enumerate(states):
         p = state.params
         raw = logits[i]
-        row = shaped_logits(mx.array(raw), state)
+        row = shaped_logits(mx.array(picking[i]), state)
         if p.greedy:
             token = mx.argmax(row)
         else:

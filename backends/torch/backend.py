@@ -19,15 +19,16 @@ from backends.base import (Backend, BatchFailed, KVCost, LayerAttention, ModelIn
                            Session, check_inputs, clone_refusal)
 from backends.model_info import ModelFacts, read_model_facts
 from backends.model_path import resolve_model
-from backends.torch import kv, sampling
-from backends.torch.config import ArchConfig, read_config
+from backends.torch import checkpoints, hybrid, kv, sampling
+from backends.torch.config import ArchConfig, HybridConfig, read_config
+from backends.torch.hybrid import HybridTransformer
 from backends.torch.model import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class TorchSession(Session):
-    def __init__(self, layers: list[kv.LayerKV]):
+    def __init__(self, layers: list[kv.LayerKV | hybrid.HybridLayerState]):
         super().__init__()
         self.layers = layers
         self.ready: torch.cuda.Event | None = None  # a clone's copy this session's next use must wait for
@@ -70,27 +71,38 @@ class TorchBackend(Backend):
         path = resolve_model(folder)
         return self.install(read_config(path), read_weights(path, self.device), path.name, read_model_facts(path), dtype)
 
-    def install(self, cfg: ArchConfig, weights: dict[str, torch.Tensor], name: str, facts: ModelFacts,
+    def install(self, cfg: ArchConfig | HybridConfig, weights: dict[str, torch.Tensor], name: str, facts: ModelFacts,
                 dtype: str | None = None) -> ModelInfo:
         """Take a model from weights already in memory (HF names); `load` reads them from a folder,
         tools/gpu_check.py makes random ones of realistic shapes."""
         self.dtype = DTYPES[dtype] if dtype else default_dtype(self.device)
+        if isinstance(cfg, HybridConfig):
+            weights = checkpoints.canonical(cfg, weights)
         with torch.device("meta"):
-            model = Transformer(cfg, tied="lm_head.weight" not in weights)
+            tied = "lm_head.weight" not in weights
+            model = HybridTransformer(cfg, tied) if isinstance(cfg, HybridConfig) else Transformer(cfg, tied)
         wanted = model.state_dict().keys()
-        model.load_state_dict({k: weights[k].to(self.device, self.dtype) for k in wanted if k in weights}, strict=True, assign=True)
+        # A DeltaNet layer's decay rates stay float32 (as mlx-lm keeps them): exp(A_log) in bf16 is off by ~1%.
+        dtypes = {k: torch.float32 if k.endswith("A_log") else self.dtype for k in wanted}
+        model.load_state_dict({k: weights[k].to(self.device, dtypes[k]) for k in wanted if k in weights}, strict=True, assign=True)
         model.place(self.device)
         self.model, self.cfg = model.eval(), cfg
         self.info = self._describe(cfg, name, facts)
         return self.info
 
-    def _describe(self, cfg: ArchConfig, name: str, facts: ModelFacts) -> ModelInfo:
-        layers = tuple(LayerAttention("sliding", w) if w else LayerAttention("full") for w in cfg.sliding)
+    def _describe(self, cfg: ArchConfig | HybridConfig, name: str, facts: ModelFacts) -> ModelInfo:
+        if isinstance(cfg, HybridConfig):
+            layers = tuple(LayerAttention("recurrent") if linear else LayerAttention("full") for linear in cfg.linear)
+            state = hybrid.recurrent_bytes(cfg, self.dtype)
+        else:
+            layers = tuple(LayerAttention("sliding", w) if w else LayerAttention("full") for w in cfg.sliding)
+            state = 0
         slot = 2 * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize  # one token's keys and values, one layer
         # Exact: kv.py opens full layers at GROW_STEP slots, clones at round_up(upto) + GROW_STEP, grows to
-        # whole steps, and holds one ring of the window per sliding layer.
-        cost = KVCost(full_bytes_per_token=slot * sum(1 for w in cfg.sliding if not w),
-                      ring_bytes=slot * sum(w for w in cfg.sliding if w), step=kv.GROW_STEP, slack=kv.GROW_STEP)
+        # whole steps, and holds one ring of the window per sliding layer and one recurrent state per session.
+        cost = KVCost(full_bytes_per_token=slot * sum(1 for layer in layers if layer.kind == "full"),
+                      ring_bytes=slot * sum(layer.window or 0 for layer in layers if layer.kind == "sliding"),
+                      step=kv.GROW_STEP, slack=kv.GROW_STEP, state_bytes=state)
         return ModelInfo(
             name=name,
             vocab_size=cfg.vocab_size,
@@ -106,7 +118,10 @@ class TorchBackend(Backend):
 
     def open_session(self) -> TorchSession:
         cfg = self.cfg
-        session = TorchSession(kv.new_layers(cfg.sliding, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device))
+        if isinstance(cfg, HybridConfig):
+            session = TorchSession(hybrid.new_states(cfg, self.dtype, self.device))
+        else:
+            session = TorchSession(kv.new_layers(cfg.sliding, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device))
         self._sessions[session.id] = session
         return session
 

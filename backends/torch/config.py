@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3_text")
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # Gated DeltaNet + gated attention (hybrid.py)
+# Mamba-style and short-convolution hybrids: served by the MLX backend through mlx-lm only.
+MLX_ONLY_FAMILIES = ("lfm2", "lfm2_moe", "nemotron_h", "granitemoehybrid", "falcon_h1", "jamba", "mamba2")
 
 
 @dataclass(frozen=True)
@@ -63,13 +66,17 @@ def _layer_windows(cfg: dict, n: int) -> tuple[int | None, ...]:
     return tuple(window if kind == "sliding_attention" else None for kind in kinds)
 
 
-def read_config(folder: str | Path) -> ArchConfig:
+def read_config(folder: str | Path) -> ArchConfig | HybridConfig:
     folder = Path(folder)
     return parse_config(json.loads((folder / "config.json").read_text()))
 
 
-def parse_config(cfg: dict) -> ArchConfig:
+def parse_config(cfg: dict) -> ArchConfig | HybridConfig:
     family = cfg.get("model_type")
+    if family in HYBRID_FAMILIES:
+        return parse_hybrid_config(cfg)
+    if family in MLX_ONLY_FAMILIES:
+        raise ValueError(f"torch backend: {family!r} (a Mamba-style hybrid) is served by the MLX backend only")
     if family not in FAMILIES:
         raise ValueError(f"torch backend: model_type {family!r} is not one of {FAMILIES}")
     n = cfg["num_hidden_layers"]
@@ -107,4 +114,91 @@ def parse_config(cfg: dict) -> ArchConfig:
         mlp_bias=cfg.get("mlp_bias", False),
         qk_norm=family in ("qwen3", "gemma3_text"),
         gemma=gemma,
+    )
+
+
+# -- hybrids: Gated DeltaNet layers beside gated full attention ----------------
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """Qwen3.5 (dense, MoE) and Qwen3-Next: `linear[i]` says layer i is a Gated DeltaNet
+    layer (else gated full attention), `moe[i]` that its MLP is routed experts."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int  # partial rotary: only the first rotary_dim of each head turn
+    norm_eps: float
+    rope: Rope
+    linear: tuple[bool, ...]
+    linear_k_heads: int
+    linear_v_heads: int
+    linear_k_dim: int
+    linear_v_dim: int
+    conv_kernel: int
+    moe: tuple[bool, ...]
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+
+
+def parse_hybrid_config(cfg: dict) -> HybridConfig:
+    """Qwen3.5 nests the text model's settings under `text_config` (beside a vision config
+    we skip); Qwen3-Next keeps them top level. Quantized conversions are MLX's own format."""
+    family = cfg["model_type"]
+    if "quantization" in cfg or "quantization_config" in cfg:
+        raise ValueError(f"torch backend: {family!r} checkpoint is quantized; load the float checkpoint, "
+                         "or serve this conversion with the MLX backend")
+    text = cfg.get("text_config", cfg)
+    n = text["num_hidden_layers"]
+    heads = text["num_attention_heads"]
+    head_dim = text.get("head_dim") or text["hidden_size"] // heads
+    rope_params = dict(text.get("rope_parameters") or {})
+    partial = rope_params.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+    kinds = text.get("layer_types")
+    interval = text.get("full_attention_interval", 4)
+    if kinds:
+        linear = tuple(kind == "linear_attention" for kind in kinds)
+    else:
+        linear = tuple((i + 1) % interval != 0 for i in range(n))
+    experts = text.get("num_experts", 0) or 0
+    if family == "qwen3_next":  # every decoder_sparse_step-th layer, less mlp_only_layers
+        step, dense_only = text.get("decoder_sparse_step", 1), set(text.get("mlp_only_layers", []))
+        moe = tuple(experts > 0 and (i + 1) % step == 0 and i not in dense_only for i in range(n))
+    else:
+        moe = (experts > 0,) * n
+    for key in ("mrope_section", "mrope_interleaved", "partial_rotary_factor"):
+        rope_params.pop(key, None)  # text-only positions: M-RoPE's three sections turn alike
+    return HybridConfig(
+        family=family,
+        vocab_size=text["vocab_size"],
+        hidden_size=text["hidden_size"],
+        intermediate_size=text.get("intermediate_size", 0),
+        num_layers=n,
+        num_heads=heads,
+        num_kv_heads=text.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        rotary_dim=int(head_dim * partial),
+        norm_eps=text.get("rms_norm_eps", 1e-6),
+        rope=_rope(rope_params, text.get("rope_theta"), text.get("rope_scaling")),
+        linear=linear,
+        linear_k_heads=text["linear_num_key_heads"],
+        linear_v_heads=text["linear_num_value_heads"],
+        linear_k_dim=text["linear_key_head_dim"],
+        linear_v_dim=text["linear_value_head_dim"],
+        conv_kernel=text.get("linear_conv_kernel_dim", 4),
+        moe=moe,
+        num_experts=experts,
+        experts_per_token=text.get("num_experts_per_tok", 0),
+        moe_intermediate_size=text.get("moe_intermediate_size", 0),
+        shared_expert_intermediate_size=text.get("shared_expert_intermediate_size", 0),
+        norm_topk_prob=text.get("norm_topk_prob", family != "qwen3_next"),
     )

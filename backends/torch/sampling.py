@@ -1,6 +1,7 @@
 """Token choice on the device, each row under its own request's settings and random stream.
 
-The order and meaning are the MLX backend's (backends/mlx/sampling.py): penalties
+The order and meaning are the MLX backend's (backends/mlx/sampling.py): a row's
+grammar mask (`state.allowed`) sets the tokens it forbids to -inf; penalties
 and logit bias shape the logits; greedy takes their argmax; otherwise
 temperature, then top-k, top-p, min-p cut the distribution and the request's own
 generator draws from it. Logprobs are the model's raw distribution's, as OpenAI
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from backends.base import Sampled, SamplerState, SamplingParams
@@ -75,16 +77,31 @@ def draw(row: torch.Tensor, state: SamplerState) -> torch.Tensor:
     return torch.multinomial(probs, 1, generator=state.rng)[0]
 
 
+def allow(logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
+    """The logits with each constrained row's forbidden tokens at -inf, masked on the device in one pass;
+    `logits` itself when no row is constrained (then nothing is done at all)."""
+    masks = [s.allowed for s in states]
+    present = [m for m in masks if m is not None]
+    if not present:
+        return logits
+    everything = np.full(present[0].shape, -1, dtype=np.int32)  # all bits set: an unconstrained row
+    packed = torch.from_numpy(np.stack([everything if m is None else m for m in masks])).to(logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = ((packed.unsqueeze(-1) >> shifts) & 1).view(len(masks), -1)[:, : logits.shape[-1]]
+    return logits.masked_fill(bits == 0, float("-inf"))
+
+
 def sample(logits: torch.Tensor, states: Sequence[SamplerState]) -> list[Sampled]:
     logits = logits.float()
+    picking = allow(logits, states)
     if all(_plain_greedy(s.params) for s in states):
-        results = [Sampled(token) for token in logits.argmax(-1).tolist()]
+        results = [Sampled(token) for token in picking.argmax(-1).tolist()]
     else:
         # A failed call leaves every stream as it was: a stream made here is dropped, one that
         # existed gets its state back (each row's draw may have advanced it before a later row failed).
         streams = [(s.rng, None if s.rng is None else s.rng.get_state()) for s in states]
         try:
-            rows = [penalize(logits[i], s) for i, s in enumerate(states)]
+            rows = [penalize(picking[i], s) for i, s in enumerate(states)]
             tokens = torch.stack([draw(row, s) for row, s in zip(rows, states)]).tolist()
             results = [Sampled(token) for token in tokens]
             for i, s in enumerate(states):

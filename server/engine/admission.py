@@ -194,7 +194,8 @@ class Admission:
         choices = [m.Choice(s.rid, s.req.sampling) for s in request.waiting_siblings]
         return m.Start(request.rid, request.prompt, request.req.sampling, request.max_tokens, request.stop_ids,
                        capture=request.capture_slot, keep_session=named is not None,
-                       resume=resume, resume_at=resume_at, clone_from=clone_from, choices=choices)
+                       resume=resume, resume_at=resume_at, clone_from=clone_from,
+                       constraint=request.req.constraint, choices=choices)
 
     def drain(self) -> list[Any]:
         """Every session the cache and the named sessions hold (for shutdown)."""

@@ -9,9 +9,12 @@ calls `handle.finish()`, which ends the request as a normal `stop`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from backends.base import SamplingParams
+
+if TYPE_CHECKING:
+    from server.engine.constraints import Constraint
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 ReuseSource = Literal["cache", "donor", "session"]
@@ -57,6 +60,7 @@ class GenerateRequest:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     session_id: str | None = None  # named session: warm resume, never a reuse recipient
+    constraint: "Constraint | None" = None  # a grammar the output must follow (server/grammar.py makes them)
     n: int = 1  # choices: the prompt is prefilled once, choice i samples with seed + i (Engine.submit_choices)
 
 

@@ -45,6 +45,7 @@ class Start:
     resume_at: int = 0
     clone_from: list[tuple[Any, int]] = field(default_factory=list)
     choices: list[Choice] = field(default_factory=list)  # n > 1: the other choices, opened when the prompt is in
+    constraint: Any = None  # a constraints.Constraint: the grammar its tokens must follow, or None
 
 
 @dataclass

@@ -16,8 +16,9 @@ Design rules:
 - faults stay where they start, and nothing committed is computed twice
   (base.BatchFailed is the backends' half of this contract):
   - a forward pass that fails says per session what it did: UNTOUCHED sessions
-    run again without the others (one by one when nothing else changed, so a
-    failure that stays is charged to its own request); COMMITTED ones go on
+    run again without the others (one by one when nothing else changed, and
+    alone twice, so only a failure that stays is charged to its own request);
+    COMMITTED ones go on
     with their logits row; CORRUPT ones, and COMMITTED ones that need logits
     the backend could not give, fail with an error and are never read again;
   - a ValueError is check_inputs' refusal, before any state changed: the rows
@@ -25,13 +26,16 @@ Design rules:
     and every session of that call fails;
   - sampling that fails after a forward pass samples again row by row (the
     backend's sampler changes nothing when it raises); the forward pass is
-    never run again, and a row whose sampling fails alone fails alone;
+    never run again, and a row whose sampling fails alone, twice, fails alone;
 - optional work (a snapshot, a clone from the prefix cache) that fails for
   any reason falls back, to the next candidate or to none, and is counted;
+- grammar-constrained rows (constraints.py) join their mask just before a sample
+  and hand the sampled token over just after it; nothing else here knows them;
 - n choices prefill their prompt once: when its last logits row is in (after
   the capture, before any decode writes), each other choice gets a clone of the
   session at the prompt's full length and samples its first token from that
-  row with its own stream; a clone or a sample that fails fails its choice alone.
+  row with its own stream (and its own matcher, at the grammar's start); a
+  clone or a sample that fails fails its choice alone.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from backends.base import (Backend, BatchFailed, CloneRefused, RowState, Sampled
                            Session)
 from server.engine import messages as m
 from server.engine.clone_orders import CloneOrders
+from server.engine.constraints import ConstrainedRows
 from server.engine.scheduler import Running, plan_step
 
 log = logging.getLogger("kvfork.engine")
@@ -84,6 +89,7 @@ class Runner:
         self._rotation: int | None = None
         self._stopping = False
         self._backend_s = 0.0
+        self._constrained: ConstrainedRows | None = None  # once the model is loaded (it knows the vocabulary)
         self.thread = threading.Thread(target=self._main, name="kvfork-runner", daemon=True)
 
     def send(self, command: Any) -> None:
@@ -94,7 +100,9 @@ class Runner:
 
     def _main(self) -> None:
         try:
-            self._publish(m.Loaded(self.backend.load(self.model_path, self.dtype)))
+            info = self.backend.load(self.model_path, self.dtype)
+            self._constrained = ConstrainedRows(info.vocab_size)
+            self._publish(m.Loaded(info))
         except Exception as exc:
             log.exception("model load failed")
             self._publish(m.Died(f"model load failed: {exc}"))
@@ -110,6 +118,11 @@ class Runner:
         except BaseException as exc:  # the thread is dying: say so, never leave the loop waiting
             log.exception("runner died")
             self._publish(m.Died(f"runner died: {exc!r}"))
+
+    @property
+    def _rows(self) -> ConstrainedRows:
+        assert self._constrained is not None, "no request runs before the model is loaded"
+        return self._constrained
 
     def _publish(self, *events: Any) -> None:
         self.events.extend(events)
@@ -147,6 +160,7 @@ class Runner:
                 self._orders = CloneOrders()  # nobody is left to hand anything over to
                 for slot in list(self._slots.values()):
                     self._end(slot, "cancelled")
+                self._rows.close()
                 self._stopping = True
         self._serve_orders()
         if took and not self._slots:
@@ -178,6 +192,7 @@ class Runner:
             return
         sampler = SamplerState(start.sampling, prompt=start.prompt)
         self._slots[start.rid] = _Slot(start, session, sampler, choices=list(start.choices))
+        self._rows.start(start.rid, start.constraint)
         self.events.append(m.Started(start.rid, reused, index, refused, clone_s))
 
     def _clone_donor(self, command: m.CloneDonor) -> None:
@@ -262,11 +277,11 @@ class Runner:
                 self._sample(logits, done)
 
     def _forward(self, call: Callable[[list[Session], list], Any], slots: list[_Slot], rows: list,
-                 needs_logits: list[bool]) -> list[tuple[list[_Slot | None], Any]]:
+                 needs_logits: list[bool], retried: bool = False) -> list[tuple[list[_Slot | None], Any]]:
         """Run one batched forward pass, failing exactly the requests whose state can no longer be
         trusted. Returns (group, logits) pairs: row i of logits belongs to group[i], a request
         whose tokens are committed, or None (a row nobody reads); logits is None when no row of
-        its group needs them."""
+        its group needs them. `retried`: this call already failed once alone, changing nothing."""
         try:
             return [(list(slots), self._timed(call, [s.session for s in slots], rows))]
         except BatchFailed as failed:
@@ -274,7 +289,7 @@ class Runner:
                 self._fail_all(slots, f"backend failure ({failed}), with {len(failed.rows)} row states for "
                                       f"{len(slots)} sessions")
                 return []
-            return self._salvage(call, slots, rows, needs_logits, failed)
+            return self._salvage(call, slots, rows, needs_logits, failed, retried)
         except ValueError as exc:  # check_inputs refused the call before it changed anything
             if len(slots) == 1:
                 self._fail(slots[0], f"refused by the backend: {exc}")
@@ -285,7 +300,7 @@ class Runner:
             return []
 
     def _salvage(self, call: Callable, slots: list[_Slot], rows: list, needs_logits: list[bool],
-                 failed: BatchFailed) -> list[tuple[list[_Slot | None], Any]]:
+                 failed: BatchFailed, retried: bool) -> list[tuple[list[_Slot | None], Any]]:
         groups: list[tuple[list[_Slot | None], Any]] = []
         kept: list[_Slot | None] = []
         retry = []
@@ -305,8 +320,10 @@ class Runner:
             if retry:
                 groups += self._forward(call, [slots[i] for i in retry], [rows[i] for i in retry],
                                         [needs_logits[i] for i in retry])
-        elif len(slots) == 1:  # it failed alone and changed nothing: its own failure
+        elif len(slots) == 1 and retried:  # it failed alone twice and changed nothing: its own failure
             self._fail(slots[0], f"backend failure: {failed}")
+        elif len(slots) == 1:  # alone, nothing changed: once more, so a passing fault is charged to no one
+            groups += self._forward(call, slots, rows, needs_logits, retried=True)
         else:  # nothing changed anywhere: row by row, so a failure that stays is charged to its own request
             groups += self._one_by_one(call, slots, rows, needs_logits)
         return groups
@@ -316,15 +333,20 @@ class Runner:
         return [group for i in range(len(slots))
                 for group in self._forward(call, slots[i:i + 1], rows[i:i + 1], needs_logits[i:i + 1])]
 
-    def _sample(self, logits: Any, group: list[_Slot | None]) -> None:
-        """Sample the rows of `group`'s requests (None rows are sampled greedily and dropped)."""
+    def _sample(self, logits: Any, group: list[_Slot | None], retried: bool = False) -> None:
+        """Sample the rows of `group`'s requests (None rows are sampled greedily and dropped).
+        `retried`: this one row's sampling already failed once alone."""
         states = [s.sampler if s is not None else SamplerState(_DISCARD) for s in group]
+        states = self._rows.before_sample([s.start.rid if s is not None else None for s in group], states)
         try:
             picks = self._timed(self.backend.sample, logits, states)
         except Exception as exc:
             wanted = [i for i, s in enumerate(group) if s is not None]
-            if len(wanted) == 1:
+            if len(wanted) == 1 and retried:
                 self._fail(group[wanted[0]], f"sampling failed: {exc}")
+                return
+            if len(wanted) == 1:  # the sampler changed nothing: once more before charging the request
+                self._sample(logits, group, retried=True)
                 return
             log.warning("sampling a batch failed (%s); sampling its rows one by one", exc)
             for i in wanted:
@@ -347,6 +369,7 @@ class Runner:
                 self.events.append(m.Finished(choice.rid, "error", 0, 0, error=f"its clone failed: {exc!r}"))
                 continue
             slot = self._slots[choice.rid] = _Slot(start, session, SamplerState(choice.sampling, prompt=start.prompt))
+            self._rows.start(choice.rid, start.constraint)  # its own matcher: no choice has sampled yet
             self.events.append(m.Started(choice.rid, len(start.prompt), None))
             self._sample(logits, [slot if i == row else None for i in range(rows)])
 
@@ -373,6 +396,10 @@ class Runner:
         self.events.append(m.Captured(slot.start.rid, prompt, snapshot, self.backend.session_bytes(snapshot)))
 
     def _accept(self, slot: _Slot, pick: Sampled) -> None:
+        failure = self._rows.after_sample(slot.start.rid, pick.token)
+        if failure is not None:
+            self._end(slot, "error", error=failure)
+            return
         slot.generated += 1  # the backend's sampler has appended the token to `sampler.output`
         if pick.token in slot.start.stop_ids:
             self._end(slot, "stop")
@@ -395,6 +422,7 @@ class Runner:
         for choice in slot.choices:  # it left before its prompt was in: its choices go with it
             self.events.append(m.Finished(choice.rid, reason, 0, 0, error))
         del self._slots[slot.start.rid]
+        self._rows.end(slot.start.rid)
         kept, held = None, []
         if slot.start.keep_session and reason != "error":
             kept = slot.session

@@ -25,8 +25,16 @@ class StreamOptions(Struct):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(Struct):
+    name: str = "response"
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
 class ResponseFormat(Struct):
-    type: str = "text"
+    type: str = "text"  # text, json_object or json_schema
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ContentPart(Struct):
@@ -76,6 +84,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 

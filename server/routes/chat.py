@@ -20,12 +20,13 @@ from server.chat_output import ChatOutput, ChatOutputParser, collect, output_par
 from server.engine.api import TokenEvent, Usage
 from server.errors import ApiError, invalid, unsupported
 from server.generation import Finished, Piece
+from server.grammar import request_ask
 from server.protocol.openai import (
     AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
     ChoiceLogprobs, ChunkChoice, Delta, FunctionCall, FunctionDelta, TokenLogprob, ToolCallDelta, ToolCallOut,
     TopLogprob,
 )
-from server.routes.common import Choices, Constraint, Job, decoder, read_body, respond, usage_info
+from server.routes.common import Choices, Job, decoder, read_body, respond, usage_info
 from server.sampling import check_supported, generate_request, request_id, session_id, stop_strings
 from server.sse import EventStream
 from server.state import AppState, state_of
@@ -109,13 +110,10 @@ def template_message(index: int, message: ChatMessage) -> dict[str, Any]:
 async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Request, rid: str,
                   make_call_id: Callable[[], str] = openai_call_id) -> Job:
     check_supported(body, state.config.max_n)
-    if body.response_format is not None and body.response_format.type != "text":
-        raise unsupported("response_format", f"response_format {body.response_format.type!r} is not supported yet")
     if body.top_logprobs and not body.logprobs:
         raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
     messages = [template_message(i, m) for i, m in enumerate(body.messages)]
     choice, tool_name = tool_choice_of(body.tool_choice, check_tools(body.tools))
-    constraint = Constraint(body.tools, choice, tool_name, body.response_format)
     model = state.model_name(body.model)
     tokenizer = state.require_ready()
     session = session_id(body.session_id, request.headers.get("X-Session-ID"))
@@ -139,7 +137,12 @@ async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Req
         max_tokens=body.max_completion_tokens or body.max_tokens, session=session,
         logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
     )
-    return Job(model, prompt, generate, stop_strings(body), parser, constraint, body.n)
+    ask = request_ask(body.response_format, parser.tool_parser.name if parser.tool_parser else None, body.tools,
+                      choice, tool_name, parser.prompt_suffix,  # type: ignore[arg-type]
+                      parallel=body.parallel_tool_calls is not False)
+    if ask is not None:
+        generate.constraint = await state.grammars().compile(ask)
+    return Job(model, prompt, generate, stop_strings(body), parser, body.n)
 
 
 async def handle(request: web.Request) -> web.StreamResponse:

@@ -63,17 +63,6 @@ def json_response(body, status: int = 200) -> web.Response:
 
 
 @dataclass
-class Constraint:
-    """What the sampled text must obey, as the request asked: read by the output parser today
-    (tool_choice nudges the prompt) and by constrained decoding where it is on."""
-
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str = "auto"  # auto | none | required | function
-    tool_name: str | None = None  # the function a named tool_choice names
-    response_format: Any = None  # the request's response_format struct, None or type "text" for free text
-
-
-@dataclass
 class Job:
     """One request ready for the engine, whatever API it came through."""
 
@@ -82,7 +71,6 @@ class Job:
     generate: GenerateRequest
     stops: list[str]
     parser: ChatOutputParser | None = None  # chat-shaped APIs split reasoning and tool calls from the text
-    constraint: Constraint | None = None
     n: int = 1  # choices: the prompt is prefilled once, choice i samples with seed + i
 
 

@@ -1,0 +1,329 @@
+"""Constrained decoding: what a request asks for, compiled into an llguidance grammar.
+
+llguidance, not xgrammar (docs/agents.md says why; tools/grammar_bench.py
+measures both): it compiles a schema in well under a millisecond, lazily, so a
+fresh tool list per request costs nothing; its Lark dialect embeds JSON schemas
+(`%json`) and lazy lexemes, which is what tool-call markup and `tool_choice:
+auto` need.
+
+What gets constrained (`Ask`, built by the routes):
+- `response_format: json_object`: any JSON object; `json_schema`: JSON valid
+  against the schema; `strict: true` refuses keywords llguidance cannot enforce
+  (a 400), otherwise they are ignored (lenient);
+- `tool_choice: required`: one or more calls among the tools (one with
+  `parallel_tool_calls: false`), `function` (named):
+  exactly one call to it, each call's arguments valid against its `parameters`,
+  written in the markup of the request's tool parser (server/toolcalls/):
+  hermes `<tool_call>{json}</tool_call>`, qwen3_coder's XML, llama3's JSON;
+- `tool_choice: auto`: a lazy grammar: text is free until the parser's opening
+  markup, then the call's body is constrained (llama3: a reply that opens with
+  `{` is a call).
+When the route has already appended the parser's opening to the prompt (the
+forced prefix, chat_output.py), the grammar starts after it.
+
+Design rules:
+- JSON is written compactly as the parsers and templates write it (`", "` and
+  `": "`, no free whitespace): a small model cannot wander into endless blank
+  lines, and a call re-renders to the text the model wrote;
+- an object schema that does not say `additionalProperties` gets `false`, as in
+  llama.cpp: a small model otherwise invents keys until it runs out of tokens;
+- compiled grammars are cached by grammar text, per tokenizer (one compiler per
+  loaded tokenizer); each request gets a copy of the cached matcher;
+- a compile runs on a thread, bounded by --grammar-compile-timeout: past it, or
+  on a bad schema, a 400 naming the problem.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Literal, Sequence
+
+import numpy as np
+
+from server.errors import ApiError
+
+ToolChoice = Literal["auto", "none", "required", "function"]
+# JSON as json.dumps and the chat templates' `tojson` write it.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_CACHE_ENTRIES = 256
+
+
+@dataclass(frozen=True)
+class JsonObject:
+    """response_format json_object: any JSON object."""
+
+
+@dataclass(frozen=True)
+class JsonSchema:
+    schema: dict[str, Any]
+    strict: bool = False
+
+
+@dataclass(frozen=True)
+class ToolCalls:
+    parser: str  # a server/toolcalls parser name
+    tools: tuple[dict[str, Any], ...]  # the request's `function` objects: name, parameters, strict
+    choice: ToolChoice  # auto, required or function
+    name: str | None = None  # the named function
+    forced: str = ""  # the opening the prompt already ends with
+    parallel: bool = True  # False: `required` makes exactly one call
+
+
+Ask = JsonObject | JsonSchema | ToolCalls
+
+
+class GrammarError(ApiError):
+    """A grammar the request asks for and that cannot be built: 400 naming the problem."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(400, message, code="invalid_grammar", param=param)
+
+
+# ---- what each ask compiles to ----
+
+
+def closed(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` on every object schema that leaves it unsaid."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) if k in _SUBSCHEMAS else v for k, v in schema.items()}
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: closed(sub) for name, sub in schema[key].items()}
+    if "properties" in schema and "additionalProperties" not in schema and "patternProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+_SUBSCHEMAS = ("items", "anyOf", "oneOf", "allOf", "not", "prefixItems", "additionalProperties")
+
+
+def _schema_json(schema: dict[str, Any], lenient: bool) -> str:
+    options = {**_JSON_OPTIONS, "lenient": lenient}
+    return json.dumps({**closed(schema), "x-guidance": options}, ensure_ascii=False)
+
+
+def _lit(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+@dataclass
+class _Call:
+    """One call's markup as Lark pieces: `head` (literal text), then the body expression, then `tail`."""
+
+    head: str
+    body: str
+    tail: str
+    rules: list[str] = field(default_factory=list)
+
+    def expression(self, drop: str = "") -> str | None:
+        """The call as a Lark sequence, `drop` (text already in the prompt) cut from its start; None if it
+        does not start with `drop`."""
+        if not self.head.startswith(drop):
+            return None
+        head = self.head[len(drop):]
+        return " ".join(part for part in (_lit(head) if head else "", self.body, _lit(self.tail)) if part)
+
+
+def _parameters(function: dict[str, Any]) -> dict[str, Any]:
+    params = function.get("parameters")
+    return params if isinstance(params, dict) else {"type": "object", "properties": {}}
+
+
+def _hermes_call(function: dict[str, Any], index: int) -> _Call:
+    return _Call('<tool_call>\n{"name": ' + _lit(function["name"]) + ', "arguments": ',
+                 "%json " + _schema_json(_parameters(function), not function.get("strict", False)), "}\n</tool_call>")
+
+
+def _llama3_call(function: dict[str, Any], index: int) -> _Call:
+    return _Call('{"name": ' + _lit(function["name"]) + ', "parameters": ',
+                 "%json " + _schema_json(_parameters(function), not function.get("strict", False)), "}")
+
+
+def _qwen3_coder_call(function: dict[str, Any], index: int) -> _Call:
+    """`<function=NAME>` then one `<parameter=KEY>` element per property, in the schema's order: required ones
+    always, the others optional. String values are free text up to the closing tag; others are JSON."""
+    params = _parameters(function)
+    required = set(params.get("required") or ())
+    lenient = not function.get("strict", False)
+    rules, parts = [], []
+    for k, (key, schema) in enumerate((params.get("properties") or {}).items()):
+        rule = f"p{index}_{k}"
+        schema = schema if isinstance(schema, dict) else {}
+        open_tag = _lit(f"<parameter={key}>\n")
+        if schema.get("type", "string") == "string" and "enum" not in schema:
+            rules.append(f"{rule}_value[lazy]: ANY_TEXT {_lit(chr(10) + '</parameter>' + chr(10))}")
+            rules.append(f"{rule}: {open_tag} {rule}_value")
+        else:
+            rules.append(f"{rule}: {open_tag} %json {_schema_json(schema, lenient)} "
+                         f"{_lit(chr(10) + '</parameter>' + chr(10))}")
+        parts.append(rule if key in required else f"{rule}?")
+    return _Call(f"<tool_call>\n<function={function['name']}>\n", " ".join(parts), "</function>\n</tool_call>",
+                 rules)
+
+
+_CALLS = {"hermes": (_hermes_call, "\n", "<tool_call>"),
+          "qwen3_coder": (_qwen3_coder_call, "\n", "<tool_call>"),
+          "llama3": (_llama3_call, "; ", None)}
+
+
+def tool_lark(ask: ToolCalls) -> str:
+    """The Lark grammar of the calls `ask` allows (see the module docstring)."""
+    if ask.parser not in _CALLS:
+        raise GrammarError("tool_choice", f"tool calls in the {ask.parser!r} format cannot be constrained")
+    make, separator, trigger = _CALLS[ask.parser]
+    functions = [f for f in ask.tools if ask.choice != "function" or f["name"] == ask.name]
+    calls = [make(f, i) for i, f in enumerate(functions)]
+    if not calls:
+        raise GrammarError("tool_choice", "no tool to call")
+    rules = [rule for call in calls for rule in call.rules]
+    every = " | ".join(f"({c.expression()})" for c in calls)
+    lines = ["%llguidance {}", f"call: {every}", "ANY_TEXT: /(.|\\n)*/"]
+    if ask.choice == "auto":
+        if trigger is None:  # llama3: the whole reply is calls, or text that does not open with `{`
+            lines.append(f'start: call ({_lit(separator)} call)* | /([^{{](.|\\n)*)?/')
+        else:
+            bodies = " | ".join(f"({c.expression(trigger)})" for c in calls)
+            lines += ["start: (opening call_body)* ANY_TEXT", f"opening[lazy]: ANY_TEXT {_lit(trigger)}",
+                      f"call_body: {bodies}"]
+    else:
+        first = [e for c in calls if (e := c.expression(ask.forced)) is not None]
+        if not first:
+            raise GrammarError("tool_choice", "the forced opening matches no tool")
+        more = "" if ask.choice == "function" or not ask.parallel else f" ({_lit(separator)} call)*"
+        lines.append(f"start: ({' | '.join(f'({e})' for e in first)}){more}")
+    return "\n".join(lines + rules) + "\n"
+
+
+def grammar_text(ask: Ask) -> str:
+    """The llguidance grammar for an ask; raises GrammarError on one that cannot be written."""
+    import llguidance
+
+    match ask:
+        case JsonObject():
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
+        case JsonSchema(schema, strict):
+            try:
+                return llguidance.LLMatcher.grammar_from_json_schema(closed(schema), overrides={**_JSON_OPTIONS,
+                                                                                       "lenient": not strict})
+            except ValueError as exc:
+                raise GrammarError("response_format", f"the JSON schema is not valid: {exc}") from None
+        case ToolCalls():
+            return llguidance.LLMatcher.grammar_from_lark(tool_lark(ask))
+    raise TypeError(ask)
+
+
+def request_ask(response_format: Any, tool_parser: str | None, tools: list[dict[str, Any]] | None,
+                choice: ToolChoice, tool_name: str | None, forced: str, parallel: bool = True) -> Ask | None:
+    """What a chat request asks its output to follow, or None. `response_format` is the protocol's
+    ResponseFormat; `tool_parser` the parser the reply is read with (None: tools are not parsed);
+    `forced` the opening the prompt ends with; `parallel` False (parallel_tool_calls) allows one call."""
+    if response_format is not None and response_format.type != "text":
+        match response_format.type:
+            case "json_object":
+                return JsonObject()
+            case "json_schema":
+                spec = response_format.json_schema
+                if spec is None or not isinstance(spec.schema, dict):
+                    raise GrammarError("response_format.json_schema.schema", "json_schema needs a schema (an object)")
+                return JsonSchema(spec.schema, bool(spec.strict))
+            case other:
+                raise GrammarError("response_format.type",
+                                   f"response_format is text, json_object or json_schema, got {other!r}")
+    if tool_parser is None or not tools or choice == "none":
+        return None
+    if choice != "auto" and not forced:  # the reply starts inside reasoning: forced calls act as auto (chat_output)
+        choice, tool_name = "auto", None
+    return ToolCalls(tool_parser, tuple(t["function"] for t in tools), choice, tool_name, forced, parallel)
+
+
+def param_of(ask: Ask) -> str:
+    return "tool_choice" if isinstance(ask, ToolCalls) else "response_format"
+
+
+# ---- matchers (server/engine/constraints.py's protocols) ----
+
+
+class Matcher:
+    """One request's position in its grammar."""
+
+    def __init__(self, matcher: Any):
+        self._m = matcher
+
+    def advance(self, token: int) -> None:
+        self._m.consume_token(token)  # a refused token leaves the matcher in error: fill_mask reports it
+
+    def fill_mask(self, out: np.ndarray) -> str | None:
+        if self._m.is_error():
+            return self._m.get_error()
+        self._m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+        if self._m.is_error():
+            return self._m.get_error()
+        return None if out.any() else "no token fits the grammar here"
+
+    def fork(self) -> "Matcher":
+        return Matcher(self._m.deep_copy())
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled grammar: every request under it gets a copy of the ready matcher."""
+
+    _template: Any
+
+    def matcher(self) -> Matcher:
+        return Matcher(self._template.deep_copy())
+
+
+class GrammarCompiler:
+    """Compiles asks against one tokenizer, caching what it compiled."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], timeout_s: float):
+        self._hf, self.vocab_size, self.eos_ids, self.timeout_s = hf_tokenizer, vocab_size, list(eos_ids), timeout_s
+        self._tokenizer: Any = None
+        self._tokenizer_lock = threading.Lock()
+        self._cache: collections.OrderedDict[str, Grammar] = collections.OrderedDict()
+
+    def tokenizer(self) -> Any:
+        """The llguidance view of the tokenizer: built once, on first use (about a second)."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                import llguidance.hf
+
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size,
+                                                               eos_token=self.eos_ids)
+            return self._tokenizer
+
+    async def compile(self, ask: Ask) -> Grammar:
+        text = grammar_text(ask)
+        cached = self._cache.get(text)
+        if cached is not None:
+            self._cache.move_to_end(text)
+            return cached
+        await asyncio.to_thread(self.tokenizer)  # not under the compile's time limit: it is the server's cost
+        try:
+            grammar = await asyncio.wait_for(asyncio.to_thread(self._build, text, param_of(ask)), self.timeout_s)
+        except TimeoutError:
+            raise GrammarError(param_of(ask), f"the grammar took longer than {self.timeout_s:g} s to compile "
+                               "(--grammar-compile-timeout); simplify the schema") from None
+        self._cache[text] = grammar
+        if len(self._cache) > _CACHE_ENTRIES:
+            self._cache.popitem(last=False)
+        return grammar
+
+    def _build(self, text: str, param: str) -> Grammar:
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self.tokenizer(), text, log_level=0)
+        mask = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)
+        if not matcher.is_error():  # the first mask builds the lexer: the expensive part, so under the limit too
+            matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        if matcher.is_error():
+            raise GrammarError(param, f"the grammar cannot be compiled: {matcher.get_error()}")
+        return Grammar(matcher)

@@ -1,0 +1,223 @@
+"""A backend wrapper that injects faults at random: test-only, for `kvfork soak`.
+
+It wraps a real, loaded-by-the-engine backend and is handed to an in-process
+daemon by tools/soak.py; no flag of `kvfork serve` can reach it.
+
+Faults obey the contract of backends/base.py:
+- prefill / decode, "batch": raised before the real call, so every row is
+  UNTOUCHED (a runner may run them again);
+- prefill / decode, "row": charged to one row k, raised before the real call:
+  row k is reported CORRUPT (it must never be read again), the others UNTOUCHED;
+- sample, "batch": raised before the real sample, charged to nobody (a runner
+  re-samples row by row); "row": charged to one request, whose sampler then
+  fails on every later call, as a bad sampling input would;
+- clone and capture (a clone at the prompt length right after its last prefill
+  chunk): a RuntimeError, or a MemoryError as an allocation that runs out would.
+
+Every fault is recorded with the tokens of the sessions it touched (each session's
+committed history, tracked here), the seeds of the samplers it touched, and when,
+so the soak can tell which requests a fault could have hit. "Hard" faults (a
+CORRUPT row, a charged sampler) may fail their own request; every other fault is
+optional work or retryable and must fail nobody.
+
+It also watches, on the runner thread, what a checker outside cannot see between
+steps: the bytes the backend holds after every call (against the KV budget), and
+any read of a session it reported CORRUPT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from backends.base import Backend, BatchFailed, ModelInfo, RowState, Sampled, SamplerState, Session
+
+KINDS = ("prefill", "decode", "sample", "clone", "capture")
+
+
+class InjectedFault(RuntimeError):
+    """What the wrapper raises (MemoryError stands in for an out-of-memory clone)."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    id: int
+    kind: str  # one of KINDS
+    mode: str  # "batch", "row", "error" or "oom" (clones)
+    at: float  # time.monotonic()
+    tokens: tuple[tuple[int, ...], ...]  # per touched session: the tokens it held or was about to hold
+    seeds: tuple[int | None, ...] = ()  # per touched sampler (sample faults)
+
+    @property
+    def hard(self) -> bool:
+        """May fail the request it hit; every other fault must fail nobody."""
+        return self.kind in ("prefill", "decode", "sample") and self.mode == "row"
+
+
+@dataclass
+class Watch:
+    """What the wrapper saw on the runner thread."""
+
+    faults: list[Fault] = field(default_factory=list)
+    corrupt_reads: list[tuple[int, str]] = field(default_factory=list)  # (session id, what): CORRUPT, used again
+    over_budget: int = 0  # calls after which the backend held more than the budget
+    peak_bytes: int = 0
+    held_bytes: int = 0  # after the last call
+    live_sessions: int = 0
+    calls: dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})
+
+
+class FaultyBackend(Backend):
+    def __init__(self, inner: Backend, seed: int, rate: float, budget_bytes: int):
+        self.inner, self.rate, self.budget_bytes = inner, rate, budget_bytes
+        self.rng = random.Random(seed)  # drawn from on the runner thread only
+        self.enabled = False  # off for the warm-up and the drain; the soak turns it on
+        self.watch = Watch()
+        self._history: dict[int, list[int]] = {}  # session id -> committed tokens
+        self._corrupt: set[int] = set()
+        self._charged: dict[int, weakref.ref] = {}  # id -> the sampler (SamplerState compares by value)
+        self._just_prefilled: dict[int, int] = {}  # session id -> position, after its last prefill call
+        self._watches: dict[int, tuple[list[int], asyncio.Future, asyncio.AbstractEventLoop]] = {}
+
+    # ---- bookkeeping ----
+
+    def _draw(self, kind: str) -> bool:
+        self.watch.calls[kind] += 1
+        return self.enabled and self.rng.random() < self.rate
+
+    def _record(self, kind: str, mode: str, tokens: Sequence[Sequence[int]], seeds: Sequence[int | None] = ()) -> Fault:
+        fault = Fault(len(self.watch.faults) + 1, kind, mode, time.monotonic(), tuple(tuple(t) for t in tokens),
+                      tuple(seeds))
+        self.watch.faults.append(fault)
+        return fault
+
+    def _read(self, sessions: Sequence[Session], what: str) -> None:
+        for s in sessions:
+            if s.id in self._corrupt:
+                self.watch.corrupt_reads.append((s.id, f"{what} on {s!r}, reported corrupt"))
+
+    def _measure(self) -> None:
+        held = self.inner.total_bytes()
+        self.watch.held_bytes, self.watch.live_sessions = held, self.inner.live_sessions()
+        self.watch.peak_bytes = max(self.watch.peak_bytes, held)
+        if held > self.budget_bytes:
+            self.watch.over_budget += 1
+
+    def _batch_fault(self, kind: str, sessions: Sequence[Session], rows: Sequence[Sequence[int]]) -> None:
+        if not self._draw(kind):
+            return
+        tokens = [self._history.get(s.id, []) + list(row) for s, row in zip(sessions, rows)]
+        if self.rng.random() < 0.5:
+            fault = self._record(kind, "batch", tokens)
+            states = [RowState.UNTOUCHED] * len(sessions)
+        else:
+            k = self.rng.randrange(len(sessions))
+            fault = self._record(kind, "row", [tokens[k]])
+            states = [RowState.CORRUPT if i == k else RowState.UNTOUCHED for i in range(len(sessions))]
+            self._corrupt.add(sessions[k].id)
+        raise BatchFailed(InjectedFault(f"injected {kind} fault #{fault.id} ({fault.mode})"), states)
+
+    def when_holds(self, tokens: Sequence[int]) -> asyncio.Future:
+        """A future on the calling loop, done once some session has committed `tokens` (a prefix of its
+        history): the runner thread resolves it right after the prefill that got there."""
+        loop = asyncio.get_running_loop()
+        done, want = loop.create_future(), list(tokens)
+        self._watches[id(done)] = (want, done, loop)
+        if any(h[:len(want)] == want for h in list(self._history.values())):
+            self._resolve(id(done))
+        return done
+
+    def _resolve(self, key: int) -> None:
+        watch = self._watches.pop(key, None)
+        if watch is not None:
+            _, done, loop = watch
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+    def _check_watches(self, sessions: Sequence[Session]) -> None:
+        for key, (want, _, _) in list(self._watches.items()):
+            if any(self._history[s.id][:len(want)] == want for s in sessions if s.id in self._history):
+                self._resolve(key)
+
+    # ---- the Backend API ----
+
+    def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
+        self.info = self.inner.load(folder, dtype)
+        return self.info
+
+    def open_session(self) -> Session:
+        session = self.inner.open_session()
+        self._history[session.id] = []
+        self._measure()
+        return session
+
+    def release(self, session: Session) -> None:
+        self.inner.release(session)
+        self._history.pop(session.id, None)
+        self._just_prefilled.pop(session.id, None)
+        self._measure()
+
+    def prefill(self, sessions: Sequence[Session], chunks: Sequence[Sequence[int]]) -> Any:
+        self._read(sessions, "prefill")
+        self._batch_fault("prefill", sessions, chunks)
+        logits = self.inner.prefill(sessions, chunks)
+        for s, chunk in zip(sessions, chunks):
+            self._history.setdefault(s.id, []).extend(chunk)
+            self._just_prefilled[s.id] = s.position
+        self._check_watches(sessions)
+        self._measure()
+        return logits
+
+    def decode(self, sessions: Sequence[Session], tokens: Sequence[int]) -> Any:
+        self._read(sessions, "decode")
+        self._batch_fault("decode", sessions, [[t] for t in tokens])
+        logits = self.inner.decode(sessions, tokens)
+        for s, token in zip(sessions, tokens):
+            self._history.setdefault(s.id, []).append(token)
+            self._just_prefilled.pop(s.id, None)
+        self._measure()
+        return logits
+
+    def sample(self, logits: Any, states: Sequence[SamplerState]) -> list[Sampled]:
+        charged = [st for st in states if (ref := self._charged.get(id(st))) is not None and ref() is st]
+        if charged:  # a request whose sampling was made to fail keeps failing, as bad input would
+            raise InjectedFault(f"injected sample fault on seed {charged[0].params.seed} (again)")
+        if self._draw("sample"):
+            real = [st for st in states if st.prompt]  # rows the runner discards have no prompt
+            if self.rng.random() < 0.5 or not real:
+                fault = self._record("sample", "batch", [list(st.prompt) + st.output for st in states],
+                                     [st.params.seed for st in states])
+            else:
+                st = self.rng.choice(real)
+                fault = self._record("sample", "row", [list(st.prompt) + st.output], [st.params.seed])
+                self._charged[id(st)] = weakref.ref(st)
+            raise InjectedFault(f"injected sample fault #{fault.id} ({fault.mode})")
+        return self.inner.sample(logits, states)
+
+    def clone(self, session: Session, upto: int) -> Session:
+        self._read([session], "clone")
+        kind = "capture" if self._just_prefilled.get(session.id) == upto else "clone"
+        if self._draw(kind):
+            oom = self.rng.random() < 0.5
+            fault = self._record(kind, "oom" if oom else "error", [self._history.get(session.id, [])[:upto]])
+            message = f"injected {kind} fault #{fault.id}"
+            raise MemoryError(message) if oom else InjectedFault(message)
+        copy = self.inner.clone(session, upto)
+        self._history[copy.id] = self._history.get(session.id, [])[:upto]
+        self._measure()
+        return copy
+
+    def session_bytes(self, session: Session) -> int:
+        return self.inner.session_bytes(session)
+
+    def total_bytes(self) -> int:
+        return self.inner.total_bytes()
+
+    def live_sessions(self) -> int:
+        return self.inner.live_sessions()
+
+    def to_numpy(self, logits: Any) -> Any:
+        return self.inner.to_numpy(logits)
