@@ -148,3 +148,37 @@ async def test_cancelling_every_choice_frees_everything(where):
     adm = engine.admission
     assert adm.reserved == 0 and adm.slots_used == 0 and not list(engine.requests())
     await engine.shutdown(1)
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "mlx"])
+async def test_on_a_real_backend_the_choices_never_hold_more_than_they_reserved(backend_name, tiny_model_dir):
+    """Every step's report of what the backend holds stays within what admission reserved for the
+    choices (torch prices a choice's clone exactly; MLX within its tolerance)."""
+    from backends import create_backend
+    from server.engine.config import EngineConfig
+    from server.engine.engine import Engine
+    from server.metrics import Registry
+
+    config = EngineConfig(prefix_cache_entries=0, kv_budget_bytes=1 << 30, max_tokens=40)
+    engine = Engine(create_backend(backend_name), tiny_model_dir("llama"), "float32", config, Registry())
+    await engine.start()
+    kv, adm = engine.info.kv, engine.admission
+    over = []
+    handles = engine.submit_choices(request(prompt_of(300), 40, n=3, ignore_eos=True))
+
+    async def watch() -> None:
+        while any(h.done is None for h in handles):
+            if adm.slots_used == 3:
+                over.append(engine.stats.total_bytes - adm.reserved)
+            await asyncio.sleep(0)
+
+    watcher = asyncio.create_task(watch())
+    results = await asyncio.gather(*(collect(h) for h in handles))
+    await watcher
+    assert [len(tokens) for tokens, _ in results] == [40] * 3
+    assert len({tuple(tokens) for tokens, _ in results}) == 1  # greedy: the same answer three times
+    slack = kv.tolerance * adm.reserved
+    assert over and max(over) <= slack
+    await settled(engine, engine.backend)
+    assert adm.reserved == 0
+    await engine.shutdown(1)
