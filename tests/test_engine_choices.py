@@ -182,3 +182,29 @@ async def test_on_a_real_backend_the_choices_never_hold_more_than_they_reserved(
     await settled(engine, engine.backend)
     assert adm.reserved == 0
     await engine.shutdown(1)
+
+
+async def test_active_reuse_serves_choices_and_is_served_by_their_prompt():
+    shared = prompt_of(60, start=11)
+    donor_prompt, choices_prompt, later_prompt = shared + [7] * 5, shared + [9] * 6, shared + [9] * 6 + [4] * 3
+    backend = ScriptedBackend()
+    backend.delay["decode"] = 0.001
+    engine = await start_engine(backend, active_prefix_reuse_min_tokens=8, follow=False, prefix_cache_entries=0,
+                                prefill_chunk=16)
+    donor = engine.submit(request(donor_prompt, 200))
+    await anext(donor)
+    # n choices clone the running donor's shared prefix, then prefill only their own tail, once
+    handles = engine.submit_choices(request(choices_prompt, 200, n=2))
+    await anext(handles[1])
+    later, done = await collect(engine.submit(request(later_prompt, 4)))  # and their prompt serves a later one
+    assert later == backend.greedy(later_prompt, 4) and done.usage.reuse_source == "donor"
+    assert done.usage.reused_tokens >= len(choices_prompt) - 1
+    results = await asyncio.gather(*(collect(h) for h in handles))
+    first = results[0][1].usage
+    assert (first.reuse_source, first.reused_tokens, first.prefilled_tokens) == ("donor", 60, 6)
+    alone = backend.greedy(choices_prompt, 200)
+    assert results[0][0] == alone and results[1][0] == alone[1:]  # choice 1's first token was read above
+    await collect(donor)
+    await settled(engine, backend)
+    assert backend.live_sessions() == 0 and engine.admission.reserved == 0
+    await engine.shutdown(1)
