@@ -65,7 +65,7 @@ async def generation(engine, request: GenerateRequest, tokenizer: PromptTokenize
                      ) -> AsyncIterator[AsyncIterator[tuple[int, Piece | Finished] | KeepAlive]]:
     """Submit now (an engine refusal raises here, before any response starts); yield (choice, event)
     pairs, and KeepAlives while nothing arrives."""
-    handles = engine.submit_choices(request)
+    handles = [engine.submit(request)] if request.n == 1 else engine.submit_choices(request)
     arrived: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, handle) -> None:
