@@ -307,7 +307,7 @@ class Engine:
         self.metrics.done(r, event)
         r.handle.put(event)
         for sibling in r.waiting_siblings:  # it ended before the runner had it: so do its other choices
-            self._complete(sibling, reason, error)
+            self.complete(sibling, reason, error)
 
     # ---- runner events ----
 
