@@ -9,7 +9,7 @@ calls `handle.finish()`, which ends the request as a normal `stop`.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 from backends.base import SamplingParams
@@ -79,6 +79,15 @@ class GenerateRequest:
     session_id: str | None = None  # named session: warm resume, never a reuse recipient
     constraint: "Constraint | None" = None  # a grammar the output must follow (server/grammar.py makes them)
     scope: Scope = Scope()  # whose state it may reuse; a session_id names a session of scope.tenant
+    n: int = 1  # choices: the prompt is prefilled once, choice i samples with seed + i (Engine.submit_choices)
+
+
+def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index`'s sampling: its own stream, seed + index (as `stream_seed` normalizes seeds),
+    so choice 0 is the n = 1 answer; without a seed every stream is drawn fresh."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    return replace(sampling, seed=(sampling.stream_seed + index) % 2**64)  # type: ignore[operator]
 
 
 @dataclass
