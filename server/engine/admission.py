@@ -8,6 +8,9 @@ Design rules:
   reserves the session its request grows to (prompt plus max_tokens, as the
   backend rounds it), a capture slot its snapshot, a parked follower the clone
   it will be handed; named sessions and cache entries count what they hold;
+- a clone ordered from the runner stays held until the runner answers the
+  order, even when its request stopped waiting for it (it left, or its follow
+  timed out): the runner may already have made it;
 - bytes are priced by the backend's own cost function (`ModelInfo.kv`, a pure
   function); cache entries count what the backend measured for them.
 """
@@ -37,8 +40,11 @@ class Admission:
                                  windows)
         self.named = NamedSessions(config.max_named_sessions)
         self.slots_used = 0
-        self.reserved = 0  # bytes: what requests hold (slots, landed clones), and capture slots
+        self.reserved = 0  # bytes: what requests hold (slots, landed clones), capture slots, abandoned clones
         self.captures_in_use = 0
+        # rid -> bytes of each clone it ordered and stopped waiting for, oldest first: the runner may have
+        # made it (or may still), so its bytes stay held until the runner's CloneDone answers the order
+        self.abandoned: dict[int, collections.deque[int]] = {}
 
     def check(self, req: GenerateRequest, waiting: int) -> tuple[int, int]:
         """Turn away what can never run or cannot wait; else (max_tokens as clamped, bytes to reserve).
@@ -110,6 +116,23 @@ class Admission:
 
     def let_go(self, request: Request) -> None:
         self.hold(request, 0)
+
+    def abandon_clone(self, request: Request, nbytes: int) -> None:
+        """`request` stops waiting for a clone of `nbytes` it ordered from the runner: those bytes move
+        from its hold to the order, until `clone_answered`."""
+        nbytes = min(nbytes, request.reserved_bytes)
+        request.reserved_bytes -= nbytes
+        self.abandoned.setdefault(request.rid, collections.deque()).append(nbytes)
+
+    def clone_answered(self, rid: int) -> bool:
+        """The runner answered `rid`'s oldest order: if it was abandoned, its bytes go back (True)."""
+        orders = self.abandoned.get(rid)
+        if not orders:
+            return False
+        self.reserved -= orders.popleft()
+        if not orders:
+            del self.abandoned[rid]
+        return True
 
     def _make_room(self, need: int) -> bool:
         idle = self.named.idle_bytes(self.info.kv)
