@@ -216,3 +216,27 @@ async def test_a_follower_cancelled_before_its_order_is_served_gives_its_bytes_b
     await settled(engine, backend)
     assert engine.admission.reserved == 0 and not engine.admission.abandoned
     await engine.shutdown(1)
+
+
+async def test_a_queued_request_holds_its_named_sessions_state():
+    """From the moment a request acquires its named session, the table no longer counts the session as
+    idle: the request holds those bytes, queued or not (else the budget lost them while it waited)."""
+    backend = ScriptedBackend()
+    engine = await start_engine(backend, kv_budget_bytes=100 * KIB, prefix_cache_entries=0, inference_slots=1)
+    a = prompt_of(30, start=1)
+    first, _ = await run(engine, a, 10, session_id="a")  # idle: 39 tokens committed
+    turn = a + first[:9] + [7]
+    gate = backend.gates["decode"] = Gate()
+    blocker = engine.submit(request(prompt_of(10, start=5), 20, rid="blocker"))
+    await reached(gate)
+    again = engine.submit(request(turn, 4, rid="again", session_id="a"))  # queued behind the blocker
+    assert _request_named(engine, "again").phase is Phase.QUEUED
+    assert engine.admission.held() >= backend.total_bytes()  # the 39 tokens still live are counted
+    gate.open()
+    tokens, done = await collect(again)
+    assert done.finish_reason == "length" and done.usage.reused_tokens == 39
+    assert tokens == backend.greedy(turn, 4)
+    await collect(blocker)
+    await settled(engine, backend)
+    assert engine.admission.reserved == 0 and engine.admission.held() == backend.total_bytes()
+    await engine.shutdown(1)

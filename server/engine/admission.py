@@ -8,6 +8,8 @@ Design rules:
   reserves the session its request grows to (prompt plus max_tokens, as the
   backend rounds it), a capture slot its snapshot, a parked follower the clone
   it will be handed; named sessions and cache entries count what they hold;
+- a named session's state is held by the table while idle, and by its request
+  from the moment the request acquires it (even queued, before it runs);
 - a clone ordered from the runner stays held until the runner answers the
   order, even when its request stopped waiting for it (it left, or its follow
   timed out): the runner may already have made it;
@@ -113,6 +115,16 @@ class Admission:
         self.reserved += extra
         request.reserved_bytes = nbytes
         return True
+
+    def hold_named(self, request: Request) -> None:
+        """`request` acquired its named session: the state it holds, counted by the table while idle, is
+        the request's to hold from now on (queued, it is not idle: nobody may evict it), until it
+        hands it back on leaving. A move, not a new byte: it always fits."""
+        assert request.named is not None and request.named.busy
+        if request.named.session is not None:
+            nbytes = self.info.kv.bytes_for(len(request.named.tokens))
+            self.reserved += nbytes
+            request.reserved_bytes += nbytes
 
     def let_go(self, request: Request) -> None:
         self.hold(request, 0)

@@ -127,6 +127,8 @@ class Engine:
         rid = self._next_rid
         handle = RequestHandle(req.request_id, lambda: self._cancel(rid), lambda: self._finish(rid))
         r = self._requests[rid] = Request(rid, req, handle, max_tokens, stop_ids, need, named)
+        if named is not None:
+            adm.hold_named(r)
         self._idle.clear()
         adm.queue.append(r)
         self.admit()
