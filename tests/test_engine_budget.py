@@ -240,3 +240,11 @@ async def test_a_queued_request_holds_its_named_sessions_state():
     await settled(engine, backend)
     assert engine.admission.reserved == 0 and engine.admission.held() == backend.total_bytes()
     await engine.shutdown(1)
+
+
+def test_byte_gauges_render_exactly():
+    """The soak compares the backend's bytes with the budget's to the byte, read from /metrics."""
+    from server.metrics import Gauge
+
+    assert Gauge("kvfork_kv_bytes", "bytes", lambda: 3_014_656).render()[-1] == "kvfork_kv_bytes 3014656"
+    assert Gauge("x", "ratio", lambda: 0.25).render()[-1] == "x 0.25"

@@ -14,7 +14,8 @@ Design rules:
   order, even when its request stopped waiting for it (it left, or its follow
   timed out): the runner may already have made it;
 - bytes are priced by the backend's own cost function (`ModelInfo.kv`, a pure
-  function); cache entries count what the backend measured for them.
+  function); cache entries count what the backend measured for them; where the
+  backend pads the sessions it runs together (MLX), the padding is held too.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Admission:
                                  windows)
         self.named = NamedSessions(config.max_named_sessions)
         self.slots_used = 0
+        self.in_slots: dict[int, Request] = {}  # rid -> request holding an inference slot
         self.reserved = 0  # bytes: what requests hold (slots, landed clones), capture slots, abandoned clones
         self.captures_in_use = 0
         # rid -> bytes of each clone it ordered and stopped waiting for, oldest first: the runner may have
@@ -66,7 +68,7 @@ class Admission:
                 raise InvalidRequest(str(exc)) from None
         max_tokens = clamp_max_tokens(req.max_tokens, self.config.max_tokens, n, context)
         need = self.request_bytes(n, max_tokens)
-        if fit_admission(need, 0, 0, self.budget).never:
+        if fit_admission(max(need, self.info.kv.row_bytes(n + max_tokens)), 0, 0, self.budget).never:
             raise CapacityExhausted(f"the request needs {need} bytes of KV state; the budget is {self.budget}")
         waits = bool(self.queue) or self.slots_used >= self.config.inference_slots
         if waits and waiting >= self.config.max_queue:
@@ -83,7 +85,17 @@ class Admission:
         return self.info.kv.bytes_for(upto, start=upto)
 
     def held(self) -> int:
-        return self.reserved + self.cache.nbytes + self.named.idle_bytes(self.info.kv)
+        return self.reserved + self.padding() + self.cache.nbytes + self.named.idle_bytes(self.info.kv)
+
+    def padding(self, joining: Request | None = None) -> int:
+        """Where the backend pads the sessions it runs together to the longest (`KVCost.padded_rows`):
+        what the requests in slots (and `joining`, at its `need_bytes`) may hold beyond their own holds,
+        each up to the row of the longest session any of them grows to."""
+        rows = [*self.in_slots.values(), *([joining] if joining is not None else [])]
+        if not rows or not self.info.kv.padded_rows:
+            return 0
+        row = self.info.kv.row_bytes(max(len(r.prompt) + r.max_tokens for r in rows))
+        return sum(max(0, row - (r.need_bytes if r is joining else r.reserved_bytes)) for r in rows)
 
     def can_wait(self, waiting: int) -> bool:
         """Whether one more request may wait (queued or parked) beside `waiting` others."""
@@ -94,10 +106,11 @@ class Admission:
         if not self.queue or self.slots_used >= self.config.inference_slots:
             return None
         head = self.queue[0]
-        if not self.hold(head, head.need_bytes):
+        if not self.hold(head, head.need_bytes, also=self.padding(head) - self.padding()):
             return None
         self.queue.popleft()
         self.slots_used += 1
+        self.in_slots[head.rid] = head
         self._offer_capture_slot(head)
         return head
 
@@ -106,11 +119,12 @@ class Admission:
         at = next((i for i, queued in enumerate(self.queue) if queued.rid > request.rid), len(self.queue))
         self.queue.insert(at, request)
 
-    def hold(self, request: Request, nbytes: int) -> bool:
+    def hold(self, request: Request, nbytes: int, also: int = 0) -> bool:
         """Make `request` hold `nbytes` of the budget: more only if it fits (the prefix cache, then idle
-        named sessions give way), less always. False (nothing changed) when it does not fit."""
+        named sessions give way), less always. False (nothing changed) when it does not fit.
+        `also`: bytes that must fit beside it (the padding a request joining the slots adds)."""
         extra = nbytes - request.reserved_bytes
-        if extra > 0 and not self._make_room(extra):
+        if extra + also > 0 and not self._make_room(extra + also):
             return False
         self.reserved += extra
         request.reserved_bytes = nbytes
@@ -180,6 +194,7 @@ class Admission:
     def free_slot(self, request: Request) -> None:
         """The request no longer holds a slot (it ended, or it was parked): its bytes go back too."""
         self.slots_used -= 1
+        self.in_slots.pop(request.rid, None)
         self.let_go(request)
 
     def store_capture(self, tokens: list[int], session: Any, nbytes: int) -> None:
