@@ -13,6 +13,9 @@ Design rules:
   target (the donor's chunk stops there), before the donor writes again;
 - a donor that leaves hands what it committed to the follower that salvages
   most (follow.promote), cloned before its state is released;
+- every CloneDonor is answered by exactly one CloneDone (a session, a refusal,
+  or "cancelled" for an order dropped while it waited): the control loop holds
+  the clone's bytes until then;
 - faults stay where they start, and nothing committed is computed twice
   (base.BatchFailed is the backends' half of this contract):
   - a forward pass that fails says per session what it did: UNTOUCHED sessions
@@ -148,7 +151,8 @@ class Runner:
             if isinstance(command, m.Start):
                 self._start(command)
             elif isinstance(command, (m.Cancel, m.Finish)):
-                self._orders.drop_recipient(command.rid)
+                if self._orders.drop_recipient(command.rid):  # every order is answered, a dropped one too
+                    self.events.append(m.CloneDone(command.rid, None, reason="cancelled"))
                 reason = "cancelled" if isinstance(command, m.Cancel) else "stop"
                 slot = self._slots.get(command.rid)
                 if slot is not None:
