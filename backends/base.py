@@ -190,6 +190,10 @@ class Backend(abc.ABC):
     """One model on one device."""
 
     info: ModelInfo
+    # True when `prefill` runs rows of any length, one-token decode rows included, in ONE forward
+    # pass (torch). The runner then sends a step's decode rows and prefill chunks in one `prefill`
+    # call; otherwise (MLX: mlx-lm has no varlen batch) it calls `decode`, then `prefill`.
+    mixed_batches: bool = False
 
     @abc.abstractmethod
     def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
@@ -205,7 +209,8 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def prefill(self, sessions: Sequence[Session], chunks: Sequence[Sequence[int]]) -> Any:
-        """Commit chunks[i] to sessions[i]; return each session's last-token logits, shape [n, vocab]."""
+        """Commit chunks[i] (any length >= 1) to sessions[i]; return each session's last-token
+        logits, shape [n, vocab]."""
 
     @abc.abstractmethod
     def decode(self, sessions: Sequence[Session], tokens: Sequence[int]) -> Any:

@@ -20,7 +20,7 @@ from backends.base import (Backend, BatchFailed, LayerAttention, ModelInfo, RowS
 from backends.model_path import resolve_model
 from backends.torch import kv, sampling
 from backends.torch.config import ArchConfig, read_config
-from backends.torch.model import Transformer
+from backends.torch.model import Row, Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -117,51 +117,39 @@ class TorchBackend(Backend):
 
     # -- compute ---------------------------------------------------------
 
-    # Fault contract (base.BatchFailed): prefill runs one session at a time, so a failure leaves
-    # the earlier sessions COMMITTED with their logits and the later ones UNTOUCHED; the session
-    # that failed, and every session of a failed decode, is UNTOUCHED unless one of its rings was
-    # written (kv.py: writes past `position` in a growing buffer are invisible), else CORRUPT.
-    # `position` advances only once a session's forward pass has returned.
+    # One forward pass per call: prefill takes rows of any length (one-token decode rows too) and
+    # runs them all in one varlen batch (model.Row), so a step that decodes some sessions and
+    # prefills others reads the weights once (`mixed_batches`).
+    #
+    # Fault contract (base.BatchFailed): one pass writes every row, so a failure leaves each
+    # session UNTOUCHED unless one of its rings was written (kv.py: writes past `position` in a
+    # growing buffer are invisible), else CORRUPT; none is COMMITTED. `position` advances only
+    # once the pass has returned.
+
+    mixed_batches = True
 
     @torch.inference_mode()
     def prefill(self, sessions: Sequence[TorchSession], chunks: Sequence[Sequence[int]]) -> torch.Tensor:
         check_inputs(sessions, chunks, self._sessions, self.info)
         if not sessions:
             return torch.zeros((0, self.info.vocab_size), device=self.device)
-        out: list[torch.Tensor] = []
         writes = [kv.ring_writes(s.layers) for s in sessions]
         try:
             self._wait_for_clones(sessions)
-            for session, chunk in zip(sessions, chunks):
-                start = session.position
-                tokens = torch.tensor([list(chunk)], dtype=torch.long, device=self.device)
-                positions = torch.arange(start, start + len(chunk), device=self.device)[None]
-                out.append(self.model(tokens, positions, [session.layers], [start]))
-                session.position += len(chunk)
-        except Exception as exc:
-            done = len(out)
-            rows = [RowState.COMMITTED] * done + [self._after_failure(s, w) for s, w in zip(sessions[done:], writes[done:])]
-            logits = torch.cat([*out, out[0].new_zeros((len(sessions) - done, out[0].shape[-1]))]) if out else None
-            raise BatchFailed(exc, rows, logits) from exc
-        return torch.cat(out)
-
-    @torch.inference_mode()
-    def decode(self, sessions: Sequence[TorchSession], tokens: Sequence[int]) -> torch.Tensor:
-        check_inputs(sessions, [[t] for t in tokens], self._sessions, self.info)
-        if not sessions:
-            return torch.zeros((0, self.info.vocab_size), device=self.device)
-        writes = [kv.ring_writes(s.layers) for s in sessions]
-        try:
-            self._wait_for_clones(sessions)
-            starts = [s.position for s in sessions]
-            ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)[:, None]
-            positions = torch.tensor(starts, device=self.device)[:, None]
-            logits = self.model(ids, positions, [s.layers for s in sessions], starts)
+            rows = [Row(s.layers, s.position, len(chunk)) for s, chunk in zip(sessions, chunks)]
+            for row in rows:
+                kv.reserve(row.kv, row.start + row.length)  # every allocation before the first write
+            ids = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long, device=self.device)
+            positions = torch.tensor([row.start + i for row in rows for i in range(row.length)], device=self.device)
+            logits = self.model(ids, positions, rows)
         except Exception as exc:
             raise BatchFailed(exc, [self._after_failure(s, w) for s, w in zip(sessions, writes)]) from exc
-        for s in sessions:
-            s.position += 1
+        for s, chunk in zip(sessions, chunks):
+            s.position += len(chunk)
         return logits
+
+    def decode(self, sessions: Sequence[TorchSession], tokens: Sequence[int]) -> torch.Tensor:
+        return self.prefill(sessions, [[t] for t in tokens])
 
     @staticmethod
     def _after_failure(session: TorchSession, ring_writes: int) -> RowState:
