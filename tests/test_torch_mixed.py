@@ -4,6 +4,7 @@ each row honestly (base.BatchFailed)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import numpy as np
@@ -11,6 +12,10 @@ import pytest
 
 from backends.base import BatchFailed, RowState
 from backends.torch.backend import TorchBackend
+from engine_harness import run
+from server.engine.config import EngineConfig
+from server.engine.engine import Engine
+from server.metrics import Registry
 
 DEVICE = os.environ.get("KVFORK_DEVICE", "cpu")
 ATOL, RTOL = 1e-5, 1e-4
@@ -115,3 +120,27 @@ def test_a_failed_pass_reports_each_row_and_a_retry_is_exact(backend):
                                        atol=ATOL, rtol=RTOL)
     for s in sessions:
         backend.release(s)
+
+
+async def test_the_engine_runs_one_forward_pass_per_step(tiny_model_dir):
+    """One request decodes while another prefills in chunks: every runner step is exactly one
+    model forward pass on torch, and both requests get the tokens they get alone."""
+    registry = Registry()
+    config = EngineConfig(prefill_chunk=8, prefix_cache_entries=0, kv_budget_bytes=1 << 30, max_tokens=30)
+    engine = Engine(TorchBackend(DEVICE), tiny_model_dir("llama"), "float32", config, registry)
+    await engine.start()
+    prompts = [tokens(7, 8), tokens(8, 80)]
+    alone = [await run(engine, p, 30) for p in prompts]
+    passes, steps_before = Passes(engine.backend), steps_total(registry)
+    together = await asyncio.gather(*(run(engine, p, 30) for p in prompts))
+    passes.handle.remove()
+    assert [out for out, _ in together] == [out for out, _ in alone]
+    steps = steps_total(registry) - steps_before
+    assert passes.n == steps
+    assert steps < 30 + 30 + 80 // 8  # decode rows rode along with prefill chunks
+    await engine.shutdown(1)
+
+
+def steps_total(registry) -> float:
+    line = next(line for line in registry.render().splitlines() if line.startswith("kvfork_runner_steps_total"))
+    return float(line.split()[-1])
