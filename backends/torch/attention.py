@@ -41,9 +41,14 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
     """q: [heads, n, head_dim] for positions [start, start + n); keys, values: [kv_heads, n_keys,
     head_dim], the first at position `first_key` (None: a ring's unordered slots, all visible to
     the single query). Returns [n, heads, head_dim]."""
-    flash = flash_attention() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
-    if flash is not None:
-        return _flash(flash, q, keys, values, window, scale)
+    kernel = flash_attention() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
+    if kernel is not None:
+        return flash(kernel, q, keys, values, window, scale)
+    return sdpa(q, keys, values, start, first_key, window, scale)
+
+
+def sdpa(q, keys, values, start, first_key, window, scale) -> torch.Tensor:
+    """`attend` through torch's scaled_dot_product_attention: the plain path, on every device."""
     n, n_keys = q.shape[1], keys.shape[1]
     if n == 1:
         mask = None  # one query sees every key its layer returns
@@ -56,10 +61,11 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
     return out[0].transpose(0, 1)
 
 
-def _flash(flash, q, keys, values, window, scale) -> torch.Tensor:
+def flash(kernel, q, keys, values, window, scale) -> torch.Tensor:
+    """`attend` through FlashAttention's `kernel` (flash_attn_func), CUDA and 16-bit only."""
     # Token-major views of the head-major buffers: FlashAttention takes any strides but the last.
     # Its causal mask is aligned to the last key, as causal_lower_right; a ring's single query
     # sees all its slots (causal with n = 1 masks nothing), and a chunk's window is (W - 1, 0).
-    out = flash(q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-                softmax_scale=scale, causal=True, window_size=(window - 1, 0) if window else (-1, -1))
+    out = kernel(q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                 softmax_scale=scale, causal=True, window_size=(window - 1, 0) if window else (-1, -1))
     return out[0]
