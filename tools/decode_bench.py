@@ -154,7 +154,9 @@ class Tree:
     def __call__(self, call: str, **kwargs):
         self.proc.stdin.write(json.dumps({"call": call, **kwargs}) + "\n")
         self.proc.stdin.flush()
-        return self._read()
+        result = self._read()
+        print(f"{self.root} {call} {kwargs}: {json.dumps(result)}", file=sys.stderr, flush=True)  # progress
+        return result
 
     def close(self) -> None:
         self.proc.stdin.close()
