@@ -156,9 +156,10 @@ class Admission:
             self.send(m.Release(sessions))
 
     def start(self, request: Request, resume: Any = None, resume_at: int = 0,
-              cache_matches: list[CacheMatch] | None = None) -> m.Start:
+              cache_matches: list[CacheMatch] | None = None, donor: tuple[int, int] | None = None) -> m.Start:
         """The Start command for a request that holds a slot: warm resume for a named session,
-        else the given `resume` (a donor's clone), else the prefix cache's candidates."""
+        else the given `resume` (a follower's landed clone) or `donor` (rid, upto) to clone from,
+        else the prefix cache's candidates."""
         named = request.named
         clone_from: list[tuple[Any, int]] = []
         if named is not None:
@@ -167,12 +168,12 @@ class Admission:
             else:
                 self.release_sessions([named.session])
             named.session, named.tokens = None, []  # the request owns it now; it comes back at the end
-        elif resume is None:
+        elif resume is None and donor is None:
             request.cache_matches = self.cache.lookup(request.prompt) if cache_matches is None else cache_matches
             clone_from = [(match.entry.session, match.upto) for match in request.cache_matches]
         return m.Start(request.rid, request.prompt, request.req.sampling, request.max_tokens, request.stop_ids,
                        capture=request.capture_slot, keep_session=named is not None,
-                       resume=resume, resume_at=resume_at, clone_from=clone_from,
+                       resume=resume, resume_at=resume_at, clone_from=clone_from, donor=donor,
                        constraint=request.req.constraint)
 
     def drain(self) -> list[Any]:

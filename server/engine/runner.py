@@ -47,7 +47,8 @@ from backends.base import (Backend, BatchFailed, CloneRefused, RowState, Sampled
 from server.engine import messages as m
 from server.engine.clone_orders import CloneOrders
 from server.engine.constraints import ConstrainedRows
-from server.engine.scheduler import Running, plan_step
+from server.engine.rates import RateTracker
+from server.engine.scheduler import Running, TimeBudget, plan_step
 
 log = logging.getLogger("kvfork.engine")
 _DISCARD = SamplingParams()  # greedy: samples the logits rows nobody reads, leaving real streams untouched
@@ -71,9 +72,12 @@ class _Slot:
 
 class Runner:
     def __init__(self, backend: Backend, model_path: str, dtype: str | None,
-                 max_batch_tokens: int, prefill_chunk: int, notify: Callable[[], None]):
+                 max_batch_tokens: int, prefill_chunk: int, max_step_s: float, notify: Callable[[], None]):
         self.backend, self.model_path, self.dtype = backend, model_path, dtype
-        self.max_batch_tokens, self.prefill_chunk = max_batch_tokens, prefill_chunk
+        self.max_batch_tokens, self.prefill_chunk, self.max_step_s = max_batch_tokens, prefill_chunk, max_step_s
+        # The step budget's own rates, from the step timings measured here (the
+        # control loop keeps the cost model's, from the same StepStats).
+        self._rates = RateTracker()
         self.inbox: collections.deque = collections.deque()  # control loop -> runner
         self.events: collections.deque = collections.deque()  # runner -> control loop
         self._notify = notify
@@ -161,6 +165,13 @@ class Runner:
 
     def _start(self, start: m.Start) -> None:
         session, reused, index, refused, clone_s = start.resume, start.resume_at, None, [], 0.0
+        if start.donor is not None:
+            t0 = time.perf_counter()
+            session, reason = self._clone_of(*start.donor)
+            if session is None:
+                self.events.append(m.CloneDone(start.rid, None, reason=reason))
+                return
+            reused, clone_s = start.donor[1], time.perf_counter() - t0
         try:
             for i, (source, upto) in enumerate(start.clone_from if session is None else ()):
                 try:
@@ -189,21 +200,31 @@ class Runner:
         donor = self._slots.get(command.donor)
         if donor is None:
             self.events.append(m.CloneDone(command.rid, None, reason="donor_gone"))
-        elif command.wait and donor.session.position < command.upto:
+        elif donor.session.position < command.upto:
             self._orders.add(command)
         else:
             self._clone_for(command.rid, donor, command.upto)
 
+    def _clone_of(self, donor_rid: int, upto: int) -> tuple[Session, None] | tuple[None, str]:
+        """`[0, upto)` of a running request's session, or why not (a clone fails soft)."""
+        donor = self._slots.get(donor_rid)
+        if donor is None:
+            return None, "donor_gone"
+        try:
+            return self._timed(self.backend.clone, donor.session, upto), None
+        except CloneRefused as refusal:
+            return None, refusal.reason
+        except Exception as exc:
+            log.warning("clone of request %d failed: %s", donor_rid, exc)
+            return None, "error"
+
     def _clone_for(self, rid: int, donor: _Slot, upto: int, refused_reason: str | None = None) -> None:
         t0 = time.perf_counter()
-        try:
-            session = self._timed(self.backend.clone, donor.session, upto)
+        session, reason = self._clone_of(donor.start.rid, upto)
+        if session is not None:
             self.events.append(m.CloneDone(rid, session, upto, seconds=time.perf_counter() - t0))
-        except CloneRefused as refusal:
-            self.events.append(m.CloneDone(rid, None, reason=refused_reason or refusal.reason))
-        except Exception as exc:
-            log.warning("clone for request %d failed: %s", rid, exc)
-            self.events.append(m.CloneDone(rid, None, reason=refused_reason or "error"))
+        else:
+            self.events.append(m.CloneDone(rid, None, reason=refused_reason or reason))
 
     def _serve_orders(self) -> None:
         for order in self._orders.due({rid: slot.session.position for rid, slot in self._slots.items()}):
@@ -224,18 +245,28 @@ class Runner:
         t0, self._backend_s = time.perf_counter(), 0.0
         running = [Running(rid, s.prefill_left, self._orders.prefill_cap(rid, s.session.position, s.prefill_left))
                    for rid, s in self._slots.items()]
-        plan = plan_step(running, self.max_batch_tokens, self.prefill_chunk, self._rotation)
+        rates = self._rates.rates
+        budget = TimeBudget(self.max_step_s, rates.decode_s, rates.prefill_tps) if self.max_step_s else None
+        plan = plan_step(running, self.max_batch_tokens, self.prefill_chunk, self._rotation, budget)
         self._rotation = plan.last_prefilled
         decoding = [self._slots[rid] for rid in plan.decode]
         prefilling = [self._slots[rid] for rid, _ in plan.prefill]
         prefill_s = 0.0
         if not self.backend.mixed_batches and decoding:
             self._run(decoding, [], {})  # then the prefill chunks in a pass of their own
+            self._rates = self._rates.observe_decode(self._backend_s)
             decoding = []
         if decoding or prefilling:
             before = self._backend_s
             self._run(decoding, prefilling, dict(plan.prefill))
-            prefill_s = self._backend_s - before if prefilling else 0.0
+            pass_s = self._backend_s - before
+            if not prefilling:
+                self._rates = self._rates.observe_decode(pass_s)
+            else:
+                # A mixed pass: its decode rows are charged what a decode step takes (measured in
+                # passes without prefill), the rest is prefill's, as TimeBudget adds them up.
+                prefill_s = max(0.0, pass_s - self._rates.rates.decode_s) if decoding else pass_s
+                self._rates = self._rates.observe_prefill(sum(n for _, n in plan.prefill), prefill_s)
         self._serve_orders()
         committed = {rid: s.session.position for rid, s in self._slots.items()}
         live, nbytes = self._timed(self.backend.live_sessions), self._timed(self.backend.total_bytes)
