@@ -47,7 +47,7 @@ from backends.base import (Backend, BatchFailed, CloneRefused, RowState, Sampled
 from server.engine import messages as m
 from server.engine.clone_orders import CloneOrders
 from server.engine.constraints import ConstrainedRows
-from server.engine.rates import RateTracker
+from server.engine.rates import RateTracker, split_pass
 from server.engine.scheduler import Running, TimeBudget, plan_step
 
 log = logging.getLogger("kvfork.engine")
@@ -259,14 +259,11 @@ class Runner:
         if decoding or prefilling:
             before = self._backend_s
             self._run(decoding, prefilling, dict(plan.prefill))
-            pass_s = self._backend_s - before
-            if not prefilling:
-                self._rates = self._rates.observe_decode(pass_s)
-            else:
-                # A mixed pass: its decode rows are charged what a decode step takes (measured in
-                # passes without prefill), the rest is prefill's, as TimeBudget adds them up.
-                prefill_s = max(0.0, pass_s - self._rates.rates.decode_s) if decoding else pass_s
-                self._rates = self._rates.observe_prefill(sum(n for _, n in plan.prefill), prefill_s)
+            tokens = sum(n for _, n in plan.prefill)
+            decode_s, prefill_s = split_pass(len(decoding), tokens, self._backend_s - before)
+            if decoding:
+                self._rates = self._rates.observe_decode(decode_s)
+            self._rates = self._rates.observe_prefill(tokens, prefill_s)
         self._serve_orders()
         committed = {rid: s.session.position for rid, s in self._slots.items()}
         live, nbytes = self._timed(self.backend.live_sessions), self._timed(self.backend.total_bytes)
