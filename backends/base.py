@@ -77,9 +77,10 @@ class KVCost:
     load (`ModelInfo.kv`), so the engine prices a session before it exists without calling the backend.
 
     Design rules:
-    - full-attention layers allocate token slots in whole steps of `step`: a session opened at `start`
-      (0 when opened empty, `upto` when cloned) holds `round_up(start) + slack` slots, then grows to the
-      whole step past the furthest token it writes;
+    - full-attention layers allocate token slots in whole steps of `step`, keeping `spare` slots past
+      the furthest token always free: a session opened at `start` (0 when opened empty, `upto` when
+      cloned) holds `round_up(start + spare) + slack` slots, then grows to the whole step that holds its
+      furthest token written plus `spare` (torch: spare 1, slack 0; MLX: spare 0, slack one step);
     - every sliding layer holds a ring of its window whatever the length (`ring_bytes`, all rings);
     - `shared` leading tokens held by reference in another session's memory cost nothing here: their
       owner counts them (clone by reference). n choices over one prompt of P tokens and T in all cost
@@ -98,6 +99,7 @@ class KVCost:
     ring_bytes: int = 0
     step: int = 1
     slack: int = 0
+    spare: int = 0
     state_bytes: int = 0
     tolerance: float = 0.0
     padded_rows: bool = False
@@ -107,7 +109,7 @@ class KVCost:
 
     def slots(self, tokens: int, start: int = 0) -> int:
         """Token slots per full layer once a session opened at `start` has written `tokens` positions."""
-        return max(self.round_up(start) + self.slack, self.round_up(tokens))
+        return max(self.round_up(start + self.spare) + self.slack, self.round_up(tokens + self.spare))
 
     def row_bytes(self, longest: int) -> int:
         """The most one session may hold while the sessions in slots beside it grow to at most `longest`
@@ -270,6 +272,10 @@ class Backend(abc.ABC):
     """One model on one device."""
 
     info: ModelInfo
+    # True when `prefill` runs rows of any length, one-token decode rows included, in ONE forward
+    # pass (torch). The runner then sends a step's decode rows and prefill chunks in one `prefill`
+    # call; otherwise (MLX: mlx-lm has no varlen batch) it calls `decode`, then `prefill`.
+    mixed_batches: bool = False
 
     @abc.abstractmethod
     def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
@@ -285,7 +291,8 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def prefill(self, sessions: Sequence[Session], chunks: Sequence[Sequence[int]]) -> Any:
-        """Commit chunks[i] to sessions[i]; return each session's last-token logits, shape [n, vocab]."""
+        """Commit chunks[i] (any length >= 1) to sessions[i]; return each session's last-token
+        logits, shape [n, vocab]."""
 
     @abc.abstractmethod
     def decode(self, sessions: Sequence[Session], tokens: Sequence[int]) -> Any:

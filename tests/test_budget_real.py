@@ -23,8 +23,9 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def test_a_torch_session_costs_exactly_its_price(backend, backend_name):
-    """Full layers in GROW_STEP rounding (opened at a step, a clone at round_up(upto) + a step, growth
-    to whole steps), one ring of the window per sliding layer: to the byte."""
+    """Full layers in whole blocks of kv.BLOCK_TOKENS with one slot always free (a session of n tokens,
+    opened, cloned or grown, holds round_up(n + 1)), one ring of the window per sliding layer: to the
+    byte, at the block edges too."""
     if backend_name != "torch":
         pytest.skip("MLX allocates approximately; its tolerance is tested through the engine below")
     b, kv = backend, backend.info.kv
@@ -32,7 +33,7 @@ def test_a_torch_session_costs_exactly_its_price(backend, backend_name):
     p = prompt(600, seed=1)
     s = b.open_session()
     assert b.session_bytes(s) == kv.bytes_for(0)
-    for end in (10, 300, 520):
+    for end in (10, 255, 256, 300, 511, 520):
         b.prefill([s], [p[s.position:end]])
         assert b.session_bytes(s) == kv.bytes_for(end)
     t = b.open_session()
@@ -46,7 +47,11 @@ def test_a_torch_session_costs_exactly_its_price(backend, backend_name):
     assert b.session_bytes(clone) == kv.bytes_for(clone.position, start=start)
     short = b.clone(t, 45)
     assert b.session_bytes(short) == kv.bytes_for(45, start=45)
-    sessions = [(s, 0), (t, 0), (clone, start), (short, 45)]
+    u = b.open_session()
+    b.prefill([u], [p[:256]])
+    edge = b.clone(u, 256)  # a whole block written: the clone holds the next one too
+    assert b.session_bytes(edge) == kv.bytes_for(256, start=256) > kv.bytes_for(255, start=255)
+    sessions = [(s, 0), (t, 0), (clone, start), (short, 45), (u, 0), (edge, 256)]
     assert b.total_bytes() == before + sum(kv.bytes_for(x.position, start=at) for x, at in sessions)
     for x, _ in sessions:
         b.release(x)

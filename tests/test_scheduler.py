@@ -1,5 +1,7 @@
 """The step policy and admission arithmetic, as pure functions."""
 
+import pytest
+
 from server.engine.scheduler import Running, clamp_max_tokens, fit_admission, plan_step
 
 
@@ -71,7 +73,7 @@ def test_max_tokens_default_and_clamp_to_context():
 
 # ---- the time budget (--max-step-ms), on simulated rates ----
 
-from server.engine.rates import RateTracker  # noqa: E402
+from server.engine.rates import RateTracker, split_pass  # noqa: E402
 from server.engine.scheduler import MIN_PREFILL_SHARE, TimeBudget  # noqa: E402
 
 
@@ -86,8 +88,10 @@ class SimulatedBackend:
 
 
 def run_steps(running: dict[int, int], sim: SimulatedBackend, max_step_s: float, steps: int,
-              max_batch_tokens: int = 2048, prefill_chunk: int = 512, caps: dict[int, int] | None = None):
-    """Drive plan_step the way the runner does; `running` maps rid -> prefill left (0: decoding)."""
+              max_batch_tokens: int = 2048, prefill_chunk: int = 512, caps: dict[int, int] | None = None,
+              mixed: bool = False):
+    """Drive plan_step the way the runner does; `running` maps rid -> prefill left (0: decoding).
+    `mixed`: decode rows and prefill run in one pass (a mixed_batches backend), timed as a whole."""
     tracker, rotation, log = RateTracker(), None, []
     for _ in range(steps):
         rates = tracker.rates
@@ -96,6 +100,8 @@ def run_steps(running: dict[int, int], sim: SimulatedBackend, max_step_s: float,
         plan = plan_step(reqs, max_batch_tokens, prefill_chunk, rotation, budget)
         rotation = plan.last_prefilled
         decode_s, prefill_s = sim.step(plan)
+        if mixed:  # the runner sees only the pass
+            decode_s, prefill_s = split_pass(len(plan.decode), sum(n for _, n in plan.prefill), decode_s + prefill_s)
         if plan.decode:
             tracker = tracker.observe_decode(decode_s)
         tracker = tracker.observe_prefill(sum(n for _, n in plan.prefill), prefill_s)
@@ -113,6 +119,23 @@ def test_steps_that_decode_stay_within_the_time_budget_once_rates_are_measured()
         assert plan.prefill and seconds <= 0.25 * 1.01
     # the budget is used, not wasted: prefill fills what the decodes leave
     assert all(seconds >= 0.25 * 0.9 for _, seconds, _ in log[2:] if running[4] > 0)
+
+
+def test_one_mixed_pass_per_step_learns_both_rates_and_fills_the_budget():
+    """Every step mixes decode rows and prefill in one pass, timed only as a whole, on rates far
+    from the priors (a fast device): split_pass still lets the budget converge on the pass time."""
+    sim = SimulatedBackend(decode_s_per_row=0.002, prefill_tps=20000.0)
+    running = {1: 0, 2: 0, 3: 0, 4: 10**6}
+    log = run_steps(running, sim, max_step_s=0.05, steps=80, max_batch_tokens=8192, prefill_chunk=8192, mixed=True)
+    assert all(plan.decode and plan.prefill for plan, _, _ in log)
+    for _, seconds, _ in log[50:]:
+        assert 0.05 * 0.9 <= seconds <= 0.05 * 1.02
+
+
+def test_split_pass_adds_up_and_splits_by_tokens():
+    assert split_pass(4, 12, 0.8) == pytest.approx((0.2, 0.6))
+    assert split_pass(3, 0, 0.3) == (0.3, 0.0)
+    assert split_pass(0, 10, 0.5) == (0.0, 0.5)
 
 
 def test_decode_rows_are_never_dropped_and_a_long_prefill_still_finishes():

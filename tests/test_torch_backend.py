@@ -40,23 +40,27 @@ def last_logits(b: TorchBackend, prompt: list[int], chunks: tuple[int, ...]) -> 
 
 
 @pytest.mark.parametrize("chunks", [(255, 1, 44), (200, 56, 1, 43), (1,) * 3 + (297,)])
-def test_buffers_grow_in_steps_without_changing_answers(llama, chunks):
-    prompt = tokens(50, sum(chunks))
-    session = llama.open_session()
-    llama.prefill([session], [prompt[:10]])
-    assert llama.session_bytes(session) == kv.GROW_STEP * llama.info.kv.full_bytes_per_token
-    llama.prefill([session], [prompt[10:]])
-    assert llama.session_bytes(session) == 2 * kv.GROW_STEP * llama.info.kv.full_bytes_per_token
+def test_buffers_grow_in_blocks_without_changing_answers(llama, chunks):
+    """A session of n tokens holds exactly kv.capacity(n) slots per full layer: whole blocks,
+    one free slot at least (the cost function the budget is computed from)."""
+    prompt, session, start = tokens(50, sum(chunks)), llama.open_session(), 0
+    assert llama.session_bytes(session) == kv.BLOCK_TOKENS * llama.info.kv.full_bytes_per_token
+    for n in chunks:
+        llama.prefill([session], [prompt[start : start + n]])
+        start += n
+        assert llama.session_bytes(session) == kv.capacity(start) * llama.info.kv.full_bytes_per_token
+    assert [kv.capacity(n) for n in (0, 255, 256, 300)] == [256, 256, 512, 512]
+    assert [llama.info.kv.slots(n) for n in (0, 255, 256, 300)] == [256, 256, 512, 512]  # the budget's figure
     llama.release(session)
     np.testing.assert_allclose(last_logits(llama, prompt, chunks), last_logits(llama, prompt, (300,)), atol=ATOL, rtol=RTOL)
 
 
 def test_a_clone_has_room_to_grow(llama):
-    """A tightly sized clone would reallocate on its first write; it gets a step of room."""
+    """A tightly sized clone would reallocate on its first write; capacity() leaves it a free slot."""
     donor = llama.open_session()
-    llama.prefill([donor], [tokens(51, kv.GROW_STEP)])
-    clone = llama.clone(donor, kv.GROW_STEP)
-    assert llama.session_bytes(clone) == 2 * kv.GROW_STEP * llama.info.kv.full_bytes_per_token
+    llama.prefill([donor], [tokens(51, kv.BLOCK_TOKENS)])
+    clone = llama.clone(donor, kv.BLOCK_TOKENS)
+    assert llama.session_bytes(clone) == 2 * kv.BLOCK_TOKENS * llama.info.kv.full_bytes_per_token
     buffers = [t.data_ptr() for layer in clone.layers for t in layer.tensors()]
     llama.decode([clone], [7])
     assert [t.data_ptr() for layer in clone.layers for t in layer.tensors()] == buffers

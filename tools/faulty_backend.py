@@ -145,6 +145,10 @@ class FaultyBackend(Backend):
 
     # ---- the Backend API ----
 
+    @property
+    def mixed_batches(self) -> bool:  # one pass per step exactly when the real backend runs it
+        return self.inner.mixed_batches
+
     def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
         self.info = self.inner.load(folder, dtype)
         return self.info

@@ -5,6 +5,8 @@
 Per shape: prefill tokens/s for one prompt, decode tokens/s for 1 and 8 sessions
 at that length, and the time of a clone of the whole prompt: its GB/s against
 the device's own measured copy bandwidth, and its time against the prefill's.
+First, where FlashAttention imports: its attention against torch's SDPA on the
+backend's own KV layout (decode, a causal chunk, a sliding chunk), values and time.
 Random weights give meaningless tokens but the same work as trained ones.
 """
 
@@ -15,6 +17,7 @@ import time
 
 import torch
 
+from backends.torch import attention
 from backends.torch.backend import DTYPES, TorchBackend, default_dtype
 from backends.model_info import model_facts
 from backends.torch.config import parse_config
@@ -62,6 +65,25 @@ def copy_bandwidth(device: torch.device, clock: Clock, gib: float = 1.0) -> floa
     dst.copy_(src)
     seconds = min(clock(lambda: dst.copy_(src)) for _ in range(5))
     return src.numel() / seconds
+
+
+def check_flash(device: torch.device, clock: Clock, dtype: torch.dtype) -> None:
+    """attention.flash against attention.sdpa on head-major buffers with spare capacity (the KV layout)."""
+    kernel = attention.flash_attention()
+    if kernel is None:
+        print("flash_attn does not import: attention runs on torch SDPA", flush=True)
+        return
+    heads, kv_heads, dim, keys_n, cap = 32, 8, 128, 2000, 2304
+    keys = torch.randn(kv_heads, cap, dim, device=device, dtype=dtype)[:, :keys_n]
+    values = torch.randn(kv_heads, cap, dim, device=device, dtype=dtype)[:, :keys_n]
+    for name, n, window in (("decode", 1, None), ("chunk 64", 64, None), ("sliding chunk 64, window 512", 64, 512)):
+        q = torch.randn(heads, n, dim, device=device, dtype=dtype)
+        args = (q, keys, values, keys_n - n, 0, window, dim**-0.5)
+        want, got = attention.sdpa(*args), attention.flash(kernel, q, keys, values, window, dim**-0.5)
+        sdpa_s = min(clock(lambda: attention.sdpa(*args)) for _ in range(5))
+        flash_s = min(clock(lambda: attention.flash(kernel, q, keys, values, window, dim**-0.5)) for _ in range(5))
+        print(f"flash vs sdpa, {name} over {keys_n} keys: max |diff| {(got - want).abs().max().item():.2e} | "
+              f"{flash_s * 1e6:.0f} us vs {sdpa_s * 1e6:.0f} us", flush=True)
 
 
 def check_shape(name: str, device: torch.device, dtype: str | None, prompt_len: int, steps: int, copy_bps: float) -> None:
@@ -116,6 +138,8 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cuda":
         print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}", flush=True)
+    if device.type == "cuda":
+        check_flash(device, Clock(device), DTYPES[args.dtype] if args.dtype else default_dtype(device))
     copy_bps = copy_bandwidth(device, Clock(device))
     print(f"measured copy bandwidth: {copy_bps / 1e9:,.0f} GB/s (bytes copied per second)", flush=True)
     for name in args.shapes.split(","):

@@ -22,7 +22,7 @@ from backends.model_path import resolve_model
 from backends.torch import checkpoints, hybrid, kv, sampling
 from backends.torch.config import ArchConfig, HybridConfig, read_config
 from backends.torch.hybrid import HybridTransformer
-from backends.torch.model import Transformer
+from backends.torch.model import Row, Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -98,11 +98,12 @@ class TorchBackend(Backend):
             layers = tuple(LayerAttention("sliding", w) if w else LayerAttention("full") for w in cfg.sliding)
             state = 0
         slot = 2 * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize  # one token's keys and values, one layer
-        # Exact: kv.py opens full layers at GROW_STEP slots, clones at round_up(upto) + GROW_STEP, grows to
-        # whole steps, and holds one ring of the window per sliding layer and one recurrent state per session.
+        # Exact: a full layer holds kv.capacity(n) = whole BLOCK_TOKENS blocks with one slot always free
+        # (opened, cloned or grown alike), one ring of the window per sliding layer, and one recurrent
+        # state per session.
         cost = KVCost(full_bytes_per_token=slot * sum(1 for layer in layers if layer.kind == "full"),
                       ring_bytes=slot * sum(layer.window or 0 for layer in layers if layer.kind == "sliding"),
-                      step=kv.GROW_STEP, slack=kv.GROW_STEP, state_bytes=state)
+                      step=kv.BLOCK_TOKENS, spare=1, state_bytes=state)
         return ModelInfo(
             name=name,
             vocab_size=cfg.vocab_size,
@@ -137,56 +138,43 @@ class TorchBackend(Backend):
 
     # -- compute ---------------------------------------------------------
 
-    # Fault contract (base.BatchFailed): prefill runs one session at a time, so a failure leaves
-    # the earlier sessions COMMITTED with their logits and the later ones UNTOUCHED; the session
-    # that failed, and every session of a failed decode, is UNTOUCHED unless one of its rings was
-    # written (kv.py: writes past `position` in a growing buffer are invisible), else CORRUPT.
-    # `position` advances only once a session's forward pass has returned.
+    # One forward pass per call: prefill takes rows of any length (one-token decode rows too) and
+    # runs them all in one varlen batch (model.Row), so a step that decodes some sessions and
+    # prefills others reads the weights once (`mixed_batches`).
+    #
+    # Fault contract (base.BatchFailed): one pass writes every row, so a failure leaves each
+    # session UNTOUCHED unless one of its rings or recurrent states was written (kv.py: writes past
+    # `position` in a growing buffer are invisible), else CORRUPT; none is COMMITTED. `position` advances only
+    # once the pass has returned.
+
+    mixed_batches = True
 
     @torch.inference_mode()
     def prefill(self, sessions: Sequence[TorchSession], chunks: Sequence[Sequence[int]]) -> torch.Tensor:
         check_inputs(sessions, chunks, self._sessions, self.info)
         if not sessions:
             return torch.zeros((0, self.info.vocab_size), device=self.device)
-        out: list[torch.Tensor] = []
-        writes = [kv.ring_writes(s.layers) for s in sessions]
+        writes = [hybrid.in_place_writes(s.layers) for s in sessions]
         try:
             self._wait_for_clones(sessions)
-            for session, chunk in zip(sessions, chunks):
-                start = session.position
-                tokens = torch.tensor([list(chunk)], dtype=torch.long, device=self.device)
-                positions = torch.arange(start, start + len(chunk), device=self.device)[None]
-                out.append(self.model(tokens, positions, [session.layers], [start]))
-                session.position += len(chunk)
-        except Exception as exc:
-            done = len(out)
-            rows = [RowState.COMMITTED] * done + [self._after_failure(s, w)
-                                                  for s, w in zip(sessions[done:], writes[done:])]
-            logits = torch.cat([*out, out[0].new_zeros((len(sessions) - done, out[0].shape[-1]))]) if out else None
-            raise BatchFailed(exc, rows, logits) from exc
-        return torch.cat(out)
-
-    @torch.inference_mode()
-    def decode(self, sessions: Sequence[TorchSession], tokens: Sequence[int]) -> torch.Tensor:
-        check_inputs(sessions, [[t] for t in tokens], self._sessions, self.info)
-        if not sessions:
-            return torch.zeros((0, self.info.vocab_size), device=self.device)
-        writes = [kv.ring_writes(s.layers) for s in sessions]
-        try:
-            self._wait_for_clones(sessions)
-            starts = [s.position for s in sessions]
-            ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)[:, None]
-            positions = torch.tensor(starts, device=self.device)[:, None]
-            logits = self.model(ids, positions, [s.layers for s in sessions], starts)
+            rows = [Row(s.layers, s.position, len(chunk)) for s, chunk in zip(sessions, chunks)]
+            for row in rows:
+                kv.reserve(row.kv, row.start + row.length)  # every allocation before the first write
+            ids = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long, device=self.device)
+            positions = torch.tensor([row.start + i for row in rows for i in range(row.length)], device=self.device)
+            logits = self.model(ids, positions, rows)
         except Exception as exc:
             raise BatchFailed(exc, [self._after_failure(s, w) for s, w in zip(sessions, writes)]) from exc
-        for s in sessions:
-            s.position += 1
+        for s, chunk in zip(sessions, chunks):
+            s.position += len(chunk)
         return logits
 
+    def decode(self, sessions: Sequence[TorchSession], tokens: Sequence[int]) -> torch.Tensor:
+        return self.prefill(sessions, [[t] for t in tokens])
+
     @staticmethod
-    def _after_failure(session: TorchSession, ring_writes: int) -> RowState:
-        return RowState.UNTOUCHED if kv.ring_writes(session.layers) == ring_writes else RowState.CORRUPT
+    def _after_failure(session: TorchSession, writes: int) -> RowState:
+        return RowState.UNTOUCHED if hybrid.in_place_writes(session.layers) == writes else RowState.CORRUPT
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, states: Sequence[SamplerState]) -> list[Sampled]:

@@ -42,10 +42,13 @@ class RecurrentState:
     ssm: the delta-rule state, [v_heads, Dk, Dv], always float32 (as mlx-lm and fla keep it).
     Neither can be cut back to an earlier position, so a copy is only ever of the whole
     state (base.clone_refusal admits a clone at the session's position only).
+    Both are written in place: `writes` counts the writes begun, so a failed pass tells a session
+    it changed (CORRUPT) from one it never reached (UNTOUCHED).
     """
 
     def __init__(self, conv: torch.Tensor, ssm: torch.Tensor):
         self.conv, self.ssm = conv, ssm
+        self.writes = 0
 
     @classmethod
     def empty(cls, cfg: HybridConfig, dtype, device) -> RecurrentState:
@@ -53,6 +56,9 @@ class RecurrentState:
         conv = torch.zeros((cfg.conv_kernel - 1, conv_dim), dtype=dtype, device=device)
         ssm = torch.zeros((cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim), dtype=torch.float32, device=device)
         return cls(conv, ssm)
+
+    def reserve(self, end: int) -> None:
+        """Fixed size: never grows."""
 
     def copy_prefix(self, upto: int) -> RecurrentState:
         return RecurrentState(self.conv.clone(), self.ssm.clone())
@@ -200,6 +206,7 @@ class GatedDeltaNet(nn.Module):
         ssm = torch.stack([s.ssm for s in states])
         out, ssm = delta_rule(q, k, v, log_g, beta, ssm, chunked=n > 1 and self.chunked_prefill)
         for s, new in zip(states, ssm):
+            s.writes += 1  # before the first byte moves
             s.ssm.copy_(new)
         z = self.in_proj_z(x).reshape(b, n, self.v_heads, self.v_dim)
         return self.out_proj(self.norm(out, z).reshape(b, n, -1))
@@ -209,6 +216,7 @@ class GatedDeltaNet(nn.Module):
         held = torch.stack([s.conv for s in states])  # [B, K - 1, C]
         inputs = torch.cat((held, mixed), dim=1)
         for s, row in zip(states, inputs):
+            s.writes += 1  # before the first byte moves
             s.conv.copy_(row[-held.shape[1] :])
         # Tap by tap rather than F.conv1d: torch's CPU depthwise convolution took ~50 ms for one
         # decode step of 6,144 channels. out[t] = sum_j w[:, j] * inputs[t + j] (cross-correlation).

@@ -6,9 +6,12 @@ Module names follow the Qwen3.5 Hugging Face checkpoints with their
 layout to these). Norms are zero-centred, x * (1 + w), except the gated norm
 inside the DeltaNet layer.
 
-Same calling convention as model.Transformer: rows of tokens, each row with its
-own per-layer state (GrowingKV for attention layers, RecurrentState for the
-DeltaNet ones) and start position.
+Same calling convention as model.Transformer: one varlen batch of rows
+(model.Row), each row with its own per-layer state (GrowingKV for attention
+layers, RecurrentState for the DeltaNet ones) and start position, decode rows
+and prefill chunks mixed in one pass. Projections, MLPs and experts run over all
+tokens at once; attention and the DeltaNet recurrence run row by row, over each
+session's own state.
 """
 
 from __future__ import annotations
@@ -16,14 +19,14 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
+from backends.torch import kv
+from backends.torch.attention import attend
 from backends.torch.config import HybridConfig
 from backends.torch.gated_delta import GatedDeltaNet, RecurrentState
-from backends.torch.kv import GROW_STEP, GrowingKV
-from backends.torch.model import RMSNorm
+from backends.torch.kv import GrowingKV
+from backends.torch.model import RMSNorm, Row, spans
 from backends.torch.moe import GLU, SparseMoE
 from backends.torch.rope import angles, inverse_frequencies, rotate
 
@@ -34,9 +37,15 @@ def new_states(cfg: HybridConfig, dtype, device) -> list[HybridLayerState]:
     """A fresh session's per-layer state."""
     return [
         RecurrentState.empty(cfg, dtype, device) if linear
-        else GrowingKV.empty(cfg.num_kv_heads, cfg.head_dim, GROW_STEP, dtype, device)
+        else GrowingKV.empty(cfg.num_kv_heads, cfg.head_dim, 0, dtype, device)
         for linear in cfg.linear
     ]
+
+
+def in_place_writes(states: Sequence[kv.LayerKV | RecurrentState]) -> int:
+    """Writes to state a failed pass cannot take back (rings, recurrent states): a session whose
+    count moved during a failed call is CORRUPT (base.RowState)."""
+    return kv.ring_writes(states) + sum(s.writes for s in states if isinstance(s, RecurrentState))
 
 
 def recurrent_bytes(cfg: HybridConfig, dtype: torch.dtype) -> int:
@@ -67,20 +76,20 @@ class GatedAttention(nn.Module):
         turned, kept = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
         return torch.cat((rotate(turned, *rope), kept), dim=-1)
 
-    def forward(self, x: torch.Tensor, rope, kv: Sequence[GrowingKV], starts: Sequence[int]) -> torch.Tensor:
-        b, n, _ = x.shape
-        q, gate = self.q_proj(x).view(b, n, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
-        k = self.k_proj(x).view(b, n, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim)
+    def forward(self, x: torch.Tensor, rope, layer: int, rows: Sequence[Row]) -> torch.Tensor:
+        """x: [tokens, hidden], the rows' tokens end to end."""
+        t = x.shape[0]
+        q, gate = self.q_proj(x).view(1, t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        k = self.k_proj(x).view(1, t, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(1, t, self.kv_heads, self.head_dim)
         q, k = self._rotate(self.q_norm(q), rope), self._rotate(self.k_norm(k), rope)
-        out = torch.cat([self._attend(q[i : i + 1], k[i], v[i], kv[i], starts[i]) for i in range(b)])
-        return self.o_proj(out.reshape(b, n, -1) * torch.sigmoid(gate.reshape(b, n, -1)))
-
-    def _attend(self, q, k, v, kv: GrowingKV, start: int) -> torch.Tensor:
-        keys, values, _ = kv.update(k, v, start)
-        mask = None if q.shape[1] == 1 else causal_lower_right(q.shape[1], keys.shape[0])
-        heads_first = [t.transpose(-3, -2) for t in (q, keys[None], values[None])]
-        return F.scaled_dot_product_attention(*heads_first, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+        # Head-major views [heads, tokens, head_dim], as the KV buffers hold them.
+        q, k, v = (u[0].transpose(0, 1) for u in (q, k, v))
+        out = []
+        for row, span in zip(rows, spans(rows)):
+            keys, values, first_key = row.kv[layer].update(k[:, span], v[:, span], row.start)
+            out.append(attend(q[:, span], keys, values, row.start, first_key, None, self.head_dim**-0.5))
+        return self.o_proj(torch.cat(out).reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))
 
 
 class HybridBlock(nn.Module):
@@ -95,11 +104,24 @@ class HybridBlock(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, 1.0)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, 1.0)
 
-    def forward(self, x, rope, states: Sequence[HybridLayerState], starts: Sequence[int]):
+    def forward(self, x, rope, layer: int, rows: Sequence[Row]):
         normed = self.input_layernorm(x)
-        mixed = self.linear_attn(normed, states) if self.linear else self.self_attn(normed, rope, states, starts)
+        mixed = self._recurrence(normed, layer, rows) if self.linear else self.self_attn(normed, rope, layer, rows)
         h = x + mixed
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def _recurrence(self, x: torch.Tensor, layer: int, rows: Sequence[Row]) -> torch.Tensor:
+        """The DeltaNet layer over each row's own state: all one-token (decode) rows as one batch,
+        each longer chunk alone (rows of different lengths do not stack)."""
+        out = torch.empty_like(x)
+        decoding = [span.start for row, span in zip(rows, spans(rows)) if row.length == 1]
+        if decoding:
+            states = [row.kv[layer] for row in rows if row.length == 1]
+            out[decoding] = self.linear_attn(x[decoding][:, None], states)[:, 0]
+        for row, span in zip(rows, spans(rows)):
+            if row.length > 1:
+                out[span] = self.linear_attn(x[span][None], [row.kv[layer]])[0]
+        return out
 
 
 class HybridDecoder(nn.Module):
@@ -126,13 +148,13 @@ class HybridTransformer(nn.Module):
             if block.linear:
                 block.linear_attn.chunked_prefill = chunked
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, states: Sequence[Sequence[HybridLayerState]],
-                starts: Sequence[int]) -> torch.Tensor:
-        """tokens, positions: [rows, n]; states[row][layer]. Returns the last position's logits, [rows, vocab]."""
-        rope = angles(positions, self.inv_freq)
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
+        """tokens, positions: [tokens], the rows' end to end; row.kv[layer] is a HybridLayerState.
+        Returns each row's last-token logits, [rows, vocab]."""
+        rope = angles(positions[None], self.inv_freq)
         h = self.model.embed_tokens(tokens)
         for i, block in enumerate(self.model.layers):
-            h = block(h, rope, [row[i] for row in states], starts)
-        h = self.model.norm(h[:, -1])
+            h = block(h, rope, i, rows)
+        h = self.model.norm(h[[span.stop - 1 for span in spans(rows)]])
         head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         return h @ head.T

@@ -3,21 +3,24 @@
 Module names follow the Hugging Face checkpoints, so a safetensors file loads
 with `load_state_dict` as it is.
 
-The forward pass takes a batch of rows, each with its own KV state and start
-position: decode sends one token for many sessions, prefill one chunk for one
-session. Everything but attention runs batched; attention reads each row's own
-buffers at its own length (no per-step gather of the KV into a padded batch).
+The forward pass takes one varlen batch: the tokens of several rows laid end to
+end, each row with its own KV state and start position (a decode row is one
+token, a prefill chunk many; one pass may mix them). Everything but attention
+runs over all tokens at once, so a step reads the weights once; attention reads
+each row's own buffers at its own length (backends/torch/attention.py).
 """
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
+from backends.torch.attention import attend
 from backends.torch.config import ArchConfig
 from backends.torch.kv import LayerKV
 from backends.torch.rope import angles, inverse_frequencies, rotate
@@ -37,11 +40,19 @@ class RMSNorm(nn.Module):
         return (normed * (self.offset + self.weight.float())).to(x.dtype)
 
 
-def window_mask(first_key: int, start: int, n: int, n_keys: int, window: int, device) -> torch.Tensor:
-    """Boolean [n, n_keys]: query start+i sees key first_key+j when it is in the past `window` positions."""
-    q = torch.arange(start, start + n, device=device)[:, None]
-    k = torch.arange(first_key, first_key + n_keys, device=device)[None, :]
-    return (k <= q) & (k > q - window)
+@dataclass(frozen=True)
+class Row:
+    """One row of a varlen batch: `length` tokens written to `kv` (one state per layer) from `start`."""
+
+    kv: Sequence[LayerKV]
+    start: int
+    length: int
+
+
+def spans(rows: Sequence[Row]) -> list[slice]:
+    """Each row's tokens in the varlen batch."""
+    ends = list(itertools.accumulate(row.length for row in rows))
+    return [slice(end - row.length, end) for row, end in zip(rows, ends)]
 
 
 class Attention(nn.Module):
@@ -58,31 +69,21 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, offset)
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, offset)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: Sequence[LayerKV], starts: Sequence[int]):
-        b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.heads, self.head_dim)
-        k = self.k_proj(x).view(b, n, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layer: int, rows: Sequence[Row]):
+        """x: [tokens, hidden], the rows' tokens end to end."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(1, t, self.heads, self.head_dim)
+        k = self.k_proj(x).view(1, t, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(1, t, self.kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate(q, *rope), rotate(k, *rope)
-        out = torch.cat([self._attend(q[i : i + 1], k[i], v[i], kv[i], starts[i]) for i in range(b)])
-        return self.o_proj(out.reshape(b, n, -1))
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, start: int) -> torch.Tensor:
-        """One row: commit its new keys, then attend over everything it may see. Tensors are
-        token-major ([tokens, heads, head_dim], as the KV buffers); SDPA gets head-major views."""
-        keys, values, first_key = kv.update(k, v, start)
-        n, n_keys = q.shape[1], keys.shape[0]
-        if n == 1:
-            mask = None  # one query sees every key its layer holds
-        elif self.window is None:
-            mask = causal_lower_right(n, n_keys)
-        else:
-            mask = window_mask(first_key, start, n, n_keys, self.window, q.device)
-        heads_first = [t.transpose(-3, -2) for t in (q, keys[None], values[None])]
-        out = F.scaled_dot_product_attention(*heads_first, attn_mask=mask, scale=self.scale, enable_gqa=True)
-        return out.transpose(1, 2)
+        # Head-major views [heads, tokens, head_dim], as the KV buffers hold them.
+        q, k, v = (u[0].transpose(0, 1) for u in (rotate(q, *rope), rotate(k, *rope), v))
+        out = []
+        for row, span in zip(rows, spans(rows)):
+            keys, values, first_key = row.kv[layer].update(k[:, span], v[:, span], row.start)
+            out.append(attend(q[:, span], keys, values, row.start, first_key, self.window, self.scale))
+        return self.o_proj(torch.cat(out).view(t, -1))
 
 
 class MLP(nn.Module):
@@ -114,8 +115,8 @@ class Block(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, offset)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, offset)
 
-    def forward(self, x, rope, kv, starts):
-        attn = self.self_attn(self.input_layernorm(x), rope, kv, starts)
+    def forward(self, x, rope, layer: int, rows: Sequence[Row]):
+        attn = self.self_attn(self.input_layernorm(x), rope, layer, rows)
         if not self.gemma:
             h = x + attn
             return h + self.mlp(self.post_attention_layernorm(h))
@@ -143,15 +144,15 @@ class Transformer(nn.Module):
         self.inv_freq_full = inverse_frequencies(self.cfg.rope_full, self.cfg.head_dim).to(device)
         self.inv_freq_sliding = inverse_frequencies(self.cfg.rope_sliding, self.cfg.head_dim).to(device)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv: Sequence[Sequence[LayerKV]], starts: Sequence[int]):
-        """tokens, positions: [rows, n]; kv[row][layer]. Returns the last position's logits, [rows, vocab]."""
-        full = angles(positions, self.inv_freq_full)  # once per pass, shared by every layer of a kind
-        sliding = angles(positions, self.inv_freq_sliding) if any(self.cfg.sliding) else full
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
+        """tokens, positions: [tokens], the rows' end to end. Returns each row's last-token logits, [rows, vocab]."""
+        full = angles(positions[None], self.inv_freq_full)  # once per pass, shared by every layer of a kind
+        sliding = angles(positions[None], self.inv_freq_sliding) if any(self.cfg.sliding) else full
         h = self.model.embed_tokens(tokens)
         if self.cfg.gemma:
             h = h * torch.tensor(self.cfg.hidden_size**0.5, dtype=h.dtype)  # in the model dtype, as trained
         for i, block in enumerate(self.model.layers):
-            h = block(h, sliding if self.cfg.sliding[i] else full, [row[i] for row in kv], starts)
-        h = self.model.norm(h[:, -1])
+            h = block(h, sliding if self.cfg.sliding[i] else full, i, rows)
+        h = self.model.norm(h[[span.stop - 1 for span in spans(rows)]])
         head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         return h @ head.T

@@ -6,6 +6,7 @@ The engine calls:
   tracker = tracker.observe_clone(tokens, seconds)     # after each clone
   tracker = tracker.observe_decode(seconds)     # after each step that decoded (the runner's own tracker)
   tracker.rates -> Rates                        # .share(prefilling) .clone_s(tokens) .decode_s
+  split_pass(decode_rows, prefill_tokens, seconds)     # one mixed pass's time, as decode and prefill parts
 """
 
 from __future__ import annotations
@@ -26,6 +27,16 @@ class Rates:
 
     def clone_s(self, tokens: int) -> float:
         return self.clone_fixed_s + self.clone_s_per_token * tokens if tokens > 0 else 0.0
+
+
+def split_pass(decode_rows: int, prefill_tokens: int, seconds: float) -> tuple[float, float]:
+    """(decode seconds, prefill seconds) of one forward pass that ran both kinds of rows (a
+    mixed_batches backend), split by tokens: the pass is one batch, so neither part can be timed
+    alone. The parts add up to the pass, so a time budget that adds the two rates back predicts
+    the pass it measured; and both rates keep learning while every step mixes."""
+    tokens = decode_rows + prefill_tokens
+    prefill_s = seconds * prefill_tokens / tokens if tokens else 0.0
+    return seconds - prefill_s, prefill_s
 
 
 @dataclass(frozen=True)

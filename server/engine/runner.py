@@ -55,7 +55,7 @@ from backends.base import (Backend, BatchFailed, CloneRefused, RowState, Sampled
 from server.engine import messages as m
 from server.engine.clone_orders import CloneOrders
 from server.engine.constraints import ConstrainedRows
-from server.engine.rates import RateTracker
+from server.engine.rates import RateTracker, split_pass
 from server.engine.scheduler import Running, TimeBudget, plan_step
 
 log = logging.getLogger("kvfork.engine")
@@ -263,47 +263,54 @@ class Runner:
         budget = TimeBudget(self.max_step_s, rates.decode_s, rates.prefill_tps) if self.max_step_s else None
         plan = plan_step(running, self.max_batch_tokens, self.prefill_chunk, self._rotation, budget)
         self._rotation = plan.last_prefilled
-        if plan.decode:
-            self._decode([self._slots[rid] for rid in plan.decode])
-            self._rates = self._rates.observe_decode(self._backend_s)
+        decoding = [self._slots[rid] for rid in plan.decode]
+        prefilling = [self._slots[rid] for rid, _ in plan.prefill]
         prefill_s = 0.0
-        if plan.prefill:
+        if not self.backend.mixed_batches and decoding:
+            self._run(decoding, [], {})  # then the prefill chunks in a pass of their own
+            self._rates = self._rates.observe_decode(self._backend_s)
+            decoding = []
+        if decoding or prefilling:
             before = self._backend_s
-            self._prefill([self._slots[rid] for rid, _ in plan.prefill], dict(plan.prefill))
-            prefill_s = self._backend_s - before
-            self._rates = self._rates.observe_prefill(sum(n for _, n in plan.prefill), prefill_s)
+            self._run(decoding, prefilling, dict(plan.prefill))
+            tokens = sum(n for _, n in plan.prefill)
+            decode_s, prefill_s = split_pass(len(decoding), tokens, self._backend_s - before)
+            if decoding:
+                self._rates = self._rates.observe_decode(decode_s)
+            self._rates = self._rates.observe_prefill(tokens, prefill_s)
         self._serve_orders()
         committed = {rid: s.session.position for rid, s in self._slots.items()}
         live, nbytes = self._timed(self.backend.live_sessions), self._timed(self.backend.total_bytes)
         self._publish(m.StepStats(committed, live, nbytes, time.perf_counter() - t0, self._backend_s,
                                   sum(n for _, n in plan.prefill), prefill_s))
 
-    def _decode(self, slots: list[_Slot]) -> None:
-        def decode(sessions: list[Session], rows: list[list[int]]) -> Any:
-            return self.backend.decode(sessions, [row[0] for row in rows])
-        for group, logits in self._forward(decode, slots, [[s.next_token] for s in slots], [True] * len(slots)):
-            self._sample(logits, group)
-
-    def _prefill(self, slots: list[_Slot], chunks: dict[int, int]) -> None:
+    def _run(self, decoding: list[_Slot], prefilling: list[_Slot], chunks: dict[int, int]) -> None:
+        """One forward pass: the decoding requests' next tokens and the prefilling ones' chunks
+        (both kinds only on a `mixed_batches` backend: one `prefill` call takes rows of any length)."""
         pieces = {}
-        for s in slots:
+        for s in prefilling:
             at = s.session.position
             pieces[s.start.rid] = s.start.prompt[at:at + chunks[s.start.rid]]
-        rows = [pieces[s.start.rid] for s in slots]
-        last = [s.prefill_left == len(piece) for s, piece in zip(slots, rows)]  # these need their logits
-        for group, logits in self._forward(self.backend.prefill, slots, rows, last):
+        rows = [[s.next_token] for s in decoding] + [pieces[s.start.rid] for s in prefilling]
+        # Rows that need their logits: every decode row, and the chunks that end their prompt.
+        last = [True] * len(decoding) + [s.prefill_left == len(pieces[s.start.rid]) for s in prefilling]
+        call = self.backend.prefill if prefilling else self._decode_call
+        for group, logits in self._forward(call, decoding + prefilling, rows, last):
             for slot in group:
                 if slot is not None:
-                    slot.prefilled += len(pieces[slot.start.rid])
-            done = [s if s is not None and s.prefill_left == 0 else None for s in group]
-            for slot in done:
-                if slot is not None and slot.start.capture:
+                    slot.prefilled += len(pieces.get(slot.start.rid, ()))
+            ready = [s if s is not None and s.prefill_left == 0 else None for s in group]
+            for slot in ready:
+                if slot is not None and slot.start.rid in pieces and slot.start.capture:
                     self._capture(slot)
-            for row, slot in enumerate(done):
-                if slot is not None and slot.choices:
-                    self._open_choices(slot, logits, row, len(done))
-            if any(done):
-                self._sample(logits, done)
+            for row, slot in enumerate(ready):
+                if slot is not None and slot.choices:  # its prompt is in: its other choices start here
+                    self._open_choices(slot, logits, row, len(ready))
+            if any(ready):
+                self._sample(logits, ready)
+
+    def _decode_call(self, sessions: list[Session], rows: list[list[int]]) -> Any:
+        return self.backend.decode(sessions, [row[0] for row in rows])
 
     def _forward(self, call: Callable[[list[Session], list], Any], slots: list[_Slot], rows: list,
                  needs_logits: list[bool], retried: bool = False) -> list[tuple[list[_Slot | None], Any]]:

@@ -1,0 +1,71 @@
+"""Attention of one row (one session's new tokens) over the keys its layer holds.
+
+One call per row and layer, reading the session's own head-major KV buffers as
+they are: a padded batch of rows would first copy every row's KV into one
+tensor, which costs more than the attention on the CPU (tools/decode_bench.py,
+`layout` section). Everything else in a pass runs over all rows' tokens at once.
+
+On CUDA, FlashAttention (`flash_attn`) reads the same buffers through strides
+when it imports; otherwise, and on the CPU, torch's SDPA. Both give the same
+masks: causal aligned to the last key, and for sliding layers the window.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+
+@functools.cache
+def flash_attention():
+    """FlashAttention's `flash_attn_func`, or None where it does not import (the CPU, no wheel)."""
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError:
+        return None
+    return flash_attn_func
+
+
+def window_mask(first_key: int, start: int, n: int, n_keys: int, window: int, device) -> torch.Tensor:
+    """Boolean [n, n_keys]: query start+i sees key first_key+j when it is in the past `window` positions."""
+    q = torch.arange(start, start + n, device=device)[:, None]
+    k = torch.arange(first_key, first_key + n_keys, device=device)[None, :]
+    return (k <= q) & (k > q - window)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, first_key: int | None,
+           window: int | None, scale: float) -> torch.Tensor:
+    """q: [heads, n, head_dim] for positions [start, start + n); keys, values: [kv_heads, n_keys,
+    head_dim], the first at position `first_key` (None: a ring's unordered slots, all visible to
+    the single query). Returns [n, heads, head_dim]."""
+    kernel = flash_attention() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
+    if kernel is not None:
+        return flash(kernel, q, keys, values, window, scale)
+    return sdpa(q, keys, values, start, first_key, window, scale)
+
+
+def sdpa(q, keys, values, start, first_key, window, scale) -> torch.Tensor:
+    """`attend` through torch's scaled_dot_product_attention: the plain path, on every device."""
+    n, n_keys = q.shape[1], keys.shape[1]
+    if n == 1:
+        mask = None  # one query sees every key its layer returns
+    elif window is None:
+        mask = causal_lower_right(n, n_keys)
+    else:
+        mask = window_mask(first_key, start, n, n_keys, window, q.device)
+    out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, scale=scale,
+                                         enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def flash(kernel, q, keys, values, window, scale) -> torch.Tensor:
+    """`attend` through FlashAttention's `kernel` (flash_attn_func), CUDA and 16-bit only."""
+    # Token-major views of the head-major buffers: FlashAttention takes any strides but the last.
+    # Its causal mask is aligned to the last key, as causal_lower_right; a ring's single query
+    # sees all its slots (causal with n = 1 masks nothing), and a chunk's window is (W - 1, 0).
+    out = kernel(q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                 softmax_scale=scale, causal=True, window_size=(window - 1, 0) if window else (-1, -1))
+    return out[0]
