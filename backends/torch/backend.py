@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 from safetensors import safe_open
@@ -21,6 +21,7 @@ from backends.model_info import ModelFacts, read_model_facts
 from backends.model_path import resolve_model
 from backends.torch import checkpoints, hybrid, kv, sampling
 from backends.torch.config import ArchConfig, HybridConfig, read_config
+from backends.torch.gated_delta import RecurrentState
 from backends.torch.hybrid import HybridTransformer
 from backends.torch.model import Transformer
 
@@ -32,6 +33,8 @@ class TorchSession(Session):
         super().__init__()
         self.layers = layers
         self.ready: torch.cuda.Event | None = None  # a clone's copy this session's next use must wait for
+        self.wanted: frozenset[int] = frozenset()  # positions to keep the recurrent state at (keep_at)
+        self.checkpoints: dict[int, list[RecurrentState]] = {}  # position -> its recurrent layers' states
 
 
 def default_device() -> torch.device:
@@ -127,7 +130,7 @@ class TorchBackend(Backend):
 
     def release(self, session: Session) -> None:
         if self._sessions.pop(session.id, None) is not None:
-            session.layers = []
+            session.layers, session.checkpoints, session.kept = [], {}, ()
 
     def _wait_for_clones(self, sessions: Sequence[TorchSession]) -> None:
         for s in sessions:
@@ -153,11 +156,10 @@ class TorchBackend(Backend):
         try:
             self._wait_for_clones(sessions)
             for session, chunk in zip(sessions, chunks):
-                start = session.position
-                tokens = torch.tensor([list(chunk)], dtype=torch.long, device=self.device)
-                positions = torch.arange(start, start + len(chunk), device=self.device)[None]
-                out.append(self.model(tokens, positions, [session.layers], [start]))
+                logits, taken = self._run_chunk(session, chunk)
+                out.append(logits)
                 session.position += len(chunk)
+                self._keep(session, taken)
         except Exception as exc:
             done = len(out)
             rows = [RowState.COMMITTED] * done + [self._after_failure(s, w)
@@ -178,11 +180,48 @@ class TorchBackend(Backend):
             ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)[:, None]
             positions = torch.tensor(starts, device=self.device)[:, None]
             logits = self.model(ids, positions, [s.layers for s in sessions], starts)
+            taken = {s: {s.position + 1: self._states(s)} for s in sessions if s.position + 1 in s.wanted}
         except Exception as exc:
             raise BatchFailed(exc, [self._after_failure(s, w) for s, w in zip(sessions, writes)]) from exc
         for s in sessions:
             s.position += 1
+            self._keep(s, taken.get(s, {}))
         return logits
+
+    def _run_chunk(self, session: TorchSession, chunk: Sequence[int]) -> tuple[torch.Tensor, dict[int, list[RecurrentState]]]:
+        """The chunk's last logits, running it in pieces that end at the wanted checkpoints inside
+        it (the engine's chunk ends are a hint; a checkpoint is exact wherever it falls); the
+        recurrent states taken there, not yet kept: a chunk that fails keeps none."""
+        start, taken = session.position, {}
+        cuts = sorted(p - start for p in session.wanted if start < p < start + len(chunk))
+        for a, b in zip([0, *cuts], [*cuts, len(chunk)]):
+            tokens = torch.tensor([list(chunk[a:b])], dtype=torch.long, device=self.device)
+            positions = torch.arange(start + a, start + b, device=self.device)[None]
+            logits = self.model(tokens, positions, [session.layers], [start + a])
+            if start + b in session.wanted:
+                taken[start + b] = self._states(session)
+        return logits, taken
+
+    @staticmethod
+    def _states(session: TorchSession) -> list[RecurrentState]:
+        """Copies of a session's recurrent layers' states."""
+        return [layer.copy_prefix(0) for layer in session.layers if isinstance(layer, RecurrentState)]
+
+    @staticmethod
+    def _keep(session: TorchSession, taken: dict[int, list[RecurrentState]]) -> None:
+        session.checkpoints.update(taken)
+        session.kept = tuple(sorted(session.checkpoints))
+
+    @torch.inference_mode()
+    def keep_at(self, session: TorchSession, positions: Collection[int]) -> None:
+        if session.id not in self._sessions:
+            raise ValueError(f"{session!r} was released")
+        if not isinstance(self.cfg, HybridConfig):
+            return  # nothing to keep: every position clones from the live state
+        session.wanted = frozenset(p for p in positions if p > 0)
+        session.checkpoints = {p: states for p, states in session.checkpoints.items() if p in session.wanted}
+        self._wait_for_clones([session])
+        self._keep(session, {session.position: self._states(session)} if session.position in session.wanted else {})
 
     @staticmethod
     def _after_failure(session: TorchSession, ring_writes: int) -> RowState:
@@ -198,13 +237,13 @@ class TorchBackend(Backend):
     def clone(self, session: TorchSession, upto: int) -> TorchSession:
         if session.id not in self._sessions:
             raise ValueError(f"{session!r} was released")
-        refusal = clone_refusal(session.position, upto, self.info, kv.held_from(session.layers))
+        refusal = clone_refusal(session.position, upto, self.info, kv.held_from(session.layers), session.kept)
         if refusal is not None:
             raise refusal
         if self.device.type == "cuda":
             clone = self._clone_aside(session, upto)
         else:
-            clone = TorchSession(kv.copy_layers(session.layers, upto))
+            clone = TorchSession(self._copy_layers(session, upto))
         clone.position = upto
         self._sessions[clone.id] = clone
         return clone
@@ -222,10 +261,10 @@ class TorchBackend(Backend):
         side = self._copy_stream
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            clone = TorchSession(kv.copy_layers(donor.layers, upto))
+            clone = TorchSession(self._copy_layers(donor, upto))
             done = torch.cuda.Event()
             done.record(side)
-        for layer in donor.layers:
+        for layer in [*donor.layers, *donor.checkpoints.get(upto, ())]:
             for t in layer.tensors():
                 t.record_stream(side)
         for layer in clone.layers:
@@ -234,13 +273,23 @@ class TorchBackend(Backend):
         donor.ready = clone.ready = done
         return clone
 
+    @staticmethod
+    def _copy_layers(session: TorchSession, upto: int) -> list[kv.LayerKV | hybrid.HybridLayerState]:
+        """The state of [0, upto): the recurrent rule takes the live state at the position, else the
+        checkpoint kept at `upto` (clone_refusal has admitted one of them)."""
+        if upto == session.position:
+            return kv.copy_layers(session.layers, upto)
+        states = iter(session.checkpoints[upto])
+        return [next(states).copy_prefix(upto) if isinstance(layer, RecurrentState) else layer.copy_prefix(upto)
+                for layer in session.layers]
+
     # -- accounting ------------------------------------------------------
 
-    def session_bytes(self, session: Session) -> int:
-        return kv.layers_bytes(session.layers)
+    def session_bytes(self, session: TorchSession) -> int:
+        return kv.layers_bytes(session.layers) + sum(kv.layers_bytes(c) for c in session.checkpoints.values())
 
     def total_bytes(self) -> int:
-        return sum(kv.layers_bytes(s.layers) for s in self._sessions.values())
+        return sum(self.session_bytes(s) for s in self._sessions.values())
 
     def live_sessions(self) -> int:
         return len(self._sessions)
