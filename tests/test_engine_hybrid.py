@@ -1,11 +1,10 @@
 """The engine on a hybrid model (Qwen3.5: Gated DeltaNet beside full attention), every reuse path
 on, against reuse off (float32): the same greedy tokens, and no error where a reuse is refused.
 
-Today the prefix cache's snapshot sits at the prompt's end while an identical prompt's match stops
-one token short of it, a position the recurrent state no longer holds (base.py's recurrent rule): the
-clone is refused and the engine prefills in full. A prompt extending the snapshot's, a leader's chunk
-that stops at its followers' target, and a named session resumed at its own end are all at the
-state's position, so those are served exactly."""
+A recurrent state serves a clone only at its position or at a checkpoint (base.py's recurrent rule),
+so the engine plans for it: the prefix cache snapshots a prompt one token before its end (where an
+identical prompt's match stops), a running request keeps checkpoints at its last message boundaries,
+a leader's chunk stops at its followers' target, and a named session resumes at its own end."""
 
 import asyncio
 
@@ -39,7 +38,7 @@ def folder(backend_name, tiny_hybrid_dir) -> str:
     return tiny_hybrid_dir("qwen3_5")
 
 
-async def test_prefix_cache_on_a_hybrid_falls_back_exactly(backend_name, folder):
+async def test_prefix_cache_on_a_hybrid_serves_the_snapshot_one_token_short(backend_name, folder):
     first = prompt(40, seed=1)
     # The same prompt again, an extension, and one that leaves the cached prompt at 30.
     prompts = [first, first, first + prompt(9, seed=2), first[:30] + prompt(9, seed=3)]
@@ -52,10 +51,10 @@ async def test_prefix_cache_on_a_hybrid_falls_back_exactly(backend_name, folder)
         tokens, done = await run(engine, p, 10)
         assert tokens == expected and done.finish_reason in ("length", "stop")
         served.append((done.usage.reuse_source, done.usage.reused_tokens))
-    # The identical prompt's match (39) and the divergent one's (30) are refused; the extension's
-    # (40) is the snapshot's position.
-    assert served == [(None, 0), (None, 0), ("cache", 40), (None, 0)]
-    assert engine.metrics.clone_refusals.get(source="cache", reason="recurrent_position") >= 1
+    # The snapshot holds [0, 39): the identical prompt and the extension are served there; the
+    # prompt leaving it at 30 finds no state held at 30 or below, so nothing is offered or refused.
+    assert served == [(None, 0), ("cache", 39), ("cache", 39), (None, 0)]
+    assert engine.metrics.clone_refusals.get(source="cache", reason="recurrent_position") == 0
     await settled(engine, engine.backend)
     await engine.shutdown(1)
     assert engine.backend.live_sessions() == 0

@@ -33,8 +33,9 @@ class Admission:
         self.budget: int = config.kv_budget_bytes  # type: ignore[assignment]  (resolved)
         self.queue: collections.deque[Request] = collections.deque()
         windows = [layer.window for layer in info.layers if layer.kind == "sliding" and layer.window]
+        recurrent = any(layer.kind == "recurrent" for layer in info.layers)
         self.cache = PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes, config.prefix_cache_min_tokens,
-                                 windows)
+                                 windows, recurrent)
         self.named = NamedSessions(config.max_named_sessions)
         self.slots_used = 0
         self.reserved = 0  # bytes: what requests hold (slots, landed clones), and capture slots

@@ -399,4 +399,4 @@ class Engine:
         for rid, position in ev.committed.items():
             r = self._requests.get(rid)
             if r is not None:
-                r.committed = position
+                r.committed, r.kept = position, ev.kept.get(rid, ())

@@ -136,6 +136,7 @@ class StepStats:
     backend_s: float
     prefill_tokens: int = 0
     prefill_s: float = 0.0
+    kept: dict[int, tuple[int, ...]] = field(default_factory=dict)  # recurrent checkpoints held, where any
 
 
 @dataclass

@@ -11,6 +11,9 @@ Design rules:
 - an entry of a model with sliding layers serves only what its windows still
   hold (matching.window_floor, the floor a donor gets): a match the backend
   would refuse is never reported;
+- an entry of a model with recurrent layers serves its own length only (the
+  recurrent rule, base.clone_positions): the runner snapshots such a prompt one
+  token before its end, so the same prompt sent again is served;
 - a clone the backend refuses leaves its entry in place: the next candidate is
   tried, then a full prefill;
 - entries outlive the request they came from; eviction goes by count and bytes.
@@ -39,9 +42,11 @@ class CacheMatch:
 
 
 class PrefixCache:
-    def __init__(self, max_entries: int, max_bytes: int | None, min_tokens: int, windows: Iterable[int] = ()):
+    def __init__(self, max_entries: int, max_bytes: int | None, min_tokens: int, windows: Iterable[int] = (),
+                 recurrent: bool = False):
         self.max_entries, self.max_bytes, self.min_tokens = max_entries, max_bytes, min_tokens
         self.windows = tuple(windows)  # the sliding layers' windows
+        self.recurrent = recurrent  # the model has recurrent layers
         self._entries: OrderedDict[tuple[int, ...], CacheEntry] = OrderedDict()  # oldest first
         self.nbytes = 0
 
@@ -53,7 +58,8 @@ class PrefixCache:
 
     def lookup(self, prompt: Sequence[int]) -> list[CacheMatch]:
         """Usable matches, best first: longest, then most recently used."""
-        sources = (Source.entry(key, key, stamp, clone_floor=window_floor(len(key), self.windows))
+        sources = (Source.entry(key, key, stamp, clone_floor=window_floor(len(key), self.windows),
+                                positions=(len(key),) if self.recurrent else None)
                    for stamp, key in enumerate(self._entries))
         return [CacheMatch(self._entries[m.key], m.upto) for m in ranked_matches(prompt, sources)
                 if m.upto >= self.min_tokens]

@@ -8,7 +8,9 @@ wakes the loop with `call_soon_threadsafe`. It never waits on the loop.
 Design rules:
 - a capture (a clone at prompt length) runs right after the last prefill chunk
   and before the first decode writes: a decode would overwrite what a sliding
-  layer's snapshot needs;
+  layer's snapshot needs. On a model with recurrent layers it runs one token
+  before the prompt's end (prefill stops there; base.py's recurrent rule), so
+  the same prompt sent again, whose match is at most len - 1, is served;
 - a follower's clone order is served the moment its donor has committed the
   target (the donor's chunk stops there), before the donor writes again;
 - a donor that leaves hands what it committed to the follower that salvages
@@ -63,10 +65,18 @@ class _Slot:
     prefilled: int = 0
     generated: int = 0
     next_token: int | None = None  # sampled, not yet committed
+    capture_at: int = 0  # where its prompt is snapshot (Start.capture), 0: nowhere
 
     @property
     def prefill_left(self) -> int:
         return max(0, len(self.start.prompt) - self.session.position)
+
+    def prefill_cap(self, orders: int | None) -> int | None:
+        """Most tokens it may prefill this step: up to a follower's target (`orders`), and up to its capture."""
+        position = self.session.position
+        if position < self.capture_at < len(self.start.prompt):
+            return min(self.capture_at - position, orders or self.prefill_left)
+        return orders
 
 
 class Runner:
@@ -84,6 +94,7 @@ class Runner:
         self._stopping = False
         self._backend_s = 0.0
         self._constrained: ConstrainedRows | None = None  # once the model is loaded (it knows the vocabulary)
+        self._recurrent = False  # the model has recurrent layers (known once loaded)
         self.thread = threading.Thread(target=self._main, name="kvfork-runner", daemon=True)
 
     def send(self, command: Any) -> None:
@@ -95,6 +106,7 @@ class Runner:
     def _main(self) -> None:
         try:
             info = self.backend.load(self.model_path, self.dtype)
+            self._recurrent = any(layer.kind == "recurrent" for layer in info.layers)
             self._constrained = ConstrainedRows(info.vocab_size)
             self._publish(m.Loaded(info))
         except Exception as exc:
@@ -181,7 +193,8 @@ class Runner:
             self.events.append(m.Finished(start.rid, "error", 0, 0, error=f"start failed: {exc}"))
             return
         sampler = SamplerState(start.sampling, prompt=start.prompt)
-        self._slots[start.rid] = _Slot(start, session, sampler)
+        capture_at = len(start.prompt) - 1 if self._recurrent else len(start.prompt)
+        self._slots[start.rid] = _Slot(start, session, sampler, capture_at=capture_at if start.capture else 0)
         self._rows.start(start.rid, start.constraint)
         self.events.append(m.Started(start.rid, reused, index, refused, clone_s))
 
@@ -222,7 +235,8 @@ class Runner:
 
     def _step(self) -> None:
         t0, self._backend_s = time.perf_counter(), 0.0
-        running = [Running(rid, s.prefill_left, self._orders.prefill_cap(rid, s.session.position, s.prefill_left))
+        running = [Running(rid, s.prefill_left, s.prefill_cap(self._orders.prefill_cap(rid, s.session.position,
+                                                                                       s.prefill_left)))
                    for rid, s in self._slots.items()]
         plan = plan_step(running, self.max_batch_tokens, self.prefill_chunk, self._rotation)
         self._rotation = plan.last_prefilled
@@ -235,9 +249,10 @@ class Runner:
             prefill_s = self._backend_s - before
         self._serve_orders()
         committed = {rid: s.session.position for rid, s in self._slots.items()}
+        kept = {rid: s.session.kept for rid, s in self._slots.items() if s.session.kept}
         live, nbytes = self._timed(self.backend.live_sessions), self._timed(self.backend.total_bytes)
         self._publish(m.StepStats(committed, live, nbytes, time.perf_counter() - t0, self._backend_s,
-                                  sum(n for _, n in plan.prefill), prefill_s))
+                                  sum(n for _, n in plan.prefill), prefill_s, kept))
 
     def _decode(self, slots: list[_Slot]) -> None:
         def decode(sessions: list[Session], rows: list[list[int]]) -> Any:
@@ -256,10 +271,10 @@ class Runner:
             for slot in group:
                 if slot is not None:
                     slot.prefilled += len(pieces[slot.start.rid])
-            done = [s if s is not None and s.prefill_left == 0 else None for s in group]
-            for slot in done:
-                if slot is not None and slot.start.capture:
+            for slot in group:
+                if slot is not None and slot.session.position == slot.capture_at:
                     self._capture(slot)
+            done = [s if s is not None and s.prefill_left == 0 else None for s in group]
             if any(done):
                 self._sample(logits, done)
 
@@ -344,7 +359,7 @@ class Runner:
                 self._accept(slot, pick)
 
     def _capture(self, slot: _Slot) -> None:
-        prompt = slot.start.prompt
+        prompt = slot.start.prompt[:slot.capture_at]
         try:
             snapshot = self._timed(self.backend.clone, slot.session, len(prompt))
         except CloneRefused as refusal:
