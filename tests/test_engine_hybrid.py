@@ -7,13 +7,15 @@ identical prompt's match stops), a running request keeps checkpoints at its last
 a leader's chunk stops at its followers' target, and a named session resumes at its own end."""
 
 import asyncio
+import importlib
 
 import numpy as np
 import pytest
 
 from backend_fixtures import backend_name  # noqa: F401  (fixture: each importable backend)
-from backends import create_backend
-from engine_harness import run, settled
+from backends import BACKENDS, create_backend
+from engine_harness import collect, reached, request, run, settled
+from scripted_backend import Gate
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
 from server.metrics import Registry
@@ -26,11 +28,45 @@ def prompt(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(3, 500, n).tolist()
 
 
+def gated(name: str):
+    """The backend, able to hold the runner inside a chosen prefill or decode while a test arranges the loop."""
+    module, cls = BACKENDS[name].split(":")
+    base = getattr(importlib.import_module(module), cls)
+
+    class Gated(base):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gates: dict[str, Gate] = {}
+
+        def _hold(self, kind: str, sessions, inputs) -> None:
+            gate = self.gates.get(kind)
+            if gate is not None and gate.when(sessions, inputs):
+                del self.gates[kind]
+                gate.wait_here()
+
+        def prefill(self, sessions, chunks):
+            self._hold("prefill", sessions, chunks)
+            return super().prefill(sessions, chunks)
+
+        def decode(self, sessions, tokens):
+            self._hold("decode", sessions, tokens)
+            return super().decode(sessions, tokens)
+
+    return Gated()
+
+
 async def engine_on(name: str, folder: str, **config) -> Engine:
     settings = dict(kv_budget_bytes=1 << 30, prefill_chunk=16, prefix_cache_min_tokens=8, **config)
-    engine = Engine(create_backend(name), folder, "float32", EngineConfig(**settings), Registry())
+    engine = Engine(gated(name), folder, "float32", EngineConfig(**settings), Registry())
     await engine.start()
     return engine
+
+
+async def references(name: str, folder: str, prompts, max_tokens: int) -> list[list[int]]:
+    off = await engine_on(name, folder, **OFF)
+    out = [(await run(off, p, max_tokens, ignore_eos=True))[0] for p in prompts]
+    await off.shutdown(1)
+    return out
 
 
 @pytest.fixture
@@ -88,3 +124,55 @@ async def test_a_named_session_on_a_hybrid_resumes_exactly(backend_name, folder)
     cold, _ = await run(off, follow_up, 10)
     assert warm == cold
     await off.shutdown(1)
+
+
+async def test_a_prompt_sharing_a_running_conversation_to_a_message_end_clones_its_checkpoint(backend_name, folder):
+    """The donor keeps its recurrent state where its messages end (GenerateRequest.boundaries); a recipient
+    that shares its conversation up to the second one and goes its own way is cloned there, while the
+    donor decodes on; the checkpoints are in the donor's reserved bytes."""
+    conversation = prompt(64, seed=20)
+    recipient = conversation[:48] + prompt(10, seed=21)
+    want = await references(backend_name, folder, [conversation, recipient], 12)
+    engine = await engine_on(backend_name, folder, **ON)
+    backend = engine.backend
+    gate = backend.gates["decode"] = Gate()
+    asked = request(conversation, 12, rid="donor", boundaries=(24, 48), ignore_eos=True)
+    assert engine.admission.checkpoints(asked) == (24, 48)
+    priced = engine.admission.request_bytes(64, 12, checkpoints=2)
+    assert priced == engine.admission.request_bytes(64, 12) + 2 * engine.info.kv.state_bytes > 0
+    donor = engine.submit(asked)
+    await reached(gate)  # its prompt is in, checkpoints at 24 and 48 kept; held in its first decode
+    taker = engine.submit(request(recipient, 12, rid="taker", ignore_eos=True))
+    gate.open()
+    (donor_tokens, _), (tokens, done) = await asyncio.gather(collect(donor), collect(taker))
+    assert [donor_tokens, tokens] == want
+    assert (done.usage.reuse_source, done.usage.reused_tokens) == ("donor", 48)
+    await settled(engine, backend)
+    await engine.shutdown(1)
+    assert backend.live_sessions() == 0
+
+
+async def test_followers_of_a_cancelled_leader_are_served_from_what_it_holds(backend_name, folder):
+    """A leader held mid-prefill at 16 is followed by two requests: one to 20, which the leader's running
+    chunk passes (its checkpoint at 18, a message end, serves it), one to 48, the heir when the leader is
+    cancelled at 32 (its position). Both give the tokens of reuse off; nothing leaks."""
+    leader_prompt = prompt(64, seed=30)
+    short = leader_prompt[:20] + prompt(8, seed=31)
+    long = leader_prompt[:48] + prompt(8, seed=32)
+    want = await references(backend_name, folder, [short, long], 8)
+    engine = await engine_on(backend_name, folder, **{**ON, "prefix_cache_entries": 0})
+    backend = engine.backend
+    gate = backend.gates["prefill"] = Gate(lambda sessions, chunks: sessions[0].position == 16)
+    leader = engine.submit(request(leader_prompt, 8, rid="leader", boundaries=(18,), ignore_eos=True))
+    await reached(gate)
+    handles = [engine.submit(request(p, 8, rid=f"f{i}", ignore_eos=True)) for i, p in enumerate((short, long))]
+    assert {f.following.target for f in engine.reuse.followers.values()} == {20, 48}
+    leader.cancel()
+    gate.open()
+    results = await asyncio.gather(*(collect(h) for h in handles))
+    assert (await collect(leader))[1].finish_reason == "cancelled"
+    assert [tokens for tokens, _ in results] == want
+    assert [(d.usage.reuse_source, d.usage.reused_tokens) for _, d in results] == [("donor", 18), ("donor", 32)]
+    await settled(engine, backend)
+    await engine.shutdown(1)
+    assert backend.live_sessions() == 0

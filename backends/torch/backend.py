@@ -276,8 +276,9 @@ class TorchBackend(Backend):
     @staticmethod
     def _copy_layers(session: TorchSession, upto: int) -> list[kv.LayerKV | hybrid.HybridLayerState]:
         """The state of [0, upto): the recurrent rule takes the live state at the position, else the
-        checkpoint kept at `upto` (clone_refusal has admitted one of them)."""
-        if upto == session.position:
+        checkpoint kept at `upto` (clone_refusal has admitted one of them; a model without recurrent
+        layers keeps none and clones anywhere)."""
+        if upto not in session.checkpoints:
             return kv.copy_layers(session.layers, upto)
         states = iter(session.checkpoints[upto])
         return [next(states).copy_prefix(upto) if isinstance(layer, RecurrentState) else layer.copy_prefix(upto)

@@ -33,9 +33,9 @@ class Admission:
         self.budget: int = config.kv_budget_bytes  # type: ignore[assignment]  (resolved)
         self.queue: collections.deque[Request] = collections.deque()
         windows = [layer.window for layer in info.layers if layer.kind == "sliding" and layer.window]
-        recurrent = any(layer.kind == "recurrent" for layer in info.layers)
+        self.recurrent = any(layer.kind == "recurrent" for layer in info.layers)
         self.cache = PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes, config.prefix_cache_min_tokens,
-                                 windows, recurrent)
+                                 windows, self.recurrent)
         self.named = NamedSessions(config.max_named_sessions)
         self.slots_used = 0
         self.reserved = 0  # bytes: what requests hold (slots, landed clones), and capture slots
@@ -58,7 +58,7 @@ class Admission:
             except ValueError as exc:
                 raise InvalidRequest(str(exc)) from None
         max_tokens = clamp_max_tokens(req.max_tokens, self.config.max_tokens, n, context)
-        need = self.request_bytes(n, max_tokens)
+        need = self.request_bytes(n, max_tokens, checkpoints=len(self.checkpoints(req)))
         if fit_admission(need, 0, 0, self.budget).never:
             raise CapacityExhausted(f"the request needs {need} bytes of KV state; the budget is {self.budget}")
         waits = bool(self.queue) or self.slots_used >= self.config.inference_slots
@@ -66,10 +66,20 @@ class Admission:
             raise CapacityExhausted(f"{waiting} requests are already waiting")
         return max_tokens, need
 
-    def request_bytes(self, prompt_len: int, max_tokens: int, start: int | None = None) -> int:
+    def request_bytes(self, prompt_len: int, max_tokens: int, start: int | None = None, checkpoints: int = 0) -> int:
         """What a request's session grows to: opened at `start` (an empty session 0, a clone its
-        `upto`); None, not yet known: the dearest start, a clone of all but the prompt's last token."""
-        return self.info.kv.bytes_for(prompt_len + max_tokens, start=prompt_len - 1 if start is None else start)
+        `upto`); None, not yet known: the dearest start, a clone of all but the prompt's last token;
+        with the recurrent checkpoints it keeps."""
+        return self.info.kv.bytes_for(prompt_len + max_tokens, start=prompt_len - 1 if start is None else start,
+                                      checkpoints=checkpoints)
+
+    def checkpoints(self, req: GenerateRequest) -> tuple[int, ...]:
+        """Where a request keeps its recurrent state (a model with recurrent layers): its last
+        --recurrent-checkpoints message boundaries inside the prompt. Counted in its bytes."""
+        if not self.recurrent or self.config.recurrent_checkpoints == 0:
+            return ()
+        inside = sorted({b for b in req.boundaries if 0 < b < len(req.prompt)})
+        return tuple(inside[-self.config.recurrent_checkpoints:])
 
     def clone_bytes(self, upto: int) -> int:
         """A clone of `[0, upto)`, as it lands (a follower's, or a snapshot)."""
@@ -174,7 +184,7 @@ class Admission:
         return m.Start(request.rid, request.prompt, request.req.sampling, request.max_tokens, request.stop_ids,
                        capture=request.capture_slot, keep_session=named is not None,
                        resume=resume, resume_at=resume_at, clone_from=clone_from,
-                       constraint=request.req.constraint)
+                       constraint=request.req.constraint, keep_at=self.checkpoints(request.req))
 
     def drain(self) -> list[Any]:
         """Every session the cache and the named sessions hold (for shutdown)."""

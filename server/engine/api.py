@@ -61,6 +61,9 @@ class GenerateRequest:
     ignore_eos: bool = False
     session_id: str | None = None  # named session: warm resume, never a reuse recipient
     constraint: "Constraint | None" = None  # a grammar the output must follow (server/grammar.py makes them)
+    # Token offsets in `prompt` where a message ends (the chat renderer's): where a model with recurrent
+    # layers keeps checkpoints (--recurrent-checkpoints), for a later prompt that shares them.
+    boundaries: tuple[int, ...] = ()
 
 
 @dataclass

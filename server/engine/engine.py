@@ -139,6 +139,14 @@ class Engine:
             raise CapacityExhausted(f"{self.waiting()} requests are already waiting")
         return handle
 
+    @property
+    def recurrent_checkpoints(self) -> int:
+        """How many message boundaries a request keeps its recurrent state at: --recurrent-checkpoints
+        on a model with recurrent layers, else none (every other state clones anywhere)."""
+        if self.info is None or not any(layer.kind == "recurrent" for layer in self.info.layers):
+            return 0
+        return self.config.recurrent_checkpoints
+
     def waiting(self) -> int:
         """Requests waiting: queued, and parked behind a leader."""
         return len(self.adm.queue) + len(self.reuser.followers)
@@ -332,7 +340,8 @@ class Engine:
         # Where its session starts is known now: its reservation shrinks to what that session grows to
         # (a named session is always opened empty; a clone at `reused`).
         start = 0 if r.named is not None else ev.reused
-        self.adm.hold(r, self.adm.request_bytes(len(r.prompt), r.max_tokens, start))
+        self.adm.hold(r, self.adm.request_bytes(len(r.prompt), r.max_tokens, start,
+                                                len(self.adm.checkpoints(r.req))))
         if r.named is not None:
             r.reuse_source = "session" if ev.reused else None
         elif ev.clone_index is not None:

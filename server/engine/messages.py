@@ -36,6 +36,7 @@ class Start:
     resume_at: int = 0
     clone_from: list[tuple[Any, int]] = field(default_factory=list)
     constraint: Any = None  # a constraints.Constraint: the grammar its tokens must follow, or None
+    keep_at: tuple[int, ...] = ()  # positions its session keeps the recurrent state at (Backend.keep_at)
 
 
 @dataclass

@@ -15,6 +15,10 @@ Design rules:
   target (the donor's chunk stops there), before the donor writes again;
 - a donor that leaves hands what it committed to the follower that salvages
   most (follow.promote), cloned before its state is released;
+- a donor with recurrent layers holds a state only at its position and its
+  checkpoints (base.py's recurrent rule): a clone asked of it where it holds
+  none (it moved on since the loop looked, or it leaves below a follower's
+  target) is served from the highest state it holds below, if any;
 - faults stay where they start, and nothing committed is computed twice
   (base.BatchFailed is the backends' half of this contract):
   - a forward pass that fails says per session what it did: UNTOUCHED sessions
@@ -44,8 +48,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from backends.base import (Backend, BatchFailed, CloneRefused, RowState, Sampled, SamplerState, SamplingParams,
-                           Session)
+from backends.base import (Backend, BatchFailed, CloneRefused, ModelInfo, RowState, Sampled, SamplerState,
+                           SamplingParams, Session, clone_positions)
 from server.engine import messages as m
 from server.engine.clone_orders import CloneOrders
 from server.engine.constraints import ConstrainedRows
@@ -94,7 +98,8 @@ class Runner:
         self._stopping = False
         self._backend_s = 0.0
         self._constrained: ConstrainedRows | None = None  # once the model is loaded (it knows the vocabulary)
-        self._recurrent = False  # the model has recurrent layers (known once loaded)
+        self._info: ModelInfo | None = None  # once loaded
+        self._recurrent = False  # the model has recurrent layers
         self.thread = threading.Thread(target=self._main, name="kvfork-runner", daemon=True)
 
     def send(self, command: Any) -> None:
@@ -105,7 +110,7 @@ class Runner:
 
     def _main(self) -> None:
         try:
-            info = self.backend.load(self.model_path, self.dtype)
+            info = self._info = self.backend.load(self.model_path, self.dtype)
             self._recurrent = any(layer.kind == "recurrent" for layer in info.layers)
             self._constrained = ConstrainedRows(info.vocab_size)
             self._publish(m.Loaded(info))
@@ -187,6 +192,8 @@ class Runner:
                     refused.append("error")
             if session is None:
                 session, reused = self.backend.open_session(), 0
+            if start.keep_at:
+                self._keep_at(session, start.keep_at)
         except Exception as exc:
             log.exception("start failed")
             self.events.append(m.Started(start.rid, 0, None, refused))
@@ -198,6 +205,13 @@ class Runner:
         self._rows.start(start.rid, start.constraint)
         self.events.append(m.Started(start.rid, reused, index, refused, clone_s))
 
+    def _keep_at(self, session: Session, positions: tuple[int, ...]) -> None:
+        """Checkpoints at message boundaries are optional work: a backend that fails them runs on without."""
+        try:
+            self._timed(self.backend.keep_at, session, positions)
+        except Exception as exc:
+            log.warning("keeping checkpoints at %s failed: %r", positions, exc)
+
     def _clone_donor(self, command: m.CloneDonor) -> None:
         donor = self._slots.get(command.donor)
         if donor is None:
@@ -208,6 +222,10 @@ class Runner:
             self._clone_for(command.rid, donor, command.upto)
 
     def _clone_for(self, rid: int, donor: _Slot, upto: int, refused_reason: str | None = None) -> None:
+        if self._recurrent:
+            assert self._info is not None
+            held = clone_positions(donor.session.position, self._info, donor.session.kept)
+            upto = max((p for p in held if p <= upto), default=upto)  # none below: the clone is refused
         t0 = time.perf_counter()
         try:
             session = self._timed(self.backend.clone, donor.session, upto)
@@ -401,6 +419,8 @@ class Runner:
         kept, held = None, []
         if slot.start.keep_session and reason != "error":
             kept = slot.session
+            if kept.kept or slot.start.keep_at:  # an idle named session is priced without checkpoints
+                self._keep_at(kept, ())
             held = (slot.start.prompt + slot.sampler.output)[:slot.session.position]
         else:
             self.backend.release(slot.session)
