@@ -133,7 +133,8 @@ async def test_a_prompt_sharing_a_running_conversation_to_a_message_end_clones_i
     conversation = prompt(64, seed=20)
     recipient = conversation[:48] + prompt(10, seed=21)
     want = await references(backend_name, folder, [conversation, recipient], 12)
-    engine = await engine_on(backend_name, folder, **ON)
+    # No prefix cache: its snapshot would take the checkpoints over (the next test).
+    engine = await engine_on(backend_name, folder, **{**ON, "prefix_cache_entries": 0})
     backend = engine.backend
     gate = backend.gates["decode"] = Gate()
     asked = request(conversation, 12, rid="donor", boundaries=(24, 48), ignore_eos=True)
@@ -176,3 +177,21 @@ async def test_followers_of_a_cancelled_leader_are_served_from_what_it_holds(bac
     await settled(engine, backend)
     await engine.shutdown(1)
     assert backend.live_sessions() == 0
+
+
+async def test_a_prompt_sharing_a_finished_conversation_to_a_message_end_is_served_from_the_cache(backend_name, folder):
+    """A finished request's snapshot keeps its message-boundary checkpoints: a later prompt that shares the
+    conversation up to one (and not beyond) is served there from the cache; nothing is left held."""
+    conversation = prompt(64, seed=40)
+    later = conversation[:48] + prompt(12, seed=41)
+    want = await references(backend_name, folder, [conversation, later], 8)
+    engine = await engine_on(backend_name, folder, **ON)
+    first, _ = await run(engine, conversation, 8, boundaries=(24, 48), ignore_eos=True)
+    tokens, done = await run(engine, later, 8, ignore_eos=True)
+    assert [first, tokens] == want
+    assert (done.usage.reuse_source, done.usage.reused_tokens) == ("cache", 48)
+    await settled(engine, engine.backend)
+    held = engine.backend.total_bytes()
+    assert held == engine.admission.cache.nbytes  # the snapshots' bytes, checkpoints included, are the cache's
+    await engine.shutdown(1)
+    assert engine.backend.live_sessions() == 0

@@ -273,6 +273,14 @@ class TorchBackend(Backend):
         donor.ready = clone.ready = done
         return clone
 
+    def move_checkpoints(self, source: TorchSession, target: TorchSession) -> None:
+        if source.id not in self._sessions or target.id not in self._sessions:
+            raise ValueError("a session was released")
+        moved = {p: states for p, states in source.checkpoints.items() if p < target.position}
+        source.checkpoints = {p: s for p, s in source.checkpoints.items() if p not in moved}
+        self._keep(source, {})
+        self._keep(target, moved)
+
     @staticmethod
     def _copy_layers(session: TorchSession, upto: int) -> list[kv.LayerKV | hybrid.HybridLayerState]:
         """The state of [0, upto): the recurrent rule takes the live state at the position, else the

@@ -158,8 +158,8 @@ class Admission:
         self.slots_used -= 1
         self.let_go(request)
 
-    def store_capture(self, tokens: list[int], session: Any, nbytes: int) -> None:
-        self.release_sessions(self.cache.insert(tokens, session, nbytes))
+    def store_capture(self, tokens: list[int], session: Any, nbytes: int, kept: tuple[int, ...] = ()) -> None:
+        self.release_sessions(self.cache.insert(tokens, session, nbytes, kept))
 
     def release_sessions(self, sessions: list[Any]) -> None:
         sessions = [s for s in sessions if s is not None]

@@ -106,6 +106,7 @@ class Captured:
     session: Any | None  # None: the backend refused the snapshot, or it failed
     nbytes: int = 0
     failed: bool = False  # the snapshot raised (not a refusal): counted apart
+    kept: tuple[int, ...] = ()  # the snapshot's recurrent checkpoints (moved from the request's session)
 
 
 @dataclass

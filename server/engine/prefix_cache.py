@@ -11,9 +11,11 @@ Design rules:
 - an entry of a model with sliding layers serves only what its windows still
   hold (matching.window_floor, the floor a donor gets): a match the backend
   would refuse is never reported;
-- an entry of a model with recurrent layers serves its own length only (the
-  recurrent rule, base.clone_positions): the runner snapshots such a prompt one
-  token before its end, so the same prompt sent again is served;
+- an entry of a model with recurrent layers serves its own length and its
+  checkpoints only (the recurrent rule, base.clone_positions): the runner
+  snapshots such a prompt one token before its end, so the same prompt sent
+  again is served, and the snapshot keeps the request's message-boundary
+  checkpoints, so a prompt sharing the conversation up to one is served there;
 - a clone the backend refuses leaves its entry in place: the next candidate is
   tried, then a full prefill;
 - entries outlive the request they came from; eviction goes by count and bytes.
@@ -33,6 +35,7 @@ class CacheEntry:
     tokens: tuple[int, ...]
     session: Any  # backend session, at position len(tokens)
     nbytes: int
+    kept: tuple[int, ...] = ()  # positions it holds a recurrent checkpoint at (a model with recurrent layers)
 
 
 @dataclass(frozen=True)
@@ -59,8 +62,8 @@ class PrefixCache:
     def lookup(self, prompt: Sequence[int]) -> list[CacheMatch]:
         """Usable matches, best first: longest, then most recently used."""
         sources = (Source.entry(key, key, stamp, clone_floor=window_floor(len(key), self.windows),
-                                positions=(len(key),) if self.recurrent else None)
-                   for stamp, key in enumerate(self._entries))
+                                positions=(*entry.kept, len(key)) if self.recurrent else None)
+                   for stamp, (key, entry) in enumerate(self._entries.items()))
         return [CacheMatch(self._entries[m.key], m.upto) for m in ranked_matches(prompt, sources)
                 if m.upto >= self.min_tokens]
 
@@ -72,7 +75,7 @@ class PrefixCache:
         if entry.tokens in self._entries:
             self._entries.move_to_end(entry.tokens)
 
-    def insert(self, tokens: Sequence[int], session: Any, nbytes: int) -> list[Any]:
+    def insert(self, tokens: Sequence[int], session: Any, nbytes: int, kept: tuple[int, ...] = ()) -> list[Any]:
         """Add a snapshot; returns the sessions to release (evicted, or the duplicate)."""
         key = tuple(tokens)
         if key in self._entries:  # the same prompt again: refresh, keep the older snapshot
@@ -80,7 +83,7 @@ class PrefixCache:
             return [session]
         if self.max_entries == 0 or (self.max_bytes is not None and nbytes > self.max_bytes):
             return [session]
-        self._entries[key] = CacheEntry(key, session, nbytes)
+        self._entries[key] = CacheEntry(key, session, nbytes, kept)
         self.nbytes += nbytes
         out = []
         while len(self._entries) > self.max_entries or (self.max_bytes is not None and self.nbytes > self.max_bytes):

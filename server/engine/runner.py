@@ -6,7 +6,9 @@ with every running request's committed position, on the event deque; then it
 wakes the loop with `call_soon_threadsafe`. It never waits on the loop.
 
 Design rules:
-- a capture (a clone at prompt length) runs right after the last prefill chunk
+- a capture (a clone at prompt length) takes the request's recurrent checkpoints
+  with it (they serve the same prefixes from the cache, and the request's
+  reservation still counts their bytes until it ends). It runs right after the last prefill chunk
   and before the first decode writes: a decode would overwrite what a sliding
   layer's snapshot needs. On a model with recurrent layers it runs one token
   before the prompt's end (prefill stops there; base.py's recurrent rule), so
@@ -388,7 +390,13 @@ class Runner:
             log.warning("capture of request %d failed: %r", slot.start.rid, exc)
             self.events.append(m.Captured(slot.start.rid, prompt, None, failed=True))
             return
-        self.events.append(m.Captured(slot.start.rid, prompt, snapshot, self.backend.session_bytes(snapshot)))
+        if slot.session.kept:  # its message-boundary checkpoints go with the snapshot, which serves them
+            try:
+                self._timed(self.backend.move_checkpoints, slot.session, snapshot)
+            except Exception as exc:  # optional work: the snapshot serves its own length only
+                log.warning("moving checkpoints of request %d to its snapshot failed: %r", slot.start.rid, exc)
+        self.events.append(m.Captured(slot.start.rid, prompt, snapshot, self.backend.session_bytes(snapshot),
+                                      kept=snapshot.kept))
 
     def _accept(self, slot: _Slot, pick: Sampled) -> None:
         failure = self._rows.after_sample(slot.start.rid, pick.token)
