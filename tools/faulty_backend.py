@@ -32,7 +32,7 @@ import random
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 from backends.base import Backend, BatchFailed, ModelInfo, RowState, Sampled, SamplerState, Session
 
@@ -209,6 +209,13 @@ class FaultyBackend(Backend):
         self._history[copy.id] = self._history.get(session.id, [])[:upto]
         self._measure()
         return copy
+
+    def keep_at(self, session: Session, positions: Collection[int]) -> None:
+        self.inner.keep_at(session, positions)
+        self._measure()
+
+    def move_checkpoints(self, source: Session, target: Session) -> None:
+        self.inner.move_checkpoints(source, target)
 
     def session_bytes(self, session: Session) -> int:
         return self.inner.session_bytes(session)
