@@ -10,7 +10,6 @@ request on the way out. Tests listen through the same function.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 
 from aiohttp import web
@@ -21,7 +20,8 @@ from server.protocol.anthropic import error_body
 from server.routes import chat, completions, messages, models, responses, sessions
 from server.routes.common import json_response
 from server.sse import CLIENT_GONE
-from server.state import STATE, AppState
+from server.state import STATE, TENANT, AppState
+from server.tenants import key_tenant
 
 log = logging.getLogger("kvfork.http")
 
@@ -75,12 +75,13 @@ def _middlewares(state: AppState, requests_total) -> list:
 
     @web.middleware
     async def auth(request: web.Request, handler):
-        key = state.config.api_key
-        if key and request.path.startswith("/v1/"):
+        if state.keys and request.path.startswith("/v1/"):
             given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
             given = given or request.headers.get("x-api-key", "")
-            if not hmac.compare_digest(given.encode(), key.encode()):
+            tenant = key_tenant(state.keys, given)
+            if tenant is None:
                 raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
+            request[TENANT] = tenant
         return await handler(request)
 
     return [errors, auth]

@@ -21,6 +21,7 @@ from backends.model_path import resolve_model
 from server.config import ServerConfig
 from server.engine.config import EngineConfig
 from server.settings import add_arguments, from_args
+from server.tenants import key_tenants
 
 # Tools are imported only when asked for: each pulls its own dependencies.
 TOOLS = {
@@ -50,6 +51,7 @@ def serve(argv: list[str]) -> int:
     try:
         config = from_args(ServerConfig, args)
         engine_config = from_args(EngineConfig, args)
+        key_tenants(config.api_key, config.api_keys_file)  # the keys agree with each other
     except ValueError as e:
         parser.error(str(e))
     reexec_for_backend(mlx=(default_backend() if config.backend == "auto" else config.backend) == "mlx")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from server.settings import at_least, between, setting
+from server.tenants import read_keys_file
 from server.toolcalls import TOOL_PARSER_CHOICES
 
 BACKENDS = ("auto", "mlx", "torch")
@@ -15,6 +16,21 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 def _name_check(names: list[str]) -> str | None:
     bad = [n for n in names if not n.strip()]
     return "a served model name cannot be empty" if bad else None
+
+
+def _key_check(keys: list[str]) -> str | None:
+    bad = [k for k in keys if not k or k != k.strip() or len(k.split()) != 1]
+    return "an API key cannot be empty or hold whitespace" if bad else None
+
+
+def _keys_file_check(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        read_keys_file(path)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 @dataclass(frozen=True)
@@ -28,7 +44,12 @@ class ServerConfig:
                                 choices=DTYPES)
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8080, "port to listen on (0: any free port)", check=between(0, 65535))
-    api_key: str | None = setting(None, "require this key (Authorization: Bearer KEY) on every /v1 route")
+    api_key: list[str] = setting([], "require a key (Authorization: Bearer KEY, or x-api-key) on every /v1 route; "
+                                 "repeat for more, each its own tenant: nothing one tenant computed is reused for "
+                                 "another", repeat=True, check=_key_check)
+    api_keys_file: str | None = setting(None, "file of accepted keys, one `KEY TENANT` per line (# comments); "
+                                        "keys of one tenant share its cached state, other tenants never do",
+                                        check=_keys_file_check)
     served_model_name: list[str] = setting([], "a name clients may use for the model; repeat for more "
                                            "(default: the model folder's name)", repeat=True, check=_name_check)
     accept_any_model: bool = setting(False, "serve requests whatever model name they send (for agents that send "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 
 from backends.base import SEEDS, SamplingParams
-from server.engine.api import GenerateRequest
+from server.engine.api import GenerateRequest, Scope
 from server.engine.sessions import check_session_id
 from server.errors import invalid, unsupported
 from server.protocol.openai import SamplingFields
@@ -41,7 +41,7 @@ def check_supported(body: SamplingFields) -> None:
 
 
 def generate_request(body: SamplingFields, prompt: list[int], *, rid: str, vocab_size: int, max_tokens: int | None,
-                     session: str | None, logprobs: bool = False,
+                     session: str | None, scope: Scope = Scope(), logprobs: bool = False,
                      top_logprobs: int = 0) -> GenerateRequest:
     bias = {}
     for key, value in (body.logit_bias or {}).items():
@@ -74,4 +74,5 @@ def generate_request(body: SamplingFields, prompt: list[int], *, rid: str, vocab
         stop_token_ids=stop_ids,
         ignore_eos=body.ignore_eos,
         session_id=session,
+        scope=scope,
     )

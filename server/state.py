@@ -9,11 +9,12 @@ from typing import Any
 from aiohttp import web
 
 from server.config import ServerConfig
-from server.engine.api import EngineError
+from server.engine.api import EngineError, Scope
 from server.errors import ApiError
 from server.grammar import GrammarCompiler
 from server.metrics import Registry
 from server.responses_api.store import ResponseStore
+from server.tenants import key_tenants
 from server.text.tokenizer import PromptTokenizer
 
 
@@ -27,14 +28,16 @@ class AppState:
     created: int = field(default_factory=lambda: int(time.time()))
     _grammars: GrammarCompiler | None = None  # built on the first constrained request
     responses: ResponseStore = field(init=False)  # for /v1/responses' previous_response_id
+    keys: dict[str, str] = field(init=False)  # accepted API key -> its tenant; empty: no auth, one tenant
 
     def __post_init__(self) -> None:
         self.responses = ResponseStore(self.config.max_stored_responses, self._forget_session)
+        self.keys = key_tenants(self.config.api_key, self.config.api_keys_file)
 
-    def _forget_session(self, name: str) -> None:
+    def _forget_session(self, name: str, tenant: str) -> None:
         """Free a named session's KV state; one still running is left to the engine's LRU."""
         try:
-            self.engine.delete_session(name)
+            self.engine.delete_session(name, tenant)
         except EngineError:
             pass
 
@@ -70,7 +73,19 @@ class AppState:
 
 
 STATE = web.AppKey("state", AppState)
+TENANT = web.RequestKey("tenant", str)  # set by the auth middleware
 
 
 def state_of(request: web.Request) -> AppState:
     return request.app[STATE]
+
+
+def tenant_of(request: web.Request) -> str:
+    """The tenant whose key authenticated the request ("" without keys)."""
+    return request.get(TENANT, "")
+
+
+def scope_of(request: web.Request, cache_salt: str | None) -> Scope:
+    """Whose cached state the request may reuse: its tenant's, split further by its cache_salt
+    (validated when the body was decoded: protocol.openai.CacheSalt)."""
+    return Scope(tenant_of(request), cache_salt)

@@ -49,7 +49,7 @@ def agent_model(tiny_model_dir, tmp_path_factory) -> str:
 
 @pytest.fixture
 async def daemon(agent_model):
-    async with serving(agent_model, scripted(agent_model, reply), served_model_name=["tiny"], api_key="sekrit") as d:
+    async with serving(agent_model, scripted(agent_model, reply), served_model_name=["tiny"], api_key=["sekrit"]) as d:
         yield d
 
 

@@ -7,6 +7,7 @@ tools' real process handling, metrics scraping, reports and exit codes.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -33,11 +34,13 @@ def test_paired_prints_one_table_and_writes_everything(tiny_model_dir, tmp_path,
     printed = capsys.readouterr().out
     assert code == 0
     assert "**staggered**" in printed and "**burst**" in printed and "| on/off |" in printed
-    assert "staggered, on vs off: greedy outputs: 0 of 3 differ" in printed
+    assert "staggered, on vs off: greedy outputs: 0 of 5 differ" in printed  # 3 calls, then 2 tails alone
+    assert "| tail-only TTFT p50 s | recipient/tail-only |" in printed
     doc = json.loads((out / "results.json").read_text())
     passes = {(p["label"], p["preset"]): p for p in doc["passes"]}
     assert set(passes) == {(m, w) for m in ("off", "on") for w in ("staggered", "burst")}
-    assert all(len(p["records"]) == 3 for p in passes.values())
+    assert [len(passes[m, w]["records"]) for m in ("off", "on") for w in ("staggered", "burst")] == [5, 3, 5, 3]
+    assert passes["on", "staggered"]["summary"]["recipient_over_tail"] > 0
     off, on = passes["off", "staggered"]["summary"], passes["on", "staggered"]["summary"]
     # Recipients reuse the running donor's prefix only with reuse on, and the server's counters agree.
     assert on["prefill_tokens"] < off["prefill_tokens"]
@@ -54,7 +57,7 @@ def test_paired_counts_differing_outputs_and_fails(tiny_model_dir, tmp_path, cap
                  "--server-arg=--perturb-reuse", "--out", str(tmp_path)])
     captured = capsys.readouterr()
     assert code == 1
-    assert "staggered, on vs off: greedy outputs: 2 of 3 differ (staggered-1, staggered-2)" in captured.out
+    assert "staggered, on vs off: greedy outputs: 2 of 5 differ (staggered-1, staggered-2)" in captured.out
     assert "2 greedy output(s) differ" in captured.err
 
 
@@ -111,12 +114,23 @@ def test_peer_that_cannot_be_built_is_skipped(monkeypatch, tmp_path, capsys):
     assert "unknown peer 'vllm'" in capsys.readouterr().err
 
 
+def fake_binary(path: Path, exit_code: int = 0) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"#!/bin/sh\nexit {exit_code}\n")
+    path.chmod(0o755)
+    return path
+
+
+def cache_llama_server(home: Path, exit_code: int = 0, flags: tuple[str, ...] = peers.LLAMA_CMAKE_FLAGS) -> Path:
+    binary = fake_binary(home / "peers" / "llama.cpp" / "llama-server", exit_code)
+    peers.build_stamp(binary).write_text("\n".join(flags) + "\n")
+    return binary
+
+
 def test_cached_llama_server_is_reused_without_building(monkeypatch, tmp_path):
     monkeypatch.setenv("KVFORK_HOME", str(tmp_path))
     monkeypatch.setattr(peers.shutil, "which", lambda tool: None)  # a build would fail
-    binary = tmp_path / "peers" / "llama.cpp" / "llama-server"
-    binary.parent.mkdir(parents=True)
-    binary.touch()
+    binary = cache_llama_server(tmp_path)
     gguf = tmp_path / "m.gguf"
     c = peers.contender("llama", "m", str(gguf), tmp_path)
     assert c is not None and not c.kvfork
@@ -124,10 +138,36 @@ def test_cached_llama_server_is_reused_without_building(monkeypatch, tmp_path):
     assert srv.argv[:3] == [str(binary), "-m", str(gguf)]
 
 
-def test_cmake_builds_only_the_server():
+@pytest.mark.parametrize("case", ["no stamp", "other flags", "fails --version"])
+def test_a_stale_or_broken_cached_llama_server_is_built_again(monkeypatch, tmp_path, capsys, case):
+    monkeypatch.setenv("KVFORK_HOME", str(tmp_path))
+    monkeypatch.setattr(peers.shutil, "which", lambda tool: None)  # the rebuild stops at its first step
+    binary = cache_llama_server(tmp_path, exit_code=127 if case == "fails --version" else 0,
+                                flags=peers.LLAMA_CMAKE_FLAGS[:-1] if case == "other flags" else peers.LLAMA_CMAKE_FLAGS)
+    if case == "no stamp":
+        peers.build_stamp(binary).unlink()
+    assert peers.contender("llama", "m", str(tmp_path / "m.gguf"), tmp_path) is None
+    err = capsys.readouterr().err
+    assert "building it again" in err and "skipping llama: building llama-server needs cmake" in err
+
+
+def test_cmake_builds_only_the_server_statically():
     cmd = peers.cmake_command(Path("src"), Path("build"))
     assert "-DLLAMA_BUILD_SERVER=ON" in cmd and "-DLLAMA_BUILD_TESTS=OFF" in cmd
     assert "-DLLAMA_USE_PREBUILT_UI=OFF" in cmd  # no download during the build
+    assert "-DBUILD_SHARED_LIBS=OFF" in cmd  # only the binary is kept: it must not need the build's libraries
+
+
+def test_the_cached_llama_server_starts():
+    """The real cached binary, if `make peers` built one here with today's flags (this never builds)."""
+    binary = peers.peers_home() / "llama.cpp" / "llama-server"
+    if not binary.exists():
+        pytest.skip("no cached llama-server (make peers builds it)")
+    stamp = peers.build_stamp(binary)
+    if not stamp.exists() or stamp.read_text().split() != list(peers.LLAMA_CMAKE_FLAGS):
+        pytest.skip(f"{binary} predates today's build flags: make peers builds it again")
+    done = subprocess.run([str(binary), "--version"], capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
 
 
 def test_run_replays_a_trace_against_a_running_server(tiny_model_dir, tmp_path, capsys):
@@ -175,14 +215,13 @@ def test_llama_server_build_steps_and_cache(monkeypatch, tmp_path):
                 info.size = 3
                 tar.addfile(info, io.BytesIO(b"x()"))
         elif "--build" in cmd:
-            out = Path(cmd[cmd.index("--build") + 1]) / "bin" / "llama-server"
-            out.parent.mkdir(parents=True)
-            out.write_text("binary")
+            fake_binary(Path(cmd[cmd.index("--build") + 1]) / "bin" / "llama-server")
 
     monkeypatch.setattr(peers, "_check", fake_check)
     monkeypatch.setattr(peers.shutil, "which", lambda tool: f"/usr/bin/{tool}")
     binary = peers.llama_server(tmp_path)
-    assert binary.read_text() == "binary"
+    assert peers.runs(binary)
+    assert peers.build_stamp(binary).read_text().split() == list(peers.LLAMA_CMAKE_FLAGS)
     assert [c[0] for c in ran][1:] == ["cmake", "cmake"]
     assert ran[1][ran[1].index("-S") + 1].endswith("llama_cpp_python-9.9/vendor/llama.cpp")
     assert peers.llama_server(tmp_path) == binary and len(ran) == 3  # cached: nothing runs again

@@ -55,6 +55,7 @@ async def test_staggered_waits_for_the_previous_first_token_and_reuses(double):
     url, d = await double(reuse=16, decode_s=0.01)
     wl = build("staggered", Options(n=3, prefix_tokens=200, max_tokens=(20, 20)))
     recs = (await replay(wl, Target(url), progress_out=io.StringIO())).records
+    recs, tails = recs[:3], recs[3:]
     ids = [d.chat_ids(c.messages) for c in wl.calls]
     for k, (prev, cur) in enumerate(zip(recs, recs[1:])):
         assert cur.send_s >= prev.send_s + prev.ttft_s
@@ -62,6 +63,11 @@ async def test_staggered_waits_for_the_previous_first_token_and_reuses(double):
         # The double lets a running request donate: all but the new last message is reused.
         shared = next(i for i, (a, b) in enumerate(zip(ids[k], ids[k + 1])) if a != b)
         assert (cur.prompt_tokens, cur.cached_tokens) == (len(ids[k + 1]), shared)
+    # each recipient's tail alone, on the idle server: after every call before it is done
+    assert [r.call_id for r in tails] == ["staggered-tail-1", "staggered-tail-2"] and all(r.ok for r in tails)
+    assert tails[0].send_s >= max(r.send_s + r.e2e_s for r in recs)
+    assert tails[1].send_s >= tails[0].send_s + tails[0].e2e_s
+    assert all(tail.prompt_tokens < rec.prompt_tokens / 2 for tail, rec in zip(tails, recs[1:]))  # no prefix
 
 
 async def test_root_concurrency_one_runs_sessions_one_after_another(double):

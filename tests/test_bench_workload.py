@@ -75,11 +75,20 @@ def test_burst_shares_one_prefix_and_goes_out_at_once():
 
 def test_staggered_on_first_token_or_after_a_delay():
     wl = build("staggered", Options(n=3))
-    assert [(c.after, c.on) for c in wl.calls] == [(None, "done"), ("staggered-0", "first_token"),
-                                                    ("staggered-1", "first_token")]
+    assert [(c.after, c.on) for c in wl.calls[:3]] == [(None, "done"), ("staggered-0", "first_token"),
+                                                        ("staggered-1", "first_token")]
     wl = build("staggered", Options(n=3, stagger_delay_s=0.25))
-    assert [(c.after, c.on, c.delay_s) for c in wl.calls[1:]] == [("staggered-0", "start", 0.25),
-                                                                  ("staggered-1", "start", 0.25)]
+    assert [(c.after, c.on, c.delay_s) for c in wl.calls[1:3]] == [("staggered-0", "start", 0.25),
+                                                                    ("staggered-1", "start", 0.25)]
+
+
+def test_staggered_ends_with_each_recipients_tail_alone():
+    wl = build("staggered", Options(n=3))
+    tails = wl.calls[3:]
+    assert [(c.id, c.on, c.tag) for c in tails] == [("staggered-tail-1", "idle", "tail"),
+                                                    ("staggered-tail-2", "idle", "tail")]
+    for i, tail in enumerate(tails, start=1):
+        assert tail.messages == [{"role": "system", "content": ""}, wl.calls[i].messages[-1]]
 
 
 def test_presets_do_not_share_their_prefix():
@@ -144,6 +153,15 @@ def test_summary_counts_only_answered_requests():
     assert (s.requests, s.failed) == (4, 1)
     assert s.recipient_ttft_p50 == 1.5 and s.ttft_p50 == 2.0
     assert (s.prompt_tokens, s.cached_tokens, s.prefill_tokens, s.output_tokens) == (300, 120, 180, 15)
+
+
+def test_tail_only_calls_stay_out_of_the_workloads_latencies():
+    recs = [_rec("w-0", "lead", 4.0), _rec("w-1", "recipient", 1.0), _rec("w-2", "recipient", 3.0),
+            _rec("w-tail-1", "tail", 0.5), _rec("w-tail-2", "tail", 1.0)]
+    s = summarize(recs, wall_s=9.0)
+    assert s.ttft_p50 == 3.0 and s.recipient_ttft_p50 == 2.0  # the tails are not the workload's
+    assert s.tail_ttft_p50 == 0.75
+    assert s.recipient_over_tail == 2.5  # p50 of 1.0/0.5 and 3.0/1.0
 
 
 def test_output_differences_and_ratio():

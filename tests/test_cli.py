@@ -28,6 +28,8 @@ def kvfork(*args: str, **kw) -> subprocess.CompletedProcess:
     (["--max-body-bytes", "10"], "--max-body-bytes"),
     (["--temperature-typo", "1"], "--temperature-typo"),
     (["--model", "/no/such/folder"], "--model"),
+    (["--api-key", ""], "--api-key"),
+    (["--api-keys-file", "/no/such/keys"], "--api-keys-file"),
     (["--model", "no-such-org/no-such-model"], "--model"),  # a hub id the (offline) hub cannot give
 ])
 def test_invalid_values_exit_2_with_one_line(args, flag):

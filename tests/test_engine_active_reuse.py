@@ -4,8 +4,9 @@ import asyncio
 import random
 import time
 
-from engine_harness import collect, prompt_of, reached, request, run, settled, start_engine
+from engine_harness import collect, prompt_of, reached, request, run, settled, start_engine, until
 from scripted_backend import Gate, ScriptedBackend
+from server.engine.request import Phase
 from server.engine.api import TokenEvent
 
 SHARED = prompt_of(60, start=11)
@@ -41,6 +42,30 @@ async def test_a_recipient_clones_what_a_decoding_donor_committed():
     assert m.donor_saved.get() == 60
     await settled(engine, backend)
     assert backend.live_sessions() == 0
+    await engine.shutdown(1)
+
+
+async def test_a_recipient_prefills_its_tail_in_the_very_next_step():
+    # The clone and the start are one runner command: no step goes by while the
+    # control loop answers a clone with a start.
+    backend = ScriptedBackend()
+    engine = await start_engine(backend, **CLONE_NOW)
+    donor = engine.submit(request(DONOR, 10_000))
+    await first_token(donor)
+    gate = backend.gates["decode"] = Gate()  # the runner is inside a step's decode
+    await reached(gate)
+    recipient = engine.submit(request(RECIPIENT, 3))
+    # admitted at once: its Start (the donor clone with it) went to the runner before the step ends
+    assert [r.phase for r in engine.requests() if r.prompt == RECIPIENT] == [Phase.STARTING]
+    held = len(backend.calls)
+    gate.open()
+    tokens, done = await collect(recipient)
+    assert tokens == backend.greedy(RECIPIENT, 3) and done.usage.reuse_source == "donor"
+    after = backend.calls[held:]
+    tail = next(i for i, call in enumerate(after) if call[0] == "prefill")
+    assert [call[0] for call in after[:tail]] == ["clone", "decode"]  # the next step's decode, then its prefill
+    donor.cancel()
+    await collect(donor)
     await engine.shutdown(1)
 
 

@@ -123,7 +123,7 @@ async def test_body_too_large(tiny_model_dir, http):
 
 
 async def test_api_key(tiny_model_dir, http):
-    async with serving(tiny_model_dir("llama"), api_key="sekrit") as d:
+    async with serving(tiny_model_dir("llama"), api_key=["sekrit"]) as d:
         body = chat_body(max_tokens=1)
         error = await expect(http, "POST", d.url + CHAT, 401, "invalid_api_key", json=body)
         assert error["type"] == "authentication_error"

@@ -10,7 +10,7 @@ from http_daemon import serving
 
 @pytest.fixture
 async def client(tiny_model_dir):
-    async with serving(tiny_model_dir("llama"), api_key="k", served_model_name=["tiny"]) as d:
+    async with serving(tiny_model_dir("llama"), api_key=["k"], served_model_name=["tiny"]) as d:
         client = AsyncOpenAI(base_url=d.url + "/v1", api_key="k", max_retries=0)
         yield client
         await client.close()

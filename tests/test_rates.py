@@ -41,3 +41,14 @@ def test_rate_tracker_never_fits_a_negative_cost():
     rates = tracker.rates
     assert rates.clone_fixed_s >= 0 and rates.clone_s_per_token >= 0
     assert rates.clone_s(0) == 0.0 and rates.clone_s(1000) == pytest.approx(1.0, rel=0.05)
+
+
+def test_rate_tracker_decode_seconds_start_from_the_prior_and_follow_steps():
+    tracker = RateTracker(prior=Rates(decode_s=0.3))
+    assert tracker.rates.decode_s == 0.3
+    tracker = tracker.observe_decode(0.1)
+    assert tracker.rates.decode_s == pytest.approx(0.1)  # the first sample replaces the prior
+    for _ in range(60):
+        tracker = tracker.observe_decode(0.02)
+    assert tracker.rates.decode_s == pytest.approx(0.02, rel=1e-3)
+    assert tracker.observe_decode(0.0) == tracker

@@ -17,7 +17,7 @@ def made(rid: str) -> Response:
 
 def store(cap: int = 4) -> tuple[ResponseStore, list[str]]:
     forgotten: list[str] = []
-    return ResponseStore(cap, forgotten.append), forgotten
+    return ResponseStore(cap, lambda name, tenant: forgotten.append(name)), forgotten
 
 
 def test_a_conversation_opens_its_session_at_its_first_continuation_and_a_branch_runs_without_one():

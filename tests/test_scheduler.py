@@ -67,3 +67,82 @@ def test_max_tokens_default_and_clamp_to_context():
     assert clamp_max_tokens(0, 512, 100, 4096) == 512
     assert clamp_max_tokens(50, 512, 100, 4096) == 50
     assert clamp_max_tokens(5000, 512, 100, 4096) == 3996
+
+
+# ---- the time budget (--max-step-ms), on simulated rates ----
+
+from server.engine.rates import RateTracker  # noqa: E402
+from server.engine.scheduler import MIN_PREFILL_SHARE, TimeBudget  # noqa: E402
+
+
+class SimulatedBackend:
+    """Step seconds = per-row decode cost + prefill tokens at a fixed rate: what the runner would measure."""
+
+    def __init__(self, decode_s_per_row: float, prefill_tps: float):
+        self.decode_s_per_row, self.prefill_tps = decode_s_per_row, prefill_tps
+
+    def step(self, plan) -> tuple[float, float]:
+        return len(plan.decode) * self.decode_s_per_row, sum(n for _, n in plan.prefill) / self.prefill_tps
+
+
+def run_steps(running: dict[int, int], sim: SimulatedBackend, max_step_s: float, steps: int,
+              max_batch_tokens: int = 2048, prefill_chunk: int = 512, caps: dict[int, int] | None = None):
+    """Drive plan_step the way the runner does; `running` maps rid -> prefill left (0: decoding)."""
+    tracker, rotation, log = RateTracker(), None, []
+    for _ in range(steps):
+        rates = tracker.rates
+        budget = TimeBudget(max_step_s, rates.decode_s, rates.prefill_tps)
+        reqs = [Running(rid, left, (caps or {}).get(rid)) for rid, left in running.items()]
+        plan = plan_step(reqs, max_batch_tokens, prefill_chunk, rotation, budget)
+        rotation = plan.last_prefilled
+        decode_s, prefill_s = sim.step(plan)
+        if plan.decode:
+            tracker = tracker.observe_decode(decode_s)
+        tracker = tracker.observe_prefill(sum(n for _, n in plan.prefill), prefill_s)
+        for rid, n in plan.prefill:
+            running[rid] -= n
+        log.append((plan, decode_s + prefill_s, reqs))
+    return log
+
+
+def test_steps_that_decode_stay_within_the_time_budget_once_rates_are_measured():
+    sim = SimulatedBackend(decode_s_per_row=0.02, prefill_tps=400.0)
+    running = {1: 0, 2: 0, 3: 0, 4: 4000}
+    log = run_steps(running, sim, max_step_s=0.25, steps=30)
+    for plan, seconds, _ in log[2:]:  # the first steps run on the prior's rates
+        assert plan.prefill and seconds <= 0.25 * 1.01
+    # the budget is used, not wasted: prefill fills what the decodes leave
+    assert all(seconds >= 0.25 * 0.9 for _, seconds, _ in log[2:] if running[4] > 0)
+
+
+def test_decode_rows_are_never_dropped_and_a_long_prefill_still_finishes():
+    # the decode rows alone take longer than the budget: prefill still gets its share every step
+    sim = SimulatedBackend(decode_s_per_row=0.1, prefill_tps=400.0)
+    running = {1: 0, 2: 0, 3: 0, 4: 1000}
+    log = run_steps(running, sim, max_step_s=0.2, steps=60)
+    for plan, _, reqs in log:
+        assert plan.decode == [r.rid for r in reqs if r.prefill_left == 0]
+        if any(r.prefill_left for r in reqs):
+            assert plan.prefill  # progress every step
+    assert running[4] == 0
+    floor = round(MIN_PREFILL_SHARE * 0.3 * 400) - 1  # a share of the decode rows' 0.3 s; the rate is a float
+    assert all(n >= floor for plan, _, reqs in log[2:] for _, n in plan.prefill
+               if any(r.rid == 4 and r.prefill_left >= floor for r in reqs))
+
+
+def test_token_caps_and_clone_points_bind_before_the_time_budget():
+    generous = TimeBudget(max_step_s=10.0, decode_s=0.0, prefill_tps=1000.0)  # 10,000 tokens' worth
+    running = [Running(1, 0), Running(2, 5000), Running(3, 5000, prefill_cap=40)]
+    plan = plan_step(running, max_batch_tokens=700, prefill_chunk=512, time_budget=generous)
+    assert plan.prefill == [(2, 512), (3, 40)]  # --prefill-chunk, then the follower's clone point
+    tight = TimeBudget(max_step_s=0.1, decode_s=0.05, prefill_tps=1000.0)  # 50 tokens' worth
+    plan = plan_step(running, max_batch_tokens=700, prefill_chunk=512, time_budget=tight)
+    assert plan.prefill == [(2, 50)]
+    plan = plan_step(running, 700, 512, plan.last_prefilled, tight)
+    assert plan.prefill == [(3, 40), (2, 10)]  # the clone point ends its chunk; the rest goes on
+
+
+def test_a_step_without_decodes_ignores_the_time_budget():
+    tight = TimeBudget(max_step_s=0.01, decode_s=0.0, prefill_tps=100.0)
+    plan = plan_step([Running(1, 3000)], max_batch_tokens=2048, prefill_chunk=512, time_budget=tight)
+    assert plan.prefill == [(1, 512)]

@@ -7,9 +7,13 @@
    the control loop's time on runner events per step (another thread);
 3. with --burst N: N requests sent at once that share a prompt prefix, with
    reuse off, with clone-now (--no-follow) and with following: TTFT,
-   prompt tokens prefilled, and wall time.
+   prompt tokens prefilled, and wall time;
+4. with --interference N: N requests decoding while a --long prompt prefills,
+   once per --step-ms value (--max-step-ms): the decoders' inter-token latency
+   p50/p95 over the prefill, and the long prompt's TTFT.
 
     python -m tools.engine_bench [--model FOLDER] [--backend mlx] [--tokens 64] [--burst 6]
+    python -m tools.engine_bench --backend torch --interference 4 --long 4000 --step-ms 0,250
 
 Prompts are distinct and the prefix cache is off, so every request prefills
 and decodes in full. Decode is timed from the moment every request has its
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 
 from backends import create_backend
@@ -29,6 +34,7 @@ from server.engine.api import GenerateRequest, TokenEvent
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
 from server.metrics import Registry
+from tools.bench.stats import percentile
 from tools.fetch_model import default_model_dir
 
 
@@ -83,7 +89,51 @@ async def burst_round(args: argparse.Namespace, mode: str) -> dict:
             "ttft_p50_s": round(ttft[len(ttft) // 2], 3), "ttft_max_s": round(ttft[-1], 3), "wall_s": round(wall, 3)}
 
 
+async def interference_round(args: argparse.Namespace, max_step_ms: float) -> dict:
+    """`--interference` requests decode; then a `--long` prompt arrives: their ITL until its first token."""
+    config = EngineConfig(prefix_cache_entries=0, kv_budget_bytes=8 << 30, max_step_ms=max_step_ms)
+    engine = Engine(create_backend(args.backend), args.model, args.dtype, config, Registry())
+    await engine.start()
+    await decode_round(engine, 1, 16, 2, seed=99)  # warm-up
+    room = engine.config.max_context - args.prompt
+    decoders = [engine.submit(GenerateRequest(f"d{i}", [(i * 31 + j * 7) % 30000 + 100 for j in range(args.prompt)],
+                                              SamplingParams(), room, ignore_eos=True))
+                for i in range(args.interference)]
+    stamps: list[list[float]] = [[] for _ in decoders]
+    decoding = asyncio.Event()
+
+    async def read(i: int) -> None:
+        async for event in decoders[i]:
+            if isinstance(event, TokenEvent):
+                stamps[i].append(time.perf_counter())
+                if all(len(s) >= 3 for s in stamps):
+                    decoding.set()
+
+    readers = [asyncio.create_task(read(i)) for i in range(len(decoders))]
+    await decoding.wait()
+    long_prompt = [(j * 13 + 5) % 30000 + 100 for j in range(args.long)]
+    sent = time.perf_counter()
+    handle = engine.submit(GenerateRequest("long", long_prompt, SamplingParams(), 1, ignore_eos=True))
+    async for event in handle:
+        pass
+    first = time.perf_counter()
+    for d in decoders:
+        d.cancel()
+    await asyncio.gather(*readers)
+    gaps = [b - a for s in stamps for a, b in zip(s, s[1:]) if b > sent and a < first]  # overlapping the prefill
+    await engine.shutdown(5)
+    row = {"max_step_ms": max_step_ms, "decoders": args.interference, "long_tokens": args.long,
+           "long_ttft_s": round(first - sent, 3), "itl_p50_ms": round(1000 * percentile(gaps, 50), 1),
+           "itl_p95_ms": round(1000 * percentile(gaps, 95), 1), "itl_max_ms": round(1000 * max(gaps), 1),
+           "gaps": len(gaps)}
+    print(json.dumps(row), file=sys.stderr, flush=True)  # each round as it ends: a slow run still leaves figures
+    return row
+
+
 async def measure(args: argparse.Namespace) -> dict:
+    if args.interference:
+        return {"model": args.model, "backend": args.backend,
+                "interference": [await interference_round(args, float(ms)) for ms in args.step_ms.split(",")]}
     if args.burst:
         return {"model": args.model, "backend": args.backend,
                 "burst": [await burst_round(args, mode) for mode in ("off", "clone-now", "follow")]}
@@ -120,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--burst", type=int, default=0, help="measure a burst of this many requests instead")
     parser.add_argument("--shared", type=int, default=512, help="shared prompt tokens in a burst")
+    parser.add_argument("--interference", type=int, default=0,
+                        help="measure this many decoders' ITL while a --long prompt prefills instead")
+    parser.add_argument("--long", type=int, default=4000, help="the long prompt's tokens (--interference)")
+    parser.add_argument("--step-ms", default="0,250", help="--max-step-ms values to compare (--interference)")
     args = parser.parse_args(argv)
     print(json.dumps(asyncio.run(measure(args)), indent=2))
     return 0

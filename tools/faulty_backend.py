@@ -211,10 +211,12 @@ class FaultyBackend(Backend):
         return copy
 
     def keep_at(self, session: Session, positions: Collection[int]) -> None:
+        self._read([session], "keep_at")
         self.inner.keep_at(session, positions)
         self._measure()
 
     def move_checkpoints(self, source: Session, target: Session) -> None:
+        self._read([source, target], "move_checkpoints")
         self.inner.move_checkpoints(source, target)
 
     def session_bytes(self, session: Session) -> int:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from backends.base import ModelInfo
 from server.engine import messages as m
-from server.engine.api import CapacityExhausted, ContextTooLong, GenerateRequest, InvalidRequest
+from server.engine.api import CapacityExhausted, ContextTooLong, GenerateRequest, InvalidRequest, Scope
 from server.engine.config import EngineConfig
 from server.engine.prefix_cache import CacheMatch, PrefixCache
 from server.engine.request import Request
@@ -158,8 +158,9 @@ class Admission:
         self.slots_used -= 1
         self.let_go(request)
 
-    def store_capture(self, tokens: list[int], session: Any, nbytes: int, kept: tuple[int, ...] = ()) -> None:
-        self.release_sessions(self.cache.insert(tokens, session, nbytes, kept))
+    def store_capture(self, tokens: list[int], session: Any, nbytes: int, scope: Scope,
+                      kept: tuple[int, ...] = ()) -> None:
+        self.release_sessions(self.cache.insert(tokens, session, nbytes, scope, kept))
 
     def release_sessions(self, sessions: list[Any]) -> None:
         sessions = [s for s in sessions if s is not None]
@@ -167,23 +168,25 @@ class Admission:
             self.send(m.Release(sessions))
 
     def start(self, request: Request, resume: Any = None, resume_at: int = 0,
-              cache_matches: list[CacheMatch] | None = None) -> m.Start:
+              cache_matches: list[CacheMatch] | None = None, donor: tuple[int, int] | None = None) -> m.Start:
         """The Start command for a request that holds a slot: warm resume for a named session,
-        else the given `resume` (a donor's clone), else the prefix cache's candidates."""
+        else the given `resume` (a follower's landed clone) or `donor` (rid, upto) to clone from,
+        else the prefix cache's candidates."""
         named = request.named
         clone_from: list[tuple[Any, int]] = []
         if named is not None:
-            if named.resumes(request.prompt):
+            if named.resumes(request.prompt, request.req.scope):
                 resume, resume_at = named.session, len(named.tokens)
             else:
                 self.release_sessions([named.session])
             named.session, named.tokens = None, []  # the request owns it now; it comes back at the end
-        elif resume is None:
-            request.cache_matches = self.cache.lookup(request.prompt) if cache_matches is None else cache_matches
+        elif resume is None and donor is None:
+            request.cache_matches = (self.cache.lookup(request.prompt, request.req.scope) if cache_matches is None
+                                     else cache_matches)
             clone_from = [(match.entry.session, match.upto) for match in request.cache_matches]
         return m.Start(request.rid, request.prompt, request.req.sampling, request.max_tokens, request.stop_ids,
                        capture=request.capture_slot, keep_session=named is not None,
-                       resume=resume, resume_at=resume_at, clone_from=clone_from,
+                       resume=resume, resume_at=resume_at, clone_from=clone_from, donor=donor,
                        constraint=request.req.constraint, keep_at=self.checkpoints(request.req))
 
     def drain(self) -> list[Any]:

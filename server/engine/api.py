@@ -8,6 +8,7 @@ calls `handle.finish()`, which ends the request as a normal `stop`.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -51,6 +52,22 @@ class InvalidRequest(EngineError):
     code, status = "invalid_request_error", 400
 
 
+# Isolation: a request reuses only state computed under its own scope (the
+# tenant whose API key authenticated it, split further by its `cache_salt`),
+# whatever the kind of reuse: prefix cache, donor, leader, named session. A
+# shared cache is a timing side channel (CVE-2025-46570): another scope's
+# prompt must not make this one's first token come sooner.
+@dataclass(frozen=True)
+class Scope:
+    tenant: str = ""  # "": the one tenant of a daemon without API keys
+    salt: str | None = None  # the request's cache_salt
+
+    @property
+    def tenant_hash(self) -> str:
+        """What logs name the tenant by: never its name or key."""
+        return hashlib.sha256(self.tenant.encode()).hexdigest()[:12]
+
+
 @dataclass
 class GenerateRequest:
     request_id: str
@@ -61,6 +78,7 @@ class GenerateRequest:
     ignore_eos: bool = False
     session_id: str | None = None  # named session: warm resume, never a reuse recipient
     constraint: "Constraint | None" = None  # a grammar the output must follow (server/grammar.py makes them)
+    scope: Scope = Scope()  # whose state it may reuse; a session_id names a session of scope.tenant
     # Token offsets in `prompt` where a message ends (the chat renderer's): where a model with recurrent
     # layers keeps checkpoints (--recurrent-checkpoints), for a later prompt that shares them.
     boundaries: tuple[int, ...] = ()

@@ -28,6 +28,9 @@ class EngineConfig:
     max_batch_tokens: int = setting(2048, "tokens one step may run: decodes first, prefill chunks fill the rest",
                                     check=at_least(1))
     prefill_chunk: int = setting(512, "most prompt tokens one request prefills in one step", check=at_least(1))
+    max_step_ms: float = setting(250.0, "time a step that decodes aims for: prefill chunks are sized from the "
+                                 "measured rates to keep running requests' next tokens near it, within "
+                                 "--prefill-chunk and --max-batch-tokens (0: token caps only)", check=at_least(0))
     max_queue: int = setting(256, "requests waiting for a slot before capacity_exhausted", check=at_least(0))
     queue_timeout: float = setting(300.0, "seconds a request may wait for a slot before it ends with an error",
                                    check=at_least(0.001))
@@ -48,9 +51,12 @@ class EngineConfig:
                                       check=at_least(2))
     max_tokens: int = setting(512, "max_tokens when a request gives none; always clamped to the context left",
                               check=at_least(1))
+    # Cloning beats recomputing from a few tokens on (a clone's fixed cost is about
+    # one token's prefill, docs/benchmarks.md); 64 is the prefix cache's own
+    # shortest match, so both kinds of reuse start at the same size.
     active_prefix_reuse_min_tokens: int = setting(
-        0, "prefill tokens active prefix reuse must save beyond the best cached match (0 disables it; "
-        "1024 suits long agent prompts)", check=at_least(0))
+        64, "prefill tokens active prefix reuse must save beyond the best cached match (0 disables it)",
+        check=at_least(0))
     follow_max_wait: float = setting(30.0, "most seconds a request follows a prefilling donor", check=at_least(0))
     recurrent_checkpoints: int = setting(
         4, "on a model with recurrent layers, checkpoints of the recurrent state a request keeps at its last "

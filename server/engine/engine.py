@@ -71,7 +71,7 @@ class Engine:
                 pass
 
         self._runner = Runner(self.backend, self.model_path, self.dtype, self.config.max_batch_tokens,
-                              self.config.prefill_chunk, notify)
+                              self.config.prefill_chunk, self.config.max_step_ms / 1000, notify)
         self._runner.thread.start()
         await self._loaded
 
@@ -92,7 +92,7 @@ class Engine:
             self._cancel(rid)
         await self._wait_idle(STOP_WAIT_S)
         for r in list(self._requests.values()):  # the runner is stuck or dead: answer them anyway
-            self._complete(r, "cancelled")
+            self.complete(r, "cancelled")
         if self._admission is not None:
             self._admission.release_sessions(self._admission.drain())
         self._runner.send(m.Stop())
@@ -119,7 +119,7 @@ class Engine:
         max_tokens, need = adm.check(req, waiting=self.waiting())
         named = None
         if req.session_id is not None:
-            named, evicted = adm.named.acquire(req.session_id)
+            named, evicted = adm.named.acquire(req.session_id, req.scope.tenant)
             adm.release_sessions(evicted)
         eos = frozenset() if req.ignore_eos else frozenset(self.info.eos_token_ids)  # type: ignore[union-attr]
         stop_ids = req.stop_token_ids | eos
@@ -151,16 +151,16 @@ class Engine:
         """Requests waiting: queued, and parked behind a leader."""
         return len(self.adm.queue) + len(self.reuser.followers)
 
-    def reset_session(self, session_id: str) -> bool:
-        return self._drop_session(session_id, forget=False)
+    def reset_session(self, session_id: str, tenant: str = "") -> bool:
+        return self._drop_session(session_id, forget=False, tenant=tenant)
 
-    def delete_session(self, session_id: str) -> bool:
-        return self._drop_session(session_id, forget=True)
+    def delete_session(self, session_id: str, tenant: str = "") -> bool:
+        return self._drop_session(session_id, forget=True, tenant=tenant)
 
-    def _drop_session(self, session_id: str, forget: bool) -> bool:
+    def _drop_session(self, session_id: str, forget: bool, tenant: str) -> bool:
         if self._admission is None:
             return False
-        existed, held = self._admission.named.drop(session_id, forget)
+        existed, held = self._admission.named.drop(session_id, forget, tenant)
         self._admission.release_sessions([held])
         return existed
 
@@ -232,7 +232,7 @@ class Engine:
         if r.phase in (Phase.STARTING, Phase.RUNNING):
             self.send(m.Cancel(rid))
         else:  # the runner holds nothing of it (a pending clone comes back to nobody and is released)
-            self._complete(r, "cancelled")
+            self.complete(r, "cancelled")
             self.admit()
 
     def _finish(self, rid: int) -> None:
@@ -243,12 +243,12 @@ class Engine:
         if r.phase in (Phase.STARTING, Phase.RUNNING):
             self.send(m.Finish(rid))
         else:
-            self._complete(r, "stop")
+            self.complete(r, "stop")
 
     def _expire(self, rid: int) -> None:
         r = self._requests.get(rid)
         if r is not None and r.phase in (Phase.QUEUED, Phase.FOLLOWING):
-            self._complete(r, "error", f"waited longer than --queue-timeout ({self.config.queue_timeout:g} s)")
+            self.complete(r, "error", f"waited longer than --queue-timeout ({self.config.queue_timeout:g} s)")
             self.admit()  # the expired head may have been all that held the queue back
 
     def _release_hold(self, r: Request) -> None:
@@ -262,7 +262,7 @@ class Engine:
             if r.phase is Phase.QUEUED and r in adm.queue:
                 adm.queue.remove(r)
             if r.named is not None and r.named.busy:
-                adm.named.release(r.named.name, r.named.session, r.named.tokens)
+                adm.named.release(r.named, r.named.session, r.named.tokens, r.named.scope)
             if r.landed is not None:
                 adm.release_sessions([r.landed[0]])
         if self._reuse is not None:
@@ -278,7 +278,7 @@ class Engine:
         """Turned away after all: as if it never came (no DoneEvent, nobody holds its handle yet)."""
         self._release_hold(r)
 
-    def _complete(self, r: Request, reason: str, error: str | None = None) -> None:
+    def complete(self, r: Request, reason: str, error: str | None = None) -> None:
         if r.phase is Phase.DONE:
             return
         self._release_hold(r)
@@ -330,13 +330,15 @@ class Engine:
         if self._loaded is not None and not self._loaded.done():
             self._loaded.set_exception(RuntimeError(ev.error))
         for r in list(self._requests.values()):
-            self._complete(r, "error", ev.error)
+            self.complete(r, "error", ev.error)
 
     def _on_started(self, ev: m.Started) -> None:
         r = self._requests.get(ev.rid)
         if r is None:
             return
         r.phase, r.committed, r.reused = Phase.RUNNING, ev.reused, ev.reused
+        if r.clone_upto:
+            self.reuser.donor_started(r, ev)
         # Where its session starts is known now: its reservation shrinks to what that session grows to
         # (a named session is always opened empty; a clone at `reused`).
         start = 0 if r.named is not None else ev.reused
@@ -377,7 +379,7 @@ class Engine:
             adm.release_sessions([ev.session])
         else:
             self.metrics.captures.inc(outcome="stored")
-            adm.store_capture(ev.tokens, ev.session, ev.nbytes, ev.kept)
+            adm.store_capture(ev.tokens, ev.session, ev.nbytes, r.req.scope, ev.kept)
 
     def _on_finished(self, ev: m.Finished) -> None:
         r = self._requests.get(ev.rid)
@@ -385,13 +387,13 @@ class Engine:
             self.adm.release_sessions([ev.session])
             return
         if r.named is not None:
-            self.adm.named.release(r.named.name, ev.session, ev.held)
+            self.adm.named.release(r.named, ev.session, ev.held, r.req.scope)
         r.prefilled, r.generated = ev.prefilled, ev.generated
-        self._complete(r, ev.reason, ev.error)
+        self.complete(r, ev.reason, ev.error)
 
     def _on_clone_done(self, ev: m.CloneDone) -> None:
         r = self._requests.get(ev.rid)
-        if r is None or r.phase not in (Phase.CLONING, Phase.FOLLOWING):  # it left, or stopped following
+        if r is None or not (r.phase is Phase.FOLLOWING or r.clone_upto):  # it left, or stopped following
             self.adm.release_sessions([ev.session])
         else:
             self.reuser.clone_done(r, ev)

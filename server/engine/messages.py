@@ -23,6 +23,12 @@ class Start:
     The runner starts it from `resume` (a session it takes over, already holding
     `resume_at` prompt tokens), else from the first of `clone_from` (session, upto)
     the backend agrees to clone, else from an empty session.
+
+    With `donor` (rid, upto), it starts from a clone of `[0, upto)` of that running
+    request's session or not at all: a refused clone comes back as a CloneDone
+    without a session, and the loop starts the request again the normal way. The
+    clone and the start are one command, so the recipient's tail runs in the very
+    next step, with no round trip through the control loop between them.
     """
 
     rid: int
@@ -36,6 +42,7 @@ class Start:
     resume_at: int = 0
     clone_from: list[tuple[Any, int]] = field(default_factory=list)
     constraint: Any = None  # a constraints.Constraint: the grammar its tokens must follow, or None
+    donor: tuple[int, int] | None = None
     keep_at: tuple[int, ...] = ()  # positions its session keeps the recurrent state at (Backend.keep_at)
 
 
@@ -51,18 +58,17 @@ class Finish:
 
 @dataclass
 class CloneDonor:
-    """Clone `[0, upto)` of a running request's session for another request.
+    """Clone `[0, upto)` of a running request's session for a follower.
 
-    Now (clone-now: one attempt on state already computed), or, for a follower
-    (`wait`), as soon as the donor has committed `upto`: its prefill chunks stop
-    there and the clone runs before the donor writes again, so a sliding window
-    still holds what the clone needs. A Cancel of the recipient drops the order.
+    As soon as the donor has committed `upto`: its prefill chunks stop there and
+    the clone runs before the donor writes again, so a sliding window still holds
+    what the clone needs. A Cancel of the recipient drops the order. (A clone of
+    what a donor has already computed goes with the recipient's Start instead.)
     """
 
     rid: int  # the recipient
     donor: int
     upto: int
-    wait: bool = False
     order: int = 0  # the recipient's arrival order (a gone donor's heir is chosen by it)
 
 

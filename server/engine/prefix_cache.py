@@ -18,7 +18,9 @@ Design rules:
   checkpoints, so a prompt sharing the conversation up to one is served there;
 - a clone the backend refuses leaves its entry in place: the next candidate is
   tried, then a full prefill;
-- entries outlive the request they came from; eviction goes by count and bytes.
+- entries outlive the request they came from; eviction goes by count and bytes;
+- an entry serves only requests of the scope that computed it (api.Scope): the
+  same prompt under two scopes is two entries, and a lookup sees its own only.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
+from server.engine.api import Scope
 from server.engine.matching import Source, ranked_matches, window_floor
 
 
@@ -35,7 +38,12 @@ class CacheEntry:
     tokens: tuple[int, ...]
     session: Any  # backend session, at position len(tokens)
     nbytes: int
+    scope: Scope = Scope()
     kept: tuple[int, ...] = ()  # positions it holds a recurrent checkpoint at (a model with recurrent layers)
+
+    @property
+    def key(self) -> tuple[Scope, tuple[int, ...]]:
+        return self.scope, self.tokens
 
 
 @dataclass(frozen=True)
@@ -50,7 +58,7 @@ class PrefixCache:
         self.max_entries, self.max_bytes, self.min_tokens = max_entries, max_bytes, min_tokens
         self.windows = tuple(windows)  # the sliding layers' windows
         self.recurrent = recurrent  # the model has recurrent layers
-        self._entries: OrderedDict[tuple[int, ...], CacheEntry] = OrderedDict()  # oldest first
+        self._entries: OrderedDict[tuple[Scope, tuple[int, ...]], CacheEntry] = OrderedDict()  # oldest first
         self.nbytes = 0
 
     def __len__(self) -> int:
@@ -59,31 +67,32 @@ class PrefixCache:
     def worth_capturing(self, prompt_len: int) -> bool:
         return self.max_entries > 0 and prompt_len >= self.min_tokens
 
-    def lookup(self, prompt: Sequence[int]) -> list[CacheMatch]:
-        """Usable matches, best first: longest, then most recently used."""
-        sources = (Source.entry(key, key, stamp, clone_floor=window_floor(len(key), self.windows),
-                                positions=(*entry.kept, len(key)) if self.recurrent else None)
-                   for stamp, (key, entry) in enumerate(self._entries.items()))
+    def lookup(self, prompt: Sequence[int], scope: Scope = Scope()) -> list[CacheMatch]:
+        """Usable matches of `scope`'s entries, best first: longest, then most recently used."""
+        sources = (Source.entry(key, key[1], stamp, clone_floor=window_floor(len(key[1]), self.windows),
+                                positions=(*entry.kept, len(key[1])) if self.recurrent else None)
+                   for stamp, (key, entry) in enumerate(self._entries.items()) if key[0] == scope)
         return [CacheMatch(self._entries[m.key], m.upto) for m in ranked_matches(prompt, sources)
                 if m.upto >= self.min_tokens]
 
-    def best(self, prompt: Sequence[int]) -> int:
-        matches = self.lookup(prompt)
+    def best(self, prompt: Sequence[int], scope: Scope = Scope()) -> int:
+        matches = self.lookup(prompt, scope)
         return matches[0].upto if matches else 0
 
     def touch(self, entry: CacheEntry) -> None:
-        if entry.tokens in self._entries:
-            self._entries.move_to_end(entry.tokens)
+        if entry.key in self._entries:
+            self._entries.move_to_end(entry.key)
 
-    def insert(self, tokens: Sequence[int], session: Any, nbytes: int, kept: tuple[int, ...] = ()) -> list[Any]:
-        """Add a snapshot; returns the sessions to release (evicted, or the duplicate)."""
-        key = tuple(tokens)
+    def insert(self, tokens: Sequence[int], session: Any, nbytes: int, scope: Scope = Scope(),
+               kept: tuple[int, ...] = ()) -> list[Any]:
+        """Add a snapshot of `scope`; returns the sessions to release (evicted, or the duplicate)."""
+        key = scope, tuple(tokens)
         if key in self._entries:  # the same prompt again: refresh, keep the older snapshot
             self._entries.move_to_end(key)
             return [session]
         if self.max_entries == 0 or (self.max_bytes is not None and nbytes > self.max_bytes):
             return [session]
-        self._entries[key] = CacheEntry(key, session, nbytes, kept)
+        self._entries[key] = CacheEntry(key[1], session, nbytes, scope, kept)
         self.nbytes += nbytes
         out = []
         while len(self._entries) > self.max_entries or (self.max_bytes is not None and self.nbytes > self.max_bytes):

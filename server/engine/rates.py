@@ -4,7 +4,8 @@ The engine calls:
   tracker = RateTracker()                       # priors until the first samples
   tracker = tracker.observe_prefill(tokens, seconds)   # after each step that prefilled
   tracker = tracker.observe_clone(tokens, seconds)     # after each clone
-  tracker.rates -> Rates                        # .share(prefilling) .clone_s(tokens)
+  tracker = tracker.observe_decode(seconds)     # after each step that decoded (the runner's own tracker)
+  tracker.rates -> Rates                        # .share(prefilling) .clone_s(tokens) .decode_s
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ class Rates:
     prefill_tps: float = 500.0  # tokens/s the whole batch prefills
     clone_fixed_s: float = 0.002
     clone_s_per_token: float = 1e-5
+    decode_s: float = 0.05  # what a step's decode rows take, without prefill
 
     def share(self, prefilling: int) -> float:
         """Tokens/s one of `prefilling` requests gets: prefill is compute-bound, so they split it."""
@@ -32,6 +34,7 @@ class RateTracker:
 
     Prefill: tokens/s as EMA(tokens) / EMA(seconds), so long steps weigh more.
     Clone: seconds = fixed + per_token * tokens by least squares over EMA moments.
+    Decode: seconds per step, an EMA (the step budget's fixed part).
     """
 
     alpha: float = 0.2
@@ -40,6 +43,7 @@ class RateTracker:
     prefill_seconds: float = 0.0
     # EMA of 1, x, y, x*x, x*y with x = tokens cloned, y = seconds
     clone_moments: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
+    decode_seconds: float = 0.0
 
     def observe_prefill(self, tokens: int, seconds: float) -> RateTracker:
         if tokens <= 0 or seconds <= 0:
@@ -56,10 +60,16 @@ class RateTracker:
         moments = tuple(self._ema(old, new, first) for old, new in zip(self.clone_moments, sample))
         return replace(self, clone_moments=moments)
 
+    def observe_decode(self, seconds: float) -> RateTracker:
+        if seconds <= 0:
+            return self
+        return replace(self, decode_seconds=self._ema(self.decode_seconds, seconds, self.decode_seconds == 0))
+
     @property
     def rates(self) -> Rates:
         prefill = self.prefill_tokens / self.prefill_seconds if self.prefill_seconds > 0 else self.prior.prefill_tps
-        return Rates(prefill, *self._clone_fit())
+        decode = self.decode_seconds or self.prior.decode_s
+        return Rates(prefill, *self._clone_fit(), decode_s=decode)
 
     def _clone_fit(self) -> tuple[float, float]:
         w, sx, sy, sxx, sxy = self.clone_moments

@@ -1,11 +1,11 @@
 """One request as the control loop sees it: its phase, its handle, its accounting.
 
 Phases (one way only):
-    QUEUED -> [CLONING | FOLLOWING ->] STARTING -> RUNNING -> DONE
-QUEUED waits for a slot; CLONING holds a slot while a donor's state is cloned for
-it; FOLLOWING is parked, holding no slot, until a prefilling donor has committed
-what it needs; STARTING has been handed to the runner, RUNNING has a session
-there. Any phase may jump to DONE.
+    QUEUED -> [FOLLOWING ->] STARTING -> RUNNING -> DONE
+QUEUED waits for a slot; FOLLOWING is parked, holding no slot, until a
+prefilling donor has committed what it needs; STARTING has been handed to the
+runner (with a donor to clone from, or not), RUNNING has a session there. Any
+phase may jump to DONE.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from server.engine.sessions import NamedSession
 
 class Phase(enum.Enum):
     QUEUED = "queued"
-    CLONING = "cloning"
     FOLLOWING = "following"
     STARTING = "starting"
     RUNNING = "running"
@@ -91,7 +90,7 @@ class Request:
     expiry: asyncio.TimerHandle | None = None
     # active reuse and following (reuse.py)
     cached_match: int = 0  # the best prefix-cache match when its reuse was decided
-    clone_upto: int = 0  # CLONING: what the donor clone will hold
+    clone_upto: int = 0  # STARTING with a donor: what the donor clone will hold
     following: Following | None = None  # FOLLOWING: whom, up to where, until when
     registered: bool = False  # its follow order is with the runner
     follow_timer: asyncio.TimerHandle | None = None
@@ -120,7 +119,7 @@ class Request:
 
     @property
     def holds_slot(self) -> bool:
-        return self.phase in (Phase.CLONING, Phase.STARTING, Phase.RUNNING)
+        return self.phase in (Phase.STARTING, Phase.RUNNING)
 
     def usage(self, now: float) -> Usage:
         started = self.admitted_at or now

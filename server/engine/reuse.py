@@ -2,8 +2,9 @@
 
 When an anonymous request gets a slot, `place` asks the pure policy
 (follow.plan, over matching.choose_reuse) where it starts from:
-- clone-now: clone what the best donor has committed NOW (one attempt, the
-  recipient holding its slot meanwhile), the prefix cache, or nothing;
+- clone-now: clone what the best donor has committed NOW (one attempt,
+  in the recipient's Start, with the prefix cache's candidates behind it), the
+  prefix cache, or nothing;
 - or follow (unless --no-follow): park without a slot, the runner clones
   `[0, target)` from the leader the moment the leader has committed it, and the
   follower then takes the next free slot ahead of the queue and prefills its tail.
@@ -12,6 +13,8 @@ are in the budget from the moment it parks until its clone is released or its
 request takes a slot (and grows the hold to its own).
 Every failure (refused clone, donor or leader gone) sends the request back to
 the head of the queue: the normal admission path, with a fresh cache lookup.
+Donors, leaders and cache entries are drawn from the request's own scope only
+(api.Scope): another tenant's running prompt is never cloned nor followed.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class Core(Protocol):
     def requests(self) -> Iterable[Request]: ...
     def admit(self) -> None: ...
     def start_request(self, r: Request, **source: Any) -> None: ...
+    def complete(self, r: Request, reason: str) -> None: ...
     def expire_at(self, r: Request, deadline: float) -> None: ...
 
 
@@ -83,8 +87,8 @@ class Reuse:
             assert held, "a follower's clone costs no more than the slot it gives back"
             self._park(r, decided)
         elif decided.now.kind == "donor":
-            r.phase, r.clone_upto = Phase.CLONING, decided.now.upto
-            engine.send(m.CloneDonor(r.rid, decided.now.donor, decided.now.upto))
+            r.clone_upto = decided.now.upto
+            engine.start_request(r, donor=(decided.now.donor, decided.now.upto))
         else:
             engine.start_request(r)
 
@@ -100,7 +104,7 @@ class Reuse:
     def _plan(self, r: Request) -> Plan:
         engine, config = self.engine, self.engine.config
         now = time.monotonic()
-        cached = engine.adm.cache.best(r.prompt)
+        cached = engine.adm.cache.best(r.prompt, r.req.scope)
         waited = now - r.first_parked_at if r.first_parked_at else 0.0
         policy = FollowPolicy(config.active_prefix_reuse_min_tokens, follow=config.follow and not r.no_follow,
                               max_wait_s=max(0.0, config.follow_max_wait - waited))
@@ -124,23 +128,25 @@ class Reuse:
         # a leader prefills at its share of the rate; a follower does not compete with it
         tps = rates.share(self.prefilling())
         below = self._followers_below(r)
+        scope = r.req.scope
         active = []
         for x in self.engine.requests():
-            if x is r or x.rid in below or x.ending:  # a request on its way out gives nothing
+            # a request on its way out gives nothing; another scope's never
+            if x is r or x.rid in below or x.ending or x.req.scope != scope:
                 continue
-            if x.phase in (Phase.STARTING, Phase.RUNNING):
+            if x.phase is Phase.STARTING and x.clone_upto:  # holds [0, clone_upto) once its donor clone runs
+                active.append(Leader.starting(Source.donor(x.rid, x.prompt, 0, x.rid), x.clone_upto,
+                                              rates.clone_s(x.clone_upto), tps))
+            elif x.phase in (Phase.STARTING, Phase.RUNNING):
                 floor = window_floor(x.committed, self.windows)
                 # A recurrent state serves its position and its checkpoints only (base.py's recurrent rule).
                 positions = clone_positions(x.committed, self.info, x.kept) if self.recurrent else None
                 active.append(Leader.active(Source.donor(x.rid, x.prompt, x.committed_prompt, x.rid,
                                                          clone_floor=floor, positions=positions), tps))
-            elif x.phase is Phase.CLONING:  # holds [0, clone_upto) once its clone lands
-                active.append(Leader.starting(Source.donor(x.rid, x.prompt, 0, x.rid), x.clone_upto,
-                                              rates.clone_s(x.clone_upto), tps))
             elif x.landed is not None:  # holds it already, waiting for a slot
                 active.append(Leader.starting(Source.donor(x.rid, x.prompt, 0, x.rid), x.landed[1], 0.0, tps))
         parked = [(f.following, Source.donor(f.rid, f.prompt, 0, f.rid)) for f in self.followers.values()
-                  if f.following is not None and f.rid not in below and f is not r]
+                  if f.following is not None and f.rid not in below and f is not r and f.req.scope == scope]
         return leader_views(active, parked, rates, tps)
 
     def _followers_below(self, r: Request) -> set[int]:
@@ -171,7 +177,7 @@ class Reuse:
         f.registered = True
         order = f.following
         assert order is not None
-        self.engine.send(m.CloneDonor(f.rid, order.leader, order.target, wait=True, order=order.order))
+        self.engine.send(m.CloneDonor(f.rid, order.leader, order.target, order=order.order))
 
     def started(self, r: Request) -> None:
         """`r` was handed to the runner: the clone orders of its followers can go there now."""
@@ -181,7 +187,16 @@ class Reuse:
 
     # ---- outcomes ----
 
+    def donor_started(self, r: Request, ev: m.Started) -> None:
+        """`r` started from the donor clone its Start carried."""
+        r.clone_upto = 0
+        self.engine.metrics.clone("donor", [], True)
+        self.observe_clone(ev.reused, ev.clone_s)
+        r.reuse_source = "donor"
+        self.engine.metrics.donor_saved.inc(max(0, ev.reused - r.cached_match))
+
     def clone_done(self, r: Request, ev: m.CloneDone) -> None:
+        """A follower's clone order came back, or a donor start's clone was refused."""
         engine, metrics = self.engine, self.engine.metrics
         metrics.clone("donor", [ev.reason] if ev.session is None and ev.reason != "leader_gone" else [],
                       ev.session is not None)
@@ -189,12 +204,13 @@ class Reuse:
             self.observe_clone(ev.upto, ev.seconds)
             r.reuse_source = "donor"
             metrics.donor_saved.inc(max(0, ev.upto - r.cached_match))
-        if r.phase is Phase.CLONING:
-            if ev.session is None:
-                r.decision["clone_refused"] = ev.reason
-                engine.start_request(r)  # the normal path, with a fresh prefix cache lookup
+        if r.clone_upto:  # its Start's donor clone was refused: the runner did not start it
+            r.clone_upto = 0
+            r.decision["clone_refused"] = ev.reason
+            if r.ending:  # asked to end meanwhile: the runner holds nothing of it
+                engine.complete(r, r.ending)
             else:
-                engine.start_request(r, resume=ev.session, resume_at=ev.upto)
+                engine.start_request(r)  # the normal path, with a fresh prefix cache lookup
             return
         r.registered = False  # the runner has dealt with its order
         self._unpark(r)

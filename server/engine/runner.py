@@ -55,7 +55,8 @@ from backends.base import (Backend, BatchFailed, CloneRefused, ModelInfo, RowSta
 from server.engine import messages as m
 from server.engine.clone_orders import CloneOrders
 from server.engine.constraints import ConstrainedRows
-from server.engine.scheduler import Running, plan_step
+from server.engine.rates import RateTracker
+from server.engine.scheduler import Running, TimeBudget, plan_step
 
 log = logging.getLogger("kvfork.engine")
 _DISCARD = SamplingParams()  # greedy: samples the logits rows nobody reads, leaving real streams untouched
@@ -87,9 +88,12 @@ class _Slot:
 
 class Runner:
     def __init__(self, backend: Backend, model_path: str, dtype: str | None,
-                 max_batch_tokens: int, prefill_chunk: int, notify: Callable[[], None]):
+                 max_batch_tokens: int, prefill_chunk: int, max_step_s: float, notify: Callable[[], None]):
         self.backend, self.model_path, self.dtype = backend, model_path, dtype
-        self.max_batch_tokens, self.prefill_chunk = max_batch_tokens, prefill_chunk
+        self.max_batch_tokens, self.prefill_chunk, self.max_step_s = max_batch_tokens, prefill_chunk, max_step_s
+        # The step budget's own rates, from the step timings measured here (the
+        # control loop keeps the cost model's, from the same StepStats).
+        self._rates = RateTracker()
         self.inbox: collections.deque = collections.deque()  # control loop -> runner
         self.events: collections.deque = collections.deque()  # runner -> control loop
         self._notify = notify
@@ -180,6 +184,13 @@ class Runner:
 
     def _start(self, start: m.Start) -> None:
         session, reused, index, refused, clone_s = start.resume, start.resume_at, None, [], 0.0
+        if start.donor is not None:
+            t0 = time.perf_counter()
+            session, reused, reason = self._clone_of(*start.donor)
+            if session is None:
+                self.events.append(m.CloneDone(start.rid, None, reason=reason))
+                return
+            clone_s = time.perf_counter() - t0
         try:
             for i, (source, upto) in enumerate(start.clone_from if session is None else ()):
                 try:
@@ -218,25 +229,36 @@ class Runner:
         donor = self._slots.get(command.donor)
         if donor is None:
             self.events.append(m.CloneDone(command.rid, None, reason="donor_gone"))
-        elif command.wait and donor.session.position < command.upto:
+        elif donor.session.position < command.upto:
             self._orders.add(command)
         else:
             self._clone_for(command.rid, donor, command.upto)
 
-    def _clone_for(self, rid: int, donor: _Slot, upto: int, refused_reason: str | None = None) -> None:
+    def _clone_of(self, donor_rid: int, upto: int) -> tuple[Session, int, None] | tuple[None, int, str]:
+        """`[0, upto)` of a running request's session (at most: a recurrent donor gives the highest
+        state it holds at or below), with what it holds, or why not (a clone fails soft)."""
+        donor = self._slots.get(donor_rid)
+        if donor is None:
+            return None, 0, "donor_gone"
         if self._recurrent:
             assert self._info is not None
             held = clone_positions(donor.session.position, self._info, donor.session.kept)
             upto = max((p for p in held if p <= upto), default=upto)  # none below: the clone is refused
-        t0 = time.perf_counter()
         try:
-            session = self._timed(self.backend.clone, donor.session, upto)
-            self.events.append(m.CloneDone(rid, session, upto, seconds=time.perf_counter() - t0))
+            return self._timed(self.backend.clone, donor.session, upto), upto, None
         except CloneRefused as refusal:
-            self.events.append(m.CloneDone(rid, None, reason=refused_reason or refusal.reason))
+            return None, 0, refusal.reason
         except Exception as exc:
-            log.warning("clone for request %d failed: %s", rid, exc)
-            self.events.append(m.CloneDone(rid, None, reason=refused_reason or "error"))
+            log.warning("clone of request %d failed: %s", donor_rid, exc)
+            return None, 0, "error"
+
+    def _clone_for(self, rid: int, donor: _Slot, upto: int, refused_reason: str | None = None) -> None:
+        t0 = time.perf_counter()
+        session, upto, reason = self._clone_of(donor.start.rid, upto)
+        if session is not None:
+            self.events.append(m.CloneDone(rid, session, upto, seconds=time.perf_counter() - t0))
+        else:
+            self.events.append(m.CloneDone(rid, None, reason=refused_reason or reason))
 
     def _serve_orders(self) -> None:
         for order in self._orders.due({rid: slot.session.position for rid, slot in self._slots.items()}):
@@ -258,15 +280,19 @@ class Runner:
         running = [Running(rid, s.prefill_left, s.prefill_cap(self._orders.prefill_cap(rid, s.session.position,
                                                                                        s.prefill_left)))
                    for rid, s in self._slots.items()]
-        plan = plan_step(running, self.max_batch_tokens, self.prefill_chunk, self._rotation)
+        rates = self._rates.rates
+        budget = TimeBudget(self.max_step_s, rates.decode_s, rates.prefill_tps) if self.max_step_s else None
+        plan = plan_step(running, self.max_batch_tokens, self.prefill_chunk, self._rotation, budget)
         self._rotation = plan.last_prefilled
         if plan.decode:
             self._decode([self._slots[rid] for rid in plan.decode])
+            self._rates = self._rates.observe_decode(self._backend_s)
         prefill_s = 0.0
         if plan.prefill:
             before = self._backend_s
             self._prefill([self._slots[rid] for rid, _ in plan.prefill], dict(plan.prefill))
             prefill_s = self._backend_s - before
+            self._rates = self._rates.observe_prefill(sum(n for _, n in plan.prefill), prefill_s)
         self._serve_orders()
         committed = {rid: s.session.position for rid, s in self._slots.items()}
         kept = {rid: s.session.kept for rid, s in self._slots.items() if s.session.kept}

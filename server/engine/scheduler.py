@@ -5,6 +5,11 @@ Design rules:
   latency of running requests never waits on a newcomer's prompt;
 - the rest of the step's token budget goes to prefill chunks, handed out in
   rotation so a long prompt cannot starve a shorter one behind it;
+- a step that decodes also keeps to a time budget (--max-step-ms): prefill gets
+  the tokens the measured prefill rate fits in what the decode rows leave of it,
+  but never less than MIN_PREFILL_SHARE of the budget's (or, when the decode rows
+  alone take longer, of theirs) worth, so a prompt always progresses. Chunk ends by precedence: a follower's clone point, then
+  the time budget, within --prefill-chunk and --max-batch-tokens (hard caps);
 - admission is first come, first served: a head that does not fit the KV budget
   waits (the prefix cache gives way first), one that never could is refused.
 """
@@ -24,6 +29,25 @@ class Running:
     prefill_cap: int | None = None  # most tokens this step: a follower's clone point stops the chunk
 
 
+# Prefill always gets at least this share of the step's time (the budget, or the
+# decode rows' own time when that is longer): decoders slow down by at most this
+# much, and a prompt still prefills at a fair share of the rate.
+MIN_PREFILL_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class TimeBudget:
+    """A step's time budget, with the measured rates that turn it into prefill tokens."""
+
+    max_step_s: float
+    decode_s: float  # what the step's decode rows take
+    prefill_tps: float  # prompt tokens per second, the whole batch
+
+    def prefill_tokens(self) -> int:
+        left = max(self.max_step_s - self.decode_s, MIN_PREFILL_SHARE * max(self.max_step_s, self.decode_s))
+        return max(1, round(left * self.prefill_tps))
+
+
 @dataclass
 class StepPlan:
     decode: list[int] = field(default_factory=list)  # rids
@@ -36,9 +60,11 @@ class StepPlan:
 
 
 def plan_step(running: Sequence[Running], max_batch_tokens: int, prefill_chunk: int,
-              last_prefilled: int | None = None) -> StepPlan:
+              last_prefilled: int | None = None, time_budget: TimeBudget | None = None) -> StepPlan:
     plan = StepPlan(decode=[r.rid for r in running if r.prefill_left == 0], last_prefilled=last_prefilled)
     budget = max_batch_tokens - len(plan.decode)
+    if plan.decode and time_budget is not None:  # nobody waits on a step that only prefills
+        budget = min(budget, time_budget.prefill_tokens())
     waiting = sorted((r for r in running if r.prefill_left > 0), key=lambda r: r.rid)
     if last_prefilled is not None:  # rotate: start after the one served last
         cut = next((i for i, r in enumerate(waiting) if r.rid > last_prefilled), 0)

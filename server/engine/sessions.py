@@ -9,7 +9,10 @@ the runner touches. Design rules:
 - at most `max_sessions`; the least recently used idle one goes first;
 - idle sessions give way to admission after the prefix cache, least recently
   used first: the record stays, its state goes, and its owner's next request
-  starts cold (never an error).
+  starts cold (never an error);
+- a session id names a session of one tenant: the same id under another tenant
+  is another session; a session resumes only a request of the scope (tenant and
+  cache_salt) that computed its state, and restarts cold for any other.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from backends.base import KVCost
-from server.engine.api import CapacityExhausted, SessionBusy
+from server.engine.api import CapacityExhausted, Scope, SessionBusy
 
 MAX_SESSION_ID = 128
 
@@ -32,19 +35,26 @@ def check_session_id(session_id: str) -> None:
 @dataclass
 class NamedSession:
     name: str
+    tenant: str = ""
     session: Any = None  # backend session, None when it holds nothing
     tokens: list[int] = field(default_factory=list)  # what `session` has committed
     busy: bool = False
+    scope: Scope = Scope()  # the scope that computed `session`
 
-    def resumes(self, prompt: Sequence[int]) -> bool:
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.tenant, self.name
+
+    def resumes(self, prompt: Sequence[int], scope: Scope) -> bool:
         held = len(self.tokens)
-        return self.session is not None and 0 < held < len(prompt) and list(prompt[:held]) == self.tokens
+        return (self.session is not None and scope == self.scope and 0 < held < len(prompt)
+                and list(prompt[:held]) == self.tokens)
 
 
 class NamedSessions:
     def __init__(self, max_sessions: int):
         self.max_sessions = max_sessions
-        self._table: OrderedDict[str, NamedSession] = OrderedDict()  # least recently used first
+        self._table: OrderedDict[tuple[str, str], NamedSession] = OrderedDict()  # by (tenant, name), LRU first
 
     def __len__(self) -> int:
         return len(self._table)
@@ -74,12 +84,13 @@ class NamedSessions:
         """How many sessions hold KV state."""
         return sum(1 for r in self._table.values() if r.session is not None)
 
-    def get(self, name: str) -> NamedSession | None:
-        return self._table.get(name)
+    def get(self, name: str, tenant: str = "") -> NamedSession | None:
+        return self._table.get((tenant, name))
 
-    def acquire(self, name: str) -> tuple[NamedSession, list[Any]]:
-        """Mark `name` busy (creating it); returns it and the sessions evicted to make room."""
-        record = self._table.get(name)
+    def acquire(self, name: str, tenant: str = "") -> tuple[NamedSession, list[Any]]:
+        """Mark `tenant`'s session `name` busy (creating it); returns it and the sessions evicted to make room."""
+        key = tenant, name
+        record = self._table.get(key)
         if record is not None and record.busy:
             raise SessionBusy(f"session {name!r} is busy with another request")
         evicted: list[Any] = []
@@ -88,28 +99,27 @@ class NamedSessions:
                 idle = next((r for r in self._table.values() if not r.busy), None)
                 if idle is None:
                     raise CapacityExhausted("every named session is busy")
-                del self._table[idle.name]
+                del self._table[idle.key]
                 evicted = [idle.session] if idle.session is not None else []
-            record = self._table[name] = NamedSession(name)
-        self._table.move_to_end(name)
+            record = self._table[key] = NamedSession(name, tenant)
+        self._table.move_to_end(key)
         record.busy = True
         return record, evicted
 
-    def release(self, name: str, session: Any, tokens: list[int]) -> None:
-        """The request on `name` ended, leaving `session` holding `tokens`."""
-        record = self._table[name]
-        record.session, record.tokens, record.busy = session, tokens, False
+    def release(self, record: NamedSession, session: Any, tokens: list[int], scope: Scope) -> None:
+        """The request on `record` ended, leaving `session` holding `tokens`, computed under `scope`."""
+        record.session, record.tokens, record.busy, record.scope = session, tokens, False, scope
 
-    def drop(self, name: str, forget: bool) -> tuple[bool, Any]:
-        """Reset (forget=False) or delete a session; returns (existed, session to release)."""
-        record = self._table.get(name)
+    def drop(self, name: str, forget: bool, tenant: str = "") -> tuple[bool, Any]:
+        """Reset (forget=False) or delete `tenant`'s session; returns (existed, session to release)."""
+        record = self._table.get((tenant, name))
         if record is None:
             return False, None
         if record.busy:
             raise SessionBusy(f"session {name!r} is busy with another request")
         held, record.session, record.tokens = record.session, None, []
         if forget:
-            del self._table[name]
+            del self._table[record.key]
         return True, held
 
     def clear(self) -> list[Any]:

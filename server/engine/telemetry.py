@@ -104,6 +104,7 @@ class EngineMetrics:
         fields = {
             "request_id": request.req.request_id,
             "finish_reason": event.finish_reason,
+            "tenant": request.req.scope.tenant_hash,  # a hash: never the tenant's name or key
             "session": request.req.session_id,
             "prompt_tokens": usage.prompt_tokens,
             "reused_tokens": usage.reused_tokens,

@@ -150,6 +150,6 @@ def chat_request(request: MessagesRequest | CountTokensRequest) -> dict[str, Any
     if isinstance(request, MessagesRequest):
         body["max_tokens"] = request.max_tokens
         optional = {"stop": request.stop_sequences, "temperature": request.temperature,
-                    "top_p": request.top_p, "top_k": request.top_k}
+                    "top_p": request.top_p, "top_k": request.top_k, "cache_salt": request.cache_salt}
         body.update({k: v for k, v in optional.items() if v is not None})
     return body

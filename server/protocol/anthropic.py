@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from server.protocol.openai import CacheSalt
+
 # --- request blocks -------------------------------------------------------------------------------
 
 
@@ -92,6 +94,7 @@ class MessagesRequest(Struct, kw_only=True):
     stream: bool = False
     metadata: dict[str, Any] | None = None
     thinking: Thinking | None = None
+    cache_salt: CacheSalt | None = None  # vLLM's, as on chat completions
 
 
 class CountTokensRequest(Struct, kw_only=True):

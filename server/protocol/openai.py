@@ -4,7 +4,7 @@ Decoding is strict on the fields we know (a string where a number belongs is a
 400 naming the field) and ignores the rest: agents send `user`, `metadata`,
 `parallel_tool_calls` and more, and refusing them would break those clients.
 Fields beyond OpenAI's (top_k, min_p, repetition_penalty, stop_token_ids,
-ignore_eos, session_id, chat_template_kwargs) follow vLLM's names.
+ignore_eos, session_id, chat_template_kwargs, cache_salt) follow vLLM's names.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from msgspec import Meta, Struct
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+# vLLM's cache_salt: requests reuse only state computed under the same salt (and tenant); see Scope.
+CacheSalt = Annotated[str, Meta(min_length=1, max_length=256)]
 Positive = Annotated[int, Meta(ge=1)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
 
@@ -74,6 +76,7 @@ class SamplingFields(Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     session_id: str | None = None
+    cache_salt: CacheSalt | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import msgspec
 from msgspec import Struct, field
 
-from server.protocol.openai import Positive, Temperature, TopP
+from server.protocol.openai import CacheSalt, Positive, Temperature, TopP
 
 
 class TextFormat(Struct, kw_only=True):
@@ -43,6 +43,7 @@ class ResponsesRequest(Struct, kw_only=True):
     stream: bool = False
     parallel_tool_calls: bool = True
     metadata: dict[str, str] | None = None
+    cache_salt: CacheSalt | None = None  # vLLM's, as on chat completions
 
 
 # ---- input items ----------------------------------------------------------

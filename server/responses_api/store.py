@@ -16,7 +16,9 @@ cold is not offered it). Rules:
   cache instead (never a 409);
 - a continuation that fails or is cut off gives the head back;
 - a response dropped past the cap or deleted that is still its session's head
-  takes the session with it (its KV state is freed).
+  takes the session with it (its KV state is freed);
+- a stored response belongs to the tenant that made it: under another tenant's
+  key its id is unknown (404), and its session is that tenant's (sessions.py).
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ class Stored:
     response: Response  # as the client got it, for GET /v1/responses/{id}
     messages: list[dict[str, Any]]
     session: str | None  # the named session of its conversation, once one is open
+    tenant: str = ""  # whose it is: another tenant's requests find no response of that id
 
 
 class ResponseStore:
-    def __init__(self, max_responses: int, forget_session: Callable[[str], None]):
+    def __init__(self, max_responses: int, forget_session: Callable[[str, str], None]):
         self.max_responses = max_responses
         self.forget_session = forget_session
         self._responses: OrderedDict[str, Stored] = OrderedDict()  # oldest first
@@ -46,15 +49,15 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._responses)
 
-    def get(self, response_id: str, param: str = "response_id") -> Stored:
+    def get(self, response_id: str, tenant: str = "", param: str = "response_id") -> Stored:
         stored = self._responses.get(response_id)
-        if stored is None:
+        if stored is None or stored.tenant != tenant:  # another tenant's: as if there were none
             raise ApiError(404, f"no stored response with id {response_id!r}", code="previous_response_not_found"
                            if param == "previous_response_id" else "response_not_found", param=param)
         return stored
 
-    def history(self, response_id: str) -> list[dict[str, Any]]:
-        return self.get(response_id, "previous_response_id").messages
+    def history(self, response_id: str, tenant: str = "") -> list[dict[str, Any]]:
+        return self.get(response_id, tenant, "previous_response_id").messages
 
     def claim(self, previous: str, response_id: str) -> str | None:
         """The session `response_id`, continuing `previous`, runs in; None: run without one."""
@@ -71,16 +74,16 @@ class ResponseStore:
         if self._heads.get(session) == response_id:
             self._heads[session] = previous
 
-    def put(self, response: Response, messages: list[dict[str, Any]], session: str | None) -> None:
-        self._responses[response.id] = Stored(response, messages, session)
+    def put(self, response: Response, messages: list[dict[str, Any]], session: str | None, tenant: str = "") -> None:
+        self._responses[response.id] = Stored(response, messages, session, tenant)
         while len(self._responses) > self.max_responses:
             self._drop(*self._responses.popitem(last=False))
 
-    def delete(self, response_id: str) -> None:
-        self.get(response_id)
+    def delete(self, response_id: str, tenant: str = "") -> None:
+        self.get(response_id, tenant)
         self._drop(response_id, self._responses.pop(response_id))
 
     def _drop(self, response_id: str, stored: Stored) -> None:
         if stored.session is not None and self._heads.get(stored.session) == response_id:
             del self._heads[stored.session]
-            self.forget_session(stored.session)
+            self.forget_session(stored.session, stored.tenant)

@@ -144,7 +144,8 @@ def chat_request(body: ResponsesRequest, history: list[dict[str, Any]], session:
         raise invalid("input", "the input holds no items")
     chat: dict[str, Any] = {"messages": messages}
     optional = {"model": body.model, "max_tokens": body.max_output_tokens, "temperature": body.temperature,
-                "top_p": body.top_p, "session_id": session, "response_format": _response_format(body)}
+                "top_p": body.top_p, "session_id": session, "response_format": _response_format(body),
+                "cache_salt": body.cache_salt}
     chat.update({k: v for k, v in optional.items() if v is not None})
     tools = _tools(body.tools)
     if tools:

@@ -29,7 +29,7 @@ from server.protocol.openai import (
 from server.routes.common import Job, decoder, read_body, respond, usage_info
 from server.sampling import check_supported, generate_request, request_id, session_id, stop_strings
 from server.sse import EventStream
-from server.state import AppState, state_of
+from server.state import AppState, scope_of, state_of
 from server.text.tokenizer import PromptTokenizer
 from server.toolcalls import resolve_tool_parser
 from server.toolcalls.base import Event, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart, openai_call_id
@@ -137,7 +137,7 @@ async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Req
     generate = generate_request(
         body, prompt, rid=rid, vocab_size=state.engine.info.vocab_size,
         max_tokens=body.max_completion_tokens or body.max_tokens, session=session,
-        logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
+        scope=scope_of(request, body.cache_salt), logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
     )
     ask = request_ask(body.response_format, parser.tool_parser.name if parser.tool_parser else None, body.tools,
                       choice, tool_name, parser.prompt_suffix,  # type: ignore[arg-type]

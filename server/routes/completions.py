@@ -12,7 +12,7 @@ from server.protocol.openai import Completion, CompletionChoice, CompletionLogpr
 from server.routes.common import Job, decoder, read_body, respond, usage_info
 from server.sampling import check_supported, generate_request, request_id, session_id, stop_strings
 from server.sse import EventStream
-from server.state import state_of
+from server.state import scope_of, state_of
 from server.text.tokenizer import PromptTokenizer
 
 DECODE = decoder(CompletionRequest)
@@ -109,8 +109,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
     rid = request_id("cmpl")
     generate = generate_request(
         body, prompt, rid=rid, vocab_size=vocab,
-        max_tokens=body.max_tokens, session=session, logprobs=body.logprobs is not None,
-        top_logprobs=body.logprobs or 0,
+        max_tokens=body.max_tokens, session=session, scope=scope_of(request, body.cache_salt),
+        logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
     )
     job = Job(model, prompt, generate, stop_strings(body), n=body.n)
     echo = tokenizer.decode(prompt) if body.echo else ""

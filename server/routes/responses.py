@@ -20,7 +20,7 @@ from server.responses_api.reply import ResponsesReply, response_id
 from server.responses_api.translate import chat_messages, chat_request
 from server.routes.chat import prepare
 from server.routes.common import decoder, json_response, read_body, respond
-from server.state import state_of
+from server.state import state_of, tenant_of
 
 PATH = "/v1/responses"
 DECODE = decoder(ResponsesRequest)
@@ -32,9 +32,9 @@ async def handle(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     body: ResponsesRequest = await read_body(request, DECODE)
     rid = response_id()
-    store = state.responses
+    store, tenant = state.responses, tenant_of(request)
     previous = body.previous_response_id
-    history = (store.history(previous) if previous is not None else []) + chat_messages(body.input)
+    history = (store.history(previous, tenant) if previous is not None else []) + chat_messages(body.input)
     session = store.claim(previous, rid) if body.store and previous is not None else None
     reply = None
     try:
@@ -47,7 +47,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
             raise _renamed(e) from None
 
         def keep(response: Response) -> None:
-            store.put(response, history + chat_messages(msgspec.to_builtins(response.output)), session)
+            store.put(response, history + chat_messages(msgspec.to_builtins(response.output)), session, tenant)
 
         reply = ResponsesReply(rid, job.model, job.parser, body, keep if body.store else None)
         return await respond(request, state, job, reply, body.stream)
@@ -57,12 +57,13 @@ async def handle(request: web.Request) -> web.StreamResponse:
 
 
 async def retrieve(request: web.Request) -> web.Response:
-    return json_response(state_of(request).responses.get(request.match_info["response_id"]).response)
+    stored = state_of(request).responses.get(request.match_info["response_id"], tenant_of(request))
+    return json_response(stored.response)
 
 
 async def delete(request: web.Request) -> web.Response:
     rid = request.match_info["response_id"]
-    state_of(request).responses.delete(rid)
+    state_of(request).responses.delete(rid, tenant_of(request))
     return json_response(ResponseDeleted(rid))
 
 

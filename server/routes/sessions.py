@@ -1,4 +1,5 @@
-"""Named sessions: POST /v1/sessions/{id}/reset drops the held state, DELETE forgets the session."""
+"""Named sessions: POST /v1/sessions/{id}/reset drops the held state, DELETE forgets the session.
+A session id names a session of the caller's tenant: another tenant's session of that id is not touched."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from server.errors import ApiError
 from server.protocol.openai import SessionReply
 from server.routes.common import json_response
 from server.sampling import session_id
-from server.state import state_of
+from server.state import state_of, tenant_of
 
 
 async def reset(request: web.Request) -> web.Response:
@@ -24,6 +25,6 @@ async def delete(request: web.Request) -> web.Response:
 def _known_session(request: web.Request, act) -> str:
     state_of(request).require_ready()
     name = session_id(request.match_info["session_id"], None)
-    if not act(name):  # SessionBusy raises: the middleware answers 409
+    if not act(name, tenant_of(request)):  # SessionBusy raises: the middleware answers 409
         raise ApiError(404, f"no session named {name!r}", code="session_not_found", param="session_id")
     return name

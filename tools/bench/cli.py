@@ -79,7 +79,8 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help="kvfork reuse modes side by side" + (", plus peers" if default_peers else ""))
         p.add_argument("--model", help="model folder (default: the default model, fetched if needed)")
         p.add_argument("--modes", default="off,on", help=f"kvfork modes, first is the base; from {', '.join(paired.MODES)}")
-        p.add_argument("--threshold", type=int, default=1024, help="--active-prefix-reuse-min-tokens for reuse on (default: %(default)s)")
+        p.add_argument("--threshold", type=int, default=None,
+                       help="--active-prefix-reuse-min-tokens for reuse on (default: the daemon's)")
         p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                        help="extra daemon flag, repeatable (e.g. --server-arg=--backend=torch)")
         p.add_argument("--peers", default=default_peers, help="comma-separated from: mlx, llama")

@@ -24,11 +24,15 @@ from tools.bench.workload import Workload
 # How the daemon is started; tests point this at their OpenAI test double.
 DAEMON = [sys.executable, "-m", "server"]
 
-# kvfork's reuse modes: the flags that select them.
+# kvfork's reuse modes: the flags that select them (a threshold of None: the daemon's default).
+def _threshold(k: int | None) -> list[str]:
+    return [] if k is None else ["--active-prefix-reuse-min-tokens", str(k)]
+
+
 MODES = {
     "off": lambda k: ["--active-prefix-reuse-min-tokens", "0"],
-    "on": lambda k: ["--active-prefix-reuse-min-tokens", str(k)],
-    "no-follow": lambda k: ["--active-prefix-reuse-min-tokens", str(k), "--no-follow"],
+    "on": lambda k: _threshold(k),
+    "no-follow": lambda k: [*_threshold(k), "--no-follow"],
 }
 
 # kvfork's counters (server/engine/telemetry.py): cross-checks of the usage figures.
@@ -52,7 +56,7 @@ def default_model() -> str:
     return str(ensure_default_model())
 
 
-def kvfork_contender(mode: str, model: str, threshold: int, extra: list[str]) -> Contender:
+def kvfork_contender(mode: str, model: str, threshold: int | None, extra: list[str]) -> Contender:
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     argv = [*DAEMON, "--model", model, "--port", "{port}", *MODES[mode](threshold), *extra]

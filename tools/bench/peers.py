@@ -7,6 +7,10 @@
 
 Everything lives under $KVFORK_HOME/peers (default ~/.cache/kvfork/peers). A
 peer that cannot be set up is skipped with a message saying why.
+
+llama-server is linked statically: the build folder is temporary, and only the
+binary is kept. The build flags are stamped beside it; a binary whose stamp is
+missing or different, or that fails `--version`, is built again.
 """
 
 from __future__ import annotations
@@ -62,21 +66,56 @@ def mlx_python(home: Path) -> Path:
     return python
 
 
+# The server alone, plain HTTP on localhost: no tests, examples or web UI (whose
+# prebuilt copy would be fetched from a model hub), no TLS; static, so the binary
+# runs without the build folder's shared libraries.
+LLAMA_CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF",
+)  # fmt: skip
+VERSION_TIMEOUT_S = 30.0
+
+
 def cmake_command(src: Path, build: Path) -> list[str]:
-    # The server alone, plain HTTP on localhost: no tests, examples or web UI (whose
-    # prebuilt copy would be fetched from a model hub), no TLS.
-    return [
-        "cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
-        "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
-        "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF",
-    ]  # fmt: skip
+    return ["cmake", "-S", str(src), "-B", str(build), *LLAMA_CMAKE_FLAGS]
+
+
+def build_stamp(binary: Path) -> Path:
+    return binary.with_name(binary.name + ".flags")
+
+
+def runs(binary: Path) -> bool:
+    """Whether `binary --version` starts and exits 0 (a binary missing its libraries does not)."""
+    try:
+        done = subprocess.run([str(binary), "--version"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              timeout=VERSION_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+def cached_llama_server(home: Path) -> Path | None:
+    """The cached llama-server if it was built with today's flags and runs; None: build it (again)."""
+    binary = home / "llama.cpp" / "llama-server"
+    stamp = build_stamp(binary)
+    if not binary.exists():
+        return None
+    if not stamp.exists() or stamp.read_text().split() != list(LLAMA_CMAKE_FLAGS):
+        _say(f"{binary} was built with other flags: building it again")
+        return None
+    if not runs(binary):
+        _say(f"{binary} fails --version: building it again")
+        return None
+    return binary
 
 
 def llama_server(home: Path) -> Path:
     """llama-server built from the llama-cpp-python sdist's vendored llama.cpp; cached after the first build."""
+    cached = cached_llama_server(home)
+    if cached is not None:
+        return cached
     done = home / "llama.cpp" / "llama-server"
-    if done.exists():
-        return done
     missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
     if missing:
         raise PeerUnavailable(f"building llama-server needs {' and '.join(missing)} (apt-get install cmake g++)")
@@ -101,8 +140,11 @@ def llama_server(home: Path) -> Path:
         built = build / "bin" / "llama-server"
         if not built.exists():
             raise PeerUnavailable(f"the build left no {built}")
+        if not runs(built):
+            raise PeerUnavailable(f"the built {built.name} fails --version (see {log})")
         done.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(built, done)
+        build_stamp(done).write_text("\n".join(LLAMA_CMAKE_FLAGS) + "\n")
     return done
 
 

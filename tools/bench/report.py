@@ -27,6 +27,8 @@ _COLUMNS = (  # (header, Summary field, format)
     ("TTFT p95 s", "ttft_p95", "{:.2f}"),
     ("TTFT p99 s", "ttft_p99", "{:.2f}"),
     ("recipient TTFT p50 s", "recipient_ttft_p50", "{:.2f}"),
+    ("tail-only TTFT p50 s", "tail_ttft_p50", "{:.2f}"),
+    ("recipient/tail-only", "recipient_over_tail", "{:.2f}×"),
     ("e2e p50 s", "e2e_p50", "{:.2f}"),
     ("prefill tokens", "prefill_tokens", "{:,}"),
     ("cached tokens", "cached_tokens", "{:,}"),

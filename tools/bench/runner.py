@@ -86,10 +86,12 @@ async def replay(workload: Workload, target: Target, label: str = "run", logprob
     records = {c.id: Record(c.id, c.session, c.tag) for c in workload.calls}
     t0 = time.monotonic()
 
-    async def run_call(call: Call, http: aiohttp.ClientSession) -> None:
+    async def run_call(index: int, call: Call, http: aiohttp.ClientSession) -> None:
         ev = events[call.id]
         try:
-            if call.after is not None:
+            if call.on == "idle":
+                await asyncio.gather(*(events[c.id].done.wait() for c in workload.calls[:index]))
+            elif call.after is not None:
                 await getattr(events[call.after], call.on).wait()
             if call.delay_s:
                 await asyncio.sleep(call.delay_s)
@@ -111,5 +113,5 @@ async def replay(workload: Workload, target: Target, label: str = "run", logprob
 
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as http:
-        await asyncio.gather(*(run_call(c, http) for c in workload.calls))
+        await asyncio.gather(*(run_call(i, c, http) for i, c in enumerate(workload.calls)))
     return RunResult(workload.name, [records[c.id] for c in workload.calls], time.monotonic() - t0)

@@ -28,6 +28,8 @@ class Summary:
     ttft_p95: float | None
     ttft_p99: float | None
     recipient_ttft_p50: float | None  # over RECIPIENT_TAGS
+    tail_ttft_p50: float | None  # recipients' tails alone on the idle server (staggered)
+    recipient_over_tail: float | None  # recipient TTFT / its tail's TTFT alone, p50 over recipients
     e2e_p50: float | None
     prompt_tokens: int
     cached_tokens: int
@@ -44,11 +46,27 @@ class Summary:
 
 # Requests sent while another with the same prefix runs: where active reuse can act.
 RECIPIENT_TAGS = ("recipient", "fork")
+# Reference calls (a recipient's tail alone), left out of the workload's own latencies.
+TAIL_TAG = "tail"
+
+
+def _tail_ratios(ok: list[Record]) -> list[float]:
+    """Each recipient's TTFT over its own tail's TTFT alone (calls `<name>-<i>` and `<name>-tail-<i>`)."""
+    by_id = {r.call_id: r for r in ok if r.ttft_s}
+    out = []
+    for r in ok:
+        if r.tag == TAIL_TAG and r.ttft_s:
+            name, _, i = r.call_id.rpartition("-tail-")
+            recipient = by_id.get(f"{name}-{i}")
+            if recipient is not None:
+                out.append(recipient.ttft_s / r.ttft_s)
+    return out
 
 
 def summarize(records: list[Record], wall_s: float) -> Summary:
     ok = [r for r in records if r.ok]
-    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    tails = [r.ttft_s for r in ok if r.tag == TAIL_TAG and r.ttft_s is not None]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None and r.tag != TAIL_TAG]
     prompt = sum(r.prompt_tokens or 0 for r in ok)
     cached = sum(r.cached_tokens or 0 for r in ok)
     return Summary(
@@ -58,7 +76,9 @@ def summarize(records: list[Record], wall_s: float) -> Summary:
         ttft_p95=percentile(ttfts, 95),
         ttft_p99=percentile(ttfts, 99),
         recipient_ttft_p50=percentile((r.ttft_s for r in ok if r.tag in RECIPIENT_TAGS and r.ttft_s is not None), 50),
-        e2e_p50=percentile((r.e2e_s for r in ok if r.e2e_s is not None), 50),
+        tail_ttft_p50=percentile(tails, 50),
+        recipient_over_tail=percentile(_tail_ratios(ok), 50),
+        e2e_p50=percentile((r.e2e_s for r in ok if r.e2e_s is not None and r.tag != TAIL_TAG), 50),
         prompt_tokens=prompt,
         cached_tokens=cached,
         prefill_tokens=prompt - cached,

@@ -15,7 +15,8 @@ from typing import Literal
 
 from tools.bench.text import tool_definitions, words
 
-Trigger = Literal["start", "first_token", "done"]
+# "idle": once every call listed before it is done (the server is idle then).
+Trigger = Literal["start", "first_token", "done", "idle"]
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class Call:
     on: Trigger = "done"
     delay_s: float = 0.0  # wait after the trigger (think time, stagger delay)
     not_before_s: float = 0.0  # never sent before this offset from the run's start (traces)
-    tag: str = "root"  # root | fork | sub | lead | recipient | trace: how the report groups it
+    tag: str = "root"  # root | fork | sub | lead | recipient | tail | trace: how the report groups it
 
 
 @dataclass
@@ -75,12 +76,18 @@ def _turn(rng: random.Random, k: int) -> list[dict]:
 
 
 def shared_prefix(name: str, opts: Options, *, staggered: bool) -> Workload:
-    """N requests sharing one long prefix, each with its own last message."""
+    """N requests sharing one long prefix, each with its own last message.
+
+    Staggered, each recipient's last message is then sent again alone, one at a
+    time on the idle server (tag "tail"): the tail-only TTFT a recipient's TTFT
+    is measured against (reusing the prefix should cost little more than that).
+    """
     system = _system(opts, name)
-    calls = []
+    calls, tails = [], []
     for i in range(opts.n):
         rng = random.Random(f"{opts.seed}:{name}:{i}")
-        msgs = [system, {"role": "user", "content": f"Request {i}: {words(rng, opts.tail_tokens)}"}]
+        tail = {"role": "user", "content": f"Request {i}: {words(rng, opts.tail_tokens)}"}
+        msgs = [system, tail]
         prev = f"{name}-{i - 1}" if staggered and i else None
         if prev is None:
             trigger = dict()
@@ -90,7 +97,11 @@ def shared_prefix(name: str, opts: Options, *, staggered: bool) -> Workload:
             trigger = dict(after=prev, on="start", delay_s=opts.stagger_delay_s)
         tag = "recipient" if i else "lead"
         calls.append(Call(f"{name}-{i}", f"{name}-{i}", msgs, _max_tokens(rng, opts), tag=tag, **trigger))
-    return Workload(name, calls)
+        if staggered and i:
+            # an empty system message keeps a chat template's default one out of the tail
+            alone = [{"role": "system", "content": ""}, tail]
+            tails.append(Call(f"{name}-tail-{i}", f"{name}-tail-{i}", alone, 1, on="idle", tag="tail"))
+    return Workload(name, calls + tails)
 
 
 def agentic(name: str, opts: Options, *, sessions: int, total_calls: int) -> Workload:
