@@ -83,7 +83,8 @@ class KVCost:
     - every sliding layer holds a ring of its window whatever the length (`ring_bytes`, all rings);
     - `shared` leading tokens held by reference in another session's memory cost nothing here: their
       owner counts them (clone by reference). n choices over one prompt of P tokens and T in all cost
-      `bytes_for(T) + (n - 1) * bytes_for(T, shared=P)`;
+      `bytes_for(T) + (n - 1) * bytes_for(T, shared=P, start=P)`; both backends here copy what they
+      clone (shared=0), so each other choice is its own clone at P, `bytes_for(T, start=P)`;
     - every session of a hybrid model holds one recurrent state (`state_bytes`: the conv and delta-rule
       / SSM states of all its recurrent layers) whatever its length, and each recurrent-state checkpoint
       it keeps (`checkpoints`) costs one more.

@@ -19,6 +19,7 @@ tool_choice, and how far it is enforced:
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -59,6 +60,10 @@ class ChatOutputParser:
         if forced:  # the parser reads the forced opening as the start of the reply (it yields nothing yet)
             assert tool_parser is not None
             tool_parser.feed(forced)
+
+    def copy(self) -> "ChatOutputParser":
+        """Another parser in this one's state (a forced opening already read), for another choice."""
+        return copy.deepcopy(self)
 
     def feed(self, text: str) -> list[Event]:
         return self._tools(self.reasoning.feed(text) if self.reasoning else [TextDelta(text)], final=False)

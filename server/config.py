@@ -62,6 +62,8 @@ class ServerConfig:
     log_level: str = setting("info", "log verbosity", choices=LOG_LEVELS)
     tool_parser: str = setting("auto", "tool-call format to parse from replies (auto: the one the chat template "
                                "teaches; none: never parse)", choices=TOOL_PARSER_CHOICES)
+    max_n: int = setting(8, "most choices (n) a chat or completions request may ask for; each takes an "
+                         "inference slot", check=at_least(1))
     max_stored_responses: int = setting(1024, "responses kept for previous_response_id (/v1/responses), oldest "
                                         "out first", check=at_least(1))
     grammar_compile_timeout: float = setting(5.0, "most seconds a request's grammar (response_format, "

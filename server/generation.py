@@ -7,9 +7,14 @@ matches. Routes only format what it yields, so another API (Anthropic's
 /v1/messages) or a parser over the text (tool calls, reasoning) plugs in here
 without touching the engine.
 
-Rule: whatever way the consumer leaves (finished, client gone, handler
-cancelled), `generation` cancels the engine handle on exit, so a slot never
-outlives its client.
+Rules:
+- whatever way the consumer leaves (finished, client gone, handler
+  cancelled), `generation` cancels every choice's engine handle on exit, so a
+  slot never outlives its client;
+- n choices stream side by side, each event tagged with its choice's index; a
+  choice that fails ends alone (`Finished` with finish_reason "error") while
+  another choice lives on, and a request whose every choice failed raises its
+  failure (with n = 1, as soon as it fails).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ class Piece:
 
 @dataclass
 class Finished:
-    finish_reason: str  # "stop" or "length"
+    finish_reason: str  # "stop" or "length"; "error" for one failed choice of several
     usage: Usage
     stop_string: str | None = None  # the stop string that ended the text, if one did
 
@@ -46,31 +51,69 @@ class KeepAlive:
 KEEP_ALIVE = KeepAlive()
 
 
+class ChoiceFailed(ApiError):
+    """A choice the engine failed (or cancelled); its usage still counts."""
+
+    def __init__(self, status: int, message: str, code: str, usage: Usage):
+        super().__init__(status, message, code=code)
+        self.usage = usage
+
+
 @asynccontextmanager
 async def generation(engine, request: GenerateRequest, tokenizer: PromptTokenizer, stops: list[str],
-                     keepalive_s: float | None = None) -> AsyncIterator[AsyncIterator[Piece | Finished | KeepAlive]]:
-    """Submit now (an engine refusal raises here, before any response starts); yield the events."""
-    handle = engine.submit(request)
-    stream = _events(handle, tokenizer, stops, keepalive_s)
+                     keepalive_s: float | None = None
+                     ) -> AsyncIterator[AsyncIterator[tuple[int, Piece | Finished] | KeepAlive]]:
+    """Submit now (an engine refusal raises here, before any response starts); yield (choice, event)
+    pairs, and KeepAlives while nothing arrives."""
+    handles = [engine.submit(request)] if request.n == 1 else engine.submit_choices(request)
+    arrived: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, handle) -> None:
+        try:
+            async for event in _events(handle, tokenizer, stops):
+                arrived.put_nowait((index, event))
+        except ChoiceFailed as failed:
+            arrived.put_nowait((index, failed))
+
+    pumps = [asyncio.create_task(pump(i, handle)) for i, handle in enumerate(handles)]
+    stream = _merged(arrived, len(handles), keepalive_s)
     try:
         yield stream
     finally:
         await stream.aclose()
-        if handle.done is None:
-            handle.cancel()
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+        for handle in handles:
+            if handle.done is None:
+                handle.cancel()
 
 
-async def _events(handle, tokenizer: PromptTokenizer, stops: list[str],
-                  keepalive_s: float | None) -> AsyncIterator[Piece | Finished | KeepAlive]:
-    detokenizer, matcher = IncrementalDetokenizer(tokenizer.decode), StopMatcher(stops)
-    stopped = False
-    while True:
+async def _merged(arrived: asyncio.Queue, n: int,
+                  keepalive_s: float | None) -> AsyncIterator[tuple[int, Piece | Finished] | KeepAlive]:
+    running, failures = n, []
+    while running:
         try:
-            async with asyncio.timeout(keepalive_s):  # the handle is a queue: a timeout loses nothing
-                event = await anext(handle)
+            async with asyncio.timeout(keepalive_s):  # a queue: a timeout loses nothing
+                index, event = await arrived.get()
         except TimeoutError:
             yield KEEP_ALIVE
             continue
+        if isinstance(event, ChoiceFailed):
+            failures.append(event)
+            if len(failures) == n:
+                raise failures[0]
+            event = Finished("error", event.usage)
+        if isinstance(event, Finished):
+            running -= 1
+        yield index, event
+
+
+async def _events(handle, tokenizer: PromptTokenizer, stops: list[str]) -> AsyncIterator[Piece | Finished]:
+    detokenizer, matcher = IncrementalDetokenizer(tokenizer.decode), StopMatcher(stops)
+    stopped = False
+    while True:
+        event = await anext(handle)
         if isinstance(event, TokenEvent):
             if stopped:
                 continue  # tokens the engine ran before it saw finish()
@@ -92,7 +135,7 @@ async def _events(handle, tokenizer: PromptTokenizer, stops: list[str],
         return
 
 
-def _failure(event: DoneEvent) -> ApiError:
+def _failure(event: DoneEvent) -> ChoiceFailed:
     if event.finish_reason == "cancelled":
-        return ApiError(503, "the request was cancelled: the server is shutting down", code="cancelled")
-    return ApiError(503, f"generation failed: {event.error or 'engine error'}", code="engine_error")
+        return ChoiceFailed(503, "the request was cancelled: the server is shutting down", "cancelled", event.usage)
+    return ChoiceFailed(503, f"generation failed: {event.error or 'engine error'}", "engine_error", event.usage)

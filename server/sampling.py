@@ -11,7 +11,7 @@ import uuid
 from backends.base import SEEDS, SamplingParams
 from server.engine.api import GenerateRequest, Scope
 from server.engine.sessions import check_session_id
-from server.errors import invalid, unsupported
+from server.errors import invalid
 from server.protocol.openai import SamplingFields
 
 def request_id(prefix: str) -> str:
@@ -35,9 +35,9 @@ def stop_strings(body: SamplingFields) -> list[str]:
     return [body.stop] if isinstance(body.stop, str) else list(body.stop)
 
 
-def check_supported(body: SamplingFields) -> None:
-    if body.n != 1:
-        raise unsupported("n", "n > 1 is not supported yet; send one request per choice")
+def check_supported(body: SamplingFields, max_n: int) -> None:
+    if body.n > max_n:
+        raise invalid("n", f"n is at most {max_n} (--max-n), got {body.n}")
 
 
 def generate_request(body: SamplingFields, prompt: list[int], *, rid: str, vocab_size: int, max_tokens: int | None,
@@ -75,4 +75,5 @@ def generate_request(body: SamplingFields, prompt: list[int], *, rid: str, vocab
         ignore_eos=body.ignore_eos,
         session_id=session,
         scope=scope,
+        n=body.n,
     )

@@ -265,3 +265,20 @@ async def test_named_tool_choice_on_the_default_model():
     assert [s.name for s in starts] == ["get_weather"]
     jsonschema.validate(json.loads(args[0].text), WEATHER["parameters"])
     await engine.shutdown(1)
+
+
+async def test_each_choice_follows_the_grammar_with_its_own_matcher():
+    backend = ScriptedBackend()
+    engine = await start_engine(backend, prefix_cache_entries=0)
+    prompt = prompt_of(20, start=3)
+    alone, _ = await run(engine, prompt, 8, rid="alone", constraint=SetConstraint(ALLOWED))
+    handles = engine.submit_choices(request(prompt, 8, n=3, constraint=SetConstraint(ALLOWED)))
+    results = await asyncio.gather(*(collect(h) for h in handles))
+    # scripted sampling is greedy: every choice is the lone constrained answer, each matcher advanced once per token
+    assert [tokens for tokens, _ in results] == [alone] * 3 and set(alone) <= ALLOWED
+    assert all(done.finish_reason == "length" for _, done in results)
+    dying = engine.submit_choices(request(prompt, 8, n=2, constraint=SetConstraint(ALLOWED, dies_after=3)))
+    for tokens, done in await asyncio.gather(*(collect(h) for h in dying)):
+        assert done.finish_reason == "error" and tokens == alone[:3]  # each choice's matcher dies on its own
+    await engine.shutdown(1)
+    assert backend.live_sessions() == 0

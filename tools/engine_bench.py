@@ -8,11 +8,15 @@
 3. with --burst N: N requests sent at once that share a prompt prefix, with
    reuse off, with clone-now (--no-follow) and with following: TTFT,
    prompt tokens prefilled, and wall time;
-4. with --interference N: N requests decoding while a --long prompt prefills,
+4. with --choices N: one request with n = N choices against N separate
+   requests sent at once (reuse off), all on one prompt of --shared tokens:
+   time to every choice's first token, and prompt tokens prefilled;
+5. with --interference N: N requests decoding while a --long prompt prefills,
    once per --step-ms value (--max-step-ms): the decoders' inter-token latency
    p50/p95 over the prefill, and the long prompt's TTFT.
 
     python -m tools.engine_bench [--model FOLDER] [--backend mlx] [--tokens 64] [--burst 6]
+    python -m tools.engine_bench --backend torch --choices 4 --shared 1500 --repeat 3
     python -m tools.engine_bench --backend torch --interference 4 --long 4000 --step-ms 0,250
 
 Prompts are distinct and the prefix cache is off, so every request prefills
@@ -89,6 +93,33 @@ async def burst_round(args: argparse.Namespace, mode: str) -> dict:
             "ttft_p50_s": round(ttft[len(ttft) // 2], 3), "ttft_max_s": round(ttft[-1], 3), "wall_s": round(wall, 3)}
 
 
+async def choices_round(engine: Engine, args: argparse.Namespace, together: bool, seed: int) -> dict:
+    """One prompt, `--choices` answers: as one request's n choices, or as that many requests at once."""
+    prompt = [(seed * 104729 + j * 7 + 11) % 30000 + 100 for j in range(args.shared)]
+    sampling = SamplingParams(temperature=1.0, seed=seed)
+    before = engine.metrics.prefilled_tokens.get()
+    start = time.perf_counter()
+    if together:
+        handles = engine.submit_choices(GenerateRequest(f"n-{seed}", prompt, sampling, 8, n=args.choices))
+    else:
+        handles = [engine.submit(GenerateRequest(f"sep-{seed}-{i}", prompt, sampling, 8))
+                   for i in range(args.choices)]
+    firsts: list[float] = []
+
+    async def read(handle) -> None:
+        first = None
+        async for event in handle:
+            if first is None and isinstance(event, TokenEvent):
+                first = time.perf_counter()
+        assert first is not None, "a choice made no token"
+        firsts.append(first)
+
+    await asyncio.gather(*(read(h) for h in handles))
+    return {"mode": f"n={args.choices}" if together else f"{args.choices} requests",
+            "all_first_tokens_s": round(max(firsts) - start, 4),
+            "prefilled_tokens": int(engine.metrics.prefilled_tokens.get() - before)}
+
+
 async def interference_round(args: argparse.Namespace, max_step_ms: float) -> dict:
     """`--interference` requests decode; then a `--long` prompt arrives: their ITL until its first token."""
     config = EngineConfig(prefix_cache_entries=0, kv_budget_bytes=8 << 30, max_step_ms=max_step_ms)
@@ -131,6 +162,16 @@ async def interference_round(args: argparse.Namespace, max_step_ms: float) -> di
 
 
 async def measure(args: argparse.Namespace) -> dict:
+    if args.choices:
+        config = EngineConfig(prefix_cache_entries=0, active_prefix_reuse_min_tokens=0, kv_budget_bytes=8 << 30)
+        engine = Engine(create_backend(args.backend), args.model, args.dtype, config, Registry())
+        await engine.start()
+        await decode_round(engine, 1, 16, 2, seed=99)  # warm-up
+        rows = [await choices_round(engine, args, together, seed=round_ * 2 + together)
+                for round_ in range(args.repeat) for together in (True, False)]
+        await engine.shutdown(5)
+        return {"model": args.model, "backend": args.backend, "dtype": engine.info.dtype,
+                "device": engine.info.device, "prompt_tokens": args.shared, "choices": rows}
     if args.interference:
         return {"model": args.model, "backend": args.backend,
                 "interference": [await interference_round(args, float(ms)) for ms in args.step_ms.split(",")]}
@@ -169,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--burst", type=int, default=0, help="measure a burst of this many requests instead")
-    parser.add_argument("--shared", type=int, default=512, help="shared prompt tokens in a burst")
+    parser.add_argument("--shared", type=int, default=512, help="shared prompt tokens in a burst, or the prompt "
+                        "of --choices")
+    parser.add_argument("--choices", type=int, default=0, help="measure n choices against as many requests instead")
     parser.add_argument("--interference", type=int, default=0,
                         help="measure this many decoders' ITL while a --long prompt prefills instead")
     parser.add_argument("--long", type=int, default=4000, help="the long prompt's tokens (--interference)")

@@ -1,7 +1,8 @@
 """Admission on the control loop: who gets a slot, and what state it starts from.
 
 Design rules:
-- first come, first served over `inference_slots`; a head that does not fit the
+- first come, first served over `inference_slots`; n choices are admitted
+  together (n slots, and every choice's bytes at once) or not at all; a head that does not fit the
   KV budget waits (the prefix cache gives way first, then idle named sessions,
   least recently used first), so memory never runs out;
 - every byte the engine may come to hold is reserved before it exists: a slot
@@ -41,8 +42,9 @@ class Admission:
         self.reserved = 0  # bytes: what requests hold (slots, landed clones), and capture slots
         self.captures_in_use = 0
 
-    def check(self, req: GenerateRequest, waiting: int) -> tuple[int, int]:
-        """Turn away what can never run or cannot wait; else (max_tokens as clamped, bytes to reserve).
+    def check(self, req: GenerateRequest, waiting: int) -> tuple[int, int, int]:
+        """Turn away what can never run or cannot wait; else (max_tokens as clamped, bytes choice 0
+        reserves, bytes each other choice reserves).
 
         `waiting`: the queue and the parked followers, who count against --max-queue alike.
         """
@@ -57,14 +59,21 @@ class Admission:
                 check_session_id(req.session_id)
             except ValueError as exc:
                 raise InvalidRequest(str(exc)) from None
+        if req.n > self.config.inference_slots:
+            raise CapacityExhausted(f"{req.n} choices need {req.n} inference slots; there are "
+                                    f"{self.config.inference_slots}")
+        if req.n > 1 and req.session_id is not None:
+            raise InvalidRequest("a named session runs one choice; send n = 1 with session_id")
         max_tokens = clamp_max_tokens(req.max_tokens, self.config.max_tokens, n, context)
         need = self.request_bytes(n, max_tokens, checkpoints=len(self.checkpoints(req)))
-        if fit_admission(need, 0, 0, self.budget).never:
-            raise CapacityExhausted(f"the request needs {need} bytes of KV state; the budget is {self.budget}")
-        waits = bool(self.queue) or self.slots_used >= self.config.inference_slots
+        choice_need = self.choice_bytes(n, max_tokens)
+        total = need + (req.n - 1) * choice_need
+        if fit_admission(total, 0, 0, self.budget).never:
+            raise CapacityExhausted(f"the request needs {total} bytes of KV state; the budget is {self.budget}")
+        waits = bool(self.queue) or self.slots_used + req.n > self.config.inference_slots
         if waits and waiting >= self.config.max_queue:
             raise CapacityExhausted(f"{waiting} requests are already waiting")
-        return max_tokens, need
+        return max_tokens, need, choice_need
 
     def request_bytes(self, prompt_len: int, max_tokens: int, start: int | None = None, checkpoints: int = 0) -> int:
         """What a request's session grows to: opened at `start` (an empty session 0, a clone its
@@ -81,6 +90,11 @@ class Admission:
         inside = sorted({b for b in req.boundaries if 0 < b < len(req.prompt)})
         return tuple(inside[-self.config.recurrent_checkpoints:])
 
+    def choice_bytes(self, prompt_len: int, max_tokens: int) -> int:
+        """What one more choice over a prompt grows to: a clone at the prompt's full length. Both backends
+        copy what they clone (nothing is `shared` by reference), so it is the clone's own session."""
+        return self.request_bytes(prompt_len, max_tokens, start=prompt_len)
+
     def clone_bytes(self, upto: int) -> int:
         """A clone of `[0, upto)`, as it lands (a follower's, or a snapshot)."""
         return self.info.kv.bytes_for(upto, start=upto)
@@ -93,14 +107,17 @@ class Admission:
         return waiting < self.config.max_queue
 
     def next(self) -> Request | None:
-        """The queue's head, if a slot is free and its bytes fit; it then holds the slot."""
-        if not self.queue or self.slots_used >= self.config.inference_slots:
+        """The queue's head, if slots are free for its choices and their bytes fit; they then hold them."""
+        if not self.queue:
             return None
         head = self.queue[0]
-        if not self.hold(head, head.need_bytes):
+        choices = [head, *head.waiting_siblings]
+        if self.slots_used + len(choices) > self.config.inference_slots:
+            return None
+        if not self._hold_together([(r, r.need_bytes) for r in choices]):
             return None
         self.queue.popleft()
-        self.slots_used += 1
+        self.slots_used += len(choices)
         self._offer_capture_slot(head)
         return head
 
@@ -112,11 +129,16 @@ class Admission:
     def hold(self, request: Request, nbytes: int) -> bool:
         """Make `request` hold `nbytes` of the budget: more only if it fits (the prefix cache, then idle
         named sessions give way), less always. False (nothing changed) when it does not fit."""
-        extra = nbytes - request.reserved_bytes
+        return self._hold_together([(request, nbytes)])
+
+    def _hold_together(self, holds: list[tuple[Request, int]]) -> bool:
+        """All of `holds` (request, bytes), or none."""
+        extra = sum(nbytes - request.reserved_bytes for request, nbytes in holds)
         if extra > 0 and not self._make_room(extra):
             return False
-        self.reserved += extra
-        request.reserved_bytes = nbytes
+        for request, nbytes in holds:
+            self.reserved += nbytes - request.reserved_bytes
+            request.reserved_bytes = nbytes
         return True
 
     def let_go(self, request: Request) -> None:
@@ -184,10 +206,11 @@ class Admission:
             request.cache_matches = (self.cache.lookup(request.prompt, request.req.scope) if cache_matches is None
                                      else cache_matches)
             clone_from = [(match.entry.session, match.upto) for match in request.cache_matches]
+        choices = [m.Choice(s.rid, s.req.sampling) for s in request.waiting_siblings]
         return m.Start(request.rid, request.prompt, request.req.sampling, request.max_tokens, request.stop_ids,
                        capture=request.capture_slot, keep_session=named is not None,
                        resume=resume, resume_at=resume_at, clone_from=clone_from, donor=donor,
-                       constraint=request.req.constraint, keep_at=self.checkpoints(request.req))
+                       constraint=request.req.constraint, choices=choices, keep_at=self.checkpoints(request.req))
 
     def drain(self) -> list[Any]:
         """Every session the cache and the named sessions hold (for shutdown)."""

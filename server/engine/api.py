@@ -9,7 +9,7 @@ calls `handle.finish()`, which ends the request as a normal `stop`.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 from backends.base import SamplingParams
@@ -82,6 +82,15 @@ class GenerateRequest:
     # Token offsets in `prompt` where a message ends (the chat renderer's): where a model with recurrent
     # layers keeps checkpoints (--recurrent-checkpoints), for a later prompt that shares them.
     boundaries: tuple[int, ...] = ()
+    n: int = 1  # choices: the prompt is prefilled once, choice i samples with seed + i (Engine.submit_choices)
+
+
+def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index`'s sampling: its own stream, seed + index (as `stream_seed` normalizes seeds),
+    so choice 0 is the n = 1 answer; without a seed every stream is drawn fresh."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    return replace(sampling, seed=(sampling.stream_seed + index) % 2**64)  # type: ignore[operator]
 
 
 @dataclass

@@ -3,6 +3,7 @@
     engine = Engine(backend, model_path, dtype, config, registry)
     await engine.start()                 # the runner thread loads the model
     handle = engine.submit(request)      # sync; raises an EngineError when turned away
+    handles = engine.submit_choices(request)  # n > 1: one handle per choice, choice i at index i
     async for event in handle: ...       # TokenEvents, then one DoneEvent
     await engine.shutdown(grace_s)
 
@@ -21,12 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from typing import Any, Iterable
 
 from backends.base import Backend, ModelInfo
 from server.engine import messages as m
 from server.engine.admission import Admission
-from server.engine.api import CapacityExhausted, DoneEvent, GenerateRequest, NotReady, TokenEvent
+from server.engine.api import CapacityExhausted, DoneEvent, GenerateRequest, NotReady, TokenEvent, choice_sampling
 from server.engine.config import EngineConfig
 from server.engine.request import Phase, Request, RequestHandle
 from server.engine.reuse import Reuse
@@ -113,10 +115,16 @@ class Engine:
     # ---- requests ----
 
     def submit(self, req: GenerateRequest) -> RequestHandle:
+        assert req.n == 1, "n > 1 is submit_choices"
+        return self.submit_choices(req)[0]
+
+    def submit_choices(self, req: GenerateRequest) -> list[RequestHandle]:
+        """`req.n` choices over one prompt, admitted together; choice 0 prefills it (and is the request
+        reuse sees), the others start from clones of it (runner.py)."""
         if not self.ready or self._admission is None or self._runner is None:
             raise NotReady("the engine is not running" if self.info is not None else "the model is still loading")
         adm, config = self._admission, self.config
-        max_tokens, need = adm.check(req, waiting=self.waiting())
+        max_tokens, need, choice_need = adm.check(req, waiting=self.waiting())
         named = None
         if req.session_id is not None:
             named, evicted = adm.named.acquire(req.session_id, req.scope.tenant)
@@ -127,6 +135,16 @@ class Engine:
         rid = self._next_rid
         handle = RequestHandle(req.request_id, lambda: self._cancel(rid), lambda: self._finish(rid))
         r = self._requests[rid] = Request(rid, req, handle, max_tokens, stop_ids, need, named)
+        r.no_follow = req.n > 1  # its choices hold their slots from admission: it clones now or prefills
+        for i in range(1, req.n):
+            self._next_rid += 1
+            choice = self._next_rid
+            sibling = Request(choice, replace(req, sampling=choice_sampling(req.sampling, i), n=1),
+                              RequestHandle(req.request_id, lambda c=choice: self._cancel(c),
+                                            lambda c=choice: self._finish(c)),
+                              max_tokens, stop_ids, choice_need, lead=r)
+            r.siblings.append(sibling)
+            self._requests[choice] = sibling
         self._idle.clear()
         adm.queue.append(r)
         self.admit()
@@ -137,7 +155,7 @@ class Engine:
             # A follower waits like a queued request: it counts against --max-queue when it parks.
             self._withdraw(r)
             raise CapacityExhausted(f"{self.waiting()} requests are already waiting")
-        return handle
+        return [handle] + [s.handle for s in r.siblings]
 
     @property
     def recurrent_checkpoints(self) -> int:
@@ -207,12 +225,16 @@ class Engine:
             self.metrics.queue_wait.observe(r.admitted_at - r.submitted_at)
             if not r.capture_slot and adm.cache.worth_capturing(len(r.prompt)):
                 self.metrics.captures.inc(outcome="skipped")
+            for sibling in r.waiting_siblings:  # they hold their slots now, and go to the runner with r's Start
+                sibling.phase, sibling.admitted_at = Phase.STARTING, r.admitted_at
             self.reuser.place(r)
 
     def start_request(self, r: Request, **source: Any) -> None:
         """Hand a request holding a slot to the runner (`source`: see Admission.start)."""
         r.phase = Phase.STARTING
         self.send(self.adm.start(r, **source))
+        for sibling in r.waiting_siblings:
+            sibling.sent = True
         self.reuser.started(r)
 
     def expire_at(self, r: Request, deadline: float) -> None:
@@ -229,7 +251,7 @@ class Engine:
         if r is None or r.ending == "cancelled":
             return
         r.ending = "cancelled"
-        if r.phase in (Phase.STARTING, Phase.RUNNING):
+        if self._with_runner(r):
             self.send(m.Cancel(rid))
         else:  # the runner holds nothing of it (a pending clone comes back to nobody and is released)
             self.complete(r, "cancelled")
@@ -240,10 +262,15 @@ class Engine:
         if r is None or r.ending:
             return
         r.ending = "stop"
-        if r.phase in (Phase.STARTING, Phase.RUNNING):
+        if self._with_runner(r):
             self.send(m.Finish(rid))
         else:
             self.complete(r, "stop")
+
+    @staticmethod
+    def _with_runner(r: Request) -> bool:
+        """Whether the runner has (or will have) `r`: a choice goes there only with its lead's Start."""
+        return r.phase in (Phase.STARTING, Phase.RUNNING) and (r.lead is None or r.sent)
 
     def _expire(self, rid: int) -> None:
         r = self._requests.get(rid)
@@ -277,6 +304,8 @@ class Engine:
     def _withdraw(self, r: Request) -> None:
         """Turned away after all: as if it never came (no DoneEvent, nobody holds its handle yet)."""
         self._release_hold(r)
+        for sibling in r.siblings:
+            self._release_hold(sibling)
 
     def complete(self, r: Request, reason: str, error: str | None = None) -> None:
         if r.phase is Phase.DONE:
@@ -285,6 +314,8 @@ class Engine:
         event = DoneEvent(reason, r.usage(time.monotonic()), error)  # type: ignore[arg-type]
         self.metrics.done(r, event)
         r.handle.put(event)
+        for sibling in r.waiting_siblings:  # it ended before the runner had it: so do its other choices
+            self.complete(sibling, reason, error)
 
     # ---- runner events ----
 
@@ -344,6 +375,9 @@ class Engine:
         start = 0 if r.named is not None else ev.reused
         self.adm.hold(r, self.adm.request_bytes(len(r.prompt), r.max_tokens, start,
                                                 len(self.adm.checkpoints(r.req))))
+        if r.lead is not None:  # a choice's clone of its lead: the prompt is counted once, on choice 0
+            r.reused = 0
+            return
         if r.named is not None:
             r.reuse_source = "session" if ev.reused else None
         elif ev.clone_index is not None:

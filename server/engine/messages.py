@@ -17,6 +17,15 @@ from backends.base import ModelInfo, Sampled, SamplingParams
 
 
 @dataclass
+class Choice:
+    """One more choice over a request's prompt: it starts from a clone of the request's session at the
+    prompt's full length and samples its first token from the prompt's last logits row."""
+
+    rid: int
+    sampling: SamplingParams
+
+
+@dataclass
 class Start:
     """Put a request in an inference slot.
 
@@ -41,6 +50,7 @@ class Start:
     resume: Any = None
     resume_at: int = 0
     clone_from: list[tuple[Any, int]] = field(default_factory=list)
+    choices: list[Choice] = field(default_factory=list)  # n > 1: the other choices, opened when the prompt is in
     constraint: Any = None  # a constraints.Constraint: the grammar its tokens must follow, or None
     donor: tuple[int, int] | None = None
     keep_at: tuple[int, ...] = ()  # positions its session keeps the recurrent state at (Backend.keep_at)

@@ -97,6 +97,11 @@ class Request:
     first_parked_at: float = 0.0  # the follow deadline runs from here, across re-parks
     no_follow: bool = False  # a failed or expired follow: clone-now from then on
     landed: tuple[Any, int] | None = None  # (session, tokens) a follow clone gave it, until it has a slot
+    # n > 1: choice 0 is the request that prefills (it lists the others as `siblings`); each other choice
+    # (its `lead` set) is admitted with it, holding a slot, and is `sent` to the runner in its Start.
+    lead: "Request | None" = None
+    siblings: list["Request"] = field(default_factory=list)
+    sent: bool = False
     decision: dict[str, Any] = field(default_factory=dict)  # reuse decision and its inputs, for the log line
     submitted_at: float = field(default_factory=time.monotonic)
     admitted_at: float = 0.0
@@ -118,6 +123,11 @@ class Request:
         return self.following.leader if self.following is not None else None  # type: ignore[return-value]
 
     @property
+    def waiting_siblings(self) -> list["Request"]:
+        """Its other choices not yet gone to the runner (nor ended before it)."""
+        return [s for s in self.siblings if not s.sent and s.phase is not Phase.DONE]
+
+    @property
     def holds_slot(self) -> bool:
         return self.phase in (Phase.STARTING, Phase.RUNNING)
 
@@ -125,7 +135,7 @@ class Request:
         started = self.admitted_at or now
         first = self.first_token_at or now
         return Usage(
-            prompt_tokens=len(self.req.prompt),
+            prompt_tokens=len(self.req.prompt) if self.lead is None else 0,  # counted once, on choice 0
             reused_tokens=self.reused,
             reuse_source=self.reuse_source,
             prefilled_tokens=self.prefilled,

@@ -121,7 +121,7 @@ class Reuse:
 
     def prefilling(self) -> int:
         return sum(1 for x in self.engine.requests()
-                   if x.phase in (Phase.STARTING, Phase.RUNNING) and x.committed < len(x.prompt))
+                   if x.phase in (Phase.STARTING, Phase.RUNNING) and x.committed < len(x.prompt) and x.lead is None)
 
     def _leaders(self, r: Request) -> list[Leader]:
         rates = self.rates.rates
@@ -131,8 +131,8 @@ class Reuse:
         scope = r.req.scope
         active = []
         for x in self.engine.requests():
-            # a request on its way out gives nothing; another scope's never
-            if x is r or x.rid in below or x.ending or x.req.scope != scope:
+            # a request on its way out gives nothing; another scope's never; a choice is its lead's twin
+            if x is r or x.rid in below or x.ending or x.req.scope != scope or x.lead is not None:
                 continue
             if x.phase is Phase.STARTING and x.clone_upto:  # holds [0, clone_upto) once its donor clone runs
                 active.append(Leader.starting(Source.donor(x.rid, x.prompt, 0, x.rid), x.clone_upto,

@@ -36,9 +36,14 @@ Design rules:
     backend's sampler changes nothing when it raises); the forward pass is
     never run again, and a row whose sampling fails alone, twice, fails alone;
 - optional work (a snapshot, a clone from the prefix cache) that fails for
-  any reason falls back, to the next candidate or to none, and is counted.
+  any reason falls back, to the next candidate or to none, and is counted;
 - grammar-constrained rows (constraints.py) join their mask just before a sample
-  and hand the sampled token over just after it; nothing else here knows them.
+  and hand the sampled token over just after it; nothing else here knows them;
+- n choices prefill their prompt once: when its last logits row is in (after
+  the capture, before any decode writes), each other choice gets a clone of the
+  session at the prompt's full length and samples its first token from that
+  row with its own stream (and its own matcher, at the grammar's start); a
+  clone or a sample that fails fails its choice alone.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from backends.base import (Backend, BatchFailed, CloneRefused, ModelInfo, RowState, Sampled, SamplerState,
@@ -72,6 +77,7 @@ class _Slot:
     prefilled: int = 0
     generated: int = 0
     next_token: int | None = None  # sampled, not yet committed
+    choices: list[m.Choice] = field(default_factory=list)  # opened when the prompt's last logits are in
     capture_at: int = 0  # where its prompt is snapshot (Start.capture), 0: nowhere
 
     @property
@@ -162,9 +168,12 @@ class Runner:
                 self._start(command)
             elif isinstance(command, (m.Cancel, m.Finish)):
                 self._orders.drop_recipient(command.rid)
+                reason = "cancelled" if isinstance(command, m.Cancel) else "stop"
                 slot = self._slots.get(command.rid)
                 if slot is not None:
-                    self._end(slot, "cancelled" if isinstance(command, m.Cancel) else "stop")
+                    self._end(slot, reason)
+                else:
+                    self._drop_choice(command.rid, reason)
             elif isinstance(command, m.CloneDonor):
                 self._clone_donor(command)
             elif isinstance(command, m.Release):
@@ -210,11 +219,13 @@ class Runner:
         except Exception as exc:
             log.exception("start failed")
             self.events.append(m.Started(start.rid, 0, None, refused))
-            self.events.append(m.Finished(start.rid, "error", 0, 0, error=f"start failed: {exc}"))
+            for rid in [start.rid] + [choice.rid for choice in start.choices]:
+                self.events.append(m.Finished(rid, "error", 0, 0, error=f"start failed: {exc}"))
             return
         sampler = SamplerState(start.sampling, prompt=start.prompt)
         capture_at = len(start.prompt) - 1 if self._recurrent else len(start.prompt)
-        self._slots[start.rid] = _Slot(start, session, sampler, capture_at=capture_at if start.capture else 0)
+        self._slots[start.rid] = _Slot(start, session, sampler, choices=list(start.choices),
+                                       capture_at=capture_at if start.capture else 0)
         self._rows.start(start.rid, start.constraint)
         self.events.append(m.Started(start.rid, reused, index, refused, clone_s))
 
@@ -321,6 +332,9 @@ class Runner:
                 if slot is not None and slot.session.position == slot.capture_at:
                     self._capture(slot)
             done = [s if s is not None and s.prefill_left == 0 else None for s in group]
+            for row, slot in enumerate(done):
+                if slot is not None and slot.choices:
+                    self._open_choices(slot, logits, row, len(done))
             if any(done):
                 self._sample(logits, done)
 
@@ -404,6 +418,31 @@ class Runner:
             if slot is not None:
                 self._accept(slot, pick)
 
+    def _open_choices(self, lead: _Slot, logits: Any, row: int, rows: int) -> None:
+        """`lead`'s prompt is in and row `row` of `logits` is its last: every other choice starts from a
+        clone at the prompt's full length (before `lead` decodes) and samples its first token from that row."""
+        choices, lead.choices = lead.choices, []
+        for choice in choices:
+            start = replace(lead.start, rid=choice.rid, sampling=choice.sampling, capture=False, choices=[])
+            try:
+                session = self._timed(self.backend.clone, lead.session, len(start.prompt))
+            except Exception as exc:  # the clone of one choice fails that choice alone
+                log.warning("the clone for choice request %d failed: %r", choice.rid, exc)
+                self.events.append(m.Finished(choice.rid, "error", 0, 0, error=f"its clone failed: {exc!r}"))
+                continue
+            slot = self._slots[choice.rid] = _Slot(start, session, SamplerState(choice.sampling, prompt=start.prompt))
+            self._rows.start(choice.rid, start.constraint)  # its own matcher: no choice has sampled yet
+            self.events.append(m.Started(choice.rid, len(start.prompt), None))
+            self._sample(logits, [slot if i == row else None for i in range(rows)])
+
+    def _drop_choice(self, rid: int, reason: str) -> None:
+        """A choice still waiting for its prompt leaves alone."""
+        for slot in self._slots.values():
+            if any(choice.rid == rid for choice in slot.choices):
+                slot.choices = [choice for choice in slot.choices if choice.rid != rid]
+                self.events.append(m.Finished(rid, reason, 0, 0))
+                return
+
     def _capture(self, slot: _Slot) -> None:
         prompt = slot.start.prompt[:slot.capture_at]
         try:
@@ -448,6 +487,8 @@ class Runner:
 
     def _end(self, slot: _Slot, reason: str, error: str | None = None) -> None:
         self._hand_over(slot, usable=reason != "error")
+        for choice in slot.choices:  # it left before its prompt was in: its choices go with it
+            self.events.append(m.Finished(choice.rid, reason, 0, 0, error))
         del self._slots[slot.start.rid]
         self._rows.end(slot.start.rid)
         kept, held = None, []

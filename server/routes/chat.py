@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from server.chat_output import ChatOutput, collect, output_parser
-from server.engine.api import TokenEvent
+from server.chat_output import ChatOutput, ChatOutputParser, collect, output_parser
+from server.engine.api import TokenEvent, Usage
 from server.errors import ApiError, invalid, unsupported
 from server.generation import Finished, Piece
 from server.grammar import request_ask
@@ -26,7 +26,7 @@ from server.protocol.openai import (
     ChoiceLogprobs, ChunkChoice, Delta, FunctionCall, FunctionDelta, TokenLogprob, ToolCallDelta, ToolCallOut,
     TopLogprob,
 )
-from server.routes.common import Job, decoder, read_body, respond, usage_info
+from server.routes.common import Choices, Job, decoder, read_body, respond, usage_info
 from server.sampling import check_supported, generate_request, request_id, session_id, stop_strings
 from server.sse import EventStream
 from server.state import AppState, scope_of, state_of
@@ -109,7 +109,7 @@ def template_message(index: int, message: ChatMessage) -> dict[str, Any]:
 
 async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Request, rid: str,
                   make_call_id: Callable[[], str] = openai_call_id) -> Job:
-    check_supported(body)
+    check_supported(body, state.config.max_n)
     if body.top_logprobs and not body.logprobs:
         raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
     messages = [template_message(i, m) for i, m in enumerate(body.messages)]
@@ -156,8 +156,13 @@ async def handle(request: web.Request) -> web.StreamResponse:
     rid = request_id("chatcmpl")
     job = await prepare(state, body, request, rid)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    reply = ChatReply(rid, job, state.require_ready() if body.logprobs else None, include_usage)
-    return await respond(request, state, job, reply, body.stream)
+    tokenizer = state.require_ready() if body.logprobs else None
+    if job.n == 1:
+        return await respond(request, state, job, ChatReply(rid, job, tokenizer, include_usage), body.stream)
+    # each choice parses its own output (tool calls, reasoning): a parser per choice
+    replies = [ChatReply(rid, job, tokenizer, False, index=i, parser=job.parser.copy() if job.parser else None)
+               for i in range(job.n)]
+    return await respond(request, state, job, Choices(replies, include_usage), body.stream)
 
 
 def token_logprobs(events: list[TokenEvent], tokenizer: PromptTokenizer) -> list[TokenLogprob]:
@@ -206,9 +211,11 @@ class ChatReply:
 
     stream_type = EventStream
 
-    def __init__(self, rid: str, job: Job, tokenizer: PromptTokenizer | None, include_usage: bool):
-        self.rid, self.created, self.model, self.parser = rid, int(time.time()), job.model, job.parser
-        self.tokenizer, self.include_usage = tokenizer, include_usage
+    def __init__(self, rid: str, job: Job, tokenizer: PromptTokenizer | None, include_usage: bool,
+                 index: int = 0, parser: ChatOutputParser | None = None):
+        self.rid, self.created, self.model = rid, int(time.time()), job.model
+        self.parser = parser or job.parser
+        self.tokenizer, self.include_usage, self.index = tokenizer, include_usage, index
         self.events: list[Event] = []
         self.logprobs: list[TokenLogprob] = []
         self.calls = False
@@ -233,13 +240,16 @@ class ChatReply:
         out = [self._chunk(delta) for delta in deltas(events)]
         out.append(self._chunk(Delta(), finish_reason=finish_reason(done.finish_reason, self._has_calls())))
         if self.include_usage:
-            out.append(ChatCompletionChunk(self.rid, self.created, self.model, [], usage_info(done.usage)))
+            out += self.usage(done.usage)
         return out
+
+    def usage(self, usage: Usage) -> list[ChatCompletionChunk]:
+        return [ChatCompletionChunk(self.rid, self.created, self.model, [], usage_info(usage))]
 
     def whole(self) -> ChatCompletion:
         assert self.done is not None
         output = collect(self.events)
-        choice = ChatChoice(0, assistant_message(output), finish_reason(self.done.finish_reason, bool(output.tool_calls)),
+        choice = ChatChoice(self.index, assistant_message(output), finish_reason(self.done.finish_reason, bool(output.tool_calls)),
                             ChoiceLogprobs(self.logprobs) if self.tokenizer else None)
         return ChatCompletion(self.rid, self.created, self.model, [choice], usage_info(self.done.usage))
 
@@ -248,5 +258,5 @@ class ChatReply:
 
     def _chunk(self, delta: Delta, *, finish_reason: str | None = None,
                logprobs: list[TokenLogprob] | None = None) -> ChatCompletionChunk:
-        choice = ChunkChoice(0, delta, finish_reason, ChoiceLogprobs(logprobs) if logprobs else None)
+        choice = ChunkChoice(self.index, delta, finish_reason, ChoiceLogprobs(logprobs) if logprobs else None)
         return ChatCompletionChunk(self.rid, self.created, self.model, [choice])

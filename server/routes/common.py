@@ -12,13 +12,14 @@ APIs differ only in their reply:
 
 Design rule: a request's sampling constraint and its number of choices live in
 the `Job`, below the routes, so constrained decoding and n > 1 are done once for
-every API. Refusals raise before the response starts; once a stream has begun a
+every API. n choices are n replies (each saying its choice's index) under one
+`Choices`, which says the usage once, after the last choice. Refusals raise before the response starts; once a stream has begun a
 failure goes out as the API's error frame (`EventStream` and its subclasses).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import msgspec
@@ -70,7 +71,7 @@ class Job:
     generate: GenerateRequest
     stops: list[str]
     parser: ChatOutputParser | None = None  # chat-shaped APIs split reasoning and tool calls from the text
-    n: int = 1  # choices asked for; the routes refuse n > 1 until it is served
+    n: int = 1  # choices: the prompt is prefilled once, choice i samples with seed + i
 
 
 class Reply(Protocol):
@@ -85,27 +86,79 @@ class Reply(Protocol):
     def whole(self) -> Any: ...
 
 
-async def respond(request: web.Request, state: AppState, job: Job, reply: Reply, stream: bool) -> web.StreamResponse:
-    """Run `job` and answer with `reply`: one JSON body, or a stream of its frames."""
+class ChoiceReply(Reply, Protocol):
+    """A reply that can say one of several choices (chat, completions): built for its choice's index
+    without the usage, which `usage(usage)` says once for them all."""
+
+    def usage(self, usage: Usage) -> list[Any]: ...
+
+
+def total_usage(usages: list[Usage]) -> Usage:
+    """n choices' usage: the prompt once (choice 0's, the one that computed it), completions summed."""
+    return replace(usages[0], generated_tokens=sum(u.generated_tokens for u in usages))
+
+
+class Choices:
+    """n replies as one: each choice's frames from its own reply, the usage once after the last."""
+
+    def __init__(self, replies: list[Any], include_usage: bool = False):
+        self.replies, self.include_usage = replies, include_usage
+        self.stream_type = replies[0].stream_type
+        self.done: list[Finished | None] = [None] * len(replies)
+
+    def start(self) -> list[Any]:
+        return [frame for reply in self.replies for frame in reply.start()]
+
+    def piece(self, index: int, piece: Piece) -> list[Any]:
+        return self.replies[index].piece(piece)
+
+    def finish(self, index: int, done: Finished) -> list[Any]:
+        self.done[index] = done
+        frames = self.replies[index].finish(done)
+        if self.include_usage and all(self.done):
+            frames += self.replies[0].usage(self.usage())
+        return frames
+
+    def usage(self) -> Usage:
+        return total_usage([done.usage for done in self.done if done is not None])
+
+    def whole(self) -> Any:
+        if len(self.replies) == 1:
+            return self.replies[0].whole()
+        bodies = [reply.whole() for reply in self.replies]
+        body = bodies[0]
+        body.choices = [choice for b in bodies for choice in b.choices]
+        body.usage = usage_info(self.usage())
+        return body
+
+
+async def respond(request: web.Request, state: AppState, job: Job, reply: Reply | Choices,
+                  stream: bool) -> web.StreamResponse:
+    """Run `job` and answer with `reply` (one reply, or `Choices` for n > 1): one JSON body, or a
+    stream of its frames."""
     tokenizer = state.require_ready()
     keepalive = state.config.sse_keepalive if stream else None
+    choices = reply if isinstance(reply, Choices) else Choices([reply])
     async with generation(state.engine, job.generate, tokenizer, job.stops, keepalive_s=keepalive) as events:
         if not stream:
             async for event in events:
-                if isinstance(event, Piece):
-                    reply.piece(event)
-                elif isinstance(event, Finished):
-                    reply.finish(event)
-                    return json_response(reply.whole())
-            raise ApiError(503, "the engine ended the request without a result", code="engine_error")
-        async with reply.stream_type(request) as out:
-            await out.send_all(reply.start())
+                match event:
+                    case (index, Piece() as piece):
+                        choices.piece(index, piece)
+                    case (index, Finished() as done):
+                        choices.finish(index, done)
+            if not all(choices.done):
+                raise ApiError(503, "the engine ended the request without a result", code="engine_error")
+            return json_response(choices.whole())
+        async with choices.stream_type(request) as out:
+            await out.send_all(choices.start())
             async for event in events:
-                if isinstance(event, KeepAlive):
-                    await out.keep_alive()
-                elif isinstance(event, Piece):
-                    await out.send_all(reply.piece(event))
-                    await out.keep_alive_if_quiet(keepalive)
-                elif isinstance(event, Finished):
-                    await out.send_all(reply.finish(event))
+                match event:
+                    case KeepAlive():
+                        await out.keep_alive()
+                    case (index, Piece() as piece):
+                        await out.send_all(choices.piece(index, piece))
+                        await out.keep_alive_if_quiet(keepalive)
+                    case (index, Finished() as done):
+                        await out.send_all(choices.finish(index, done))
         return out.response

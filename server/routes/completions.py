@@ -9,7 +9,8 @@ from aiohttp import web
 from server.errors import invalid, unsupported
 from server.generation import Finished, Piece
 from server.protocol.openai import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
-from server.routes.common import Job, decoder, read_body, respond, usage_info
+from server.engine.api import Usage
+from server.routes.common import Choices, Job, decoder, read_body, respond, usage_info
 from server.sampling import check_supported, generate_request, request_id, session_id, stop_strings
 from server.sse import EventStream
 from server.state import scope_of, state_of
@@ -43,8 +44,8 @@ class CompletionReply:
     stream_type = EventStream
 
     def __init__(self, rid: str, job: Job, tokenizer: PromptTokenizer, logprobs: bool, echo: str,
-                 include_usage: bool):
-        self.rid, self.created, self.model = rid, int(time.time()), job.model
+                 include_usage: bool, index: int = 0):
+        self.rid, self.created, self.model, self.index = rid, int(time.time()), job.model, index
         self.tokenizer, self.logprobs, self.echo, self.include_usage = tokenizer, logprobs, echo, include_usage
         self.offset = len(echo)
         self.texts = [echo]
@@ -63,17 +64,20 @@ class CompletionReply:
         self.done = done
         out = [self._chunk("", done.finish_reason)]
         if self.include_usage:
-            out.append(Completion(self.rid, self.created, self.model, [], usage_info(done.usage)))
+            out += self.usage(done.usage)
         return out
+
+    def usage(self, usage: Usage) -> list[Completion]:
+        return [Completion(self.rid, self.created, self.model, [], usage_info(usage))]
 
     def whole(self) -> Completion:
         assert self.done is not None
-        choice = CompletionChoice(0, "".join(self.texts), self.done.finish_reason,
+        choice = CompletionChoice(self.index, "".join(self.texts), self.done.finish_reason,
                                   self.all_logprobs if self.logprobs else None)
         return Completion(self.rid, self.created, self.model, [choice], usage_info(self.done.usage))
 
     def _chunk(self, text: str, finish: str | None = None, logprobs: CompletionLogprobs | None = None) -> Completion:
-        return Completion(self.rid, self.created, self.model, [CompletionChoice(0, text, finish, logprobs)])
+        return Completion(self.rid, self.created, self.model, [CompletionChoice(self.index, text, finish, logprobs)])
 
     def _logprobs_of(self, piece: Piece) -> CompletionLogprobs | None:
         out = CompletionLogprobs([], [], [], [])
@@ -94,7 +98,7 @@ class CompletionReply:
 async def handle(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     body: CompletionRequest = await read_body(request, DECODE)
-    check_supported(body)
+    check_supported(body, state.config.max_n)
     if body.best_of not in (None, 1):
         raise unsupported("best_of", "best_of > 1 is not supported yet")
     if body.suffix:
@@ -115,5 +119,9 @@ async def handle(request: web.Request) -> web.StreamResponse:
     job = Job(model, prompt, generate, stop_strings(body), n=body.n)
     echo = tokenizer.decode(prompt) if body.echo else ""
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    reply = CompletionReply(rid, job, tokenizer, body.logprobs is not None, echo, include_usage)
-    return await respond(request, state, job, reply, body.stream)
+    if job.n == 1:
+        reply = CompletionReply(rid, job, tokenizer, body.logprobs is not None, echo, include_usage)
+        return await respond(request, state, job, reply, body.stream)
+    replies = [CompletionReply(rid, job, tokenizer, body.logprobs is not None, echo, False, index=i)
+               for i in range(job.n)]
+    return await respond(request, state, job, Choices(replies, include_usage), body.stream)
