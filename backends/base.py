@@ -88,6 +88,8 @@ class KVCost:
     - every session of a hybrid model holds one recurrent state (`state_bytes`: the conv and delta-rule
       / SSM states of all its recurrent layers) whatever its length, and each recurrent-state checkpoint
       it keeps (`checkpoints`) costs one more.
+    - `padded_rows`: the backend pads the sessions it runs together to the longest one (MLX's decode
+      batch), so any session in a slot may hold `row_bytes(longest)`, whatever its own length.
     `tolerance` is how far (a fraction of `bytes_for`, plus one step of slots) the backend's own count
     may stray from this figure for a session: 0 where the backend allocates exactly as stated.
     """
@@ -98,6 +100,7 @@ class KVCost:
     slack: int = 0
     state_bytes: int = 0
     tolerance: float = 0.0
+    padded_rows: bool = False
 
     def round_up(self, tokens: int) -> int:
         return -(-tokens // self.step) * self.step
@@ -105,6 +108,15 @@ class KVCost:
     def slots(self, tokens: int, start: int = 0) -> int:
         """Token slots per full layer once a session opened at `start` has written `tokens` positions."""
         return max(self.round_up(start) + self.slack, self.round_up(tokens))
+
+    def row_bytes(self, longest: int) -> int:
+        """The most one session may hold while the sessions in slots beside it grow to at most `longest`
+        tokens, where rows are padded to the longest (0 where they are not): the longest rounded up,
+        plus two steps (a batch grows a step past its write index; a cache that grew off a step
+        boundary trims to its write index and grows a step from there)."""
+        if not self.padded_rows:
+            return 0
+        return (self.round_up(longest) + 2 * self.step) * self.full_bytes_per_token + self.ring_bytes + self.state_bytes
 
     def bytes_for(self, tokens: int, shared: int = 0, checkpoints: int = 0, start: int = 0) -> int:
         own = self.slots(tokens, start) - shared // self.step * self.step

@@ -12,6 +12,11 @@ from typing import Callable
 Labels = tuple[tuple[str, str], ...]
 
 
+def _fmt_value(v: float) -> str:
+    """Exactly (Prometheus parses Go floats): `:g` would round a byte count of 3,014,656 to 3.01466e+06."""
+    return repr(float(v)) if not float(v).is_integer() else str(int(v))
+
+
 def _fmt_labels(labels: Labels, extra: Labels = ()) -> str:
     items = labels + extra
     if not items:
@@ -45,7 +50,7 @@ class Counter(_Metric):
 
     def render(self) -> list[str]:
         rows = self.values or {(): 0.0}
-        return self.header() + [f"{self.name}{_fmt_labels(k)} {v:g}" for k, v in sorted(rows.items())]
+        return self.header() + [f"{self.name}{_fmt_labels(k)} {_fmt_value(v)}" for k, v in sorted(rows.items())]
 
 
 class Gauge(_Metric):
@@ -58,7 +63,7 @@ class Gauge(_Metric):
         self.read = read
 
     def render(self) -> list[str]:
-        return self.header() + [f"{self.name} {self.read():g}"]
+        return self.header() + [f"{self.name} {_fmt_value(self.read())}"]
 
 
 class Histogram(_Metric):
@@ -84,7 +89,7 @@ class Histogram(_Metric):
             running += n
             lines.append(f'{self.name}_bucket{{le="{bound:g}"}} {running}')
         lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
-        lines += [f"{self.name}_sum {self.sum:g}", f"{self.name}_count {self.count}"]
+        lines += [f"{self.name}_sum {_fmt_value(self.sum)}", f"{self.name}_count {self.count}"]
         return lines
 
 

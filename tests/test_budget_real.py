@@ -86,3 +86,24 @@ def test_one_folder_gives_the_same_eos_and_context_on_both_backends(tmp_path, ba
     assert facts == ModelFacts((2, 7, 0), FALLBACK_CONTEXT, {"temperature": 0.6})
     info = create_backend(backend_name).load(str(folder), "float32")
     assert (info.context_length, info.eos_token_ids) == (FALLBACK_CONTEXT, (2, 7, 0))
+
+
+async def test_sessions_decoding_together_stay_inside_the_budget(backend_name, tiny_model_dir):
+    """MLX pads the rows of its decode batch to the longest: a short request decoding beside a long one
+    holds as much as the long one. The budget holds that padding (KVCost.padded_rows), so two requests
+    whose own sessions fit together, but whose padded rows do not, run one after the other."""
+    from tools.faulty_backend import FaultyBackend
+
+    long_prompt, short_prompt = prompt(500, seed=7), prompt(10, seed=8)
+    probe = create_backend(backend_name)
+    kv = probe.load(tiny_model_dir("llama"), "float32").kv
+    budget = (kv.bytes_for(500 + 8, start=499) + kv.bytes_for(10 + 60, start=9))  # both own sessions, no more
+    watched = FaultyBackend(create_backend(backend_name), seed=0, rate=0.0, budget_bytes=budget)
+    config = EngineConfig(kv_budget_bytes=budget, prefix_cache_entries=0, inference_slots=2, prefill_chunk=64,
+                          active_prefix_reuse_min_tokens=0)
+    engine = Engine(watched, tiny_model_dir("llama"), "float32", config, Registry())
+    await engine.start()
+    (_, long_done), (_, short_done) = await asyncio.gather(run(engine, long_prompt, 8), run(engine, short_prompt, 60))
+    assert long_done.finish_reason == "length" and short_done.finish_reason == "length"
+    assert watched.watch.over_budget == 0, f"peak {watched.watch.peak_bytes} of {budget}"
+    await engine.shutdown(1)

@@ -129,3 +129,124 @@ def test_a_report_above_the_budget_is_counted():
     assert metrics.budget_exceeded.get() == 0
     metrics.holding(101, 100)
     assert metrics.budget_exceeded.get() == 1
+
+
+def _request_named(engine, request_id):
+    return next((r for r in engine.requests() if r.req.request_id == request_id), None)
+
+
+async def test_a_clone_now_order_stays_held_after_its_request_leaves():
+    """A request cancelled while the runner clones for it (in its Start): the clone exists until the
+    runner's answer comes back and its session is released, so the request and its bytes stay until
+    then and nobody is admitted into them (the soak saw the backend hold a growth step over the budget
+    this way)."""
+    backend = Watched()
+    backend.delay["decode"] = 0.01
+    shared = SHARED + [10] * T
+    # the donor grows to 205 + 40 tokens, the recipient to 209; a newcomer of 24 fits only once the
+    # recipient's clone of 200 is gone
+    engine = await start_engine(backend, active_prefix_reuse_min_tokens=8, follow=False, prefix_cache_entries=0,
+                                prefill_chunk=32, inference_slots=3, kv_budget_bytes=(245 + 209 + 10) * KIB)
+    donor = engine.submit(request(shared, 40, rid="donor"))
+    await until(lambda: (d := _request_named(engine, "donor")) is not None and d.committed > len(shared))
+    gate = backend.gates["clone"] = Gate()
+    recipient = engine.submit(request(SHARED + [20] * T, 4, rid="recipient"))
+    started = _request_named(engine, "recipient")
+    assert started.phase is Phase.STARTING and started.clone_upto  # its Start carries the donor clone
+    await reached(gate)  # the runner is making the clone
+    recipient.cancel()
+    assert engine.admission.held() >= 245 * KIB + 200 * KIB  # the clone is still the runner's to hand back
+    newcomer = engine.submit(request(prompt_of(20, start=9), 4, rid="newcomer"))
+    assert _request_named(engine, "newcomer").phase is Phase.QUEUED
+    gate.open()
+    _, done = await collect(recipient)
+    assert done.finish_reason == "cancelled"
+    tokens, done = await collect(newcomer)
+    assert done.finish_reason == "length" and tokens == backend.greedy(prompt_of(20, start=9), 4)
+    await collect(donor)
+    assert backend.peak <= engine.config.kv_budget_bytes
+    await settled(engine, backend)
+    assert engine.admission.reserved == 0 and engine.admission.held() == backend.total_bytes()
+    await engine.shutdown(1)
+
+
+async def test_a_served_follow_order_stays_held_after_its_follower_leaves():
+    """A parked follower cancelled while the runner serves its order: as above, its clone's bytes stay
+    held until the runner's answer comes back."""
+    backend = Watched()
+    prefill = backend.gates["prefill"] = Gate()
+    leader_prompt = SHARED + [10] * T
+    # the leader grows to 209 tokens; the follower's clone is 200; a newcomer of 24 fits only without it
+    engine = await start_engine(backend, **FOLLOW, inference_slots=3, kv_budget_bytes=(209 + 200 + 10) * KIB)
+    leader = engine.submit(request(leader_prompt, 4, rid="leader"))
+    await reached(prefill)  # the leader's first chunk: it has committed nothing yet
+    follower = engine.submit(request(SHARED + [20] * T, 4, rid="follower"))
+    f = _request_named(engine, "follower")
+    assert f.phase is Phase.FOLLOWING and f.registered
+    clone = backend.gates["clone"] = Gate()
+    prefill.open()
+    await reached(clone)  # the leader reached the target: the runner is making the follower's clone
+    follower.cancel()
+    _, done = await collect(follower)
+    assert done.finish_reason == "cancelled"
+    assert engine.admission.held() >= 209 * KIB + 200 * KIB
+    newcomer = engine.submit(request(prompt_of(20, start=9), 4, rid="newcomer"))
+    assert _request_named(engine, "newcomer").phase is Phase.QUEUED
+    clone.open()
+    tokens, done = await collect(newcomer)
+    assert done.finish_reason == "length" and tokens == backend.greedy(prompt_of(20, start=9), 4)
+    await collect(leader)
+    assert backend.peak <= engine.config.kv_budget_bytes
+    await settled(engine, backend)
+    assert engine.admission.reserved == 0 and engine.admission.held() == backend.total_bytes()
+    await engine.shutdown(1)
+
+
+async def test_a_follower_cancelled_before_its_order_is_served_gives_its_bytes_back():
+    """The runner answers an order it dropped, so the bytes held for it come back."""
+    backend = Watched()
+    prefill = backend.gates["prefill"] = Gate()
+    engine = await start_engine(backend, **FOLLOW, inference_slots=3)
+    leader = engine.submit(request(SHARED + [10] * T, 4, rid="leader"))
+    await reached(prefill)
+    follower = engine.submit(request(SHARED + [20] * T, 4, rid="follower"))
+    assert _request_named(engine, "follower").registered
+    follower.cancel()  # its order is at the runner, waiting for the leader
+    await collect(follower)
+    prefill.open()
+    await collect(leader)
+    await settled(engine, backend)
+    assert engine.admission.reserved == 0 and not engine.admission.abandoned
+    await engine.shutdown(1)
+
+
+async def test_a_queued_request_holds_its_named_sessions_state():
+    """From the moment a request acquires its named session, the table no longer counts the session as
+    idle: the request holds those bytes, queued or not (else the budget lost them while it waited)."""
+    backend = ScriptedBackend()
+    engine = await start_engine(backend, kv_budget_bytes=100 * KIB, prefix_cache_entries=0, inference_slots=1)
+    a = prompt_of(30, start=1)
+    first, _ = await run(engine, a, 10, session_id="a")  # idle: 39 tokens committed
+    turn = a + first[:9] + [7]
+    gate = backend.gates["decode"] = Gate()
+    blocker = engine.submit(request(prompt_of(10, start=5), 20, rid="blocker"))
+    await reached(gate)
+    again = engine.submit(request(turn, 4, rid="again", session_id="a"))  # queued behind the blocker
+    assert _request_named(engine, "again").phase is Phase.QUEUED
+    assert engine.admission.held() >= backend.total_bytes()  # the 39 tokens still live are counted
+    gate.open()
+    tokens, done = await collect(again)
+    assert done.finish_reason == "length" and done.usage.reused_tokens == 39
+    assert tokens == backend.greedy(turn, 4)
+    await collect(blocker)
+    await settled(engine, backend)
+    assert engine.admission.reserved == 0 and engine.admission.held() == backend.total_bytes()
+    await engine.shutdown(1)
+
+
+def test_byte_gauges_render_exactly():
+    """The soak compares the backend's bytes with the budget's to the byte, read from /metrics."""
+    from server.metrics import Gauge
+
+    assert Gauge("kvfork_kv_bytes", "bytes", lambda: 3_014_656).render()[-1] == "kvfork_kv_bytes 3014656"
+    assert Gauge("x", "ratio", lambda: 0.25).render()[-1] == "x 0.25"

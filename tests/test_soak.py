@@ -45,3 +45,23 @@ def test_the_fault_wrapper_forwards_every_backend_method():
     not fall back to a base-class default."""
     public = {name for name in vars(Backend) if not name.startswith("_") and callable(getattr(Backend, name))}
     assert public <= set(vars(FaultyBackend)), sorted(public - set(vars(FaultyBackend)))
+
+
+def test_a_charged_samplers_later_failures_name_their_fault():
+    """A fuzzed body carries no seed: its 503 is excused only by the hard fault its error names, so the
+    later failures of a sampler a row fault charged name that fault too."""
+    from backends.base import SamplerState, SamplingParams
+    from tools.faulty_backend import InjectedFault
+    from tools.soak import names_hard_fault
+
+    faulty = FaultyBackend(inner=None, seed=0, rate=1.0, budget_bytes=0)  # every sample fails; inner never runs
+    faulty.enabled = True
+    state = SamplerState(SamplingParams(), prompt=[5, 6, 7])
+    for _ in range(64):  # until a row fault charges this sampler
+        with pytest.raises(InjectedFault):
+            faulty.sample(None, [state])
+        if any(f.mode == "row" for f in faulty.watch.faults):
+            break
+    with pytest.raises(InjectedFault) as again:
+        faulty.sample(None, [state])
+    assert "(again)" in str(again.value) and names_hard_fault(str(again.value), faulty.watch.faults)

@@ -79,7 +79,8 @@ class FaultyBackend(Backend):
         self.watch = Watch()
         self._history: dict[int, list[int]] = {}  # session id -> committed tokens
         self._corrupt: set[int] = set()
-        self._charged: dict[int, weakref.ref] = {}  # id -> the sampler (SamplerState compares by value)
+        # id -> (the sampler, the fault that charged it); by id: SamplerState compares by value
+        self._charged: dict[int, tuple[weakref.ref, int]] = {}
         self._just_prefilled: dict[int, int] = {}  # session id -> position, after its last prefill call
         self._watches: dict[int, tuple[list[int], asyncio.Future, asyncio.AbstractEventLoop]] = {}
 
@@ -182,9 +183,10 @@ class FaultyBackend(Backend):
         return logits
 
     def sample(self, logits: Any, states: Sequence[SamplerState]) -> list[Sampled]:
-        charged = [st for st in states if (ref := self._charged.get(id(st))) is not None and ref() is st]
+        charged = [(st, c[1]) for st in states if (c := self._charged.get(id(st))) is not None and c[0]() is st]
         if charged:  # a request whose sampling was made to fail keeps failing, as bad input would
-            raise InjectedFault(f"injected sample fault on seed {charged[0].params.seed} (again)")
+            st, fault_id = charged[0]  # named, so a request without a seed of its own is excused by it
+            raise InjectedFault(f"injected sample fault #{fault_id} on seed {st.params.seed} (again)")
         if self._draw("sample"):
             real = [st for st in states if st.prompt]  # rows the runner discards have no prompt
             if self.rng.random() < 0.5 or not real:
@@ -193,7 +195,7 @@ class FaultyBackend(Backend):
             else:
                 st = self.rng.choice(real)
                 fault = self._record("sample", "row", [list(st.prompt) + st.output], [st.params.seed])
-                self._charged[id(st)] = weakref.ref(st)
+                self._charged[id(st)] = (weakref.ref(st), fault.id)
             raise InjectedFault(f"injected sample fault #{fault.id} ({fault.mode})")
         return self.inner.sample(logits, states)
 

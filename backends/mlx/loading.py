@@ -80,11 +80,12 @@ def kv_cost(layers: tuple[LayerAttention, ...], slot: int, state: int) -> KVCost
     step more per chunk), a ring grows towards its window in steps (and holds a chunk past it while
     prefilling), and the decode batch pads rows on the left to a common length. A clone holds
     round_up(upto) + STEP slots (kvcopy.with_room). So a session's count may stray by
-    `tolerance` of its figure, plus one step of slots."""
+    `tolerance` of its figure, plus one step of slots; the budget holds the padding of the rows
+    (`padded_rows`: every request in a slot is held at least `row_bytes` of the longest)."""
     full = sum(1 for layer in layers if layer.kind == "full")
     rings = sum(layer.window or 0 for layer in layers if layer.kind == "sliding")
     return KVCost(full_bytes_per_token=slot * full, ring_bytes=slot * rings, step=STEP, slack=STEP, state_bytes=state,
-                  tolerance=0.25)
+                  tolerance=0.25, padded_rows=True)
 
 
 def _probe(model: nn.Module) -> tuple[int, int]:

@@ -9,14 +9,20 @@ Design rules:
   reserves the session its request grows to (prompt plus max_tokens, as the
   backend rounds it), a capture slot its snapshot, a parked follower the clone
   it will be handed; named sessions and cache entries count what they hold;
+- a named session's state is held by the table while idle, and by its request
+  from the moment the request acquires it (even queued, before it runs);
+- a clone ordered from the runner stays held until the runner answers the
+  order, even when its request stopped waiting for it (it left, or its follow
+  timed out): the runner may already have made it;
 - bytes are priced by the backend's own cost function (`ModelInfo.kv`, a pure
-  function); cache entries count what the backend measured for them.
+  function); cache entries count what the backend measured for them; where the
+  backend pads the sessions it runs together (MLX), the padding is held too.
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from backends.base import ModelInfo
 from server.engine import messages as m
@@ -39,8 +45,12 @@ class Admission:
                                  windows, self.recurrent)
         self.named = NamedSessions(config.max_named_sessions)
         self.slots_used = 0
-        self.reserved = 0  # bytes: what requests hold (slots, landed clones), and capture slots
+        self.in_slots: dict[int, Request] = {}  # rid -> request holding an inference slot
+        self.reserved = 0  # bytes: what requests hold (slots, landed clones), capture slots, abandoned clones
         self.captures_in_use = 0
+        # rid -> bytes of each clone it ordered and stopped waiting for, oldest first: the runner may have
+        # made it (or may still), so its bytes stay held until the runner's CloneDone answers the order
+        self.abandoned: dict[int, collections.deque[int]] = {}
 
     def check(self, req: GenerateRequest, waiting: int) -> tuple[int, int, int]:
         """Turn away what can never run or cannot wait; else (max_tokens as clamped, bytes choice 0
@@ -68,8 +78,10 @@ class Admission:
         need = self.request_bytes(n, max_tokens, checkpoints=len(self.checkpoints(req)))
         choice_need = self.choice_bytes(n, max_tokens)
         total = need + (req.n - 1) * choice_need
-        if fit_admission(total, 0, 0, self.budget).never:
-            raise CapacityExhausted(f"the request needs {total} bytes of KV state; the budget is {self.budget}")
+        rows = req.n * self.info.kv.row_bytes(n + max_tokens)  # each choice a padded row, where rows are padded
+        if fit_admission(max(total, rows), 0, 0, self.budget).never:
+            raise CapacityExhausted(f"the request needs {max(total, rows)} bytes of KV state; the budget is "
+                                    f"{self.budget}")
         waits = bool(self.queue) or self.slots_used + req.n > self.config.inference_slots
         if waits and waiting >= self.config.max_queue:
             raise CapacityExhausted(f"{waiting} requests are already waiting")
@@ -100,7 +112,18 @@ class Admission:
         return self.info.kv.bytes_for(upto, start=upto)
 
     def held(self) -> int:
-        return self.reserved + self.cache.nbytes + self.named.idle_bytes(self.info.kv)
+        return self.reserved + self.padding() + self.cache.nbytes + self.named.idle_bytes(self.info.kv)
+
+    def padding(self, joining: Sequence[Request] = ()) -> int:
+        """Where the backend pads the sessions it runs together to the longest (`KVCost.padded_rows`):
+        what the requests in slots (and `joining`, at their `need_bytes`) may hold beyond their own holds,
+        each up to the row of the longest session any of them grows to."""
+        rows = [*self.in_slots.values(), *joining]
+        if not rows or not self.info.kv.padded_rows:
+            return 0
+        row = self.info.kv.row_bytes(max(len(r.prompt) + r.max_tokens for r in rows))
+        joined = {r.rid for r in joining}
+        return sum(max(0, row - (r.need_bytes if r.rid in joined else r.reserved_bytes)) for r in rows)
 
     def can_wait(self, waiting: int) -> bool:
         """Whether one more request may wait (queued or parked) beside `waiting` others."""
@@ -114,10 +137,13 @@ class Admission:
         choices = [head, *head.waiting_siblings]
         if self.slots_used + len(choices) > self.config.inference_slots:
             return None
-        if not self._hold_together([(r, r.need_bytes) for r in choices]):
+        padding = self.padding(choices) - self.padding()
+        if not self._hold_together([(r, r.need_bytes) for r in choices], also=padding):
             return None
         self.queue.popleft()
         self.slots_used += len(choices)
+        for r in choices:
+            self.in_slots[r.rid] = r
         self._offer_capture_slot(head)
         return head
 
@@ -126,23 +152,51 @@ class Admission:
         at = next((i for i, queued in enumerate(self.queue) if queued.rid > request.rid), len(self.queue))
         self.queue.insert(at, request)
 
-    def hold(self, request: Request, nbytes: int) -> bool:
+    def hold(self, request: Request, nbytes: int, also: int = 0) -> bool:
         """Make `request` hold `nbytes` of the budget: more only if it fits (the prefix cache, then idle
-        named sessions give way), less always. False (nothing changed) when it does not fit."""
-        return self._hold_together([(request, nbytes)])
+        named sessions give way), less always. False (nothing changed) when it does not fit.
+        `also`: bytes that must fit beside it (the padding a request joining the slots adds)."""
+        return self._hold_together([(request, nbytes)], also)
 
-    def _hold_together(self, holds: list[tuple[Request, int]]) -> bool:
-        """All of `holds` (request, bytes), or none."""
+    def _hold_together(self, holds: list[tuple[Request, int]], also: int = 0) -> bool:
+        """All of `holds` (request, bytes), with `also` fitting beside them, or none."""
         extra = sum(nbytes - request.reserved_bytes for request, nbytes in holds)
-        if extra > 0 and not self._make_room(extra):
+        if extra + also > 0 and not self._make_room(extra + also):
             return False
         for request, nbytes in holds:
             self.reserved += nbytes - request.reserved_bytes
             request.reserved_bytes = nbytes
         return True
 
+    def hold_named(self, request: Request) -> None:
+        """`request` acquired its named session: the state it holds, counted by the table while idle, is
+        the request's to hold from now on (queued, it is not idle: nobody may evict it), until it
+        hands it back on leaving. A move, not a new byte: it always fits."""
+        assert request.named is not None and request.named.busy
+        if request.named.session is not None:
+            nbytes = self.info.kv.bytes_for(len(request.named.tokens))
+            self.reserved += nbytes
+            request.reserved_bytes += nbytes
+
     def let_go(self, request: Request) -> None:
         self.hold(request, 0)
+
+    def abandon_clone(self, request: Request, nbytes: int) -> None:
+        """`request` stops waiting for a clone of `nbytes` it ordered from the runner: those bytes move
+        from its hold to the order, until `clone_answered`."""
+        nbytes = min(nbytes, request.reserved_bytes)
+        request.reserved_bytes -= nbytes
+        self.abandoned.setdefault(request.rid, collections.deque()).append(nbytes)
+
+    def clone_answered(self, rid: int) -> bool:
+        """The runner answered `rid`'s oldest order: if it was abandoned, its bytes go back (True)."""
+        orders = self.abandoned.get(rid)
+        if not orders:
+            return False
+        self.reserved -= orders.popleft()
+        if not orders:
+            del self.abandoned[rid]
+        return True
 
     def _make_room(self, need: int) -> bool:
         idle = self.named.idle_bytes(self.info.kv)
@@ -178,6 +232,7 @@ class Admission:
     def free_slot(self, request: Request) -> None:
         """The request no longer holds a slot (it ended, or it was parked): its bytes go back too."""
         self.slots_used -= 1
+        self.in_slots.pop(request.rid, None)
         self.let_go(request)
 
     def store_capture(self, tokens: list[int], session: Any, nbytes: int, scope: Scope,

@@ -30,9 +30,14 @@ class CloneOrders:
             if not orders:
                 del self._by_donor[donor]
 
-    def drop_recipient(self, rid: int) -> None:
+    def drop_recipient(self, rid: int) -> bool:
+        """Drop `rid`'s waiting order; whether it had one."""
+        dropped = False
         for orders in self._by_donor.values():
-            orders[:] = [o for o in orders if o.rid != rid]
+            kept = [o for o in orders if o.rid != rid]
+            dropped = dropped or len(kept) < len(orders)
+            orders[:] = kept
+        return dropped
 
     def prefill_cap(self, donor: int, position: int, prefill_left: int) -> int | None:
         """Most tokens the donor may prefill this step: up to its nearest follower's target."""

@@ -145,6 +145,8 @@ class Engine:
                               max_tokens, stop_ids, choice_need, lead=r)
             r.siblings.append(sibling)
             self._requests[choice] = sibling
+        if named is not None:
+            adm.hold_named(r)
         self._idle.clear()
         adm.queue.append(r)
         self.admit()
@@ -280,6 +282,8 @@ class Engine:
 
     def _release_hold(self, r: Request) -> None:
         """Everything `r` holds on the loop: its slot, bytes, capture slot, named session, landed clone."""
+        if self._reuse is not None:  # first: a clone order it abandons keeps its bytes held
+            self._reuse.gone(r)
         adm = self._admission
         if adm is not None:
             if r.holds_slot:
@@ -292,8 +296,6 @@ class Engine:
                 adm.named.release(r.named, r.named.session, r.named.tokens, r.named.scope)
             if r.landed is not None:
                 adm.release_sessions([r.landed[0]])
-        if self._reuse is not None:
-            self._reuse.gone(r)
         if r.expiry is not None:
             r.expiry.cancel()
         r.phase = Phase.DONE
@@ -427,7 +429,8 @@ class Engine:
 
     def _on_clone_done(self, ev: m.CloneDone) -> None:
         r = self._requests.get(ev.rid)
-        if r is None or not (r.phase is Phase.FOLLOWING or r.clone_upto):  # it left, or stopped following
+        # the answer to an order its request stopped waiting for (it left, or its follow timed out)
+        if self.adm.clone_answered(ev.rid) or r is None or not (r.phase is Phase.FOLLOWING or r.clone_upto):
             self.adm.release_sessions([ev.session])
         else:
             self.reuser.clone_done(r, ev)

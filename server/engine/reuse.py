@@ -224,7 +224,8 @@ class Reuse:
         engine.adm.requeue(r)
 
     def gone(self, r: Request) -> None:
-        """`r` is done on the loop: a parked `r` drops its order; requests parked behind it plan again."""
+        """`r` is done on the loop: a parked `r` abandons its order; requests parked behind it plan again.
+        (A clone-now request ends only once the runner answered its Start: its clone is its own session.)"""
         if self.followers.pop(r.rid, None) is not None:
             self._stop_following(r)
         orphans = [f for f in self.followers.values() if f.leader == r.rid and not f.registered]
@@ -252,7 +253,9 @@ class Reuse:
     def _stop_following(self, f: Request) -> None:
         if f.follow_timer is not None:
             f.follow_timer.cancel()
-        if f.registered and f.phase is Phase.FOLLOWING:
+        if f.registered and f.phase is Phase.FOLLOWING and f.following is not None:
+            # the runner may have made the clone already: its bytes stay held until the order is answered
+            self.engine.adm.abandon_clone(f, self.engine.adm.clone_bytes(f.following.target))
             self.engine.send(m.Cancel(f.rid))  # drops its clone order
         f.following, f.registered = None, False
 

@@ -21,6 +21,9 @@ Design rules:
   checkpoints (base.py's recurrent rule): a clone asked of it where it holds
   none (it moved on since the loop looked, or it leaves below a follower's
   target) is served from the highest state it holds below, if any;
+- every CloneDonor is answered by exactly one CloneDone (a session, a refusal,
+  or "cancelled" for an order dropped while it waited): the control loop holds
+  the clone's bytes until then;
 - faults stay where they start, and nothing committed is computed twice
   (base.BatchFailed is the backends' half of this contract):
   - a forward pass that fails says per session what it did: UNTOUCHED sessions
@@ -167,7 +170,8 @@ class Runner:
             if isinstance(command, m.Start):
                 self._start(command)
             elif isinstance(command, (m.Cancel, m.Finish)):
-                self._orders.drop_recipient(command.rid)
+                if self._orders.drop_recipient(command.rid):  # every order is answered, a dropped one too
+                    self.events.append(m.CloneDone(command.rid, None, reason="cancelled"))
                 reason = "cancelled" if isinstance(command, m.Cancel) else "stop"
                 slot = self._slots.get(command.rid)
                 if slot is not None:
