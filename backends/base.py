@@ -328,6 +328,12 @@ class Backend(abc.ABC):
         nothing (it clones anywhere)."""
         raise NotImplementedError(f"{type(self).__name__} keeps no recurrent checkpoints")
 
+    def move_checkpoints(self, source: Session, target: Session) -> None:
+        """Move `source`'s checkpoints below `target`'s position to `target`, a clone of `source`'s
+        prefix (a prompt's snapshot): they are states of `target`'s own prefix, so a clone of `target`
+        is served there too. Their bytes move with them."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no recurrent checkpoints")
+
     @abc.abstractmethod
     def session_bytes(self, session: Session) -> int:
         """Bytes allocated for this session's state."""

@@ -49,6 +49,7 @@ async def test_a_recipient_prefills_its_tail_in_the_very_next_step():
     # The clone and the start are one runner command: no step goes by while the
     # control loop answers a clone with a start.
     backend = ScriptedBackend()
+    backend.delay["decode"] = DONOR_STEP_S
     engine = await start_engine(backend, **CLONE_NOW)
     donor = engine.submit(request(DONOR, 10_000))
     await first_token(donor)
@@ -121,6 +122,7 @@ async def test_a_donor_that_finished_before_the_clone_ran_serves_through_its_cap
 
 async def test_a_donor_cancelled_while_the_clone_is_queued():
     backend = ScriptedBackend()
+    backend.delay["decode"] = DONOR_STEP_S
     engine = await start_engine(backend, **CLONE_NOW)
     donor = engine.submit(request(DONOR, 10_000))
     await first_token(donor)

@@ -1,20 +1,21 @@
 """The engine on a hybrid model (Qwen3.5: Gated DeltaNet beside full attention), every reuse path
 on, against reuse off (float32): the same greedy tokens, and no error where a reuse is refused.
 
-Today the prefix cache's snapshot sits at the prompt's end while an identical prompt's match stops
-one token short of it, a position the recurrent state no longer holds (base.py's recurrent rule): the
-clone is refused and the engine prefills in full. A prompt extending the snapshot's, a leader's chunk
-that stops at its followers' target, and a named session resumed at its own end are all at the
-state's position, so those are served exactly."""
+A recurrent state serves a clone only at its position or at a checkpoint (base.py's recurrent rule),
+so the engine plans for it: the prefix cache snapshots a prompt one token before its end (where an
+identical prompt's match stops), a running request keeps checkpoints at its last message boundaries,
+a leader's chunk stops at its followers' target, and a named session resumes at its own end."""
 
 import asyncio
+import importlib
 
 import numpy as np
 import pytest
 
 from backend_fixtures import backend_name  # noqa: F401  (fixture: each importable backend)
-from backends import create_backend
-from engine_harness import run, settled
+from backends import BACKENDS, create_backend
+from engine_harness import collect, reached, request, run, settled
+from scripted_backend import Gate
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
 from server.metrics import Registry
@@ -27,11 +28,45 @@ def prompt(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(3, 500, n).tolist()
 
 
+def gated(name: str):
+    """The backend, able to hold the runner inside a chosen prefill or decode while a test arranges the loop."""
+    module, cls = BACKENDS[name].split(":")
+    base = getattr(importlib.import_module(module), cls)
+
+    class Gated(base):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gates: dict[str, Gate] = {}
+
+        def _hold(self, kind: str, sessions, inputs) -> None:
+            gate = self.gates.get(kind)
+            if gate is not None and gate.when(sessions, inputs):
+                del self.gates[kind]
+                gate.wait_here()
+
+        def prefill(self, sessions, chunks):
+            self._hold("prefill", sessions, chunks)
+            return super().prefill(sessions, chunks)
+
+        def decode(self, sessions, tokens):
+            self._hold("decode", sessions, tokens)
+            return super().decode(sessions, tokens)
+
+    return Gated()
+
+
 async def engine_on(name: str, folder: str, **config) -> Engine:
     settings = dict(kv_budget_bytes=1 << 30, prefill_chunk=16, prefix_cache_min_tokens=8, **config)
-    engine = Engine(create_backend(name), folder, "float32", EngineConfig(**settings), Registry())
+    engine = Engine(gated(name), folder, "float32", EngineConfig(**settings), Registry())
     await engine.start()
     return engine
+
+
+async def references(name: str, folder: str, prompts, max_tokens: int) -> list[list[int]]:
+    off = await engine_on(name, folder, **OFF)
+    out = [(await run(off, p, max_tokens, ignore_eos=True))[0] for p in prompts]
+    await off.shutdown(1)
+    return out
 
 
 @pytest.fixture
@@ -39,7 +74,7 @@ def folder(backend_name, tiny_hybrid_dir) -> str:
     return tiny_hybrid_dir("qwen3_5")
 
 
-async def test_prefix_cache_on_a_hybrid_falls_back_exactly(backend_name, folder):
+async def test_prefix_cache_on_a_hybrid_serves_the_snapshot_one_token_short(backend_name, folder):
     first = prompt(40, seed=1)
     # The same prompt again, an extension, and one that leaves the cached prompt at 30.
     prompts = [first, first, first + prompt(9, seed=2), first[:30] + prompt(9, seed=3)]
@@ -52,10 +87,10 @@ async def test_prefix_cache_on_a_hybrid_falls_back_exactly(backend_name, folder)
         tokens, done = await run(engine, p, 10)
         assert tokens == expected and done.finish_reason in ("length", "stop")
         served.append((done.usage.reuse_source, done.usage.reused_tokens))
-    # The identical prompt's match (39) and the divergent one's (30) are refused; the extension's
-    # (40) is the snapshot's position.
-    assert served == [(None, 0), (None, 0), ("cache", 40), (None, 0)]
-    assert engine.metrics.clone_refusals.get(source="cache", reason="recurrent_position") >= 1
+    # The snapshot holds [0, 39): the identical prompt and the extension are served there; the
+    # prompt leaving it at 30 finds no state held at 30 or below, so nothing is offered or refused.
+    assert served == [(None, 0), ("cache", 39), ("cache", 39), (None, 0)]
+    assert engine.metrics.clone_refusals.get(source="cache", reason="recurrent_position") == 0
     await settled(engine, engine.backend)
     await engine.shutdown(1)
     assert engine.backend.live_sessions() == 0
@@ -89,3 +124,74 @@ async def test_a_named_session_on_a_hybrid_resumes_exactly(backend_name, folder)
     cold, _ = await run(off, follow_up, 10)
     assert warm == cold
     await off.shutdown(1)
+
+
+async def test_a_prompt_sharing_a_running_conversation_to_a_message_end_clones_its_checkpoint(backend_name, folder):
+    """The donor keeps its recurrent state where its messages end (GenerateRequest.boundaries); a recipient
+    that shares its conversation up to the second one and goes its own way is cloned there, while the
+    donor decodes on; the checkpoints are in the donor's reserved bytes."""
+    conversation = prompt(64, seed=20)
+    recipient = conversation[:48] + prompt(10, seed=21)
+    want = await references(backend_name, folder, [conversation, recipient], 12)
+    # No prefix cache: its snapshot would take the checkpoints over (the next test).
+    engine = await engine_on(backend_name, folder, **{**ON, "prefix_cache_entries": 0})
+    backend = engine.backend
+    gate = backend.gates["decode"] = Gate()
+    asked = request(conversation, 12, rid="donor", boundaries=(24, 48), ignore_eos=True)
+    assert engine.admission.checkpoints(asked) == (24, 48)
+    priced = engine.admission.request_bytes(64, 12, checkpoints=2)
+    assert priced == engine.admission.request_bytes(64, 12) + 2 * engine.info.kv.state_bytes > 0
+    donor = engine.submit(asked)
+    await reached(gate)  # its prompt is in, checkpoints at 24 and 48 kept; held in its first decode
+    taker = engine.submit(request(recipient, 12, rid="taker", ignore_eos=True))
+    gate.open()
+    (donor_tokens, _), (tokens, done) = await asyncio.gather(collect(donor), collect(taker))
+    assert [donor_tokens, tokens] == want
+    assert (done.usage.reuse_source, done.usage.reused_tokens) == ("donor", 48)
+    await settled(engine, backend)
+    await engine.shutdown(1)
+    assert backend.live_sessions() == 0
+
+
+async def test_followers_of_a_cancelled_leader_are_served_from_what_it_holds(backend_name, folder):
+    """A leader held mid-prefill at 16 is followed by two requests: one to 20, which the leader's running
+    chunk passes (its checkpoint at 18, a message end, serves it), one to 48, the heir when the leader is
+    cancelled at 32 (its position). Both give the tokens of reuse off; nothing leaks."""
+    leader_prompt = prompt(64, seed=30)
+    short = leader_prompt[:20] + prompt(8, seed=31)
+    long = leader_prompt[:48] + prompt(8, seed=32)
+    want = await references(backend_name, folder, [short, long], 8)
+    engine = await engine_on(backend_name, folder, **{**ON, "prefix_cache_entries": 0})
+    backend = engine.backend
+    gate = backend.gates["prefill"] = Gate(lambda sessions, chunks: sessions[0].position == 16)
+    leader = engine.submit(request(leader_prompt, 8, rid="leader", boundaries=(18,), ignore_eos=True))
+    await reached(gate)
+    handles = [engine.submit(request(p, 8, rid=f"f{i}", ignore_eos=True)) for i, p in enumerate((short, long))]
+    assert {f.following.target for f in engine.reuse.followers.values()} == {20, 48}
+    leader.cancel()
+    gate.open()
+    results = await asyncio.gather(*(collect(h) for h in handles))
+    assert (await collect(leader))[1].finish_reason == "cancelled"
+    assert [tokens for tokens, _ in results] == want
+    assert [(d.usage.reuse_source, d.usage.reused_tokens) for _, d in results] == [("donor", 18), ("donor", 32)]
+    await settled(engine, backend)
+    await engine.shutdown(1)
+    assert backend.live_sessions() == 0
+
+
+async def test_a_prompt_sharing_a_finished_conversation_to_a_message_end_is_served_from_the_cache(backend_name, folder):
+    """A finished request's snapshot keeps its message-boundary checkpoints: a later prompt that shares the
+    conversation up to one (and not beyond) is served there from the cache; nothing is left held."""
+    conversation = prompt(64, seed=40)
+    later = conversation[:48] + prompt(12, seed=41)
+    want = await references(backend_name, folder, [conversation, later], 8)
+    engine = await engine_on(backend_name, folder, **ON)
+    first, _ = await run(engine, conversation, 8, boundaries=(24, 48), ignore_eos=True)
+    tokens, done = await run(engine, later, 8, ignore_eos=True)
+    assert [first, tokens] == want
+    assert (done.usage.reuse_source, done.usage.reused_tokens) == ("cache", 48)
+    await settled(engine, engine.backend)
+    held = engine.backend.total_bytes()
+    assert held == engine.admission.cache.nbytes  # the snapshots' bytes, checkpoints included, are the cache's
+    await engine.shutdown(1)
+    assert engine.backend.live_sessions() == 0

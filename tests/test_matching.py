@@ -230,3 +230,17 @@ def test_log_fields_explain_the_choice(cached):
     choice = choose_reuse(anonymous(prompt), [Source.donor("d", prompt, 20, 0)], cached, 4)
     assert choice.log_fields() == {"reuse": "donor", "reuse_upto": 20, "donor": "d", "donor_match": 20,
                                    "cached_match": cached, "reuse_min_tokens": 4, "reuse_reason": "donor"}
+
+
+def test_a_recurrent_source_serves_only_the_positions_it_holds():
+    """A state with recurrent layers is matched at the highest held position at or below the usable match
+    (its own position, or a checkpoint: backends.base.clone_positions), never anywhere between."""
+    prompt = list(range(100))
+    donor = Source.donor("d", prompt[:80], committed=60, admitted=1, positions=(20, 45, 60))
+    assert usable_match(prompt, donor) == 60
+    assert usable_match(prompt[:50] + [-1] * 10, donor) == 45  # leaves it at 50: the checkpoint at 45
+    assert usable_match(prompt[:19] + [-1] * 10, donor) == 0  # below every state it holds
+    assert usable_match(prompt[:61], donor) == 60  # len - 1 == 60: its position
+    entry = Source.entry("e", tuple(prompt[:39]), 0, positions=(39,))
+    assert usable_match(prompt[:40], entry) == 39  # the same prompt again: the len - 1 snapshot
+    assert usable_match(prompt[:38] + [-1], entry) == 0

@@ -79,3 +79,21 @@ async def test_long_prompts_are_tokenized_off_the_loop(tiny_model_dir):
     long = await tokenizer.text("the city " * 1000)
     assert short and len(long) > 1000
     assert threads[0] == threading.main_thread().name and threads[1].startswith("kvfork-tokenize")
+
+
+async def test_message_ends_are_where_each_earlier_message_ends_in_the_prompt(bos_tokenizer):
+    """GenerateRequest.boundaries: the conversation cut after each earlier message encodes to a prefix of
+    the prompt (the system block included); only the last `last` are asked for; a cut that is no prefix
+    of the prompt marks none."""
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"},
+                {"role": "assistant", "content": "hi"}, {"role": "user", "content": "what is two and two"}]
+    prompt = await bos_tokenizer.chat(messages, tools)
+    ends = await bos_tokenizer.message_ends(messages, tools, None, prompt, 8)
+    assert len(ends) == 3 and all(0 < end < len(prompt) for end in ends)
+    for cut, end in zip((1, 2, 3), ends):
+        text = bos_tokenizer.render(messages[:cut], tools, {}).removesuffix("assistant:")
+        assert prompt[:end] == bos_tokenizer.encode_rendered_text(text)
+    assert await bos_tokenizer.message_ends(messages, tools, None, prompt, 2) == ends[1:]
+    other = await bos_tokenizer.chat([{"role": "system", "content": "be long"}, *messages[1:]], tools)
+    assert await bos_tokenizer.message_ends(messages, tools, None, other, 8) == ()  # not this prompt's prefix

@@ -221,6 +221,10 @@ class FaultyBackend(Backend):
         self.inner.keep_at(session, positions)
         self._measure()
 
+    def move_checkpoints(self, source: Session, target: Session) -> None:
+        self._read([source, target], "move_checkpoints")
+        self.inner.move_checkpoints(source, target)
+
     def session_bytes(self, session: Session) -> int:
         return self.inner.session_bytes(session)
 

@@ -165,6 +165,14 @@ class MLXBackend(Backend):
             mx.eval(self._arrays(taken))
         self._keep(session, taken)
 
+    def move_checkpoints(self, source: MLXSession, target: MLXSession) -> None:
+        if source.id not in self._sessions or target.id not in self._sessions:
+            raise ValueError("a session was released")
+        moved = {p: states for p, states in source.checkpoints.items() if p < target.position}
+        source.checkpoints = {p: s for p, s in source.checkpoints.items() if p not in moved}
+        self._keep(source, {})
+        self._keep(target, moved)
+
     def session_bytes(self, session: MLXSession) -> int:
         kept = sum(c.nbytes for states in session.checkpoints.values() for c in states)
         if self._batch.has(session):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 from safetensors import safe_open
@@ -21,6 +21,7 @@ from backends.model_info import ModelFacts, read_model_facts
 from backends.model_path import resolve_model
 from backends.torch import checkpoints, hybrid, kv, sampling
 from backends.torch.config import ArchConfig, HybridConfig, read_config
+from backends.torch.gated_delta import RecurrentState
 from backends.torch.hybrid import HybridTransformer
 from backends.torch.model import Row, Transformer
 
@@ -32,6 +33,8 @@ class TorchSession(Session):
         super().__init__()
         self.layers = layers
         self.ready: torch.cuda.Event | None = None  # a clone's copy this session's next use must wait for
+        self.wanted: frozenset[int] = frozenset()  # positions to keep the recurrent state at (keep_at)
+        self.checkpoints: dict[int, list[RecurrentState]] = {}  # position -> its recurrent layers' states
 
 
 def default_device() -> torch.device:
@@ -128,7 +131,7 @@ class TorchBackend(Backend):
 
     def release(self, session: Session) -> None:
         if self._sessions.pop(session.id, None) is not None:
-            session.layers = []
+            session.layers, session.checkpoints, session.kept = [], {}, ()
 
     def _wait_for_clones(self, sessions: Sequence[TorchSession]) -> None:
         for s in sessions:
@@ -157,20 +160,67 @@ class TorchBackend(Backend):
         writes = [hybrid.in_place_writes(s.layers) for s in sessions]
         try:
             self._wait_for_clones(sessions)
-            rows = [Row(s.layers, s.position, len(chunk)) for s, chunk in zip(sessions, chunks)]
-            for row in rows:
-                kv.reserve(row.kv, row.start + row.length)  # every allocation before the first write
-            ids = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long, device=self.device)
-            positions = torch.tensor([row.start + i for row in rows for i in range(row.length)], device=self.device)
-            logits = self.model(ids, positions, rows)
+            starts = [s.position for s in sessions]
+            pieces = [self._pieces(s, len(chunk)) for s, chunk in zip(sessions, chunks)]
+            for s, chunk in zip(sessions, chunks):
+                kv.reserve(s.layers, s.position + len(chunk))  # every allocation before the first write
+            out: list[torch.Tensor | None] = [None] * len(sessions)
+            taken: dict[int, dict[int, list[RecurrentState]]] = {}
+            # One pass for all rows; a row cut at checkpoints inside its chunk runs its later pieces in
+            # further passes, each taking the recurrent states where a piece ends on a wanted position.
+            for piece in range(max(len(p) for p in pieces)):
+                now = [i for i, p in enumerate(pieces) if piece < len(p)]
+                rows = [Row(sessions[i].layers, starts[i] + pieces[i][piece][0],
+                            pieces[i][piece][1] - pieces[i][piece][0]) for i in now]
+                ids = torch.tensor([t for i in now for t in chunks[i][pieces[i][piece][0]:pieces[i][piece][1]]],
+                                   dtype=torch.long, device=self.device)
+                positions = torch.tensor([row.start + j for row in rows for j in range(row.length)],
+                                         device=self.device)
+                logits = self.model(ids, positions, rows)
+                for row, i in enumerate(now):
+                    end = starts[i] + pieces[i][piece][1]
+                    if piece == len(pieces[i]) - 1:
+                        out[i] = logits[row]
+                    if end in sessions[i].wanted:
+                        taken.setdefault(i, {})[end] = self._states(sessions[i])
         except Exception as exc:
             raise BatchFailed(exc, [self._after_failure(s, w) for s, w in zip(sessions, writes)]) from exc
-        for s, chunk in zip(sessions, chunks):
+        for i, (s, chunk) in enumerate(zip(sessions, chunks)):
             s.position += len(chunk)
-        return logits
+            self._keep(s, taken.get(i, {}))
+        return torch.stack(out)  # type: ignore[arg-type]
 
     def decode(self, sessions: Sequence[TorchSession], tokens: Sequence[int]) -> torch.Tensor:
         return self.prefill(sessions, [[t] for t in tokens])
+
+    @staticmethod
+    def _pieces(session: TorchSession, length: int) -> list[tuple[int, int]]:
+        """A chunk of `length` cut where the session wants a checkpoint inside it: (from, to) offsets
+        (the engine's chunk ends are a hint; a checkpoint is exact wherever it falls)."""
+        start = session.position
+        cuts = sorted(p - start for p in session.wanted if start < p < start + length)
+        return list(zip([0, *cuts], [*cuts, length]))
+
+    @staticmethod
+    def _states(session: TorchSession) -> list[RecurrentState]:
+        """Copies of a session's recurrent layers' states."""
+        return [layer.copy_prefix(0) for layer in session.layers if isinstance(layer, RecurrentState)]
+
+    @staticmethod
+    def _keep(session: TorchSession, taken: dict[int, list[RecurrentState]]) -> None:
+        session.checkpoints.update(taken)
+        session.kept = tuple(sorted(session.checkpoints))
+
+    @torch.inference_mode()
+    def keep_at(self, session: TorchSession, positions: Collection[int]) -> None:
+        if session.id not in self._sessions:
+            raise ValueError(f"{session!r} was released")
+        if not isinstance(self.cfg, HybridConfig):
+            return  # nothing to keep: every position clones from the live state
+        session.wanted = frozenset(p for p in positions if p > 0)
+        session.checkpoints = {p: states for p, states in session.checkpoints.items() if p in session.wanted}
+        self._wait_for_clones([session])
+        self._keep(session, {session.position: self._states(session)} if session.position in session.wanted else {})
 
     @staticmethod
     def _after_failure(session: TorchSession, writes: int) -> RowState:
@@ -186,13 +236,13 @@ class TorchBackend(Backend):
     def clone(self, session: TorchSession, upto: int) -> TorchSession:
         if session.id not in self._sessions:
             raise ValueError(f"{session!r} was released")
-        refusal = clone_refusal(session.position, upto, self.info, kv.held_from(session.layers))
+        refusal = clone_refusal(session.position, upto, self.info, kv.held_from(session.layers), session.kept)
         if refusal is not None:
             raise refusal
         if self.device.type == "cuda":
             clone = self._clone_aside(session, upto)
         else:
-            clone = TorchSession(kv.copy_layers(session.layers, upto))
+            clone = TorchSession(self._copy_layers(session, upto))
         clone.position = upto
         self._sessions[clone.id] = clone
         return clone
@@ -210,10 +260,10 @@ class TorchBackend(Backend):
         side = self._copy_stream
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            clone = TorchSession(kv.copy_layers(donor.layers, upto))
+            clone = TorchSession(self._copy_layers(donor, upto))
             done = torch.cuda.Event()
             done.record(side)
-        for layer in donor.layers:
+        for layer in [*donor.layers, *donor.checkpoints.get(upto, ())]:
             for t in layer.tensors():
                 t.record_stream(side)
         for layer in clone.layers:
@@ -222,13 +272,32 @@ class TorchBackend(Backend):
         donor.ready = clone.ready = done
         return clone
 
+    def move_checkpoints(self, source: TorchSession, target: TorchSession) -> None:
+        if source.id not in self._sessions or target.id not in self._sessions:
+            raise ValueError("a session was released")
+        moved = {p: states for p, states in source.checkpoints.items() if p < target.position}
+        source.checkpoints = {p: s for p, s in source.checkpoints.items() if p not in moved}
+        self._keep(source, {})
+        self._keep(target, moved)
+
+    @staticmethod
+    def _copy_layers(session: TorchSession, upto: int) -> list[kv.LayerKV | hybrid.HybridLayerState]:
+        """The state of [0, upto): the recurrent rule takes the live state at the position, else the
+        checkpoint kept at `upto` (clone_refusal has admitted one of them; a model without recurrent
+        layers keeps none and clones anywhere)."""
+        if upto not in session.checkpoints:
+            return kv.copy_layers(session.layers, upto)
+        states = iter(session.checkpoints[upto])
+        return [next(states).copy_prefix(upto) if isinstance(layer, RecurrentState) else layer.copy_prefix(upto)
+                for layer in session.layers]
+
     # -- accounting ------------------------------------------------------
 
-    def session_bytes(self, session: Session) -> int:
-        return kv.layers_bytes(session.layers)
+    def session_bytes(self, session: TorchSession) -> int:
+        return kv.layers_bytes(session.layers) + sum(kv.layers_bytes(c) for c in session.checkpoints.values())
 
     def total_bytes(self) -> int:
-        return sum(kv.layers_bytes(s.layers) for s in self._sessions.values())
+        return sum(self.session_bytes(s) for s in self._sessions.values())
 
     def live_sessions(self) -> int:
         return len(self._sessions)

@@ -40,8 +40,9 @@ class Admission:
         self.budget: int = config.kv_budget_bytes  # type: ignore[assignment]  (resolved)
         self.queue: collections.deque[Request] = collections.deque()
         windows = [layer.window for layer in info.layers if layer.kind == "sliding" and layer.window]
+        self.recurrent = any(layer.kind == "recurrent" for layer in info.layers)
         self.cache = PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes, config.prefix_cache_min_tokens,
-                                 windows)
+                                 windows, self.recurrent)
         self.named = NamedSessions(config.max_named_sessions)
         self.slots_used = 0
         self.in_slots: dict[int, Request] = {}  # rid -> request holding an inference slot
@@ -74,7 +75,8 @@ class Admission:
         if req.n > 1 and req.session_id is not None:
             raise InvalidRequest("a named session runs one choice; send n = 1 with session_id")
         max_tokens = clamp_max_tokens(req.max_tokens, self.config.max_tokens, n, context)
-        need, choice_need = self.request_bytes(n, max_tokens), self.choice_bytes(n, max_tokens)
+        need = self.request_bytes(n, max_tokens, checkpoints=len(self.checkpoints(req)))
+        choice_need = self.choice_bytes(n, max_tokens)
         total = need + (req.n - 1) * choice_need
         rows = req.n * self.info.kv.row_bytes(n + max_tokens)  # each choice a padded row, where rows are padded
         if fit_admission(max(total, rows), 0, 0, self.budget).never:
@@ -85,10 +87,20 @@ class Admission:
             raise CapacityExhausted(f"{waiting} requests are already waiting")
         return max_tokens, need, choice_need
 
-    def request_bytes(self, prompt_len: int, max_tokens: int, start: int | None = None) -> int:
+    def request_bytes(self, prompt_len: int, max_tokens: int, start: int | None = None, checkpoints: int = 0) -> int:
         """What a request's session grows to: opened at `start` (an empty session 0, a clone its
-        `upto`); None, not yet known: the dearest start, a clone of all but the prompt's last token."""
-        return self.info.kv.bytes_for(prompt_len + max_tokens, start=prompt_len - 1 if start is None else start)
+        `upto`); None, not yet known: the dearest start, a clone of all but the prompt's last token;
+        with the recurrent checkpoints it keeps."""
+        return self.info.kv.bytes_for(prompt_len + max_tokens, start=prompt_len - 1 if start is None else start,
+                                      checkpoints=checkpoints)
+
+    def checkpoints(self, req: GenerateRequest) -> tuple[int, ...]:
+        """Where a request keeps its recurrent state (a model with recurrent layers): its last
+        --recurrent-checkpoints message boundaries inside the prompt. Counted in its bytes."""
+        if not self.recurrent or self.config.recurrent_checkpoints == 0:
+            return ()
+        inside = sorted({b for b in req.boundaries if 0 < b < len(req.prompt)})
+        return tuple(inside[-self.config.recurrent_checkpoints:])
 
     def choice_bytes(self, prompt_len: int, max_tokens: int) -> int:
         """What one more choice over a prompt grows to: a clone at the prompt's full length. Both backends
@@ -223,8 +235,9 @@ class Admission:
         self.in_slots.pop(request.rid, None)
         self.let_go(request)
 
-    def store_capture(self, tokens: list[int], session: Any, nbytes: int, scope: Scope) -> None:
-        self.release_sessions(self.cache.insert(tokens, session, nbytes, scope))
+    def store_capture(self, tokens: list[int], session: Any, nbytes: int, scope: Scope,
+                      kept: tuple[int, ...] = ()) -> None:
+        self.release_sessions(self.cache.insert(tokens, session, nbytes, scope, kept))
 
     def release_sessions(self, sessions: list[Any]) -> None:
         sessions = [s for s in sessions if s is not None]
@@ -252,7 +265,7 @@ class Admission:
         return m.Start(request.rid, request.prompt, request.req.sampling, request.max_tokens, request.stop_ids,
                        capture=request.capture_slot, keep_session=named is not None,
                        resume=resume, resume_at=resume_at, clone_from=clone_from, donor=donor,
-                       constraint=request.req.constraint, choices=choices)
+                       constraint=request.req.constraint, choices=choices, keep_at=self.checkpoints(request.req))
 
     def drain(self) -> list[Any]:
         """Every session the cache and the named sessions hold (for shutdown)."""

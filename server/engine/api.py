@@ -79,6 +79,9 @@ class GenerateRequest:
     session_id: str | None = None  # named session: warm resume, never a reuse recipient
     constraint: "Constraint | None" = None  # a grammar the output must follow (server/grammar.py makes them)
     scope: Scope = Scope()  # whose state it may reuse; a session_id names a session of scope.tenant
+    # Token offsets in `prompt` where a message ends (the chat renderer's): where a model with recurrent
+    # layers keeps checkpoints (--recurrent-checkpoints), for a later prompt that shares them.
+    boundaries: tuple[int, ...] = ()
     n: int = 1  # choices: the prompt is prefilled once, choice i samples with seed + i (Engine.submit_choices)
 
 

@@ -58,6 +58,10 @@ class EngineConfig:
         64, "prefill tokens active prefix reuse must save beyond the best cached match (0 disables it)",
         check=at_least(0))
     follow_max_wait: float = setting(30.0, "most seconds a request follows a prefilling donor", check=at_least(0))
+    recurrent_checkpoints: int = setting(
+        4, "on a model with recurrent layers, checkpoints of the recurrent state a request keeps at its last "
+        "message boundaries, so a later prompt that shares its conversation up to one is served from it "
+        "(each costs one recurrent state in the KV budget; 0: none)", check=at_least(0))
     follow: bool = setting(True, "with active reuse on, let a request wait for a prefilling donor to commit the "
                            "shared prefix (--no-follow: clone-now: clone only what is already committed)")
 

@@ -159,6 +159,14 @@ class Engine:
             raise CapacityExhausted(f"{self.waiting()} requests are already waiting")
         return [handle] + [s.handle for s in r.siblings]
 
+    @property
+    def recurrent_checkpoints(self) -> int:
+        """How many message boundaries a request keeps its recurrent state at: --recurrent-checkpoints
+        on a model with recurrent layers, else none (every other state clones anywhere)."""
+        if self.info is None or not any(layer.kind == "recurrent" for layer in self.info.layers):
+            return 0
+        return self.config.recurrent_checkpoints
+
     def waiting(self) -> int:
         """Requests waiting: queued, and parked behind a leader."""
         return len(self.adm.queue) + len(self.reuser.followers)
@@ -367,7 +375,8 @@ class Engine:
         # Where its session starts is known now: its reservation shrinks to what that session grows to
         # (a named session is always opened empty; a clone at `reused`).
         start = 0 if r.named is not None else ev.reused
-        self.adm.hold(r, self.adm.request_bytes(len(r.prompt), r.max_tokens, start))
+        self.adm.hold(r, self.adm.request_bytes(len(r.prompt), r.max_tokens, start,
+                                                len(self.adm.checkpoints(r.req))))
         if r.lead is not None:  # a choice's clone of its lead: the prompt is counted once, on choice 0
             r.reused = 0
             return
@@ -406,7 +415,7 @@ class Engine:
             adm.release_sessions([ev.session])
         else:
             self.metrics.captures.inc(outcome="stored")
-            adm.store_capture(ev.tokens, ev.session, ev.nbytes, r.req.scope)
+            adm.store_capture(ev.tokens, ev.session, ev.nbytes, r.req.scope, ev.kept)
 
     def _on_finished(self, ev: m.Finished) -> None:
         r = self._requests.get(ev.rid)
@@ -438,4 +447,4 @@ class Engine:
         for rid, position in ev.committed.items():
             r = self._requests.get(rid)
             if r is not None:
-                r.committed = position
+                r.committed, r.kept = position, ev.kept.get(rid, ())

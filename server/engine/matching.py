@@ -2,8 +2,8 @@
 
 The engine calls:
   common_prefix(a, b, start=0) -> int
-  Source.donor(request_id, prompt, committed, admitted, *, text=True, clone_floor=0) -> Source
-  Source.entry(key, tokens, stamp, *, clone_floor=0) -> Source
+  Source.donor(request_id, prompt, committed, admitted, *, text=True, clone_floor=0, positions=None) -> Source
+  Source.entry(key, tokens, stamp, *, clone_floor=0, positions=None) -> Source
   window_floor(position, windows) -> int           # clone_floor of a state with sliding layers
   usable_match(prompt, source) -> int
   ranked_matches(prompt, sources) -> list[Match]   # prefix cache: try in order while clones are refused
@@ -21,6 +21,9 @@ Rules (each also stated where it binds):
   - `upto` is fixed at selection: the donor's committed prompt prefix never changes.
   - A state with sliding layers only serves what its windows still hold
     (clone_floor, from window_floor); a clone refused anyway falls back.
+  - A state with recurrent layers serves only the positions it holds a state at
+    (`positions`, from backends.base.clone_positions: its own position and its
+    checkpoints): the match is the highest of them at or below the usable one.
   - Only anonymous text recipients take part; named sessions and multimodal
     prompts keep their own path. Any active text request, named or not, donates.
   - min_tokens == 0 disables active reuse; otherwise a donor must save at least
@@ -34,7 +37,7 @@ negligible next to a step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Literal, Sequence
+from typing import Collection, Hashable, Iterable, Literal, Sequence
 
 _BLOCK = 64
 
@@ -85,15 +88,18 @@ class Source:
     # Smallest `upto` the state can still serve. Sliding-window layers forget old
     # positions (backends.base.clone_refusal); 0 for full attention.
     clone_floor: int = 0
+    # The only `upto`s it can serve (recurrent layers: base.clone_positions); None: any from clone_floor up.
+    positions: Collection[int] | None = None
 
     @classmethod
     def donor(cls, request_id: Hashable, prompt: Sequence[int], committed: int, admitted: int, *,
-              text: bool = True, clone_floor: int = 0) -> Source:
-        return cls(request_id, prompt, committed, admitted, text, clone_floor)
+              text: bool = True, clone_floor: int = 0, positions: Collection[int] | None = None) -> Source:
+        return cls(request_id, prompt, committed, admitted, text, clone_floor, positions)
 
     @classmethod
-    def entry(cls, key: Hashable, tokens: Sequence[int], stamp: int, *, clone_floor: int = 0) -> Source:
-        return cls(key, tokens, len(tokens), stamp, True, clone_floor)
+    def entry(cls, key: Hashable, tokens: Sequence[int], stamp: int, *, clone_floor: int = 0,
+              positions: Collection[int] | None = None) -> Source:
+        return cls(key, tokens, len(tokens), stamp, True, clone_floor, positions)
 
 
 def usable_match(prompt: Sequence[int], source: Source) -> int:
@@ -106,6 +112,8 @@ def usable_match(prompt: Sequence[int], source: Source) -> int:
     if not source.text or source.committed <= 0:  # nothing computed: skip the comparison
         return 0
     upto = min(common_prefix(prompt, source.tokens), source.committed, len(prompt) - 1)
+    if source.positions is not None:  # a recurrent state: only where one is held
+        upto = max((p for p in source.positions if p <= upto), default=0)
     return upto if upto > 0 and upto >= source.clone_floor else 0
 
 

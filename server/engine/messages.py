@@ -53,6 +53,7 @@ class Start:
     choices: list[Choice] = field(default_factory=list)  # n > 1: the other choices, opened when the prompt is in
     constraint: Any = None  # a constraints.Constraint: the grammar its tokens must follow, or None
     donor: tuple[int, int] | None = None
+    keep_at: tuple[int, ...] = ()  # positions its session keeps the recurrent state at (Backend.keep_at)
 
 
 @dataclass
@@ -121,6 +122,7 @@ class Captured:
     session: Any | None  # None: the backend refused the snapshot, or it failed
     nbytes: int = 0
     failed: bool = False  # the snapshot raised (not a refusal): counted apart
+    kept: tuple[int, ...] = ()  # the snapshot's recurrent checkpoints (moved from the request's session)
 
 
 @dataclass
@@ -152,6 +154,7 @@ class StepStats:
     backend_s: float
     prefill_tokens: int = 0
     prefill_s: float = 0.0
+    kept: dict[int, tuple[int, ...]] = field(default_factory=dict)  # recurrent checkpoints held, where any
 
 
 @dataclass

@@ -11,6 +11,11 @@ Design rules:
 - an entry of a model with sliding layers serves only what its windows still
   hold (matching.window_floor, the floor a donor gets): a match the backend
   would refuse is never reported;
+- an entry of a model with recurrent layers serves its own length and its
+  checkpoints only (the recurrent rule, base.clone_positions): the runner
+  snapshots such a prompt one token before its end, so the same prompt sent
+  again is served, and the snapshot keeps the request's message-boundary
+  checkpoints, so a prompt sharing the conversation up to one is served there;
 - a clone the backend refuses leaves its entry in place: the next candidate is
   tried, then a full prefill;
 - entries outlive the request they came from; eviction goes by count and bytes;
@@ -34,6 +39,7 @@ class CacheEntry:
     session: Any  # backend session, at position len(tokens)
     nbytes: int
     scope: Scope = Scope()
+    kept: tuple[int, ...] = ()  # positions it holds a recurrent checkpoint at (a model with recurrent layers)
 
     @property
     def key(self) -> tuple[Scope, tuple[int, ...]]:
@@ -47,9 +53,11 @@ class CacheMatch:
 
 
 class PrefixCache:
-    def __init__(self, max_entries: int, max_bytes: int | None, min_tokens: int, windows: Iterable[int] = ()):
+    def __init__(self, max_entries: int, max_bytes: int | None, min_tokens: int, windows: Iterable[int] = (),
+                 recurrent: bool = False):
         self.max_entries, self.max_bytes, self.min_tokens = max_entries, max_bytes, min_tokens
         self.windows = tuple(windows)  # the sliding layers' windows
+        self.recurrent = recurrent  # the model has recurrent layers
         self._entries: OrderedDict[tuple[Scope, tuple[int, ...]], CacheEntry] = OrderedDict()  # oldest first
         self.nbytes = 0
 
@@ -61,8 +69,9 @@ class PrefixCache:
 
     def lookup(self, prompt: Sequence[int], scope: Scope = Scope()) -> list[CacheMatch]:
         """Usable matches of `scope`'s entries, best first: longest, then most recently used."""
-        sources = (Source.entry(key, key[1], stamp, clone_floor=window_floor(len(key[1]), self.windows))
-                   for stamp, key in enumerate(self._entries) if key[0] == scope)
+        sources = (Source.entry(key, key[1], stamp, clone_floor=window_floor(len(key[1]), self.windows),
+                                positions=(*entry.kept, len(key[1])) if self.recurrent else None)
+                   for stamp, (key, entry) in enumerate(self._entries.items()) if key[0] == scope)
         return [CacheMatch(self._entries[m.key], m.upto) for m in ranked_matches(prompt, sources)
                 if m.upto >= self.min_tokens]
 
@@ -74,7 +83,8 @@ class PrefixCache:
         if entry.key in self._entries:
             self._entries.move_to_end(entry.key)
 
-    def insert(self, tokens: Sequence[int], session: Any, nbytes: int, scope: Scope = Scope()) -> list[Any]:
+    def insert(self, tokens: Sequence[int], session: Any, nbytes: int, scope: Scope = Scope(),
+               kept: tuple[int, ...] = ()) -> list[Any]:
         """Add a snapshot of `scope`; returns the sessions to release (evicted, or the duplicate)."""
         key = scope, tuple(tokens)
         if key in self._entries:  # the same prompt again: refresh, keep the older snapshot
@@ -82,7 +92,7 @@ class PrefixCache:
             return [session]
         if self.max_entries == 0 or (self.max_bytes is not None and nbytes > self.max_bytes):
             return [session]
-        self._entries[key] = CacheEntry(key[1], session, nbytes, scope)
+        self._entries[key] = CacheEntry(key[1], session, nbytes, scope, kept)
         self.nbytes += nbytes
         out = []
         while len(self._entries) > self.max_entries or (self.max_bytes is not None and self.nbytes > self.max_bytes):

@@ -81,6 +81,7 @@ class Request:
     capture_bytes: int = 0
     cache_matches: list = field(default_factory=list)  # the prefix cache candidates its Start named
     committed: int = 0  # as the runner last published
+    kept: tuple[int, ...] = ()  # its session's recurrent checkpoints, as the runner last published
     reused: int = 0
     reuse_source: ReuseSource | None = None
     prefilled: int = 0

@@ -23,7 +23,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any, Iterable, Protocol
 
-from backends.base import ModelInfo
+from backends.base import ModelInfo, clone_positions
 from server.engine import messages as m
 from server.engine.follow import FollowPolicy, Following, Leader, Plan, leader_views, plan
 from server.engine.matching import Recipient, Source, window_floor
@@ -59,6 +59,8 @@ class Reuse:
         self.rates = RateTracker()
         self.followers: dict[int, Request] = {}  # parked, in park order
         self.windows = [layer.window for layer in info.layers if layer.kind == "sliding" and layer.window]
+        self.info = info
+        self.recurrent = any(layer.kind == "recurrent" for layer in info.layers)
 
     @property
     def enabled(self) -> bool:
@@ -137,8 +139,10 @@ class Reuse:
                                               rates.clone_s(x.clone_upto), tps))
             elif x.phase in (Phase.STARTING, Phase.RUNNING):
                 floor = window_floor(x.committed, self.windows)
+                # A recurrent state serves its position and its checkpoints only (base.py's recurrent rule).
+                positions = clone_positions(x.committed, self.info, x.kept) if self.recurrent else None
                 active.append(Leader.active(Source.donor(x.rid, x.prompt, x.committed_prompt, x.rid,
-                                                         clone_floor=floor), tps))
+                                                         clone_floor=floor, positions=positions), tps))
             elif x.landed is not None:  # holds it already, waiting for a slot
                 active.append(Leader.starting(Source.donor(x.rid, x.prompt, 0, x.rid), x.landed[1], 0.0, tps))
         parked = [(f.following, Source.donor(f.rid, f.prompt, 0, f.rid)) for f in self.followers.values()

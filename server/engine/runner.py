@@ -6,13 +6,21 @@ with every running request's committed position, on the event deque; then it
 wakes the loop with `call_soon_threadsafe`. It never waits on the loop.
 
 Design rules:
-- a capture (a clone at prompt length) runs right after the last prefill chunk
+- a capture (a clone at prompt length) takes the request's recurrent checkpoints
+  with it (they serve the same prefixes from the cache, and the request's
+  reservation still counts their bytes until it ends). It runs right after the last prefill chunk
   and before the first decode writes: a decode would overwrite what a sliding
-  layer's snapshot needs;
+  layer's snapshot needs. On a model with recurrent layers it runs one token
+  before the prompt's end (prefill stops there; base.py's recurrent rule), so
+  the same prompt sent again, whose match is at most len - 1, is served;
 - a follower's clone order is served the moment its donor has committed the
   target (the donor's chunk stops there), before the donor writes again;
 - a donor that leaves hands what it committed to the follower that salvages
   most (follow.promote), cloned before its state is released;
+- a donor with recurrent layers holds a state only at its position and its
+  checkpoints (base.py's recurrent rule): a clone asked of it where it holds
+  none (it moved on since the loop looked, or it leaves below a follower's
+  target) is served from the highest state it holds below, if any;
 - every CloneDonor is answered by exactly one CloneDone (a session, a refusal,
   or "cancelled" for an order dropped while it waited): the control loop holds
   the clone's bytes until then;
@@ -50,8 +58,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from backends.base import (Backend, BatchFailed, CloneRefused, RowState, Sampled, SamplerState, SamplingParams,
-                           Session)
+from backends.base import (Backend, BatchFailed, CloneRefused, ModelInfo, RowState, Sampled, SamplerState,
+                           SamplingParams, Session, clone_positions)
 from server.engine import messages as m
 from server.engine.clone_orders import CloneOrders
 from server.engine.constraints import ConstrainedRows
@@ -73,10 +81,18 @@ class _Slot:
     generated: int = 0
     next_token: int | None = None  # sampled, not yet committed
     choices: list[m.Choice] = field(default_factory=list)  # opened when the prompt's last logits are in
+    capture_at: int = 0  # where its prompt is snapshot (Start.capture), 0: nowhere
 
     @property
     def prefill_left(self) -> int:
         return max(0, len(self.start.prompt) - self.session.position)
+
+    def prefill_cap(self, orders: int | None) -> int | None:
+        """Most tokens it may prefill this step: up to a follower's target (`orders`), and up to its capture."""
+        position = self.session.position
+        if position < self.capture_at < len(self.start.prompt):
+            return min(self.capture_at - position, orders or self.prefill_left)
+        return orders
 
 
 class Runner:
@@ -97,6 +113,8 @@ class Runner:
         self._stopping = False
         self._backend_s = 0.0
         self._constrained: ConstrainedRows | None = None  # once the model is loaded (it knows the vocabulary)
+        self._info: ModelInfo | None = None  # once loaded
+        self._recurrent = False  # the model has recurrent layers
         self.thread = threading.Thread(target=self._main, name="kvfork-runner", daemon=True)
 
     def send(self, command: Any) -> None:
@@ -107,7 +125,8 @@ class Runner:
 
     def _main(self) -> None:
         try:
-            info = self.backend.load(self.model_path, self.dtype)
+            info = self._info = self.backend.load(self.model_path, self.dtype)
+            self._recurrent = any(layer.kind == "recurrent" for layer in info.layers)
             self._constrained = ConstrainedRows(info.vocab_size)
             self._publish(m.Loaded(info))
         except Exception as exc:
@@ -180,11 +199,11 @@ class Runner:
         session, reused, index, refused, clone_s = start.resume, start.resume_at, None, [], 0.0
         if start.donor is not None:
             t0 = time.perf_counter()
-            session, reason = self._clone_of(*start.donor)
+            session, reused, reason = self._clone_of(*start.donor)
             if session is None:
                 self.events.append(m.CloneDone(start.rid, None, reason=reason))
                 return
-            reused, clone_s = start.donor[1], time.perf_counter() - t0
+            clone_s = time.perf_counter() - t0
         try:
             for i, (source, upto) in enumerate(start.clone_from if session is None else ()):
                 try:
@@ -199,6 +218,8 @@ class Runner:
                     refused.append("error")
             if session is None:
                 session, reused = self.backend.open_session(), 0
+            if start.keep_at:
+                self._keep_at(session, start.keep_at)
         except Exception as exc:
             log.exception("start failed")
             self.events.append(m.Started(start.rid, 0, None, refused))
@@ -206,9 +227,18 @@ class Runner:
                 self.events.append(m.Finished(rid, "error", 0, 0, error=f"start failed: {exc}"))
             return
         sampler = SamplerState(start.sampling, prompt=start.prompt)
-        self._slots[start.rid] = _Slot(start, session, sampler, choices=list(start.choices))
+        capture_at = len(start.prompt) - 1 if self._recurrent else len(start.prompt)
+        self._slots[start.rid] = _Slot(start, session, sampler, choices=list(start.choices),
+                                       capture_at=capture_at if start.capture else 0)
         self._rows.start(start.rid, start.constraint)
         self.events.append(m.Started(start.rid, reused, index, refused, clone_s))
+
+    def _keep_at(self, session: Session, positions: tuple[int, ...]) -> None:
+        """Checkpoints at message boundaries are optional work: a backend that fails them runs on without."""
+        try:
+            self._timed(self.backend.keep_at, session, positions)
+        except Exception as exc:
+            log.warning("keeping checkpoints at %s failed: %r", positions, exc)
 
     def _clone_donor(self, command: m.CloneDonor) -> None:
         donor = self._slots.get(command.donor)
@@ -219,22 +249,27 @@ class Runner:
         else:
             self._clone_for(command.rid, donor, command.upto)
 
-    def _clone_of(self, donor_rid: int, upto: int) -> tuple[Session, None] | tuple[None, str]:
-        """`[0, upto)` of a running request's session, or why not (a clone fails soft)."""
+    def _clone_of(self, donor_rid: int, upto: int) -> tuple[Session, int, None] | tuple[None, int, str]:
+        """`[0, upto)` of a running request's session (at most: a recurrent donor gives the highest
+        state it holds at or below), with what it holds, or why not (a clone fails soft)."""
         donor = self._slots.get(donor_rid)
         if donor is None:
-            return None, "donor_gone"
+            return None, 0, "donor_gone"
+        if self._recurrent:
+            assert self._info is not None
+            held = clone_positions(donor.session.position, self._info, donor.session.kept)
+            upto = max((p for p in held if p <= upto), default=upto)  # none below: the clone is refused
         try:
-            return self._timed(self.backend.clone, donor.session, upto), None
+            return self._timed(self.backend.clone, donor.session, upto), upto, None
         except CloneRefused as refusal:
-            return None, refusal.reason
+            return None, 0, refusal.reason
         except Exception as exc:
             log.warning("clone of request %d failed: %s", donor_rid, exc)
-            return None, "error"
+            return None, 0, "error"
 
     def _clone_for(self, rid: int, donor: _Slot, upto: int, refused_reason: str | None = None) -> None:
         t0 = time.perf_counter()
-        session, reason = self._clone_of(donor.start.rid, upto)
+        session, upto, reason = self._clone_of(donor.start.rid, upto)
         if session is not None:
             self.events.append(m.CloneDone(rid, session, upto, seconds=time.perf_counter() - t0))
         else:
@@ -257,7 +292,8 @@ class Runner:
 
     def _step(self) -> None:
         t0, self._backend_s = time.perf_counter(), 0.0
-        running = [Running(rid, s.prefill_left, self._orders.prefill_cap(rid, s.session.position, s.prefill_left))
+        running = [Running(rid, s.prefill_left, s.prefill_cap(self._orders.prefill_cap(rid, s.session.position,
+                                                                                       s.prefill_left)))
                    for rid, s in self._slots.items()]
         rates = self._rates.rates
         budget = TimeBudget(self.max_step_s, rates.decode_s, rates.prefill_tps) if self.max_step_s else None
@@ -280,9 +316,10 @@ class Runner:
             self._rates = self._rates.observe_prefill(tokens, prefill_s)
         self._serve_orders()
         committed = {rid: s.session.position for rid, s in self._slots.items()}
+        kept = {rid: s.session.kept for rid, s in self._slots.items() if s.session.kept}
         live, nbytes = self._timed(self.backend.live_sessions), self._timed(self.backend.total_bytes)
         self._publish(m.StepStats(committed, live, nbytes, time.perf_counter() - t0, self._backend_s,
-                                  sum(n for _, n in plan.prefill), prefill_s))
+                                  sum(n for _, n in plan.prefill), prefill_s, kept))
 
     def _run(self, decoding: list[_Slot], prefilling: list[_Slot], chunks: dict[int, int]) -> None:
         """One forward pass: the decoding requests' next tokens and the prefilling ones' chunks
@@ -299,10 +336,10 @@ class Runner:
             for slot in group:
                 if slot is not None:
                     slot.prefilled += len(pieces.get(slot.start.rid, ()))
-            ready = [s if s is not None and s.prefill_left == 0 else None for s in group]
-            for slot in ready:
-                if slot is not None and slot.start.rid in pieces and slot.start.capture:
+            for slot in group:
+                if slot is not None and slot.start.rid in pieces and slot.session.position == slot.capture_at:
                     self._capture(slot)
+            ready = [s if s is not None and s.prefill_left == 0 else None for s in group]
             for row, slot in enumerate(ready):
                 if slot is not None and slot.choices:  # its prompt is in: its other choices start here
                     self._open_choices(slot, logits, row, len(ready))
@@ -418,7 +455,7 @@ class Runner:
                 return
 
     def _capture(self, slot: _Slot) -> None:
-        prompt = slot.start.prompt
+        prompt = slot.start.prompt[:slot.capture_at]
         try:
             snapshot = self._timed(self.backend.clone, slot.session, len(prompt))
         except CloneRefused as refusal:
@@ -429,7 +466,13 @@ class Runner:
             log.warning("capture of request %d failed: %r", slot.start.rid, exc)
             self.events.append(m.Captured(slot.start.rid, prompt, None, failed=True))
             return
-        self.events.append(m.Captured(slot.start.rid, prompt, snapshot, self.backend.session_bytes(snapshot)))
+        if slot.session.kept:  # its message-boundary checkpoints go with the snapshot, which serves them
+            try:
+                self._timed(self.backend.move_checkpoints, slot.session, snapshot)
+            except Exception as exc:  # optional work: the snapshot serves its own length only
+                log.warning("moving checkpoints of request %d to its snapshot failed: %r", slot.start.rid, exc)
+        self.events.append(m.Captured(slot.start.rid, prompt, snapshot, self.backend.session_bytes(snapshot),
+                                      kept=snapshot.kept))
 
     def _accept(self, slot: _Slot, pick: Sampled) -> None:
         failure = self._rows.after_sample(slot.start.rid, pick.token)
@@ -462,6 +505,8 @@ class Runner:
         kept, held = None, []
         if slot.start.keep_session and reason != "error":
             kept = slot.session
+            if kept.kept or slot.start.keep_at:  # an idle named session is priced without checkpoints
+                self._keep_at(kept, ())
             held = (slot.start.prompt + slot.sampler.output)[:slot.session.position]
         else:
             self.backend.release(slot.session)

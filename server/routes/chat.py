@@ -120,12 +120,14 @@ async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Req
     config = state.config
     kwargs = body.chat_template_kwargs
     text = await tokenizer.render_chat(messages, body.tools, kwargs)
+    rendered = messages, body.tools
     tool_format = config.tool_parser
     if body.tools and tool_format == "auto" and resolve_tool_parser("auto", tokenizer.chat_template) is None:
         # A template that teaches no tool format may still render tools its own way; only one that
         # renders none at all (the text is the same without them) gets the Hermes block.
         if text == await tokenizer.render_chat(messages, None, kwargs):
-            text = await tokenizer.render_chat(with_tools_block(messages, body.tools), None, kwargs)
+            rendered = with_tools_block(messages, body.tools), None
+            text = await tokenizer.render_chat(*rendered, kwargs)
             tool_format = "hermes"
     parser = output_parser(tool_format, config.reasoning_parser, tokenizer.chat_template, text, body.tools,
                            choice, tool_name, make_call_id)
@@ -142,6 +144,9 @@ async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Req
                       parallel=body.parallel_tool_calls is not False)
     if ask is not None:
         generate.constraint = await state.grammars().compile(ask)
+    checkpoints = state.engine.recurrent_checkpoints
+    if checkpoints:  # a hybrid model keeps its recurrent state where messages end: find them
+        generate.boundaries = await tokenizer.message_ends(*rendered, kwargs, prompt, checkpoints)
     return Job(model, prompt, generate, stop_strings(body), parser, body.n)
 
 

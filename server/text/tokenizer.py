@@ -49,6 +49,33 @@ class PromptTokenizer:
                           template_kwargs: dict[str, Any] | None = None) -> str:
         return await self._run(_size(messages, tools), self.render, messages, tools, template_kwargs or {})
 
+    async def message_ends(self, messages: list[dict[str, Any]], tools: list[dict] | None,
+                           template_kwargs: dict[str, Any] | None, prompt: Sequence[int], last: int) -> tuple[int, ...]:
+        """Token offsets in `prompt` (these messages rendered and encoded) where each of the last
+        `last` earlier messages ends, the system/tools block included (GenerateRequest.boundaries)."""
+        return await self._run(_size(messages, tools) * last, self.find_message_ends, messages, tools,
+                               template_kwargs or {}, prompt, last)
+
+    def find_message_ends(self, messages: list[dict[str, Any]], tools: list[dict] | None,
+                          template_kwargs: dict[str, Any], prompt: Sequence[int], last: int) -> tuple[int, ...]:
+        # A message ends where the conversation cut after it, rendered without a generation prompt,
+        # encodes to a prefix of the prompt. A template that renders a cut differently (one that
+        # drops earlier turns' reasoning, say) or refuses it (no user turn yet) marks no end there.
+        kwargs = {k: v for k, v in template_kwargs.items() if k not in ("tokenize", "add_generation_prompt")}
+        ends: set[int] = set()
+        for cut in range(len(messages) - 1, 0, -1):
+            if len(ends) >= last:
+                break
+            try:
+                text = self.tokenizer.apply_chat_template(messages[:cut], tools=tools, add_generation_prompt=False,
+                                                          tokenize=False, **kwargs)
+            except Exception:
+                continue
+            ids = self.encode_rendered_text(text)
+            if 0 < len(ids) < len(prompt) and list(prompt[:len(ids)]) == ids:
+                ends.add(len(ids))
+        return tuple(sorted(ends))
+
     async def encode_rendered(self, text: str) -> list[int]:
         """Rendered chat text (or a piece of it) as ids, special tokens as the text writes them."""
         return await self._run(len(text), self.encode_rendered_text, text)
