@@ -14,7 +14,7 @@ import pytest
 
 from backend_fixtures import backend_name  # noqa: F401  (fixture: each importable backend)
 from backends import BACKENDS, create_backend
-from engine_harness import collect, reached, request, run, settled
+from engine_harness import collect, reached, request, run, settled, until
 from scripted_backend import Gate
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
@@ -195,3 +195,47 @@ async def test_a_prompt_sharing_a_finished_conversation_to_a_message_end_is_serv
     assert held == engine.admission.cache.nbytes  # the snapshots' bytes, checkpoints included, are the cache's
     await engine.shutdown(1)
     assert engine.backend.live_sessions() == 0
+
+
+async def test_a_clone_now_at_a_running_donors_position_falls_back_when_the_donor_moved_on(backend_name, folder):
+    """A recipient sharing exactly what a prefilling donor has committed is planned as a clone-now at the
+    donor's position, its one clonable state. The runner finishes the donor's chunk in flight before it
+    reads the recipient's Start, so the state at that position is gone: the clone is refused (nothing of
+    the donor changes), and the recipient prefills from scratch, with the tokens of reuse off."""
+    donor_prompt = prompt(64, seed=50)
+    recipient = donor_prompt[:16] + prompt(10, seed=51)
+    want = await references(backend_name, folder, [donor_prompt, recipient], 8)
+    engine = await engine_on(backend_name, folder, **{**ON, "prefix_cache_entries": 0})
+    backend = engine.backend
+    gate = backend.gates["prefill"] = Gate(lambda sessions, chunks: sessions[0].position == 16)
+    donor = engine.submit(request(donor_prompt, 8, rid="donor", ignore_eos=True))
+    await reached(gate)  # committed 16; the chunk to 32 is in flight
+    taker = engine.submit(request(recipient, 8, rid="taker", ignore_eos=True))
+    gate.open()
+    (donor_tokens, _), (tokens, done) = await asyncio.gather(collect(donor), collect(taker))
+    assert [donor_tokens, tokens] == want
+    assert (done.usage.reuse_source, done.usage.reused_tokens) == (None, 0)
+    assert engine.metrics.clone_refusals.get(source="donor", reason="recurrent_position") == 1
+    await settled(engine, backend)
+    await engine.shutdown(1)
+    assert backend.live_sessions() == 0
+
+
+async def test_checkpoints_moved_into_a_snapshot_leave_the_requests_hold(backend_name, folder):
+    """A request's message-boundary checkpoints go with its prompt's snapshot into the prefix cache, which
+    counts them from then on: the still-decoding request's hold lets their bytes go (never counted twice)."""
+    engine = await engine_on(backend_name, folder, **ON)
+    backend, adm = engine.backend, engine.admission
+    gate = backend.gates["decode"] = Gate()
+    asked = request(prompt(64, seed=60), 8, rid="talker", boundaries=(24, 48), ignore_eos=True)
+    handle = engine.submit(asked)
+    await reached(gate)  # the prompt is in and captured; held in its first decode
+    await until(lambda: len(adm.cache) == 1)
+    talker = next(r for r in engine.requests() if r.req.request_id == "talker")
+    assert adm.cache.nbytes == adm.clone_bytes(63) + 2 * engine.info.kv.state_bytes
+    assert talker.reserved_bytes == adm.request_bytes(64, 8, start=0)  # its checkpoints are the cache's now
+    gate.open()
+    await collect(handle)
+    await settled(engine, backend)
+    await engine.shutdown(1)
+    assert backend.live_sessions() == 0

@@ -235,8 +235,12 @@ class Admission:
         self.in_slots.pop(request.rid, None)
         self.let_go(request)
 
-    def store_capture(self, tokens: list[int], session: Any, nbytes: int, scope: Scope,
+    def store_capture(self, request: Request, tokens: list[int], session: Any, nbytes: int, scope: Scope,
                       kept: tuple[int, ...] = ()) -> None:
+        """The snapshot of `request`'s prompt joins the prefix cache. Its recurrent checkpoints came with
+        it (`nbytes` counts them): the request's hold lets them go, so no byte is counted twice."""
+        if kept:
+            self.hold(request, max(0, request.reserved_bytes - len(kept) * self.info.kv.state_bytes))
         self.release_sessions(self.cache.insert(tokens, session, nbytes, scope, kept))
 
     def release_sessions(self, sessions: list[Any]) -> None:

@@ -415,7 +415,7 @@ class Engine:
             adm.release_sessions([ev.session])
         else:
             self.metrics.captures.inc(outcome="stored")
-            adm.store_capture(ev.tokens, ev.session, ev.nbytes, r.req.scope, ev.kept)
+            adm.store_capture(r, ev.tokens, ev.session, ev.nbytes, r.req.scope, ev.kept)
 
     def _on_finished(self, ev: m.Finished) -> None:
         r = self._requests.get(ev.rid)

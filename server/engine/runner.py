@@ -7,8 +7,8 @@ wakes the loop with `call_soon_threadsafe`. It never waits on the loop.
 
 Design rules:
 - a capture (a clone at prompt length) takes the request's recurrent checkpoints
-  with it (they serve the same prefixes from the cache, and the request's
-  reservation still counts their bytes until it ends). It runs right after the last prefill chunk
+  with it (they serve the same prefixes from the cache, which counts their
+  bytes from then on). It runs right after the last prefill chunk
   and before the first decode writes: a decode would overwrite what a sliding
   layer's snapshot needs. On a model with recurrent layers it runs one token
   before the prompt's end (prefill stops there; base.py's recurrent rule), so
