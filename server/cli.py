@@ -22,6 +22,7 @@ from server.config import ServerConfig
 from server.engine.config import EngineConfig
 from server.settings import add_arguments, from_args
 from server.tenants import key_tenants
+from server.warm import read_warm_file
 
 # Tools are imported only when asked for: each pulls its own dependencies.
 TOOLS = {
@@ -52,6 +53,8 @@ def serve(argv: list[str]) -> int:
         config = from_args(ServerConfig, args)
         engine_config = from_args(EngineConfig, args)
         key_tenants(config.api_key, config.api_keys_file)  # the keys agree with each other
+        if config.prefix_cache_warm:
+            read_warm_file(config.prefix_cache_warm)
     except ValueError as e:
         parser.error(str(e))
     reexec_for_backend(mlx=(default_backend() if config.backend == "auto" else config.backend) == "mlx")

@@ -39,3 +39,11 @@ def tiny_hybrid_dir(tmp_path_factory):
         return made[arch, layout]
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def kvfork_home(tmp_path_factory, monkeypatch):
+    """Every test gets its own KVFORK_HOME: the disk tier never writes under the user's."""
+    home = tmp_path_factory.mktemp("kvfork_home")
+    monkeypatch.setenv("KVFORK_HOME", str(home))
+    return home
