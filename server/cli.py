@@ -30,8 +30,9 @@ TOOLS = {
     "bench": ("tools.bench", "replay benchmark against a running daemon"),
     "smoke": ("tools.smoke", "end-to-end check of active prefix reuse on the default model"),
     "soak": ("tools.soak", "load, faults, hang-ups and bad input against an in-process daemon; one table of checks"),
+    "cache": ("server.cache_command", "show (ls) or empty (clear) the prefix cache's disk tier"),
 }
-USAGE = "usage: kvfork {serve,fetch-model,bench,smoke,soak} [options]   (kvfork COMMAND --help for a command's options)"
+USAGE = "usage: kvfork {serve,fetch-model,bench,smoke,soak,cache} [options]   (kvfork COMMAND --help for a command's options)"
 
 
 class OneLineParser(argparse.ArgumentParser):
