@@ -58,8 +58,9 @@ log = logging.getLogger("kvfork.disk")
 KV_FORMAT_VERSION = "1"  # bump when the file layout or the saved-state rule changes: old files are then dropped
 SUFFIX = ".safetensors"
 LOCK = "lock"
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                    "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
+# The tokenizer's files, and the converter's record (tools/gguf_convert.py: its version)
+_MODEL_FILES = ("kvfork-converted.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
 _GIVE_UP = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT)  # the tier goes off
 
 
@@ -71,8 +72,8 @@ def kv_root() -> Path:
 
 
 def fingerprint(model_dir: str | Path, dtype: str, backend: str) -> str:
-    """What a file's KV state depends on: the model's config, tokenizer and weights (their
-    safetensors headers and sizes, not their gigabytes), dtype, backend, and the KV format."""
+    """What a file's KV state depends on: the model's config, tokenizer, converter version and weights
+    (their safetensors headers and sizes, not their gigabytes), dtype, backend, and the KV format."""
     folder = Path(model_dir)
     h = hashlib.sha256()
 
@@ -81,7 +82,7 @@ def fingerprint(model_dir: str | Path, dtype: str, backend: str) -> str:
         h.update(data)
 
     feed("config.json", (folder / "config.json").read_bytes())
-    for name in _TOKENIZER_FILES:
+    for name in _MODEL_FILES:
         if (folder / name).is_file():
             feed(name, (folder / name).read_bytes())
     for path in sorted(folder.glob("*.safetensors")):
