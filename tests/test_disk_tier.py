@@ -281,3 +281,62 @@ async def test_a_slow_restore_never_stalls_a_running_request(tiny_model_dir, mon
     finally:
         gate.set()
         await engine.shutdown(1.0)
+
+
+def test_bfloat16_states_round_trip_through_a_file(tiny_model_dir):
+    import numpy as np
+
+    from server.engine.api import Scope
+    from server.engine.disk import decode, encode
+
+    backend = create_backend("torch")
+    backend.load(tiny_model_dir("gemma3"), "bfloat16")
+    session = backend.open_session()
+    backend.prefill([session], [prompt_of(70)])
+    state = backend.export_state(session)
+    data = encode(state, prompt_of(70), Scope("t"), "fp")
+    back, tokens, _ = decode(data, "fp")
+    assert tokens == prompt_of(70) and back.position == 70
+    # every tensor is named by its layer, kind and token range (a block later is another range)
+    assert b"layers.0.sliding.0." in data and b"-70" in data
+    restored = backend.import_state(back)
+    logits = [backend.to_numpy(backend.prefill([s], [[5]])) for s in (session, restored)]
+    np.testing.assert_array_equal(logits[0], logits[1])
+
+
+async def test_a_spill_holds_its_bytes_until_its_file_is_written(tiny_model_dir, monkeypatch):
+    import threading
+
+    from server.engine import disk
+
+    gate, writing = threading.Event(), threading.Event()
+    real = disk._write_file
+
+    def slow_write(folder, name, data):
+        writing.set()
+        assert gate.wait(60)
+        real(folder, name, data)
+
+    monkeypatch.setattr(disk, "_write_file", slow_write)
+    model = tiny_model_dir("llama")
+    probe = await start(model)
+    kv = probe.info.kv
+    await probe.shutdown(1.0)
+    # room for a request of 60 + 4 tokens and its capture; a longer one needs the cached entry's room too
+    budget = kv.bytes_for(64, start=59) + kv.bytes_for(60, start=60)
+    assert budget - kv.bytes_for(60, start=60) < kv.bytes_for(304, start=299) <= budget
+    engine = await start(model, kv_budget_bytes=budget, inference_slots=1)
+    try:
+        await run(engine, prompt_of(60), 4)  # its snapshot stays in the cache
+        second = engine.submit(request(prompt_of(300, 400), 4, rid="second"))
+        assert await asyncio.to_thread(writing.wait, 30)  # the first entry is spilling...
+        adm = engine.admission
+        assert adm.spilling > 0 and adm.held() <= adm.budget
+        assert len(adm.queue) == 1  # ...and the second waits for its bytes
+        gate.set()
+        tokens, done = await collect(second)
+        assert done.finish_reason == "length" and adm.spilling == 0
+        assert len(adm.disk.index) == 1
+    finally:
+        gate.set()
+        await engine.shutdown(1.0)
