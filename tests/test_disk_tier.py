@@ -13,7 +13,7 @@ import pytest
 from backends import create_backend
 from engine_harness import collect, prompt_of, request, run, until
 from server.engine.config import EngineConfig
-from server.engine.disk import SUFFIX, DiskTier, kv_root
+from server.engine.disk import SUFFIX, kv_root
 from server.engine.engine import Engine
 from server.engine.rates import Rates
 from server.engine.restore import choose_restore

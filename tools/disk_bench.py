@@ -25,7 +25,7 @@ from pathlib import Path
 
 from backends import create_backend
 from backends.base import SamplingParams
-from server.engine import restore, reuse
+from server.engine import reuse
 from server.engine.api import GenerateRequest
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine

@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Protocol
 
 from backends.base import ModelInfo, clone_positions
 from server.engine import messages as m
+from server.engine.disk import DiskMatch
 from server.engine.follow import FollowPolicy, Following, Leader, Plan, leader_views, plan
 from server.engine.matching import Recipient, Source, window_floor
-from server.engine.disk import DiskMatch
 from server.engine.rates import RateTracker
 from server.engine.request import Phase, Request
 from server.engine.restore import choose_restore
