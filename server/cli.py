@@ -54,10 +54,13 @@ def serve(argv: list[str]) -> int:
         config = from_args(ServerConfig, args)
         engine_config = from_args(EngineConfig, args)
         key_tenants(config.api_key, config.api_keys_file)  # the keys agree with each other
-        if config.prefix_cache_warm:
-            read_warm_file(config.prefix_cache_warm)
     except ValueError as e:
         parser.error(str(e))
+    if config.prefix_cache_warm:
+        try:
+            read_warm_file(config.prefix_cache_warm)
+        except ValueError as e:
+            parser.error(f"--prefix-cache-warm: {e}")
     reexec_for_backend(mlx=(default_backend() if config.backend == "auto" else config.backend) == "mlx")
     try:
         model = str(resolve_model(config.model)) if config.model else str(_default_model())
