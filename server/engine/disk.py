@@ -149,8 +149,8 @@ def decode(data: bytes, fp: str) -> tuple[SavedState, list[int], str]:
     try:
         position, layers = int(meta["position"]), []
         for i, (kind, first, count) in enumerate(json.loads(meta["layers"])):
-            # writable copies: a backend may hand them to the device as they are
-            arrays = tuple(np.array(tensors[f"layers.{i}.{kind}.{j}.{first}-{position}"]) for j in range(count))
+            # safetensors hands out writable arrays of their own: a backend may take them as they are
+            arrays = tuple(tensors[f"layers.{i}.{kind}.{j}.{first}-{position}"] for j in range(count))
             layers.append(SavedLayer(kind, arrays, first))
         return SavedState(position, tuple(layers)), json.loads(meta["tokens"]), meta["scope"]
     except Exception as exc:
