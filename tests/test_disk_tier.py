@@ -12,6 +12,7 @@ import pytest
 
 from backends import create_backend
 from engine_harness import collect, prompt_of, request, run, until
+from server.engine.api import Scope
 from server.engine.config import EngineConfig
 from server.engine.disk import SUFFIX, kv_root
 from server.engine.engine import Engine
@@ -339,4 +340,24 @@ async def test_a_spill_holds_its_bytes_until_its_file_is_written(tiny_model_dir,
         assert len(adm.disk.index) == 1
     finally:
         gate.set()
+        await engine.shutdown(1.0)
+
+
+async def test_a_longer_prompt_replaces_the_files_of_prompts_it_begins_with(tiny_model_dir):
+    model, short = tiny_model_dir("llama"), prompt_of(40)
+    longer = short + prompt_of(30, 77)
+    engine = await start(model, prefix_cache_entries=1)  # each new prompt spills the last
+    try:
+        await run(engine, short, 2)
+        await run(engine, longer, 2)  # spills `short`
+        await run(engine, prompt_of(50, 900), 2)  # spills `longer`, which replaces `short`'s file
+        adm = engine.admission
+        await until(lambda: adm.spilling == 0 and len(adm.disk.index) == 1)
+        await until(lambda: len(files(engine)) == 1)
+        (entry,) = adm.disk.index.values()
+        assert entry.tokens == tuple(longer)
+        assert not adm.disk.worth(short, Scope())  # served by the longer file
+        tokens, done = await run(engine, short, 4)  # the same prompt comes back from the longer file
+        assert done.usage.reuse_source == "disk" and done.usage.reused_tokens == len(short) - 1
+    finally:
         await engine.shutdown(1.0)

@@ -22,7 +22,10 @@ Design rules:
   without the tier, so two daemons never delete each other's files; at start the
   index is rebuilt from the headers, and folders of other fingerprints that no
   daemon holds are emptied. Nothing outside `$KVFORK_HOME/kv` is ever deleted;
-- the tier is capped in bytes, least recently used first out;
+- the tier is capped in bytes, least recently used first out; where any prefix of
+  a state can be cloned (full-attention layers only), a file of a longer prompt
+  replaces the files of the prompts it begins with (an agent's growing history
+  keeps one file per conversation, not one per call);
 - a write that fails for want of room or permission (a full disk, a read-only
   folder) turns the tier off with one warning; serving goes on without it.
 """
@@ -318,12 +321,22 @@ class DiskTier:
     # ---- the index (control loop) ----
 
     def worth(self, tokens: Sequence[int], scope: Scope) -> bool:
-        """Whether an entry is worth writing: not when its file is there already (it is refreshed)."""
-        key = scope_digest(scope), tuple(tokens)
-        if key in self.index:
+        """Whether an entry is worth writing: not when a file serves it already (refreshed instead):
+        its own, or, on a model of full-attention layers only, one of a longer prompt it begins."""
+        digest, tokens = scope_digest(scope), tuple(tokens)
+        covering = [key for key in self.index if key[0] == digest and self._serves(key[1], tokens)]
+        for key in covering:
             self.index.move_to_end(key)
-            return False
-        return True
+        return not covering
+
+    def _serves(self, held: tuple[int, ...], tokens: tuple[int, ...]) -> bool:
+        """Whether a file of `held` serves every match a file of `tokens` would: the same prompt, or
+        a longer one beginning with it where any prefix of a state can be cloned (no sliding window
+        to have moved on, no recurrent state held at its end only: base.py's rules)."""
+        if held == tokens:
+            return True
+        return (not self.windows and not self.recurrent and len(held) > len(tokens)
+                and held[: len(tokens)] == tokens)
 
     def lookup(self, prompt: Sequence[int], scope: Scope) -> list[DiskMatch]:
         """Usable matches among `scope`'s files, best first (the prefix cache's rules: matching.py)."""
@@ -386,6 +399,9 @@ class DiskTier:
                 self.nbytes += result - (old.file_bytes if old else 0)
                 self.index[key] = DiskEntry(tokens, key[0], name, result)
                 self.stats.spilled += 1
+                # files of prompts this one begins with serve nothing it does not: written once
+                for other in [k for k in self.index if k[0] == key[0] and k != key and self._serves(tokens, k[1])]:
+                    self.forget(self.index[other])
                 self._trim(0)
             done(not isinstance(result, BaseException))
 
