@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from server.engine.api import DoneEvent, GenerateRequest, ReuseSource, TokenEvent, Usage
+from server.engine.disk import DiskMatch
 from server.engine.follow import Following
 from server.engine.sessions import NamedSession
 
@@ -99,7 +100,7 @@ class Request:
     first_parked_at: float = 0.0  # the follow deadline runs from here, across re-parks
     no_follow: bool = False  # a failed or expired follow: clone-now from then on
     landed: tuple[Any, int] | None = None  # (session, tokens) a follow clone gave it, until it has a slot
-    restoring: Any = None  # RESTORING: the disk.DiskMatch it waits for
+    restoring: DiskMatch | None = None  # RESTORING: the disk tier's file it waits for
     restore_sent: bool = False  # its state went to the runner to load: the answer comes back either way
     no_disk: bool = False  # a restore failed: it prefills from then on
     # n > 1: choice 0 is the request that prefills (it lists the others as `siblings`); each other choice
