@@ -61,6 +61,8 @@ async def one(args, kv_dir: Path, prompt: list[int], disk: bool, warmup: list[in
         request = next(r for r in engine.requests() if r.req.request_id == "measured")
         decisions = request.decision
         done = await drain(handle)
+        if done.error:
+            raise RuntimeError(done.error)
         return {"ttft_s": round(done.usage.ttft_s, 3), "reused": done.usage.reused_tokens,
                 "source": done.usage.reuse_source, "decision": decisions.get("disk"),
                 "expected_restore_s": decisions.get("disk_restore_s"),
@@ -79,9 +81,11 @@ async def drain(handle):
 
 async def main_async(args) -> None:
     rows = []
+    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    span = min(40000, vocab - 100)  # ids past the special tokens, inside the vocabulary
     for size in [int(s) for s in args.sizes.split(",")]:
-        prompt = [(i * 7919 + size) % 40000 + 100 for i in range(size)]
-        warmup = [(i * 104729) % 40000 + 100 for i in range(512)]
+        prompt = [(i * 7919 + size) % span + 100 for i in range(size)]
+        warmup = [(i * 104729) % span + 100 for i in range(512)]
         with tempfile.TemporaryDirectory() as home:
             kv_dir = Path(home) / "kv"
             await one(args, kv_dir, prompt, True, [])  # computes it, spills it at shutdown
