@@ -23,6 +23,15 @@ Recurrent rule (every backend obeys it, `clone_positions` states it):
   position, or at a checkpoint: a position where `keep_at` asked the backend to
   keep a copy of the recurrent state (`Session.kept`), each costing
   `ModelInfo.kv.state_bytes`.
+
+Saved-state rule (the disk tier's, `export_state` / `import_state` state it):
+  a session's state leaves the device as host arrays in one layout for every
+  backend, layer by layer in model order: a full layer its keys and values for
+  positions [0, position), a sliding layer those it holds, [first, position), a
+  recurrent layer its state arrays (held at `position` only). Keys and values are
+  [kv_heads, tokens, head_dim] in temporal order, in the model's dtype (bfloat16
+  as its uint16 bits: numpy has none). A state imported is a new session that
+  clones and runs exactly as the one exported would have; checkpoints stay behind.
 """
 
 from __future__ import annotations
@@ -69,6 +78,40 @@ class BatchFailed(Exception):
 class LayerAttention:
     kind: Literal["full", "sliding", "recurrent"]
     window: int | None = None  # tokens, for sliding layers
+
+
+@dataclass(frozen=True)
+class SavedLayer:
+    """One layer of a SavedState (the saved-state rule): `arrays` are numpy arrays, (keys, values)
+    of positions [first, first + tokens) for attention layers, the state's own for recurrent ones."""
+
+    kind: Literal["full", "sliding", "recurrent"]
+    arrays: tuple[Any, ...]
+    first: int = 0
+
+
+@dataclass(frozen=True)
+class SavedState:
+    """A session's state on the host (the saved-state rule): what the disk tier writes and reads."""
+
+    position: int
+    layers: tuple[SavedLayer, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for layer in self.layers for a in layer.arrays)
+
+    def prefix(self, upto: int) -> SavedState:
+        """The state of [0, upto), for a clone at `upto` (clone_refusal has admitted it): full layers
+        drop their tail; sliding ones what lies past `upto`; a recurrent state only serves its own position."""
+        if upto == self.position:
+            return self
+        if not 0 < upto < self.position or any(layer.kind == "recurrent" for layer in self.layers):
+            raise CloneRefused("recurrent_position" if 0 < upto < self.position else "beyond_position",
+                               f"upto={upto}, saved at {self.position}")
+        layers = tuple(SavedLayer(layer.kind, tuple(a[:, : upto - layer.first] for a in layer.arrays), layer.first)
+                       for layer in self.layers)
+        return SavedState(upto, layers)
 
 
 @dataclass(frozen=True)
@@ -333,6 +376,15 @@ class Backend(abc.ABC):
         prefix (a prompt's snapshot): they are states of `target`'s own prefix, so a clone of `target`
         is served there too. Their bytes move with them."""
         raise NotImplementedError(f"{type(self).__name__} keeps no recurrent checkpoints")
+
+    def export_state(self, session: Session) -> SavedState:
+        """The session's state on the host (the saved-state rule); the session is unchanged."""
+        raise NotImplementedError(f"{type(self).__name__} cannot save a session's state")
+
+    def import_state(self, state: SavedState) -> Session:
+        """A new session holding `state` (the saved-state rule), at `state.position`. The caller
+        has reserved its bytes (`info.kv.bytes_for(position, start=position)`) before calling."""
+        raise NotImplementedError(f"{type(self).__name__} cannot load a session's state")
 
     @abc.abstractmethod
     def session_bytes(self, session: Session) -> int:

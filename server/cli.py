@@ -22,6 +22,7 @@ from server.config import ServerConfig
 from server.engine.config import EngineConfig
 from server.settings import add_arguments, from_args
 from server.tenants import key_tenants
+from server.warm import read_warm_file
 
 # Tools are imported only when asked for: each pulls its own dependencies.
 TOOLS = {
@@ -29,8 +30,9 @@ TOOLS = {
     "bench": ("tools.bench", "replay benchmark against a running daemon"),
     "smoke": ("tools.smoke", "end-to-end check of active prefix reuse on the default model"),
     "soak": ("tools.soak", "load, faults, hang-ups and bad input against an in-process daemon; one table of checks"),
+    "cache": ("server.cache_command", "show (ls) or empty (clear) the prefix cache's disk tier"),
 }
-USAGE = "usage: kvfork {serve,fetch-model,bench,smoke,soak} [options]   (kvfork COMMAND --help for a command's options)"
+USAGE = "usage: kvfork {serve,fetch-model,bench,smoke,soak,cache} [options]   (kvfork COMMAND --help for a command's options)"
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -54,6 +56,11 @@ def serve(argv: list[str]) -> int:
         key_tenants(config.api_key, config.api_keys_file)  # the keys agree with each other
     except ValueError as e:
         parser.error(str(e))
+    if config.prefix_cache_warm:
+        try:
+            read_warm_file(config.prefix_cache_warm)
+        except ValueError as e:
+            parser.error(f"--prefix-cache-warm: {e}")
     reexec_for_backend(mlx=(default_backend() if config.backend == "auto" else config.backend) == "mlx")
     try:
         model = str(resolve_model(config.model)) if config.model else str(_default_model())

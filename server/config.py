@@ -54,6 +54,9 @@ class ServerConfig:
                                            "(default: the model folder's name)", repeat=True, check=_name_check)
     accept_any_model: bool = setting(False, "serve requests whatever model name they send (for agents that send "
                                      "their own)")
+    prefix_cache_warm: str | None = setting(None, "JSON file of chat prompts computed at start, each a messages "
+                                            "list or {\"messages\": [...], \"tenant\": NAME} (README: Prefix cache "
+                                            "on disk)")
     max_body_bytes: int = setting(16 * 1024 * 1024, "largest request body; bigger gets 413", check=at_least(1024))
     sse_keepalive: float = setting(5.0, "seconds of silence (a long prefill, a queue wait) before a stream sends a "
                                    "keep-alive comment", check=at_least(0.01))

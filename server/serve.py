@@ -18,10 +18,12 @@ from backends.base import Backend
 from server.app import build_app, listen
 from server.config import ServerConfig
 from server.engine.config import EngineConfig
+from server.engine.disk import kv_root
 from server.engine.engine import Engine
 from server.metrics import Registry
 from server.state import AppState
 from server.text.tokenizer import PromptTokenizer
+from server.warm import warm
 
 GiB = 1024**3
 
@@ -30,7 +32,7 @@ class Daemon:
     def __init__(self, config: ServerConfig, engine_config: EngineConfig, model: str, backend: Backend):
         self.config, self.model = config, model
         self.registry = Registry()
-        self.engine = Engine(backend, model, config.dtype, engine_config, self.registry)
+        self.engine = Engine(backend, model, config.dtype, engine_config, self.registry, kv_dir=kv_root())
         names = list(config.served_model_name) or [Path(model).name]
         self.state = AppState(config, self.engine, names, self.registry)
         self.runner: web.AppRunner | None = None
@@ -47,6 +49,8 @@ class Daemon:
         _, self.state.tokenizer = await asyncio.gather(
             self.engine.start(), asyncio.to_thread(PromptTokenizer.load, self.model)
         )
+        if self.config.prefix_cache_warm:
+            await warm(self.engine, self.state.tokenizer, self.config.prefix_cache_warm)
 
     async def close(self) -> None:
         await self.engine.shutdown(self.config.shutdown_grace)
@@ -64,8 +68,16 @@ class Daemon:
             f"context {c.max_context}) as {', '.join(self.state.served_names)}\n"
             f"kvfork: set aside {c.kv_budget_bytes / GiB:.2f} GiB for KV state ({info.kv.full_bytes_per_token} "
             f"bytes/token): {c.inference_slots} inference slots, {c.capture_slots} capture slots, prefix cache "
-            f"of {c.prefix_cache_entries} entries ({cache_cap})"
+            f"of {c.prefix_cache_entries} entries ({cache_cap}){self._disk_line()}"
         )
+
+    def _disk_line(self) -> str:
+        adm = self.engine.admission
+        disk = adm.disk if adm is not None else None
+        if disk is None or not disk.on:
+            return ", no disk tier"
+        return (f", disk tier of {disk.max_bytes / GiB:.2f} GiB at {disk.folder} ({len(disk.index)} entries, "
+                f"{disk.nbytes / GiB:.2f} GiB)")
 
 
 def pick_backend(name: str) -> tuple[str, Backend]:

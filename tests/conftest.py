@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from tiny_models import ARCHS, write_model
+from tools.fetch_model import kvfork_home as kvfork_home_of_user
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +46,23 @@ def tiny_hybrid_dir(tmp_path_factory):
         return made[arch, layout]
 
     return get
+
+
+
+# One temporary KVFORK_HOME for the run, set before anything reads it: the disk tier never writes
+# under the user's. Its `models` is the user's (a link), so the default model is fetched once, as
+# before, and every test sees the same model folder.
+_USER_MODELS = kvfork_home_of_user() / "models"
+_USER_MODELS.mkdir(parents=True, exist_ok=True)
+_HOME = Path(tempfile.mkdtemp(prefix="kvfork-test-home-"))
+(_HOME / "models").symlink_to(_USER_MODELS, target_is_directory=True)
+os.environ["KVFORK_HOME"] = str(_HOME)
+atexit.register(shutil.rmtree, _HOME, True)  # removes the link, never what it points to
+
+
+@pytest.fixture(autouse=True)
+def kvfork_home():
+    """The run's KVFORK_HOME, with an empty disk tier ($KVFORK_HOME/kv) for every test."""
+    shutil.rmtree(_HOME / "kv", ignore_errors=True)
+    yield _HOME
+    shutil.rmtree(_HOME / "kv", ignore_errors=True)

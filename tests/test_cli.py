@@ -30,6 +30,8 @@ def kvfork(*args: str, **kw) -> subprocess.CompletedProcess:
     (["--model", "/no/such/folder"], "--model"),
     (["--api-key", ""], "--api-key"),
     (["--api-keys-file", "/no/such/keys"], "--api-keys-file"),
+    (["--prefix-cache-warm", "/no/such/prompts.json"], "--prefix-cache-warm"),
+    (["--prefix-cache-disk-bytes", "-1"], "--prefix-cache-disk-bytes"),
     (["--model", "no-such-org/no-such-model"], "--model"),  # a hub id the (offline) hub cannot give
 ])
 def test_invalid_values_exit_2_with_one_line(args, flag):

@@ -34,7 +34,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Collection, Sequence
 
-from backends.base import Backend, BatchFailed, ModelInfo, RowState, Sampled, SamplerState, Session
+from backends.base import Backend, BatchFailed, ModelInfo, RowState, Sampled, SamplerState, SavedState, Session
 
 KINDS = ("prefill", "decode", "sample", "clone", "capture")
 
@@ -224,6 +224,16 @@ class FaultyBackend(Backend):
     def move_checkpoints(self, source: Session, target: Session) -> None:
         self._read([source, target], "move_checkpoints")
         self.inner.move_checkpoints(source, target)
+
+    def export_state(self, session: Session) -> SavedState:
+        self._read([session], "export_state")
+        return self.inner.export_state(session)
+
+    def import_state(self, state: SavedState) -> Session:
+        session = self.inner.import_state(state)
+        self._history[session.id] = []  # its tokens are the disk tier's to know
+        self._measure()
+        return session
 
     def session_bytes(self, session: Session) -> int:
         return self.inner.session_bytes(session)

@@ -412,6 +412,9 @@ def engine_config(c: SoakConfig, reuse: bool) -> EngineConfig:
         max_named_sessions=c.max_named_sessions, prefix_cache_min_tokens=16,
         prefix_cache_entries=16 if reuse else 0, active_prefix_reuse_min_tokens=c.reuse_min_tokens if reuse else 0,
         follow_max_wait=5.0,
+        # Off: the fault wrapper charges a fault to the tokens a session holds, which a session loaded
+        # from the disk tier does not tell it (tests/test_disk_tier.py covers the tier's own faults).
+        prefix_cache_disk_bytes=0,
     )
 
 

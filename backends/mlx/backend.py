@@ -17,8 +17,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-from backends.base import (Backend, BatchFailed, CloneRefused, ModelInfo, RowState, Sampled, SamplerState, Session,
-                           check_inputs, clone_refusal)
+from backends.base import (Backend, BatchFailed, CloneRefused, ModelInfo, RowState, Sampled, SamplerState,
+                           SavedLayer, SavedState, Session, check_inputs, clone_refusal)
 from backends.mlx import kvcopy, recurrent, sampling
 from backends.mlx.batch import DecodeBatch, cache_marks, unmoved
 from backends.mlx.last_token import last_logits, supports_last_position
@@ -173,6 +173,49 @@ class MLXBackend(Backend):
         self._keep(source, {})
         self._keep(target, moved)
 
+    def export_state(self, session: MLXSession) -> SavedState:
+        # A standalone copy at the session's position gives every layer in temporal order,
+        # whether the session is standalone or a row of the decode batch.
+        copy = self.clone(session, session.position)
+        try:
+            layers = []
+            for layer, cache in zip(self.info.layers, copy.caches or ()):
+                match layer.kind:
+                    case "recurrent":
+                        layers.append(SavedLayer("recurrent", tuple(_host(a) for a in cache.cache)))
+                    case "full" | "sliding":
+                        v = kvcopy.view(cache)
+                        layers.append(SavedLayer(layer.kind, (_host(v.keys[0]), _host(v.values[0])), v.first))
+            return SavedState(session.position, tuple(layers))
+        finally:
+            self.release(copy)
+
+    def import_state(self, state: SavedState) -> MLXSession:
+        if len(state.layers) != len(self.info.layers):
+            raise ValueError(f"{len(state.layers)} saved layers for a model of {len(self.info.layers)}")
+        n, caches, held_from = state.position, [], []
+        for layer, saved in zip(self.info.layers, state.layers):
+            if saved.kind != layer.kind:
+                raise ValueError(f"a saved {saved.kind} layer does not fit a {layer.kind} one")
+            arrays = [_device(a) for a in saved.arrays]
+            match layer.kind:
+                case "recurrent":
+                    cache = ArraysCache(len(arrays))
+                    cache.cache = arrays
+                    caches.append(cache)
+                case "full":
+                    caches.append(kvcopy.clone_full(kvcopy.LayerView(arrays[0][None], arrays[1][None], 0), n))
+                case "sliding":
+                    assert layer.window is not None
+                    view = kvcopy.LayerView(arrays[0][None], arrays[1][None], saved.first)
+                    cache, start = kvcopy.clone_sliding(view, saved.first, n, layer.window)
+                    caches.append(cache)
+                    held_from.append(start)
+        mx.eval([kvcopy.arrays(c) for c in caches])
+        session = MLXSession(caches, held_from)
+        session.position = n
+        return self._track(session)
+
     def session_bytes(self, session: MLXSession) -> int:
         kept = sum(c.nbytes for states in session.checkpoints.values() for c in states)
         if self._batch.has(session):
@@ -234,3 +277,13 @@ class MLXBackend(Backend):
     def _advance(self, session: MLXSession, n: int) -> None:
         session.position += n
         session.held_from = [max(h, session.position - w) for h, w in zip(session.held_from, self._windows)]
+
+
+def _host(array: mx.array) -> np.ndarray:
+    """An array on the host: bfloat16 as its uint16 bits (base.py's saved-state rule)."""
+    return np.array(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array)
+
+
+def _device(array: np.ndarray) -> mx.array:
+    # uint16 is only ever bfloat16's bits here: no model state is stored as integers
+    return mx.array(array).view(mx.bfloat16) if array.dtype == np.uint16 else mx.array(array)

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from backends.base import (Backend, BatchFailed, KVCost, LayerAttention, ModelInfo, RowState, Sampled, SamplerState,
-                           Session, check_inputs, clone_refusal)
+                           SavedLayer, SavedState, Session, check_inputs, clone_refusal)
 from backends.model_info import ModelFacts, read_model_facts
 from backends.model_path import resolve_model
 from backends.torch import checkpoints, hybrid, kv, sampling
@@ -291,6 +291,58 @@ class TorchBackend(Backend):
         return [next(states).copy_prefix(upto) if isinstance(layer, RecurrentState) else layer.copy_prefix(upto)
                 for layer in session.layers]
 
+    # -- saved state (base.py's saved-state rule) -------------------------
+
+    @torch.inference_mode()
+    def export_state(self, session: TorchSession) -> SavedState:
+        if session.id not in self._sessions:
+            raise ValueError(f"{session!r} was released")
+        self._wait_for_clones([session])
+        n, layers = session.position, []
+        for layer in session.layers:
+            match layer:
+                case kv.GrowingKV():
+                    layers.append(SavedLayer("full", (_host(layer.keys[:, :n]), _host(layer.values[:, :n]))))
+                case kv.RingKV():
+                    first = max(layer.held_from, n - layer.window, 0)
+                    slots = torch.arange(first, n, device=self.device) % layer.window
+                    layers.append(SavedLayer("sliding", (_host(layer.keys[:, slots]), _host(layer.values[:, slots])),
+                                             first))
+                case RecurrentState():
+                    layers.append(SavedLayer("recurrent", (_host(layer.conv), _host(layer.ssm))))
+        return SavedState(n, tuple(layers))
+
+    @torch.inference_mode()
+    def import_state(self, state: SavedState) -> TorchSession:
+        session = self.open_session()
+        n = state.position
+        try:
+            for layer, saved in zip(session.layers, state.layers, strict=True):
+                arrays = [self._device(a) for a in saved.arrays]
+                match layer:
+                    case kv.GrowingKV() if saved.kind == "full":
+                        layer.update(arrays[0], arrays[1], 0)
+                    case kv.RingKV() if saved.kind == "sliding":
+                        slots = torch.arange(saved.first, n, device=self.device) % layer.window
+                        layer.keys[:, slots], layer.values[:, slots] = arrays[0], arrays[1]
+                        layer.held_from = saved.first
+                    case RecurrentState() if saved.kind == "recurrent":
+                        layer.conv.copy_(arrays[0])
+                        layer.ssm.copy_(arrays[1])
+                    case _:
+                        raise ValueError(f"a saved {saved.kind} layer does not fit {type(layer).__name__}")
+        except BaseException:
+            self.release(session)
+            raise
+        session.position = n
+        return session
+
+    def _device(self, array) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        if tensor.dtype == torch.uint16:  # bfloat16 bits (the saved-state rule)
+            tensor = tensor.view(torch.bfloat16)
+        return tensor.to(self.device)
+
     # -- accounting ------------------------------------------------------
 
     def session_bytes(self, session: TorchSession) -> int:
@@ -304,3 +356,9 @@ class TorchBackend(Backend):
 
     def to_numpy(self, logits: torch.Tensor):
         return logits.float().cpu().numpy()
+
+
+def _host(tensor: torch.Tensor):
+    """A tensor as a numpy array on the host: bfloat16 as its uint16 bits (the saved-state rule)."""
+    tensor = tensor.detach().to("cpu").contiguous()
+    return (tensor.view(torch.uint16) if tensor.dtype == torch.bfloat16 else tensor).numpy()

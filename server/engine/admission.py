@@ -16,7 +16,10 @@ Design rules:
   timed out): the runner may already have made it;
 - bytes are priced by the backend's own cost function (`ModelInfo.kv`, a pure
   function); cache entries count what the backend measured for them; where the
-  backend pads the sessions it runs together (MLX), the padding is held too.
+  backend pads the sessions it runs together (MLX), the padding is held too;
+- a cache entry evicted while the disk tier is on spills there: its bytes stay
+  held (`spilling`) until its file is written, so room it makes comes only then
+  (the head waits for it, and the loop admits again when the write is done).
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from backends.base import ModelInfo
 from server.engine import messages as m
 from server.engine.api import CapacityExhausted, ContextTooLong, GenerateRequest, InvalidRequest, Scope
 from server.engine.config import EngineConfig
-from server.engine.prefix_cache import CacheMatch, PrefixCache
+from server.engine.disk import DiskTier
+from server.engine.prefix_cache import CacheEntry, CacheMatch, PrefixCache
 from server.engine.request import Request
 from server.engine.scheduler import clamp_max_tokens, fit_admission
 from server.engine.sessions import NamedSessions, check_session_id
@@ -42,7 +46,9 @@ class Admission:
         windows = [layer.window for layer in info.layers if layer.kind == "sliding" and layer.window]
         self.recurrent = any(layer.kind == "recurrent" for layer in info.layers)
         self.cache = PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes, config.prefix_cache_min_tokens,
-                                 windows, self.recurrent)
+                                 windows, self.recurrent, spill=self._spill)
+        self.disk: DiskTier | None = None  # the prefix cache's disk tier, when on (the engine opens it)
+        self.spilling = 0  # bytes of evicted entries on their way to disk: held until their file is written
         self.named = NamedSessions(config.max_named_sessions)
         self.slots_used = 0
         self.in_slots: dict[int, Request] = {}  # rid -> request holding an inference slot
@@ -112,7 +118,8 @@ class Admission:
         return self.info.kv.bytes_for(upto, start=upto)
 
     def held(self) -> int:
-        return self.reserved + self.padding() + self.cache.nbytes + self.named.idle_bytes(self.info.kv)
+        return (self.reserved + self.padding() + self.cache.nbytes + self.named.idle_bytes(self.info.kv)
+                + self.spilling)
 
     def padding(self, joining: Sequence[Request] = ()) -> int:
         """Where the backend pads the sessions it runs together to the longest (`KVCost.padded_rows`):
@@ -203,13 +210,29 @@ class Admission:
         fit = fit_admission(need, self.held(), self.cache.nbytes + idle, self.budget)
         if not fit.admit:
             return False
-        if fit.evict_bytes:
-            evicted = self.cache.evict_bytes(fit.evict_bytes)
-            short = self.budget - self.held() - need
-            if short < 0:
-                evicted += self.named.evict_bytes(-short, self.info.kv)
-            self.release_sessions(evicted)
+        if not fit.evict_bytes:
+            return True
+        spilling = self.spilling
+        evicted = self.cache.evict_bytes(fit.evict_bytes)
+        spilled = self.spilling - spilling  # free once written: no named session goes for them
+        short = self.budget - (self.held() - spilled) - need
+        if short < 0:
+            evicted += self.named.evict_bytes(-short, self.info.kv)
+        self.release_sessions(evicted)
+        return not spilled or self.held() + need <= self.budget
+
+    def _spill(self, entry: CacheEntry) -> bool:
+        """An evicted entry goes to the disk tier (True), unless the tier is off or has it already."""
+        disk = self.disk
+        if disk is None or not disk.on or entry.session is None or not disk.worth(entry.tokens, entry.scope):
+            return False
+        self.spilling += entry.nbytes
+        self.send(m.Spill((entry.tokens, entry.scope, entry.nbytes), entry.session))
         return True
+
+    def spilled(self, nbytes: int) -> None:
+        """A spill is over (its file written, or not): its bytes go back."""
+        self.spilling -= nbytes
 
     def _offer_capture_slot(self, request: Request) -> None:
         """A capture slot is held from admission, so its snapshot's bytes are in the budget before it exists;

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from server.engine.constraints import Constraint
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
-ReuseSource = Literal["cache", "donor", "session"]
+ReuseSource = Literal["cache", "donor", "session", "disk"]
 
 
 class EngineError(Exception):

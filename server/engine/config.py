@@ -41,6 +41,12 @@ class EngineConfig:
                                         check=at_least(0))
     prefix_cache_bytes: int | None = setting(None, "most bytes the prefix cache holds (None: no cap of its own; "
                                              "it still gives way to admission)", check=at_least(0))
+    # 16 GiB: a few percent of a laptop's SSD, yet room for ~45 full-context (8k) prompts of the default
+    # model in float32 (46 KB a token), ~4,000 agent prompts of 2k tokens in bf16 on a 135M model, or a
+    # dozen 32k prompts of an 8B one: a working set of system prompts and conversations that outlives restarts.
+    prefix_cache_disk_bytes: int = setting(16 * 1024**3, "bytes the prefix cache may keep on disk, under "
+                                           "$KVFORK_HOME/kv, for entries evicted from memory and across restarts "
+                                           "(least recently used first out; 0: no disk tier)", check=at_least(0))
     prefix_cache_min_tokens: int = setting(64, "shortest prompt captured, and shortest cached match used",
                                            check=at_least(1))
     capture_slots: int | None = setting(None, "prompt snapshots that may be pending at once (None: one per "

@@ -21,15 +21,19 @@ no other module touches a private member (tests/test_engine_boundary.py).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Iterable
 
 from backends.base import Backend, ModelInfo
+from backends.model_path import resolve_model
 from server.engine import messages as m
 from server.engine.admission import Admission
 from server.engine.api import CapacityExhausted, DoneEvent, GenerateRequest, NotReady, TokenEvent, choice_sampling
 from server.engine.config import EngineConfig
+from server.engine.disk import DiskTier, fingerprint
 from server.engine.request import Phase, Request, RequestHandle
 from server.engine.reuse import Reuse
 from server.engine.runner import Runner
@@ -37,14 +41,18 @@ from server.engine.telemetry import EngineMetrics
 from server.metrics import Registry
 from server.settings import validate
 
+log = logging.getLogger("kvfork.engine")
+
 STOP_WAIT_S = 10.0  # after the grace period: how long cancelled requests get to leave before we stop waiting
 
 
 class Engine:
     def __init__(self, backend: Backend, model_path: str, dtype: str | None, config: EngineConfig,
-                 registry: Registry):
+                 registry: Registry, kv_dir: Path | None = None):
+        """`kv_dir`: where the prefix cache's disk tier lives (disk.kv_root()); None: no disk tier."""
         validate(config)
         self.backend, self.model_path, self.dtype, self.config = backend, model_path, dtype, config
+        self.kv_dir = kv_dir
         self.registry = registry
         self.info: ModelInfo | None = None
         self.dead = False
@@ -87,7 +95,7 @@ class Engine:
             return
         self._closing = True
         for r in list(self._requests.values()):  # not started yet: nothing in flight to finish
-            if r.phase in (Phase.QUEUED, Phase.FOLLOWING):
+            if r.phase in (Phase.QUEUED, Phase.FOLLOWING, Phase.RESTORING):
                 self._cancel(r.rid)
         await self._wait_idle(grace_s)
         for rid in list(self._requests):
@@ -99,7 +107,9 @@ class Engine:
             self._admission.release_sessions(self._admission.drain())
         self._runner.send(m.Stop())
         await asyncio.to_thread(self._runner.thread.join, STOP_WAIT_S)
-        self._drain()
+        self._drain()  # the cache's last spills go to the disk tier here
+        if self._admission is not None and self._admission.disk is not None:
+            await asyncio.to_thread(self._admission.disk.close)
 
     @property
     def runner_alive(self) -> bool:
@@ -276,7 +286,7 @@ class Engine:
 
     def _expire(self, rid: int) -> None:
         r = self._requests.get(rid)
-        if r is not None and r.phase in (Phase.QUEUED, Phase.FOLLOWING):
+        if r is not None and r.phase in (Phase.QUEUED, Phase.FOLLOWING, Phase.RESTORING):
             self.complete(r, "error", f"waited longer than --queue-timeout ({self.config.queue_timeout:g} s)")
             self.admit()  # the expired head may have been all that held the queue back
 
@@ -341,6 +351,10 @@ class Engine:
                     self._on_finished(ev)
                 case m.CloneDone() as ev:
                     self._on_clone_done(ev)
+                case m.Exported() as ev:
+                    self._on_exported(ev)
+                case m.Restored() as ev:
+                    self._on_restored(ev)
                 case m.Holding() as ev:
                     self._on_holding(ev.live_sessions, ev.total_bytes)
                 case m.StepStats() as ev:
@@ -354,9 +368,26 @@ class Engine:
         self.info = ev.info
         self.config = self.config.resolve(ev.info)
         self._admission = Admission(self.config, ev.info, self.send)
+        self._admission.disk = self._open_disk(ev.info)
         self._reuse = Reuse(self, ev.info)
         if self._loaded is not None and not self._loaded.done():
             self._loaded.set_result(None)
+
+    def _open_disk(self, info: ModelInfo) -> DiskTier | None:
+        """The prefix cache's disk tier, when asked for and the backend can save sessions (base.py)."""
+        if not self.kv_dir or not self.config.prefix_cache_disk_bytes or self.config.prefix_cache_entries == 0:
+            return None
+        if type(self.backend).export_state is Backend.export_state:
+            log.warning("prefix cache disk tier off: %s cannot save sessions", type(self.backend).__name__)
+            return None
+        try:
+            fp = fingerprint(resolve_model(self.model_path), info.dtype, type(self.backend).__name__)
+        except OSError as exc:
+            log.warning("prefix cache disk tier off: cannot fingerprint the model (%r)", exc)
+            return None
+        windows = [layer.window for layer in info.layers if layer.kind == "sliding" and layer.window]
+        recurrent = any(layer.kind == "recurrent" for layer in info.layers)
+        return DiskTier.open(self.kv_dir, fp, self.config.prefix_cache_disk_bytes, windows, recurrent)
 
     def _on_died(self, ev: m.Died) -> None:
         self.dead = True
@@ -434,6 +465,28 @@ class Engine:
             self.adm.release_sessions([ev.session])
         else:
             self.reuser.clone_done(r, ev)
+
+    def _on_exported(self, ev: m.Exported) -> None:
+        """A spilled entry's state is on the host: to its file; its bytes go back once written."""
+        adm = self.adm
+        tokens, scope, nbytes = ev.key
+
+        def written(_: bool) -> None:
+            adm.spilled(nbytes)
+            self.admit()
+
+        if ev.state is None or adm.disk is None:
+            written(False)
+        else:
+            adm.disk.write(ev.state, tokens, scope, written)
+
+    def _on_restored(self, ev: m.Restored) -> None:
+        r = self._requests.get(ev.rid)
+        # the answer to a load its request stopped waiting for
+        if self.adm.clone_answered(ev.rid) or r is None or r.phase is not Phase.RESTORING:
+            self.adm.release_sessions([ev.session])
+        else:
+            self.reuser.restored(r, ev)
 
     def _on_holding(self, live_sessions: int, total_bytes: int) -> None:
         self.stats.live_sessions, self.stats.total_bytes = live_sessions, total_bytes

@@ -88,6 +88,22 @@ class Release:
 
 
 @dataclass
+class Spill:
+    """Export a prefix-cache entry's session to the host for the disk tier, then release it."""
+
+    key: Any  # the loop's name for the entry, sent back with its state
+    session: Any
+
+
+@dataclass
+class Restore:
+    """Load a state read from the disk tier into a new session for a parked request (its bytes are held)."""
+
+    rid: int
+    state: Any  # backends.base.SavedState, already cut to the tokens it serves
+
+
+@dataclass
 class Stop:
     pass
 
@@ -143,6 +159,20 @@ class CloneDone:
     upto: int = 0  # tokens the session holds (less than asked when a leaving donor handed over what it had)
     reason: str = ""  # why there is no session
     seconds: float = 0.0  # how long the clone took
+
+
+@dataclass
+class Exported:
+    key: Any
+    state: Any | None  # backends.base.SavedState; None: the export failed (the session is released anyway)
+
+
+@dataclass
+class Restored:
+    rid: int
+    session: Any | None  # None: the load failed
+    upto: int = 0
+    seconds: float = 0.0
 
 
 @dataclass

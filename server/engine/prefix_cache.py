@@ -20,14 +20,16 @@ Design rules:
   tried, then a full prefill;
 - entries outlive the request they came from; eviction goes by count and bytes;
 - an entry serves only requests of the scope that computed it (api.Scope): the
-  same prompt under two scopes is two entries, and a lookup sees its own only.
+  same prompt under two scopes is two entries, and a lookup sees its own only;
+- an entry evicted is offered to `spill` (the disk tier): one it takes is not
+  returned for release (the spill releases it once its state is on the host).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from server.engine.api import Scope
 from server.engine.matching import Source, ranked_matches, window_floor
@@ -54,8 +56,9 @@ class CacheMatch:
 
 class PrefixCache:
     def __init__(self, max_entries: int, max_bytes: int | None, min_tokens: int, windows: Iterable[int] = (),
-                 recurrent: bool = False):
+                 recurrent: bool = False, spill: Callable[[CacheEntry], bool] | None = None):
         self.max_entries, self.max_bytes, self.min_tokens = max_entries, max_bytes, min_tokens
+        self.spill = spill  # takes an evicted entry (True) or leaves it to be released
         self.windows = tuple(windows)  # the sliding layers' windows
         self.recurrent = recurrent  # the model has recurrent layers
         self._entries: OrderedDict[tuple[Scope, tuple[int, ...]], CacheEntry] = OrderedDict()  # oldest first
@@ -114,4 +117,4 @@ class PrefixCache:
     def _pop_oldest(self) -> Any:
         _, entry = self._entries.popitem(last=False)
         self.nbytes -= entry.nbytes
-        return entry.session
+        return None if self.spill is not None and self.spill(entry) else entry.session

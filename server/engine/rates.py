@@ -5,7 +5,8 @@ The engine calls:
   tracker = tracker.observe_prefill(tokens, seconds)   # after each step that prefilled
   tracker = tracker.observe_clone(tokens, seconds)     # after each clone
   tracker = tracker.observe_decode(seconds)     # after each step that decoded (the runner's own tracker)
-  tracker.rates -> Rates                        # .share(prefilling) .clone_s(tokens) .decode_s
+  tracker = tracker.observe_read(nbytes, seconds)      # after each disk tier read (file read and checksum)
+  tracker.rates -> Rates                        # .share(prefilling) .clone_s(tokens) .decode_s .read_s(nbytes)
   split_pass(decode_rows, prefill_tokens, seconds)     # one mixed pass's time, as decode and prefill parts
 """
 
@@ -20,6 +21,9 @@ class Rates:
     clone_fixed_s: float = 0.002
     clone_s_per_token: float = 1e-5
     decode_s: float = 0.05  # what a step's decode rows take, without prefill
+    # Disk tier reads (file and checksum), bytes/s. The prior is a modest SSD's cold read, so a
+    # restore is chosen before any read was measured only where it clearly beats prefilling.
+    read_bps: float = 500e6
 
     def share(self, prefilling: int) -> float:
         """Tokens/s one of `prefilling` requests gets: prefill is compute-bound, so they split it."""
@@ -27,6 +31,9 @@ class Rates:
 
     def clone_s(self, tokens: int) -> float:
         return self.clone_fixed_s + self.clone_s_per_token * tokens if tokens > 0 else 0.0
+
+    def read_s(self, nbytes: int) -> float:
+        return nbytes / self.read_bps
 
 
 def split_pass(decode_rows: int, prefill_tokens: int, seconds: float) -> tuple[float, float]:
@@ -55,6 +62,8 @@ class RateTracker:
     # EMA of 1, x, y, x*x, x*y with x = tokens cloned, y = seconds
     clone_moments: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
     decode_seconds: float = 0.0
+    read_bytes: float = 0.0
+    read_seconds: float = 0.0
 
     def observe_prefill(self, tokens: int, seconds: float) -> RateTracker:
         if tokens <= 0 or seconds <= 0:
@@ -76,11 +85,19 @@ class RateTracker:
             return self
         return replace(self, decode_seconds=self._ema(self.decode_seconds, seconds, self.decode_seconds == 0))
 
+    def observe_read(self, nbytes: int, seconds: float) -> RateTracker:
+        if nbytes <= 0 or seconds <= 0:
+            return self
+        first = self.read_seconds == 0
+        return replace(self, read_bytes=self._ema(self.read_bytes, nbytes, first),
+                             read_seconds=self._ema(self.read_seconds, seconds, first))
+
     @property
     def rates(self) -> Rates:
         prefill = self.prefill_tokens / self.prefill_seconds if self.prefill_seconds > 0 else self.prior.prefill_tps
         decode = self.decode_seconds or self.prior.decode_s
-        return Rates(prefill, *self._clone_fit(), decode_s=decode)
+        read = self.read_bytes / self.read_seconds if self.read_seconds > 0 else self.prior.read_bps
+        return Rates(prefill, *self._clone_fit(), decode_s=decode, read_bps=read)
 
     def _clone_fit(self) -> tuple[float, float]:
         w, sx, sy, sxx, sxy = self.clone_moments

@@ -1,9 +1,10 @@
 """One request as the control loop sees it: its phase, its handle, its accounting.
 
 Phases (one way only):
-    QUEUED -> [FOLLOWING ->] STARTING -> RUNNING -> DONE
+    QUEUED -> [FOLLOWING or RESTORING ->] STARTING -> RUNNING -> DONE
 QUEUED waits for a slot; FOLLOWING is parked, holding no slot, until a
-prefilling donor has committed what it needs; STARTING has been handed to the
+prefilling donor has committed what it needs; RESTORING is parked the same way
+until its prefix is read from the disk tier and loaded; STARTING has been handed to the
 runner (with a donor to clone from, or not), RUNNING has a session there. Any
 phase may jump to DONE.
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from server.engine.api import DoneEvent, GenerateRequest, ReuseSource, TokenEvent, Usage
+from server.engine.disk import DiskMatch
 from server.engine.follow import Following
 from server.engine.sessions import NamedSession
 
@@ -24,6 +26,7 @@ from server.engine.sessions import NamedSession
 class Phase(enum.Enum):
     QUEUED = "queued"
     FOLLOWING = "following"
+    RESTORING = "restoring"
     STARTING = "starting"
     RUNNING = "running"
     DONE = "done"
@@ -97,6 +100,9 @@ class Request:
     first_parked_at: float = 0.0  # the follow deadline runs from here, across re-parks
     no_follow: bool = False  # a failed or expired follow: clone-now from then on
     landed: tuple[Any, int] | None = None  # (session, tokens) a follow clone gave it, until it has a slot
+    restoring: DiskMatch | None = None  # RESTORING: the disk tier's file it waits for
+    restore_sent: bool = False  # its state went to the runner to load: the answer comes back either way
+    no_disk: bool = False  # a restore failed: it prefills from then on
     # n > 1: choice 0 is the request that prefills (it lists the others as `siblings`); each other choice
     # (its `lead` set) is admitted with it, holding a slot, and is `sent` to the runner in its Start.
     lead: "Request | None" = None

@@ -15,6 +15,14 @@ Every failure (refused clone, donor or leader gone) sends the request back to
 the head of the queue: the normal admission path, with a fresh cache lookup.
 Donors, leaders and cache entries are drawn from the request's own scope only
 (api.Scope): another tenant's running prompt is never cloned nor followed.
+
+The disk tier (disk.py) comes last: when a file of the request's scope serves
+more of its prompt than anything in memory, and the cost model (restore.py)
+expects reading it to beat computing it, the request parks without a slot
+(RESTORING), holding the bytes of the session it will be handed, while the disk
+thread reads and checks the file; the runner loads it into a session, and the
+request then takes the next free slot like a follower whose clone landed. A
+file that fails its check, or a load that fails, sends it back to prefill.
 """
 
 from __future__ import annotations
@@ -25,10 +33,12 @@ from typing import TYPE_CHECKING, Any, Iterable, Protocol
 
 from backends.base import ModelInfo, clone_positions
 from server.engine import messages as m
+from server.engine.disk import DiskMatch
 from server.engine.follow import FollowPolicy, Following, Leader, Plan, leader_views, plan
 from server.engine.matching import Recipient, Source, window_floor
 from server.engine.rates import RateTracker
 from server.engine.request import Phase, Request
+from server.engine.restore import choose_restore
 
 if TYPE_CHECKING:
     from server.engine.admission import Admission
@@ -76,10 +86,16 @@ class Reuse:
             r.landed = None
             engine.start_request(r, resume=session, resume_at=upto)
             return
-        if r.named is not None or not self.enabled:
+        if r.named is not None:
             engine.start_request(r)
             return
+        if not self.enabled:
+            if not self._restore(r, engine.adm.cache.best(r.prompt, r.req.scope)):
+                engine.start_request(r)
+            return
         decided = self._plan(r)
+        if self._restore(r, decided.target if decided.follow else decided.now.upto):
+            return
         if decided.follow:
             engine.adm.free_slot(r)
             engine.adm.free_capture_slot(r)
@@ -185,6 +201,72 @@ class Reuse:
             if f.leader == r.rid and not f.registered:
                 self._register(f)
 
+    # ---- the disk tier ----
+
+    def _restore(self, r: Request, memory: int) -> bool:
+        """Park `r` to restore its prefix from disk, when a file serves more than `memory` (the best
+        match in memory) and the cost model expects that to be faster. False: it goes on without."""
+        engine = self.engine
+        adm, disk = engine.adm, engine.adm.disk
+        if disk is None or not disk.on or r.no_disk or r.siblings:
+            return False
+        matches = disk.lookup(r.prompt, r.req.scope)
+        if not matches or matches[0].upto <= memory or matches[0].upto < engine.config.prefix_cache_min_tokens:
+            return False
+        match = matches[0]
+        choice = choose_restore(match.upto, match.entry.file_bytes, memory, self.rates.rates, self.prefilling())
+        r.decision.update(choice.log_fields())
+        engine.metrics.disk_decisions.inc(choice=choice.reason)
+        if not choice.restore:
+            return False
+        adm.free_slot(r)
+        adm.free_capture_slot(r)
+        held = adm.hold(r, adm.clone_bytes(match.upto))  # the session it will be handed, before it exists
+        assert held, "a restored session costs no more than the slot it gives back"
+        r.phase, r.restoring = Phase.RESTORING, match
+        disk.touch(match.entry)
+        engine.expire_at(r, r.submitted_at + engine.config.queue_timeout)
+        disk.read(match.entry, lambda state, outcome, seconds: self._read(r.rid, match, state, outcome, seconds))
+        return True
+
+    def _read(self, rid: int, match: DiskMatch, state: Any, outcome: str, seconds: float) -> None:
+        """The disk thread read `match`'s file (state None: it was bad, and is gone)."""
+        engine = self.engine
+        r = engine.request(rid)
+        if r is None or r.phase is not Phase.RESTORING or r.restoring is not match:
+            return  # it left meanwhile
+        if state is not None:
+            self.rates = self.rates.observe_read(match.entry.file_bytes, seconds)
+            try:
+                state = state.prefix(match.upto)
+            except Exception:  # the lookup's rules admit it; a file that disagrees prefills
+                state, outcome = None, "corrupt"
+        if state is None:
+            engine.metrics.disk_restores.inc(outcome=outcome)
+            r.decision["disk"] = outcome
+            self._stop_restoring(r)
+            engine.admit()
+            return
+        r.restore_sent = True
+        engine.send(m.Restore(rid, state))
+
+    def restored(self, r: Request, ev: m.Restored) -> None:
+        """The runner loaded `r`'s state (or failed to): it waits for a slot, or prefills."""
+        outcome = "restored" if ev.session is not None else "failed"
+        self.engine.metrics.disk_restores.inc(outcome=outcome)
+        if ev.session is None:
+            r.decision["disk"] = outcome
+            self._stop_restoring(r)
+            return
+        r.restoring, r.restore_sent, r.phase = None, False, Phase.QUEUED
+        r.landed, r.reuse_source = (ev.session, ev.upto), "disk"  # its hold covers it
+        self.engine.adm.requeue(r)
+
+    def _stop_restoring(self, r: Request) -> None:
+        r.restoring, r.restore_sent, r.phase, r.no_disk = None, False, Phase.QUEUED, True
+        self.engine.adm.let_go(r)
+        self.engine.adm.requeue(r)
+
     # ---- outcomes ----
 
     def donor_started(self, r: Request, ev: m.Started) -> None:
@@ -228,6 +310,8 @@ class Reuse:
         (A clone-now request ends only once the runner answered its Start: its clone is its own session.)"""
         if self.followers.pop(r.rid, None) is not None:
             self._stop_following(r)
+        if r.phase is Phase.RESTORING and r.restore_sent:  # the runner may have loaded it already
+            self.engine.adm.abandon_clone(r, self.engine.adm.clone_bytes(r.restoring.upto))
         orphans = [f for f in self.followers.values() if f.leader == r.rid and not f.registered]
         for f in orphans:  # back to the queue, in arrival order: they plan again when admitted
             self._unpark(f)

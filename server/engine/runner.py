@@ -183,6 +183,10 @@ class Runner:
             elif isinstance(command, m.Release):
                 for session in command.sessions:
                     self.backend.release(session)
+            elif isinstance(command, m.Spill):
+                self._spill(command)
+            elif isinstance(command, m.Restore):
+                self._restore(command)
             elif isinstance(command, m.Stop):
                 self._orders = CloneOrders()  # nobody is left to hand anything over to
                 for slot in list(self._slots.values()):
@@ -232,6 +236,27 @@ class Runner:
                                        capture_at=capture_at if start.capture else 0)
         self._rows.start(start.rid, start.constraint)
         self.events.append(m.Started(start.rid, reused, index, refused, clone_s))
+
+    def _spill(self, command: m.Spill) -> None:
+        """Optional work: a state that fails to export is simply not kept on disk."""
+        state = None
+        try:
+            state = self._timed(self.backend.export_state, command.session)
+        except Exception as exc:
+            log.warning("exporting a prefix cache entry failed: %r", exc)
+        self.backend.release(command.session)
+        self.events.append(m.Exported(command.key, state))
+
+    def _restore(self, command: m.Restore) -> None:
+        """Optional work: a state that fails to load leaves its request to prefill."""
+        t0 = time.perf_counter()
+        try:
+            session = self._timed(self.backend.import_state, command.state)
+        except Exception as exc:
+            log.warning("loading a saved state for request %d failed: %r", command.rid, exc)
+            self.events.append(m.Restored(command.rid, None))
+            return
+        self.events.append(m.Restored(command.rid, session, session.position, time.perf_counter() - t0))
 
     def _keep_at(self, session: Session, positions: tuple[int, ...]) -> None:
         """Checkpoints at message boundaries are optional work: a backend that fails them runs on without."""

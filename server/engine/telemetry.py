@@ -68,6 +68,22 @@ class EngineMetrics:
         g("named_sessions", "named sessions kept", admission(lambda a: len(a.named)))
         g("prefix_cache_entries", "snapshots in the prefix cache", admission(lambda a: len(a.cache)))
         g("prefix_cache_bytes", "bytes of the prefix cache", admission(lambda a: a.cache.nbytes))
+        self.disk_decisions = c("prefix_cache_disk_decisions_total",
+                                "disk tier hits, by the cost model's choice (restore, slower, no_gain)")
+        self.disk_restores = c("prefix_cache_disk_restores_total",
+                               "disk tier restores, by outcome (restored, corrupt, missing, failed)")
+
+        def disk(read):  # a gauge over the disk tier, 0 while it is off or not open
+            return admission(lambda a: read(a.disk) if a.disk is not None else 0)
+
+        g("prefix_cache_disk_entries", "files in the prefix cache's disk tier", disk(lambda d: len(d.index)))
+        g("prefix_cache_disk_bytes", "bytes of the prefix cache's disk tier", disk(lambda d: d.nbytes))
+        g("prefix_cache_disk_on", "1 while the disk tier is on", disk(lambda d: int(d.on)))
+        g("prefix_cache_disk_spilled", "entries written to the disk tier since start", disk(lambda d: d.stats.spilled))
+        g("prefix_cache_disk_corrupt_files", "disk tier files found torn or corrupt and removed since start",
+          disk(lambda d: d.stats.corrupt))
+        g("prefix_cache_disk_spilling_bytes", "bytes of evicted entries held until their file is written",
+          admission(lambda a: a.spilling))
 
     def holding(self, backend_bytes: int, budget: int | None) -> None:
         """The runner's report of what the backend holds, checked against the budget."""

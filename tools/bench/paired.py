@@ -33,6 +33,7 @@ MODES = {
     "off": lambda k: ["--active-prefix-reuse-min-tokens", "0"],
     "on": lambda k: _threshold(k),
     "no-follow": lambda k: [*_threshold(k), "--no-follow"],
+    "disk-off": lambda k: [*_threshold(k), "--prefix-cache-disk-bytes", "0"],  # "on" without the disk tier
 }
 
 # kvfork's counters (server/engine/telemetry.py): cross-checks of the usage figures.
