@@ -225,8 +225,20 @@ class FaultyBackend(Backend):
         self._read([source, target], "move_checkpoints")
         self.inner.move_checkpoints(source, target)
 
+    def set_clone_mode(self, mode) -> None:
+        self.inner.set_clone_mode(mode)
+
     def session_bytes(self, session: Session) -> int:
         return self.inner.session_bytes(session)
+
+    def release_frees(self, session: Session) -> int:
+        return self.inner.release_frees(session)
+
+    def pooled_bytes(self) -> int:
+        return self.inner.pooled_bytes()
+
+    def block_stats(self):
+        return self.inner.block_stats()
 
     def total_bytes(self) -> int:
         return self.inner.total_bytes()

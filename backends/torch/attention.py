@@ -5,6 +5,15 @@ they are: a padded batch of rows would first copy every row's KV into one
 tensor, which costs more than the attention on the CPU (tools/decode_bench.py,
 `layout` section). Everything else in a pass runs over all rows' tokens at once.
 
+A row's keys come in runs (kv.py: the blocks it shares, then its own store). One
+run, the common case, is read as it is. Several:
+- a decode row reads each run where it lies: its scores against every run, one
+  softmax over them all, and each run's values weighted by its part (no copy of
+  the keys; the scores are a few floats per key);
+- a prefill chunk attends over the runs joined into one tensor, a copy of the
+  chunk's keys measured at under 5% of the chunk's forward time
+  (tools/clone_bench.py, `gather` section).
+
 On CUDA, FlashAttention (`flash_attn`) reads the same buffers through strides
 when it imports; otherwise, and on the CPU, torch's SDPA. Both give the same
 masks: causal aligned to the last key, and for sliding layers the window.
@@ -36,11 +45,17 @@ def window_mask(first_key: int, start: int, n: int, n_keys: int, window: int, de
     return (k <= q) & (k > q - window)
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, first_key: int | None,
+def attend(q: torch.Tensor, runs: list[tuple[torch.Tensor, torch.Tensor]], start: int, first_key: int | None,
            window: int | None, scale: float) -> torch.Tensor:
-    """q: [heads, n, head_dim] for positions [start, start + n); keys, values: [kv_heads, n_keys,
-    head_dim], the first at position `first_key` (None: a ring's unordered slots, all visible to
-    the single query). Returns [n, heads, head_dim]."""
+    """q: [heads, n, head_dim] for positions [start, start + n); runs: (keys, values) [kv_heads, n_keys,
+    head_dim] each, in position order, the first key at position `first_key` (None: a ring's unordered
+    slots, all visible to the single query). Returns [n, heads, head_dim]."""
+    if len(runs) > 1 and q.shape[1] == 1:
+        return decode_runs(q, runs, scale)
+    if len(runs) > 1:
+        keys, values = torch.cat([k for k, _ in runs], dim=1), torch.cat([v for _, v in runs], dim=1)
+    else:
+        (keys, values), = runs
     kernel = flash_attention() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
     if kernel is not None:
         return flash(kernel, q, keys, values, window, scale)
@@ -69,3 +84,20 @@ def flash(kernel, q, keys, values, window, scale) -> torch.Tensor:
     out = kernel(q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
                  softmax_scale=scale, causal=True, window_size=(window - 1, 0) if window else (-1, -1))
     return out[0]
+
+
+def decode_runs(q: torch.Tensor, runs: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
+    """One query ([heads, 1, head_dim]) over keys in several runs, read where they lie: the scores
+    against each run, one softmax over all of them (float32), each run's values weighted by its part.
+    Grouped-query heads share their key head as SDPA's enable_gqa does (head h reads h // group)."""
+    kv_heads, head_dim = runs[0][0].shape[0], q.shape[-1]
+    grouped = q.reshape(kv_heads, -1, head_dim)  # [kv_heads, group, head_dim]
+    scores = torch.cat([torch.matmul(grouped, k.transpose(1, 2)) for k, _ in runs], dim=-1)
+    weights = torch.softmax(scores.float() * scale, dim=-1).to(q.dtype)
+    out, at = None, 0
+    for _, v in runs:
+        part = torch.matmul(weights[..., at:at + v.shape[1]], v)
+        out = part if out is None else out + part
+        at += v.shape[1]
+    assert out is not None
+    return out.reshape(1, -1, head_dim)

@@ -81,8 +81,8 @@ class Attention(nn.Module):
         q, k, v = (u[0].transpose(0, 1) for u in (rotate(q, *rope), rotate(k, *rope), v))
         out = []
         for row, span in zip(rows, spans(rows)):
-            keys, values, first_key = row.kv[layer].update(k[:, span], v[:, span], row.start)
-            out.append(attend(q[:, span], keys, values, row.start, first_key, self.window, self.scale))
+            runs, first_key = row.kv[layer].update(k[:, span], v[:, span], row.start)
+            out.append(attend(q[:, span], runs, row.start, first_key, self.window, self.scale))
         return self.o_proj(torch.cat(out).view(t, -1))
 
 
