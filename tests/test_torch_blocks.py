@@ -198,3 +198,28 @@ def test_a_failed_clone_holds_nothing(tiny_model_dir, monkeypatch):
         b.clone(donor, 600)
     assert b.total_bytes() == before and set(b.pool.stores) == stores
     assert all(not s.readers for s in b.pool.stores.values()) and b.live_sessions() == 1
+
+
+def test_a_group_sharing_a_prefix_decodes_as_each_alone(llama, monkeypatch):
+    """Cascade: decode rows that read the same blocks read them once for the group (one product of all
+    their queries), merged with each row's own part by log-sum-exp: the logits each gets alone."""
+    from backends.torch import attention
+
+    calls = []
+    real = attention.cascade
+    monkeypatch.setattr(attention, "cascade", lambda *a: calls.append(len(a[1])) or real(*a))
+    prompt = tokens(10, 700)
+    donor = llama.open_session()
+    llama.prefill([donor], [prompt])
+    clones = [llama.clone(donor, 700 - 3 * i) for i in range(4)]
+    picks = [5, 6, 7, 8]
+    together = llama.to_numpy(llama.decode(clones, picks))
+    assert calls and calls[0] == 4  # one group of four, in every full layer
+    alone = []
+    for i in range(4):
+        again = llama.clone(donor, 700 - 3 * i)
+        alone.append(llama.to_numpy(llama.decode([again], [picks[i]]))[0])
+        llama.release(again)
+    np.testing.assert_allclose(together, np.array(alone), atol=ATOL, rtol=RTOL)
+    for s in (donor, *clones):
+        llama.release(s)

@@ -22,6 +22,7 @@ masks: causal aligned to the last key, and for sliding layers the window.
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -86,18 +87,75 @@ def flash(kernel, q, keys, values, window, scale) -> torch.Tensor:
     return out[0]
 
 
-def decode_runs(q: torch.Tensor, runs: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
-    """One query ([heads, 1, head_dim]) over keys in several runs, read where they lie: the scores
-    against each run, one softmax over all of them (float32), each run's values weighted by its part.
-    Grouped-query heads share their key head as SDPA's enable_gqa does (head h reads h // group)."""
-    kv_heads, head_dim = runs[0][0].shape[0], q.shape[-1]
-    grouped = q.reshape(kv_heads, -1, head_dim)  # [kv_heads, group, head_dim]
-    scores = torch.cat([torch.matmul(grouped, k.transpose(1, 2)) for k, _ in runs], dim=-1)
-    weights = torch.softmax(scores.float() * scale, dim=-1).to(q.dtype)
+def partial(grouped: torch.Tensor, runs: list[tuple[torch.Tensor, torch.Tensor]], scale: float):
+    """Grouped queries [kv_heads, q, head_dim] over keys in runs read where they lie: the scores against
+    each run, one softmax over all of them (float32), each run's values weighted by its part. Returns
+    the output [kv_heads, q, head_dim] (float32) and the log-sum-exp of the scores [kv_heads, q, 1]."""
+    scores = torch.cat([torch.matmul(grouped, k.transpose(1, 2)) for k, _ in runs], dim=-1).float() * scale
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    weights = torch.exp(scores - lse).to(grouped.dtype)
     out, at = None, 0
     for _, v in runs:
-        part = torch.matmul(weights[..., at:at + v.shape[1]], v)
+        part = torch.matmul(weights[..., at:at + v.shape[1]], v).float()
         out = part if out is None else out + part
         at += v.shape[1]
     assert out is not None
-    return out.reshape(1, -1, head_dim)
+    return out, lse
+
+
+def decode_runs(q: torch.Tensor, runs: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
+    """One query ([heads, 1, head_dim]) over keys in several runs, read where they lie. Grouped-query
+    heads share their key head as SDPA's enable_gqa does (head h reads h // group)."""
+    kv_heads, head_dim = runs[0][0].shape[0], q.shape[-1]
+    out, _ = partial(q.reshape(kv_heads, -1, head_dim), runs, scale)
+    return out.to(q.dtype).reshape(1, -1, head_dim)
+
+
+CASCADE = True  # decode rows sharing a first run read it together (tools/clone_bench.py measures both)
+
+
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, states: Sequence, starts: Sequence[int],
+                spans: Sequence[slice], window: int | None, scale: float) -> torch.Tensor:
+    """A layer's attention for every row of a varlen batch: each row's new keys and values
+    (head-major [kv_heads, tokens, head_dim], the rows' end to end) written to its layer state
+    (`states[i].update`, from `starts[i]`), then its queries ([heads, tokens, head_dim]) attended over
+    what that state returns. Returns [tokens, heads, head_dim].
+
+    Cascade: decode rows whose first run is the same blocks (a prefix they share by reference) read
+    it once for the group: one product of all their queries against the shared keys, merged with
+    each row's own runs by log-sum-exp."""
+    written = [state.update(k[:, span], v[:, span], start) for state, span, start in zip(states, spans, starts)]
+    out: list[torch.Tensor | None] = [None] * len(written)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, ((runs, _), span) in enumerate(zip(written, spans)):
+        if CASCADE and span.stop - span.start == 1 and len(runs) > 1:
+            groups.setdefault((runs[0][0].data_ptr(), runs[0][0].shape[1]), []).append(i)
+    for group in groups.values():
+        if len(group) > 1:
+            for i, o in zip(group, cascade(q, [spans[i] for i in group], [written[i][0] for i in group], scale)):
+                out[i] = o
+    for i, ((runs, first_key), span, start) in enumerate(zip(written, spans, starts)):
+        if out[i] is None:
+            out[i] = attend(q[:, span], runs, start, first_key, window, scale)
+    return torch.cat(out)  # type: ignore[arg-type]
+
+
+def cascade(q: torch.Tensor, spans: Sequence[slice], row_runs: list[list[tuple[torch.Tensor, torch.Tensor]]],
+            scale: float) -> list[torch.Tensor]:
+    """Decode rows (one query each, at `spans` of q) whose first run is the same: that run read once
+    for all of them, each row's other runs alone, merged by log-sum-exp. Returns [1, heads, head_dim]
+    per row."""
+    (shared_k, shared_v), kv_heads, head_dim = row_runs[0][0], row_runs[0][0][0].shape[0], q.shape[-1]
+    rows = len(spans)
+    queries = torch.stack([q[:, span][:, 0] for span in spans])  # [rows, heads, head_dim]
+    grouped = queries.view(rows, kv_heads, -1, head_dim).transpose(0, 1).reshape(kv_heads, -1, head_dim)
+    together, lse_together = partial(grouped, [(shared_k, shared_v)], scale)
+    group = together.shape[1] // rows
+    out = []
+    for r, runs in enumerate(row_runs):
+        at = slice(r * group, (r + 1) * group)
+        own, lse_own = partial(q[:, spans[r]].reshape(kv_heads, -1, head_dim), runs[1:], scale)
+        lse = torch.logaddexp(lse_together[:, at], lse_own)
+        merged = together[:, at] * torch.exp(lse_together[:, at] - lse) + own * torch.exp(lse_own - lse)
+        out.append(merged.to(q.dtype).reshape(1, -1, head_dim))
+    return out

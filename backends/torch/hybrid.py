@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from backends.torch import kv
-from backends.torch.attention import attend
+from backends.torch.attention import attend_rows
 from backends.torch.config import HybridConfig
 from backends.torch.gated_delta import GatedDeltaNet, RecurrentState
 from backends.torch.kv import BlockTable, FullKV
@@ -83,11 +83,9 @@ class GatedAttention(nn.Module):
         q, k = self._rotate(self.q_norm(q), rope), self._rotate(self.k_norm(k), rope)
         # Head-major views [heads, tokens, head_dim], as the KV buffers hold them.
         q, k, v = (u[0].transpose(0, 1) for u in (q, k, v))
-        out = []
-        for row, span in zip(rows, spans(rows)):
-            runs, first_key = row.kv[layer].update(k[:, span], v[:, span], row.start)
-            out.append(attend(q[:, span], runs, row.start, first_key, None, self.head_dim**-0.5))
-        return self.o_proj(torch.cat(out).reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))
+        out = attend_rows(q, k, v, [row.kv[layer] for row in rows], [row.start for row in rows], spans(rows),
+                          None, self.head_dim**-0.5)
+        return self.o_proj(out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))
 
 
 class HybridBlock(nn.Module):
