@@ -80,14 +80,11 @@ class Store:
         self.keys, self.values, self.base, self.capacity = keys, values, base, capacity
         self.writer: int | None = writer  # the session that writes it; None once it released it
         self.readers: dict[int, int] = {}  # session id -> end: it reads [base, end)
+        self.nbytes = sum(t.numel() * t.element_size() for t in (*keys, *values))
 
     @property
     def end(self) -> int:
         return self.base + self.capacity
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
     def block_refs(self) -> list[int]:
         """Holders of each block: the writer (all of them), and each reader below its end."""
