@@ -18,7 +18,9 @@
   the group (cascade), blocks read by reference row by row (blocked), and one
   contiguous copy each (copy: yesterday's buffers).
 - prefill: tok/s of a clone of a 4,000-token prompt prefilling 512 and 2,048 more
-  tokens in one chunk, share (its runs joined per chunk) and copy (one run).
+  tokens in one chunk, share (its runs joined per chunk) and copy (one run); and the
+  join alone (every full layer's runs copied into attention's buffer, as it does for
+  a chunk), as a share of the chunk's time.
 - blocks: on the synthetic shape, per block size: a clone's time at 8k, and the
   time to grow a session to 8k one decode write at a time (growth copies the
   store it writes whenever a block fills; fewer, larger blocks copy less often).
@@ -130,6 +132,18 @@ class Bench:
                 for _ in range(self.repeat):
                     once()
                 out[f"{chunk} {mode}"] = round(chunk / once.seconds, 1)
+                if mode == "share":
+                    made = self.clones(n, mode, 1)
+                    self.b.prefill(made, [text])
+                    table = made[0].table
+                    runs = table.runs()
+
+                    def join():
+                        for layer in range(self.b.pool.full_layers):
+                            attention.join([(s.keys[layer][:, :end - s.base], s.values[layer][:, :end - s.base])
+                                            for s, end in runs])
+                    out[f"{chunk} join share of chunk"] = round(best(join, self.repeat) / once.seconds, 4)
+                    self.release(made)
         return out
 
 

@@ -10,9 +10,17 @@ run, the common case, is read as it is. Several:
 - a decode row reads each run where it lies: its scores against every run, one
   softmax over them all, and each run's values weighted by its part (no copy of
   the keys; the scores are a few floats per key);
-- a prefill chunk attends over the runs joined into one tensor, a copy of the
-  chunk's keys measured at under 5% of the chunk's forward time
-  (tools/clone_bench.py, `gather` section).
+- decode rows whose first run is the same blocks (clones of one prefix) read
+  those blocks once per step for the group (cascade: one product of all their
+  queries against the shared keys, merged with each row's own runs by
+  log-sum-exp), measured faster than row by row at 8 sessions sharing 4k
+  (docs/benchmarks.md); FlashInfer's cascade kernels are not wired in yet, so CUDA
+  runs this plain path too;
+- a prefill chunk attends over the runs joined into one buffer (`join`), a copy
+  of the session's keys measured against the chunk's forward time
+  (tools/clone_bench.py, `prefill` section). The buffer is reused across layers
+  and steps: a fresh tensor per layer faults its pages in first, which measured
+  several times the copy itself on the CPU.
 
 On CUDA, FlashAttention (`flash_attn`) reads the same buffers through strides
 when it imports; otherwise, and on the CPU, torch's SDPA. Both give the same
@@ -54,13 +62,36 @@ def attend(q: torch.Tensor, runs: list[tuple[torch.Tensor, torch.Tensor]], start
     if len(runs) > 1 and q.shape[1] == 1:
         return decode_runs(q, runs, scale)
     if len(runs) > 1:
-        keys, values = torch.cat([k for k, _ in runs], dim=1), torch.cat([v for _, v in runs], dim=1)
+        keys, values = join(runs)
     else:
         (keys, values), = runs
     kernel = flash_attention() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
     if kernel is not None:
         return flash(kernel, q, keys, values, window, scale)
     return sdpa(q, keys, values, start, first_key, window, scale)
+
+
+# (device, dtype, kv_heads, head_dim) -> keys and values buffers [kv_heads, tokens, head_dim]: working
+# memory of the one runner thread, like a pass's activations (not KV state, so not in the KV budget)
+_joined: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def join(runs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The runs' keys and values, each as one [kv_heads, tokens, head_dim] view of a buffer reused
+    by every later call (read it before the next call)."""
+    first = runs[0][0]
+    n = sum(k.shape[1] for k, _ in runs)
+    key = (first.device, first.dtype, first.shape[0], first.shape[2])
+    held = _joined.get(key)
+    if held is None or held[0].shape[1] < n:
+        shape = (first.shape[0], n, first.shape[2])
+        held = _joined[key] = (first.new_empty(shape), first.new_empty(shape))
+    at = 0
+    for k, v in runs:
+        held[0][:, at:at + k.shape[1]].copy_(k)
+        held[1][:, at:at + k.shape[1]].copy_(v)
+        at += k.shape[1]
+    return held[0][:, :n], held[1][:, :n]
 
 
 def sdpa(q, keys, values, start, first_key, window, scale) -> torch.Tensor:
