@@ -126,9 +126,11 @@ class KVCost:
       furthest token written plus `spare` (torch: spare 1, slack 0; MLX: spare 0, slack one step);
     - every sliding layer holds a ring of its window whatever the length (`ring_bytes`, all rings);
     - `shared` leading tokens held by reference in another session's memory cost nothing here: their
-      owner counts them (clone by reference). n choices over one prompt of P tokens and T in all cost
-      `bytes_for(T) + (n - 1) * bytes_for(T, shared=P, start=P)`; both backends here copy what they
-      clone (shared=0), so each other choice is its own clone at P, `bytes_for(T, start=P)`;
+      writer counts them, or, once it is gone, the pool of blocks nobody writes (Backend.pooled_bytes).
+      Where clones share (`shares`: torch's --clone-mode share), a clone at `upto` reads the whole
+      blocks below it, `shared(upto)` tokens, and holds one block of its own; n choices over one prompt
+      of P tokens and T in all cost `bytes_for(T) + (n - 1) * bytes_for(T, shared=shared(P), start=P)`.
+      Where they copy (MLX, --clone-mode copy), shared(upto) is 0;
     - every session of a hybrid model holds one recurrent state (`state_bytes`: the conv and delta-rule
       / SSM states of all its recurrent layers) whatever its length, and each recurrent-state checkpoint
       it keeps (`checkpoints`) costs one more.
@@ -146,6 +148,11 @@ class KVCost:
     state_bytes: int = 0
     tolerance: float = 0.0
     padded_rows: bool = False
+    shares: bool = False  # a clone holds the whole blocks (of `step`) below its `upto` by reference
+
+    def shared(self, upto: int) -> int:
+        """Leading tokens a clone at `upto` holds by reference (0 where clones copy)."""
+        return upto // self.step * self.step if self.shares else 0
 
     def round_up(self, tokens: int) -> int:
         return -(-tokens // self.step) * self.step
@@ -243,6 +250,15 @@ class SamplerState:
     output: list[int] = field(default_factory=list)
     rng: Any = None
     allowed: Any = None
+
+
+@dataclass(frozen=True)
+class BlockStats:
+    """Blocks of full-attention KV a sharing backend holds (`Backend.block_stats`)."""
+
+    blocks: int  # allocated, each counted once whoever holds it
+    shared: int  # with more than one holder
+    saved_bytes: int  # what copying clones would hold more: a block per holder beyond its first
 
 
 class Session:
@@ -386,13 +402,34 @@ class Backend(abc.ABC):
         has reserved its bytes (`info.kv.bytes_for(position, start=position)`) before calling."""
         raise NotImplementedError(f"{type(self).__name__} cannot load a session's state")
 
+    def set_clone_mode(self, mode: Literal["share", "copy"]) -> None:
+        """Before `load`: whether `clone` shares the whole blocks below `upto` by reference ("share")
+        or copies them ("copy"). `info.kv.shares` says which one is in effect; a backend that can only
+        copy (MLX) keeps copying."""
+
     @abc.abstractmethod
     def session_bytes(self, session: Session) -> int:
-        """Bytes allocated for this session's state."""
+        """Bytes this session holds of its own. Blocks it reads by reference are not its own: they are
+        their writer's, or pooled (`pooled_bytes`) once the writer is gone. Each byte the backend holds
+        is one session's or pooled: `total_bytes() == sum(session_bytes) + pooled_bytes()`."""
+
+    def release_frees(self, session: Session) -> int:
+        """Bytes releasing this session would free now: its own that nobody reads, and pooled blocks
+        nobody else reads."""
+        return self.session_bytes(session)
+
+    def pooled_bytes(self) -> int:
+        """Bytes of blocks whose writer was released and that other sessions still read (0 where
+        clones copy)."""
+        return 0
+
+    def block_stats(self) -> BlockStats | None:
+        """Blocks held, shared, and bytes saved by sharing; None for a backend without blocks."""
+        return None
 
     @abc.abstractmethod
     def total_bytes(self) -> int:
-        """Bytes allocated for all live sessions."""
+        """Bytes allocated for all live sessions, each counted once."""
 
     @abc.abstractmethod
     def live_sessions(self) -> int:

@@ -235,8 +235,20 @@ class FaultyBackend(Backend):
         self._measure()
         return session
 
+    def set_clone_mode(self, mode) -> None:
+        self.inner.set_clone_mode(mode)
+
     def session_bytes(self, session: Session) -> int:
         return self.inner.session_bytes(session)
+
+    def release_frees(self, session: Session) -> int:
+        return self.inner.release_frees(session)
+
+    def pooled_bytes(self) -> int:
+        return self.inner.pooled_bytes()
+
+    def block_stats(self):
+        return self.inner.block_stats()
 
     def total_bytes(self) -> int:
         return self.inner.total_bytes()

@@ -105,7 +105,9 @@ def check_shape(name: str, device: torch.device, dtype: str | None, prompt_len: 
     session = backend.open_session()
     prefill_s = clock(lambda: backend.prefill([session], [prompt]))
     clone_s = min(clock(lambda: backend.release(backend.clone(session, prompt_len))) for _ in range(3))
-    clone_bytes = prompt_len * backend.info.kv.full_bytes_per_token + backend.info.kv.ring_bytes  # copied
+    probe = backend.clone(session, prompt_len)
+    clone_bytes = backend.session_bytes(probe)  # what it wrote: a copy's all of it, a shared clone's last block
+    backend.release(probe)
     batch = [session] + [backend.clone(session, prompt_len) for _ in range(7)]
 
     def decode(sessions):

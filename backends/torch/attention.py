@@ -5,6 +5,23 @@ they are: a padded batch of rows would first copy every row's KV into one
 tensor, which costs more than the attention on the CPU (tools/decode_bench.py,
 `layout` section). Everything else in a pass runs over all rows' tokens at once.
 
+A row's keys come in runs (kv.py: the blocks it shares, then its own store). One
+run, the common case, is read as it is. Several:
+- a decode row reads each run where it lies: its scores against every run, one
+  softmax over them all, and each run's values weighted by its part (no copy of
+  the keys; the scores are a few floats per key);
+- decode rows whose first run is the same blocks (clones of one prefix) read
+  those blocks once per step for the group (cascade: one product of all their
+  queries against the shared keys, merged with each row's own runs by
+  log-sum-exp), measured faster than row by row at 8 sessions sharing 4k
+  (docs/benchmarks.md); FlashInfer's cascade kernels are not wired in yet, so CUDA
+  runs this plain path too;
+- a prefill chunk attends over the runs joined into one buffer (`join`), a copy
+  of the session's keys measured against the chunk's forward time
+  (tools/clone_bench.py, `prefill` section). The buffer is reused across layers
+  and steps: a fresh tensor per layer faults its pages in first, which measured
+  several times the copy itself on the CPU.
+
 On CUDA, FlashAttention (`flash_attn`) reads the same buffers through strides
 when it imports; otherwise, and on the CPU, torch's SDPA. Both give the same
 masks: causal aligned to the last key, and for sliding layers the window.
@@ -13,6 +30,7 @@ masks: causal aligned to the last key, and for sliding layers the window.
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,15 +54,44 @@ def window_mask(first_key: int, start: int, n: int, n_keys: int, window: int, de
     return (k <= q) & (k > q - window)
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, first_key: int | None,
+def attend(q: torch.Tensor, runs: list[tuple[torch.Tensor, torch.Tensor]], start: int, first_key: int | None,
            window: int | None, scale: float) -> torch.Tensor:
-    """q: [heads, n, head_dim] for positions [start, start + n); keys, values: [kv_heads, n_keys,
-    head_dim], the first at position `first_key` (None: a ring's unordered slots, all visible to
-    the single query). Returns [n, heads, head_dim]."""
+    """q: [heads, n, head_dim] for positions [start, start + n); runs: (keys, values) [kv_heads, n_keys,
+    head_dim] each, in position order, the first key at position `first_key` (None: a ring's unordered
+    slots, all visible to the single query). Returns [n, heads, head_dim]."""
+    if len(runs) > 1 and q.shape[1] == 1:
+        return decode_runs(q, runs, scale)
+    if len(runs) > 1:
+        keys, values = join(runs)
+    else:
+        (keys, values), = runs
     kernel = flash_attention() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
     if kernel is not None:
         return flash(kernel, q, keys, values, window, scale)
     return sdpa(q, keys, values, start, first_key, window, scale)
+
+
+# (device, dtype, kv_heads, head_dim) -> keys and values buffers [kv_heads, tokens, head_dim]: working
+# memory of the one runner thread, like a pass's activations (not KV state, so not in the KV budget)
+_joined: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def join(runs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The runs' keys and values, each as one [kv_heads, tokens, head_dim] view of a buffer reused
+    by every later call (read it before the next call)."""
+    first = runs[0][0]
+    n = sum(k.shape[1] for k, _ in runs)
+    key = (first.device, first.dtype, first.shape[0], first.shape[2])
+    held = _joined.get(key)
+    if held is None or held[0].shape[1] < n:
+        shape = (first.shape[0], n, first.shape[2])
+        held = _joined[key] = (first.new_empty(shape), first.new_empty(shape))
+    at = 0
+    for k, v in runs:
+        held[0][:, at:at + k.shape[1]].copy_(k)
+        held[1][:, at:at + k.shape[1]].copy_(v)
+        at += k.shape[1]
+    return held[0][:, :n], held[1][:, :n]
 
 
 def sdpa(q, keys, values, start, first_key, window, scale) -> torch.Tensor:
@@ -69,3 +116,77 @@ def flash(kernel, q, keys, values, window, scale) -> torch.Tensor:
     out = kernel(q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
                  softmax_scale=scale, causal=True, window_size=(window - 1, 0) if window else (-1, -1))
     return out[0]
+
+
+def partial(grouped: torch.Tensor, runs: list[tuple[torch.Tensor, torch.Tensor]], scale: float):
+    """Grouped queries [kv_heads, q, head_dim] over keys in runs read where they lie: the scores against
+    each run, one softmax over all of them (float32), each run's values weighted by its part. Returns
+    the output [kv_heads, q, head_dim] (float32) and the log-sum-exp of the scores [kv_heads, q, 1]."""
+    scores = torch.cat([torch.matmul(grouped, k.transpose(1, 2)) for k, _ in runs], dim=-1).float() * scale
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    weights = torch.exp(scores - lse).to(grouped.dtype)
+    out, at = None, 0
+    for _, v in runs:
+        part = torch.matmul(weights[..., at:at + v.shape[1]], v).float()
+        out = part if out is None else out + part
+        at += v.shape[1]
+    assert out is not None
+    return out, lse
+
+
+def decode_runs(q: torch.Tensor, runs: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
+    """One query ([heads, 1, head_dim]) over keys in several runs, read where they lie. Grouped-query
+    heads share their key head as SDPA's enable_gqa does (head h reads h // group)."""
+    kv_heads, head_dim = runs[0][0].shape[0], q.shape[-1]
+    out, _ = partial(q.reshape(kv_heads, -1, head_dim), runs, scale)
+    return out.to(q.dtype).reshape(1, -1, head_dim)
+
+
+CASCADE = True  # decode rows sharing a first run read it together (tools/clone_bench.py measures both)
+
+
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, states: Sequence, starts: Sequence[int],
+                spans: Sequence[slice], window: int | None, scale: float) -> torch.Tensor:
+    """A layer's attention for every row of a varlen batch: each row's new keys and values
+    (head-major [kv_heads, tokens, head_dim], the rows' end to end) written to its layer state
+    (`states[i].update`, from `starts[i]`), then its queries ([heads, tokens, head_dim]) attended over
+    what that state returns. Returns [tokens, heads, head_dim].
+
+    Cascade: decode rows whose first run is the same blocks (a prefix they share by reference) read
+    it once for the group: one product of all their queries against the shared keys, merged with
+    each row's own runs by log-sum-exp."""
+    written = [state.update(k[:, span], v[:, span], start) for state, span, start in zip(states, spans, starts)]
+    out: list[torch.Tensor | None] = [None] * len(written)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, ((runs, _), span) in enumerate(zip(written, spans)):
+        if CASCADE and span.stop - span.start == 1 and len(runs) > 1:
+            groups.setdefault((runs[0][0].data_ptr(), runs[0][0].shape[1]), []).append(i)
+    for group in groups.values():
+        if len(group) > 1:
+            for i, o in zip(group, cascade(q, [spans[i] for i in group], [written[i][0] for i in group], scale)):
+                out[i] = o
+    for i, ((runs, first_key), span, start) in enumerate(zip(written, spans, starts)):
+        if out[i] is None:
+            out[i] = attend(q[:, span], runs, start, first_key, window, scale)
+    return torch.cat(out)  # type: ignore[arg-type]
+
+
+def cascade(q: torch.Tensor, spans: Sequence[slice], row_runs: list[list[tuple[torch.Tensor, torch.Tensor]]],
+            scale: float) -> list[torch.Tensor]:
+    """Decode rows (one query each, at `spans` of q) whose first run is the same: that run read once
+    for all of them, each row's other runs alone, merged by log-sum-exp. Returns [1, heads, head_dim]
+    per row."""
+    (shared_k, shared_v), kv_heads, head_dim = row_runs[0][0], row_runs[0][0][0].shape[0], q.shape[-1]
+    rows = len(spans)
+    queries = torch.stack([q[:, span][:, 0] for span in spans])  # [rows, heads, head_dim]
+    grouped = queries.view(rows, kv_heads, -1, head_dim).transpose(0, 1).reshape(kv_heads, -1, head_dim)
+    together, lse_together = partial(grouped, [(shared_k, shared_v)], scale)
+    group = together.shape[1] // rows
+    out = []
+    for r, runs in enumerate(row_runs):
+        at = slice(r * group, (r + 1) * group)
+        own, lse_own = partial(q[:, spans[r]].reshape(kv_heads, -1, head_dim), runs[1:], scale)
+        lse = torch.logaddexp(lse_together[:, at], lse_own)
+        merged = together[:, at] * torch.exp(lse_together[:, at] - lse) + own * torch.exp(lse_own - lse)
+        out.append(merged.to(q.dtype).reshape(1, -1, head_dim))
+    return out

@@ -1,7 +1,8 @@
 """The torch backend: our own model code, CUDA first, the CPU for tests.
 
 The device comes from `KVFORK_DEVICE` (cpu, cuda, cuda:1), else CUDA when
-present. On CUDA a clone copies on a side stream; both sessions carry the copy's
+present. A clone shares the whole blocks below its `upto` by reference and copies
+the rest (kv.py; --clone-mode copy copies it all). On CUDA a clone copies on a side stream; both sessions carry the copy's
 event and the runner's stream waits on it before either one is next used, so
 the copy overlaps whatever the runner does meanwhile.
 """
@@ -15,8 +16,8 @@ from typing import Collection, Sequence
 import torch
 from safetensors import safe_open
 
-from backends.base import (Backend, BatchFailed, KVCost, LayerAttention, ModelInfo, RowState, Sampled, SamplerState,
-                           SavedLayer, SavedState, Session, check_inputs, clone_refusal)
+from backends.base import (Backend, BatchFailed, BlockStats, KVCost, LayerAttention, ModelInfo, RowState, Sampled,
+                           SamplerState, SavedLayer, SavedState, Session, check_inputs, clone_refusal)
 from backends.model_info import ModelFacts, read_model_facts
 from backends.model_path import resolve_model
 from backends.torch import checkpoints, hybrid, kv, sampling
@@ -29,9 +30,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class TorchSession(Session):
-    def __init__(self, layers: list[kv.LayerKV | hybrid.HybridLayerState]):
+    def __init__(self) -> None:
         super().__init__()
-        self.layers = layers
+        self.table: kv.BlockTable | None = None  # its full layers' blocks (None once released)
+        self.layers: list[kv.LayerKV | hybrid.HybridLayerState] = []
         self.ready: torch.cuda.Event | None = None  # a clone's copy this session's next use must wait for
         self.wanted: frozenset[int] = frozenset()  # positions to keep the recurrent state at (keep_at)
         self.checkpoints: dict[int, list[RecurrentState]] = {}  # position -> its recurrent layers' states
@@ -67,6 +69,10 @@ class TorchBackend(Backend):
         self.device = torch.device(device) if device else default_device()
         self._sessions: dict[int, TorchSession] = {}
         self._copy_stream: torch.cuda.Stream | None = None
+        self.clone_mode: kv.CloneMode = "share"
+
+    def set_clone_mode(self, mode: kv.CloneMode) -> None:
+        self.clone_mode = mode
 
     # -- model -----------------------------------------------------------
 
@@ -90,6 +96,9 @@ class TorchBackend(Backend):
         model.load_state_dict({k: weights[k].to(self.device, dtypes[k]) for k in wanted if k in weights}, strict=True, assign=True)
         model.place(self.device)
         self.model, self.cfg = model.eval(), cfg
+        full = sum(not linear for linear in cfg.linear) if isinstance(cfg, HybridConfig) else \
+            sum(not w for w in cfg.sliding)
+        self.pool = kv.BlockPool(full, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.info = self._describe(cfg, name, facts)
         return self.info
 
@@ -102,11 +111,11 @@ class TorchBackend(Backend):
             state = 0
         slot = 2 * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize  # one token's keys and values, one layer
         # Exact: a full layer holds kv.capacity(n) = whole BLOCK_TOKENS blocks with one slot always free
-        # (opened, cloned or grown alike), one ring of the window per sliding layer, and one recurrent
-        # state per session.
+        # (opened, cloned or grown alike), less the whole blocks a clone reads by reference; one ring of
+        # the window per sliding layer, and one recurrent state per session.
         cost = KVCost(full_bytes_per_token=slot * sum(1 for layer in layers if layer.kind == "full"),
                       ring_bytes=slot * sum(layer.window or 0 for layer in layers if layer.kind == "sliding"),
-                      step=kv.BLOCK_TOKENS, spare=1, state_bytes=state)
+                      step=kv.BLOCK_TOKENS, spare=1, state_bytes=state, shares=self.clone_mode == "share")
         return ModelInfo(
             name=name,
             vocab_size=cfg.vocab_size,
@@ -121,17 +130,23 @@ class TorchBackend(Backend):
     # -- sessions --------------------------------------------------------
 
     def open_session(self) -> TorchSession:
-        cfg = self.cfg
-        if isinstance(cfg, HybridConfig):
-            session = TorchSession(hybrid.new_states(cfg, self.dtype, self.device))
-        else:
-            session = TorchSession(kv.new_layers(cfg.sliding, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device))
+        session = TorchSession()
+        session.table = kv.BlockTable.empty(self.pool, session.id)
+        session.layers = self._new_layers(session.table)
         self._sessions[session.id] = session
         return session
 
-    def release(self, session: Session) -> None:
+    def _new_layers(self, table: kv.BlockTable) -> list[kv.LayerKV | hybrid.HybridLayerState]:
+        cfg = self.cfg
+        if isinstance(cfg, HybridConfig):
+            return hybrid.new_states(cfg, table, self.dtype, self.device)
+        return kv.new_layers(cfg.sliding, table, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+
+    def release(self, session: TorchSession) -> None:
         if self._sessions.pop(session.id, None) is not None:
-            session.layers, session.checkpoints, session.kept = [], {}, ()
+            assert session.table is not None
+            session.table.release()
+            session.table, session.layers, session.checkpoints, session.kept = None, [], {}, ()
 
     def _wait_for_clones(self, sessions: Sequence[TorchSession]) -> None:
         for s in sessions:
@@ -242,7 +257,7 @@ class TorchBackend(Backend):
         if self.device.type == "cuda":
             clone = self._clone_aside(session, upto)
         else:
-            clone = TorchSession(self._copy_layers(session, upto))
+            clone = self._clone_state(session, upto)
         clone.position = upto
         self._sessions[clone.id] = clone
         return clone
@@ -260,15 +275,15 @@ class TorchBackend(Backend):
         side = self._copy_stream
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            clone = TorchSession(self._copy_layers(donor, upto))
+            clone = self._clone_state(donor, upto)
             done = torch.cuda.Event()
             done.record(side)
-        for layer in [*donor.layers, *donor.checkpoints.get(upto, ())]:
-            for t in layer.tensors():
-                t.record_stream(side)
-        for layer in clone.layers:
-            for t in layer.tensors():
-                t.record_stream(main)
+        assert donor.table is not None and clone.table is not None
+        for t in [*donor.table.tensors(), *(t for layer in [*donor.layers, *donor.checkpoints.get(upto, ())]
+                                            for t in layer.tensors())]:
+            t.record_stream(side)
+        for t in [*clone.table.tensors(), *(t for layer in clone.layers for t in layer.tensors())]:
+            t.record_stream(main)
         donor.ready = clone.ready = done
         return clone
 
@@ -280,16 +295,27 @@ class TorchBackend(Backend):
         self._keep(source, {})
         self._keep(target, moved)
 
-    @staticmethod
-    def _copy_layers(session: TorchSession, upto: int) -> list[kv.LayerKV | hybrid.HybridLayerState]:
-        """The state of [0, upto): the recurrent rule takes the live state at the position, else the
-        checkpoint kept at `upto` (clone_refusal has admitted one of them; a model without recurrent
-        layers keeps none and clones anywhere)."""
-        if upto not in session.checkpoints:
-            return kv.copy_layers(session.layers, upto)
-        states = iter(session.checkpoints[upto])
-        return [next(states).copy_prefix(upto) if isinstance(layer, RecurrentState) else layer.copy_prefix(upto)
-                for layer in session.layers]
+    def _clone_state(self, session: TorchSession, upto: int) -> TorchSession:
+        """A session holding the state of [0, upto): the full layers' blocks by reference or copied
+        (`clone_mode`), the rings copied, and the recurrent states copied, from the live state at the
+        position, else from the checkpoint kept at `upto` (clone_refusal has admitted one of them; a
+        model without recurrent layers keeps none and clones anywhere)."""
+        assert session.table is not None
+        clone = TorchSession()
+        clone.table = session.table.clone(clone.id, upto, self.clone_mode)
+        kept = iter(session.checkpoints.get(upto, ()))  # in recurrent layer order, where one was kept
+        try:
+            for layer in session.layers:
+                if isinstance(layer, kv.FullKV):
+                    clone.layers.append(kv.FullKV(clone.table, layer.layer))
+                elif isinstance(layer, RecurrentState):
+                    clone.layers.append(next(kept, layer).copy_prefix(upto))
+                else:
+                    clone.layers.append(layer.copy_prefix(upto))
+        except BaseException:  # a clone that fails holds nothing
+            clone.table.release()
+            raise
+        return clone
 
     # -- saved state (base.py's saved-state rule) -------------------------
 
@@ -301,8 +327,8 @@ class TorchBackend(Backend):
         n, layers = session.position, []
         for layer in session.layers:
             match layer:
-                case kv.GrowingKV():
-                    layers.append(SavedLayer("full", (_host(layer.keys[:, :n]), _host(layer.values[:, :n]))))
+                case kv.FullKV():
+                    layers.append(SavedLayer("full", tuple(_host(t) for t in layer.read(n))))
                 case kv.RingKV():
                     first = max(layer.held_from, n - layer.window, 0)
                     slots = torch.arange(first, n, device=self.device) % layer.window
@@ -320,7 +346,8 @@ class TorchBackend(Backend):
             for layer, saved in zip(session.layers, state.layers, strict=True):
                 arrays = [self._device(a) for a in saved.arrays]
                 match layer:
-                    case kv.GrowingKV() if saved.kind == "full":
+                    case kv.FullKV() if saved.kind == "full":
+                        layer.reserve(n)
                         layer.update(arrays[0], arrays[1], 0)
                     case kv.RingKV() if saved.kind == "sliding":
                         slots = torch.arange(saved.first, n, device=self.device) % layer.window
@@ -345,11 +372,27 @@ class TorchBackend(Backend):
 
     # -- accounting ------------------------------------------------------
 
-    def session_bytes(self, session: TorchSession) -> int:
+    @staticmethod
+    def _unshared_bytes(session: TorchSession) -> int:
+        """Its rings, recurrent states and checkpoints: never shared."""
         return kv.layers_bytes(session.layers) + sum(kv.layers_bytes(c) for c in session.checkpoints.values())
 
+    def session_bytes(self, session: TorchSession) -> int:
+        assert session.table is not None, f"{session!r} was released"
+        return session.table.owned_bytes() + self._unshared_bytes(session)
+
+    def release_frees(self, session: TorchSession) -> int:
+        assert session.table is not None, f"{session!r} was released"
+        return session.table.frees_bytes() + self._unshared_bytes(session)
+
+    def pooled_bytes(self) -> int:
+        return self.pool.pooled_bytes()
+
+    def block_stats(self) -> BlockStats:
+        return self.pool.stats()
+
     def total_bytes(self) -> int:
-        return sum(self.session_bytes(s) for s in self._sessions.values())
+        return self.pool.total_bytes() + sum(self._unshared_bytes(s) for s in self._sessions.values())
 
     def live_sessions(self) -> int:
         return len(self._sessions)

@@ -7,7 +7,7 @@ layout to these). Norms are zero-centred, x * (1 + w), except the gated norm
 inside the DeltaNet layer.
 
 Same calling convention as model.Transformer: one varlen batch of rows
-(model.Row), each row with its own per-layer state (GrowingKV for attention
+(model.Row), each row with its own per-layer state (kv.FullKV for attention
 layers, RecurrentState for the DeltaNet ones) and start position, decode rows
 and prefill chunks mixed in one pass. Projections, MLPs and experts run over all
 tokens at once; attention and the DeltaNet recurrence run row by row, over each
@@ -16,30 +16,28 @@ session's own state.
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import torch
 from torch import nn
 
 from backends.torch import kv
-from backends.torch.attention import attend
+from backends.torch.attention import attend_rows
 from backends.torch.config import HybridConfig
 from backends.torch.gated_delta import GatedDeltaNet, RecurrentState
-from backends.torch.kv import GrowingKV
+from backends.torch.kv import BlockTable, FullKV
 from backends.torch.model import RMSNorm, Row, spans
 from backends.torch.moe import GLU, SparseMoE
 from backends.torch.rope import angles, inverse_frequencies, rotate
 
-HybridLayerState = GrowingKV | RecurrentState
+HybridLayerState = FullKV | RecurrentState
 
 
-def new_states(cfg: HybridConfig, dtype, device) -> list[HybridLayerState]:
-    """A fresh session's per-layer state."""
-    return [
-        RecurrentState.empty(cfg, dtype, device) if linear
-        else GrowingKV.empty(cfg.num_kv_heads, cfg.head_dim, 0, dtype, device)
-        for linear in cfg.linear
-    ]
+def new_states(cfg: HybridConfig, table: BlockTable, dtype, device) -> list[HybridLayerState]:
+    """A fresh session's per-layer state: its block table's layer for each attention layer."""
+    full = itertools.count()
+    return [RecurrentState.empty(cfg, dtype, device) if linear else FullKV(table, next(full)) for linear in cfg.linear]
 
 
 def in_place_writes(states: Sequence[kv.LayerKV | RecurrentState]) -> int:
@@ -85,11 +83,9 @@ class GatedAttention(nn.Module):
         q, k = self._rotate(self.q_norm(q), rope), self._rotate(self.k_norm(k), rope)
         # Head-major views [heads, tokens, head_dim], as the KV buffers hold them.
         q, k, v = (u[0].transpose(0, 1) for u in (q, k, v))
-        out = []
-        for row, span in zip(rows, spans(rows)):
-            keys, values, first_key = row.kv[layer].update(k[:, span], v[:, span], row.start)
-            out.append(attend(q[:, span], keys, values, row.start, first_key, None, self.head_dim**-0.5))
-        return self.o_proj(torch.cat(out).reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))
+        out = attend_rows(q, k, v, [row.kv[layer] for row in rows], [row.start for row in rows], spans(rows),
+                          None, self.head_dim**-0.5)
+        return self.o_proj(out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))
 
 
 class HybridBlock(nn.Module):

@@ -1,85 +1,251 @@
-"""Per-session KV state: one contiguous buffer per full layer, one ring per sliding layer.
+"""Per-session KV state: full layers in refcounted runs of blocks, one ring per sliding layer.
 
 Design rules:
-- Head-major: a full layer's buffer is [kv_heads, capacity, head_dim], and
-  attention reads the prefix view [:, :end] as it is (no copy per step). Each
-  head's keys are one contiguous run. Measured with tools/decode_bench.py
-  (`layout` section): torch's CPU SDPA decodes over this 1.5-2.5x faster than
-  over token-major [capacity, kv_heads, head_dim] transposed to heads first,
-  and FlashAttention reads it on CUDA through strides (batch, token, head).
-- Block-addressable: capacity is a whole number of `BLOCK_TOKENS` blocks, and
-  block i of a layer is `[:, i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS]`. A session
-  of n tokens holds `capacity(n)` tokens per full layer, always one slot more
-  than n at least, so a clone or a decode step does not reallocate; a write that
-  reaches the capacity grows the buffer to `capacity(end)` (one copy per block).
-  Contiguous, not a pool of blocks with a block table: on the CPU every varlen
-  attention over scattered blocks needs a gather, which costs more than the
-  attention itself (the `layout` section measures it), and torch has no paged
-  kernel there.
+- Head-major: a full layer's keys are [kv_heads, tokens, head_dim] and attention
+  reads views of them as they are (no copy per step). Each head's keys are one
+  contiguous run. Measured with tools/decode_bench.py (`layout` section): torch's
+  CPU SDPA decodes over this 1.5-2.5x faster than over token-major
+  [capacity, kv_heads, head_dim], and FlashAttention reads it through strides.
+- Blocks: a full layer's positions come in blocks of `BLOCK_TOKENS`. A `Store` is a
+  run of whole blocks [base, base + capacity) of every full layer, one tensor pair
+  per layer, written by one session (its writer) only. Block i of a store is
+  (store.id, i): its identity, which the budget, the metrics and a later disk tier
+  index by.
+- A session (`BlockTable`) reads, in position order, runs of stores it shares
+  (positions [store.base, end) of each) and writes its own store after them.
+  Attention reads each run as one view: a session that never shared anything has
+  one run, exactly today's contiguous buffer; a clone has two or three.
+- Clone by reference (`share`): a clone at `upto` reads the donor's full blocks
+  below `floor(upto)` where they lie, and copies only the partial block
+  [floor(upto), upto) into its own one-block store: at most one block per layer.
+  Nobody ever writes a block someone else reads: a store's readers read below the
+  writer's position at the clone, and the writer writes at or past its position.
+- Growth: a session of n tokens holds `capacity(n)` positions of its own (whole
+  blocks, one slot always free), so a clone or a decode step does not reallocate.
+  A write past the own store grows it by one copy, unless someone reads it: then
+  it is frozen as it is and a new store takes the positions after it, so a shared
+  store is never copied nor moved.
+- Lifetime: a store is freed when its writer has released it and no reader is
+  left (reference counts are its holders: the writer while alive, and each
+  reader). A store whose writer is gone and that others still read is "pooled":
+  held by no one session, counted once (`BlockPool.pooled_bytes`).
+- `copy` mode keeps yesterday's copying clone (for measurements side by side):
+  the clone writes a store of its own holding all of [0, upto).
 - A sliding layer of window W is a ring of W slots; position p lives in slot
   p % W. `held_from` is the oldest position whose slot is still valid. That is
-  what base.clone_refusal judges.
-- A write past `position` into a growing buffer is invisible (reads stop at the
-  writer's end, the next write overwrites it); a ring write replaces positions
-  still read. So a failed call leaves a session untouched exactly when none of
-  its rings was written (`ring_writes` counts them).
-- Every copy (growth, clone) writes new tensors. No two sessions ever share one.
+  what base.clone_refusal judges. Rings (and recurrent states) stay copied.
+- A write past `position` into a store is invisible (reads stop at the writer's
+  end, the next write overwrites it); a ring write replaces positions still
+  read. So a failed call leaves a session untouched exactly when none of its
+  rings was written (`ring_writes` counts them).
 
-Cost of a session of n tokens, exactly (what `layers_bytes` returns):
-  full layers x 2 x kv_heads x head_dim x itemsize x capacity(n)
+Cost of a session of n tokens opened at `start` with `shared` leading tokens read
+by reference (exactly what `BlockTable.owned_bytes` returns, KVCost.bytes_for):
+  (capacity(n) - shared) x full layers x 2 x kv_heads x head_dim x itemsize
   + sliding layers x 2 x kv_heads x head_dim x itemsize x window.
 """
 
 from __future__ import annotations
 
+import itertools
+from typing import Literal, Sequence
+
 import torch
 
-BLOCK_TOKENS = 256  # tokens per block of a full layer's buffer: its unit of growth and of address
+from backends.base import BlockStats
+
+BLOCK_TOKENS = 256  # tokens per block: the unit of growth, of sharing and of address (docs/benchmarks.md)
+
+CloneMode = Literal["share", "copy"]
+Segments = list[tuple[torch.Tensor, torch.Tensor]]  # (keys, values) views, in position order
 
 
 def capacity(tokens: int) -> int:
-    """Slots a full layer holds for a session of `tokens` tokens: whole blocks, at least one free slot."""
+    """Positions a session of `tokens` tokens holds: whole blocks, at least one free slot."""
     return (tokens // BLOCK_TOKENS + 1) * BLOCK_TOKENS
 
 
-class GrowingKV:
-    """A full-attention layer: keys/values for positions [0, position) at the front of a buffer."""
+def floor_block(tokens: int) -> int:
+    """The positions of the whole blocks below `tokens`: what a clone there shares."""
+    return tokens // BLOCK_TOKENS * BLOCK_TOKENS
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
-        self.keys, self.values = keys, values
+
+class Store:
+    """Blocks [base, base + capacity) of every full layer, written by one session."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], base: int, capacity: int, writer: int):
+        self.id = next(Store._ids)
+        self.keys, self.values, self.base, self.capacity = keys, values, base, capacity
+        self.writer: int | None = writer  # the session that writes it; None once it released it
+        self.readers: dict[int, int] = {}  # session id -> end: it reads [base, end)
+        self.nbytes = sum(t.numel() * t.element_size() for t in (*keys, *values))
+
+    @property
+    def end(self) -> int:
+        return self.base + self.capacity
+
+    def block_refs(self) -> list[int]:
+        """Holders of each block: the writer (all of them), and each reader below its end."""
+        refs = [int(self.writer is not None)] * (self.capacity // BLOCK_TOKENS)
+        for end in self.readers.values():
+            for i in range((end - self.base) // BLOCK_TOKENS):
+                refs[i] += 1
+        return refs
+
+
+class BlockPool:
+    """Every store of one backend: allocation, reference counts and accounting."""
+
+    def __init__(self, full_layers: int, kv_heads: int, head_dim: int, dtype, device):
+        self.full_layers, self.kv_heads, self.head_dim = full_layers, kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.stores: dict[int, Store] = {}
+
+    def new_store(self, base: int, tokens: int, writer: int) -> Store:
+        shape = (self.kv_heads, tokens, self.head_dim)
+        made = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(2 * self.full_layers)]
+        store = Store(made[: self.full_layers], made[self.full_layers :], base, tokens, writer)
+        self.stores[store.id] = store
+        return store
+
+    def drop_if_unheld(self, store: Store) -> None:
+        if store.writer is None and not store.readers:
+            self.stores.pop(store.id, None)
+
+    def total_bytes(self) -> int:
+        return sum(s.nbytes for s in self.stores.values())
+
+    def pooled_bytes(self) -> int:
+        """Stores whose writer is gone that others still read: held by no one session."""
+        return sum(s.nbytes for s in self.stores.values() if s.writer is None)
+
+    def stats(self) -> BlockStats:
+        refs = [r for s in self.stores.values() for r in s.block_refs()]
+        return BlockStats(len(refs), sum(1 for r in refs if r > 1), sum(max(0, r - 1) for r in refs) * self.block_bytes)
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * self.full_layers * self.kv_heads * BLOCK_TOKENS * self.head_dim * self.dtype.itemsize
+
+
+class BlockTable:
+    """One session's full-attention KV: the runs it reads, then the store it writes."""
+
+    def __init__(self, pool: BlockPool, session: int, reads: list[tuple[Store, int]], own: Store):
+        self.pool, self.session = pool, session
+        self.reads = reads  # (store, end): positions [store.base, end), in order, ending at own.base
+        self.own = own
 
     @classmethod
-    def empty(cls, kv_heads: int, head_dim: int, tokens: int, dtype, device) -> GrowingKV:
-        shape = (kv_heads, capacity(tokens), head_dim)
-        return cls(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+    def empty(cls, pool: BlockPool, session: int, tokens: int = 0) -> BlockTable:
+        return cls(pool, session, [], pool.new_store(0, capacity(tokens), session))
+
+    def runs(self) -> list[tuple[Store, int]]:
+        return [*self.reads, (self.own, self.own.end)]
 
     def reserve(self, end: int) -> None:
         """Room for writes up to `end` (exclusive), keeping what is held."""
-        held = self.keys.shape[1]
-        if end < held:
+        own = self.own
+        if end < own.end:
             return
-        grown = GrowingKV.empty(self.keys.shape[0], self.keys.shape[2], end, self.keys.dtype, self.keys.device)
-        grown.keys[:, :held].copy_(self.keys)
-        grown.values[:, :held].copy_(self.values)
-        self.keys, self.values = grown.keys, grown.values
+        if own.readers:  # read by others: frozen where it lies, a new store takes the positions after it
+            self.reads.append((own, own.end))
+            self.own = self.pool.new_store(own.end, capacity(end) - own.end, self.session)
+            return
+        grown = self.pool.new_store(own.base, capacity(end) - own.base, self.session)
+        for old, new in zip((*own.keys, *own.values), (*grown.keys, *grown.values)):
+            new[:, : own.capacity].copy_(old)
+        own.writer = None
+        self.pool.drop_if_unheld(own)
+        self.own = grown
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor, int | None]:
-        """Write k, v ([kv_heads, n, head_dim]) at [start, start + n); return all keys, values and
-        the first key position (always 0: keys are in position order)."""
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> Segments:
+        """Write k, v ([kv_heads, n, head_dim]) at [start, start + n) of full layer `layer`; return the
+        runs of keys and values [0, start + n), in position order."""
         end = start + k.shape[1]
-        self.reserve(end)
-        self.keys[:, start:end].copy_(k)
-        self.values[:, start:end].copy_(v)
-        return self.keys[:, :end], self.values[:, :end], 0
+        out = []
+        for store, stop in self.runs():
+            hi = min(stop, end)
+            if hi <= store.base:
+                break
+            lo = max(start, store.base)
+            if lo < hi:  # only ever a store this session writes, at or past its position
+                assert store.writer == self.session, "a session wrote a block it only reads"
+                store.keys[layer][:, lo - store.base : hi - store.base].copy_(k[:, lo - start : hi - start])
+                store.values[layer][:, lo - store.base : hi - store.base].copy_(v[:, lo - start : hi - start])
+            out.append((store.keys[layer][:, : hi - store.base], store.values[layer][:, : hi - store.base]))
+        return out
 
-    def copy_prefix(self, upto: int) -> GrowingKV:
-        copy = GrowingKV.empty(self.keys.shape[0], self.keys.shape[2], upto, self.keys.dtype, self.keys.device)
-        copy.keys[:, :upto].copy_(self.keys[:, :upto], non_blocking=True)
-        copy.values[:, :upto].copy_(self.values[:, :upto], non_blocking=True)
-        return copy
+    def clone(self, session: int, upto: int, mode: CloneMode) -> BlockTable:
+        """A table holding [0, upto) for `session`: sharing the whole blocks below `upto` (mode share)
+        and copying the rest into a store of its own."""
+        shared = floor_block(upto) if mode == "share" else 0
+        reads = [(store, min(stop, shared)) for store, stop in self.runs() if store.base < shared]
+        own = self.pool.new_store(shared, capacity(upto) - shared, session)
+        try:
+            for store, stop in self.runs():
+                lo, hi = max(shared, store.base), min(stop, upto)
+                if lo < hi:
+                    for src, dst in zip((*store.keys, *store.values), (*own.keys, *own.values)):
+                        dst[:, lo - shared : hi - shared].copy_(src[:, lo - store.base : hi - store.base],
+                                                               non_blocking=True)
+        except BaseException:
+            own.writer = None
+            self.pool.drop_if_unheld(own)
+            raise
+        for store, end in reads:  # nothing can fail from here: the references are taken last
+            store.readers[session] = end
+        return BlockTable(self.pool, session, reads, own)
+
+    def release(self) -> None:
+        for store, _ in self.runs():
+            if store.writer == self.session:
+                store.writer = None
+            else:
+                store.readers.pop(self.session, None)
+            self.pool.drop_if_unheld(store)
+        self.reads = []
+
+    def owned_bytes(self) -> int:
+        """Bytes of the stores this session writes (frozen ones too): what it costs on its own."""
+        return sum(store.nbytes for store, _ in self.runs() if store.writer == self.session)
+
+    def frees_bytes(self) -> int:
+        """Bytes its release would free now: what it writes that nobody reads, and the pooled stores
+        it alone still reads."""
+        return sum(store.nbytes for store, _ in self.runs()
+                   if (store.writer == self.session and not store.readers)
+                   or (store.writer is None and set(store.readers) == {self.session}))
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.keys, self.values
+        return tuple(t for store, _ in self.runs() for t in (*store.keys, *store.values))
+
+
+class FullKV:
+    """A full-attention layer of a session: its layer of the session's block table."""
+
+    def __init__(self, table: BlockTable, layer: int):
+        self.table, self.layer = table, layer
+
+    def reserve(self, end: int) -> None:
+        self.table.reserve(end)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[Segments, int | None]:
+        """Write k, v at [start, start + n); return the runs of keys and values [0, start + n) and the
+        first key position (always 0: runs are in position order)."""
+        return self.table.update(self.layer, k, v, start), 0
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return ()  # held by the table, counted once (BlockTable.owned_bytes)
+
+    def read(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of [0, end), joined into one new tensor pair (a saved state's layer)."""
+        runs = [(store.keys[self.layer][:, : min(stop, end) - store.base],
+                 store.values[self.layer][:, : min(stop, end) - store.base])
+                for store, stop in self.table.runs() if store.base < end]
+        return torch.cat([k for k, _ in runs], dim=1), torch.cat([v for _, v in runs], dim=1)
 
 
 class RingKV:
@@ -102,9 +268,9 @@ class RingKV:
     def reserve(self, end: int) -> None:
         """A ring never grows."""
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+    def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[Segments, int | None]:
         """Write k, v ([kv_heads, n, head_dim]) at [start, start + n); return the keys the new
-        queries may attend.
+        queries may attend (one run).
 
         One token (decode): the ring itself after the write, slots unordered but
         all inside the window; first position None means "no mask needed".
@@ -116,14 +282,14 @@ class RingKV:
         if n == 1:
             self._write(k, v, start)
             filled = min(end, w)
-            return self.keys[:, :filled], self.values[:, :filled], None
+            return [(self.keys[:, :filled], self.values[:, :filled])], None
         first = max(self.held_from, start - w + 1)
         slots = torch.arange(first, start, device=k.device) % w
         keys = torch.cat((self.keys[:, slots], k), dim=1)
         values = torch.cat((self.values[:, slots], v), dim=1)
         keep = min(n, w)
         self._write(k[:, n - keep :], v[:, n - keep :], end - keep)
-        return keys, values, first
+        return [(keys, values)], first
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         slots = torch.arange(start, start + k.shape[1], device=k.device) % self.window
@@ -142,34 +308,31 @@ class RingKV:
         return self.keys, self.values
 
 
-LayerKV = GrowingKV | RingKV
+LayerKV = FullKV | RingKV
 
 
-def new_layers(windows: tuple[int | None, ...], kv_heads: int, head_dim: int, dtype, device) -> list[LayerKV]:
-    return [
-        RingKV.empty(kv_heads, head_dim, w, dtype, device) if w else GrowingKV.empty(kv_heads, head_dim, 0, dtype, device)
-        for w in windows
-    ]
+def new_layers(windows: tuple[int | None, ...], table: BlockTable, kv_heads: int, head_dim: int, dtype,
+               device) -> list[LayerKV]:
+    """A session's layers: a ring per sliding layer, its block table's layer per full one."""
+    full = itertools.count()
+    return [RingKV.empty(kv_heads, head_dim, w, dtype, device) if w else FullKV(table, next(full)) for w in windows]
 
 
-def copy_layers(layers: list[LayerKV], upto: int) -> list[LayerKV]:
-    return [layer.copy_prefix(upto) for layer in layers]
-
-
-def reserve(layers: list[LayerKV], end: int) -> None:
+def reserve(layers: Sequence, end: int) -> None:
     """Grow every full layer for writes up to `end`, before a forward pass writes any of them."""
     for layer in layers:
         layer.reserve(end)
 
 
-def held_from(layers: list[LayerKV]) -> list[int]:
+def held_from(layers: Sequence) -> list[int]:
     """Oldest held position of each sliding layer, in layer order (base.clone_refusal's argument)."""
     return [layer.held_from for layer in layers if isinstance(layer, RingKV)]
 
 
-def ring_writes(layers: list[LayerKV]) -> int:
+def ring_writes(layers: Sequence) -> int:
     return sum(layer.writes for layer in layers if isinstance(layer, RingKV))
 
 
-def layers_bytes(layers: list[LayerKV]) -> int:
+def layers_bytes(layers: Sequence) -> int:
+    """Bytes of the layers' own tensors (rings, recurrent states); full layers are their table's."""
     return sum(t.numel() * t.element_size() for layer in layers for t in layer.tensors())

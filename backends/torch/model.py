@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.torch.attention import attend
+from backends.torch.attention import attend_rows
 from backends.torch.config import ArchConfig
 from backends.torch.kv import LayerKV
 from backends.torch.rope import angles, inverse_frequencies, rotate
@@ -79,11 +79,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         # Head-major views [heads, tokens, head_dim], as the KV buffers hold them.
         q, k, v = (u[0].transpose(0, 1) for u in (rotate(q, *rope), rotate(k, *rope), v))
-        out = []
-        for row, span in zip(rows, spans(rows)):
-            keys, values, first_key = row.kv[layer].update(k[:, span], v[:, span], row.start)
-            out.append(attend(q[:, span], keys, values, row.start, first_key, self.window, self.scale))
-        return self.o_proj(torch.cat(out).view(t, -1))
+        out = attend_rows(q, k, v, [row.kv[layer] for row in rows], [row.start for row in rows], spans(rows),
+                          self.window, self.scale)
+        return self.o_proj(out.view(t, -1))
 
 
 class MLP(nn.Module):

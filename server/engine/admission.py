@@ -20,6 +20,14 @@ Design rules:
 - a cache entry evicted while the disk tier is on spills there: its bytes stay
   held (`spilling`) until its file is written, so room it makes comes only then
   (the head waits for it, and the loop admits again when the write is done).
+- clone by reference (`KVCost.shares`): each block is counted once, by whoever
+  holds it on its own: a running request reserves what it writes (a clone, only
+  its own tokens past the blocks it reads: `shared=`), a cache entry or an idle
+  named session the bytes the runner measured as its own, and the runner reports
+  the rest, the blocks whose writer is gone that others still read (`pooled`).
+  Releasing a session frees at once only what nobody else reads (`frees`); what
+  others read stays counted (`in_transit`) until the runner reports the Release
+  run, when it is in `pooled`.
 """
 
 from __future__ import annotations
@@ -57,6 +65,10 @@ class Admission:
         # rid -> bytes of each clone it ordered and stopped waiting for, oldest first: the runner may have
         # made it (or may still), so its bytes stay held until the runner's CloneDone answers the order
         self.abandoned: dict[int, collections.deque[int]] = {}
+        self.pooled = 0  # bytes the runner reports held by no one session (m.Pooled)
+        self.releases_sent = 0
+        # (Release number, bytes): what a released session wrote that others read, until that Release has run
+        self.in_transit: collections.deque[tuple[int, int]] = collections.deque()
 
     def check(self, req: GenerateRequest, waiting: int) -> tuple[int, int, int]:
         """Turn away what can never run or cannot wait; else (max_tokens as clamped, bytes choice 0
@@ -95,10 +107,13 @@ class Admission:
 
     def request_bytes(self, prompt_len: int, max_tokens: int, start: int | None = None, checkpoints: int = 0) -> int:
         """What a request's session grows to: opened at `start` (an empty session 0, a clone its
-        `upto`); None, not yet known: the dearest start, a clone of all but the prompt's last token;
-        with the recurrent checkpoints it keeps."""
-        return self.info.kv.bytes_for(prompt_len + max_tokens, start=prompt_len - 1 if start is None else start,
-                                      checkpoints=checkpoints)
+        `upto`, holding the blocks below it by reference where clones share); None, not yet known:
+        the dearest start, empty or a clone of all but the prompt's last token; with the recurrent
+        checkpoints it keeps."""
+        kv = self.info.kv
+        starts = (0, prompt_len - 1) if start is None else (start,)
+        return max(kv.bytes_for(prompt_len + max_tokens, shared=kv.shared(at), start=at, checkpoints=checkpoints)
+                   for at in starts)
 
     def checkpoints(self, req: GenerateRequest) -> tuple[int, ...]:
         """Where a request keeps its recurrent state (a model with recurrent layers): its last
@@ -109,17 +124,24 @@ class Admission:
         return tuple(inside[-self.config.recurrent_checkpoints:])
 
     def choice_bytes(self, prompt_len: int, max_tokens: int) -> int:
-        """What one more choice over a prompt grows to: a clone at the prompt's full length. Both backends
-        copy what they clone (nothing is `shared` by reference), so it is the clone's own session."""
+        """What one more choice over a prompt grows to: a clone at the prompt's full length (its own
+        tokens only, where clones share)."""
         return self.request_bytes(prompt_len, max_tokens, start=prompt_len)
 
     def clone_bytes(self, upto: int) -> int:
-        """A clone of `[0, upto)`, as it lands (a follower's, or a snapshot)."""
-        return self.info.kv.bytes_for(upto, start=upto)
+        """A clone of `[0, upto)`, as it lands (a follower's, or a snapshot): its own bytes."""
+        kv = self.info.kv
+        return kv.bytes_for(upto, shared=kv.shared(upto), start=upto)
 
     def held(self) -> int:
-        return (self.reserved + self.padding() + self.cache.nbytes + self.named.idle_bytes(self.info.kv)
-                + self.spilling)
+        return (self.reserved + self.padding() + self.cache.nbytes + self.named.idle_bytes() + self.pooled
+                + sum(nbytes for _, nbytes in self.in_transit) + self.spilling)
+
+    def pooled_now(self, pooled: m.Pooled) -> None:
+        """The runner's figure, as of an event: Releases it had run are in it, so their transit ends."""
+        self.pooled = pooled.nbytes
+        while self.in_transit and self.in_transit[0][0] <= pooled.releases:
+            self.in_transit.popleft()
 
     def padding(self, joining: Sequence[Request] = ()) -> int:
         """Where the backend pads the sessions it runs together to the longest (`KVCost.padded_rows`):
@@ -181,7 +203,7 @@ class Admission:
         hands it back on leaving. A move, not a new byte: it always fits."""
         assert request.named is not None and request.named.busy
         if request.named.session is not None:
-            nbytes = self.info.kv.bytes_for(len(request.named.tokens))
+            nbytes = request.named.nbytes
             self.reserved += nbytes
             request.reserved_bytes += nbytes
 
@@ -206,20 +228,23 @@ class Admission:
         return True
 
     def _make_room(self, need: int) -> bool:
-        idle = self.named.idle_bytes(self.info.kv)
+        idle = self.named.idle_bytes()
         fit = fit_admission(need, self.held(), self.cache.nbytes + idle, self.budget)
         if not fit.admit:
             return False
         if not fit.evict_bytes:
             return True
+        # A snapshot's own bytes are never read by another session (a clone of it reads below its own
+        # block): evicting it frees them all (a spilled one once its file is written); the pooled blocks
+        # it was the last to read go once the runner reports the release.
         spilling = self.spilling
-        evicted = self.cache.evict_bytes(fit.evict_bytes)
+        self.release_sessions(self.cache.evict_bytes(fit.evict_bytes))
         spilled = self.spilling - spilling  # free once written: no named session goes for them
         short = self.budget - (self.held() - spilled) - need
         if short < 0:
-            evicted += self.named.evict_bytes(-short, self.info.kv)
-        self.release_sessions(evicted)
-        return not spilled or self.held() + need <= self.budget
+            sessions, still_read = self.named.evict_bytes(-short)
+            self.release_sessions(sessions, still_read)
+        return self.held() + need <= self.budget
 
     def _spill(self, entry: CacheEntry) -> bool:
         """An evicted entry goes to the disk tier (True), unless the tier is off or has it already."""
@@ -266,10 +291,15 @@ class Admission:
             self.hold(request, max(0, request.reserved_bytes - len(kept) * self.info.kv.state_bytes))
         self.release_sessions(self.cache.insert(tokens, session, nbytes, scope, kept))
 
-    def release_sessions(self, sessions: list[Any]) -> None:
+    def release_sessions(self, sessions: list[Any], still_read: int = 0) -> None:
+        """Release `sessions`, the engine having stopped counting them; `still_read`: what of their own
+        bytes others still read, counted until the runner has run the Release (then it is pooled)."""
         sessions = [s for s in sessions if s is not None]
         if sessions:
             self.send(m.Release(sessions))
+            self.releases_sent += 1
+            if still_read:
+                self.in_transit.append((self.releases_sent, still_read))
 
     def start(self, request: Request, resume: Any = None, resume_at: int = 0,
               cache_matches: list[CacheMatch] | None = None, donor: tuple[int, int] | None = None) -> m.Start:
@@ -281,9 +311,9 @@ class Admission:
         if named is not None:
             if named.resumes(request.prompt, request.req.scope):
                 resume, resume_at = named.session, len(named.tokens)
+                named.take()  # the request owns it now; it comes back at the end
             else:
-                self.release_sessions([named.session])
-            named.session, named.tokens = None, []  # the request owns it now; it comes back at the end
+                self.release_sessions(*named.take())
         elif resume is None and donor is None:
             request.cache_matches = (self.cache.lookup(request.prompt, request.req.scope) if cache_matches is None
                                      else cache_matches)

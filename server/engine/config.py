@@ -68,6 +68,9 @@ class EngineConfig:
         4, "on a model with recurrent layers, checkpoints of the recurrent state a request keeps at its last "
         "message boundaries, so a later prompt that shares its conversation up to one is served from it "
         "(each costs one recurrent state in the KV budget; 0: none)", check=at_least(0))
+    clone_mode: str = setting("share", "how a clone holds the prefix it reuses: share (the whole blocks below it "
+                              "by reference, counted once in the budget) or copy (all of it; for comparison). A "
+                              "backend that can only copy (MLX) copies either way", choices=("share", "copy"))
     follow: bool = setting(True, "with active reuse on, let a request wait for a prefilling donor to commit the "
                            "shared prefix (--no-follow: clone-now: clone only what is already committed)")
 

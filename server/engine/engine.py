@@ -81,7 +81,8 @@ class Engine:
                 pass
 
         self._runner = Runner(self.backend, self.model_path, self.dtype, self.config.max_batch_tokens,
-                              self.config.prefill_chunk, self.config.max_step_ms / 1000, notify)
+                              self.config.prefill_chunk, self.config.max_step_ms / 1000, notify,
+                              self.config.clone_mode)
         self._runner.thread.start()
         await self._loaded
 
@@ -138,7 +139,7 @@ class Engine:
         named = None
         if req.session_id is not None:
             named, evicted = adm.named.acquire(req.session_id, req.scope.tenant)
-            adm.release_sessions(evicted)
+            adm.release_sessions(*evicted)
         eos = frozenset() if req.ignore_eos else frozenset(self.info.eos_token_ids)  # type: ignore[union-attr]
         stop_ids = req.stop_token_ids | eos
         self._next_rid += 1
@@ -191,7 +192,7 @@ class Engine:
         if self._admission is None:
             return False
         existed, held = self._admission.named.drop(session_id, forget, tenant)
-        self._admission.release_sessions([held])
+        self._admission.release_sessions(*held)
         return existed
 
     # ---- for collaborators (reuse.py, telemetry.py); set once the model is loaded ----
@@ -303,7 +304,8 @@ class Engine:
             if r.phase is Phase.QUEUED and r in adm.queue:
                 adm.queue.remove(r)
             if r.named is not None and r.named.busy:
-                adm.named.release(r.named, r.named.session, r.named.tokens, r.named.scope)
+                adm.named.release(r.named, r.named.session, r.named.tokens, r.named.scope, r.named.nbytes,
+                                  r.named.frees)
             if r.landed is not None:
                 adm.release_sessions([r.landed[0]])
         if r.expiry is not None:
@@ -356,7 +358,7 @@ class Engine:
                 case m.Restored() as ev:
                     self._on_restored(ev)
                 case m.Holding() as ev:
-                    self._on_holding(ev.live_sessions, ev.total_bytes)
+                    self._on_holding(ev)
                 case m.StepStats() as ev:
                     self._on_step_stats(ev)
                 case other:
@@ -451,10 +453,12 @@ class Engine:
     def _on_finished(self, ev: m.Finished) -> None:
         r = self._requests.get(ev.rid)
         if r is None:
-            self.adm.release_sessions([ev.session])
+            self.adm.pooled_now(ev.pooled)
+            self.adm.release_sessions([ev.session], max(0, ev.nbytes - ev.frees))
             return
+        self.adm.pooled_now(ev.pooled)  # with its reservation let go below: its blocks others read are pooled
         if r.named is not None:
-            self.adm.named.release(r.named, ev.session, ev.held, r.req.scope)
+            self.adm.named.release(r.named, ev.session, ev.held, r.req.scope, ev.nbytes, ev.frees)
         r.prefilled, r.generated = ev.prefilled, ev.generated
         self.complete(r, ev.reason, ev.error)
 
@@ -488,12 +492,14 @@ class Engine:
         else:
             self.reuser.restored(r, ev)
 
-    def _on_holding(self, live_sessions: int, total_bytes: int) -> None:
-        self.stats.live_sessions, self.stats.total_bytes = live_sessions, total_bytes
-        self.metrics.holding(total_bytes, self.config.kv_budget_bytes)
+    def _on_holding(self, ev: m.Holding) -> None:
+        self.stats.live_sessions, self.stats.total_bytes, self.stats.blocks = ev.live_sessions, ev.total_bytes, ev.blocks
+        self.adm.pooled_now(ev.pooled)
+        self.metrics.holding(ev.total_bytes, self.config.kv_budget_bytes)
 
     def _on_step_stats(self, ev: m.StepStats) -> None:
         self.stats = ev
+        self.adm.pooled_now(ev.pooled)
         self.metrics.step(ev)
         self.metrics.holding(ev.total_bytes, self.config.kv_budget_bytes)
         self.reuser.step(ev)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from backends.base import ModelInfo, Sampled, SamplingParams
+from backends.base import BlockStats, ModelInfo, Sampled, SamplingParams
 
 # ---- control loop -> runner ----
 
@@ -84,6 +84,9 @@ class CloneDonor:
 
 @dataclass
 class Release:
+    """Release these sessions. The runner counts the Releases it has run (`Pooled.releases`), so the
+    loop knows when the blocks they wrote that others still read have reached the pool."""
+
     sessions: list[Any]
 
 
@@ -141,6 +144,16 @@ class Captured:
     kept: tuple[int, ...] = ()  # the snapshot's recurrent checkpoints (moved from the request's session)
 
 
+@dataclass(frozen=True)
+class Pooled:
+    """What the backend holds beyond its sessions' own bytes, as of the event carrying it: blocks whose
+    writer was released that others still read (Backend.pooled_bytes), after `releases` Release
+    commands had run."""
+
+    nbytes: int = 0
+    releases: int = 0
+
+
 @dataclass
 class Finished:
     rid: int
@@ -150,6 +163,9 @@ class Finished:
     error: str | None = None
     session: Any = None  # a kept (named) session
     held: list[int] = field(default_factory=list)  # the tokens it has committed
+    nbytes: int = 0  # the kept session's own bytes (Backend.session_bytes)
+    frees: int = 0  # what releasing the kept session would free (Backend.release_frees)
+    pooled: Pooled = Pooled()  # after its session was released (what others read of it pooled)
 
 
 @dataclass
@@ -185,6 +201,8 @@ class StepStats:
     prefill_tokens: int = 0
     prefill_s: float = 0.0
     kept: dict[int, tuple[int, ...]] = field(default_factory=dict)  # recurrent checkpoints held, where any
+    pooled: Pooled = Pooled()
+    blocks: BlockStats | None = None  # a backend with blocks (Backend.block_stats)
 
 
 @dataclass
@@ -193,6 +211,8 @@ class Holding:
 
     live_sessions: int
     total_bytes: int
+    pooled: Pooled = Pooled()
+    blocks: BlockStats | None = None
 
 
 @dataclass

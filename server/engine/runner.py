@@ -97,8 +97,9 @@ class _Slot:
 
 class Runner:
     def __init__(self, backend: Backend, model_path: str, dtype: str | None,
-                 max_batch_tokens: int, prefill_chunk: int, max_step_s: float, notify: Callable[[], None]):
-        self.backend, self.model_path, self.dtype = backend, model_path, dtype
+                 max_batch_tokens: int, prefill_chunk: int, max_step_s: float, notify: Callable[[], None],
+                 clone_mode: str = "share"):
+        self.backend, self.model_path, self.dtype, self.clone_mode = backend, model_path, dtype, clone_mode
         self.max_batch_tokens, self.prefill_chunk, self.max_step_s = max_batch_tokens, prefill_chunk, max_step_s
         # The step budget's own rates, from the step timings measured here (the
         # control loop keeps the cost model's, from the same StepStats).
@@ -115,6 +116,7 @@ class Runner:
         self._constrained: ConstrainedRows | None = None  # once the model is loaded (it knows the vocabulary)
         self._info: ModelInfo | None = None  # once loaded
         self._recurrent = False  # the model has recurrent layers
+        self._releases = 0  # Release commands run (m.Pooled)
         self.thread = threading.Thread(target=self._main, name="kvfork-runner", daemon=True)
 
     def send(self, command: Any) -> None:
@@ -125,6 +127,7 @@ class Runner:
 
     def _main(self) -> None:
         try:
+            self.backend.set_clone_mode(self.clone_mode)  # type: ignore[arg-type]
             info = self._info = self.backend.load(self.model_path, self.dtype)
             self._recurrent = any(layer.kind == "recurrent" for layer in info.layers)
             self._constrained = ConstrainedRows(info.vocab_size)
@@ -183,6 +186,7 @@ class Runner:
             elif isinstance(command, m.Release):
                 for session in command.sessions:
                     self.backend.release(session)
+                self._releases += 1
             elif isinstance(command, m.Spill):
                 self._spill(command)
             elif isinstance(command, m.Restore):
@@ -195,7 +199,8 @@ class Runner:
                 self._stopping = True
         self._serve_orders()
         if took and not self._slots:
-            self.events.append(m.Holding(self.backend.live_sessions(), self.backend.total_bytes()))
+            self.events.append(m.Holding(self.backend.live_sessions(), self.backend.total_bytes(), self._pooled(),
+                                         self.backend.block_stats()))
         if self.events:
             self._notify()
 
@@ -343,8 +348,12 @@ class Runner:
         committed = {rid: s.session.position for rid, s in self._slots.items()}
         kept = {rid: s.session.kept for rid, s in self._slots.items() if s.session.kept}
         live, nbytes = self._timed(self.backend.live_sessions), self._timed(self.backend.total_bytes)
+        pooled, blocks = self._timed(self._pooled), self._timed(self.backend.block_stats)
         self._publish(m.StepStats(committed, live, nbytes, time.perf_counter() - t0, self._backend_s,
-                                  sum(n for _, n in plan.prefill), prefill_s, kept))
+                                  sum(n for _, n in plan.prefill), prefill_s, kept, pooled, blocks))
+
+    def _pooled(self) -> m.Pooled:
+        return m.Pooled(self.backend.pooled_bytes(), self._releases)
 
     def _run(self, decoding: list[_Slot], prefilling: list[_Slot], chunks: dict[int, int]) -> None:
         """One forward pass: the decoding requests' next tokens and the prefilling ones' chunks
@@ -527,12 +536,14 @@ class Runner:
             self.events.append(m.Finished(choice.rid, reason, 0, 0, error))
         del self._slots[slot.start.rid]
         self._rows.end(slot.start.rid)
-        kept, held = None, []
+        kept, held, nbytes, frees = None, [], 0, 0
         if slot.start.keep_session and reason != "error":
             kept = slot.session
             if kept.kept or slot.start.keep_at:  # an idle named session is priced without checkpoints
                 self._keep_at(kept, ())
             held = (slot.start.prompt + slot.sampler.output)[:slot.session.position]
+            nbytes, frees = self.backend.session_bytes(kept), self.backend.release_frees(kept)
         else:
             self.backend.release(slot.session)
-        self.events.append(m.Finished(slot.start.rid, reason, slot.prefilled, slot.generated, error, kept, held))
+        self.events.append(m.Finished(slot.start.rid, reason, slot.prefilled, slot.generated, error, kept, held,
+                                      nbytes, frees, self._pooled()))

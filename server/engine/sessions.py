@@ -10,6 +10,10 @@ the runner touches. Design rules:
 - idle sessions give way to admission after the prefix cache, least recently
   used first: the record stays, its state goes, and its owner's next request
   starts cold (never an error);
+- an idle session counts the bytes the runner measured as its own (it may read
+  blocks of others by reference: those are theirs, or pooled); dropping its state
+  frees at once what nobody else reads (`frees`), the rest once the runner has
+  released it (Admission.release_sessions);
 - a session id names a session of one tenant: the same id under another tenant
   is another session; a session resumes only a request of the scope (tenant and
   cache_salt) that computed its state, and restarts cold for any other.
@@ -21,7 +25,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from backends.base import KVCost
 from server.engine.api import CapacityExhausted, Scope, SessionBusy
 
 MAX_SESSION_ID = 128
@@ -40,6 +43,8 @@ class NamedSession:
     tokens: list[int] = field(default_factory=list)  # what `session` has committed
     busy: bool = False
     scope: Scope = Scope()  # the scope that computed `session`
+    nbytes: int = 0  # `session`'s own bytes (Backend.session_bytes)
+    frees: int = 0  # what releasing `session` frees at once (Backend.release_frees, when it was kept)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -50,6 +55,12 @@ class NamedSession:
         return (self.session is not None and scope == self.scope and 0 < held < len(prompt)
                 and list(prompt[:held]) == self.tokens)
 
+    def take(self) -> tuple[list[Any], int]:
+        """Its state leaves the record: ([the session] or [], bytes of it others still read)."""
+        taken = ([self.session] if self.session is not None else [], max(0, self.nbytes - self.frees))
+        self.session, self.tokens, self.nbytes, self.frees = None, [], 0, 0
+        return taken
+
 
 class NamedSessions:
     def __init__(self, max_sessions: int):
@@ -59,23 +70,23 @@ class NamedSessions:
     def __len__(self) -> int:
         return len(self._table)
 
-    def idle_bytes(self, kv: KVCost) -> int:
-        """Bytes held by sessions no request is using (busy ones are counted by their request).
-        A named session is always opened empty, so its cost is `kv.bytes_for(tokens)`."""
-        return sum(kv.bytes_for(len(r.tokens)) for r in self._idle_holding())
+    def idle_bytes(self) -> int:
+        """Bytes held by sessions no request is using (busy ones are counted by their request)."""
+        return sum(r.nbytes for r in self._idle_holding())
 
-    def evict_bytes(self, need: int, kv: KVCost) -> list[Any]:
+    def evict_bytes(self, need: int) -> tuple[list[Any], int]:
         """Drop the state of idle sessions, least recently used first, until `need` bytes are freed
-        (or none is left); returns the sessions to release. The records stay: their next request
-        starts cold."""
-        out, freed = [], 0
+        (or none is left); returns the sessions to release and what of them others still read. The
+        records stay: their next request starts cold."""
+        out, freed, still_read = [], 0, 0
         for record in self._idle_holding():
             if freed >= need:
                 break
-            freed += kv.bytes_for(len(record.tokens))
-            out.append(record.session)
-            record.session, record.tokens = None, []
-        return out
+            freed += record.frees
+            sessions, read = record.take()
+            out += sessions
+            still_read += read
+        return out, still_read
 
     def _idle_holding(self) -> list[NamedSession]:
         return [r for r in self._table.values() if not r.busy and r.session is not None]
@@ -87,37 +98,41 @@ class NamedSessions:
     def get(self, name: str, tenant: str = "") -> NamedSession | None:
         return self._table.get((tenant, name))
 
-    def acquire(self, name: str, tenant: str = "") -> tuple[NamedSession, list[Any]]:
-        """Mark `tenant`'s session `name` busy (creating it); returns it and the sessions evicted to make room."""
+    def acquire(self, name: str, tenant: str = "") -> tuple[NamedSession, tuple[list[Any], int]]:
+        """Mark `tenant`'s session `name` busy (creating it); returns it and the state evicted to make room
+        (NamedSession.take)."""
         key = tenant, name
         record = self._table.get(key)
         if record is not None and record.busy:
             raise SessionBusy(f"session {name!r} is busy with another request")
-        evicted: list[Any] = []
+        evicted: tuple[list[Any], int] = ([], 0)
         if record is None:
             if len(self._table) >= self.max_sessions:
                 idle = next((r for r in self._table.values() if not r.busy), None)
                 if idle is None:
                     raise CapacityExhausted("every named session is busy")
                 del self._table[idle.key]
-                evicted = [idle.session] if idle.session is not None else []
+                evicted = idle.take()
             record = self._table[key] = NamedSession(name, tenant)
         self._table.move_to_end(key)
         record.busy = True
         return record, evicted
 
-    def release(self, record: NamedSession, session: Any, tokens: list[int], scope: Scope) -> None:
-        """The request on `record` ended, leaving `session` holding `tokens`, computed under `scope`."""
+    def release(self, record: NamedSession, session: Any, tokens: list[int], scope: Scope, nbytes: int = 0,
+                frees: int = 0) -> None:
+        """The request on `record` ended, leaving `session` holding `tokens`, computed under `scope`, with
+        `nbytes` of its own of which releasing it frees `frees` at once."""
         record.session, record.tokens, record.busy, record.scope = session, tokens, False, scope
+        record.nbytes, record.frees = (nbytes, frees) if session is not None else (0, 0)
 
-    def drop(self, name: str, forget: bool, tenant: str = "") -> tuple[bool, Any]:
-        """Reset (forget=False) or delete `tenant`'s session; returns (existed, session to release)."""
+    def drop(self, name: str, forget: bool, tenant: str = "") -> tuple[bool, tuple[list[Any], int]]:
+        """Reset (forget=False) or delete `tenant`'s session; returns (existed, its state: NamedSession.take)."""
         record = self._table.get((tenant, name))
         if record is None:
-            return False, None
+            return False, ([], 0)
         if record.busy:
             raise SessionBusy(f"session {name!r} is busy with another request")
-        held, record.session, record.tokens = record.session, None, []
+        held = record.take()
         if forget:
             del self._table[record.key]
         return True, held

@@ -61,8 +61,19 @@ class EngineMetrics:
         g("running_requests", "requests holding an inference slot", admission(lambda a: a.slots_used))
         g("live_sessions", "backend sessions open", lambda: engine.stats.live_sessions)
         g("kv_bytes", "bytes of KV state the backend holds", lambda: engine.stats.total_bytes)
-        g("kv_budget_held_bytes", "bytes of the KV budget held: reservations, prefix cache, idle named sessions "
-          "(compare kv_bytes)", admission(lambda a: a.held()))
+        g("kv_budget_held_bytes", "bytes of the KV budget held: reservations, prefix cache, idle named sessions, "
+          "pooled blocks (compare kv_bytes)", admission(lambda a: a.held()))
+        g("kv_pooled_bytes", "bytes of KV blocks whose writer is gone that other sessions still read",
+          admission(lambda a: a.pooled))
+
+        def blocks(read):  # a gauge over the backend's blocks, 0 for a backend without them
+            return lambda: read(engine.stats.blocks) if engine.stats.blocks is not None else 0
+
+        g("kv_blocks", "blocks of full-attention KV held, each counted once", blocks(lambda b: b.blocks))
+        g("kv_blocks_shared", "blocks held by more than one session, cache entry or named session",
+          blocks(lambda b: b.shared))
+        g("kv_bytes_saved_by_sharing", "bytes copying clones would hold beyond what sharing holds",
+          blocks(lambda b: b.saved_bytes))
         g("kv_reserved_bytes", "bytes of the KV budget reserved by requests and capture slots",
           admission(lambda a: a.reserved))
         g("named_sessions", "named sessions kept", admission(lambda a: len(a.named)))

@@ -1,0 +1,225 @@
+"""Clone by reference on the torch backend (backends/torch/kv.py): blocks shared below a clone's `upto`,
+reference counts, writes that never reach a shared block, and answers equal to a cold session's."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from backends.torch import kv
+from backends.torch.backend import TorchBackend
+
+DEVICE = os.environ.get("KVFORK_DEVICE", "cpu")
+ATOL, RTOL = 1e-5, 1e-4  # the other torch tests' tolerances (batch composition reorders sums)
+B = kv.BLOCK_TOKENS
+
+
+def load(folder: str, mode: str = "share") -> TorchBackend:
+    b = TorchBackend(DEVICE)
+    b.set_clone_mode(mode)  # type: ignore[arg-type]
+    b.load(folder, "float32")
+    return b
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_dir) -> TorchBackend:
+    return load(tiny_model_dir("llama"))
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 500, n).tolist()
+
+
+def greedy(b: TorchBackend, logits) -> list[int]:
+    return b.to_numpy(logits).argmax(-1).tolist()
+
+
+def test_a_clone_reads_the_whole_blocks_below_it_and_owns_one(llama):
+    kv_cost, before = llama.info.kv, llama.total_bytes()
+    donor = llama.open_session()
+    llama.prefill([donor], [tokens(1, 700)])
+    clone = llama.clone(donor, 700)
+    (read, end), = clone.table.reads
+    assert read is donor.table.own and end == 2 * B  # the donor's store, not a copy
+    assert llama.session_bytes(clone) == B * kv_cost.full_bytes_per_token  # the partial block's, copied
+    assert llama.session_bytes(clone) == kv_cost.bytes_for(700, shared=kv_cost.shared(700), start=700)
+    stats = llama.block_stats()
+    assert (stats.blocks, stats.shared) == (3 + 1, 2)
+    assert stats.saved_bytes == 2 * llama.pool.block_bytes
+    llama.release(donor)
+    llama.release(clone)
+    assert llama.total_bytes() == before and not llama.pool.stores
+
+
+def test_a_block_shared_by_n_sessions_is_freed_after_the_last(llama):
+    before = llama.total_bytes()
+    donor = llama.open_session()
+    llama.prefill([donor], [tokens(2, 700)])
+    store = donor.table.own
+    clones = [llama.clone(donor, 700 - i) for i in range(3)]
+    assert llama.block_stats().saved_bytes == 3 * 2 * llama.pool.block_bytes
+    llama.release(donor)  # its store is read by three: pooled, counted once
+    assert llama.pooled_bytes() == store.nbytes and store.id in llama.pool.stores
+    own = llama.session_bytes(clones[0])
+    assert llama.total_bytes() == before + store.nbytes + 3 * own
+    assert [llama.release_frees(c) for c in clones] == [own] * 3  # the others still read the store
+    llama.release(clones[0])
+    llama.release(clones[1])
+    assert llama.release_frees(clones[2]) == own + store.nbytes  # the last reader
+    assert store.id in llama.pool.stores
+    llama.release(clones[2])
+    assert store.id not in llama.pool.stores and llama.pooled_bytes() == 0 and llama.total_bytes() == before
+
+
+def test_copy_mode_copies_it_all(tiny_model_dir):
+    b = load(tiny_model_dir("llama"), "copy")
+    assert not b.info.kv.shares and b.info.kv.shared(700) == 0
+    donor = b.open_session()
+    b.prefill([donor], [tokens(3, 700)])
+    clone = b.clone(donor, 700)
+    assert clone.table.reads == [] and b.session_bytes(clone) == b.info.kv.bytes_for(700, start=700)
+    assert b.block_stats().shared == 0
+
+
+def test_a_read_store_is_frozen_not_copied_when_its_writer_grows(llama):
+    """The donor writes past its store while a clone reads it: a new store takes its next positions;
+    the shared one stays where it is, and the donor holds exactly what a session of its length costs."""
+    donor = llama.open_session()
+    llama.prefill([donor], [tokens(4, 700)])
+    clone = llama.clone(donor, 600)
+    shared = donor.table.own
+    pointers = [t.data_ptr() for t in shared.keys]
+    llama.prefill([donor], [tokens(5, 200)])  # 900: past the store's 768
+    assert donor.table.reads == [(shared, 768)] and donor.table.own.base == 768
+    assert [t.data_ptr() for t in shared.keys] == pointers
+    assert llama.session_bytes(donor) == llama.info.kv.bytes_for(900)
+    llama.release(donor)
+    llama.release(clone)
+    assert not llama.pool.stores
+
+
+def cold(b: TorchBackend, prompt: list[int], chunk: int, steps: int) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy tokens and each step's logits of a session that computes everything itself."""
+    s = b.open_session()
+    for at in range(0, len(prompt), chunk):
+        logits = b.prefill([s], [prompt[at:at + chunk]])
+    out, seen = [], []
+    for _ in range(steps):
+        seen.append(b.to_numpy(logits)[0])
+        out.append(greedy(b, logits)[0])
+        logits = b.decode([s], [out[-1]])
+    b.release(s)
+    return out, seen
+
+
+def together(b: TorchBackend, donor_prompt: list[int], upto: int, tail: list[int], steps: int):
+    """A donor prefills, a clone at `upto` gets `tail` and both decode greedily in the same passes
+    (the donor writing past the blocks the clone reads). Returns each one's tokens and logits."""
+    donor = b.open_session()
+    for at in range(0, len(donor_prompt), 300):
+        donor_logits = b.prefill([donor], [donor_prompt[at:at + 300]])
+    clone = b.clone(donor, upto)
+    got = {"donor": ([], []), "clone": ([], [])}
+    next_donor = greedy(b, donor_logits)[0]
+    got["donor"][0].append(next_donor)
+    got["donor"][1].append(b.to_numpy(donor_logits)[0])
+    logits = b.prefill([donor, clone], [[next_donor], tail])
+    for step in range(steps):
+        rows = b.to_numpy(logits)
+        picks = rows.argmax(-1).tolist()
+        for i, name in enumerate(("donor", "clone")):
+            if name == "donor" and step == steps - 1:
+                continue
+            got[name][0].append(picks[i])
+            got[name][1].append(rows[i])
+        logits = b.decode([donor, clone], picks)
+    b.release(donor)
+    b.release(clone)
+    return got
+
+
+HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", *HYBRIDS])
+@pytest.mark.parametrize("mode", ["share", "copy"])
+def test_a_clone_and_its_donor_give_what_each_computes_alone(arch, mode, tiny_model_dir, tiny_hybrid_dir):
+    """Each keeps writing after the clone, in the same passes: neither sees the other's writes, and
+    each one's greedy tokens and logits equal a cold session's (float32, atol 1e-5, rtol 1e-4)."""
+    b = load(tiny_hybrid_dir(arch) if arch in HYBRIDS else tiny_model_dir(arch), mode)
+    prompt, tail, steps = tokens(6, 600), tokens(7, 45), 12
+    got = together(b, prompt, 600, tail, steps)
+    # the donor: its prompt, then its own tokens
+    want, logits = cold(b, prompt, 300, steps)
+    assert got["donor"][0] == want
+    np.testing.assert_allclose(np.array(got["donor"][1]), np.array(logits), atol=ATOL, rtol=RTOL)
+    # the clone: the donor's prompt and its tail, then its own tokens
+    want, logits = cold(b, prompt + tail, 300, steps)
+    assert got["clone"][0] == want
+    np.testing.assert_allclose(np.array(got["clone"][1]), np.array(logits), atol=ATOL, rtol=RTOL)
+    assert b.live_sessions() == 0 and not b.pool.stores
+
+
+def test_a_clone_of_a_clone_reads_three_runs(llama):
+    """A clone of a grown clone reads the first donor's blocks and the middle one's, and decodes over
+    three runs (attention.decode_runs) to the answers of a cold session."""
+    prompt = tokens(8, 1000)
+    first = llama.open_session()
+    llama.prefill([first], [prompt[:700]])
+    middle = llama.clone(first, 600)
+    llama.prefill([middle], [prompt[600:1000]])  # grows its own store from 512 (nobody reads it yet)
+    last = llama.clone(middle, 900)
+    assert [(s.base, end) for s, end in last.table.reads] == [(0, 512), (512, 768)]
+    logits = llama.decode([last], [prompt[900]])
+    for t in prompt[901:905]:
+        logits = llama.decode([last], [t])
+    s = llama.open_session()
+    want = llama.prefill([s], [prompt[:905]])
+    np.testing.assert_allclose(llama.to_numpy(logits), llama.to_numpy(want), atol=ATOL, rtol=RTOL)
+    for x in (first, middle, last, s):
+        llama.release(x)
+    assert not llama.pool.stores
+
+
+def test_a_failed_clone_holds_nothing(tiny_model_dir, monkeypatch):
+    """The ring copy fails after the clone's blocks were taken: they are given back (gemma3: rings)."""
+    b = load(tiny_model_dir("gemma3"))
+    donor = b.open_session()
+    b.prefill([donor], [tokens(9, 600)])
+    before, stores = b.total_bytes(), set(b.pool.stores)
+
+    def broken(self, upto):
+        raise RuntimeError("no memory")
+
+    monkeypatch.setattr(kv.RingKV, "copy_prefix", broken)
+    with pytest.raises(RuntimeError):
+        b.clone(donor, 600)
+    assert b.total_bytes() == before and set(b.pool.stores) == stores
+    assert all(not s.readers for s in b.pool.stores.values()) and b.live_sessions() == 1
+
+
+def test_a_group_sharing_a_prefix_decodes_as_each_alone(llama, monkeypatch):
+    """Cascade: decode rows that read the same blocks read them once for the group (one product of all
+    their queries), merged with each row's own part by log-sum-exp: the logits each gets alone."""
+    from backends.torch import attention
+
+    calls = []
+    real = attention.cascade
+    monkeypatch.setattr(attention, "cascade", lambda *a: calls.append(len(a[1])) or real(*a))
+    prompt = tokens(10, 700)
+    donor = llama.open_session()
+    llama.prefill([donor], [prompt])
+    clones = [llama.clone(donor, 700 - 3 * i) for i in range(4)]
+    picks = [5, 6, 7, 8]
+    together = llama.to_numpy(llama.decode(clones, picks))
+    assert calls and calls[0] == 4  # one group of four, in every full layer
+    alone = []
+    for i in range(4):
+        again = llama.clone(donor, 700 - 3 * i)
+        alone.append(llama.to_numpy(llama.decode([again], [picks[i]]))[0])
+        llama.release(again)
+    np.testing.assert_allclose(together, np.array(alone), atol=ATOL, rtol=RTOL)
+    for s in (donor, *clones):
+        llama.release(s)
