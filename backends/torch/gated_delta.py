@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backends.torch.kv import state_copy, state_memory
+
 from backends.torch.config import HybridConfig
 
 CHUNK = 64  # tokens per chunk of the chunked form
@@ -53,15 +55,15 @@ class RecurrentState:
     @classmethod
     def empty(cls, cfg: HybridConfig, dtype, device) -> RecurrentState:
         conv_dim = 2 * cfg.linear_k_heads * cfg.linear_k_dim + cfg.linear_v_heads * cfg.linear_v_dim
-        conv = torch.zeros((cfg.conv_kernel - 1, conv_dim), dtype=dtype, device=device)
-        ssm = torch.zeros((cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim), dtype=torch.float32, device=device)
+        conv = state_memory((cfg.conv_kernel - 1, conv_dim), dtype, device, zeroed=True)
+        ssm = state_memory((cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim), torch.float32, device, zeroed=True)
         return cls(conv, ssm)
 
     def reserve(self, end: int) -> None:
         """Fixed size: never grows."""
 
     def copy_prefix(self, upto: int) -> RecurrentState:
-        return RecurrentState(self.conv.clone(), self.ssm.clone())
+        return RecurrentState(state_copy(self.conv), state_copy(self.ssm))
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.conv, self.ssm
