@@ -19,7 +19,7 @@ Design rules:
   backend pads the sessions it runs together (MLX), the padding is held too;
 - a cache entry evicted while the disk tier is on spills there: its bytes stay
   held (`spilling`) until its file is written, so room it makes comes only then
-  (the head waits for it, and the loop admits again when the write is done).
+  (the head waits for it, and the loop admits again when the write is done);
 - clone by reference (`KVCost.shares`): each block is counted once, by whoever
   holds it on its own: a running request reserves what it writes (a clone, only
   its own tokens past the blocks it reads: `shared=`), a cache entry or an idle
