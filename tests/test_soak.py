@@ -65,3 +65,27 @@ def test_a_charged_samplers_later_failures_name_their_fault():
     with pytest.raises(InjectedFault) as again:
         faulty.sample(None, [state])
     assert "(again)" in str(again.value) and names_hard_fault(str(again.value), faulty.watch.faults)
+
+
+def test_a_batch_fault_that_strikes_a_lone_session_again_is_hard():
+    """The runner retries a lone session's failed call once and then charges the failure to its request,
+    so a retryable fault drawn twice in a row on one session alone may fail that request (and only then)."""
+    from backends.base import BatchFailed, Session
+    from tools.soak import names_hard_fault
+
+    faulty = FaultyBackend(inner=None, seed=3, rate=1.0, budget_bytes=0)  # every call fails; inner never runs
+    faulty.enabled = True
+    lone, other = Session(), Session()
+    errors = []
+    for sessions in ([lone, other], [lone], [lone], [other], [lone], [lone], [lone]):
+        with pytest.raises(BatchFailed) as failed:
+            faulty.decode(sessions, [s.id for s in sessions])  # each session's tokens its own
+        errors.append(str(failed.value))
+    faults = faulty.watch.faults
+    for i, fault in enumerate(faults):
+        previous = faults[i - 1] if i else None
+        alone_twice = (fault.mode == previous.mode == "batch" and len(fault.tokens) == 1
+                       and previous.tokens == fault.tokens) if previous else False
+        assert fault.again_alone == alone_twice, (i, faults)
+        assert names_hard_fault(errors[i], faults) == (fault.mode == "row" or alone_twice)
+    assert any(f.again_alone for f in faults) and not all(f.hard for f in faults)

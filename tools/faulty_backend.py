@@ -17,8 +17,11 @@ Faults obey the contract of backends/base.py:
 Every fault is recorded with the tokens of the sessions it touched (each session's
 committed history, tracked here), the seeds of the samplers it touched, and when,
 so the soak can tell which requests a fault could have hit. "Hard" faults (a
-CORRUPT row, a charged sampler) may fail their own request; every other fault is
-optional work or retryable and must fail nobody.
+CORRUPT row, a charged sampler) may fail their own request; so may a "batch"
+fault that strikes a lone session or sampler again on the very next call of its
+kind, right after one struck it alone: the runner's contract charges a failure
+that stays when run alone twice, and a draw cannot tell transient from lasting.
+Every other fault is optional work or retryable and must fail nobody.
 
 It also watches, on the runner thread, what a checker outside cannot see between
 steps: the bytes the backend holds after every call (against the KV budget), and
@@ -51,11 +54,12 @@ class Fault:
     at: float  # time.monotonic()
     tokens: tuple[tuple[int, ...], ...]  # per touched session: the tokens it held or was about to hold
     seeds: tuple[int | None, ...] = ()  # per touched sampler (sample faults)
+    again_alone: bool = False  # a batch fault on the lone session or sampler the previous call's fault hit alone
 
     @property
     def hard(self) -> bool:
         """May fail the request it hit; every other fault must fail nobody."""
-        return self.kind in ("prefill", "decode", "sample") and self.mode == "row"
+        return self.kind in ("prefill", "decode", "sample") and (self.mode == "row" or self.again_alone)
 
 
 @dataclass
@@ -82,6 +86,8 @@ class FaultyBackend(Backend):
         # id -> (the sampler, the fault that charged it); by id: SamplerState compares by value
         self._charged: dict[int, tuple[weakref.ref, int]] = {}
         self._just_prefilled: dict[int, int] = {}  # session id -> position, after its last prefill call
+        # kind -> the lone session id (or sampler id) a batch fault struck on the last call of that kind
+        self._struck_alone: dict[str, int | None] = {}
         self._watches: dict[int, tuple[list[int], asyncio.Future, asyncio.AbstractEventLoop]] = {}
 
     # ---- bookkeeping ----
@@ -90,9 +96,14 @@ class FaultyBackend(Backend):
         self.watch.calls[kind] += 1
         return self.enabled and self.rng.random() < self.rate
 
-    def _record(self, kind: str, mode: str, tokens: Sequence[Sequence[int]], seeds: Sequence[int | None] = ()) -> Fault:
+    def _record(self, kind: str, mode: str, tokens: Sequence[Sequence[int]], seeds: Sequence[int | None] = (),
+                touched: Sequence[int] = ()) -> Fault:
+        """`touched`: the ids of the sessions or samplers a retryable fault hit, to tell a repeat on one alone."""
+        lone = touched[0] if len(touched) == 1 and mode == "batch" else None
+        again = lone is not None and self._struck_alone.get(kind) == lone
+        self._struck_alone[kind] = lone
         fault = Fault(len(self.watch.faults) + 1, kind, mode, time.monotonic(), tuple(tuple(t) for t in tokens),
-                      tuple(seeds))
+                      tuple(seeds), again)
         self.watch.faults.append(fault)
         return fault
 
@@ -110,17 +121,19 @@ class FaultyBackend(Backend):
 
     def _batch_fault(self, kind: str, sessions: Sequence[Session], rows: Sequence[Sequence[int]]) -> None:
         if not self._draw(kind):
+            self._struck_alone[kind] = None
             return
         tokens = [self._history.get(s.id, []) + list(row) for s, row in zip(sessions, rows)]
         if self.rng.random() < 0.5:
-            fault = self._record(kind, "batch", tokens)
+            fault = self._record(kind, "batch", tokens, touched=[s.id for s in sessions])
             states = [RowState.UNTOUCHED] * len(sessions)
         else:
             k = self.rng.randrange(len(sessions))
             fault = self._record(kind, "row", [tokens[k]])
             states = [RowState.CORRUPT if i == k else RowState.UNTOUCHED for i in range(len(sessions))]
             self._corrupt.add(sessions[k].id)
-        raise BatchFailed(InjectedFault(f"injected {kind} fault #{fault.id} ({fault.mode})"), states)
+        raise BatchFailed(InjectedFault(f"injected {kind} fault #{fault.id} ({fault.mode}"
+                                        f"{', again alone' if fault.again_alone else ''})"), states)
 
     def when_holds(self, tokens: Sequence[int]) -> asyncio.Future:
         """A future on the calling loop, done once some session has committed `tokens` (a prefix of its
@@ -195,12 +208,14 @@ class FaultyBackend(Backend):
             real = [st for st in states if st.prompt]  # rows the runner discards have no prompt
             if self.rng.random() < 0.5 or not real:
                 fault = self._record("sample", "batch", [list(st.prompt) + st.output for st in states],
-                                     [st.params.seed for st in states])
+                                     [st.params.seed for st in states], touched=[id(st) for st in real])
             else:
                 st = self.rng.choice(real)
                 fault = self._record("sample", "row", [list(st.prompt) + st.output], [st.params.seed])
                 self._charged[id(st)] = (weakref.ref(st), fault.id)
-            raise InjectedFault(f"injected sample fault #{fault.id} ({fault.mode})")
+            raise InjectedFault(f"injected sample fault #{fault.id} ({fault.mode}"
+                                f"{', again alone' if fault.again_alone else ''})")
+        self._struck_alone["sample"] = None
         return self.inner.sample(logits, states)
 
     def clone(self, session: Session, upto: int) -> Session:
