@@ -20,7 +20,7 @@ from backends.base import (Backend, BatchFailed, BlockStats, KVCost, LayerAttent
                            SamplerState, SavedLayer, SavedState, Session, check_inputs, clone_refusal)
 from backends.model_info import ModelFacts, read_model_facts
 from backends.model_path import resolve_model
-from backends.torch import checkpoints, hybrid, kv, sampling
+from backends.torch import checkpoints, hybrid, kv, packed_linear, sampling
 from backends.torch.config import ArchConfig, HybridConfig, read_config
 from backends.torch.gated_delta import RecurrentState
 from backends.torch.hybrid import HybridTransformer
@@ -95,6 +95,8 @@ class TorchBackend(Backend):
         dtypes = {k: torch.float32 if k.endswith("A_log") else self.dtype for k in wanted}
         model.load_state_dict({k: weights[k].to(self.device, dtypes[k]) for k in wanted if k in weights}, strict=True, assign=True)
         model.place(self.device)
+        if packed_linear.available(self.device, self.dtype):
+            packed_linear.pack(model, model.model.embed_tokens.weight if tied else None)
         self.model, self.cfg = model.eval(), cfg
         full = sum(not linear for linear in cfg.linear) if isinstance(cfg, HybridConfig) else \
             sum(not w for w in cfg.sliding)

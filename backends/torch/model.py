@@ -152,5 +152,6 @@ class Transformer(nn.Module):
         for i, block in enumerate(self.model.layers):
             h = block(h, sliding if self.cfg.sliding[i] else full, i, rows)
         h = self.model.norm(h[[span.stop - 1 for span in spans(rows)]])
-        head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        return h @ head.T
+        if self.lm_head is not None:
+            return self.lm_head(h)
+        return h @ self.model.embed_tokens.weight.T

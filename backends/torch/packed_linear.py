@@ -1,0 +1,98 @@
+"""Linear layers in oneDNN's blocked weight layout: float32 on the CPU.
+
+Why: for the few rows of a decode step, torch's default CPU matmul (MKL's
+sgemv for x @ w.T) reads weights at about 11 GB/s on the 2-core test machine,
+a fifth of a plain read there, and it runs on one core whatever the thread
+count. oneDNN's linear over a weight reordered once, at load, reads them at
+21-30 GB/s: every weight of the default model in 18-23 ms for 1-8 rows against
+45-71 ms, and 1.4x faster at 512-row prefill chunks (tools/linear_bench.py,
+docs/benchmarks.md). Like MKL's, its sums are not invariant to the number of
+rows; every path runs the same kernel, so reuse paths still match reuse off.
+
+The reordered weight is opaque (a mkldnn tensor), so it is not a Parameter:
+pack after the state dict is loaded, as the last step of installing a model.
+
+oneDNN compiles one kernel per (weight shape, row count) and keeps it, about
+0.4 MiB each, up to 1,024 of them: a varlen batch of every length from 1 to 600
+held 480 MiB. So passes are padded to a few row counts (exact up to 16, the
+decode batches; whole 64-row steps up to 2,048, the engine's default
+--max-batch-tokens; whole 512-row steps beyond), and the kernels of those up to
+2,048 are compiled at load, where their memory is paid once, not mid-serving.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+EXACT_ROWS = 16
+STEP_ROWS, WARM_ROWS, LONG_STEP_ROWS = 64, 2048, 512
+
+
+def padded_rows(rows: int) -> int:
+    """The row count a pass of `rows` runs at."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = STEP_ROWS if rows <= WARM_ROWS else LONG_STEP_ROWS
+    return -(-rows // step) * step
+
+
+def warm_rows() -> list[int]:
+    return list(range(1, EXACT_ROWS + 1)) + list(range(STEP_ROWS, WARM_ROWS + 1, STEP_ROWS))
+
+
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Measured for float32 on the CPU only; CUDA has its own kernels."""
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+class PackedLinear(nn.Module):
+    """y = x @ w.T + b with w held in oneDNN's layout."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+        self.bias = None if bias is None else bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        n = rows.shape[0]
+        padded = padded_rows(n)
+        if padded != n:
+            rows = F.pad(rows, (0, 0, 0, padded - n))
+        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        return y[:n].view(*x.shape[:-1], self.out_features)
+
+
+def pack(model: nn.Module, tied_head: torch.Tensor | None) -> None:
+    """Swap every nn.Linear of `model` for a PackedLinear, in place. A model whose output projection
+    is tied to its embedding gets a packed copy of the embedding as its `lm_head` (the lookups keep
+    reading the table itself): on the default model, resident memory after load is 829 MiB against
+    about 560 once plain weights have all been read."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, PackedLinear(child.weight, child.bias))
+    if tied_head is not None:
+        model.lm_head = PackedLinear(tied_head)
+    # The rest (embeddings, norms) in memory of their own, so nothing keeps the weights file mapped:
+    # its pages, all read once by the reorder, would otherwise stay resident beside the packed copies.
+    for parameter in model.parameters():
+        parameter.data = parameter.data.clone()
+    warm(model)
+
+
+@torch.inference_mode()
+def warm(model: nn.Module) -> None:
+    """Compile the kernel of every padded row count up to WARM_ROWS, once per weight shape (the
+    output projection only up to EXACT_ROWS: it reads one row per session)."""
+    seen = set()
+    for linear in model.modules():
+        if not isinstance(linear, PackedLinear) or (linear.out_features, linear.in_features) in seen:
+            continue
+        seen.add((linear.out_features, linear.in_features))
+        rows = range(1, EXACT_ROWS + 1) if linear is getattr(model, "lm_head", None) else warm_rows()
+        for n in rows:
+            linear(torch.zeros(n, linear.in_features))
