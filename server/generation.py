@@ -80,13 +80,16 @@ async def generation(engine, request: GenerateRequest, tokenizer: PromptTokenize
     try:
         yield stream
     finally:
-        await stream.aclose()
-        for task in pumps:
-            task.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)
+        # The engine handles first, before any await: a handler cancelled again while this block
+        # awaits (aiohttp cancels it when its client goes) would skip the rest, and the request
+        # would run on to its last token with no one reading.
         for handle in handles:
             if handle.done is None:
                 handle.cancel()
+        for task in pumps:
+            task.cancel()
+        await stream.aclose()
+        await asyncio.gather(*pumps, return_exceptions=True)
 
 
 async def _merged(arrived: asyncio.Queue, n: int,
