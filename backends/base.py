@@ -271,6 +271,20 @@ class Session:
         self.id = Session._next_id
         self.position = 0
         self.kept: tuple[int, ...] = ()  # checkpoints of its recurrent state, ascending (Backend.keep_at)
+        self.wanted: frozenset[int] = frozenset()  # positions to keep the recurrent state at (keep_at)
+        self.checkpoints: dict[int, list[Any]] = {}  # position -> its recurrent layers' states
+
+    def keep(self, taken: dict[int, list[Any]]) -> None:
+        """Add checkpoints (position -> recurrent layers' states) to those it holds."""
+        self.checkpoints.update(taken)
+        self.kept = tuple(sorted(self.checkpoints))
+
+    def hand_checkpoints_below(self, target: "Session") -> None:
+        """Backend.move_checkpoints, once both sessions are known to be live."""
+        moved = {p: states for p, states in self.checkpoints.items() if p < target.position}
+        self.checkpoints = {p: s for p, s in self.checkpoints.items() if p not in moved}
+        self.keep({})
+        target.keep(moved)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.id} at {self.position}>"

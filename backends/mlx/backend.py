@@ -33,8 +33,6 @@ class MLXSession(Session):
         # a clone made one short of its donor's position holds one less than the window.
         self.held_from = held_from
         self.lost = False  # its state went with an abandoned decode batch (batch.py): corrupt
-        self.wanted: frozenset[int] = frozenset()  # positions to keep the recurrent state at (keep_at)
-        self.checkpoints: dict[int, list[ArraysCache]] = {}  # position -> its recurrent layers' states
 
 
 class MLXBackend(Backend):
@@ -87,7 +85,7 @@ class MLXBackend(Backend):
                 raise BatchFailed(exc, [RowState.COMMITTED] * len(rows) + [failed] + later,
                                   None if done is None else done.astype(mx.float32)) from exc
             self._advance(session, len(chunk))
-            self._keep(session, taken)
+            session.keep(taken)
             rows.append(logits)
         return mx.stack(rows).astype(mx.float32)
 
@@ -114,7 +112,7 @@ class MLXBackend(Backend):
             raise BatchFailed(exc, [RowState.CORRUPT if s.lost else RowState.UNTOUCHED for s in sessions]) from exc
         for session in sessions:
             self._advance(session, 1)
-            self._keep(session, taken.get(session, {}))
+            session.keep(taken.get(session, {}))
         return logits
 
     def sample(self, logits: mx.array, states: Sequence[SamplerState]) -> list[Sampled]:
@@ -163,15 +161,12 @@ class MLXBackend(Backend):
             row = self._batch.row(session) if self._batch.has(session) else None
             taken[session.position] = self._states(session.caches if row is None else self._batch.caches, row)
             mx.eval(self._arrays(taken))
-        self._keep(session, taken)
+        session.keep(taken)
 
     def move_checkpoints(self, source: MLXSession, target: MLXSession) -> None:
         if source.id not in self._sessions or target.id not in self._sessions:
             raise ValueError("a session was released")
-        moved = {p: states for p, states in source.checkpoints.items() if p < target.position}
-        source.checkpoints = {p: s for p, s in source.checkpoints.items() if p not in moved}
-        self._keep(source, {})
-        self._keep(target, moved)
+        source.hand_checkpoints_below(target)
 
     def export_state(self, session: MLXSession) -> SavedState:
         # A standalone copy at the session's position gives every layer in temporal order,
@@ -268,11 +263,6 @@ class MLXBackend(Backend):
     @staticmethod
     def _arrays(taken: dict[int, list[ArraysCache]]) -> list[mx.array]:
         return [a for states in taken.values() for c in states for a in kvcopy.arrays(c)]
-
-    @staticmethod
-    def _keep(session: MLXSession, taken: dict[int, list[ArraysCache]]) -> None:
-        session.checkpoints.update(taken)
-        session.kept = tuple(sorted(session.checkpoints))
 
     def _advance(self, session: MLXSession, n: int) -> None:
         session.position += n

@@ -35,8 +35,6 @@ class TorchSession(Session):
         self.table: kv.BlockTable | None = None  # its full layers' blocks (None once released)
         self.layers: list[kv.LayerKV | hybrid.HybridLayerState] = []
         self.ready: torch.cuda.Event | None = None  # a clone's copy this session's next use must wait for
-        self.wanted: frozenset[int] = frozenset()  # positions to keep the recurrent state at (keep_at)
-        self.checkpoints: dict[int, list[RecurrentState]] = {}  # position -> its recurrent layers' states
 
 
 def default_device() -> torch.device:
@@ -204,7 +202,7 @@ class TorchBackend(Backend):
             raise BatchFailed(exc, [self._after_failure(s, w) for s, w in zip(sessions, writes)]) from exc
         for i, (s, chunk) in enumerate(zip(sessions, chunks)):
             s.position += len(chunk)
-            self._keep(s, taken.get(i, {}))
+            s.keep(taken.get(i, {}))
         return torch.stack(out)  # type: ignore[arg-type]
 
     def decode(self, sessions: Sequence[TorchSession], tokens: Sequence[int]) -> torch.Tensor:
@@ -223,11 +221,6 @@ class TorchBackend(Backend):
         """Copies of a session's recurrent layers' states."""
         return [layer.copy_prefix(0) for layer in session.layers if isinstance(layer, RecurrentState)]
 
-    @staticmethod
-    def _keep(session: TorchSession, taken: dict[int, list[RecurrentState]]) -> None:
-        session.checkpoints.update(taken)
-        session.kept = tuple(sorted(session.checkpoints))
-
     @torch.inference_mode()
     def keep_at(self, session: TorchSession, positions: Collection[int]) -> None:
         if session.id not in self._sessions:
@@ -237,7 +230,7 @@ class TorchBackend(Backend):
         session.wanted = frozenset(p for p in positions if p > 0)
         session.checkpoints = {p: states for p, states in session.checkpoints.items() if p in session.wanted}
         self._wait_for_clones([session])
-        self._keep(session, {session.position: self._states(session)} if session.position in session.wanted else {})
+        session.keep({session.position: self._states(session)} if session.position in session.wanted else {})
 
     @staticmethod
     def _after_failure(session: TorchSession, writes: int) -> RowState:
@@ -292,10 +285,7 @@ class TorchBackend(Backend):
     def move_checkpoints(self, source: TorchSession, target: TorchSession) -> None:
         if source.id not in self._sessions or target.id not in self._sessions:
             raise ValueError("a session was released")
-        moved = {p: states for p, states in source.checkpoints.items() if p < target.position}
-        source.checkpoints = {p: s for p, s in source.checkpoints.items() if p not in moved}
-        self._keep(source, {})
-        self._keep(target, moved)
+        source.hand_checkpoints_below(target)
 
     def _clone_state(self, session: TorchSession, upto: int) -> TorchSession:
         """A session holding the state of [0, upto): the full layers' blocks by reference or copied
