@@ -226,3 +226,14 @@ def test_llama_server_build_steps_and_cache(monkeypatch, tmp_path):
     assert ran[1][ran[1].index("-S") + 1].endswith("llama_cpp_python-9.9/vendor/llama.cpp")
     assert peers.llama_server(tmp_path) == binary and len(ran) == 3  # cached: nothing runs again
     assert not list(tmp_path.glob(".llama-build-*"))  # the work folder is gone
+
+
+def test_each_kvfork_server_gets_an_empty_home_of_its_own(tmp_path):
+    """The disk tier must not carry one server's spilled prefixes into another's passes."""
+    servers = [paired.kvfork_contender(mode, "model", None, []).make(tmp_path / f"{mode}.log") for mode in ("off", "on")]
+    homes = [Path(s.env["KVFORK_HOME"]) for s in servers]
+    assert homes[0] != homes[1]
+    assert all(home.is_dir() and not any(home.iterdir()) for home in homes)
+    for server, home in zip(servers, homes):
+        server.stop()
+        assert not home.exists()

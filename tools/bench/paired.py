@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +62,14 @@ def kvfork_contender(mode: str, model: str, threshold: int | None, extra: list[s
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     argv = [*DAEMON, "--model", model, "--port", "{port}", *MODES[mode](threshold), *extra]
-    return Contender(mode, lambda log: ServerProcess(f"kvfork ({mode})", argv, log))
+
+    def make(log: Path) -> ServerProcess:
+        # A KVFORK_HOME of its own: the disk tier would carry the prefixes an earlier server spilled
+        # at its shutdown (an earlier mode, or an earlier run) into this one's passes.
+        home = Path(tempfile.mkdtemp(prefix=f"kvfork-bench-{mode}-"))
+        return ServerProcess(f"kvfork ({mode})", argv, log, env={"KVFORK_HOME": str(home)}, scratch=home)
+
+    return Contender(mode, make)
 
 
 def counter_delta(before: Metrics, after: Metrics) -> Metrics:

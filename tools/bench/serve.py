@@ -7,6 +7,7 @@ log file next to the results, so a server that fails to start says why.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -41,6 +42,7 @@ class ServerProcess:
     ready_path: str = "/health"
     ready_timeout_s: float = 600.0  # a first run may fetch and convert the model
     env: dict[str, str] = field(default_factory=dict)
+    scratch: Path | None = None  # a folder of the server's own, removed once it has stopped
     port: int = 0
     proc: subprocess.Popen | None = None
 
@@ -57,7 +59,11 @@ class ServerProcess:
             argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env}, start_new_session=True
         )
         log.close()
-        self._wait_ready()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def _wait_ready(self) -> None:
@@ -82,6 +88,11 @@ class ServerProcess:
             return "(no log)"
 
     def stop(self) -> None:
+        self._stop()
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def _stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
         # The server runs in its own process group: stop it and whatever it spawned.
