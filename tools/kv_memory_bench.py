@@ -11,16 +11,12 @@ backend's `total_bytes()` after 100 cycles (warm) and at the end, and the growth
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import time
 
 from tools.fetch_model import default_model_dir
+from tools.memory import rss_bytes
 
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def main() -> None:

@@ -13,15 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 from tools.fetch_model import default_model_dir
+from tools.memory import rss_bytes
 
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def main() -> None:

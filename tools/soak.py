@@ -32,10 +32,8 @@ import contextlib
 import gc
 import json
 import logging
-import os
 import random
 import re
-import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -51,6 +49,7 @@ from server.serve import Daemon, pick_backend
 from tools.bench.serve import parse_metrics
 from tools.bench.text import words
 from tools.faulty_backend import FaultyBackend, Fault
+from tools.memory import rss_bytes
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 PHASES = ("queued", "parked", "prefilling", "decoding")
@@ -393,13 +392,6 @@ async def read_metrics(http: aiohttp.ClientSession, url: str) -> dict[str, float
     async with http.get(url + "/metrics") as r:
         return parse_metrics(await r.text())
 
-
-def rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:  # not Linux: the peak is the best this platform offers
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 # ---- the run ----
