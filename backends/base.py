@@ -41,6 +41,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Collection, Container, Literal, Sequence
 
+import numpy as np
+
 
 class CloneRefused(Exception):
     """A clone that cannot reproduce `[0, upto)`. A refusal changes nothing."""
@@ -250,6 +252,16 @@ class SamplerState:
     output: list[int] = field(default_factory=list)
     rng: Any = None
     allowed: Any = None
+
+
+def packed_masks(states: Sequence[SamplerState]) -> np.ndarray | None:
+    """The rows' `allowed` bitmasks stacked, int32 [rows, words], every bit set for an unconstrained
+    row; None when no row is constrained (then a backend masks nothing at all)."""
+    present = [s.allowed for s in states if s.allowed is not None]
+    if not present:
+        return None
+    everything = np.full(present[0].shape, -1, dtype=np.int32)
+    return np.stack([everything if s.allowed is None else s.allowed for s in states])
 
 
 @dataclass(frozen=True)

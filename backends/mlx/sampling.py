@@ -16,9 +16,8 @@ from collections import Counter
 from typing import Sequence
 
 import mlx.core as mx
-import numpy as np
 
-from backends.base import Sampled, SamplerState, SamplingParams
+from backends.base import Sampled, SamplerState, SamplingParams, packed_masks
 
 
 def _plain(p: SamplingParams) -> bool:
@@ -75,13 +74,11 @@ def _next_key(state: SamplerState) -> mx.array:
 def allow(logits: mx.array, states: Sequence[SamplerState]) -> mx.array:
     """The logits with each constrained row's forbidden tokens at -inf, masked on the device in one pass;
     `logits` itself when no row is constrained (then nothing is done at all)."""
-    masks = [s.allowed for s in states]
-    present = [m for m in masks if m is not None]
-    if not present:
+    masks = packed_masks(states)
+    if masks is None:
         return logits
-    everything = np.full(present[0].shape, -1, dtype=np.int32)  # all bits set: an unconstrained row
-    packed = mx.array(np.stack([everything if m is None else m for m in masks]))
-    bits = ((packed[:, :, None] >> mx.arange(32, dtype=mx.int32)) & 1).reshape(len(masks), -1)
+    packed = mx.array(masks)
+    bits = ((packed[:, :, None] >> mx.arange(32, dtype=mx.int32)) & 1).reshape(len(states), -1)
     return mx.where(bits[:, : logits.shape[-1]] == 1, logits, mx.array(-float("inf"), logits.dtype))
 
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
 import torch
 
-from backends.base import Sampled, SamplerState, SamplingParams
+from backends.base import Sampled, SamplerState, SamplingParams, packed_masks
 
 
 def _plain_greedy(p: SamplingParams) -> bool:
@@ -80,14 +79,12 @@ def draw(row: torch.Tensor, state: SamplerState) -> torch.Tensor:
 def allow(logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
     """The logits with each constrained row's forbidden tokens at -inf, masked on the device in one pass;
     `logits` itself when no row is constrained (then nothing is done at all)."""
-    masks = [s.allowed for s in states]
-    present = [m for m in masks if m is not None]
-    if not present:
+    masks = packed_masks(states)
+    if masks is None:
         return logits
-    everything = np.full(present[0].shape, -1, dtype=np.int32)  # all bits set: an unconstrained row
-    packed = torch.from_numpy(np.stack([everything if m is None else m for m in masks])).to(logits.device)
+    packed = torch.from_numpy(masks).to(logits.device)
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    bits = ((packed.unsqueeze(-1) >> shifts) & 1).view(len(masks), -1)[:, : logits.shape[-1]]
+    bits = ((packed.unsqueeze(-1) >> shifts) & 1).view(len(states), -1)[:, : logits.shape[-1]]
     return logits.masked_fill(bits == 0, float("-inf"))
 
 
