@@ -35,14 +35,19 @@ def arch(request) -> str:
 @pytest.fixture(scope="session")
 def tiny_hybrid_dir(tmp_path_factory):
     """A function (arch, layout) -> folder of a tiny hybrid model (tiny_hybrid_models.py), written
-    once per run; the same weights in every layout."""
-    from tiny_hybrid_models import write_hybrid_model
+    once per run; the same weights in every layout. The MLX-only families come in mlx layout whatever
+    the layout asked."""
+    from tiny_hybrid_models import MLX_ONLY_WRITERS, write_hybrid_model
 
     made: dict[tuple[str, str], str] = {}
 
     def get(arch: str, layout: str = "hf") -> str:
+        if arch in MLX_ONLY_WRITERS:
+            layout = "mlx"
         if (arch, layout) not in made:
-            made[arch, layout] = str(write_hybrid_model(tmp_path_factory.mktemp(f"{arch}-{layout}"), arch, layout))
+            folder = tmp_path_factory.mktemp(f"{arch}-{layout}")
+            made[arch, layout] = str(MLX_ONLY_WRITERS[arch](folder) if arch in MLX_ONLY_WRITERS
+                                     else write_hybrid_model(folder, arch, layout))
         return made[arch, layout]
 
     return get

@@ -12,38 +12,22 @@ mx = pytest.importorskip("mlx.core", exc_type=ImportError)
 pytest.importorskip("mlx_lm", exc_type=ImportError)
 from backend_fixtures import ATOL, RTOL, continue_greedy, fresh, greedy, logits_np, prompt, release_all  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-from tiny_hybrid_models import (HYBRID_ARCHS, LAYOUTS, write_granite_hybrid_model, write_lfm2_model,  # noqa: E402
-                                write_nemotron_h_model)
+from tiny_hybrid_models import HYBRID_ARCHS, LAYOUTS, MLX_ONLY_ARCHS  # noqa: E402
 
 from backends import create_backend  # noqa: E402
 from backends.mlx.last_token import supports_last_position  # noqa: E402
 from backends.base import BatchFailed, CloneRefused, RowState  # noqa: E402
 
-MLX_ONLY = {"lfm2": write_lfm2_model, "nemotron_h": write_nemotron_h_model,
-            "granitemoehybrid": write_granite_hybrid_model}
-ARCHS = (*HYBRID_ARCHS, *MLX_ONLY)
+ARCHS = (*HYBRID_ARCHS, *MLX_ONLY_ARCHS)
 _loaded: dict[tuple[str, str], object] = {}
 
 
-@pytest.fixture(scope="module")
-def folder_of(tiny_hybrid_dir, tmp_path_factory):
-    made: dict[str, str] = {}
-
-    def get(arch: str, layout: str = "hf") -> str:
-        if arch not in MLX_ONLY:
-            return tiny_hybrid_dir(arch, layout)
-        if arch not in made:  # in mlx layout only: there is no torch model to draw them from
-            made[arch] = str(MLX_ONLY[arch](tmp_path_factory.mktemp(arch)))
-        return made[arch]
-    return get
-
-
 @pytest.fixture(params=ARCHS)
-def hybrid(request, folder_of):
+def hybrid(request, tiny_hybrid_dir):
     """A loaded float32 backend on one hybrid arch; the test must leave no session open."""
     if (request.param, "b") not in _loaded:
         b = create_backend("mlx")
-        b.load(folder_of(request.param), "float32")
+        b.load(tiny_hybrid_dir(request.param), "float32")
         _loaded[request.param, "b"] = b
     b = _loaded[request.param, "b"]
     yield b
@@ -56,12 +40,12 @@ def close(got, want) -> None:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_loads_in_each_layout_and_runs_as_mlx_lm_does(arch, layout, folder_of):
-    if arch in MLX_ONLY and layout != "mlx":
+def test_loads_in_each_layout_and_runs_as_mlx_lm_does(arch, layout, tiny_hybrid_dir):
+    if arch in MLX_ONLY_ARCHS and layout != "mlx":
         pytest.skip("written in mlx layout only")
     import mlx_lm
 
-    folder = folder_of(arch, layout)
+    folder = tiny_hybrid_dir(arch, layout)
     b = create_backend("mlx")
     info = b.load(folder, "float32")
     reference = mlx_lm.load(folder)[0]
@@ -191,13 +175,13 @@ def test_session_bytes_count_the_recurrent_state(hybrid):
 
 
 @pytest.mark.parametrize("arch", ["lfm2"])  # its layers list is the one it runs
-def test_a_decode_failure_is_classified_by_whether_a_state_moved(arch, folder_of):
+def test_a_decode_failure_is_classified_by_whether_a_state_moved(arch, tiny_hybrid_dir):
     """A step that fails in the first layer moved nothing: the sessions run again exactly. One that
     fails at the full-attention layer after the recurrent ones replaced their states is corrupt."""
     from test_backend_faults import failing_layer
 
     b = create_backend("mlx")
-    b.load(folder_of(arch), "float32")
+    b.load(tiny_hybrid_dir(arch), "float32")
     prompts = [prompt(12, seed=30 + i) for i in range(3)]
     sessions = [fresh(b, p)[0] for p in prompts]
     b.decode(sessions, [5, 6, 7])  # a persistent decode batch
@@ -230,45 +214,6 @@ def test_a_model_with_state_kvfork_cannot_clone_is_refused_at_load(tmp_path):
         create_backend("mlx").load(str(folder))
 
 
-def test_checkpoints_serve_exact_clones_behind_the_position(hybrid):
-    """keep_at: states kept inside one prefill chunk (split there) and at a decode step serve exact
-    clones after the session moved on; other positions stay refused; each costs kv.state_bytes."""
-    b = hybrid
-    tokens = prompt(30, seed=9)
-    s = b.open_session()
-    b.keep_at(s, [10, 20, 33])
-    assert s.kept == ()
-    logits = b.prefill([s], [tokens])  # one chunk: the checkpoints at 10 and 20 fall inside it
-    assert s.kept == (10, 20)
-    other, _ = fresh(b, prompt(5, seed=10))
-    fed = []
-    for _ in range(3):  # in the decode batch; the state at 33 is kept there
-        fed.append(greedy(b, logits)[0])
-        logits = b.decode([s, other], [fed[-1], 4])[:1]
-    assert s.kept == (10, 20, 33)
-    assert b.session_bytes(s) >= 3 * b.info.kv.state_bytes + 33 * b.info.kv.full_bytes_per_token
-    for upto, history in ((10, tokens[:10]), (20, tokens[:20]), (33, tokens + fed)):
-        clone = b.clone(s, upto)
-        tail = prompt(4, seed=upto)
-        reference, want = fresh(b, history + tail)
-        got = b.prefill([clone], [tail])
-        close(logits_np(b, got), logits_np(b, want))
-        assert continue_greedy(b, clone, got, 3)[0] == continue_greedy(b, reference, want, 3)[0]
-        release_all(b, clone, reference)
-    for upto in (9, 15, 32):
-        with pytest.raises(CloneRefused, match="recurrent_position"):
-            b.clone(s, upto)
-    before = b.session_bytes(s)
-    b.keep_at(s, [20])  # the others are released
-    assert s.kept == (20,) and b.session_bytes(s) == before - 2 * b.info.kv.state_bytes
-    with pytest.raises(CloneRefused):
-        b.clone(s, 10)
-    b.keep_at(s, [s.position])  # kept at once: the session is there now
-    assert s.kept == (s.position,)
-    release_all(b, s, other)
-    assert b.total_bytes() == 0
-
-
 def test_keep_at_on_a_model_without_recurrent_layers_keeps_nothing(tiny_model_dir):
     b = create_backend("mlx")
     b.load(tiny_model_dir("llama"), "float32")
@@ -280,13 +225,13 @@ def test_keep_at_on_a_model_without_recurrent_layers_keeps_nothing(tiny_model_di
 
 
 @pytest.mark.parametrize("arch", ["lfm2"])  # its layers list is the one it runs
-def test_a_prefill_that_fails_keeps_no_checkpoint(arch, folder_of):
+def test_a_prefill_that_fails_keeps_no_checkpoint(arch, tiny_hybrid_dir):
     """A chunk split at a checkpoint that fails in its second piece has moved the state: corrupt,
     and the state taken at the split is not kept. One failing before any layer ran is untouched."""
     from test_backend_faults import failing_layer
 
     b = create_backend("mlx")
-    b.load(folder_of(arch), "float32")
+    b.load(tiny_hybrid_dir(arch), "float32")
     tokens = prompt(20, seed=11)
     s = b.open_session()
     b.keep_at(s, [8])

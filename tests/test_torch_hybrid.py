@@ -15,7 +15,6 @@ import torch
 from backends.base import CloneRefused, LayerAttention, ModelInfo, clone_positions, clone_refusal
 from backends.torch.backend import TorchBackend
 from backends.torch.gated_delta import chunked_delta_rule, delta_rule, l2_normalize, recurrent_delta_rule
-from backend_fixtures import continue_greedy, fresh, greedy, release_all
 from tiny_hybrid_models import HYBRID_ARCHS, LFM2
 
 DEVICE = os.environ.get("KVFORK_DEVICE", "cpu")
@@ -163,46 +162,6 @@ def test_a_clone_elsewhere_is_refused_and_changes_nothing(hybrid, upto):
         np.testing.assert_array_equal(hybrid.to_numpy(hybrid.decode([donor], [token])), want)
     hybrid.release(donor)
     hybrid.release(twin)
-
-
-def test_checkpoints_serve_exact_clones_behind_the_position(hybrid):
-    """keep_at (as on MLX): states kept inside one prefill chunk (split there) and at a decode step
-    serve exact clones after the session moved on; other positions stay refused; each checkpoint
-    costs kv.state_bytes, and dropping it frees them."""
-    b = hybrid
-    prompt = tokens(9, 30)
-    s = b.open_session()
-    b.keep_at(s, [10, 20, 33])
-    assert s.kept == ()
-    logits = b.prefill([s], [prompt])  # one chunk: the checkpoints at 10 and 20 fall inside it
-    assert s.kept == (10, 20)
-    other, _ = fresh(b, tokens(10, 5))
-    fed = []
-    for _ in range(3):  # batched with another session; the state at 33 is kept at its step
-        fed.append(greedy(b, logits)[0])
-        logits = b.decode([s, other], [fed[-1], 4])[:1]
-    assert s.kept == (10, 20, 33)
-    assert b.session_bytes(s) == b.info.kv.bytes_for(33, checkpoints=3)
-    for upto, history in ((10, prompt[:10]), (20, prompt[:20]), (33, prompt + fed)):
-        clone = b.clone(s, upto)
-        assert b.session_bytes(clone) == b.info.kv.bytes_for(upto, start=upto)
-        tail = tokens(upto, 4)
-        reference, want = fresh(b, history + tail)
-        got = b.prefill([clone], [tail])
-        close(b.to_numpy(got), b.to_numpy(want))
-        assert continue_greedy(b, clone, got, 3)[0] == continue_greedy(b, reference, want, 3)[0]
-        release_all(b, clone, reference)
-    for upto in (9, 15, 32):
-        with pytest.raises(CloneRefused, match="recurrent_position"):
-            b.clone(s, upto)
-    before = b.session_bytes(s)
-    b.keep_at(s, [20])  # the others are released
-    assert s.kept == (20,) and b.session_bytes(s) == before - 2 * b.info.kv.state_bytes
-    with pytest.raises(CloneRefused):
-        b.clone(s, 10)
-    b.keep_at(s, [s.position])  # kept at once: the session is there now
-    assert s.kept == (s.position,)
-    release_all(b, s, other)
 
 
 def _info(*kinds: LayerAttention) -> ModelInfo:

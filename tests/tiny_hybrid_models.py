@@ -266,6 +266,12 @@ def write_nemotron_h_model(folder: Path, seed: int = 0) -> Path:
     return write_mlx_only_model(folder, NEMOTRON_H, seed)
 
 
+# Families only MLX serves, written in mlx layout only: there is no torch model to draw them from.
+MLX_ONLY_WRITERS = {"lfm2": write_lfm2_model, "nemotron_h": write_nemotron_h_model,
+                    "granitemoehybrid": write_granite_hybrid_model}
+MLX_ONLY_ARCHS = tuple(MLX_ONLY_WRITERS)
+
+
 def write_mlx_only_model(folder: Path, config: dict, seed: int = 0) -> Path:
     """A tiny model of a family only MLX serves, in mlx layout: shapes from mlx-lm's own class."""
     import mlx.core as mx
