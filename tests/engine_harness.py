@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 from typing import Sequence
 
+import numpy as np
+
+from backends import BACKENDS
 from backends.base import Backend, SamplingParams
 from server.engine.api import DoneEvent, GenerateRequest, TokenEvent
 from server.engine.config import EngineConfig
@@ -14,6 +18,8 @@ from server.metrics import Registry
 
 # Small enough for scripted prompts, and an explicit budget so no test depends on the machine's memory.
 TEST_CONFIG = dict(prefix_cache_min_tokens=8, kv_budget_bytes=1 << 30)
+# Every reuse path off: the reference the reuse paths must equal.
+REUSE_OFF = dict(prefix_cache_entries=0, active_prefix_reuse_min_tokens=0)
 
 
 async def start_engine(backend: Backend, model_path: str = "scripted", **config) -> Engine:
@@ -71,3 +77,56 @@ async def settled(engine: Engine, backend, extra: int = 0) -> None:
     """Wait until the runner has released what the engine let go of (releases are asynchronous):
     the backend then holds exactly the stored sessions, plus `extra` still in use."""
     await until(lambda: backend.live_sessions() == stored_sessions(engine) + extra)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    """Random token ids inside every tiny model's vocabulary."""
+    return np.random.default_rng(seed).integers(3, 500, n).tolist()
+
+
+def gated(name: str) -> Backend:
+    """The real backend `name`, able to hold the runner inside a chosen prefill or decode (set
+    `backend.gates["prefill" | "decode"] = Gate(...)`) while a test arranges the loop."""
+    from scripted_backend import Gate
+
+    module, cls = BACKENDS[name].split(":")
+    base = getattr(importlib.import_module(module), cls)
+
+    class Gated(base):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gates: dict[str, Gate] = {}
+
+        def _hold(self, kind: str, sessions, inputs) -> None:
+            gate = self.gates.get(kind)
+            if gate is not None and gate.when(sessions, inputs):
+                del self.gates[kind]
+                gate.wait_here()
+
+        def prefill(self, sessions, chunks):
+            self._hold("prefill", sessions, chunks)
+            return super().prefill(sessions, chunks)
+
+        def decode(self, sessions, tokens):
+            self._hold("decode", sessions, tokens)
+            return super().decode(sessions, tokens)
+
+    return Gated()
+
+
+async def real_engine(backend: str | Backend, folder: str, **config) -> Engine:
+    """An engine in float32 on a real backend (a name: gated, see `gated`) and a tiny model folder."""
+    settings = {**TEST_CONFIG, "prefill_chunk": 16, **config}
+    engine = Engine(gated(backend) if isinstance(backend, str) else backend, folder, "float32",
+                    EngineConfig(**settings), Registry())
+    await engine.start()
+    return engine
+
+
+async def references(backend: str | Backend, folder: str, prompts, max_tokens: int, ignore_eos: bool = False,
+                     **config) -> list[list[int]]:
+    """Each prompt's greedy tokens with reuse off, one after the other."""
+    engine = await real_engine(backend, folder, **{**config, **REUSE_OFF})
+    out = [(await run(engine, p, max_tokens, ignore_eos=ignore_eos))[0] for p in prompts]
+    await engine.shutdown(1)
+    return out

@@ -4,38 +4,25 @@ what the backend holds, and nothing is left once they are gone."""
 
 import asyncio
 
-import numpy as np
 import pytest
 
 from backends.torch import kv
 from backends.torch.backend import TorchBackend
-from engine_harness import collect, request, run, settled, until
+from engine_harness import collect, prompt, real_engine, references, request, run, settled, until
 from server.engine.api import CapacityExhausted
-from server.engine.config import EngineConfig
 from server.engine.engine import Engine
 from server.engine.request import Phase
-from server.metrics import Registry
 
 SHARED = 600  # two whole blocks and part of a third
-OFF = dict(prefix_cache_entries=0, active_prefix_reuse_min_tokens=0)
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(3, 512, n).tolist()
 
 
 async def engine_on(folder: str, **config) -> Engine:
-    settings = {**dict(kv_budget_bytes=1 << 30, prefill_chunk=64, prefix_cache_min_tokens=8), **config}
-    engine = Engine(TorchBackend("cpu"), folder, "float32", EngineConfig(**settings), Registry())
-    await engine.start()
-    return engine
+    """The torch backend on the CPU, in 64-token prefill chunks."""
+    return await real_engine(TorchBackend("cpu"), folder, **{"prefill_chunk": 64, **config})
 
 
-async def references(folder: str, prompts, max_tokens: int) -> list[list[int]]:
-    engine = await engine_on(folder, **OFF)
-    out = [(await run(engine, p, max_tokens))[0] for p in prompts]
-    await engine.shutdown(1)
-    return out
+async def torch_references(folder: str, prompts, max_tokens: int) -> list[list[int]]:
+    return await references(TorchBackend("cpu"), folder, prompts, max_tokens, prefill_chunk=64)
 
 
 async def watch_blocks(engine: Engine, seen: list[int], stop: asyncio.Event) -> None:
@@ -65,9 +52,9 @@ async def test_requests_sharing_a_long_prefix_hold_it_once_and_answer_as_reuse_o
     shared = prompt(SHARED, seed=1)
     prompts = [shared + prompt(4 + i, seed=10 + i) for i in range(4)]
     named = shared + prompt(7, seed=20)
-    want = await references(folder, prompts + [named], 8)
+    want = await torch_references(folder, prompts + [named], 8)
     resumed = named + want[4] + [9, 8, 7]  # extends what the named session holds: its prompt and its answer
-    want += await references(folder, [resumed], 8)
+    want += await torch_references(folder, [resumed], 8)
     engine = await engine_on(folder, prefix_cache_entries=4, active_prefix_reuse_min_tokens=8)
     backend = engine.backend
     seen, stop = [], asyncio.Event()
@@ -129,7 +116,7 @@ async def test_n_choices_over_one_prefix_reserve_it_once(mode, tiny_model_dir):
     else:
         results = await asyncio.gather(*(collect(h) for h in engine.submit_choices(request(text, max_tokens, n=n))))
         assert all(done.finish_reason == "length" for _, done in results)
-        want = await references(folder, [text], max_tokens)
+        want = await torch_references(folder, [text], max_tokens)
         assert all(tokens == want[0] for tokens, _ in results)  # greedy: every choice is the lone answer
         assert engine.metrics.budget_exceeded.get() == 0
     await engine.shutdown(1)

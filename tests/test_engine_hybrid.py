@@ -7,66 +7,14 @@ identical prompt's match stops), a running request keeps checkpoints at its last
 a leader's chunk stops at its followers' target, and a named session resumes at its own end."""
 
 import asyncio
-import importlib
 
-import numpy as np
 import pytest
 
 from backend_fixtures import backend_name  # noqa: F401  (fixture: each importable backend)
-from backends import BACKENDS, create_backend
-from engine_harness import collect, reached, request, run, settled, until
+from engine_harness import REUSE_OFF, collect, prompt, reached, real_engine, references, request, run, settled, until
 from scripted_backend import Gate
-from server.engine.config import EngineConfig
-from server.engine.engine import Engine
-from server.metrics import Registry
 
-OFF = dict(prefix_cache_entries=0, active_prefix_reuse_min_tokens=0)
 ON = dict(prefix_cache_entries=8, active_prefix_reuse_min_tokens=8)
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(3, 500, n).tolist()
-
-
-def gated(name: str):
-    """The backend, able to hold the runner inside a chosen prefill or decode while a test arranges the loop."""
-    module, cls = BACKENDS[name].split(":")
-    base = getattr(importlib.import_module(module), cls)
-
-    class Gated(base):
-        def __init__(self) -> None:
-            super().__init__()
-            self.gates: dict[str, Gate] = {}
-
-        def _hold(self, kind: str, sessions, inputs) -> None:
-            gate = self.gates.get(kind)
-            if gate is not None and gate.when(sessions, inputs):
-                del self.gates[kind]
-                gate.wait_here()
-
-        def prefill(self, sessions, chunks):
-            self._hold("prefill", sessions, chunks)
-            return super().prefill(sessions, chunks)
-
-        def decode(self, sessions, tokens):
-            self._hold("decode", sessions, tokens)
-            return super().decode(sessions, tokens)
-
-    return Gated()
-
-
-async def engine_on(name: str, folder: str, **config) -> Engine:
-    settings = dict(kv_budget_bytes=1 << 30, prefill_chunk=16, prefix_cache_min_tokens=8, **config)
-    engine = Engine(gated(name), folder, "float32", EngineConfig(**settings), Registry())
-    await engine.start()
-    return engine
-
-
-async def references(name: str, folder: str, prompts, max_tokens: int) -> list[list[int]]:
-    off = await engine_on(name, folder, **OFF)
-    out = [(await run(off, p, max_tokens, ignore_eos=True))[0] for p in prompts]
-    await off.shutdown(1)
-    return out
 
 
 @pytest.fixture
@@ -78,10 +26,10 @@ async def test_prefix_cache_on_a_hybrid_serves_the_snapshot_one_token_short(back
     first = prompt(40, seed=1)
     # The same prompt again, an extension, and one that leaves the cached prompt at 30.
     prompts = [first, first, first + prompt(9, seed=2), first[:30] + prompt(9, seed=3)]
-    off = await engine_on(backend_name, folder, **OFF)
+    off = await real_engine(backend_name, folder, **REUSE_OFF)
     want = [(await run(off, p, 10))[0] for p in prompts]
     await off.shutdown(1)
-    engine = await engine_on(backend_name, folder, **ON)
+    engine = await real_engine(backend_name, folder, **ON)
     served = []
     for p, expected in zip(prompts, want):
         tokens, done = await run(engine, p, 10)
@@ -99,10 +47,10 @@ async def test_prefix_cache_on_a_hybrid_serves_the_snapshot_one_token_short(back
 async def test_a_burst_on_a_hybrid_gives_the_tokens_of_reuse_off(backend_name, folder):
     shared = prompt(64, seed=4)
     prompts = [shared + prompt(3 + i, seed=10 + i) for i in range(3)]
-    off = await engine_on(backend_name, folder, **OFF)
+    off = await real_engine(backend_name, folder, **REUSE_OFF)
     want = [(await run(off, p, 10))[0] for p in prompts]
     await off.shutdown(1)
-    engine = await engine_on(backend_name, folder, **ON)
+    engine = await real_engine(backend_name, folder, **ON)
     results = await asyncio.gather(*(run(engine, p, 10) for p in prompts))
     assert [tokens for tokens, _ in results] == want
     # The leader's chunk stops at the followers' target: the clone runs at its position.
@@ -113,14 +61,14 @@ async def test_a_burst_on_a_hybrid_gives_the_tokens_of_reuse_off(backend_name, f
 
 
 async def test_a_named_session_on_a_hybrid_resumes_exactly(backend_name, folder):
-    engine = await engine_on(backend_name, folder, **ON)
+    engine = await real_engine(backend_name, folder, **ON)
     first = prompt(30, seed=7)
     out, _ = await run(engine, first, 10, session_id="chat")
     follow_up = first + out + prompt(12, seed=8)
     warm, done = await run(engine, follow_up, 10, session_id="chat")
     assert (done.usage.reuse_source, done.usage.reused_tokens) == ("session", 39)
     await engine.shutdown(1)
-    off = await engine_on(backend_name, folder, **OFF)
+    off = await real_engine(backend_name, folder, **REUSE_OFF)
     cold, _ = await run(off, follow_up, 10)
     assert warm == cold
     await off.shutdown(1)
@@ -132,9 +80,9 @@ async def test_a_prompt_sharing_a_running_conversation_to_a_message_end_clones_i
     donor decodes on; the checkpoints are in the donor's reserved bytes."""
     conversation = prompt(64, seed=20)
     recipient = conversation[:48] + prompt(10, seed=21)
-    want = await references(backend_name, folder, [conversation, recipient], 12)
+    want = await references(backend_name, folder, [conversation, recipient], 12, ignore_eos=True)
     # No prefix cache: its snapshot would take the checkpoints over (the next test).
-    engine = await engine_on(backend_name, folder, **{**ON, "prefix_cache_entries": 0})
+    engine = await real_engine(backend_name, folder, **{**ON, "prefix_cache_entries": 0})
     backend = engine.backend
     gate = backend.gates["decode"] = Gate()
     asked = request(conversation, 12, rid="donor", boundaries=(24, 48), ignore_eos=True)
@@ -160,8 +108,8 @@ async def test_followers_of_a_cancelled_leader_are_served_from_what_it_holds(bac
     leader_prompt = prompt(64, seed=30)
     short = leader_prompt[:20] + prompt(8, seed=31)
     long = leader_prompt[:48] + prompt(8, seed=32)
-    want = await references(backend_name, folder, [short, long], 8)
-    engine = await engine_on(backend_name, folder, **{**ON, "prefix_cache_entries": 0})
+    want = await references(backend_name, folder, [short, long], 8, ignore_eos=True)
+    engine = await real_engine(backend_name, folder, **{**ON, "prefix_cache_entries": 0})
     backend = engine.backend
     gate = backend.gates["prefill"] = Gate(lambda sessions, chunks: sessions[0].position == 16)
     leader = engine.submit(request(leader_prompt, 8, rid="leader", boundaries=(18,), ignore_eos=True))
@@ -184,8 +132,8 @@ async def test_a_prompt_sharing_a_finished_conversation_to_a_message_end_is_serv
     conversation up to one (and not beyond) is served there from the cache; nothing is left held."""
     conversation = prompt(64, seed=40)
     later = conversation[:48] + prompt(12, seed=41)
-    want = await references(backend_name, folder, [conversation, later], 8)
-    engine = await engine_on(backend_name, folder, **ON)
+    want = await references(backend_name, folder, [conversation, later], 8, ignore_eos=True)
+    engine = await real_engine(backend_name, folder, **ON)
     first, _ = await run(engine, conversation, 8, boundaries=(24, 48), ignore_eos=True)
     tokens, done = await run(engine, later, 8, ignore_eos=True)
     assert [first, tokens] == want
@@ -204,8 +152,8 @@ async def test_a_clone_now_at_a_running_donors_position_falls_back_when_the_dono
     the donor changes), and the recipient prefills from scratch, with the tokens of reuse off."""
     donor_prompt = prompt(64, seed=50)
     recipient = donor_prompt[:16] + prompt(10, seed=51)
-    want = await references(backend_name, folder, [donor_prompt, recipient], 8)
-    engine = await engine_on(backend_name, folder, **{**ON, "prefix_cache_entries": 0})
+    want = await references(backend_name, folder, [donor_prompt, recipient], 8, ignore_eos=True)
+    engine = await real_engine(backend_name, folder, **{**ON, "prefix_cache_entries": 0})
     backend = engine.backend
     gate = backend.gates["prefill"] = Gate(lambda sessions, chunks: sessions[0].position == 16)
     donor = engine.submit(request(donor_prompt, 8, rid="donor", ignore_eos=True))
@@ -224,7 +172,7 @@ async def test_a_clone_now_at_a_running_donors_position_falls_back_when_the_dono
 async def test_checkpoints_moved_into_a_snapshot_leave_the_requests_hold(backend_name, folder):
     """A request's message-boundary checkpoints go with its prompt's snapshot into the prefix cache, which
     counts them from then on: the still-decoding request's hold lets their bytes go (never counted twice)."""
-    engine = await engine_on(backend_name, folder, **ON)
+    engine = await real_engine(backend_name, folder, **ON)
     backend, adm = engine.backend, engine.admission
     gate = backend.gates["decode"] = Gate()
     asked = request(prompt(64, seed=60), 8, rid="talker", boundaries=(24, 48), ignore_eos=True)

@@ -3,55 +3,11 @@ a recipient served from a donor's state produces exactly the greedy tokens it wo
 and the donor's own tokens are unchanged."""
 
 import asyncio
-import importlib
-
-import numpy as np
 
 from backend_fixtures import backend_name  # noqa: F401  (fixture: each importable backend)
-from backends import BACKENDS
-from engine_harness import collect, request, run, settled
+from engine_harness import REUSE_OFF, collect, prompt, real_engine, references, request, run, settled
 from scripted_backend import Gate
-from server.engine.config import EngineConfig
-from server.engine.engine import Engine
 from server.engine.matching import common_prefix
-from server.metrics import Registry
-
-OFF = dict(prefix_cache_entries=0, active_prefix_reuse_min_tokens=0)
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(3, 512, n).tolist()
-
-
-def gated(name: str):
-    """The backend, able to hold the runner inside its next decode while a test arranges the loop's view."""
-    module, cls = BACKENDS[name].split(":")
-    base = getattr(importlib.import_module(module), cls)
-
-    class Gated(base):
-        decode_gate: Gate | None = None
-
-        def decode(self, sessions, tokens):
-            gate, self.decode_gate = self.decode_gate, None
-            if gate is not None:
-                gate.wait_here()
-            return super().decode(sessions, tokens)
-
-    return Gated()
-
-
-async def engine_on(name: str, folder: str, **config) -> Engine:
-    settings = dict(kv_budget_bytes=1 << 30, prefill_chunk=16, prefix_cache_min_tokens=8, **config)
-    engine = Engine(gated(name), folder, "float32", EngineConfig(**settings), Registry())
-    await engine.start()
-    return engine
-
-
-async def references(name: str, folder: str, prompts, max_tokens: int) -> list[list[int]]:
-    engine = await engine_on(name, folder, **OFF)
-    out = [(await run(engine, p, max_tokens))[0] for p in prompts]
-    await engine.shutdown(1)
-    return out
 
 
 async def test_a_donor_clone_gives_the_tokens_of_a_fresh_prefill(backend_name, arch, tiny_model_dir):
@@ -61,9 +17,9 @@ async def test_a_donor_clone_gives_the_tokens_of_a_fresh_prefill(backend_name, a
     if arch != "gemma3":  # a shared prefix then a different tail: a decoding sliding-window donor has lost it
         recipients.append(donor_prompt[:40] + prompt(9, seed=3))
     want = await references(backend_name, folder, [donor_prompt] + recipients, 12)
-    engine = await engine_on(backend_name, folder, prefix_cache_entries=0, active_prefix_reuse_min_tokens=8, follow=False)
+    engine = await real_engine(backend_name, folder, prefix_cache_entries=0, active_prefix_reuse_min_tokens=8, follow=False)
     for recipient, expected in zip(recipients, want[1:]):
-        gate = engine.backend.decode_gate = Gate()
+        gate = engine.backend.gates["decode"] = Gate()
         donor = engine.submit(request(donor_prompt, 12))
         await asyncio.to_thread(gate.reached.wait, 10)  # the donor's first decode: the loop saw its prompt done
         handle = engine.submit(request(recipient, 12))
@@ -83,7 +39,7 @@ async def test_a_burst_follows_its_leader_exactly(backend_name, arch, tiny_model
     shared = prompt(64, seed=4)
     prompts = [shared + prompt(3 + i, seed=10 + i) for i in range(3)]
     want = await references(backend_name, folder, prompts, 10)
-    engine = await engine_on(backend_name, folder, prefix_cache_entries=0, active_prefix_reuse_min_tokens=8)
+    engine = await real_engine(backend_name, folder, prefix_cache_entries=0, active_prefix_reuse_min_tokens=8)
     results = await asyncio.gather(*(run(engine, p, 10) for p in prompts))
     assert [tokens for tokens, _ in results] == want
     assert [(d.usage.reuse_source, d.usage.reused_tokens) for _, d in results[1:]] == [("donor", 64)] * 2
