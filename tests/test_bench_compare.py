@@ -34,13 +34,14 @@ def test_paired_prints_one_table_and_writes_everything(tiny_model_dir, tmp_path,
     printed = capsys.readouterr().out
     assert code == 0
     assert "**staggered**" in printed and "**burst**" in printed and "| on/off |" in printed
-    assert "staggered, on vs off: greedy outputs: 0 of 5 differ" in printed  # 3 calls, then 2 tails alone
-    assert "| tail-only TTFT p50 s | recipient/tail-only |" in printed
+    assert "staggered, on vs off: greedy outputs: 0 of 7 differ" in printed  # 3 calls, 2 tails, 2 warm ones
+    assert "| tail-only TTFT p50 s | recipient/tail-only | warm-prefix TTFT p50 s | recipient/warm-prefix |" in printed
     doc = json.loads((out / "results.json").read_text())
     passes = {(p["label"], p["preset"]): p for p in doc["passes"]}
     assert set(passes) == {(m, w) for m in ("off", "on") for w in ("staggered", "burst")}
-    assert [len(passes[m, w]["records"]) for m in ("off", "on") for w in ("staggered", "burst")] == [5, 3, 5, 3]
+    assert [len(passes[m, w]["records"]) for m in ("off", "on") for w in ("staggered", "burst")] == [7, 3, 7, 3]
     assert passes["on", "staggered"]["summary"]["recipient_over_tail"] > 0
+    assert passes["on", "staggered"]["summary"]["recipient_over_warm"] > 0
     off, on = passes["off", "staggered"]["summary"], passes["on", "staggered"]["summary"]
     # Recipients reuse the running donor's prefix only with reuse on, and the server's counters agree.
     assert on["prefill_tokens"] < off["prefill_tokens"]
@@ -57,7 +58,7 @@ def test_paired_counts_differing_outputs_and_fails(tiny_model_dir, tmp_path, cap
                  "--server-arg=--perturb-reuse", "--out", str(tmp_path)])
     captured = capsys.readouterr()
     assert code == 1
-    assert "staggered, on vs off: greedy outputs: 2 of 5 differ (staggered-1, staggered-2)" in captured.out
+    assert "staggered, on vs off: greedy outputs: 2 of 7 differ (staggered-1, staggered-2)" in captured.out
     assert "2 greedy output(s) differ" in captured.err
 
 

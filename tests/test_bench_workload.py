@@ -82,13 +82,19 @@ def test_staggered_on_first_token_or_after_a_delay():
                                                                     ("staggered-1", "start", 0.25)]
 
 
-def test_staggered_ends_with_each_recipients_tail_alone():
+def test_staggered_ends_with_each_recipients_references():
+    """Each recipient's tail alone, then a fresh tail of its size over the same prefix, on the idle server."""
     wl = build("staggered", Options(n=3))
-    tails = wl.calls[3:]
+    tails, warms = wl.calls[3:5], wl.calls[5:]
     assert [(c.id, c.on, c.tag) for c in tails] == [("staggered-tail-1", "idle", "tail"),
                                                     ("staggered-tail-2", "idle", "tail")]
-    for i, tail in enumerate(tails, start=1):
-        assert tail.messages == [{"role": "system", "content": ""}, wl.calls[i].messages[-1]]
+    assert [(c.id, c.on, c.tag) for c in warms] == [("staggered-warm-1", "idle", "warm"),
+                                                    ("staggered-warm-2", "idle", "warm")]
+    for i, (tail, warm) in enumerate(zip(tails, warms), start=1):
+        recipient = wl.calls[i].messages
+        assert tail.messages == [{"role": "system", "content": ""}, recipient[-1]]
+        assert warm.messages[0] == recipient[0] and warm.messages[-1] != recipient[-1]
+        assert len(warm.messages[-1]["content"].split()) == len(recipient[-1]["content"].split()) + 1
 
 
 def test_presets_do_not_share_their_prefix():
@@ -155,13 +161,15 @@ def test_summary_counts_only_answered_requests():
     assert (s.prompt_tokens, s.cached_tokens, s.prefill_tokens, s.output_tokens) == (300, 120, 180, 15)
 
 
-def test_tail_only_calls_stay_out_of_the_workloads_latencies():
+def test_reference_calls_stay_out_of_the_workloads_latencies():
     recs = [_rec("w-0", "lead", 4.0), _rec("w-1", "recipient", 1.0), _rec("w-2", "recipient", 3.0),
-            _rec("w-tail-1", "tail", 0.5), _rec("w-tail-2", "tail", 1.0)]
+            _rec("w-tail-1", "tail", 0.5), _rec("w-tail-2", "tail", 1.0),
+            _rec("w-warm-1", "warm", 0.8), _rec("w-warm-2", "warm", 2.0)]
     s = summarize(recs, wall_s=9.0)
-    assert s.ttft_p50 == 3.0 and s.recipient_ttft_p50 == 2.0  # the tails are not the workload's
-    assert s.tail_ttft_p50 == 0.75
+    assert s.ttft_p50 == 3.0 and s.recipient_ttft_p50 == 2.0  # the references are not the workload's
+    assert s.tail_ttft_p50 == 0.75 and s.warm_ttft_p50 == 1.4
     assert s.recipient_over_tail == 2.5  # p50 of 1.0/0.5 and 3.0/1.0
+    assert s.recipient_over_warm == 1.375  # p50 of 1.0/0.8 and 3.0/2.0
 
 
 def test_output_differences_and_ratio():

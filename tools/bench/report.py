@@ -29,6 +29,8 @@ _COLUMNS = (  # (header, Summary field, format)
     ("recipient TTFT p50 s", "recipient_ttft_p50", "{:.2f}"),
     ("tail-only TTFT p50 s", "tail_ttft_p50", "{:.2f}"),
     ("recipient/tail-only", "recipient_over_tail", "{:.2f}×"),
+    ("warm-prefix TTFT p50 s", "warm_ttft_p50", "{:.2f}"),
+    ("recipient/warm-prefix", "recipient_over_warm", "{:.2f}×"),
     ("e2e p50 s", "e2e_p50", "{:.2f}"),
     ("prefill tokens", "prefill_tokens", "{:,}"),
     ("cached tokens", "cached_tokens", "{:,}"),

@@ -30,6 +30,8 @@ class Summary:
     recipient_ttft_p50: float | None  # over RECIPIENT_TAGS
     tail_ttft_p50: float | None  # recipients' tails alone on the idle server (staggered)
     recipient_over_tail: float | None  # recipient TTFT / its tail's TTFT alone, p50 over recipients
+    warm_ttft_p50: float | None  # a fresh tail over the cached prefix on the idle server (staggered)
+    recipient_over_warm: float | None  # recipient TTFT / its warm reference's, p50 over recipients
     e2e_p50: float | None
     prompt_tokens: int
     cached_tokens: int
@@ -46,17 +48,19 @@ class Summary:
 
 # Requests sent while another with the same prefix runs: where active reuse can act.
 RECIPIENT_TAGS = ("recipient", "fork")
-# Reference calls (a recipient's tail alone), left out of the workload's own latencies.
-TAIL_TAG = "tail"
+# Reference calls on the idle server (a recipient's tail alone; a fresh tail over the cached prefix),
+# left out of the workload's own latencies.
+TAIL_TAG, WARM_TAG = "tail", "warm"
+REFERENCE_TAGS = (TAIL_TAG, WARM_TAG)
 
 
-def _tail_ratios(ok: list[Record]) -> list[float]:
-    """Each recipient's TTFT over its own tail's TTFT alone (calls `<name>-<i>` and `<name>-tail-<i>`)."""
+def _reference_ratios(ok: list[Record], tag: str) -> list[float]:
+    """Each recipient's TTFT over its reference's (calls `<name>-<i>` and `<name>-<tag>-<i>`)."""
     by_id = {r.call_id: r for r in ok if r.ttft_s}
     out = []
     for r in ok:
-        if r.tag == TAIL_TAG and r.ttft_s:
-            name, _, i = r.call_id.rpartition("-tail-")
+        if r.tag == tag and r.ttft_s:
+            name, _, i = r.call_id.rpartition(f"-{tag}-")
             recipient = by_id.get(f"{name}-{i}")
             if recipient is not None:
                 out.append(recipient.ttft_s / r.ttft_s)
@@ -66,7 +70,8 @@ def _tail_ratios(ok: list[Record]) -> list[float]:
 def summarize(records: list[Record], wall_s: float) -> Summary:
     ok = [r for r in records if r.ok]
     tails = [r.ttft_s for r in ok if r.tag == TAIL_TAG and r.ttft_s is not None]
-    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None and r.tag != TAIL_TAG]
+    warms = [r.ttft_s for r in ok if r.tag == WARM_TAG and r.ttft_s is not None]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None and r.tag not in REFERENCE_TAGS]
     prompt = sum(r.prompt_tokens or 0 for r in ok)
     cached = sum(r.cached_tokens or 0 for r in ok)
     return Summary(
@@ -77,8 +82,10 @@ def summarize(records: list[Record], wall_s: float) -> Summary:
         ttft_p99=percentile(ttfts, 99),
         recipient_ttft_p50=percentile((r.ttft_s for r in ok if r.tag in RECIPIENT_TAGS and r.ttft_s is not None), 50),
         tail_ttft_p50=percentile(tails, 50),
-        recipient_over_tail=percentile(_tail_ratios(ok), 50),
-        e2e_p50=percentile((r.e2e_s for r in ok if r.e2e_s is not None and r.tag != TAIL_TAG), 50),
+        recipient_over_tail=percentile(_reference_ratios(ok, TAIL_TAG), 50),
+        warm_ttft_p50=percentile(warms, 50),
+        recipient_over_warm=percentile(_reference_ratios(ok, WARM_TAG), 50),
+        e2e_p50=percentile((r.e2e_s for r in ok if r.e2e_s is not None and r.tag not in REFERENCE_TAGS), 50),
         prompt_tokens=prompt,
         cached_tokens=cached,
         prefill_tokens=prompt - cached,

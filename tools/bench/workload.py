@@ -78,12 +78,16 @@ def _turn(rng: random.Random, k: int) -> list[dict]:
 def shared_prefix(name: str, opts: Options, *, staggered: bool) -> Workload:
     """N requests sharing one long prefix, each with its own last message.
 
-    Staggered, each recipient's last message is then sent again alone, one at a
-    time on the idle server (tag "tail"): the tail-only TTFT a recipient's TTFT
-    is measured against (reusing the prefix should cost little more than that).
+    Staggered, two references follow, one call at a time on the idle server:
+    each recipient's last message alone (tag "tail"), the TTFT a recipient's is
+    measured against (reusing the prefix should cost little more than that); and
+    the shared prefix with a fresh last message of the same size (tag "warm"):
+    the recipient's own work, its tail prefilled over the cached prefix, with
+    nothing else running, so recipient / warm is what waiting among the other
+    requests' steps adds.
     """
     system = _system(opts, name)
-    calls, tails = [], []
+    calls, tails, warms = [], [], []
     for i in range(opts.n):
         rng = random.Random(f"{opts.seed}:{name}:{i}")
         tail = {"role": "user", "content": f"Request {i}: {words(rng, opts.tail_tokens)}"}
@@ -101,7 +105,9 @@ def shared_prefix(name: str, opts: Options, *, staggered: bool) -> Workload:
             # an empty system message keeps a chat template's default one out of the tail
             alone = [{"role": "system", "content": ""}, tail]
             tails.append(Call(f"{name}-tail-{i}", f"{name}-tail-{i}", alone, 1, on="idle", tag="tail"))
-    return Workload(name, calls + tails)
+            fresh = {"role": "user", "content": f"Request {i} again: {words(rng, opts.tail_tokens)}"}
+            warms.append(Call(f"{name}-warm-{i}", f"{name}-warm-{i}", [system, fresh], 1, on="idle", tag="warm"))
+    return Workload(name, calls + tails + warms)
 
 
 def agentic(name: str, opts: Options, *, sessions: int, total_calls: int) -> Workload:
