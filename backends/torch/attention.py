@@ -119,26 +119,19 @@ def flash(kernel, q, keys, values, window, scale) -> torch.Tensor:
 
 
 def partial(grouped: torch.Tensor, runs: list[tuple[torch.Tensor, torch.Tensor]], scale: float):
-    """Grouped queries [kv_heads, q, head_dim] over keys in runs read where they lie: each run attended
-    alone, the parts merged by their log-sum-exp (float32). Returns the output [kv_heads, q, head_dim]
-    (float32) and the log-sum-exp of all the scores [kv_heads, q, 1]."""
-    parts = [run_partial(grouped, k, v, scale) for k, v in runs if k.shape[1]]
-    lse = torch.logsumexp(torch.cat([part_lse for _, part_lse in parts], dim=-1), dim=-1, keepdim=True)
-    out = sum(part * torch.exp(part_lse - lse) for part, part_lse in parts)
-    return out, lse
-
-
-def run_partial(grouped: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float):
-    """`partial` over one run. On the CPU, torch's flash kernel, which also returns the log-sum-exp:
-    1.6-2.5x faster than the scores, softmax and product below for 1-8 grouped rows over 2,048 keys
-    (docs/benchmarks.md); elsewhere those three steps."""
-    if grouped.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            grouped[None], keys[None], values[None], scale=scale)
-        return out[0].float(), lse[0, ..., None]
-    scores = torch.matmul(grouped, keys.transpose(1, 2)).float() * scale
+    """Grouped queries [kv_heads, q, head_dim] over keys in runs read where they lie: the scores against
+    each run, one softmax over all of them (float32), each run's values weighted by its part. Returns
+    the output [kv_heads, q, head_dim] (float32) and the log-sum-exp of the scores [kv_heads, q, 1]."""
+    scores = torch.cat([torch.matmul(grouped, k.transpose(1, 2)) for k, _ in runs], dim=-1).float() * scale
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    return torch.matmul(torch.exp(scores - lse).to(grouped.dtype), values).float(), lse
+    weights = torch.exp(scores - lse).to(grouped.dtype)
+    out, at = None, 0
+    for _, v in runs:
+        part = torch.matmul(weights[..., at:at + v.shape[1]], v).float()
+        out = part if out is None else out + part
+        at += v.shape[1]
+    assert out is not None
+    return out, lse
 
 
 def decode_runs(q: torch.Tensor, runs: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
