@@ -5,7 +5,7 @@ sgemv for x @ w.T) reads weights at about 11 GB/s on the 2-core test machine,
 a fifth of a plain read there, and it runs on one core whatever the thread
 count. oneDNN's linear over a weight reordered once, at load, reads them at
 21-30 GB/s: every weight of the default model in 18-23 ms for 1-8 rows against
-45-71 ms, and 1.4x faster at 512-row prefill chunks (tools/linear_bench.py,
+45-71 ms, and 1.1-1.4x faster at 512-row prefill chunks (tools/linear_bench.py,
 docs/benchmarks.md). Like MKL's, its sums are not invariant to the number of
 rows; every path runs the same kernel, so reuse paths still match reuse off.
 
@@ -15,9 +15,11 @@ pack after the state dict is loaded, as the last step of installing a model.
 oneDNN compiles one kernel per (weight shape, row count) and keeps it, about
 0.4 MiB each, up to 1,024 of them: a varlen batch of every length from 1 to 600
 held 480 MiB. So passes are padded to a few row counts (exact up to 16, the
-decode batches; whole 64-row steps up to 2,048, the engine's default
---max-batch-tokens; whole 512-row steps beyond), and the kernels of those up to
-2,048 are compiled at load, where their memory is paid once, not mid-serving.
+decode batches; whole 16-row steps up to 64, where a pass is still read-bound
+and a coarser step cost more than MKL's unpadded pass; whole 64-row steps up
+to 2,048, the engine's default --max-batch-tokens; whole 512-row steps beyond),
+and the kernels of those up to 2,048 are compiled at load, where their memory
+is paid once, not mid-serving.
 """
 
 from __future__ import annotations
@@ -27,19 +29,21 @@ import torch.nn.functional as F
 from torch import nn
 
 EXACT_ROWS = 16
-STEP_ROWS, WARM_ROWS, LONG_STEP_ROWS = 64, 2048, 512
+# (up to this many rows, padded to a multiple of this step)
+STEPS = ((64, 16), (2048, 64), (None, 512))
+WARM_ROWS = 2048
 
 
 def padded_rows(rows: int) -> int:
     """The row count a pass of `rows` runs at."""
     if rows <= EXACT_ROWS:
         return rows
-    step = STEP_ROWS if rows <= WARM_ROWS else LONG_STEP_ROWS
+    step = next(step for most, step in STEPS if most is None or rows <= most)
     return -(-rows // step) * step
 
 
 def warm_rows() -> list[int]:
-    return list(range(1, EXACT_ROWS + 1)) + list(range(STEP_ROWS, WARM_ROWS + 1, STEP_ROWS))
+    return sorted({padded_rows(n) for n in range(1, WARM_ROWS + 1)})
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
