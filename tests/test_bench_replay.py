@@ -55,7 +55,7 @@ async def test_staggered_waits_for_the_previous_first_token_and_reuses(double):
     url, d = await double(reuse=16, decode_s=0.01)
     wl = build("staggered", Options(n=3, prefix_tokens=200, max_tokens=(20, 20)))
     recs = (await replay(wl, Target(url), progress_out=io.StringIO())).records
-    recs, tails = recs[:3], recs[3:]
+    recs, tails, warms = recs[:3], recs[3:5], recs[5:]
     ids = [d.chat_ids(c.messages) for c in wl.calls]
     for k, (prev, cur) in enumerate(zip(recs, recs[1:])):
         assert cur.send_s >= prev.send_s + prev.ttft_s
@@ -68,6 +68,10 @@ async def test_staggered_waits_for_the_previous_first_token_and_reuses(double):
     assert tails[0].send_s >= max(r.send_s + r.e2e_s for r in recs)
     assert tails[1].send_s >= tails[0].send_s + tails[0].e2e_s
     assert all(tail.prompt_tokens < rec.prompt_tokens / 2 for tail, rec in zip(tails, recs[1:]))  # no prefix
+    # then a fresh tail over the shared prefix, each after the one before it, served from the cache
+    assert [r.call_id for r in warms] == ["staggered-warm-1", "staggered-warm-2"] and all(r.ok for r in warms)
+    assert warms[0].send_s >= tails[1].send_s + tails[1].e2e_s
+    assert all(w.cached_tokens >= shared for w in warms)
 
 
 async def test_root_concurrency_one_runs_sessions_one_after_another(double):
