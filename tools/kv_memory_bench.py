@@ -18,7 +18,6 @@ from tools.fetch_model import default_model_dir
 from tools.memory import rss_bytes
 
 
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(default_model_dir()))

@@ -4,7 +4,7 @@
     python -m tools.linear_bench [--model FOLDER] [--rows 1,4,8,512] [--repeats 7]
 
 One pass = every linear layer of the model once, at its own shape (random weights: speed depends on
-shapes, not values), for each row count; best of `--repeats`, both kinds interleaved. Also a plain
+shapes, not values), for each row count; best of `--repeats` for each kind, MKL's first. Also a plain
 read of the same bytes (the memory floor) and the resident memory the oneDNN kernels of every
 padded row count take once compiled.
 """
@@ -17,7 +17,6 @@ import time
 
 from tools.fetch_model import default_model_dir
 from tools.memory import rss_bytes
-
 
 
 def main() -> None:

@@ -393,7 +393,6 @@ async def read_metrics(http: aiohttp.ClientSession, url: str) -> dict[str, float
         return parse_metrics(await r.text())
 
 
-
 # ---- the run ----
 
 
