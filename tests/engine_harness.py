@@ -6,8 +6,6 @@ import asyncio
 import importlib
 from typing import Sequence
 
-import numpy as np
-
 from backends import BACKENDS
 from backends.base import Backend, SamplingParams
 from server.engine.api import DoneEvent, GenerateRequest, TokenEvent
@@ -22,8 +20,9 @@ TEST_CONFIG = dict(prefix_cache_min_tokens=8, kv_budget_bytes=1 << 30)
 REUSE_OFF = dict(prefix_cache_entries=0, active_prefix_reuse_min_tokens=0)
 
 
-async def start_engine(backend: Backend, model_path: str = "scripted", **config) -> Engine:
-    engine = Engine(backend, model_path, None, EngineConfig(**{**TEST_CONFIG, **config}), Registry())
+async def start_engine(backend: Backend, model_path: str = "scripted", dtype: str | None = None,
+                       **config) -> Engine:
+    engine = Engine(backend, model_path, dtype, EngineConfig(**{**TEST_CONFIG, **config}), Registry())
     await engine.start()
     return engine
 
@@ -79,11 +78,6 @@ async def settled(engine: Engine, backend, extra: int = 0) -> None:
     await until(lambda: backend.live_sessions() == stored_sessions(engine) + extra)
 
 
-def prompt(n: int, seed: int) -> list[int]:
-    """Random token ids inside every tiny model's vocabulary."""
-    return np.random.default_rng(seed).integers(3, 500, n).tolist()
-
-
 def gated(name: str) -> Backend:
     """The real backend `name`, able to hold the runner inside a chosen prefill or decode (set
     `backend.gates["prefill" | "decode"] = Gate(...)`) while a test arranges the loop."""
@@ -116,11 +110,8 @@ def gated(name: str) -> Backend:
 
 async def real_engine(backend: str | Backend, folder: str, **config) -> Engine:
     """An engine in float32 on a real backend (a name: gated, see `gated`) and a tiny model folder."""
-    settings = {**TEST_CONFIG, "prefill_chunk": 16, **config}
-    engine = Engine(gated(backend) if isinstance(backend, str) else backend, folder, "float32",
-                    EngineConfig(**settings), Registry())
-    await engine.start()
-    return engine
+    return await start_engine(gated(backend) if isinstance(backend, str) else backend, folder, "float32",
+                              **{"prefill_chunk": 16, **config})
 
 
 async def references(backend: str | Backend, folder: str, prompts, max_tokens: int, ignore_eos: bool = False,

@@ -6,9 +6,10 @@ import asyncio
 
 import pytest
 
+from backend_fixtures import prompt
 from backends.torch import kv
 from backends.torch.backend import TorchBackend
-from engine_harness import collect, prompt, real_engine, references, request, run, settled, until
+from engine_harness import collect, real_engine, references, request, run, settled, until
 from server.engine.api import CapacityExhausted
 from server.engine.engine import Engine
 from server.engine.request import Phase

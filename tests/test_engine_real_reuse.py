@@ -4,8 +4,8 @@ and the donor's own tokens are unchanged."""
 
 import asyncio
 
-from backend_fixtures import backend_name  # noqa: F401  (fixture: each importable backend)
-from engine_harness import REUSE_OFF, collect, prompt, real_engine, references, request, run, settled
+from backend_fixtures import backend_name, prompt  # noqa: F401  (fixture: each importable backend)
+from engine_harness import REUSE_OFF, collect, real_engine, references, request, run, settled
 from scripted_backend import Gate
 from server.engine.matching import common_prefix
 
