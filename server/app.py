@@ -4,7 +4,8 @@ Disconnects: aiohttp leaves a handler running when its client goes away unless
 the runner is built with `handler_cancellation=True`. `listen` always builds it
 so: a lost connection cancels the handler at once, wherever it waits (queued,
 prefilling, streaming), and the handler's `generation` block cancels the engine
-request on the way out. Tests listen through the same function.
+request on the way out. Tests listen through the same function. Each connection
+is watched for slow clients (server/slow_clients.py), who are disconnected so.
 """
 
 from __future__ import annotations
@@ -20,13 +21,16 @@ from server.protocol.anthropic import error_body
 from server.routes import chat, completions, messages, models, responses, sessions
 from server.routes.common import json_response
 from server.sse import CLIENT_GONE
+from server.slow_clients import Watchdog
+from server.slow_clients import listen as watched_listen
 from server.state import STATE, TENANT, AppState
-from server.tenants import key_tenant
+from server.tenants import key_tenant, request_key
 
 log = logging.getLogger("kvfork.http")
 
 CLIENT_CLOSED = "499"  # nginx's "client closed request", for the metrics
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
+METRICS = "/metrics"
 
 
 def _error_response(error: ApiError, path: str) -> web.Response:
@@ -54,6 +58,9 @@ def _middlewares(state: AppState, requests_total) -> list:
     async def errors(request: web.Request, handler):
         resource = request.match_info.route.resource
         route = resource.canonical if resource else "unmatched"
+        watchdog = Watchdog.of(request)
+        if watchdog is not None:
+            watchdog.request_started()
         try:
             response = await handler(request)
         except web.HTTPException as e:
@@ -70,15 +77,19 @@ def _middlewares(state: AppState, requests_total) -> list:
             response = web.Response(status=499)
         except Exception as e:
             response = _error_response(_api_error(e), request.path)
+        finally:
+            if watchdog is not None:
+                watchdog.request_ended()
         requests_total.inc(route=route, status=CLIENT_CLOSED if request.get(CLIENT_GONE) else str(response.status))
         return response
 
     @web.middleware
     async def auth(request: web.Request, handler):
-        if state.keys and request.path.startswith("/v1/"):
-            given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-            given = given or request.headers.get("x-api-key", "")
-            tenant = key_tenant(state.keys, given)
+        path = request.path
+        if (state.keys and path.startswith("/v1/")) or (state.config.metrics_key and path == METRICS):
+            given = request_key(request.headers.get("Authorization"), request.headers.get("x-api-key"))
+            keys = state.keys if path != METRICS else {state.config.metrics_key: ""}
+            tenant = key_tenant(keys, given)
             if tenant is None:
                 raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
             request[TENANT] = tenant
@@ -100,15 +111,26 @@ def build_app(state: AppState) -> web.Application:
     app.router.add_post(messages.PATH + "/count_tokens", messages.count_tokens)
     app.router.add_get("/v1/models", models.list_models)
     app.router.add_get("/health", models.health)
-    app.router.add_get("/metrics", models.metrics)
+    app.router.add_get(METRICS, models.metrics)
     app.router.add_post("/v1/sessions/{session_id}/reset", sessions.reset)
     app.router.add_delete("/v1/sessions/{session_id}", sessions.delete)
     return app
 
 
-async def listen(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Start serving; returns the runner (to clean up) and the port bound (port 0 picks one)."""
+class Listener:
+    """What `listen` started: the runner and its socket server, stopped together by `close`."""
+
+    def __init__(self, runner: web.AppRunner, server: asyncio.Server):
+        self.runner, self.server = runner, server
+        self.port: int = server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        self.server.close()  # no new connections; the runner then ends the open ones
+        await self.runner.cleanup()
+
+
+async def listen(app: web.Application, host: str, port: int) -> Listener:
+    """Start serving (port 0 picks a free port: Listener.port)."""
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    return runner, runner.addresses[0][1]
+    return Listener(runner, await watched_listen(runner, host, port, app[STATE].clients))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from server.limits import Limits
 from server.settings import at_least, between, setting
 from server.tenants import read_keys_file
 from server.toolcalls import TOOL_PARSER_CHOICES
@@ -33,8 +34,21 @@ def _keys_file_check(path: str | None) -> str | None:
     return None
 
 
+def _file_check(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        return f"cannot read {path}: {e}"
+    return None
+
+
 @dataclass(frozen=True)
-class ServerConfig:
+class ServerConfig(Limits):
+    """The daemon's flags; every limit on a request (server/limits.py) is one of them too."""
+
     model: str | None = setting(None, "model folder (Hugging Face layout); default: SmolLM2, converted and "
                                 "fetched by `kvfork fetch-model` on first run")
     backend: str = setting("auto", "auto: MLX on Apple Silicon, torch elsewhere (CUDA when present, else the CPU; "
@@ -57,7 +71,6 @@ class ServerConfig:
     prefix_cache_warm: str | None = setting(None, "JSON file of chat prompts computed at start, each a messages "
                                             "list or {\"messages\": [...], \"tenant\": NAME} (README: Prefix cache "
                                             "on disk)")
-    max_body_bytes: int = setting(16 * 1024 * 1024, "largest request body; bigger gets 413", check=at_least(1024))
     sse_keepalive: float = setting(5.0, "seconds of silence (a long prefill, a queue wait) before a stream sends a "
                                    "keep-alive comment", check=at_least(0.01))
     shutdown_grace: float = setting(10.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM",
@@ -65,12 +78,10 @@ class ServerConfig:
     log_level: str = setting("info", "log verbosity", choices=LOG_LEVELS)
     tool_parser: str = setting("auto", "tool-call format to parse from replies (auto: the one the chat template "
                                "teaches; none: never parse)", choices=TOOL_PARSER_CHOICES)
-    max_n: int = setting(8, "most choices (n) a chat or completions request may ask for; each takes an "
-                         "inference slot", check=at_least(1))
-    max_stored_responses: int = setting(1024, "responses kept for previous_response_id (/v1/responses), oldest "
-                                        "out first", check=at_least(1))
-    grammar_compile_timeout: float = setting(5.0, "most seconds a request's grammar (response_format, "
-                                             "tool_choice) may take to compile; past it the request gets a 400",
-                                             check=at_least(0.001))
     reasoning_parser: str = setting("auto", "split <think> reasoning from content (auto: when the chat template "
                                     "uses <think>)", choices=("auto", "none", "think"))
+    chat_template: str | None = setting(None, "a Jinja chat template file to use instead of the model's (clients "
+                                        "can never send one)", check=_file_check)
+    metrics_key: str | None = setting(None, "require this key (Authorization: Bearer KEY) on /metrics, which is "
+                                      "open otherwise; tenants' API keys do not open it",
+                                      check=lambda k: _key_check([k]) if k is not None else None)

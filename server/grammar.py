@@ -27,24 +27,37 @@ Design rules:
   lines, and a call re-renders to the text the model wrote;
 - an object schema that does not say `additionalProperties` gets `false`, as in
   llama.cpp: a small model otherwise invents keys until it runs out of tokens;
-- compiled grammars are cached by grammar text, per tokenizer (one compiler per
-  loaded tokenizer); each request gets a copy of the cached matcher;
-- a compile runs on a thread, bounded by --grammar-compile-timeout: past it, or
-  on a bad schema, a 400 naming the problem.
+- compiled grammars are cached by scope and grammar text, per tokenizer (one
+  compiler per loaded tokenizer); each request gets a copy of the cached matcher;
+- every matcher runs under llguidance's limits (PARSER_LIMITS), so no mask step
+  is unbounded; a new grammar is first built in a process killed past
+  --grammar-compile-timeout (grammar_worker.py): past it, or on a bad schema, a
+  400 naming the problem;
+- a schema is bounded before any of this: its size (--max-schema-bytes) and
+  nesting (--max-json-depth), checked by the routes (server/limits.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
+import copy
 import json
+import os
+import select
+import struct
+import subprocess
+import sys
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import numpy as np
 
+from server.engine.api import Scope
 from server.errors import ApiError
+from server.fair import FairWorkers
+from server.grammar_worker import write_message
 
 ToolChoice = Literal["auto", "none", "required", "function"]
 # JSON as json.dumps and the chat templates' `tojson` write it.
@@ -281,48 +294,153 @@ class Grammar:
         return Matcher(self._template.deep_copy())
 
 
+# llguidance's own bounds on the work of one grammar (its defaults, stated here so the bound is ours): a mask
+# step costs at most a few tens of milliseconds, a lexer or a grammar cannot grow without bound, and errors
+# never carry grammar state (verbose errors would put the grammar, another request's schema, in the text).
+PARSER_LIMITS = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
+                     step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000,
+                     verbose_errors=False)
+COMPILE_THREADS = 2  # a tenant compiles one grammar at a time: with two, another tenant always finds one free
+
+
+def _parser_limits() -> Any:
+    import llguidance
+
+    return llguidance.LLParserLimits(**PARSER_LIMITS)
+
+
+class CompileProcess:
+    """One worker thread's grammar_worker.py process: started on first use, killed past the timeout."""
+
+    def __init__(self, setup: Callable[[], dict[str, Any]]):
+        self._setup = setup
+        self._proc: subprocess.Popen | None = None
+
+    def check(self, grammar: str, timeout_s: float) -> str | None:
+        """Build `grammar` in the process: why it cannot be built, or None. TimeoutError past `timeout_s`
+        (the process is killed); a process that dies gives its grammar's error."""
+        if self._proc is None or self._proc.poll() is not None:
+            self._start()
+        assert self._proc is not None and self._proc.stdin is not None
+        try:
+            write_message(self._proc.stdin, {"grammar": grammar})
+            reply = self._reply(timeout_s)
+        except TimeoutError:
+            self.close()
+            raise
+        except (OSError, EOFError, ValueError):
+            self.close()
+            return "the grammar compiler stopped on this grammar"
+        return reply["error"]
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            for stream in (self._proc.stdin, self._proc.stdout):
+                if stream is not None:
+                    stream.close()
+            self._proc = None
+
+    def _start(self) -> None:
+        self._proc = subprocess.Popen([sys.executable, "-m", "server.grammar_worker"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE)
+        assert self._proc.stdin is not None
+        write_message(self._proc.stdin, self._setup())
+        self._reply(STARTUP_S)
+
+    def _reply(self, timeout_s: float) -> Any:
+        assert self._proc is not None and self._proc.stdout is not None
+        fd, deadline, data = self._proc.stdout.fileno(), time.monotonic() + timeout_s, b""
+        size = None
+        while size is None or len(data) < 4 + size:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                raise EOFError
+            data += chunk
+            if size is None and len(data) >= 4:
+                (size,) = struct.unpack("<I", data[:4])
+        return json.loads(data[4:])
+
+
+STARTUP_S = 120.0  # a compile process's start (building the tokenizer's view) is not a grammar's cost
+
+
 class GrammarCompiler:
-    """Compiles asks against one tokenizer, caching what it compiled."""
+    """Compiles asks against one tokenizer, caching what each scope compiled.
+
+    The cache is keyed by scope (tenant and cache_salt) as every other cache is: a grammar another
+    tenant compiled would otherwise come back in 0.15 s instead of 2, telling which schemas it uses.
+    Compiles run on worker threads shared by tenants in turn (server/fair.py), each trying a new grammar
+    first in its own process that is killed past the timeout (CompileProcess)."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], timeout_s: float):
         self._hf, self.vocab_size, self.eos_ids, self.timeout_s = hf_tokenizer, vocab_size, list(eos_ids), timeout_s
         self._tokenizer: Any = None
+        self._tokenizer_json: str | None = None
         self._tokenizer_lock = threading.Lock()
-        self._cache: collections.OrderedDict[str, Grammar] = collections.OrderedDict()
+        self._cache: collections.OrderedDict[tuple[Scope, str], Grammar] = collections.OrderedDict()
+        self._cache_lock = threading.Lock()
+        self._workers = FairWorkers(COMPILE_THREADS, "kvfork-grammar", lambda: CompileProcess(self._setup))
 
     def tokenizer(self) -> Any:
         """The llguidance view of the tokenizer: built once, on first use (about a second)."""
         with self._tokenizer_lock:
             if self._tokenizer is None:
-                import llguidance.hf
+                import llguidance
 
-                self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size,
-                                                               eos_token=self.eos_ids)
+                backend = copy.copy(self._hf.backend_tokenizer)  # as llguidance.hf does: no padding, no truncation
+                backend.no_padding()
+                backend.no_truncation()
+                self._tokenizer_json = backend.to_str()
+                self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                                                         eos_token=self.eos_ids)
             return self._tokenizer
 
-    async def compile(self, ask: Ask) -> Grammar:
+    def _setup(self) -> dict[str, Any]:
+        self.tokenizer()
+        return {"tokenizer": self._tokenizer_json, "vocab_size": self.vocab_size, "eos": self.eos_ids,
+                "limits": {k: v for k, v in PARSER_LIMITS.items()}}
+
+    async def compile(self, ask: Ask, scope: Scope = Scope()) -> Grammar:
+        """`ask`'s grammar for a request of `scope`: from its scope's cache, or compiled (GrammarError: 400)."""
+        return await self._workers.run(scope.tenant, self._compile, ask, scope)
+
+    def close(self) -> None:
+        self._workers.close()
+
+    def _compile(self, process: CompileProcess, ask: Ask, scope: Scope) -> Grammar:
         text = grammar_text(ask)
-        cached = self._cache.get(text)
-        if cached is not None:
-            self._cache.move_to_end(text)
-            return cached
-        await asyncio.to_thread(self.tokenizer)  # not under the compile's time limit: it is the server's cost
+        key = scope, text
+        with self._cache_lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                return cached
+        param = param_of(ask)
         try:
-            grammar = await asyncio.wait_for(asyncio.to_thread(self._build, text, param_of(ask)), self.timeout_s)
+            error = process.check(text, self.timeout_s)
         except TimeoutError:
-            raise GrammarError(param_of(ask), f"the grammar took longer than {self.timeout_s:g} s to compile "
+            raise GrammarError(param, f"the grammar took longer than {self.timeout_s:g} s to compile "
                                "(--grammar-compile-timeout); simplify the schema") from None
-        self._cache[text] = grammar
-        if len(self._cache) > _CACHE_ENTRIES:
-            self._cache.popitem(last=False)
+        if error:
+            raise GrammarError(param, f"the grammar cannot be compiled: {error}")
+        grammar = self._build(text, param)
+        with self._cache_lock:
+            self._cache[key] = grammar
+            if len(self._cache) > _CACHE_ENTRIES:
+                self._cache.popitem(last=False)
         return grammar
 
     def _build(self, text: str, param: str) -> Grammar:
         import llguidance
 
-        matcher = llguidance.LLMatcher(self.tokenizer(), text, log_level=0)
+        matcher = llguidance.LLMatcher(self.tokenizer(), text, log_level=0, limits=_parser_limits())
         mask = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)
-        if not matcher.is_error():  # the first mask builds the lexer: the expensive part, so under the limit too
+        if not matcher.is_error():  # the first mask builds the lexer: the expensive part
             matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
         if matcher.is_error():
             raise GrammarError(param, f"the grammar cannot be compiled: {matcher.get_error()}")

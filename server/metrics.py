@@ -66,6 +66,12 @@ class Gauge(_Metric):
         return self.header() + [f"{self.name} {_fmt_value(self.read())}"]
 
 
+class CounterView(Gauge):
+    """A count kept elsewhere (it only grows), read when rendered."""
+
+    kind = "counter"
+
+
 class Histogram(_Metric):
     kind = "histogram"
 
@@ -108,6 +114,9 @@ class Registry:
 
     def gauge(self, name: str, help: str, read: Callable[[], float]) -> Gauge:
         return self._add(Gauge(name, help, read))  # type: ignore[return-value]
+
+    def counter_view(self, name: str, help: str, read: Callable[[], float]) -> CounterView:
+        return self._add(CounterView(name, help, read))  # type: ignore[return-value]
 
     def histogram(self, name: str, help: str, buckets: tuple[float, ...]) -> Histogram:
         return self._add(Histogram(name, help, buckets))  # type: ignore[return-value]

@@ -35,11 +35,6 @@ def stop_strings(body: SamplingFields) -> list[str]:
     return [body.stop] if isinstance(body.stop, str) else list(body.stop)
 
 
-def check_supported(body: SamplingFields, max_n: int) -> None:
-    if body.n > max_n:
-        raise invalid("n", f"n is at most {max_n} (--max-n), got {body.n}")
-
-
 def generate_request(body: SamplingFields, prompt: list[int], *, rid: str, vocab_size: int, max_tokens: int | None,
                      session: str | None, scope: Scope = Scope(), logprobs: bool = False,
                      top_logprobs: int = 0) -> GenerateRequest:

@@ -11,11 +11,9 @@ import asyncio
 import signal
 from pathlib import Path
 
-from aiohttp import web
-
 from backends import create_backend, default_backend
 from backends.base import Backend
-from server.app import build_app, listen
+from server.app import Listener, build_app, listen
 from server.config import ServerConfig
 from server.engine.config import EngineConfig
 from server.engine.disk import kv_root
@@ -35,7 +33,7 @@ class Daemon:
         self.engine = Engine(backend, model, config.dtype, engine_config, self.registry, kv_dir=kv_root())
         names = list(config.served_model_name) or [Path(model).name]
         self.state = AppState(config, self.engine, names, self.registry)
-        self.runner: web.AppRunner | None = None
+        self.listener: Listener | None = None
         self.port = config.port
 
     @property
@@ -43,21 +41,22 @@ class Daemon:
         return f"http://{self.config.host}:{self.port}"
 
     async def listen(self) -> None:
-        self.runner, self.port = await listen(build_app(self.state), self.config.host, self.config.port)
+        self.listener = await listen(build_app(self.state), self.config.host, self.config.port)
+        self.port = self.listener.port
 
     async def load(self) -> None:
+        template = Path(self.config.chat_template).read_text(encoding="utf-8") if self.config.chat_template else None
         _, self.state.tokenizer = await asyncio.gather(
-            self.engine.start(), asyncio.to_thread(PromptTokenizer.load, self.model)
+            self.engine.start(), asyncio.to_thread(PromptTokenizer.load, self.model, template)
         )
         if self.config.prefix_cache_warm:
             await warm(self.engine, self.state.tokenizer, self.config.prefix_cache_warm)
 
     async def close(self) -> None:
         await self.engine.shutdown(self.config.shutdown_grace)
-        if self.runner is not None:
-            await self.runner.cleanup()
-        if self.state.tokenizer is not None:
-            self.state.tokenizer.close()
+        if self.listener is not None:
+            await self.listener.close()
+        self.state.close()
 
     def loaded_line(self) -> str:
         info, c = self.engine.info, self.engine.config

@@ -50,12 +50,21 @@ def _base_type(hint: Any) -> type:
     return hint if isinstance(hint, type) else str
 
 
+def _declared_by(cls: type, name: str) -> type:
+    """The class (cls or a base) whose body declares the field: a base's fields are grouped under it."""
+    return next(k for k in cls.__mro__ if name in k.__dict__.get("__annotations__", {}))
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     hints = typing.get_type_hints(cls)
-    group = parser.add_argument_group(cls.__name__)
+    groups: dict[type, Any] = {cls: parser.add_argument_group(cls.__name__)}  # its own flags first
     for f in dataclasses.fields(cls):
         if "help" not in f.metadata:
             continue
+        owner = _declared_by(cls, f.name)
+        if owner not in groups:
+            groups[owner] = parser.add_argument_group(owner.__name__)
+        group = groups[owner]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         kind = _base_type(hints[f.name])
         help_text = f"{f.metadata['help']} (default: {default!r})"

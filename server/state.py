@@ -14,6 +14,7 @@ from server.errors import ApiError
 from server.grammar import GrammarCompiler
 from server.metrics import Registry
 from server.responses_api.store import ResponseStore
+from server.slow_clients import SlowClients
 from server.tenants import key_tenants
 from server.text.tokenizer import PromptTokenizer
 
@@ -29,10 +30,20 @@ class AppState:
     _grammars: GrammarCompiler | None = None  # built on the first constrained request
     responses: ResponseStore = field(init=False)  # for /v1/responses' previous_response_id
     keys: dict[str, str] = field(init=False)  # accepted API key -> its tenant; empty: no auth, one tenant
+    clients: SlowClients = field(init=False)  # the slow-client bounds and their counters
 
     def __post_init__(self) -> None:
-        self.responses = ResponseStore(self.config.max_stored_responses, self._forget_session)
+        self.responses = ResponseStore(self.config.max_stored_responses, self._forget_session,
+                                       self.config.max_stored_response_bytes)
         self.keys = key_tenants(self.config.api_key, self.config.api_keys_file)
+        self.clients = SlowClients(self.registry, self.config)
+
+    def close(self) -> None:
+        """Stop the worker threads (and grammar processes) the routes use."""
+        if self.tokenizer is not None:
+            self.tokenizer.close()
+        if self._grammars is not None:
+            self._grammars.close()
 
     def _forget_session(self, name: str, tenant: str) -> None:
         """Free a named session's KV state; one still running is left to the engine's LRU."""
@@ -61,6 +72,10 @@ class AppState:
         assert self.tokenizer is not None
         return self.tokenizer
 
+    @property
+    def context(self) -> int:
+        """Tokens of prompt and output a request may take (--max-context, resolved at load)."""
+        return self.engine.config.max_context
 
     def grammars(self) -> GrammarCompiler:
         """The grammar compiler for the loaded tokenizer (call once ready)."""

@@ -2,10 +2,15 @@
 
 A daemon without keys has one tenant, "" (api.Scope's default): every request
 shares one scope, as before tenants. With keys, each key belongs to a tenant:
-a `--api-key` key is a tenant of its own, named by the key; an `--api-keys-file`
-line `KEY TENANT` names it, and several keys may share a tenant (a rotation).
-The engine scopes every reuse by the tenant (server/engine/api.py, Scope); the
-name never reaches /metrics, and logs carry only Scope.tenant_hash.
+an `--api-keys-file` line `KEY TENANT` names it, and several keys may share a
+tenant (a rotation); each `--api-key` is a tenant of its own, named `key-1`,
+`key-2` ... in the order given, never by the key. The two kinds of names live in
+namespaces of their own (`api_key_tenant`): a keys-file tenant called `key-1` is
+another tenant. The engine scopes every reuse by the tenant (server/engine/api.py,
+Scope); the name never reaches /metrics, and logs carry only Scope.tenant_hash.
+
+A key is read from `Authorization: Bearer KEY` (the scheme in any case, RFC 7235)
+or `x-api-key`; a header that is not UTF-8 text matches no key.
 """
 
 from __future__ import annotations
@@ -36,20 +41,41 @@ def read_keys_file(path: str) -> dict[str, str]:
     return keys
 
 
+def api_key_tenant(index: int) -> str:
+    """The tenant of the `index`-th --api-key (from 1): `key-1` ..., in a namespace of its own. Keys-file
+    tenant names hold no whitespace (the file's fields are split on it), so one never equals this."""
+    return f"key-{index} (--api-key)"
+
+
 def key_tenants(api_keys: list[str], keys_file: str | None) -> dict[str, str]:
     """Every accepted key and its tenant; empty: no authentication, one tenant."""
-    keys = {key: key for key in api_keys}
+    keys: dict[str, str] = {}
+    for key in api_keys:
+        keys.setdefault(key, api_key_tenant(len(keys) + 1))
     for key, tenant in (read_keys_file(keys_file) if keys_file else {}).items():
-        if keys.get(key, tenant) != tenant:
+        if key in keys and keys[key] != tenant:
             raise ValueError("a key given by --api-key is also in --api-keys-file, under a tenant name")
         keys[key] = tenant
     return keys
 
 
+def request_key(authorization: str | None, x_api_key: str | None) -> str:
+    """The key a request presents: `Authorization: Bearer KEY` (any case of the scheme), else x-api-key."""
+    scheme, _, value = (authorization or "").strip().partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip()
+    return x_api_key or ""
+
+
 def key_tenant(keys: dict[str, str], given: str) -> str | None:
-    """The tenant `given` authenticates, or None. Compares against every key in constant time."""
+    """The tenant `given` authenticates, or None. Compares against every key in constant time; a key that is
+    not UTF-8 text (aiohttp hands such header bytes over as surrogates) matches none."""
+    try:
+        presented = given.encode()
+    except UnicodeEncodeError:
+        presented = b""
     found = None
     for key, tenant in keys.items():
-        if hmac.compare_digest(given.encode(), key.encode()):
+        if hmac.compare_digest(presented, key.encode()) and presented:
             found = tenant
     return found

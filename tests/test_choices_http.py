@@ -106,7 +106,7 @@ async def test_n_over_max_n_is_a_400(tiny_model_dir):
         client = client_of(d)
         with pytest.raises(BadRequestError) as e:
             await client.chat.completions.create(model="x", messages=MESSAGES, n=3)
-        assert e.value.code == "invalid_value" and e.value.param == "n"
+        assert e.value.code == "integer_above_max_value" and e.value.param == "n"
         reply = await client.chat.completions.create(model="x", messages=MESSAGES, n=2, max_tokens=2)
         assert len(reply.choices) == 2
         await client.close()

@@ -160,7 +160,7 @@ async def test_a_damaged_file_is_refused_removed_and_counted(tiny_model_dir, dam
         assert tokens == fresh
         assert not path.exists()
         assert engine.admission.disk.stats.corrupt == 1
-        assert "kvfork_prefix_cache_disk_corrupt_files 1" in engine.registry.render()
+        assert "kvfork_disk_corrupt_files_total 1" in engine.registry.render()
     finally:
         await engine.shutdown(1.0)
 

@@ -85,7 +85,7 @@ async def test_context_length_exceeded(daemon, http):
 
 async def test_unsupported_parameters_and_content(daemon, http):
     url = daemon.url + CHAT
-    await expect(http, "POST", url, 400, "invalid_value", "n", json=chat_body(n=9))  # over --max-n (8)
+    await expect(http, "POST", url, 400, "integer_above_max_value", "n", json=chat_body(n=9))  # over --max-n (8)
     await expect(http, "POST", url, 400, "invalid_grammar", "response_format.type",
                  json=chat_body(response_format={"type": "yaml"}))
     image = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this"},
@@ -95,7 +95,7 @@ async def test_unsupported_parameters_and_content(daemon, http):
                          ({"echo": True, "logprobs": 1}, "echo"), ({"prompt": ["a", "b"]}, "prompt")]:
         await expect(http, "POST", daemon.url + COMPLETIONS, 400, "unsupported_parameter", param,
                      json={"prompt": "the city", **extra})
-    await expect(http, "POST", daemon.url + COMPLETIONS, 400, "invalid_value", "n", json={"prompt": "x", "n": 9})
+    await expect(http, "POST", daemon.url + COMPLETIONS, 400, "integer_above_max_value", "n", json={"prompt": "x", "n": 9})
 
 
 async def test_text_parts_and_unknown_fields_are_served(daemon, http):

@@ -114,7 +114,7 @@ async def test_without_keys_every_request_shares_one_scope(tiny_model_dir, http)
 def test_the_keys_file(tmp_path, keys_file):
     assert read_keys_file(keys_file) == {"key-a1": "tenant-a", "key-a2": "tenant-a", "key-b": "tenant-b"}
     keys = key_tenants(["solo"], keys_file)
-    assert key_tenant(keys, "solo") == "solo" and key_tenant(keys, "key-a2") == "tenant-a"
+    assert key_tenant(keys, "solo") == "key-1 (--api-key)" and key_tenant(keys, "key-a2") == "tenant-a"
     assert key_tenant(keys, "") is None and key_tenant(keys, "key-a") is None
     assert key_tenants([], None) == {}
     # three fields, one field, no keys at all, a key given to two tenants

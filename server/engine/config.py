@@ -52,7 +52,8 @@ class EngineConfig:
     capture_slots: int | None = setting(None, "prompt snapshots that may be pending at once (None: one per "
                                         f"inference slot, capped at {CAPTURE_BUDGET_FRACTION:g} of the KV budget "
                                         "at full context)", check=at_least(0))
-    max_named_sessions: int = setting(64, "named sessions kept (least recently used first out)", check=at_least(1))
+    max_named_sessions: int = setting(64, "named sessions each tenant keeps (its least recently used first out)",
+                                      check=at_least(1))
     max_context: int | None = setting(None, "most tokens of prompt and output per request (None: the model's)",
                                       check=at_least(2))
     max_tokens: int = setting(512, "max_tokens when a request gives none; always clamped to the context left",

@@ -27,7 +27,16 @@ Design rules:
   replaces the files of the prompts it begins with (an agent's growing history
   keeps one file per conversation, not one per call);
 - a write that fails for want of room or permission (a full disk, a read-only
-  folder) turns the tier off with one warning; serving goes on without it.
+  folder) turns the tier off with one warning; serving goes on without it;
+- nothing read is trusted: any failure while reading one file (its header at
+  start, its tensors at a hit) removes that file and is counted; it never stops
+  the tier, let alone the daemon;
+- a file holds a tenant's prompt: files are 0600 and folders 0700 (the lock
+  file and the secret too), and a file names its scope only by an HMAC under a
+  secret made at first start ($KVFORK_HOME/kv-secret), never by a hash of the
+  tenant's name or key that could be guessed offline;
+- at shutdown every write under way is answered on the loop before the worker
+  thread stops (`close`), so the last spills land and replace what they should.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import asyncio
 import errno
 import fcntl
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -58,9 +68,11 @@ from server.engine.matching import Source, ranked_matches, window_floor
 
 log = logging.getLogger("kvfork.disk")
 
-KV_FORMAT_VERSION = "1"  # bump when the file layout or the saved-state rule changes: old files are then dropped
+KV_FORMAT_VERSION = "2"  # bump when the file layout or the saved-state rule changes: old files are then dropped
 SUFFIX = ".safetensors"
 LOCK = "lock"
+SECRET = "kv-secret"  # beside the kv folder, in $KVFORK_HOME: the key of the scopes' HMAC
+FILE_MODE, FOLDER_MODE = 0o600, 0o700
 # The tokenizer's files, and the converter's record (tools/gguf_convert.py: its version)
 _MODEL_FILES = ("kvfork-converted.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                 "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
@@ -97,13 +109,36 @@ def fingerprint(model_dir: str | Path, dtype: str, backend: str) -> str:
     return h.hexdigest()[:20]
 
 
-def scope_digest(scope: Scope) -> str:
-    """A scope as files name it: never the tenant's name (it may be an API key)."""
-    return hashlib.sha256(json.dumps([scope.tenant, scope.salt]).encode()).hexdigest()[:32]
+def tier_secret(root: Path) -> bytes:
+    """The scopes' HMAC key: 32 random bytes made at first start, 0600 beside `root` (in $KVFORK_HOME).
+    Two daemons starting at once agree: the first to create the file writes it, the other reads it."""
+    path = root.parent / SECRET
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    except FileExistsError:
+        os.chmod(path, FILE_MODE)
+        for _ in range(50):  # a daemon that just created it may still be writing it
+            secret = path.read_bytes()
+            if len(secret) == 32:
+                return secret
+            time.sleep(0.01)
+        raise OSError(f"{path} does not hold a 32-byte secret")
+    secret = os.urandom(32)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secret)
+        f.flush()
+        os.fsync(f.fileno())
+    return secret
 
 
-def entry_name(scope: Scope, tokens: Sequence[int]) -> str:
-    h = hashlib.sha256(scope_digest(scope).encode())
+def scope_digest(scope: Scope, secret: bytes) -> str:
+    """A scope as files name it: an HMAC of the tenant and salt under the tier's secret, so a file
+    never names a tenant, nor a hash of its key that a weak key could be guessed from."""
+    return hmac.new(secret, json.dumps([scope.tenant, scope.salt]).encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def entry_name(digest: str, tokens: Sequence[int]) -> str:
+    h = hashlib.sha256(digest.encode())
     h.update(np.asarray(tokens, dtype=np.int64).tobytes())
     return h.hexdigest()[:40]
 
@@ -124,13 +159,13 @@ def _checksum(meta: dict[str, str], tensors: dict[str, np.ndarray]) -> str:
     return f"{crc:08x}"
 
 
-def encode(state: SavedState, tokens: Sequence[int], scope: Scope, fp: str) -> bytes:
+def encode(state: SavedState, tokens: Sequence[int], digest: str, fp: str) -> bytes:
     tensors: dict[str, np.ndarray] = {}
     for i, layer in enumerate(state.layers):
         for j, a in enumerate(layer.arrays):
             tensors[f"layers.{i}.{layer.kind}.{j}.{layer.first}-{state.position}"] = np.ascontiguousarray(a)
     meta = {"kvfork_kv": KV_FORMAT_VERSION, "fingerprint": fp, "position": str(state.position),
-            "tokens": json.dumps(list(tokens)), "scope": scope_digest(scope),
+            "tokens": json.dumps(list(tokens)), "scope": digest,
             "layers": json.dumps([[layer.kind, layer.first, len(layer.arrays)] for layer in state.layers])}
     meta["checksum"] = _checksum(meta, tensors)
     return save_tensors(tensors, metadata=meta)
@@ -166,14 +201,27 @@ def read_header(path: Path) -> dict[str, str]:
         (n,) = struct.unpack("<Q", f.read(8))
         if n > 64 * 1024 * 1024:
             raise CorruptFile("header too large")
-        return json.loads(f.read(n))["__metadata__"]
+        meta = json.loads(f.read(n))["__metadata__"]
+    if not isinstance(meta, dict):
+        raise CorruptFile("no metadata")
+    return meta
+
+
+def header_entry(meta: dict[str, Any], fp: str) -> tuple[tuple[int, ...], str]:
+    """(tokens, scope digest) a file's metadata says it holds; CorruptFile when they are not what we write."""
+    if meta.get("kvfork_kv") != KV_FORMAT_VERSION or meta.get("fingerprint") != fp:
+        raise CorruptFile("another model or format")
+    tokens, scope = json.loads(meta["tokens"]), meta["scope"]
+    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens) or not isinstance(scope, str):
+        raise CorruptFile("malformed tokens or scope")
+    return tuple(tokens), scope
 
 
 def _write_file(folder: Path, name: str, data: bytes) -> None:
     """Temporary file, fsync, rename, fsync of the folder: a crash leaves the old state or the new."""
     tmp = folder / f".{name}.{os.getpid()}.tmp"
     try:
-        with tmp.open("wb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -218,13 +266,27 @@ class DiskStats:
 
 def _try_lock(folder: Path) -> int | None:
     """An exclusive flock on `folder`'s lock file, or None when another daemon holds it."""
-    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, FILE_MODE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         return None
+    os.fchmod(fd, FILE_MODE)  # one made before the rule was 0644
     return fd
+
+
+def _private_folder(folder: Path) -> None:
+    """`folder` (and any parent it needs) made 0700; one made before the rule is narrowed."""
+    folder.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
+    os.chmod(folder, FOLDER_MODE)
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("removing prefix cache file %s failed: %r", path.name, exc)
 
 
 def _empty_folder(folder: Path) -> None:
@@ -243,6 +305,7 @@ class DiskTier:
 
     def __init__(self, folder: Path, fp: str, max_bytes: int, windows: Iterable[int] = (), recurrent: bool = False):
         self.folder, self.fp, self.max_bytes = folder, fp, max_bytes
+        self.secret = b""  # read at open: scope digests need it
         self.windows, self.recurrent = tuple(windows), recurrent
         self.index: OrderedDict[tuple[str, tuple[int, ...]], DiskEntry] = OrderedDict()  # oldest first
         self.nbytes = 0  # files indexed
@@ -251,6 +314,8 @@ class DiskTier:
         self.on = False
         self._lock_fd: int | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvfork-disk")
+        self._due = 0  # file work submitted whose answer has not run on the loop yet
+        self._answered: asyncio.Event | None = None  # set as each answer runs (close waits on it)
 
     @classmethod
     def open(cls, root: Path, fp: str, max_bytes: int, windows: Iterable[int] = (), recurrent: bool = False
@@ -259,7 +324,9 @@ class DiskTier:
         folder cannot be made or locked."""
         tier = cls(root / fp, fp, max_bytes, windows, recurrent)
         try:
-            tier.folder.mkdir(parents=True, exist_ok=True)
+            _private_folder(root)
+            _private_folder(tier.folder)
+            tier.secret = tier_secret(root)
             tier._lock_fd = _try_lock(tier.folder)
             if tier._lock_fd is None:
                 log.warning("prefix cache disk tier off: another daemon uses %s", tier.folder)
@@ -267,7 +334,7 @@ class DiskTier:
             tier.on = True
             tier._rebuild()
             tier._drop_other_fingerprints(root)
-        except OSError as exc:
+        except Exception as exc:  # the tier is optional: whatever stops it, serving goes on without it
             tier._turn_off(exc)
         return tier
 
@@ -275,19 +342,18 @@ class DiskTier:
         found = []
         for path in self.folder.iterdir():
             if path.name.endswith(".tmp"):  # a write a crash interrupted
-                path.unlink(missing_ok=True)
+                _unlink(path)
             elif path.name.endswith(SUFFIX):
                 try:
-                    meta = read_header(path)
-                    if meta.get("kvfork_kv") != KV_FORMAT_VERSION or meta.get("fingerprint") != self.fp:
-                        raise CorruptFile("another model or format")
-                    tokens = tuple(json.loads(meta["tokens"]))
-                    entry = DiskEntry(tokens, meta["scope"], path.name.removesuffix(SUFFIX), path.stat().st_size)
-                    found.append((path.stat().st_mtime, entry))
-                except (CorruptFile, OSError, ValueError, KeyError, struct.error) as exc:
+                    tokens, scope = header_entry(read_header(path), self.fp)
+                    stat = path.stat()
+                    os.chmod(path, FILE_MODE)  # one written before the rule was 0644
+                    found.append((stat.st_mtime, DiskEntry(tokens, scope, path.name.removesuffix(SUFFIX),
+                                                           stat.st_size)))
+                except Exception as exc:  # whatever a file holds, it is only ever that file's problem
                     log.warning("removed unreadable prefix cache file %s: %r", path.name, exc)
                     self.stats.corrupt += 1
-                    path.unlink(missing_ok=True)
+                    _unlink(path)
         for _, entry in sorted(found, key=lambda item: item[0]):  # least recently written first
             self.index[entry.scope, entry.tokens] = entry
             self.nbytes += entry.file_bytes
@@ -311,19 +377,27 @@ class DiskTier:
             log.warning("prefix cache disk tier off: %s (%r); serving goes on without it", self.folder, exc)
         self.on = False
 
-    def close(self) -> None:
-        """Wait for the writes under way, then let the folder go."""
-        self._pool.shutdown(wait=True)
+    async def close(self) -> None:
+        """Wait until every write under way has been answered on the loop (a spill at shutdown then
+        replaces the files it should), then for the removals those answers asked for; let the folder go."""
+        while self._due:
+            self._answered = self._answered or asyncio.Event()
+            self._answered.clear()
+            await self._answered.wait()
+        await asyncio.to_thread(self._pool.shutdown, True)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+    def digest(self, scope: Scope) -> str:
+        return scope_digest(scope, self.secret)
 
     # ---- the index (control loop) ----
 
     def worth(self, tokens: Sequence[int], scope: Scope) -> bool:
         """Whether an entry is worth writing: not when a file serves it already (refreshed instead):
         its own, or, on a model of full-attention layers only, one of a longer prompt it begins."""
-        digest, tokens = scope_digest(scope), tuple(tokens)
+        digest, tokens = self.digest(scope), tuple(tokens)
         covering = [key for key in self.index if key[0] == digest and self._serves(key[1], tokens)]
         for key in covering:
             self.index.move_to_end(key)
@@ -342,7 +416,7 @@ class DiskTier:
         """Usable matches among `scope`'s files, best first (the prefix cache's rules: matching.py)."""
         if not self.on:
             return []
-        digest = scope_digest(scope)
+        digest = self.digest(scope)
         sources = (Source.entry(key, key[1], stamp, clone_floor=window_floor(len(key[1]), self.windows),
                                 positions=(len(key[1]),) if self.recurrent else None)
                    for stamp, (key, entry) in enumerate(self.index.items()) if key[0] == digest)
@@ -357,7 +431,7 @@ class DiskTier:
         """Out of the index, and its file removed (a corrupt or missing one)."""
         if self.index.pop((entry.scope, entry.tokens), None) is not None:
             self.nbytes -= entry.file_bytes
-        self._pool.submit(self._remove, entry.name)
+        self._remove_later(entry.name)
 
     def _trim(self, room: int) -> None:
         """Evict least recently used files until `room` more bytes fit under the cap."""
@@ -365,7 +439,7 @@ class DiskTier:
             _, entry = self.index.popitem(last=False)
             self.nbytes -= entry.file_bytes
             self.stats.evicted += 1
-            self._pool.submit(self._remove, entry.name)
+            self._remove_later(entry.name)
 
     # ---- file work (worker thread), answered on the loop ----
 
@@ -378,10 +452,11 @@ class DiskTier:
             return
         self._trim(size)
         self.pending_bytes += size
-        tokens, name = tuple(tokens), entry_name(scope, tokens)
+        digest = self.digest(scope)
+        tokens, name = tuple(tokens), entry_name(digest, tokens)
 
         def work() -> int:
-            data = encode(state, tokens, scope, self.fp)
+            data = encode(state, tokens, digest, self.fp)
             _write_file(self.folder, name, data)
             return len(data)
 
@@ -394,7 +469,7 @@ class DiskTier:
                 else:
                     log.warning("writing a prefix cache file failed: %r", result)
             elif self.on:
-                key = scope_digest(scope), tokens
+                key = digest, tokens
                 old = self.index.pop(key, None)
                 self.nbytes += result - (old.file_bytes if old else 0)
                 self.index[key] = DiskEntry(tokens, key[0], name, result)
@@ -441,26 +516,38 @@ class DiskTier:
         self._submit(loop, work, finish)
 
     def _submit(self, loop: asyncio.AbstractEventLoop, work: Callable[[], Any], finish: Callable[[Any], None]) -> None:
+        def answer(result: Any) -> None:
+            self._due -= 1
+            try:
+                finish(result)
+            finally:
+                if self._answered is not None:
+                    self._answered.set()
+
         def run() -> None:
             try:
                 result = work()
             except BaseException as exc:  # answered on the loop, whatever it was
                 result = exc
             try:
-                loop.call_soon_threadsafe(finish, result)
+                loop.call_soon_threadsafe(answer, result)
             except RuntimeError:  # the loop is closed: nobody waits for it any more
                 pass
 
+        self._due += 1
         try:
             self._pool.submit(run)
         except RuntimeError:  # closed
-            finish(RuntimeError("the disk tier is closed"))
+            answer(RuntimeError("the disk tier is closed"))
+
+    def _remove_later(self, name: str) -> None:
+        try:
+            self._pool.submit(self._remove, name)
+        except RuntimeError:  # closed: nothing else runs on the folder any more
+            self._remove(name)
 
     def _remove(self, name: str) -> None:
-        try:
-            (self.folder / f"{name}{SUFFIX}").unlink(missing_ok=True)
-        except OSError as exc:
-            log.warning("removing prefix cache file %s failed: %r", name, exc)
+        _unlink(self.folder / f"{name}{SUFFIX}")
 
 
 # ---- `kvfork cache` ----

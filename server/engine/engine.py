@@ -110,7 +110,7 @@ class Engine:
         await asyncio.to_thread(self._runner.thread.join, STOP_WAIT_S)
         self._drain()  # the cache's last spills go to the disk tier here
         if self._admission is not None and self._admission.disk is not None:
-            await asyncio.to_thread(self._admission.disk.close)
+            await self._admission.disk.close()  # after the last spills have been answered
 
     @property
     def runner_alive(self) -> bool:

@@ -6,7 +6,8 @@ the runner touches. Design rules:
   last prompt and what it generated, as committed) prefills only the new tokens;
   anything else restarts the session cold;
 - one request at a time per session: a second gets `session_busy`;
-- at most `max_sessions`; the least recently used idle one goes first;
+- at most `max_sessions` per tenant; a tenant's new session evicts that tenant's
+  least recently used idle one, never another tenant's;
 - idle sessions give way to admission after the prefix cache, least recently
   used first: the record stays, its state goes, and its owner's next request
   starts cold (never an error);
@@ -107,10 +108,11 @@ class NamedSessions:
             raise SessionBusy(f"session {name!r} is busy with another request")
         evicted: tuple[list[Any], int] = ([], 0)
         if record is None:
-            if len(self._table) >= self.max_sessions:
-                idle = next((r for r in self._table.values() if not r.busy), None)
+            own = [r for r in self._table.values() if r.tenant == tenant]
+            if len(own) >= self.max_sessions:
+                idle = next((r for r in own if not r.busy), None)
                 if idle is None:
-                    raise CapacityExhausted("every named session is busy")
+                    raise CapacityExhausted("every named session of this tenant is busy")
                 del self._table[idle.key]
                 evicted = idle.take()
             record = self._table[key] = NamedSession(name, tenant)

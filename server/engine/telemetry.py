@@ -91,8 +91,8 @@ class EngineMetrics:
         g("prefix_cache_disk_bytes", "bytes of the prefix cache's disk tier", disk(lambda d: d.nbytes))
         g("prefix_cache_disk_on", "1 while the disk tier is on", disk(lambda d: int(d.on)))
         g("prefix_cache_disk_spilled", "entries written to the disk tier since start", disk(lambda d: d.stats.spilled))
-        g("prefix_cache_disk_corrupt_files", "disk tier files found torn or corrupt and removed since start",
-          disk(lambda d: d.stats.corrupt))
+        registry.counter_view("disk_corrupt_files_total", "disk tier files found torn, corrupt or malformed and "
+                              "removed", disk(lambda d: d.stats.corrupt))
         g("prefix_cache_disk_spilling_bytes", "bytes of evicted entries held until their file is written",
           admission(lambda a: a.spilling))
 

@@ -1,4 +1,4 @@
-"""Stored responses, for `previous_response_id`: in memory, capped, oldest out first.
+"""Stored responses, for `previous_response_id`: in memory, capped per tenant, oldest out first.
 
 A stored response keeps its conversation as chat messages (everything before it
 and its own output, without the instructions, which OpenAI does not carry over).
@@ -18,16 +18,25 @@ cold is not offered it). Rules:
 - a response dropped past the cap or deleted that is still its session's head
   takes the session with it (its KV state is freed);
 - a stored response belongs to the tenant that made it: under another tenant's
-  key its id is unknown (404), and its session is that tenant's (sessions.py).
+  key its id is unknown (404), and its session is that tenant's (sessions.py);
+- each tenant has its own quota, in responses (--max-stored-responses) and in
+  bytes (--max-stored-response-bytes): storing past either drops that tenant's
+  oldest, never another tenant's. The bytes are exact: a response's conversation
+  shares its message objects with the one it continues, and each message is
+  counted once, however many stored responses hold it. A request whose input
+  alone is over the byte quota is refused before it runs (`check_room`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import msgspec
+
 from server.errors import ApiError
+from server.limits import over
 from server.protocol.responses import Response
 
 
@@ -37,17 +46,42 @@ class Stored:
     messages: list[dict[str, Any]]
     session: str | None  # the named session of its conversation, once one is open
     tenant: str = ""  # whose it is: another tenant's requests find no response of that id
+    nbytes: int = 0  # the response's own JSON (its messages are counted in the store's table of them)
+
+
+@dataclass
+class TenantUse:
+    responses: OrderedDict[str, None] = field(default_factory=OrderedDict)  # its ids, oldest first
+    nbytes: int = 0  # its responses and the messages they hold, each message once
+
+
+def _size(value: Any) -> int:
+    return len(msgspec.json.encode(value))
 
 
 class ResponseStore:
-    def __init__(self, max_responses: int, forget_session: Callable[[str, str], None]):
-        self.max_responses = max_responses
+    def __init__(self, max_responses: int, forget_session: Callable[[str, str], None], max_bytes: int = 1 << 62):
+        """`max_responses` and `max_bytes` are each tenant's quota."""
+        self.max_responses, self.max_bytes = max_responses, max_bytes
         self.forget_session = forget_session
-        self._responses: OrderedDict[str, Stored] = OrderedDict()  # oldest first
+        self._responses: dict[str, Stored] = {}
+        self._tenants: dict[str, TenantUse] = {}
+        self._messages: dict[int, list] = {}  # id(message) -> [message, stored responses holding it, bytes]
         self._heads: dict[str, str] = {}  # session → the response it holds (or is computing)
 
     def __len__(self) -> int:
         return len(self._responses)
+
+    def use(self, tenant: str) -> TenantUse:
+        return self._tenants.get(tenant) or TenantUse()
+
+    def check_room(self, messages: list[dict[str, Any]], tenant: str) -> None:
+        """A 400 when a conversation alone (before its output) would be over the tenant's byte quota: storing
+        it would drop every other response of the tenant and still not fit."""
+        need = sum(held[2] if (held := self._messages.get(id(m))) is not None else _size(m) for m in messages)
+        if need > self.max_bytes:
+            raise over("input", f"the conversation to store is {need:,} bytes; send store: false, or less",
+                       self.max_bytes, "--max-stored-response-bytes")
 
     def get(self, response_id: str, tenant: str = "", param: str = "response_id") -> Stored:
         stored = self._responses.get(response_id)
@@ -75,15 +109,37 @@ class ResponseStore:
             self._heads[session] = previous
 
     def put(self, response: Response, messages: list[dict[str, Any]], session: str | None, tenant: str = "") -> None:
-        self._responses[response.id] = Stored(response, messages, session, tenant)
-        while len(self._responses) > self.max_responses:
-            self._drop(*self._responses.popitem(last=False))
+        """Store it; past the tenant's quota its oldest go (never the one just stored)."""
+        stored = self._responses[response.id] = Stored(response, messages, session, tenant, _size(response))
+        use = self._tenants.setdefault(tenant, TenantUse())
+        use.responses[response.id] = None
+        use.nbytes += stored.nbytes
+        for message in messages:
+            held = self._messages.get(id(message))
+            if held is None:
+                held = self._messages[id(message)] = [message, 0, _size(message)]
+                use.nbytes += held[2]
+            held[1] += 1
+        while len(use.responses) > 1 and (len(use.responses) > self.max_responses or use.nbytes > self.max_bytes):
+            self._drop(next(iter(use.responses)))
 
     def delete(self, response_id: str, tenant: str = "") -> None:
         self.get(response_id, tenant)
-        self._drop(response_id, self._responses.pop(response_id))
+        self._drop(response_id)
 
-    def _drop(self, response_id: str, stored: Stored) -> None:
+    def _drop(self, response_id: str) -> None:
+        stored = self._responses.pop(response_id)
+        use = self._tenants[stored.tenant]
+        del use.responses[response_id]
+        use.nbytes -= stored.nbytes
+        for message in stored.messages:
+            held = self._messages[id(message)]
+            held[1] -= 1
+            if not held[1]:
+                del self._messages[id(message)]
+                use.nbytes -= held[2]
+        if not use.responses:
+            del self._tenants[stored.tenant]
         if stored.session is not None and self._heads.get(stored.session) == response_id:
             del self._heads[stored.session]
             self.forget_session(stored.session, stored.tenant)

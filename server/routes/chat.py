@@ -21,13 +21,14 @@ from server.engine.api import TokenEvent, Usage
 from server.errors import ApiError, invalid, unsupported
 from server.generation import Finished, Piece
 from server.grammar import request_ask
+from server.limits import check_count, check_prompt_chars, check_sampling, check_schema, json_deeper_than
 from server.protocol.openai import (
     AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
     ChoiceLogprobs, ChunkChoice, Delta, FunctionCall, FunctionDelta, TokenLogprob, ToolCallDelta, ToolCallOut,
     TopLogprob,
 )
 from server.routes.common import Choices, Job, decoder, read_body, respond, usage_info
-from server.sampling import check_supported, generate_request, request_id, session_id, stop_strings
+from server.sampling import generate_request, request_id, session_id, stop_strings
 from server.sse import EventStream
 from server.state import AppState, scope_of, state_of
 from server.text.tokenizer import PromptTokenizer
@@ -69,19 +70,21 @@ def tool_choice_of(choice: str | dict[str, Any] | None, names: list[str]) -> tup
     return "function", name
 
 
-def template_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def template_tool_calls(calls: list[dict[str, Any]], max_depth: int) -> list[dict[str, Any]]:
     """Calls as templates read them: JSON-object arguments as objects.
 
     OpenAI clients send arguments as JSON text, but many templates render them
-    with `tojson` (Llama 3, Qwen2.5): text would come out quoted twice.
+    with `tojson` (Llama 3, Qwen2.5): text would come out quoted twice. Arguments
+    nested deeper than the body may be (--max-json-depth) stay text.
     """
     out = []
     for call in calls:
         function = call.get("function")
         if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            text = function["arguments"]
             try:
-                arguments = json.loads(function["arguments"])
-            except ValueError:
+                arguments = None if json_deeper_than(text.encode(), max_depth) else json.loads(text)
+            except (ValueError, UnicodeEncodeError):
                 arguments = None
             if isinstance(arguments, dict):
                 call = {**call, "function": {**function, "arguments": arguments}}
@@ -89,7 +92,7 @@ def template_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def template_message(index: int, message: ChatMessage) -> dict[str, Any]:
+def template_message(index: int, message: ChatMessage, max_depth: int) -> dict[str, Any]:
     """A message as chat templates expect it: text content, the other fields passed through."""
     content = message.content
     if isinstance(content, list):
@@ -103,56 +106,74 @@ def template_message(index: int, message: ChatMessage) -> dict[str, Any]:
         if getattr(message, key) is not None:
             out[key] = getattr(message, key)
     if message.tool_calls is not None:
-        out["tool_calls"] = template_tool_calls(message.tool_calls)
+        out["tool_calls"] = template_tool_calls(message.tool_calls, max_depth)
     return out
+
+
+def check_chat_limits(state: AppState, body: ChatCompletionRequest, messages: list[dict[str, Any]]) -> None:
+    """The limits every chat-shaped request meets before it is rendered (server/limits.py): its messages'
+    and tools' characters, and the schemas a grammar would be compiled from."""
+    limits = state.config
+    check_prompt_chars(messages, body.tools, limits, state.context)
+    if body.response_format is not None and body.response_format.json_schema is not None:
+        check_schema("response_format", body.response_format.json_schema.schema, limits)
+    if body.tools and body.tool_choice != "none":  # a tool grammar is built from their parameters
+        check_schema("tools", [tool["function"].get("parameters") for tool in body.tools], limits)
 
 
 async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Request, rid: str,
                   make_call_id: Callable[[], str] = openai_call_id) -> Job:
-    check_supported(body, state.config.max_n)
+    """Chat, Messages and Responses requests alike: limits, render, tokenize, grammar. The route has checked
+    its own API's limits (stop strings, tools) before translating its body."""
     if body.top_logprobs and not body.logprobs:
         raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
-    messages = [template_message(i, m) for i, m in enumerate(body.messages)]
-    choice, tool_name = tool_choice_of(body.tool_choice, check_tools(body.tools))
-    model = state.model_name(body.model)
-    tokenizer = state.require_ready()
-    session = session_id(body.session_id, request.headers.get("X-Session-ID"))
     config = state.config
-    kwargs = body.chat_template_kwargs
-    text = await tokenizer.render_chat(messages, body.tools, kwargs)
+    check_count("messages", body.messages, config.max_messages, "--max-messages", "messages")
+    tokenizer = state.require_ready()
+    messages = [template_message(i, m, config.max_json_depth) for i, m in enumerate(body.messages)]
+    choice, tool_name = tool_choice_of(body.tool_choice, check_tools(body.tools))
+    check_chat_limits(state, body, messages)
+    model = state.model_name(body.model)
+    session = session_id(body.session_id, request.headers.get("X-Session-ID"))
+    kwargs = tokenizer.variables.kwargs(body.chat_template_kwargs, config.max_template_kwarg_chars)
+    scope = scope_of(request, body.cache_salt)
+    tenant = scope.tenant
+    text = await tokenizer.render_chat(messages, body.tools, kwargs, tenant)
     rendered = messages, body.tools
     tool_format = config.tool_parser
     if body.tools and tool_format == "auto" and resolve_tool_parser("auto", tokenizer.chat_template) is None:
         # A template that teaches no tool format may still render tools its own way; only one that
         # renders none at all (the text is the same without them) gets the Hermes block.
-        if text == await tokenizer.render_chat(messages, None, kwargs):
+        if text == await tokenizer.render_chat(messages, None, kwargs, tenant):
             rendered = with_tools_block(messages, body.tools), None
-            text = await tokenizer.render_chat(*rendered, kwargs)
+            text = await tokenizer.render_chat(*rendered, kwargs, tenant)
             tool_format = "hermes"
     parser = output_parser(tool_format, config.reasoning_parser, tokenizer.chat_template, text, body.tools,
                            choice, tool_name, make_call_id)
-    prompt = await tokenizer.encode_rendered(text)
+    prompt = await tokenizer.encode_rendered(text, tenant)
     if parser.prompt_suffix:  # encoded on its own: the prompt before it keeps the tokens other turns share
-        prompt += await tokenizer.encode_rendered(parser.prompt_suffix)
+        prompt += await tokenizer.encode_rendered(parser.prompt_suffix, tenant)
     generate = generate_request(
         body, prompt, rid=rid, vocab_size=state.engine.info.vocab_size,
         max_tokens=body.max_completion_tokens or body.max_tokens, session=session,
-        scope=scope_of(request, body.cache_salt), logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
+        scope=scope, logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
     )
     ask = request_ask(body.response_format, parser.tool_parser.name if parser.tool_parser else None, body.tools,
                       choice, tool_name, parser.prompt_suffix,  # type: ignore[arg-type]
                       parallel=body.parallel_tool_calls is not False)
     if ask is not None:
-        generate.constraint = await state.grammars().compile(ask)
+        generate.constraint = await state.grammars().compile(ask, scope)
     checkpoints = state.engine.recurrent_checkpoints
     if checkpoints:  # a hybrid model keeps its recurrent state where messages end: find them
-        generate.boundaries = await tokenizer.message_ends(*rendered, kwargs, prompt, checkpoints)
+        generate.boundaries = await tokenizer.message_ends(*rendered, kwargs, prompt, checkpoints, tenant)
     return Job(model, prompt, generate, stop_strings(body), parser, body.n)
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     body: ChatCompletionRequest = await read_body(request, DECODE)
+    check_sampling(body, state.config)
+    check_count("tools", body.tools, state.config.max_tools, "--max-tools", "tools")
     rid = request_id("chatcmpl")
     job = await prepare(state, body, request, rid)
     include_usage = body.stream_options is not None and body.stream_options.include_usage

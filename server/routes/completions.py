@@ -11,7 +11,8 @@ from server.generation import Finished, Piece
 from server.protocol.openai import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 from server.engine.api import Usage
 from server.routes.common import Choices, Job, decoder, read_body, respond, usage_info
-from server.sampling import check_supported, generate_request, request_id, session_id, stop_strings
+from server.limits import check_sampling, over
+from server.sampling import generate_request, request_id, session_id, stop_strings
 from server.sse import EventStream
 from server.state import scope_of, state_of
 from server.text.tokenizer import PromptTokenizer
@@ -19,13 +20,17 @@ from server.text.tokenizer import PromptTokenizer
 DECODE = decoder(CompletionRequest)
 
 
-async def prompt_tokens(prompt: str | list, tokenizer: PromptTokenizer, vocab_size: int) -> list[int]:
+async def prompt_tokens(prompt: str | list, tokenizer: PromptTokenizer, vocab_size: int, max_chars: int,
+                        tenant: str = "") -> list[int]:
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
             raise unsupported("prompt", "a batch of prompts is not supported; send one request per prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        tokens = await tokenizer.text(prompt)
+        if len(prompt) > max_chars:
+            raise over("prompt", f"the prompt is {len(prompt):,} characters long", max_chars,
+                       "--max-prompt-chars")
+        tokens = await tokenizer.text(prompt, tenant)
     elif all(isinstance(t, int) for t in prompt):
         tokens = prompt
         if any(not 0 <= t < vocab_size for t in tokens):
@@ -98,7 +103,7 @@ class CompletionReply:
 async def handle(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     body: CompletionRequest = await read_body(request, DECODE)
-    check_supported(body, state.config.max_n)
+    check_sampling(body, state.config)
     if body.best_of not in (None, 1):
         raise unsupported("best_of", "best_of > 1 is not supported yet")
     if body.suffix:
@@ -109,11 +114,12 @@ async def handle(request: web.Request) -> web.StreamResponse:
     session = session_id(body.session_id, request.headers.get("X-Session-ID"))
     tokenizer = state.require_ready()
     vocab = state.engine.info.vocab_size
-    prompt = await prompt_tokens(body.prompt, tokenizer, vocab)
+    scope = scope_of(request, body.cache_salt)
+    prompt = await prompt_tokens(body.prompt, tokenizer, vocab, state.config.prompt_chars(state.context), scope.tenant)
     rid = request_id("cmpl")
     generate = generate_request(
         body, prompt, rid=rid, vocab_size=vocab,
-        max_tokens=body.max_tokens, session=session, scope=scope_of(request, body.cache_salt),
+        max_tokens=body.max_tokens, session=session, scope=scope,
         logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
     )
     job = Job(model, prompt, generate, stop_strings(body), n=body.n)

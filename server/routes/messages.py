@@ -13,6 +13,7 @@ import msgspec
 from aiohttp import web
 
 from server.errors import ApiError, from_decode, invalid
+from server.limits import check_stops
 from server.messages_api.reply import MessagesReply, message_id, tool_use_id
 from server.messages_api.translate import UnsupportedContent, chat_request
 from server.protocol.anthropic import CountTokensRequest, MessagesRequest, TokenCount
@@ -42,6 +43,8 @@ def as_chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletio
 async def handle(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     body: MessagesRequest = await read_body(request, DECODE_MESSAGES)
+    limits = state.config
+    check_stops("stop_sequences", body.stop_sequences, limits.max_stop_sequences, "--max-stop-sequences", limits)
     rid = message_id()
     job = await prepare(state, as_chat_request(body), request, rid, make_call_id=tool_use_id)
     return await respond(request, state, job, MessagesReply(rid, job.model, len(job.prompt), job.parser), body.stream)

@@ -14,6 +14,7 @@ import msgspec
 from aiohttp import web
 
 from server.errors import ApiError, from_decode
+from server.limits import check_count
 from server.protocol.openai import ChatCompletionRequest
 from server.protocol.responses import Response, ResponseDeleted, ResponsesRequest
 from server.responses_api.reply import ResponsesReply, response_id
@@ -31,10 +32,13 @@ _PARAMS = {"response_format": "text.format", "max_tokens": "max_output_tokens", 
 async def handle(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     body: ResponsesRequest = await read_body(request, DECODE)
+    check_count("tools", body.tools, state.config.max_tools, "--max-tools", "tools")
     rid = response_id()
     store, tenant = state.responses, tenant_of(request)
     previous = body.previous_response_id
     history = (store.history(previous, tenant) if previous is not None else []) + chat_messages(body.input)
+    if body.store:
+        store.check_room(history, tenant)
     session = store.claim(previous, rid) if body.store and previous is not None else None
     reply = None
     try:

@@ -4,15 +4,21 @@ BOS rule: a chat template that wants a BOS writes it, so rendered chat text is
 encoded without special tokens; raw completion text gets the tokenizer's usual
 special tokens unless it already starts with the BOS string. Either way a
 prompt never carries two.
+
+Long work (a prompt past a few thousand characters) runs on one worker thread
+shared by tenants in turn (server/fair.py): the routes pass the tenant. Its size
+is bounded before it gets here (server/limits.py: characters, messages), and the
+template is the model's or the operator's, never a client's (text/template.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from server.errors import ApiError
+from server.fair import FairWorkers
+from server.limits import text_chars
+from server.text.template import TemplateVariables
 
 # Prompts longer than this (characters) are tokenized on the worker thread: a
 # few thousand characters take well under a millisecond, so shorter ones stay
@@ -21,20 +27,24 @@ _OFF_LOOP_CHARS = 4096
 
 
 class PromptTokenizer:
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, chat_template: str | None = None):
+        """`chat_template`: the operator's template (--chat-template), instead of the model's."""
         self.tokenizer = tokenizer
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
         self.bos_token: str | None = tokenizer.bos_token
+        self.variables = TemplateVariables.of(tokenizer.chat_template, frozenset(tokenizer.special_tokens_map))
         # One worker: the Rust tokenizer is not meant for concurrent encodes.
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfork-tokenize")
+        self.workers = FairWorkers(1, "kvfork-tokenize")
 
     @classmethod
-    def load(cls, folder: str) -> "PromptTokenizer":
+    def load(cls, folder: str, chat_template: str | None = None) -> "PromptTokenizer":
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(folder))
+        return cls(AutoTokenizer.from_pretrained(folder), chat_template)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.workers.close()
 
     @property
     def chat_template(self) -> str:
@@ -42,18 +52,20 @@ class PromptTokenizer:
         return str(self.tokenizer.chat_template or "")
 
     async def chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
-                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        return await self._run(_size(messages, tools), self.encode_chat, messages, tools, template_kwargs or {})
+                   template_kwargs: dict[str, Any] | None = None, tenant: str = "") -> list[int]:
+        return await self._run(tenant, _size(messages, tools), self.encode_chat, messages, tools,
+                               template_kwargs or {})
 
     async def render_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
-                          template_kwargs: dict[str, Any] | None = None) -> str:
-        return await self._run(_size(messages, tools), self.render, messages, tools, template_kwargs or {})
+                          template_kwargs: dict[str, Any] | None = None, tenant: str = "") -> str:
+        return await self._run(tenant, _size(messages, tools), self.render, messages, tools, template_kwargs or {})
 
     async def message_ends(self, messages: list[dict[str, Any]], tools: list[dict] | None,
-                           template_kwargs: dict[str, Any] | None, prompt: Sequence[int], last: int) -> tuple[int, ...]:
+                           template_kwargs: dict[str, Any] | None, prompt: Sequence[int], last: int,
+                           tenant: str = "") -> tuple[int, ...]:
         """Token offsets in `prompt` (these messages rendered and encoded) where each of the last
         `last` earlier messages ends, the system/tools block included (GenerateRequest.boundaries)."""
-        return await self._run(_size(messages, tools) * last, self.find_message_ends, messages, tools,
+        return await self._run(tenant, _size(messages, tools) * last, self.find_message_ends, messages, tools,
                                template_kwargs or {}, prompt, last)
 
     def find_message_ends(self, messages: list[dict[str, Any]], tools: list[dict] | None,
@@ -61,7 +73,7 @@ class PromptTokenizer:
         # A message ends where the conversation cut after it, rendered without a generation prompt,
         # encodes to a prefix of the prompt. A template that renders a cut differently (one that
         # drops earlier turns' reasoning, say) or refuses it (no user turn yet) marks no end there.
-        kwargs = {k: v for k, v in template_kwargs.items() if k not in ("tokenize", "add_generation_prompt")}
+        kwargs = self._variables(template_kwargs)
         ends: set[int] = set()
         for cut in range(len(messages) - 1, 0, -1):
             if len(ends) >= last:
@@ -76,12 +88,12 @@ class PromptTokenizer:
                 ends.add(len(ids))
         return tuple(sorted(ends))
 
-    async def encode_rendered(self, text: str) -> list[int]:
+    async def encode_rendered(self, text: str, tenant: str = "") -> list[int]:
         """Rendered chat text (or a piece of it) as ids, special tokens as the text writes them."""
-        return await self._run(len(text), self.encode_rendered_text, text)
+        return await self._run(tenant, len(text), self.encode_rendered_text, text)
 
-    async def text(self, text: str) -> list[int]:
-        return await self._run(len(text), self.encode_text, text)
+    async def text(self, text: str, tenant: str = "") -> list[int]:
+        return await self._run(tenant, len(text), self.encode_text, text)
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None,
                     template_kwargs: dict[str, Any]) -> list[int]:
@@ -89,7 +101,7 @@ class PromptTokenizer:
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict] | None,
                template_kwargs: dict[str, Any]) -> str:
-        kwargs = {k: v for k, v in template_kwargs.items() if k not in ("tokenize", "add_generation_prompt")}
+        kwargs = self._variables(template_kwargs)
         try:
             rendered = self.tokenizer.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs
@@ -98,6 +110,11 @@ class PromptTokenizer:
             raise ApiError(400, f"the chat template rejected the messages: {e}", code="invalid_value",
                            param="messages") from None
         return rendered
+
+    def _variables(self, template_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The template's own variables among `template_kwargs` (the routes have refused the rest with a 400:
+        text/template.py); nothing else ever reaches apply_chat_template."""
+        return {k: v for k, v in template_kwargs.items() if k in self.variables.settable}
 
     def encode_rendered_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -115,11 +132,13 @@ class PromptTokenizer:
         """One token's own text, for logprobs (special tokens included)."""
         return self.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    async def _run(self, size: int, fn, *args):
+    async def _run(self, tenant: str, size: int, fn, *args):
         if size <= _OFF_LOOP_CHARS:
             return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        return await self.workers.run(tenant, fn, *args)
 
 
 def _size(messages: list[dict[str, Any]], tools: list[dict] | None) -> int:
-    return sum(len(str(m.get("content") or "")) for m in messages) + len(str(tools or ""))
+    """The characters a render takes in, about: a message is counted even when empty (a template loops over
+    each)."""
+    return sum(text_chars(m.get("content")) + 16 for m in messages) + text_chars(tools)

@@ -1,0 +1,153 @@
+"""Slow clients: a connection may not hold the daemon open by sending or reading too slowly.
+
+aiohttp has no header or body read timeout (its keep-alive timeout, 3,630 s in 3.14, is the only
+clock), so a client that sends half a request head, or announces a 16 MB body and sends one byte,
+keeps its connection and handler forever; and a streaming client that reads nothing keeps its
+handler waiting on a write forever. Three bounds (server/limits.py), each counted in /metrics:
+
+- the head: a per-connection watchdog (`Watchdog`, wrapping aiohttp's protocol) closes a connection
+  that has not delivered a complete request head within --header-timeout of its opening or of the
+  end of its previous request (an idle keep-alive connection is closed then too, uncounted);
+- the body: `read_body` reads it under asyncio.timeout(--body-timeout), then closes the connection;
+- the writes: when the transport's buffer is full (the client stopped reading), the watchdog
+  closes the connection past --write-timeout; aiohttp then cancels the handler, whose generation
+  cancels its engine request (handler_cancellation, server/app.py), streaming or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable
+
+from aiohttp import web
+
+from server.errors import ApiError
+from server.limits import Limits
+from server.metrics import Registry
+
+
+class SlowClients:
+    """The bounds and their counters, for the watchdogs and the body reads."""
+
+    def __init__(self, registry: Registry, limits: Limits):
+        self.limits = limits
+        self.read_timeouts = registry.counter("http_read_timeouts_total", "connections closed for a request head "
+                                              "or body that did not arrive in time, by phase (header, body)")
+        self.write_timeouts = registry.counter("http_write_timeouts_total", "connections closed, and their "
+                                               "requests cancelled, for a client that read nothing for "
+                                               "--write-timeout")
+
+    async def read_body(self, request: web.Request) -> bytes:
+        try:
+            async with asyncio.timeout(self.limits.body_timeout):
+                return await request.read()  # over --max-body-bytes: aiohttp raises 413 here
+        except TimeoutError:
+            self.read_timeouts.inc(phase="body")
+            if request.transport is not None:
+                request.transport.abort()
+            raise ApiError(408, f"the request body did not arrive within {self.limits.body_timeout:g} s "
+                           "(--body-timeout)", code="timeout") from None
+
+
+class Watchdog(asyncio.Protocol):
+    """One connection's clock, around aiohttp's protocol for it (every call is passed on)."""
+
+    def __init__(self, inner: asyncio.Protocol, clients: SlowClients):
+        self.inner, self.clients = inner, clients
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.in_request = False
+        self.head_since: float | None = None  # when the wait for the next request head began
+        self.head_bytes = False  # some of that head has arrived (a partial head, not an idle connection)
+        self.paused_since: float | None = None  # when the transport's write buffer filled up
+        self._timer: asyncio.TimerHandle | None = None
+
+    @staticmethod
+    def of(request: web.Request) -> "Watchdog | None":
+        transport = request.transport
+        protocol = transport.get_protocol() if transport is not None else None
+        return protocol if isinstance(protocol, Watchdog) else None
+
+    # ---- the protocol, passed on ----
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        self.inner.connection_made(transport)
+        self._await_head()
+
+    def data_received(self, data: bytes) -> None:
+        if not self.in_request:
+            self.head_bytes = True
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.paused_since = self.loop.time()
+        self._arm()
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.paused_since = None
+        self._arm()
+        self.inner.resume_writing()
+
+    # ---- from the middleware ----
+
+    def request_started(self) -> None:
+        self.in_request, self.head_since = True, None
+        self._arm()
+
+    def request_ended(self) -> None:
+        self.in_request = False
+        self._await_head()
+
+    # ---- the clock ----
+
+    def _await_head(self) -> None:
+        self.head_since, self.head_bytes = self.loop.time(), False
+        self._arm()
+
+    def _deadlines(self) -> list[tuple[float, Callable[[], None]]]:
+        limits, out = self.clients.limits, []
+        if self.paused_since is not None:
+            out.append((self.paused_since + limits.write_timeout, self.clients.write_timeouts.inc))
+        elif self.head_since is not None and not self.in_request:
+            out.append((self.head_since + limits.header_timeout,
+                        lambda: self.clients.read_timeouts.inc(phase="header") if self.head_bytes else None))
+        return out
+
+    def _arm(self) -> None:
+        self._disarm()
+        deadlines = self._deadlines()
+        if deadlines:
+            self._timer = self.loop.call_at(min(at for at, _ in deadlines), self._check)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check(self) -> None:
+        self._timer = None
+        now = self.loop.time()
+        for at, count in self._deadlines():
+            if now >= at:
+                count()
+                if self.transport is not None:
+                    self.transport.abort()  # connection_lost follows: aiohttp cancels the handler
+                return
+        self._arm()
+
+
+async def listen(runner: web.AppRunner, host: str, port: int, clients: SlowClients) -> asyncio.Server:
+    """Serve `runner`'s application (set up) on host:port, each connection under a Watchdog."""
+    server = runner.server
+    assert server is not None
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(lambda: Watchdog(server(), clients), host, port)
