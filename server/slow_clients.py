@@ -84,6 +84,7 @@ class Watchdog(asyncio.Protocol):
         return self.inner.eof_received()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
         self._disarm()
         self.inner.connection_lost(exc)
 
@@ -115,6 +116,8 @@ class Watchdog(asyncio.Protocol):
 
     def _deadlines(self) -> list[tuple[float, Callable[[], None]]]:
         limits, out = self.clients.limits, []
+        if self.transport is None:  # closed (by us or the client): nothing to watch
+            return out
         if self.paused_since is not None:
             out.append((self.paused_since + limits.write_timeout, self.clients.write_timeouts.inc))
         elif self.head_since is not None and not self.in_request:
@@ -139,8 +142,9 @@ class Watchdog(asyncio.Protocol):
         for at, count in self._deadlines():
             if now >= at:
                 count()
-                if self.transport is not None:
-                    self.transport.abort()  # connection_lost follows: aiohttp cancels the handler
+                transport, self.transport = self.transport, None
+                if transport is not None:
+                    transport.abort()  # connection_lost follows: aiohttp cancels the handler
                 return
         self._arm()
 

@@ -1,0 +1,111 @@
+"""The disk tier against what a hostile local user or a damaged disk can do (issue 22's findings 2, 7 and 11):
+a malformed file never keeps the daemon from starting, files tell nothing to other users, and the last spills
+at shutdown land."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import stat
+import struct
+
+import pytest
+
+from engine_harness import prompt_of, request, collect, run
+from server.engine import disk
+from server.engine.api import Scope
+from test_disk_tier import files, start
+
+WRONG = [b"[]", json.dumps({"__metadata__": None}).encode(), json.dumps({"__metadata__": [1]}).encode()]
+
+
+def _header_file(meta: dict) -> bytes:
+    header = json.dumps({"__metadata__": meta}).encode()
+    return struct.pack("<Q", len(header)) + header
+
+
+@pytest.mark.parametrize("case", range(len(WRONG) + 3))
+async def test_a_malformed_file_is_removed_counted_and_never_blocks_start(tiny_model_dir, case):
+    model = tiny_model_dir("llama")
+    probe = await start(model)  # the tier's folder, and what a well-formed header says
+    folder, fp = probe.admission.disk.folder, probe.admission.disk.fp
+    await probe.shutdown(1.0)
+    base = {"kvfork_kv": disk.KV_FORMAT_VERSION, "fingerprint": fp, "position": "3", "scope": "x", "layers": "[]"}
+    contents = WRONG + [_header_file({**base, "tokens": "5"}), _header_file({**base, "tokens": '["a"]'}),
+                        _header_file({**base, "tokens": "[1,2,3]", "scope": 7})]
+    path = folder / ("ab" * 20 + disk.SUFFIX)
+    path.write_bytes(contents[case])
+    engine = await asyncio.wait_for(start(model), 120)  # on main: never ready (503 forever)
+    try:
+        assert engine.ready and engine.admission.disk.on
+        assert not path.exists()
+        assert "kvfork_disk_corrupt_files_total 1" in engine.registry.render()
+        _, done = await run(engine, prompt_of(20), 2)
+        assert done.finish_reason == "length"
+    finally:
+        await engine.shutdown(1.0)
+
+
+async def test_files_are_private_and_name_their_scope_by_a_keyed_hash(tiny_model_dir, kvfork_home):
+    model = tiny_model_dir("llama")
+    engine = await start(model)
+    scope = Scope("tenant-a", "salt")
+    try:
+        await run(engine, prompt_of(40), 2, scope=scope)
+        folder = engine.admission.disk.folder
+    finally:
+        await engine.shutdown(1.0)
+    (path,) = files(folder)
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    assert mode(path) == 0o600 and mode(folder / disk.LOCK) == 0o600
+    assert mode(folder) == 0o700 and mode(folder.parent) == 0o700
+    secret = kvfork_home / disk.SECRET
+    assert mode(secret) == 0o600 and len(secret.read_bytes()) == 32
+    named = disk.read_header(path)["scope"]
+    guessable = hashlib.sha256(json.dumps([scope.tenant, scope.salt]).encode()).hexdigest()[:32]
+    assert named != guessable and named == disk.scope_digest(scope, secret.read_bytes())
+    # a restart under the same secret finds it again, in its own scope only
+    engine = await start(model)
+    try:
+        _, done = await run(engine, prompt_of(40), 2, scope=scope)
+        assert done.usage.reuse_source == "disk"
+        _, done = await run(engine, prompt_of(40), 2, scope=Scope("tenant-b", "salt"))
+        assert done.usage.reuse_source is None
+    finally:
+        await engine.shutdown(1.0)
+
+
+async def test_older_loose_permissions_are_narrowed_at_start(tiny_model_dir):
+    model = tiny_model_dir("llama")
+    engine = await start(model)
+    await run(engine, prompt_of(40), 2)
+    folder = engine.admission.disk.folder
+    await engine.shutdown(1.0)
+    (path,) = files(folder)
+    for p, loose in ((path, 0o644), (folder / disk.LOCK, 0o644), (folder, 0o755)):
+        p.chmod(loose)
+    engine = await start(model)
+    try:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert stat.S_IMODE((folder / disk.LOCK).stat().st_mode) == 0o600
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    finally:
+        await engine.shutdown(1.0)
+
+
+async def test_the_spill_at_shutdown_lands_before_the_pool_closes(tiny_model_dir, caplog):
+    """P, P + 100 and P + 200 tokens in one scope, all in memory, then shutdown: the longest file replaces
+    the other two, and nothing is scheduled on a closed pool."""
+    model = tiny_model_dir("llama")
+    engine = await start(model)
+    p = prompt_of(40)
+    with caplog.at_level(logging.WARNING):
+        for extra in (0, 100, 200):
+            tokens, done = await collect(engine.submit(request(p + prompt_of(extra, 300), 2)))
+            assert done.finish_reason == "length"
+        folder = engine.admission.disk.folder
+        await engine.shutdown(1.0)
+    assert [disk.read_header(f)["tokens"] for f in files(folder)] == [json.dumps(p + prompt_of(200, 300))]
+    assert not [r for r in caplog.records if "after shutdown" in r.getMessage() or r.exc_info]

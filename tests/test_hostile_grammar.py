@@ -1,0 +1,64 @@
+"""Grammars under hostile schemas (issue 22's findings 5 and 8): the cache is per scope, a compile past its
+timeout is stopped (its process killed), and llguidance's limits hold for every matcher."""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+
+import pytest
+
+from server.engine.api import Scope
+from server.grammar import PARSER_LIMITS, GrammarCompiler, GrammarError, JsonSchema
+
+WIDE = JsonSchema({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(6000)}})
+SMALL = JsonSchema({"type": "object", "properties": {"n": {"type": "integer"}}})
+
+
+@pytest.fixture
+def hf(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
+
+
+async def test_the_grammar_cache_is_per_scope(hf):
+    grammars = GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=30.0)
+    try:
+        a = await grammars.compile(SMALL, Scope("tenant-a"))
+        assert await grammars.compile(SMALL, Scope("tenant-a")) is a
+        b = await grammars.compile(SMALL, Scope("tenant-b"))  # another tenant compiles its own
+        assert b is not a
+        assert await grammars.compile(SMALL, Scope("tenant-a", "salt")) is not a  # and another salt
+    finally:
+        grammars.close()
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def test_a_compile_past_its_timeout_stops_and_another_compiles_meanwhile(hf):
+    grammars = GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=0.3)
+    try:
+        await grammars.compile(SMALL, Scope("warm"))  # both compile processes' start is not a grammar's cost
+        slow = [asyncio.ensure_future(grammars.compile(WIDE, Scope("hostile"))) for _ in range(3)]
+        assert await grammars.compile(SMALL, Scope("innocent")) is not None  # a thread is always free for it
+        for task in slow:
+            with pytest.raises(GrammarError) as refused:
+                await task
+            assert "--grammar-compile-timeout" in refused.value.message
+        before = _cpu_s()
+        await asyncio.sleep(2.0)
+        # nothing goes on compiling in this process once the 400s are out (on main: a thread burned on)
+        assert _cpu_s() - before < 0.2
+    finally:
+        grammars.close()
+
+
+def test_llguidance_limits_are_set_and_errors_are_terse():
+    assert PARSER_LIMITS["verbose_errors"] is False
+    for name in ("max_items_in_row", "initial_lexer_fuel", "step_lexer_fuel", "step_max_items", "max_lexer_states",
+                 "max_grammar_size"):
+        assert PARSER_LIMITS[name] > 0
