@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from server.limits import Limits
 from server.settings import at_least, between, setting
 from server.tenants import read_keys_file
+from server.text.template import check_template
 from server.toolcalls import TOOL_PARSER_CHOICES
 
 BACKENDS = ("auto", "mlx", "torch")
@@ -34,15 +35,14 @@ def _keys_file_check(path: str | None) -> str | None:
     return None
 
 
-def _file_check(path: str | None) -> str | None:
+def _template_check(path: str | None) -> str | None:
     if path is None:
         return None
     try:
         with open(path, encoding="utf-8") as f:
-            f.read()
+            return check_template(f.read())
     except (OSError, UnicodeDecodeError) as e:
         return f"cannot read {path}: {e}"
-    return None
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class ServerConfig(Limits):
     reasoning_parser: str = setting("auto", "split <think> reasoning from content (auto: when the chat template "
                                     "uses <think>)", choices=("auto", "none", "think"))
     chat_template: str | None = setting(None, "a Jinja chat template file to use instead of the model's (clients "
-                                        "can never send one)", check=_file_check)
+                                        "can never send one)", check=_template_check)
     metrics_key: str | None = setting(None, "require this key (Authorization: Bearer KEY) on /metrics, which is "
                                       "open otherwise; tenants' API keys do not open it",
                                       check=lambda k: _key_check([k]) if k is not None else None)

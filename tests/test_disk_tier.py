@@ -287,7 +287,6 @@ async def test_a_slow_restore_never_stalls_a_running_request(tiny_model_dir, mon
 def test_bfloat16_states_round_trip_through_a_file(tiny_model_dir):
     import numpy as np
 
-    from server.engine.api import Scope
     from server.engine.disk import decode, encode
 
     backend = create_backend("torch")
@@ -295,7 +294,7 @@ def test_bfloat16_states_round_trip_through_a_file(tiny_model_dir):
     session = backend.open_session()
     backend.prefill([session], [prompt_of(70)])
     state = backend.export_state(session)
-    data = encode(state, prompt_of(70), Scope("t"), "fp")
+    data = encode(state, prompt_of(70), "scope-digest", "fp")
     back, tokens, _ = decode(data, "fp")
     assert tokens == prompt_of(70) and back.position == 70
     # every tensor is named by its layer, kind and token range (a block later is another range)

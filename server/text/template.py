@@ -47,6 +47,15 @@ class _Generation(Extension):
 _ENV = jinja2.Environment(extensions=[_Generation, loopcontrols])
 
 
+def check_template(source: str) -> str | None:
+    """Why a chat template does not parse, or None (for --chat-template, before anything loads)."""
+    try:
+        _ENV.parse(source)
+    except jinja2.TemplateSyntaxError as e:
+        return f"the template does not parse: {e.message} (line {e.lineno})"
+    return None
+
+
 def _call_parameters() -> frozenset[str]:
     from transformers import PreTrainedTokenizerBase
 

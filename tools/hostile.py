@@ -1,0 +1,406 @@
+"""The hostile-tenant wave: one tenant attacks, another works, and the other must not notice.
+
+Two tenants share a daemon run in this process (an API keys file names them). The innocent one
+first measures its time to first token alone, stores a response and opens a named session. Then,
+shape by shape, the hostile one sends what issue 22's review sent (several at once, again and again)
+while the innocent one keeps measuring:
+
+    stops       300,000 stop strings on chat (over OpenAI's 4), and Anthropic's cap of long ones, run
+    nested      a body nested 20,000 deep in a field nobody reads
+    template    a chat template of its own in chat_template_kwargs
+    schema      a response_format of thousands of optional properties (compiles past the timeout)
+    prompt      a message just under the characters cap (tokenized, then over the context)
+    reader      a stream of 4 choices with 20 top logprobs that it never reads
+    slowloris   connections with half a request head, and bodies that never finish
+    hoard       more stored responses and named sessions than its quota
+    auth        keys that are not UTF-8
+
+Checks (kvfork soak adds them to its table):
+- the innocent tenant's TTFT, the median over each shape, stays within max(2x solo, solo + 0.5 s):
+  a bare 2x would flap on a 2-core machine where solo is 20 ms;
+- the innocent tenant's stored response and named session survive;
+- no response has status 500 (as the clients saw them, and as the daemon counted them);
+- every hostile request is refused or bounded (a 4xx, a 200 of bounded work, or its connection closed),
+  and the slow connections were closed and counted.
+
+`python -m tools.hostile` runs it alone and prints the per-shape table (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import aiohttp
+
+from server.config import ServerConfig
+from server.engine.config import EngineConfig
+from server.serve import Daemon, pick_backend
+from tools.bench.serve import parse_metrics
+
+CHAT, MESSAGES, RESPONSES = "/v1/chat/completions", "/v1/messages", "/v1/responses"
+HOSTILE, INNOCENT = "key-hostile", "key-innocent"
+KEYS = f"{HOSTILE} hostile\n{INNOCENT} innocent\n"
+ALLOWED = {200, 400, 401, 404, 408, 409, 413, 429}  # refused or bounded; None: its connection was closed
+SYSTEM = ("You are a careful assistant for a team of engineers. Answer briefly, cite the file you read, "
+          "and never invent an API. ") * 50  # past the tokenizer's off-loop threshold: it takes the worker
+
+
+@dataclass
+class HostileConfig:
+    model: str
+    backend: str = "auto"
+    concurrency: int = 4  # hostile requests in flight at once, per shape
+    innocent_samples: int = 5  # TTFTs measured alone, and during each shape
+    timeouts_s: float = 2.0  # --header-timeout, --body-timeout, --write-timeout
+    compile_timeout_s: float = 2.0
+    max_stored_responses: int = 4
+    max_named_sessions: int = 3
+
+
+@dataclass
+class ShapeResult:
+    name: str
+    ttfts: list[float] = field(default_factory=list)
+    statuses: list[int | None] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.ttfts) if self.ttfts else float("nan")
+
+
+@dataclass
+class Outcome:
+    solo: list[float]
+    shapes: list[ShapeResult]
+    survived: dict[str, bool]
+    metrics: dict[str, float]
+
+    @property
+    def solo_median(self) -> float:
+        return statistics.median(self.solo)
+
+    @property
+    def bound(self) -> float:
+        return max(2 * self.solo_median, self.solo_median + 0.5)
+
+
+class Ctx:
+    def __init__(self, http: aiohttp.ClientSession, daemon: Daemon, config: HostileConfig):
+        self.http, self.daemon, self.config = http, daemon, config
+        self.url, self.port = daemon.url, daemon.port
+        self.limits = daemon.config
+
+    def headers(self, key: str = HOSTILE) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key}"}
+
+    async def post(self, path: str, body: Any, key: str = HOSTILE) -> int:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        headers = {**self.headers(key), "Content-Type": "application/json"}
+        async with self.http.post(self.url + path, data=data, headers=headers) as r:
+            await r.read()
+            return r.status
+
+
+async def raw(port: int, data: bytes, hold_s: float) -> int | None:
+    """Send raw bytes and wait (bounded) for the daemon to answer or close: the status, or None."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        async with asyncio.timeout(hold_s):
+            reply = await reader.read()
+        return int(reply.split()[1]) if reply.startswith(b"HTTP/1.1 ") else None
+    except TimeoutError:
+        return -1  # still open: the check says so
+    finally:
+        writer.close()
+
+
+# ---- the shapes ----
+
+
+async def shape_stops(ctx: Ctx) -> list[int | None]:
+    over = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+            "stop": [f"s{i}" for i in range(300_000)]}
+    at = {"messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 48,
+          "stop_sequences": [f"{i:04d}" + "q" * (ctx.limits.max_stop_chars - 4)
+                             for i in range(ctx.limits.max_stop_sequences)]}
+    return [await ctx.post(CHAT, over), await ctx.post(MESSAGES, at)]
+
+
+async def shape_nested(ctx: Ctx) -> list[int | None]:
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "metadata": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"
+    return [await ctx.post(CHAT, body)]
+
+
+async def shape_template(ctx: Ctx) -> list[int | None]:
+    loop = "{% for i in range(20000) %}{% for j in range(20000) %}{% endfor %}{% endfor %}x"
+    return [await ctx.post(CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                  "chat_template_kwargs": {"chat_template": loop}})]
+
+
+async def shape_schema(ctx: Ctx) -> list[int | None]:
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(4000)}}
+    schema = {**schema, "x-nonce": time.monotonic()}  # a new grammar each time: nothing cached
+    return [await ctx.post(CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                  "response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                                             "schema": schema}}})]
+
+
+async def shape_prompt(ctx: Ctx) -> list[int | None]:
+    chars = min(ctx.limits.prompt_chars(ctx.daemon.state.context), ctx.limits.max_body_bytes // 2) - 1000
+    return [await ctx.post(CHAT, {"messages": [{"role": "user", "content": "ab " * (chars // 3)}],
+                                  "max_tokens": 4})]
+
+
+async def shape_reader(ctx: Ctx) -> list[int | None]:
+    body = json.dumps({"messages": [{"role": "user", "content": "Tell me everything."}], "n": 4, "stream": True,
+                       "logprobs": True, "top_logprobs": 20, "max_tokens": 2000, "ignore_eos": True}).encode()
+    head = (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {HOSTILE}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    try:
+        await loop.sock_connect(sock, ("127.0.0.1", ctx.port))
+        await loop.sock_sendall(sock, head + body)
+        # never read; wait until the daemon gives up on it (bounded)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            try:
+                if sock.recv(1, socket.MSG_PEEK) == b"":
+                    break
+            except BlockingIOError:
+                continue
+            except OSError:
+                break  # reset by the daemon: closed
+        else:
+            return [-1]
+        return [None]
+    finally:
+        sock.close()
+
+
+async def shape_slowloris(ctx: Ctx) -> list[int | None]:
+    hold = ctx.config.timeouts_s * 4 + 10  # lingering after a 401 takes up to 10 s in aiohttp
+    head = raw(ctx.port, f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bea".encode(), hold)
+    body = raw(ctx.port, (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {HOSTILE}\r\n"
+                          "Content-Type: application/json\r\nContent-Length: 16000000\r\n\r\n{").encode(), hold)
+    anonymous = raw(ctx.port, (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\n"
+                               "Content-Length: 16000000\r\n\r\n{").encode(), hold)
+    return list(await asyncio.gather(head, body, anonymous))
+
+
+async def shape_hoard(ctx: Ctx) -> list[int | None]:
+    out = []
+    for i in range(ctx.config.max_stored_responses + 2):
+        out.append(await ctx.post(RESPONSES, {"input": "x " * 2000, "max_output_tokens": 2}))
+    for i in range(ctx.config.max_named_sessions + 2):
+        out.append(await ctx.post(CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                         "session_id": f"hoard-{time.monotonic_ns()}-{i}"}))
+    return out
+
+
+async def shape_auth(ctx: Ctx) -> list[int | None]:
+    return [await raw(ctx.port, f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ".encode() +
+                      b"\xff\xfe\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}", 30)]
+
+
+SHAPES: dict[str, Callable[[Ctx], Awaitable[list[int | None]]]] = {
+    "stops": shape_stops, "nested": shape_nested, "template": shape_template, "schema": shape_schema,
+    "prompt": shape_prompt, "reader": shape_reader, "slowloris": shape_slowloris, "hoard": shape_hoard,
+    "auth": shape_auth,
+}
+
+
+# ---- the innocent tenant ----
+
+
+async def innocent_ttft(ctx: Ctx, i: int) -> float:
+    """One streamed chat of the innocent tenant: seconds from sending to its first token."""
+    body = {"messages": [{"role": "system", "content": SYSTEM},
+                         {"role": "user", "content": f"Question {i}: which file holds the parser?"}],
+            "max_tokens": 4, "temperature": 0, "stream": True}
+    t0 = time.monotonic()
+    async with ctx.http.post(ctx.url + CHAT, json=body, headers=ctx.headers(INNOCENT)) as r:
+        if r.status != 200:
+            raise RuntimeError(f"the innocent tenant got {r.status}: {await r.text()}")
+        async for line in r.content:
+            if not line.startswith(b"data: {"):
+                continue
+            choice = (json.loads(line[6:])["choices"] or [{}])[0]
+            delta = choice.get("delta", {})
+            if delta.get("content") or choice.get("finish_reason"):
+                ttft = time.monotonic() - t0
+                break
+        else:
+            raise RuntimeError("the innocent tenant's stream ended without a token")
+        await r.read()
+    return ttft
+
+
+async def innocent_keeps(ctx: Ctx) -> str:
+    """A stored response and a named session of the innocent tenant; returns the response's id."""
+    async with ctx.http.post(ctx.url + RESPONSES, json={"input": "remember this", "max_output_tokens": 2},
+                             headers=ctx.headers(INNOCENT)) as r:
+        rid = (await r.json())["id"]
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "session_id": "innocent-session"}
+    async with ctx.http.post(ctx.url + CHAT, json=body, headers=ctx.headers(INNOCENT)) as r:
+        await r.read()
+    return rid
+
+
+async def innocent_survived(ctx: Ctx, rid: str) -> dict[str, bool]:
+    async with ctx.http.get(f"{ctx.url}{RESPONSES}/{rid}", headers=ctx.headers(INNOCENT)) as r:
+        response = r.status == 200
+    async with ctx.http.post(ctx.url + "/v1/sessions/innocent-session/reset", headers=ctx.headers(INNOCENT)) as r:
+        session = r.status == 200
+    return {"stored response": response, "named session": session}
+
+
+# ---- the wave ----
+
+
+async def attack(ctx: Ctx, name: str, shape: Callable[[Ctx], Awaitable[list[int | None]]]) -> ShapeResult:
+    """The hostile tenant keeps `concurrency` of the shape in flight while the innocent one measures."""
+    result = ShapeResult(name)
+    measuring = True
+
+    async def hostile() -> None:
+        while measuring:
+            try:
+                result.statuses += await shape(ctx)
+            except (aiohttp.ClientError, ConnectionError, OSError):
+                result.statuses.append(None)  # its connection closed under it: bounded
+
+    attackers = [asyncio.create_task(hostile()) for _ in range(ctx.config.concurrency)]
+    await asyncio.sleep(0.3)  # let it land
+    try:
+        for i in range(ctx.config.innocent_samples):
+            result.ttfts.append(await innocent_ttft(ctx, 1000 + i))
+    finally:
+        measuring = False
+        await asyncio.gather(*attackers, return_exceptions=True)
+    return result
+
+
+@contextlib.asynccontextmanager
+async def hostile_daemon(config: HostileConfig, backend: Any = None):
+    with tempfile.TemporaryDirectory() as folder:
+        keys = Path(folder) / "keys"
+        keys.write_text(KEYS)
+        t = config.timeouts_s
+        server = ServerConfig(model=config.model, port=0, host="127.0.0.1", shutdown_grace=1.0, dtype="float32",
+                              api_keys_file=str(keys), header_timeout=t, body_timeout=t, write_timeout=t,
+                              grammar_compile_timeout=config.compile_timeout_s,
+                              max_stored_responses=config.max_stored_responses)
+        engine = EngineConfig(inference_slots=8, max_named_sessions=config.max_named_sessions,
+                              prefix_cache_disk_bytes=0)
+        if backend is None:
+            _, backend = pick_backend(config.backend)
+        d = Daemon(server, engine, config.model, backend)
+        await d.listen()
+        try:
+            await d.load()
+            yield d
+        finally:
+            await d.close()
+
+
+async def run_wave(config: HostileConfig, backend: Any = None, out=sys.stdout,
+                   shapes: dict[str, Callable] | None = None) -> Outcome:
+    async with hostile_daemon(config, backend) as d, aiohttp.ClientSession() as http:
+        ctx = Ctx(http, d, config)
+        await innocent_ttft(ctx, 0)  # warm: the system prompt's first prefill is no solo sample
+        solo = [await innocent_ttft(ctx, 1 + i) for i in range(config.innocent_samples)]
+        rid = await innocent_keeps(ctx)
+        results = []
+        for name, shape in (shapes or SHAPES).items():
+            result = await attack(ctx, name, shape)
+            results.append(result)
+            print(f"hostile: {name}: innocent TTFT median {result.median * 1000:.0f} ms (solo "
+                  f"{statistics.median(solo) * 1000:.0f} ms), hostile statuses "
+                  f"{sorted(set(map(str, result.statuses)))}", file=out, flush=True)
+        survived = await innocent_survived(ctx, rid)
+        async with http.get(d.url + "/metrics") as r:
+            metrics = parse_metrics(await r.text())
+    return Outcome(solo, results, survived, metrics)
+
+
+def checks(outcome: Outcome) -> list[tuple[str, str, str, bool]]:
+    """(name, measured, wanted, ok) rows for the soak's table."""
+    rows = []
+    worst = max(outcome.shapes, key=lambda s: s.median)
+    rows.append(("hostile wave: innocent TTFT, median per shape",
+                 f"worst {worst.median * 1000:.0f} ms ({worst.name}), solo {outcome.solo_median * 1000:.0f} ms",
+                 f"<= {outcome.bound * 1000:.0f} ms (max(2x solo, solo + 0.5 s))",
+                 all(s.median <= outcome.bound for s in outcome.shapes)))
+    kept = [k for k, v in outcome.survived.items() if not v]
+    rows.append(("hostile wave: the innocent tenant's stored response and session survive",
+                 "lost: " + ", ".join(kept) if kept else "both", "both", not kept))
+    statuses = [s for shape in outcome.shapes for s in shape.statuses]
+    counted = sum(v for k, v in outcome.metrics.items() if k.startswith("kvfork_http_requests_total")
+                  and 'status="500"' in k)
+    rows.append(("hostile wave: responses of status 500", f"{statuses.count(500)} (daemon counted {counted:g})", "0",
+                 statuses.count(500) == 0 and counted == 0))
+    unbounded = [f"{shape.name}: {s}" for shape in outcome.shapes for s in shape.statuses
+                 if s is not None and s not in ALLOWED]
+    rows.append(("hostile wave: hostile requests refused or bounded", f"{len(statuses) - len(unbounded)}/"
+                 f"{len(statuses)}" + (f" ({', '.join(unbounded[:3])})" if unbounded else ""), "all",
+                 not unbounded))
+    read = sum(v for k, v in outcome.metrics.items() if k.startswith("kvfork_http_read_timeouts_total"))
+    write = outcome.metrics.get("kvfork_http_write_timeouts_total", 0)
+    ran = {s.name for s in outcome.shapes}
+    rows.append(("hostile wave: slow connections closed and counted", f"read {read:g}, write {write:g}",
+                 "> 0 each", (read > 0 or "slowloris" not in ran) and (write > 0 or "reader" not in ran)))
+    return rows
+
+
+def table(outcome: Outcome) -> str:
+    lines = ["| shape | innocent TTFT, median | x solo | hostile statuses |", "|---|---|---|---|",
+             f"| (alone) | {outcome.solo_median * 1000:.0f} ms | 1.00 | |"]
+    for s in outcome.shapes:
+        counts: dict[str, int] = {}
+        for status in s.statuses:
+            said = {None: "closed", -1: "held open"}.get(status, str(status))  # type: ignore[arg-type]
+            counts[said] = counts.get(said, 0) + 1
+        said = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+        lines.append(f"| {s.name} | {s.median * 1000:.0f} ms | {s.median / outcome.solo_median:.2f} | {said} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.hostile", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="model folder (default: the default model, fetched if needed)")
+    ap.add_argument("--backend", default="auto", choices=("auto", "torch", "mlx"))
+    ap.add_argument("--samples", type=int, default=HostileConfig.innocent_samples,
+                    help="innocent TTFTs per shape (and alone)")
+    args = ap.parse_args(argv)
+    from tools.fetch_model import ensure_default_model
+
+    model = args.model or str(ensure_default_model())
+    config = HostileConfig(model=model, backend=args.backend, innocent_samples=args.samples)
+    outcome = asyncio.run(run_wave(config))
+    print(table(outcome))
+    rows = checks(outcome)
+    for name, measured, wanted, ok in rows:
+        print(f"{'ok  ' if ok else 'FAIL'} {name}: {measured} (wanted {wanted})")
+    return 0 if all(ok for *_, ok in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
