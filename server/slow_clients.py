@@ -17,6 +17,8 @@ handler waiting on a write forever. Three bounds (server/limits.py), each counte
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 from typing import Any, Callable
 
 from aiohttp import web
@@ -44,7 +46,7 @@ class SlowClients:
         except TimeoutError:
             self.read_timeouts.inc(phase="body")
             if request.transport is not None:
-                request.transport.abort()
+                reset(request.transport)
             raise ApiError(408, f"the request body did not arrive within {self.limits.body_timeout:g} s "
                            "(--body-timeout)", code="timeout") from None
 
@@ -144,9 +146,22 @@ class Watchdog(asyncio.Protocol):
                 count()
                 transport, self.transport = self.transport, None
                 if transport is not None:
-                    transport.abort()  # connection_lost follows: aiohttp cancels the handler
+                    reset(transport)
                 return
         self._arm()
+
+
+def reset(transport: asyncio.BaseTransport) -> None:
+    """Close at once with a reset: what the kernel still holds for a client that reads nothing (megabytes of
+    a stream) is dropped rather than kept trying to send. connection_lost follows: aiohttp cancels the
+    handler, whose generation cancels its engine request."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass
+    transport.abort()
 
 
 async def listen(runner: web.AppRunner, host: str, port: int, clients: SlowClients) -> asyncio.Server:

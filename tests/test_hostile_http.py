@@ -291,3 +291,18 @@ async def test_a_stream_nobody_reads_is_cancelled_and_closed(tiny_model_dir, htt
                         "its choices cancelled")
         finally:
             sock.close()
+
+
+async def test_metrics_can_require_a_key_of_its_own(tiny_model_dir, keys_file, http):
+    async with serving(tiny_model_dir("llama"), api_keys_file=keys_file, metrics_key="scrape-me") as d:
+        async with http.get(d.url + "/metrics") as r:
+            assert r.status == 401
+        async with http.get(d.url + "/metrics", headers=auth("key-a")) as r:
+            assert r.status == 401  # a tenant's key does not open every tenant's counts
+        async with http.get(d.url + "/metrics", headers=auth("scrape-me")) as r:
+            assert r.status == 200 and "kvfork_http_read_timeouts_total" in await r.text()
+        async with http.get(d.url + "/health") as r:
+            assert r.status == 200
+    async with serving(tiny_model_dir("llama"), api_keys_file=keys_file) as d:
+        async with http.get(d.url + "/metrics") as r:
+            assert r.status == 200  # open by default

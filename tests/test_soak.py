@@ -32,12 +32,23 @@ def one_torch_thread(backend_name):  # noqa: F811
 async def test_short_soak_passes_every_check(backend_name, one_torch_thread, tiny_model_dir):  # noqa: F811
     # A tight budget (a few dozen tiny sessions) so admission waits and the cache gives way.
     config = SoakConfig(model=tiny_model_dir("llama"), backend=backend_name, requests=360, seed=1,
-                        kv_budget_bytes=4 * MiB, prompt_words=32, max_tokens=12)
+                        kv_budget_bytes=4 * MiB, prompt_words=32, max_tokens=12, hostile=False)
     out = io.StringIO()
     report = await run(config, out)
     assert report.ok, "\n" + report.table()
     assert {c.name for c in report.checks} >= {"responses of status 500", "disconnects by phase",
                                                 "completed requests equal to a reuse-off daemon"}
+
+
+async def test_the_hostile_wave_passes_every_check(tiny_model_dir):
+    """The soak's hostile-tenant wave (tools/hostile.py), short, on a tiny model: the innocent tenant keeps its
+    time to first token, its stored response and session; no 500; every hostile request refused or bounded."""
+    from tools.hostile import HostileConfig, checks, run_wave, table
+
+    outcome = await run_wave(HostileConfig(model=tiny_model_dir("llama"), backend="torch", innocent_samples=3),
+                             out=io.StringIO())
+    rows = checks(outcome)
+    assert all(ok for *_, ok in rows), "\n" + table(outcome) + "\n" + "\n".join(map(str, rows))
 
 
 def test_the_fault_wrapper_forwards_every_backend_method():

@@ -10,10 +10,15 @@ while the innocent one keeps measuring:
     template    a chat template of its own in chat_template_kwargs
     schema      a response_format of thousands of optional properties (compiles past the timeout)
     prompt      a message just under the characters cap (tokenized, then over the context)
-    reader      a stream of 4 choices with 20 top logprobs that it never reads
+    reader      a stream of 8 choices with 20 top logprobs that it never reads
     slowloris   connections with half a request head, and bodies that never finish
     hoard       more stored responses and named sessions than its quota
     auth        keys that are not UTF-8
+
+The hostile tenant runs in a process of its own (`--attack SHAPE`), as a real one would: in the
+daemon's process its own work (encoding 4 MB bodies) would be measured as the daemon's. It sends
+little generation (a few tokens): sharing the model's compute is fair; what is measured is whether
+a cheap request can make the daemon do expensive or unbounded work.
 
 Checks (kvfork soak adds them to its table):
 - the innocent tenant's TTFT, the median over each shape, stays within max(2x solo, solo + 0.5 s):
@@ -37,30 +42,26 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import aiohttp
 
-from server.config import ServerConfig
-from server.engine.config import EngineConfig
-from server.serve import Daemon, pick_backend
-from tools.bench.serve import parse_metrics
-
 CHAT, MESSAGES, RESPONSES = "/v1/chat/completions", "/v1/messages", "/v1/responses"
 HOSTILE, INNOCENT = "key-hostile", "key-innocent"
 KEYS = f"{HOSTILE} hostile\n{INNOCENT} innocent\n"
 ALLOWED = {200, 400, 401, 404, 408, 409, 413, 429}  # refused or bounded; None: its connection was closed
+TCP_ESTABLISHED = 1  # tcp_info's first byte
 SYSTEM = ("You are a careful assistant for a team of engineers. Answer briefly, cite the file you read, "
-          "and never invent an API. ") * 50  # past the tokenizer's off-loop threshold: it takes the worker
+          "and never invent an API. ") * 45  # past the tokenizer's off-loop threshold: it takes the worker
 
 
 @dataclass
 class HostileConfig:
     model: str
     backend: str = "auto"
-    concurrency: int = 4  # hostile requests in flight at once, per shape
+    concurrency: int = 4  # hostile requests in flight at once, per shape (SERIAL shapes: one)
     innocent_samples: int = 5  # TTFTs measured alone, and during each shape
     timeouts_s: float = 2.0  # --header-timeout, --body-timeout, --write-timeout
     compile_timeout_s: float = 2.0
@@ -95,11 +96,33 @@ class Outcome:
         return max(2 * self.solo_median, self.solo_median + 0.5)
 
 
+@dataclass
+class Target:
+    """What the hostile process knows of the daemon it attacks."""
+
+    url: str
+    port: int
+    max_stop_chars: int
+    max_stop_sequences: int
+    prompt_chars: int
+    max_body_bytes: int
+    timeouts_s: float
+    max_stored_responses: int
+    max_named_sessions: int
+
+
 class Ctx:
-    def __init__(self, http: aiohttp.ClientSession, daemon: Daemon, config: HostileConfig):
-        self.http, self.daemon, self.config = http, daemon, config
-        self.url, self.port = daemon.url, daemon.port
-        self.limits = daemon.config
+    def __init__(self, http: aiohttp.ClientSession, target: Target):
+        self.http, self.target = http, target
+        self.url, self.port = target.url, target.port
+        self._encoded: dict[str, bytes] = {}
+
+    def encoded(self, name: str, make: Callable[[], Any]) -> bytes:
+        """A body encoded once (see the module docstring)."""
+        if name not in self._encoded:
+            body = make()
+            self._encoded[name] = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return self._encoded[name]
 
     def headers(self, key: str = HOSTILE) -> dict[str, str]:
         return {"Authorization": f"Bearer {key}"}
@@ -131,11 +154,12 @@ async def raw(port: int, data: bytes, hold_s: float) -> int | None:
 
 
 async def shape_stops(ctx: Ctx) -> list[int | None]:
-    over = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
-            "stop": [f"s{i}" for i in range(300_000)]}
-    at = {"messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 48,
-          "stop_sequences": [f"{i:04d}" + "q" * (ctx.limits.max_stop_chars - 4)
-                             for i in range(ctx.limits.max_stop_sequences)]}
+    over = ctx.encoded("stops-over", lambda: {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                                              "stop": [f"s{i}" for i in range(300_000)]})
+    at = ctx.encoded("stops-at", lambda: {
+        "messages": [{"role": "user", "content": "Write a story."}], "max_tokens": 12,
+        "stop_sequences": [f"{i:04d}" + "q" * (ctx.target.max_stop_chars - 4)
+                           for i in range(ctx.target.max_stop_sequences)]})
     return [await ctx.post(CHAT, over), await ctx.post(MESSAGES, at)]
 
 
@@ -151,21 +175,22 @@ async def shape_template(ctx: Ctx) -> list[int | None]:
 
 
 async def shape_schema(ctx: Ctx) -> list[int | None]:
-    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(4000)}}
-    schema = {**schema, "x-nonce": time.monotonic()}  # a new grammar each time: nothing cached
-    return [await ctx.post(CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-                                  "response_format": {"type": "json_schema", "json_schema": {"name": "x",
-                                                                                             "schema": schema}}})]
+    wide = ctx.encoded("schema", lambda: {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                          "response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                              "schema": {"type": "object", "properties": {
+                                                  f"p{i}": {"type": "string"} for i in range(4000)}}}}})
+    nonce = str(time.monotonic_ns()).encode()  # a new grammar each time: nothing cached
+    return [await ctx.post(CHAT, wide.replace(b'"p0"', b'"p' + nonce + b'"', 1))]
 
 
 async def shape_prompt(ctx: Ctx) -> list[int | None]:
-    chars = min(ctx.limits.prompt_chars(ctx.daemon.state.context), ctx.limits.max_body_bytes // 2) - 1000
-    return [await ctx.post(CHAT, {"messages": [{"role": "user", "content": "ab " * (chars // 3)}],
-                                  "max_tokens": 4})]
+    chars = min(ctx.target.prompt_chars, ctx.target.max_body_bytes // 2) - 1000
+    return [await ctx.post(CHAT, ctx.encoded("prompt", lambda: {
+        "messages": [{"role": "user", "content": "ab " * (chars // 3)}], "max_tokens": 4}))]
 
 
 async def shape_reader(ctx: Ctx) -> list[int | None]:
-    body = json.dumps({"messages": [{"role": "user", "content": "Tell me everything."}], "n": 4, "stream": True,
+    body = json.dumps({"messages": [{"role": "user", "content": "Tell me everything."}], "n": 8, "stream": True,
                        "logprobs": True, "top_logprobs": 20, "max_tokens": 2000, "ignore_eos": True}).encode()
     head = (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {HOSTILE}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
@@ -180,22 +205,15 @@ async def shape_reader(ctx: Ctx) -> list[int | None]:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             await asyncio.sleep(0.2)
-            try:
-                if sock.recv(1, socket.MSG_PEEK) == b"":
-                    break
-            except BlockingIOError:
-                continue
-            except OSError:
-                break  # reset by the daemon: closed
-        else:
-            return [-1]
-        return [None]
+            if sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != TCP_ESTABLISHED:
+                return [None]  # the daemon closed it
+        return [-1]
     finally:
         sock.close()
 
 
 async def shape_slowloris(ctx: Ctx) -> list[int | None]:
-    hold = ctx.config.timeouts_s * 4 + 10  # lingering after a 401 takes up to 10 s in aiohttp
+    hold = ctx.target.timeouts_s * 4 + 10  # lingering after a 401 takes up to 10 s in aiohttp
     head = raw(ctx.port, f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bea".encode(), hold)
     body = raw(ctx.port, (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {HOSTILE}\r\n"
                           "Content-Type: application/json\r\nContent-Length: 16000000\r\n\r\n{").encode(), hold)
@@ -206,9 +224,9 @@ async def shape_slowloris(ctx: Ctx) -> list[int | None]:
 
 async def shape_hoard(ctx: Ctx) -> list[int | None]:
     out = []
-    for i in range(ctx.config.max_stored_responses + 2):
-        out.append(await ctx.post(RESPONSES, {"input": "x " * 2000, "max_output_tokens": 2}))
-    for i in range(ctx.config.max_named_sessions + 2):
+    for i in range(ctx.target.max_stored_responses + 2):
+        out.append(await ctx.post(RESPONSES, {"input": "x", "max_output_tokens": 1}))
+    for i in range(ctx.target.max_named_sessions + 2):
         out.append(await ctx.post(CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
                                          "session_id": f"hoard-{time.monotonic_ns()}-{i}"}))
     return out
@@ -219,6 +237,7 @@ async def shape_auth(ctx: Ctx) -> list[int | None]:
                       b"\xff\xfe\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}", 30)]
 
 
+SERIAL = {"reader", "hoard"}  # one at a time: the reader's 8 choices take half the slots, the hoard is a count
 SHAPES: dict[str, Callable[[Ctx], Awaitable[list[int | None]]]] = {
     "stops": shape_stops, "nested": shape_nested, "template": shape_template, "schema": shape_schema,
     "prompt": shape_prompt, "reader": shape_reader, "slowloris": shape_slowloris, "hoard": shape_hoard,
@@ -274,31 +293,54 @@ async def innocent_survived(ctx: Ctx, rid: str) -> dict[str, bool]:
 # ---- the wave ----
 
 
-async def attack(ctx: Ctx, name: str, shape: Callable[[Ctx], Awaitable[list[int | None]]]) -> ShapeResult:
-    """The hostile tenant keeps `concurrency` of the shape in flight while the innocent one measures."""
+async def attack(ctx: Ctx, name: str, concurrency: int, samples: int) -> ShapeResult:
+    """The hostile tenant, in its own process, keeps `concurrency` of the shape in flight while the innocent
+    one measures `samples` TTFTs."""
     result = ShapeResult(name)
-    measuring = True
-
-    async def hostile() -> None:
-        while measuring:
-            try:
-                result.statuses += await shape(ctx)
-            except (aiohttp.ClientError, ConnectionError, OSError):
-                result.statuses.append(None)  # its connection closed under it: bounded
-
-    attackers = [asyncio.create_task(hostile()) for _ in range(ctx.config.concurrency)]
-    await asyncio.sleep(0.3)  # let it land
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tools.hostile", "--attack", name, "--concurrency", str(concurrency),
+        "--target", json.dumps(asdict(ctx.target)), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
     try:
-        for i in range(ctx.config.innocent_samples):
+        await proc.stdout.readline()  # ready
+        await asyncio.sleep(0.5)  # let it land
+        for i in range(samples):
             result.ttfts.append(await innocent_ttft(ctx, 1000 + i))
     finally:
-        measuring = False
-        await asyncio.gather(*attackers, return_exceptions=True)
+        proc.stdin.close()  # stop
+        result.statuses = json.loads(await proc.stdout.read() or b"[]")
+        await proc.wait()
     return result
+
+
+async def _attacking(name: str, target: Target, concurrency: int) -> list[int | None]:
+    """The hostile process: the shape, `concurrency` at once, until its stdin closes."""
+    statuses: list[int | None] = []
+    stopping = False
+    async with aiohttp.ClientSession() as http:
+        ctx = Ctx(http, target)
+
+        async def hostile() -> None:
+            while not stopping:
+                try:
+                    statuses.extend(await SHAPES[name](ctx))
+                except (aiohttp.ClientError, ConnectionError, OSError):
+                    statuses.append(None)  # its connection closed under it: bounded
+
+        attackers = [asyncio.create_task(hostile()) for _ in range(concurrency)]
+        print("ready", flush=True)
+        await asyncio.to_thread(sys.stdin.read)
+        stopping = True  # the rounds under way finish (each is bounded): their outcome is the point
+        await asyncio.gather(*attackers, return_exceptions=True)
+    return statuses
 
 
 @contextlib.asynccontextmanager
 async def hostile_daemon(config: HostileConfig, backend: Any = None):
+    from server.config import ServerConfig
+    from server.engine.config import EngineConfig
+    from server.serve import Daemon, pick_backend
+
     with tempfile.TemporaryDirectory() as folder:
         keys = Path(folder) / "keys"
         keys.write_text(KEYS)
@@ -307,7 +349,7 @@ async def hostile_daemon(config: HostileConfig, backend: Any = None):
                               api_keys_file=str(keys), header_timeout=t, body_timeout=t, write_timeout=t,
                               grammar_compile_timeout=config.compile_timeout_s,
                               max_stored_responses=config.max_stored_responses)
-        engine = EngineConfig(inference_slots=8, max_named_sessions=config.max_named_sessions,
+        engine = EngineConfig(inference_slots=16, max_named_sessions=config.max_named_sessions,
                               prefix_cache_disk_bytes=0)
         if backend is None:
             _, backend = pick_backend(config.backend)
@@ -321,15 +363,21 @@ async def hostile_daemon(config: HostileConfig, backend: Any = None):
 
 
 async def run_wave(config: HostileConfig, backend: Any = None, out=sys.stdout,
-                   shapes: dict[str, Callable] | None = None) -> Outcome:
+                   shapes: list[str] | None = None) -> Outcome:
+    from tools.bench.serve import parse_metrics
+
     async with hostile_daemon(config, backend) as d, aiohttp.ClientSession() as http:
-        ctx = Ctx(http, d, config)
+        limits = d.config
+        target = Target(d.url, d.port, limits.max_stop_chars, limits.max_stop_sequences,
+                        limits.prompt_chars(d.state.context), limits.max_body_bytes, config.timeouts_s,
+                        config.max_stored_responses, config.max_named_sessions)
+        ctx = Ctx(http, target)
         await innocent_ttft(ctx, 0)  # warm: the system prompt's first prefill is no solo sample
         solo = [await innocent_ttft(ctx, 1 + i) for i in range(config.innocent_samples)]
         rid = await innocent_keeps(ctx)
         results = []
-        for name, shape in (shapes or SHAPES).items():
-            result = await attack(ctx, name, shape)
+        for name in shapes or SHAPES:
+            result = await attack(ctx, name, 1 if name in SERIAL else config.concurrency, config.innocent_samples)
             results.append(result)
             print(f"hostile: {name}: innocent TTFT median {result.median * 1000:.0f} ms (solo "
                   f"{statistics.median(solo) * 1000:.0f} ms), hostile statuses "
@@ -389,12 +437,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="auto", choices=("auto", "torch", "mlx"))
     ap.add_argument("--samples", type=int, default=HostileConfig.innocent_samples,
                     help="innocent TTFTs per shape (and alone)")
+    ap.add_argument("--shapes", help="comma-separated shapes to run (default: all)")
+    ap.add_argument("--attack", choices=sorted(SHAPES), help=argparse.SUPPRESS)  # the hostile process
+    ap.add_argument("--target", help=argparse.SUPPRESS)
+    ap.add_argument("--concurrency", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.attack:
+        statuses = asyncio.run(_attacking(args.attack, Target(**json.loads(args.target)), args.concurrency))
+        print(json.dumps(statuses), flush=True)
+        return 0
     from tools.fetch_model import ensure_default_model
 
     model = args.model or str(ensure_default_model())
     config = HostileConfig(model=model, backend=args.backend, innocent_samples=args.samples)
-    outcome = asyncio.run(run_wave(config))
+    outcome = asyncio.run(run_wave(config, shapes=args.shapes.split(",") if args.shapes else None))
     print(table(outcome))
     rows = checks(outcome)
     for name, measured, wanted, ok in rows:

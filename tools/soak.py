@@ -21,6 +21,13 @@ sampling) so a sampler, a submitted request and a response are matched exactly.
 
 Then the same requests that completed run one at a time on a second daemon with
 active reuse and the prefix cache off, and must return the same tokens.
+
+Last, the hostile-tenant wave (tools/hostile.py) on a third daemon with two
+tenants: one sends the shapes a hostile client sends (oversized stops, nested
+bodies, a template of its own, huge schemas, prompts at the character cap, slow
+readers and slowloris connections, hoarding), the other must keep its time to
+first token within max(2x solo, solo + 0.5 s), its stored response and named
+session, and never see a 500 (`--no-hostile` skips it).
 Exits 1 if a check fails, 2 if the soak cannot run.
 """
 
@@ -79,6 +86,8 @@ class SoakConfig:
     max_tokens: int = 16
     queue_timeout: float = 60.0
     warmup_waves: int = 2
+    hostile: bool = True  # the hostile-tenant wave, after the rest
+    hostile_samples: int = 5  # the innocent tenant's TTFTs alone, and during each hostile shape
 
 
 @dataclass
@@ -474,8 +483,21 @@ async def run(c: SoakConfig, out=sys.stdout) -> Report:
         kvfork_log.setLevel(saved[0])
         kvfork_log.propagate = saved[1]
     await _compare(c, backend_name, outcomes, report, out)
+    if c.hostile:
+        await _hostile_wave(c, report, out)
     print(report.table(), file=out)
     return report
+
+
+async def _hostile_wave(c: SoakConfig, report: Report, out) -> None:
+    from tools.hostile import HostileConfig, checks, run_wave, table
+
+    print("soak: the hostile-tenant wave", file=out, flush=True)
+    outcome = await run_wave(HostileConfig(model=c.model, backend=c.backend, innocent_samples=c.hostile_samples),
+                             out=out)
+    for name, measured, wanted, ok in checks(outcome):
+        report.add(name, measured, wanted, ok)
+    print(table(outcome), file=out, flush=True)
 
 
 async def _soak(c: SoakConfig, faulty: FaultyBackend, report: Report, request_log: RequestLog, backend_name: str,
@@ -697,6 +719,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="chance that one backend call of each kind fails")
     ap.add_argument("--kv-budget-bytes", type=int, default=defaults.kv_budget_bytes,
                     help="the daemon's KV budget: small enough that admission waits and the cache gives way")
+    ap.add_argument("--hostile", action=argparse.BooleanOptionalAction, default=defaults.hostile,
+                    help="end with the hostile-tenant wave (tools/hostile.py)")
     args = ap.parse_args(argv)
     from backends import default_backend
     from backends.mlx.blas import reexec_for_backend
@@ -713,7 +737,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"soak: the default model is not available: {e} (or pass --model FOLDER)", file=sys.stderr)
             return 2
     config = SoakConfig(model=model, backend=args.backend, requests=args.requests, seed=args.seed,
-                        fault_rate=args.fault_rate, kv_budget_bytes=args.kv_budget_bytes)
+                        fault_rate=args.fault_rate, kv_budget_bytes=args.kv_budget_bytes, hostile=args.hostile)
     try:
         report = asyncio.run(run(config))
     except (OSError, RuntimeError) as e:

@@ -36,6 +36,7 @@ class PromptTokenizer:
         self.variables = TemplateVariables.of(tokenizer.chat_template, frozenset(tokenizer.special_tokens_map))
         # One worker: the Rust tokenizer is not meant for concurrent encodes.
         self.workers = FairWorkers(1, "kvfork-tokenize")
+        self._token_texts: dict[int, str] = {}
 
     @classmethod
     def load(cls, folder: str, chat_template: str | None = None) -> "PromptTokenizer":
@@ -129,8 +130,13 @@ class PromptTokenizer:
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def token_text(self, token: int) -> str:
-        """One token's own text, for logprobs (special tokens included)."""
-        return self.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        """One token's own text, for logprobs (special tokens included); kept once decoded (a stream of 8
+        choices with 20 top logprobs asks for 168 a step, and the vocabulary bounds the table)."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token], skip_special_tokens=False,
+                                                                    clean_up_tokenization_spaces=False)
+        return text
 
     async def _run(self, tenant: str, size: int, fn, *args):
         if size <= _OFF_LOOP_CHARS:
