@@ -30,9 +30,9 @@ Design rules:
 - compiled grammars are cached by scope and grammar text, per tokenizer (one
   compiler per loaded tokenizer); each request gets a copy of the cached matcher;
 - every matcher runs under llguidance's limits (PARSER_LIMITS), so no mask step
-  is unbounded; a new grammar is first built in a process killed past
-  --grammar-compile-timeout (grammar_worker.py): past it, or on a bad schema, a
-  400 naming the problem;
+  is unbounded; a new grammar past GUARDED_TEXT is first built in a process
+  killed past --grammar-compile-timeout (grammar_worker.py): past it, or on a bad
+  schema, a 400 naming the problem;
 - a schema is bounded before any of this: its size (--max-schema-bytes) and
   nesting (--max-json-depth), checked by the routes (server/limits.py).
 """
@@ -301,6 +301,12 @@ PARSER_LIMITS = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_l
                      step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000,
                      verbose_errors=False)
 COMPILE_THREADS = 2  # a tenant compiles one grammar at a time: with two, another tenant always finds one free
+# Grammars longer than this (characters of grammar text) are tried in the killable process first. Below it the
+# build is bounded by the size: what grows faster than a schema is objects of hundreds of optional properties,
+# and 8 KiB of grammar holds about 240 (about 0.1 s on a loaded 2-core machine, docs/benchmarks.md); the
+# typical tool schema is a few hundred characters and builds in a millisecond, where the round trip to the
+# process would cost twenty.
+GUARDED_TEXT = 8 * 1024
 
 
 def _parser_limits() -> Any:
@@ -375,7 +381,7 @@ class GrammarCompiler:
     The cache is keyed by scope (tenant and cache_salt) as every other cache is: a grammar another
     tenant compiled would otherwise come back in 0.15 s instead of 2, telling which schemas it uses.
     Compiles run on worker threads shared by tenants in turn (server/fair.py), each trying a new grammar
-    first in its own process that is killed past the timeout (CompileProcess)."""
+    past GUARDED_TEXT first in its own process that is killed past the timeout (CompileProcess)."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], timeout_s: float):
         self._hf, self.vocab_size, self.eos_ids, self.timeout_s = hf_tokenizer, vocab_size, list(eos_ids), timeout_s
@@ -421,13 +427,14 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return cached
         param = param_of(ask)
-        try:
-            error = process.check(text, self.timeout_s)
-        except TimeoutError:
-            raise GrammarError(param, f"the grammar took longer than {self.timeout_s:g} s to compile "
-                               "(--grammar-compile-timeout); simplify the schema") from None
-        if error:
-            raise GrammarError(param, f"the grammar cannot be compiled: {error}")
+        if len(text) > GUARDED_TEXT:
+            try:
+                error = process.check(text, self.timeout_s)
+            except TimeoutError:
+                raise GrammarError(param, f"the grammar took longer than {self.timeout_s:g} s to compile "
+                                   "(--grammar-compile-timeout); simplify the schema") from None
+            if error:
+                raise GrammarError(param, f"the grammar cannot be compiled: {error}")
         grammar = self._build(text, param)
         with self._cache_lock:
             self._cache[key] = grammar

@@ -14,6 +14,14 @@ The document is tokenized once by the model's tokenizer and fed to both engines.
 
     .venv/bin/python -m tools.grammar_bench --itl [--backend torch] [--rounds 3]
 
+    .venv/bin/python -m tools.grammar_bench --guard [--repeats 5]
+
+kvfork's compile path (server/grammar.py) against building the matcher in the
+daemon alone, side by side, each compile cold (a new scope): what trying each new
+grammar first in the killable process costs, for the typical tool schema and the
+agent preset's union; then a schema of 3,000 optional properties under a 0.5 s
+timeout: when its 400 comes, and the CPU this process spends in the 2 s after.
+
 Decode ITL in the engine with 8 requests decoding together, 0, 1 and 8 of them
 constrained by the typical tool schema (kvfork's llguidance path), in
 alternating rounds side by side. Each request asks for that JSON; the gaps
@@ -200,6 +208,54 @@ async def measure_itl(args: argparse.Namespace) -> None:
     await engine.shutdown(5)
 
 
+async def measure_guard(hf, tools: list[dict[str, Any]], repeats: int) -> None:
+    import resource
+
+    from server.engine.api import Scope
+    from server.grammar import GrammarCompiler, GrammarError, JsonSchema, grammar_text
+
+    compiler = GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=30.0)
+    try:
+        await compiler.compile(JsonSchema(TYPICAL_TOOL), Scope("warm"))  # the processes' start is not a compile
+        await asyncio.gather(*(compiler.compile(JsonSchema(TYPICAL_TOOL), Scope(f"warm{i}")) for i in range(2)))
+        wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(600)}}
+        for label, schema in (("typical tool schema", TYPICAL_TOOL), ("agent preset union", required_union(tools)),
+                              ("600 optional properties", wide)):
+            ask, text = JsonSchema(schema), grammar_text(JsonSchema(schema))
+            label = f"{label} ({len(text):,} characters of grammar)"
+            plain, guarded = [], []
+            for i in range(repeats):  # side by side, alternating
+                plain.append(timed(lambda: compiler._build(text, "response_format"))[0])
+                t0 = time.perf_counter()
+                await compiler.compile(ask, Scope(f"cold-{label}-{i}"))
+                guarded.append(time.perf_counter() - t0)
+            print(f"  {label}: in the daemon alone {statistics.median(plain) * 1e3:.1f} ms, kvfork's path "
+                  f"{statistics.median(guarded) * 1e3:.1f} ms (x{statistics.median(guarded) / statistics.median(plain):.2f})")
+    finally:
+        compiler.close()
+    wide = JsonSchema({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}})
+    compiler = GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=0.5)
+    try:
+        # start the process (its start is not a grammar's cost): a grammar past the threshold, within the timeout
+        await compiler.compile(JsonSchema({"type": "object", "properties": {f"p{i}": {"type": "string"}
+                                                                            for i in range(300)}}), Scope("warm"))
+        t0 = time.perf_counter()
+        try:
+            await compiler.compile(wide, Scope("wide"))
+            outcome = "compiled"
+        except GrammarError:
+            outcome = "400"
+        waited = time.perf_counter() - t0
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        cpu0 = usage.ru_utime + usage.ru_stime
+        await asyncio.sleep(2.0)
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        print(f"  3,000 optional properties, 0.5 s timeout: {outcome} after {waited:.2f} s; CPU in this process "
+              f"over the next 2 s: {usage.ru_utime + usage.ru_stime - cpu0:.2f} s")
+    finally:
+        compiler.close()
+
+
 def main() -> None:
     from transformers import AutoTokenizer
 
@@ -213,6 +269,7 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="with --itl: the dtype (default: the backend's)")
     ap.add_argument("--tokens", type=int, default=40, help="with --itl: most tokens per request")
     ap.add_argument("--rounds", type=int, default=3, help="with --itl: rounds of (0, 1, 8 constrained)")
+    ap.add_argument("--guard", action="store_true", help="kvfork's compile path against the matcher alone")
     args = ap.parse_args()
     args.model = args.model or str(default_model_dir())
     if args.itl:
@@ -223,6 +280,9 @@ def main() -> None:
     vocab = len(hf)
     tools = agent_tool_schemas()
     print(f"tokenizer {folder} (vocab {vocab}); agent preset: {len(tools)} tools")
+    if args.guard:
+        asyncio.run(measure_guard(hf, tools, args.repeats))
+        return
     # json.dumps' default separators are the ones both engines accept by default.
     docs = {"tool schema": (TYPICAL_TOOL, hf.encode(json.dumps(TYPICAL_DOC), add_special_tokens=False)),
             "json_object": (None, hf.encode(json.dumps(OBJECT_DOC), add_special_tokens=False))}
