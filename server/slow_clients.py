@@ -116,16 +116,26 @@ class Watchdog(asyncio.Protocol):
         self.head_since, self.head_bytes = self.loop.time(), False
         self._arm()
 
-    def _deadlines(self) -> list[tuple[float, Callable[[], None]]]:
+    def _deadlines(self) -> list[tuple[float, Callable[[], bool]]]:
+        """(when, what then): the action counts what it cuts off and says whether to reset (a slow client)
+        rather than close (an idle one, which may still be reading the last answer)."""
         limits, out = self.clients.limits, []
         if self.transport is None:  # closed (by us or the client): nothing to watch
             return out
         if self.paused_since is not None:
-            out.append((self.paused_since + limits.write_timeout, self.clients.write_timeouts.inc))
+            out.append((self.paused_since + limits.write_timeout, self._write_stalled))
         elif self.head_since is not None and not self.in_request:
-            out.append((self.head_since + limits.header_timeout,
-                        lambda: self.clients.read_timeouts.inc(phase="header") if self.head_bytes else None))
+            out.append((self.head_since + limits.header_timeout, self._head_late))
         return out
+
+    def _write_stalled(self) -> bool:
+        self.clients.write_timeouts.inc()
+        return True
+
+    def _head_late(self) -> bool:
+        if self.head_bytes:
+            self.clients.read_timeouts.inc(phase="header")
+        return self.head_bytes
 
     def _arm(self) -> None:
         self._disarm()
@@ -141,12 +151,12 @@ class Watchdog(asyncio.Protocol):
     def _check(self) -> None:
         self._timer = None
         now = self.loop.time()
-        for at, count in self._deadlines():
+        for at, cut_off in self._deadlines():
             if now >= at:
-                count()
+                slow = cut_off()
                 transport, self.transport = self.transport, None
                 if transport is not None:
-                    reset(transport)
+                    reset(transport) if slow else transport.close()
                 return
         self._arm()
 
