@@ -13,7 +13,7 @@ import msgspec
 from aiohttp import web
 
 from server.errors import ApiError, from_decode, invalid
-from server.limits import check_stops
+from server.limits import check_count, check_stops
 from server.messages_api.reply import MessagesReply, message_id, tool_use_id
 from server.messages_api.translate import UnsupportedContent, chat_request
 from server.protocol.anthropic import CountTokensRequest, MessagesRequest, TokenCount
@@ -45,6 +45,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
     body: MessagesRequest = await read_body(request, DECODE_MESSAGES)
     limits = state.config
     check_stops("stop_sequences", body.stop_sequences, limits.max_stop_sequences, "--max-stop-sequences", limits)
+    check_count("messages", body.messages, limits.max_messages, "--max-messages", "messages")
     rid = message_id()
     job = await prepare(state, as_chat_request(body), request, rid, make_call_id=tool_use_id)
     return await respond(request, state, job, MessagesReply(rid, job.model, len(job.prompt), job.parser), body.stream)
@@ -53,5 +54,6 @@ async def handle(request: web.Request) -> web.StreamResponse:
 async def count_tokens(request: web.Request) -> web.Response:
     state = state_of(request)
     body: CountTokensRequest = await read_body(request, DECODE_COUNT)
+    check_count("messages", body.messages, state.config.max_messages, "--max-messages", "messages")
     job = await prepare(state, as_chat_request(body), request, message_id())
     return json_response(TokenCount(len(job.prompt)))

@@ -32,7 +32,10 @@ _PARAMS = {"response_format": "text.format", "max_tokens": "max_output_tokens", 
 async def handle(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     body: ResponsesRequest = await read_body(request, DECODE)
-    check_count("tools", body.tools, state.config.max_tools, "--max-tools", "tools")
+    limits = state.config
+    check_count("tools", body.tools, limits.max_tools, "--max-tools", "tools")
+    if isinstance(body.input, list):  # before they are translated: each item is work on the loop
+        check_count("input", body.input, limits.max_messages, "--max-messages", "items")
     rid = response_id()
     store, tenant = state.responses, tenant_of(request)
     previous = body.previous_response_id
