@@ -74,7 +74,7 @@ async def test_long_prompts_are_tokenized_off_the_loop(tiny_model_dir):
     tokenizer = PromptTokenizer.load(tiny_model_dir("llama"))
     threads: list[str] = []
     encode = tokenizer.encode_text
-    tokenizer.encode_text = lambda text: threads.append(threading.current_thread().name) or encode(text)
+    tokenizer.encode_text = lambda text, tok=None: threads.append(threading.current_thread().name) or encode(text, tok)
     short = await tokenizer.text("the city")
     long = await tokenizer.text("the city " * 1000)
     assert short and len(long) > 1000

@@ -5,14 +5,20 @@ encoded without special tokens; raw completion text gets the tokenizer's usual
 special tokens unless it already starts with the BOS string. Either way a
 prompt never carries two.
 
-Long work (a prompt past a few thousand characters) runs on one worker thread
-shared by tenants in turn (server/fair.py): the routes pass the tenant. Its size
-is bounded before it gets here (server/limits.py: characters, messages), and the
+Long work (a prompt past a few thousand characters) runs on two worker threads
+shared by tenants in turn, a tenant one job at a time (server/fair.py): the
+routes pass the tenant, so another tenant never waits for the first one's long
+job. Each thread renders and encodes with its own copy of the tokenizer (a Rust
+tokenizer is not meant to be used by two threads at once). A job's size is
+bounded before it gets here (server/limits.py: characters, messages), and the
 template is the model's or the operator's, never a client's (text/template.py).
+Every method that does the work takes `tok`: the thread's copy, or (on the loop)
+the tokenizer itself.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Sequence
 
 from server.errors import ApiError
@@ -24,6 +30,7 @@ from server.text.template import TemplateVariables
 # few thousand characters take well under a millisecond, so shorter ones stay
 # on the loop and skip the thread hop.
 _OFF_LOOP_CHARS = 4096
+TOKENIZE_THREADS = 2  # a tenant runs one job at a time: with two, another tenant always finds one free
 
 
 class PromptTokenizer:
@@ -34,8 +41,7 @@ class PromptTokenizer:
             tokenizer.chat_template = chat_template
         self.bos_token: str | None = tokenizer.bos_token
         self.variables = TemplateVariables.of(tokenizer.chat_template, frozenset(tokenizer.special_tokens_map))
-        # One worker: the Rust tokenizer is not meant for concurrent encodes.
-        self.workers = FairWorkers(1, "kvfork-tokenize")
+        self.workers = FairWorkers(TOKENIZE_THREADS, "kvfork-tokenize", lambda: _Own(copy.deepcopy(tokenizer)))
         self._token_texts: dict[int, str] = {}
 
     @classmethod
@@ -70,7 +76,8 @@ class PromptTokenizer:
                                template_kwargs or {}, prompt, last)
 
     def find_message_ends(self, messages: list[dict[str, Any]], tools: list[dict] | None,
-                          template_kwargs: dict[str, Any], prompt: Sequence[int], last: int) -> tuple[int, ...]:
+                          template_kwargs: dict[str, Any], prompt: Sequence[int], last: int,
+                          tok: Any = None) -> tuple[int, ...]:
         # A message ends where the conversation cut after it, rendered without a generation prompt,
         # encodes to a prefix of the prompt. A template that renders a cut differently (one that
         # drops earlier turns' reasoning, say) or refuses it (no user turn yet) marks no end there.
@@ -80,11 +87,12 @@ class PromptTokenizer:
             if len(ends) >= last:
                 break
             try:
-                text = self.tokenizer.apply_chat_template(messages[:cut], tools=tools, add_generation_prompt=False,
-                                                          tokenize=False, **kwargs)
+                text = (tok or self.tokenizer).apply_chat_template(messages[:cut], tools=tools,
+                                                                   add_generation_prompt=False, tokenize=False,
+                                                                   **kwargs)
             except Exception:
                 continue
-            ids = self.encode_rendered_text(text)
+            ids = self.encode_rendered_text(text, tok)
             if 0 < len(ids) < len(prompt) and list(prompt[:len(ids)]) == ids:
                 ends.add(len(ids))
         return tuple(sorted(ends))
@@ -97,14 +105,14 @@ class PromptTokenizer:
         return await self._run(tenant, len(text), self.encode_text, text)
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None,
-                    template_kwargs: dict[str, Any]) -> list[int]:
-        return self.encode_rendered_text(self.render(messages, tools, template_kwargs))
+                    template_kwargs: dict[str, Any], tok: Any = None) -> list[int]:
+        return self.encode_rendered_text(self.render(messages, tools, template_kwargs, tok), tok)
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict] | None,
-               template_kwargs: dict[str, Any]) -> str:
+               template_kwargs: dict[str, Any], tok: Any = None) -> str:
         kwargs = self._variables(template_kwargs)
         try:
-            rendered = self.tokenizer.apply_chat_template(
+            rendered = (tok or self.tokenizer).apply_chat_template(
                 messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs
             )
         except Exception as e:  # jinja raises its own errors for histories a template rejects
@@ -117,12 +125,12 @@ class PromptTokenizer:
         text/template.py); nothing else ever reaches apply_chat_template."""
         return {k: v for k, v in template_kwargs.items() if k in self.variables.settable}
 
-    def encode_rendered_text(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    def encode_rendered_text(self, text: str, tok: Any = None) -> list[int]:
+        return (tok or self.tokenizer).encode(text, add_special_tokens=False)
 
-    def encode_text(self, text: str) -> list[int]:
+    def encode_text(self, text: str, tok: Any = None) -> list[int]:
         starts_with_bos = bool(self.bos_token) and text.startswith(self.bos_token)
-        return self.tokenizer.encode(text, add_special_tokens=not starts_with_bos)
+        return (tok or self.tokenizer).encode(text, add_special_tokens=not starts_with_bos)
 
     def decode(self, tokens: Sequence[int]) -> str:
         # No clean-up: it rewrites text already streamed (" ." -> "."), which
@@ -141,7 +149,17 @@ class PromptTokenizer:
     async def _run(self, tenant: str, size: int, fn, *args):
         if size <= _OFF_LOOP_CHARS:
             return fn(*args)
-        return await self.workers.run(tenant, fn, *args)
+        return await self.workers.run(tenant, lambda own: fn(*args, tok=own.tokenizer))
+
+
+class _Own:
+    """A worker thread's own copy of the tokenizer (FairWorkers' per-thread resource)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def close(self) -> None:
+        pass
 
 
 def _size(messages: list[dict[str, Any]], tools: list[dict] | None) -> int:
