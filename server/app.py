@@ -17,7 +17,7 @@ from aiohttp import web
 from server.engine.api import EngineError
 from server.errors import ApiError, from_engine
 from server.protocol.anthropic import error_body
-from server.routes import chat, completions, messages, models, responses, sessions
+from server.routes import chat, completions, loads, messages, models, responses, sessions
 from server.routes.common import json_response
 from server.sse import CLIENT_GONE
 from server.state import STATE, TENANT, AppState
@@ -25,6 +25,9 @@ from server.tenants import key_tenant
 
 log = logging.getLogger("kvfork.http")
 
+# Under /v1 yet open with --api-key, as /health and /metrics are: a gateway polls it without a client's key,
+# and it says nothing /metrics does not (routes/loads.py).
+OPEN_PATHS = frozenset({loads.PATH})
 CLIENT_CLOSED = "499"  # nginx's "client closed request", for the metrics
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
 
@@ -75,7 +78,7 @@ def _middlewares(state: AppState, requests_total) -> list:
 
     @web.middleware
     async def auth(request: web.Request, handler):
-        if state.keys and request.path.startswith("/v1/"):
+        if state.keys and request.path.startswith("/v1/") and request.path not in OPEN_PATHS:
             given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
             given = given or request.headers.get("x-api-key", "")
             tenant = key_tenant(state.keys, given)
@@ -101,6 +104,7 @@ def build_app(state: AppState) -> web.Application:
     app.router.add_get("/v1/models", models.list_models)
     app.router.add_get("/health", models.health)
     app.router.add_get("/metrics", models.metrics)
+    app.router.add_get(loads.PATH, loads.handle)
     app.router.add_post("/v1/sessions/{session_id}/reset", sessions.reset)
     app.router.add_delete("/v1/sessions/{session_id}", sessions.delete)
     return app
