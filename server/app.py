@@ -25,9 +25,11 @@ from server.tenants import key_tenant
 
 log = logging.getLogger("kvfork.http")
 
-# Under /v1 yet open with --api-key, as /health and /metrics are: a gateway polls it without a client's key,
-# and it says nothing /metrics does not (routes/loads.py).
-OPEN_PATHS = frozenset({loads.PATH})
+# Under /v1 yet open with --api-key, as /health and /metrics are: a gateway in front of replicas (smg) reads
+# them with no client's key, to classify and register a replica (/v1/models: the served names, as llama.cpp's
+# server leaves it open) and to poll its load (/v1/loads: nothing /metrics does not say). Neither names a
+# tenant, a session or a prompt; every route that computes or stores still needs a key.
+OPEN_PATHS = frozenset({models.PATH, loads.PATH})
 CLIENT_CLOSED = "499"  # nginx's "client closed request", for the metrics
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
 
@@ -101,7 +103,7 @@ def build_app(state: AppState) -> web.Application:
     app.router.add_get(responses.PATH + "/{response_id}", responses.retrieve)
     app.router.add_delete(responses.PATH + "/{response_id}", responses.delete)
     app.router.add_post(messages.PATH + "/count_tokens", messages.count_tokens)
-    app.router.add_get("/v1/models", models.list_models)
+    app.router.add_get(models.PATH, models.list_models)
     app.router.add_get("/health", models.health)
     app.router.add_get("/metrics", models.metrics)
     app.router.add_get(loads.PATH, loads.handle)

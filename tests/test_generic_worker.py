@@ -118,18 +118,21 @@ async def test_the_gauges_a_gateway_scrapes_follow_the_queue(tiny_model_dir, htt
 
 
 async def test_loads_are_open_with_api_keys_and_name_no_tenant(tiny_model_dir, http):
-    """smg polls /v1/loads with no client's key: it is open like /health and /metrics, and says as little."""
+    """smg polls /v1/loads and reads /v1/models with no client's key: they are open like /health and /metrics,
+    and say as little."""
     async with serving(tiny_model_dir("llama"), api_key=["secret-key"]) as d:
         async with http.post(d.url + CHAT, json=chat_body(max_tokens=2)) as r:
             assert r.status == 401  # every other /v1 route still needs the key
         async with http.post(d.url + CHAT, json=chat_body(max_tokens=2, session_id="private-session"),
                              headers={"Authorization": "Bearer secret-key"}) as r:
             assert r.status == 200
-        async with http.get(d.url + LOADS) as r:
-            assert r.status == 200
-            text = await r.text()
+        texts = []
+        for path in (LOADS, "/v1/models"):  # smg registers a replica by /v1/models, with no client's key
+            async with http.get(d.url + path) as r:
+                assert r.status == 200, path
+                texts.append(await r.text())
         for secret in ("secret-key", "private-session", "tenant"):
-            assert secret not in text
+            assert not any(secret in text for text in texts)
 
 
 async def test_the_routing_key_names_no_session(tiny_model_dir, http):

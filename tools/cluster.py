@@ -131,7 +131,7 @@ def plan(argv: list[str]) -> Plan:
                "--policy", args.policy, "--prometheus-host", HOST, "--prometheus-port", str(metrics_port),
                "--health-check-interval-secs", str(args.health_check_interval),
                "--health-failure-threshold", "2", "--health-success-threshold", "1",
-               "--worker-startup-check-interval", "1",
+               "--worker-startup-check-interval", "1", "--load-monitor-interval", "2",
                # the replicas finish in-flight requests within their own --shutdown-grace; smg need not wait longer
                "--shutdown-grace-period-secs", "15",
                # cache_aware works on request text over HTTP; no tokenizer to fetch from a hub
@@ -245,7 +245,7 @@ async def run(p: Plan) -> int:
     replicas = [Child(f"replica {i + 1}", argv, {"KVFORK_HOME": str(home)})
                 for i, (argv, home) in enumerate(zip(p.replicas, p.homes))]
     # smg's own log (a banner, then a line per request at info) goes to a file beside the replicas' folders
-    gateway = Child("gateway", p.gateway, {"NO_COLOR": "1"}, log=kvfork_home() / "cluster" / "gateway.log")
+    gateway = Child("gateway", p.gateway, log=kvfork_home() / "cluster" / "gateway.log")
     gateway.log.parent.mkdir(parents=True, exist_ok=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
