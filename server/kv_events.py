@@ -1,0 +1,252 @@
+"""KV events in vLLM's format, for routers that route on the KV state replicas really hold.
+
+vllm-router's kv_aware policy, llm-d's precise prefix-cache scorer and Dynamo's KV
+router all read vLLM's KV events: a ZMQ PUB socket sending three frames per batch
+(topic, an 8-byte big-endian sequence number, a msgpack payload), and a ROUTER
+socket that replays missed batches from a sequence number on. The payload is
+`[ts, [event, ...], dp_rank]`, each event a tagged array:
+
+    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys]
+    ["BlockRemoved", block_hashes, medium]
+    ["AllBlocksCleared"]
+
+Design rules:
+- blocks are whole `block_size`-token runs of a state kvfork keeps for reuse (a
+  prefix cache entry, a disk tier file); the tail shorter than a block is never
+  announced, as vLLM never announces a partial block;
+- a block's hash chains vLLM's way: sha256 over (parent hash, the block's token
+  ids, its extra keys), the first block's parent a fixed root, so a hash names the
+  whole prefix up to its block; the event carries the last 8 bytes as an unsigned
+  integer (vLLM's integer form);
+- a block is stored when the first holder in a medium takes it and removed when
+  the last lets go (`BlockLedger`, pure): prefixes shared by several entries are
+  announced once;
+- the scope (tenant, cache_salt) enters the first block's extra keys as an opaque
+  digest (`scope_key`: an HMAC, never a tenant's name or key) and so every hash
+  after it; the default scope (no keys, no salt) has none, so a router that
+  hashes token ids alone matches it;
+- the publisher never blocks the caller: batches queue to a thread that owns both
+  sockets; a full queue drops the batch and counts it (a consumer sees the gap in
+  the sequence numbers and asks for a replay, or resyncs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import msgspec
+
+from server.engine.api import Scope
+
+log = logging.getLogger("kvfork.kv_events")
+
+MEDIUM_MEMORY = "GPU"  # vLLM's name for the engine's own KV memory, whatever the device (CPU here too)
+MEDIUM_DISK = "DISK"
+ROOT_HASH = hashlib.sha256(b"kvfork kv events root").digest()  # the first block's parent
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # closes a replay
+
+
+# ---- the wire: vLLM's structs (vllm/distributed/kv_events.py), field order as published ----
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base class of the events; `tag=True` puts the class name first in each array."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None  # one entry per block
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+# ---- block hashes ----
+
+_pack = msgspec.msgpack.Encoder()
+
+
+def chain_hashes(tokens: Sequence[int], block_size: int, first_extra: tuple | None = None) -> list[bytes]:
+    """The chained hash of every whole block of `tokens`; `first_extra`: the first block's extra keys."""
+    out, parent = [], ROOT_HASH
+    for i in range(len(tokens) // block_size):
+        block = list(tokens[i * block_size:(i + 1) * block_size])
+        extra = first_extra if i == 0 else None
+        parent = hashlib.sha256(_pack.encode([parent, block, extra])).digest()
+        out.append(parent)
+    return out
+
+
+def wire_hash(digest: bytes) -> int:
+    """vLLM's integer form of a block hash: its last 8 bytes, big-endian, unsigned."""
+    return int.from_bytes(digest[-8:], "big")
+
+
+# ---- which blocks each medium holds (pure) ----
+
+@dataclass
+class BlockLedger:
+    """Holders per (medium, block): what to announce when a holder takes or lets go of a token run."""
+
+    block_size: int
+    scope_key: Callable[[Scope], str | None]
+    holders: dict[tuple[str, bytes], int] = field(default_factory=dict)
+
+    def _blocks(self, tokens: Sequence[int], scope: Scope) -> tuple[list[bytes], tuple | None]:
+        key = self.scope_key(scope)
+        first_extra = (key,) if key is not None else None
+        return chain_hashes(tokens, self.block_size, first_extra), first_extra
+
+    def take(self, tokens: Sequence[int], scope: Scope, medium: str) -> BlockStored | None:
+        """A holder in `medium` now holds `tokens`: the blocks nobody there held before, if any (they are
+        always a run at the end of the chain: a holder holds a prefix whole)."""
+        hashes, first_extra = self._blocks(tokens, scope)
+        new_from = None
+        for i, h in enumerate(hashes):
+            count = self.holders.get((medium, h), 0)
+            self.holders[medium, h] = count + 1
+            if count == 0 and new_from is None:
+                new_from = i
+        if new_from is None:
+            return None
+        n = self.block_size
+        return BlockStored(
+            block_hashes=[wire_hash(h) for h in hashes[new_from:]],
+            parent_block_hash=wire_hash(hashes[new_from - 1]) if new_from else None,
+            token_ids=list(tokens[new_from * n:len(hashes) * n]),
+            block_size=n, lora_id=None, medium=medium, lora_name=None,
+            extra_keys=[first_extra if i == 0 else None for i in range(new_from, len(hashes))]
+            if first_extra is not None else None)
+
+    def let_go(self, tokens: Sequence[int], scope: Scope, medium: str) -> BlockRemoved | None:
+        """A holder in `medium` let go of `tokens`: the blocks nobody there holds any more, if any."""
+        hashes, _ = self._blocks(tokens, scope)
+        gone = []
+        for h in hashes:
+            count = self.holders.get((medium, h), 0)
+            if count <= 1:
+                self.holders.pop((medium, h), None)
+                if count == 1:
+                    gone.append(wire_hash(h))
+            else:
+                self.holders[medium, h] = count - 1
+        return BlockRemoved(block_hashes=gone, medium=medium) if gone else None
+
+    def clear(self, medium: str | None = None) -> AllBlocksCleared | BlockRemoved | None:
+        """Every holder gone (None: every medium, as at start): AllBlocksCleared; one medium: its blocks removed."""
+        if medium is None:
+            self.holders.clear()
+            return AllBlocksCleared()
+        gone = [wire_hash(h) for (m, h) in self.holders if m == medium]
+        self.holders = {k: v for k, v in self.holders.items() if k[0] != medium}
+        return BlockRemoved(block_hashes=gone, medium=medium) if gone else None
+
+
+# ---- the ZMQ publisher ----
+
+class KVEventPublisher:
+    """PUB on `endpoint` (bound), replays on `replay_endpoint` (bound, ROUTER); one thread owns both.
+
+    `publish(events)` queues one batch; it never blocks and never raises for a slow consumer."""
+
+    def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "", dp_rank: int = 0,
+                 buffer_batches: int = 10_000, queue_size: int = 100_000, hwm: int = 100_000):
+        import zmq  # pyzmq: only when KV events are asked for
+
+        self._zmq = zmq
+        self.topic, self.dp_rank = topic.encode(), dp_rank
+        self.dropped = 0
+        self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(maxsize=queue_size)
+        self._sent: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
+        self._seq = 0
+        ctx = zmq.Context.instance()
+        self._pub = ctx.socket(zmq.PUB)
+        self._pub.set_hwm(hwm)
+        self._pub.bind(endpoint)
+        self._replay = None
+        if replay_endpoint:
+            self._replay = ctx.socket(zmq.ROUTER)
+            self._replay.bind(replay_endpoint)
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)  # tcp://127.0.0.1:0 resolves here
+        self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay else None
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+
+    def publish(self, events: list[KVCacheEvent]) -> None:
+        if not events:
+            return
+        try:
+            self._queue.put_nowait(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=self.dp_rank))
+        except queue.Full:
+            self.dropped += 1
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        encode = msgspec.msgpack.Encoder().encode
+        poller = None
+        if self._replay is not None:
+            poller = self._zmq.Poller()
+            poller.register(self._replay, self._zmq.POLLIN)
+        try:
+            while True:
+                if poller is not None and poller.poll(0):
+                    self._serve_replay()
+                try:
+                    batch = self._queue.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if batch is None:
+                    return
+                payload = encode(batch)
+                self._pub.send_multipart((self.topic, self._seq.to_bytes(8, "big"), payload))
+                self._sent.append((self._seq, payload))
+                self._seq += 1
+        except Exception:  # the publisher is optional: it stops, serving goes on
+            log.exception("KV event publisher stopped")
+        finally:
+            self._pub.close(linger=0)
+            if self._replay is not None:
+                self._replay.close(linger=0)
+
+    def _serve_replay(self) -> None:
+        """A request (identity, empty, 8-byte start) gets every buffered batch from there on, then END_SEQ."""
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            return
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        for seq, payload in list(self._sent):
+            if seq >= first:
+                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", END_SEQ, b""))

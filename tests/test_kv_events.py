@@ -1,0 +1,194 @@
+"""KV events in vLLM's format (server/kv_events.py): the ledger's announcements, the chained hashes, and the
+wire, decoded by a real ZMQ subscriber with structs written here from vLLM's published definitions (field
+order matters in msgpack arrays), replay included."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from typing import Any
+
+import msgspec
+import pytest
+
+from server.engine.api import Scope
+from server.kv_events import (MEDIUM_DISK, MEDIUM_MEMORY, AllBlocksCleared, BlockLedger, BlockRemoved, BlockStored,
+                              chain_hashes, wire_hash)
+
+zmq = pytest.importorskip("zmq")
+
+
+# What a consumer decodes with: vLLM's vllm/distributed/kv_events.py, as published (array_like, tagged).
+class VEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class VKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class VBlockStored(VKVCacheEvent, tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+
+
+class VBlockRemoved(VKVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class VAllBlocksCleared(VKVCacheEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class VKVEventBatch(VEventBatch):
+    events: list[VBlockStored | VBlockRemoved | VAllBlocksCleared]
+
+
+decode = msgspec.msgpack.Decoder(VKVEventBatch).decode
+SECRET = b"s" * 32
+
+
+def scope_key(scope: Scope) -> str | None:
+    if scope == Scope():
+        return None
+    return hmac.new(SECRET, repr((scope.tenant, scope.salt)).encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def ledger(block_size: int = 4) -> BlockLedger:
+    return BlockLedger(block_size, scope_key)
+
+
+def test_hashes_chain_and_cover_whole_blocks_only():
+    tokens = list(range(10))
+    h = chain_hashes(tokens, 4)
+    assert len(h) == 2  # the 2 tokens past the last whole block are never announced
+    assert chain_hashes(tokens[:8], 4) == h and chain_hashes(tokens[:4], 4) == h[:1]
+    other = chain_hashes([99, *tokens[1:]], 4)
+    assert other[0] != h[0] and other[1] != h[1]  # a block's hash names the whole prefix before it
+    assert chain_hashes(tokens, 4, ("scope",)) != h
+    assert 0 <= wire_hash(h[0]) < 2**64
+
+
+def test_a_shared_prefix_is_stored_once_and_removed_with_its_last_holder():
+    led = ledger()
+    first = led.take(list(range(8)), Scope(), MEDIUM_MEMORY)
+    assert first is not None and len(first.block_hashes) == 2 and first.parent_block_hash is None
+    assert first.token_ids == list(range(8)) and first.block_size == 4 and first.extra_keys is None
+    longer = led.take(list(range(13)), Scope(), MEDIUM_MEMORY)  # shares both blocks, adds one (and a partial)
+    assert longer.block_hashes == [wire_hash(chain_hashes(range(12), 4)[2])]
+    assert longer.parent_block_hash == first.block_hashes[1] and longer.token_ids == list(range(8, 12))
+    assert led.take(list(range(8)), Scope(), MEDIUM_MEMORY) is None  # nothing new
+    assert led.let_go(list(range(8)), Scope(), MEDIUM_MEMORY) is None  # others still hold both blocks
+    gone = led.let_go(list(range(13)), Scope(), MEDIUM_MEMORY)
+    assert gone.block_hashes == longer.block_hashes  # the third block's last holder
+    gone = led.let_go(list(range(8)), Scope(), MEDIUM_MEMORY)
+    assert gone.block_hashes == first.block_hashes
+    assert led.holders == {}
+
+
+def test_media_are_counted_apart_and_a_scope_is_an_opaque_extra_key():
+    led = ledger()
+    tokens = list(range(8))
+    mem, disk = led.take(tokens, Scope(), MEDIUM_MEMORY), led.take(tokens, Scope(), MEDIUM_DISK)
+    assert disk is not None and disk.block_hashes == mem.block_hashes and disk.medium == MEDIUM_DISK
+    scoped = led.take(tokens, Scope("tenant-a", "salt"), MEDIUM_MEMORY)
+    assert scoped is not None and not set(scoped.block_hashes) & set(mem.block_hashes)
+    key = scoped.extra_keys[0][0]
+    assert scoped.extra_keys[1:] == [None] and "tenant-a" not in key and "salt" not in key
+    assert led.clear(MEDIUM_DISK).block_hashes == disk.block_hashes
+    assert isinstance(led.clear(), AllBlocksCleared) and led.holders == {}
+
+
+@pytest.fixture
+def publisher():
+    from server.kv_events import KVEventPublisher
+
+    pub = KVEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", topic="kv")
+    yield pub
+    pub.close()
+
+
+def subscribe(endpoint: str):
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 10_000)
+    sub.connect(endpoint)
+    return sub
+
+
+def test_the_wire_decodes_with_vllms_structs(publisher):
+    sub = subscribe(publisher.endpoint)
+    try:
+        led = ledger()
+        probe = [led.clear()]
+        deadline = time.monotonic() + 10
+        while True:  # a PUB drops what it sends before the SUB has joined: send until one arrives
+            publisher.publish(probe)
+            if sub.poll(100):
+                break
+            assert time.monotonic() < deadline, "no batch reached the subscriber"
+        while sub.poll(200):
+            sub.recv_multipart()
+        stored = led.take(list(range(9)), Scope("t", None), MEDIUM_MEMORY)
+        removed = led.let_go(list(range(9)), Scope("t", None), MEDIUM_MEMORY)
+        publisher.publish([stored, removed, AllBlocksCleared()])
+        topic, seq, payload = sub.recv_multipart()
+        assert topic == b"kv" and len(seq) == 8
+        raw = msgspec.msgpack.decode(payload)
+        assert isinstance(raw, list) and raw[2] == 0 and raw[1][0][0] == "BlockStored"  # [ts, events, dp_rank]
+        batch = decode(payload)
+        got_stored, got_removed, cleared = batch.events
+        assert isinstance(got_stored, VBlockStored) and isinstance(got_removed, VBlockRemoved)
+        assert isinstance(cleared, VAllBlocksCleared)
+        assert got_stored.block_hashes == stored.block_hashes and got_stored.token_ids == list(range(8))
+        assert got_stored.block_size == 4 and got_stored.medium == "GPU" and got_stored.parent_block_hash is None
+        assert got_stored.extra_keys == [(scope_key(Scope("t", None)),), None]
+        assert got_removed.block_hashes == stored.block_hashes and got_removed.medium == "GPU"
+        assert abs(batch.ts - time.time()) < 60
+    finally:
+        sub.close(linger=0)
+
+
+def test_replay_sends_what_a_subscriber_missed(publisher):
+    led = ledger()
+    for i in range(3):  # nobody subscribed: all three are missed
+        publisher.publish([led.take([i] * 4, Scope(), MEDIUM_MEMORY)])
+    time.sleep(0.3)  # the publisher thread has sent them
+    # vLLM's replay protocol: [empty, start seq] in; [empty, seq, payload] per batch out, then END_SEQ
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVTIMEO, 10_000)
+    dealer.connect(publisher.replay_endpoint)
+    try:
+        dealer.send_multipart((b"", (1).to_bytes(8, "big")))
+        seqs, tokens = [], []
+        while True:
+            _, seq, payload = dealer.recv_multipart()
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                break
+            seqs.append(int.from_bytes(seq, "big"))
+            tokens.append(decode(payload).events[0].token_ids)
+        assert seqs == [1, 2] and tokens == [[1] * 4, [2] * 4]
+    finally:
+        dealer.close(linger=0)
+
+
+def test_events_name_blocks_the_same_way_in_both_structs():
+    """The module's own structs and a consumer's agree on every field, in order."""
+    stored = BlockStored([1, 2], None, [0] * 8, 4, None, "GPU", None, [("k",), None])
+    back = msgspec.msgpack.Decoder(VBlockStored).decode(msgspec.msgpack.encode(stored))
+    assert (back.block_hashes, back.parent_block_hash, back.token_ids, back.block_size, back.medium,
+            back.extra_keys) == ([1, 2], None, [0] * 8, 4, "GPU", [("k",), None])
+    removed = msgspec.msgpack.Decoder(VBlockRemoved).decode(msgspec.msgpack.encode(BlockRemoved([3], "DISK")))
+    assert (removed.block_hashes, removed.medium) == ([3], "DISK")
