@@ -114,18 +114,18 @@ def wire_hash(digest: bytes) -> int:
 
 @dataclass
 class BlockLedger:
-    """Holders per (medium, block): what to announce when a holder takes or lets go of a token run."""
+    """Holders per (medium, block): what to announce when a holder takes or lets go of a token run.
+
+    `scope`: the run's scope as an opaque key (None: the default scope), the first block's extra key."""
 
     block_size: int
-    scope_key: Callable[[Scope], str | None]
     holders: dict[tuple[str, bytes], int] = field(default_factory=dict)
 
-    def _blocks(self, tokens: Sequence[int], scope: Scope) -> tuple[list[bytes], tuple | None]:
-        key = self.scope_key(scope)
-        first_extra = (key,) if key is not None else None
+    def _blocks(self, tokens: Sequence[int], scope: str | None) -> tuple[list[bytes], tuple | None]:
+        first_extra = (scope,) if scope is not None else None
         return chain_hashes(tokens, self.block_size, first_extra), first_extra
 
-    def take(self, tokens: Sequence[int], scope: Scope, medium: str) -> BlockStored | None:
+    def take(self, tokens: Sequence[int], scope: str | None, medium: str) -> BlockStored | None:
         """A holder in `medium` now holds `tokens`: the blocks nobody there held before, if any (they are
         always a run at the end of the chain: a holder holds a prefix whole)."""
         hashes, first_extra = self._blocks(tokens, scope)
@@ -146,7 +146,7 @@ class BlockLedger:
             extra_keys=[first_extra if i == 0 else None for i in range(new_from, len(hashes))]
             if first_extra is not None else None)
 
-    def let_go(self, tokens: Sequence[int], scope: Scope, medium: str) -> BlockRemoved | None:
+    def let_go(self, tokens: Sequence[int], scope: str | None, medium: str) -> BlockRemoved | None:
         """A holder in `medium` let go of `tokens`: the blocks nobody there holds any more, if any."""
         hashes, _ = self._blocks(tokens, scope)
         gone = []
@@ -170,6 +170,59 @@ class BlockLedger:
         return BlockRemoved(block_hashes=gone, medium=medium) if gone else None
 
 
+class Watch:
+    """What a store of reusable states (the prefix cache, the disk tier) calls as entries come and go:
+    `stored(tokens, scope)` once an entry holds `tokens`, `removed(tokens, scope)` once it lets go.
+    `key_of` turns the store's scope (a Scope, or the disk tier's digest of one) into the events' key."""
+
+    def __init__(self, events: "KVEvents", medium: str, key_of: Callable[[Any], str]):
+        self.events, self.medium, self.key_of = events, medium, key_of
+
+    def stored(self, tokens: Sequence[int], scope: Any) -> None:
+        self.events.publish(self.events.ledger.take(tokens, self.events.key(self.key_of(scope)), self.medium))
+
+    def removed(self, tokens: Sequence[int], scope: Any) -> None:
+        self.events.publish(self.events.ledger.let_go(tokens, self.events.key(self.key_of(scope)), self.medium))
+
+
+class KVEvents:
+    """The engine's side: a ledger of blocks and the publisher its announcements go to. Control loop only.
+
+    `scope_digest`: the disk tier's name for a scope (an opaque digest, never a tenant's name or key);
+    the default scope's digest becomes no extra key at all."""
+
+    def __init__(self, publisher: "KVEventPublisher", block_size: int, scope_digest: Callable[[Scope], str]):
+        self.publisher, self.ledger = publisher, BlockLedger(block_size)
+        self.scope_digest = scope_digest
+        self.default = scope_digest(Scope())
+        self.publish(self.ledger.clear())  # a (re)started replica holds nothing yet
+
+    def key(self, digest: str) -> str | None:
+        return None if digest == self.default else digest
+
+    def publish(self, event: KVCacheEvent | None) -> None:
+        if event is not None:
+            self.publisher.publish([event])
+
+    def memory(self) -> Watch:
+        return Watch(self, MEDIUM_MEMORY, self.scope_digest)
+
+    def disk(self) -> Watch:
+        return Watch(self, MEDIUM_DISK, lambda digest: digest)
+
+    def attach(self, cache: Any, disk: Any) -> None:
+        """Watch the prefix cache and the disk tier (None or off: not there); the disk tier's files found at
+        start are announced at once."""
+        cache.watch = self.memory()
+        if disk is not None and disk.on:
+            disk.watch = self.disk()
+            for entry in list(disk.index.values()):
+                disk.watch.stored(entry.tokens, entry.scope)
+
+    def close(self) -> None:
+        self.publisher.close()
+
+
 # ---- the ZMQ publisher ----
 
 class KVEventPublisher:
@@ -190,11 +243,17 @@ class KVEventPublisher:
         ctx = zmq.Context.instance()
         self._pub = ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
-        self._pub.bind(endpoint)
-        self._replay = None
-        if replay_endpoint:
-            self._replay = ctx.socket(zmq.ROUTER)
-            self._replay.bind(replay_endpoint)
+        self._replay = ctx.socket(zmq.ROUTER) if replay_endpoint else None
+        for socket, address in ((self._pub, endpoint), (self._replay, replay_endpoint)):
+            if socket is None:
+                continue
+            try:
+                socket.bind(address)
+            except zmq.ZMQError as e:
+                self._pub.close(linger=0)
+                if self._replay is not None:
+                    self._replay.close(linger=0)
+                raise OSError(f"cannot bind {address}: {e}") from None
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)  # tcp://127.0.0.1:0 resolves here
         self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay else None
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)

@@ -61,13 +61,24 @@ SECRET = b"s" * 32
 
 
 def scope_key(scope: Scope) -> str | None:
+    """An HMAC of the scope, as the disk tier names scopes; None for the default scope."""
     if scope == Scope():
         return None
     return hmac.new(SECRET, repr((scope.tenant, scope.salt)).encode(), hashlib.sha256).hexdigest()[:32]
 
 
+class Ledger(BlockLedger):
+    """The ledger, taking Scopes (as the engine's watches hand them over)."""
+
+    def take(self, tokens, scope, medium):
+        return super().take(tokens, scope_key(scope), medium)
+
+    def let_go(self, tokens, scope, medium):
+        return super().let_go(tokens, scope_key(scope), medium)
+
+
 def ledger(block_size: int = 4) -> BlockLedger:
-    return BlockLedger(block_size, scope_key)
+    return Ledger(block_size)
 
 
 def test_hashes_chain_and_cover_whole_blocks_only():
@@ -192,3 +203,60 @@ def test_events_name_blocks_the_same_way_in_both_structs():
             back.extra_keys) == ([1, 2], None, [0] * 8, 4, "GPU", [("k",), None])
     removed = msgspec.msgpack.Decoder(VBlockRemoved).decode(msgspec.msgpack.encode(BlockRemoved([3], "DISK")))
     assert (removed.block_hashes, removed.medium) == ([3], "DISK")
+
+
+async def test_a_daemon_publishes_what_its_prefix_cache_and_disk_tier_hold(tiny_model_dir):
+    """Over HTTP on a tiny model: a captured prompt's blocks are stored in memory; evicted, they are removed
+    there and stored on disk once its file is written."""
+    import asyncio
+
+    import aiohttp
+
+    from http_daemon import chat_body, serving
+
+    async with serving(tiny_model_dir("llama"), engine=dict(prefix_cache_entries=1),
+                       kv_events_endpoint="tcp://127.0.0.1:0", kv_events_block_size=4) as d:
+        sub = subscribe(d.kv_events.publisher.endpoint)
+        loop = asyncio.get_running_loop()
+
+        async def events(until, what: str) -> list:
+            seen, deadline = [], loop.time() + 30
+            while not until(seen):
+                assert loop.time() < deadline, f"never saw {what}: {seen}"
+                if sub.poll(0):
+                    seen += decode(sub.recv_multipart()[2]).events
+                else:
+                    await asyncio.sleep(0.05)
+            return seen
+
+        try:
+            async with aiohttp.ClientSession() as http:
+                for i in range(100):  # the PUB drops what it sends before the subscription joins
+                    async with http.post(d.url + "/v1/chat/completions",
+                                         json=chat_body(f"warm up {i} " + "the long shared prompt " * 6,
+                                                        max_tokens=1)) as r:
+                        assert r.status == 200
+                    if sub.poll(200):
+                        break
+                while sub.poll(300):
+                    sub.recv_multipart()
+                async with http.post(d.url + "/v1/chat/completions",
+                                     json=chat_body("first " + "the long shared prompt " * 6, max_tokens=1)) as r:
+                    assert r.status == 200
+                got = await events(lambda s: any(isinstance(e, VBlockStored) and e.medium == "GPU" for e in s),
+                                   "the first prompt stored")
+                stored = next(e for e in got if isinstance(e, VBlockStored) and e.medium == "GPU")
+                assert stored.block_size == 4 and len(stored.token_ids) == 4 * len(stored.block_hashes) > 0
+                assert stored.extra_keys is None  # the default scope: no extra key
+                async with http.post(d.url + "/v1/chat/completions",
+                                     json=chat_body("second " + "another prompt entirely " * 6, max_tokens=1)) as r:
+                    assert r.status == 200  # its capture evicts the first (one entry kept), which spills to disk
+
+                def hashes(seen: list, kind: type, medium: str) -> set[int]:
+                    return {h for e in seen if isinstance(e, kind) and e.medium == medium for h in e.block_hashes}
+
+                first = set(stored.block_hashes)
+                got = await events(lambda s: first <= hashes(s, VBlockStored, "DISK"), "the first prompt on disk")
+                assert first <= hashes(got, VBlockRemoved, "GPU")  # the same blocks, by the same hashes
+        finally:
+            sub.close(linger=0)
