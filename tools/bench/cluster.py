@@ -1,7 +1,8 @@
 """`kvfork bench cluster`: routing policies over replicas, side by side, and the gateway's own overhead.
 
 For each contender in turn, on this machine: start it, replay the same workloads
-(the agent preset), stop it. Contenders:
+(the agent preset's shape: sessions
+resending a shared system prompt and their growing history, a sub-agent forked mid-session), stop it. Contenders:
   sticky     `kvfork cluster` (smg cache_aware, sticky sessions on each call's session as x-smg-routing-key)
   rr         `kvfork cluster --policy round_robin --no-sticky-sessions`
   single     one `kvfork serve` with the whole KV budget
@@ -26,7 +27,7 @@ from tools.bench.client import Record, Target, request_body, stream_chat
 from tools.bench.runner import replay
 from tools.bench.serve import ServerProcess, free_port
 from tools.bench.stats import percentile, summarize
-from tools.bench.workload import Options, build
+from tools.bench.workload import Options, agentic
 
 CONTENDERS = ("sticky", "rr", "single")
 
@@ -99,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="model folder (default: the default model)")
     ap.add_argument("--kv-budget-bytes", type=int, default=2 * 1024**3, help="the total budget, split in a cluster")
     ap.add_argument("--contenders", default=",".join(CONTENDERS), help=f"from {', '.join(CONTENDERS)}")
-    ap.add_argument("--scale", type=float, default=0.06, help="agentx-mini size (1.0: 20 sessions, 684 calls)")
+    ap.add_argument("--sessions", type=int, default=2, help="agent sessions (the agent preset's roots)")
+    ap.add_argument("--calls", type=int, default=24, help="calls over all sessions, sub-agents included")
     ap.add_argument("--root-concurrency", type=int, default=2, help="sessions at once")
     ap.add_argument("--prefix-tokens", type=int, default=1500)
     ap.add_argument("--max-tokens", type=int, default=16)
@@ -112,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or default_model()
     name = Path(model).name
     out = Path(args.out)
-    wl = build("agentx-mini", Options(scale=args.scale, root_concurrency=args.root_concurrency,
-                                      prefix_tokens=args.prefix_tokens, max_tokens=(args.max_tokens, args.max_tokens)))
+    opts = Options(root_concurrency=args.root_concurrency, prefix_tokens=args.prefix_tokens,
+                   max_tokens=(args.max_tokens, args.max_tokens))
+    wl = agentic(f"agent-{args.sessions}x", opts, sessions=args.sessions, total_calls=args.calls)
     serve_args = ["--model", model, "--kv-budget-bytes", str(args.kv_budget_bytes), *args.server_arg]
     passes, overhead = [], None
     for contender in [c.strip() for c in args.contenders.split(",") if c.strip()]:
