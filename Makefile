@@ -13,7 +13,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[dev,cluster]'
+	$(BIN)/pip install -q -e '.[dev,cluster,kv-router]'
 	$(BIN)/python -m backends.mlx.blas --install
 	touch $(STAMP)
 

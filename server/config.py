@@ -92,6 +92,9 @@ class ServerConfig:
     kv_events_replay_endpoint: str | None = setting(None, "ZMQ ROUTER address that replays missed KV event "
                                                     "batches (default: the endpoint's port + 1)",
                                                     check=_zmq_address_check)
+    kv_events_format: str = setting("map", "KV events' msgpack encoding: map (vLLM's today, what vllm-router "
+                                    "reads) or array (vLLM's earlier [ts, events, dp_rank] arrays)",
+                                    choices=("map", "array"))
     kv_events_block_size: int = setting(16, "tokens per block in KV events: the block size the router is told "
                                         "(vllm-router's --kv-event-block-size, 16 by default)", check=at_least(1))
     reasoning_parser: str = setting("auto", "split <think> reasoning from content (auto: when the chat template "

@@ -3,12 +3,18 @@
 vllm-router's kv_aware policy, llm-d's precise prefix-cache scorer and Dynamo's KV
 router all read vLLM's KV events: a ZMQ PUB socket sending three frames per batch
 (topic, an 8-byte big-endian sequence number, a msgpack payload), and a ROUTER
-socket that replays missed batches from a sequence number on. The payload is
-`[ts, [event, ...], dp_rank]`, each event a tagged array:
+socket that replays missed batches from a sequence number on. The payload is an
+array `[ts, events, data_parallel_rank]` of tagged events, each a map (vLLM's
+encoding today, which vllm-router reads):
 
-    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys]
-    ["BlockRemoved", block_hashes, medium]
-    ["AllBlocksCleared"]
+    {"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+     "medium", "lora_name", "extra_keys"}
+    {"type": "BlockRemoved", "block_hashes", "medium"}
+    {"type": "AllBlocksCleared"}
+
+or, with `--kv-events-format array`, each event an array (vLLM's earlier encoding,
+which older consumers decode): `["BlockStored", block_hashes, parent_block_hash,
+...]`, the same fields in the same order.
 
 Design rules:
 - blocks are whole `block_size`-token runs of a state kvfork keeps for reuse (a
@@ -55,14 +61,8 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)  # closes a replay
 
 # ---- the wire: vLLM's structs (vllm/distributed/kv_events.py), field order as published ----
 
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """Base class of the events; `tag=True` puts the class name first in each array."""
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base class of the events; `tag=True` names each event's class in it (`type` in a map, first in an array)."""
 
 
 class BlockStored(KVCacheEvent):
@@ -85,8 +85,35 @@ class AllBlocksCleared(KVCacheEvent):
     pass
 
 
-class KVEventBatch(EventBatch):
+class KVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
+    ts: float
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+FORMATS = ("map", "array")
+_pack_wire = msgspec.msgpack.Encoder()
+
+
+def _as_array(struct: msgspec.Struct) -> list:
+    """A struct as vLLM's `array_like` structs encode it: fields in order, trailing defaults left out."""
+    fields = [getattr(struct, name) for name in struct.__struct_fields__]
+    defaults = struct.__struct_defaults__
+    keep = len(fields)
+    while keep > len(fields) - len(defaults) and fields[keep - 1] == defaults[keep - 1 - (len(fields) - len(defaults))]:
+        keep -= 1
+    return fields[:keep]
+
+
+def encode_batch(batch: KVEventBatch, wire_format: str = "map") -> bytes:
+    """The batch is always an array, `[ts, events, dp_rank]`. Its events: `map`, vLLM's current encoding
+    (each a map, its class under `type`), which vllm-router reads; `array`, the earlier one
+    (`[class, field, ...]`), which older consumers read."""
+    if wire_format == "map":
+        events = batch.events
+    else:
+        events = [[type(e).__name__, *_as_array(e)] for e in batch.events]
+    return _pack_wire.encode(_as_array(msgspec.structs.replace(batch, events=events)))
 
 
 # ---- block hashes ----
@@ -231,10 +258,12 @@ class KVEventPublisher:
     `publish(events)` queues one batch; it never blocks and never raises for a slow consumer."""
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "", dp_rank: int = 0,
-                 buffer_batches: int = 10_000, queue_size: int = 100_000, hwm: int = 100_000):
+                 wire_format: str = "map", buffer_batches: int = 10_000, queue_size: int = 100_000,
+                 hwm: int = 100_000):
         import zmq  # pyzmq: only when KV events are asked for
 
-        self._zmq = zmq
+        assert wire_format in FORMATS, wire_format
+        self._zmq, self.wire_format = zmq, wire_format
         self.topic, self.dp_rank = topic.encode(), dp_rank
         self.dropped = 0
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(maxsize=queue_size)
@@ -272,7 +301,6 @@ class KVEventPublisher:
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
-        encode = msgspec.msgpack.Encoder().encode
         poller = None
         if self._replay is not None:
             poller = self._zmq.Poller()
@@ -287,7 +315,7 @@ class KVEventPublisher:
                     continue
                 if batch is None:
                     return
-                payload = encode(batch)
+                payload = encode_batch(batch, self.wire_format)
                 self._pub.send_multipart((self.topic, self._seq.to_bytes(8, "big"), payload))
                 self._sent.append((self._seq, payload))
                 self._seq += 1

@@ -95,7 +95,7 @@ def open_kv_events(config: ServerConfig):
     if replay is None and config.kv_events_endpoint.startswith("tcp://"):
         host, _, port = config.kv_events_endpoint.rpartition(":")
         replay = f"{host}:{int(port) + 1}" if int(port) else f"{host}:0"
-    publisher = KVEventPublisher(config.kv_events_endpoint, replay)
+    publisher = KVEventPublisher(config.kv_events_endpoint, replay, wire_format=config.kv_events_format)
     return KVEvents(publisher, config.kv_events_block_size, scope_digest)
 
 

@@ -13,20 +13,15 @@ import msgspec
 import pytest
 
 from server.engine.api import Scope
-from server.kv_events import (MEDIUM_DISK, MEDIUM_MEMORY, AllBlocksCleared, BlockLedger, BlockRemoved, BlockStored,
-                              chain_hashes, wire_hash)
+from server.kv_events import (FORMATS, MEDIUM_DISK, MEDIUM_MEMORY, AllBlocksCleared, BlockLedger, BlockRemoved,
+                              BlockStored, KVEventBatch, chain_hashes, encode_batch, wire_hash)
 
 zmq = pytest.importorskip("zmq")
 
 
-# What a consumer decodes with: vLLM's vllm/distributed/kv_events.py, as published (array_like, tagged).
-class VEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class VKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+# What consumers decode with, written from vLLM's vllm/distributed/kv_events.py as published: today's
+# structs (the batch an array, each event a map tagged under "type": what vllm-router reads) ...
+class VKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
 
@@ -40,6 +35,8 @@ class VBlockStored(VKVCacheEvent, tag="BlockStored"):
     lora_name: str | None
     extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class VBlockRemoved(VKVCacheEvent, tag="BlockRemoved"):
@@ -52,11 +49,46 @@ class VAllBlocksCleared(VKVCacheEvent, tag="AllBlocksCleared"):
     pass
 
 
-class VKVEventBatch(VEventBatch):
+class VKVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
     events: list[VBlockStored | VBlockRemoved | VAllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+# ... and the earlier ones (array_like: `[ts, events, dp_rank]`, each event `[class, field, ...]`; field order
+# is all a decoder has).
+class AKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class ABlockStored(AKVCacheEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+
+
+class ABlockRemoved(AKVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class AAllBlocksCleared(AKVCacheEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class AKVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[ABlockStored | ABlockRemoved | AAllBlocksCleared]
+    data_parallel_rank: int | None = None
 
 
 decode = msgspec.msgpack.Decoder(VKVEventBatch).decode
+decode_array = msgspec.msgpack.Decoder(AKVEventBatch).decode
 SECRET = b"s" * 32
 
 
@@ -158,7 +190,7 @@ def test_the_wire_decodes_with_vllms_structs(publisher):
         topic, seq, payload = sub.recv_multipart()
         assert topic == b"kv" and len(seq) == 8
         raw = msgspec.msgpack.decode(payload)
-        assert isinstance(raw, list) and raw[2] == 0 and raw[1][0][0] == "BlockStored"  # [ts, events, dp_rank]
+        assert raw[2] == 0 and raw[1][0]["type"] == "BlockStored"  # [ts, events, dp_rank], each event a map
         batch = decode(payload)
         got_stored, got_removed, cleared = batch.events
         assert isinstance(got_stored, VBlockStored) and isinstance(got_removed, VBlockRemoved)
@@ -195,14 +227,25 @@ def test_replay_sends_what_a_subscriber_missed(publisher):
         dealer.close(linger=0)
 
 
-def test_events_name_blocks_the_same_way_in_both_structs():
-    """The module's own structs and a consumer's agree on every field, in order."""
-    stored = BlockStored([1, 2], None, [0] * 8, 4, None, "GPU", None, [("k",), None])
-    back = msgspec.msgpack.Decoder(VBlockStored).decode(msgspec.msgpack.encode(stored))
-    assert (back.block_hashes, back.parent_block_hash, back.token_ids, back.block_size, back.medium,
-            back.extra_keys) == ([1, 2], None, [0] * 8, 4, "GPU", [("k",), None])
-    removed = msgspec.msgpack.Decoder(VBlockRemoved).decode(msgspec.msgpack.encode(BlockRemoved([3], "DISK")))
+@pytest.mark.parametrize("wire_format", FORMATS)
+def test_both_encodings_decode_with_the_consumers_structs(wire_format):
+    batch = KVEventBatch(1.5, [BlockStored([1, 2], None, [0] * 8, 4, None, "GPU", None, [("k",), None]),
+                               BlockStored([3], 2, [1] * 4, 4, None, "DISK", None),
+                               BlockRemoved([3], "DISK"), AllBlocksCleared()], 0)
+    payload = encode_batch(batch, wire_format)
+    raw = msgspec.msgpack.decode(payload)
+    assert raw[:1] == [1.5] and raw[2] == 0  # [ts, events, dp_rank] either way
+    if wire_format == "array":
+        assert raw[1][1] == ["BlockStored", [3], 2, [1] * 4, 4, None, "DISK", None]  # no trailing default
+    else:
+        assert raw[1][2] == {"type": "BlockRemoved", "block_hashes": [3], "medium": "DISK"}
+    got = (decode_array if wire_format == "array" else decode)(payload)
+    first, second, removed, cleared = got.events
+    assert (first.block_hashes, first.parent_block_hash, first.token_ids, first.block_size, first.medium,
+            first.extra_keys) == ([1, 2], None, [0] * 8, 4, "GPU", [("k",), None])
+    assert (second.parent_block_hash, second.medium, second.extra_keys) == (2, "DISK", None)
     assert (removed.block_hashes, removed.medium) == ([3], "DISK")
+    assert type(cleared).__name__.endswith("AllBlocksCleared") and got.data_parallel_rank == 0
 
 
 async def test_a_daemon_publishes_what_its_prefix_cache_and_disk_tier_hold(tiny_model_dir):

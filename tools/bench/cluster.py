@@ -25,7 +25,7 @@ import aiohttp
 
 from tools.bench.client import Record, Target, request_body, stream_chat
 from tools.bench.runner import replay
-from tools.bench.serve import ServerProcess, free_port
+from tools.bench.serve import ServerProcess, exit_on_sigterm, free_port
 from tools.bench.stats import percentile, summarize
 from tools.bench.workload import Options, agentic
 
@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-arg", action="append", default=[], help="extra flag for every daemon")
     ap.add_argument("--out", default=f"out/bench/{time.strftime('%Y%m%d-%H%M%S')}-cluster")
     args = ap.parse_args(argv)
+    exit_on_sigterm()  # a timeout or Ctrl-C stops the servers this started
     from tools.bench.paired import default_model
 
     model = args.model or default_model()
