@@ -17,6 +17,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from http_daemon import until as wait_until
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("smg") is None,
                                 reason="smg is not installed: pip install 'kvfork[cluster]'")
 
@@ -96,14 +98,7 @@ async def get_json(http: aiohttp.ClientSession, url: str, **kw):
 
 
 async def until(read, check, what: str):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + START_S
-    while True:
-        value = await read()
-        if check(value):
-            return value
-        assert loop.time() < deadline, f"never saw {what}: {value}"
-        await asyncio.sleep(0.25)
+    return await wait_until(read, check, what, limit_s=START_S)
 
 
 async def running(http, url: str) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import aiohttp
 import pytest
 
 from http_daemon import metrics, serving
+from tools.bench.serve import free_port
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("smg") is None,
                                 reason="smg is not installed: pip install 'kvfork[cluster]'")
@@ -99,12 +99,6 @@ def recorded_shapes() -> dict[str, tuple[str, dict]]:
             if isinstance(entry, dict) and entry.get("method", "POST") == "POST" and isinstance(entry.get("body"), dict):
                 out[f"{path.stem} #{i}"] = (entry["path"], {**entry["body"], "model": M})
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from http_daemon import chat_body, metrics, serving, until
+from http_daemon import chat_body, first_token, metrics, serving, until
 from server.app import build_app
 from server.engine.load import TokenRate
 
@@ -27,12 +27,6 @@ RANK_FIELDS = {"dp_rank", "num_running_reqs", "num_waiting_reqs", "num_total_req
 async def http():
     async with aiohttp.ClientSession() as session:
         yield session
-
-
-async def first_token(response: aiohttp.ClientResponse) -> None:
-    async for line in response.content:
-        if b'"content":"' in line and b'"role"' not in line:
-            return
 
 
 async def test_a_gateway_classifies_kvfork_as_a_generic_worker(tiny_model_dir, http):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import random
 import shutil
-import socket
 import sys
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -17,18 +16,13 @@ import aiohttp
 import pytest
 
 from http_daemon import serving
+from tools.bench.serve import free_port
 
 ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
 pytestmark = pytest.mark.skipif(not Path(ROUTER).exists(), reason="vllm-router is not installed: "
                                 "pip install 'kvfork[kv-router]'")
 pytest.importorskip("zmq")
 START_S = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def start_router(policy: str, daemons, block_size: int) -> tuple[asyncio.subprocess.Process, str]:
