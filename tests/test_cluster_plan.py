@@ -31,12 +31,13 @@ def test_the_plan_splits_one_budget_and_gives_each_replica_its_port_and_folder(t
     for flag, value in (("--host", "127.0.0.1"), ("--port", "9000"), ("--policy", "cache_aware"),
                         ("--prometheus-host", "127.0.0.1"), ("--prometheus-port", "9004")):
         assert gateway[gateway.index(flag) + 1] == value
-    assert "--sticky-sessions" in gateway
+    assert "--sticky-sessions" in gateway and gateway[gateway.index("--assignment-mode") + 1] == "min_group"
 
 
 def test_policy_and_sticky_sessions_are_the_cluster_flags(tiny_model_dir):
     p = cluster.plan(["--model", tiny_model_dir("llama"), "--policy", "round_robin", "--no-sticky-sessions"])
     assert p.gateway[p.gateway.index("--policy") + 1] == "round_robin" and "--sticky-sessions" not in p.gateway
+    assert "--assignment-mode" not in p.gateway
     assert "--policy" not in p.replicas[0]
 
 

@@ -7,8 +7,9 @@ same model folder, an equal share of one KV budget (--kv-budget-bytes, or the
 daemon's default, split N ways), and a disk tier of its own
 ($KVFORK_HOME/cluster/replica-I, kept across restarts). smg, the SGLang
 project's gateway, listens on 127.0.0.1:P and routes between them with its
-cache_aware policy and sticky sessions on the `x-smg-routing-key` header, so a
-conversation's prefixes stay warm on one replica. kvfork adds no routing of
+cache_aware policy and sticky sessions on the `x-smg-routing-key` header: a new
+conversation goes to the replica holding the fewest (smg's min_group), and its
+prefixes stay warm there. kvfork adds no routing of
 its own: smg decides, from its view of each replica's prefixes and their
 /v1/loads.
 
@@ -46,6 +47,7 @@ from server.settings import from_args
 from tools.fetch_model import kvfork_home
 
 HOST = "127.0.0.1"  # replicas and the gateway: loopback only (several machines: the README's recipe)
+ASSIGNMENTS = ("min_group", "min_load", "random", "delegate")
 POLICIES = ("cache_aware", "round_robin", "prefix_hash", "consistent_hashing", "power_of_two", "least_load",
             "random")
 INSTALL_HINT = "smg is not installed: pip install 'kvfork[cluster]' (or pip install smg)"
@@ -70,6 +72,11 @@ def parser() -> Parser:
                    "(default: cache_aware)")
     p.add_argument("--sticky-sessions", action=argparse.BooleanOptionalAction, default=True,
                    help="pin every request carrying one x-smg-routing-key to one replica (default: on)")
+    p.add_argument("--assignment", choices=ASSIGNMENTS, default="min_group",
+                   help="where smg pins a routing key it has not seen: min_group (the replica with the fewest keys, "
+                   "so conversations spread while each stays warm where it began), min_load, random, or delegate "
+                   "(wherever the policy sends its first request: cache_aware sends every conversation sharing "
+                   "a system prompt to one replica) (default: min_group)")
     p.add_argument("--health-check-interval", type=int, default=2, help="seconds between smg's health checks "
                    "of each replica (default: 2)")
     p.add_argument("--gateway-metrics-port", type=int, default=None, help="smg's Prometheus port on 127.0.0.1 "
@@ -137,7 +144,7 @@ def plan(argv: list[str]) -> Plan:
                # cache_aware works on request text over HTTP; no tokenizer to fetch from a hub
                "--disable-tokenizer-autoload"]
     if args.sticky_sessions:
-        gateway.append("--sticky-sessions")
+        gateway += ["--sticky-sessions", "--assignment-mode", args.assignment]
     return Plan(args.port, metrics_port, replicas, homes, gateway)
 
 

@@ -3,7 +3,9 @@
 For each contender in turn, on this machine: start it, replay the same workloads
 (the agent preset's shape: sessions
 resending a shared system prompt and their growing history, a sub-agent forked mid-session), stop it. Contenders:
-  sticky     `kvfork cluster` (smg cache_aware, sticky sessions on each call's session as x-smg-routing-key)
+  sticky     `kvfork cluster` (smg cache_aware, sticky sessions on each call's session as x-smg-routing-key,
+             a new session pinned to the replica with the fewest)
+  delegate   the same, a new session pinned where cache_aware sends its first call
   rr         `kvfork cluster --policy round_robin --no-sticky-sessions`
   single     one `kvfork serve` with the whole KV budget
 Then the gateway's overhead: sequential short calls on an idle replica, through
@@ -29,7 +31,7 @@ from tools.bench.serve import ServerProcess, exit_on_sigterm, free_port
 from tools.bench.stats import percentile, summarize
 from tools.bench.workload import Options, agentic
 
-CONTENDERS = ("sticky", "rr", "single")
+CONTENDERS = ("sticky", "delegate", "rr", "single")
 
 
 def _start_cluster(port: int, policy_args: list[str], serve_args: list[str], log: Path) -> subprocess.Popen:
@@ -129,13 +131,14 @@ def main(argv: list[str] | None = None) -> int:
                 result = asyncio.run(replay(wl, Target(srv.base_url, name), label=contender))
         else:
             port = _free_run(5)
-            policy = [] if contender == "sticky" else ["--policy", "round_robin", "--no-sticky-sessions"]
+            policy = {"sticky": [], "delegate": ["--assignment", "delegate"],
+                      "rr": ["--policy", "round_robin", "--no-sticky-sessions"]}[contender]
             env_home = out / f"home-{contender}"
             os.environ["KVFORK_HOME"] = str(env_home)  # each contender's disk tiers start empty
             proc = _start_cluster(port, policy, serve_args, out / f"{contender}.log")
             try:
                 gateway = f"http://127.0.0.1:{port}"
-                target = Target(gateway, name, routing_key=contender == "sticky")
+                target = Target(gateway, name, routing_key=contender != "rr")
                 result = asyncio.run(replay(wl, target, label=contender))
                 if contender == "sticky" and args.overhead_calls:
                     overhead = asyncio.run(_overhead(gateway, f"http://127.0.0.1:{port + 1}", name,
