@@ -59,3 +59,12 @@ def test_without_smg_it_says_how_to_install_it(tiny_model_dir, monkeypatch, caps
     monkeypatch.setattr(cluster.importlib.util, "find_spec", lambda name: None)
     assert cluster.main(["--model", tiny_model_dir("llama")]) == 1
     assert "pip install 'kvfork[cluster]'" in capsys.readouterr().err
+
+
+def test_each_replica_publishes_kv_events_on_ports_of_its_own(tiny_model_dir):
+    p = cluster.plan(["--model", tiny_model_dir("llama"), "--kv-events-endpoint", "tcp://127.0.0.1:5557"])
+    sockets = [(argv[argv.index("--kv-events-endpoint") + 1], argv[argv.index("--kv-events-replay-endpoint") + 1])
+               for argv in p.replicas]
+    assert sockets == [("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"), ("tcp://127.0.0.1:5559", "tcp://127.0.0.1:5560")]
+    assert all(argv.count("--kv-events-endpoint") == 1 for argv in p.replicas)
+

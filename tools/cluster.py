@@ -129,9 +129,11 @@ def plan(argv: list[str]) -> Plan:
     budget = given.kv_budget_bytes or int(KV_BUDGET_FRACTION * physical_memory_bytes())
     model = given.model or str(_default_model())
     share = budget // args.replicas
-    base = [sys.executable, "-m", "server", *_without(serve_args, "--model", "--kv-budget-bytes"),
+    own = ("--model", "--kv-budget-bytes", "--kv-events-endpoint", "--kv-events-replay-endpoint")
+    base = [sys.executable, "-m", "server", *_without(serve_args, *own),
             "--model", model, "--kv-budget-bytes", str(share), "--host", HOST]
-    replicas = [[*base, "--port", str(args.port + 1 + i)] for i in range(args.replicas)]
+    replicas = [[*base, "--port", str(args.port + 1 + i), *_kv_events(given.kv_events_endpoint, i, p)]
+                for i in range(args.replicas)]
     homes = [kvfork_home() / "cluster" / f"replica-{i + 1}" for i in range(args.replicas)]
     gateway = [sys.executable, "-m", "smg", "launch", "--host", HOST, "--port", str(args.port),
                "--worker-urls", *(f"http://{HOST}:{args.port + 1 + i}" for i in range(args.replicas)),
@@ -146,6 +148,17 @@ def plan(argv: list[str]) -> Plan:
     if args.sticky_sessions:
         gateway += ["--sticky-sessions", "--assignment-mode", args.assignment]
     return Plan(args.port, metrics_port, replicas, homes, gateway)
+
+
+def _kv_events(endpoint: str | None, index: int, p: Parser) -> list[str]:
+    """Replica `index`'s KV event sockets: the endpoint's port + 2 * index, its replay on the next port."""
+    if endpoint is None:
+        return []
+    host, _, port = endpoint.rpartition(":")
+    if not endpoint.startswith("tcp://") or not int(port):
+        p.error("--kv-events-endpoint: a cluster needs tcp://HOST:PORT (each replica takes PORT + 2i and the next)")
+    first = int(port) + 2 * index
+    return ["--kv-events-endpoint", f"{host}:{first}", "--kv-events-replay-endpoint", f"{host}:{first + 1}"]
 
 
 def _without(argv: list[str], *flags: str) -> list[str]:
@@ -326,10 +339,10 @@ async def _supervise(replicas: list[Child], gateway: Child, stop: asyncio.Event)
 
 
 def main(argv: list[str]) -> int:
-    p = plan(argv)
-    if importlib.util.find_spec("smg") is None:
-        print(f"kvfork cluster: {INSTALL_HINT}", file=sys.stderr)
+    if importlib.util.find_spec("smg") is None and not {"-h", "--help"} & set(argv):
+        print(f"kvfork cluster: {INSTALL_HINT}", file=sys.stderr)  # before the default model is fetched
         return 1
+    p = plan(argv)
     taken = [port for port in (p.port, *(p.port + 1 + i for i in range(len(p.replicas))), p.metrics_port)
              if _port_taken(port)]
     if taken:
