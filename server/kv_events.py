@@ -21,15 +21,16 @@ Design rules:
   prefix cache entry, a disk tier file); the tail shorter than a block is never
   announced, as vLLM never announces a partial block;
 - a block's hash chains vLLM's way: sha256 over (parent hash, the block's token
-  ids, its extra keys), the first block's parent a fixed root, so a hash names the
-  whole prefix up to its block; the event carries the last 8 bytes as an unsigned
-  integer (vLLM's integer form);
+  ids, its extra keys), msgpack-encoded where vLLM pickles or CBOR-encodes, the
+  first block's parent a fixed root, so a hash names the whole prefix up to its
+  block; the event carries the last 8 bytes as an unsigned integer (vLLM's integer
+  form); consumers recompute their own from the token ids;
 - a block is stored when the first holder in a medium takes it and removed when
   the last lets go (`BlockLedger`, pure): prefixes shared by several entries are
   announced once;
 - the scope (tenant, cache_salt) enters the first block's extra keys as an opaque
-  digest (`scope_key`: an HMAC, never a tenant's name or key) and so every hash
-  after it; the default scope (no keys, no salt) has none, so a router that
+  digest (the disk tier's name for it, never a tenant's name or key) and so every
+  hash after it; the default scope (no keys, no salt) has none, so a router that
   hashes token ids alone matches it;
 - the publisher never blocks the caller: batches queue to a thread that owns both
   sockets; a full queue drops the batch and counts it (a consumer sees the gap in
