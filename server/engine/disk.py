@@ -113,6 +113,7 @@ def tier_secret(root: Path) -> bytes:
     """The scopes' HMAC key: 32 random bytes made at first start, 0600 beside `root` (in $KVFORK_HOME).
     Two daemons starting at once agree: the first to create the file writes it, the other reads it."""
     path = root.parent / SECRET
+    path.parent.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
     except FileExistsError:
@@ -316,6 +317,7 @@ class DiskTier:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvfork-disk")
         self._due = 0  # file work submitted whose answer has not run on the loop yet
         self._answered: asyncio.Event | None = None  # set as each answer runs (close waits on it)
+        self.watch: Any = None  # told of each file indexed and dropped (server/kv_events.Watch)
 
     @classmethod
     def open(cls, root: Path, fp: str, max_bytes: int, windows: Iterable[int] = (), recurrent: bool = False
@@ -431,6 +433,8 @@ class DiskTier:
         """Out of the index, and its file removed (a corrupt or missing one)."""
         if self.index.pop((entry.scope, entry.tokens), None) is not None:
             self.nbytes -= entry.file_bytes
+            if self.watch is not None:
+                self.watch.removed(entry.tokens, entry.scope)
         self._remove_later(entry.name)
 
     def _trim(self, room: int) -> None:
@@ -439,6 +443,8 @@ class DiskTier:
             _, entry = self.index.popitem(last=False)
             self.nbytes -= entry.file_bytes
             self.stats.evicted += 1
+            if self.watch is not None:
+                self.watch.removed(entry.tokens, entry.scope)
             self._remove_later(entry.name)
 
     # ---- file work (worker thread), answered on the loop ----
@@ -473,6 +479,8 @@ class DiskTier:
                 old = self.index.pop(key, None)
                 self.nbytes += result - (old.file_bytes if old else 0)
                 self.index[key] = DiskEntry(tokens, key[0], name, result)
+                if old is None and self.watch is not None:
+                    self.watch.stored(tokens, key[0])
                 self.stats.spilled += 1
                 # files of prompts this one begins with serve nothing it does not: written once
                 for other in [k for k in self.index if k[0] == key[0] and k != key and self._serves(tokens, k[1])]:
