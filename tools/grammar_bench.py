@@ -236,9 +236,9 @@ async def measure_guard(hf, tools: list[dict[str, Any]], repeats: int) -> None:
     wide = JsonSchema({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}})
     compiler = GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=0.5)
     try:
-        # start the process (its start is not a grammar's cost): a grammar past the threshold, within the timeout
-        await compiler.compile(JsonSchema({"type": "object", "properties": {f"p{i}": {"type": "string"}
-                                                                            for i in range(300)}}), Scope("warm"))
+        # start both threads' processes (a start is not a grammar's cost): grammars past the threshold, in time
+        warm = JsonSchema({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(400)}})
+        await asyncio.gather(*(compiler.compile(warm, Scope(f"warm{i}")) for i in range(2)))
         t0 = time.perf_counter()
         try:
             await compiler.compile(wide, Scope("wide"))
