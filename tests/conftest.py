@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tiny_models import ARCHS, write_model
-from tools.fetch_model import kvfork_home as kvfork_home_of_user
+from backends.model_path import kvfork_home as kvfork_home_of_user
 
 
 @pytest.fixture(scope="session")

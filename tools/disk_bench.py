@@ -30,7 +30,7 @@ from server.engine.api import GenerateRequest
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
 from server.metrics import Registry
-from tools.fetch_model import default_model_dir
+from backends.default_model import default_model_dir
 
 
 def drop_page_cache(folder: Path) -> str:

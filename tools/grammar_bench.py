@@ -203,7 +203,7 @@ async def measure_itl(args: argparse.Namespace) -> None:
 def main() -> None:
     from transformers import AutoTokenizer
 
-    from tools.fetch_model import default_model_dir
+    from backends.default_model import default_model_dir
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model folder whose tokenizer to use (default: the default model)")

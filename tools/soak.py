@@ -698,14 +698,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-budget-bytes", type=int, default=defaults.kv_budget_bytes,
                     help="the daemon's KV budget: small enough that admission waits and the cache gives way")
     args = ap.parse_args(argv)
-    from backends import default_backend
-    from backends.mlx.blas import reexec_for_backend
+    from backends import prepare_process
 
-    reexec_for_backend(mlx=(default_backend() if args.backend == "auto" else args.backend) == "mlx")
+    prepare_process(args.backend)
     if args.model:
         model = args.model
     else:
-        from tools.fetch_model import FetchError, ensure_default_model
+        from backends.default_model import FetchError, ensure_default_model
 
         try:
             model = str(ensure_default_model())

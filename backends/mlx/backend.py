@@ -23,6 +23,7 @@ from backends.mlx import kvcopy, recurrent, sampling
 from backends.mlx.batch import DecodeBatch, cache_marks, unmoved
 from backends.mlx.last_token import last_logits, supports_last_position
 from backends.mlx.loading import load_model
+from backends.mlx.mlx_lm_caches import write_index
 
 
 class MLXSession(Session):
@@ -242,7 +243,7 @@ class MLXBackend(Backend):
         if row is None:
             return kvcopy.view(cache)
         # A full layer's row is right-aligned at the batch's write index.
-        return kvcopy.view(cache, row, position, getattr(cache, "_idx", 0) - position)
+        return kvcopy.view(cache, row, position, (write_index(cache) or 0) - position)
 
     def _run_chunk(self, session: MLXSession, chunk: Sequence[int]) -> tuple[mx.array, dict[int, list[ArraysCache]]]:
         """The chunk's last logits, running it in pieces that end at the wanted checkpoints inside

