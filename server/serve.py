@@ -67,16 +67,15 @@ class Daemon:
             f"kvfork: loaded {info.name} ({len(info.layers)} layers, {info.dtype} on {info.device}, "
             f"context {c.max_context}) as {', '.join(self.state.served_names)}\n"
             f"kvfork: set aside {c.kv_budget_bytes / GiB:.2f} GiB for KV state ({info.kv.full_bytes_per_token} "
-            f"bytes/token): {c.inference_slots} inference slots, {c.capture_slots} capture slots, prefix cache "
+            f"bytes/token): {c.inference_slots} inference slots, {c.max_captures} pending captures, prefix cache "
             f"of {c.prefix_cache_entries} entries ({cache_cap}){self._disk_line()}"
         )
 
     def _disk_line(self) -> str:
-        adm = self.engine.admission
-        disk = adm.disk if adm is not None else None
+        disk = self.engine.disk
         if disk is None or not disk.on:
             return ", no disk tier"
-        return (f", disk tier of {disk.max_bytes / GiB:.2f} GiB at {disk.folder} ({len(disk.index)} entries, "
+        return (f", disk tier of {disk.max_bytes / GiB:.2f} GiB at {disk.folder} ({disk.files} entries, "
                 f"{disk.nbytes / GiB:.2f} GiB)")
 
 

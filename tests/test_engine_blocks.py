@@ -12,7 +12,7 @@ from backends.torch.backend import TorchBackend
 from engine_harness import collect, real_engine, references, request, run, settled, until
 from server.engine.api import CapacityExhausted
 from server.engine.engine import Engine
-from server.engine.request import Phase
+from server.engine.request import Following, Phase
 
 SHARED = 600  # two whole blocks and part of a third
 
@@ -65,7 +65,7 @@ async def test_requests_sharing_a_long_prefix_hold_it_once_and_answer_as_reuse_o
     leader = engine.submit(request(prompts[0], 8))
     await until(lambda: committed(engine, leader) > 0)
     heir, parked = engine.submit(request(prompts[1], 8)), engine.submit(request(prompts[2], 8))
-    await until(lambda: phase_of(engine, parked) is Phase.FOLLOWING and phase_of(engine, heir) is Phase.FOLLOWING)
+    await until(lambda: isinstance(phase_of(engine, parked), Following) and isinstance(phase_of(engine, heir), Following))
     parked.cancel()
     await until(lambda: committed(engine, leader) >= 3 * 64 + 1)
     leader.cancel()

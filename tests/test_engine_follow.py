@@ -96,9 +96,9 @@ async def test_a_follower_past_its_wait_takes_the_seed_path():
     leader = engine.submit(request(PROMPTS[0], 4))
     await reached(gate)  # the leader is stuck inside a chunk
     follower = engine.submit(request(PROMPTS[1], 4))
-    assert engine.reuse.followers
+    assert engine.following
     await asyncio.sleep(0.3)  # past its follow deadline: it stops following, nothing waits forever
-    assert not engine.reuse.followers
+    assert not engine.following
     gate.open()
     tokens, done = await collect(follower)
     assert tokens == backend.greedy(PROMPTS[1], 4)
@@ -173,7 +173,7 @@ async def test_races_repeated():
             assert tokens == backend.greedy(p, len(tokens)), (repeat, done.usage)
         await settled(engine, backend)
         assert engine.admission.slots_used == 0 and engine.admission.reserved == 0
-        assert not engine.reuse.followers
+        assert not engine.following
         await engine.shutdown(1)
         assert backend.live_sessions() == 0
 
@@ -185,7 +185,7 @@ async def test_followers_count_against_the_queue_and_its_timeout():
     leader = engine.submit(request(PROMPTS[0], 4))
     await reached(gate)
     follower = engine.submit(request(PROMPTS[1], 4))
-    assert engine.reuse.followers  # parked, holding no slot
+    assert engine.following  # parked, holding no slot
     with pytest.raises(CapacityExhausted):
         engine.submit(request(PROMPTS[2], 4))  # the slot is taken and the follower fills the queue
     tokens, done = await collect(follower)  # the leader is stuck past the queue timeout
@@ -203,7 +203,7 @@ async def test_cache_entries_on_a_sliding_model_never_block_following():
     backend = slow_prefill(ScriptedBackend(window=16))
     engine = await start_engine(backend, **{**FOLLOW, "prefix_cache_entries": 16})
     tokens, _ = await collect(engine.submit(request(PROMPTS[5], 4)))
-    assert len(engine.admission.cache) == 1  # SHARED + 5 tokens, longer than the window
+    assert engine.index.count("memory") == 1  # SHARED + 5 tokens, longer than the window
     _, results = await burst(engine, PROMPTS[:4])
     for p, (tokens, done) in zip(PROMPTS, results):
         assert tokens == backend.greedy(p, 4) and done.finish_reason == "length"

@@ -56,7 +56,7 @@ async def test_session_cap_evicts_the_least_recently_used():
     engine = await start_engine(backend, max_named_sessions=2, prefix_cache_entries=0)
     for name in ("a", "b", "c"):
         await run(engine, prompt_of(10), 2, session_id=name)
-    assert engine.admission.named.get("a") is None and len(engine.admission.named) == 2
+    assert engine.named.get("a") is None and len(engine.named) == 2
     await settled(engine, backend)
     assert backend.live_sessions() == 2
     await engine.shutdown(1)
@@ -70,7 +70,7 @@ async def test_reset_and_delete():
     out, _ = await run(engine, prompt, 3, session_id="s")
     assert engine.reset_session("s") is True
     await settled(engine, backend)
-    assert backend.live_sessions() == 0 and engine.admission.named.get("s") is not None
+    assert backend.live_sessions() == 0 and engine.named.get("s") is not None
     _, done = await run(engine, prompt + out + [5], 3, session_id="s")
     assert done.usage.reused_tokens == 0  # reset: nothing to resume
     assert engine.delete_session("s") is True

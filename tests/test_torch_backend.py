@@ -50,7 +50,7 @@ def test_buffers_grow_in_blocks_without_changing_answers(llama, chunks):
         start += n
         assert llama.session_bytes(session) == kv.capacity(start) * llama.info.kv.full_bytes_per_token
     assert [kv.capacity(n) for n in (0, 255, 256, 300)] == [256, 256, 512, 512]
-    assert [llama.info.kv.slots(n) for n in (0, 255, 256, 300)] == [256, 256, 512, 512]  # the budget's figure
+    assert [llama.info.kv.positions(n) for n in (0, 255, 256, 300)] == [256, 256, 512, 512]  # the budget's figure
     llama.release(session)
     np.testing.assert_allclose(last_logits(llama, prompt, chunks), last_logits(llama, prompt, (300,)), atol=ATOL, rtol=RTOL)
 

@@ -635,10 +635,10 @@ def _checks(c: SoakConfig, report: Report, d: Daemon, recorder: Recorder, reques
                all(n >= MIN_PER_PHASE for n in phases.values()))
 
     # what is held once the clients are gone (gauges where /metrics has them; else the engine, in-process)
-    adm = d.engine.adm
-    live, cache, named = m.get("kvfork_live_sessions", -1), adm.cache, adm.named.holding()
-    report.add("live sessions = cache entries + named sessions", f"{live:g} = {len(cache)} + {named}",
-               "equal", live == len(cache) + named)
+    adm = d.engine.admission
+    live, cache, named = m.get("kvfork_live_sessions", -1), d.engine.index.count("memory"), d.engine.named.holding()
+    report.add("live sessions = cache entries + named sessions", f"{live:g} = {cache} + {named}",
+               "equal", live == cache + named)
     reserved = m.get("kvfork_kv_reserved_bytes", -1)
     report.add("reserved bytes", f"{reserved:g}", "0", reserved == 0)
     # The backend's published KVCost says how far its own count may stray: exact on torch; on MLX a

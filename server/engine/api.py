@@ -9,6 +9,7 @@ calls `handle.finish()`, which ends the request as a normal `stop`.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
@@ -66,6 +67,12 @@ class Scope:
     def tenant_hash(self) -> str:
         """What logs name the tenant by: never its name or key."""
         return hashlib.sha256(self.tenant.encode()).hexdigest()[:12]
+
+    @property
+    def digest(self) -> str:
+        """The scope as the index and the disk tier's files name it: never the tenant's name (it may be
+        an API key)."""
+        return hashlib.sha256(json.dumps([self.tenant, self.salt]).encode()).hexdigest()[:32]
 
 
 @dataclass

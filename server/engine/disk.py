@@ -3,7 +3,7 @@
 Layout: `$KVFORK_HOME/kv/<fingerprint>/<key>.safetensors`, one file per entry, where
 the fingerprint names the model, dtype, backend and KV format (`fingerprint`), and
 the key hashes the entry's scope and tokens. A file holds one SavedState
-(backends/base.py's saved-state rule) as safetensors, never pickle:
+(the saved-state rule: backends.base.SavedState) as safetensors, never pickle:
   `layers.<i>.<kind>.<array>.<first>-<end>`  one tensor per layer array; attention
       arrays cover the token range [first, end), recurrent ones the state at `end`;
   metadata: format version, fingerprint, position, the tokens, the scope's digest,
@@ -42,11 +42,10 @@ import os
 import struct
 import time
 import zlib
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from safetensors.numpy import load as load_tensors
@@ -54,8 +53,7 @@ from safetensors.numpy import save as save_tensors
 
 from backends.base import SavedLayer, SavedState
 from backends.model_path import kvfork_home
-from server.engine.api import Scope
-from server.engine.matching import Source, ranked_matches, window_floor
+from server.engine.index import Entry, Index
 
 log = logging.getLogger("kvfork.disk")
 
@@ -96,13 +94,9 @@ def fingerprint(model_dir: str | Path, dtype: str, backend: str) -> str:
     return h.hexdigest()[:20]
 
 
-def scope_digest(scope: Scope) -> str:
-    """A scope as files name it: never the tenant's name (it may be an API key)."""
-    return hashlib.sha256(json.dumps([scope.tenant, scope.salt]).encode()).hexdigest()[:32]
-
-
-def entry_name(scope: Scope, tokens: Sequence[int]) -> str:
-    h = hashlib.sha256(scope_digest(scope).encode())
+def entry_name(scope: str, tokens: Sequence[int]) -> str:
+    """A file's name: a hash of its scope (a digest) and tokens."""
+    h = hashlib.sha256(scope.encode())
     h.update(np.asarray(tokens, dtype=np.int64).tobytes())
     return h.hexdigest()[:40]
 
@@ -123,13 +117,13 @@ def _checksum(meta: dict[str, str], tensors: dict[str, np.ndarray]) -> str:
     return f"{crc:08x}"
 
 
-def encode(state: SavedState, tokens: Sequence[int], scope: Scope, fp: str) -> bytes:
+def encode(state: SavedState, tokens: Sequence[int], scope: str, fp: str) -> bytes:
     tensors: dict[str, np.ndarray] = {}
     for i, layer in enumerate(state.layers):
         for j, a in enumerate(layer.arrays):
             tensors[f"layers.{i}.{layer.kind}.{j}.{layer.first}-{state.position}"] = np.ascontiguousarray(a)
     meta = {"kvfork_kv": KV_FORMAT_VERSION, "fingerprint": fp, "position": str(state.position),
-            "tokens": json.dumps(list(tokens)), "scope": scope_digest(scope),
+            "tokens": json.dumps(list(tokens)), "scope": scope,
             "layers": json.dumps([[layer.kind, layer.first, len(layer.arrays)] for layer in state.layers])}
     meta["checksum"] = _checksum(meta, tensors)
     return save_tensors(tensors, metadata=meta)
@@ -191,20 +185,6 @@ def _write_file(folder: Path, name: str, data: bytes) -> None:
 
 
 @dataclass
-class DiskEntry:
-    tokens: tuple[int, ...]
-    scope: str  # scope_digest
-    name: str
-    file_bytes: int
-
-
-@dataclass(frozen=True)
-class DiskMatch:
-    entry: DiskEntry
-    upto: int
-
-
-@dataclass
 class DiskStats:
     """What /metrics reads (aggregate only: no scope, no tokens)."""
 
@@ -238,37 +218,38 @@ def _empty_folder(folder: Path) -> None:
 
 
 class DiskTier:
-    """One fingerprint folder, its index (control loop only) and its worker thread."""
+    """One fingerprint folder and its worker thread; its files are entries of the index (tier "disk")."""
 
-    def __init__(self, folder: Path, fp: str, max_bytes: int, windows: Iterable[int] = (), recurrent: bool = False):
-        self.folder, self.fp, self.max_bytes = folder, fp, max_bytes
-        self.windows, self.recurrent = tuple(windows), recurrent
-        self.index: OrderedDict[tuple[str, tuple[int, ...]], DiskEntry] = OrderedDict()  # oldest first
-        self.nbytes = 0  # files indexed
+    def __init__(self, root: Path, fp: str, max_bytes: int, index: Index):
+        """The tier of `fp` under `root`, its files indexed again from their headers; off (with one
+        warning) when the folder cannot be made or locked."""
+        self.folder, self.fp, self.max_bytes = root / fp, fp, max_bytes
+        self._index = index
         self.pending_bytes = 0  # files being written: counted against the cap before they exist
         self.stats = DiskStats()
         self.on = False
         self._lock_fd: int | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvfork-disk")
-
-    @classmethod
-    def open(cls, root: Path, fp: str, max_bytes: int, windows: Iterable[int] = (), recurrent: bool = False
-             ) -> DiskTier:
-        """The tier of `fp` under `root`, its index rebuilt from disk; off (with one warning) when the
-        folder cannot be made or locked."""
-        tier = cls(root / fp, fp, max_bytes, windows, recurrent)
         try:
-            tier.folder.mkdir(parents=True, exist_ok=True)
-            tier._lock_fd = _try_lock(tier.folder)
-            if tier._lock_fd is None:
-                log.warning("prefix cache disk tier off: another daemon uses %s", tier.folder)
-                return tier
-            tier.on = True
-            tier._rebuild()
-            tier._drop_other_fingerprints(root)
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = _try_lock(self.folder)
+            if self._lock_fd is None:
+                log.warning("prefix cache disk tier off: another daemon uses %s", self.folder)
+                return
+            self.on = True
+            self._rebuild()
+            self._drop_other_fingerprints(root)
         except OSError as exc:
-            tier._turn_off(exc)
-        return tier
+            self._turn_off(exc)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the files indexed."""
+        return self._index.nbytes("disk")
+
+    @property
+    def files(self) -> int:
+        return self._index.count("disk")
 
     def _rebuild(self) -> None:
         found = []
@@ -281,15 +262,15 @@ class DiskTier:
                     if meta.get("kvfork_kv") != KV_FORMAT_VERSION or meta.get("fingerprint") != self.fp:
                         raise CorruptFile("another model or format")
                     tokens = tuple(json.loads(meta["tokens"]))
-                    entry = DiskEntry(tokens, meta["scope"], path.name.removesuffix(SUFFIX), path.stat().st_size)
+                    entry = Entry("disk", meta["scope"], tokens, path.name.removesuffix(SUFFIX),
+                                  nbytes=path.stat().st_size)
                     found.append((path.stat().st_mtime, entry))
                 except (CorruptFile, OSError, ValueError, KeyError, struct.error) as exc:
                     log.warning("removed unreadable prefix cache file %s: %r", path.name, exc)
                     self.stats.corrupt += 1
                     path.unlink(missing_ok=True)
         for _, entry in sorted(found, key=lambda item: item[0]):  # least recently written first
-            self.index[entry.scope, entry.tokens] = entry
-            self.nbytes += entry.file_bytes
+            self._index.add_file(entry)
         self._trim(0)
 
     def _drop_other_fingerprints(self, root: Path) -> None:
@@ -317,59 +298,36 @@ class DiskTier:
             os.close(self._lock_fd)
             self._lock_fd = None
 
-    # ---- the index (control loop) ----
+    # ---- the files' entries (control loop) ----
 
-    def worth(self, tokens: Sequence[int], scope: Scope) -> bool:
+    def worth(self, tokens: Sequence[int], scope: str) -> bool:
         """Whether an entry is worth writing: not when a file serves it already (refreshed instead):
         its own, or, on a model of full-attention layers only, one of a longer prompt it begins."""
-        digest, tokens = scope_digest(scope), tuple(tokens)
-        covering = [key for key in self.index if key[0] == digest and self._serves(key[1], tokens)]
-        for key in covering:
-            self.index.move_to_end(key)
+        covering = self._index.covering_files(tokens, scope)
+        for entry in covering:
+            self._index.touch(entry)
         return not covering
 
-    def _serves(self, held: tuple[int, ...], tokens: tuple[int, ...]) -> bool:
-        """Whether a file of `held` serves every match a file of `tokens` would: the same prompt, or
-        a longer one beginning with it where any prefix of a state can be cloned (no sliding window
-        to have moved on, no recurrent state held at its end only: base.py's rules)."""
-        if held == tokens:
-            return True
-        return (not self.windows and not self.recurrent and len(held) > len(tokens)
-                and held[: len(tokens)] == tokens)
+    def touch(self, entry: Entry) -> None:
+        self._index.touch(entry)
 
-    def lookup(self, prompt: Sequence[int], scope: Scope) -> list[DiskMatch]:
-        """Usable matches among `scope`'s files, best first (the prefix cache's rules: matching.py)."""
-        if not self.on:
-            return []
-        digest = scope_digest(scope)
-        sources = (Source.entry(key, key[1], stamp, clone_floor=window_floor(len(key[1]), self.windows),
-                                positions=(len(key[1]),) if self.recurrent else None)
-                   for stamp, (key, entry) in enumerate(self.index.items()) if key[0] == digest)
-        return [DiskMatch(self.index[m.key], m.upto) for m in ranked_matches(prompt, sources)]
-
-    def touch(self, entry: DiskEntry) -> None:
-        key = entry.scope, entry.tokens
-        if key in self.index:
-            self.index.move_to_end(key)
-
-    def forget(self, entry: DiskEntry) -> None:
+    def forget(self, entry: Entry) -> None:
         """Out of the index, and its file removed (a corrupt or missing one)."""
-        if self.index.pop((entry.scope, entry.tokens), None) is not None:
-            self.nbytes -= entry.file_bytes
-        self._pool.submit(self._remove, entry.name)
+        self._index.drop(entry)
+        self._pool.submit(self._remove, entry.owner)
 
     def _trim(self, room: int) -> None:
         """Evict least recently used files until `room` more bytes fit under the cap."""
-        while self.index and self.nbytes + self.pending_bytes + room > self.max_bytes:
-            _, entry = self.index.popitem(last=False)
-            self.nbytes -= entry.file_bytes
+        while self._index.count("disk") and self.nbytes + self.pending_bytes + room > self.max_bytes:
+            entry = self._index.evict_oldest("disk")
             self.stats.evicted += 1
-            self._pool.submit(self._remove, entry.name)
+            self._pool.submit(self._remove, entry.owner)
 
     # ---- file work (worker thread), answered on the loop ----
 
-    def write(self, state: SavedState, tokens: Sequence[int], scope: Scope, done: Callable[[bool], None]) -> None:
-        """Encode and write `state` on the worker thread; `done(written)` runs on the loop after."""
+    def write(self, state: SavedState, tokens: Sequence[int], scope: str, done: Callable[[bool], None]) -> None:
+        """Encode and write `state`, of `scope` (a digest), on the worker thread; `done(written)` runs on the
+        loop after."""
         loop = asyncio.get_running_loop()
         size = state.nbytes + 64 * 1024  # the file: the arrays and a header (the tokens' list)
         if not self.on or size > self.max_bytes:
@@ -393,27 +351,26 @@ class DiskTier:
                 else:
                     log.warning("writing a prefix cache file failed: %r", result)
             elif self.on:
-                key = scope_digest(scope), tokens
-                old = self.index.pop(key, None)
-                self.nbytes += result - (old.file_bytes if old else 0)
-                self.index[key] = DiskEntry(tokens, key[0], name, result)
+                entry = Entry("disk", scope, tokens, name, nbytes=result)
+                self._index.add_file(entry)
                 self.stats.spilled += 1
                 # files of prompts this one begins with serve nothing it does not: written once
-                for other in [k for k in self.index if k[0] == key[0] and k != key and self._serves(tokens, k[1])]:
-                    self.forget(self.index[other])
+                for other in self._index.entries("disk"):
+                    if other.scope == entry.scope and other is not entry and self._index.serves(tokens, other.tokens):
+                        self.forget(other)
                 self._trim(0)
             done(not isinstance(result, BaseException))
 
         self._submit(loop, work, finish)
 
-    def read(self, entry: DiskEntry, done: Callable[[SavedState | None, str, float], None]) -> None:
+    def read(self, entry: Entry, done: Callable[[SavedState | None, str, float], None]) -> None:
         """Read and check `entry`'s file on the worker thread; `done(state or None, outcome, seconds)`
         runs on the loop (outcome: read, corrupt, missing, failed). A bad file is forgotten."""
         loop = asyncio.get_running_loop()
 
         def work() -> tuple[SavedState, float]:
             t0 = time.perf_counter()  # the read itself, not its wait behind other file work
-            data = (self.folder / f"{entry.name}{SUFFIX}").read_bytes()
+            data = (self.folder / f"{entry.owner}{SUFFIX}").read_bytes()
             state, tokens, scope = decode(data, self.fp)
             if tuple(tokens) != entry.tokens or scope != entry.scope or state.position != len(entry.tokens):
                 raise CorruptFile("holds another entry")
@@ -425,13 +382,13 @@ class DiskTier:
                 done(result[0], "read", result[1])
                 return
             if isinstance(result, CorruptFile):
-                log.warning("removed corrupt prefix cache file %s: %s", entry.name, result)
+                log.warning("removed corrupt prefix cache file %s: %s", entry.owner, result)
                 self.stats.corrupt += 1
                 outcome = "corrupt"
             elif isinstance(result, FileNotFoundError):
                 outcome = "missing"
             else:
-                log.warning("reading prefix cache file %s failed: %r", entry.name, result)
+                log.warning("reading prefix cache file %s failed: %r", entry.owner, result)
                 self.stats.failed += 1
                 outcome = "failed"
             self.forget(entry)

@@ -5,17 +5,17 @@ The engine calls (and RateTracker from rates.py: .observe_prefill(tokens, s),
   Leader.active(source, tps) -> Leader          # an admitted request, prefilling or decoding
   Leader.starting(source, at, after_s, tps) -> Leader   # an admitted request whose clone is pending
   leader_views(active, parked, rates, tps) -> list[Leader]   # + the parked followers, as leaders
-  plan(recipient, leaders, cached, rates, policy, prefilling) -> Plan
+  plan(recipient, leaders, now, rates, policy, prefilling) -> Plan   # now: matching.choose_reuse's clone-now
   Plan.log_fields() -> dict                     # the decision and its inputs, for the log line
-  Following.park(request_id, plan, order, first_parked_at, max_wait_s) -> Following
+  FollowOrder.park(request_id, plan, order, first_parked_at, max_wait_s) -> FollowOrder
   chunk_end(committed, planned_end, stops) -> int   # where a leader's prefill chunk stops
   promote(gone, gone_committed, parked, state_usable) -> Promotion   # the runner, via clone_orders.py
 
 Engine flow:
   - Admitting an anonymous text request (on arrival, or when a slot frees), with
-    cached = matching.best_match(prompt, cache entries).upto (0 if none):
-    p = plan(Recipient(...), leaders, cached, tracker.rates, policy, prefilling).
-    p.follow: park it (Following.park), holding no slot but counted in the queue
+    now = matching.choose_reuse(recipient, the best donor, the best cached match, min_tokens):
+    p = plan(Recipient(...), leaders, now, tracker.rates, policy, prefilling).
+    p.follow: park it (FollowOrder.park), holding no slot but counted in the queue
     and its timeout. Otherwise take p.now, exactly matching.choose_reuse's choice
     (so --no-follow is FollowPolicy(follow=False), nothing else). Log p.log_fields().
   - Each step: a leader's prefill chunk ends at chunk_end() of its followers'
@@ -60,7 +60,7 @@ import math
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Literal, Sequence
 
-from server.engine.matching import Recipient, ReuseChoice, Source, choose_reuse, common_prefix
+from server.engine.matching import Recipient, ReuseChoice, Source, common_prefix
 from server.engine.rates import Rates
 
 
@@ -101,7 +101,7 @@ class Leader:
         return self.start_s + (position - self.start_at) / self.tps if self.tps > 0 else math.inf
 
 
-def leader_views(active: Iterable[Leader], parked: Iterable[tuple[Following, Source]], rates: Rates,
+def leader_views(active: Iterable[Leader], parked: Iterable[tuple[FollowOrder, Source]], rates: Rates,
                  tps: float) -> list[Leader]:
     """Everyone a newcomer may follow: `active` (Leader.active of each admitted
     request), then each parked follower with its prompt's Source (committed 0: it
@@ -161,15 +161,16 @@ class Plan:
                 "prefilling": self.prefilling}
 
 
-def plan(recipient: Recipient, leaders: Sequence[Leader], cached: int, rates: Rates, policy: FollowPolicy,
+def plan(recipient: Recipient, leaders: Sequence[Leader], now: ReuseChoice, rates: Rates, policy: FollowPolicy,
          prefilling: int) -> Plan:
-    """Follow a leader, or take clone-now's choice.
+    """Follow a leader, or take clone-now's choice `now` (matching.choose_reuse, with the best
+    prefix-cache match `now.cached_match`).
 
-    `leaders`: admitted requests and parked followers (see Leader); `cached`: the
-    best prefix-cache match; `prefilling`: requests prefilling now, the recipient
-    not counted (it would share the prefill rate with them).
+    `leaders`: admitted requests and parked followers (see Leader); `prefilling`:
+    requests prefilling now, the recipient not counted (it would share the prefill
+    rate with them).
     """
-    now = choose_reuse(recipient, [lead.source for lead in leaders], cached, policy.min_tokens)
+    cached = now.cached_match
     tps = rates.share(prefilling + 1)
     length = len(recipient.prompt)
 
@@ -236,7 +237,7 @@ def _shared_prefix(prompt: Sequence[int], lead: Leader, known: dict[Hashable, in
 
 
 @dataclass(frozen=True)
-class Following:
+class FollowOrder:
     """A parked request. It holds no inference slot and counts against the queue limits."""
 
     request_id: Hashable
@@ -246,7 +247,8 @@ class Following:
     deadline: float  # engine clock; past it, stop following and take clone-now
 
     @classmethod
-    def park(cls, request_id: Hashable, plan: Plan, order: int, first_parked_at: float, max_wait_s: float) -> Following:
+    def park(cls, request_id: Hashable, plan: Plan, order: int, first_parked_at: float,
+             max_wait_s: float) -> FollowOrder:
         # The deadline runs from the FIRST time the request parked: a follower that
         # parks again after a promotion keeps it, so no follower waits forever.
         assert plan.follow and plan.leader is not None
@@ -271,7 +273,7 @@ class Promotion:
     upto: int  # what the heir salvages: min(its target, gone_committed)
 
 
-def promote(gone: Hashable, gone_committed: int, parked: Iterable[Following], state_usable: bool = True) -> Promotion:
+def promote(gone: Hashable, gone_committed: int, parked: Iterable[FollowOrder], state_usable: bool = True) -> Promotion:
     """A leader is leaving with followers parked on it (`parked`: at least those).
 
     `gone_committed`: its committed position; `state_usable`: False when its state
@@ -280,7 +282,7 @@ def promote(gone: Hashable, gone_committed: int, parked: Iterable[Following], st
     """
     # The heir is the direct follower that salvages most of what the leader
     # committed (ties: the earliest), so as little as possible is computed again.
-    def salvage(f: Following) -> int:
+    def salvage(f: FollowOrder) -> int:
         return min(f.target, gone_committed) if state_usable else 0
 
     direct = sorted((f for f in parked if f.leader == gone), key=lambda f: f.order)

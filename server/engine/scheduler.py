@@ -49,7 +49,7 @@ class TimeBudget:
 
 
 @dataclass
-class StepPlan:
+class Schedule:
     decode: list[int] = field(default_factory=list)  # rids
     prefill: list[tuple[int, int]] = field(default_factory=list)  # (rid, tokens this step)
     last_prefilled: int | None = None  # rotation cursor for the next step
@@ -60,8 +60,8 @@ class StepPlan:
 
 
 def plan_step(running: Sequence[Running], max_batch_tokens: int, prefill_chunk: int,
-              last_prefilled: int | None = None, time_budget: TimeBudget | None = None) -> StepPlan:
-    plan = StepPlan(decode=[r.rid for r in running if r.prefill_left == 0], last_prefilled=last_prefilled)
+              last_prefilled: int | None = None, time_budget: TimeBudget | None = None) -> Schedule:
+    plan = Schedule(decode=[r.rid for r in running if r.prefill_left == 0], last_prefilled=last_prefilled)
     budget = max_batch_tokens - len(plan.decode)
     if plan.decode and time_budget is not None:  # nobody waits on a step that only prefills
         budget = min(budget, time_budget.prefill_tokens())
