@@ -1,7 +1,7 @@
 """Tenants: who a request is, by the API key that authenticated it.
 
 A daemon without keys has one tenant, "" (api.Scope's default): every request
-shares one scope, as before tenants. With keys, each key belongs to a tenant:
+shares that one scope. With keys, each key belongs to a tenant:
 a `--api-key` key is a tenant of its own, named by the key; an `--api-keys-file`
 line `KEY TENANT` names it, and several keys may share a tenant (a rotation).
 The engine scopes every reuse by the tenant (server/engine/api.py, Scope); the

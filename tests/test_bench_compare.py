@@ -160,13 +160,13 @@ def test_cmake_builds_only_the_server_statically():
 
 
 def test_the_cached_llama_server_starts():
-    """The real cached binary, if `make peers` built one here with today's flags (this never builds)."""
+    """The real cached binary, if `make peers` built one here with the flags this checkout asks for (this never builds)."""
     binary = peers.peers_home() / "llama.cpp" / "llama-server"
     if not binary.exists():
         pytest.skip("no cached llama-server (make peers builds it)")
     stamp = peers.build_stamp(binary)
     if not stamp.exists() or stamp.read_text().split() != list(peers.LLAMA_CMAKE_FLAGS):
-        pytest.skip(f"{binary} predates today's build flags: make peers builds it again")
+        pytest.skip(f"{binary} was built with other flags: make peers builds it again")
     done = subprocess.run([str(binary), "--version"], capture_output=True, timeout=60)
     assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
 

@@ -42,7 +42,7 @@ def test_quantized_model_loads_clones_and_generates(quantized_dir):
 
 
 def test_an_all_recurrent_model_loads_and_clones_at_its_position_only(tmp_path, tiny_model_dir):
-    """Mamba: every layer keeps recurrent state and no KV (base.py's recurrent rule)."""
+    """Mamba: every layer keeps recurrent state and no KV (the recurrent rule, base.clone_positions)."""
     import json
     import shutil
 

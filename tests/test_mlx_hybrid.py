@@ -1,7 +1,7 @@
 """MLX on hybrid models (Qwen3.5 dense and MoE, Qwen3-Next, LFM2, Nemotron-H, Granite 4 hybrid): recurrent layers
 (`ArraysCache`) beside KV layers load in both checkpoint layouts, prefill and decode as mlx-lm's own
-model call does, decode in the persistent batch exactly as alone, and clone by base.py's recurrent
-rule: exactly at the session's position, refused elsewhere with nothing changed (float32)."""
+model call does, decode in the persistent batch exactly as alone, and clone by the recurrent rule
+(base.clone_positions): exactly at the session's position, refused elsewhere with nothing changed (float32)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ A session is either standalone (its own mlx-lm cache per layer: `KVCache`,
 `RotatingKVCache` of the window for sliding layers) or a row of the
 persistent decode batch (batch.py). A hybrid's recurrent layers keep an
 `ArraysCache` (recurrent.py), and a session may keep checkpoints of those
-states at chosen positions (`keep_at`, base.py's recurrent rule). Prefill runs
+states at chosen positions (`keep_at`, the recurrent rule, base.clone_positions). Prefill runs
 standalone; decode runs the batch; clone copies from either into a new
 standalone session (kvcopy.py).
 """
@@ -39,11 +39,10 @@ class MLXSession(Session):
 class MLXBackend(Backend):
     def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
         self.model, self.tokenizer, self.info = load_model(folder, dtype)
-        self._windows = [layer.window for layer in self.info.layers if layer.kind == "sliding"]
+        self._windows = list(self.info.sliding_windows)
         self._sessions: dict[int, MLXSession] = {}
         self._batch = DecodeBatch(self.model)
         self._last_only = supports_last_position(self.model)
-        self._recurrent = any(layer.kind == "recurrent" for layer in self.info.layers)
         return self.info
 
     def open_session(self) -> MLXSession:
@@ -58,7 +57,7 @@ class MLXBackend(Backend):
 
     # Fault contract (base.BatchFailed): prefill runs one session at a time, so a failure leaves
     # the earlier sessions COMMITTED with their logits and the later ones UNTOUCHED; the session
-    # that failed is UNTOUCHED only if none of its caches moved (batch.py's fault rule), else
+    # that failed is UNTOUCHED only if none of its caches moved (the fault rule of batch.DecodeBatch), else
     # CORRUPT. Decode classifies the whole batch the same way. A `lost` session is CORRUPT in
     # any call, before anything runs.
 
@@ -153,7 +152,7 @@ class MLXBackend(Backend):
     def keep_at(self, session: MLXSession, positions: Collection[int]) -> None:
         if session.id not in self._sessions:
             raise ValueError(f"{session!r} was released")
-        if not self._recurrent:
+        if not self.info.recurrent:
             return  # nothing to keep: every position clones from the live state
         session.wanted = frozenset(p for p in positions if p > 0)
         session.checkpoints = {p: states for p, states in session.checkpoints.items() if p in session.wanted}
@@ -271,7 +270,7 @@ class MLXBackend(Backend):
 
 
 def _host(array: mx.array) -> np.ndarray:
-    """An array on the host: bfloat16 as its uint16 bits (base.py's saved-state rule)."""
+    """An array on the host: bfloat16 as its uint16 bits (the saved-state rule, base.SavedState)."""
     return np.array(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array)
 
 

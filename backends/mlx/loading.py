@@ -39,7 +39,7 @@ def load_model(folder: str, dtype: str | None) -> tuple[nn.Module, Any, ModelInf
     # Quantized weights stay packed: set_dtype casts floating parameters only.
     model.set_dtype(DTYPES[dtype])
     layers = layer_kinds(model)
-    vocab_size, slot = _probe(model)
+    vocab_size, per_token = _probe(model)
     facts = read_model_facts(path)
     info = ModelInfo(
         name=Path(folder).name or str(folder),
@@ -47,7 +47,7 @@ def load_model(folder: str, dtype: str | None) -> tuple[nn.Module, Any, ModelInf
         context_length=facts.context_length,
         layers=layers,
         eos_token_ids=facts.eos_token_ids,
-        kv=kv_cost(layers, slot, state_bytes(model)),
+        kv=kv_cost(layers, per_token, state_bytes(model)),
         dtype=dtype,
         device="metal" if mx.default_device() == mx.gpu else "cpu",
     )
@@ -58,7 +58,7 @@ def layer_kinds(model: nn.Module) -> tuple[LayerAttention, ...]:
     """One kind per entry of the model's cache list (a hybrid's MLP-only layers keep none).
 
     Design rule: kvfork clones plain and rotating KV caches, and recurrent state
-    (`ArraysCache`: conv + SSM / delta-rule state) by base.py's recurrent rule;
+    (`ArraysCache`: conv + SSM / delta-rule state) by the recurrent rule, base.clone_positions;
     other state (chunked attention, nested cache lists) is refused here with a
     clear message instead of failing on the first clone."""
     kinds = []
@@ -74,17 +74,17 @@ def layer_kinds(model: nn.Module) -> tuple[LayerAttention, ...]:
     return tuple(kinds)
 
 
-def kv_cost(layers: tuple[LayerAttention, ...], slot: int, state: int) -> KVCost:
+def kv_cost(layers: tuple[LayerAttention, ...], per_token: int, state: int) -> KVCost:
     """Approximate, unlike torch's: mlx-lm's KVCache grows by whole steps of each write (a prefill
-    chunk of n adds round_up(n) slots after the last used one, so chunked prefill may hold up to a
+    chunk of n adds round_up(n) positions after the last used one, so chunked prefill may hold up to a
     step more per chunk), a ring grows towards its window in steps (and holds a chunk past it while
     prefilling), and the decode batch pads rows on the left to a common length. A clone holds
-    round_up(upto) + STEP slots (kvcopy.with_room). So a session's count may stray by
-    `tolerance` of its figure, plus one step of slots; the budget holds the padding of the rows
-    (`padded_rows`: every request in a slot is held at least `row_bytes` of the longest)."""
+    round_up(upto) + STEP positions (kvcopy.with_room). So a session's count may stray by
+    `tolerance` of its figure, plus one step of positions; the budget holds the padding of the rows
+    (`padded_rows`: every request in an inference slot is held at least `row_bytes` of the longest)."""
     full = sum(1 for layer in layers if layer.kind == "full")
     rings = sum(layer.window or 0 for layer in layers if layer.kind == "sliding")
-    return KVCost(full_bytes_per_token=slot * full, ring_bytes=slot * rings, step=STEP, slack=STEP, state_bytes=state,
+    return KVCost(full_bytes_per_token=per_token * full, ring_bytes=per_token * rings, step=STEP, slack=STEP, state_bytes=state,
                   tolerance=0.25, padded_rows=True)
 
 

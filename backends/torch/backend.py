@@ -109,12 +109,12 @@ class TorchBackend(Backend):
         else:
             layers = tuple(LayerAttention("sliding", w) if w else LayerAttention("full") for w in cfg.sliding)
             state = 0
-        slot = 2 * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize  # one token's keys and values, one layer
-        # Exact: a full layer holds kv.capacity(n) = whole BLOCK_TOKENS blocks with one slot always free
+        per_token = 2 * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize  # one token's keys and values, one layer
+        # Exact: a full layer holds kv.capacity(n) = whole BLOCK_TOKENS blocks with one position always free
         # (opened, cloned or grown alike), less the whole blocks a clone reads by reference; one ring of
         # the window per sliding layer, and one recurrent state per session.
-        cost = KVCost(full_bytes_per_token=slot * sum(1 for layer in layers if layer.kind == "full"),
-                      ring_bytes=slot * sum(layer.window or 0 for layer in layers if layer.kind == "sliding"),
+        cost = KVCost(full_bytes_per_token=per_token * sum(1 for layer in layers if layer.kind == "full"),
+                      ring_bytes=per_token * sum(layer.window or 0 for layer in layers if layer.kind == "sliding"),
                       step=kv.BLOCK_TOKENS, spare=1, state_bytes=state, shares=self.clone_mode == "share")
         return ModelInfo(
             name=name,
@@ -260,7 +260,7 @@ class TorchBackend(Backend):
     def _clone_aside(self, donor: TorchSession, upto: int) -> TorchSession:
         """Copy on the side stream, after every write already queued to the donor.
 
-        The donor waits too: its ring slots are read by the copy and rewritten by
+        The donor waits too: its ring entries are read by the copy and rewritten by
         its next step. record_stream keeps the allocator from handing either
         side's memory to another stream while the copy may still touch it.
         """
@@ -309,7 +309,7 @@ class TorchBackend(Backend):
             raise
         return clone
 
-    # -- saved state (base.py's saved-state rule) -------------------------
+    # -- saved state (the saved-state rule, base.SavedState) -------------------------
 
     @torch.inference_mode()
     def export_state(self, session: TorchSession) -> SavedState:
@@ -323,9 +323,9 @@ class TorchBackend(Backend):
                     layers.append(SavedLayer("full", tuple(_host(t) for t in layer.read(n))))
                 case kv.RingKV():
                     first = max(layer.held_from, n - layer.window, 0)
-                    slots = torch.arange(first, n, device=self.device) % layer.window
-                    layers.append(SavedLayer("sliding", (_host(layer.keys[:, slots]), _host(layer.values[:, slots])),
-                                             first))
+                    entries = torch.arange(first, n, device=self.device) % layer.window
+                    held = (_host(layer.keys[:, entries]), _host(layer.values[:, entries]))
+                    layers.append(SavedLayer("sliding", held, first))
                 case RecurrentState():
                     layers.append(SavedLayer("recurrent", (_host(layer.conv), _host(layer.ssm))))
         return SavedState(n, tuple(layers))

@@ -96,7 +96,7 @@ def runs(binary: Path) -> bool:
 
 
 def cached_llama_server(home: Path) -> Path | None:
-    """The cached llama-server if it was built with today's flags and runs; None: build it (again)."""
+    """The cached llama-server if it was built with the flags this checkout asks for and runs; None: build it (again)."""
     binary = home / "llama.cpp" / "llama-server"
     stamp = build_stamp(binary)
     if not binary.exists():
