@@ -41,6 +41,7 @@ class RequestHandle:
         self._on_cancel, self._on_finish = on_cancel, on_finish
         self._ending = False  # after cancel() or finish(), no more tokens: only the DoneEvent
         self.done: DoneEvent | None = None  # set once the DoneEvent has been read
+        self.reused = 0  # prompt tokens reused, known once it starts (before its first token)
 
     def __aiter__(self) -> "RequestHandle":
         return self

@@ -25,6 +25,7 @@ from server.protocol.responses import (
     ReasoningTextDone, Response, ResponseCompleted, ResponseCreated, ResponseIncomplete, ResponseInProgress,
     ResponsesRequest, ResponseUsage, sse,
 )
+from server.responses_api.translate import namespaces
 from server.sse import EventStream
 from server.toolcalls.base import Event as ParserEvent
 from server.toolcalls.base import ReasoningDelta, ToolCallArguments, ToolCallStart
@@ -73,6 +74,7 @@ class ResponsesReply:
     def __init__(self, rid: str, model: str, parser: ChatOutputParser, body: ResponsesRequest,
                  keep: Callable[[Response], None] | None):
         self.parser, self.keep = parser, keep
+        self.namespaces = namespaces(body.tools)
         self.response = Response(
             id=rid, created_at=int(time.time()), model=model, status="in_progress", output=[],
             tools=[t for t in body.tools or () if t.get("type") == "function"],
@@ -165,10 +167,9 @@ class ResponsesReply:
     def _part(item: _Open, text: str = "") -> OutputText | ReasoningText:
         return ReasoningText(text) if item.kind == "reasoning" else OutputText(text)
 
-    @classmethod
-    def _item(cls, item: _Open, status: str, text: str = "") -> OutputItem:
+    def _item(self, item: _Open, status: str, text: str = "") -> OutputItem:
         if item.kind == "function_call":
-            return FunctionCallOut(item.id, item.call_id, item.name, text, status)
+            return FunctionCallOut(item.id, item.call_id, item.name, text, status, self.namespaces.get(item.name))
         if item.kind == "reasoning":
             return ReasoningOut(item.id, [ReasoningText(text)] if text else [], status)
         return OutputMessage(item.id, status, [OutputText(text)] if text else [])
