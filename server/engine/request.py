@@ -99,6 +99,7 @@ class Request:
     registered: bool = False  # its follow order is with the runner
     follow_timer: asyncio.TimerHandle | None = None
     first_parked_at: float = 0.0  # the follow deadline runs from here, across re-parks
+    follow_seen: tuple[float, int] = (0.0, 0)  # when it last looked at its leader, and what it had committed
     no_follow: bool = False  # a failed or expired follow: clone-now from then on
     landed: tuple[Any, int] | None = None  # (session, tokens) a follow clone gave it, until it has a slot
     restoring: DiskMatch | None = None  # RESTORING: the disk tier's file it waits for
