@@ -16,13 +16,19 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from agent_server import agent_model, reply  # noqa: F401
+from agent_server import agent_model  # noqa: F401
 from http_daemon import serving
 from scripted_replies import scripted
 
 FIXTURES = Path(__file__).parent / "fixtures" / "clients"
 CLIENTS = sorted(p.stem for p in FIXTURES.glob("*.json"))
 CONTEXT = 65536  # the model `kvfork clients` serves
+
+
+def reply(history: str) -> str:
+    """A short answer with a thought before it: it completes a turn whether or not the template
+    opened the think block (Claude Code asks for adaptive thinking)."""
+    return "<think>\nA short answer.\n</think>\n\nPlain answer."
 
 
 def fixture(name: str) -> dict:
@@ -92,16 +98,16 @@ CHECKS = {"/v1/responses": check_responses_stream, "/v1/messages": check_message
 def test_fixtures_hold_no_client_prose():
     assert CLIENTS == ["claude", "codex", "opencode"]
     for name in CLIENTS:
-        text = json.dumps(fixture(name)["requests"])
-        for word in ("You are", "Claude", "Codex", "opencode is"):  # as their system prompts open
-            assert word not in text.replace('"user-agent"', ""), (name, word)
+        text = json.dumps([request["body"] for request in fixture(name)["requests"]])
+        for word in ("You are", "Claude", "Codex", "opencode"):  # as their system prompts name themselves
+            assert word not in text, (name, word)
 
 
 @pytest.mark.parametrize("name", CLIENTS)
 async def test_a_clients_first_turn_replays(name, long_model):
     recorded = fixture(name)
     async with serving(long_model, scripted(long_model, reply, context_length=CONTEXT), accept_any_model=True) as d, \
-            aiohttp.ClientSession() as http:
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
         for request in recorded["requests"]:
             path = request["path"].split("?", 1)[0]
             headers = {k: v for k, v in request["headers"].items() if v != "<value>"}

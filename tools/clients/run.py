@@ -138,7 +138,8 @@ async def serve_and_run(args: argparse.Namespace, names: list[str]) -> list[Row]
     backend_name, backend = pick_backend(args.backend)
     config = ServerConfig(model=model, backend=backend_name, port=0, served_model_name=[MODEL], accept_any_model=True,
                           log_level="warning")
-    daemon = Daemon(config, EngineConfig(), model, backend)
+    # no disk tier: each run starts cold, its cached tokens its own
+    daemon = Daemon(config, EngineConfig(prefix_cache_disk_bytes=0), model, backend)
     await daemon.listen()
     await daemon.load()
     print(f"kvfork clients: serving {model} on {daemon.url} ({backend_name})", flush=True)
