@@ -65,7 +65,8 @@ def test_a_request_larger_than_the_budget_never_fits():
 
 
 def test_max_tokens_default_and_clamp_to_context():
-    assert clamp_max_tokens(None, 512, prompt_len=100, max_context=4096) == 512
+    assert clamp_max_tokens(None, None, prompt_len=100, max_context=4096) == 3996  # no limit: the context left
+    assert clamp_max_tokens(None, 512, prompt_len=100, max_context=4096) == 512  # the operator's --max-tokens
     assert clamp_max_tokens(0, 512, 100, 4096) == 512
     assert clamp_max_tokens(50, 512, 100, 4096) == 50
     assert clamp_max_tokens(5000, 512, 100, 4096) == 3996

@@ -24,8 +24,9 @@ class Client:
     def read_tool(self, work: Path) -> ReadTool:
         raise NotImplementedError
 
-    def configure(self, root: Path, base_url: str) -> dict[str, str]:
-        """Write the client's configuration under `root`; returns the environment it runs with."""
+    def configure(self, root: Path, base_url: str, context: int) -> dict[str, str]:
+        """Write the client's configuration under `root` for a model of `context` tokens; returns the
+        environment it runs with."""
         raise NotImplementedError
 
     def command(self, prompt: str, first: bool, work: Path) -> list[str]:
@@ -46,12 +47,16 @@ class Codex(Client):
         # and runs in Codex's read-only sandbox.
         return ReadTool("exec_command", {"cmd": "cat notes.txt"})
 
-    def configure(self, root: Path, base_url: str) -> dict[str, str]:
+    def configure(self, root: Path, base_url: str, context: int) -> dict[str, str]:
         env = _base_env(root)
+        # Codex 0.171's own prompt is ~8,800 tokens of SmolLM2's: on an 8k model its multi-agent and
+        # goal tools stay off, as a user of a small model would set it.
+        small = "\n[features]\nmulti_agent = false\ngoals = false\n" if context < 16384 else ""
         codex_home = root / "codex-home"
         codex_home.mkdir(exist_ok=True)
         (codex_home / "config.toml").write_text(f'''model = "{MODEL}"
 model_provider = "kvfork"
+model_context_window = {context}
 check_for_update_on_startup = false
 approval_policy = "never"
 sandbox_mode = "read-only"
@@ -66,7 +71,7 @@ stream_max_retries = 0
 
 [analytics]
 enabled = false
-''')
+{small}''')
         return env | {"CODEX_HOME": str(codex_home), "KVFORK_API_KEY": KEY}
 
     def command(self, prompt: str, first: bool, work: Path) -> list[str]:
@@ -79,7 +84,7 @@ class ClaudeCode(Client):
     def read_tool(self, work: Path) -> ReadTool:
         return ReadTool("Read", {"file_path": str(work / "notes.txt")})
 
-    def configure(self, root: Path, base_url: str) -> dict[str, str]:
+    def configure(self, root: Path, base_url: str, context: int) -> dict[str, str]:
         env = _base_env(root)
         config = root / "claude-config"
         config.mkdir(exist_ok=True)
@@ -99,14 +104,14 @@ class Opencode(Client):
     def read_tool(self, work: Path) -> ReadTool:
         return ReadTool("read", {"filePath": str(work / "notes.txt")})
 
-    def configure(self, root: Path, base_url: str) -> dict[str, str]:
+    def configure(self, root: Path, base_url: str, context: int) -> dict[str, str]:
         env = _base_env(root)
         config = {
             "$schema": "https://opencode.ai/config.json", "autoupdate": False, "share": "disabled",
             "model": f"kvfork/{MODEL}", "small_model": f"kvfork/{MODEL}",
             "provider": {"kvfork": {"npm": "@ai-sdk/openai-compatible", "name": "kvfork",
                                     "options": {"baseURL": f"{base_url}/v1", "apiKey": KEY},
-                                    "models": {MODEL: {"name": MODEL, "limit": {"context": 65536, "output": 4096}}}}},
+                                    "models": {MODEL: {"name": MODEL, "limit": {"context": context, "output": 4096}}}}},
         }
         path = root / "opencode.json"
         path.write_text(json.dumps(config, indent=2))

@@ -76,7 +76,8 @@ def version(client: Client, path: Path, env: dict[str, str]) -> str:
     return words[0] if words else "?"
 
 
-async def run_client(client: Client, kvfork_url: str, turns: int, record: Path | None, timeout_s: float) -> Row:
+async def run_client(client: Client, kvfork_url: str, context: int, turns: int, record: Path | None,
+                     timeout_s: float) -> Row:
     root = Path(tempfile.mkdtemp(prefix=f"kvfork-{client.name}-"))
     work = root / "work"
     work.mkdir()
@@ -88,7 +89,7 @@ async def run_client(client: Client, kvfork_url: str, turns: int, record: Path |
         return row
     proxy = Proxy(kvfork_url, client.read_tool(work), record / f"{client.name}.jsonl" if record else None)
     base = await proxy.start()
-    env = {"PATH": os.environ.get("PATH", "")} | client.configure(root, base)
+    env = {"PATH": os.environ.get("PATH", "")} | client.configure(root, base, context)
     row.version = version(client, path, env)
     if row.version.startswith("unusable"):
         row.errors.append(f"{path}: {row.version}; reinstall with `kvfork clients --install`")
@@ -144,7 +145,9 @@ async def serve_and_run(args: argparse.Namespace, names: list[str]) -> list[Row]
     await daemon.load()
     print(f"kvfork clients: serving {model} on {daemon.url} ({backend_name})", flush=True)
     try:
-        return [await run_client(CLIENTS[n], daemon.url, args.turns, args.record, args.timeout) for n in names]
+        context = daemon.engine.config.max_context
+        return [await run_client(CLIENTS[n], daemon.url, context, args.turns, args.record, args.timeout)
+                for n in names]
     finally:
         await daemon.close()
 
