@@ -33,7 +33,8 @@ TOOLS = {
     "cache": ("server.cache_command", "show (ls) or empty (clear) the prefix cache's disk tier"),
     "clients": ("tools.clients", "Codex CLI, Claude Code and opencode, unchanged, in scripted sessions; one table"),
 }
-USAGE = "usage: kvfork {serve,fetch-model,bench,smoke,soak,cache,clients} [options]   (kvfork COMMAND --help for a command's options)"
+USAGE = ("usage: kvfork {serve,fetch-model,bench,smoke,soak,cache,clients} [options]   "
+         "(kvfork COMMAND --help for a command's options)")
 
 
 class OneLineParser(argparse.ArgumentParser):

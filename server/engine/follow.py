@@ -273,8 +273,8 @@ def at_deadline(length: int, target: int, committed: int, progress_tps: float, r
 
     `progress_tps`: how fast the leader's committed position really moved since the follower last
     looked (a stalled leader: 0, and following ends); `prefilling`: requests prefilling now, the
-    leader among them, the follower not; `max_wait_s`: --follow-max-wait, the longest it goes without looking again.
-    Deadlines keep coming, so no follower waits on a leader that stops moving.
+    leader among them, the follower not; `max_wait_s`: --follow-max-wait, the longest it goes
+    without looking again. Deadlines keep coming, so no follower waits on a leader that stops moving.
     """
     # The follower would prefill beside the others: its share of the rate, no faster than the leader
     # really moved (a machine that slowed down since the rates were measured slows both).

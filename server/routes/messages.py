@@ -48,7 +48,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
     rid = message_id()
     job = await prepare(state, as_chat_request(body), request, rid, make_call_id=tool_use_id)
     try:
-        return await respond(request, state, job, MessagesReply(rid, job.model, len(job.prompt), job.parser), body.stream)
+        reply = MessagesReply(rid, job.model, len(job.prompt), job.parser)
+        return await respond(request, state, job, reply, body.stream)
     except ContextTooLong:
         # Anthropic's own words: Claude Code reads the numbers out of them to compact its history.
         # The most a prompt may hold is the context less the one token it must leave for output.

@@ -123,7 +123,8 @@ async def run_client(client: Client, kvfork_url: str, context: int, turns: int, 
 
 
 def table(rows: list[Row]) -> str:
-    lines = ["| client | version | turns | tool calls | cached tokens | requests | errors |", "|---|---|---|---|---|---|---|"]
+    lines = ["| client | version | turns | tool calls | cached tokens | requests | errors |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         errors = "; ".join(e.replace("|", "/").replace("\n", " ")[:160] for e in r.errors[:3]) or "none"
         lines.append(f"| {r.client} | {r.version} | {r.turns} | {r.tool_calls} | {r.cached_tokens} | {r.requests} "
