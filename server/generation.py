@@ -133,7 +133,7 @@ async def _events(handle, tokenizer: PromptTokenizer, stops: list[str]) -> Async
             tail = matcher.feed(detokenizer.flush())
             text = tail.text if tail.stopped else tail.text + matcher.flush()
             if text:
-                yield Piece(text)
+                yield Piece(text, reused=handle.reused)
             stopped = tail.stopped
         yield Finished("stop" if stopped else event.finish_reason, event.usage, matcher.matched)
         return

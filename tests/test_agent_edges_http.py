@@ -248,3 +248,23 @@ async def test_namespace_tools_are_flattened_and_dropped_tools_are_named(daemon,
         assert usage["input_tokens"] > 0
     plain = await oai.responses.create(model="tiny", input="weather?", tools=flat)
     assert plain.output[-1].type == "function_call" and getattr(plain.output[-1], "namespace", None) is None
+
+
+async def test_a_long_prefill_keeps_a_responses_stream_alive_with_events(agent_model):
+    """Codex drops a stream after 5 minutes without an event (SSE comments do not count): before the
+    first output, keep-alives are response.in_progress again; the SDK still assembles the reply."""
+    import openai
+
+    backend = scripted(agent_model, reply)
+    backend.delay["prefill"] = 0.3
+    async with serving(agent_model, backend, sse_keepalive=0.05, served_model_name=["tiny"]) as d, \
+            aiohttp.ClientSession() as http:
+        async with http.post(d.url + "/v1/responses", json={"input": "hello", "stream": True}) as r:
+            kinds = [json.loads(line[6:])["type"] for line in await sse_events(r) if line.startswith("data: ")]
+        client = openai.AsyncOpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0)
+        async with client.responses.stream(model="tiny", input="hello") as stream:
+            final = await stream.get_final_response()
+    first_output = kinds.index("response.output_item.added")
+    assert kinds[0] == "response.created" and kinds[1:first_output].count("response.in_progress") >= 2
+    assert set(kinds[first_output:]) - {"response.in_progress"} == set(kinds[first_output:])
+    assert final.status == "completed" and final.output_text == "Plain answer."

@@ -40,15 +40,30 @@ def _item_id(prefix: str) -> str:
 
 
 class ResponsesEventStream(EventStream):
-    """The Responses framing: `event:` + `data:` per event, numbered in sending order, no [DONE]."""
+    """The Responses framing: `event:` + `data:` per event, numbered in sending order, no [DONE].
+
+    Until the first output event, a keep-alive is `response.in_progress` sent again: Codex's idle
+    timer (5 minutes) counts events, not SSE comments, and a CPU prefill of its prompt can take
+    longer. Later keep-alives are comments."""
 
     def __init__(self, request):
         super().__init__(request)
         self.sequence = 0
+        self.waiting: ResponseInProgress | None = None  # the in_progress event, until output begins
 
     async def send(self, event: Event) -> None:
+        if isinstance(event, ResponseInProgress):
+            self.waiting = event
+        elif not isinstance(event, ResponseCreated):
+            self.waiting = None
         event.sequence_number, self.sequence = self.sequence, self.sequence + 1
         await self.write(sse(event))
+
+    async def keep_alive(self) -> None:
+        if self.waiting is not None:
+            await self.send(msgspec.structs.replace(self.waiting))
+        else:
+            await super().keep_alive()
 
     async def send_error(self, error: ApiError) -> None:
         await self.send(ErrorEvent(message=error.message, code=error.code, param=error.param))

@@ -51,7 +51,7 @@ class Codex(Client):
         env = _base_env(root)
         # Codex 0.171's own prompt is ~8,800 tokens of SmolLM2's: on an 8k model its multi-agent and
         # goal tools stay off, as a user of a small model would set it.
-        small = "\n[features]\nmulti_agent = false\ngoals = false\n" if context < 16384 else ""
+        small = "\n[features]\ngoals = false\n\n[agents]\nenabled = false\n" if context < 16384 else ""
         codex_home = root / "codex-home"
         codex_home.mkdir(exist_ok=True)
         (codex_home / "config.toml").write_text(f'''model = "{MODEL}"
@@ -68,6 +68,9 @@ wire_api = "responses"
 env_key = "KVFORK_API_KEY"
 request_max_retries = 0
 stream_max_retries = 0
+# a CPU prefill of Codex's ~9k-token prompt can outlast the 5-minute default; kvfork's keep-alives
+# are SSE comments, which Codex's idle timer does not count
+stream_idle_timeout_ms = 3600000
 
 [analytics]
 enabled = false
@@ -91,7 +94,7 @@ class ClaudeCode(Client):
         return env | {"CLAUDE_CONFIG_DIR": str(config), "ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_API_KEY": KEY,
                       "ANTHROPIC_MODEL": MODEL, "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL,
                       "ANTHROPIC_SMALL_FAST_MODEL": MODEL, "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1",
-                      "DISABLE_ERROR_REPORTING": "1", "DISABLE_BUG_COMMAND": "1",
+                      "DISABLE_ERROR_REPORTING": "1", "DISABLE_BUG_COMMAND": "1", "API_TIMEOUT_MS": "3600000",
                       "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
 
     def command(self, prompt: str, first: bool, work: Path) -> list[str]:
@@ -110,7 +113,8 @@ class Opencode(Client):
             "$schema": "https://opencode.ai/config.json", "autoupdate": False, "share": "disabled",
             "model": f"kvfork/{MODEL}", "small_model": f"kvfork/{MODEL}",
             "provider": {"kvfork": {"npm": "@ai-sdk/openai-compatible", "name": "kvfork",
-                                    "options": {"baseURL": f"{base_url}/v1", "apiKey": KEY},
+                                    "options": {"baseURL": f"{base_url}/v1", "apiKey": KEY,
+                                                "timeout": 3600000},  # a CPU prefill outlasts 5 minutes
                                     "models": {MODEL: {"name": MODEL, "limit": {"context": context, "output": 4096}}}}},
         }
         path = root / "opencode.json"
