@@ -115,13 +115,13 @@ async def test_a_follower_whose_leader_slows_down_goes_on_following_while_that_i
     the leader's measured progress: it is still moving, so the follower keeps following."""
     backend = ScriptedBackend()
     backend.delay["prefill"] = 0.002
-    engine = await start_engine(backend, **FOLLOW, follow_max_wait=0.1)
+    engine = await start_engine(backend, **FOLLOW, follow_max_wait=0.5)
     gate = backend.gates["prefill"] = Gate(lambda sessions, chunks: sessions[0].position == 64)
     leader = engine.submit(request(PROMPTS[0], 4))
     await reached(gate)
     follower = engine.submit(request(PROMPTS[1], 4))
     assert engine.reuse.followers  # the measured rate puts the leader's target well within the wait
-    backend.delay["prefill"] = 0.06  # the machine slows down: the rest takes over twice the wait
+    backend.delay["prefill"] = 0.3  # the machine slows down: the rest (5 chunks) takes three times the wait
     gate.open()
     tokens, done = await collect(follower)
     assert tokens == backend.greedy(PROMPTS[1], 4)

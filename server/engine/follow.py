@@ -286,7 +286,9 @@ def at_deadline(length: int, target: int, committed: int, progress_tps: float, r
     ttft_follow = wait + rates.clone_s(target) + (length - target) / tps
     ttft_now = rates.clone_s(held) + (length - held) / tps
     keep = ttft_follow < ttft_now
-    return Expiry(keep, min(max_wait_s, 2 * wait + 1.0) if keep else 0.0, ttft_follow, ttft_now)
+    # It looks again a whole wait later: on a loaded machine one step can take many seconds, and a
+    # shorter look could see no commit and take a moving leader for a stalled one.
+    return Expiry(keep, max_wait_s if keep else 0.0, ttft_follow, ttft_now)
 
 
 def chunk_end(committed: int, planned_end: int, stops: Iterable[int]) -> int:
