@@ -161,19 +161,33 @@ def test_a_longer_file_covers_the_prompts_it_begins_with_where_any_prefix_clones
     assert full.covering_files(range(20), "other") == []
 
 
-def test_entries_change_in_one_place():
-    """Every store and every removal goes through Index._store and Index._remove (issue 25's KV events)."""
-    seen = []
+class Heard:
+    def __init__(self, seen: list, tier: str):
+        self.seen, self.tier = seen, tier
+
+    def stored(self, tokens, scope):
+        self.seen.append(("+", self.tier, tuple(tokens), scope))
+
+    def removed(self, tokens, scope):
+        self.seen.append(("-", self.tier, tuple(tokens), scope))
+
+
+def test_a_watcher_hears_every_entry_stored_and_removed():
+    """Every store and every removal goes through one place, which tells the tier's watcher (KV events)."""
+    seen: list = []
     i = index(entries=2)
-    store, remove = i._store, i._remove
-    i._store = lambda e: (seen.append(("+", e.tier)), store(e))[1]
-    i._remove = lambda e: (seen.append(("-", e.tier)), remove(e))[1]
     cached(i, [1], 1)
+    for tier in ("memory", "disk", "running"):
+        i.watch(tier, Heard(seen, tier))  # what is there already is told at once
     cached(i, [2], 2)
+    cached(i, [2], 9)  # the same prompt again: refreshed, nothing stored
     cached(i, [3], 3)  # pushes [1] out
     i.add_file(Entry("disk", "s", (1,), "f"))
-    i.add_file(Entry("disk", "s", (1,), "f"))  # a newer file of the same entry replaces it
-    i.run(5, [1, 2], Scope(), 5)
+    i.add_file(Entry("disk", "s", (1,), "f2", nbytes=5))  # a newer file of the same entry takes its place
+    i.evict_oldest("disk")
+    i.run(5, [1, 2], Scope("t"), 5)
     i.stop(5)
-    assert seen == [("+", "memory"), ("+", "memory"), ("+", "memory"), ("-", "memory"), ("+", "disk"),
-                    ("-", "disk"), ("+", "disk"), ("+", "running"), ("-", "running")]
+    d = Scope().digest
+    assert seen == [("+", "memory", (1,), d), ("+", "memory", (2,), d), ("+", "memory", (3,), d),
+                    ("-", "memory", (1,), d), ("+", "disk", (1,), "s"), ("-", "disk", (1,), "s"),
+                    ("+", "running", (1, 2), Scope("t").digest), ("-", "running", (1, 2), Scope("t").digest)]

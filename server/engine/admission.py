@@ -95,6 +95,11 @@ class Admission:
         return len(self._queue)
 
     @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens of the queued requests: prefill work not started."""
+        return sum(len(r.prompt) for r in self._queue)
+
+    @property
     def slots_used(self) -> int:
         return len(self._in_slots)
 

@@ -351,8 +351,7 @@ class DiskTier:
                 else:
                     log.warning("writing a prefix cache file failed: %r", result)
             elif self.on:
-                entry = Entry("disk", scope, tokens, name, nbytes=result)
-                self._index.add_file(entry)
+                entry = self._index.add_file(Entry("disk", scope, tokens, name, nbytes=result))
                 self.stats.spilled += 1
                 # files of prompts this one begins with serve nothing it does not: written once
                 for other in self._index.entries("disk"):

@@ -36,10 +36,11 @@ from server.engine.admission import Admission
 from server.engine.api import CapacityExhausted, DoneEvent, GenerateRequest, NotReady, TokenEvent, choice_sampling
 from server.engine.config import EngineConfig
 from server.engine.disk import DiskTier, fingerprint
-from server.engine.follow import FollowOrder
+from server.engine.follow import FollowOrder, at_deadline
 from server.engine.index import Index
+from server.engine.load import EngineLoad
 from server.engine.placement import (Cached, Clone, Follow, Fresh, Placement, Restore, Resume, View, Wait, place,
-                                     take_view)
+                                     prefilling, take_view)
 from server.engine.rates import RateTracker
 from server.engine.request import Decoding, Following, Landed, Prefilling, Queued, Request, RequestHandle, Restoring
 from server.engine.runner import Runner
@@ -55,12 +56,14 @@ STOP_WAIT_S = 10.0  # after the grace period: how long cancelled requests get to
 
 class Engine:
     def __init__(self, backend: Backend, model_path: str, dtype: str | None, config: EngineConfig,
-                 registry: Registry, kv_dir: Path | None = None, plans: Callable[[Any], None] | None = None):
+                 registry: Registry, kv_dir: Path | None = None, kv_events: Any = None,
+                 plans: Callable[[Any], None] | None = None):
         """`kv_dir`: where the prefix cache's disk tier lives (disk.kv_root()); None: no disk tier.
+        `kv_events`: told where reusable states are stored and removed (server/kv_events.KVEvents); None: off.
         `plans`: handed each runner.StepPlan before it runs (a recorder, another rank)."""
         validate(config)
         self.backend, self.model_path, self.dtype, self.config = backend, model_path, dtype, config
-        self.kv_dir, self.registry, self._plans = kv_dir, registry, plans
+        self.kv_dir, self.registry, self.kv_events, self._plans = kv_dir, registry, kv_events, plans
         self.info: ModelInfo | None = None
         self.dead = False
         self._closing = False
@@ -169,6 +172,22 @@ class Engine:
     def requests(self) -> list[Request]:
         return list(self._requests.values())
 
+    def request(self, rid: int) -> Request | None:
+        return self._requests.get(rid)
+
+    def load(self) -> EngineLoad:
+        """What it carries now (load.py); all zeros until the model is loaded."""
+        adm, info, index, named = self._admission, self.info, self._index, self._named
+        if adm is None or info is None or index is None or named is None:
+            return EngineLoad()
+        per_token = max(1, info.kv.full_bytes_per_token)
+        pinned = max(0, adm.held() - index.nbytes("memory") - named.idle_bytes())  # what cannot give way
+        prompts = self.metrics.prompt_tokens.get()
+        reused = sum(self.metrics.reused_tokens.values.values())
+        return EngineLoad(running=adm.slots_used, waiting=self.waiting(), waiting_prompt_tokens=adm.queued_tokens,
+                          slots=self.config.inference_slots, used_tokens=pinned // per_token,
+                          budget_tokens=adm.budget // per_token, reused_fraction=reused / prompts if prompts else 0.0)
+
     # ---- requests ----
 
     def submit(self, req: GenerateRequest) -> RequestHandle:
@@ -183,7 +202,7 @@ class Engine:
         adm = self._admission
         sizes = adm.check(req, waiting=self.waiting())
         named = None
-        if req.session_id is not None:
+        if req.session_id is not None:  # a busy session gives None: the request runs without it
             named, evicted = self._named.acquire(req.session_id, req.scope.tenant)
             adm.release_sessions(*evicted)
         eos = frozenset() if req.ignore_eos else frozenset(self.info.eos_token_ids)  # type: ignore[union-attr]
@@ -346,12 +365,12 @@ class Engine:
         now = time.monotonic()
         first = r.tried.first_parked_at or now
         order = FollowOrder.park(r.rid, p.decided, r.rid, first, self.config.follow_max_wait)
-        following = phase.follow(r, order, p.cached, now)
+        lead = self._requests.get(order.leader)  # type: ignore[arg-type]
+        following = phase.follow(r, order, p.cached, now, lead.committed_prompt if lead is not None else 0)
         self._followers[r.rid] = r
         loop = asyncio.get_running_loop()
         following.timer = loop.call_later(max(0.0, order.deadline - now), self._follow_expired, r.rid)
         self._expire_at(r, r.submitted_at + self.config.queue_timeout)  # the same queue timeout as anyone
-        lead = self._requests.get(order.leader)  # type: ignore[arg-type]
         if lead is not None and lead.holds_slot:
             self._register(r)
 
@@ -363,13 +382,34 @@ class Engine:
 
     def _follow_expired(self, rid: int) -> None:
         f = self._followers.get(rid)
-        if f is None:
+        if f is None or self._still_following(f):
             return
         self._unpark(f)
         f.decision["follow_expired"] = True
         f.tried.no_follow = True
         self._requeue(f)
         self._admit()
+
+    def _still_following(self, f: Request) -> bool:
+        """At `f`'s deadline: whether following its (running) leader is still the cheaper way, by the
+        leader's progress since `f` last looked (follow.at_deadline); if so the timer is armed again."""
+        following = f.phase
+        assert isinstance(following, Following)
+        lead = self._requests.get(following.order.leader)  # type: ignore[arg-type]
+        if lead is None or not lead.holds_slot:
+            return False  # a parked leader (a chain) or one on its way: plan again
+        now, (seen_at, seen) = time.monotonic(), following.seen
+        committed = lead.committed_prompt
+        progress = (committed - seen) / (now - seen_at) if now > seen_at else 0.0
+        decided = at_deadline(len(f.prompt), following.order.target, committed, progress, self._rates.rates,
+                              prefilling(self._requests.values()), self.config.follow_max_wait)
+        f.decision.update(follow_extended=decided.keep, ttft_follow_left_s=round(decided.ttft_follow_s, 4),
+                          ttft_clone_now_s=round(decided.ttft_now_s, 4))
+        if not decided.keep:
+            return False
+        following.seen = now, committed
+        following.timer = asyncio.get_running_loop().call_later(decided.recheck_s, self._follow_expired, f.rid)
+        return True
 
     def _unpark(self, f: Request, landed: Landed | None = None, answered: bool = False) -> None:
         """Back to the queue's phase. Unless the runner `answered` its order, the order is dropped (a clone
@@ -540,6 +580,8 @@ class Engine:
         self._named = NamedSessions(c.max_named_sessions, self._index)
         self._disk = self._open_disk(ev.info)
         self._admission = Admission(c, ev.info, self._index, self._named, self._disk, self._send)
+        if self.kv_events is not None:
+            self.kv_events.attach(self._index, self._disk is not None and self._disk.on)
         if self._loaded is not None and not self._loaded.done():
             self._loaded.set_result(None)
 
@@ -586,6 +628,7 @@ class Engine:
         if r.lead is not None:  # a choice's clone of its lead: the prompt is counted once, on choice 0
             r.reused = 0
             return
+        r.handle.reused = r.reused  # final from here: APIs that say the usage split up front read it
         if r.named is not None:
             r.reuse_source = "session" if ev.reused else None
         elif ev.clone_index is not None:

@@ -9,7 +9,8 @@ Four tiers, one lookup (`Index.best`):
 
 Design rules:
 - one place stores an entry and one removes it (`_store`, `_remove`): the trie, each tier's
-  recency order and byte count change there and nowhere else;
+  recency order and byte count change there and nowhere else, and a tier's watcher (`watch`:
+  server/kv_events.py's KV events) hears of it there;
 - an entry serves only requests of its scope (api.Scope.digest): each scope has its own trie;
 - a match follows matching.usable_upto, the rule every kind of reuse shares: the longest usable
   match wins, ties go to the most recently used entry (a donor: the most recently admitted);
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Hashable, Iterator, Literal, Sequence
+from typing import Hashable, Iterator, Literal, Protocol, Sequence
 
 from backends.base import ModelInfo, clone_positions
 from server.engine.api import Scope
@@ -63,6 +64,13 @@ class Entry:
     @property
     def key(self) -> tuple[str, tuple[int, ...]]:
         return self.scope, self.tokens
+
+
+class Watcher(Protocol):
+    """Told of a tier's entries as they are stored and removed (`scope`: the entry's scope digest)."""
+
+    def stored(self, tokens: Sequence[int], scope: str) -> None: ...
+    def removed(self, tokens: Sequence[int], scope: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -150,6 +158,7 @@ class Index:
         self._trie = _Trie()
         self._tiers: dict[Tier, OrderedDict[Hashable, Entry]] = {t: OrderedDict() for t in Tier.__args__}
         self._bytes: dict[Tier, int] = {t: 0 for t in Tier.__args__}
+        self._watchers: dict[Tier, Watcher] = {}
         self._clock = 0
 
     # ---- the one place entries are stored and removed ----
@@ -160,11 +169,22 @@ class Index:
         self._trie.add(entry)
         self._tiers[entry.tier][self._name(entry)] = entry
         self._bytes[entry.tier] += entry.nbytes
+        if (watcher := self._watchers.get(entry.tier)) is not None:
+            watcher.stored(entry.tokens, entry.scope)
 
     def _remove(self, entry: Entry) -> None:
         self._trie.remove(entry)
         del self._tiers[entry.tier][self._name(entry)]
         self._bytes[entry.tier] -= entry.nbytes
+        if (watcher := self._watchers.get(entry.tier)) is not None:
+            watcher.removed(entry.tokens, entry.scope)
+
+    def watch(self, tier: Tier, watcher: Watcher) -> None:
+        """From now on `watcher` hears of each of `tier`'s entries stored and removed; those there already
+        are stored at once."""
+        self._watchers[tier] = watcher
+        for entry in self._tiers[tier].values():
+            watcher.stored(entry.tokens, entry.scope)
 
     @staticmethod
     def _name(entry: Entry) -> Hashable:
@@ -261,12 +281,17 @@ class Index:
 
     # ---- the disk tier's files (disk.py does the file work) ----
 
-    def add_file(self, entry: Entry) -> None:
-        """A file written (or found at start): it replaces an older file of the same entry."""
+    def add_file(self, entry: Entry) -> Entry:
+        """A file written (or found at start); a newer file of an entry held already takes its place
+        (the same tokens: nothing stored nor removed). Returns the entry held."""
         held = self._tiers["disk"].get(entry.key)
-        if held is not None:
-            self._remove(held)
-        self._store(entry)
+        if held is None:
+            self._store(entry)
+            return entry
+        self._bytes["disk"] += entry.nbytes - held.nbytes
+        held.owner, held.nbytes = entry.owner, entry.nbytes
+        self.touch(held)
+        return held
 
     def drop(self, entry: Entry) -> bool:
         """Out of the index, if it is still in; whether it was."""

@@ -62,12 +62,17 @@ def take_view(r: Request, requests: Collection[Request], followers: Iterable[Req
     policy = FollowPolicy(config.active_prefix_reuse_min_tokens, follow=config.follow and not r.tried.no_follow,
                           max_wait_s=max(0.0, config.follow_max_wait - waited))
     restore = disk and not r.tried.no_disk and not r.siblings
-    prefilling = sum(1 for x in requests
-                     if isinstance(x.phase, Prefilling) and x.committed < len(x.prompt) and x.lead is None)
-    leaders = (_leaders(r, requests, list(followers), index, rates, prefilling)
+    busy = prefilling(requests)
+    leaders = (_leaders(r, requests, list(followers), index, rates, busy)
                if policy.min_tokens > 0 and r.named is None else [])
-    return View(index.best(r.prompt, r.req.scope, disk=restore), leaders, rates, prefilling, policy,
+    return View(index.best(r.prompt, r.req.scope, disk=restore), leaders, rates, busy, policy,
                 config.prefix_cache_min_tokens, restore, slot, {x.rid: x.req.request_id for x in requests})
+
+
+def prefilling(requests: Iterable[Request]) -> int:
+    """Requests prefilling now (each choice's prompt once): they share the prefill rate."""
+    return sum(1 for x in requests if isinstance(x.phase, Prefilling) and x.committed < len(x.prompt)
+               and x.lead is None)
 
 
 def _leaders(r: Request, requests: Iterable[Request], followers: list[Request], index: Index, rates: Rates,

@@ -35,6 +35,8 @@ class RequestHandle:
         self._on_cancel, self._on_finish = on_cancel, on_finish
         self._ending = False  # after cancel() or finish(), no more tokens: only the DoneEvent
         self.done: DoneEvent | None = None  # set once the DoneEvent has been read
+        self.reused = 0  # prompt tokens reused, known once it starts (before its first token)
+        self.reused = 0  # prompt tokens reused, known once it starts (before its first token)
 
     def __aiter__(self) -> "RequestHandle":
         return self
@@ -83,6 +85,7 @@ class Queued:
 class Following:
     order: FollowOrder  # whom it follows, up to where, until when
     cached: int  # the best prefix cache match when it parked
+    seen: tuple[float, int]  # when it last looked at its leader, and the prompt tokens the leader had committed
     registered: bool = False  # its clone order is with the runner
     timer: asyncio.TimerHandle | None = None  # its follow deadline
 
@@ -172,6 +175,11 @@ class Request:
         return self.phase.committed if isinstance(self.phase, Running) else 0
 
     @property
+    def committed_prompt(self) -> int:
+        """Prompt tokens its session holds: what it can give as a donor or a leader."""
+        return min(self.committed, len(self.prompt))
+
+    @property
     def waiting_siblings(self) -> list["Request"]:
         """Its other choices not yet gone to the runner (nor ended before it)."""
         return [s for s in self.siblings if not s.sent and not isinstance(s.phase, Finished)]
@@ -211,11 +219,11 @@ def queue(r: Request, landed: Landed | None = None) -> Queued:
     return r.phase
 
 
-def follow(r: Request, order: FollowOrder, cached: int, now: float) -> Following:
-    """Park behind a leader, holding no slot."""
+def follow(r: Request, order: FollowOrder, cached: int, now: float, leader_committed: int) -> Following:
+    """Park behind a leader, holding no slot (`leader_committed`: the prompt tokens it holds now)."""
     _leave(r, Queued)
     r.tried.first_parked_at = r.tried.first_parked_at or now
-    r.phase = Following(order, cached)
+    r.phase = Following(order, cached, (now, leader_committed))
     return r.phase
 
 

@@ -156,12 +156,13 @@ class Runner:
         plan = self.plan()
         if self._plans is not None:
             self._plans(plan)
-        prefill_s = 0.0
+        pass_s = 0.0
         for rows in plan.passes():
             before = self._ex.seconds
             for group, logits in self.forward(rows):
                 self.sample(plan, group, logits)
-            prefill_s = self._observe(rows, self._ex.seconds - before)
+            pass_s = self._ex.seconds - before
+        prefill_s = self._observe(plan, self._ex.seconds - backend_s, pass_s)
         self._serve_orders()
         self.publish(plan, took, time.perf_counter() - t0, self._ex.seconds - backend_s, prefill_s)
         return plan
@@ -172,7 +173,7 @@ class Runner:
                                                                                        s.prefill_left)))
                    for rid, s in self._running.items()]
         rates = self._rates.rates
-        budget = TimeBudget(self.max_step_s, rates.decode_s, rates.prefill_tps) if self.max_step_s else None
+        budget = TimeBudget(self.max_step_s, rates.decode_s, rates.step_s_per_token) if self.max_step_s else None
         batch = plan_step(running, self.max_batch_tokens, self.prefill_chunk, self._rotation, budget)
         self._rotation = batch.last_prefilled
         decode = [p.Row(rid, self._running[rid].sid, [self._running[rid].next_token], True, False)  # type: ignore
@@ -237,14 +238,17 @@ class Runner:
         self._publish(m.StepStats(committed, backend.live_sessions(), backend.total_bytes(), step_s, backend_s,
                                   plan.prefill_tokens, prefill_s, kept, self._pooled(), backend.block_stats()))
 
-    def _observe(self, rows: Sequence[p.Row], seconds: float) -> float:
-        """A pass's time, as decode and prefill parts (rates.split_pass), into the step budget's rates;
-        returns the prefill part."""
-        decoding = sum(1 for row in rows if not row.prefill)
-        tokens = sum(len(row.tokens) for row in rows if row.prefill)
-        decode_s, prefill_s = split_pass(decoding, tokens, seconds)
-        if decoding:
-            self._rates = self._rates.observe_decode(decode_s)
+    def _observe(self, plan: p.StepPlan, step_s: float, last_pass_s: float) -> float:
+        """The step's backend time into the step budget's rates (a step that decoded: the whole step
+        against its prefill tokens) and the prefill rate; returns the step's prefill time: its pass of
+        prefill chunks, or the prefill part of its one mixed pass (rates.split_pass)."""
+        tokens = plan.prefill_tokens
+        if plan.decode and not plan.mixed:
+            prefill_s = last_pass_s if plan.prefill else 0.0
+        else:
+            prefill_s = split_pass(len(plan.decode), tokens, step_s)[1]
+        if plan.decode:
+            self._rates = self._rates.observe_step(tokens, step_s)
         self._rates = self._rates.observe_prefill(tokens, prefill_s)
         return prefill_s
 

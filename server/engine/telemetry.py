@@ -16,6 +16,7 @@ from server.engine.admission import Admission
 from server.engine.api import DoneEvent
 from server.engine.disk import DiskTier
 from server.engine.index import Index
+from server.engine.load import EngineLoad
 from server.engine.request import Request
 from server.engine.sessions import NamedSessions
 from server.metrics import Registry
@@ -36,6 +37,7 @@ class Readings(Protocol):
     def following(self) -> int: ...
     @property
     def stats(self) -> m.StepStats: ...
+    def load(self) -> EngineLoad: ...
 
 
 log = logging.getLogger("kvfork.requests")
@@ -90,6 +92,12 @@ class EngineMetrics:
         g("queue_depth", "requests waiting for a slot", admission(lambda a: a.queued))
         g("following_requests", "requests parked behind a prefilling leader", lambda: engine.following)
         g("running_requests", "requests holding an inference slot", admission(lambda a: a.slots_used))
+        # The Gateway API Inference Extension's model-server protocol: TotalQueuedRequests, TotalRunningRequests
+        # (running_requests above) and KVCacheUtilization, in vLLM's meaning (docs/cluster.md).
+        g("waiting_requests", "requests waiting: queued for a slot, or parked behind a prefilling leader",
+          lambda: engine.load().waiting)
+        g("kv_cache_usage_perc", "fraction of the KV budget in use, 0 to 1 (the prefix cache and idle named "
+          "sessions give way, so they are not counted)", lambda: engine.load().kv_usage)
         g("live_sessions", "backend sessions open", lambda: engine.stats.live_sessions)
         g("kv_bytes", "bytes of KV state the backend holds", lambda: engine.stats.total_bytes)
         g("kv_budget_held_bytes", "bytes of the KV budget held: reservations, prefix cache, idle named sessions, "
