@@ -36,8 +36,12 @@ class MLXSession(Session):
 
 
 class MLXBackend(Backend):
+    def __init__(self, group: Any = None):
+        """`group`: an `mx.distributed` group to split the model over (loading.load_model); None: one rank."""
+        self.group = group
+
     def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
-        self.model, self.tokenizer, self.info = load_model(folder, dtype)
+        self.model, self.tokenizer, self.info = load_model(folder, dtype, self.group)
         self._windows = [layer.window for layer in self.info.layers if layer.kind == "sliding"]
         self._sessions: dict[int, MLXSession] = {}
         self._batch = DecodeBatch(self.model)
