@@ -383,7 +383,7 @@ class Engine:
             log.warning("prefix cache disk tier off: %s cannot save sessions", type(self.backend).__name__)
             return None
         try:
-            fp = fingerprint(resolve_model(self.model_path), info.dtype, type(self.backend).__name__)
+            fp = fingerprint(resolve_model(self.model_path), info.dtype, self.backend.state_format)
         except OSError as exc:
             log.warning("prefix cache disk tier off: cannot fingerprint the model (%r)", exc)
             return None
