@@ -27,6 +27,7 @@ class Follower:
         self.backend, self.channel = backend, channel
         self.sessions: dict[int, Session] = {}
         self.steps = 0
+        self.open_at_stop = 0
 
     def run(self) -> str:
         """Apply plans until a Stop; returns its reason. Raises when the plan stream breaks."""
@@ -37,6 +38,7 @@ class Follower:
                 raise RuntimeError(f"plan {plan.step} arrived when {self.steps} was due")
             for effect in plan.effects:
                 if isinstance(effect, p.Stop):
+                    self.open_at_stop = len(self.sessions)  # rank 0 holds as many (it releases them too)
                     self.release_all()
                     return effect.reason
                 self.apply(effect)

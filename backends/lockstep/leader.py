@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 import threading
 import time
 from typing import Any, Callable, Collection, Sequence
 
 import numpy as np
 
-from backends.base import Backend, ModelInfo, Sampled, SamplerState, SavedState, Session, check_inputs
+from backends.base import Backend, BatchFailed, ModelInfo, Sampled, SamplerState, SavedState, Session, check_inputs
 from backends.lockstep import plan as p
 from backends.lockstep import saved
 from backends.lockstep.channel import Channel
@@ -50,8 +51,7 @@ def peers(size: int) -> str:
 
 
 class LockstepBackend(Backend):
-    def __init__(self, local: Backend, channel: Channel, timeout: float,
-                 on_fault: Callable[[str], None] = lambda reason: None):
+    def __init__(self, local: Backend, channel: Channel, timeout: float):
         self.local, self.channel = local, channel
         self.mixed_batches = local.mixed_batches
         self._wire: dict[int, int] = {}  # local session id -> wire id
@@ -60,9 +60,10 @@ class LockstepBackend(Backend):
         self._steps = itertools.count(1)
         self._clone_mode = "share"
         self.failed: str | None = None
+        self.stopped = False  # a Stop went round: every rank has left
         self.plan_seconds = 0.0  # time spent sending plans (docs/benchmarks.md: the overhead of ranks)
         self._watchdog = Watchdog(timeout, self._stalled)
-        self._on_fault = on_fault
+        self.on_fault: Callable[[str], None] = lambda reason: None  # told, from any thread, when the group fails
 
     @property
     def state_format(self) -> str:
@@ -88,8 +89,9 @@ class LockstepBackend(Backend):
         try:
             return fn(*args)
         except Exception as exc:
-            self._fail(f"the ranks fell out of step ({type(exc).__name__}: {exc}); {peers(self.channel.size)} "
-                       "may be gone")
+            cause = exc.cause if isinstance(exc, BatchFailed) else exc
+            self._fail(f"{peers(self.channel.size)} failed or was lost: {fn.__name__} stopped with "
+                       f"{type(cause).__name__}: {_gist(cause)}")
             raise RanksFailed(self.failed) from exc
         finally:
             self._watchdog.end()
@@ -102,7 +104,7 @@ class LockstepBackend(Backend):
         if self.failed is None:
             self.failed = reason
             log.error("distributed serving stopped: %s", reason)
-            self._on_fault(reason)
+            self.on_fault(reason)
 
     def _stalled(self, seconds: float) -> None:
         self._fail(f"{peers(self.channel.size)} stopped answering: a step waited {seconds:.0f} s on the other "
@@ -117,9 +119,14 @@ class LockstepBackend(Backend):
 
     def stop(self, reason: str) -> None:
         """Tell every rank to leave (after the runner has stopped): releases still recorded go first."""
-        if self.failed is None:
-            self._send(p.Stop(reason))
-        self._watchdog.close()
+        try:
+            if self.failed is None:
+                self._send(p.Stop(reason))
+                self.stopped = True
+        except RanksFailed:
+            pass  # the others are gone already
+        finally:
+            self._watchdog.close()
 
     # -- model and sessions ---------------------------------------------
 
@@ -223,6 +230,12 @@ class LockstepBackend(Backend):
 
     def to_numpy(self, logits: Any) -> np.ndarray:
         return self.local.to_numpy(logits)
+
+
+def _gist(exc: BaseException) -> str:
+    """The first sentence of an error, without a C++ source location ("[.../pair.cc:553] ")."""
+    text = re.sub(r"^\[[^\]]*\] ", "", str(exc).strip())
+    return text.split(". ")[0][:200]
 
 
 def _attempt(fn: Callable, *args: Any) -> tuple[Any, str | None]:

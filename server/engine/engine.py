@@ -56,6 +56,7 @@ class Engine:
         self.registry = registry
         self.info: ModelInfo | None = None
         self.dead = False
+        self.failure: str | None = None  # why the engine stopped serving, once it did
         self._closing = False
         self._runner: Runner | None = None
         self._loaded: asyncio.Future | None = None
@@ -391,8 +392,13 @@ class Engine:
         recurrent = any(layer.kind == "recurrent" for layer in info.layers)
         return DiskTier.open(self.kv_dir, fp, self.config.prefix_cache_disk_bytes, windows, recurrent)
 
+    def fail(self, error: str) -> None:
+        """The backend failed outside any runner call (a rank stopped answering): as if the runner died."""
+        if not self.dead:
+            self._on_died(m.Died(error))
+
     def _on_died(self, ev: m.Died) -> None:
-        self.dead = True
+        self.dead, self.failure = True, ev.error
         if self._loaded is not None and not self._loaded.done():
             self._loaded.set_exception(RuntimeError(ev.error))
         for r in list(self._requests.values()):

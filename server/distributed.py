@@ -1,0 +1,94 @@
+"""`kvfork serve --distributed`: the same command on every rank, started by a launcher.
+
+    mlx.launch --backend ring -n 2 --hosts 127.0.0.1 -- kvfork serve --distributed --backend mlx
+    torchrun --nproc-per-node 2 $(which kvfork) serve --distributed --backend torch
+
+Rank 0 serves HTTP and runs the engine on a LockstepBackend (backends/lockstep); every other rank
+follows its plans and serves nothing. Rank 0's flags bind: it sends the model, dtype and clone mode
+to the others with the first plan.
+
+How each rank ends:
+- rank 0 on SIGINT/SIGTERM: the daemon's shutdown (in-flight requests get --shutdown-grace, then a
+  clear error), then a Stop plan takes every other rank out;
+- rank 0 when another rank is lost or stalls: its requests end with a 503 naming the rank, /health
+  names it too, and it serves 503s until stopped (a launcher stops it: both mlx.launch and torchrun
+  send SIGTERM once a rank exits);
+- another rank on a Stop plan, or when rank 0 is gone (its collective fails); a first SIGTERM waits
+  for rank 0's Stop (rank 0 is finishing its requests), a second leaves at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from backends import default_backend
+from backends.lockstep import JoinError, Ranks, join
+from backends.lockstep.follower import Follower
+from backends.lockstep.leader import LockstepBackend
+from server.config import ServerConfig
+from server.engine.config import EngineConfig
+
+
+def serve(config: ServerConfig, engine_config: EngineConfig, model: str) -> int:
+    try:
+        ranks = join(default_backend() if config.backend == "auto" else config.backend)
+    except (JoinError, ImportError) as e:
+        print(f"kvfork: --distributed: {e}", file=sys.stderr)
+        return 1
+    if ranks.rank != 0:
+        return follow(ranks)
+    from server.serve import run
+
+    leader = LockstepBackend(ranks.backend, ranks.channel, config.rank_timeout)
+    try:
+        code = asyncio.run(run(config, engine_config, model, leader))
+    except KeyboardInterrupt:
+        code = 130
+    return leave(ranks, code, healthy=leader.stopped)
+
+
+def follow(ranks: Ranks) -> int:
+    print(f"kvfork: rank {ranks.rank} of {ranks.size}: following rank 0's steps", flush=True)
+    ended: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            ended["reason"] = Follower(ranks.backend, ranks.channel).run()
+        except BaseException as exc:  # noqa: BLE001 - whatever ends the plans ends this rank
+            ended["error"] = exc
+
+    thread = threading.Thread(target=body, name="kvfork-follower", daemon=True)
+    terms = []
+
+    def on_term(signum: int, frame: Any) -> None:
+        terms.append(signum)
+        if len(terms) > 1:
+            print(f"kvfork: rank {ranks.rank}: second SIGTERM, leaving now", flush=True)
+            os._exit(128 + signum)
+        print(f"kvfork: rank {ranks.rank}: SIGTERM, leaving when rank 0 stops (again to leave now)", flush=True)
+
+    signal.signal(signal.SIGTERM, on_term)
+    thread.start()
+    while thread.is_alive():  # the main thread stays free to take signals; collectives block the other
+        thread.join(0.5)
+    if "error" in ended:
+        print(f"kvfork: rank {ranks.rank}: lost rank 0's plans ({ended['error']!r}); leaving", flush=True)
+        return leave(ranks, 1, healthy=False)
+    print(f"kvfork: rank {ranks.rank}: stopped with rank 0 ({ended['reason']})", flush=True)
+    return leave(ranks, 0, healthy=True)
+
+
+def leave(ranks: Ranks, code: int, healthy: bool) -> int:
+    """Leave the group; a group with a rank lost cannot be torn down cleanly (gloo aborts the process in
+    its destructor), so the process leaves at once with its code, its output flushed."""
+    if healthy:
+        ranks.close()
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

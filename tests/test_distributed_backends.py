@@ -1,0 +1,129 @@
+"""One model on 2 ranks (tensor parallel), through the backend interface: every reuse operation gives
+what one process gives, and each rank holds half the weights and half of every KV state.
+
+One launch per backend runs tests/distributed_scenario.py on every tiny model in turn (the launches
+are the expensive part on a shared 2-core machine); the tests read its records.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backends import create_backend
+from backends.mlx.loading import split_refusal
+from backends.torch.config import parse_config
+from backends.torch.parallel import refusal
+from distributed_harness import DISTRIBUTED_BACKENDS, LOGIT_BOUND, REPO, launched, log_text, rank_env, wait_exit
+from distributed_scenario import figures, scenario
+from tiny_models import CONFIGS, write_model
+
+pytestmark = pytest.mark.distributed
+
+# Intermediate 512: the MLP outweighs what stays whole on every rank (norms; mlx-lm's tied embedding)
+# enough that "about half the weights" cannot pass for a rank that holds them all.
+WIDE = dict(intermediate_size=512)
+SPLIT = {"torch": ("llama", "qwen3", "gemma3"), "mlx": ("llama", "qwen3", "qwen3_5")}
+# The default model's shape (SmolLM2-135M: 9 heads, 3 KV heads) does not split over 2 ranks.
+NINE_HEADS = dict(hidden_size=144, intermediate_size=384, num_attention_heads=9, num_key_value_heads=3, head_dim=16)
+REFUSED = {"torch": "qwen3_5", "mlx": "gemma3"}  # hybrids are MLX's to split; mlx-lm cannot split gemma3_text
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, tiny_hybrid_dir) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("distributed-models")
+    out = {arch: str(write_model(root / arch, arch, **WIDE)) for arch in CONFIGS}
+    out["nine_heads"] = str(write_model(root / "nine_heads", "llama", **NINE_HEADS))
+    out["qwen3_5"] = tiny_hybrid_dir("qwen3_5", "hf")
+    return out
+
+
+@pytest.fixture(scope="module", params=DISTRIBUTED_BACKENDS)
+def two_ranks(request, folders, tmp_path_factory) -> tuple[str, dict, dict]:
+    """(backend, rank 0's record, rank 1's record), per model folder."""
+    name = request.param
+    out = tmp_path_factory.mktemp(f"scenario-{name}")
+    models = [folders["nine_heads"], *(folders[a] for a in SPLIT[name]), folders[REFUSED[name]]]
+    log = out / "launch.log"
+    proc = launched(name, [str(REPO / "tests" / "distributed_scenario.py"), name, str(out), *models],
+                    rank_env(name, out / "home"), log)
+    code = wait_exit(proc, 900)
+    assert code == 0 and (out / "rank0.json").exists(), log_text(log)[-4000:]  # mlx.launch exits 0 all the same
+    return name, json.loads((out / "rank0.json").read_text()), json.loads((out / "rank1.json").read_text())
+
+
+def reference(name: str, folder: str) -> dict:
+    backend = create_backend(name)
+    backend.load(folder, "float32")
+    return {**scenario(backend), **figures(backend)}
+
+
+def assert_same_run(got: dict, want: dict) -> None:
+    """Call by call: logits within the bound; greedy tokens equal wherever the one-process run's top-2
+    margin exceeds twice the bound (both sides may move by the bound). Past a near-tie the two runs may
+    rightly pick different tokens, and what follows them differs: the comparison stops there."""
+    for g, w in zip(got["steps"], want["steps"], strict=True):
+        assert g["what"] == w["what"]
+        if "logits" not in w:  # a clone: refused alike, or made at the same position
+            assert g == w, w["what"]
+            continue
+        got_logits, want_logits = np.array(g["logits"]), np.array(w["logits"])
+        np.testing.assert_allclose(got_logits, want_logits, rtol=0, atol=LOGIT_BOUND, err_msg=w["what"])
+        top2 = np.sort(want_logits, axis=-1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > 2 * LOGIT_BOUND
+        assert [t for t, c in zip(g["tokens"], clear) if c] == [t for t, c in zip(w["tokens"], clear) if c], w["what"]
+        if not clear.all():
+            return
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "qwen3_5"])
+def test_two_ranks_give_one_process_tokens(two_ranks, folders, arch):
+    name, rank0, _ = two_ranks
+    if arch not in SPLIT[name]:
+        pytest.skip(f"{arch} is not split on {name} (test_refused_at_load)")
+    assert_same_run(rank0[folders[arch]], reference(name, folders[arch]))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "qwen3_5"])
+def test_each_rank_holds_half(two_ranks, folders, arch):
+    name, rank0, rank1 = two_ranks
+    if arch not in SPLIT[name]:
+        pytest.skip(f"{arch} is not split on {name}")
+    want = reference(name, folders[arch])
+    for held in (rank0[folders[arch]], rank1[folders[arch]]):
+        assert 0.4 < held["weight_bytes"] / want["weight_bytes"] < 0.6
+        assert held["kv_bytes_per_token"] * 2 == want["kv_bytes_per_token"]
+        assert held["state_bytes"] * 2 == want["state_bytes"]
+    ratio = rank0[folders[arch]]["session_bytes"] / want["session_bytes"]
+    assert 0.4 < ratio < 0.6, "a session's KV state on one rank"
+
+
+def test_releases_reach_every_rank(two_ranks, folders):
+    """Rank 0 released every session (a cancel among them): so did rank 1, and both hold nothing."""
+    name, rank0, rank1 = two_ranks
+    for arch in SPLIT[name]:
+        assert rank0[folders[arch]]["live_after"] == rank1[folders[arch]]["live_after"] == 0
+        assert rank0[folders[arch]]["total_after"] == 0
+
+
+def test_refused_at_load(two_ranks, folders):
+    """Both ranks refuse, with the reason, what cannot split: the default model's head counts, and the
+    families the backend does not split."""
+    name, rank0, rank1 = two_ranks
+    for record in (rank0, rank1):
+        assert "9 attention heads, 3 KV heads: not a multiple of 2" in record[folders["nine_heads"]]["error"]
+        refused = record[folders[REFUSED[name]]]["error"]
+        assert ("no tensor-parallel sharding" in refused) if name == "mlx" else ("served on one rank" in refused)
+
+
+def test_refusals_name_the_counts_that_do_not_divide(folders):
+    """Where a check can be made without a second rank: the reasons, for any rank count."""
+    config = json.loads((Path(folders["nine_heads"]) / "config.json").read_text())
+    assert "9 attention heads, 3 KV heads: not a multiple of 2" in refusal(parse_config(config), 2)
+    assert refusal(parse_config(config), 3) is None
+    assert "MLP columns" in refusal(parse_config(dict(config, intermediate_size=130)), 3)
+    assert "gemma3_text" in split_refusal(Path(folders["gemma3"]), 2)
+    assert split_refusal(Path(folders["nine_heads"]), 3) is None
