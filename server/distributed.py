@@ -13,8 +13,9 @@ How each rank ends:
 - rank 0 when another rank is lost or stalls: its requests end with a 503 naming the rank, /health
   names it too, and it serves 503s until stopped (a launcher stops it: both mlx.launch and torchrun
   send SIGTERM once a rank exits);
-- another rank on a Stop plan, or when rank 0 is gone (its collective fails); a first SIGTERM waits
-  for rank 0's Stop (rank 0 is finishing its requests), a second leaves at once.
+- another rank on a Stop plan, or when rank 0 is gone (its collective fails); a first SIGINT or
+  SIGTERM waits for rank 0's Stop (rank 0 is finishing its requests: torchrun forwards a SIGTERM to
+  every rank, a terminal's Ctrl-C reaches every rank mlx.launch started), a second leaves at once.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def serve(config: ServerConfig, engine_config: EngineConfig, model: str) -> int:
 
 
 def follow(ranks: Ranks) -> int:
-    print(f"kvfork: rank {ranks.rank} of {ranks.size}: following rank 0's steps", flush=True)
+    print(f"kvfork: rank {ranks.rank} of {ranks.size} (pid {os.getpid()}): following rank 0's steps", flush=True)
     ended: dict[str, Any] = {}
 
     def body() -> None:
@@ -65,14 +66,16 @@ def follow(ranks: Ranks) -> int:
     thread = threading.Thread(target=body, name="kvfork-follower", daemon=True)
     terms = []
 
-    def on_term(signum: int, frame: Any) -> None:
+    def on_signal(signum: int, frame: Any) -> None:
         terms.append(signum)
+        name = signal.Signals(signum).name
         if len(terms) > 1:
-            print(f"kvfork: rank {ranks.rank}: second SIGTERM, leaving now", flush=True)
+            print(f"kvfork: rank {ranks.rank}: second signal ({name}), leaving now", flush=True)
             os._exit(128 + signum)
-        print(f"kvfork: rank {ranks.rank}: SIGTERM, leaving when rank 0 stops (again to leave now)", flush=True)
+        print(f"kvfork: rank {ranks.rank}: {name}, leaving when rank 0 stops (again to leave now)", flush=True)
 
-    signal.signal(signal.SIGTERM, on_term)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a terminal's Ctrl-C reaches every rank under mlx.launch
+        signal.signal(sig, on_signal)
     thread.start()
     while thread.is_alive():  # the main thread stays free to take signals; collectives block the other
         thread.join(0.5)

@@ -8,6 +8,7 @@ cancelled, then the listener closes. Tests drive the same `Daemon` class.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from pathlib import Path
 
@@ -96,7 +97,7 @@ async def run(config: ServerConfig, engine_config: EngineConfig, model: str,
               leader: LockstepBackend | None = None) -> int:
     """Serve until a signal. `leader`: rank 0's backend of a model split over ranks (server/distributed.py)."""
     if leader is not None:
-        backend_name, backend = f"{config.backend}, rank 0 of {leader.channel.size}", leader
+        backend_name, backend = f"{config.backend}, rank 0 of {leader.channel.size}, pid {os.getpid()}", leader
     else:
         try:
             backend_name, backend = pick_backend(config.backend)

@@ -20,6 +20,7 @@ from typing import Callable
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 DISTRIBUTED_BACKENDS = ("torch", "mlx")
+KV_BUDGET = str(256 * 1024 * 1024)  # per rank, as http_daemon's TEST_ENGINE gives one process
 # How far a 2-rank run's float32 logits may be from one process's. Tensor parallelism changes only
 # the order of sums: each all_reduce adds two partial sums of K/2 terms where one process adds K in
 # one run, which moves a sum by at most about K * 2**-24 of its terms' magnitudes; through the tiny
