@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from backends import create_backend
-from backends.mlx.loading import split_refusal
 from backends.torch.config import parse_config
 from backends.torch.parallel import refusal
 from distributed_harness import DISTRIBUTED_BACKENDS, LOGIT_BOUND, REPO, launched, log_text, rank_env, wait_exit
@@ -45,6 +44,8 @@ def folders(tmp_path_factory, tiny_hybrid_dir) -> dict[str, str]:
 def two_ranks(request, folders, tmp_path_factory) -> tuple[str, dict, dict]:
     """(backend, rank 0's record, rank 1's record), per model folder."""
     name = request.param
+    if name == "mlx":
+        pytest.importorskip("mlx_lm")  # a GPU machine's check (tools/gpu_check.sh) has torch alone
     out = tmp_path_factory.mktemp(f"scenario-{name}")
     models = [folders["nine_heads"], *(folders[a] for a in SPLIT[name]), folders[REFUSED[name]]]
     log = out / "launch.log"
@@ -125,5 +126,6 @@ def test_refusals_name_the_counts_that_do_not_divide(folders):
     assert "9 attention heads, 3 KV heads: not a multiple of 2" in refusal(parse_config(config), 2)
     assert refusal(parse_config(config), 3) is None
     assert "MLP columns" in refusal(parse_config(dict(config, intermediate_size=130)), 3)
+    split_refusal = pytest.importorskip("backends.mlx.loading").split_refusal
     assert "gemma3_text" in split_refusal(Path(folders["gemma3"]), 2)
     assert split_refusal(Path(folders["nine_heads"]), 3) is None
