@@ -219,8 +219,8 @@ def run_child(name: str, role: str, folder: Path, out: Path, argv: list[str], de
 def report(args, shape: dict, one: dict, two: dict) -> None:
     layers = shape["num_hidden_layers"]
     per_step = 2 * layers + (2 if args.backend == "torch" else 0)
-    print(f"rank-bench: {args.backend} on {args.device}, {args.shape} shape ({layers} layers, hidden {shape['hidden_size']}), "
-          f"context {CONTEXT}, median of {args.steps} decode steps")
+    print(f"rank-bench: {args.backend} on {args.device}, {args.shape} shape ({layers} layers, "
+          f"hidden {shape['hidden_size']}), context {CONTEXT}, median of {args.steps} decode steps")
     print("| sessions | 1 process ms/step | 2 ranks ms/step | ratio | plan broadcast ms | "
           f"collective ms (one) | collectives x {per_step} ms | not compute (share of 2-rank step) |")
     print("|---|---|---|---|---|---|---|---|")
