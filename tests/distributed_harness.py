@@ -104,13 +104,13 @@ def wait_exit(proc: subprocess.Popen, limit_s: float) -> int:
 
 
 def stop_group(proc: subprocess.Popen) -> None:
-    """Kill a launched command and everything it started (its own session)."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(10)
+    """Kill a launched command and everything it started (its own process group), whether or not the
+    command itself has left: a launcher that dies leaves its ranks running."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(10)
 
 
 def poll(check: Callable[[], object], what: str, limit_s: float = 240.0, every: float = 0.25) -> object:

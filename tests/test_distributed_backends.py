@@ -16,7 +16,8 @@ import pytest
 from backends import create_backend
 from backends.torch.config import parse_config
 from backends.torch.parallel import refusal
-from distributed_harness import DISTRIBUTED_BACKENDS, LOGIT_BOUND, REPO, launched, log_text, rank_env, wait_exit
+from distributed_harness import (DISTRIBUTED_BACKENDS, LOGIT_BOUND, REPO, launched, log_text, rank_env, stop_group,
+                                 wait_exit)
 from distributed_scenario import figures, scenario
 from tiny_models import CONFIGS, write_model
 
@@ -51,7 +52,10 @@ def two_ranks(request, folders, tmp_path_factory) -> tuple[str, dict, dict]:
     log = out / "launch.log"
     proc = launched(name, [str(REPO / "tests" / "distributed_scenario.py"), name, str(out), *models],
                     rank_env(name, out / "home"), log)
-    code = wait_exit(proc, 900)
+    try:
+        code = wait_exit(proc, 900)
+    finally:
+        stop_group(proc)
     assert code == 0 and (out / "rank0.json").exists(), log_text(log)[-4000:]  # mlx.launch exits 0 all the same
     return name, json.loads((out / "rank0.json").read_text()), json.loads((out / "rank1.json").read_text())
 
