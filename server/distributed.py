@@ -79,8 +79,9 @@ def follow(ranks: Ranks) -> int:
     thread.start()
     while thread.is_alive():  # the main thread stays free to take signals; collectives block the other
         thread.join(0.5)
-    if "error" in ended:
-        print(f"kvfork: rank {ranks.rank}: lost rank 0's plans ({ended['error']!r}); leaving", flush=True)
+    if "error" in ended:  # rank 0 lost, or an effect this rank could not apply (a model it cannot load)
+        error = ended["error"]
+        print(f"kvfork: rank {ranks.rank}: leaving: {type(error).__name__}: {error}", flush=True)
         return leave(ranks, 1, healthy=False)
     print(f"kvfork: rank {ranks.rank}: stopped with rank 0 ({ended['reason']})", flush=True)
     return leave(ranks, 0, healthy=True)

@@ -11,13 +11,15 @@ import asyncio
 import os
 import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import aiohttp
 import pytest
 
 from backends import create_backend
-from distributed_harness import (DISTRIBUTED_BACKENDS, KV_BUDGET, LOGIT_BOUND, by_hand, free_ports, launched,
+from distributed_harness import (DISTRIBUTED_BACKENDS, KV_BUDGET, LOGIT_BOUND, REPO, by_hand, free_ports, launched,
                                  log_text, rank_env, stop_group)
 from http_daemon import TEST_ENGINE, data_frames, serving
 
@@ -218,3 +220,29 @@ async def test_stalled_rank_caught_by_the_watchdog(backend_name, model, tmp_path
     finally:
         for proc in (rank1, rank0):
             stop_group(proc)
+
+
+def test_without_a_launcher_it_says_how_to_start(backend_name, model, tmp_path):
+    env = {k: v for k, v in rank_env(backend_name, tmp_path).items() if k not in ("RANK", "MLX_RANK")}
+    done = subprocess.run([sys.executable, *serve_command(backend_name, model, free_ports(1))], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    launcher = "torchrun" if backend_name == "torch" else "mlx.launch"
+    assert done.returncode == 1 and f"--distributed: start every rank with {launcher}" in done.stderr, done.stderr
+
+
+def test_a_model_that_cannot_split_stops_every_rank_with_the_reason(backend_name, tmp_path):
+    """The default model's shape (9 heads, 3 KV heads): rank 0 and rank 1 both exit 1, saying why."""
+    from tiny_models import write_model
+
+    folder = write_model(tmp_path / "nine", "llama", hidden_size=144, intermediate_size=384, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=16)
+    procs = by_hand(backend_name, serve_command(backend_name, str(folder), free_ports(1)),
+                    rank_env(backend_name, tmp_path), tmp_path)
+    try:
+        codes = [proc.wait(240) for proc in procs]
+    finally:
+        for proc in procs:
+            stop_group(proc)
+    reason = "9 attention heads, 3 KV heads: not a multiple of 2"
+    assert codes == [1, 1]
+    assert reason in log_text(tmp_path / "rank0.log") and reason in log_text(tmp_path / "rank1.log")
