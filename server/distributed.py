@@ -21,6 +21,7 @@ How each rank ends:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import sys
@@ -32,7 +33,7 @@ from backends.lockstep import JoinError, Ranks, join
 from backends.lockstep.follower import Follower
 from backends.lockstep.leader import LockstepBackend
 from server.config import ServerConfig
-from server.engine.config import EngineConfig
+from server.engine.config import KV_BUDGET_FRACTION, EngineConfig, physical_memory_bytes
 
 
 def serve(config: ServerConfig, engine_config: EngineConfig, model: str) -> int:
@@ -45,12 +46,24 @@ def serve(config: ServerConfig, engine_config: EngineConfig, model: str) -> int:
         return follow(ranks)
     from server.serve import run
 
+    engine_config = shared_budget(engine_config, ranks.local)
+
     leader = LockstepBackend(ranks.backend, ranks.channel, config.rank_timeout)
     try:
         code = asyncio.run(run(config, engine_config, model, leader))
     except KeyboardInterrupt:
         code = 130
     return leave(ranks, code, healthy=leader.stopped)
+
+
+def shared_budget(engine_config: EngineConfig, local: int) -> EngineConfig:
+    """The default KV budget is a share of the machine's memory: ranks on one machine split it (each rank
+    holds as much KV as rank 0, whose budget the engine keeps)."""
+    if engine_config.kv_budget_bytes is not None or local <= 1:
+        return engine_config
+    budget = int(KV_BUDGET_FRACTION * physical_memory_bytes() / local)
+    print(f"kvfork: {local} ranks on this machine: a KV budget of {budget / 1024**3:.2f} GiB each", flush=True)
+    return dataclasses.replace(engine_config, kv_budget_bytes=budget)
 
 
 def follow(ranks: Ranks) -> int:

@@ -15,8 +15,10 @@ Each rank's backend holds its shard of the model (backends/torch/parallel.py; ml
 from __future__ import annotations
 
 import datetime
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from backends.base import Backend
@@ -38,6 +40,7 @@ class Ranks:
     channel: Channel
     backend: Backend  # this rank's shard of the model, not loaded yet
     framework: str
+    local: int = 1  # ranks on this rank's machine (they share its memory)
 
     def close(self) -> None:
         """Leave the group once every rank has stopped (a Stop went round)."""
@@ -74,7 +77,8 @@ def _join_torch() -> Ranks:
                         f"by hand): {exc}") from exc
     control: Any = dist.new_group(backend="gloo", timeout=IDLE_LIMIT)
     rank, size = dist.get_rank(), dist.get_world_size()
-    return Ranks(rank, size, TorchChannel(control), TorchBackend(str(device), Shards(rank, size)), "torch")
+    return Ranks(rank, size, TorchChannel(control), TorchBackend(str(device), Shards(rank, size)), "torch",
+                 int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def _join_mlx() -> Ranks:
@@ -86,4 +90,14 @@ def _join_mlx() -> Ranks:
         group = mx.distributed.init(strict=True)
     except RuntimeError as exc:
         raise JoinError(f"start every rank with mlx.launch (or set MLX_RANK and MLX_HOSTFILE by hand): {exc}") from exc
-    return Ranks(group.rank(), group.size(), MLXChannel(group), MLXBackend(group), "mlx")
+    return Ranks(group.rank(), group.size(), MLXChannel(group), MLXBackend(group), "mlx", _ring_neighbours(group.rank()))
+
+
+def _ring_neighbours(rank: int) -> int:
+    """Ranks of the ring's hostfile (MLX_HOSTFILE: one list of "ip:port" per rank) on this rank's IP."""
+    try:
+        hosts = json.loads(Path(os.environ["MLX_HOSTFILE"]).read_text())
+        ip = lambda entries: entries[0].rsplit(":", 1)[0]  # noqa: E731
+        return sum(1 for entries in hosts if ip(entries) == ip(hosts[rank]))
+    except (KeyError, OSError, ValueError, IndexError, TypeError, AttributeError):
+        return 1  # another backend (JACCL, MPI) or no file: counted as alone
