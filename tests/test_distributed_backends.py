@@ -26,10 +26,10 @@ pytestmark = pytest.mark.distributed
 # Intermediate 512: the MLP outweighs what stays whole on every rank (norms; mlx-lm's tied embedding)
 # enough that "about half the weights" cannot pass for a rank that holds them all.
 WIDE = dict(intermediate_size=512)
-SPLIT = {"torch": ("llama", "qwen3", "gemma3"), "mlx": ("llama", "qwen3", "qwen3_5")}
+SPLIT = {"torch": ("llama", "qwen3", "gemma3", "qwen3_5"), "mlx": ("llama", "qwen3", "qwen3_5")}
 # The default model's shape (SmolLM2-135M: 9 heads, 3 KV heads) does not split over 2 ranks.
 NINE_HEADS = dict(hidden_size=144, intermediate_size=384, num_attention_heads=9, num_key_value_heads=3, head_dim=16)
-REFUSED = {"torch": "qwen3_5", "mlx": "gemma3"}  # hybrids are MLX's to split; mlx-lm cannot split gemma3_text
+REFUSED = {"torch": (), "mlx": ("gemma3",)}  # mlx-lm cannot split gemma3_text (kvfork does not shard MLX models)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def two_ranks(request, folders, tmp_path_factory) -> tuple[str, dict, dict]:
     if name == "mlx":
         pytest.importorskip("mlx_lm")  # a GPU machine's check (tools/gpu_check.sh) has torch alone
     out = tmp_path_factory.mktemp(f"scenario-{name}")
-    models = [folders["nine_heads"], *(folders[a] for a in SPLIT[name]), folders[REFUSED[name]]]
+    models = [folders["nine_heads"], *(folders[a] for a in SPLIT[name] + REFUSED[name])]
     log = out / "launch.log"
     proc = launched(name, [str(REPO / "tests" / "distributed_scenario.py"), name, str(out), *models],
                     rank_env(name, out / "home"), log)
@@ -86,7 +86,8 @@ def assert_same_run(got: dict, want: dict, arch: str) -> None:
 
 
 def test_two_ranks_give_one_process_tokens(two_ranks, folders):
-    """torch: llama, qwen3, gemma3 (sliding layers); MLX: llama, qwen3, qwen3_5 (recurrent layers)."""
+    """llama, qwen3, qwen3_5 (recurrent layers: checkpoints, clones at them) on both; gemma3 (sliding
+    layers) on torch."""
     name, rank0, _ = two_ranks
     for arch in SPLIT[name]:
         assert_same_run(rank0[folders[arch]], reference(name, folders[arch]), arch)
@@ -112,13 +113,14 @@ def test_releases_reach_every_rank(two_ranks, folders):
 
 
 def test_refused_at_load(two_ranks, folders):
-    """Both ranks refuse, with the reason, what cannot split: the default model's head counts, and the
-    families the backend does not split."""
+    """Both ranks refuse, with the reason, what cannot split: the default model's head counts, and on MLX
+    the families mlx-lm has no sharding for."""
     name, rank0, rank1 = two_ranks
     for record in (rank0, rank1):
         assert "9 attention heads, 3 KV heads: not a multiple of 2" in record[folders["nine_heads"]]["error"]
-        refused = record[folders[REFUSED[name]]]["error"]
-        assert ("no tensor-parallel sharding" in refused) if name == "mlx" else ("served on one rank" in refused)
+        for arch in REFUSED[name]:
+            assert "mlx-lm has no tensor-parallel sharding (Model.shard) for model_type 'gemma3_text'" in \
+                record[folders[arch]]["error"]
 
 
 def test_refusals_name_the_counts_that_do_not_divide(folders):
@@ -127,6 +129,9 @@ def test_refusals_name_the_counts_that_do_not_divide(folders):
     assert "9 attention heads, 3 KV heads: not a multiple of 2" in refusal(parse_config(config), 2)
     assert refusal(parse_config(config), 3) is None
     assert "MLP columns" in refusal(parse_config(dict(config, intermediate_size=130)), 3)
+    hybrid = json.loads((Path(folders["qwen3_5"]) / "config.json").read_text())
+    assert refusal(parse_config(hybrid), 2) is None
+    assert "2 DeltaNet key heads" in refusal(parse_config(hybrid), 4)
     split_refusal = pytest.importorskip("backends.mlx.loading").split_refusal
     assert "gemma3_text" in split_refusal(Path(folders["gemma3"]), 2)
     assert split_refusal(Path(folders["nine_heads"]), 3) is None

@@ -90,21 +90,26 @@ class TorchBackend(Backend):
         cfg, part = read_config(path), None
         if self.shards is not None:
             self._refuse_split(cfg)
-            part = functools.partial(parallel.local_weight, cfg=cfg, shards=self.shards)
-        return self.install(cfg, read_weights(path, self.device, part), path.name, read_model_facts(path), dtype)
+            # A rank reads its parts alone where checkpoint names are the model's; a hybrid's checkpoint
+            # layouts (checkpoints.py) are brought to them first, so it reads the whole and splits it.
+            if isinstance(cfg, ArchConfig):
+                part = functools.partial(parallel.local_weight, cfg=cfg, shards=self.shards)
+        weights = read_weights(path, self.device, part)
+        return self.install(cfg, weights, path.name, read_model_facts(path), dtype, split=part is not None)
 
     def install(self, cfg: ArchConfig | HybridConfig, weights: dict[str, torch.Tensor], name: str, facts: ModelFacts,
-                dtype: str | None = None) -> ModelInfo:
-        """Take a model from weights already in memory (HF names; with `shards`, this rank's parts of
-        them: parallel.local_weight); `load` reads them from a folder, tools/gpu_check.py makes random
-        ones of realistic shapes."""
+                dtype: str | None = None, split: bool = False) -> ModelInfo:
+        """Take a model from weights already in memory (HF names; `split`: with `shards`, already this
+        rank's parts, parallel.local_weight); `load` reads them from a folder, tools/gpu_check.py makes
+        random ones of realistic shapes."""
         self.dtype = DTYPES[dtype] if dtype else default_dtype(self.device)
         if isinstance(cfg, HybridConfig):
             weights = checkpoints.canonical(cfg, weights)
         shards = self.shards
         if shards is not None:
             self._refuse_split(cfg)
-            assert isinstance(cfg, ArchConfig)
+            if not split:
+                weights = {k: parallel.local_weight(k, w, w.shape, cfg, shards) for k, w in weights.items()}
             cfg = parallel.local_config(cfg, shards.size)
         with torch.device("meta"):
             tied = "lm_head.weight" not in weights
