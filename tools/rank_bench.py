@@ -216,6 +216,22 @@ def run_child(name: str, role: str, folder: Path, out: Path, argv: list[str], de
     return {k: {int(n): v for n, v in d.items()} for k, d in json.loads(out.read_text()).items()}
 
 
+def plan_costs(sessions: list[int], chunk: int = 512, repeat: int = 2000) -> list[tuple[str, int, float]]:
+    """(step, plan bytes, encode + decode µs) of the plans a step sends: a decode of n rows, a prefill chunk."""
+    from backends.lockstep import plan as p
+
+    plans = [(f"decode, {n} rows", p.Plan(1000, [p.Decode(list(range(100, 100 + n)), [30000 + i for i in range(n)])]))
+             for n in sessions]
+    plans.append((f"prefill chunk of {chunk}", p.Plan(1000, [p.Prefill([100], [[30000 + i for i in range(chunk)]])])))
+    out = []
+    for what, plan in plans:
+        start = time.perf_counter()
+        for _ in range(repeat):
+            p.decode(p.encode(plan))
+        out.append((what, len(p.encode(plan)), (time.perf_counter() - start) / repeat * 1e6))
+    return out
+
+
 def report(args, shape: dict, one: dict, two: dict) -> None:
     layers = shape["num_hidden_layers"]
     per_step = 2 * layers + (2 if args.backend == "torch" else 0)
@@ -229,6 +245,9 @@ def report(args, shape: dict, one: dict, two: dict) -> None:
         overhead = plan + per_step * ar
         print(f"| {n} | {s1 * 1e3:.2f} | {s2 * 1e3:.2f} | {s2 / s1:.2f} | {plan * 1e3:.3f} | {ar * 1e3:.3f} | "
               f"{per_step * ar * 1e3:.2f} | {overhead * 1e3:.2f} ms ({overhead / s2:.0%}) |")
+    print("\n| plan | bytes | encode + decode µs |\n|---|---|---|")
+    for what, size, micros in plan_costs(list(one["step_s"])):
+        print(f"| {what} | {size:,} | {micros:.1f} |")
 
 
 if __name__ == "__main__":
