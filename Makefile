@@ -7,13 +7,13 @@ STAMP  := $(VENV)/.installed
 BLAS_ENV = LD_PRELOAD="$$($(BIN)/python -m backends.mlx.blas)"
 ARGS ?=
 
-.PHONY: install model serve test smoke soak bench peers clean
+.PHONY: install model serve test smoke soak bench peers cluster clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,cluster,kv-router]'
 	$(BIN)/python -m backends.mlx.blas --install
 	touch $(STAMP)
 
@@ -25,6 +25,10 @@ serve: install
 
 test: install
 	$(BLAS_ENV) $(BIN)/python -m pytest -q $(ARGS)
+
+# Replicas of one model behind smg on this machine: ARGS="--replicas 3 --port 9000" (README: Several replicas).
+cluster: install
+	$(BIN)/kvfork cluster $(ARGS)
 
 smoke: install
 	$(BIN)/kvfork smoke $(ARGS)
