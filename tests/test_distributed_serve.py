@@ -246,3 +246,18 @@ def test_a_model_that_cannot_split_stops_every_rank_with_the_reason(backend_name
     reason = "9 attention heads, 3 KV heads: not a multiple of 2"
     assert codes == [1, 1]
     assert reason in log_text(tmp_path / "rank0.log") and reason in log_text(tmp_path / "rank1.log")
+
+
+async def test_rank_0_killed_the_others_leave(backend_name, model, tmp_path):
+    """No rank keeps running alone: rank 1, waiting for a plan, finds rank 0 gone and leaves, saying so."""
+    port = free_ports(1)
+    rank0, rank1 = by_hand(backend_name, serve_command(backend_name, model, port), rank_env(backend_name, tmp_path),
+                           tmp_path)
+    try:
+        await healthy(f"http://127.0.0.1:{port}", [tmp_path / "rank0.log", tmp_path / "rank1.log"])
+        rank0.kill()
+        assert rank1.wait(120) == 1
+        assert "kvfork: rank 1: leaving:" in log_text(tmp_path / "rank1.log")
+    finally:
+        for proc in (rank0, rank1):
+            stop_group(proc)
