@@ -16,9 +16,9 @@ from backends.lockstep.follower import Follower
 from backends.lockstep.leader import LockstepBackend
 
 EVERY_EFFECT = [
-    p.Load("/models/x", "float32", "share"), p.Open(1), p.Clone(1, 40, 2), p.Prefill([1, 2], [[5, 6], [7]]),
+    p.Load("/models/x", "float32", "share"), p.Open(1), p.Clone(2, 1, 40), p.Prefill([1, 2], [[5, 6], [7]]),
     p.Decode([1, 2], [8, 9]), p.KeepAt(1, [20, 40]), p.MoveCheckpoints(1, 2), p.Export(2),
-    p.Import(3, 48, [p.LayerSpec("full", 0, [p.ArraySpec([2, 48, 16], "<f4")] * 2)]), p.Release(1), p.Stop("bye"),
+    p.Import(3, 48, [p.LayerSpec("full", 0, [p.ArraySpec([2, 48, 16], "<f4")] * 2)]), p.Release([1, 3]), p.Stop("bye"),
 ]
 
 
@@ -26,14 +26,14 @@ def test_every_effect_round_trips_as_plain_values():
     plan = p.Plan(7, EVERY_EFFECT)
     assert p.decode(p.encode(plan)) == plan
     wire = msgspec.msgpack.decode(p.encode(plan))  # what crosses: maps, lists, strings and numbers
-    assert wire["effects"][2] == {"type": "clone", "source": 1, "upto": 40, "session": 2}
+    assert wire["effects"][2] == {"type": "clone", "sid": 2, "source": 1, "upto": 40}
 
 
 @pytest.mark.parametrize("payload", [
     {"step": 1, "effects": [{"type": "exec", "code": "import os"}]},  # no such effect
-    {"step": 1, "effects": [{"type": "open", "session": "1"}]},  # a field of the wrong type
+    {"step": 1, "effects": [{"type": "open", "sid": "1"}]},  # a field of the wrong type
     # an extra field is dropped, never run
-    {"step": 1, "effects": [{"type": "open", "session": 1, "extra": b"\x80\x04"}]},
+    {"step": 1, "effects": [{"type": "open", "sid": 1, "extra": b"\x80\x04"}]},
 ])
 def test_a_rank_decodes_nothing_but_the_plan_schema(payload):
     data = msgspec.msgpack.encode(payload)

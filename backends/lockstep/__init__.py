@@ -90,7 +90,8 @@ def _join_mlx() -> Ranks:
         group = mx.distributed.init(strict=True)
     except RuntimeError as exc:
         raise JoinError(f"start every rank with mlx.launch (or set MLX_RANK and MLX_HOSTFILE by hand): {exc}") from exc
-    return Ranks(group.rank(), group.size(), MLXChannel(group), MLXBackend(group), "mlx", _ring_neighbours(group.rank()))
+    rank = group.rank()
+    return Ranks(rank, group.size(), MLXChannel(group), MLXBackend(group), "mlx", _ring_neighbours(rank))
 
 
 def _ring_neighbours(rank: int) -> int:

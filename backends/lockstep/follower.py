@@ -49,22 +49,23 @@ class Follower:
             case p.Load(folder, dtype, clone_mode):
                 b.set_clone_mode(clone_mode)  # type: ignore[arg-type]
                 b.load(folder, dtype)
-            case p.Open(session):
-                s[session] = b.open_session()
-            case p.Clone(source, upto, session):
-                s[session] = b.clone(s[source], upto)
-            case p.Prefill(sessions, chunks):
-                b.prefill([s[i] for i in sessions], chunks)
-            case p.Decode(sessions, tokens):
-                b.decode([s[i] for i in sessions], tokens)
-            case p.Release(session):
-                b.release(s.pop(session))
-            case p.KeepAt(session, positions):
-                b.keep_at(s[session], positions)
+            case p.Open(sid):
+                s[sid] = b.open_session()
+            case p.Clone(sid, source, upto):
+                s[sid] = b.clone(s[source], upto)
+            case p.Prefill(sids, chunks):
+                b.prefill([s[i] for i in sids], chunks)
+            case p.Decode(sids, tokens):
+                b.decode([s[i] for i in sids], tokens)
+            case p.Release(sids):
+                for sid in sids:
+                    b.release(s.pop(sid))
+            case p.KeepAt(sid, positions):
+                b.keep_at(s[sid], positions)
             case p.MoveCheckpoints(source, target):
                 b.move_checkpoints(s[source], s[target])
-            case p.Export(session):
-                self.export(s[session])
+            case p.Export(sid):
+                self.export(s[sid])
             case p.Import():
                 self.import_state(effect)
             case other:
@@ -90,7 +91,7 @@ class Follower:
             log.warning("loading a state failed: %r", exc)
         if self.channel.all_ok(session is not None):
             assert session is not None
-            self.sessions[effect.session] = session
+            self.sessions[effect.sid] = session
         elif session is not None:
             self.backend.release(session)
 

@@ -151,13 +151,18 @@ class LockstepBackend(Backend):
     def release(self, session: Session) -> None:
         wire = self._wire.pop(session.id, None)
         self.local.release(session)
-        if wire is not None:
-            self._record(p.Release(wire))
+        if wire is None:
+            return
+        last = self._pending[-1] if self._pending else None  # a request's sessions leave together: one effect
+        if isinstance(last, p.Release):
+            self._pending[-1] = p.Release([*last.sids, wire])
+        else:
+            self._record(p.Release([wire]))
 
     def clone(self, session: Session, upto: int) -> Session:
         self._check()
         clone = self.local.clone(session, upto)  # a refusal records nothing
-        self._record(p.Clone(self._id(session), upto, self._name(clone)))
+        self._record(p.Clone(self._name(clone), self._id(session), upto))
         return clone
 
     def keep_at(self, session: Session, positions: Collection[int]) -> None:

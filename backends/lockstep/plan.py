@@ -6,7 +6,8 @@ effects recorded since the last one as one `Plan`. Every other rank (follower.py
 its own backend, on its own shard of each session, so a clone, a checkpoint or a release happens
 on every rank at once. Sampled tokens reach the other ranks as the next plan's decode rows.
 
-Sessions are named by wire ids that rank 0 hands out (`session`), the same on every rank. Nothing
+Sessions are named by ids that rank 0 hands out (`sid`, as issue 24's step plan names them), the same
+on every rank. Nothing
 but msgspec values (ints, strings, lists, tagged structs) crosses: no pickled Python object, so a
 rank never runs code another one sent.
 """
@@ -27,37 +28,37 @@ class Load(msgspec.Struct, tag="load", frozen=True):
 
 
 class Open(msgspec.Struct, tag="open", frozen=True):
-    session: int
+    sid: int
 
 
 class Clone(msgspec.Struct, tag="clone", frozen=True):
-    """`session` becomes a clone of [0, upto) of `source` (rank 0's clone succeeded: so does every rank's)."""
+    """`sid` becomes a clone of [0, upto) of `source` (rank 0's clone succeeded: so does every rank's)."""
 
+    sid: int
     source: int
     upto: int
-    session: int
 
 
 class Prefill(msgspec.Struct, tag="prefill", frozen=True):
-    """One forward pass: chunks[i] committed to sessions[i] (decode rows are one-token chunks on torch)."""
+    """One forward pass: chunks[i] committed to sids[i] (decode rows are one-token chunks on torch)."""
 
-    sessions: list[int]
+    sids: list[int]
     chunks: list[list[int]]
 
 
 class Decode(msgspec.Struct, tag="decode", frozen=True):
-    """One batched decode step: tokens[i] (rank 0 sampled it) committed to sessions[i]."""
+    """One batched decode step: tokens[i] (rank 0 sampled it) committed to sids[i]."""
 
-    sessions: list[int]
+    sids: list[int]
     tokens: list[int]
 
 
 class Release(msgspec.Struct, tag="release", frozen=True):
-    session: int
+    sids: list[int]
 
 
 class KeepAt(msgspec.Struct, tag="keep_at", frozen=True):
-    session: int
+    sid: int
     positions: list[int]
 
 
@@ -69,7 +70,7 @@ class MoveCheckpoints(msgspec.Struct, tag="move_checkpoints", frozen=True):
 class Export(msgspec.Struct, tag="export", frozen=True):
     """Every rank exports its shard of the session's state, and rank 0 gathers them (channel.gather)."""
 
-    session: int
+    sid: int
 
 
 class ArraySpec(msgspec.Struct, frozen=True):
@@ -86,10 +87,10 @@ class LayerSpec(msgspec.Struct, frozen=True):
 
 
 class Import(msgspec.Struct, tag="import", frozen=True):
-    """`session` becomes a session holding the saved state described here, whose arrays rank 0 sends
-    next (channel.broadcast_arrays); each rank keeps its part of axis 0."""
+    """`sid` becomes a session holding the saved state described here, whose arrays rank 0 sends next
+    (channel.broadcast_buffer); each rank keeps its part of axis 0."""
 
-    session: int
+    sid: int
     position: int
     layers: list[LayerSpec]
 
