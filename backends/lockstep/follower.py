@@ -16,6 +16,7 @@ from backends.base import Backend, Session
 from backends.lockstep import plan as p
 from backends.lockstep import saved
 from backends.lockstep.channel import Channel
+from backends.lockstep.loading import load_in_step
 
 log = logging.getLogger("kvfork.lockstep")
 
@@ -48,7 +49,7 @@ class Follower:
         match effect:
             case p.Load(folder, dtype, clone_mode):
                 b.set_clone_mode(clone_mode)  # type: ignore[arg-type]
-                b.load(folder, dtype)
+                load_in_step(b, self.channel, folder, dtype)
             case p.Open(sid):
                 s[sid] = b.open_session()
             case p.Clone(sid, source, upto):

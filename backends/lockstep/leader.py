@@ -33,6 +33,7 @@ from backends.base import Backend, BatchFailed, ModelInfo, Sampled, SamplerState
 from backends.lockstep import plan as p
 from backends.lockstep import saved
 from backends.lockstep.channel import Channel
+from backends.lockstep.loading import load_in_step
 
 log = logging.getLogger("kvfork.lockstep")
 
@@ -54,7 +55,7 @@ class LockstepBackend(Backend):
     def __init__(self, local: Backend, channel: Channel, timeout: float):
         self.local, self.channel = local, channel
         self.mixed_batches = local.mixed_batches
-        self._wire: dict[int, int] = {}  # local session id -> wire id
+        self._wire: dict[int, int] = {}  # local session id -> its sid in the plans
         self._ids = itertools.count(1)
         self._pending: list[Any] = []
         self._steps = itertools.count(1)
@@ -136,10 +137,10 @@ class LockstepBackend(Backend):
 
     def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
         self._send(p.Load(folder, dtype, self._clone_mode))
-        try:  # not watched: loading takes as long as the weights take to read, on every rank alike
-            self.info = self.local.load(folder, dtype)
+        try:
+            self.info = load_in_step(self.local, self.channel, folder, dtype)
         except Exception as exc:
-            self._fail(f"loading failed on rank 0: {exc}")
+            self._fail(f"loading the model failed: {exc}")
             raise
         return self.info
 
