@@ -360,7 +360,7 @@ class DiskTier:
             self.nbytes -= entry.file_bytes
             if self.watch is not None:
                 self.watch.removed(entry.tokens, entry.scope)
-        self._pool.submit(self._remove, entry.name)
+        self._remove_later(entry.name)
 
     def _trim(self, room: int) -> None:
         """Evict least recently used files until `room` more bytes fit under the cap."""
@@ -370,7 +370,7 @@ class DiskTier:
             self.stats.evicted += 1
             if self.watch is not None:
                 self.watch.removed(entry.tokens, entry.scope)
-            self._pool.submit(self._remove, entry.name)
+            self._remove_later(entry.name)
 
     # ---- file work (worker thread), answered on the loop ----
 
@@ -462,6 +462,12 @@ class DiskTier:
             self._pool.submit(run)
         except RuntimeError:  # closed
             finish(RuntimeError("the disk tier is closed"))
+
+    def _remove_later(self, name: str) -> None:
+        try:
+            self._pool.submit(self._remove, name)
+        except RuntimeError:  # closed: a write finishing after close; the next start-up indexes the file again
+            pass
 
     def _remove(self, name: str) -> None:
         try:
