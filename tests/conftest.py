@@ -92,4 +92,7 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("tolerances: largest difference against the bound, per comparison kind")
     for kind, (ratio, diff, allowed, where) in sorted(tolerance.worst.items(), key=lambda kv: -kv[1][0]):
         terminalreporter.write_line(f"{kind.value:34s} {diff:9.3g} of {allowed:9.3g} ({ratio:6.1%})  {where}")
+    tie, where = tolerance.closest_tie
+    if where:
+        terminalreporter.write_line(f"{'nearest tie of a greedy step':34s} margin {tie:.0f}x twice the bound  {where}")
 

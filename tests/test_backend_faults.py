@@ -14,6 +14,8 @@ from tolerance import Kind
 
 from backends.base import BatchFailed, RowState, SamplerState, SamplingParams
 
+pytestmark = pytest.mark.numeric  # again without the OpenBLAS preload: make test-numeric
+
 PREFIX = 20  # past the sliding window (16) of the gemma3 test model: its rings have wrapped
 
 

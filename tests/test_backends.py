@@ -21,6 +21,8 @@ from tolerance import Kind
 
 from backends.base import CloneRefused, clone_refusal
 
+pytestmark = pytest.mark.numeric  # again without the OpenBLAS preload: make test-numeric
+
 PROMPT = prompt(40)
 
 

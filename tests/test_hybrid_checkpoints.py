@@ -13,6 +13,8 @@ from backends.base import CloneRefused
 from tiny_hybrid_models import HYBRID_ARCHS, MLX_ONLY_ARCHS
 from tolerance import Kind
 
+pytestmark = pytest.mark.numeric  # again without the OpenBLAS preload: make test-numeric
+
 
 @pytest.fixture(params=(*HYBRID_ARCHS, *MLX_ONLY_ARCHS))
 def hybrid(request, backend_name, tiny_hybrid_dir):  # noqa: F811

@@ -13,6 +13,8 @@ pytest.importorskip("mlx_lm")
 from backends import create_backend  # noqa: E402
 from backends.base import CloneRefused  # noqa: E402
 
+pytestmark = pytest.mark.numeric  # again without the OpenBLAS preload: make test-numeric
+
 
 @pytest.fixture(scope="module")
 def quantized_dir(tiny_model_dir, tmp_path_factory):

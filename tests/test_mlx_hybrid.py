@@ -20,6 +20,8 @@ from backends import create_backend  # noqa: E402
 from backends.mlx.last_token import supports_last_position  # noqa: E402
 from backends.base import BatchFailed, CloneRefused, RowState  # noqa: E402
 
+pytestmark = pytest.mark.numeric  # again without the OpenBLAS preload: make test-numeric
+
 ARCHS = (*HYBRID_ARCHS, *MLX_ONLY_ARCHS)
 
 

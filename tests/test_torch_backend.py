@@ -17,6 +17,8 @@ from backends.model_info import read_model_facts
 from backends.torch.config import parse_config, read_config
 from tolerance import Kind
 
+pytestmark = pytest.mark.numeric  # again without the OpenBLAS preload: make test-numeric
+
 DEVICE = os.environ.get("KVFORK_DEVICE", "cpu")
 
 

@@ -14,6 +14,8 @@ from backends.torch import kv
 from backends.torch.backend import TorchBackend
 from tolerance import Kind
 
+pytestmark = pytest.mark.numeric  # again without the OpenBLAS preload: make test-numeric
+
 DEVICE = os.environ.get("KVFORK_DEVICE", "cpu")
 B = kv.BLOCK_TOKENS
 

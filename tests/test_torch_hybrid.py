@@ -17,8 +17,9 @@ from backends.base import CloneRefused, LayerAttention, ModelInfo, clone_positio
 from backends.torch.backend import TorchBackend
 from backends.torch.gated_delta import chunked_delta_rule, delta_rule, l2_normalize, recurrent_delta_rule
 from tiny_hybrid_models import HYBRID_ARCHS, LFM2
-from tolerance import Kind
-from tolerance import assert_arrays_close
+from tolerance import Kind, assert_arrays_close
+
+pytestmark = pytest.mark.numeric  # again without the OpenBLAS preload: make test-numeric
 
 DEVICE = os.environ.get("KVFORK_DEVICE", "cpu")
 

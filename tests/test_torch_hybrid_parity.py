@@ -14,6 +14,8 @@ from backends.torch.backend import TorchBackend  # noqa: E402
 from tiny_hybrid_models import HYBRID_ARCHS, LAYOUTS  # noqa: E402
 from tolerance import Kind, Model, assert_logits_close  # noqa: E402
 
+pytestmark = pytest.mark.numeric  # again without the OpenBLAS preload: make test-numeric
+
 PROMPT_LEN = 150  # past one 64-token chunk of the delta rule's chunked form
 CHUNKS = (0, 7, 100, 101, PROMPT_LEN)  # uneven, one of a single token, one over a chunk of the rule
 DECODE_STEPS = 12

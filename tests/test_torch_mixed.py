@@ -20,6 +20,8 @@ from server.metrics import Registry
 from tiny_hybrid_models import HYBRID_ARCHS
 from tolerance import Kind
 
+pytestmark = pytest.mark.numeric  # again without the OpenBLAS preload: make test-numeric
+
 DEVICE = os.environ.get("KVFORK_DEVICE", "cpu")
 CHUNK = 13  # the prefilling session's chunk: crosses gemma3's 16-token window within a few steps
 

@@ -19,6 +19,8 @@ from backends.base import SamplerState, SamplingParams  # noqa: E402
 from backends.torch.backend import TorchBackend  # noqa: E402
 from tolerance import Kind, Model, assert_arrays_close, assert_logits_close, assert_same_greedy  # noqa: E402
 
+pytestmark = pytest.mark.numeric  # again without the OpenBLAS preload: make test-numeric
+
 PROMPT_LEN = 40  # longer than gemma3's window (16), so its rings wrap during prefill
 CHUNKS = (0, 7, 25, PROMPT_LEN)  # the engine's chunking: uneven, one chunk longer than the window
 DECODE_STEPS = 20
