@@ -56,7 +56,7 @@ def test_batched_rows_against_each_alone(llama):
     """Four sessions decode together; one row rotated one position off is caught."""
     b, lengths = llama, (5, 12, 23, 37)
     sessions = [fresh(b, prompt(n, seed=i))[0] for i, n in enumerate(lengths)]
-    alone = [fresh(b, prompt(n, seed=i) + [7])[1] for i, n in enumerate(lengths)]
+    singles, alone = zip(*(fresh(b, prompt(n, seed=i) + [7]) for i, n in enumerate(lengths)))
     handle = shifted(b, 2)
     wrong = logits_np(b, b.decode(sessions, [7] * 4))
     handle.remove()
@@ -65,7 +65,7 @@ def test_batched_rows_against_each_alone(llama):
     for row in (0, 1, 3):  # the rows the hook left alone
         assert_logits_close(wrong[row], logits_np(b, alone[row])[0], kind=Kind.BATCHED, model=model_of(b), context=38)
     check(b, right[2:3], wrong[2:3], alone[2], Kind.BATCHED, context=24)
-    release_all(b, *sessions, *twins)
+    release_all(b, *sessions, *twins, *singles)
 
 
 def test_torch_against_mlx_lm(llama, tiny_model_dir):
