@@ -193,14 +193,15 @@ def test_a_stale_or_broken_cached_llama_server_is_built_again(monkeypatch, tmp_p
 def test_llama_server_is_built_for_named_instruction_sets():
     """Never -march=native (a VM may advertise AMX and trap on it): AVX2 always, AVX-512 where the CPU
     reports it, AMX never; the server alone, statically."""
-    sapphire = {"avx2", "fma", "f16c", "bmi2", "avx512f", "avx512vbmi", "avx512_vnni", "avx512_bf16", "amx_tile",
-                "amx_int8", "amx_bf16"}
+    sapphire = {"avx2", "fma", "f16c", "bmi2", "avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw", "avx512vbmi",
+                "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"}
     flags = peers.llama_cmake_flags(sapphire)
     assert "-DGGML_NATIVE=OFF" in flags and "-DGGML_NATIVE=ON" not in flags
     assert {"-DGGML_AVX2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON"} <= set(flags)
     assert {"-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"} <= set(flags)
-    older = peers.llama_cmake_flags({"avx2", "fma", "f16c", "bmi2"})
-    assert "-DGGML_AVX2=ON" in older and "-DGGML_AVX512=OFF" in older and "-DGGML_AMX_TILE=OFF" in older
+    older = peers.llama_cmake_flags({"avx2", "fma", "f16c", "bmi2", "avx512_vnni"})  # no AVX-512 foundation
+    assert "-DGGML_AVX2=ON" in older and "-DGGML_AMX_TILE=OFF" in older
+    assert "-DGGML_AVX512=OFF" in older and "-DGGML_AVX512_VNNI=OFF" in older
     assert peers.llama_cmake_flags({"neon", "asimd"}) == peers.LLAMA_BUILD_FLAGS  # not x86: ggml's own choice
     cmd = peers.cmake_command(Path("src"), Path("build"), flags)
     assert "-DLLAMA_BUILD_SERVER=ON" in cmd and "-DLLAMA_BUILD_TESTS=OFF" in cmd

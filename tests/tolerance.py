@@ -45,9 +45,10 @@ a large argument) states its `condition`.
 
 A bound that cannot fail is no bound: test_tolerance.py shows every comparison kind catching a
 deliberately wrong path (RoPE one position off, one KV row dropped, a recurrent state one step
-stale) by a wide factor, and docs/tolerances.md has the largest difference each kind showed
-against its bound, with and without the OpenBLAS preload. Where both paths run the same
-kernels on the same shapes, the tests stay bit-exact (np.testing.assert_array_equal) instead.
+stale) by at least ten bounds. docs/benchmarks.md ("Test tolerances") has the largest difference
+each kind showed against its bound under several BLAS builds, with and without the OpenBLAS
+preload; every run prints the same (conftest.py). Where both paths run the same kernels on the
+same shapes, the tests stay bit-exact (np.testing.assert_array_equal) instead.
 
 "The same greedy tokens" (the user's contract, GUIDE.md) is asserted as tokens plus logits:
 the logits each token was picked from within the bound, and the tokens equal wherever the

@@ -86,8 +86,8 @@ LLAMA_BUILD_FLAGS = (
 # x86-64 instruction sets ggml may use: always the AVX2 generation; each AVX-512 extension where
 # /proc/cpuinfo lists it; AMX never (advertised by virtual machines that trap on it).
 BASE_ISA = ("GGML_SSE42", "GGML_AVX", "GGML_AVX2", "GGML_BMI2", "GGML_FMA", "GGML_F16C")
-AVX512_ISA = {"GGML_AVX512": "avx512f", "GGML_AVX512_VBMI": "avx512vbmi", "GGML_AVX512_VNNI": "avx512_vnni",
-              "GGML_AVX512_BF16": "avx512_bf16"}
+AVX512 = {"avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"}  # what ggml's GGML_AVX512 compiles for
+AVX512_EXTENSIONS = {"GGML_AVX512_VBMI": "avx512vbmi", "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16"}
 NEVER_ISA = ("GGML_AVX_VNNI", "GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
 ANSWER_TIMEOUT_S = 120.0  # to load the GGUF and complete a few tokens: seconds on a 135M model
 
@@ -105,8 +105,9 @@ def llama_cmake_flags(cpu: set[str]) -> tuple[str, ...]:
     """Every cmake flag of the build: the server alone, and on x86-64 the instruction sets named one by one."""
     if not {"avx2", "fma", "f16c"} <= cpu:  # not x86-64 of the AVX2 generation: ggml's own default
         return LLAMA_BUILD_FLAGS
-    isa = [f"-D{name}=ON" for name in BASE_ISA]
-    isa += [f"-D{name}={'ON' if flag in cpu else 'OFF'}" for name, flag in AVX512_ISA.items()]
+    avx512 = AVX512 <= cpu
+    isa = [f"-D{name}=ON" for name in BASE_ISA] + [f"-DGGML_AVX512={'ON' if avx512 else 'OFF'}"]
+    isa += [f"-D{name}={'ON' if avx512 and flag in cpu else 'OFF'}" for name, flag in AVX512_EXTENSIONS.items()]
     isa += [f"-D{name}=OFF" for name in NEVER_ISA]
     return (*LLAMA_BUILD_FLAGS, "-DGGML_NATIVE=OFF", *isa)
 
