@@ -94,5 +94,5 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{kind.value:34s} {diff:9.3g} of {allowed:9.3g} ({ratio:6.1%})  {where}")
     tie, where = tolerance.closest_tie
     if where:
-        terminalreporter.write_line(f"{'nearest tie of a greedy step':34s} margin {tie:.0f}x twice the bound  {where}")
+        terminalreporter.write_line(f"{'nearest tie of a greedy step':34s} margin {tie:.3g}x twice the bound  {where}")
 

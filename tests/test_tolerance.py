@@ -122,21 +122,24 @@ def test_a_clone_against_a_fresh_prefill(backend_name, tiny_model_dir):
     release_all(b, donor, reference, right_clone, wrong_clone)
 
 
-def test_a_state_restored_from_disk_against_recomputing_it(llama):
-    """A session written to the disk tier's format and read back, then prefilled on, against the whole
-    prompt prefilled; the file missing one KV row (a middle one) is caught."""
+@pytest.mark.parametrize("backend_name", ["torch", "mlx"])
+def test_a_state_restored_from_disk_against_recomputing_it(backend_name, tiny_model_dir):
+    """A prompt's state written to the disk tier's format and read back, less its last token (as the engine
+    restores a hit), which is then prefilled on it, against the whole prompt prefilled; the file missing
+    one KV row (a middle one) is caught."""
     from server.engine.api import Scope
     from server.engine.disk import decode, encode
 
-    b, tokens = llama, prompt(60, seed=6)
-    saved, _ = fresh(b, tokens[:50])
-    state, _, _ = decode(encode(b.export_state(saved), tokens[:50], Scope("t"), "fp"), "fp")
+    pytest.importorskip(backend_name)
+    b, tokens = load(backend_name, tiny_model_dir("llama")), prompt(60, seed=6)
+    saved, _ = fresh(b, tokens[:59])
+    state, _, _ = decode(encode(b.export_state(saved), tokens[:59], Scope("t"), "fp"), "fp")
     reference, want = fresh(b, tokens)
     drop = lambda a: np.delete(a, 25, axis=1)  # [kv_heads, tokens, head_dim]: token 25 gone
-    short = SavedState(49, tuple(SavedLayer(layer.kind, tuple(drop(a) for a in layer.arrays), layer.first)
+    short = SavedState(58, tuple(SavedLayer(layer.kind, tuple(drop(a) for a in layer.arrays), layer.first)
                                  for layer in state.layers))
     right_session, wrong_session = b.import_state(state), b.import_state(short)
-    right, wrong = b.prefill([right_session], [tokens[50:]]), b.prefill([wrong_session], [tokens[50:]])
+    right, wrong = b.prefill([right_session], [tokens[59:]]), b.prefill([wrong_session], [tokens[59:]])
     check(b, right, wrong, want, Kind.DISK, context=60)
     release_all(b, saved, reference, right_session, wrong_session)
 
