@@ -7,13 +7,13 @@ STAMP  := $(VENV)/.installed
 BLAS_ENV = LD_PRELOAD="$$($(BIN)/python -m backends.mlx.blas)"
 ARGS ?=
 
-.PHONY: install model serve test test-numeric smoke soak bench peers clean
+.PHONY: install model serve test test-numeric smoke soak bench peers cluster clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,cluster,kv-router]'
 	$(BIN)/python -m backends.mlx.blas --install
 	touch $(STAMP)
 
@@ -30,6 +30,10 @@ test: install
 # (as `kvfork serve --backend torch` runs) sum in other orders, so a tolerance fitted to one BLAS fails here.
 test-numeric: install
 	LD_PRELOAD= $(BIN)/python -m pytest -q -m numeric $(ARGS)
+
+# Replicas of one model behind smg on this machine: ARGS="--replicas 3 --port 9000" (README: Several replicas).
+cluster: install
+	$(BIN)/kvfork cluster $(ARGS)
 
 smoke: install
 	$(BIN)/kvfork smoke $(ARGS)

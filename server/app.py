@@ -17,7 +17,7 @@ from aiohttp import web
 from server.engine.api import EngineError
 from server.errors import ApiError, from_engine
 from server.protocol.anthropic import error_body
-from server.routes import chat, completions, messages, models, responses, sessions
+from server.routes import chat, completions, loads, messages, models, responses, sessions
 from server.routes.common import json_response
 from server.sse import CLIENT_GONE
 from server.state import STATE, TENANT, AppState
@@ -25,6 +25,11 @@ from server.tenants import key_tenant
 
 log = logging.getLogger("kvfork.http")
 
+# Under /v1 yet open with --api-key, as /health and /metrics are: a gateway in front of replicas (smg) reads
+# them with no client's key, to classify and register a replica (/v1/models: the served names, as llama.cpp's
+# server leaves it open) and to poll its load (/v1/loads: nothing /metrics does not say). Neither names a
+# tenant, a session or a prompt; every route that computes or stores still needs a key.
+OPEN_PATHS = frozenset({models.PATH, loads.PATH})
 CLIENT_CLOSED = "499"  # nginx's "client closed request", for the metrics
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
 
@@ -75,7 +80,7 @@ def _middlewares(state: AppState, requests_total) -> list:
 
     @web.middleware
     async def auth(request: web.Request, handler):
-        if state.keys and request.path.startswith("/v1/"):
+        if state.keys and request.path.startswith("/v1/") and request.path not in OPEN_PATHS:
             given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
             given = given or request.headers.get("x-api-key", "")
             tenant = key_tenant(state.keys, given)
@@ -98,9 +103,10 @@ def build_app(state: AppState) -> web.Application:
     app.router.add_get(responses.PATH + "/{response_id}", responses.retrieve)
     app.router.add_delete(responses.PATH + "/{response_id}", responses.delete)
     app.router.add_post(messages.PATH + "/count_tokens", messages.count_tokens)
-    app.router.add_get("/v1/models", models.list_models)
+    app.router.add_get(models.PATH, models.list_models)
     app.router.add_get("/health", models.health)
     app.router.add_get("/metrics", models.metrics)
+    app.router.add_get(loads.PATH, loads.handle)
     app.router.add_post("/v1/sessions/{session_id}/reset", sessions.reset)
     app.router.add_delete("/v1/sessions/{session_id}", sessions.delete)
     return app

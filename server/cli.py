@@ -31,8 +31,9 @@ TOOLS = {
     "smoke": ("tools.smoke", "end-to-end check of active prefix reuse on the default model"),
     "soak": ("tools.soak", "load, faults, hang-ups and bad input against an in-process daemon; one table of checks"),
     "cache": ("server.cache_command", "show (ls) or empty (clear) the prefix cache's disk tier"),
+    "cluster": ("tools.cluster", "N replicas of one model on this machine behind smg (pip install 'kvfork[cluster]')"),
 }
-USAGE = "usage: kvfork {serve,fetch-model,bench,smoke,soak,cache} [options]   (kvfork COMMAND --help for a command's options)"
+USAGE = "usage: kvfork {serve,fetch-model,bench,smoke,soak,cache,cluster} [options]   (kvfork COMMAND --help for a command's options)"
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -23,6 +23,18 @@ def _key_check(keys: list[str]) -> str | None:
     return "an API key cannot be empty or hold whitespace" if bad else None
 
 
+def _zmq_address_check(address: str | None) -> str | None:
+    if address is None:
+        return None
+    scheme, _, rest = address.partition("://")
+    if scheme == "ipc" and rest:
+        return None
+    host, _, port = rest.rpartition(":")
+    if scheme != "tcp" or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        return f"expected tcp://HOST:PORT (or ipc://PATH), got {address!r}"
+    return None
+
+
 def _keys_file_check(path: str | None) -> str | None:
     if path is None:
         return None
@@ -72,5 +84,18 @@ class ServerConfig:
     grammar_compile_timeout: float = setting(5.0, "most seconds a request's grammar (response_format, "
                                              "tool_choice) may take to compile; past it the request gets a 400",
                                              check=at_least(0.001))
+    # An event carries token ids: the example binds loopback, and nothing is published unless asked for.
+    kv_events_endpoint: str | None = setting(None, "publish KV events in vLLM's format (ZMQ PUB) on this address, "
+                                             "e.g. tcp://127.0.0.1:5557 (events carry token ids: bind beyond "
+                                             "loopback only behind a firewall); off by default",
+                                             check=_zmq_address_check)
+    kv_events_replay_endpoint: str | None = setting(None, "ZMQ ROUTER address that replays missed KV event "
+                                                    "batches (default: the endpoint's port + 1)",
+                                                    check=_zmq_address_check)
+    kv_events_format: str = setting("map", "KV events' msgpack encoding: map (vLLM's today, what vllm-router "
+                                    "reads) or array (vLLM's earlier [ts, events, dp_rank] arrays)",
+                                    choices=("map", "array"))
+    kv_events_block_size: int = setting(16, "tokens per block in KV events: the block size the router is told "
+                                        "(vllm-router's --kv-event-block-size, 16 by default)", check=at_least(1))
     reasoning_parser: str = setting("auto", "split <think> reasoning from content (auto: when the chat template "
                                     "uses <think>)", choices=("auto", "none", "think"))

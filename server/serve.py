@@ -32,7 +32,9 @@ class Daemon:
     def __init__(self, config: ServerConfig, engine_config: EngineConfig, model: str, backend: Backend):
         self.config, self.model = config, model
         self.registry = Registry()
-        self.engine = Engine(backend, model, config.dtype, engine_config, self.registry, kv_dir=kv_root())
+        self.kv_events = open_kv_events(config)
+        self.engine = Engine(backend, model, config.dtype, engine_config, self.registry, kv_dir=kv_root(),
+                             kv_events=self.kv_events)
         names = list(config.served_model_name) or [Path(model).name]
         self.state = AppState(config, self.engine, names, self.registry)
         self.runner: web.AppRunner | None = None
@@ -58,6 +60,8 @@ class Daemon:
             await self.runner.cleanup()
         if self.state.tokenizer is not None:
             self.state.tokenizer.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def loaded_line(self) -> str:
         info, c = self.engine.info, self.engine.config
@@ -80,6 +84,21 @@ class Daemon:
                 f"{disk.nbytes / GiB:.2f} GiB)")
 
 
+def open_kv_events(config: ServerConfig):
+    """The KV event publisher --kv-events-endpoint asks for (pyzmq, imported only then), else None."""
+    if config.kv_events_endpoint is None:
+        return None
+    from server.engine.disk import scope_digest
+    from server.kv_events import KVEventPublisher, KVEvents
+
+    replay = config.kv_events_replay_endpoint
+    if replay is None and config.kv_events_endpoint.startswith("tcp://"):
+        host, _, port = config.kv_events_endpoint.rpartition(":")
+        replay = f"{host}:{int(port) + 1}" if int(port) else f"{host}:0"
+    publisher = KVEventPublisher(config.kv_events_endpoint, replay, wire_format=config.kv_events_format)
+    return KVEvents(publisher, config.kv_events_block_size, scope_digest)
+
+
 def pick_backend(name: str) -> tuple[str, Backend]:
     """`auto` prefers the machine's default (torch off Apple Silicon) and falls back to MLX where
     that backend is not installed."""
@@ -97,13 +116,21 @@ async def run(config: ServerConfig, engine_config: EngineConfig, model: str) -> 
     except ImportError as e:
         print(f"kvfork: the {config.backend} backend cannot load here: {e}")
         return 1
-    daemon = Daemon(config, engine_config, model, backend)
+    try:
+        daemon = Daemon(config, engine_config, model, backend)
+    except OSError as e:  # the KV event sockets
+        print(f"kvfork: KV events: {e}")
+        return 1
     try:
         await daemon.listen()
     except OSError as e:
         print(f"kvfork: cannot listen on {config.host}:{config.port}: {e.strerror or e}")
         return 1
     print(f"kvfork: listening on {daemon.url} (loading {model} on {backend_name})", flush=True)
+    if daemon.kv_events is not None:
+        pub = daemon.kv_events.publisher
+        print(f"kvfork: KV events on {pub.endpoint} (replay: {pub.replay_endpoint}), blocks of "
+              f"{config.kv_events_block_size} tokens", flush=True)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

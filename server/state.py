@@ -10,6 +10,7 @@ from aiohttp import web
 
 from server.config import ServerConfig
 from server.engine.api import EngineError, Scope
+from server.engine.load import TokenRate
 from server.errors import ApiError
 from server.grammar import GrammarCompiler
 from server.metrics import Registry
@@ -27,6 +28,7 @@ class AppState:
     tokenizer: PromptTokenizer | None = None  # set once loaded
     created: int = field(default_factory=lambda: int(time.time()))
     _grammars: GrammarCompiler | None = None  # built on the first constrained request
+    generation_rate: TokenRate = field(default_factory=TokenRate)  # /v1/loads' gen_throughput
     responses: ResponseStore = field(init=False)  # for /v1/responses' previous_response_id
     keys: dict[str, str] = field(init=False)  # accepted API key -> its tenant; empty: no auth, one tenant
 

@@ -84,3 +84,10 @@ async def until(read: Callable, check: Callable[[dict], bool], what: str, limit_
             return value
         assert loop.time() < deadline, f"never saw {what}: {value}"
         await asyncio.sleep(0.02)
+
+
+async def first_token(response: aiohttp.ClientResponse) -> None:
+    """Read a chat stream until its first content chunk."""
+    async for line in response.content:
+        if b'"content":"' in line and b'"role"' not in line:
+            return

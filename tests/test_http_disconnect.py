@@ -7,7 +7,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from http_daemon import chat_body, metrics, serving, until
+from http_daemon import chat_body, first_token, metrics, serving, until
 
 CHAT = "/v1/chat/completions"
 LONG_RUN = 3000  # tokens: far more than the test lets a request run, so only a cancel can end it early
@@ -18,12 +18,6 @@ CANCELLED = 'kvfork_requests_total{finish_reason="cancelled"}'
 async def http():
     async with aiohttp.ClientSession() as session:
         yield session
-
-
-async def first_token(response: aiohttp.ClientResponse) -> None:
-    async for line in response.content:
-        if b'"content":"' in line and b'"role"' not in line:
-            return
 
 
 async def test_disconnect_mid_stream_cancels_and_frees_the_slot(tiny_model_dir, http):

@@ -251,6 +251,7 @@ class DiskTier:
         self.on = False
         self._lock_fd: int | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvfork-disk")
+        self.watch: Any = None  # told of each file indexed and dropped (server/kv_events.Watch)
 
     @classmethod
     def open(cls, root: Path, fp: str, max_bytes: int, windows: Iterable[int] = (), recurrent: bool = False
@@ -357,6 +358,8 @@ class DiskTier:
         """Out of the index, and its file removed (a corrupt or missing one)."""
         if self.index.pop((entry.scope, entry.tokens), None) is not None:
             self.nbytes -= entry.file_bytes
+            if self.watch is not None:
+                self.watch.removed(entry.tokens, entry.scope)
         self._pool.submit(self._remove, entry.name)
 
     def _trim(self, room: int) -> None:
@@ -365,6 +368,8 @@ class DiskTier:
             _, entry = self.index.popitem(last=False)
             self.nbytes -= entry.file_bytes
             self.stats.evicted += 1
+            if self.watch is not None:
+                self.watch.removed(entry.tokens, entry.scope)
             self._pool.submit(self._remove, entry.name)
 
     # ---- file work (worker thread), answered on the loop ----
@@ -398,6 +403,8 @@ class DiskTier:
                 old = self.index.pop(key, None)
                 self.nbytes += result - (old.file_bytes if old else 0)
                 self.index[key] = DiskEntry(tokens, key[0], name, result)
+                if old is None and self.watch is not None:
+                    self.watch.stored(tokens, key[0])
                 self.stats.spilled += 1
                 # files of prompts this one begins with serve nothing it does not: written once
                 for other in [k for k in self.index if k[0] == key[0] and k != key and self._serves(tokens, k[1])]:

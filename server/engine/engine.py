@@ -48,11 +48,13 @@ STOP_WAIT_S = 10.0  # after the grace period: how long cancelled requests get to
 
 class Engine:
     def __init__(self, backend: Backend, model_path: str, dtype: str | None, config: EngineConfig,
-                 registry: Registry, kv_dir: Path | None = None):
-        """`kv_dir`: where the prefix cache's disk tier lives (disk.kv_root()); None: no disk tier."""
+                 registry: Registry, kv_dir: Path | None = None, kv_events: Any = None):
+        """`kv_dir`: where the prefix cache's disk tier lives (disk.kv_root()); None: no disk tier.
+        `kv_events`: told where reusable states are stored and removed (server/kv_events.KVEvents); None: off."""
         validate(config)
         self.backend, self.model_path, self.dtype, self.config = backend, model_path, dtype, config
         self.kv_dir = kv_dir
+        self.kv_events = kv_events
         self.registry = registry
         self.info: ModelInfo | None = None
         self.dead = False
@@ -371,6 +373,8 @@ class Engine:
         self.config = self.config.resolve(ev.info)
         self._admission = Admission(self.config, ev.info, self.send)
         self._admission.disk = self._open_disk(ev.info)
+        if self.kv_events is not None:
+            self.kv_events.attach(self._admission.cache, self._admission.disk)
         self._reuse = Reuse(self, ev.info)
         if self._loaded is not None and not self._loaded.done():
             self._loaded.set_result(None)

@@ -63,6 +63,7 @@ class PrefixCache:
         self.recurrent = recurrent  # the model has recurrent layers
         self._entries: OrderedDict[tuple[Scope, tuple[int, ...]], CacheEntry] = OrderedDict()  # oldest first
         self.nbytes = 0
+        self.watch: Any = None  # told of each entry stored and removed (server/kv_events.Watch)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -97,6 +98,8 @@ class PrefixCache:
             return [session]
         self._entries[key] = CacheEntry(key[1], session, nbytes, scope, kept)
         self.nbytes += nbytes
+        if self.watch is not None:
+            self.watch.stored(key[1], scope)
         out = []
         while len(self._entries) > self.max_entries or (self.max_bytes is not None and self.nbytes > self.max_bytes):
             out.append(self._pop_oldest())
@@ -117,4 +120,6 @@ class PrefixCache:
     def _pop_oldest(self) -> Any:
         _, entry = self._entries.popitem(last=False)
         self.nbytes -= entry.nbytes
+        if self.watch is not None:
+            self.watch.removed(entry.tokens, entry.scope)
         return None if self.spill is not None and self.spill(entry) else entry.session

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from server.engine import messages as m
 from server.engine.api import DoneEvent
+from server.engine.load import engine_load
 from server.engine.request import Request
 from server.metrics import Registry
 
@@ -59,6 +60,12 @@ class EngineMetrics:
         g("following_requests", "requests parked behind a prefilling leader",
           lambda: len(engine.reuse.followers) if engine.reuse is not None else 0)
         g("running_requests", "requests holding an inference slot", admission(lambda a: a.slots_used))
+        # The Gateway API Inference Extension's model-server protocol: TotalQueuedRequests, TotalRunningRequests
+        # (running_requests above) and KVCacheUtilization, in vLLM's meaning (docs/cluster.md).
+        g("waiting_requests", "requests waiting: queued for a slot, or parked behind a prefilling leader",
+          lambda: engine_load(engine).waiting)
+        g("kv_cache_usage_perc", "fraction of the KV budget in use, 0 to 1 (the prefix cache and idle named "
+          "sessions give way, so they are not counted)", lambda: engine_load(engine).kv_usage)
         g("live_sessions", "backend sessions open", lambda: engine.stats.live_sessions)
         g("kv_bytes", "bytes of KV state the backend holds", lambda: engine.stats.total_bytes)
         g("kv_budget_held_bytes", "bytes of the KV budget held: reservations, prefix cache, idle named sessions, "

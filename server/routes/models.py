@@ -8,6 +8,8 @@ from server.protocol.openai import Health, ModelCard, ModelList
 from server.routes.common import json_response
 from server.state import state_of
 
+PATH = "/v1/models"
+
 
 async def list_models(request: web.Request) -> web.Response:
     state = state_of(request)

@@ -3,6 +3,7 @@
   run     replay workloads against a server already running at --url
   paired  start kvfork once per reuse mode (default: off, then on) and compare
   peers   the same, plus mlx_lm.server and llama.cpp's server where available
+  cluster routing policies over 2 replicas behind smg, against one replica (tools/bench/cluster.py)
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8080")
     run.add_argument("--model", help="the request's model field (default: left out)")
     run.add_argument("--api-key")
+    run.add_argument("--routing-key", action="store_true",
+                     help="send each call's session as x-smg-routing-key, for a gateway's sticky sessions (smg)")
     _workload_args(run, "agentx-mini")
     for name, default_peers in (("paired", ""), ("peers", "mlx,llama")):
         p = sub.add_parser(name, help="kvfork reuse modes side by side" + (", plus peers" if default_peers else ""))
@@ -94,7 +97,7 @@ def _out_dir(args) -> Path:
 
 
 def _run(args, workloads: list[Workload]) -> int:
-    target = Target(args.url, args.model, args.api_key)
+    target = Target(args.url, args.model, args.api_key, routing_key=args.routing_key)
     passes = []
     for wl in workloads:
         result = asyncio.run(replay(wl, target, label=wl.name, **_replay_opts(args)))
@@ -125,8 +128,13 @@ def _compare(args, workloads: list[Workload]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["cluster"]:  # routing over replicas: a command of its own (tools/bench/cluster.py)
+        from tools.bench import cluster
+
+        return cluster.main(argv[1:])
     args = _parser().parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else list(argv)  # recorded with the results
+    args.argv = argv  # recorded with the results
     exit_on_sigterm()
     try:
         workloads = _workloads(args)

@@ -44,6 +44,7 @@ class Target:
     model: str | None = None  # None: leave the field out; the server picks its model
     api_key: str | None = None
     timeout_s: float = 900.0  # per request, reading included
+    routing_key: bool = False  # send each call's session as x-smg-routing-key (a gateway's sticky sessions)
 
 
 def request_body(messages: list[dict], max_tokens: int, model: str | None, logprobs: bool = False,
@@ -101,6 +102,8 @@ async def stream_chat(
 ) -> Record:
     """Send `body`, fill `rec` as chunks arrive; errors land in `rec.error`, never raise."""
     headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    if target.routing_key:
+        headers["x-smg-routing-key"] = rec.session
     url = target.base_url.rstrip("/") + "/v1/chat/completions"
     t0 = time.monotonic()
     rec.send_s = t0 - run_t0

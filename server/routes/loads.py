@@ -1,0 +1,45 @@
+"""GET /v1/loads: the engine's load in smg's `WorkerLoadResponse` shape (SGLang's /v1/loads).
+
+smg polls `GET /v1/loads?include=core,disagg,queues,memory` on a generic worker and
+feeds its load-aware policies (cache_aware's balance and overload checks,
+least_load, power_of_two) from it. One replica is one data-parallel rank. The
+`include` sections beyond `core` (disaggregation, queues, memory) have nothing
+to say for kvfork, so every answer is the core fields; smg reads what it knows.
+
+Open like /health and /metrics, even with --api-key: smg polls it with no key of
+a client's, and it says only what /metrics already says (counts and fractions,
+no prompt, tenant or key).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from aiohttp import web
+
+from server.engine.load import engine_load
+from server.routes.common import json_response
+from server.state import state_of
+
+PATH = "/v1/loads"
+
+
+async def handle(request: web.Request) -> web.Response:
+    state = state_of(request)
+    load = engine_load(state.engine)
+    generated = state.engine.metrics.generated_tokens.get() if state.ready else 0.0
+    rank = {
+        "dp_rank": 0,
+        "num_running_reqs": load.running,
+        "num_waiting_reqs": load.waiting,
+        "num_waiting_uncached_tokens": load.waiting_prompt_tokens,
+        "num_total_reqs": load.running + load.waiting,
+        "num_used_tokens": load.used_tokens,
+        "max_total_num_tokens": load.budget_tokens,
+        "token_usage": load.kv_usage,
+        "gen_throughput": state.generation_rate.rate(generated),
+        "cache_hit_rate": load.reused_fraction,
+        "utilization": load.running / load.slots if load.slots else 0.0,
+        "max_running_requests": load.slots,
+    }
+    return json_response({"timestamp": datetime.now(timezone.utc).isoformat(), "dp_rank_count": 1, "loads": [rank]})

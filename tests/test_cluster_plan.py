@@ -1,0 +1,70 @@
+"""What `kvfork cluster` decides before it starts anything: ports, one model, the KV budget split, a disk tier
+folder per replica, smg's command line; and the flags it refuses. No process starts here (test_cluster.py
+runs a real one)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tools import cluster
+
+
+def test_the_plan_splits_one_budget_and_gives_each_replica_its_port_and_folder(tiny_model_dir, kvfork_home):
+    model = tiny_model_dir("llama")
+    p = cluster.plan(["--replicas", "3", "--port", "9000", "--model", model, "--kv-budget-bytes", "3000000",
+                      "--inference-slots", "2"])
+    assert p.gateway_url == "http://127.0.0.1:9000" and p.metrics_port == 9004
+    assert [p.replica_url(i) for i in range(3)] == ["http://127.0.0.1:9001", "http://127.0.0.1:9002",
+                                                    "http://127.0.0.1:9003"]
+    for i, argv in enumerate(p.replicas):
+        assert argv[:3] == [sys.executable, "-m", "server"]
+        flags = dict(zip(argv[3::2], argv[4::2]))
+        assert flags == {"--inference-slots": "2", "--model": model, "--kv-budget-bytes": "1000000",
+                         "--host": "127.0.0.1", "--port": str(9001 + i)}
+    assert p.homes == [kvfork_home / "cluster" / f"replica-{i}" for i in (1, 2, 3)]
+    gateway = p.gateway
+    assert gateway[:4] == [sys.executable, "-m", "smg", "launch"]
+    assert gateway[gateway.index("--worker-urls") + 1:gateway.index("--worker-urls") + 4] == [
+        p.replica_url(i) for i in range(3)]
+    for flag, value in (("--host", "127.0.0.1"), ("--port", "9000"), ("--policy", "cache_aware"),
+                        ("--prometheus-host", "127.0.0.1"), ("--prometheus-port", "9004")):
+        assert gateway[gateway.index(flag) + 1] == value
+    assert "--sticky-sessions" in gateway and gateway[gateway.index("--assignment-mode") + 1] == "min_group"
+
+
+def test_policy_and_sticky_sessions_are_the_cluster_flags(tiny_model_dir):
+    p = cluster.plan(["--model", tiny_model_dir("llama"), "--policy", "round_robin", "--no-sticky-sessions"])
+    assert p.gateway[p.gateway.index("--policy") + 1] == "round_robin" and "--sticky-sessions" not in p.gateway
+    assert "--assignment-mode" not in p.gateway
+    assert "--policy" not in p.replicas[0]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--replicas", "0"], "--replicas"),
+    (["--host", "0.0.0.0"], "--host"),
+    (["--inference-slots", "0"], "--inference-slots"),
+    (["--no-such-flag"], "--no-such-flag"),
+    (["--port", "65535"], "ports"),
+])
+def test_bad_flags_exit_2_before_anything_starts(tiny_model_dir, capsys, argv, says):
+    with pytest.raises(SystemExit) as exit_:
+        cluster.plan(["--model", tiny_model_dir("llama"), *argv])
+    assert exit_.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_without_smg_it_says_how_to_install_it(tiny_model_dir, monkeypatch, capsys):
+    monkeypatch.setattr(cluster.importlib.util, "find_spec", lambda name: None)
+    assert cluster.main(["--model", tiny_model_dir("llama")]) == 1
+    assert "pip install 'kvfork[cluster]'" in capsys.readouterr().err
+
+
+def test_each_replica_publishes_kv_events_on_ports_of_its_own(tiny_model_dir):
+    p = cluster.plan(["--model", tiny_model_dir("llama"), "--kv-events-endpoint", "tcp://127.0.0.1:5557"])
+    sockets = [(argv[argv.index("--kv-events-endpoint") + 1], argv[argv.index("--kv-events-replay-endpoint") + 1])
+               for argv in p.replicas]
+    assert sockets == [("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"), ("tcp://127.0.0.1:5559", "tcp://127.0.0.1:5560")]
+    assert all(argv.count("--kv-events-endpoint") == 1 for argv in p.replicas)
+
