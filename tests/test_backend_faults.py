@@ -14,8 +14,6 @@ from tolerance import Kind
 
 from backends.base import BatchFailed, RowState, SamplerState, SamplingParams
 
-pytestmark = pytest.mark.numeric  # again without the OpenBLAS preload: make test-numeric
-
 PREFIX = 20  # past the sliding window (16) of the gemma3 test model: its rings have wrapped
 
 
@@ -65,6 +63,7 @@ def reference(b, i: int, extra: list[int]) -> np.ndarray:
     return out
 
 
+@pytest.mark.numeric
 def test_a_failed_prefill_reports_committed_failed_and_untouched_sessions(backend, backend_name):
     """MLX prefills session by session: a failure in the second leaves the first COMMITTED (with
     its logits), the third UNTOUCHED. torch runs all rows in one pass (mixed_batches): a failure
@@ -91,6 +90,7 @@ def test_a_failed_prefill_reports_committed_failed_and_untouched_sessions(backen
     release_all(b, *sessions)
 
 
+@pytest.mark.numeric
 def test_a_decode_that_fails_before_any_state_moved_is_untouched(backend, backend_name):
     b = backend
     sessions = sessions_at_prefix(b, 3)
@@ -105,6 +105,7 @@ def test_a_decode_that_fails_before_any_state_moved_is_untouched(backend, backen
     release_all(b, *sessions)
 
 
+@pytest.mark.numeric
 def test_a_decode_that_fails_midway_is_classified_and_leaves_the_backend_consistent(backend, backend_name):
     b = backend
     sessions = sessions_at_prefix(b, 3)

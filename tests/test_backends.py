@@ -21,8 +21,6 @@ from tolerance import Kind
 
 from backends.base import CloneRefused, clone_refusal
 
-pytestmark = pytest.mark.numeric  # again without the OpenBLAS preload: make test-numeric
-
 PROMPT = prompt(40)
 
 
@@ -43,6 +41,7 @@ def test_model_info(backend, arch):
     assert info.kv.ring_bytes == (2 * 16 * slot if arch == "gemma3" else 0)  # a ring of the window per sliding layer
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("upto", [1, 7, 16, 17, 30, 39])
 def test_clone_exactness(backend, upto):
     b = backend
@@ -59,6 +58,7 @@ def test_clone_exactness(backend, upto):
     b.release(reference)
 
 
+@pytest.mark.numeric
 def test_clone_isolation(backend):
     b = backend
     steps_a, steps_b = prompt(20, seed=1), prompt(20, seed=2)
@@ -79,6 +79,7 @@ def test_clone_isolation(backend):
     release_all(b, donor, clone)
 
 
+@pytest.mark.numeric
 def test_clone_survives_donor_release(backend):
     b = backend
     reference, want = fresh(b, PROMPT)
@@ -94,6 +95,7 @@ def test_clone_survives_donor_release(backend):
     release_all(b, grandchild, reference)
 
 
+@pytest.mark.numeric
 def test_sliding_window_rule(backend):
     b = backend
     donor, _ = fresh(b, PROMPT[:34], chunk=5)
@@ -124,6 +126,7 @@ def test_sliding_window_rule(backend):
     release_all(b, donor, reference, clone, grandchild)
 
 
+@pytest.mark.numeric
 def test_batched_decode_matches_solo(backend):
     """Sessions of different lengths decoded together give each one's solo logits,
     also while sessions join, sit a step out, and leave."""
@@ -216,6 +219,7 @@ def test_sliding_rule_at_every_position(backend):
     release_all(b, donor, reference)
 
 
+@pytest.mark.numeric
 def test_clone_at_l_minus_1_holds_one_position_less(backend):
     """A clone at L - 1 of a donor at L holds [L - W, L - 1): the donor's position L - 1
     sits where L - 1 - W would, so the clone can serve its own position but not one earlier."""

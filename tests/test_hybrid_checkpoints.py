@@ -13,8 +13,6 @@ from backends.base import CloneRefused
 from tiny_hybrid_models import HYBRID_ARCHS, MLX_ONLY_ARCHS
 from tolerance import Kind
 
-pytestmark = pytest.mark.numeric  # again without the OpenBLAS preload: make test-numeric
-
 
 @pytest.fixture(params=(*HYBRID_ARCHS, *MLX_ONLY_ARCHS))
 def hybrid(request, backend_name, tiny_hybrid_dir):  # noqa: F811
@@ -32,6 +30,7 @@ def assert_costs(b, got: int, want: int) -> None:
     assert abs(got - want) <= slack, (got, want)
 
 
+@pytest.mark.numeric
 def test_checkpoints_serve_exact_clones_behind_the_position(hybrid):
     b = hybrid
     tokens = prompt(30, seed=9)

@@ -13,8 +13,6 @@ pytest.importorskip("mlx_lm")
 from backends import create_backend  # noqa: E402
 from backends.base import CloneRefused  # noqa: E402
 
-pytestmark = pytest.mark.numeric  # again without the OpenBLAS preload: make test-numeric
-
 
 @pytest.fixture(scope="module")
 def quantized_dir(tiny_model_dir, tmp_path_factory):
@@ -25,6 +23,7 @@ def quantized_dir(tiny_model_dir, tmp_path_factory):
     return str(out)
 
 
+@pytest.mark.numeric
 def test_quantized_model_loads_clones_and_generates(quantized_dir):
     b = load("mlx", quantized_dir, None)
     info = b.info
@@ -95,6 +94,7 @@ def test_dtype_choice_and_missing_folder(tiny_model_dir):
         create_backend("mlx").load(tiny_model_dir("qwen3"), "int8")
 
 
+@pytest.mark.numeric
 def test_prefill_logits_equal_the_plain_model_call(arch, tiny_model_dir):
     """Prefill projects only the last position; it must give mlx-lm's own last row."""
     import mlx.core as mx

@@ -20,8 +20,6 @@ from backends import create_backend  # noqa: E402
 from backends.mlx.last_token import supports_last_position  # noqa: E402
 from backends.base import BatchFailed, CloneRefused, RowState  # noqa: E402
 
-pytestmark = pytest.mark.numeric  # again without the OpenBLAS preload: make test-numeric
-
 ARCHS = (*HYBRID_ARCHS, *MLX_ONLY_ARCHS)
 
 
@@ -31,6 +29,7 @@ def hybrid(request, tiny_hybrid_dir):
     yield from lent(request, ("mlx", request.param), lambda: load("mlx", tiny_hybrid_dir(request.param)))
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_loads_in_each_layout_and_runs_as_mlx_lm_does(arch, layout, tiny_hybrid_dir):
@@ -70,6 +69,7 @@ def test_both_layouts_are_the_same_model(tiny_hybrid_dir):
     np.testing.assert_array_equal(rows[0], rows[1])
 
 
+@pytest.mark.numeric
 def test_four_sessions_decode_together_as_each_alone(hybrid):
     """Rows of different lengths join, leave and rejoin the decode batch; every step's logits
     equal those of the same session decoding alone."""
@@ -104,6 +104,7 @@ def test_four_sessions_decode_together_as_each_alone(hybrid):
     release_all(b, *sessions)
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("in_batch", [False, True])
 def test_clone_at_the_position_is_exact_and_leaves_the_donor_as_it_was(hybrid, in_batch):
     b = hybrid
@@ -123,6 +124,7 @@ def test_clone_at_the_position_is_exact_and_leaves_the_donor_as_it_was(hybrid, i
     release_all(b, reference, donor, other, clone)
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("in_batch", [False, True])
 def test_clone_anywhere_else_is_refused_and_changes_nothing(hybrid, in_batch):
     b = hybrid
@@ -160,6 +162,7 @@ def test_session_bytes_count_the_recurrent_state(hybrid):
     assert b.total_bytes() == 0
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("arch", ["lfm2"])  # its layers list is the one it runs
 def test_a_decode_failure_is_classified_by_whether_a_state_moved(arch, tiny_hybrid_dir):
     """A step that fails in the first layer moved nothing: the sessions run again exactly. One that
@@ -229,6 +232,7 @@ def test_a_prefill_that_fails_keeps_no_checkpoint(arch, tiny_hybrid_dir):
     b.release(s)
 
 
+@pytest.mark.numeric
 def test_a_quantized_hybrid_loads_clones_and_generates(tiny_hybrid_dir, tmp_path):
     """mlx-lm's own converter, 4-bit: the recurrent layers' projections packed, their states float."""
     from mlx_lm.convert import convert

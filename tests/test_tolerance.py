@@ -16,8 +16,6 @@ from backends.torch.backend import TorchBackend
 import tolerance
 from tolerance import Kind, Model, assert_logits_close, assert_same_greedy, bound, top_two_margin
 
-pytestmark = pytest.mark.numeric  # again without the OpenBLAS preload: make test-numeric
-
 # A wrong path must miss by this many bounds at least: a bound loosened tenfold still catches each.
 CAUGHT_BY = 10
 
@@ -52,6 +50,7 @@ def llama(request, tiny_model_dir) -> TorchBackend:
     yield from lent(request, ("torch", "llama", "cpu"), lambda: load(TorchBackend("cpu"), tiny_model_dir("llama")))
 
 
+@pytest.mark.numeric
 def test_batched_rows_against_each_alone(llama):
     """Four sessions decode together; one row rotated one position off is caught."""
     b, lengths = llama, (5, 12, 23, 37)
@@ -68,6 +67,7 @@ def test_batched_rows_against_each_alone(llama):
     release_all(b, *sessions, *twins, *singles)
 
 
+@pytest.mark.numeric
 def test_torch_against_mlx_lm(llama, tiny_model_dir):
     """torch against mlx-lm's own model call; a decode step rotated one position off is caught."""
     mx = pytest.importorskip("mlx.core", exc_type=ImportError)
@@ -89,6 +89,7 @@ def test_torch_against_mlx_lm(llama, tiny_model_dir):
     release_all(b, s, twin)
 
 
+@pytest.mark.numeric
 def test_shared_blocks_against_a_contiguous_session(llama, monkeypatch):
     """A clone decoding over the donor's blocks (two runs of keys) against a cold session; reading the
     shared run one row short is caught."""
@@ -108,6 +109,7 @@ def test_shared_blocks_against_a_contiguous_session(llama, monkeypatch):
     release_all(b, donor, clone, twin, cold)
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("backend_name", ["torch", "mlx"])
 def test_a_clone_against_a_fresh_prefill(backend_name, tiny_model_dir):
     """A clone at 30 with the prompt's tail against the whole prompt prefilled; a clone that lost its
@@ -122,6 +124,7 @@ def test_a_clone_against_a_fresh_prefill(backend_name, tiny_model_dir):
     release_all(b, donor, reference, right_clone, wrong_clone)
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("backend_name", ["torch", "mlx"])
 def test_a_state_restored_from_disk_against_recomputing_it(backend_name, tiny_model_dir):
     """A prompt's state written to the disk tier's format and read back, less its last token (as the engine
@@ -144,6 +147,7 @@ def test_a_state_restored_from_disk_against_recomputing_it(backend_name, tiny_mo
     release_all(b, saved, reference, right_session, wrong_session)
 
 
+@pytest.mark.numeric
 def test_a_checkpoint_against_running_from_the_start(tiny_hybrid_dir):
     """A hybrid clone from a recurrent checkpoint at 24 against the whole prompt; a checkpoint whose
     recurrent states are one step stale (those of 23, beside the KV of 24) is caught."""
@@ -163,6 +167,7 @@ def test_a_checkpoint_against_running_from_the_start(tiny_hybrid_dir):
     release_all(b, s, clone, early, stale_session, reference)
 
 
+@pytest.mark.numeric
 def test_the_same_greedy_tokens_allow_a_flip_at_a_near_tie_only(monkeypatch):
     monkeypatch.setattr(tolerance, "worst", {})  # made-up logits: kept out of the run's report
     monkeypatch.setattr(tolerance, "closest_tie", [math.inf, ""])

@@ -17,8 +17,6 @@ from backends.model_info import read_model_facts
 from backends.torch.config import parse_config, read_config
 from tolerance import Kind
 
-pytestmark = pytest.mark.numeric  # again without the OpenBLAS preload: make test-numeric
-
 DEVICE = os.environ.get("KVFORK_DEVICE", "cpu")
 
 
@@ -41,6 +39,7 @@ def last_logits(b: TorchBackend, prompt: list[int], chunks: tuple[int, ...]) -> 
     return got
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("chunks", [(255, 1, 44), (200, 56, 1, 43), (1,) * 3 + (297,)])
 def test_buffers_grow_in_blocks_without_changing_answers(llama, chunks):
     """A session of n tokens holds exactly kv.capacity(n) slots per full layer: whole blocks,

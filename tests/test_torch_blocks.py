@@ -14,8 +14,6 @@ from backends.torch import kv
 from backends.torch.backend import TorchBackend
 from tolerance import Kind
 
-pytestmark = pytest.mark.numeric  # again without the OpenBLAS preload: make test-numeric
-
 DEVICE = os.environ.get("KVFORK_DEVICE", "cpu")
 B = kv.BLOCK_TOKENS
 
@@ -148,6 +146,7 @@ def together(b: TorchBackend, donor_prompt: list[int], upto: int, tail: list[int
 HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", *HYBRIDS])
 @pytest.mark.parametrize("mode", ["share", "copy"])
 def test_a_clone_and_its_donor_give_what_each_computes_alone(arch, mode, tiny_model_dir, tiny_hybrid_dir):
@@ -163,6 +162,7 @@ def test_a_clone_and_its_donor_give_what_each_computes_alone(arch, mode, tiny_mo
     assert b.live_sessions() == 0 and not b.pool.stores
 
 
+@pytest.mark.numeric
 def test_a_clone_of_a_clone_reads_three_runs(llama):
     """A clone of a grown clone reads the first donor's blocks and the middle one's, and decodes over
     three runs (attention.decode_runs) to the answers of a cold session."""
@@ -201,6 +201,7 @@ def test_a_failed_clone_holds_nothing(tiny_model_dir, monkeypatch):
     assert all(not s.readers for s in b.pool.stores.values()) and b.live_sessions() == 1
 
 
+@pytest.mark.numeric
 def test_a_group_sharing_a_prefix_decodes_as_each_alone(llama, monkeypatch):
     """Cascade: decode rows that read the same blocks read them once for the group (one product of all
     their queries), merged with each row's own part by log-sum-exp: the logits each gets alone."""

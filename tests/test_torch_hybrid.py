@@ -19,8 +19,6 @@ from backends.torch.gated_delta import chunked_delta_rule, delta_rule, l2_normal
 from tiny_hybrid_models import HYBRID_ARCHS, LFM2
 from tolerance import Kind, assert_arrays_close
 
-pytestmark = pytest.mark.numeric  # again without the OpenBLAS preload: make test-numeric
-
 DEVICE = os.environ.get("KVFORK_DEVICE", "cpu")
 
 
@@ -54,6 +52,7 @@ def _rule_inputs(seed: int, b: int, t: int, heads: int, dk: int, dv: int):
     return q, k, v, log_decay, beta, state
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("chunk", [8, 64])
 @pytest.mark.parametrize("t", [1, 37, 150])
 def test_chunked_and_recurrent_forms_of_the_delta_rule_agree(chunk, t):
@@ -66,6 +65,7 @@ def test_chunked_and_recurrent_forms_of_the_delta_rule_agree(chunk, t):
         assert_arrays_close(got.numpy(), want.numpy(), kind=Kind.FORMS, reductions=(16, min(chunk, t), t))
 
 
+@pytest.mark.numeric
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fla's kernels need CUDA")
 @pytest.mark.parametrize("chunked", [True, False])
 def test_fla_kernels_agree_with_the_plain_forms(chunked):
@@ -79,6 +79,7 @@ def test_fla_kernels_agree_with_the_plain_forms(chunked):
                             dtype="tfloat32")
 
 
+@pytest.mark.numeric
 def test_prefill_in_either_form_gives_the_same_logits(hybrid):
     prompt = tokens(1, 150)
     chunked_session, chunked = feed(hybrid, prompt, (70, 80))
@@ -92,6 +93,7 @@ def test_prefill_in_either_form_gives_the_same_logits(hybrid):
     hybrid.release(recurrent_session)
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)
 def test_both_layouts_load_to_the_same_model(arch, tiny_hybrid_dir):
     """Hugging Face (nested text_config, [C, 1, K] conv, zero-centred norms, vision and MTP
@@ -115,6 +117,7 @@ def test_model_info_names_each_layer_and_counts_the_recurrent_state(hybrid):
     hybrid.release(session)
 
 
+@pytest.mark.numeric
 def test_batched_decode_of_four_sessions_equals_each_alone(hybrid):
     lengths = (1, 9, 40, 130)
     prompts = [tokens(10 + i, n) for i, n in enumerate(lengths)]

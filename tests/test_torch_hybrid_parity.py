@@ -14,8 +14,6 @@ from backends.torch.backend import TorchBackend  # noqa: E402
 from tiny_hybrid_models import HYBRID_ARCHS, LAYOUTS  # noqa: E402
 from tolerance import Kind, Model, assert_logits_close  # noqa: E402
 
-pytestmark = pytest.mark.numeric  # again without the OpenBLAS preload: make test-numeric
-
 PROMPT_LEN = 150  # past one 64-token chunk of the delta rule's chunked form
 CHUNKS = (0, 7, 100, 101, PROMPT_LEN)  # uneven, one of a single token, one over a chunk of the rule
 DECODE_STEPS = 12
@@ -29,6 +27,7 @@ def _close(got: np.ndarray, want: np.ndarray, folder: str, context: int) -> None
     assert_logits_close(got, want, kind=Kind.BACKENDS, model=Model.of(folder), context=context)
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)
 def test_chunked_prefill_and_teacher_forced_decode_match_mlx_lm(arch, layout, tiny_hybrid_dir):
@@ -50,6 +49,7 @@ def test_chunked_prefill_and_teacher_forced_decode_match_mlx_lm(arch, layout, ti
         _close(backend.to_numpy(backend.decode([session], [token]))[0], want, folder, PROMPT_LEN + step + 1)
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)
 def test_batched_decode_matches_mlx_lm_per_row(arch, tiny_hybrid_dir):
     """Rows at different lengths, each with its own recurrent state, decoded in one pass."""

@@ -20,8 +20,6 @@ from server.metrics import Registry
 from tiny_hybrid_models import HYBRID_ARCHS
 from tolerance import Kind
 
-pytestmark = pytest.mark.numeric  # again without the OpenBLAS preload: make test-numeric
-
 DEVICE = os.environ.get("KVFORK_DEVICE", "cpu")
 CHUNK = 13  # the prefilling session's chunk: crosses gemma3's 16-token window within a few steps
 
@@ -68,6 +66,7 @@ def prefill_alone(b: TorchBackend, prompt: list[int], chunk: int = CHUNK) -> lis
     return out
 
 
+@pytest.mark.numeric
 def test_a_mixed_step_equals_each_session_alone_in_one_pass(backend):
     steps = 5
     prompts = [tokens(1, 40), tokens(2, 7)]  # two decoders at different lengths (one past the window)
@@ -99,6 +98,7 @@ def test_a_mixed_step_equals_each_session_alone_in_one_pass(backend):
         backend.release(s)
 
 
+@pytest.mark.numeric
 def test_a_failed_pass_reports_each_row_and_a_retry_is_exact(backend):
     """A failure inside the pass: rows whose rings or recurrent states were written are CORRUPT,
     the others UNTOUCHED, at their old position; running an untouched row again gives its true logits."""

@@ -19,8 +19,6 @@ from backends.base import SamplerState, SamplingParams  # noqa: E402
 from backends.torch.backend import TorchBackend  # noqa: E402
 from tolerance import Kind, Model, assert_arrays_close, assert_logits_close, assert_same_greedy  # noqa: E402
 
-pytestmark = pytest.mark.numeric  # again without the OpenBLAS preload: make test-numeric
-
 PROMPT_LEN = 40  # longer than gemma3's window (16), so its rings wrap during prefill
 CHUNKS = (0, 7, 25, PROMPT_LEN)  # the engine's chunking: uneven, one chunk longer than the window
 DECODE_STEPS = 20
@@ -47,6 +45,7 @@ def _close(got: np.ndarray, want: np.ndarray, folder: str, context: int) -> None
     assert_logits_close(got, want, kind=Kind.BACKENDS, model=Model.of(folder), context=context)
 
 
+@pytest.mark.numeric
 def test_prefill_and_teacher_forced_decode_match_mlx_lm(arch, tiny_model_dir, references):
     folder = tiny_model_dir(arch)
     reference = references(folder)
@@ -67,6 +66,7 @@ def test_prefill_and_teacher_forced_decode_match_mlx_lm(arch, tiny_model_dir, re
         _close(backend.to_numpy(backend.decode([session], [token]))[0], want, folder, PROMPT_LEN + step + 1)
 
 
+@pytest.mark.numeric
 def test_batched_decode_matches_mlx_lm_per_row(arch, tiny_model_dir, references):
     """Rows at different lengths (some past the sliding window) decoded in one pass."""
     folder = tiny_model_dir(arch)
@@ -89,6 +89,7 @@ def test_batched_decode_matches_mlx_lm_per_row(arch, tiny_model_dir, references)
                    lengths[row] + step + 1)
 
 
+@pytest.mark.numeric
 def test_greedy_continuations_agree(arch, tiny_model_dir, references):
     """Same logits, same argmax: the greedy tokens of both sides are the same (tolerance.assert_same_greedy)."""
     folder = tiny_model_dir(arch)
@@ -114,6 +115,7 @@ def test_greedy_continuations_agree(arch, tiny_model_dir, references):
 
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize(
     "scaling",
     [
