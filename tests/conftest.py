@@ -86,7 +86,8 @@ def kvfork_home():
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The largest difference each kind of comparison showed against its bound (tolerance.py)."""
+    """The largest difference each kind of comparison showed against its bound, and the nearest tie a
+    greedy step met (tolerance.py): how close this machine's sums came to failing."""
     if not tolerance.worst:
         return
     terminalreporter.section("tolerances: largest difference against the bound, per comparison kind")
@@ -95,4 +96,3 @@ def pytest_terminal_summary(terminalreporter):
     tie, where = tolerance.closest_tie
     if where:
         terminalreporter.write_line(f"{'nearest tie of a greedy step':34s} margin {tie:.3g}x twice the bound  {where}")
-
