@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 BLAS_ENV = LD_PRELOAD="$$($(BIN)/python -m backends.mlx.blas)"
 ARGS ?=
 
-.PHONY: install model serve test test-numeric smoke soak bench peers cluster clean
+.PHONY: install model serve test test-numeric smoke soak bench peers cluster clients clean
 
 install: $(STAMP)
 
@@ -49,6 +49,11 @@ bench: install
 # Opt-in: also mlx_lm.server and llama.cpp's server (built once, about 20 min on 2 cores).
 peers: install
 	$(BIN)/kvfork bench peers $(ARGS)
+
+# Opt-in: Codex CLI, Claude Code and opencode from npm (into $KVFORK_HOME/clients), each in a scripted
+# 3-turn session with a tool call against a tiny 64k-context model; prints the table.
+clients: install
+	$(BIN)/kvfork clients --install $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

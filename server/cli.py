@@ -32,8 +32,10 @@ TOOLS = {
     "soak": ("tools.soak", "load, faults, hang-ups and bad input against an in-process daemon; one table of checks"),
     "cache": ("server.cache_command", "show (ls) or empty (clear) the prefix cache's disk tier"),
     "cluster": ("tools.cluster", "N replicas of one model on this machine behind smg (pip install 'kvfork[cluster]')"),
+    "clients": ("tools.clients", "Codex CLI, Claude Code and opencode, unchanged, in scripted sessions; one table"),
 }
-USAGE = "usage: kvfork {serve,fetch-model,bench,smoke,soak,cache,cluster} [options]   (kvfork COMMAND --help for a command's options)"
+USAGE = ("usage: kvfork {serve,fetch-model,bench,smoke,soak,cache,cluster,clients} [options]   "
+         "(kvfork COMMAND --help for a command's options)")
 
 
 class OneLineParser(argparse.ArgumentParser):

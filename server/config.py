@@ -23,6 +23,11 @@ def _key_check(keys: list[str]) -> str | None:
     return "an API key cannot be empty or hold whitespace" if bad else None
 
 
+def _header_check(names: list[str]) -> str | None:
+    bad = [n for n in names if not n or any(c in n for c in " \t:()<>@,;\\\"/[]?={}") or not n.isascii()]
+    return f"not a header name: {bad[0]!r}" if bad else None
+
+
 def _zmq_address_check(address: str | None) -> str | None:
     if address is None:
         return None
@@ -79,6 +84,10 @@ class ServerConfig:
                                "teaches; none: never parse)", choices=TOOL_PARSER_CHOICES)
     max_n: int = setting(8, "most choices (n) a chat or completions request may ask for; each takes an "
                          "inference slot", check=at_least(1))
+    session_header: list[str] = setting([], "a client header whose value names a kvfork session, as X-Kvfork-Session "
+                                        "does (e.g. x-session-id); repeat for more. Sessions are opt-in: without it "
+                                        "only X-Kvfork-Session and the body's session_id open one",
+                                        repeat=True, check=_header_check)
     max_stored_responses: int = setting(1024, "responses kept for previous_response_id (/v1/responses), oldest "
                                         "out first", check=at_least(1))
     grammar_compile_timeout: float = setting(5.0, "most seconds a request's grammar (response_format, "

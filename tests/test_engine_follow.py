@@ -109,6 +109,28 @@ async def test_a_follower_past_its_wait_takes_the_seed_path():
     await engine.shutdown(1)
 
 
+async def test_a_follower_whose_leader_slows_down_goes_on_following_while_that_is_cheaper():
+    """Issue 23: on a loaded machine followers waited out --follow-max-wait, cloned half the prefix
+    and prefilled the rest, answering after reuse off. At the deadline the costs are compared with
+    the leader's measured progress: it is still moving, so the follower keeps following."""
+    backend = ScriptedBackend()
+    backend.delay["prefill"] = 0.002
+    engine = await start_engine(backend, **FOLLOW, follow_max_wait=0.5)
+    gate = backend.gates["prefill"] = Gate(lambda sessions, chunks: sessions[0].position == 64)
+    leader = engine.submit(request(PROMPTS[0], 4))
+    await reached(gate)
+    follower = engine.submit(request(PROMPTS[1], 4))
+    assert engine.reuse.followers  # the measured rate puts the leader's target well within the wait
+    backend.delay["prefill"] = 0.3  # the machine slows down: the rest (5 chunks) takes three times the wait
+    gate.open()
+    tokens, done = await collect(follower)
+    assert tokens == backend.greedy(PROMPTS[1], 4)
+    assert done.usage.reuse_source == "donor" and done.usage.reused_tokens == S  # all of the shared prefix
+    await collect(leader)
+    await settled(engine, backend)
+    await engine.shutdown(1)
+
+
 async def test_a_follower_cancelled_while_parked_leaves_nothing():
     backend = slow_prefill(ScriptedBackend())
     engine = await start_engine(backend, **FOLLOW)

@@ -233,3 +233,33 @@ def test_scanning_followers_through_their_leaders_changes_no_plan():
         blind = [replace(v, follows=None) for v in views]
         recipient = Recipient(6, prompts[6])
         assert plan(recipient, views, 0, FREE_CLONES, ON, 1) == plan(recipient, blind, 0, FREE_CLONES, ON, 1)
+
+
+# ---- at a follower's deadline: go on following while it is cheaper ----
+
+from server.engine.follow import at_deadline  # noqa: E402
+
+
+def test_at_the_deadline_a_follower_of_a_moving_leader_keeps_following():
+    # issue 23's loaded machine: 59 tok/s, half of a 2,040-token prompt committed after 30 s
+    rates = Rates(prefill_tps=59.0)
+    moving = at_deadline(2040, 2039, 1024, progress_tps=59.0, rates=rates, prefilling=1, max_wait_s=30.0)
+    assert moving.keep and moving.ttft_follow_s < moving.ttft_now_s
+    assert moving.recheck_s == 30.0  # it looks again within --follow-max-wait
+    near = at_deadline(2040, 2039, 2000, progress_tps=59.0, rates=rates, prefilling=1, max_wait_s=30.0)
+    assert near.keep and near.recheck_s == 30.0
+
+
+def test_at_the_deadline_a_follower_of_a_stalled_leader_stops_and_one_of_a_crawling_leader_does_not():
+    rates = Rates(prefill_tps=59.0)
+    stalled = at_deadline(2040, 2039, 1024, progress_tps=0.0, rates=rates, prefilling=1, max_wait_s=30.0)
+    assert not stalled.keep and stalled.ttft_follow_s == math.inf
+    # a leader moving at 5 tok/s: the machine is that slow for the follower too, so following still wins
+    crawling = at_deadline(2040, 2039, 1024, progress_tps=5.0, rates=rates, prefilling=1, max_wait_s=30.0)
+    assert crawling.keep and crawling.ttft_now_s == pytest.approx(rates.clone_s(1024) + 1016 / 2.5)
+
+
+def test_at_the_deadline_a_follower_a_few_tokens_short_of_its_target_clones_now():
+    rates = Rates(prefill_tps=1000.0, clone_fixed_s=0.002, clone_s_per_token=0.001)
+    near = at_deadline(2040, 1030, 1024, progress_tps=1000.0, rates=rates, prefilling=1, max_wait_s=30.0)
+    assert not near.keep  # cloning 6 more tokens costs more than prefilling them

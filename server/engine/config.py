@@ -55,8 +55,9 @@ class EngineConfig:
     max_named_sessions: int = setting(64, "named sessions kept (least recently used first out)", check=at_least(1))
     max_context: int | None = setting(None, "most tokens of prompt and output per request (None: the model's)",
                                       check=at_least(2))
-    max_tokens: int = setting(512, "max_tokens when a request gives none; always clamped to the context left",
-                              check=at_least(1))
+    max_tokens: int | None = setting(None, "output limit of a request that gives none (None: up to the context "
+                                     "left, as OpenAI's and Anthropic's APIs bound it only by the model); any "
+                                     "limit is clamped to the context left", check=at_least(1))
     # Cloning beats recomputing from a few tokens on (a clone's fixed cost is about
     # one token's prefill, docs/benchmarks.md); 64 is the prefix cache's own
     # shortest match, so both kinds of reuse start at the same size.

@@ -139,7 +139,7 @@ class Engine:
         adm, config = self._admission, self.config
         max_tokens, need, choice_need = adm.check(req, waiting=self.waiting())
         named = None
-        if req.session_id is not None:
+        if req.session_id is not None:  # a busy session gives None: the request runs without it
             named, evicted = adm.named.acquire(req.session_id, req.scope.tenant)
             adm.release_sessions(*evicted)
         eos = frozenset() if req.ignore_eos else frozenset(self.info.eos_token_ids)  # type: ignore[union-attr]
@@ -417,6 +417,7 @@ class Engine:
         if r.lead is not None:  # a choice's clone of its lead: the prompt is counted once, on choice 0
             r.reused = 0
             return
+        r.handle.reused = r.reused  # final from here: APIs that say the usage split up front read it
         if r.named is not None:
             r.reuse_source = "session" if ev.reused else None
         elif ev.clone_index is not None:

@@ -20,8 +20,10 @@ Engine flow:
     (so --no-follow is FollowPolicy(follow=False), nothing else). Log p.log_fields().
   - Each step: a leader's prefill chunk ends at chunk_end() of its followers'
     targets; the runner clones [0, target) for a follower the moment its leader
-    has committed it, and the follower prefills its tail once it has a slot; one
-    past its deadline is unparked and planned again with
+    has committed it, and the follower prefills its tail once it has a slot.
+  - At a follower's deadline, at_deadline() compares costs with the leader's
+    measured progress: while following is still expected to answer sooner, it
+    goes on (and looks again); else it is unparked and planned again with
     FollowPolicy(follow=False): clone-now.
   - A leader leaving while followed (cancelled, failed, or finished): promote();
     the heir clones the gone state; everyone else below the gone leader is
@@ -47,8 +49,9 @@ Rules (each also stated where it binds):
   - Only requests nobody follows plan with following on (new, queued, or
     unparked by promote), so no request ever follows its own follower.
   - A follower holds no slot (but the bytes of its clone, in the budget) and
-    gives up at its deadline, which runs from the first time it parked: no
-    follower waits forever.
+    looks again at its deadline, which runs from the first time it parked: it
+    goes on only while its leader's measured progress makes that cheaper than
+    clone-now, so no follower waits on a stalled leader.
 Cost: run `plan` on arrival and at admission, not per step: with 256 parked
 followers of 2,000-token prompts, leader_views + plan take ~2 ms (a parked
 follower is compared only beyond its leader's part). Per step only `chunk_end`.
@@ -243,7 +246,7 @@ class Following:
     leader: Hashable
     target: int  # clone [0, target) from the leader once it has committed that much
     order: int  # arrival order, lower = earlier
-    deadline: float  # engine clock; past it, stop following and take clone-now
+    deadline: float  # engine clock; then at_deadline() says whether it goes on following
 
     @classmethod
     def park(cls, request_id: Hashable, plan: Plan, order: int, first_parked_at: float, max_wait_s: float) -> Following:
@@ -251,6 +254,41 @@ class Following:
         # parks again after a promotion keeps it, so no follower waits forever.
         assert plan.follow and plan.leader is not None
         return cls(request_id, plan.leader, plan.target, order, first_parked_at + max_wait_s)
+
+
+@dataclass(frozen=True)
+class Expiry:
+    """A follower's deadline came: go on following (and look again in `recheck_s`), or stop."""
+
+    keep: bool
+    recheck_s: float
+    ttft_follow_s: float  # expected, from now, going on following
+    ttft_now_s: float  # expected, from now, cloning what the leader has committed and prefilling the rest
+
+
+def at_deadline(length: int, target: int, committed: int, progress_tps: float, rates: Rates, prefilling: int,
+                max_wait_s: float) -> Expiry:
+    """At its deadline, a follower goes on following while that is still expected to answer sooner
+    than clone-now: cloning the leader's `committed` prefix and prefilling the rest itself.
+
+    `progress_tps`: how fast the leader's committed position really moved since the follower last
+    looked (a stalled leader: 0, and following ends); `prefilling`: requests prefilling now, the
+    leader among them, the follower not; `max_wait_s`: --follow-max-wait, the longest it goes
+    without looking again. Deadlines keep coming, so no follower waits on a leader that stops moving.
+    """
+    # The follower would prefill beside the others: its share of the rate, no faster than the leader
+    # really moved (a machine that slowed down since the rates were measured slows both).
+    tps = rates.share(prefilling + 1)
+    if progress_tps > 0:
+        tps = min(tps, progress_tps * prefilling / (prefilling + 1))
+    held = min(committed, target)
+    wait = (target - held) / progress_tps if progress_tps > 0 else math.inf
+    ttft_follow = wait + rates.clone_s(target) + (length - target) / tps
+    ttft_now = rates.clone_s(held) + (length - held) / tps
+    keep = ttft_follow < ttft_now
+    # It looks again a whole wait later: on a loaded machine one step can take many seconds, and a
+    # shorter look could see no commit and take a moving leader for a stalled one.
+    return Expiry(keep, max_wait_s if keep else 0.0, ttft_follow, ttft_now)
 
 
 def chunk_end(committed: int, planned_end: int, stops: Iterable[int]) -> int:

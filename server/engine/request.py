@@ -41,6 +41,7 @@ class RequestHandle:
         self._on_cancel, self._on_finish = on_cancel, on_finish
         self._ending = False  # after cancel() or finish(), no more tokens: only the DoneEvent
         self.done: DoneEvent | None = None  # set once the DoneEvent has been read
+        self.reused = 0  # prompt tokens reused, known once it starts (before its first token)
 
     def __aiter__(self) -> "RequestHandle":
         return self
@@ -98,6 +99,7 @@ class Request:
     registered: bool = False  # its follow order is with the runner
     follow_timer: asyncio.TimerHandle | None = None
     first_parked_at: float = 0.0  # the follow deadline runs from here, across re-parks
+    follow_seen: tuple[float, int] = (0.0, 0)  # when it last looked at its leader, and what it had committed
     no_follow: bool = False  # a failed or expired follow: clone-now from then on
     landed: tuple[Any, int] | None = None  # (session, tokens) a follow clone gave it, until it has a slot
     restoring: DiskMatch | None = None  # RESTORING: the disk tier's file it waits for

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Protocol
 from backends.base import ModelInfo, clone_positions
 from server.engine import messages as m
 from server.engine.disk import DiskMatch
-from server.engine.follow import FollowPolicy, Following, Leader, Plan, leader_views, plan
+from server.engine.follow import FollowPolicy, Following, Leader, Plan, at_deadline, leader_views, plan
 from server.engine.matching import Recipient, Source, window_floor
 from server.engine.rates import RateTracker
 from server.engine.request import Phase, Request
@@ -186,6 +186,7 @@ class Reuse:
         r.follow_timer = loop.call_later(max(0.0, r.following.deadline - now), self._expired, r.rid)
         engine.expire_at(r, r.submitted_at + engine.config.queue_timeout)  # the same queue timeout as anyone
         lead = engine.request(r.following.leader)
+        r.follow_seen = now, lead.committed_prompt if lead is not None else 0
         if lead is not None and lead.phase in (Phase.STARTING, Phase.RUNNING):
             self._register(r)
 
@@ -322,12 +323,33 @@ class Reuse:
         f = self.followers.get(rid)
         if f is None:
             return
+        if self._still_following(f):
+            return
         self._unpark(f)
         f.decision["follow_expired"] = True
         f.no_follow = True
         self.engine.adm.let_go(f)
         self.engine.adm.requeue(f)
         self.engine.admit()
+
+    def _still_following(self, f: Request) -> bool:
+        """At `f`'s deadline: whether following its (running) leader is still the cheaper way, by the
+        leader's progress since `f` last looked; if so the timer is armed again."""
+        engine, order = self.engine, f.following
+        lead = engine.request(order.leader) if order is not None else None
+        if order is None or lead is None or lead.phase not in (Phase.STARTING, Phase.RUNNING):
+            return False  # a parked leader (a chain) or one on its way: plan again
+        now, (seen_at, seen) = time.monotonic(), f.follow_seen
+        progress = (lead.committed_prompt - seen) / (now - seen_at) if now > seen_at else 0.0
+        decided = at_deadline(len(f.prompt), order.target, lead.committed_prompt, progress, self.rates.rates,
+                              self.prefilling(), engine.config.follow_max_wait)
+        f.decision.update(follow_extended=decided.keep, ttft_follow_left_s=round(decided.ttft_follow_s, 4),
+                          ttft_clone_now_s=round(decided.ttft_now_s, 4))
+        if not decided.keep:
+            return False
+        f.follow_seen = now, lead.committed_prompt
+        f.follow_timer = asyncio.get_running_loop().call_later(decided.recheck_s, self._expired, f.rid)
+        return True
 
     def _unpark(self, f: Request) -> None:
         self.followers.pop(f.rid, None)

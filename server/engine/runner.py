@@ -326,24 +326,25 @@ class Runner:
                                                                                        s.prefill_left)))
                    for rid, s in self._slots.items()]
         rates = self._rates.rates
-        budget = TimeBudget(self.max_step_s, rates.decode_s, rates.prefill_tps) if self.max_step_s else None
+        budget = TimeBudget(self.max_step_s, rates.decode_s, rates.step_s_per_token) if self.max_step_s else None
         plan = plan_step(running, self.max_batch_tokens, self.prefill_chunk, self._rotation, budget)
         self._rotation = plan.last_prefilled
         decoding = [self._slots[rid] for rid in plan.decode]
         prefilling = [self._slots[rid] for rid, _ in plan.prefill]
         prefill_s = 0.0
+        tokens = sum(n for _, n in plan.prefill)
         if not self.backend.mixed_batches and decoding:
             self._run(decoding, [], {})  # then the prefill chunks in a pass of their own
-            self._rates = self._rates.observe_decode(self._backend_s)
-            decoding = []
-        if decoding or prefilling:
-            before = self._backend_s
+            if prefilling:
+                before = self._backend_s
+                self._run([], prefilling, dict(plan.prefill))
+                prefill_s = self._backend_s - before
+        elif decoding or prefilling:
             self._run(decoding, prefilling, dict(plan.prefill))
-            tokens = sum(n for _, n in plan.prefill)
-            decode_s, prefill_s = split_pass(len(decoding), tokens, self._backend_s - before)
-            if decoding:
-                self._rates = self._rates.observe_decode(decode_s)
-            self._rates = self._rates.observe_prefill(tokens, prefill_s)
+            prefill_s = split_pass(len(decoding), tokens, self._backend_s)[1]
+        if decoding:  # the step budget's rates: the whole step against its prefill tokens
+            self._rates = self._rates.observe_step(tokens, self._backend_s)
+        self._rates = self._rates.observe_prefill(tokens, prefill_s)
         self._serve_orders()
         committed = {rid: s.session.position for rid, s in self._slots.items()}
         kept = {rid: s.session.kept for rid, s in self._slots.items() if s.session.kept}

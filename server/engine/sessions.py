@@ -5,8 +5,11 @@ the runner touches. Design rules:
 - warm resume: a prompt that extends the exact tokens the session holds (its
   last prompt and what it generated, as committed) prefills only the new tokens;
   anything else restarts the session cold;
-- one request at a time per session: a second gets `session_busy`;
-- at most `max_sessions`; the least recently used idle one goes first;
+- one request at a time per session: a second, while the first runs, runs without it
+  (`acquire` gives None), from the prefix cache or active reuse like any anonymous request:
+  neither OpenAI's nor Anthropic's API refuses concurrent requests;
+- at most `max_sessions`; the least recently used idle one goes first (when every one is
+  busy, a new name runs without a session);
 - idle sessions give way to admission after the prefix cache, least recently
   used first: the record stays, its state goes, and its owner's next request
   starts cold (never an error);
@@ -25,7 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from server.engine.api import CapacityExhausted, Scope, SessionBusy
+from server.engine.api import Scope, SessionBusy
 
 MAX_SESSION_ID = 128
 
@@ -98,19 +101,19 @@ class NamedSessions:
     def get(self, name: str, tenant: str = "") -> NamedSession | None:
         return self._table.get((tenant, name))
 
-    def acquire(self, name: str, tenant: str = "") -> tuple[NamedSession, tuple[list[Any], int]]:
+    def acquire(self, name: str, tenant: str = "") -> tuple[NamedSession | None, tuple[list[Any], int]]:
         """Mark `tenant`'s session `name` busy (creating it); returns it and the state evicted to make room
-        (NamedSession.take)."""
+        (NamedSession.take). None when it is busy: the request runs without it."""
         key = tenant, name
         record = self._table.get(key)
-        if record is not None and record.busy:
-            raise SessionBusy(f"session {name!r} is busy with another request")
         evicted: tuple[list[Any], int] = ([], 0)
+        if record is not None and record.busy:
+            return None, evicted
         if record is None:
             if len(self._table) >= self.max_sessions:
                 idle = next((r for r in self._table.values() if not r.busy), None)
-                if idle is None:
-                    raise CapacityExhausted("every named session is busy")
+                if idle is None:  # every session is busy: this request runs without one
+                    return None, evicted
                 del self._table[idle.key]
                 evicted = idle.take()
             record = self._table[key] = NamedSession(name, tenant)

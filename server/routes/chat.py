@@ -107,6 +107,38 @@ def template_message(index: int, message: ChatMessage) -> dict[str, Any]:
     return out
 
 
+def inline_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages for a template that refuses a system message anywhere but first (Gemma's,
+    Qwen3.5's): the leading system messages joined into one, and each later one merged into the
+    adjacent user turn (the next, else the one before), marked as system text; one with no user
+    turn beside it becomes a user turn of its own. The request is served, never refused for it."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        if message["role"] != "system":
+            out.append(dict(message))
+        elif all(m["role"] == "system" for m in out):  # still in the leading run
+            if out:
+                out[0]["content"] += "\n\n" + message["content"]
+            else:
+                out.append(dict(message))
+        else:
+            out.append({**message, "role": "user", "content": f"<system>\n{message['content']}\n</system>",
+                        "inlined": True})
+    for i, message in enumerate(out):  # each marked turn joins a user turn beside it
+        if not message.pop("inlined", False):
+            continue
+        after = out[i + 1] if i + 1 < len(out) else None
+        if after is not None and after["role"] == "user" and not after.get("inlined"):
+            after["content"] = message["content"] + "\n\n" + after["content"]
+            message["role"] = None
+            continue
+        before = next(m for m in reversed(out[:i]) if m["role"] is not None)
+        if before["role"] == "user":
+            before["content"] += "\n\n" + message["content"]
+            message["role"] = None
+    return [m for m in out if m["role"] is not None]
+
+
 async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Request, rid: str,
                   make_call_id: Callable[[], str] = openai_call_id) -> Job:
     check_supported(body, state.config.max_n)
@@ -116,10 +148,17 @@ async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Req
     choice, tool_name = tool_choice_of(body.tool_choice, check_tools(body.tools))
     model = state.model_name(body.model)
     tokenizer = state.require_ready()
-    session = session_id(body.session_id, request.headers.get("X-Session-ID"))
+    session = session_id(body.session_id, request.headers, state.config.session_header)
     config = state.config
     kwargs = body.chat_template_kwargs
-    text = await tokenizer.render_chat(messages, body.tools, kwargs)
+    try:
+        text = await tokenizer.render_chat(messages, body.tools, kwargs)
+    except ApiError:
+        inlined = inline_system_messages(messages)
+        if inlined == messages:
+            raise
+        messages = inlined
+        text = await tokenizer.render_chat(messages, body.tools, kwargs)
     rendered = messages, body.tools
     tool_format = config.tool_parser
     if body.tools and tool_format == "auto" and resolve_tool_parser("auto", tokenizer.chat_template) is None:

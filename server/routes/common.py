@@ -19,6 +19,7 @@ failure goes out as the API's error frame (`EventStream` and its subclasses).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -32,6 +33,8 @@ from server.generation import Finished, KeepAlive, Piece, generation
 from server.protocol.openai import PromptTokensDetails, UsageInfo, encoder
 from server.sse import EventStream
 from server.state import AppState
+
+log = logging.getLogger("kvfork.http")
 
 
 def decoder(kind: type) -> msgspec.json.Decoder:
@@ -47,6 +50,24 @@ async def read_body(request: web.Request, decode: msgspec.json.Decoder):
         return decode.decode(raw)
     except msgspec.MsgspecError as e:
         raise from_decode(e) from None
+
+
+DROPPED_TOOLS = web.RequestKey("dropped_tools", list)
+DROPPED_TOOLS_HEADER = "X-Kvfork-Dropped-Tools"
+
+
+def report_dropped_tools(request: web.Request, dropped: list[str]) -> None:
+    """Tools a request offered that the model never sees (kinds nothing here runs, such as web_search):
+    named in the log and in the response's X-Kvfork-Dropped-Tools header (app.py sets it)."""
+    if dropped:
+        request[DROPPED_TOOLS] = dropped
+        log.info("%s %s: tools dropped (nothing here runs them): %s", request.method, request.path, ", ".join(dropped))
+
+
+def dropped_tools_header(request: web.Request, response: web.StreamResponse) -> None:
+    dropped = request.get(DROPPED_TOOLS)
+    if dropped:
+        response.headers[DROPPED_TOOLS_HEADER] = ", ".join(dropped)
 
 
 def usage_info(usage: Usage) -> UsageInfo:
