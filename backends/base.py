@@ -438,6 +438,12 @@ class Backend(abc.ABC):
         has reserved its bytes (`info.kv.bytes_for(position, start=position)`) before calling."""
         raise NotImplementedError(f"{type(self).__name__} cannot load a session's state")
 
+    @property
+    def state_format(self) -> str:
+        """What saved states (export_state) are named by on disk: a state of one format imports into any
+        backend of the same format."""
+        return type(self).__name__
+
     def set_clone_mode(self, mode: Literal["share", "copy"]) -> None:
         """Before `load`: whether `clone` shares the whole blocks below `upto` by reference ("share")
         or copies them ("copy"). `info.kv.shares` says which one is in effect; a backend that can only

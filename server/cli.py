@@ -72,6 +72,10 @@ def serve(argv: list[str]) -> int:
     if not (Path(model) / "config.json").is_file():
         parser.error(f"--model: {model} is not a model folder (it has no config.json)")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config.distributed:
+        from server.distributed import serve as serve_ranks
+
+        return serve_ranks(config, engine_config, model)
     from server.serve import run  # the engine and backends load only for a valid command line
 
     try:

@@ -93,6 +93,11 @@ class ServerConfig:
     grammar_compile_timeout: float = setting(5.0, "most seconds a request's grammar (response_format, "
                                              "tool_choice) may take to compile; past it the request gets a 400",
                                              check=at_least(0.001))
+    distributed: bool = setting(False, "one model split over ranks (tensor parallel): run this on every rank, "
+                                "under mlx.launch or torchrun (or with their environment set by hand); rank 0 "
+                                "serves HTTP and runs the engine, the others apply its steps to their shards")
+    rank_timeout: float = setting(120.0, "--distributed: seconds a step may wait on the other ranks before rank 0 "
+                                  "declares them failed and answers 503", check=at_least(1))
     # An event carries token ids: the example binds loopback, and nothing is published unless asked for.
     kv_events_endpoint: str | None = setting(None, "publish KV events in vLLM's format (ZMQ PUB) on this address, "
                                              "e.g. tcp://127.0.0.1:5557 (events carry token ids: bind beyond "

@@ -8,6 +8,7 @@ cancelled, then the listener closes. Tests drive the same `Daemon` class.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from aiohttp import web
 
 from backends import create_backend, default_backend
 from backends.base import Backend
+from backends.lockstep.leader import LockstepBackend
 from server.app import build_app, listen
 from server.config import ServerConfig
 from server.engine.config import EngineConfig
@@ -108,17 +110,25 @@ def pick_backend(name: str) -> tuple[str, Backend]:
     return name, create_backend(name)
 
 
-async def run(config: ServerConfig, engine_config: EngineConfig, model: str) -> int:
-    try:
-        backend_name, backend = pick_backend(config.backend)
-    except ImportError as e:
-        print(f"kvfork: the {config.backend} backend cannot load here: {e}")
-        return 1
+async def run(config: ServerConfig, engine_config: EngineConfig, model: str,
+              leader: LockstepBackend | None = None) -> int:
+    """Serve until a signal. `leader`: rank 0's backend of a model split over ranks (server/distributed.py)."""
+    if leader is not None:
+        backend_name, backend = f"{config.backend}, rank 0 of {leader.channel.size}, pid {os.getpid()}", leader
+    else:
+        try:
+            backend_name, backend = pick_backend(config.backend)
+        except ImportError as e:
+            print(f"kvfork: the {config.backend} backend cannot load here: {e}")
+            return 1
     try:
         daemon = Daemon(config, engine_config, model, backend)
     except OSError as e:  # the KV event sockets
         print(f"kvfork: KV events: {e}")
         return 1
+    if leader is not None:  # a stalled rank fails the engine from the watchdog's thread
+        loop = asyncio.get_running_loop()
+        leader.on_fault = lambda reason: loop.call_soon_threadsafe(daemon.engine.fail, reason)
     try:
         await daemon.listen()
     except OSError as e:
@@ -155,3 +165,5 @@ async def run(config: ServerConfig, engine_config: EngineConfig, model: str) -> 
         stopping.cancel()
         loading.cancel()
         await daemon.close()
+        if leader is not None and not daemon.engine.runner_alive:  # the other ranks leave with rank 0
+            await asyncio.to_thread(leader.stop, "rank 0 shut down")

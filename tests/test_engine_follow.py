@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from engine_harness import collect, prompt_of, reached, request, settled, start_engine
+from engine_harness import collect, prompt_of, reached, request, settled, start_engine, until
 from scripted_backend import Gate, ScriptedBackend
 from server.engine.api import CapacityExhausted
 
@@ -157,7 +157,7 @@ async def test_shutdown_with_followers_parked():
     handles = [engine.submit(request(p, 4)) for p in PROMPTS]
     await reached(gate)
     closing = asyncio.create_task(engine.shutdown(grace_s=0.01))
-    await asyncio.sleep(0.05)
+    await until(lambda: all(r.ending == "cancelled" for r in engine.requests()))  # the grace has run out
     gate.open()
     await closing
     for h in handles:

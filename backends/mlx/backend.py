@@ -37,8 +37,12 @@ class MLXSession(Session):
 
 
 class MLXBackend(Backend):
+    def __init__(self, group: Any = None):
+        """`group`: an `mx.distributed` group to split the model over (loading.load_model); None: one rank."""
+        self.group = group
+
     def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
-        self.model, self.tokenizer, self.info = load_model(folder, dtype)
+        self.model, self.tokenizer, self.info = load_model(folder, dtype, self.group)
         self._windows = list(self.info.sliding_windows)
         self._sessions: dict[int, MLXSession] = {}
         self._batch = DecodeBatch(self.model)

@@ -8,13 +8,14 @@ the context length come from backends.model_info, the reader torch shares.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
-from mlx_lm.utils import load
+from mlx_lm.utils import load, load_model as lazy_model, sharded_load
 
 from backends.base import KVCost, LayerAttention, ModelInfo
 from backends.mlx.kvcopy import STEP
@@ -29,13 +30,22 @@ def default_dtype() -> str:
     return "bfloat16" if mx.default_device() == mx.gpu else "float32"
 
 
-def load_model(folder: str, dtype: str | None) -> tuple[nn.Module, Any, ModelInfo]:
-    """(model, tokenizer, info). `folder` may also be a hub id (see backends.model_path)."""
+def load_model(folder: str, dtype: str | None, group: Any = None) -> tuple[nn.Module, Any, ModelInfo]:
+    """(model, tokenizer, info). `folder` may also be a hub id (see backends.model_path). `group`: an
+    `mx.distributed` group of more than one rank splits the model over them, by mlx-lm's own
+    tensor-parallel sharding (`Model.shard`, through `sharded_load`); each rank then holds its share
+    of the weights and of every KV state, and `info.kv` prices a rank's share."""
     dtype = dtype or default_dtype()
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     path = resolve_model(str(folder))
-    model, tokenizer = load(str(path))
+    if group is not None and group.size() > 1:
+        reason = split_refusal(path, group.size())
+        if reason is not None:
+            raise ValueError(f"mlx backend: cannot split the model over {group.size()} ranks: {reason}")
+        model, tokenizer = sharded_load(str(path), tensor_group=group)
+    else:
+        model, tokenizer = load(str(path))
     # Quantized weights stay packed: set_dtype casts floating parameters only.
     model.set_dtype(DTYPES[dtype])
     layers = layer_kinds(model)
@@ -52,6 +62,23 @@ def load_model(folder: str, dtype: str | None) -> tuple[nn.Module, Any, ModelInf
         device="metal" if mx.default_device() == mx.gpu else "cpu",
     )
     return model, tokenizer, info
+
+
+def split_refusal(path: Path, size: int) -> str | None:
+    """Why mlx-lm cannot split the model in `path` over `size` ranks, or None when it can: its model
+    class has no `shard` (today qwen3_next, lfm2, nemotron_h, granitemoehybrid, gemma3_text, olmo2 and
+    more), or the head counts do not divide (mlx-lm's `shard` divides them without checking)."""
+    config = json.loads((path / "config.json").read_text())
+    family = config.get("model_type")
+    if not hasattr(lazy_model(path, lazy=True, strict=False)[0], "shard"):
+        return f"mlx-lm has no tensor-parallel sharding (Model.shard) for model_type {family!r}; serve it on one rank"
+    text = config.get("text_config", config)
+    heads = {"attention heads": text.get("num_attention_heads"), "KV heads": text.get("num_key_value_heads")}
+    odd = [f"{n} {what}" for what, n in heads.items() if n and n % size]
+    if odd:
+        return (f"tensor parallelism over {size} ranks splits attention heads evenly, and this model has "
+                f"{', '.join(odd)}: not a multiple of {size}")
+    return None
 
 
 def layer_kinds(model: nn.Module) -> tuple[LayerAttention, ...]:

@@ -314,14 +314,14 @@ class DiskTier:
     def forget(self, entry: Entry) -> None:
         """Out of the index, and its file removed (a corrupt or missing one)."""
         self._index.drop(entry)
-        self._pool.submit(self._remove, entry.owner)
+        self._remove_later(entry.owner)
 
     def _trim(self, room: int) -> None:
         """Evict least recently used files until `room` more bytes fit under the cap."""
         while self._index.count("disk") and self.nbytes + self.pending_bytes + room > self.max_bytes:
             entry = self._index.evict_oldest("disk")
             self.stats.evicted += 1
-            self._pool.submit(self._remove, entry.owner)
+            self._remove_later(entry.owner)
 
     # ---- file work (worker thread), answered on the loop ----
 
@@ -410,6 +410,12 @@ class DiskTier:
             self._pool.submit(run)
         except RuntimeError:  # closed
             finish(RuntimeError("the disk tier is closed"))
+
+    def _remove_later(self, name: str) -> None:
+        try:
+            self._pool.submit(self._remove, name)
+        except RuntimeError:  # closed: a write finishing after close; the next start-up indexes the file again
+            pass
 
     def _remove(self, name: str) -> None:
         try:

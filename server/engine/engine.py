@@ -66,6 +66,7 @@ class Engine:
         self.kv_dir, self.registry, self.kv_events, self._plans = kv_dir, registry, kv_events, plans
         self.info: ModelInfo | None = None
         self.dead = False
+        self.failure: str | None = None  # why the engine stopped serving, once it did
         self._closing = False
         self._runner: Runner | None = None
         self._loaded: asyncio.Future | None = None
@@ -593,15 +594,20 @@ class Engine:
             log.warning("prefix cache disk tier off: %s cannot save sessions", type(self.backend).__name__)
             return None
         try:
-            fp = fingerprint(resolve_model(self.model_path), info.dtype, type(self.backend).__name__)
+            fp = fingerprint(resolve_model(self.model_path), info.dtype, self.backend.state_format)
         except OSError as exc:
             log.warning("prefix cache disk tier off: cannot fingerprint the model (%r)", exc)
             return None
         assert self._index is not None
         return DiskTier(self.kv_dir, fp, self.config.prefix_cache_disk_bytes, self._index)
 
+    def fail(self, error: str) -> None:
+        """The backend failed outside any runner call (a rank stopped answering): as if the runner died."""
+        if not self.dead:
+            self._on_died(m.Died(error))
+
     def _on_died(self, ev: m.Died) -> None:
-        self.dead = True
+        self.dead, self.failure = True, ev.error
         if self._loaded is not None and not self._loaded.done():
             self._loaded.set_exception(RuntimeError(ev.error))
         for r in list(self._requests.values()):
