@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 BLAS_ENV = LD_PRELOAD="$$($(BIN)/python -m backends.mlx.blas)"
 ARGS ?=
 
-.PHONY: install model serve test smoke soak bench peers cluster clean
+.PHONY: install model serve test test-numeric smoke soak bench peers cluster clients clean
 
 install: $(STAMP)
 
@@ -25,6 +25,11 @@ serve: install
 
 test: install
 	$(BLAS_ENV) $(BIN)/python -m pytest -q $(ARGS)
+
+# The numeric tests (marked `numeric`) without the OpenBLAS preload: MLX's bundled BLAS and torch's own
+# (as `kvfork serve --backend torch` runs) sum in other orders, so a tolerance fitted to one BLAS fails here.
+test-numeric: install
+	LD_PRELOAD= $(BIN)/python -m pytest -q -m numeric $(ARGS)
 
 # Replicas of one model behind smg on this machine: ARGS="--replicas 3 --port 9000" (README: Several replicas).
 cluster: install
@@ -44,6 +49,11 @@ bench: install
 # Opt-in: also mlx_lm.server and llama.cpp's server (built once, about 20 min on 2 cores).
 peers: install
 	$(BIN)/kvfork bench peers $(ARGS)
+
+# Opt-in: Codex CLI, Claude Code and opencode from npm (into $KVFORK_HOME/clients), each in a scripted
+# 3-turn session with a tool call against a tiny 64k-context model; prints the table.
+clients: install
+	$(BIN)/kvfork clients --install $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -88,7 +88,7 @@ class SavedLayer:
     of positions [first, first + tokens) for attention layers, the state's own for recurrent ones."""
 
     kind: Literal["full", "sliding", "recurrent"]
-    arrays: tuple[Any, ...]
+    arrays: tuple[np.ndarray, ...]
     first: int = 0
 
 
@@ -122,9 +122,9 @@ class KVCost:
     load (`ModelInfo.kv`), so the engine prices a session before it exists without calling the backend.
 
     Design rules:
-    - full-attention layers allocate token slots in whole steps of `step`, keeping `spare` slots past
+    - full-attention layers allocate token positions in whole steps of `step`, keeping `spare` of them past
       the furthest token always free: a session opened at `start` (0 when opened empty, `upto` when
-      cloned) holds `round_up(start + spare) + slack` slots, then grows to the whole step that holds its
+      cloned) holds `round_up(start + spare) + slack` positions, then grows to the whole step that holds its
       furthest token written plus `spare` (torch: spare 1, slack 0; MLX: spare 0, slack one step);
     - every sliding layer holds a ring of its window whatever the length (`ring_bytes`, all rings);
     - `shared` leading tokens held by reference in another session's memory cost nothing here: their
@@ -137,12 +137,12 @@ class KVCost:
       / SSM states of all its recurrent layers) whatever its length, and each recurrent-state checkpoint
       it keeps (`checkpoints`) costs one more.
     - `padded_rows`: the backend pads the sessions it runs together to the longest one (MLX's decode
-      batch), so any session in a slot may hold `row_bytes(longest)`, whatever its own length.
-    `tolerance` is how far (a fraction of `bytes_for`, plus one step of slots) the backend's own count
+      batch), so any session in an inference slot may hold `row_bytes(longest)`, whatever its own length.
+    `tolerance` is how far (a fraction of `bytes_for`, plus one step of positions) the backend's own count
     may stray from this figure for a session: 0 where the backend allocates exactly as stated.
     """
 
-    full_bytes_per_token: int  # all full-attention layers together, per token slot
+    full_bytes_per_token: int  # all full-attention layers together, per token position allocated
     ring_bytes: int = 0
     step: int = 1
     slack: int = 0
@@ -159,12 +159,12 @@ class KVCost:
     def round_up(self, tokens: int) -> int:
         return -(-tokens // self.step) * self.step
 
-    def slots(self, tokens: int, start: int = 0) -> int:
-        """Token slots per full layer once a session opened at `start` has written `tokens` positions."""
+    def positions(self, tokens: int, start: int = 0) -> int:
+        """Token positions a full layer allocates once a session opened at `start` has written `tokens`."""
         return max(self.round_up(start + self.spare) + self.slack, self.round_up(tokens + self.spare))
 
     def row_bytes(self, longest: int) -> int:
-        """The most one session may hold while the sessions in slots beside it grow to at most `longest`
+        """The most one session may hold while the sessions in inference slots beside it grow to at most `longest`
         tokens, where rows are padded to the longest (0 where they are not): the longest rounded up,
         plus two steps (a batch grows a step past its write index; a cache that grew off a step
         boundary trims to its write index and grows a step from there)."""
@@ -173,7 +173,7 @@ class KVCost:
         return (self.round_up(longest) + 2 * self.step) * self.full_bytes_per_token + self.ring_bytes + self.state_bytes
 
     def bytes_for(self, tokens: int, shared: int = 0, checkpoints: int = 0, start: int = 0) -> int:
-        own = self.slots(tokens, start) - shared // self.step * self.step
+        own = self.positions(tokens, start) - shared // self.step * self.step
         return max(0, own) * self.full_bytes_per_token + self.ring_bytes + (1 + checkpoints) * self.state_bytes
 
 
@@ -187,6 +187,16 @@ class ModelInfo:
     kv: KVCost  # what a session costs (see KVCost)
     dtype: str
     device: str
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether any layer keeps a recurrent state (the recurrent rule)."""
+        return any(layer.kind == "recurrent" for layer in self.layers)
+
+    @property
+    def sliding_windows(self) -> tuple[int, ...]:
+        """The windows of the sliding layers, in layer order (the sliding-window rule)."""
+        return tuple(layer.window for layer in self.layers if layer.kind == "sliding" and layer.window)
 
 
 # Below this temperature, logits / temperature overflows to inf (vLLM and llama.cpp also
@@ -221,7 +231,7 @@ class SamplingParams:
     @property
     def stream_seed(self) -> int | None:
         """The seed as both backends' generators take it, in [0, 2**64): a negative seed wraps
-        as its two's complement, so today's non-negative seeds keep their streams."""
+        as its two's complement, so a non-negative seed draws the same stream either way."""
         return None if self.seed is None else self.seed % 2**64
 
 
@@ -306,7 +316,7 @@ def clone_positions(session_position: int, info: ModelInfo, kept: Collection[int
     """The `upto`s a session at `session_position`, with checkpoints at `kept`, may be cloned at,
     before the sliding rule (which needs the rings' held positions: `clone_refusal`). Pure, for
     the engine's planning."""
-    if any(layer.kind == "recurrent" for layer in info.layers):
+    if info.recurrent:
         return tuple(sorted({p for p in (*kept, session_position) if 0 < p <= session_position}))
     return range(1, session_position + 1)
 
@@ -427,6 +437,12 @@ class Backend(abc.ABC):
         """A new session holding `state` (the saved-state rule), at `state.position`. The caller
         has reserved its bytes (`info.kv.bytes_for(position, start=position)`) before calling."""
         raise NotImplementedError(f"{type(self).__name__} cannot load a session's state")
+
+    @property
+    def state_format(self) -> str:
+        """What saved states (export_state) are named by on disk: a state of one format imports into any
+        backend of the same format."""
+        return type(self).__name__
 
     def set_clone_mode(self, mode: Literal["share", "copy"]) -> None:
         """Before `load`: whether `clone` shares the whole blocks below `upto` by reference ("share")

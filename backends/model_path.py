@@ -1,4 +1,5 @@
-"""Where a model lives: a local folder, or a Hugging Face hub id fetched into the hub cache.
+"""Where kvfork keeps its files, and where a model lives: a local folder, or a Hugging Face hub id
+fetched into the hub cache.
 
 One resolver serves the launcher and every backend, so `--model org/name`
 means the same folder to the tokenizer, MLX and torch.
@@ -6,7 +7,13 @@ means the same folder to the tokenizer, MLX and torch.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+
+def kvfork_home() -> Path:
+    """$KVFORK_HOME (default ~/.cache/kvfork): the default model under `models`, the disk tier under `kv`."""
+    return Path(os.environ.get("KVFORK_HOME") or Path.home() / ".cache" / "kvfork").expanduser()
 
 # What loading needs; never the other formats a hub repo may carry (GGUF, ONNX, ...).
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja"]

@@ -19,7 +19,7 @@ from server.engine.api import EngineError
 from server.errors import ApiError, from_engine
 from server.protocol.anthropic import error_body
 from server.routes import chat, completions, loads, messages, models, responses, sessions
-from server.routes.common import json_response
+from server.routes.common import dropped_tools_header, json_response
 from server.sse import CLIENT_GONE
 from server.slow_clients import Watchdog
 from server.slow_clients import listen as watched_listen
@@ -104,10 +104,20 @@ def _middlewares(state: AppState, requests_total) -> list:
     return [errors, auth]
 
 
+async def _response_headers(request: web.Request, response: web.StreamResponse) -> None:
+    dropped_tools_header(request, response)
+
+
+async def _root(request: web.Request) -> web.Response:
+    """GET and HEAD /: a reachability probe (Claude Code sends HEAD / before its first request)."""
+    return web.Response(text="kvfork\n")
+
+
 def build_app(state: AppState) -> web.Application:
     requests_total = state.registry.counter("http_requests_total", "HTTP requests answered, by route and status")
     app = web.Application(middlewares=_middlewares(state, requests_total), client_max_size=state.config.max_body_bytes)
     app[STATE] = state
+    app.on_response_prepare.append(_response_headers)
     app.router.add_post("/v1/chat/completions", chat.handle)
     app.router.add_post("/v1/completions", completions.handle)
     app.router.add_post(messages.PATH, messages.handle)
@@ -116,6 +126,7 @@ def build_app(state: AppState) -> web.Application:
     app.router.add_delete(responses.PATH + "/{response_id}", responses.delete)
     app.router.add_post(messages.PATH + "/count_tokens", messages.count_tokens)
     app.router.add_get(models.PATH, models.list_models)
+    app.router.add_get("/", _root)  # HEAD too
     app.router.add_get("/health", models.health)
     app.router.add_get(METRICS, models.metrics)
     app.router.add_get(loads.PATH, loads.handle)

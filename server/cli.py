@@ -15,8 +15,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from backends import default_backend
-from backends.mlx.blas import reexec_for_backend
+from backends import prepare_process
 from backends.model_path import resolve_model
 from server.config import ServerConfig
 from server.engine.config import EngineConfig
@@ -24,16 +23,19 @@ from server.settings import add_arguments, from_args
 from server.tenants import key_tenants
 from server.warm import read_warm_file
 
-# Tools are imported only when asked for: each pulls its own dependencies.
-TOOLS = {
-    "fetch-model": ("tools.fetch_model", "fetch the default model (SmolLM2) and convert it"),
+# Commands are imported only when asked for: each pulls its own dependencies. bench, smoke and soak are
+# tools (entry points that import the product, never the reverse): a checkout without tools/ lacks them.
+COMMANDS = {
+    "fetch-model": ("backends.default_model", "fetch the default model (SmolLM2) and convert it"),
     "bench": ("tools.bench", "replay benchmark against a running daemon"),
     "smoke": ("tools.smoke", "end-to-end check of active prefix reuse on the default model"),
     "soak": ("tools.soak", "load, faults, hang-ups and bad input against an in-process daemon; one table of checks"),
     "cache": ("server.cache_command", "show (ls) or empty (clear) the prefix cache's disk tier"),
     "cluster": ("tools.cluster", "N replicas of one model on this machine behind smg (pip install 'kvfork[cluster]')"),
+    "clients": ("tools.clients", "Codex CLI, Claude Code and opencode, unchanged, in scripted sessions; one table"),
 }
-USAGE = "usage: kvfork {serve,fetch-model,bench,smoke,soak,cache,cluster} [options]   (kvfork COMMAND --help for a command's options)"
+USAGE = ("usage: kvfork {serve,fetch-model,bench,smoke,soak,cache,cluster,clients} [options]   "
+         "(kvfork COMMAND --help for a command's options)")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -62,7 +64,7 @@ def serve(argv: list[str]) -> int:
             read_warm_file(config.prefix_cache_warm)
         except ValueError as e:
             parser.error(f"--prefix-cache-warm: {e}")
-    reexec_for_backend(mlx=(default_backend() if config.backend == "auto" else config.backend) == "mlx")
+    prepare_process(config.backend)
     try:
         model = str(resolve_model(config.model)) if config.model else str(_default_model())
     except FileNotFoundError as e:
@@ -70,6 +72,10 @@ def serve(argv: list[str]) -> int:
     if not (Path(model) / "config.json").is_file():
         parser.error(f"--model: {model} is not a model folder (it has no config.json)")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config.distributed:
+        from server.distributed import serve as serve_ranks
+
+        return serve_ranks(config, engine_config, model)
     from server.serve import run  # the engine and backends load only for a valid command line
 
     try:
@@ -79,7 +85,7 @@ def serve(argv: list[str]) -> int:
 
 
 def _default_model() -> Path:
-    from tools.fetch_model import FetchError, ensure_default_model
+    from backends.default_model import FetchError, ensure_default_model
 
     try:
         return ensure_default_model()
@@ -91,14 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         lines = [USAGE, "  serve        run the daemon (default model unless --model)"]
-        lines += [f"  {name:<12} {help_text}" for name, (_, help_text) in TOOLS.items()]
+        lines += [f"  {name:<12} {help_text}" for name, (_, help_text) in COMMANDS.items()]
         print("\n".join(lines))
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "serve":
         return serve(rest)
-    if command in TOOLS:
-        module = TOOLS[command][0]
+    if command in COMMANDS:
+        module = COMMANDS[command][0]
         try:
             tool = importlib.import_module(module)
         except ModuleNotFoundError as e:
@@ -107,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvfork: error: {command} is not part of this checkout ({module} is missing)", file=sys.stderr)
             return 1
         return tool.main(rest) or 0
-    print(f"kvfork: error: unknown command {command!r} (commands: serve, {', '.join(TOOLS)})", file=sys.stderr)
+    print(f"kvfork: error: unknown command {command!r} (commands: serve, {', '.join(COMMANDS)})", file=sys.stderr)
     return 2
 
 

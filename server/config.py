@@ -25,6 +25,11 @@ def _key_check(keys: list[str]) -> str | None:
     return "an API key cannot be empty or hold whitespace" if bad else None
 
 
+def _header_check(names: list[str]) -> str | None:
+    bad = [n for n in names if not n or any(c in n for c in " \t:()<>@,;\\\"/[]?={}") or not n.isascii()]
+    return f"not a header name: {bad[0]!r}" if bad else None
+
+
 def _zmq_address_check(address: str | None) -> str | None:
     if address is None:
         return None
@@ -90,6 +95,15 @@ class ServerConfig(Limits):
     log_level: str = setting("info", "log verbosity", choices=LOG_LEVELS)
     tool_parser: str = setting("auto", "tool-call format to parse from replies (auto: the one the chat template "
                                "teaches; none: never parse)", choices=TOOL_PARSER_CHOICES)
+    session_header: list[str] = setting([], "a client header whose value names a kvfork session, as X-Kvfork-Session "
+                                        "does (e.g. x-session-id); repeat for more. Sessions are opt-in: without it "
+                                        "only X-Kvfork-Session and the body's session_id open one",
+                                        repeat=True, check=_header_check)
+    distributed: bool = setting(False, "one model split over ranks (tensor parallel): run this on every rank, "
+                                "under mlx.launch or torchrun (or with their environment set by hand); rank 0 "
+                                "serves HTTP and runs the engine, the others apply its steps to their shards")
+    rank_timeout: float = setting(120.0, "--distributed: seconds a step may wait on the other ranks before rank 0 "
+                                  "declares them failed and answers 503", check=at_least(1))
     # An event carries token ids: the example binds loopback, and nothing is published unless asked for.
     kv_events_endpoint: str | None = setting(None, "publish KV events in vLLM's format (ZMQ PUB) on this address, "
                                              "e.g. tcp://127.0.0.1:5557 (events carry token ids: bind beyond "

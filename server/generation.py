@@ -35,6 +35,7 @@ from server.text.tokenizer import PromptTokenizer
 class Piece:
     text: str  # newly released text, possibly "" while a character or stop string is held
     tokens: list[TokenEvent] = field(default_factory=list)  # the tokens that arrived with it
+    reused: int = 0  # the prompt tokens the request reused (final once it has a token: Usage.reused_tokens)
 
 
 @dataclass
@@ -121,7 +122,7 @@ async def _events(handle, tokenizer: PromptTokenizer, stops: list[str]) -> Async
             if stopped:
                 continue  # tokens the engine ran before it saw finish()
             match = matcher.feed(detokenizer.add(event.token))
-            yield Piece(match.text, [event])
+            yield Piece(match.text, [event], handle.reused)
             if match.stopped:
                 stopped = True
                 handle.finish()
@@ -132,7 +133,7 @@ async def _events(handle, tokenizer: PromptTokenizer, stops: list[str]) -> Async
             tail = matcher.feed(detokenizer.flush())
             text = tail.text if tail.stopped else tail.text + matcher.flush()
             if text:
-                yield Piece(text)
+                yield Piece(text, reused=handle.reused)
             stopped = tail.stopped
         yield Finished("stop" if stopped else event.finish_reason, event.usage, matcher.matched)
         return

@@ -435,14 +435,16 @@ class GrammarCompiler:
                                    "(--grammar-compile-timeout); simplify the schema") from None
             if error:
                 raise GrammarError(param, f"the grammar cannot be compiled: {error}")
-        grammar = self._build(text, param)
+        grammar = self.build(text, param)
         with self._cache_lock:
             self._cache[key] = grammar
             if len(self._cache) > _CACHE_ENTRIES:
                 self._cache.popitem(last=False)
         return grammar
 
-    def _build(self, text: str, param: str) -> Grammar:
+    def build(self, text: str, param: str) -> Grammar:
+        """Grammar `text` built on the calling thread: no process, no cache (what `compile` does once it
+        knows the grammar builds in time)."""
         import llguidance
 
         matcher = llguidance.LLMatcher(self.tokenizer(), text, log_level=0, limits=_parser_limits())

@@ -29,7 +29,7 @@ Design rules:
   the last lets go (`BlockLedger`, pure): prefixes shared by several entries are
   announced once;
 - the scope (tenant, cache_salt) enters the first block's extra keys as an opaque
-  digest (the disk tier's name for it, never a tenant's name or key) and so every
+  digest (the index's name for it, an HMAC: never a tenant's name or key) and so every
   hash after it; the default scope (no keys, no salt) has none, so a router that
   hashes token ids alone matches it;
 - the publisher never blocks the caller: batches queue to a thread that owns both
@@ -46,7 +46,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import msgspec
 
@@ -199,30 +199,29 @@ class BlockLedger:
 
 
 class Watch:
-    """What a store of reusable states (the prefix cache, the disk tier) calls as entries come and go:
-    `stored(tokens, scope)` once an entry holds `tokens`, `removed(tokens, scope)` once it lets go.
-    `key_of` turns the store's scope (a Scope, or the disk tier's digest of one) into the events' key."""
+    """What the index (server/engine/index.py) tells of one tier's entries as they come and go:
+    `stored(tokens, scope)` once an entry holds `tokens`, `removed(tokens, scope)` once it lets go
+    (`scope`: the entry's scope digest, never a tenant's name or key)."""
 
-    def __init__(self, events: "KVEvents", medium: str, key_of: Callable[[Any], str]):
-        self.events, self.medium, self.key_of = events, medium, key_of
+    def __init__(self, events: "KVEvents", medium: str):
+        self.events, self.medium = events, medium
 
-    def stored(self, tokens: Sequence[int], scope: Any) -> None:
-        self.events.publish(self.events.ledger.take(tokens, self.events.key(self.key_of(scope)), self.medium))
+    def stored(self, tokens: Sequence[int], scope: str) -> None:
+        self.events.publish(self.events.ledger.take(tokens, self.events.key(scope), self.medium))
 
-    def removed(self, tokens: Sequence[int], scope: Any) -> None:
-        self.events.publish(self.events.ledger.let_go(tokens, self.events.key(self.key_of(scope)), self.medium))
+    def removed(self, tokens: Sequence[int], scope: str) -> None:
+        self.events.publish(self.events.ledger.let_go(tokens, self.events.key(scope), self.medium))
 
 
 class KVEvents:
     """The engine's side: a ledger of blocks and the publisher its announcements go to. Control loop only.
 
-    `scope_digest`: the disk tier's name for a scope (an opaque digest, never a tenant's name or key);
-    the default scope's digest becomes no extra key at all."""
+    A scope is keyed by the index's name for it (Index.digest: an HMAC, never a tenant's name or key);
+    the default scope's becomes no extra key at all."""
 
-    def __init__(self, publisher: "KVEventPublisher", block_size: int, scope_digest: Callable[[Scope], str]):
+    def __init__(self, publisher: "KVEventPublisher", block_size: int):
         self.publisher, self.ledger = publisher, BlockLedger(block_size)
-        self.scope_digest = scope_digest
-        self.default = scope_digest(Scope())
+        self.default: str | None = None  # the default scope's digest (`attach`)
         self.publish(self.ledger.clear())  # a (re)started replica holds nothing yet
 
     def key(self, digest: str) -> str | None:
@@ -232,20 +231,13 @@ class KVEvents:
         if event is not None:
             self.publisher.publish([event])
 
-    def memory(self) -> Watch:
-        return Watch(self, MEDIUM_MEMORY, self.scope_digest)
-
-    def disk(self) -> Watch:
-        return Watch(self, MEDIUM_DISK, lambda digest: digest)
-
-    def attach(self, cache: Any, disk: Any) -> None:
-        """Watch the prefix cache and the disk tier (None or off: not there); the disk tier's files found at
-        start are announced at once."""
-        cache.watch = self.memory()
-        if disk is not None and disk.on:
-            disk.watch = self.disk()
-            for entry in list(disk.index.values()):
-                disk.watch.stored(entry.tokens, entry.scope)
+    def attach(self, index: Any, disk: bool) -> None:
+        """Watch the index's prefix cache and, with `disk` (the disk tier is on), its files; the files found
+        at start are announced at once."""
+        self.default = index.digest(Scope())
+        index.watch("memory", Watch(self, MEDIUM_MEMORY))
+        if disk:
+            index.watch("disk", Watch(self, MEDIUM_DISK))
 
     def close(self) -> None:
         self.publisher.close()

@@ -1,12 +1,14 @@
 """From a request body's sampling fields to the engine's `GenerateRequest`.
 
 Defaults follow OpenAI (temperature 1, top_p 1); `max_tokens` left out (None)
-takes the engine's `--max-tokens`, and the engine clamps it to the context left.
+takes the engine's `--max-tokens` when the operator set one, else the context
+left; the engine clamps any limit to the context left.
 """
 
 from __future__ import annotations
 
 import uuid
+from typing import Mapping, Sequence
 
 from backends.base import SEEDS, SamplingParams
 from server.engine.api import GenerateRequest, Scope
@@ -18,9 +20,20 @@ def request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def session_id(body_value: str | None, header_value: str | None) -> str | None:
-    """The named session, from the body or the X-Session-ID header: printable ASCII, at most 128."""
-    value = body_value if body_value is not None else header_value
+# kvfork's own session header. Sessions are opt-in: a header some client sends for its own purposes
+# (opencode's x-session-id) names a session only when the operator maps it (--session-header).
+SESSION_HEADER = "X-Kvfork-Session"
+
+
+def session_id(body_value: str | None, headers: Mapping[str, str] | None = None,
+               mapped: Sequence[str] = ()) -> str | None:
+    """The named session a request opts into: the body's `session_id`, else the X-Kvfork-Session
+    header, else the first of the operator's `--session-header` names it carries. Printable ASCII,
+    at most 128."""
+    value = body_value
+    for name in (SESSION_HEADER, *mapped):
+        if value is None and headers is not None:
+            value = headers.get(name)
     if value is not None:
         try:
             check_session_id(value)

@@ -8,12 +8,13 @@ cancelled, then the listener closes. Tests drive the same `Daemon` class.
 from __future__ import annotations
 
 import asyncio
-import functools
+import os
 import signal
 from pathlib import Path
 
 from backends import create_backend, default_backend
 from backends.base import Backend
+from backends.lockstep.leader import LockstepBackend
 from server.app import Listener, build_app, listen
 from server.config import ServerConfig
 from server.engine.config import EngineConfig
@@ -71,16 +72,15 @@ class Daemon:
             f"kvfork: loaded {info.name} ({len(info.layers)} layers, {info.dtype} on {info.device}, "
             f"context {c.max_context}) as {', '.join(self.state.served_names)}\n"
             f"kvfork: set aside {c.kv_budget_bytes / GiB:.2f} GiB for KV state ({info.kv.full_bytes_per_token} "
-            f"bytes/token): {c.inference_slots} inference slots, {c.capture_slots} capture slots, prefix cache "
+            f"bytes/token): {c.inference_slots} inference slots, {c.max_captures} pending captures, prefix cache "
             f"of {c.prefix_cache_entries} entries ({cache_cap}){self._disk_line()}"
         )
 
     def _disk_line(self) -> str:
-        adm = self.engine.admission
-        disk = adm.disk if adm is not None else None
+        disk = self.engine.disk
         if disk is None or not disk.on:
             return ", no disk tier"
-        return (f", disk tier of {disk.max_bytes / GiB:.2f} GiB at {disk.folder} ({len(disk.index)} entries, "
+        return (f", disk tier of {disk.max_bytes / GiB:.2f} GiB at {disk.folder} ({disk.files} entries, "
                 f"{disk.nbytes / GiB:.2f} GiB)")
 
 
@@ -88,7 +88,6 @@ def open_kv_events(config: ServerConfig):
     """The KV event publisher --kv-events-endpoint asks for (pyzmq, imported only then), else None."""
     if config.kv_events_endpoint is None:
         return None
-    from server.engine.disk import scope_digest, tier_secret
     from server.kv_events import KVEventPublisher, KVEvents
 
     replay = config.kv_events_replay_endpoint
@@ -96,8 +95,7 @@ def open_kv_events(config: ServerConfig):
         host, _, port = config.kv_events_endpoint.rpartition(":")
         replay = f"{host}:{int(port) + 1}" if int(port) else f"{host}:0"
     publisher = KVEventPublisher(config.kv_events_endpoint, replay, wire_format=config.kv_events_format)
-    secret = tier_secret(kv_root())  # the disk tier's: a scope's key is its files' name for it
-    return KVEvents(publisher, config.kv_events_block_size, functools.partial(scope_digest, secret=secret))
+    return KVEvents(publisher, config.kv_events_block_size)
 
 
 def pick_backend(name: str) -> tuple[str, Backend]:
@@ -111,17 +109,25 @@ def pick_backend(name: str) -> tuple[str, Backend]:
     return name, create_backend(name)
 
 
-async def run(config: ServerConfig, engine_config: EngineConfig, model: str) -> int:
-    try:
-        backend_name, backend = pick_backend(config.backend)
-    except ImportError as e:
-        print(f"kvfork: the {config.backend} backend cannot load here: {e}")
-        return 1
+async def run(config: ServerConfig, engine_config: EngineConfig, model: str,
+              leader: LockstepBackend | None = None) -> int:
+    """Serve until a signal. `leader`: rank 0's backend of a model split over ranks (server/distributed.py)."""
+    if leader is not None:
+        backend_name, backend = f"{config.backend}, rank 0 of {leader.channel.size}, pid {os.getpid()}", leader
+    else:
+        try:
+            backend_name, backend = pick_backend(config.backend)
+        except ImportError as e:
+            print(f"kvfork: the {config.backend} backend cannot load here: {e}")
+            return 1
     try:
         daemon = Daemon(config, engine_config, model, backend)
     except OSError as e:  # the KV event sockets
         print(f"kvfork: KV events: {e}")
         return 1
+    if leader is not None:  # a stalled rank fails the engine from the watchdog's thread
+        loop = asyncio.get_running_loop()
+        leader.on_fault = lambda reason: loop.call_soon_threadsafe(daemon.engine.fail, reason)
     try:
         await daemon.listen()
     except OSError as e:
@@ -158,3 +164,5 @@ async def run(config: ServerConfig, engine_config: EngineConfig, model: str) -> 
         stopping.cancel()
         loading.cancel()
         await daemon.close()
+        if leader is not None and not daemon.engine.runner_alive:  # the other ranks leave with rank 0
+            await asyncio.to_thread(leader.stop, "rank 0 shut down")

@@ -69,7 +69,8 @@ class AppState:
 
     def require_ready(self) -> PromptTokenizer:
         if not self.ready:
-            reason = "the model runner has stopped" if self.engine.dead else "the model is still loading"
+            reason = f"the model runner has stopped: {self.engine.failure}" if self.engine.dead \
+                else "the model is still loading"
             raise ApiError(503, reason, code="not_ready")
         assert self.tokenizer is not None
         return self.tokenizer

@@ -1,7 +1,7 @@
 """Tenants: who a request is, by the API key that authenticated it.
 
 A daemon without keys has one tenant, "" (api.Scope's default): every request
-shares one scope, as before tenants. With keys, each key belongs to a tenant:
+shares that one scope. With keys, each key belongs to a tenant:
 an `--api-keys-file` line `KEY TENANT` names it, and several keys may share a
 tenant (a rotation); each `--api-key` is a tenant of its own, named `key-1`,
 `key-2` ... in the order given, never by the key. The two kinds of names live in

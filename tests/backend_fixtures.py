@@ -1,20 +1,24 @@
-"""Backends loaded once per (backend, arch) for the backend tests, and helpers
-that drive them. Every backend must pass the same tests: they are the parity
-contract between MLX and torch."""
+"""Backends loaded once per (backend, model) for the backend tests, lent to one test at a time,
+and helpers that drive them. Every backend must pass the same tests: they are the parity
+contract between MLX and torch. Registered as a pytest plugin (conftest.py), for its
+report hook."""
 
 from __future__ import annotations
 
 import importlib
+import weakref
+from typing import Callable, Hashable, Iterator
 
 import numpy as np
 import pytest
+from tolerance import Kind, Model, assert_logits_close, assert_same_greedy
 
 from backends import BACKENDS, create_backend
-from backends.base import SamplerState, SamplingParams
+from backends.base import Backend, SamplerState, SamplingParams
 
 BACKEND_NAMES = tuple(BACKENDS)
-ATOL, RTOL = 1e-5, 1e-4
-_loaded: dict[tuple[str, str], object] = {}
+_loaded: dict[Hashable, Backend] = {}
+_models: weakref.WeakKeyDictionary[Backend, Model] = weakref.WeakKeyDictionary()
 
 
 def _importable(name: str) -> bool:
@@ -32,18 +36,69 @@ def backend_name(request) -> str:
     return request.param
 
 
+def load(backend: str | Backend, folder: str, dtype: str | None = "float32") -> Backend:
+    """`backend` (a name, or one not loaded yet) with the model in `folder`; its sizes are noted for
+    the tolerance model (`model_of`)."""
+    b = create_backend(backend) if isinstance(backend, str) else backend
+    b.load(folder, dtype)
+    _models[b] = Model.of(folder)
+    return b
+
+
+def model_of(b: Backend) -> Model:
+    return _models[b]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report on the test item (item.rep_setup, rep_call), so a fixture's teardown knows
+    whether its test failed (pytest's own recipe)."""
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report
+
+
+def lent(request, key: Hashable, make: Callable[[], Backend]) -> Iterator[Backend]:
+    """The backend of `key`, made once for the run, lent to the test that asked: every session it opens,
+    clones or imports is released when the test ends, passed or failed. A test that passed with sessions
+    still open fails on its own ("test X leaked N sessions"); after a failure or a leak, or when the
+    backend does not come back to what it held before, it is dropped, and the next test loads a fresh one."""
+    b = _loaded.get(key)
+    if b is None:
+        b = _loaded[key] = make()
+    handed: list = []
+
+    def recording(method):
+        def handing(*args, **kwargs):
+            session = method(*args, **kwargs)
+            handed.append(session)
+            return session
+        return handing
+
+    for name in ("open_session", "clone", "import_state"):
+        setattr(b, name, recording(getattr(b, name)))
+    live, held = b.live_sessions(), b.total_bytes()
+    try:
+        yield b
+    finally:
+        for name in ("open_session", "clone", "import_state"):
+            delattr(b, name)
+        still_open = b.live_sessions()
+        for session in handed:
+            b.release(session)  # a no-op for one released already
+        leaked = still_open - b.live_sessions()
+        call = getattr(request.node, "rep_call", None)
+        failed = call is None or call.failed
+        if failed or leaked or (b.live_sessions(), b.total_bytes()) != (live, held):
+            _loaded.pop(key, None)
+        if leaked and not failed:
+            pytest.fail(f"{request.node.nodeid} leaked {leaked} sessions", pytrace=False)
+
+
 @pytest.fixture
-def backend(backend_name, arch, tiny_model_dir):
-    """A loaded float32 backend; the test must leave no session open behind it."""
-    key = (backend_name, arch)
-    if key not in _loaded:
-        b = create_backend(backend_name)
-        b.load(tiny_model_dir(arch), "float32")
-        _loaded[key] = b
-    b = _loaded[key]
-    before = b.live_sessions()
-    yield b
-    assert b.live_sessions() == before, "the test left sessions open"
+def backend(request, backend_name, arch, tiny_model_dir):
+    """A loaded float32 backend (`lent`)."""
+    yield from lent(request, (backend_name, arch), lambda: load(backend_name, tiny_model_dir(arch)))
 
 
 def prompt(n: int, seed: int = 0, vocab: int = 512) -> list[int]:
@@ -51,11 +106,18 @@ def prompt(n: int, seed: int = 0, vocab: int = 512) -> list[int]:
 
 
 def logits_np(b, logits) -> np.ndarray:
-    return np.asarray(b.to_numpy(logits), dtype=np.float32)
+    """The backend's logits (or rows already taken out) as a float32 numpy array."""
+    return np.asarray(logits if isinstance(logits, np.ndarray) else b.to_numpy(logits), dtype=np.float32)
 
 
-def assert_close(b, got, want) -> None:
-    np.testing.assert_allclose(logits_np(b, got), logits_np(b, want), atol=ATOL, rtol=RTOL)
+def assert_close(b, got, want, kind: Kind, context: int) -> None:
+    """Logits of `b`'s model along two paths (tolerance.py), for last tokens that see `context` tokens."""
+    assert_logits_close(logits_np(b, got), logits_np(b, want), kind=kind, model=model_of(b), context=context)
+
+
+def assert_greedy_close(b, got, want, kind: Kind, context: int) -> int:
+    """Two `continue_greedy` results along two paths: the same greedy tokens (tolerance.assert_same_greedy)."""
+    return assert_same_greedy(got, want, kind=kind, model=model_of(b), context=context)
 
 
 def greedy(b, logits) -> list[int]:
@@ -73,13 +135,12 @@ def fresh(b, tokens: list[int], chunk: int = 0):
 
 
 def continue_greedy(b, session, logits, n: int) -> tuple[list[int], list[np.ndarray]]:
-    """n greedy steps from `logits`; the tokens and each step's logits."""
+    """n greedy steps from `logits`; the tokens, and the logits each was picked from."""
     tokens, seen = [], []
     for _ in range(n):
-        token = greedy(b, logits)[0]
-        tokens.append(token)
-        logits = b.decode([session], [token])
         seen.append(logits_np(b, logits))
+        tokens.append(greedy(b, logits)[0])
+        logits = b.decode([session], [tokens[-1]])
     return tokens, seen
 
 

@@ -10,8 +10,12 @@ from pathlib import Path
 
 import pytest
 
+import tolerance
+from scripted_backend import Gate
 from tiny_models import ARCHS, write_model
-from tools.fetch_model import kvfork_home as kvfork_home_of_user
+from backends.model_path import kvfork_home as kvfork_home_of_user
+
+pytest_plugins = ("backend_fixtures", "pytester")  # backend_fixtures: its report hook (a lent backend's cleanup)
 
 
 @pytest.fixture(scope="session")
@@ -66,8 +70,29 @@ atexit.register(shutil.rmtree, _HOME, True)  # removes the link, never what it p
 
 
 @pytest.fixture(autouse=True)
+def gates_opened():
+    """A test that holds the runner in a Gate opens it: passing by the gate's timeout is waiting, not testing."""
+    yield
+    expired, Gate.expired[:] = list(Gate.expired), []
+    assert not expired, "; ".join(expired)
+
+
+@pytest.fixture(autouse=True)
 def kvfork_home():
     """The run's KVFORK_HOME, with an empty disk tier ($KVFORK_HOME/kv) for every test."""
     shutil.rmtree(_HOME / "kv", ignore_errors=True)
     yield _HOME
     shutil.rmtree(_HOME / "kv", ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The largest difference each kind of comparison showed against its bound, and the nearest tie a
+    greedy step met (tolerance.py): how close this machine's sums came to failing."""
+    if not tolerance.worst:
+        return
+    terminalreporter.section("tolerances: largest difference against the bound, per comparison kind")
+    for kind, (ratio, diff, allowed, where) in sorted(tolerance.worst.items(), key=lambda kv: -kv[1][0]):
+        terminalreporter.write_line(f"{kind.value:34s} {diff:9.3g} of {allowed:9.3g} ({ratio:6.1%})  {where}")
+    tie, where = tolerance.closest_tie
+    if where:
+        terminalreporter.write_line(f"{'nearest tie of a greedy step':34s} margin {tie:.3g}x twice the bound  {where}")

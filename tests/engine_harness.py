@@ -20,9 +20,10 @@ TEST_CONFIG = dict(prefix_cache_min_tokens=8, kv_budget_bytes=1 << 30)
 REUSE_OFF = dict(prefix_cache_entries=0, active_prefix_reuse_min_tokens=0)
 
 
-async def start_engine(backend: Backend, model_path: str = "scripted", dtype: str | None = None,
+async def start_engine(backend: Backend, model_path: str = "scripted", dtype: str | None = None, plans=None,
                        **config) -> Engine:
-    engine = Engine(backend, model_path, dtype, EngineConfig(**{**TEST_CONFIG, **config}), Registry())
+    """`plans`: handed each step's plan (Engine)."""
+    engine = Engine(backend, model_path, dtype, EngineConfig(**{**TEST_CONFIG, **config}), Registry(), plans=plans)
     await engine.start()
     return engine
 
@@ -68,8 +69,7 @@ def prompt_of(n: int, start: int = 3) -> list[int]:
 
 def stored_sessions(engine: Engine) -> int:
     """Sessions the engine keeps on purpose: prefix cache snapshots and named sessions' state."""
-    adm = engine.admission
-    return len(adm.cache) + adm.named.holding()
+    return engine.index.count("memory") + engine.named.holding()
 
 
 async def settled(engine: Engine, backend, extra: int = 0) -> None:

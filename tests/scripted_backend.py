@@ -57,7 +57,11 @@ def allowed_pick(token: int, allowed: np.ndarray) -> int:
 
 class Gate:
     """Holds the runner inside the first backend call of its kind for which `when(sessions, inputs)` holds,
-    until the test opens it."""
+    until the test opens it. A gate the runner leaves by its timeout instead (the test never opened it, and
+    passed only by waiting) is noted in `Gate.expired`: conftest fails that test."""
+
+    TIMEOUT_S = 30.0  # guards against a hang only
+    expired: list[str] = []
 
     def __init__(self, when: Callable[[Sequence[Session], Sequence], bool] = lambda sessions, inputs: True) -> None:
         self.when = when
@@ -66,7 +70,8 @@ class Gate:
 
     def wait_here(self) -> None:
         self.reached.set()
-        self.opened.wait(timeout=30)
+        if not self.opened.wait(timeout=self.TIMEOUT_S):
+            Gate.expired.append(f"a gate held the runner {self.TIMEOUT_S:g} s and was never opened")
 
     def open(self) -> None:
         self.opened.set()

@@ -150,7 +150,7 @@ def test_minimal_request_and_thinking_disabled():
     [
         ({"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
         ({"max_tokens": 0, "messages": []}, "max_tokens"),
-        ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "role"),
+        ({"max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}, "role"),
         ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "video"}]}]}, "type"),
         ({"max_tokens": 5, "messages": [], "temperature": 1.5}, "temperature"),
         ({"max_tokens": 5, "messages": [], "tool_choice": {"type": "sometimes"}}, "tool_choice"),
@@ -210,7 +210,7 @@ def output_parser():
 def streamed(pieces: list[str], finish_reason: str = "stop", stop_sequence: str | None = None) -> list[dict]:
     """The stream's events as a client decodes them from the SSE bytes."""
     stream, parser = MessageStream("msg_1", "m"), output_parser()
-    events = stream.start(prompt_tokens=100)
+    events = stream.start(usage(100, 60, 0))
     for piece in pieces:
         events += stream.events(parser.feed(piece))
     events += stream.events(parser.finish())

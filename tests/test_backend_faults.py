@@ -10,6 +10,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 from backend_fixtures import assert_close, backend, backend_name, fresh, logits_np, prompt, release_all  # noqa: F401
+from tolerance import Kind
 
 from backends.base import BatchFailed, RowState, SamplerState, SamplingParams
 
@@ -62,6 +63,7 @@ def reference(b, i: int, extra: list[int]) -> np.ndarray:
     return out
 
 
+@pytest.mark.numeric
 def test_a_failed_prefill_reports_committed_failed_and_untouched_sessions(backend, backend_name):
     """MLX prefills session by session: a failure in the second leaves the first COMMITTED (with
     its logits), the third UNTOUCHED. torch runs all rows in one pass (mixed_batches): a failure
@@ -79,15 +81,16 @@ def test_a_failed_prefill_reports_committed_failed_and_untouched_sessions(backen
     else:
         assert failed.value.rows == [RowState.COMMITTED, failed_row, RowState.UNTOUCHED]
         assert [s.position for s in sessions] == [PREFIX + 6, PREFIX, PREFIX]
-        np.testing.assert_allclose(logits_np(b, failed.value.logits)[0], reference(b, 0, chunks[0])[0],
-                                   atol=1e-5, rtol=1e-4)
+        assert_close(b, logits_np(b, failed.value.logits)[:1], reference(b, 0, chunks[0]), Kind.CHUNKED,
+                     context=PREFIX + 6)
     untouched = [i for i, r in enumerate(failed.value.rows) if r is RowState.UNTOUCHED]
     again = b.prefill([sessions[i] for i in untouched], [chunks[i] for i in untouched])
     for row, i in enumerate(untouched):  # run again, as if the failure never happened
-        np.testing.assert_allclose(logits_np(b, again)[row], reference(b, i, chunks[i])[0], atol=1e-5, rtol=1e-4)
+        assert_close(b, logits_np(b, again)[row:row + 1], reference(b, i, chunks[i]), Kind.BATCHED, context=PREFIX + 6)
     release_all(b, *sessions)
 
 
+@pytest.mark.numeric
 def test_a_decode_that_fails_before_any_state_moved_is_untouched(backend, backend_name):
     b = backend
     sessions = sessions_at_prefix(b, 3)
@@ -98,10 +101,11 @@ def test_a_decode_that_fails_before_any_state_moved_is_untouched(backend, backen
     assert [s.position for s in sessions] == [PREFIX] * 3
     again = b.decode(sessions, tokens)
     for i, t in enumerate(tokens):
-        np.testing.assert_allclose(logits_np(b, again)[i], reference(b, i, [t])[0], atol=1e-5, rtol=1e-4)
+        assert_close(b, logits_np(b, again)[i:i + 1], reference(b, i, [t]), Kind.BATCHED, context=PREFIX + 1)
     release_all(b, *sessions)
 
 
+@pytest.mark.numeric
 def test_a_decode_that_fails_midway_is_classified_and_leaves_the_backend_consistent(backend, backend_name):
     b = backend
     sessions = sessions_at_prefix(b, 3)
@@ -118,13 +122,13 @@ def test_a_decode_that_fails_midway_is_classified_and_leaves_the_backend_consist
     elif not touched:
         logits = b.decode(sessions, [8, 9, 10])
         for i, (t0, t1) in enumerate(zip([5, 6, 7], [8, 9, 10])):
-            np.testing.assert_allclose(logits_np(b, logits)[i], reference(b, i, [t0, t1])[0], atol=1e-5, rtol=1e-4)
+            assert_close(b, logits_np(b, logits)[i:i + 1], reference(b, i, [t0, t1]), Kind.BATCHED, context=PREFIX + 2)
     release_all(b, *sessions)
     # Whatever failed, a new batch runs and matches its references.
     fresh_sessions = sessions_at_prefix(b, 2)
     logits = b.decode(fresh_sessions, [11, 12])
     for i, t in enumerate([11, 12]):
-        np.testing.assert_allclose(logits_np(b, logits)[i], reference(b, i, [t])[0], atol=1e-5, rtol=1e-4)
+        assert_close(b, logits_np(b, logits)[i:i + 1], reference(b, i, [t]), Kind.BATCHED, context=PREFIX + 1)
     release_all(b, *fresh_sessions)
 
 

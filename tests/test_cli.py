@@ -45,7 +45,7 @@ def test_commands():
     assert kvfork("frobnicate").returncode == 2
     listing = kvfork("--help")
     assert listing.returncode == 0 and all(c in listing.stdout for c in ("serve", "fetch-model", "bench", "smoke"))
-    fetch = kvfork("fetch-model", "--help")  # dispatched to tools.fetch_model, imported only now
+    fetch = kvfork("fetch-model", "--help")  # dispatched to backends.default_model, imported only now
     assert fetch.returncode == 0 and "kvfork fetch-model" in fetch.stdout
     serve_help = kvfork("serve", "--help")
     for flag in ("--model", "--backend", "--dtype", "--host", "--port", "--api-key", "--served-model-name",

@@ -86,7 +86,7 @@ SHAPES = {
 }
 # What smg 1.13 itself answers 400 to, whatever kvfork says (docs/cluster.md says why each is smg's limit).
 SMG_REFUSES = {"chat without model", "completions of token ids", "responses, tool_choice without tools",
-               "responses with session_id", "responses with cache_salt", "messages, system role in messages"}
+               "responses with session_id", "responses with cache_salt"}
 
 
 def recorded_shapes() -> dict[str, tuple[str, dict]]:
@@ -102,7 +102,7 @@ def recorded_shapes() -> dict[str, tuple[str, dict]]:
 
 
 @pytest.fixture
-async def gateway(tiny_model_dir):
+async def gateway(tiny_model_dir, tmp_path):
     """(gateway url, daemon): smg in front of one in-process daemon."""
     async with serving(tiny_model_dir("llama"), served_model_name=[M]) as daemon:
         port = free_port()
@@ -111,7 +111,8 @@ async def gateway(tiny_model_dir):
             "--worker-urls", daemon.url, "--policy", "cache_aware", "--sticky-sessions", "--prometheus-host",
             "127.0.0.1", "--prometheus-port", str(free_port()), "--disable-tokenizer-autoload",
             "--worker-startup-check-interval", "1", "--shutdown-grace-period-secs", "1",
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+            cwd=tmp_path)  # smg writes smg.pid where it runs
         url = f"http://127.0.0.1:{port}"
         try:
             async with aiohttp.ClientSession() as http:

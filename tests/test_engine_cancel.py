@@ -26,7 +26,7 @@ async def test_cancel_mid_prefill():
     assert done.usage.prefilled_tokens < 40
     await settled(engine, backend)
     assert (backend.live_sessions(), backend.total_bytes()) == base
-    assert len(engine.admission.cache) == 1 and engine.metrics.captures.get(outcome="stored") == 1
+    assert engine.index.count("memory") == 1 and engine.metrics.captures.get(outcome="stored") == 1
     await engine.shutdown(1)
 
 

@@ -51,7 +51,7 @@ async def test_the_prompt_is_captured_once_and_reused_by_the_next_request():
     backend = ScriptedBackend()
     engine = await start_engine(backend)
     await asyncio.gather(*(collect(h) for h in engine.submit_choices(request(PROMPT, 4, n=2))))
-    assert len(engine.admission.cache) == 1
+    assert engine.index.count("memory") == 1
     tokens, done = await collect(engine.submit(request(PROMPT, 4)))
     assert done.usage.reused_tokens == len(PROMPT) - 1 and tokens == backend.greedy(PROMPT, 4)
     await engine.shutdown(1)
@@ -66,7 +66,7 @@ async def test_choices_are_admitted_together_with_every_byte_reserved():
     handles = engine.submit_choices(request(PROMPT, 8, n=3))
     await asyncio.sleep(0.05)
     adm = engine.admission
-    assert adm.slots_used == 1 and len(adm.queue) == 1  # two slots free: three choices wait for three
+    assert adm.slots_used == 1 and adm.queued == 1  # two slots free: three choices wait for three
     decoding = backend.gates["decode"] = Gate()  # the blocker makes one token: it never decodes
     gate.open()
     await collect(blocker)
@@ -207,4 +207,25 @@ async def test_active_reuse_serves_choices_and_is_served_by_their_prompt():
     await collect(donor)
     await settled(engine, backend)
     assert backend.live_sessions() == 0 and engine.admission.reserved == 0
+    await engine.shutdown(1)
+
+
+async def test_choices_whose_donor_clone_is_refused_go_to_the_runner_with_the_next_start():
+    """n choices may start from a running donor's clone (clone-now); when the runner refuses it, the
+    request takes the normal path, and its other choices go with that second Start (the runner
+    dropped them with the first)."""
+    backend = ScriptedBackend()
+    backend.delay["decode"] = 0.001
+    engine = await start_engine(backend, active_prefix_reuse_min_tokens=8, follow=False, prefix_cache_entries=0)
+    donor = engine.submit(request(PROMPT + [7] * 5, 10_000))
+    await asyncio.wait_for(donor.__anext__(), 10)  # decoding: its whole prompt is committed
+    backend.refuse = lambda session, upto: "no_memory" if upto == len(PROMPT) else None  # the donor clone only
+    prompt = PROMPT + [9] * 6
+    results = await asyncio.gather(*(collect(h) for h in engine.submit_choices(request(prompt, 4, n=2))))
+    assert [(tokens, done.finish_reason) for tokens, done in results] == [(backend.greedy(prompt, 4), "length")] * 2
+    assert engine.metrics.clone_refusals.get(source="donor", reason="no_memory") == 1
+    donor.cancel()
+    await collect(donor)
+    await settled(engine, backend)
+    assert engine.admission.reserved == 0 and engine.admission.slots_used == 0
     await engine.shutdown(1)

@@ -153,7 +153,7 @@ async def test_a_capture_that_runs_out_of_memory_leaves_the_request_whole():
     prompt = prompt_of(40)
     tokens, done = await run(engine, prompt, 6)
     assert done.finish_reason == "length" and tokens == backend.greedy(prompt, 6)
-    assert len(engine.admission.cache) == 0
+    assert engine.index.count("memory") == 0
     assert engine.metrics.captures.get(outcome="failed") == 1
     await settled(engine, backend)
     assert backend.live_sessions() == 0 and engine.admission.reserved == 0
@@ -165,7 +165,7 @@ async def test_a_cache_clone_that_raises_falls_back_to_a_cold_start():
     engine = await start_engine(backend)
     prompt = prompt_of(40)
     await run(engine, prompt, 6)
-    assert len(engine.admission.cache) == 1
+    assert engine.index.count("memory") == 1
     backend.fail = lambda kind, sessions, inputs: MemoryError("out of memory") if kind == "clone" else False
     tokens, done = await run(engine, prompt + [5, 6, 7], 6)
     assert done.finish_reason == "length" and tokens == backend.greedy(prompt + [5, 6, 7], 6)

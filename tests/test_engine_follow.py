@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from engine_harness import collect, prompt_of, reached, request, settled, start_engine
+from engine_harness import collect, prompt_of, reached, request, settled, start_engine, until
 from scripted_backend import Gate, ScriptedBackend
 from server.engine.api import CapacityExhausted
 
@@ -96,14 +96,36 @@ async def test_a_follower_past_its_wait_takes_the_seed_path():
     leader = engine.submit(request(PROMPTS[0], 4))
     await reached(gate)  # the leader is stuck inside a chunk
     follower = engine.submit(request(PROMPTS[1], 4))
-    assert engine.reuse.followers
+    assert engine.following
     await asyncio.sleep(0.3)  # past its follow deadline: it stops following, nothing waits forever
-    assert not engine.reuse.followers
+    assert not engine.following
     gate.open()
     tokens, done = await collect(follower)
     assert tokens == backend.greedy(PROMPTS[1], 4)
     assert done.usage.reuse_source == "donor" and done.usage.reused_tokens == 64  # what was committed then
     assert engine.metrics.follow.get(choice="follow") == 1  # it did follow first
+    await collect(leader)
+    await settled(engine, backend)
+    await engine.shutdown(1)
+
+
+async def test_a_follower_whose_leader_slows_down_goes_on_following_while_that_is_cheaper():
+    """Issue 23: on a loaded machine followers waited out --follow-max-wait, cloned half the prefix
+    and prefilled the rest, answering after reuse off. At the deadline the costs are compared with
+    the leader's measured progress: it is still moving, so the follower keeps following."""
+    backend = ScriptedBackend()
+    backend.delay["prefill"] = 0.002
+    engine = await start_engine(backend, **FOLLOW, follow_max_wait=0.5)
+    gate = backend.gates["prefill"] = Gate(lambda sessions, chunks: sessions[0].position == 64)
+    leader = engine.submit(request(PROMPTS[0], 4))
+    await reached(gate)
+    follower = engine.submit(request(PROMPTS[1], 4))
+    assert engine.following  # the measured rate puts the leader's target well within the wait
+    backend.delay["prefill"] = 0.3  # the machine slows down: the rest (5 chunks) takes three times the wait
+    gate.open()
+    tokens, done = await collect(follower)
+    assert tokens == backend.greedy(PROMPTS[1], 4)
+    assert done.usage.reuse_source == "donor" and done.usage.reused_tokens == S  # all of the shared prefix
     await collect(leader)
     await settled(engine, backend)
     await engine.shutdown(1)
@@ -135,7 +157,7 @@ async def test_shutdown_with_followers_parked():
     handles = [engine.submit(request(p, 4)) for p in PROMPTS]
     await reached(gate)
     closing = asyncio.create_task(engine.shutdown(grace_s=0.01))
-    await asyncio.sleep(0.05)
+    await until(lambda: all(r.ending == "cancelled" for r in engine.requests()))  # the grace has run out
     gate.open()
     await closing
     for h in handles:
@@ -173,7 +195,7 @@ async def test_races_repeated():
             assert tokens == backend.greedy(p, len(tokens)), (repeat, done.usage)
         await settled(engine, backend)
         assert engine.admission.slots_used == 0 and engine.admission.reserved == 0
-        assert not engine.reuse.followers
+        assert not engine.following
         await engine.shutdown(1)
         assert backend.live_sessions() == 0
 
@@ -185,7 +207,7 @@ async def test_followers_count_against_the_queue_and_its_timeout():
     leader = engine.submit(request(PROMPTS[0], 4))
     await reached(gate)
     follower = engine.submit(request(PROMPTS[1], 4))
-    assert engine.reuse.followers  # parked, holding no slot
+    assert engine.following  # parked, holding no slot
     with pytest.raises(CapacityExhausted):
         engine.submit(request(PROMPTS[2], 4))  # the slot is taken and the follower fills the queue
     tokens, done = await collect(follower)  # the leader is stuck past the queue timeout
@@ -203,7 +225,7 @@ async def test_cache_entries_on_a_sliding_model_never_block_following():
     backend = slow_prefill(ScriptedBackend(window=16))
     engine = await start_engine(backend, **{**FOLLOW, "prefix_cache_entries": 16})
     tokens, _ = await collect(engine.submit(request(PROMPTS[5], 4)))
-    assert len(engine.admission.cache) == 1  # SHARED + 5 tokens, longer than the window
+    assert engine.index.count("memory") == 1  # SHARED + 5 tokens, longer than the window
     _, results = await burst(engine, PROMPTS[:4])
     for p, (tokens, done) in zip(PROMPTS, results):
         assert tokens == backend.greedy(p, 4) and done.finish_reason == "length"

@@ -1,7 +1,7 @@
 """The engine on a hybrid model (Qwen3.5: Gated DeltaNet beside full attention), every reuse path
 on, against reuse off (float32): the same greedy tokens, and no error where a reuse is refused.
 
-A recurrent state serves a clone only at its position or at a checkpoint (base.py's recurrent rule),
+A recurrent state serves a clone only at its position or at a checkpoint (the recurrent rule, base.clone_positions),
 so the engine plans for it: the prefix cache snapshots a prompt one token before its end (where an
 identical prompt's match stops), a running request keeps checkpoints at its last message boundaries,
 a leader's chunk stops at its followers' target, and a named session resumes at its own end."""
@@ -12,6 +12,7 @@ import pytest
 
 from backend_fixtures import backend_name, prompt  # noqa: F401  (fixture: each importable backend)
 from engine_harness import REUSE_OFF, collect, reached, real_engine, references, request, run, settled, until
+from server.engine.request import Following
 from scripted_backend import Gate
 
 ON = dict(prefix_cache_entries=8, active_prefix_reuse_min_tokens=8)
@@ -115,7 +116,7 @@ async def test_followers_of_a_cancelled_leader_are_served_from_what_it_holds(bac
     leader = engine.submit(request(leader_prompt, 8, rid="leader", boundaries=(18,), ignore_eos=True))
     await reached(gate)
     handles = [engine.submit(request(p, 8, rid=f"f{i}", ignore_eos=True)) for i, p in enumerate((short, long))]
-    assert {f.following.target for f in engine.reuse.followers.values()} == {20, 48}
+    assert {r.phase.order.target for r in engine.requests() if isinstance(r.phase, Following)} == {20, 48}
     leader.cancel()
     gate.open()
     results = await asyncio.gather(*(collect(h) for h in handles))
@@ -140,7 +141,7 @@ async def test_a_prompt_sharing_a_finished_conversation_to_a_message_end_is_serv
     assert (done.usage.reuse_source, done.usage.reused_tokens) == ("cache", 48)
     await settled(engine, engine.backend)
     held = engine.backend.total_bytes()
-    assert held == engine.admission.cache.nbytes  # the snapshots' bytes, checkpoints included, are the cache's
+    assert held == engine.index.nbytes("memory")  # the snapshots' bytes, checkpoints included, are the cache's
     await engine.shutdown(1)
     assert engine.backend.live_sessions() == 0
 
@@ -178,10 +179,10 @@ async def test_checkpoints_moved_into_a_snapshot_leave_the_requests_hold(backend
     asked = request(prompt(64, seed=60), 8, rid="talker", boundaries=(24, 48), ignore_eos=True)
     handle = engine.submit(asked)
     await reached(gate)  # the prompt is in and captured; held in its first decode
-    await until(lambda: len(adm.cache) == 1)
+    await until(lambda: engine.index.count("memory") == 1)
     talker = next(r for r in engine.requests() if r.req.request_id == "talker")
-    assert adm.cache.nbytes == adm.clone_bytes(63) + 2 * engine.info.kv.state_bytes
-    assert talker.reserved_bytes == adm.request_bytes(64, 8, start=0)  # its checkpoints are the cache's now
+    assert engine.index.nbytes("memory") == adm.clone_bytes(63) + 2 * engine.info.kv.state_bytes
+    assert adm.holds(talker) == adm.request_bytes(64, 8, start=0)  # its checkpoints are the cache's now
     gate.open()
     await collect(handle)
     await settled(engine, backend)

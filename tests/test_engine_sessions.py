@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine_harness import collect, prompt_of, request, run, settled, start_engine, stored_sessions
+from engine_harness import collect, prompt_of, request, run, settled, start_engine, stored_sessions, until
 from scripted_backend import ScriptedBackend
 from server.engine.api import SessionBusy
 
@@ -35,13 +35,18 @@ async def test_a_prompt_that_does_not_extend_the_session_restarts_cold():
     await engine.shutdown(1)
 
 
-async def test_a_busy_session_is_refused_and_freed_when_its_request_ends():
+async def test_a_busy_session_runs_a_second_request_without_it_and_is_freed_when_its_request_ends():
     backend = ScriptedBackend()
     backend.delay["decode"] = 0.001
-    engine = await start_engine(backend)
-    handle = engine.submit(request(prompt_of(10), 10_000, session_id="s"))
-    with pytest.raises(SessionBusy):
-        engine.submit(request(prompt_of(10), 1, session_id="s"))
+    engine = await start_engine(backend, active_prefix_reuse_min_tokens=1, prefix_cache_entries=0)
+    prompt = prompt_of(80)
+    handle = engine.submit(request(prompt, 10_000, session_id="s"))
+    await until(lambda: engine.request(1) is not None and engine.request(1).committed >= len(prompt))
+    # the second runs at once, as an anonymous request: it clones the running one's prompt
+    tokens, done = await run(engine, prompt + [7], 3, session_id="s")
+    assert tokens == backend.greedy(prompt + [7], 3)
+    assert done.usage.reuse_source == "donor" and done.usage.reused_tokens == len(prompt)
+    assert engine.named.get("s").busy  # still the first request's
     with pytest.raises(SessionBusy):
         engine.reset_session("s")
     handle.cancel()
@@ -56,7 +61,7 @@ async def test_session_cap_evicts_the_least_recently_used():
     engine = await start_engine(backend, max_named_sessions=2, prefix_cache_entries=0)
     for name in ("a", "b", "c"):
         await run(engine, prompt_of(10), 2, session_id=name)
-    assert engine.admission.named.get("a") is None and len(engine.admission.named) == 2
+    assert engine.named.get("a") is None and len(engine.named) == 2
     await settled(engine, backend)
     assert backend.live_sessions() == 2
     await engine.shutdown(1)
@@ -70,7 +75,7 @@ async def test_reset_and_delete():
     out, _ = await run(engine, prompt, 3, session_id="s")
     assert engine.reset_session("s") is True
     await settled(engine, backend)
-    assert backend.live_sessions() == 0 and engine.admission.named.get("s") is not None
+    assert backend.live_sessions() == 0 and engine.named.get("s") is not None
     _, done = await run(engine, prompt + out + [5], 3, session_id="s")
     assert done.usage.reused_tokens == 0  # reset: nothing to resume
     assert engine.delete_session("s") is True

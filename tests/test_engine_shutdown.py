@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from engine_harness import collect, prompt_of, reached, request, run, start_engine
+from engine_harness import collect, prompt_of, reached, request, run, start_engine, until
 from scripted_backend import Gate, ScriptedBackend
 from server.engine.api import NotReady
 
@@ -52,7 +52,7 @@ async def test_shutdown_while_the_runner_is_inside_a_capture():
     handle = engine.submit(request(prompt_of(40), 50))
     await reached(gate)
     closing = asyncio.create_task(engine.shutdown(grace_s=0.01))
-    await asyncio.sleep(0.05)
+    await until(lambda: all(r.ending == "cancelled" for r in engine.requests()))  # the grace has run out
     gate.open()
     await closing
     _, done = await collect(handle)

@@ -36,7 +36,7 @@ async def test_the_prefix_cache_serves_only_its_own_scope(other):
     else:
         assert (done.usage.reuse_source, done.usage.reused_tokens, done.usage.prefilled_tokens) == (None, 0, 40)
         assert clones_only_its_own(backend, since)
-        assert len(engine.admission.cache) == 2  # one entry per scope, the same tokens
+        assert engine.index.count("memory") == 2  # one entry per scope, the same tokens
     await engine.shutdown(1)
 
 
@@ -96,7 +96,7 @@ async def test_a_session_id_names_a_session_per_tenant():
     # tenant b's "chat" is another session: it starts cold, and leaves a's state alone
     tokens, done = await run(engine, follow_up, 4, session_id="chat", scope=B)
     assert tokens == backend.greedy(follow_up, 4) and done.usage.reused_tokens == 0
-    assert engine.admission.named.get("chat", "tenant-a").session is not None
+    assert engine.named.get("chat", "tenant-a").state is not None
     assert engine.reset_session("chat", "tenant-b") and engine.delete_session("chat", "tenant-b")
     assert not engine.reset_session("chat", "tenant-b")
     _, warm = await run(engine, follow_up, 4, session_id="chat", scope=A)  # a's is still warm

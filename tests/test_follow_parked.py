@@ -16,16 +16,16 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from server.engine.follow import FollowPolicy, Following, Leader, Promotion, chunk_end, leader_views, plan, promote
+from server.engine.follow import FollowPolicy, FollowOrder, Leader, Promotion, chunk_end, leader_views, promote
 from server.engine.matching import Recipient, Source
 from server.engine.rates import Rates
-from test_follow import FREE_CLONES, ON, active
+from test_follow import FREE_CLONES, ON, active, decide
 
 
 def test_a_parked_follower_waits_for_its_target_until_its_first_deadline():
     shared = list(range(100))
-    p = plan(Recipient("b", shared + [2]), [active("a", shared + [1], 0)], 0, FREE_CLONES, ON, 1)
-    f = Following.park("b", p, order=3, first_parked_at=10.0, max_wait_s=5.0)
+    p = decide(Recipient("b", shared + [2]), [active("a", shared + [1], 0)], 0, FREE_CLONES, ON, 1)
+    f = FollowOrder.park("b", p, order=3, first_parked_at=10.0, max_wait_s=5.0)
     assert (f.leader, f.target, f.deadline) == ("a", 100, 15.0)
 
 
@@ -36,8 +36,8 @@ def test_chunk_end_stops_at_follower_targets():
     assert chunk_end(100, 512, [101]) == 101
 
 
-def follower(rid, target, order, leader="gone") -> Following:
-    return Following(rid, leader, target, order, math.inf)
+def follower(rid, target, order, leader="gone") -> FollowOrder:
+    return FollowOrder(rid, leader, target, order, math.inf)
 
 
 def test_promotion_heir_salvages_most_then_earliest():
@@ -56,11 +56,11 @@ def test_heir_clones_the_gone_state_unless_another_leader_offers_more():
     shared = list(range(100))
     gone = Leader.active(Source.donor("gone", shared + [1], 60, 1), tps=0.0)  # a state that will not move
     heir = Recipient("heir", shared + [2])
-    p = plan(heir, [gone], 0, FREE_CLONES, ON, prefilling=0)
+    p = decide(heir, [gone], 0, FREE_CLONES, ON, prefilling=0)
     assert (p.follow, p.now.kind, p.now.donor, p.now.upto) == (False, "donor", "gone", 60)
     # another leader, further along the same prefix, commits all 100 soon: follow it instead
     other = active("other", shared + [3], 90, admitted=0)
-    p = plan(heir, [gone, other], 0, FREE_CLONES, ON, prefilling=1)
+    p = decide(heir, [gone, other], 0, FREE_CLONES, ON, prefilling=1)
     assert (p.follow, p.leader, p.target) == (True, "other", 100)
 
 
@@ -70,7 +70,7 @@ def test_promotion_with_nothing_to_salvage_has_no_heir():
     assert promote("gone", 500, []) == Promotion(None, 0)
 
 
-def below(gone, parked: dict[int, Following]) -> list[int]:
+def below(gone, parked: dict[int, FollowOrder]) -> list[int]:
     """Everyone waiting on `gone`, directly or down a chain, earliest first: they plan again (reuse.gone)."""
     found, todo = [], [gone]
     while todo:
@@ -90,7 +90,7 @@ class Sim:
     heir_plans: bool  # the heir plans, offered the gone state; else it clones it at once (as a runner can)
     policy: FollowPolicy = ON
     committed: dict[int, int] = field(default_factory=dict)  # prefilling or done, by request index
-    parked: dict[int, Following] = field(default_factory=dict)
+    parked: dict[int, FollowOrder] = field(default_factory=dict)
     prefilled: list[list[tuple[int, int]]] = field(default_factory=list)  # ranges each request computed
     gone: set[int] = field(default_factory=set)
 
@@ -103,10 +103,10 @@ class Sim:
         active = [Leader.active(Source.donor(j, self.prompts[j], c, j), tps) for j, c in self.committed.items()]
         parked = [(f, Source.donor(j, self.prompts[j], 0, j)) for j, f in self.parked.items()]
         leaders = leader_views(active + ([gone] if gone else []), parked, FREE_CLONES, tps)
-        p = plan(Recipient(i, self.prompts[i]), leaders, 0, Rates(self.chunk * (len(self.committed) + 1), 0, 0),
+        p = decide(Recipient(i, self.prompts[i]), leaders, 0, Rates(self.chunk * (len(self.committed) + 1), 0, 0),
                  self.policy, prefilling=len(self.committed))
         if p.follow:
-            self.parked[i] = Following.park(i, p, i, 0.0, math.inf)
+            self.parked[i] = FollowOrder.park(i, p, i, 0.0, math.inf)
         else:
             self.committed[i] = p.now.upto  # clone-now's clone (or nothing) lands at once
 

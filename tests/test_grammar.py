@@ -249,9 +249,9 @@ async def test_tiny_model_output_validates_against_the_schema(backend_name, tiny
 async def test_named_tool_choice_on_the_default_model():
     from transformers import AutoTokenizer
 
-    from tools import fetch_model
+    from backends import default_model
 
-    folder = str(fetch_model.ensure_default_model())
+    folder = str(default_model.ensure_default_model())
     engine = Engine(create_backend("torch"), folder, "float32", EngineConfig(kv_budget_bytes=1 << 30), Registry())
     await engine.start()
     hf = AutoTokenizer.from_pretrained(folder)

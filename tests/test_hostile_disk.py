@@ -30,7 +30,7 @@ def _header_file(meta: dict) -> bytes:
 async def test_a_malformed_file_is_removed_counted_and_never_blocks_start(tiny_model_dir, case):
     model = tiny_model_dir("llama")
     probe = await start(model)  # the tier's folder, and what a well-formed header says
-    folder, fp = probe.admission.disk.folder, probe.admission.disk.fp
+    folder, fp = probe.disk.folder, probe.disk.fp
     await probe.shutdown(1.0)
     base = {"kvfork_kv": disk.KV_FORMAT_VERSION, "fingerprint": fp, "position": "3", "scope": "x", "layers": "[]"}
     contents = WRONG + [_header_file({**base, "tokens": "5"}), _header_file({**base, "tokens": '["a"]'}),
@@ -39,7 +39,7 @@ async def test_a_malformed_file_is_removed_counted_and_never_blocks_start(tiny_m
     path.write_bytes(contents[case])
     engine = await asyncio.wait_for(start(model), 120)  # on main: never ready (503 forever)
     try:
-        assert engine.ready and engine.admission.disk.on
+        assert engine.ready and engine.disk.on
         assert not path.exists()
         assert "kvfork_disk_corrupt_files_total 1" in engine.registry.render()
         _, done = await run(engine, prompt_of(20), 2)
@@ -54,7 +54,7 @@ async def test_files_are_private_and_name_their_scope_by_a_keyed_hash(tiny_model
     scope = Scope("tenant-a", "salt")
     try:
         await run(engine, prompt_of(40), 2, scope=scope)
-        folder = engine.admission.disk.folder
+        folder = engine.disk.folder
     finally:
         await engine.shutdown(1.0)
     (path,) = files(folder)
@@ -65,7 +65,7 @@ async def test_files_are_private_and_name_their_scope_by_a_keyed_hash(tiny_model
     assert mode(secret) == 0o600 and len(secret.read_bytes()) == 32
     named = disk.read_header(path)["scope"]
     guessable = hashlib.sha256(json.dumps([scope.tenant, scope.salt]).encode()).hexdigest()[:32]
-    assert named != guessable and named == disk.scope_digest(scope, secret.read_bytes())
+    assert named != guessable and named == scope.digest(secret.read_bytes())
     # a restart under the same secret finds it again, in its own scope only
     engine = await start(model)
     try:
@@ -81,7 +81,7 @@ async def test_older_loose_permissions_are_narrowed_at_start(tiny_model_dir):
     model = tiny_model_dir("llama")
     engine = await start(model)
     await run(engine, prompt_of(40), 2)
-    folder = engine.admission.disk.folder
+    folder = engine.disk.folder
     await engine.shutdown(1.0)
     (path,) = files(folder)
     for p, loose in ((path, 0o644), (folder / disk.LOCK, 0o644), (folder, 0o755)):
@@ -105,7 +105,7 @@ async def test_the_spill_at_shutdown_lands_before_the_pool_closes(tiny_model_dir
         for extra in (0, 100, 200):
             tokens, done = await collect(engine.submit(request(p + prompt_of(extra, 300), 2)))
             assert done.finish_reason == "length"
-        folder = engine.admission.disk.folder
+        folder = engine.disk.folder
         await engine.shutdown(1.0)
     assert [disk.read_header(f)["tokens"] for f in files(folder)] == [json.dumps(p + prompt_of(200, 300))]
     assert not [r for r in caplog.records if "after shutdown" in r.getMessage() or r.exc_info]

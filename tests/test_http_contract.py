@@ -157,7 +157,7 @@ async def test_named_session_resumes_warm_then_reset_and_delete(daemon, http):
     history += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
                 {"role": "user", "content": "and the next city"}]
     _, warm = await post(http, url, {"messages": history, "max_tokens": 3, "temperature": 0},
-                         headers={"X-Session-ID": "s-1"})
+                         headers={"X-Kvfork-Session": "s-1"})
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
     status, reset = await post(http, daemon.url + "/v1/sessions/s-1/reset", None)
     assert status == 200 and reset == {"id": "s-1", "object": "session", "reset": True}

@@ -6,26 +6,20 @@ from __future__ import annotations
 
 import pytest
 
-from backend_fixtures import (assert_close, backend_name, continue_greedy, fresh, greedy,  # noqa: F401
-                              prompt, release_all)
-from backends import create_backend
+from backend_fixtures import (assert_greedy_close, backend_name, continue_greedy, fresh, greedy,  # noqa: F401
+                              lent, load, prompt, release_all)
 from backends.base import CloneRefused
 from tiny_hybrid_models import HYBRID_ARCHS, MLX_ONLY_ARCHS
-
-_loaded: dict[tuple[str, str], object] = {}
+from tolerance import Kind
 
 
 @pytest.fixture(params=(*HYBRID_ARCHS, *MLX_ONLY_ARCHS))
 def hybrid(request, backend_name, tiny_hybrid_dir):  # noqa: F811
-    """A loaded float32 backend on one hybrid arch; the test must leave no session open."""
+    """A loaded float32 backend on one hybrid arch (backend_fixtures.lent)."""
     if backend_name == "torch" and request.param in MLX_ONLY_ARCHS:
         pytest.skip("a family only MLX serves")
-    key = (backend_name, request.param)
-    if key not in _loaded:
-        _loaded[key] = create_backend(backend_name)
-        _loaded[key].load(tiny_hybrid_dir(request.param), "float32")
-    yield _loaded[key]
-    assert _loaded[key].live_sessions() == 0, "the test left sessions open"
+    yield from lent(request, (backend_name, request.param),
+                    lambda: load(backend_name, tiny_hybrid_dir(request.param)))
 
 
 def assert_costs(b, got: int, want: int) -> None:
@@ -35,6 +29,7 @@ def assert_costs(b, got: int, want: int) -> None:
     assert abs(got - want) <= slack, (got, want)
 
 
+@pytest.mark.numeric
 def test_checkpoints_serve_exact_clones_behind_the_position(hybrid):
     b = hybrid
     tokens = prompt(30, seed=9)
@@ -56,8 +51,8 @@ def test_checkpoints_serve_exact_clones_behind_the_position(hybrid):
         tail = prompt(4, seed=upto)
         reference, want = fresh(b, history + tail)
         got = b.prefill([clone], [tail])
-        assert_close(b, got, want)
-        assert continue_greedy(b, clone, got, 3)[0] == continue_greedy(b, reference, want, 3)[0]
+        assert_greedy_close(b, continue_greedy(b, clone, got, 3), continue_greedy(b, reference, want, 3),
+                            Kind.CHECKPOINT, context=len(history) + 7)
         release_all(b, clone, reference)
     for upto in (9, 15, 32):
         with pytest.raises(CloneRefused, match="recurrent_position"):

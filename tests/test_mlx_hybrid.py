@@ -1,7 +1,7 @@
 """MLX on hybrid models (Qwen3.5 dense and MoE, Qwen3-Next, LFM2, Nemotron-H, Granite 4 hybrid): recurrent layers
 (`ArraysCache`) beside KV layers load in both checkpoint layouts, prefill and decode as mlx-lm's own
-model call does, decode in the persistent batch exactly as alone, and clone by base.py's recurrent
-rule: exactly at the session's position, refused elsewhere with nothing changed (float32)."""
+model call does, decode in the persistent batch exactly as alone, and clone by the recurrent rule
+(base.clone_positions): exactly at the session's position, refused elsewhere with nothing changed (float32)."""
 
 from __future__ import annotations
 
@@ -10,34 +10,26 @@ import pytest
 
 mx = pytest.importorskip("mlx.core", exc_type=ImportError)
 pytest.importorskip("mlx_lm", exc_type=ImportError)
-from backend_fixtures import ATOL, RTOL, continue_greedy, fresh, greedy, logits_np, prompt, release_all  # noqa: E402
+from backend_fixtures import (assert_close, assert_greedy_close, continue_greedy, fresh, greedy, lent,  # noqa: E402
+                              load, logits_np, prompt, release_all)
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from tiny_hybrid_models import HYBRID_ARCHS, LAYOUTS, MLX_ONLY_ARCHS  # noqa: E402
+from tolerance import Kind  # noqa: E402
 
 from backends import create_backend  # noqa: E402
 from backends.mlx.last_token import supports_last_position  # noqa: E402
 from backends.base import BatchFailed, CloneRefused, RowState  # noqa: E402
 
 ARCHS = (*HYBRID_ARCHS, *MLX_ONLY_ARCHS)
-_loaded: dict[tuple[str, str], object] = {}
 
 
 @pytest.fixture(params=ARCHS)
 def hybrid(request, tiny_hybrid_dir):
-    """A loaded float32 backend on one hybrid arch; the test must leave no session open."""
-    if (request.param, "b") not in _loaded:
-        b = create_backend("mlx")
-        b.load(tiny_hybrid_dir(request.param), "float32")
-        _loaded[request.param, "b"] = b
-    b = _loaded[request.param, "b"]
-    yield b
-    assert b.live_sessions() == 0, "the test left sessions open"
+    """A loaded float32 backend on one hybrid arch (backend_fixtures.lent)."""
+    yield from lent(request, ("mlx", request.param), lambda: load("mlx", tiny_hybrid_dir(request.param)))
 
 
-def close(got, want) -> None:
-    np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
-
-
+@pytest.mark.numeric
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_loads_in_each_layout_and_runs_as_mlx_lm_does(arch, layout, tiny_hybrid_dir):
@@ -46,8 +38,8 @@ def test_loads_in_each_layout_and_runs_as_mlx_lm_does(arch, layout, tiny_hybrid_
     import mlx_lm
 
     folder = tiny_hybrid_dir(arch, layout)
-    b = create_backend("mlx")
-    info = b.load(folder, "float32")
+    b = load("mlx", folder)
+    info = b.info
     reference = mlx_lm.load(folder)[0]
     kinds = [layer.kind for layer in info.layers]
     assert set(kinds) == {"recurrent", "full"} and len(kinds) == len(make_prompt_cache(reference))
@@ -57,9 +49,10 @@ def test_loads_in_each_layout_and_runs_as_mlx_lm_does(arch, layout, tiny_hybrid_
     cache = make_prompt_cache(reference)
     want = np.array(reference(mx.array([tokens]), cache=cache)[0, -1])
     s, got = fresh(b, tokens, chunk=13)  # uneven chunks: the state carries across calls
-    close(logits_np(b, got)[0], want)
+    assert_close(b, logits_np(b, got)[0], want, Kind.CHUNKED, context=40)
     for t in forced:
-        close(logits_np(b, b.decode([s], [t]))[0], np.array(reference(mx.array([[t]]), cache=cache)[0, -1]))
+        assert_close(b, logits_np(b, b.decode([s], [t]))[0], np.array(reference(mx.array([[t]]), cache=cache)[0, -1]),
+                     Kind.CHUNKED, context=45)
     assert b.session_bytes(s) >= info.kv.state_bytes + 45 * info.kv.full_bytes_per_token
     b.release(s)
     assert b.total_bytes() == 0
@@ -68,15 +61,15 @@ def test_loads_in_each_layout_and_runs_as_mlx_lm_does(arch, layout, tiny_hybrid_
 def test_both_layouts_are_the_same_model(tiny_hybrid_dir):
     tokens = prompt(30, seed=3)
     rows = []
-    for layout in LAYOUTS:
-        b = create_backend("mlx")
-        b.load(tiny_hybrid_dir("qwen3_5", layout), "float32")
+    for layout in LAYOUTS:  # sanitized to the same arrays: the same kernels on the same shapes
+        b = load("mlx", tiny_hybrid_dir("qwen3_5", layout))
         s, logits = fresh(b, tokens)
         rows.append(logits_np(b, logits))
         b.release(s)
-    close(rows[0], rows[1])
+    np.testing.assert_array_equal(rows[0], rows[1])
 
 
+@pytest.mark.numeric
 def test_four_sessions_decode_together_as_each_alone(hybrid):
     """Rows of different lengths join, leave and rejoin the decode batch; every step's logits
     equal those of the same session decoding alone."""
@@ -105,19 +98,19 @@ def test_four_sessions_decode_together_as_each_alone(hybrid):
             step([1, 3]), step([0]), step([2])
         else:
             step([0, 1, 2, 3])
-    for i, (want_tokens, want_logits) in enumerate(alone):
-        assert fed[i] == want_tokens
-        for g, w in zip(got[i], want_logits, strict=True):
-            close(g, w)
+    for i, want in enumerate(alone):  # each row's tokens were picked from the logits before them
+        picked_from = [logits_np(b, logits[i]), *got[i][:-1]]
+        assert_greedy_close(b, (fed[i], picked_from), want, Kind.BATCHED, context=lengths[i] + steps)
     release_all(b, *sessions)
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("in_batch", [False, True])
 def test_clone_at_the_position_is_exact_and_leaves_the_donor_as_it_was(hybrid, in_batch):
     b = hybrid
     tokens = prompt(25, seed=4)
     reference, logits = fresh(b, tokens)
-    want_tokens, want_logits = continue_greedy(b, reference, logits, 6)
+    want = continue_greedy(b, reference, logits, 6)
     donor, logits = fresh(b, tokens[:-1])
     other, _ = fresh(b, prompt(7, seed=5))
     if in_batch:  # the donor's state is a row of the persistent decode batch
@@ -127,19 +120,17 @@ def test_clone_at_the_position_is_exact_and_leaves_the_donor_as_it_was(hybrid, i
     clone = b.clone(donor, len(tokens))
     assert clone.position == len(tokens) and b.session_bytes(clone) >= b.info.kv.state_bytes
     for s in (clone, donor):  # each goes on as the reference did, neither seeing the other's writes
-        got_tokens, got_logits = continue_greedy(b, s, logits, 6)
-        assert got_tokens == want_tokens
-        for got, want in zip(got_logits, want_logits):
-            close(got, want)
+        assert_greedy_close(b, continue_greedy(b, s, logits, 6), want, Kind.CLONE, context=31)
     release_all(b, reference, donor, other, clone)
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("in_batch", [False, True])
 def test_clone_anywhere_else_is_refused_and_changes_nothing(hybrid, in_batch):
     b = hybrid
     tokens = prompt(20, seed=6)
     reference, logits = fresh(b, tokens)
-    want_tokens, want_logits = continue_greedy(b, reference, logits, 3)
+    want = continue_greedy(b, reference, logits, 3)
     donor, logits = fresh(b, tokens[:-1])
     other, _ = fresh(b, prompt(7, seed=5))
     if in_batch:
@@ -152,10 +143,7 @@ def test_clone_anywhere_else_is_refused_and_changes_nothing(hybrid, in_batch):
             b.clone(donor, upto)
         assert refused.value.reason == "recurrent_position"
     assert (b.live_sessions(), b.total_bytes(), b.session_bytes(donor)) == (live, held, own)
-    got_tokens, got_logits = continue_greedy(b, donor, logits, 3)
-    assert got_tokens == want_tokens
-    for got, want in zip(got_logits, want_logits):
-        close(got, want)
+    assert_greedy_close(b, continue_greedy(b, donor, logits, 3), want, Kind.CHUNKED, context=23)
     release_all(b, reference, donor, other)
 
 
@@ -174,14 +162,14 @@ def test_session_bytes_count_the_recurrent_state(hybrid):
     assert b.total_bytes() == 0
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("arch", ["lfm2"])  # its layers list is the one it runs
 def test_a_decode_failure_is_classified_by_whether_a_state_moved(arch, tiny_hybrid_dir):
     """A step that fails in the first layer moved nothing: the sessions run again exactly. One that
     fails at the full-attention layer after the recurrent ones replaced their states is corrupt."""
     from test_backend_faults import failing_layer
 
-    b = create_backend("mlx")
-    b.load(tiny_hybrid_dir(arch), "float32")
+    b = load("mlx", tiny_hybrid_dir(arch))
     prompts = [prompt(12, seed=30 + i) for i in range(3)]
     sessions = [fresh(b, p)[0] for p in prompts]
     b.decode(sessions, [5, 6, 7])  # a persistent decode batch
@@ -191,7 +179,7 @@ def test_a_decode_failure_is_classified_by_whether_a_state_moved(arch, tiny_hybr
     again = logits_np(b, b.decode(sessions, [8, 9, 10]))
     for i, p in enumerate(prompts):
         s, want = fresh(b, p + [5 + i, 8 + i])
-        close(again[i], logits_np(b, want)[0])
+        assert_close(b, again[i], logits_np(b, want)[0], Kind.BATCHED, context=14)
         b.release(s)
     full = next(i for i, layer in enumerate(b.info.layers) if layer.kind == "full")
     assert full > 0
@@ -244,20 +232,22 @@ def test_a_prefill_that_fails_keeps_no_checkpoint(arch, tiny_hybrid_dir):
     b.release(s)
 
 
+@pytest.mark.numeric
 def test_a_quantized_hybrid_loads_clones_and_generates(tiny_hybrid_dir, tmp_path):
     """mlx-lm's own converter, 4-bit: the recurrent layers' projections packed, their states float."""
     from mlx_lm.convert import convert
 
     out = tmp_path / "qwen3_5-q4"
     convert(tiny_hybrid_dir("qwen3_5", "hf"), str(out), quantize=True, q_bits=4, q_group_size=32)
-    b = create_backend("mlx")
-    info = b.load(str(out))
+    b = load("mlx", str(out), None)
+    info = b.info
     assert "quantization" in (out / "config.json").read_text() and info.kv.state_bytes > 0
     tokens = prompt(20, seed=12)
     reference, want = fresh(b, tokens)
     donor, got = fresh(b, tokens, chunk=7)
-    close(logits_np(b, got), logits_np(b, want))
+    assert_close(b, got, want, Kind.CHUNKED, context=20)
     clone = b.clone(donor, len(tokens))
-    assert continue_greedy(b, clone, got, 5)[0] == continue_greedy(b, reference, want, 5)[0]
+    assert_greedy_close(b, continue_greedy(b, clone, got, 5), continue_greedy(b, reference, want, 5), Kind.CLONE,
+                        context=25)
     assert np.isfinite(logits_np(b, want)).all()
     release_all(b, reference, donor, clone)

@@ -43,12 +43,21 @@ def test_rate_tracker_never_fits_a_negative_cost():
     assert rates.clone_s(0) == 0.0 and rates.clone_s(1000) == pytest.approx(1.0, rel=0.05)
 
 
-def test_rate_tracker_decode_seconds_start_from_the_prior_and_follow_steps():
-    tracker = RateTracker(prior=Rates(decode_s=0.3))
-    assert tracker.rates.decode_s == 0.3
-    tracker = tracker.observe_decode(0.1)
-    assert tracker.rates.decode_s == pytest.approx(0.1)  # the first sample replaces the prior
-    for _ in range(60):
-        tracker = tracker.observe_decode(0.02)
-    assert tracker.rates.decode_s == pytest.approx(0.02, rel=1e-3)
-    assert tracker.observe_decode(0.0) == tracker
+def test_rate_tracker_step_fit_starts_from_the_prior_and_separates_the_fixed_part():
+    tracker = RateTracker(prior=Rates(decode_s=0.3, step_s_per_token=0.01))
+    assert (tracker.rates.decode_s, tracker.rates.step_s_per_token) == (0.3, 0.01)
+    tracker = tracker.observe_step(0, 0.1)  # decode alone: the fixed part, the prefill rate's per token
+    assert tracker.rates.decode_s == pytest.approx(0.1) and tracker.rates.step_s_per_token == pytest.approx(1 / 500)
+    for tokens in [0, 16, 200, 40, 0, 120] * 6:  # a fixed 80 ms and 2 ms a token: small chunks read no lower
+        tracker = tracker.observe_step(tokens, 0.08 + 0.002 * tokens)
+    assert tracker.rates.decode_s == pytest.approx(0.08, rel=1e-3)  # the first sample has all but decayed
+    assert tracker.rates.step_s_per_token == pytest.approx(0.002, rel=1e-3)
+    assert tracker.observe_step(5, 0.0) == tracker
+
+
+def test_rate_tracker_steps_of_one_size_put_the_prefill_rate_per_token():
+    tracker = RateTracker().observe_prefill(1000, 2.0)  # 500 tok/s alone
+    for _ in range(5):
+        tracker = tracker.observe_step(100, 0.5)
+    assert tracker.rates.step_s_per_token == pytest.approx(0.002)
+    assert tracker.rates.decode_s == pytest.approx(0.3)

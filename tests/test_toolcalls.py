@@ -257,3 +257,19 @@ def test_forced_openings_continue_into_a_call(name, model_text):
         assert p.feed(opening) == []
         events = p.feed(full[len(opening):]) + p.finish()
         assert events == [ToolCallStart(0, "call_0", "get_weather"), ToolCallArguments(0, '{"city": "Oslo"}')]
+
+
+@pytest.mark.parametrize("name", ["hermes", "qwen3_coder", "llama3"])
+def test_whitespace_the_model_writes_streams_with_a_bounded_hold_back(name):
+    """Issue 23: with tools offered, whitespace was held back without limit in case a call followed:
+    a reply of 30 newlines reached the client all at once at the end (and Claude Code timed out)."""
+    from server.toolcalls.base import MAX_HELD_WS
+
+    p = PARSERS[name](TOOLS, counting_ids())
+    if name == "llama3":
+        p.feed("Sure.")  # a llama3 reply that does not open with a call is text from then on
+    released = []
+    for i in range(30):
+        released.append("".join(e.text for e in p.feed("\n") if isinstance(e, TextDelta)))
+    assert all(released[MAX_HELD_WS:])  # every token past the hold-back comes out as it arrives
+    assert sum(map(len, released)) == 30 - MAX_HELD_WS

@@ -10,20 +10,20 @@ import numpy as np
 import pytest
 import torch
 
+from backend_fixtures import assert_close, lent, load
 from backends.torch import kv
 from backends.torch.backend import TorchBackend, read_weights
 from backends.model_info import read_model_facts
 from backends.torch.config import parse_config, read_config
+from tolerance import Kind
 
 DEVICE = os.environ.get("KVFORK_DEVICE", "cpu")
-ATOL, RTOL = 1e-5, 1e-4
 
 
-@pytest.fixture(scope="module")
-def llama(tiny_model_dir) -> TorchBackend:
-    b = TorchBackend(DEVICE)
-    b.load(tiny_model_dir("llama"), "float32")
-    return b
+@pytest.fixture
+def llama(request, tiny_model_dir) -> TorchBackend:
+    """A loaded float32 backend (backend_fixtures.lent)."""
+    yield from lent(request, ("torch", "llama", DEVICE), lambda: load(TorchBackend(DEVICE), tiny_model_dir("llama")))
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -39,6 +39,7 @@ def last_logits(b: TorchBackend, prompt: list[int], chunks: tuple[int, ...]) -> 
     return got
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("chunks", [(255, 1, 44), (200, 56, 1, 43), (1,) * 3 + (297,)])
 def test_buffers_grow_in_blocks_without_changing_answers(llama, chunks):
     """A session of n tokens holds exactly kv.capacity(n) slots per full layer: whole blocks,
@@ -50,9 +51,9 @@ def test_buffers_grow_in_blocks_without_changing_answers(llama, chunks):
         start += n
         assert llama.session_bytes(session) == kv.capacity(start) * llama.info.kv.full_bytes_per_token
     assert [kv.capacity(n) for n in (0, 255, 256, 300)] == [256, 256, 512, 512]
-    assert [llama.info.kv.slots(n) for n in (0, 255, 256, 300)] == [256, 256, 512, 512]  # the budget's figure
+    assert [llama.info.kv.positions(n) for n in (0, 255, 256, 300)] == [256, 256, 512, 512]  # the budget's figure
     llama.release(session)
-    np.testing.assert_allclose(last_logits(llama, prompt, chunks), last_logits(llama, prompt, (300,)), atol=ATOL, rtol=RTOL)
+    assert_close(llama, last_logits(llama, prompt, chunks), last_logits(llama, prompt, (300,)), Kind.CHUNKED, context=300)
 
 
 def test_a_clone_has_room_to_grow(llama):

@@ -8,24 +8,26 @@ import os
 import numpy as np
 import pytest
 
+import backend_fixtures
+from backend_fixtures import assert_close, assert_greedy_close, lent
 from backends.torch import kv
 from backends.torch.backend import TorchBackend
+from tolerance import Kind
 
 DEVICE = os.environ.get("KVFORK_DEVICE", "cpu")
-ATOL, RTOL = 1e-5, 1e-4  # the other torch tests' tolerances (batch composition reorders sums)
 B = kv.BLOCK_TOKENS
 
 
 def load(folder: str, mode: str = "share") -> TorchBackend:
     b = TorchBackend(DEVICE)
     b.set_clone_mode(mode)  # type: ignore[arg-type]
-    b.load(folder, "float32")
-    return b
+    return backend_fixtures.load(b, folder)
 
 
-@pytest.fixture(scope="module")
-def llama(tiny_model_dir) -> TorchBackend:
-    return load(tiny_model_dir("llama"))
+@pytest.fixture
+def llama(request, tiny_model_dir) -> TorchBackend:
+    """A loaded float32 backend (backend_fixtures.lent), cloning by reference."""
+    yield from lent(request, ("torch", "llama", DEVICE), lambda: load(tiny_model_dir("llama")))
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -101,7 +103,7 @@ def test_a_read_store_is_frozen_not_copied_when_its_writer_grows(llama):
 
 
 def cold(b: TorchBackend, prompt: list[int], chunk: int, steps: int) -> tuple[list[int], list[np.ndarray]]:
-    """Greedy tokens and each step's logits of a session that computes everything itself."""
+    """Greedy tokens, and the logits each was picked from, of a session that computes everything itself."""
     s = b.open_session()
     for at in range(0, len(prompt), chunk):
         logits = b.prefill([s], [prompt[at:at + chunk]])
@@ -116,7 +118,8 @@ def cold(b: TorchBackend, prompt: list[int], chunk: int, steps: int) -> tuple[li
 
 def together(b: TorchBackend, donor_prompt: list[int], upto: int, tail: list[int], steps: int):
     """A donor prefills, a clone at `upto` gets `tail` and both decode greedily in the same passes
-    (the donor writing past the blocks the clone reads). Returns each one's tokens and logits."""
+    (the donor writing past the blocks the clone reads). Returns each one's tokens, and the logits
+    each was picked from."""
     donor = b.open_session()
     for at in range(0, len(donor_prompt), 300):
         donor_logits = b.prefill([donor], [donor_prompt[at:at + 300]])
@@ -143,25 +146,23 @@ def together(b: TorchBackend, donor_prompt: list[int], upto: int, tail: list[int
 HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", *HYBRIDS])
 @pytest.mark.parametrize("mode", ["share", "copy"])
 def test_a_clone_and_its_donor_give_what_each_computes_alone(arch, mode, tiny_model_dir, tiny_hybrid_dir):
     """Each keeps writing after the clone, in the same passes: neither sees the other's writes, and
-    each one's greedy tokens and logits equal a cold session's (float32, atol 1e-5, rtol 1e-4)."""
+    each one's greedy tokens and logits equal a cold session's (tolerance.py)."""
     b = load(tiny_hybrid_dir(arch) if arch in HYBRIDS else tiny_model_dir(arch), mode)
     prompt, tail, steps = tokens(6, 600), tokens(7, 45), 12
     got = together(b, prompt, 600, tail, steps)
     # the donor: its prompt, then its own tokens
-    want, logits = cold(b, prompt, 300, steps)
-    assert got["donor"][0] == want
-    np.testing.assert_allclose(np.array(got["donor"][1]), np.array(logits), atol=ATOL, rtol=RTOL)
+    assert_greedy_close(b, got["donor"], cold(b, prompt, 300, steps), Kind.BLOCKS, context=600 + steps)
     # the clone: the donor's prompt and its tail, then its own tokens
-    want, logits = cold(b, prompt + tail, 300, steps)
-    assert got["clone"][0] == want
-    np.testing.assert_allclose(np.array(got["clone"][1]), np.array(logits), atol=ATOL, rtol=RTOL)
+    assert_greedy_close(b, got["clone"], cold(b, prompt + tail, 300, steps), Kind.BLOCKS, context=645 + steps)
     assert b.live_sessions() == 0 and not b.pool.stores
 
 
+@pytest.mark.numeric
 def test_a_clone_of_a_clone_reads_three_runs(llama):
     """A clone of a grown clone reads the first donor's blocks and the middle one's, and decodes over
     three runs (attention.decode_runs) to the answers of a cold session."""
@@ -177,7 +178,7 @@ def test_a_clone_of_a_clone_reads_three_runs(llama):
         logits = llama.decode([last], [t])
     s = llama.open_session()
     want = llama.prefill([s], [prompt[:905]])
-    np.testing.assert_allclose(llama.to_numpy(logits), llama.to_numpy(want), atol=ATOL, rtol=RTOL)
+    assert_close(llama, logits, want, Kind.BLOCKS, context=905)
     for x in (first, middle, last, s):
         llama.release(x)
     assert not llama.pool.stores
@@ -200,6 +201,7 @@ def test_a_failed_clone_holds_nothing(tiny_model_dir, monkeypatch):
     assert all(not s.readers for s in b.pool.stores.values()) and b.live_sessions() == 1
 
 
+@pytest.mark.numeric
 def test_a_group_sharing_a_prefix_decodes_as_each_alone(llama, monkeypatch):
     """Cascade: decode rows that read the same blocks read them once for the group (one product of all
     their queries), merged with each row's own part by log-sum-exp: the logits each gets alone."""
@@ -220,6 +222,6 @@ def test_a_group_sharing_a_prefix_decodes_as_each_alone(llama, monkeypatch):
         again = llama.clone(donor, 700 - 3 * i)
         alone.append(llama.to_numpy(llama.decode([again], [picks[i]]))[0])
         llama.release(again)
-    np.testing.assert_allclose(together, np.array(alone), atol=ATOL, rtol=RTOL)
+    assert_close(llama, together, np.array(alone), Kind.BLOCKS, context=701)
     for s in (donor, *clones):
         llama.release(s)

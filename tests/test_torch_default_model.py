@@ -11,7 +11,7 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from backends.base import SamplerState, SamplingParams  # noqa: E402
 from backends.torch.backend import TorchBackend  # noqa: E402
-from tools import fetch_model  # noqa: E402
+from backends import default_model  # noqa: E402
 
 QUESTIONS = (
     "What is the capital of France?",
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def both():
-    folder = str(fetch_model.ensure_default_model())
+    folder = str(default_model.ensure_default_model())
     reference, tokenizer = mlx_lm.load(folder)
     backend = TorchBackend("cpu")
     backend.load(folder, "float32")

@@ -12,8 +12,8 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from backends.torch.backend import TorchBackend  # noqa: E402
 from tiny_hybrid_models import HYBRID_ARCHS, LAYOUTS  # noqa: E402
+from tolerance import Kind, Model, assert_logits_close  # noqa: E402
 
-ATOL, RTOL = 1e-5, 1e-4
 PROMPT_LEN = 150  # past one 64-token chunk of the delta rule's chunked form
 CHUNKS = (0, 7, 100, 101, PROMPT_LEN)  # uneven, one of a single token, one over a chunk of the rule
 DECODE_STEPS = 12
@@ -23,10 +23,11 @@ def _tokens(seed: int, n: int) -> list[int]:
     return np.random.default_rng(seed).integers(3, 500, n).tolist()
 
 
-def _close(got: np.ndarray, want: np.ndarray) -> None:
-    np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
+def _close(got: np.ndarray, want: np.ndarray, folder: str, context: int) -> None:
+    assert_logits_close(got, want, kind=Kind.BACKENDS, model=Model.of(folder), context=context)
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)
 def test_chunked_prefill_and_teacher_forced_decode_match_mlx_lm(arch, layout, tiny_hybrid_dir):
@@ -41,13 +42,14 @@ def test_chunked_prefill_and_teacher_forced_decode_match_mlx_lm(arch, layout, ti
     session = backend.open_session()
     for a, b in zip(CHUNKS, CHUNKS[1:]):
         got = backend.to_numpy(backend.prefill([session], [prompt[a:b]]))[0]
-    _close(got, want)
+    _close(got, want, folder, PROMPT_LEN)
 
-    for token in forced:
+    for step, token in enumerate(forced):
         want = np.array(reference(mx.array([[token]]), cache=cache)[0, -1])
-        _close(backend.to_numpy(backend.decode([session], [token]))[0], want)
+        _close(backend.to_numpy(backend.decode([session], [token]))[0], want, folder, PROMPT_LEN + step + 1)
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)
 def test_batched_decode_matches_mlx_lm_per_row(arch, tiny_hybrid_dir):
     """Rows at different lengths, each with its own recurrent state, decoded in one pass."""
@@ -67,4 +69,5 @@ def test_batched_decode_matches_mlx_lm_per_row(arch, tiny_hybrid_dir):
         tokens = _tokens(100 + step, len(lengths))
         got = backend.to_numpy(backend.decode(sessions, tokens))
         for row, (token, cache) in enumerate(zip(tokens, caches)):
-            _close(got[row], np.array(reference(mx.array([[token]]), cache=cache)[0, -1]))
+            _close(got[row], np.array(reference(mx.array([[token]]), cache=cache)[0, -1]), folder,
+                   lengths[row] + step + 1)

@@ -10,6 +10,7 @@ import os
 import numpy as np
 import pytest
 
+from backend_fixtures import assert_close, lent, load
 from backends.base import BatchFailed, RowState
 from backends.torch.backend import TorchBackend
 from engine_harness import run
@@ -17,17 +18,17 @@ from server.engine.config import EngineConfig
 from server.engine.engine import Engine
 from server.metrics import Registry
 from tiny_hybrid_models import HYBRID_ARCHS
+from tolerance import Kind
 
 DEVICE = os.environ.get("KVFORK_DEVICE", "cpu")
-ATOL, RTOL = 1e-5, 1e-4
 CHUNK = 13  # the prefilling session's chunk: crosses gemma3's 16-token window within a few steps
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3", *HYBRID_ARCHS])
+@pytest.fixture(params=["llama", "qwen3", "gemma3", *HYBRID_ARCHS])
 def backend(request, tiny_model_dir, tiny_hybrid_dir) -> TorchBackend:
-    b = TorchBackend(DEVICE)
-    b.load((tiny_hybrid_dir if request.param in HYBRID_ARCHS else tiny_model_dir)(request.param), "float32")
-    return b
+    """A loaded float32 backend (backend_fixtures.lent)."""
+    folder = (tiny_hybrid_dir if request.param in HYBRID_ARCHS else tiny_model_dir)(request.param)
+    yield from lent(request, ("torch", request.param, DEVICE), lambda: load(TorchBackend(DEVICE), folder))
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -65,6 +66,7 @@ def prefill_alone(b: TorchBackend, prompt: list[int], chunk: int = CHUNK) -> lis
     return out
 
 
+@pytest.mark.numeric
 def test_a_mixed_step_equals_each_session_alone_in_one_pass(backend):
     steps = 5
     prompts = [tokens(1, 40), tokens(2, 7)]  # two decoders at different lengths (one past the window)
@@ -76,8 +78,8 @@ def test_a_mixed_step_equals_each_session_alone_in_one_pass(backend):
     decoders, filler = [backend.open_session() for _ in prompts], backend.open_session()
     first = backend.to_numpy(backend.prefill(decoders, prompts))  # rows of different lengths, one pass
     assert passes.n == 1
-    for row, (_, logits) in zip(first, alone):
-        np.testing.assert_allclose(row, logits[0], atol=ATOL, rtol=RTOL)
+    for row, prompt, (_, logits) in zip(first, prompts, alone):
+        assert_close(backend, row, logits[0], Kind.BATCHED, context=len(prompt))
     last = list(first)
     for step in range(steps):
         picks = [int(row.argmax()) for row in last]
@@ -86,9 +88,9 @@ def test_a_mixed_step_equals_each_session_alone_in_one_pass(backend):
         before = passes.n
         out = backend.to_numpy(backend.prefill([*decoders, filler], [[p] for p in picks] + [chunk]))
         assert passes.n == before + 1  # decode rows and a prefill chunk: exactly one forward pass
-        for row, (_, logits) in zip(out, alone):
-            np.testing.assert_allclose(row, logits[step + 1], atol=ATOL, rtol=RTOL)
-        np.testing.assert_allclose(out[-1], chunks_alone[step], atol=ATOL, rtol=RTOL)
+        for row, prompt, (_, logits) in zip(out, prompts, alone):
+            assert_close(backend, row, logits[step + 1], Kind.BATCHED, context=len(prompt) + step + 1)
+        assert_close(backend, out[-1], chunks_alone[step], Kind.BATCHED, context=(step + 1) * CHUNK)
         last = out[:-1]
     assert [s.position for s in decoders] == [len(p) + steps for p in prompts]
     passes.handle.remove()
@@ -96,6 +98,7 @@ def test_a_mixed_step_equals_each_session_alone_in_one_pass(backend):
         backend.release(s)
 
 
+@pytest.mark.numeric
 def test_a_failed_pass_reports_each_row_and_a_retry_is_exact(backend):
     """A failure inside the pass: rows whose rings or recurrent states were written are CORRUPT,
     the others UNTOUCHED, at their old position; running an untouched row again gives its true logits."""
@@ -117,8 +120,8 @@ def test_a_failed_pass_reports_each_row_and_a_retry_is_exact(backend):
     if not in_place:
         again = backend.to_numpy(backend.prefill(sessions, rows))
         for row, prompt, written in zip(again, prompts, rows):
-            np.testing.assert_allclose(row, prefill_alone(backend, prompt + written, len(prompt + written))[0],
-                                       atol=ATOL, rtol=RTOL)
+            assert_close(backend, row, prefill_alone(backend, prompt + written, len(prompt + written))[0],
+                         Kind.BATCHED, context=len(prompt + written))
     for s in sessions:
         backend.release(s)
 

@@ -6,6 +6,8 @@ backends must not be able to pass.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -15,8 +17,8 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from backends.base import SamplerState, SamplingParams  # noqa: E402
 from backends.torch.backend import TorchBackend  # noqa: E402
+from tolerance import Kind, Model, assert_arrays_close, assert_logits_close, assert_same_greedy  # noqa: E402
 
-ATOL, RTOL = 1e-5, 1e-4
 PROMPT_LEN = 40  # longer than gemma3's window (16), so its rings wrap during prefill
 CHUNKS = (0, 7, 25, PROMPT_LEN)  # the engine's chunking: uneven, one chunk longer than the window
 DECODE_STEPS = 20
@@ -39,10 +41,11 @@ def _tokens(seed: int, n: int) -> list[int]:
     return np.random.default_rng(seed).integers(3, 500, n).tolist()
 
 
-def _close(got: np.ndarray, want: np.ndarray) -> None:
-    np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
+def _close(got: np.ndarray, want: np.ndarray, folder: str, context: int) -> None:
+    assert_logits_close(got, want, kind=Kind.BACKENDS, model=Model.of(folder), context=context)
 
 
+@pytest.mark.numeric
 def test_prefill_and_teacher_forced_decode_match_mlx_lm(arch, tiny_model_dir, references):
     folder = tiny_model_dir(arch)
     reference = references(folder)
@@ -56,13 +59,14 @@ def test_prefill_and_teacher_forced_decode_match_mlx_lm(arch, tiny_model_dir, re
     chunks = [prompt[a:b] for a, b in zip(CHUNKS, CHUNKS[1:])]
     for chunk in chunks:
         got = backend.to_numpy(backend.prefill([session], [chunk]))[0]
-    _close(got, want)
+    _close(got, want, folder, PROMPT_LEN)
 
-    for token in forced:
+    for step, token in enumerate(forced):
         want = np.array(reference(mx.array([[token]]), cache=cache)[0, -1])
-        _close(backend.to_numpy(backend.decode([session], [token]))[0], want)
+        _close(backend.to_numpy(backend.decode([session], [token]))[0], want, folder, PROMPT_LEN + step + 1)
 
 
+@pytest.mark.numeric
 def test_batched_decode_matches_mlx_lm_per_row(arch, tiny_model_dir, references):
     """Rows at different lengths (some past the sliding window) decoded in one pass."""
     folder = tiny_model_dir(arch)
@@ -81,11 +85,13 @@ def test_batched_decode_matches_mlx_lm_per_row(arch, tiny_model_dir, references)
         tokens = _tokens(100 + step, len(lengths))
         got = backend.to_numpy(backend.decode(sessions, tokens))
         for row, (token, cache) in enumerate(zip(tokens, caches)):
-            _close(got[row], np.array(reference(mx.array([[token]]), cache=cache)[0, -1]))
+            _close(got[row], np.array(reference(mx.array([[token]]), cache=cache)[0, -1]), folder,
+                   lengths[row] + step + 1)
 
 
+@pytest.mark.numeric
 def test_greedy_continuations_agree(arch, tiny_model_dir, references):
-    """Same logits, same argmax: the greedy tokens of both sides are identical."""
+    """Same logits, same argmax: the greedy tokens of both sides are the same (tolerance.assert_same_greedy)."""
     folder = tiny_model_dir(arch)
     reference = references(folder)
     backend = TorchBackend("cpu")
@@ -95,16 +101,21 @@ def test_greedy_continuations_agree(arch, tiny_model_dir, references):
     logits = reference(mx.array([prompt]), cache=cache)[0, -1]
     session = backend.open_session()
     ours = backend.prefill([session], [prompt])
-    want, got = [], []
+    want, got = ([], []), ([], [])
     for _ in range(24):
-        want.append(int(mx.argmax(logits)))
-        got.append(backend.sample(ours, [SamplerState(SamplingParams())])[0].token)
-        logits = reference(mx.array([[want[-1]]]), cache=cache)[0, -1]
-        ours = backend.decode([session], [got[-1]])
-    assert got == want
+        want[1].append(np.array(logits))
+        got[1].append(backend.to_numpy(ours)[0])
+        want[0].append(int(mx.argmax(logits)))
+        got[0].append(backend.sample(ours, [SamplerState(SamplingParams())])[0].token)
+        if got[0][-1] != want[0][-1]:
+            break  # assert_same_greedy says whether a near tie allowed it
+        logits = reference(mx.array([[want[0][-1]]]), cache=cache)[0, -1]
+        ours = backend.decode([session], [got[0][-1]])
+    assert_same_greedy(got, want, kind=Kind.BACKENDS, model=Model.of(folder), context=12 + 24)
 
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize(
     "scaling",
     [
@@ -126,4 +137,6 @@ def test_rope_frequencies_match_mlx_lm(scaling):
         want = 1.0 / np.array(rope._freqs)
     else:  # nn.RoPE: plain base, a linear factor as `scale` on the positions
         want = rope.scale * theta ** (-np.arange(0, head_dim, 2) / head_dim)
-    np.testing.assert_allclose(ours, want, rtol=1e-5)
+    # theta^-x per frequency, no sums between them: a few roundings each, amplified by exp's condition
+    # number at -x ln(theta) (up to ln(theta))
+    assert_arrays_close(ours, want, kind=Kind.BACKENDS, reductions=(1,) * 4, condition=math.log(theta), each=True)

@@ -135,13 +135,13 @@ def _weights(config: dict, seed: int) -> dict[str, np.ndarray]:
     return out
 
 
-def write_model(folder: Path, arch: str, seed: int = 0) -> Path:
-    """Write a tiny `arch` model into `folder`; returns the folder."""
+def write_model(folder: Path, arch: str, seed: int = 0, **changes) -> Path:
+    """Write a tiny `arch` model into `folder`, its config with `changes`; returns the folder."""
     from safetensors.numpy import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    config = dict(CONFIGS[arch])
+    config = dict(CONFIGS[arch], **changes)
     config["eos_token_id"] = write_tokenizer(folder, config["vocab_size"], config["max_position_embeddings"])
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     save_file(_weights(config, seed), str(folder / "model.safetensors"), metadata={"format": "pt"})

@@ -16,7 +16,7 @@
 - itl: decode ITL p50 of 1, 4 and 8 clones of a 4,000-token prompt decoding
   together: blocks read by reference with the shared prefix read once per step for
   the group (cascade), blocks read by reference row by row (blocked), and one
-  contiguous copy each (copy: yesterday's buffers).
+  contiguous copy each (copy: --clone-mode copy's buffers).
 - prefill: tok/s of a clone of a 4,000-token prompt prefilling 512 and 2,048 more
   tokens in one chunk, share (its runs joined per chunk) and copy (one run); and the
   join alone (every full layer's runs copied into attention's buffer, as it does for

@@ -44,7 +44,7 @@ import aiohttp
 from server.config import ServerConfig
 from server.engine.config import KV_BUDGET_FRACTION, EngineConfig, physical_memory_bytes
 from server.settings import from_args
-from tools.fetch_model import kvfork_home
+from backends.model_path import kvfork_home
 
 HOST = "127.0.0.1"  # replicas and the gateway: loopback only (several machines: the README's recipe)
 ASSIGNMENTS = ("min_group", "min_load", "random", "delegate")
@@ -175,7 +175,7 @@ def _without(argv: list[str], *flags: str) -> list[str]:
 
 
 def _default_model() -> Path:
-    from tools.fetch_model import FetchError, ensure_default_model
+    from backends.default_model import FetchError, ensure_default_model
 
     try:
         return ensure_default_model()
@@ -203,6 +203,7 @@ class Child:
     quick_exits: int = 0
     pump: asyncio.Task | None = None
     log: Path | None = None  # where its output goes; None: to ours, each line under its name
+    cwd: Path | None = None  # where it runs (smg writes its smg.pid there)
 
     async def start(self) -> None:
         # A session of its own: a Ctrl-C in the terminal reaches the cluster alone, which then stops each
@@ -211,7 +212,7 @@ class Child:
         try:
             self.proc = await asyncio.create_subprocess_exec(
                 *self.argv, stdout=out, stderr=asyncio.subprocess.STDOUT, env={**os.environ, **self.env},
-                start_new_session=True)
+                cwd=self.cwd, start_new_session=True)
         finally:
             if self.log is not None:
                 out.close()
@@ -265,7 +266,7 @@ async def run(p: Plan) -> int:
     replicas = [Child(f"replica {i + 1}", argv, {"KVFORK_HOME": str(home)})
                 for i, (argv, home) in enumerate(zip(p.replicas, p.homes))]
     # smg's own log (a banner, then a line per request at info) goes to a file beside the replicas' folders
-    gateway = Child("gateway", p.gateway, log=kvfork_home() / "cluster" / "gateway.log")
+    gateway = Child("gateway", p.gateway, log=kvfork_home() / "cluster" / "gateway.log", cwd=kvfork_home() / "cluster")
     gateway.log.parent.mkdir(parents=True, exist_ok=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -30,7 +30,7 @@ from server.engine.api import GenerateRequest
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
 from server.metrics import Registry
-from tools.fetch_model import default_model_dir
+from backends.default_model import default_model_dir
 
 
 def drop_page_cache(folder: Path) -> str:
@@ -67,8 +67,8 @@ async def one(args, kv_dir: Path, prompt: list[int], disk: bool, warmup: list[in
                 "source": done.usage.reuse_source, "decision": decisions.get("disk"),
                 "expected_restore_s": decisions.get("disk_restore_s"),
                 "expected_recompute_s": decisions.get("disk_recompute_s"),
-                "prefill_tps": round(engine.reuser.rates.rates.prefill_tps),
-                "read_MBps": round(engine.reuser.rates.rates.read_bps / 1e6)}
+                "prefill_tps": round(engine.rates.rates.prefill_tps),
+                "read_MBps": round(engine.rates.rates.read_bps / 1e6)}
     finally:
         await engine.shutdown(5.0)
 

@@ -39,7 +39,7 @@ from server.engine.config import EngineConfig
 from server.engine.engine import Engine
 from server.metrics import Registry
 from tools.bench.stats import percentile
-from tools.fetch_model import default_model_dir
+from backends.default_model import default_model_dir
 
 
 async def decode_round(engine: Engine, concurrent: int, prompt_len: int, tokens: int, seed: int) -> dict:

@@ -162,6 +162,10 @@ class FaultyBackend(Backend):
     def mixed_batches(self) -> bool:  # one pass per step exactly when the real backend runs it
         return self.inner.mixed_batches
 
+    @property
+    def state_format(self) -> str:  # its saved states are the real backend's
+        return self.inner.state_format
+
     def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
         self.info = self.inner.load(folder, dtype)
         return self.info

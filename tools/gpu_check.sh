@@ -5,7 +5,10 @@
 #      (MLX rows and mlx-lm parity tests skip without MLX; tests/tiny_models.py then
 #      takes parameter shapes from our model code);
 #   2. FlashAttention against SDPA where flash_attn imports, then timings on random ~0.5B and ~7B-shaped models built in memory (tools/gpu_check.py):
-#      prefill and decode tokens/s, clone GB/s against the card's measured copy bandwidth.
+#      prefill and decode tokens/s, clone GB/s against the card's measured copy bandwidth;
+#   3. with 2 GPUs or more: one model over 2 of them (tensor parallel, NCCL; plans over gloo): the 2-rank
+#      backend tests on GPUs 0 and 1, then decode steps of a 0.5B-shaped model on 1 GPU against 2, with
+#      the plan broadcast and one NCCL all-reduce timed (tools/rank_bench.py). About 3 minutes.
 # Usage: tools/gpu_check.sh [tools/gpu_check.py options]; PYTHON picks the interpreter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,3 +23,11 @@ KVFORK_DEVICE=cuda timeout 150 "$PY" -m pytest -q -p no:cacheprovider \
 
 echo "== timings (random weights)"
 timeout 120 "$PY" -m tools.gpu_check "$@"
+
+if "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.device_count() >= 2 else 1)'; then
+    echo "== 2 GPUs: tensor parallel over NCCL"
+    KVFORK_DEVICE=cuda timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_distributed_backends.py -k torch
+    KVFORK_DEVICE=cuda timeout 240 "$PY" -m tools.rank_bench --backend torch --device cuda --shape 0.5b --sessions 1,8
+else
+    echo "== 2 GPUs: skipped (torch sees $("$PY" -c 'import torch; print(torch.cuda.device_count())') CUDA device)"
+fi

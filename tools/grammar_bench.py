@@ -225,7 +225,7 @@ async def measure_guard(hf, tools: list[dict[str, Any]], repeats: int) -> None:
             label = f"{label} ({len(text):,} characters of grammar)"
             plain, guarded = [], []
             for i in range(repeats):  # side by side, alternating
-                plain.append(timed(lambda: compiler._build(text, "response_format"))[0])
+                plain.append(timed(lambda: compiler.build(text, "response_format"))[0])
                 t0 = time.perf_counter()
                 await compiler.compile(ask, Scope(f"cold-{label}-{i}"))
                 guarded.append(time.perf_counter() - t0)
@@ -259,7 +259,7 @@ async def measure_guard(hf, tools: list[dict[str, Any]], repeats: int) -> None:
 def main() -> None:
     from transformers import AutoTokenizer
 
-    from tools.fetch_model import default_model_dir
+    from backends.default_model import default_model_dir
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model folder whose tokenizer to use (default: the default model)")

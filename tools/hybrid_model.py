@@ -39,7 +39,7 @@ def write(out: Path, dtype: str, tokenizer_from: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from tools.fetch_model import default_model_dir
+    from backends.default_model import default_model_dir
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="folder to write")

@@ -14,7 +14,7 @@ import argparse
 import random
 import time
 
-from tools.fetch_model import default_model_dir
+from backends.default_model import default_model_dir
 from tools.memory import rss_bytes
 
 

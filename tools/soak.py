@@ -13,7 +13,8 @@ About a quarter of the requests hang up, at a point drawn up front: a moment
 after the engine has them (queued, parked behind a leader), once the backend has
 committed a drawn share of the prompt (prefilling), or after some streamed
 pieces (decoding). Where each really was when it hung up is read back from the
-engine's request log line.
+engine's request log line and reported (a faster machine lands fewer in the queue:
+the per-phase behaviour is checked by the engine tests, which hold a request there).
 
 Every choice is drawn from `--seed`; which backend call a fault hits depends on
 timing. Requests are greedy; each carries a distinct `seed` (ignored by greedy
@@ -65,7 +66,6 @@ SEED_BASE = 1_000_000  # request i carries seed SEED_BASE + i
 RSS_GROWTH_LIMIT = 64 * MiB
 MIN_COMPARED = 200
 MIN_DISCONNECT_SHARE = 0.20
-MIN_PER_PHASE = 10
 ANSWER_LIMIT_S = 180.0  # a request still unanswered then is a failure, not a hung soak
 
 
@@ -652,15 +652,17 @@ def _checks(c: SoakConfig, report: Report, d: Daemon, recorder: Recorder, reques
     gone = sum(1 for o in outcomes if o.disconnected)
     report.add("client disconnects", f"{gone}/{len(outcomes)} ({gone / max(1, len(outcomes)):.0%})",
                f">= {MIN_DISCONNECT_SHARE:.0%}", gone >= MIN_DISCONNECT_SHARE * len(outcomes))
-    report.add("disconnects by phase", ", ".join(f"{p} {n}" for p, n in phases.items())
-               + f" (+{landed_elsewhere} elsewhere)", f">= {MIN_PER_PHASE} each",
-               all(n >= MIN_PER_PHASE for n in phases.values()))
+    # Where a hang-up lands moves with the machine's speed (a faster one admits a request before its
+    # "queued" moment), so it is reported, not checked: tests/test_engine_cancel.py and test_engine_follow.py
+    # hold a request in each phase (a gated runner) and check that hanging up there frees its place.
+    report.notes.append("disconnects by phase: " + ", ".join(f"{p} {n}" for p, n in phases.items())
+                        + f" (+{landed_elsewhere} elsewhere)")
 
     # what is held once the clients are gone (gauges where /metrics has them; else the engine, in-process)
-    adm = d.engine.adm
-    live, cache, named = m.get("kvfork_live_sessions", -1), adm.cache, adm.named.holding()
-    report.add("live sessions = cache entries + named sessions", f"{live:g} = {len(cache)} + {named}",
-               "equal", live == len(cache) + named)
+    adm = d.engine.admission
+    live, cache, named = m.get("kvfork_live_sessions", -1), d.engine.index.count("memory"), d.engine.named.holding()
+    report.add("live sessions = cache entries + named sessions", f"{live:g} = {cache} + {named}",
+               "equal", live == cache + named)
     reserved = m.get("kvfork_kv_reserved_bytes", -1)
     report.add("reserved bytes", f"{reserved:g}", "0", reserved == 0)
     # The backend's published KVCost says how far its own count may stray: exact on torch; on MLX a
@@ -722,14 +724,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hostile", action=argparse.BooleanOptionalAction, default=defaults.hostile,
                     help="end with the hostile-tenant wave (tools/hostile.py)")
     args = ap.parse_args(argv)
-    from backends import default_backend
-    from backends.mlx.blas import reexec_for_backend
+    from backends import prepare_process
 
-    reexec_for_backend(mlx=(default_backend() if args.backend == "auto" else args.backend) == "mlx")
+    prepare_process(args.backend)
     if args.model:
         model = args.model
     else:
-        from tools.fetch_model import FetchError, ensure_default_model
+        from backends.default_model import FetchError, ensure_default_model
 
         try:
             model = str(ensure_default_model())

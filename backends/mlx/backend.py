@@ -4,7 +4,7 @@ A session is either standalone (its own mlx-lm cache per layer: `KVCache`,
 `RotatingKVCache` of the window for sliding layers) or a row of the
 persistent decode batch (batch.py). A hybrid's recurrent layers keep an
 `ArraysCache` (recurrent.py), and a session may keep checkpoints of those
-states at chosen positions (`keep_at`, base.py's recurrent rule). Prefill runs
+states at chosen positions (`keep_at`, the recurrent rule, base.clone_positions). Prefill runs
 standalone; decode runs the batch; clone copies from either into a new
 standalone session (kvcopy.py).
 """
@@ -23,6 +23,7 @@ from backends.mlx import kvcopy, recurrent, sampling
 from backends.mlx.batch import DecodeBatch, cache_marks, unmoved
 from backends.mlx.last_token import last_logits, supports_last_position
 from backends.mlx.loading import load_model
+from backends.mlx.mlx_lm_caches import write_index
 
 
 class MLXSession(Session):
@@ -36,13 +37,16 @@ class MLXSession(Session):
 
 
 class MLXBackend(Backend):
+    def __init__(self, group: Any = None):
+        """`group`: an `mx.distributed` group to split the model over (loading.load_model); None: one rank."""
+        self.group = group
+
     def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
-        self.model, self.tokenizer, self.info = load_model(folder, dtype)
-        self._windows = [layer.window for layer in self.info.layers if layer.kind == "sliding"]
+        self.model, self.tokenizer, self.info = load_model(folder, dtype, self.group)
+        self._windows = list(self.info.sliding_windows)
         self._sessions: dict[int, MLXSession] = {}
         self._batch = DecodeBatch(self.model)
         self._last_only = supports_last_position(self.model)
-        self._recurrent = any(layer.kind == "recurrent" for layer in self.info.layers)
         return self.info
 
     def open_session(self) -> MLXSession:
@@ -57,7 +61,7 @@ class MLXBackend(Backend):
 
     # Fault contract (base.BatchFailed): prefill runs one session at a time, so a failure leaves
     # the earlier sessions COMMITTED with their logits and the later ones UNTOUCHED; the session
-    # that failed is UNTOUCHED only if none of its caches moved (batch.py's fault rule), else
+    # that failed is UNTOUCHED only if none of its caches moved (the fault rule of batch.DecodeBatch), else
     # CORRUPT. Decode classifies the whole batch the same way. A `lost` session is CORRUPT in
     # any call, before anything runs.
 
@@ -152,7 +156,7 @@ class MLXBackend(Backend):
     def keep_at(self, session: MLXSession, positions: Collection[int]) -> None:
         if session.id not in self._sessions:
             raise ValueError(f"{session!r} was released")
-        if not self._recurrent:
+        if not self.info.recurrent:
             return  # nothing to keep: every position clones from the live state
         session.wanted = frozenset(p for p in positions if p > 0)
         session.checkpoints = {p: states for p, states in session.checkpoints.items() if p in session.wanted}
@@ -242,7 +246,7 @@ class MLXBackend(Backend):
         if row is None:
             return kvcopy.view(cache)
         # A full layer's row is right-aligned at the batch's write index.
-        return kvcopy.view(cache, row, position, getattr(cache, "_idx", 0) - position)
+        return kvcopy.view(cache, row, position, (write_index(cache) or 0) - position)
 
     def _run_chunk(self, session: MLXSession, chunk: Sequence[int]) -> tuple[mx.array, dict[int, list[ArraysCache]]]:
         """The chunk's last logits, running it in pieces that end at the wanted checkpoints inside
@@ -270,7 +274,7 @@ class MLXBackend(Backend):
 
 
 def _host(array: mx.array) -> np.ndarray:
-    """An array on the host: bfloat16 as its uint16 bits (base.py's saved-state rule)."""
+    """An array on the host: bfloat16 as its uint16 bits (the saved-state rule, base.SavedState)."""
     return np.array(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array)
 
 

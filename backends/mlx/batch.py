@@ -26,6 +26,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
 from backends.mlx import recurrent
+from backends.mlx.mlx_lm_caches import write_index
 
 
 def cache_marks(caches: Sequence[Any]) -> list[Any]:
@@ -35,7 +36,7 @@ def cache_marks(caches: Sequence[Any]) -> list[Any]:
     def mark(c: Any) -> Any:
         if isinstance(c, ArraysCache):
             return recurrent.marks(c)
-        return (c.offset, getattr(c, "_idx", None)) if hasattr(c, "offset") else object()
+        return (c.offset, write_index(c)) if hasattr(c, "offset") else object()
     return [mark(c) for c in caches]
 
 

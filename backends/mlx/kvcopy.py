@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
+from backends.mlx.mlx_lm_caches import in_time_order, set_write_index
+
 STEP = KVCache.step
 
 
@@ -28,7 +30,7 @@ class LayerView:
 
 
 def with_room(n: int) -> int:
-    """Slots for n tokens plus at least one growth step, rounded to whole steps."""
+    """Positions for n tokens plus at least one growth step, rounded to whole steps."""
     return (n + 2 * STEP - 1) // STEP * STEP
 
 
@@ -42,18 +44,18 @@ def view(cache, row: int | None = None, row_offset: int = 0, row_padding: int = 
     if cache.keys is None:
         return LayerView(None, None, 0)
     if isinstance(cache, RotatingKVCache):
-        keys, values = cache._temporal_order(cache.keys), cache._temporal_order(cache.values)
+        keys, values = in_time_order(cache, cache.keys), in_time_order(cache, cache.values)
         return LayerView(keys, values, cache.offset - keys.shape[2])
     return LayerView(cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :], 0)
 
 
-def placed(part: mx.array, slots: int, at: int) -> mx.array:
-    """A new buffer of `slots` time slots holding `part` from slot `at`, zeros elsewhere."""
+def placed(part: mx.array, positions: int, at: int) -> mx.array:
+    """A new buffer of `positions` along time holding `part` from position `at`, zeros elsewhere."""
     shape = list(part.shape)
-    if shape[2] == slots:
+    if shape[2] == positions:
         # Assigning over a whole buffer would just alias `part`, the donor's buffer.
         return part * 1
-    buffer = mx.zeros(shape[:2] + [slots] + shape[3:], part.dtype)
+    buffer = mx.zeros(shape[:2] + [positions] + shape[3:], part.dtype)
     buffer[..., at : at + shape[2], :] = part
     return buffer
 
@@ -61,21 +63,21 @@ def placed(part: mx.array, slots: int, at: int) -> mx.array:
 def clone_full(v: LayerView, upto: int) -> KVCache:
     cache = KVCache()
     if upto > 0:
-        slots = with_room(upto)
-        cache.keys = placed(v.keys[..., :upto, :], slots, 0)
-        cache.values = placed(v.values[..., :upto, :], slots, 0)
+        room = with_room(upto)
+        cache.keys = placed(v.keys[..., :upto, :], room, 0)
+        cache.values = placed(v.values[..., :upto, :], room, 0)
     cache.offset = upto
     return cache
 
 
 def clone_sliding(v: LayerView, held_from: int, upto: int, window: int) -> tuple[RotatingKVCache, int]:
-    """A ring of `window` slots holding what `[.., upto)` needs; returns it and its oldest held position.
+    """A ring of `window` positions holding what `[.., upto)` needs; returns it and its oldest held position.
 
     The ring is laid out as mlx-lm leaves one after decode steps: before it is
-    full, entries from slot 0 and `_idx` = count; once full, temporal order with
-    `_idx` = window, so the next write lands on slot 0, the oldest. Position
-    `upto - window` is never attended again; when the donor no longer holds it,
-    its slot stays zero.
+    full, entries from the ring's start and the write index at their count; once
+    full, time order with the write index at the window, so the next write lands
+    at the ring's start, on the oldest. Position `upto - window` is never attended
+    again; when the donor no longer holds it, its place stays zero.
     """
     start = max(held_from, upto - window, 0)
     part_k = v.keys[..., start - v.first : upto - v.first, :]
@@ -84,7 +86,7 @@ def clone_sliding(v: LayerView, held_from: int, upto: int, window: int) -> tuple
     n = upto - start
     at = 0 if upto < window else window - n
     cache.keys, cache.values = placed(part_k, window, at), placed(part_v, window, at)
-    cache._idx = n if upto < window else window
+    set_write_index(cache, n if upto < window else window)
     cache.offset = upto
     return cache, start
 

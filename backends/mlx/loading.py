@@ -8,13 +8,14 @@ the context length come from backends.model_info, the reader torch shares.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
-from mlx_lm.utils import load
+from mlx_lm.utils import load, load_model as lazy_model, sharded_load
 
 from backends.base import KVCost, LayerAttention, ModelInfo
 from backends.mlx.kvcopy import STEP
@@ -29,17 +30,26 @@ def default_dtype() -> str:
     return "bfloat16" if mx.default_device() == mx.gpu else "float32"
 
 
-def load_model(folder: str, dtype: str | None) -> tuple[nn.Module, Any, ModelInfo]:
-    """(model, tokenizer, info). `folder` may also be a hub id (see backends.model_path)."""
+def load_model(folder: str, dtype: str | None, group: Any = None) -> tuple[nn.Module, Any, ModelInfo]:
+    """(model, tokenizer, info). `folder` may also be a hub id (see backends.model_path). `group`: an
+    `mx.distributed` group of more than one rank splits the model over them, by mlx-lm's own
+    tensor-parallel sharding (`Model.shard`, through `sharded_load`); each rank then holds its share
+    of the weights and of every KV state, and `info.kv` prices a rank's share."""
     dtype = dtype or default_dtype()
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     path = resolve_model(str(folder))
-    model, tokenizer = load(str(path))
+    if group is not None and group.size() > 1:
+        reason = split_refusal(path, group.size())
+        if reason is not None:
+            raise ValueError(f"mlx backend: cannot split the model over {group.size()} ranks: {reason}")
+        model, tokenizer = sharded_load(str(path), tensor_group=group)
+    else:
+        model, tokenizer = load(str(path))
     # Quantized weights stay packed: set_dtype casts floating parameters only.
     model.set_dtype(DTYPES[dtype])
     layers = layer_kinds(model)
-    vocab_size, slot = _probe(model)
+    vocab_size, per_token = _probe(model)
     facts = read_model_facts(path)
     info = ModelInfo(
         name=Path(folder).name or str(folder),
@@ -47,18 +57,35 @@ def load_model(folder: str, dtype: str | None) -> tuple[nn.Module, Any, ModelInf
         context_length=facts.context_length,
         layers=layers,
         eos_token_ids=facts.eos_token_ids,
-        kv=kv_cost(layers, slot, state_bytes(model)),
+        kv=kv_cost(layers, per_token, state_bytes(model)),
         dtype=dtype,
         device="metal" if mx.default_device() == mx.gpu else "cpu",
     )
     return model, tokenizer, info
 
 
+def split_refusal(path: Path, size: int) -> str | None:
+    """Why mlx-lm cannot split the model in `path` over `size` ranks, or None when it can: its model
+    class has no `shard` (today qwen3_next, lfm2, nemotron_h, granitemoehybrid, gemma3_text, olmo2 and
+    more), or the head counts do not divide (mlx-lm's `shard` divides them without checking)."""
+    config = json.loads((path / "config.json").read_text())
+    family = config.get("model_type")
+    if not hasattr(lazy_model(path, lazy=True, strict=False)[0], "shard"):
+        return f"mlx-lm has no tensor-parallel sharding (Model.shard) for model_type {family!r}; serve it on one rank"
+    text = config.get("text_config", config)
+    heads = {"attention heads": text.get("num_attention_heads"), "KV heads": text.get("num_key_value_heads")}
+    odd = [f"{n} {what}" for what, n in heads.items() if n and n % size]
+    if odd:
+        return (f"tensor parallelism over {size} ranks splits attention heads evenly, and this model has "
+                f"{', '.join(odd)}: not a multiple of {size}")
+    return None
+
+
 def layer_kinds(model: nn.Module) -> tuple[LayerAttention, ...]:
     """One kind per entry of the model's cache list (a hybrid's MLP-only layers keep none).
 
     Design rule: kvfork clones plain and rotating KV caches, and recurrent state
-    (`ArraysCache`: conv + SSM / delta-rule state) by base.py's recurrent rule;
+    (`ArraysCache`: conv + SSM / delta-rule state) by the recurrent rule, base.clone_positions;
     other state (chunked attention, nested cache lists) is refused here with a
     clear message instead of failing on the first clone."""
     kinds = []
@@ -74,17 +101,17 @@ def layer_kinds(model: nn.Module) -> tuple[LayerAttention, ...]:
     return tuple(kinds)
 
 
-def kv_cost(layers: tuple[LayerAttention, ...], slot: int, state: int) -> KVCost:
+def kv_cost(layers: tuple[LayerAttention, ...], per_token: int, state: int) -> KVCost:
     """Approximate, unlike torch's: mlx-lm's KVCache grows by whole steps of each write (a prefill
-    chunk of n adds round_up(n) slots after the last used one, so chunked prefill may hold up to a
+    chunk of n adds round_up(n) positions after the last used one, so chunked prefill may hold up to a
     step more per chunk), a ring grows towards its window in steps (and holds a chunk past it while
     prefilling), and the decode batch pads rows on the left to a common length. A clone holds
-    round_up(upto) + STEP slots (kvcopy.with_room). So a session's count may stray by
-    `tolerance` of its figure, plus one step of slots; the budget holds the padding of the rows
-    (`padded_rows`: every request in a slot is held at least `row_bytes` of the longest)."""
+    round_up(upto) + STEP positions (kvcopy.with_room). So a session's count may stray by
+    `tolerance` of its figure, plus one step of positions; the budget holds the padding of the rows
+    (`padded_rows`: every request in an inference slot is held at least `row_bytes` of the longest)."""
     full = sum(1 for layer in layers if layer.kind == "full")
     rings = sum(layer.window or 0 for layer in layers if layer.kind == "sliding")
-    return KVCost(full_bytes_per_token=slot * full, ring_bytes=slot * rings, step=STEP, slack=STEP, state_bytes=state,
+    return KVCost(full_bytes_per_token=per_token * full, ring_bytes=per_token * rings, step=STEP, slack=STEP, state_bytes=state,
                   tolerance=0.25, padded_rows=True)
 
 

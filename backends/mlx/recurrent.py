@@ -2,10 +2,10 @@
 convolution's last inputs, plus an SSM or delta-rule state), one row per session.
 
 The state has a fixed size whatever the session's length, and holds the session's
-position only (base.py's recurrent rule). Design rule: mlx-lm models replace a
+position only (the recurrent rule, base.clone_positions). Design rule: mlx-lm models replace a
 cache's arrays on every call (`cache[i] = new`) and never write into them, so
-which array objects a cache holds tells whether a call moved it (batch.py's
-fault rule); a copy still gets arrays of its own, as kvcopy.py's rule asks.
+which array objects a cache holds tells whether a call moved it (batch.unmoved);
+a copy still gets arrays of its own, as kvcopy.placed asks.
 """
 
 from __future__ import annotations

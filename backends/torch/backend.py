@@ -9,9 +9,10 @@ the copy overlaps whatever the runner does meanwhile.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
-from typing import Collection, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 from safetensors import safe_open
@@ -20,7 +21,7 @@ from backends.base import (Backend, BatchFailed, BlockStats, KVCost, LayerAttent
                            SamplerState, SavedLayer, SavedState, Session, check_inputs, clone_refusal)
 from backends.model_info import ModelFacts, read_model_facts
 from backends.model_path import resolve_model
-from backends.torch import checkpoints, hybrid, kv, packed_linear, sampling
+from backends.torch import checkpoints, hybrid, kv, packed_linear, parallel, sampling
 from backends.torch.config import ArchConfig, HybridConfig, read_config
 from backends.torch.gated_delta import RecurrentState
 from backends.torch.hybrid import HybridTransformer
@@ -47,7 +48,10 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
-def read_weights(folder: Path, device: torch.device) -> dict[str, torch.Tensor]:
+def read_weights(folder: Path, device: torch.device,
+                 part: Callable[[str, Any, list[int]], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Every weight of the folder by name; `part(name, slice, shape)`: the part of each one this rank
+    holds (tensor parallelism), read from its safetensors slice so the rest is never read."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
@@ -55,16 +59,23 @@ def read_weights(folder: Path, device: torch.device) -> dict[str, torch.Tensor]:
     for path in files:
         with safe_open(str(path), framework="pt", device=str(device)) as f:
             for name in f.keys():
-                weights[name.removeprefix("language_model.")] = f.get_tensor(name)
+                key = name.removeprefix("language_model.")
+                if part is None:
+                    weights[key] = f.get_tensor(name)
+                else:
+                    piece = f.get_slice(name)
+                    weights[key] = part(key, piece, piece.get_shape())
     return weights
 
 
 class TorchBackend(Backend):
-    def __init__(self, device: str | None = None):
+    def __init__(self, device: str | None = None, shards: parallel.Shards | None = None):
+        """`shards`: this process's rank of a tensor-parallel group (parallel.py); None: the whole model."""
         # At most the machine's cores (two backends in one process must not fight); fewer when
         # OMP_NUM_THREADS asks for it: on an oversubscribed CPU one thread can beat two.
         torch.set_num_threads(min(torch.get_num_threads(), os.cpu_count() or 1))
         self.device = torch.device(device) if device else default_device()
+        self.shards = shards
         self._sessions: dict[int, TorchSession] = {}
         self._copy_stream: torch.cuda.Stream | None = None
         self.clone_mode: kv.CloneMode = "share"
@@ -76,23 +87,43 @@ class TorchBackend(Backend):
 
     def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
         path = resolve_model(folder)
-        return self.install(read_config(path), read_weights(path, self.device), path.name, read_model_facts(path), dtype)
+        cfg, part = read_config(path), None
+        if self.shards is not None:
+            self._refuse_split(cfg)
+            # A rank reads its parts alone where checkpoint names are the model's; a hybrid's checkpoint
+            # layouts (checkpoints.py) are brought to them first, so it reads the whole and splits it.
+            if isinstance(cfg, ArchConfig):
+                part = functools.partial(parallel.local_weight, cfg=cfg, shards=self.shards)
+        weights = read_weights(path, self.device, part)
+        return self.install(cfg, weights, path.name, read_model_facts(path), dtype, split=part is not None)
 
     def install(self, cfg: ArchConfig | HybridConfig, weights: dict[str, torch.Tensor], name: str, facts: ModelFacts,
-                dtype: str | None = None) -> ModelInfo:
-        """Take a model from weights already in memory (HF names); `load` reads them from a folder,
-        tools/gpu_check.py makes random ones of realistic shapes."""
+                dtype: str | None = None, split: bool = False) -> ModelInfo:
+        """Take a model from weights already in memory (HF names; `split`: with `shards`, already this
+        rank's parts, parallel.local_weight); `load` reads them from a folder, tools/gpu_check.py makes
+        random ones of realistic shapes."""
         self.dtype = DTYPES[dtype] if dtype else default_dtype(self.device)
         if isinstance(cfg, HybridConfig):
             weights = checkpoints.canonical(cfg, weights)
+        shards = self.shards
+        if shards is not None:
+            self._refuse_split(cfg)
+            if not split:
+                weights = {k: parallel.local_weight(k, w, w.shape, cfg, shards) for k, w in weights.items()}
+            cfg = parallel.local_config(cfg, shards.size)
         with torch.device("meta"):
             tied = "lm_head.weight" not in weights
             model = HybridTransformer(cfg, tied) if isinstance(cfg, HybridConfig) else Transformer(cfg, tied)
+            if shards is not None:
+                parallel.split_vocabulary(model, cfg, shards)
         wanted = model.state_dict().keys()
         # A DeltaNet layer's decay rates stay float32 (as mlx-lm keeps them): exp(A_log) in bf16 is off by ~1%.
         dtypes = {k: torch.float32 if k.endswith("A_log") else self.dtype for k in wanted}
         model.load_state_dict({k: weights[k].to(self.device, dtypes[k]) for k in wanted if k in weights}, strict=True, assign=True)
         model.place(self.device)
+        if shards is not None:
+            parallel.join_sublayers(model, cfg, shards)
+            tied = False  # the head is installed: its own rows, or the embedding's
         if packed_linear.available(self.device, self.dtype):
             packed_linear.pack(model, model.model.embed_tokens.weight if tied else None)
         self.model, self.cfg = model.eval(), cfg
@@ -102,6 +133,12 @@ class TorchBackend(Backend):
         self.info = self._describe(cfg, name, facts)
         return self.info
 
+    def _refuse_split(self, cfg: ArchConfig | HybridConfig) -> None:
+        assert self.shards is not None
+        reason = parallel.refusal(cfg, self.shards.size)
+        if reason is not None:
+            raise ValueError(f"torch backend: cannot split the model over {self.shards.size} ranks: {reason}")
+
     def _describe(self, cfg: ArchConfig | HybridConfig, name: str, facts: ModelFacts) -> ModelInfo:
         if isinstance(cfg, HybridConfig):
             layers = tuple(LayerAttention("recurrent") if linear else LayerAttention("full") for linear in cfg.linear)
@@ -109,12 +146,12 @@ class TorchBackend(Backend):
         else:
             layers = tuple(LayerAttention("sliding", w) if w else LayerAttention("full") for w in cfg.sliding)
             state = 0
-        slot = 2 * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize  # one token's keys and values, one layer
-        # Exact: a full layer holds kv.capacity(n) = whole BLOCK_TOKENS blocks with one slot always free
+        per_token = 2 * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize  # one token's keys and values, one layer
+        # Exact: a full layer holds kv.capacity(n) = whole BLOCK_TOKENS blocks with one position always free
         # (opened, cloned or grown alike), less the whole blocks a clone reads by reference; one ring of
         # the window per sliding layer, and one recurrent state per session.
-        cost = KVCost(full_bytes_per_token=slot * sum(1 for layer in layers if layer.kind == "full"),
-                      ring_bytes=slot * sum(layer.window or 0 for layer in layers if layer.kind == "sliding"),
+        cost = KVCost(full_bytes_per_token=per_token * sum(1 for layer in layers if layer.kind == "full"),
+                      ring_bytes=per_token * sum(layer.window or 0 for layer in layers if layer.kind == "sliding"),
                       step=kv.BLOCK_TOKENS, spare=1, state_bytes=state, shares=self.clone_mode == "share")
         return ModelInfo(
             name=name,
@@ -260,7 +297,7 @@ class TorchBackend(Backend):
     def _clone_aside(self, donor: TorchSession, upto: int) -> TorchSession:
         """Copy on the side stream, after every write already queued to the donor.
 
-        The donor waits too: its ring slots are read by the copy and rewritten by
+        The donor waits too: its ring entries are read by the copy and rewritten by
         its next step. record_stream keeps the allocator from handing either
         side's memory to another stream while the copy may still touch it.
         """
@@ -309,7 +346,7 @@ class TorchBackend(Backend):
             raise
         return clone
 
-    # -- saved state (base.py's saved-state rule) -------------------------
+    # -- saved state (the saved-state rule, base.SavedState) -------------------------
 
     @torch.inference_mode()
     def export_state(self, session: TorchSession) -> SavedState:
@@ -323,9 +360,9 @@ class TorchBackend(Backend):
                     layers.append(SavedLayer("full", tuple(_host(t) for t in layer.read(n))))
                 case kv.RingKV():
                     first = max(layer.held_from, n - layer.window, 0)
-                    slots = torch.arange(first, n, device=self.device) % layer.window
-                    layers.append(SavedLayer("sliding", (_host(layer.keys[:, slots]), _host(layer.values[:, slots])),
-                                             first))
+                    entries = torch.arange(first, n, device=self.device) % layer.window
+                    held = (_host(layer.keys[:, entries]), _host(layer.values[:, entries]))
+                    layers.append(SavedLayer("sliding", held, first))
                 case RecurrentState():
                     layers.append(SavedLayer("recurrent", (_host(layer.conv), _host(layer.ssm))))
         return SavedState(n, tuple(layers))

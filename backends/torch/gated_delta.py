@@ -43,7 +43,7 @@ class RecurrentState:
     conv: the last K - 1 inputs of the causal convolution, [K - 1, conv_dim], model dtype.
     ssm: the delta-rule state, [v_heads, Dk, Dv], always float32 (as mlx-lm and fla keep it).
     Neither can be cut back to an earlier position, so a copy is only ever of the whole
-    state (base.py's recurrent rule: a clone at the session's position, or at a checkpoint).
+    state (the recurrent rule, base.clone_positions: a clone at the session's position, or at a checkpoint).
     Both are written in place: `writes` counts the writes begun, so a failed pass tells a session
     it changed (CORRUPT) from one it never reached (UNTOUCHED).
     """

@@ -14,14 +14,14 @@ Design rules:
 - A session (`BlockTable`) reads, in position order, runs of stores it shares
   (positions [store.base, end) of each) and writes its own store after them.
   Attention reads each run as one view: a session that never shared anything has
-  one run, exactly today's contiguous buffer; a clone has two or three.
+  one run, one contiguous buffer; a clone has two or three.
 - Clone by reference (`share`): a clone at `upto` reads the donor's full blocks
   below `floor(upto)` where they lie, and copies only the partial block
   [floor(upto), upto) into its own one-block store: at most one block per layer.
   Nobody ever writes a block someone else reads: a store's readers read below the
   writer's position at the clone, and the writer writes at or past its position.
 - Growth: a session of n tokens holds `capacity(n)` positions of its own (whole
-  blocks, one slot always free), so a clone or a decode step does not reallocate.
+  blocks, one position always free), so a clone or a decode step does not reallocate.
   A write past the own store grows it by one copy, unless someone reads it: then
   it is frozen as it is and a new store takes the positions after it, so a shared
   store is never copied nor moved.
@@ -29,10 +29,10 @@ Design rules:
   left (reference counts are its holders: the writer while alive, and each
   reader). A store whose writer is gone and that others still read is "pooled":
   held by no one session, counted once (`BlockPool.pooled_bytes`).
-- `copy` mode keeps yesterday's copying clone (for measurements side by side):
+- `copy` mode clones by copying (for measurements side by side against `share`):
   the clone writes a store of its own holding all of [0, upto).
-- A sliding layer of window W is a ring of W slots; position p lives in slot
-  p % W. `held_from` is the oldest position whose slot is still valid. That is
+- A sliding layer of window W is a ring of W entries; position p lives in entry
+  p % W. `held_from` is the oldest position whose entry is still valid. That is
   what base.clone_refusal judges. Rings (and recurrent states) stay copied.
 - A write past `position` into a store is invisible (reads stop at the writer's
   end, the next write overwrites it); a ring write replaces positions still
@@ -80,7 +80,7 @@ Segments = list[tuple[torch.Tensor, torch.Tensor]]  # (keys, values) views, in p
 
 
 def capacity(tokens: int) -> int:
-    """Positions a session of `tokens` tokens holds: whole blocks, at least one free slot."""
+    """Positions a session of `tokens` tokens holds: whole blocks, at least one free position."""
     return (tokens // BLOCK_TOKENS + 1) * BLOCK_TOKENS
 
 
@@ -268,7 +268,7 @@ class FullKV:
 
 
 class RingKV:
-    """A sliding-window layer: the last `window` positions, position p in slot p % window."""
+    """A sliding-window layer: the last `window` positions, position p in entry p % window."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, held_from: int = 0):
         self.keys, self.values = keys, values
@@ -291,7 +291,7 @@ class RingKV:
         """Write k, v ([kv_heads, n, head_dim]) at [start, start + n); return the keys the new
         queries may attend (one run).
 
-        One token (decode): the ring itself after the write, slots unordered but
+        One token (decode): the ring itself after the write, entries unordered but
         all inside the window; first position None means "no mask needed".
         A chunk: the held positions the chunk's first query still sees, in order,
         followed by the chunk (the ring transiently holds more than W, never less).
@@ -303,23 +303,23 @@ class RingKV:
             filled = min(end, w)
             return [(self.keys[:, :filled], self.values[:, :filled])], None
         first = max(self.held_from, start - w + 1)
-        slots = torch.arange(first, start, device=k.device) % w
-        keys = torch.cat((self.keys[:, slots], k), dim=1)
-        values = torch.cat((self.values[:, slots], v), dim=1)
+        entries = torch.arange(first, start, device=k.device) % w
+        keys = torch.cat((self.keys[:, entries], k), dim=1)
+        values = torch.cat((self.values[:, entries], v), dim=1)
         keep = min(n, w)
         self._write(k[:, n - keep :], v[:, n - keep :], end - keep)
         return [(keys, values)], first
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        slots = torch.arange(start, start + k.shape[1], device=k.device) % self.window
+        entries = torch.arange(start, start + k.shape[1], device=k.device) % self.window
         self.writes += 1  # before the first byte moves: a write that fails midway still counts
-        self.keys[:, slots] = k
-        self.values[:, slots] = v
+        self.keys[:, entries] = k
+        self.values[:, entries] = v
         self.held_from = max(self.held_from, start + k.shape[1] - self.window)
 
     def copy_prefix(self, upto: int) -> RingKV:
         # clone_refusal admits upto >= position - 1 once the ring has wrapped, so the copy
-        # holds what the donor holds. Slot upto % W may carry the donor's position `upto`:
+        # holds what the donor holds. Entry upto % W may carry the donor's position `upto`:
         # the clone's next write replaces it before anything reads it.
         return RingKV(state_copy(self.keys), state_copy(self.values), self.held_from)
 

@@ -93,10 +93,12 @@ def warm(model: nn.Module) -> None:
     """Compile the kernel of every padded row count up to WARM_ROWS, once per weight shape (the
     output projection only up to EXACT_ROWS: it reads one row per session)."""
     seen = set()
+    head = getattr(model, "lm_head", None)
+    in_head = set(head.modules()) if head is not None else set()  # the head itself, or its rank's part
     for linear in model.modules():
         if not isinstance(linear, PackedLinear) or (linear.out_features, linear.in_features) in seen:
             continue
         seen.add((linear.out_features, linear.in_features))
-        rows = range(1, EXACT_ROWS + 1) if linear is getattr(model, "lm_head", None) else warm_rows()
+        rows = range(1, EXACT_ROWS + 1) if linear in in_head else warm_rows()
         for n in rows:
             linear(torch.zeros(n, linear.in_features))

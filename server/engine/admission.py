@@ -1,4 +1,14 @@
-"""Admission on the control loop: who gets a slot, and what state it starts from.
+"""Admission: the KV budget and the queue, on the control loop.
+
+Its verbs are the only way in (its parts are private: tests/test_engine_boundary.py):
+  check(req, waiting) -> Sizes        turn away what can never run or cannot wait
+  enqueue(r) / requeue(r) / withdraw(r) / next() -> r | None     the queue, first come first served
+  reserve(r, nbytes) -> bool          hold more of the budget only if it fits (evict_for), less always
+  leave_slot(r) / let_go(r) / release(r)    give back a slot and its bytes / the bytes / everything
+  take_named(r, nbytes)               a named session's state becomes its request's to hold
+  abandon(r, nbytes) / answered(rid)  a clone ordered from the runner, no longer waited for
+  keep_snapshot(...) / release_sessions(sids)    what joins the prefix cache / what the runner releases
+  request_bytes, choice_bytes, clone_bytes, checkpoints     prices (the backend's KVCost)
 
 Design rules:
 - first come, first served over `inference_slots`; n choices are admitted
@@ -7,7 +17,7 @@ Design rules:
   least recently used first), so memory never runs out;
 - every byte the engine may come to hold is reserved before it exists: a slot
   reserves the session its request grows to (prompt plus max_tokens, as the
-  backend rounds it), a capture slot its snapshot, a parked follower the clone
+  backend rounds it), a capture its snapshot, a parked follower the clone
   it will be handed; named sessions and cache entries count what they hold;
 - a named session's state is held by the table while idle, and by its request
   from the moment the request acquires it (even queued, before it runs);
@@ -33,6 +43,7 @@ Design rules:
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from backends.base import ModelInfo
@@ -40,43 +51,103 @@ from server.engine import messages as m
 from server.engine.api import CapacityExhausted, ContextTooLong, GenerateRequest, InvalidRequest, Scope
 from server.engine.config import EngineConfig
 from server.engine.disk import DiskTier
-from server.engine.prefix_cache import CacheEntry, CacheMatch, PrefixCache
+from server.engine.index import Entry, Index
 from server.engine.request import Request
 from server.engine.scheduler import clamp_max_tokens, fit_admission
 from server.engine.sessions import NamedSessions, check_session_id
 
 
+@dataclass(frozen=True)
+class Sizes:
+    max_tokens: int  # as clamped
+    need: int  # bytes choice 0 reserves when it takes a slot
+    choice_need: int  # bytes each other choice reserves
+
+
 class Admission:
-    def __init__(self, config: EngineConfig, info: ModelInfo, send: Callable[[Any], None]):
-        self.config, self.info, self.send = config, info, send
-        self.budget: int = config.kv_budget_bytes  # type: ignore[assignment]  (resolved)
-        self.queue: collections.deque[Request] = collections.deque()
-        windows = [layer.window for layer in info.layers if layer.kind == "sliding" and layer.window]
-        self.recurrent = any(layer.kind == "recurrent" for layer in info.layers)
-        self.cache = PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes, config.prefix_cache_min_tokens,
-                                 windows, self.recurrent, spill=self._spill)
-        self.disk: DiskTier | None = None  # the prefix cache's disk tier, when on (the engine opens it)
-        self.spilling = 0  # bytes of evicted entries on their way to disk: held until their file is written
-        self.named = NamedSessions(config.max_named_sessions)
-        self.slots_used = 0
-        self.in_slots: dict[int, Request] = {}  # rid -> request holding an inference slot
-        self.reserved = 0  # bytes: what requests hold (slots, landed clones), capture slots, abandoned clones
-        self.captures_in_use = 0
+    def __init__(self, config: EngineConfig, info: ModelInfo, index: Index, named: NamedSessions,
+                 disk: DiskTier | None, send: Callable[[Any], None]):
+        self._config, self._kv, self._recurrent = config, info.kv, info.recurrent
+        self._budget: int = config.kv_budget_bytes  # type: ignore[assignment]  (resolved)
+        self._index, self._named, self._disk, self._send = index, named, disk, send
+        self._queue: collections.deque[Request] = collections.deque()
+        self._in_slots: dict[int, Request] = {}  # rid -> request holding an inference slot
+        self._holds: dict[int, int] = {}  # rid -> bytes it holds: its slot's, or its landing clone's
+        self._captures: dict[int, int] = {}  # rid -> bytes of the snapshot its capture may take
+        self._reserved = 0  # what requests hold, captures, abandoned clones
         # rid -> bytes of each clone it ordered and stopped waiting for, oldest first: the runner may have
         # made it (or may still), so its bytes stay held until the runner's CloneDone answers the order
-        self.abandoned: dict[int, collections.deque[int]] = {}
-        self.pooled = 0  # bytes the runner reports held by no one session (m.Pooled)
-        self.releases_sent = 0
+        self._abandoned: dict[int, collections.deque[int]] = {}
+        self._spilling = 0  # bytes of evicted entries on their way to disk: held until their file is written
+        self._pooled = 0  # bytes the runner reports held by no one session (m.Pooled)
+        self._releases_sent = 0
         # (Release number, bytes): what a released session wrote that others read, until that Release has run
-        self.in_transit: collections.deque[tuple[int, int]] = collections.deque()
+        self._in_transit: collections.deque[tuple[int, int]] = collections.deque()
 
-    def check(self, req: GenerateRequest, waiting: int) -> tuple[int, int, int]:
-        """Turn away what can never run or cannot wait; else (max_tokens as clamped, bytes choice 0
-        reserves, bytes each other choice reserves).
+    # ---- reads ----
 
-        `waiting`: the queue and the parked followers, who count against --max-queue alike.
-        """
-        n, context = len(req.prompt), self.config.max_context
+    @property
+    def budget(self) -> int:
+        return self._budget
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens of the queued requests: prefill work not started."""
+        return sum(len(r.prompt) for r in self._queue)
+
+    @property
+    def slots_used(self) -> int:
+        return len(self._in_slots)
+
+    @property
+    def reserved(self) -> int:
+        return self._reserved
+
+    @property
+    def pooled(self) -> int:
+        return self._pooled
+
+    @property
+    def spilling(self) -> int:
+        return self._spilling
+
+    @property
+    def captures_in_use(self) -> int:
+        return len(self._captures)
+
+    @property
+    def in_transit(self) -> int:
+        """Bytes of released sessions others still read, until the runner reports the Release run."""
+        return sum(nbytes for _, nbytes in self._in_transit)
+
+    @property
+    def abandoned(self) -> int:
+        """Clone orders no one waits for any more that the runner has not answered yet."""
+        return sum(len(orders) for orders in self._abandoned.values())
+
+    def held(self) -> int:
+        return (self._reserved + self._padding() + self._index.nbytes("memory") + self._named.idle_bytes()
+                + self._pooled + self.in_transit + self._spilling)
+
+    def in_slot(self, request: Request) -> bool:
+        return request.rid in self._in_slots
+
+    def holds(self, request: Request) -> int:
+        return self._holds.get(request.rid, 0)
+
+    def has_capture(self, request: Request) -> bool:
+        return request.rid in self._captures
+
+    # ---- turning away ----
+
+    def check(self, req: GenerateRequest, waiting: int) -> Sizes:
+        """Turn away what can never run or cannot wait. `waiting`: the queue and the parked followers,
+        who count against --max-queue alike."""
+        n, context = len(req.prompt), self._config.max_context
         assert context is not None  # resolved
         if n == 0:
             raise InvalidRequest("the prompt holds no tokens")
@@ -87,30 +158,36 @@ class Admission:
                 check_session_id(req.session_id)
             except ValueError as exc:
                 raise InvalidRequest(str(exc)) from None
-        if req.n > self.config.inference_slots:
+        if req.n > self._config.inference_slots:
             raise CapacityExhausted(f"{req.n} choices need {req.n} inference slots; there are "
-                                    f"{self.config.inference_slots}")
+                                    f"{self._config.inference_slots}")
         if req.n > 1 and req.session_id is not None:
             raise InvalidRequest("a named session runs one choice; send n = 1 with session_id")
-        max_tokens = clamp_max_tokens(req.max_tokens, self.config.max_tokens, n, context)
-        need = self.request_bytes(n, max_tokens, checkpoints=len(self.checkpoints(req)))
-        choice_need = self.choice_bytes(n, max_tokens)
-        total = need + (req.n - 1) * choice_need
-        rows = req.n * self.info.kv.row_bytes(n + max_tokens)  # each choice a padded row, where rows are padded
-        if fit_admission(max(total, rows), 0, 0, self.budget).never:
+        max_tokens = clamp_max_tokens(req.max_tokens, self._config.max_tokens, n, context)
+        sizes = Sizes(max_tokens, self.request_bytes(n, max_tokens, checkpoints=len(self.checkpoints(req))),
+                      self.choice_bytes(n, max_tokens))
+        total = sizes.need + (req.n - 1) * sizes.choice_need
+        rows = req.n * self._kv.row_bytes(n + max_tokens)  # each choice a padded row, where rows are padded
+        if fit_admission(max(total, rows), 0, 0, self._budget).never:
             raise CapacityExhausted(f"the request needs {max(total, rows)} bytes of KV state; the budget is "
-                                    f"{self.budget}")
-        waits = bool(self.queue) or self.slots_used + req.n > self.config.inference_slots
-        if waits and waiting >= self.config.max_queue:
+                                    f"{self._budget}")
+        waits = bool(self._queue) or self.slots_used + req.n > self._config.inference_slots
+        if waits and waiting >= self._config.max_queue:
             raise CapacityExhausted(f"{waiting} requests are already waiting")
-        return max_tokens, need, choice_need
+        return sizes
+
+    def can_wait(self, waiting: int) -> bool:
+        """Whether one more request may wait (queued or parked) beside `waiting` others."""
+        return waiting < self._config.max_queue
+
+    # ---- prices ----
 
     def request_bytes(self, prompt_len: int, max_tokens: int, start: int | None = None, checkpoints: int = 0) -> int:
         """What a request's session grows to: opened at `start` (an empty session 0, a clone its
         `upto`, holding the blocks below it by reference where clones share); None, not yet known:
         the dearest start, empty or a clone of all but the prompt's last token; with the recurrent
         checkpoints it keeps."""
-        kv = self.info.kv
+        kv = self._kv
         starts = (0, prompt_len - 1) if start is None else (start,)
         return max(kv.bytes_for(prompt_len + max_tokens, shared=kv.shared(at), start=at, checkpoints=checkpoints)
                    for at in starts)
@@ -118,10 +195,10 @@ class Admission:
     def checkpoints(self, req: GenerateRequest) -> tuple[int, ...]:
         """Where a request keeps its recurrent state (a model with recurrent layers): its last
         --recurrent-checkpoints message boundaries inside the prompt. Counted in its bytes."""
-        if not self.recurrent or self.config.recurrent_checkpoints == 0:
+        if not self._recurrent or self._config.recurrent_checkpoints == 0:
             return ()
         inside = sorted({b for b in req.boundaries if 0 < b < len(req.prompt)})
-        return tuple(inside[-self.config.recurrent_checkpoints:])
+        return tuple(inside[-self._config.recurrent_checkpoints:])
 
     def choice_bytes(self, prompt_len: int, max_tokens: int) -> int:
         """What one more choice over a prompt grows to: a clone at the prompt's full length (its own
@@ -130,106 +207,113 @@ class Admission:
 
     def clone_bytes(self, upto: int) -> int:
         """A clone of `[0, upto)`, as it lands (a follower's, or a snapshot): its own bytes."""
-        kv = self.info.kv
-        return kv.bytes_for(upto, shared=kv.shared(upto), start=upto)
+        return self._kv.bytes_for(upto, shared=self._kv.shared(upto), start=upto)
 
-    def held(self) -> int:
-        return (self.reserved + self.padding() + self.cache.nbytes + self.named.idle_bytes() + self.pooled
-                + sum(nbytes for _, nbytes in self.in_transit) + self.spilling)
+    # ---- the queue ----
 
-    def pooled_now(self, pooled: m.Pooled) -> None:
-        """The runner's figure, as of an event: Releases it had run are in it, so their transit ends."""
-        self.pooled = pooled.nbytes
-        while self.in_transit and self.in_transit[0][0] <= pooled.releases:
-            self.in_transit.popleft()
-
-    def padding(self, joining: Sequence[Request] = ()) -> int:
-        """Where the backend pads the sessions it runs together to the longest (`KVCost.padded_rows`):
-        what the requests in slots (and `joining`, at their `need_bytes`) may hold beyond their own holds,
-        each up to the row of the longest session any of them grows to."""
-        rows = [*self.in_slots.values(), *joining]
-        if not rows or not self.info.kv.padded_rows:
-            return 0
-        row = self.info.kv.row_bytes(max(len(r.prompt) + r.max_tokens for r in rows))
-        joined = {r.rid for r in joining}
-        return sum(max(0, row - (r.need_bytes if r.rid in joined else r.reserved_bytes)) for r in rows)
-
-    def can_wait(self, waiting: int) -> bool:
-        """Whether one more request may wait (queued or parked) beside `waiting` others."""
-        return waiting < self.config.max_queue
-
-    def next(self) -> Request | None:
-        """The queue's head, if slots are free for its choices and their bytes fit; they then hold them."""
-        if not self.queue:
-            return None
-        head = self.queue[0]
-        choices = [head, *head.waiting_siblings]
-        if self.slots_used + len(choices) > self.config.inference_slots:
-            return None
-        padding = self.padding(choices) - self.padding()
-        if not self._hold_together([(r, r.need_bytes) for r in choices], also=padding):
-            return None
-        self.queue.popleft()
-        self.slots_used += len(choices)
-        for r in choices:
-            self.in_slots[r.rid] = r
-        self._offer_capture_slot(head)
-        return head
+    def enqueue(self, request: Request) -> None:
+        self._queue.append(request)
 
     def requeue(self, request: Request) -> None:
         """Back into the queue at its arrival place: ahead of everyone who came after it."""
-        at = next((i for i, queued in enumerate(self.queue) if queued.rid > request.rid), len(self.queue))
-        self.queue.insert(at, request)
+        at = next((i for i, queued in enumerate(self._queue) if queued.rid > request.rid), len(self._queue))
+        self._queue.insert(at, request)
 
-    def hold(self, request: Request, nbytes: int, also: int = 0) -> bool:
+    def withdraw(self, request: Request) -> None:
+        """Out of the queue, if it is in."""
+        if request in self._queue:
+            self._queue.remove(request)
+
+    def next(self) -> Request | None:
+        """The queue's head, if slots are free for its choices and their bytes fit; they then hold them."""
+        if not self._queue:
+            return None
+        head = self._queue[0]
+        choices = [head, *head.waiting_siblings]
+        if self.slots_used + len(choices) > self._config.inference_slots:
+            return None
+        padding = self._padding(choices) - self._padding()
+        if not self._hold_together([(r, r.need_bytes) for r in choices], also=padding):
+            return None
+        self._queue.popleft()
+        for r in choices:
+            self._in_slots[r.rid] = r
+        self._offer_capture(head)
+        return head
+
+    # ---- holding bytes ----
+
+    def reserve(self, request: Request, nbytes: int) -> bool:
         """Make `request` hold `nbytes` of the budget: more only if it fits (the prefix cache, then idle
-        named sessions give way), less always. False (nothing changed) when it does not fit.
-        `also`: bytes that must fit beside it (the padding a request joining the slots adds)."""
-        return self._hold_together([(request, nbytes)], also)
+        named sessions give way), less always. False (nothing changed) when it does not fit."""
+        return self._hold_together([(request, nbytes)])
+
+    def let_go(self, request: Request) -> None:
+        """It holds no bytes from now on (its slot, if any, stays)."""
+        self.reserve(request, 0)
+
+    def leave_slot(self, request: Request) -> None:
+        """It parks: its slot, its capture and its bytes go back."""
+        self._in_slots.pop(request.rid, None)
+        self.capture_done(request)
+        self.let_go(request)
+
+    def release(self, request: Request) -> None:
+        """It is over on the loop: everything it holds goes back, and it leaves the queue."""
+        self.leave_slot(request)
+        self.withdraw(request)
+        self._holds.pop(request.rid, None)
+
+    def take_named(self, request: Request, nbytes: int) -> None:
+        """`request` acquired its named session: the `nbytes` of state it keeps, counted by the table while
+        idle, are the request's to hold from now on (queued, it is not idle: nobody may evict it), until it
+        hands them back on leaving. A move, not a new byte: it always fits."""
+        self._reserved += nbytes
+        self._holds[request.rid] = self.holds(request) + nbytes
+
+    def abandon(self, request: Request, nbytes: int) -> None:
+        """`request` stops waiting for a clone of `nbytes` it ordered from the runner: those bytes move
+        from its hold to the order, until `answered`."""
+        nbytes = min(nbytes, self.holds(request))
+        self._holds[request.rid] = self.holds(request) - nbytes
+        self._abandoned.setdefault(request.rid, collections.deque()).append(nbytes)
+
+    def answered(self, rid: int) -> bool:
+        """The runner answered `rid`'s oldest order: if it was abandoned, its bytes go back (True)."""
+        orders = self._abandoned.get(rid)
+        if not orders:
+            return False
+        self._reserved -= orders.popleft()
+        if not orders:
+            del self._abandoned[rid]
+        return True
 
     def _hold_together(self, holds: list[tuple[Request, int]], also: int = 0) -> bool:
         """All of `holds` (request, bytes), with `also` fitting beside them, or none."""
-        extra = sum(nbytes - request.reserved_bytes for request, nbytes in holds)
-        if extra + also > 0 and not self._make_room(extra + also):
+        extra = sum(nbytes - self.holds(request) for request, nbytes in holds)
+        if extra + also > 0 and not self.evict_for(extra + also):
             return False
         for request, nbytes in holds:
-            self.reserved += nbytes - request.reserved_bytes
-            request.reserved_bytes = nbytes
+            self._reserved += nbytes - self.holds(request)
+            self._holds[request.rid] = nbytes
         return True
 
-    def hold_named(self, request: Request) -> None:
-        """`request` acquired its named session: the state it holds, counted by the table while idle, is
-        the request's to hold from now on (queued, it is not idle: nobody may evict it), until it
-        hands it back on leaving. A move, not a new byte: it always fits."""
-        assert request.named is not None and request.named.busy
-        if request.named.session is not None:
-            nbytes = request.named.nbytes
-            self.reserved += nbytes
-            request.reserved_bytes += nbytes
+    def _padding(self, joining: Sequence[Request] = ()) -> int:
+        """Where the backend pads the sessions it runs together to the longest (`KVCost.padded_rows`):
+        what the requests in slots (and `joining`, at their `need_bytes`) may hold beyond their own holds,
+        each up to the row of the longest session any of them grows to."""
+        rows = [*self._in_slots.values(), *joining]
+        if not rows or not self._kv.padded_rows:
+            return 0
+        row = self._kv.row_bytes(max(len(r.prompt) + r.max_tokens for r in rows))
+        joined = {r.rid for r in joining}
+        return sum(max(0, row - (r.need_bytes if r.rid in joined else self.holds(r))) for r in rows)
 
-    def let_go(self, request: Request) -> None:
-        self.hold(request, 0)
-
-    def abandon_clone(self, request: Request, nbytes: int) -> None:
-        """`request` stops waiting for a clone of `nbytes` it ordered from the runner: those bytes move
-        from its hold to the order, until `clone_answered`."""
-        nbytes = min(nbytes, request.reserved_bytes)
-        request.reserved_bytes -= nbytes
-        self.abandoned.setdefault(request.rid, collections.deque()).append(nbytes)
-
-    def clone_answered(self, rid: int) -> bool:
-        """The runner answered `rid`'s oldest order: if it was abandoned, its bytes go back (True)."""
-        orders = self.abandoned.get(rid)
-        if not orders:
-            return False
-        self.reserved -= orders.popleft()
-        if not orders:
-            del self.abandoned[rid]
-        return True
-
-    def _make_room(self, need: int) -> bool:
-        idle = self.named.idle_bytes()
-        fit = fit_admission(need, self.held(), self.cache.nbytes + idle, self.budget)
+    def evict_for(self, need: int) -> bool:
+        """Make room for `need` more bytes: the prefix cache gives way first, then idle named sessions.
+        False (nothing evicted) when even that would not make room."""
+        idle = self._named.idle_bytes()
+        fit = fit_admission(need, self.held(), self._index.nbytes("memory") + idle, self._budget)
         if not fit.admit:
             return False
         if not fit.evict_bytes:
@@ -237,93 +321,76 @@ class Admission:
         # A snapshot's own bytes are never read by another session (a clone of it reads below its own
         # block): evicting it frees them all (a spilled one once its file is written); the pooled blocks
         # it was the last to read go once the runner reports the release.
-        spilling = self.spilling
-        self.release_sessions(self.cache.evict_bytes(fit.evict_bytes))
-        spilled = self.spilling - spilling  # free once written: no named session goes for them
-        short = self.budget - (self.held() - spilled) - need
+        spilling = self._spilling
+        self._drop_entries(self._index.evict_memory(fit.evict_bytes))
+        spilled = self._spilling - spilling  # free once written: no named session goes for them
+        short = self._budget - (self.held() - spilled) - need
         if short < 0:
-            sessions, still_read = self.named.evict_bytes(-short)
-            self.release_sessions(sessions, still_read)
-        return self.held() + need <= self.budget
+            self.release_sessions(*self._named.evict_bytes(-short))
+        return self.held() + need <= self._budget
 
-    def _spill(self, entry: CacheEntry) -> bool:
-        """An evicted entry goes to the disk tier (True), unless the tier is off or has it already."""
-        disk = self.disk
-        if disk is None or not disk.on or entry.session is None or not disk.worth(entry.tokens, entry.scope):
-            return False
-        self.spilling += entry.nbytes
-        self.send(m.Spill((entry.tokens, entry.scope, entry.nbytes), entry.session))
-        return True
+    # ---- the runner's sessions ----
+
+    def release_sessions(self, sids: Sequence[int], still_read: int = 0) -> None:
+        """Release `sids`, the engine having stopped counting them; `still_read`: what of their own
+        bytes others still read, counted until the runner has run the Release (then it is pooled)."""
+        if sids:
+            self._send(m.Release(list(sids)))
+            self._releases_sent += 1
+            if still_read:
+                self._in_transit.append((self._releases_sent, still_read))
+
+    def pooled_now(self, pooled: m.Pooled) -> None:
+        """The runner's figure, as of an event: Releases it had run are in it, so their transit ends."""
+        self._pooled = pooled.nbytes
+        while self._in_transit and self._in_transit[0][0] <= pooled.releases:
+            self._in_transit.popleft()
+
+    def _drop_entries(self, entries: list[Entry]) -> None:
+        """Entries the prefix cache let go: each spills to the disk tier, or is released."""
+        released = []
+        for entry in entries:
+            assert entry.sid is not None
+            if self._disk is not None and self._disk.on and self._disk.worth(entry.tokens, entry.scope):
+                self._spilling += entry.nbytes
+                self._send(m.Spill((entry.tokens, entry.scope, entry.nbytes), entry.sid))
+            else:
+                released.append(entry.sid)
+        self.release_sessions(released)
 
     def spilled(self, nbytes: int) -> None:
         """A spill is over (its file written, or not): its bytes go back."""
-        self.spilling -= nbytes
+        self._spilling -= nbytes
 
-    def _offer_capture_slot(self, request: Request) -> None:
-        """A capture slot is held from admission, so its snapshot's bytes are in the budget before it exists;
+    # ---- snapshots for the prefix cache ----
+
+    def _offer_capture(self, request: Request) -> None:
+        """A capture is held from admission, so its snapshot's bytes are in the budget before it exists;
         when none is free the prompt is simply not captured, and nothing waits for it."""
         prompt_len = len(request.prompt)
-        if not self.cache.worth_capturing(prompt_len) or self.captures_in_use >= (self.config.capture_slots or 0):
+        if not self._index.worth_capturing(prompt_len) or self.captures_in_use >= (self._config.max_captures or 0):
             return
         nbytes = self.clone_bytes(prompt_len)
-        if fit_admission(nbytes, self.held(), 0, self.budget).admit:
-            self.reserved += nbytes
-            self.captures_in_use += 1
-            request.capture_slot, request.capture_bytes = True, nbytes
+        if fit_admission(nbytes, self.held(), 0, self._budget).admit:
+            self._reserved += nbytes
+            self._captures[request.rid] = nbytes
 
-    def free_capture_slot(self, request: Request) -> None:
-        if request.capture_slot:
-            request.capture_slot = False
-            self.captures_in_use -= 1
-            self.reserved -= request.capture_bytes
+    def capture_done(self, request: Request) -> None:
+        """Its capture is over (stored, refused, failed) or will not come: its bytes go back."""
+        self._reserved -= self._captures.pop(request.rid, 0)
 
-    def free_slot(self, request: Request) -> None:
-        """The request no longer holds a slot (it ended, or it was parked): its bytes go back too."""
-        self.slots_used -= 1
-        self.in_slots.pop(request.rid, None)
-        self.let_go(request)
-
-    def store_capture(self, request: Request, tokens: list[int], session: Any, nbytes: int, scope: Scope,
+    def keep_snapshot(self, request: Request, tokens: list[int], sid: int, nbytes: int, scope: Scope,
                       kept: tuple[int, ...] = ()) -> None:
         """The snapshot of `request`'s prompt joins the prefix cache. Its recurrent checkpoints came with
         it (`nbytes` counts them): the request's hold lets them go, so no byte is counted twice."""
         if kept:
-            self.hold(request, max(0, request.reserved_bytes - len(kept) * self.info.kv.state_bytes))
-        self.release_sessions(self.cache.insert(tokens, session, nbytes, scope, kept))
+            self.reserve(request, max(0, self.holds(request) - len(kept) * self._kv.state_bytes))
+        stored, evicted = self._index.keep(tokens, sid, nbytes, scope, kept)
+        if not stored:
+            self.release_sessions([sid])
+        self._drop_entries(evicted)
 
-    def release_sessions(self, sessions: list[Any], still_read: int = 0) -> None:
-        """Release `sessions`, the engine having stopped counting them; `still_read`: what of their own
-        bytes others still read, counted until the runner has run the Release (then it is pooled)."""
-        sessions = [s for s in sessions if s is not None]
-        if sessions:
-            self.send(m.Release(sessions))
-            self.releases_sent += 1
-            if still_read:
-                self.in_transit.append((self.releases_sent, still_read))
-
-    def start(self, request: Request, resume: Any = None, resume_at: int = 0,
-              cache_matches: list[CacheMatch] | None = None, donor: tuple[int, int] | None = None) -> m.Start:
-        """The Start command for a request that holds a slot: warm resume for a named session,
-        else the given `resume` (a follower's landed clone) or `donor` (rid, upto) to clone from,
-        else the prefix cache's candidates."""
-        named = request.named
-        clone_from: list[tuple[Any, int]] = []
-        if named is not None:
-            if named.resumes(request.prompt, request.req.scope):
-                resume, resume_at = named.session, len(named.tokens)
-                named.take()  # the request owns it now; it comes back at the end
-            else:
-                self.release_sessions(*named.take())
-        elif resume is None and donor is None:
-            request.cache_matches = (self.cache.lookup(request.prompt, request.req.scope) if cache_matches is None
-                                     else cache_matches)
-            clone_from = [(match.entry.session, match.upto) for match in request.cache_matches]
-        choices = [m.Choice(s.rid, s.req.sampling) for s in request.waiting_siblings]
-        return m.Start(request.rid, request.prompt, request.req.sampling, request.max_tokens, request.stop_ids,
-                       capture=request.capture_slot, keep_session=named is not None,
-                       resume=resume, resume_at=resume_at, clone_from=clone_from, donor=donor,
-                       constraint=request.req.constraint, choices=choices, keep_at=self.checkpoints(request.req))
-
-    def drain(self) -> list[Any]:
-        """Every session the cache and the named sessions hold (for shutdown)."""
-        return self.cache.clear() + self.named.clear()
+    def drain(self) -> None:
+        """Shutdown: the prefix cache spills (or is released), named sessions are released."""
+        self._drop_entries([self._index.evict_oldest("memory") for _ in range(self._index.count("memory"))])
+        self.release_sessions(self._named.clear())

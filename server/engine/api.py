@@ -9,6 +9,8 @@ calls `handle.finish()`, which ends the request as a normal `stop`.
 from __future__ import annotations
 
 import hashlib
+import hmac
+import json
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
@@ -66,6 +68,12 @@ class Scope:
     def tenant_hash(self) -> str:
         """What logs name the tenant by: never its name or key."""
         return hashlib.sha256(self.tenant.encode()).hexdigest()[:12]
+
+    def digest(self, key: bytes) -> str:
+        """The scope as the index, the disk tier's files and KV events name it: an HMAC under the daemon's
+        `key` (disk.tier_secret), never the tenant's name (it may be an API key) nor a plain hash of it,
+        from which a weak name or key could be guessed offline."""
+        return hmac.new(key, json.dumps([self.tenant, self.salt]).encode(), hashlib.sha256).hexdigest()[:32]
 
 
 @dataclass

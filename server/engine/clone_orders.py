@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from server.engine.follow import Following, chunk_end, promote
+from server.engine.follow import FollowOrder, chunk_end, promote
 from server.engine.messages import CloneDonor
 
 
@@ -49,7 +49,7 @@ class CloneOrders:
     def leaving(self, donor: int, committed: int, usable: bool) -> tuple[CloneDonor | None, int, list[CloneDonor]]:
         """The donor leaves: (the heir's order, what it inherits, the orders that must plan again)."""
         orders = self._by_donor.pop(donor, [])
-        parked = [Following(o.rid, o.donor, o.upto, o.order, float("inf")) for o in orders]
+        parked = [FollowOrder(o.rid, o.donor, o.upto, o.order, float("inf")) for o in orders]
         promotion = promote(donor, committed, parked, usable)
         heir = next((o for o in orders if o.rid == promotion.heir), None)
         return heir, promotion.upto, [o for o in orders if o is not heir]

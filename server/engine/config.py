@@ -16,8 +16,8 @@ from server.settings import at_least, setting
 # The KV budget defaults to this share of physical memory: the rest is left to
 # the weights, the activations of a 2048-token step, and the rest of the system.
 KV_BUDGET_FRACTION = 0.5
-# Automatic capture sizing: a capture slot per inference slot (every request that
-# finishes its prefill in the same step can be captured), but never more than
+# Automatic capture sizing: as many pending captures as inference slots (every request
+# that finishes its prefill in the same step can be captured), but never more than
 # this share of the KV budget, counting each snapshot at a full context.
 CAPTURE_BUDGET_FRACTION = 0.25
 
@@ -49,15 +49,16 @@ class EngineConfig:
                                            "(least recently used first out; 0: no disk tier)", check=at_least(0))
     prefix_cache_min_tokens: int = setting(64, "shortest prompt captured, and shortest cached match used",
                                            check=at_least(1))
-    capture_slots: int | None = setting(None, "prompt snapshots that may be pending at once (None: one per "
-                                        f"inference slot, capped at {CAPTURE_BUDGET_FRACTION:g} of the KV budget "
-                                        "at full context)", check=at_least(0))
+    max_captures: int | None = setting(None, "prompt snapshots for the prefix cache that may be pending at once "
+                                       f"(None: one per inference slot, capped at {CAPTURE_BUDGET_FRACTION:g} of "
+                                       "the KV budget at full context)", check=at_least(0))
     max_named_sessions: int = setting(64, "named sessions each tenant keeps (its least recently used first out)",
                                       check=at_least(1))
     max_context: int | None = setting(None, "most tokens of prompt and output per request (None: the model's)",
                                       check=at_least(2))
-    max_tokens: int = setting(512, "max_tokens when a request gives none; always clamped to the context left",
-                              check=at_least(1))
+    max_tokens: int | None = setting(None, "output limit of a request that gives none (None: up to the context "
+                                     "left, as OpenAI's and Anthropic's APIs bound it only by the model); any "
+                                     "limit is clamped to the context left", check=at_least(1))
     # Cloning beats recomputing from a few tokens on (a clone's fixed cost is about
     # one token's prefill, docs/benchmarks.md); 64 is the prefix cache's own
     # shortest match, so both kinds of reuse start at the same size.
@@ -79,11 +80,11 @@ class EngineConfig:
         """The config with every machine- or model-dependent default filled in."""
         budget = self.kv_budget_bytes or int(KV_BUDGET_FRACTION * physical_memory_bytes())
         context = min(self.max_context or info.context_length, info.context_length)
-        slots = self.capture_slots
-        if slots is None:
+        captures = self.max_captures
+        if captures is None:
             snapshot = max(1, info.kv.bytes_for(context, start=context))
-            slots = max(1, min(self.inference_slots, int(CAPTURE_BUDGET_FRACTION * budget) // snapshot))
-        return dataclasses.replace(self, kv_budget_bytes=budget, max_context=context, capture_slots=slots)
+            captures = max(1, min(self.inference_slots, int(CAPTURE_BUDGET_FRACTION * budget) // snapshot))
+        return dataclasses.replace(self, kv_budget_bytes=budget, max_context=context, max_captures=captures)
 
 
 def physical_memory_bytes() -> int:

@@ -3,7 +3,7 @@
 Layout: `$KVFORK_HOME/kv/<fingerprint>/<key>.safetensors`, one file per entry, where
 the fingerprint names the model, dtype, backend and KV format (`fingerprint`), and
 the key hashes the entry's scope and tokens. A file holds one SavedState
-(backends/base.py's saved-state rule) as safetensors, never pickle:
+(the saved-state rule: backends.base.SavedState) as safetensors, never pickle:
   `layers.<i>.<kind>.<array>.<first>-<end>`  one tensor per layer array; attention
       arrays cover the token range [first, end), recurrent ones the state at `end`;
   metadata: format version, fingerprint, position, the tokens, the scope's digest,
@@ -52,37 +52,34 @@ import os
 import struct
 import time
 import zlib
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from safetensors.numpy import load as load_tensors
 from safetensors.numpy import save as save_tensors
 
 from backends.base import SavedLayer, SavedState
-from server.engine.api import Scope
-from server.engine.matching import Source, ranked_matches, window_floor
+from backends.model_path import kvfork_home
+from server.engine.index import Entry, Index
 
 log = logging.getLogger("kvfork.disk")
 
 KV_FORMAT_VERSION = "2"  # bump when the file layout or the saved-state rule changes: old files are then dropped
 SUFFIX = ".safetensors"
 LOCK = "lock"
-SECRET = "kv-secret"  # beside the kv folder, in $KVFORK_HOME: the key of the scopes' HMAC
+SECRET = "kv-secret"  # beside the kv folder, in $KVFORK_HOME: the key scopes are named under (api.Scope.digest)
 FILE_MODE, FOLDER_MODE = 0o600, 0o700
-# The tokenizer's files, and the converter's record (tools/gguf_convert.py: its version)
+# The tokenizer's files, and the converter's record (backends/default_model.py: the converter's version)
 _MODEL_FILES = ("kvfork-converted.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                 "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
 _GIVE_UP = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT)  # the tier goes off
 
 
 def kv_root() -> Path:
-    """`$KVFORK_HOME/kv` (KVFORK_HOME as tools/fetch_model.py resolves it)."""
-    from tools.fetch_model import kvfork_home
-
+    """`$KVFORK_HOME/kv`."""
     return kvfork_home() / "kv"
 
 
@@ -110,8 +107,10 @@ def fingerprint(model_dir: str | Path, dtype: str, backend: str) -> str:
 
 
 def tier_secret(root: Path) -> bytes:
-    """The scopes' HMAC key: 32 random bytes made at first start, 0600 beside `root` (in $KVFORK_HOME).
-    Two daemons starting at once agree: the first to create the file writes it, the other reads it."""
+    """The key scopes are named under (api.Scope.digest): 32 random bytes made at first start, 0600
+    beside `root` (in $KVFORK_HOME), so the files of a scope keep their name across restarts. Two
+    daemons starting at once agree: the first to create the file writes it, the other reads it.
+    OSError when it cannot be made or read."""
     path = root.parent / SECRET
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -132,14 +131,9 @@ def tier_secret(root: Path) -> bytes:
     return secret
 
 
-def scope_digest(scope: Scope, secret: bytes) -> str:
-    """A scope as files name it: an HMAC of the tenant and salt under the tier's secret, so a file
-    never names a tenant, nor a hash of its key that a weak key could be guessed from."""
-    return hmac.new(secret, json.dumps([scope.tenant, scope.salt]).encode(), hashlib.sha256).hexdigest()[:32]
-
-
-def entry_name(digest: str, tokens: Sequence[int]) -> str:
-    h = hashlib.sha256(digest.encode())
+def entry_name(scope: str, tokens: Sequence[int]) -> str:
+    """A file's name: a hash of its scope (a digest) and tokens."""
+    h = hashlib.sha256(scope.encode())
     h.update(np.asarray(tokens, dtype=np.int64).tobytes())
     return h.hexdigest()[:40]
 
@@ -160,13 +154,13 @@ def _checksum(meta: dict[str, str], tensors: dict[str, np.ndarray]) -> str:
     return f"{crc:08x}"
 
 
-def encode(state: SavedState, tokens: Sequence[int], digest: str, fp: str) -> bytes:
+def encode(state: SavedState, tokens: Sequence[int], scope: str, fp: str) -> bytes:
     tensors: dict[str, np.ndarray] = {}
     for i, layer in enumerate(state.layers):
         for j, a in enumerate(layer.arrays):
             tensors[f"layers.{i}.{layer.kind}.{j}.{layer.first}-{state.position}"] = np.ascontiguousarray(a)
     meta = {"kvfork_kv": KV_FORMAT_VERSION, "fingerprint": fp, "position": str(state.position),
-            "tokens": json.dumps(list(tokens)), "scope": digest,
+            "tokens": json.dumps(list(tokens)), "scope": scope,
             "layers": json.dumps([[layer.kind, layer.first, len(layer.arrays)] for layer in state.layers])}
     meta["checksum"] = _checksum(meta, tensors)
     return save_tensors(tensors, metadata=meta)
@@ -241,20 +235,6 @@ def _write_file(folder: Path, name: str, data: bytes) -> None:
 
 
 @dataclass
-class DiskEntry:
-    tokens: tuple[int, ...]
-    scope: str  # scope_digest
-    name: str
-    file_bytes: int
-
-
-@dataclass(frozen=True)
-class DiskMatch:
-    entry: DiskEntry
-    upto: int
-
-
-@dataclass
 class DiskStats:
     """What /metrics reads (aggregate only: no scope, no tokens)."""
 
@@ -302,14 +282,13 @@ def _empty_folder(folder: Path) -> None:
 
 
 class DiskTier:
-    """One fingerprint folder, its index (control loop only) and its worker thread."""
+    """One fingerprint folder and its worker thread; its files are entries of the index (tier "disk")."""
 
-    def __init__(self, folder: Path, fp: str, max_bytes: int, windows: Iterable[int] = (), recurrent: bool = False):
-        self.folder, self.fp, self.max_bytes = folder, fp, max_bytes
-        self.secret = b""  # read at open: scope digests need it
-        self.windows, self.recurrent = tuple(windows), recurrent
-        self.index: OrderedDict[tuple[str, tuple[int, ...]], DiskEntry] = OrderedDict()  # oldest first
-        self.nbytes = 0  # files indexed
+    def __init__(self, root: Path, fp: str, max_bytes: int, index: Index):
+        """The tier of `fp` under `root`, its files indexed again from their headers; off (with one
+        warning) when the folder cannot be made or locked."""
+        self.folder, self.fp, self.max_bytes = root / fp, fp, max_bytes
+        self._index = index
         self.pending_bytes = 0  # files being written: counted against the cap before they exist
         self.stats = DiskStats()
         self.on = False
@@ -317,28 +296,27 @@ class DiskTier:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvfork-disk")
         self._due = 0  # file work submitted whose answer has not run on the loop yet
         self._answered: asyncio.Event | None = None  # set as each answer runs (close waits on it)
-        self.watch: Any = None  # told of each file indexed and dropped (server/kv_events.Watch)
-
-    @classmethod
-    def open(cls, root: Path, fp: str, max_bytes: int, windows: Iterable[int] = (), recurrent: bool = False
-             ) -> DiskTier:
-        """The tier of `fp` under `root`, its index rebuilt from disk; off (with one warning) when the
-        folder cannot be made or locked."""
-        tier = cls(root / fp, fp, max_bytes, windows, recurrent)
         try:
             _private_folder(root)
-            _private_folder(tier.folder)
-            tier.secret = tier_secret(root)
-            tier._lock_fd = _try_lock(tier.folder)
-            if tier._lock_fd is None:
-                log.warning("prefix cache disk tier off: another daemon uses %s", tier.folder)
-                return tier
-            tier.on = True
-            tier._rebuild()
-            tier._drop_other_fingerprints(root)
+            _private_folder(self.folder)
+            self._lock_fd = _try_lock(self.folder)
+            if self._lock_fd is None:
+                log.warning("prefix cache disk tier off: another daemon uses %s", self.folder)
+                return
+            self.on = True
+            self._rebuild()
+            self._drop_other_fingerprints(root)
         except Exception as exc:  # the tier is optional: whatever stops it, serving goes on without it
-            tier._turn_off(exc)
-        return tier
+            self._turn_off(exc)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the files indexed."""
+        return self._index.nbytes("disk")
+
+    @property
+    def files(self) -> int:
+        return self._index.count("disk")
 
     def _rebuild(self) -> None:
         found = []
@@ -350,15 +328,14 @@ class DiskTier:
                     tokens, scope = header_entry(read_header(path), self.fp)
                     stat = path.stat()
                     os.chmod(path, FILE_MODE)  # one written before the rule was 0644
-                    found.append((stat.st_mtime, DiskEntry(tokens, scope, path.name.removesuffix(SUFFIX),
-                                                           stat.st_size)))
+                    found.append((stat.st_mtime, Entry("disk", scope, tokens, path.name.removesuffix(SUFFIX),
+                                                       nbytes=stat.st_size)))
                 except Exception as exc:  # whatever a file holds, it is only ever that file's problem
                     log.warning("removed unreadable prefix cache file %s: %r", path.name, exc)
                     self.stats.corrupt += 1
                     _unlink(path)
         for _, entry in sorted(found, key=lambda item: item[0]):  # least recently written first
-            self.index[entry.scope, entry.tokens] = entry
-            self.nbytes += entry.file_bytes
+            self._index.add_file(entry)
         self._trim(0)
 
     def _drop_other_fingerprints(self, root: Path) -> None:
@@ -391,66 +368,36 @@ class DiskTier:
             os.close(self._lock_fd)
             self._lock_fd = None
 
-    def digest(self, scope: Scope) -> str:
-        return scope_digest(scope, self.secret)
+    # ---- the files' entries (control loop) ----
 
-    # ---- the index (control loop) ----
-
-    def worth(self, tokens: Sequence[int], scope: Scope) -> bool:
+    def worth(self, tokens: Sequence[int], scope: str) -> bool:
         """Whether an entry is worth writing: not when a file serves it already (refreshed instead):
         its own, or, on a model of full-attention layers only, one of a longer prompt it begins."""
-        digest, tokens = self.digest(scope), tuple(tokens)
-        covering = [key for key in self.index if key[0] == digest and self._serves(key[1], tokens)]
-        for key in covering:
-            self.index.move_to_end(key)
+        covering = self._index.covering_files(tokens, scope)
+        for entry in covering:
+            self._index.touch(entry)
         return not covering
 
-    def _serves(self, held: tuple[int, ...], tokens: tuple[int, ...]) -> bool:
-        """Whether a file of `held` serves every match a file of `tokens` would: the same prompt, or
-        a longer one beginning with it where any prefix of a state can be cloned (no sliding window
-        to have moved on, no recurrent state held at its end only: base.py's rules)."""
-        if held == tokens:
-            return True
-        return (not self.windows and not self.recurrent and len(held) > len(tokens)
-                and held[: len(tokens)] == tokens)
+    def touch(self, entry: Entry) -> None:
+        self._index.touch(entry)
 
-    def lookup(self, prompt: Sequence[int], scope: Scope) -> list[DiskMatch]:
-        """Usable matches among `scope`'s files, best first (the prefix cache's rules: matching.py)."""
-        if not self.on:
-            return []
-        digest = self.digest(scope)
-        sources = (Source.entry(key, key[1], stamp, clone_floor=window_floor(len(key[1]), self.windows),
-                                positions=(len(key[1]),) if self.recurrent else None)
-                   for stamp, (key, entry) in enumerate(self.index.items()) if key[0] == digest)
-        return [DiskMatch(self.index[m.key], m.upto) for m in ranked_matches(prompt, sources)]
-
-    def touch(self, entry: DiskEntry) -> None:
-        key = entry.scope, entry.tokens
-        if key in self.index:
-            self.index.move_to_end(key)
-
-    def forget(self, entry: DiskEntry) -> None:
+    def forget(self, entry: Entry) -> None:
         """Out of the index, and its file removed (a corrupt or missing one)."""
-        if self.index.pop((entry.scope, entry.tokens), None) is not None:
-            self.nbytes -= entry.file_bytes
-            if self.watch is not None:
-                self.watch.removed(entry.tokens, entry.scope)
-        self._remove_later(entry.name)
+        self._index.drop(entry)
+        self._remove_later(entry.owner)
 
     def _trim(self, room: int) -> None:
         """Evict least recently used files until `room` more bytes fit under the cap."""
-        while self.index and self.nbytes + self.pending_bytes + room > self.max_bytes:
-            _, entry = self.index.popitem(last=False)
-            self.nbytes -= entry.file_bytes
+        while self._index.count("disk") and self.nbytes + self.pending_bytes + room > self.max_bytes:
+            entry = self._index.evict_oldest("disk")
             self.stats.evicted += 1
-            if self.watch is not None:
-                self.watch.removed(entry.tokens, entry.scope)
-            self._remove_later(entry.name)
+            self._remove_later(entry.owner)
 
     # ---- file work (worker thread), answered on the loop ----
 
-    def write(self, state: SavedState, tokens: Sequence[int], scope: Scope, done: Callable[[bool], None]) -> None:
-        """Encode and write `state` on the worker thread; `done(written)` runs on the loop after."""
+    def write(self, state: SavedState, tokens: Sequence[int], scope: str, done: Callable[[bool], None]) -> None:
+        """Encode and write `state`, of `scope` (a digest), on the worker thread; `done(written)` runs on the
+        loop after."""
         loop = asyncio.get_running_loop()
         size = state.nbytes + 64 * 1024  # the file: the arrays and a header (the tokens' list)
         if not self.on or size > self.max_bytes:
@@ -458,11 +405,10 @@ class DiskTier:
             return
         self._trim(size)
         self.pending_bytes += size
-        digest = self.digest(scope)
-        tokens, name = tuple(tokens), entry_name(digest, tokens)
+        tokens, name = tuple(tokens), entry_name(scope, tokens)
 
         def work() -> int:
-            data = encode(state, tokens, digest, self.fp)
+            data = encode(state, tokens, scope, self.fp)
             _write_file(self.folder, name, data)
             return len(data)
 
@@ -475,29 +421,25 @@ class DiskTier:
                 else:
                     log.warning("writing a prefix cache file failed: %r", result)
             elif self.on:
-                key = digest, tokens
-                old = self.index.pop(key, None)
-                self.nbytes += result - (old.file_bytes if old else 0)
-                self.index[key] = DiskEntry(tokens, key[0], name, result)
-                if old is None and self.watch is not None:
-                    self.watch.stored(tokens, key[0])
+                entry = self._index.add_file(Entry("disk", scope, tokens, name, nbytes=result))
                 self.stats.spilled += 1
                 # files of prompts this one begins with serve nothing it does not: written once
-                for other in [k for k in self.index if k[0] == key[0] and k != key and self._serves(tokens, k[1])]:
-                    self.forget(self.index[other])
+                for other in self._index.entries("disk"):
+                    if other.scope == entry.scope and other is not entry and self._index.serves(tokens, other.tokens):
+                        self.forget(other)
                 self._trim(0)
             done(not isinstance(result, BaseException))
 
         self._submit(loop, work, finish)
 
-    def read(self, entry: DiskEntry, done: Callable[[SavedState | None, str, float], None]) -> None:
+    def read(self, entry: Entry, done: Callable[[SavedState | None, str, float], None]) -> None:
         """Read and check `entry`'s file on the worker thread; `done(state or None, outcome, seconds)`
         runs on the loop (outcome: read, corrupt, missing, failed). A bad file is forgotten."""
         loop = asyncio.get_running_loop()
 
         def work() -> tuple[SavedState, float]:
             t0 = time.perf_counter()  # the read itself, not its wait behind other file work
-            data = (self.folder / f"{entry.name}{SUFFIX}").read_bytes()
+            data = (self.folder / f"{entry.owner}{SUFFIX}").read_bytes()
             state, tokens, scope = decode(data, self.fp)
             if tuple(tokens) != entry.tokens or scope != entry.scope or state.position != len(entry.tokens):
                 raise CorruptFile("holds another entry")
@@ -509,13 +451,13 @@ class DiskTier:
                 done(result[0], "read", result[1])
                 return
             if isinstance(result, CorruptFile):
-                log.warning("removed corrupt prefix cache file %s: %s", entry.name, result)
+                log.warning("removed corrupt prefix cache file %s: %s", entry.owner, result)
                 self.stats.corrupt += 1
                 outcome = "corrupt"
             elif isinstance(result, FileNotFoundError):
                 outcome = "missing"
             else:
-                log.warning("reading prefix cache file %s failed: %r", entry.name, result)
+                log.warning("reading prefix cache file %s failed: %r", entry.owner, result)
                 self.stats.failed += 1
                 outcome = "failed"
             self.forget(entry)
@@ -551,8 +493,8 @@ class DiskTier:
     def _remove_later(self, name: str) -> None:
         try:
             self._pool.submit(self._remove, name)
-        except RuntimeError:  # closed: nothing else runs on the folder any more
-            self._remove(name)
+        except RuntimeError:  # closed: `close` answered every write first, so this is a caller after it; the
+            pass  # folder is no longer ours (its lock is let go): the next start indexes the file again
 
     def _remove(self, name: str) -> None:
         _unlink(self.folder / f"{name}{SUFFIX}")

@@ -5,23 +5,25 @@ The engine calls (and RateTracker from rates.py: .observe_prefill(tokens, s),
   Leader.active(source, tps) -> Leader          # an admitted request, prefilling or decoding
   Leader.starting(source, at, after_s, tps) -> Leader   # an admitted request whose clone is pending
   leader_views(active, parked, rates, tps) -> list[Leader]   # + the parked followers, as leaders
-  plan(recipient, leaders, cached, rates, policy, prefilling) -> Plan
+  plan(recipient, leaders, now, rates, policy, prefilling) -> Plan   # now: matching.choose_reuse's clone-now
   Plan.log_fields() -> dict                     # the decision and its inputs, for the log line
-  Following.park(request_id, plan, order, first_parked_at, max_wait_s) -> Following
+  FollowOrder.park(request_id, plan, order, first_parked_at, max_wait_s) -> FollowOrder
   chunk_end(committed, planned_end, stops) -> int   # where a leader's prefill chunk stops
   promote(gone, gone_committed, parked, state_usable) -> Promotion   # the runner, via clone_orders.py
 
 Engine flow:
   - Admitting an anonymous text request (on arrival, or when a slot frees), with
-    cached = matching.best_match(prompt, cache entries).upto (0 if none):
-    p = plan(Recipient(...), leaders, cached, tracker.rates, policy, prefilling).
-    p.follow: park it (Following.park), holding no slot but counted in the queue
+    now = matching.choose_reuse(recipient, the best donor, the best cached match, min_tokens):
+    p = plan(Recipient(...), leaders, now, tracker.rates, policy, prefilling).
+    p.follow: park it (FollowOrder.park), holding no slot but counted in the queue
     and its timeout. Otherwise take p.now, exactly matching.choose_reuse's choice
     (so --no-follow is FollowPolicy(follow=False), nothing else). Log p.log_fields().
   - Each step: a leader's prefill chunk ends at chunk_end() of its followers'
     targets; the runner clones [0, target) for a follower the moment its leader
-    has committed it, and the follower prefills its tail once it has a slot; one
-    past its deadline is unparked and planned again with
+    has committed it, and the follower prefills its tail once it has a slot.
+  - At a follower's deadline, at_deadline() compares costs with the leader's
+    measured progress: while following is still expected to answer sooner, it
+    goes on (and looks again); else it is unparked and planned again with
     FollowPolicy(follow=False): clone-now.
   - A leader leaving while followed (cancelled, failed, or finished): promote();
     the heir clones the gone state; everyone else below the gone leader is
@@ -47,8 +49,9 @@ Rules (each also stated where it binds):
   - Only requests nobody follows plan with following on (new, queued, or
     unparked by promote), so no request ever follows its own follower.
   - A follower holds no slot (but the bytes of its clone, in the budget) and
-    gives up at its deadline, which runs from the first time it parked: no
-    follower waits forever.
+    looks again at its deadline, which runs from the first time it parked: it
+    goes on only while its leader's measured progress makes that cheaper than
+    clone-now, so no follower waits on a stalled leader.
 Cost: run `plan` on arrival and at admission, not per step: with 256 parked
 followers of 2,000-token prompts, leader_views + plan take ~2 ms (a parked
 follower is compared only beyond its leader's part). Per step only `chunk_end`.
@@ -60,7 +63,7 @@ import math
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Literal, Sequence
 
-from server.engine.matching import Recipient, ReuseChoice, Source, choose_reuse, common_prefix
+from server.engine.matching import Recipient, ReuseChoice, Source, common_prefix
 from server.engine.rates import Rates
 
 
@@ -101,7 +104,7 @@ class Leader:
         return self.start_s + (position - self.start_at) / self.tps if self.tps > 0 else math.inf
 
 
-def leader_views(active: Iterable[Leader], parked: Iterable[tuple[Following, Source]], rates: Rates,
+def leader_views(active: Iterable[Leader], parked: Iterable[tuple[FollowOrder, Source]], rates: Rates,
                  tps: float) -> list[Leader]:
     """Everyone a newcomer may follow: `active` (Leader.active of each admitted
     request), then each parked follower with its prompt's Source (committed 0: it
@@ -161,15 +164,16 @@ class Plan:
                 "prefilling": self.prefilling}
 
 
-def plan(recipient: Recipient, leaders: Sequence[Leader], cached: int, rates: Rates, policy: FollowPolicy,
+def plan(recipient: Recipient, leaders: Sequence[Leader], now: ReuseChoice, rates: Rates, policy: FollowPolicy,
          prefilling: int) -> Plan:
-    """Follow a leader, or take clone-now's choice.
+    """Follow a leader, or take clone-now's choice `now` (matching.choose_reuse, with the best
+    prefix-cache match `now.cached_match`).
 
-    `leaders`: admitted requests and parked followers (see Leader); `cached`: the
-    best prefix-cache match; `prefilling`: requests prefilling now, the recipient
-    not counted (it would share the prefill rate with them).
+    `leaders`: admitted requests and parked followers (see Leader); `prefilling`:
+    requests prefilling now, the recipient not counted (it would share the prefill
+    rate with them).
     """
-    now = choose_reuse(recipient, [lead.source for lead in leaders], cached, policy.min_tokens)
+    cached = now.cached_match
     tps = rates.share(prefilling + 1)
     length = len(recipient.prompt)
 
@@ -236,21 +240,57 @@ def _shared_prefix(prompt: Sequence[int], lead: Leader, known: dict[Hashable, in
 
 
 @dataclass(frozen=True)
-class Following:
+class FollowOrder:
     """A parked request. It holds no inference slot and counts against the queue limits."""
 
     request_id: Hashable
     leader: Hashable
     target: int  # clone [0, target) from the leader once it has committed that much
     order: int  # arrival order, lower = earlier
-    deadline: float  # engine clock; past it, stop following and take clone-now
+    deadline: float  # engine clock; then at_deadline() says whether it goes on following
 
     @classmethod
-    def park(cls, request_id: Hashable, plan: Plan, order: int, first_parked_at: float, max_wait_s: float) -> Following:
+    def park(cls, request_id: Hashable, plan: Plan, order: int, first_parked_at: float,
+             max_wait_s: float) -> FollowOrder:
         # The deadline runs from the FIRST time the request parked: a follower that
         # parks again after a promotion keeps it, so no follower waits forever.
         assert plan.follow and plan.leader is not None
         return cls(request_id, plan.leader, plan.target, order, first_parked_at + max_wait_s)
+
+
+@dataclass(frozen=True)
+class Expiry:
+    """A follower's deadline came: go on following (and look again in `recheck_s`), or stop."""
+
+    keep: bool
+    recheck_s: float
+    ttft_follow_s: float  # expected, from now, going on following
+    ttft_now_s: float  # expected, from now, cloning what the leader has committed and prefilling the rest
+
+
+def at_deadline(length: int, target: int, committed: int, progress_tps: float, rates: Rates, prefilling: int,
+                max_wait_s: float) -> Expiry:
+    """At its deadline, a follower goes on following while that is still expected to answer sooner
+    than clone-now: cloning the leader's `committed` prefix and prefilling the rest itself.
+
+    `progress_tps`: how fast the leader's committed position really moved since the follower last
+    looked (a stalled leader: 0, and following ends); `prefilling`: requests prefilling now, the
+    leader among them, the follower not; `max_wait_s`: --follow-max-wait, the longest it goes
+    without looking again. Deadlines keep coming, so no follower waits on a leader that stops moving.
+    """
+    # The follower would prefill beside the others: its share of the rate, no faster than the leader
+    # really moved (a machine that slowed down since the rates were measured slows both).
+    tps = rates.share(prefilling + 1)
+    if progress_tps > 0:
+        tps = min(tps, progress_tps * prefilling / (prefilling + 1))
+    held = min(committed, target)
+    wait = (target - held) / progress_tps if progress_tps > 0 else math.inf
+    ttft_follow = wait + rates.clone_s(target) + (length - target) / tps
+    ttft_now = rates.clone_s(held) + (length - held) / tps
+    keep = ttft_follow < ttft_now
+    # It looks again a whole wait later: on a loaded machine one step can take many seconds, and a
+    # shorter look could see no commit and take a moving leader for a stalled one.
+    return Expiry(keep, max_wait_s if keep else 0.0, ttft_follow, ttft_now)
 
 
 def chunk_end(committed: int, planned_end: int, stops: Iterable[int]) -> int:
@@ -271,7 +311,7 @@ class Promotion:
     upto: int  # what the heir salvages: min(its target, gone_committed)
 
 
-def promote(gone: Hashable, gone_committed: int, parked: Iterable[Following], state_usable: bool = True) -> Promotion:
+def promote(gone: Hashable, gone_committed: int, parked: Iterable[FollowOrder], state_usable: bool = True) -> Promotion:
     """A leader is leaving with followers parked on it (`parked`: at least those).
 
     `gone_committed`: its committed position; `state_usable`: False when its state
@@ -280,7 +320,7 @@ def promote(gone: Hashable, gone_committed: int, parked: Iterable[Following], st
     """
     # The heir is the direct follower that salvages most of what the leader
     # committed (ties: the earliest), so as little as possible is computed again.
-    def salvage(f: Following) -> int:
+    def salvage(f: FollowOrder) -> int:
         return min(f.target, gone_committed) if state_usable else 0
 
     direct = sorted((f for f in parked if f.leader == gone), key=lambda f: f.order)

@@ -1,8 +1,9 @@
 """What the engine is carrying right now, as a gateway in front of several replicas reads it.
 
-One snapshot feeds both readers: `GET /v1/loads` (smg's load-aware policies,
-routes/loads.py) and the gauges of `/metrics` that the Gateway API Inference
-Extension scrapes (telemetry.py). Aggregates only: no prompt, tenant or session.
+The engine takes one snapshot (engine.Engine.load) for both readers: `GET /v1/loads`
+(smg's load-aware policies, routes/loads.py) and the gauges of `/metrics` that the
+Gateway API Inference Extension scrapes (telemetry.py). Aggregates only: no prompt,
+tenant or session.
 
 Design rule: KV in use is what the budget cannot give back. The prefix cache and
 idle named sessions give way to any new request (admission.py), so, as in vLLM
@@ -15,10 +16,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from server.engine.engine import Engine
 
 
 @dataclass(frozen=True)
@@ -35,26 +32,6 @@ class EngineLoad:
     def kv_usage(self) -> float:
         """Fraction of the KV budget in use, 0 to 1."""
         return min(1.0, self.used_tokens / self.budget_tokens) if self.budget_tokens else 0.0
-
-
-def engine_load(engine: Engine) -> EngineLoad:
-    """The snapshot now; all zeros until the model is loaded."""
-    adm, info = engine.admission, engine.info
-    if adm is None or info is None:
-        return EngineLoad()
-    per_token = max(1, info.kv.full_bytes_per_token)
-    pinned = max(0, adm.held() - adm.cache.nbytes - adm.named.idle_bytes())
-    prompts = engine.metrics.prompt_tokens.get()
-    reused = sum(engine.metrics.reused_tokens.values.values())
-    return EngineLoad(
-        running=adm.slots_used,
-        waiting=engine.waiting(),
-        waiting_prompt_tokens=sum(len(r.prompt) for r in adm.queue),
-        slots=engine.config.inference_slots,
-        used_tokens=pinned // per_token,
-        budget_tokens=adm.budget // per_token,
-        reused_fraction=reused / prompts if prompts else 0.0,
-    )
 
 
 class TokenRate:

@@ -6,6 +6,7 @@ The engine calls:
   Source.entry(key, tokens, stamp, *, clone_floor=0, positions=None) -> Source
   window_floor(position, windows) -> int           # clone_floor of a state with sliding layers
   usable_match(prompt, source) -> int
+  usable_upto(shared, prompt_len, source) -> int  # the same rule, the shared length known (index.py)
   ranked_matches(prompt, sources) -> list[Match]   # prefix cache: try in order while clones are refused
   best_match(prompt, sources) -> Match | None
   choose_reuse(recipient, donors, cached, min_tokens) -> ReuseChoice   # at admission
@@ -103,15 +104,22 @@ class Source:
 
 
 def usable_match(prompt: Sequence[int], source: Source) -> int:
-    """Tokens of `prompt` the source can hand over: 0 when it can hand over none.
+    """Tokens of `prompt` the source can hand over: 0 when it can hand over none (`usable_upto`)."""
+    if not source.text or source.committed <= 0:  # nothing computed: skip the comparison
+        return 0
+    return usable_upto(common_prefix(prompt, source.tokens), len(prompt), source)
+
+
+def usable_upto(shared: int, prompt_len: int, source: Source) -> int:
+    """What a source sharing `shared` leading tokens with a prompt of `prompt_len` can hand over.
 
     usable = min(common prefix, source's committed position, len(prompt) - 1)
     """
     # The last prompt token always runs through the model: the recipient needs
     # its own next-token logits for its own sampler.
-    if not source.text or source.committed <= 0:  # nothing computed: skip the comparison
+    if not source.text or source.committed <= 0:
         return 0
-    upto = min(common_prefix(prompt, source.tokens), source.committed, len(prompt) - 1)
+    upto = min(shared, source.committed, prompt_len - 1)
     if source.positions is not None:  # a recurrent state: only where one is held
         upto = max((p for p in source.positions if p <= upto), default=0)
     return upto if upto > 0 and upto >= source.clone_floor else 0

@@ -2,8 +2,8 @@
 
 Two lock-free deques, one each way. Commands run in the order they were sent, so
 a snapshot the loop evicts after naming it in a `Start` is cloned before it is
-released. Backend sessions travel as opaque handles: only the runner calls into
-the backend.
+released. Sessions are named by the runner's session ids (`sid`), never handed
+over as objects: only the runner calls into the backend.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class Start:
     """Put a request in an inference slot.
 
     The runner starts it from `resume` (a session it takes over, already holding
-    `resume_at` prompt tokens), else from the first of `clone_from` (session, upto)
+    `resume_at` prompt tokens), else from the first of `clone_from` (sid, upto)
     the backend agrees to clone, else from an empty session.
 
     With `donor` (rid, upto), it starts from a clone of `[0, upto)` of that running
@@ -45,11 +45,11 @@ class Start:
     sampling: SamplingParams
     max_tokens: int
     stop_ids: frozenset[int]
-    capture: bool  # snapshot the prompt before the first decode (a capture slot is held for it)
+    capture: bool  # snapshot the prompt before the first decode (its bytes are reserved: Admission.has_capture)
     keep_session: bool  # a named session: hand the session back at the end instead of releasing it
-    resume: Any = None
+    resume: int | None = None
     resume_at: int = 0
-    clone_from: list[tuple[Any, int]] = field(default_factory=list)
+    clone_from: list[tuple[int, int]] = field(default_factory=list)
     choices: list[Choice] = field(default_factory=list)  # n > 1: the other choices, opened when the prompt is in
     constraint: Any = None  # a constraints.Constraint: the grammar its tokens must follow, or None
     donor: tuple[int, int] | None = None
@@ -87,7 +87,7 @@ class Release:
     """Release these sessions. The runner counts the Releases it has run (`Pooled.releases`), so the
     loop knows when the blocks they wrote that others still read have reached the pool."""
 
-    sessions: list[Any]
+    sids: list[int]
 
 
 @dataclass
@@ -95,7 +95,7 @@ class Spill:
     """Export a prefix-cache entry's session to the host for the disk tier, then release it."""
 
     key: Any  # the loop's name for the entry, sent back with its state
-    session: Any
+    sid: int
 
 
 @dataclass
@@ -138,7 +138,7 @@ class Token:
 class Captured:
     rid: int
     tokens: list[int]
-    session: Any | None  # None: the backend refused the snapshot, or it failed
+    sid: int | None  # None: the backend refused the snapshot, or it failed
     nbytes: int = 0
     failed: bool = False  # the snapshot raised (not a refusal): counted apart
     kept: tuple[int, ...] = ()  # the snapshot's recurrent checkpoints (moved from the request's session)
@@ -155,13 +155,13 @@ class Pooled:
 
 
 @dataclass
-class Finished:
+class Ended:
     rid: int
     reason: str  # stop / length / cancelled / error
     prefilled: int
     generated: int
     error: str | None = None
-    session: Any = None  # a kept (named) session
+    sid: int | None = None  # a kept (named) session
     held: list[int] = field(default_factory=list)  # the tokens it has committed
     nbytes: int = 0  # the kept session's own bytes (Backend.session_bytes)
     frees: int = 0  # what releasing the kept session would free (Backend.release_frees)
@@ -171,7 +171,7 @@ class Finished:
 @dataclass
 class CloneDone:
     rid: int
-    session: Any | None  # None: refused, or the donor left
+    sid: int | None  # None: refused, or the donor left
     upto: int = 0  # tokens the session holds (less than asked when a leaving donor handed over what it had)
     reason: str = ""  # why there is no session
     seconds: float = 0.0  # how long the clone took
@@ -186,7 +186,7 @@ class Exported:
 @dataclass
 class Restored:
     rid: int
-    session: Any | None  # None: the load failed
+    sid: int | None  # None: the load failed
     upto: int = 0
     seconds: float = 0.0
 

@@ -4,9 +4,11 @@ The engine calls:
   tracker = RateTracker()                       # priors until the first samples
   tracker = tracker.observe_prefill(tokens, seconds)   # after each step that prefilled
   tracker = tracker.observe_clone(tokens, seconds)     # after each clone
-  tracker = tracker.observe_decode(seconds)     # after each step that decoded (the runner's own tracker)
+  tracker = tracker.observe_step(tokens, seconds)      # after each step that decoded: its prefill tokens and
+                                                       # backend seconds (the runner's own tracker, for the step budget)
   tracker = tracker.observe_read(nbytes, seconds)      # after each disk tier read (file read and checksum)
-  tracker.rates -> Rates                        # .share(prefilling) .clone_s(tokens) .decode_s .read_s(nbytes)
+  tracker.rates -> Rates                        # .share(prefilling) .clone_s(tokens) .decode_s
+                                                #   .step_s_per_token .read_s(nbytes)
   split_pass(decode_rows, prefill_tokens, seconds)     # one mixed pass's time, as decode and prefill parts
 """
 
@@ -20,7 +22,8 @@ class Rates:
     prefill_tps: float = 500.0  # tokens/s the whole batch prefills
     clone_fixed_s: float = 0.002
     clone_s_per_token: float = 1e-5
-    decode_s: float = 0.05  # what a step's decode rows take, without prefill
+    decode_s: float = 0.05  # what a step that decodes takes without prefill (its fixed part)
+    step_s_per_token: float = 0.002  # what each prefill token adds to such a step
     # Disk tier reads (file and checksum), bytes/s. The prior is a modest SSD's cold read, so a
     # restore is chosen before any read was measured only where it clearly beats prefilling.
     read_bps: float = 500e6
@@ -39,8 +42,8 @@ class Rates:
 def split_pass(decode_rows: int, prefill_tokens: int, seconds: float) -> tuple[float, float]:
     """(decode seconds, prefill seconds) of one forward pass that ran both kinds of rows (a
     mixed_batches backend), split by tokens: the pass is one batch, so neither part can be timed
-    alone. The parts add up to the pass, so a time budget that adds the two rates back predicts
-    the pass it measured; and both rates keep learning while every step mixes."""
+    alone. The prefill part feeds the cost model's prefill rate; the step budget fits the whole
+    step instead (RateTracker.observe_step)."""
     tokens = decode_rows + prefill_tokens
     prefill_s = seconds * prefill_tokens / tokens if tokens else 0.0
     return seconds - prefill_s, prefill_s
@@ -52,7 +55,10 @@ class RateTracker:
 
     Prefill: tokens/s as EMA(tokens) / EMA(seconds), so long steps weigh more.
     Clone: seconds = fixed + per_token * tokens by least squares over EMA moments.
-    Decode: seconds per step, an EMA (the step budget's fixed part).
+    A step that decodes: seconds = decode_s + step_s_per_token * prefill tokens, the same way. The
+    fixed part (a pass's per-layer overhead, the decode rows) is its own term: a rate of tokens per
+    second taken from small chunks would carry it, read low, cut the next chunk, and shrink the
+    chunks to nothing (prefill starving under the step budget).
     """
 
     alpha: float = 0.2
@@ -61,7 +67,8 @@ class RateTracker:
     prefill_seconds: float = 0.0
     # EMA of 1, x, y, x*x, x*y with x = tokens cloned, y = seconds
     clone_moments: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
-    decode_seconds: float = 0.0
+    # EMA of 1, x, y, x*x, x*y with x = prefill tokens of a step that decoded, y = its seconds
+    step_moments: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
     read_bytes: float = 0.0
     read_seconds: float = 0.0
 
@@ -75,15 +82,13 @@ class RateTracker:
     def observe_clone(self, tokens: int, seconds: float) -> RateTracker:
         if tokens <= 0 or seconds < 0:
             return self
-        sample = (1.0, tokens, seconds, tokens * tokens, tokens * seconds)
-        first = self.clone_moments[0] == 0
-        moments = tuple(self._ema(old, new, first) for old, new in zip(self.clone_moments, sample))
-        return replace(self, clone_moments=moments)
+        return replace(self, clone_moments=self._moments(self.clone_moments, tokens, seconds))
 
-    def observe_decode(self, seconds: float) -> RateTracker:
-        if seconds <= 0:
+    def observe_step(self, prefill_tokens: int, seconds: float) -> RateTracker:
+        """A step that decoded, with `prefill_tokens` prefilled beside its decode rows, took `seconds`."""
+        if prefill_tokens < 0 or seconds <= 0:
             return self
-        return replace(self, decode_seconds=self._ema(self.decode_seconds, seconds, self.decode_seconds == 0))
+        return replace(self, step_moments=self._moments(self.step_moments, prefill_tokens, seconds))
 
     def observe_read(self, nbytes: int, seconds: float) -> RateTracker:
         if nbytes <= 0 or seconds <= 0:
@@ -95,25 +100,56 @@ class RateTracker:
     @property
     def rates(self) -> Rates:
         prefill = self.prefill_tokens / self.prefill_seconds if self.prefill_seconds > 0 else self.prior.prefill_tps
-        decode = self.decode_seconds or self.prior.decode_s
         read = self.read_bytes / self.read_seconds if self.read_seconds > 0 else self.prior.read_bps
-        return Rates(prefill, *self._clone_fit(), decode_s=decode, read_bps=read)
+        return Rates(prefill, *self._clone_fit(), *self._step_fit(prefill), read_bps=read)
 
     def _clone_fit(self) -> tuple[float, float]:
         w, sx, sy, sxx, sxy = self.clone_moments
         if w <= 0:
             return self.prior.clone_fixed_s, self.prior.clone_s_per_token
         mx, my = sx / w, sy / w
-        var, cov = sxx / w - mx * mx, sxy / w - mx * my
         # Clones of one size cannot separate the fixed part from the per-token
         # part: keep the prior's fixed part and put the rest per token.
-        if var <= 1e-9 * mx * mx:
+        fit = _line(self.clone_moments)
+        if fit is None:
             fixed = min(self.prior.clone_fixed_s, my)
             return fixed, (my - fixed) / mx
-        slope = max(0.0, cov / var)
-        fixed = my - slope * mx
+        fixed, slope = fit
         return (fixed, slope) if fixed >= 0 else (0.0, my / mx)
+
+    def _step_fit(self, prefill_tps: float) -> tuple[float, float]:
+        """(decode_s, step_s_per_token) of a step that decodes."""
+        w, sx, sy, _, _ = self.step_moments
+        if w <= 0:
+            return self.prior.decode_s, self.prior.step_s_per_token
+        fit = _line(self.step_moments)
+        if fit is None or fit[1] <= 0:
+            # Steps of one chunk size (or none yet with prefill) cannot tell the parts apart: each
+            # prefill token costs what a prefill-only step's rate says, the rest is fixed.
+            # (Never more than the whole step per token: a prior from a slower device would
+            # otherwise hold the chunks at one size for good.)
+            slope = min(1 / prefill_tps, sy / sx) if sx > 0 else 1 / prefill_tps
+            return max(0.0, (sy - slope * sx) / w), slope
+        fixed, slope = fit
+        return (fixed, slope) if fixed >= 0 else (0.0, sy / sx)
+
+    def _moments(self, moments: tuple[float, ...], x: float, y: float) -> tuple[float, float, float, float, float]:
+        sample = (1.0, x, y, x * x, x * y)
+        first = moments[0] == 0
+        return tuple(self._ema(old, new, first) for old, new in zip(moments, sample))  # type: ignore[return-value]
 
     def _ema(self, old: float, sample: float, first: bool) -> float:
         # the first sample replaces the zero start, so early estimates are not biased low
         return sample if first else (1 - self.alpha) * old + self.alpha * sample
+
+
+def _line(moments: tuple[float, ...]) -> tuple[float, float] | None:
+    """Least squares y = a + b x over EMA moments (1, x, y, x*x, x*y): (a, b), or None when the x
+    seen are (nearly) all one value and cannot fix a slope."""
+    w, sx, sy, sxx, sxy = moments
+    mx, my = sx / w, sy / w
+    var, cov = sxx / w - mx * mx, sxy / w - mx * my
+    if var <= 1e-9 * max(mx * mx, 1.0):
+        return None
+    slope = max(0.0, cov / var)
+    return my - slope * mx, slope

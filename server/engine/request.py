@@ -1,35 +1,29 @@
-"""One request as the control loop sees it: its phase, its handle, its accounting.
+"""One request as the control loop sees it: what every phase shares, and a state per phase.
 
-Phases (one way only):
-    QUEUED -> [FOLLOWING or RESTORING ->] STARTING -> RUNNING -> DONE
-QUEUED waits for a slot; FOLLOWING is parked, holding no slot, until a
-prefilling donor has committed what it needs; RESTORING is parked the same way
-until its prefix is read from the disk tier and loaded; STARTING has been handed to the
-runner (with a donor to clone from, or not), RUNNING has a session there. Any
-phase may jump to DONE.
+    Queued -> [Following or Restoring -> Queued ->] Prefilling -> Decoding -> Finished
+
+Queued waits for an inference slot (holding a session a follow clone or a disk read
+handed it, if one did); Following is parked, holding no slot, until a prefilling
+leader has committed what it needs; Restoring is parked the same way until its
+prefix is read from the disk tier and loaded; Prefilling has been handed to the
+runner (starting from a donor's clone, or not) and Decoding has sampled its first
+token. Any phase may end in Finished.
+
+Each transition is one function below, the only place a request changes phase
+(tests/test_request_phases.py walks every one of them).
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from server.engine.api import DoneEvent, GenerateRequest, ReuseSource, TokenEvent, Usage
-from server.engine.disk import DiskMatch
-from server.engine.follow import Following
+from server.engine.follow import FollowOrder
+from server.engine.index import Match
 from server.engine.sessions import NamedSession
-
-
-class Phase(enum.Enum):
-    QUEUED = "queued"
-    FOLLOWING = "following"
-    RESTORING = "restoring"
-    STARTING = "starting"
-    RUNNING = "running"
-    DONE = "done"
 
 
 class RequestHandle:
@@ -41,6 +35,8 @@ class RequestHandle:
         self._on_cancel, self._on_finish = on_cancel, on_finish
         self._ending = False  # after cancel() or finish(), no more tokens: only the DoneEvent
         self.done: DoneEvent | None = None  # set once the DoneEvent has been read
+        self.reused = 0  # prompt tokens reused, known once it starts (before its first token)
+        self.reused = 0  # prompt tokens reused, known once it starts (before its first token)
 
     def __aiter__(self) -> "RequestHandle":
         return self
@@ -69,7 +65,74 @@ class RequestHandle:
         self._on_finish()
 
 
+# ---- the phases ----
+
+
+@dataclass(frozen=True)
+class Landed:
+    """A session a waiting request holds already: a follow clone, or a state loaded from disk."""
+
+    sid: int
+    upto: int  # tokens it holds
+
+
 @dataclass
+class Queued:
+    landed: Landed | None = None
+
+
+@dataclass
+class Following:
+    order: FollowOrder  # whom it follows, up to where, until when
+    cached: int  # the best prefix cache match when it parked
+    seen: tuple[float, int]  # when it last looked at its leader, and the prompt tokens the leader had committed
+    registered: bool = False  # its clone order is with the runner
+    timer: asyncio.TimerHandle | None = None  # its follow deadline
+
+
+@dataclass
+class Restoring:
+    match: Match  # the disk tier's file it waits for
+    sent: bool = False  # its state went to the runner to load: the answer comes back either way
+
+
+@dataclass
+class Prefilling:
+    cached: int = 0  # the best prefix cache match when it was placed
+    donor_upto: int = 0  # its Start clones a donor's [0, donor_upto); 0 once it started (or without one)
+    candidates: list[Match] = field(default_factory=list)  # the prefix cache entries its Start named
+    started: bool = False  # the runner has its session
+    committed: int = 0  # prompt and output positions, as the runner last published
+    kept: tuple[int, ...] = ()  # its session's recurrent checkpoints, as the runner last published
+
+
+@dataclass
+class Decoding:
+    committed: int = 0
+    kept: tuple[int, ...] = ()
+
+
+@dataclass
+class Finished:
+    reason: str
+    error: str | None = None
+
+
+Phase = Queued | Following | Restoring | Prefilling | Decoding | Finished
+Waiting = (Queued, Following, Restoring)  # holding no slot
+Running = (Prefilling, Decoding)  # holding a slot, with the runner
+
+
+@dataclass
+class Tried:
+    """What placing it has learnt, kept across phases."""
+
+    no_follow: bool = False  # a failed or expired follow (or n > 1): clone-now from then on
+    no_disk: bool = False  # a restore failed: it prefills from then on
+    first_parked_at: float = 0.0  # the follow deadline runs from here, across re-parks
+
+
+@dataclass(eq=False)
 class Request:
     rid: int  # admission order, also the runner's key
     req: GenerateRequest
@@ -78,37 +141,21 @@ class Request:
     stop_ids: frozenset[int]
     need_bytes: int  # what it reserves when it takes a slot (Admission.request_bytes)
     named: NamedSession | None = None
-    phase: Phase = Phase.QUEUED
-    reserved_bytes: int = 0  # what it holds of the budget now: its slot's bytes, or its landing clone's
-    capture_slot: bool = False  # holds a capture slot (and its bytes)
-    capture_bytes: int = 0
-    cache_matches: list = field(default_factory=list)  # the prefix cache candidates its Start named
-    committed: int = 0  # as the runner last published
-    kept: tuple[int, ...] = ()  # its session's recurrent checkpoints, as the runner last published
-    reused: int = 0
-    reuse_source: ReuseSource | None = None
-    prefilled: int = 0
-    generated: int = 0
+    phase: Phase = field(default_factory=Queued)
+    tried: Tried = field(default_factory=Tried)
     ending: str | None = None  # "cancelled" or "stop": asked for, runner not yet done
-    expiry: asyncio.TimerHandle | None = None
-    # active reuse and following (reuse.py)
-    cached_match: int = 0  # the best prefix-cache match when its reuse was decided
-    clone_upto: int = 0  # STARTING with a donor: what the donor clone will hold
-    following: Following | None = None  # FOLLOWING: whom, up to where, until when
-    registered: bool = False  # its follow order is with the runner
-    follow_timer: asyncio.TimerHandle | None = None
-    first_parked_at: float = 0.0  # the follow deadline runs from here, across re-parks
-    no_follow: bool = False  # a failed or expired follow: clone-now from then on
-    landed: tuple[Any, int] | None = None  # (session, tokens) a follow clone gave it, until it has a slot
-    restoring: DiskMatch | None = None  # RESTORING: the disk tier's file it waits for
-    restore_sent: bool = False  # its state went to the runner to load: the answer comes back either way
-    no_disk: bool = False  # a restore failed: it prefills from then on
+    expiry: asyncio.TimerHandle | None = None  # the queue timeout, while it waits
     # n > 1: choice 0 is the request that prefills (it lists the others as `siblings`); each other choice
     # (its `lead` set) is admitted with it, holding a slot, and is `sent` to the runner in its Start.
     lead: "Request | None" = None
     siblings: list["Request"] = field(default_factory=list)
     sent: bool = False
     decision: dict[str, Any] = field(default_factory=dict)  # reuse decision and its inputs, for the log line
+    # usage
+    reused: int = 0
+    reuse_source: ReuseSource | None = None
+    prefilled: int = 0
+    generated: int = 0
     submitted_at: float = field(default_factory=time.monotonic)
     admitted_at: float = 0.0
     first_token_at: float = 0.0
@@ -119,23 +166,23 @@ class Request:
         return self.req.prompt
 
     @property
-    def committed_prompt(self) -> int:
-        """Prompt tokens this request's session holds: what a donor can give."""
-        return min(self.committed, len(self.req.prompt))
+    def holds_slot(self) -> bool:
+        return isinstance(self.phase, Running)
 
     @property
-    def leader(self) -> int | None:
-        """Whom it follows, while it follows."""
-        return self.following.leader if self.following is not None else None  # type: ignore[return-value]
+    def committed(self) -> int:
+        """Prompt and output positions its session holds, as the runner last published (0 while waiting)."""
+        return self.phase.committed if isinstance(self.phase, Running) else 0
+
+    @property
+    def committed_prompt(self) -> int:
+        """Prompt tokens its session holds: what it can give as a donor or a leader."""
+        return min(self.committed, len(self.prompt))
 
     @property
     def waiting_siblings(self) -> list["Request"]:
         """Its other choices not yet gone to the runner (nor ended before it)."""
-        return [s for s in self.siblings if not s.sent and s.phase is not Phase.DONE]
-
-    @property
-    def holds_slot(self) -> bool:
-        return self.phase in (Phase.STARTING, Phase.RUNNING)
+        return [s for s in self.siblings if not s.sent and not isinstance(s.phase, Finished)]
 
     def usage(self, now: float) -> Usage:
         started = self.admitted_at or now
@@ -151,3 +198,69 @@ class Request:
             ttft_s=(self.first_token_at - self.submitted_at) if self.first_token_at else 0.0,
             decode_s=max(0.0, now - first) if self.first_token_at else 0.0,
         )
+
+
+# ---- the transitions: each the one way into its phase ----
+
+
+class WrongPhase(AssertionError):
+    """A transition from a phase it does not leave from: an engine bug."""
+
+
+def _leave(r: Request, *allowed: type) -> None:
+    if not isinstance(r.phase, allowed):
+        raise WrongPhase(f"request {r.rid} cannot go from {type(r.phase).__name__}")
+
+
+def queue(r: Request, landed: Landed | None = None) -> Queued:
+    """Back to waiting for a slot (from parking), with the session that landed for it, if any."""
+    _leave(r, Queued, Following, Restoring)
+    r.phase = Queued(landed)
+    return r.phase
+
+
+def follow(r: Request, order: FollowOrder, cached: int, now: float, leader_committed: int) -> Following:
+    """Park behind a leader, holding no slot (`leader_committed`: the prompt tokens it holds now)."""
+    _leave(r, Queued)
+    r.tried.first_parked_at = r.tried.first_parked_at or now
+    r.phase = Following(order, cached, (now, leader_committed))
+    return r.phase
+
+
+def restore(r: Request, match: Match) -> Restoring:
+    """Park until its prefix is read from disk and loaded, holding no slot."""
+    _leave(r, Queued)
+    r.phase = Restoring(match)
+    return r.phase
+
+
+def prefill(r: Request, cached: int = 0, donor_upto: int = 0, candidates: list[Match] | None = None) -> Prefilling:
+    """Handed to the runner, holding a slot (also: a choice going with its lead; again: a start whose donor
+    clone was refused)."""
+    _leave(r, Queued, Prefilling)
+    r.phase = Prefilling(cached, donor_upto, candidates or [])
+    return r.phase
+
+
+def started(r: Request, reused: int) -> Prefilling:
+    """The runner has its session, holding `reused` prompt tokens."""
+    _leave(r, Prefilling)
+    assert isinstance(r.phase, Prefilling)
+    r.phase.started, r.phase.donor_upto, r.phase.committed = True, 0, reused
+    return r.phase
+
+
+def decode(r: Request) -> Decoding:
+    """Its first token is sampled."""
+    _leave(r, Prefilling)
+    assert isinstance(r.phase, Prefilling)
+    r.phase = Decoding(r.phase.committed, r.phase.kept)
+    return r.phase
+
+
+def finish(r: Request, reason: str, error: str | None = None) -> Finished:
+    """Over: from any phase but Finished."""
+    if isinstance(r.phase, Finished):
+        raise WrongPhase(f"request {r.rid} is already finished")
+    r.phase = Finished(reason, error)
+    return r.phase

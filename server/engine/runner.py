@@ -1,9 +1,13 @@
-"""The runner: the one thread that owns the backend.
+"""The runner: the one thread that owns the backend. Each step (`Runner.step`):
 
-Each step it takes what the control loop sent (starts, cancellations, clones,
-releases), asks the scheduler what to run, runs it, and publishes the results,
-with every running request's committed position, on the event deque; then it
-wakes the loop with `call_soon_threadsafe`. It never waits on the loop.
+    take commands  the control loop's starts, ends, clone orders, releases, spills, restores
+    plan           the scheduler's decode rows and prefill chunks, as a StepPlan (plan.py)
+    forward        the plan's pass(es), failures recovered row by row (faults.py)
+    sample         each committed row's captures and choices, then its token
+    publish        tokens, ends, every running request's committed position: events for the loop
+
+It never waits on the loop: events go on a deque, and `notify` wakes the loop
+(`call_soon_threadsafe`).
 
 Design rules:
 - a capture (a clone at prompt length) takes the request's recurrent checkpoints
@@ -11,35 +15,23 @@ Design rules:
   bytes from then on). It runs right after the last prefill chunk
   and before the first decode writes: a decode would overwrite what a sliding
   layer's snapshot needs. On a model with recurrent layers it runs one token
-  before the prompt's end (prefill stops there; base.py's recurrent rule), so
-  the same prompt sent again, whose match is at most len - 1, is served;
+  before the prompt's end (prefill stops there: the recurrent rule,
+  backends.base.clone_positions), so the same prompt sent again, whose match is
+  at most len - 1, is served;
 - a follower's clone order is served the moment its donor has committed the
   target (the donor's chunk stops there), before the donor writes again;
 - a donor that leaves hands what it committed to the follower that salvages
   most (follow.promote), cloned before its state is released;
 - a donor with recurrent layers holds a state only at its position and its
-  checkpoints (base.py's recurrent rule): a clone asked of it where it holds
+  checkpoints (the recurrent rule): a clone asked of it where it holds
   none (it moved on since the loop looked, or it leaves below a follower's
   target) is served from the highest state it holds below, if any;
 - every CloneDonor is answered by exactly one CloneDone (a session, a refusal,
   or "cancelled" for an order dropped while it waited): the control loop holds
   the clone's bytes until then;
-- faults stay where they start, and nothing committed is computed twice
-  (base.BatchFailed is the backends' half of this contract):
-  - a forward pass that fails says per session what it did: UNTOUCHED sessions
-    run again without the others (one by one when nothing else changed, and
-    alone twice, so only a failure that stays is charged to its own request);
-    COMMITTED ones go on
-    with their logits row; CORRUPT ones, and COMMITTED ones that need logits
-    the backend could not give, fail with an error and are never read again;
-  - a ValueError is check_inputs' refusal, before any state changed: the rows
-    run one by one to find the culprit; any other exception is a backend bug,
-    and every session of that call fails;
-  - sampling that fails after a forward pass samples again row by row (the
-    backend's sampler changes nothing when it raises); the forward pass is
-    never run again, and a row whose sampling fails alone, twice, fails alone;
-- optional work (a snapshot, a clone from the prefix cache) that fails for
-  any reason falls back, to the next candidate or to none, and is counted;
+- faults stay where they start (faults.py); optional work (a snapshot, a clone
+  from the prefix cache) that fails for any reason falls back, to the next
+  candidate or to none, and is counted;
 - grammar-constrained rows (constraints.py) join their mask just before a sample
   and hand the sampled token over just after it; nothing else here knows them;
 - n choices prefill their prompt once: when its last logits row is in (after
@@ -56,11 +48,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-from backends.base import (Backend, BatchFailed, CloneRefused, ModelInfo, RowState, Sampled, SamplerState,
-                           SamplingParams, Session, clone_positions)
+from backends.base import (Backend, CloneRefused, ModelInfo, Sampled, SamplerState, SamplingParams, Session,
+                           clone_positions)
+from server.engine import faults
 from server.engine import messages as m
+from server.engine import plan as p
 from server.engine.clone_orders import CloneOrders
 from server.engine.constraints import ConstrainedRows
 from server.engine.rates import RateTracker, split_pass
@@ -71,10 +65,11 @@ _DISCARD = SamplingParams()  # greedy: samples the logits rows nobody reads, lea
 
 
 @dataclass
-class _Slot:
-    """A request in an inference slot, as the runner sees it."""
+class Seq:
+    """A request in an inference slot, as the runner runs it."""
 
     start: m.Start
+    sid: int
     session: Session
     sampler: SamplerState
     prefilled: int = 0
@@ -82,6 +77,10 @@ class _Slot:
     next_token: int | None = None  # sampled, not yet committed
     choices: list[m.Choice] = field(default_factory=list)  # opened when the prompt's last logits are in
     capture_at: int = 0  # where its prompt is snapshot (Start.capture), 0: nowhere
+
+    @property
+    def rid(self) -> int:
+        return self.start.rid
 
     @property
     def prefill_left(self) -> int:
@@ -98,7 +97,8 @@ class _Slot:
 class Runner:
     def __init__(self, backend: Backend, model_path: str, dtype: str | None,
                  max_batch_tokens: int, prefill_chunk: int, max_step_s: float, notify: Callable[[], None],
-                 clone_mode: str = "share"):
+                 clone_mode: str = "share", plans: Callable[[p.StepPlan], None] | None = None):
+        """`plans`: handed each step's plan before its forward pass runs."""
         self.backend, self.model_path, self.dtype, self.clone_mode = backend, model_path, dtype, clone_mode
         self.max_batch_tokens, self.prefill_chunk, self.max_step_s = max_batch_tokens, prefill_chunk, max_step_s
         # The step budget's own rates, from the step timings measured here (the
@@ -106,16 +106,17 @@ class Runner:
         self._rates = RateTracker()
         self.inbox: collections.deque = collections.deque()  # control loop -> runner
         self.events: collections.deque = collections.deque()  # runner -> control loop
-        self._notify = notify
+        self._notify, self._plans = notify, plans
         self._wake = threading.Event()
-        self._slots: dict[int, _Slot] = {}
+        self._ex = p.Executor(backend)
+        self._running: dict[int, Seq] = {}
+        self._opened: list[p.Sampler] = []  # samplers opened since the last plan
         self._orders = CloneOrders()
         self._rotation: int | None = None
+        self._steps = 0
         self._stopping = False
-        self._backend_s = 0.0
         self._constrained: ConstrainedRows | None = None  # once the model is loaded (it knows the vocabulary)
         self._info: ModelInfo | None = None  # once loaded
-        self._recurrent = False  # the model has recurrent layers
         self._releases = 0  # Release commands run (m.Pooled)
         self.thread = threading.Thread(target=self._main, name="kvfork-runner", daemon=True)
 
@@ -129,7 +130,6 @@ class Runner:
         try:
             self.backend.set_clone_mode(self.clone_mode)  # type: ignore[arg-type]
             info = self._info = self.backend.load(self.model_path, self.dtype)
-            self._recurrent = any(layer.kind == "recurrent" for layer in info.layers)
             self._constrained = ConstrainedRows(info.vocab_size)
             self._publish(m.Loaded(info))
         except Exception as exc:
@@ -139,14 +139,118 @@ class Runner:
         try:
             while not self._stopping:
                 self._wake.clear()
-                self._take_commands()
-                if self._slots:
-                    self._step()
-                elif not self._stopping:
+                if self.inbox or self._running:
+                    self.step()
+                else:
                     self._wake.wait()
         except BaseException as exc:  # the thread is dying: say so, never leave the loop waiting
             log.exception("runner died")
             self._publish(m.Died(f"runner died: {exc!r}"))
+
+    # ---- one step ----
+
+    def step(self) -> p.StepPlan:
+        """One cycle: take the loop's commands, plan, forward, sample, publish. Returns the plan it ran."""
+        took = self.take_commands()
+        t0, backend_s = time.perf_counter(), self._ex.seconds
+        plan = self.plan()
+        if self._plans is not None:
+            self._plans(plan)
+        pass_s = 0.0
+        for rows in plan.passes():
+            before = self._ex.seconds
+            for group, logits in self.forward(rows):
+                self.sample(plan, group, logits)
+            pass_s = self._ex.seconds - before
+        prefill_s = self._observe(plan, self._ex.seconds - backend_s, pass_s)
+        self._serve_orders()
+        self.publish(plan, took, time.perf_counter() - t0, self._ex.seconds - backend_s, prefill_s)
+        return plan
+
+    def plan(self) -> p.StepPlan:
+        """The scheduler's rows for this step, with the ops run since the last plan."""
+        running = [Running(rid, s.prefill_left, s.prefill_cap(self._orders.prefill_cap(rid, s.session.position,
+                                                                                       s.prefill_left)))
+                   for rid, s in self._running.items()]
+        rates = self._rates.rates
+        budget = TimeBudget(self.max_step_s, rates.decode_s, rates.step_s_per_token) if self.max_step_s else None
+        batch = plan_step(running, self.max_batch_tokens, self.prefill_chunk, self._rotation, budget)
+        self._rotation = batch.last_prefilled
+        decode = [p.Row(rid, self._running[rid].sid, [self._running[rid].next_token], True, False)  # type: ignore
+                  for rid in batch.decode]
+        samples = [p.Sample(rid, rid) for rid in batch.decode]
+        prefill = []
+        for rid, n in batch.prefill:
+            s = self._running[rid]
+            at = s.session.position
+            ends = s.prefill_left == n
+            prefill.append(p.Row(rid, s.sid, s.start.prompt[at:at + n], ends, True))
+            if ends:
+                samples.append(p.Sample(rid, rid))
+                for choice in s.choices:
+                    self._opened.append(p.Sampler(choice.rid, choice.sampling, s.start.prompt))
+                    samples.append(p.Sample(choice.rid, rid))
+        self._steps += 1
+        opened, self._opened = self._opened, []
+        return p.StepPlan(self._steps, self._ex.take_ops(), opened, decode, prefill, samples,
+                          self.backend.mixed_batches)
+
+    def forward(self, rows: list[p.Row]) -> list[faults.Group]:
+        return faults.forward(self._ex.forward, rows, self._fail)
+
+    def sample(self, plan: p.StepPlan, group: list[p.Row | None], logits: Any) -> None:
+        """Rows whose tokens are committed: prefill progress and captures; then each other choice over a
+        prompt that is in opens and samples its first token; then the rows' own samples (plan.samples)."""
+        at = {}
+        for i, row in enumerate(group):
+            s = self._running.get(row.rid) if row is not None else None
+            if s is None:
+                continue
+            at[s.rid] = i
+            if row.prefill:  # type: ignore[union-attr]
+                s.prefilled += len(row.tokens)  # type: ignore[union-attr]
+                if s.session.position == s.capture_at:
+                    self._capture(s)
+        own = set()
+        for sample in plan.samples:
+            if sample.row not in at or sample.row not in self._running:
+                continue
+            if sample.rid == sample.row:
+                own.add(sample.rid)
+            else:
+                self._open_choice(self._running[sample.row], sample.rid, logits, at[sample.row], len(group))
+        ready = [self._running.get(row.rid) if row is not None and row.rid in own else None for row in group]
+        if any(ready):
+            self._sample(logits, ready)
+
+    def publish(self, plan: p.StepPlan, took: bool, step_s: float, backend_s: float, prefill_s: float) -> None:
+        """Events for the loop: a step's StepStats, or, after commands alone, what the backend holds."""
+        if not plan.passes():
+            if took and not self._running:  # no step reports what the commands left held
+                self.events.append(m.Holding(self.backend.live_sessions(), self.backend.total_bytes(),
+                                             self._pooled(), self.backend.block_stats()))
+            if self.events:
+                self._notify()
+            return
+        committed = {rid: s.session.position for rid, s in self._running.items()}
+        kept = {rid: s.session.kept for rid, s in self._running.items() if s.session.kept}
+        backend = self.backend
+        self._publish(m.StepStats(committed, backend.live_sessions(), backend.total_bytes(), step_s, backend_s,
+                                  plan.prefill_tokens, prefill_s, kept, self._pooled(), backend.block_stats()))
+
+    def _observe(self, plan: p.StepPlan, step_s: float, last_pass_s: float) -> float:
+        """The step's backend time into the step budget's rates (a step that decoded: the whole step
+        against its prefill tokens) and the prefill rate; returns the step's prefill time: its pass of
+        prefill chunks, or the prefill part of its one mixed pass (rates.split_pass)."""
+        tokens = plan.prefill_tokens
+        if plan.decode and not plan.mixed:
+            prefill_s = last_pass_s if plan.prefill else 0.0
+        else:
+            prefill_s = split_pass(len(plan.decode), tokens, step_s)[1]
+        if plan.decode:
+            self._rates = self._rates.observe_step(tokens, step_s)
+        self._rates = self._rates.observe_prefill(tokens, prefill_s)
+        return prefill_s
 
     @property
     def _rows(self) -> ConstrainedRows:
@@ -157,67 +261,56 @@ class Runner:
         self.events.extend(events)
         self._notify()
 
-    def _timed(self, fn: Callable, *args: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            self._backend_s += time.perf_counter() - t0
+    def _pooled(self) -> m.Pooled:
+        return m.Pooled(self.backend.pooled_bytes(), self._releases)
 
     # ---- commands ----
 
-    def _take_commands(self) -> None:
+    def take_commands(self) -> bool:
+        """Run what the loop sent, in order; whether there was anything."""
         took = bool(self.inbox)
         while self.inbox:
-            command = self.inbox.popleft()
-            if isinstance(command, m.Start):
-                self._start(command)
-            elif isinstance(command, (m.Cancel, m.Finish)):
-                if self._orders.drop_recipient(command.rid):  # every order is answered, a dropped one too
-                    self.events.append(m.CloneDone(command.rid, None, reason="cancelled"))
-                reason = "cancelled" if isinstance(command, m.Cancel) else "stop"
-                slot = self._slots.get(command.rid)
-                if slot is not None:
-                    self._end(slot, reason)
-                else:
-                    self._drop_choice(command.rid, reason)
-            elif isinstance(command, m.CloneDonor):
-                self._clone_donor(command)
-            elif isinstance(command, m.Release):
-                for session in command.sessions:
-                    self.backend.release(session)
-                self._releases += 1
-            elif isinstance(command, m.Spill):
-                self._spill(command)
-            elif isinstance(command, m.Restore):
-                self._restore(command)
-            elif isinstance(command, m.Stop):
-                self._orders = CloneOrders()  # nobody is left to hand anything over to
-                for slot in list(self._slots.values()):
-                    self._end(slot, "cancelled")
-                self._rows.close()
-                self._stopping = True
+            match self.inbox.popleft():
+                case m.Start() as start:
+                    self._start(start)
+                case m.Cancel(rid=rid):
+                    self._stop(rid, "cancelled")
+                case m.Finish(rid=rid):
+                    self._stop(rid, "stop")
+                case m.CloneDonor() as order:
+                    self._clone_donor(order)
+                case m.Release(sids=sids):
+                    self._ex.run(p.Release(sids))
+                    self._releases += 1
+                case m.Spill() as spill:
+                    self._spill(spill)
+                case m.Restore() as restore:
+                    self._restore(restore)
+                case m.Stop():
+                    self._orders = CloneOrders()  # nobody is left to hand anything over to
+                    for s in list(self._running.values()):
+                        self._end(s, "cancelled")
+                    self._rows.close()
+                    self._stopping = True
         self._serve_orders()
-        if took and not self._slots:
-            self.events.append(m.Holding(self.backend.live_sessions(), self.backend.total_bytes(), self._pooled(),
-                                         self.backend.block_stats()))
         if self.events:
             self._notify()
+        return took
 
     def _start(self, start: m.Start) -> None:
-        session, reused, index, refused, clone_s = start.resume, start.resume_at, None, [], 0.0
+        sid, reused, index, refused, clone_s = start.resume, start.resume_at, None, [], 0.0
         if start.donor is not None:
             t0 = time.perf_counter()
-            session, reused, reason = self._clone_of(*start.donor)
-            if session is None:
+            sid, reused, reason = self._clone_of(*start.donor)
+            if sid is None:
                 self.events.append(m.CloneDone(start.rid, None, reason=reason))
                 return
             clone_s = time.perf_counter() - t0
         try:
-            for i, (source, upto) in enumerate(start.clone_from if session is None else ()):
+            for i, (source, upto) in enumerate(start.clone_from if sid is None else ()):
                 try:
                     t0 = time.perf_counter()
-                    session, reused, index = self._timed(self.backend.clone, source, upto), upto, i
+                    sid, reused, index = self._clone(source, upto), upto, i
                     clone_s = time.perf_counter() - t0
                     break
                 except CloneRefused as refusal:
@@ -225,53 +318,80 @@ class Runner:
                 except Exception as exc:  # optional work: the next candidate, or a cold start
                     log.warning("clone from the prefix cache for request %d failed: %r", start.rid, exc)
                     refused.append("error")
-            if session is None:
-                session, reused = self.backend.open_session(), 0
+            if sid is None:
+                sid, reused = self._ex.new_sid(), 0
+                self._ex.run(p.Open(sid))
             if start.keep_at:
-                self._keep_at(session, start.keep_at)
+                self._keep_at(sid, start.keep_at)
         except Exception as exc:
             log.exception("start failed")
             self.events.append(m.Started(start.rid, 0, None, refused))
             for rid in [start.rid] + [choice.rid for choice in start.choices]:
-                self.events.append(m.Finished(rid, "error", 0, 0, error=f"start failed: {exc}"))
+                self.events.append(m.Ended(rid, "error", 0, 0, error=f"start failed: {exc}"))
             return
-        sampler = SamplerState(start.sampling, prompt=start.prompt)
-        capture_at = len(start.prompt) - 1 if self._recurrent else len(start.prompt)
-        self._slots[start.rid] = _Slot(start, session, sampler, choices=list(start.choices),
-                                       capture_at=capture_at if start.capture else 0)
-        self._rows.start(start.rid, start.constraint)
+        self._open(start, sid, list(start.choices))
         self.events.append(m.Started(start.rid, reused, index, refused, clone_s))
+
+    def _open(self, start: m.Start, sid: int, choices: list[m.Choice], planned: bool = False) -> Seq:
+        """`start`'s request takes its slot on session `sid`, with its sampler and its grammar's matcher
+        (`planned`: the plan named its sampler already)."""
+        capture_at = len(start.prompt) - 1 if self._info is not None and self._info.recurrent else len(start.prompt)
+        s = self._running[start.rid] = Seq(start, sid, self._ex.sessions[sid],
+                                           SamplerState(start.sampling, prompt=start.prompt), choices=choices,
+                                           capture_at=capture_at if start.capture else 0)
+        if not planned:
+            self._opened.append(p.Sampler(start.rid, start.sampling, start.prompt))
+        self._rows.start(start.rid, start.constraint)
+        return s
+
+    def _clone(self, source: int, upto: int) -> int:
+        """A new session holding [0, upto) of session `source` (raises CloneRefused and the rest)."""
+        sid = self._ex.new_sid()
+        self._ex.run(p.Clone(sid, source, upto))
+        return sid
+
+    def _stop(self, rid: int, reason: str) -> None:
+        """Cancel or Finish: the request leaves (a clone order it waits for is dropped, and answered)."""
+        if self._orders.drop_recipient(rid):  # every order is answered, a dropped one too
+            self.events.append(m.CloneDone(rid, None, reason="cancelled"))
+        s = self._running.get(rid)
+        if s is not None:
+            self._end(s, reason)
+        else:
+            self._drop_choice(rid, reason)
 
     def _spill(self, command: m.Spill) -> None:
         """Optional work: a state that fails to export is simply not kept on disk."""
         state = None
         try:
-            state = self._timed(self.backend.export_state, command.session)
+            state = self._ex.run(p.Export(command.sid))
         except Exception as exc:
             log.warning("exporting a prefix cache entry failed: %r", exc)
-        self.backend.release(command.session)
+        self._ex.run(p.Release([command.sid]))
         self.events.append(m.Exported(command.key, state))
 
     def _restore(self, command: m.Restore) -> None:
         """Optional work: a state that fails to load leaves its request to prefill."""
-        t0 = time.perf_counter()
+        t0, sid = time.perf_counter(), self._ex.new_sid()
         try:
-            session = self._timed(self.backend.import_state, command.state)
+            self._ex.run(p.Import(sid, command.state))
         except Exception as exc:
             log.warning("loading a saved state for request %d failed: %r", command.rid, exc)
             self.events.append(m.Restored(command.rid, None))
             return
-        self.events.append(m.Restored(command.rid, session, session.position, time.perf_counter() - t0))
+        self.events.append(m.Restored(command.rid, sid, self._ex.sessions[sid].position, time.perf_counter() - t0))
 
-    def _keep_at(self, session: Session, positions: tuple[int, ...]) -> None:
+    def _keep_at(self, sid: int, positions: tuple[int, ...]) -> None:
         """Checkpoints at message boundaries are optional work: a backend that fails them runs on without."""
         try:
-            self._timed(self.backend.keep_at, session, positions)
+            self._ex.run(p.KeepAt(sid, tuple(positions)))
         except Exception as exc:
             log.warning("keeping checkpoints at %s failed: %r", positions, exc)
 
+    # ---- clones for followers ----
+
     def _clone_donor(self, command: m.CloneDonor) -> None:
-        donor = self._slots.get(command.donor)
+        donor = self._running.get(command.donor)
         if donor is None:
             self.events.append(m.CloneDone(command.rid, None, reason="donor_gone"))
         elif donor.session.position < command.upto:
@@ -279,271 +399,139 @@ class Runner:
         else:
             self._clone_for(command.rid, donor, command.upto)
 
-    def _clone_of(self, donor_rid: int, upto: int) -> tuple[Session, int, None] | tuple[None, int, str]:
+    def _clone_of(self, donor_rid: int, upto: int) -> tuple[int, int, None] | tuple[None, int, str]:
         """`[0, upto)` of a running request's session (at most: a recurrent donor gives the highest
         state it holds at or below), with what it holds, or why not (a clone fails soft)."""
-        donor = self._slots.get(donor_rid)
+        donor = self._running.get(donor_rid)
         if donor is None:
             return None, 0, "donor_gone"
-        if self._recurrent:
-            assert self._info is not None
+        if self._info is not None and self._info.recurrent:
             held = clone_positions(donor.session.position, self._info, donor.session.kept)
-            upto = max((p for p in held if p <= upto), default=upto)  # none below: the clone is refused
+            upto = max((q for q in held if q <= upto), default=upto)  # none below: the clone is refused
         try:
-            return self._timed(self.backend.clone, donor.session, upto), upto, None
+            return self._clone(donor.sid, upto), upto, None
         except CloneRefused as refusal:
             return None, 0, refusal.reason
         except Exception as exc:
             log.warning("clone of request %d failed: %s", donor_rid, exc)
             return None, 0, "error"
 
-    def _clone_for(self, rid: int, donor: _Slot, upto: int, refused_reason: str | None = None) -> None:
+    def _clone_for(self, rid: int, donor: Seq, upto: int, refused_reason: str | None = None) -> None:
         t0 = time.perf_counter()
-        session, upto, reason = self._clone_of(donor.start.rid, upto)
-        if session is not None:
-            self.events.append(m.CloneDone(rid, session, upto, seconds=time.perf_counter() - t0))
+        sid, upto, reason = self._clone_of(donor.rid, upto)
+        if sid is not None:
+            self.events.append(m.CloneDone(rid, sid, upto, seconds=time.perf_counter() - t0))
         else:
             self.events.append(m.CloneDone(rid, None, reason=refused_reason or reason))
 
     def _serve_orders(self) -> None:
-        for order in self._orders.due({rid: slot.session.position for rid, slot in self._slots.items()}):
-            self._clone_for(order.rid, self._slots[order.donor], order.upto)
+        for order in self._orders.due({rid: s.session.position for rid, s in self._running.items()}):
+            self._clone_for(order.rid, self._running[order.donor], order.upto)
 
-    def _hand_over(self, slot: _Slot, usable: bool) -> None:
+    def _hand_over(self, s: Seq, usable: bool) -> None:
         """A donor with followers waiting is leaving: its heir gets what it committed, the rest plan again."""
-        committed = min(slot.session.position, len(slot.start.prompt))
-        heir, upto, others = self._orders.leaving(slot.start.rid, committed, usable)
+        committed = min(s.session.position, len(s.start.prompt))
+        heir, upto, others = self._orders.leaving(s.rid, committed, usable)
         if heir is not None:
-            self._clone_for(heir.rid, slot, upto, refused_reason="leader_gone")
+            self._clone_for(heir.rid, s, upto, refused_reason="leader_gone")
         for order in others:
             self.events.append(m.CloneDone(order.rid, None, reason="leader_gone"))
 
-    # ---- one step ----
+    # ---- what a committed row leads to ----
 
-    def _step(self) -> None:
-        t0, self._backend_s = time.perf_counter(), 0.0
-        running = [Running(rid, s.prefill_left, s.prefill_cap(self._orders.prefill_cap(rid, s.session.position,
-                                                                                       s.prefill_left)))
-                   for rid, s in self._slots.items()]
-        rates = self._rates.rates
-        budget = TimeBudget(self.max_step_s, rates.decode_s, rates.prefill_tps) if self.max_step_s else None
-        plan = plan_step(running, self.max_batch_tokens, self.prefill_chunk, self._rotation, budget)
-        self._rotation = plan.last_prefilled
-        decoding = [self._slots[rid] for rid in plan.decode]
-        prefilling = [self._slots[rid] for rid, _ in plan.prefill]
-        prefill_s = 0.0
-        if not self.backend.mixed_batches and decoding:
-            self._run(decoding, [], {})  # then the prefill chunks in a pass of their own
-            self._rates = self._rates.observe_decode(self._backend_s)
-            decoding = []
-        if decoding or prefilling:
-            before = self._backend_s
-            self._run(decoding, prefilling, dict(plan.prefill))
-            tokens = sum(n for _, n in plan.prefill)
-            decode_s, prefill_s = split_pass(len(decoding), tokens, self._backend_s - before)
-            if decoding:
-                self._rates = self._rates.observe_decode(decode_s)
-            self._rates = self._rates.observe_prefill(tokens, prefill_s)
-        self._serve_orders()
-        committed = {rid: s.session.position for rid, s in self._slots.items()}
-        kept = {rid: s.session.kept for rid, s in self._slots.items() if s.session.kept}
-        live, nbytes = self._timed(self.backend.live_sessions), self._timed(self.backend.total_bytes)
-        pooled, blocks = self._timed(self._pooled), self._timed(self.backend.block_stats)
-        self._publish(m.StepStats(committed, live, nbytes, time.perf_counter() - t0, self._backend_s,
-                                  sum(n for _, n in plan.prefill), prefill_s, kept, pooled, blocks))
-
-    def _pooled(self) -> m.Pooled:
-        return m.Pooled(self.backend.pooled_bytes(), self._releases)
-
-    def _run(self, decoding: list[_Slot], prefilling: list[_Slot], chunks: dict[int, int]) -> None:
-        """One forward pass: the decoding requests' next tokens and the prefilling ones' chunks
-        (both kinds only on a `mixed_batches` backend: one `prefill` call takes rows of any length)."""
-        pieces = {}
-        for s in prefilling:
-            at = s.session.position
-            pieces[s.start.rid] = s.start.prompt[at:at + chunks[s.start.rid]]
-        rows = [[s.next_token] for s in decoding] + [pieces[s.start.rid] for s in prefilling]
-        # Rows that need their logits: every decode row, and the chunks that end their prompt.
-        last = [True] * len(decoding) + [s.prefill_left == len(pieces[s.start.rid]) for s in prefilling]
-        call = self.backend.prefill if prefilling else self._decode_call
-        for group, logits in self._forward(call, decoding + prefilling, rows, last):
-            for slot in group:
-                if slot is not None:
-                    slot.prefilled += len(pieces.get(slot.start.rid, ()))
-            for slot in group:
-                if slot is not None and slot.start.rid in pieces and slot.session.position == slot.capture_at:
-                    self._capture(slot)
-            ready = [s if s is not None and s.prefill_left == 0 else None for s in group]
-            for row, slot in enumerate(ready):
-                if slot is not None and slot.choices:  # its prompt is in: its other choices start here
-                    self._open_choices(slot, logits, row, len(ready))
-            if any(ready):
-                self._sample(logits, ready)
-
-    def _decode_call(self, sessions: list[Session], rows: list[list[int]]) -> Any:
-        return self.backend.decode(sessions, [row[0] for row in rows])
-
-    def _forward(self, call: Callable[[list[Session], list], Any], slots: list[_Slot], rows: list,
-                 needs_logits: list[bool], retried: bool = False) -> list[tuple[list[_Slot | None], Any]]:
-        """Run one batched forward pass, failing exactly the requests whose state can no longer be
-        trusted. Returns (group, logits) pairs: row i of logits belongs to group[i], a request
-        whose tokens are committed, or None (a row nobody reads); logits is None when no row of
-        its group needs them. `retried`: this call already failed once alone, changing nothing."""
+    def _capture(self, s: Seq) -> None:
+        prompt = s.start.prompt[:s.capture_at]
         try:
-            return [(list(slots), self._timed(call, [s.session for s in slots], rows))]
-        except BatchFailed as failed:
-            if len(failed.rows) != len(slots):
-                self._fail_all(slots, f"backend failure ({failed}), with {len(failed.rows)} row states for "
-                                      f"{len(slots)} sessions")
-                return []
-            return self._salvage(call, slots, rows, needs_logits, failed, retried)
-        except ValueError as exc:  # check_inputs refused the call before it changed anything
-            if len(slots) == 1:
-                self._fail(slots[0], f"refused by the backend: {exc}")
-                return []
-            return self._one_by_one(call, slots, rows, needs_logits)
-        except Exception as exc:
-            self._fail_all(slots, f"backend failure, state lost: {exc!r}")
-            return []
-
-    def _salvage(self, call: Callable, slots: list[_Slot], rows: list, needs_logits: list[bool],
-                 failed: BatchFailed, retried: bool) -> list[tuple[list[_Slot | None], Any]]:
-        groups: list[tuple[list[_Slot | None], Any]] = []
-        kept: list[_Slot | None] = []
-        retry = []
-        for i, (slot, state) in enumerate(zip(slots, failed.rows)):
-            kept.append(None)
-            if state is RowState.UNTOUCHED:
-                retry.append(i)
-            elif state is RowState.COMMITTED and (failed.logits is not None or not needs_logits[i]):
-                kept[i] = slot
-            elif state is RowState.COMMITTED:
-                self._fail(slot, f"a backend failure ({failed}) left its tokens committed without their logits")
-            else:
-                self._fail(slot, f"a backend failure ({failed}) left its state partly written")
-        if any(kept):
-            groups.append((kept, failed.logits))
-        if len(retry) < len(slots):
-            if retry:
-                groups += self._forward(call, [slots[i] for i in retry], [rows[i] for i in retry],
-                                        [needs_logits[i] for i in retry])
-        elif len(slots) == 1 and retried:  # it failed alone twice and changed nothing: its own failure
-            self._fail(slots[0], f"backend failure: {failed}")
-        elif len(slots) == 1:  # alone, nothing changed: once more, so a passing fault is charged to no one
-            groups += self._forward(call, slots, rows, needs_logits, retried=True)
-        else:  # nothing changed anywhere: row by row, so a failure that stays is charged to its own request
-            groups += self._one_by_one(call, slots, rows, needs_logits)
-        return groups
-
-    def _one_by_one(self, call: Callable, slots: list[_Slot], rows: list,
-                    needs_logits: list[bool]) -> list[tuple[list[_Slot | None], Any]]:
-        return [group for i in range(len(slots))
-                for group in self._forward(call, slots[i:i + 1], rows[i:i + 1], needs_logits[i:i + 1])]
-
-    def _sample(self, logits: Any, group: list[_Slot | None], retried: bool = False) -> None:
-        """Sample the rows of `group`'s requests (None rows are sampled greedily and dropped).
-        `retried`: this one row's sampling already failed once alone."""
-        states = [s.sampler if s is not None else SamplerState(_DISCARD) for s in group]
-        states = self._rows.before_sample([s.start.rid if s is not None else None for s in group], states)
-        try:
-            picks = self._timed(self.backend.sample, logits, states)
-        except Exception as exc:
-            wanted = [i for i, s in enumerate(group) if s is not None]
-            if len(wanted) == 1 and retried:
-                self._fail(group[wanted[0]], f"sampling failed: {exc}")
-                return
-            if len(wanted) == 1:  # the sampler changed nothing: once more before charging the request
-                self._sample(logits, group, retried=True)
-                return
-            log.warning("sampling a batch failed (%s); sampling its rows one by one", exc)
-            for i in wanted:
-                self._sample(logits, [s if j == i else None for j, s in enumerate(group)])
+            snapshot = self._clone(s.sid, len(prompt))
+        except CloneRefused as refusal:
+            log.info("capture of request %d refused: %s", s.rid, refusal)
+            self.events.append(m.Captured(s.rid, prompt, None))
             return
-        for slot, pick in zip(group, picks):
-            if slot is not None:
-                self._accept(slot, pick)
-
-    def _open_choices(self, lead: _Slot, logits: Any, row: int, rows: int) -> None:
-        """`lead`'s prompt is in and row `row` of `logits` is its last: every other choice starts from a
-        clone at the prompt's full length (before `lead` decodes) and samples its first token from that row."""
-        choices, lead.choices = lead.choices, []
-        for choice in choices:
-            start = replace(lead.start, rid=choice.rid, sampling=choice.sampling, capture=False, choices=[])
+        except Exception as exc:  # optional work: the request goes on without a snapshot
+            log.warning("capture of request %d failed: %r", s.rid, exc)
+            self.events.append(m.Captured(s.rid, prompt, None, failed=True))
+            return
+        if s.session.kept:  # its message-boundary checkpoints go with the snapshot, which serves them
             try:
-                session = self._timed(self.backend.clone, lead.session, len(start.prompt))
-            except Exception as exc:  # the clone of one choice fails that choice alone
-                log.warning("the clone for choice request %d failed: %r", choice.rid, exc)
-                self.events.append(m.Finished(choice.rid, "error", 0, 0, error=f"its clone failed: {exc!r}"))
-                continue
-            slot = self._slots[choice.rid] = _Slot(start, session, SamplerState(choice.sampling, prompt=start.prompt))
-            self._rows.start(choice.rid, start.constraint)  # its own matcher: no choice has sampled yet
-            self.events.append(m.Started(choice.rid, len(start.prompt), None))
-            self._sample(logits, [slot if i == row else None for i in range(rows)])
+                self._ex.run(p.MoveCheckpoints(s.sid, snapshot))
+            except Exception as exc:  # optional work: the snapshot serves its own length only
+                log.warning("moving checkpoints of request %d to its snapshot failed: %r", s.rid, exc)
+        session = self._ex.sessions[snapshot]
+        self.events.append(m.Captured(s.rid, prompt, snapshot, self.backend.session_bytes(session),
+                                      kept=session.kept))
+
+    def _open_choice(self, lead: Seq, rid: int, logits: Any, row: int, rows: int) -> None:
+        """`lead`'s prompt is in and row `row` of `logits` is its last: choice `rid` starts from a clone at
+        the prompt's full length (before `lead` decodes) and samples its first token from that row."""
+        choice = next(c for c in lead.choices if c.rid == rid)
+        lead.choices.remove(choice)
+        start = replace(lead.start, rid=rid, sampling=choice.sampling, capture=False, choices=[])
+        try:
+            sid = self._clone(lead.sid, len(start.prompt))
+        except Exception as exc:  # the clone of one choice fails that choice alone
+            log.warning("the clone for choice request %d failed: %r", rid, exc)
+            self.events.append(m.Ended(rid, "error", 0, 0, error=f"its clone failed: {exc!r}"))
+            return
+        s = self._open(start, sid, [], planned=True)
+        self.events.append(m.Started(rid, len(start.prompt), None))
+        self._sample(logits, [s if i == row else None for i in range(rows)])
 
     def _drop_choice(self, rid: int, reason: str) -> None:
         """A choice still waiting for its prompt leaves alone."""
-        for slot in self._slots.values():
-            if any(choice.rid == rid for choice in slot.choices):
-                slot.choices = [choice for choice in slot.choices if choice.rid != rid]
-                self.events.append(m.Finished(rid, reason, 0, 0))
+        for s in self._running.values():
+            if any(choice.rid == rid for choice in s.choices):
+                s.choices = [choice for choice in s.choices if choice.rid != rid]
+                self.events.append(m.Ended(rid, reason, 0, 0))
                 return
 
-    def _capture(self, slot: _Slot) -> None:
-        prompt = slot.start.prompt[:slot.capture_at]
-        try:
-            snapshot = self._timed(self.backend.clone, slot.session, len(prompt))
-        except CloneRefused as refusal:
-            log.info("capture of request %d refused: %s", slot.start.rid, refusal)
-            self.events.append(m.Captured(slot.start.rid, prompt, None))
-            return
-        except Exception as exc:  # optional work: the request goes on without a snapshot
-            log.warning("capture of request %d failed: %r", slot.start.rid, exc)
-            self.events.append(m.Captured(slot.start.rid, prompt, None, failed=True))
-            return
-        if slot.session.kept:  # its message-boundary checkpoints go with the snapshot, which serves them
-            try:
-                self._timed(self.backend.move_checkpoints, slot.session, snapshot)
-            except Exception as exc:  # optional work: the snapshot serves its own length only
-                log.warning("moving checkpoints of request %d to its snapshot failed: %r", slot.start.rid, exc)
-        self.events.append(m.Captured(slot.start.rid, prompt, snapshot, self.backend.session_bytes(snapshot),
-                                      kept=snapshot.kept))
+    def _sample(self, logits: Any, group: list[Seq | None]) -> None:
+        """Sample the rows of `group`'s requests (None rows are sampled greedily and dropped)."""
+        seqs = {s.rid: s for s in group if s is not None}
 
-    def _accept(self, slot: _Slot, pick: Sampled) -> None:
-        failure = self._rows.after_sample(slot.start.rid, pick.token)
+        def draw(rids: Sequence[int | None]) -> list[Sampled]:
+            states = [seqs[rid].sampler if rid is not None else SamplerState(_DISCARD) for rid in rids]
+            return self._ex.sample(logits, self._rows.before_sample(list(rids), states))
+
+        for rid, pick in faults.sample(draw, [s.rid if s is not None else None for s in group], self._fail):
+            if rid in self._running:
+                self._accept(self._running[rid], pick)
+
+    def _accept(self, s: Seq, pick: Sampled) -> None:
+        failure = self._rows.after_sample(s.rid, pick.token)
         if failure is not None:
-            self._end(slot, "error", error=failure)
+            self._end(s, "error", error=failure)
             return
-        slot.generated += 1  # the backend's sampler has appended the token to `sampler.output`
-        if pick.token in slot.start.stop_ids:
-            self._end(slot, "stop")
+        s.generated += 1  # the backend's sampler has appended the token to `sampler.output`
+        if pick.token in s.start.stop_ids:
+            self._end(s, "stop")
             return
-        self.events.append(m.Token(slot.start.rid, pick))
-        slot.next_token = pick.token
-        if slot.generated >= slot.start.max_tokens:
-            self._end(slot, "length")
+        self.events.append(m.Token(s.rid, pick))
+        s.next_token = pick.token
+        if s.generated >= s.start.max_tokens:
+            self._end(s, "length")
 
-    def _fail(self, slot: _Slot, error: str) -> None:
-        log.warning("request %d failed: %s", slot.start.rid, error)
-        self._end(slot, "error", error=error)
+    # ---- ends ----
 
-    def _fail_all(self, slots: list[_Slot], error: str) -> None:
-        for slot in slots:
-            self._fail(slot, error)
+    def _fail(self, rid: int, error: str) -> None:
+        s = self._running.get(rid)
+        if s is not None:
+            log.warning("request %d failed: %s", rid, error)
+            self._end(s, "error", error=error)
 
-    def _end(self, slot: _Slot, reason: str, error: str | None = None) -> None:
-        self._hand_over(slot, usable=reason != "error")
-        for choice in slot.choices:  # it left before its prompt was in: its choices go with it
-            self.events.append(m.Finished(choice.rid, reason, 0, 0, error))
-        del self._slots[slot.start.rid]
-        self._rows.end(slot.start.rid)
+    def _end(self, s: Seq, reason: str, error: str | None = None) -> None:
+        self._hand_over(s, usable=reason != "error")
+        for choice in s.choices:  # it left before its prompt was in: its choices go with it
+            self.events.append(m.Ended(choice.rid, reason, 0, 0, error))
+        del self._running[s.rid]
+        self._rows.end(s.rid)
         kept, held, nbytes, frees = None, [], 0, 0
-        if slot.start.keep_session and reason != "error":
-            kept = slot.session
-            if kept.kept or slot.start.keep_at:  # an idle named session is priced without checkpoints
-                self._keep_at(kept, ())
-            held = (slot.start.prompt + slot.sampler.output)[:slot.session.position]
-            nbytes, frees = self.backend.session_bytes(kept), self.backend.release_frees(kept)
+        if s.start.keep_session and reason != "error":
+            kept = s.sid
+            if s.session.kept or s.start.keep_at:  # an idle named session is priced without checkpoints
+                self._keep_at(s.sid, ())
+            held = (s.start.prompt + s.sampler.output)[:s.session.position]
+            nbytes, frees = self.backend.session_bytes(s.session), self.backend.release_frees(s.session)
         else:
-            self.backend.release(slot.session)
-        self.events.append(m.Finished(slot.start.rid, reason, slot.prefilled, slot.generated, error, kept, held,
-                                      nbytes, frees, self._pooled()))
+            self._ex.run(p.Release([s.sid]))
+        self.events.append(m.Ended(s.rid, reason, s.prefilled, s.generated, error, kept, held, nbytes, frees,
+                                   self._pooled()))

@@ -6,10 +6,15 @@ Design rules:
 - the rest of the step's token budget goes to prefill chunks, handed out in
   rotation so a long prompt cannot starve a shorter one behind it;
 - a step that decodes also keeps to a time budget (--max-step-ms): prefill gets
-  the tokens the measured prefill rate fits in what the decode rows leave of it,
-  but never less than MIN_PREFILL_SHARE of the budget's (or, when the decode rows
-  alone take longer, of theirs) worth, so a prompt always progresses. Chunk ends by precedence: a follower's clone point, then
-  the time budget, within --prefill-chunk and --max-batch-tokens (hard caps);
+  the tokens that fit in what the decode rows leave of it (the step's measured
+  fixed part and per-token cost, rates.py). When the decode rows leave little,
+  prefill still gets time as long as theirs, within 1.25x the budget, and never
+  less than a quarter of the step nor MIN_PREFILL_TOKENS; decode rows that alone
+  pass the budget share the step half and half with prefill. So a waiting prompt
+  always progresses (no starving), its TTFT stays within about 2x of no budget,
+  and the decoders' steps stay near the budget where it can be kept. Chunk ends by
+  precedence: a follower's clone point, then the time budget, within
+  --prefill-chunk and --max-batch-tokens (hard caps);
 - admission is first come, first served: a head that does not fit the KV budget
   waits (the prefix cache gives way first), one that never could is refused.
 """
@@ -29,10 +34,12 @@ class Running:
     prefill_cap: int | None = None  # most tokens this step: a follower's clone point stops the chunk
 
 
-# Prefill always gets at least this share of the step's time (the budget, or the
-# decode rows' own time when that is longer): decoders slow down by at most this
-# much, and a prompt still prefills at a fair share of the rate.
-MIN_PREFILL_SHARE = 0.25
+# The floor of prefill progress in a step that decodes, whatever the measured rates say: a rate
+# misread (a noisy step, a machine that slowed down) can never stall a prompt.
+MIN_PREFILL_TOKENS = 16
+# How far past the budget a step may go to keep prefilling at half speed when the decode rows
+# alone take most of it.
+STRETCH = 1.25
 
 
 @dataclass(frozen=True)
@@ -40,16 +47,25 @@ class TimeBudget:
     """A step's time budget, with the measured rates that turn it into prefill tokens."""
 
     max_step_s: float
-    decode_s: float  # what the step's decode rows take
-    prefill_tps: float  # prompt tokens per second, the whole batch
+    decode_s: float  # what the step takes without prefill (decode rows and the pass's fixed part)
+    s_per_token: float  # what each prefill token adds to it
+
+    def prefill_s(self) -> float:
+        """Prefill's share of the step: what the decode rows leave of the budget; else as long as
+        they take (the prompt at no less than half its speed), as far as STRETCH x the budget allows,
+        and never under a quarter of the step. Decode rows that alone take the whole budget cannot
+        keep it, whatever prefill gives up: the two then share the step half and half."""
+        budget, decode = self.max_step_s, self.decode_s
+        if decode >= budget:
+            return decode
+        return max(budget - decode, min(decode, STRETCH * budget - decode), decode / 3)
 
     def prefill_tokens(self) -> int:
-        left = max(self.max_step_s - self.decode_s, MIN_PREFILL_SHARE * max(self.max_step_s, self.decode_s))
-        return max(1, round(left * self.prefill_tps))
+        return max(MIN_PREFILL_TOKENS, int(self.prefill_s() / max(self.s_per_token, 1e-9)))
 
 
 @dataclass
-class StepPlan:
+class Schedule:
     decode: list[int] = field(default_factory=list)  # rids
     prefill: list[tuple[int, int]] = field(default_factory=list)  # (rid, tokens this step)
     last_prefilled: int | None = None  # rotation cursor for the next step
@@ -60,8 +76,8 @@ class StepPlan:
 
 
 def plan_step(running: Sequence[Running], max_batch_tokens: int, prefill_chunk: int,
-              last_prefilled: int | None = None, time_budget: TimeBudget | None = None) -> StepPlan:
-    plan = StepPlan(decode=[r.rid for r in running if r.prefill_left == 0], last_prefilled=last_prefilled)
+              last_prefilled: int | None = None, time_budget: TimeBudget | None = None) -> Schedule:
+    plan = Schedule(decode=[r.rid for r in running if r.prefill_left == 0], last_prefilled=last_prefilled)
     budget = max_batch_tokens - len(plan.decode)
     if plan.decode and time_budget is not None:  # nobody waits on a step that only prefills
         budget = min(budget, time_budget.prefill_tokens())
@@ -101,6 +117,8 @@ def fit_admission(need: int, held: int, cache_bytes: int, budget: int) -> Fit:
     return Fit(admit=False)
 
 
-def clamp_max_tokens(asked: int | None, default: int, prompt_len: int, max_context: int) -> int:
-    """max_tokens as asked (or the default), never past the context left after the prompt."""
-    return max(0, min(asked or default, max_context - prompt_len))
+def clamp_max_tokens(asked: int | None, default: int | None, prompt_len: int, max_context: int) -> int:
+    """max_tokens as asked (or the operator's default, or else the context left), never past the
+    context left after the prompt."""
+    left = max_context - prompt_len
+    return max(0, min(asked or default or left, left))

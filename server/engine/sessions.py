@@ -1,13 +1,16 @@
 """Named sessions: a client's conversation kept warm between its requests.
 
-The control loop owns this table; the backend sessions in it are opaque handles
-the runner touches. Design rules:
+The control loop owns this table; the state a session keeps between requests is an
+entry of the index (index.py, tier "named"), held as a runner session id. Design rules:
 - warm resume: a prompt that extends the exact tokens the session holds (its
   last prompt and what it generated, as committed) prefills only the new tokens;
   anything else restarts the session cold;
-- one request at a time per session: a second gets `session_busy`;
+- one request at a time per session: a second, while the first runs, runs without it
+  (`acquire` gives None), from the prefix cache or active reuse like any anonymous request:
+  neither OpenAI's nor Anthropic's API refuses concurrent requests;
 - at most `max_sessions` per tenant; a tenant's new session evicts that tenant's
-  least recently used idle one, never another tenant's;
+  least recently used idle one, never another tenant's (when every one of the tenant's is
+  busy, a new name runs without a session);
 - idle sessions give way to admission after the prefix cache, least recently
   used first: the record stays, its state goes, and its owner's next request
   starts cold (never an error);
@@ -23,12 +26,15 @@ the runner touches. Design rules:
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
-from server.engine.api import CapacityExhausted, Scope, SessionBusy
+from server.engine.api import Scope, SessionBusy
+from server.engine.index import Entry, Index
 
 MAX_SESSION_ID = 128
+
+Taken = tuple[list[int], int]  # (runner session ids to release, bytes of them others still read)
 
 
 def check_session_id(session_id: str) -> None:
@@ -40,32 +46,27 @@ def check_session_id(session_id: str) -> None:
 class NamedSession:
     name: str
     tenant: str = ""
-    session: Any = None  # backend session, None when it holds nothing
-    tokens: list[int] = field(default_factory=list)  # what `session` has committed
     busy: bool = False
-    scope: Scope = Scope()  # the scope that computed `session`
-    nbytes: int = 0  # `session`'s own bytes (Backend.session_bytes)
-    frees: int = 0  # what releasing `session` frees at once (Backend.release_frees, when it was kept)
+    state: Entry | None = None  # what it keeps, an entry of the index (tier "named"); None: nothing
+    frees: int = 0  # what releasing its state frees at once (Backend.release_frees, when it was kept)
 
     @property
     def key(self) -> tuple[str, str]:
         return self.tenant, self.name
 
-    def resumes(self, prompt: Sequence[int], scope: Scope) -> bool:
-        held = len(self.tokens)
-        return (self.session is not None and scope == self.scope and 0 < held < len(prompt)
-                and list(prompt[:held]) == self.tokens)
-
-    def take(self) -> tuple[list[Any], int]:
-        """Its state leaves the record: ([the session] or [], bytes of it others still read)."""
-        taken = ([self.session] if self.session is not None else [], max(0, self.nbytes - self.frees))
-        self.session, self.tokens, self.nbytes, self.frees = None, [], 0, 0
-        return taken
+    def resumes(self, prompt: Sequence[int], scope: str) -> bool:
+        """Whether a prompt of `scope` (a digest: Index.digest) extends what it holds."""
+        state = self.state
+        if state is None or state.scope != scope:
+            return False
+        held = len(state.tokens)
+        return 0 < held < len(prompt) and tuple(prompt[:held]) == state.tokens
 
 
 class NamedSessions:
-    def __init__(self, max_sessions: int):
+    def __init__(self, max_sessions: int, index: Index):
         self.max_sessions = max_sessions
+        self._index = index
         self._table: OrderedDict[tuple[str, str], NamedSession] = OrderedDict()  # by (tenant, name), LRU first
 
     def __len__(self) -> int:
@@ -73,73 +74,87 @@ class NamedSessions:
 
     def idle_bytes(self) -> int:
         """Bytes held by sessions no request is using (busy ones are counted by their request)."""
-        return sum(r.nbytes for r in self._idle_holding())
+        return sum(r.state.nbytes for r in self._idle_holding() if r.state is not None)
 
-    def evict_bytes(self, need: int) -> tuple[list[Any], int]:
+    def evict_bytes(self, need: int) -> Taken:
         """Drop the state of idle sessions, least recently used first, until `need` bytes are freed
-        (or none is left); returns the sessions to release and what of them others still read. The
-        records stay: their next request starts cold."""
+        (or none is left). The records stay: their next request starts cold."""
         out, freed, still_read = [], 0, 0
         for record in self._idle_holding():
             if freed >= need:
                 break
             freed += record.frees
-            sessions, read = record.take()
-            out += sessions
+            sids, read = self.take(record)
+            out += sids
             still_read += read
         return out, still_read
 
     def _idle_holding(self) -> list[NamedSession]:
-        return [r for r in self._table.values() if not r.busy and r.session is not None]
+        return [r for r in self._table.values() if not r.busy and r.state is not None]
 
     def holding(self) -> int:
         """How many sessions hold KV state."""
-        return sum(1 for r in self._table.values() if r.session is not None)
+        return sum(1 for r in self._table.values() if r.state is not None)
 
     def get(self, name: str, tenant: str = "") -> NamedSession | None:
         return self._table.get((tenant, name))
 
-    def acquire(self, name: str, tenant: str = "") -> tuple[NamedSession, tuple[list[Any], int]]:
-        """Mark `tenant`'s session `name` busy (creating it); returns it and the state evicted to make room
-        (NamedSession.take)."""
+    def acquire(self, name: str, tenant: str = "") -> tuple[NamedSession | None, Taken]:
+        """Mark `tenant`'s session `name` busy (creating it); returns it and the state evicted to make room.
+        None when it is busy: the request runs without it."""
         key = tenant, name
         record = self._table.get(key)
+        evicted: Taken = ([], 0)
         if record is not None and record.busy:
-            raise SessionBusy(f"session {name!r} is busy with another request")
-        evicted: tuple[list[Any], int] = ([], 0)
+            return None, evicted
         if record is None:
             own = [r for r in self._table.values() if r.tenant == tenant]
             if len(own) >= self.max_sessions:
                 idle = next((r for r in own if not r.busy), None)
-                if idle is None:
-                    raise CapacityExhausted("every named session of this tenant is busy")
+                if idle is None:  # every session of this tenant is busy: this request runs without one
+                    return None, evicted
                 del self._table[idle.key]
-                evicted = idle.take()
+                evicted = self.take(idle)
             record = self._table[key] = NamedSession(name, tenant)
         self._table.move_to_end(key)
         record.busy = True
         return record, evicted
 
-    def release(self, record: NamedSession, session: Any, tokens: list[int], scope: Scope, nbytes: int = 0,
-                frees: int = 0) -> None:
-        """The request on `record` ended, leaving `session` holding `tokens`, computed under `scope`, with
-        `nbytes` of its own of which releasing it frees `frees` at once."""
-        record.session, record.tokens, record.busy, record.scope = session, tokens, False, scope
-        record.nbytes, record.frees = (nbytes, frees) if session is not None else (0, 0)
+    def take(self, record: NamedSession) -> Taken:
+        """Its state leaves the record: ([its session id] or [], bytes of it others still read)."""
+        state, record.state = record.state, None
+        if state is None:
+            return [], 0
+        self._index.drop(state)
+        assert state.sid is not None
+        return [state.sid], max(0, state.nbytes - record.frees)
 
-    def drop(self, name: str, forget: bool, tenant: str = "") -> tuple[bool, tuple[list[Any], int]]:
-        """Reset (forget=False) or delete `tenant`'s session; returns (existed, its state: NamedSession.take)."""
+    def release(self, record: NamedSession, sid: int | None, tokens: Sequence[int], scope: Scope, nbytes: int = 0,
+                frees: int = 0) -> None:
+        """The request on `record` ended, leaving session `sid` holding `tokens`, computed under `scope`, with
+        `nbytes` of its own of which releasing it frees `frees` at once."""
+        record.busy, record.frees = False, frees if sid is not None else 0
+        if sid is not None:
+            record.state = Entry("named", self._index.digest(scope), tuple(tokens), record.key, sid, nbytes)
+            self._index.hold_named(record.state)
+
+    def give_back(self, record: NamedSession) -> None:
+        """The request on `record` left before it ran: the record keeps what it held."""
+        record.busy = False
+
+    def drop(self, name: str, forget: bool, tenant: str = "") -> tuple[bool, Taken]:
+        """Reset (forget=False) or delete `tenant`'s session; returns (existed, its state: `take`)."""
         record = self._table.get((tenant, name))
         if record is None:
             return False, ([], 0)
         if record.busy:
             raise SessionBusy(f"session {name!r} is busy with another request")
-        held = record.take()
+        held = self.take(record)
         if forget:
             del self._table[record.key]
         return True, held
 
-    def clear(self) -> list[Any]:
-        held = [r.session for r in self._table.values() if r.session is not None]
+    def clear(self) -> list[int]:
+        held = [sid for r in self._table.values() for sid in self.take(r)[0]]
         self._table.clear()
         return held

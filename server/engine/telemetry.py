@@ -9,16 +9,36 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from server.engine import messages as m
+from server.engine.admission import Admission
 from server.engine.api import DoneEvent
-from server.engine.load import engine_load
+from server.engine.disk import DiskTier
+from server.engine.index import Index
+from server.engine.load import EngineLoad
 from server.engine.request import Request
+from server.engine.sessions import NamedSessions
 from server.metrics import Registry
 
-if TYPE_CHECKING:
-    from server.engine.engine import Engine
+
+class Readings(Protocol):
+    """What the gauges read (engine.Engine is one); None until the model is loaded."""
+
+    @property
+    def admission(self) -> Admission | None: ...
+    @property
+    def index(self) -> Index | None: ...
+    @property
+    def named(self) -> NamedSessions | None: ...
+    @property
+    def disk(self) -> DiskTier | None: ...
+    @property
+    def following(self) -> int: ...
+    @property
+    def stats(self) -> m.StepStats: ...
+    def load(self) -> EngineLoad: ...
+
 
 log = logging.getLogger("kvfork.requests")
 
@@ -27,8 +47,8 @@ _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 
 
 
 class EngineMetrics:
-    def __init__(self, registry: Registry, engine: "Engine"):
-        c, h, g = registry.counter, registry.histogram, registry.gauge
+    def __init__(self, registry: Registry, engine: Readings):
+        c, h = registry.counter, registry.histogram
         self.requests = c("requests_total", "requests ended, by finish_reason")
         self.prompt_tokens = c("prompt_tokens_total", "prompt tokens of ended requests")
         self.reused_tokens = c("reused_tokens_total", "prompt tokens not prefilled, by source (cache, donor, session)")
@@ -52,20 +72,32 @@ class EngineMetrics:
         self.control_seconds = c("control_loop_seconds_total", "time the control loop spent on runner events")
         self.budget_exceeded = c("kv_budget_exceeded_total",
                                  "runner reports (each step) in which the backend held more than --kv-budget-bytes")
+        self.disk_decisions = c("prefix_cache_disk_decisions_total",
+                                "disk tier hits, by the cost model's choice (restore, slower, no_gain)")
+        self.disk_restores = c("prefix_cache_disk_restores_total",
+                               "disk tier restores, by outcome (restored, corrupt, missing, failed)")
+        self._gauges(registry, engine)
 
-        def admission(read):  # a gauge over admission state, 0 until the model is loaded
+    @staticmethod
+    def _gauges(registry: Registry, engine: Readings) -> None:
+        """Gauges read at scrape time: 0 for what is not there yet (before the model loads, no disk tier)."""
+        g = registry.gauge
+
+        def admission(read):
             return lambda: read(engine.admission) if engine.admission is not None else 0
 
-        g("queue_depth", "requests waiting for a slot", admission(lambda a: len(a.queue)))
-        g("following_requests", "requests parked behind a prefilling leader",
-          lambda: len(engine.reuse.followers) if engine.reuse is not None else 0)
+        def index(read):
+            return lambda: read(engine.index) if engine.index is not None else 0
+
+        g("queue_depth", "requests waiting for a slot", admission(lambda a: a.queued))
+        g("following_requests", "requests parked behind a prefilling leader", lambda: engine.following)
         g("running_requests", "requests holding an inference slot", admission(lambda a: a.slots_used))
         # The Gateway API Inference Extension's model-server protocol: TotalQueuedRequests, TotalRunningRequests
         # (running_requests above) and KVCacheUtilization, in vLLM's meaning (docs/cluster.md).
         g("waiting_requests", "requests waiting: queued for a slot, or parked behind a prefilling leader",
-          lambda: engine_load(engine).waiting)
+          lambda: engine.load().waiting)
         g("kv_cache_usage_perc", "fraction of the KV budget in use, 0 to 1 (the prefix cache and idle named "
-          "sessions give way, so they are not counted)", lambda: engine_load(engine).kv_usage)
+          "sessions give way, so they are not counted)", lambda: engine.load().kv_usage)
         g("live_sessions", "backend sessions open", lambda: engine.stats.live_sessions)
         g("kv_bytes", "bytes of KV state the backend holds", lambda: engine.stats.total_bytes)
         g("kv_budget_held_bytes", "bytes of the KV budget held: reservations, prefix cache, idle named sessions, "
@@ -81,20 +113,16 @@ class EngineMetrics:
           blocks(lambda b: b.shared))
         g("kv_bytes_saved_by_sharing", "bytes copying clones would hold beyond what sharing holds",
           blocks(lambda b: b.saved_bytes))
-        g("kv_reserved_bytes", "bytes of the KV budget reserved by requests and capture slots",
+        g("kv_reserved_bytes", "bytes of the KV budget reserved by requests and captures",
           admission(lambda a: a.reserved))
-        g("named_sessions", "named sessions kept", admission(lambda a: len(a.named)))
-        g("prefix_cache_entries", "snapshots in the prefix cache", admission(lambda a: len(a.cache)))
-        g("prefix_cache_bytes", "bytes of the prefix cache", admission(lambda a: a.cache.nbytes))
-        self.disk_decisions = c("prefix_cache_disk_decisions_total",
-                                "disk tier hits, by the cost model's choice (restore, slower, no_gain)")
-        self.disk_restores = c("prefix_cache_disk_restores_total",
-                               "disk tier restores, by outcome (restored, corrupt, missing, failed)")
+        g("named_sessions", "named sessions kept", lambda: len(engine.named) if engine.named is not None else 0)
+        g("prefix_cache_entries", "snapshots in the prefix cache", index(lambda i: i.count("memory")))
+        g("prefix_cache_bytes", "bytes of the prefix cache", index(lambda i: i.nbytes("memory")))
 
         def disk(read):  # a gauge over the disk tier, 0 while it is off or not open
-            return admission(lambda a: read(a.disk) if a.disk is not None else 0)
+            return lambda: read(engine.disk) if engine.disk is not None else 0
 
-        g("prefix_cache_disk_entries", "files in the prefix cache's disk tier", disk(lambda d: len(d.index)))
+        g("prefix_cache_disk_entries", "files in the prefix cache's disk tier", disk(lambda d: d.files))
         g("prefix_cache_disk_bytes", "bytes of the prefix cache's disk tier", disk(lambda d: d.nbytes))
         g("prefix_cache_disk_on", "1 while the disk tier is on", disk(lambda d: int(d.on)))
         g("prefix_cache_disk_spilled", "entries written to the disk tier since start", disk(lambda d: d.stats.spilled))

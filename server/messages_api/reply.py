@@ -90,9 +90,8 @@ class MessageStream:
         self._open: str | None = None  # kind of the open block: "thinking", "text" or "tool_use"
         self._tool_calls = 0
 
-    def start(self, prompt_tokens: int) -> list[StreamEvent]:
-        empty = MessageReply(id=self.id, model=self.model, content=[], usage=usage(prompt_tokens, 0, 0))
-        return [MessageStart(empty)]
+    def start(self, usage: Usage) -> list[StreamEvent]:
+        return [MessageStart(MessageReply(id=self.id, model=self.model, content=[], usage=usage))]
 
     def events(self, events: list[Event]) -> list[StreamEvent]:
         out: list[StreamEvent] = []
@@ -133,23 +132,34 @@ class MessageStream:
 
 
 class MessagesEventStream(EventStream):
-    """Anthropic's SSE framing: `event:` + `data:` per event, pings as keep-alives, no [DONE]."""
+    """Anthropic's SSE framing: `event:` + `data:` per event, pings as keep-alives, no [DONE].
+    A stream opens with message_start: before it, keep-alives are SSE comments."""
+
+    started = False
 
     async def send(self, event) -> None:
+        self.started = self.started or isinstance(event, MessageStart)
         await self.write(sse(event))
 
     async def send_error(self, error: ApiError) -> None:
         await self.send(error_reply(error.status, error.message))
 
     async def keep_alive(self) -> None:
-        await self.send(Ping())
+        if self.started:
+            await self.send(Ping())
+        else:
+            await super().keep_alive()
 
     async def finish(self) -> None:
         await self.response.write_eof()
 
 
 class MessagesReply:
-    """A Messages reply: the stream's events as the parser releases output, or one body at the end."""
+    """A Messages reply: the stream's events as the parser releases output, or one body at the end.
+
+    message_start waits for the first token (or the end), when the prompt's split between cached
+    and computed tokens is known: as Anthropic's does, it carries the input usage message_delta ends
+    with."""
 
     stream_type = MessagesEventStream
 
@@ -158,20 +168,28 @@ class MessagesReply:
         self.stream = MessageStream(id, model)
         self.events: list[Event] = []
         self.done: Finished | None = None
+        self.started = False
 
     def start(self) -> list[StreamEvent]:
-        return self.stream.start(self.prompt_tokens)
+        return []
 
     def piece(self, piece: Piece) -> list[StreamEvent]:
+        out = self._start(piece.reused) if not self.started else []
         events = self.parser.feed(piece.text)
         self.events += events
-        return self.stream.events(events)
+        return out + self.stream.events(events)
 
     def finish(self, done: Finished) -> list[StreamEvent]:
         self.done = done
+        out = self._start(done.usage.reused_tokens) if not self.started else []
         events = self.parser.finish()
         self.events += events
-        return self.stream.events(events) + self.stream.finish(done.finish_reason, done.stop_string, self._usage())
+        return out + self.stream.events(events) + self.stream.finish(done.finish_reason, done.stop_string,
+                                                                     self._usage())
+
+    def _start(self, reused: int) -> list[StreamEvent]:
+        self.started = True
+        return self.stream.start(usage(self.prompt_tokens, reused, 0))
 
     def whole(self) -> MessageReply:
         assert self.done is not None

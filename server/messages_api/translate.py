@@ -15,6 +15,11 @@ route's) decides how text parts join:
 - client tools become functions keyed in OpenAI's order (templates `tojson`
   them); Anthropic's server tools (web search ...) are dropped: nothing here
   can run them, and refusing the request would stop the agent.
+- a `system` message in the conversation (Claude Code's mid-conversation-system
+  beta) stays a system message where it stands; a template that refuses one there
+  gets it merged into the adjacent user turn (routes/chat.py).
+- structured outputs (`output_config.format`, the beta's `output_format`) →
+  `response_format` json_schema.
 - tool_choice: auto → auto, any → required, tool → the named function, none → none.
 - thinking enabled/adaptive/disabled → chat_template_kwargs.enable_thinking.
 """
@@ -103,6 +108,21 @@ def _assistant(content: str | list, index: int) -> dict[str, Any]:
     return message
 
 
+def _system(content: str | list, index: int) -> dict[str, Any]:
+    if isinstance(content, str):
+        return {"role": "system", "content": content}
+    for block in content:
+        if not isinstance(block, TextBlock):
+            kind = type(block).__struct_config__.tag
+            raise ValueError(f"messages[{index}]: a system message holds text blocks, not {kind}")
+    return {"role": "system", "content": _parts(content)}
+
+
+def dropped_tools(request: MessagesRequest | CountTokensRequest) -> list[str]:
+    """Anthropic's server tools (web_search_..., code_execution_...): nothing here runs them."""
+    return [t.type or t.name for t in request.tools or () if t.type not in (None, "custom")]
+
+
 def _tool(index: int, tool: Tool) -> dict[str, Any]:
     if tool.input_schema is None:
         raise ValueError(f"tools[{index}]: a custom tool needs an input_schema")
@@ -133,6 +153,8 @@ def chat_request(request: MessagesRequest | CountTokensRequest) -> dict[str, Any
     for index, message in enumerate(request.messages):
         if message.role == "user":
             messages += _user(message.content, index)
+        elif message.role == "system":
+            messages.append(_system(message.content, index))
         else:
             messages.append(_assistant(message.content, index))
     body: dict[str, Any] = {"messages": messages}
@@ -150,6 +172,12 @@ def chat_request(request: MessagesRequest | CountTokensRequest) -> dict[str, Any
     if isinstance(request, MessagesRequest):
         body["max_tokens"] = request.max_tokens
         optional = {"stop": request.stop_sequences, "temperature": request.temperature,
-                    "top_p": request.top_p, "top_k": request.top_k, "cache_salt": request.cache_salt}
+                    "top_p": request.top_p, "top_k": request.top_k, "cache_salt": request.cache_salt,
+                    "session_id": request.session_id}
         body.update({k: v for k, v in optional.items() if v is not None})
+        form = request.output_config.format if request.output_config else None
+        form = form or request.output_format
+        if form is not None:
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "output", "schema": form.schema, "strict": True}}
     return body

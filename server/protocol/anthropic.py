@@ -55,7 +55,8 @@ RequestBlock = (
 
 
 class Message(Struct):
-    role: Literal["user", "assistant"]
+    # "system" in the conversation: Claude Code's mid-conversation-system beta (rendered in place)
+    role: Literal["user", "assistant", "system"]
     content: str | list[RequestBlock]
 
 
@@ -80,6 +81,18 @@ class Thinking(Struct):
     budget_tokens: int | None = None
 
 
+class OutputFormat(Struct):
+    """Structured outputs: the reply is JSON valid against `schema` (output_config.format, or the
+    beta's top-level output_format)."""
+
+    type: Literal["json_schema"]
+    schema: dict[str, Any]
+
+
+class OutputConfig(Struct, kw_only=True):
+    format: OutputFormat | None = None
+
+
 class MessagesRequest(Struct, kw_only=True):
     model: str | None = None
     messages: list[Message]
@@ -95,6 +108,9 @@ class MessagesRequest(Struct, kw_only=True):
     metadata: dict[str, Any] | None = None
     thinking: Thinking | None = None
     cache_salt: CacheSalt | None = None  # vLLM's, as on chat completions
+    output_config: OutputConfig | None = None
+    output_format: OutputFormat | None = None
+    session_id: str | None = None  # kvfork's named session (opt-in; gateways forward the body, not our header)
 
 
 class CountTokensRequest(Struct, kw_only=True):

@@ -44,6 +44,7 @@ class ResponsesRequest(Struct, kw_only=True):
     parallel_tool_calls: bool = True
     metadata: dict[str, str] | None = None
     cache_salt: CacheSalt | None = None  # vLLM's, as on chat completions
+    session_id: str | None = None  # kvfork's named session (opt-in; gateways forward the body, not our header)
 
 
 # ---- input items ----------------------------------------------------------
@@ -63,6 +64,7 @@ class FunctionCallItem(Struct, kw_only=True):
     call_id: str
     name: str
     arguments: str
+    namespace: str | None = None  # a function of a `namespace` tool: its name alone names it here
 
 
 class FunctionCallOutputItem(Struct, kw_only=True):
@@ -97,12 +99,13 @@ class OutputMessage(Struct, tag_field="type", tag="message"):
     role: str = "assistant"
 
 
-class FunctionCallOut(Struct, tag_field="type", tag="function_call"):
+class FunctionCallOut(Struct, tag_field="type", tag="function_call", omit_defaults=True):
     id: str
     call_id: str
     name: str
     arguments: str
     status: str
+    namespace: str | None = None  # the `namespace` tool the function came in (omitted for a plain one)
 
 
 class ReasoningOut(Struct, tag_field="type", tag="reasoning"):

@@ -25,6 +25,7 @@ from server.protocol.responses import (
     ReasoningTextDone, Response, ResponseCompleted, ResponseCreated, ResponseIncomplete, ResponseInProgress,
     ResponsesRequest, ResponseUsage, sse,
 )
+from server.responses_api.translate import namespaces
 from server.sse import EventStream
 from server.toolcalls.base import Event as ParserEvent
 from server.toolcalls.base import ReasoningDelta, ToolCallArguments, ToolCallStart
@@ -39,15 +40,30 @@ def _item_id(prefix: str) -> str:
 
 
 class ResponsesEventStream(EventStream):
-    """The Responses framing: `event:` + `data:` per event, numbered in sending order, no [DONE]."""
+    """The Responses framing: `event:` + `data:` per event, numbered in sending order, no [DONE].
+
+    Until the first output event, a keep-alive is `response.in_progress` sent again: Codex's idle
+    timer (5 minutes) counts events, not SSE comments, and a CPU prefill of its prompt can take
+    longer. Later keep-alives are comments."""
 
     def __init__(self, request):
         super().__init__(request)
         self.sequence = 0
+        self.waiting: ResponseInProgress | None = None  # the in_progress event, until output begins
 
     async def send(self, event: Event) -> None:
+        if isinstance(event, ResponseInProgress):
+            self.waiting = event
+        elif not isinstance(event, ResponseCreated):
+            self.waiting = None
         event.sequence_number, self.sequence = self.sequence, self.sequence + 1
         await self.write(sse(event))
+
+    async def keep_alive(self) -> None:
+        if self.waiting is not None:
+            await self.send(msgspec.structs.replace(self.waiting))
+        else:
+            await super().keep_alive()
 
     async def send_error(self, error: ApiError) -> None:
         await self.send(ErrorEvent(message=error.message, code=error.code, param=error.param))
@@ -73,6 +89,7 @@ class ResponsesReply:
     def __init__(self, rid: str, model: str, parser: ChatOutputParser, body: ResponsesRequest,
                  keep: Callable[[Response], None] | None):
         self.parser, self.keep = parser, keep
+        self.namespaces = namespaces(body.tools)
         self.response = Response(
             id=rid, created_at=int(time.time()), model=model, status="in_progress", output=[],
             tools=[t for t in body.tools or () if t.get("type") == "function"],
@@ -165,10 +182,9 @@ class ResponsesReply:
     def _part(item: _Open, text: str = "") -> OutputText | ReasoningText:
         return ReasoningText(text) if item.kind == "reasoning" else OutputText(text)
 
-    @classmethod
-    def _item(cls, item: _Open, status: str, text: str = "") -> OutputItem:
+    def _item(self, item: _Open, status: str, text: str = "") -> OutputItem:
         if item.kind == "function_call":
-            return FunctionCallOut(item.id, item.call_id, item.name, text, status)
+            return FunctionCallOut(item.id, item.call_id, item.name, text, status, self.namespaces.get(item.name))
         if item.kind == "reasoning":
             return ReasoningOut(item.id, [ReasoningText(text)] if text else [], status)
         return OutputMessage(item.id, status, [OutputText(text)] if text else [])

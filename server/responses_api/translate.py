@@ -9,8 +9,10 @@ through /v1/responses renders to the same prompt tokens as its chat twin:
 - `reasoning` items → `reasoning_content` of the next assistant message (of an
   empty one when nothing follows them).
 - function tools → chat's `{"type": "function", "function": {...}}` in OpenAI's
-  key order; other tool types (web search, local shell ...) are dropped: nothing
-  here runs them, and refusing them would stop the agent.
+  key order, the functions of a `namespace` tool flattened among them (a call to
+  one is answered with its `namespace`); other tool types (web search, local
+  shell ...) are dropped and named in the log and the X-Kvfork-Dropped-Tools
+  header: nothing here runs them, and refusing them would stop the agent.
 - `text.format` → `response_format`; `max_output_tokens` → `max_tokens`.
 """
 
@@ -98,13 +100,44 @@ def chat_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def tool_functions(tools: list[dict[str, Any]] | None) -> tuple[list[tuple[str | None, dict[str, Any]]], list[str]]:
+    """The function tools a request offers, as (namespace, tool) with the functions of a `namespace`
+    tool (Codex groups its multi-agent tools so) flattened in place, and the tools dropped: the other
+    kinds (web_search, local_shell, custom ...), which nothing here runs, and a function whose name
+    an earlier one took (a template cannot tell two functions of one name apart)."""
+    out: list[tuple[str | None, dict[str, Any]]] = []
+    dropped: list[str] = []
+    names: set[str] = set()
+
+    def add(namespace: str | None, tool: Any, where: str) -> None:
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            dropped.append(tool.get("type", "?") if isinstance(tool, dict) else "?")
+            return
+        if not isinstance(tool.get("name"), str):
+            raise invalid(f"{where}.name", 'a function tool is {"type": "function", "name": ..., "parameters": ...}')
+        if tool["name"] in names:
+            dropped.append(f"{namespace}.{tool['name']}" if namespace else tool["name"])
+            return
+        names.add(tool["name"])
+        out.append((namespace, tool))
+
+    for i, tool in enumerate(tools or ()):
+        if tool.get("type") == "namespace" and isinstance(tool.get("name"), str):
+            for j, inner in enumerate(tool.get("tools") or ()):
+                add(tool["name"], inner, f"tools[{i}].tools[{j}]")
+        else:
+            add(None, tool, f"tools[{i}]")
+    return out, dropped
+
+
+def namespaces(tools: list[dict[str, Any]] | None) -> dict[str, str]:
+    """Each flattened function's namespace, by its name: what a call to it is answered with."""
+    return {tool["name"]: namespace for namespace, tool in tool_functions(tools)[0] if namespace is not None}
+
+
 def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     out = []
-    for i, tool in enumerate(tools or ()):
-        if tool.get("type") != "function":
-            continue
-        if not isinstance(tool.get("name"), str):
-            raise invalid(f"tools[{i}].name", 'a function tool is {"type": "function", "name": ..., "parameters": ...}')
+    for _, tool in tool_functions(tools)[0]:
         function: dict[str, Any] = {"name": tool["name"]}  # templates `tojson` tools: OpenAI's key order
         if tool.get("description") is not None:
             function["description"] = tool["description"]
@@ -144,7 +177,8 @@ def chat_request(body: ResponsesRequest, history: list[dict[str, Any]], session:
         raise invalid("input", "the input holds no items")
     chat: dict[str, Any] = {"messages": messages}
     optional = {"model": body.model, "max_tokens": body.max_output_tokens, "temperature": body.temperature,
-                "top_p": body.top_p, "session_id": session, "response_format": _response_format(body),
+                "top_p": body.top_p, "session_id": session if session is not None else body.session_id,
+                "response_format": _response_format(body),
                 "cache_salt": body.cache_salt}
     chat.update({k: v for k, v in optional.items() if v is not None})
     tools = _tools(body.tools)

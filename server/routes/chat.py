@@ -121,6 +121,38 @@ def check_chat_limits(state: AppState, body: ChatCompletionRequest, messages: li
         check_schema("tools", [tool["function"].get("parameters") for tool in body.tools], limits)
 
 
+def inline_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages for a template that refuses a system message anywhere but first (Gemma's,
+    Qwen3.5's): the leading system messages joined into one, and each later one merged into the
+    adjacent user turn (the next, else the one before), marked as system text; one with no user
+    turn beside it becomes a user turn of its own. The request is served, never refused for it."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        if message["role"] != "system":
+            out.append(dict(message))
+        elif all(m["role"] == "system" for m in out):  # still in the leading run
+            if out:
+                out[0]["content"] += "\n\n" + message["content"]
+            else:
+                out.append(dict(message))
+        else:
+            out.append({**message, "role": "user", "content": f"<system>\n{message['content']}\n</system>",
+                        "inlined": True})
+    for i, message in enumerate(out):  # each marked turn joins a user turn beside it
+        if not message.pop("inlined", False):
+            continue
+        after = out[i + 1] if i + 1 < len(out) else None
+        if after is not None and after["role"] == "user" and not after.get("inlined"):
+            after["content"] = message["content"] + "\n\n" + after["content"]
+            message["role"] = None
+            continue
+        before = next(m for m in reversed(out[:i]) if m["role"] is not None)
+        if before["role"] == "user":
+            before["content"] += "\n\n" + message["content"]
+            message["role"] = None
+    return [m for m in out if m["role"] is not None]
+
+
 async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Request, rid: str,
                   make_call_id: Callable[[], str] = openai_call_id) -> Job:
     """Chat, Messages and Responses requests alike: limits, render, tokenize, grammar. The route has checked
@@ -134,11 +166,18 @@ async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Req
     choice, tool_name = tool_choice_of(body.tool_choice, check_tools(body.tools))
     check_chat_limits(state, body, messages)
     model = state.model_name(body.model)
-    session = session_id(body.session_id, request.headers.get("X-Session-ID"))
+    session = session_id(body.session_id, request.headers, config.session_header)
     kwargs = tokenizer.variables.kwargs(body.chat_template_kwargs, config.max_template_kwarg_chars)
     scope = scope_of(request, body.cache_salt)
     tenant = scope.tenant
-    text = await tokenizer.render_chat(messages, body.tools, kwargs, tenant)
+    try:
+        text = await tokenizer.render_chat(messages, body.tools, kwargs, tenant)
+    except ApiError:
+        inlined = inline_system_messages(messages)
+        if inlined == messages:
+            raise
+        messages = inlined
+        text = await tokenizer.render_chat(messages, body.tools, kwargs, tenant)
     rendered = messages, body.tools
     tool_format = config.tool_parser
     if body.tools and tool_format == "auto" and resolve_tool_parser("auto", tokenizer.chat_template) is None:

@@ -20,6 +20,7 @@ failure goes out as the API's error frame (`EventStream` and its subclasses).
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -37,6 +38,8 @@ from server.state import AppState, state_of
 
 # Bodies larger than this are checked and decoded on a thread: a 16 MiB body takes tens of milliseconds.
 OFF_LOOP_BYTES = 256 * 1024
+
+log = logging.getLogger("kvfork.http")
 
 
 def decoder(kind: type) -> msgspec.json.Decoder:
@@ -63,6 +66,24 @@ def decode_body(raw: bytes, decode: msgspec.json.Decoder, limits: Limits):
         raise from_decode(e) from None
     except RecursionError:  # what the depth check missed in a body that is no JSON anyway
         raise ApiError(400, "the body nests too deep to read (--max-json-depth)", code="limit_exceeded") from None
+
+
+DROPPED_TOOLS = web.RequestKey("dropped_tools", list)
+DROPPED_TOOLS_HEADER = "X-Kvfork-Dropped-Tools"
+
+
+def report_dropped_tools(request: web.Request, dropped: list[str]) -> None:
+    """Tools a request offered that the model never sees (kinds nothing here runs, such as web_search):
+    named in the log and in the response's X-Kvfork-Dropped-Tools header (app.py sets it)."""
+    if dropped:
+        request[DROPPED_TOOLS] = dropped
+        log.info("%s %s: tools dropped (nothing here runs them): %s", request.method, request.path, ", ".join(dropped))
+
+
+def dropped_tools_header(request: web.Request, response: web.StreamResponse) -> None:
+    dropped = request.get(DROPPED_TOOLS)
+    if dropped:
+        response.headers[DROPPED_TOOLS_HEADER] = ", ".join(dropped)
 
 
 def usage_info(usage: Usage) -> UsageInfo:

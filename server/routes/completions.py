@@ -111,7 +111,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
     if body.echo and body.logprobs is not None:
         raise unsupported("echo", "echo with logprobs is not supported: prompt logprobs are not computed")
     model = state.model_name(body.model)
-    session = session_id(body.session_id, request.headers.get("X-Session-ID"))
+    session = session_id(body.session_id, request.headers, state.config.session_header)
     tokenizer = state.require_ready()
     vocab = state.engine.info.vocab_size
     scope = scope_of(request, body.cache_salt)

@@ -17,7 +17,6 @@ from datetime import datetime, timezone
 
 from aiohttp import web
 
-from server.engine.load import engine_load
 from server.routes.common import json_response
 from server.state import state_of
 
@@ -26,7 +25,7 @@ PATH = "/v1/loads"
 
 async def handle(request: web.Request) -> web.Response:
     state = state_of(request)
-    load = engine_load(state.engine)
+    load = state.engine.load()
     generated = state.engine.metrics.generated_tokens.get() if state.ready else 0.0
     rank = {
         "dp_rank": 0,

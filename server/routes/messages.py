@@ -4,7 +4,8 @@ A Messages body is translated into the chat request it means
 (messages_api/translate.py) and prepared by the chat route's own `prepare`, so
 an agent history sent here renders to the same prompt tokens as through chat
 completions and gets the same prefix-cache and active reuse. Errors on these
-routes use Anthropic's shape: the error middleware picks it by path (PATH).
+routes use Anthropic's shape: the error middleware picks it by path (PATH); a
+prompt over the context is refused in Anthropic's words.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from aiohttp import web
 from server.errors import ApiError, from_decode, invalid
 from server.limits import check_count, check_stops
 from server.messages_api.reply import MessagesReply, message_id, tool_use_id
-from server.messages_api.translate import UnsupportedContent, chat_request
+from server.engine.api import ContextTooLong
+from server.messages_api.translate import UnsupportedContent, chat_request, dropped_tools
 from server.protocol.anthropic import CountTokensRequest, MessagesRequest, TokenCount
 from server.protocol.openai import ChatCompletionRequest
 from server.routes.chat import prepare
-from server.routes.common import decoder, json_response, read_body, respond
+from server.routes.common import decoder, json_response, read_body, report_dropped_tools, respond
 from server.state import state_of
 
 PATH = "/v1/messages"
@@ -46,9 +48,18 @@ async def handle(request: web.Request) -> web.StreamResponse:
     limits = state.config
     check_stops("stop_sequences", body.stop_sequences, limits.max_stop_sequences, "--max-stop-sequences", limits)
     check_count("messages", body.messages, limits.max_messages, "--max-messages", "messages")
+    report_dropped_tools(request, dropped_tools(body))
     rid = message_id()
     job = await prepare(state, as_chat_request(body), request, rid, make_call_id=tool_use_id)
-    return await respond(request, state, job, MessagesReply(rid, job.model, len(job.prompt), job.parser), body.stream)
+    try:
+        reply = MessagesReply(rid, job.model, len(job.prompt), job.parser)
+        return await respond(request, state, job, reply, body.stream)
+    except ContextTooLong:
+        # Anthropic's own words: Claude Code reads the numbers out of them to compact its history.
+        # The most a prompt may hold is the context less the one token it must leave for output.
+        limit = state.engine.config.max_context - 1
+        raise ApiError(400, f"prompt is too long: {len(job.prompt)} tokens > {limit} maximum",
+                       code="context_length_exceeded") from None
 
 
 async def count_tokens(request: web.Request) -> web.Response:

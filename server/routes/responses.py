@@ -18,9 +18,9 @@ from server.limits import check_count
 from server.protocol.openai import ChatCompletionRequest
 from server.protocol.responses import Response, ResponseDeleted, ResponsesRequest
 from server.responses_api.reply import ResponsesReply, response_id
-from server.responses_api.translate import chat_messages, chat_request
+from server.responses_api.translate import chat_messages, chat_request, tool_functions
 from server.routes.chat import prepare
-from server.routes.common import decoder, json_response, read_body, respond
+from server.routes.common import decoder, json_response, read_body, report_dropped_tools, respond
 from server.state import state_of, tenant_of
 
 PATH = "/v1/responses"
@@ -43,6 +43,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
     if body.store:
         store.check_room(history, tenant)
     session = store.claim(previous, rid) if body.store and previous is not None else None
+    report_dropped_tools(request, tool_functions(body.tools)[1])
     reply = None
     try:
         try:

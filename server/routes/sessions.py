@@ -24,7 +24,7 @@ async def delete(request: web.Request) -> web.Response:
 
 def _known_session(request: web.Request, act) -> str:
     state_of(request).require_ready()
-    name = session_id(request.match_info["session_id"], None)
+    name = session_id(request.match_info["session_id"])
     if not act(name, tenant_of(request)):  # SessionBusy raises: the middleware answers 409
         raise ApiError(404, f"no session named {name!r}", code="session_not_found", param="session_id")
     return name

@@ -73,6 +73,11 @@ def arguments_json(arguments: dict[str, Any]) -> str:
     return json.dumps(arguments, ensure_ascii=False)
 
 
+# Whitespace held back in case a call follows (text before a call then ends without it): "\n\n"
+# and a little indentation, no more.
+MAX_HELD_WS = 4
+
+
 class ToolParser:
     """Base: holds the event bookkeeping; subclasses decide where calls are."""
 
@@ -105,13 +110,21 @@ class ToolParser:
     def _text(self, text: str, out: list[Event]) -> None:
         core = text.rstrip()
         if not core:
-            self._pending_ws += text
+            self._hold_ws(self._pending_ws + text, out)
             return
         head = self._pending_ws + core
         if self._after_call:
             head, self._after_call = head.lstrip(), False
         out.append(TextDelta(head))
-        self._pending_ws = text[len(core):]
+        self._hold_ws(text[len(core):], out)
+
+    def _hold_ws(self, ws: str, out: list[Event]) -> None:
+        """Keep at most MAX_HELD_WS characters of trailing whitespace back (the blank line a call's
+        markup may follow), so a model that writes whitespace still streams."""
+        cut = max(0, len(ws) - MAX_HELD_WS)
+        if cut and not self._after_call:  # after a call, leading whitespace is dropped anyway
+            out.append(TextDelta(ws[:cut]))
+        self._pending_ws = ws[cut:]
 
     def _flush_ws(self, out: list[Event]) -> None:
         if not self._after_call and self._pending_ws:

@@ -38,7 +38,7 @@ def _workload_args(p: argparse.ArgumentParser, default_presets: str) -> None:
     g.add_argument("--trace", help="a JSONL trace to replay instead of presets")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--scale", type=float, default=0.03,
-                   help="agentx-mini size: 1.0 = the seed's 20 sessions, 684 calls (default: %(default)s)")
+                   help="agentx-mini size: 1.0 = the C++ system's replay: 20 sessions, 684 calls (default: %(default)s)")
     g.add_argument("--n", type=int, default=4, help="burst/staggered: requests (default: %(default)s)")
     g.add_argument("--prefix-tokens", type=int, default=1500, help="shared prefix, about (default: %(default)s)")
     g.add_argument("--tail-tokens", type=int, default=40, help="burst/staggered: own last message")

@@ -53,7 +53,7 @@ class Contender:
 
 def default_model() -> str:
     """The default model's folder, fetched and converted on first use."""
-    from tools.fetch_model import ensure_default_model
+    from backends.default_model import ensure_default_model
 
     return str(ensure_default_model())
 

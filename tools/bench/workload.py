@@ -155,7 +155,8 @@ def _sub_agent(rng: random.Random, opts: Options, sid: str, donor: str, history:
     return calls
 
 
-# The seed's replay: 20 sessions, about 684 calls, root concurrency 1, 8 slots.
+# The C++ system's agent replay (its pull request's workload): 20 sessions, about 684 calls, root
+# concurrency 1, 8 inference slots.
 AGENTX_SESSIONS, AGENTX_CALLS, AGENTX_SLOTS = 20, 684, 8
 
 

@@ -1,0 +1,288 @@
+"""Rank 0's backend: its own shard of the model, with every effect sent to the other ranks first.
+
+The engine and its runner see one `Backend`. Each call that changes state runs here and is recorded
+as a plan effect (plan.py) under the session's wire id; each call that runs collectives (prefill,
+decode, export, import) first sends the effects recorded since the last one, itself last, as one
+plan, so every rank runs the same calls in the same order. Queries (bytes, live sessions) and
+sampling are rank 0's alone: every rank holds the same shard sizes, and rank 0's logits are whole
+(the model gathers them).
+
+Faults:
+- a refused call (check_inputs, CloneRefused) is refused here before anything is recorded;
+- a call that fails in a collective, or on rank 0 mid-pass, leaves the ranks' states apart: the
+  group has failed (`RanksFailed`, which the runner cannot take for one request's fault), and every
+  later call raises it at once. An export or import that fails on some rank is optional work: every
+  rank learns it (channel.all_ok) and drops it;
+- a step that waits on the other ranks longer than `timeout` is a stalled rank: the watchdog
+  declares the group failed and tells `on_fault` (the runner stays blocked in the collective: MLX's
+  take no timeout), so the engine answers its requests without it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import threading
+import time
+from typing import Any, Callable, Collection, Sequence
+
+import numpy as np
+
+from backends.base import Backend, BatchFailed, ModelInfo, Sampled, SamplerState, SavedState, Session, check_inputs
+from backends.lockstep import plan as p
+from backends.lockstep import saved
+from backends.lockstep.channel import Channel
+from backends.lockstep.loading import load_in_step
+
+log = logging.getLogger("kvfork.lockstep")
+
+
+class RanksFailed(BaseException):
+    """The ranks' states can no longer be trusted to agree: every request on them ends. A BaseException,
+    so no handler of one request's fault takes it for one."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def peers(size: int) -> str:
+    """The other ranks, in words: which of them failed, as far as rank 0 can tell."""
+    return "rank 1" if size == 2 else f"one of ranks 1-{size - 1}"
+
+
+class LockstepBackend(Backend):
+    def __init__(self, local: Backend, channel: Channel, timeout: float):
+        self.local, self.channel = local, channel
+        self.mixed_batches = local.mixed_batches
+        self._wire: dict[int, int] = {}  # local session id -> its sid in the plans
+        self._ids = itertools.count(1)
+        self._pending: list[Any] = []
+        self._steps = itertools.count(1)
+        self._clone_mode = "share"
+        self.failed: str | None = None
+        self.stopped = False  # a Stop went round: every rank has left
+        self.plan_seconds = 0.0  # time spent sending plans (docs/benchmarks.md: the overhead of ranks)
+        self._watchdog = Watchdog(timeout, self._stalled)
+        self.on_fault: Callable[[str], None] = lambda reason: None  # told, from any thread, when the group fails
+
+    @property
+    def state_format(self) -> str:
+        return f"{self.local.state_format}x{self.channel.size}"
+
+    # -- the plan --------------------------------------------------------
+
+    def _record(self, effect: Any) -> None:
+        self._pending.append(effect)
+
+    def _send(self, effect: Any) -> None:
+        """Send every effect recorded, `effect` last, as one plan."""
+        self._check()
+        effects, self._pending = [*self._pending, effect], []
+        t0 = time.perf_counter()
+        self._guarded(self.channel.broadcast, p.encode(p.Plan(next(self._steps), effects)))
+        self.plan_seconds += time.perf_counter() - t0
+
+    def _guarded(self, fn: Callable, *args: Any) -> Any:
+        """A call that runs collectives: watched, and a failure fails the group."""
+        self._check()
+        self._watchdog.begin()
+        try:
+            return fn(*args)
+        except Exception as exc:
+            cause = exc.cause if isinstance(exc, BatchFailed) else exc
+            self._fail(f"{peers(self.channel.size)} failed or was lost: {fn.__name__} stopped with "
+                       f"{type(cause).__name__}: {_gist(cause)}")
+            raise RanksFailed(self.failed) from exc
+        finally:
+            self._watchdog.end()
+
+    def _check(self) -> None:
+        if self.failed is not None:
+            raise RanksFailed(self.failed)
+
+    def _fail(self, reason: str) -> None:
+        if self.failed is None:
+            self.failed = reason
+            log.error("distributed serving stopped: %s", reason)
+            self.on_fault(reason)
+
+    def _stalled(self, seconds: float) -> None:
+        self._fail(f"{peers(self.channel.size)} stopped answering: a step waited {seconds:.0f} s on the other "
+                   "ranks (--rank-timeout)")
+
+    def _id(self, session: Session) -> int:
+        return self._wire[session.id]
+
+    def _name(self, session: Session) -> int:
+        wire = self._wire[session.id] = next(self._ids)
+        return wire
+
+    def stop(self, reason: str) -> None:
+        """Tell every rank to leave (after the runner has stopped): releases still recorded go first."""
+        try:
+            if self.failed is None:
+                self._send(p.Stop(reason))
+                self.stopped = True
+        except RanksFailed:
+            pass  # the others are gone already
+        finally:
+            self._watchdog.close()
+
+    # -- model and sessions ---------------------------------------------
+
+    def set_clone_mode(self, mode) -> None:
+        self._clone_mode = mode
+        self.local.set_clone_mode(mode)
+
+    def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
+        self._send(p.Load(folder, dtype, self._clone_mode))
+        try:
+            self.info = load_in_step(self.local, self.channel, folder, dtype)
+        except Exception as exc:
+            self._fail(f"loading the model failed: {exc}")
+            raise
+        return self.info
+
+    def open_session(self) -> Session:
+        session = self.local.open_session()
+        self._record(p.Open(self._name(session)))
+        return session
+
+    def release(self, session: Session) -> None:
+        wire = self._wire.pop(session.id, None)
+        self.local.release(session)
+        if wire is None:
+            return
+        last = self._pending[-1] if self._pending else None  # a request's sessions leave together: one effect
+        if isinstance(last, p.Release):
+            self._pending[-1] = p.Release([*last.sids, wire])
+        else:
+            self._record(p.Release([wire]))
+
+    def clone(self, session: Session, upto: int) -> Session:
+        self._check()
+        clone = self.local.clone(session, upto)  # a refusal records nothing
+        self._record(p.Clone(self._name(clone), self._id(session), upto))
+        return clone
+
+    def keep_at(self, session: Session, positions: Collection[int]) -> None:
+        self.local.keep_at(session, positions)
+        self._record(p.KeepAt(self._id(session), sorted(positions)))
+
+    def move_checkpoints(self, source: Session, target: Session) -> None:
+        self.local.move_checkpoints(source, target)
+        self._record(p.MoveCheckpoints(self._id(source), self._id(target)))
+
+    # -- compute ---------------------------------------------------------
+
+    def prefill(self, sessions: Sequence[Session], chunks: Sequence[Sequence[int]]) -> Any:
+        check_inputs(sessions, chunks, self._wire, self.info)  # a refusal reaches no rank
+        self._send(p.Prefill([self._id(s) for s in sessions], [list(c) for c in chunks]))
+        return self._guarded(self.local.prefill, sessions, chunks)
+
+    def decode(self, sessions: Sequence[Session], tokens: Sequence[int]) -> Any:
+        check_inputs(sessions, [[t] for t in tokens], self._wire, self.info)
+        self._send(p.Decode([self._id(s) for s in sessions], list(tokens)))
+        return self._guarded(self.local.decode, sessions, tokens)
+
+    def sample(self, logits: Any, states: Sequence[SamplerState]) -> list[Sampled]:
+        return self.local.sample(logits, states)
+
+    # -- saved states (optional work: a rank that fails one, fails it on every rank) ------
+
+    def export_state(self, session: Session) -> SavedState:
+        self._send(p.Export(self._id(session)))
+        shard, error = _attempt(self.local.export_state, session)
+        if not self._guarded(self.channel.all_ok, error is None):
+            raise RuntimeError(f"exporting the state failed on a rank: {error or 'not rank 0'}")
+        assert shard is not None
+        parts = self._guarded(self.channel.gather, saved.to_bytes(shard))
+        specs = saved.describe(shard)
+        return saved.join([saved.from_bytes(shard.position, specs, part) for part in parts])
+
+    def import_state(self, state: SavedState) -> Session:
+        wire, specs = next(self._ids), saved.describe(state)
+        self._send(p.Import(wire, state.position, specs))
+        self._guarded(self.channel.broadcast_buffer, saved.to_bytes(state), saved.nbytes(specs))
+        session, error = _attempt(self.local.import_state, saved.shard(state, 0, self.channel.size))
+        if not self._guarded(self.channel.all_ok, error is None):
+            if session is not None:
+                self.local.release(session)
+            raise RuntimeError(f"loading the state failed on a rank: {error or 'not rank 0'}")
+        assert session is not None
+        self._wire[session.id] = wire
+        return session
+
+    # -- rank 0's own accounting: every rank holds the same ------------------
+
+    def session_bytes(self, session: Session) -> int:
+        return self.local.session_bytes(session)
+
+    def release_frees(self, session: Session) -> int:
+        return self.local.release_frees(session)
+
+    def pooled_bytes(self) -> int:
+        return self.local.pooled_bytes()
+
+    def block_stats(self):
+        return self.local.block_stats()
+
+    def total_bytes(self) -> int:
+        return self.local.total_bytes()
+
+    def live_sessions(self) -> int:
+        return self.local.live_sessions()
+
+    def to_numpy(self, logits: Any) -> np.ndarray:
+        return self.local.to_numpy(logits)
+
+
+def _gist(exc: BaseException) -> str:
+    """The first sentence of an error, without a C++ source location ("[.../pair.cc:553] ")."""
+    text = re.sub(r"^\[[^\]]*\] ", "", str(exc).strip())
+    return text.split(". ")[0][:200]
+
+
+def _attempt(fn: Callable, *args: Any) -> tuple[Any, str | None]:
+    try:
+        return fn(*args), None
+    except Exception as exc:
+        log.warning("%s failed: %r", getattr(fn, "__name__", fn), exc)
+        return None, repr(exc)
+
+
+class Watchdog:
+    """Calls `on_stall(seconds)` once when a watched section runs past `timeout` seconds."""
+
+    def __init__(self, timeout: float, on_stall: Callable[[float], None]):
+        self.timeout, self.on_stall = timeout, on_stall
+        self._since: float | None = None
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._watch, name="kvfork-rank-watchdog", daemon=True)
+        self._thread.start()
+
+    def begin(self) -> None:
+        self._since = time.monotonic()
+        self._wake.set()
+
+    def end(self) -> None:
+        self._since = None
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+
+    def _watch(self) -> None:
+        while not self._closed:
+            since = self._since
+            if since is None:
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            late = time.monotonic() - since
+            if late >= self.timeout and self._since == since:
+                self.on_stall(late)
+                return
+            time.sleep(min(self.timeout - late, 1.0) if late < self.timeout else 0.1)

@@ -1,0 +1,58 @@
+"""Saved states (base.py's saved-state rule) across ranks: each rank holds its shard of every array
+on axis 0 (the KV heads of a layer's keys and values; a recurrent layer's state arrays as its model
+splits them), and a state crosses as one byte buffer described by `plan.LayerSpec`s.
+
+Joined on axis 0, the shards of keys and values are the one-process layout (heads split in order);
+a recurrent array is joined rank by rank, which only a run of as many ranks splits back the same
+way, so the disk tier names states by the rank count too (LockstepBackend.state_format).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from backends.base import SavedLayer, SavedState
+from backends.lockstep.plan import ArraySpec, LayerSpec
+
+
+def describe(state: SavedState) -> list[LayerSpec]:
+    return [LayerSpec(layer.kind, layer.first, [ArraySpec(list(a.shape), a.dtype.str) for a in layer.arrays])
+            for layer in state.layers]
+
+
+def to_bytes(state: SavedState) -> np.ndarray:
+    """Every array of the state, in layer order, as one uint8 buffer."""
+    parts = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for layer in state.layers for a in layer.arrays]
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+
+
+def nbytes(specs: list[LayerSpec]) -> int:
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for layer in specs for a in layer.arrays)
+
+
+def from_bytes(position: int, specs: list[LayerSpec], buffer: np.ndarray) -> SavedState:
+    layers, at = [], 0
+    for layer in specs:
+        arrays = []
+        for spec in layer.arrays:
+            size = int(np.prod(spec.shape)) * np.dtype(spec.dtype).itemsize
+            arrays.append(buffer[at:at + size].view(np.dtype(spec.dtype)).reshape(spec.shape))
+            at += size
+        layers.append(SavedLayer(layer.kind, tuple(arrays), layer.first))  # type: ignore[arg-type]
+    return SavedState(position, tuple(layers))
+
+
+def join(shards: list[SavedState]) -> SavedState:
+    """The whole state from every rank's shard, in rank order."""
+    first = shards[0]
+    layers = tuple(SavedLayer(layer.kind, tuple(np.concatenate(parts, axis=0) for parts in
+                                                zip(*(s.layers[i].arrays for s in shards))), layer.first)
+                   for i, layer in enumerate(first.layers))
+    return SavedState(first.position, layers)
+
+
+def shard(state: SavedState, rank: int, size: int) -> SavedState:
+    """Rank `rank`'s part of a whole state: axis 0 of every array split in `size`."""
+    layers = tuple(SavedLayer(layer.kind, tuple(np.ascontiguousarray(np.split(a, size)[rank]) for a in layer.arrays),
+                              layer.first) for layer in state.layers)
+    return SavedState(state.position, layers)

@@ -1,0 +1,111 @@
+"""`kvfork serve --distributed`: the same command on every rank, started by a launcher.
+
+    mlx.launch --backend ring -n 2 --hosts 127.0.0.1 -- kvfork serve --distributed --backend mlx
+    torchrun --nproc-per-node 2 $(which kvfork) serve --distributed --backend torch
+
+Rank 0 serves HTTP and runs the engine on a LockstepBackend (backends/lockstep); every other rank
+follows its plans and serves nothing. Rank 0's flags bind: it sends the model, dtype and clone mode
+to the others with the first plan.
+
+How each rank ends:
+- rank 0 on SIGINT/SIGTERM: the daemon's shutdown (in-flight requests get --shutdown-grace, then a
+  clear error), then a Stop plan takes every other rank out;
+- rank 0 when another rank is lost or stalls: its requests end with a 503 naming the rank, /health
+  names it too, and it serves 503s until stopped (a launcher stops it: both mlx.launch and torchrun
+  send SIGTERM once a rank exits);
+- another rank on a Stop plan, or when rank 0 is gone (its collective fails); a first SIGINT or
+  SIGTERM waits for rank 0's Stop (rank 0 is finishing its requests: torchrun forwards a SIGTERM to
+  every rank, a terminal's Ctrl-C reaches every rank mlx.launch started), a second leaves at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from backends import default_backend
+from backends.lockstep import JoinError, Ranks, join
+from backends.lockstep.follower import Follower
+from backends.lockstep.leader import LockstepBackend
+from server.config import ServerConfig
+from server.engine.config import KV_BUDGET_FRACTION, EngineConfig, physical_memory_bytes
+
+
+def serve(config: ServerConfig, engine_config: EngineConfig, model: str) -> int:
+    try:
+        ranks = join(default_backend() if config.backend == "auto" else config.backend)
+    except (JoinError, ImportError) as e:
+        print(f"kvfork: --distributed: {e}", file=sys.stderr)
+        return 1
+    if ranks.rank != 0:
+        return follow(ranks)
+    from server.serve import run
+
+    engine_config = shared_budget(engine_config, ranks.local)
+
+    leader = LockstepBackend(ranks.backend, ranks.channel, config.rank_timeout)
+    try:
+        code = asyncio.run(run(config, engine_config, model, leader))
+    except KeyboardInterrupt:
+        code = 130
+    return leave(ranks, code, healthy=leader.stopped)
+
+
+def shared_budget(engine_config: EngineConfig, local: int) -> EngineConfig:
+    """The default KV budget is a share of the machine's memory: ranks on one machine split it (each rank
+    holds as much KV as rank 0, whose budget the engine keeps)."""
+    if engine_config.kv_budget_bytes is not None or local <= 1:
+        return engine_config
+    budget = int(KV_BUDGET_FRACTION * physical_memory_bytes() / local)
+    print(f"kvfork: {local} ranks on this machine: a KV budget of {budget / 1024**3:.2f} GiB each", flush=True)
+    return dataclasses.replace(engine_config, kv_budget_bytes=budget)
+
+
+def follow(ranks: Ranks) -> int:
+    print(f"kvfork: rank {ranks.rank} of {ranks.size} (pid {os.getpid()}): following rank 0's steps", flush=True)
+    ended: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            ended["reason"] = Follower(ranks.backend, ranks.channel).run()
+        except BaseException as exc:  # noqa: BLE001 - whatever ends the plans ends this rank
+            ended["error"] = exc
+
+    thread = threading.Thread(target=body, name="kvfork-follower", daemon=True)
+    terms = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        terms.append(signum)
+        name = signal.Signals(signum).name
+        if len(terms) > 1:
+            print(f"kvfork: rank {ranks.rank}: second signal ({name}), leaving now", flush=True)
+            os._exit(128 + signum)
+        print(f"kvfork: rank {ranks.rank}: {name}, leaving when rank 0 stops (again to leave now)", flush=True)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a terminal's Ctrl-C reaches every rank under mlx.launch
+        signal.signal(sig, on_signal)
+    thread.start()
+    while thread.is_alive():  # the main thread stays free to take signals; collectives block the other
+        thread.join(0.5)
+    if "error" in ended:  # rank 0 lost, or an effect this rank could not apply (a model it cannot load)
+        error = ended["error"]
+        print(f"kvfork: rank {ranks.rank}: leaving: {type(error).__name__}: {error}", flush=True)
+        return leave(ranks, 1, healthy=False)
+    print(f"kvfork: rank {ranks.rank}: stopped with rank 0 ({ended['reason']})", flush=True)
+    return leave(ranks, 0, healthy=True)
+
+
+def leave(ranks: Ranks, code: int, healthy: bool) -> int:
+    """Leave the group; a group with a rank lost cannot be torn down cleanly (gloo aborts the process in
+    its destructor), so the process leaves at once with its code, its output flushed."""
+    if healthy:
+        ranks.close()
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,113 @@
+"""The layers, from the code itself: a graph built with the AST (imports inside functions and under
+`if TYPE_CHECKING:` included) shows no cycle among the engine's modules, and no edge from the product
+(server/, backends/) to tools/: tools are entry points that import the product, never the reverse.
+And no function of the product is longer than a reader takes in at once."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("server", "backends", "tools")
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The project modules `name` imports, wherever the import stands."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            # `from a import b`: the module a.b when there is one, else a
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                out.add(target)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Each strongly connected component of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_graph_sees_every_kind_of_import():
+    edges = graph()
+    assert "server.engine.runner" in edges["server.engine.engine"]  # a plain from-import
+    assert "server.engine.messages" in edges["server.engine.admission"]  # `from server.engine import messages`
+    assert "backends.default_model" in edges["server.cli"]  # an import inside a function
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_engine_has_no_import_cycle():
+    edges = graph()
+    engine = {v: {w for w in ws if w.startswith("server.engine")} for v, ws in edges.items()
+              if v.startswith("server.engine")}
+    assert cycles(engine) == []
+
+
+def test_the_product_never_imports_tools():
+    edges = graph()
+    reaching = {v: sorted(w for w in ws if w.split(".")[0] == "tools") for v, ws in edges.items()
+                if v.split(".")[0] in ("server", "backends")}
+    assert {v: ws for v, ws in reaching.items() if ws} == {}
+
+
+def test_no_function_of_the_product_runs_over_60_lines():
+    """A function a newcomer reads at once: none in server/ or backends/ is longer than 60 lines."""
+    long = []
+    for package in ("server", "backends"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                    long.append(f"{path.relative_to(ROOT)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert long == []
