@@ -101,9 +101,9 @@ async def test_messages_tool_choice_tool_yields_a_valid_tool_use(daemon):
 @pytest.mark.slow
 async def test_json_schema_on_the_default_model():
     from backends import create_backend
-    from tools import fetch_model
+    from backends import default_model
 
-    folder = str(fetch_model.ensure_default_model())
+    folder = str(default_model.ensure_default_model())
     async with serving(folder, create_backend("torch"), served_model_name=["smol"]) as d:
         client = openai.AsyncOpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0)
         fmt = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": FORECAST, "strict": True}}
