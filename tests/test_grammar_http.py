@@ -112,3 +112,23 @@ async def test_json_schema_on_the_default_model():
             response_format=fmt, max_tokens=48, temperature=0)
         assert done.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(done.choices[0].message.content), FORECAST)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_grammar_past_llguidance_limits_while_generating_is_the_requests_error(oai, stream):
+    """600 optional properties compile in time, but after `{` a parser row holds ~2,400 items, past
+    llguidance's max_items_in_row (server/grammar.py PARSER_LIMITS): the request's own grammar ended it,
+    so it is invalid_grammar, a 400 (an error event once a stream has begun), never a server error
+    that a client would retry."""
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(600)}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "wide", "schema": wide}}
+    if not stream:
+        with pytest.raises(openai.BadRequestError) as e:
+            await oai.chat.completions.create(model="tiny", messages=ASK, response_format=fmt, max_tokens=8)
+        assert e.value.code == "invalid_grammar" and "max is" in e.value.message
+        return
+    with pytest.raises(openai.APIError) as e:
+        async for _ in await oai.chat.completions.create(model="tiny", messages=ASK, response_format=fmt,
+                                                         max_tokens=8, stream=True):
+            pass
+    assert e.value.code == "invalid_grammar" and "max is" in e.value.message

@@ -126,3 +126,5 @@ class DoneEvent:
     finish_reason: FinishReason
     usage: Usage = field(default_factory=Usage)
     error: str | None = None  # set when finish_reason == "error"
+    grammar_failed: bool = False  # the error is the request's own grammar's (llguidance's limits, or no token
+    #                               allowed): the client's input, not the engine's failure

@@ -549,16 +549,16 @@ class Engine:
             self._leave(x)
             phase.finish(x, "cancelled")
 
-    def complete(self, r: Request, reason: str, error: str | None = None) -> None:
+    def complete(self, r: Request, reason: str, error: str | None = None, grammar_failed: bool = False) -> None:
         if isinstance(r.phase, phase.Finished):
             return
         self._leave(r)
         phase.finish(r, reason, error)
-        event = DoneEvent(reason, r.usage(time.monotonic()), error)  # type: ignore[arg-type]
+        event = DoneEvent(reason, r.usage(time.monotonic()), error, grammar_failed)  # type: ignore[arg-type]
         self.metrics.done(r, event)
         r.handle.put(event)
         for sibling in r.waiting_siblings:  # it ended before the runner had it: so do its other choices
-            self.complete(sibling, reason, error)
+            self.complete(sibling, reason, error, grammar_failed)
 
     # ---- runner events ----
 
@@ -704,7 +704,7 @@ class Engine:
         if r.named is not None:
             self._named.release(r.named, ev.sid, ev.held, r.req.scope, ev.nbytes, ev.frees)
         r.prefilled, r.generated = ev.prefilled, ev.generated
-        self.complete(r, ev.reason, ev.error)
+        self.complete(r, ev.reason, ev.error, ev.grammar_failed)
 
     def _on_clone_done(self, ev: m.CloneDone) -> None:
         """A follower's clone order came back, or a donor start's clone was refused."""

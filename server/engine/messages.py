@@ -166,6 +166,7 @@ class Ended:
     nbytes: int = 0  # the kept session's own bytes (Backend.session_bytes)
     frees: int = 0  # what releasing the kept session would free (Backend.release_frees)
     pooled: Pooled = Pooled()  # after its session was released (what others read of it pooled)
+    grammar_failed: bool = False  # the error is its grammar's (api.DoneEvent.grammar_failed)
 
 
 @dataclass

@@ -499,7 +499,7 @@ class Runner:
     def _accept(self, s: Seq, pick: Sampled) -> None:
         failure = self._rows.after_sample(s.rid, pick.token)
         if failure is not None:
-            self._end(s, "error", error=failure)
+            self._end(s, "error", error=failure, grammar_failed=True)
             return
         s.generated += 1  # the backend's sampler has appended the token to `sampler.output`
         if pick.token in s.start.stop_ids:
@@ -518,10 +518,10 @@ class Runner:
             log.warning("request %d failed: %s", rid, error)
             self._end(s, "error", error=error)
 
-    def _end(self, s: Seq, reason: str, error: str | None = None) -> None:
+    def _end(self, s: Seq, reason: str, error: str | None = None, grammar_failed: bool = False) -> None:
         self._hand_over(s, usable=reason != "error")
         for choice in s.choices:  # it left before its prompt was in: its choices go with it
-            self.events.append(m.Ended(choice.rid, reason, 0, 0, error))
+            self.events.append(m.Ended(choice.rid, reason, 0, 0, error, grammar_failed=grammar_failed))
         del self._running[s.rid]
         self._rows.end(s.rid)
         kept, held, nbytes, frees = None, [], 0, 0
@@ -534,4 +534,4 @@ class Runner:
         else:
             self._ex.run(p.Release([s.sid]))
         self.events.append(m.Ended(s.rid, reason, s.prefilled, s.generated, error, kept, held, nbytes, frees,
-                                   self._pooled()))
+                                   self._pooled(), grammar_failed))
