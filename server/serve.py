@@ -8,9 +8,11 @@ cancelled, then the listener closes. Tests drive the same `Daemon` class.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from pathlib import Path
+from typing import AsyncIterator
 
 from backends import create_backend, default_backend
 from backends.base import Backend
@@ -55,6 +57,16 @@ class Daemon:
         )
         if self.config.prefix_cache_warm:
             await warm(self.engine, self.state.tokenizer, self.config.prefix_cache_warm)
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[Daemon]:
+        """Listening and loaded for the block, closed after it (the tools' daemons: the soak, the hostile wave)."""
+        await self.listen()
+        try:
+            await self.load()
+            yield self
+        finally:
+            await self.close()
 
     async def close(self) -> None:
         await self.engine.shutdown(self.config.shutdown_grace)

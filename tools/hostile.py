@@ -353,13 +353,8 @@ async def hostile_daemon(config: HostileConfig, backend: Any = None):
                               prefix_cache_disk_bytes=0)
         if backend is None:
             _, backend = pick_backend(config.backend)
-        d = Daemon(server, engine, config.model, backend)
-        await d.listen()
-        try:
-            await d.load()
+        async with Daemon(server, engine, config.model, backend).serving() as d:
             yield d
-        finally:
-            await d.close()
 
 
 async def run_wave(config: HostileConfig, backend: Any = None, out=sys.stdout,
@@ -446,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         statuses = asyncio.run(_attacking(args.attack, Target(**json.loads(args.target)), args.concurrency))
         print(json.dumps(statuses), flush=True)
         return 0
-    from tools.fetch_model import ensure_default_model
+    from backends.default_model import ensure_default_model
 
     model = args.model or str(ensure_default_model())
     config = HostileConfig(model=model, backend=args.backend, innocent_samples=args.samples)

@@ -418,17 +418,10 @@ def engine_config(c: SoakConfig, reuse: bool) -> EngineConfig:
     )
 
 
-@contextlib.asynccontextmanager
-async def daemon(c: SoakConfig, backend: Any, reuse: bool):
+def daemon(c: SoakConfig, backend: Any, reuse: bool) -> contextlib.AbstractAsyncContextManager[Daemon]:
     config = ServerConfig(model=c.model, port=0, host="127.0.0.1", shutdown_grace=1.0, dtype="float32",
                           max_body_bytes=256 * 1024)
-    d = Daemon(config, engine_config(c, reuse), c.model, backend)
-    await d.listen()
-    try:
-        await d.load()
-        yield d
-    finally:
-        await d.close()
+    return Daemon(config, engine_config(c, reuse), c.model, backend).serving()
 
 
 @dataclass
