@@ -2,7 +2,7 @@
 
 The engine and its runner see one `Backend`. Each call that changes state runs here and is recorded
 as the effect that runs it (backends/effects.py: the values of the engine's step plan), its sessions
-named by their ids; each call that runs collectives (prefill, decode, export, import) first sends
+named by their Session.id; each call that runs collectives (prefill, decode, export, import) first sends
 the effects recorded since the last one, itself last, as one broadcast (wire.py), so every rank runs
 the same calls in the same order, faults.py's retries included. Queries (bytes, live sessions) and
 sampling are rank 0's alone: every rank holds the same shard sizes, and rank 0's logits are whole
@@ -31,8 +31,8 @@ from typing import Any, Callable, Collection, Sequence
 
 import numpy as np
 
-from backends.base import Backend, BatchFailed, ModelInfo, Sampled, SamplerState, SavedState, Session, check_inputs
 from backends import effects as e
+from backends.base import Backend, BatchFailed, ModelInfo, Sampled, SamplerState, SavedState, Session, check_inputs
 from backends.lockstep import saved, wire
 from backends.lockstep.channel import Channel
 from backends.lockstep.loading import load_in_step
