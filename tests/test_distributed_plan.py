@@ -83,7 +83,7 @@ class Replay(Channel):
         return None
 
 
-def test_replayed_broadcasts_rebuild_rank_0s_sessions(backend_name, tiny_model_dir):  # noqa: F811 (a fixture)
+def test_a_fresh_backend_running_the_broadcasts_holds_rank_0s_sessions(backend_name, tiny_model_dir):  # noqa: F811 (a fixture)
     """Open, prefill, clone, a mixed step, decode, export and import, a release: a fresh backend that
     runs the broadcasts holds the same sessions, which decode to the same logits."""
     leader = LockstepBackend(create_backend(backend_name), Recorder(), timeout=600)
