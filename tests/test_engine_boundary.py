@@ -10,9 +10,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # The two places that call a library's private API, each its one adapter: mlx-lm's cache members,
 # and torch's oneDNN ops (torch names them with a leading underscore).
 ADAPTERS = {"backends/mlx/mlx_lm_caches.py", "backends/torch/packed_linear.py"}
-# Public API that the standard library names with a leading underscore: os._exit is the documented way to
-# leave at once, without the clean-up a rank that lost its group cannot run (server/distributed.leave).
-DOCUMENTED = {"os._exit"}
+# The standard library's documented functions whose names begin with an underscore.
+STDLIB_PUBLIC = {"os._exit"}
 
 
 def private_accesses(source: str) -> list[str]:
@@ -27,7 +26,7 @@ def private_accesses(source: str) -> list[str]:
             if isinstance(child, ast.Attribute) and child.attr.startswith("_") and not child.attr.startswith("__"):
                 base = child.value
                 if not (isinstance(base, ast.Name) and base.id in ("self", "cls", owner)) \
-                        and ast.unparse(child) not in DOCUMENTED:
+                        and ast.unparse(child) not in STDLIB_PUBLIC:
                     found.append(f"line {child.lineno}: {ast.unparse(child)}")
             if isinstance(child, ast.Call) and isinstance(child.func, ast.Name) and child.func.id in ("getattr", "setattr"):
                 name = child.args[1] if len(child.args) > 1 else None

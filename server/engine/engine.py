@@ -178,16 +178,17 @@ class Engine:
 
     def load(self) -> EngineLoad:
         """What it carries now (load.py); all zeros until the model is loaded."""
-        adm, info, index, named = self._admission, self.info, self._index, self._named
-        if adm is None or info is None or index is None or named is None:
+        admission, info, index, named = self._admission, self.info, self._index, self._named
+        if admission is None or info is None or index is None or named is None:
             return EngineLoad()
         per_token = max(1, info.kv.full_bytes_per_token)
-        pinned = max(0, adm.held() - index.nbytes("memory") - named.idle_bytes())  # what cannot give way
+        pinned = max(0, admission.held() - index.nbytes("memory") - named.idle_bytes())  # what cannot give way
         prompts = self.metrics.prompt_tokens.get()
         reused = sum(self.metrics.reused_tokens.values.values())
-        return EngineLoad(running=adm.slots_used, waiting=self.waiting(), waiting_prompt_tokens=adm.queued_tokens,
-                          slots=self.config.inference_slots, used_tokens=pinned // per_token,
-                          budget_tokens=adm.budget // per_token, reused_fraction=reused / prompts if prompts else 0.0)
+        return EngineLoad(running=admission.slots_used, waiting=self.waiting(),
+                          waiting_prompt_tokens=admission.queued_tokens, slots=self.config.inference_slots,
+                          used_tokens=pinned // per_token, budget_tokens=admission.budget // per_token,
+                          reused_fraction=reused / prompts if prompts else 0.0)
 
     # ---- requests ----
 
