@@ -12,7 +12,7 @@ import re
 import msgspec
 
 from server.engine.api import EngineError
-from server.protocol.openai import ErrorBody, ErrorDetail
+from server.api.openai import ErrorBody, ErrorDetail
 
 # The `type` OpenAI's clients expect for each status.
 ERROR_TYPES = {

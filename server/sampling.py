@@ -14,7 +14,7 @@ from backends.base import SEEDS, SamplingParams
 from server.engine.api import GenerateRequest, Scope
 from server.engine.sessions import check_session_id
 from server.errors import invalid
-from server.protocol.openai import SamplingFields
+from server.api.openai import SamplingFields
 
 def request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"

@@ -14,7 +14,7 @@ from server.engine.load import TokenRate
 from server.errors import ApiError
 from server.grammar import GrammarCompiler
 from server.metrics import Registry
-from server.responses_api.store import ResponseStore
+from server.api.responses.store import ResponseStore
 from server.tenants import key_tenants
 from server.text.tokenizer import PromptTokenizer
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.protocol.anthropic import (
+from server.api.messages.protocol import (
     CountTokensRequest,
     DocumentBlock,
     ImageBlock,

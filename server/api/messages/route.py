@@ -14,13 +14,13 @@ import msgspec
 from aiohttp import web
 
 from server.errors import ApiError, from_decode, invalid
-from server.messages_api.reply import MessagesReply, message_id, tool_use_id
+from server.api.messages.reply import MessagesReply, message_id, tool_use_id
 from server.engine.api import ContextTooLong
-from server.messages_api.translate import UnsupportedContent, chat_request, dropped_tools
-from server.protocol.anthropic import CountTokensRequest, MessagesRequest, TokenCount
-from server.protocol.openai import ChatCompletionRequest
-from server.routes.chat import prepare
-from server.routes.common import decoder, json_response, read_body, report_dropped_tools, respond
+from server.api.messages.translate import UnsupportedContent, chat_request, dropped_tools
+from server.api.messages.protocol import CountTokensRequest, MessagesRequest, TokenCount
+from server.api.openai import ChatCompletionRequest
+from server.api.chat.route import prepare
+from server.api.respond import decoder, json_response, read_body, report_dropped_tools, respond
 from server.state import state_of
 
 PATH = "/v1/messages"

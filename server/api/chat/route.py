@@ -21,12 +21,12 @@ from server.engine.api import TokenEvent, Usage
 from server.errors import ApiError, invalid, unsupported
 from server.generation import Finished, Piece
 from server.grammar import request_ask
-from server.protocol.openai import (
+from server.api.openai import (
     AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
     ChoiceLogprobs, ChunkChoice, Delta, FunctionCall, FunctionDelta, TokenLogprob, ToolCallDelta, ToolCallOut,
     TopLogprob,
 )
-from server.routes.common import Choices, Job, decoder, read_body, respond, usage_info
+from server.api.respond import Choices, Job, decoder, read_body, respond, usage_info
 from server.sampling import check_supported, generate_request, request_id, session_id, stop_strings
 from server.sse import EventStream
 from server.state import AppState, scope_of, state_of

@@ -8,9 +8,9 @@ from aiohttp import web
 
 from server.errors import invalid, unsupported
 from server.generation import Finished, Piece
-from server.protocol.openai import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
+from server.api.openai import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 from server.engine.api import Usage
-from server.routes.common import Choices, Job, decoder, read_body, respond, usage_info
+from server.api.respond import Choices, Job, decoder, read_body, respond, usage_info
 from server.sampling import check_supported, generate_request, request_id, session_id, stop_strings
 from server.sse import EventStream
 from server.state import scope_of, state_of

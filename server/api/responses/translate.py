@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from server.errors import ApiError, from_decode, invalid
-from server.protocol.responses import (
+from server.api.responses.protocol import (
     ContentPart,
     FunctionCallItem,
     FunctionCallOutputItem,

@@ -14,7 +14,7 @@ import uuid
 from server.chat_output import ChatOutput, ChatOutputParser, collect
 from server.errors import ApiError
 from server.generation import Finished, Piece
-from server.protocol.anthropic import (
+from server.api.messages.protocol import (
     ContentBlockDelta,
     ContentBlockStart,
     ContentBlockStop,

@@ -14,12 +14,12 @@ import msgspec
 from aiohttp import web
 
 from server.errors import ApiError, from_decode
-from server.protocol.openai import ChatCompletionRequest
-from server.protocol.responses import Response, ResponseDeleted, ResponsesRequest
-from server.responses_api.reply import ResponsesReply, response_id
-from server.responses_api.translate import chat_messages, chat_request, tool_functions
-from server.routes.chat import prepare
-from server.routes.common import decoder, json_response, read_body, report_dropped_tools, respond
+from server.api.openai import ChatCompletionRequest
+from server.api.responses.protocol import Response, ResponseDeleted, ResponsesRequest
+from server.api.responses.reply import ResponsesReply, response_id
+from server.api.responses.translate import chat_messages, chat_request, tool_functions
+from server.api.chat.route import prepare
+from server.api.respond import decoder, json_response, read_body, report_dropped_tools, respond
 from server.state import state_of, tenant_of
 
 PATH = "/v1/responses"
