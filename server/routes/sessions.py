@@ -8,7 +8,7 @@ from aiohttp import web
 from server.errors import ApiError
 from server.api.openai import SessionReply
 from server.api.respond import json_response
-from server.sampling import session_id
+from server.api.prepare import session_id
 from server.state import state_of, tenant_of
 
 

@@ -1,192 +1,28 @@
-"""POST /v1/chat/completions.
-
-`prepare` is the one path from a chat request to prompt tokens and an output
-parser; the Anthropic and Responses routes translate their bodies into a chat
-request and take the same path, so every API gets the same tokens and reuse.
-Tools: checking tools and tool_choice, feeding past calls back to templates
-(or, for templates that render no tools, the Hermes block: toolcalls/hermes.py),
-and saying parsed output in OpenAI's message and delta shapes.
+"""POST /v1/chat/completions: the body prepared (server/api/prepare.py), then answered by
+`ChatReply`, saying parsed output in OpenAI's message and delta shapes.
 """
 
 from __future__ import annotations
 
-import json
 import time
-from typing import Any, Callable
 
 from aiohttp import web
 
-from server.chat_output import ChatOutput, ChatOutputParser, collect, output_parser
+from server.chat_output import ChatOutput, ChatOutputParser, collect
 from server.engine.api import TokenEvent, Usage
-from server.errors import ApiError, invalid, unsupported
 from server.generation import Finished, Piece
-from server.grammar import request_ask
 from server.api.openai import (
-    AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
-    ChoiceLogprobs, ChunkChoice, Delta, FunctionCall, FunctionDelta, TokenLogprob, ToolCallDelta, ToolCallOut,
-    TopLogprob,
+    AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChoiceLogprobs,
+    ChunkChoice, Delta, FunctionCall, FunctionDelta, TokenLogprob, ToolCallDelta, ToolCallOut, TopLogprob,
 )
+from server.api.prepare import prepare, request_id
 from server.api.respond import Choices, Job, decoder, read_body, respond, usage_info
-from server.sampling import check_supported, generate_request, request_id, session_id, stop_strings
 from server.sse import EventStream
-from server.state import AppState, scope_of, state_of
+from server.state import state_of
 from server.text.tokenizer import PromptTokenizer
-from server.toolcalls import resolve_tool_parser
-from server.toolcalls.base import Event, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart, openai_call_id
-from server.toolcalls.hermes import with_tools_block
+from server.toolcalls.base import Event, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart
 
 DECODE = decoder(ChatCompletionRequest)
-
-
-def check_tools(tools: list[dict[str, Any]] | None) -> list[str]:
-    """The function names offered; 400 naming the tool that is not a function with a name."""
-    names = []
-    for i, tool in enumerate(tools or ()):
-        function = tool.get("function")
-        named = isinstance(function, dict) and isinstance(function.get("name"), str)
-        if tool.get("type") != "function" or not named:
-            raise invalid(f"tools[{i}]", 'a tool is {"type": "function", "function": {"name": ..., "parameters": ...}}')
-        names.append(function["name"])
-    return names
-
-
-def tool_choice_of(choice: str | dict[str, Any] | None, names: list[str]) -> tuple[str, str | None]:
-    """(auto | none | required | function, the named function)."""
-    if choice is None:
-        return "auto", None
-    if isinstance(choice, str):
-        if choice not in ("auto", "none", "required"):
-            raise invalid("tool_choice", f"tool_choice is auto, none, required or a function, got {choice!r}")
-        if choice == "required" and not names:
-            raise invalid("tool_choice", "tool_choice 'required' needs tools")
-        return choice, None
-    function = choice.get("function")
-    name = function.get("name") if isinstance(function, dict) else None
-    if choice.get("type") != "function" or not isinstance(name, str):
-        raise invalid("tool_choice", 'a named tool_choice is {"type": "function", "function": {"name": ...}}')
-    if name not in names:
-        raise invalid("tool_choice", f"tool_choice names {name!r}, which is not among the tools")
-    return "function", name
-
-
-def template_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Calls as templates read them: JSON-object arguments as objects.
-
-    OpenAI clients send arguments as JSON text, but many templates render them
-    with `tojson` (Llama 3, Qwen2.5): text would come out quoted twice.
-    """
-    out = []
-    for call in calls:
-        function = call.get("function")
-        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-            try:
-                arguments = json.loads(function["arguments"])
-            except ValueError:
-                arguments = None
-            if isinstance(arguments, dict):
-                call = {**call, "function": {**function, "arguments": arguments}}
-        out.append(call)
-    return out
-
-
-def template_message(index: int, message: ChatMessage) -> dict[str, Any]:
-    """A message as chat templates expect it: text content, the other fields passed through."""
-    content = message.content
-    if isinstance(content, list):
-        for j, part in enumerate(content):
-            if part.type != "text":
-                raise ApiError(400, f"content parts of type {part.type!r} are not supported; send text",
-                               code="unsupported_content", param=f"messages[{index}].content[{j}]")
-        content = "\n".join(part.text or "" for part in content)
-    out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role, "content": content or ""}
-    for key in ("name", "tool_call_id", "reasoning_content"):
-        if getattr(message, key) is not None:
-            out[key] = getattr(message, key)
-    if message.tool_calls is not None:
-        out["tool_calls"] = template_tool_calls(message.tool_calls)
-    return out
-
-
-def inline_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The messages for a template that refuses a system message anywhere but first (Gemma's,
-    Qwen3.5's): the leading system messages joined into one, and each later one merged into the
-    adjacent user turn (the next, else the one before), marked as system text; one with no user
-    turn beside it becomes a user turn of its own. The request is served, never refused for it."""
-    out: list[dict[str, Any]] = []
-    for message in messages:
-        if message["role"] != "system":
-            out.append(dict(message))
-        elif all(m["role"] == "system" for m in out):  # still in the leading run
-            if out:
-                out[0]["content"] += "\n\n" + message["content"]
-            else:
-                out.append(dict(message))
-        else:
-            out.append({**message, "role": "user", "content": f"<system>\n{message['content']}\n</system>",
-                        "inlined": True})
-    for i, message in enumerate(out):  # each marked turn joins a user turn beside it
-        if not message.pop("inlined", False):
-            continue
-        after = out[i + 1] if i + 1 < len(out) else None
-        if after is not None and after["role"] == "user" and not after.get("inlined"):
-            after["content"] = message["content"] + "\n\n" + after["content"]
-            message["role"] = None
-            continue
-        before = next(m for m in reversed(out[:i]) if m["role"] is not None)
-        if before["role"] == "user":
-            before["content"] += "\n\n" + message["content"]
-            message["role"] = None
-    return [m for m in out if m["role"] is not None]
-
-
-async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Request, rid: str,
-                  make_call_id: Callable[[], str] = openai_call_id) -> Job:
-    check_supported(body, state.config.max_n)
-    if body.top_logprobs and not body.logprobs:
-        raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
-    messages = [template_message(i, m) for i, m in enumerate(body.messages)]
-    choice, tool_name = tool_choice_of(body.tool_choice, check_tools(body.tools))
-    model = state.model_name(body.model)
-    tokenizer = state.require_ready()
-    session = session_id(body.session_id, request.headers, state.config.session_header)
-    config = state.config
-    kwargs = body.chat_template_kwargs
-    try:
-        text = await tokenizer.render_chat(messages, body.tools, kwargs)
-    except ApiError:
-        inlined = inline_system_messages(messages)
-        if inlined == messages:
-            raise
-        messages = inlined
-        text = await tokenizer.render_chat(messages, body.tools, kwargs)
-    rendered = messages, body.tools
-    tool_format = config.tool_parser
-    if body.tools and tool_format == "auto" and resolve_tool_parser("auto", tokenizer.chat_template) is None:
-        # A template that teaches no tool format may still render tools its own way; only one that
-        # renders none at all (the text is the same without them) gets the Hermes block.
-        if text == await tokenizer.render_chat(messages, None, kwargs):
-            rendered = with_tools_block(messages, body.tools), None
-            text = await tokenizer.render_chat(*rendered, kwargs)
-            tool_format = "hermes"
-    parser = output_parser(tool_format, config.reasoning_parser, tokenizer.chat_template, text, body.tools,
-                           choice, tool_name, make_call_id)
-    prompt = await tokenizer.encode_rendered(text)
-    if parser.prompt_suffix:  # encoded on its own: the prompt before it keeps the tokens other turns share
-        prompt += await tokenizer.encode_rendered(parser.prompt_suffix)
-    generate = generate_request(
-        body, prompt, rid=rid, vocab_size=state.engine.info.vocab_size,
-        max_tokens=body.max_completion_tokens or body.max_tokens, session=session,
-        scope=scope_of(request, body.cache_salt), logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
-    )
-    ask = request_ask(body.response_format, parser.tool_parser.name if parser.tool_parser else None, body.tools,
-                      choice, tool_name, parser.prompt_suffix,  # type: ignore[arg-type]
-                      parallel=body.parallel_tool_calls is not False)
-    if ask is not None:
-        generate.constraint = await state.grammars().compile(ask)
-    checkpoints = state.engine.recurrent_checkpoints
-    if checkpoints:  # a hybrid model keeps its recurrent state where messages end: find them
-        generate.boundaries = await tokenizer.message_ends(*rendered, kwargs, prompt, checkpoints)
-    return Job(model, prompt, generate, stop_strings(body), parser, body.n)
 
 
 async def handle(request: web.Request) -> web.StreamResponse:

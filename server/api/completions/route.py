@@ -11,7 +11,7 @@ from server.generation import Finished, Piece
 from server.api.openai import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 from server.engine.api import Usage
 from server.api.respond import Choices, Job, decoder, read_body, respond, usage_info
-from server.sampling import check_supported, generate_request, request_id, session_id, stop_strings
+from server.api.prepare import check_supported, generate_request, request_id, session_id, stop_strings
 from server.sse import EventStream
 from server.state import scope_of, state_of
 from server.text.tokenizer import PromptTokenizer

@@ -18,7 +18,7 @@ from server.api.openai import ChatCompletionRequest
 from server.api.responses.protocol import Response, ResponseDeleted, ResponsesRequest
 from server.api.responses.reply import ResponsesReply, response_id
 from server.api.responses.translate import chat_messages, chat_request, tool_functions
-from server.api.chat.route import prepare
+from server.api.prepare import prepare
 from server.api.respond import decoder, json_response, read_body, report_dropped_tools, respond
 from server.state import state_of, tenant_of
 

@@ -1,0 +1,267 @@
+"""The one preparation every API route calls: a request body -> a `Job` (prompt tokens, the
+engine request, stop strings, the output parser).
+
+`prepare` is the one path from a chat request to prompt tokens and an output
+parser: template, tokens, sampling, grammar. The Anthropic and Responses routes
+translate their bodies into a chat request and take the same path, so every API
+gets the same tokens and reuse. Tools: checking tools and tool_choice, feeding
+past calls back to templates (or, for templates that render no tools, the Hermes
+block: toolcalls/hermes.py).
+
+A body's sampling fields become the engine's `GenerateRequest` (`generate_request`,
+below); the completions route, whose prompt is text or token ids with no template,
+calls it and its neighbours directly.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Callable, Mapping, Sequence
+
+from aiohttp import web
+
+from backends.base import SEEDS, SamplingParams
+from server.chat_output import output_parser
+from server.engine.api import GenerateRequest, Scope
+from server.engine.sessions import check_session_id
+from server.errors import ApiError, invalid
+from server.grammar import request_ask
+from server.api.openai import ChatCompletionRequest, ChatMessage, SamplingFields
+from server.api.respond import Job
+from server.state import AppState, scope_of
+from server.toolcalls import resolve_tool_parser
+from server.toolcalls.base import openai_call_id
+from server.toolcalls.hermes import with_tools_block
+
+
+def check_tools(tools: list[dict[str, Any]] | None) -> list[str]:
+    """The function names offered; 400 naming the tool that is not a function with a name."""
+    names = []
+    for i, tool in enumerate(tools or ()):
+        function = tool.get("function")
+        named = isinstance(function, dict) and isinstance(function.get("name"), str)
+        if tool.get("type") != "function" or not named:
+            raise invalid(f"tools[{i}]", 'a tool is {"type": "function", "function": {"name": ..., "parameters": ...}}')
+        names.append(function["name"])
+    return names
+
+
+def tool_choice_of(choice: str | dict[str, Any] | None, names: list[str]) -> tuple[str, str | None]:
+    """(auto | none | required | function, the named function)."""
+    if choice is None:
+        return "auto", None
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise invalid("tool_choice", f"tool_choice is auto, none, required or a function, got {choice!r}")
+        if choice == "required" and not names:
+            raise invalid("tool_choice", "tool_choice 'required' needs tools")
+        return choice, None
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise invalid("tool_choice", 'a named tool_choice is {"type": "function", "function": {"name": ...}}')
+    if name not in names:
+        raise invalid("tool_choice", f"tool_choice names {name!r}, which is not among the tools")
+    return "function", name
+
+
+def template_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Calls as templates read them: JSON-object arguments as objects.
+
+    OpenAI clients send arguments as JSON text, but many templates render them
+    with `tojson` (Llama 3, Qwen2.5): text would come out quoted twice.
+    """
+    out = []
+    for call in calls:
+        function = call.get("function")
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                arguments = json.loads(function["arguments"])
+            except ValueError:
+                arguments = None
+            if isinstance(arguments, dict):
+                call = {**call, "function": {**function, "arguments": arguments}}
+        out.append(call)
+    return out
+
+
+def template_message(index: int, message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates expect it: text content, the other fields passed through."""
+    content = message.content
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            if part.type != "text":
+                raise ApiError(400, f"content parts of type {part.type!r} are not supported; send text",
+                               code="unsupported_content", param=f"messages[{index}].content[{j}]")
+        content = "\n".join(part.text or "" for part in content)
+    out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role, "content": content or ""}
+    for key in ("name", "tool_call_id", "reasoning_content"):
+        if getattr(message, key) is not None:
+            out[key] = getattr(message, key)
+    if message.tool_calls is not None:
+        out["tool_calls"] = template_tool_calls(message.tool_calls)
+    return out
+
+
+def inline_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages for a template that refuses a system message anywhere but first (Gemma's,
+    Qwen3.5's): the leading system messages joined into one, and each later one merged into the
+    adjacent user turn (the next, else the one before), marked as system text; one with no user
+    turn beside it becomes a user turn of its own. The request is served, never refused for it."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        if message["role"] != "system":
+            out.append(dict(message))
+        elif all(m["role"] == "system" for m in out):  # still in the leading run
+            if out:
+                out[0]["content"] += "\n\n" + message["content"]
+            else:
+                out.append(dict(message))
+        else:
+            out.append({**message, "role": "user", "content": f"<system>\n{message['content']}\n</system>",
+                        "inlined": True})
+    for i, message in enumerate(out):  # each marked turn joins a user turn beside it
+        if not message.pop("inlined", False):
+            continue
+        after = out[i + 1] if i + 1 < len(out) else None
+        if after is not None and after["role"] == "user" and not after.get("inlined"):
+            after["content"] = message["content"] + "\n\n" + after["content"]
+            message["role"] = None
+            continue
+        before = next(m for m in reversed(out[:i]) if m["role"] is not None)
+        if before["role"] == "user":
+            before["content"] += "\n\n" + message["content"]
+            message["role"] = None
+    return [m for m in out if m["role"] is not None]
+
+
+async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Request, rid: str,
+                  make_call_id: Callable[[], str] = openai_call_id) -> Job:
+    check_supported(body, state.config.max_n)
+    if body.top_logprobs and not body.logprobs:
+        raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
+    messages = [template_message(i, m) for i, m in enumerate(body.messages)]
+    choice, tool_name = tool_choice_of(body.tool_choice, check_tools(body.tools))
+    model = state.model_name(body.model)
+    tokenizer = state.require_ready()
+    session = session_id(body.session_id, request.headers, state.config.session_header)
+    config = state.config
+    kwargs = body.chat_template_kwargs
+    try:
+        text = await tokenizer.render_chat(messages, body.tools, kwargs)
+    except ApiError:
+        inlined = inline_system_messages(messages)
+        if inlined == messages:
+            raise
+        messages = inlined
+        text = await tokenizer.render_chat(messages, body.tools, kwargs)
+    rendered = messages, body.tools
+    tool_format = config.tool_parser
+    if body.tools and tool_format == "auto" and resolve_tool_parser("auto", tokenizer.chat_template) is None:
+        # A template that teaches no tool format may still render tools its own way; only one that
+        # renders none at all (the text is the same without them) gets the Hermes block.
+        if text == await tokenizer.render_chat(messages, None, kwargs):
+            rendered = with_tools_block(messages, body.tools), None
+            text = await tokenizer.render_chat(*rendered, kwargs)
+            tool_format = "hermes"
+    parser = output_parser(tool_format, config.reasoning_parser, tokenizer.chat_template, text, body.tools,
+                           choice, tool_name, make_call_id)
+    prompt = await tokenizer.encode_rendered(text)
+    if parser.prompt_suffix:  # encoded on its own: the prompt before it keeps the tokens other turns share
+        prompt += await tokenizer.encode_rendered(parser.prompt_suffix)
+    generate = generate_request(
+        body, prompt, rid=rid, vocab_size=state.engine.info.vocab_size,
+        max_tokens=body.max_completion_tokens or body.max_tokens, session=session,
+        scope=scope_of(request, body.cache_salt), logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
+    )
+    ask = request_ask(body.response_format, parser.tool_parser.name if parser.tool_parser else None, body.tools,
+                      choice, tool_name, parser.prompt_suffix,  # type: ignore[arg-type]
+                      parallel=body.parallel_tool_calls is not False)
+    if ask is not None:
+        generate.constraint = await state.grammars().compile(ask)
+    checkpoints = state.engine.recurrent_checkpoints
+    if checkpoints:  # a hybrid model keeps its recurrent state where messages end: find them
+        generate.boundaries = await tokenizer.message_ends(*rendered, kwargs, prompt, checkpoints)
+    return Job(model, prompt, generate, stop_strings(body), parser, body.n)
+
+
+# ---- the engine request: its id, named session, stop strings and sampling -----------------------
+# Defaults follow OpenAI (temperature 1, top_p 1); `max_tokens` left out (None)
+# takes the engine's `--max-tokens` when the operator set one, else the context
+# left; the engine clamps any limit to the context left.
+
+def request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# kvfork's own session header. Sessions are opt-in: a header some client sends for its own purposes
+# (opencode's x-session-id) names a session only when the operator maps it (--session-header).
+SESSION_HEADER = "X-Kvfork-Session"
+
+
+def session_id(body_value: str | None, headers: Mapping[str, str] | None = None,
+               mapped: Sequence[str] = ()) -> str | None:
+    """The named session a request opts into: the body's `session_id`, else the X-Kvfork-Session
+    header, else the first of the operator's `--session-header` names it carries. Printable ASCII,
+    at most 128."""
+    value = body_value
+    for name in (SESSION_HEADER, *mapped):
+        if value is None and headers is not None:
+            value = headers.get(name)
+    if value is not None:
+        try:
+            check_session_id(value)
+        except ValueError as e:
+            raise invalid("session_id", str(e)) from None
+    return value
+
+
+def stop_strings(body: SamplingFields) -> list[str]:
+    if body.stop is None:
+        return []
+    return [body.stop] if isinstance(body.stop, str) else list(body.stop)
+
+
+def check_supported(body: SamplingFields, max_n: int) -> None:
+    if body.n > max_n:
+        raise invalid("n", f"n is at most {max_n} (--max-n), got {body.n}")
+
+
+def generate_request(body: SamplingFields, prompt: list[int], *, rid: str, vocab_size: int, max_tokens: int | None,
+                     session: str | None, scope: Scope = Scope(), logprobs: bool = False,
+                     top_logprobs: int = 0) -> GenerateRequest:
+    bias = {}
+    for key, value in (body.logit_bias or {}).items():
+        if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+            raise invalid("logit_bias", f"logit_bias keys are token ids in [0, {vocab_size}), got {key!r}")
+        bias[int(key)] = value
+    if body.seed is not None and body.seed not in SEEDS:
+        raise invalid("seed", f"seed is a signed or unsigned 64-bit integer, in [-2**63, 2**64), got {body.seed}")
+    stop_ids = frozenset(body.stop_token_ids or ())
+    if any(t >= vocab_size for t in stop_ids):
+        raise invalid("stop_token_ids", f"stop_token_ids are token ids in [0, {vocab_size})")
+    sampling = SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(0, body.top_k or 0),  # -1 (vLLM's "off") and 0 both mean off
+        min_p=body.min_p or 0.0,
+        seed=body.seed,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        logit_bias=bias,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+    return GenerateRequest(
+        request_id=rid,
+        prompt=prompt,
+        sampling=sampling,
+        max_tokens=max_tokens,  # type: ignore[arg-type]  # None: the engine's default
+        stop_token_ids=stop_ids,
+        ignore_eos=body.ignore_eos,
+        session_id=session,
+        scope=scope,
+        n=body.n,
+    )
