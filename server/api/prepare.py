@@ -27,7 +27,8 @@ from server.engine.api import GenerateRequest, Scope
 from server.engine.sessions import check_session_id
 from server.errors import ApiError, invalid
 from server.grammar import request_ask
-from server.api.openai import ChatCompletionRequest, ChatMessage, SamplingFields
+from server.api.chat.protocol import ChatCompletionRequest, ChatMessage
+from server.api.openai import SamplingFields
 from server.api.respond import Job
 from server.state import AppState, scope_of
 from server.toolcalls import resolve_tool_parser

@@ -8,7 +8,7 @@ import time
 from server.chat_output import ChatOutput, ChatOutputParser, collect
 from server.engine.api import TokenEvent, Usage
 from server.generation import Finished, Piece
-from server.api.openai import (
+from server.api.chat.protocol import (
     AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChoiceLogprobs, ChunkChoice, Delta,
     FunctionCall, FunctionDelta, TokenLogprob, ToolCallDelta, ToolCallOut, TopLogprob,
 )

@@ -7,7 +7,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from server.api.chat.reply import ChatReply
-from server.api.openai import ChatCompletionRequest
+from server.api.chat.protocol import ChatCompletionRequest
 from server.api.prepare import prepare, request_id
 from server.api.respond import Choices, decoder, read_body, respond
 from server.state import state_of

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from server.generation import Finished, Piece
-from server.api.openai import Completion, CompletionChoice, CompletionLogprobs
+from server.api.completions.protocol import Completion, CompletionChoice, CompletionLogprobs
 from server.engine.api import Usage
 from server.api.respond import Job, usage_info
 from server.sse import EventStream

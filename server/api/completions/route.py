@@ -6,7 +6,7 @@ from aiohttp import web
 
 from server.errors import invalid, unsupported
 from server.api.completions.reply import CompletionReply
-from server.api.openai import CompletionRequest
+from server.api.completions.protocol import CompletionRequest
 from server.api.respond import Choices, Job, decoder, read_body, respond
 from server.api.prepare import check_supported, generate_request, request_id, session_id, stop_strings
 from server.state import scope_of, state_of

@@ -18,7 +18,7 @@ from server.api.messages.reply import MessagesReply, message_id, tool_use_id
 from server.engine.api import ContextTooLong
 from server.api.messages.translate import UnsupportedContent, chat_request, dropped_tools
 from server.api.messages.protocol import CountTokensRequest, MessagesRequest, TokenCount
-from server.api.openai import ChatCompletionRequest
+from server.api.chat.protocol import ChatCompletionRequest
 from server.api.prepare import prepare
 from server.api.respond import decoder, json_response, read_body, report_dropped_tools, respond
 from server.state import state_of

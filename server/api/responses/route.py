@@ -14,7 +14,7 @@ import msgspec
 from aiohttp import web
 
 from server.errors import ApiError, from_decode
-from server.api.openai import ChatCompletionRequest
+from server.api.chat.protocol import ChatCompletionRequest
 from server.api.responses.protocol import Response, ResponseDeleted, ResponsesRequest
 from server.api.responses.reply import ResponsesReply, response_id
 from server.api.responses.translate import chat_messages, chat_request, tool_functions
