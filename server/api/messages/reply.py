@@ -1,6 +1,6 @@
 """Chat output as Anthropic Messages replies: whole, or as the stream of events.
 
-`MessagesReply` is the route's reply (see routes/common.py): `MessageStream`
+`MessagesReply` is the route's reply (see server/api/respond.py): `MessageStream`
 turns the output parser's events into Anthropic's: a content
 block opens when the kind of output changes (thinking, text, one per tool call),
 and closes before the next one opens, so block indices follow output order.

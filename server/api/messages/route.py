@@ -1,7 +1,7 @@
 """POST /v1/messages (+ streaming) and POST /v1/messages/count_tokens: Anthropic's Messages API.
 
 A Messages body is translated into the chat request it means
-(messages_api/translate.py) and prepared by the chat route's own `prepare`, so
+(translate.py) and prepared by the one `prepare` (server/api/prepare.py), so
 an agent history sent here renders to the same prompt tokens as through chat
 completions and gets the same prefix-cache and active reuse. Errors on these
 routes use Anthropic's shape: the error middleware picks it by path (PATH); a

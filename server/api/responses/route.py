@@ -1,10 +1,10 @@
 """POST /v1/responses: OpenAI's Responses API, for Codex CLI and the Agents SDK.
 
 A Responses body is translated into the chat request it means
-(responses_api/translate.py), with the stored history of `previous_response_id`
-in front of its input, and prepared by the chat route's `prepare`: the same
+(translate.py), with the stored history of `previous_response_id`
+in front of its input, and prepared by the one `prepare` (server/api/prepare.py): the same
 prompt tokens, prefix cache and active reuse as its chat twin. Stored responses
-and the named sessions that keep conversations warm: responses_api/store.py.
+and the named sessions that keep conversations warm: store.py.
 GET and DELETE /v1/responses/{id} read and drop a stored response.
 """
 
