@@ -23,7 +23,7 @@ from server.api.messages import route as messages
 from server.api.responses import route as responses
 from server.routes import loads, models, sessions
 from server.api.respond import dropped_tools_header, json_response
-from server.sse import CLIENT_GONE
+from server.api.sse import CLIENT_GONE
 from server.state import STATE, TENANT, AppState
 from server.tenants import key_tenant
 

@@ -13,7 +13,7 @@ from server.api.chat.protocol import (
     FunctionCall, FunctionDelta, TokenLogprob, ToolCallDelta, ToolCallOut, TopLogprob,
 )
 from server.api.respond import Job, usage_info
-from server.sse import EventStream
+from server.api.sse import EventStream
 from server.text.tokenizer import PromptTokenizer
 from server.toolcalls.base import Event, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart
 

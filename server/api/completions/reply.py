@@ -8,7 +8,7 @@ from server.generation import Finished, Piece
 from server.api.completions.protocol import Completion, CompletionChoice, CompletionLogprobs
 from server.engine.api import Usage
 from server.api.respond import Job, usage_info
-from server.sse import EventStream
+from server.api.sse import EventStream
 from server.text.tokenizer import PromptTokenizer
 
 

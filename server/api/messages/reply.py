@@ -37,7 +37,7 @@ from server.api.messages.protocol import (
     Ping,
     sse,
 )
-from server.sse import EventStream
+from server.api.sse import EventStream
 from server.toolcalls.base import Event, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart
 
 

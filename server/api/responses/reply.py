@@ -26,7 +26,7 @@ from server.api.responses.protocol import (
     ResponsesRequest, ResponseUsage, sse,
 )
 from server.api.responses.translate import namespaces
-from server.sse import EventStream
+from server.api.sse import EventStream
 from server.toolcalls.base import Event as ParserEvent
 from server.toolcalls.base import ReasoningDelta, ToolCallArguments, ToolCallStart
 
