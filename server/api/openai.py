@@ -1,5 +1,5 @@
 """OpenAI's shapes that more than one route speaks, as msgspec structs: the sampling fields chat
-and text completions share, usage, the model list, named sessions' replies and errors. Each API's
+and text completions share, usage, the model list and named sessions' replies. Each API's
 own bodies are in its package (server/api/chat/protocol.py, server/api/completions/protocol.py).
 
 Decoding is strict on the fields we know (a string where a number belongs is a
@@ -89,17 +89,6 @@ class SessionReply(Struct, omit_defaults=True):
     object: str  # "session"; no default, so it is never omitted
     reset: bool | None = None
     deleted: bool | None = None
-
-
-class ErrorDetail(Struct):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorBody(Struct):
-    error: ErrorDetail
 
 
 encoder = msgspec.json.Encoder()
