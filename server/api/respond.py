@@ -30,8 +30,8 @@ from server.chat_output import ChatOutputParser
 from server.engine.api import GenerateRequest, Usage
 from server.errors import ApiError, from_decode
 from server.generation import Finished, KeepAlive, Piece, generation
-from server.protocol.openai import PromptTokensDetails, UsageInfo, encoder
-from server.sse import EventStream
+from server.api.openai import PromptTokensDetails, UsageInfo, encoder
+from server.api.sse import EventStream
 from server.state import AppState
 
 log = logging.getLogger("kvfork.http")

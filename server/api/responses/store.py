@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from server.errors import ApiError
-from server.protocol.responses import Response
+from server.api.responses.protocol import Response
 
 
 @dataclass

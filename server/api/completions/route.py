@@ -1,0 +1,65 @@
+"""POST /v1/completions: a prompt given as text or as token ids."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from server.errors import invalid, unsupported
+from server.api.completions.reply import CompletionReply
+from server.api.completions.protocol import CompletionRequest
+from server.api.respond import Choices, Job, decoder, read_body, respond
+from server.api.prepare import check_supported, generate_request, request_id, session_id, stop_strings
+from server.state import scope_of, state_of
+from server.text.tokenizer import PromptTokenizer
+
+DECODE = decoder(CompletionRequest)
+
+
+async def prompt_tokens(prompt: str | list, tokenizer: PromptTokenizer, vocab_size: int) -> list[int]:
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise unsupported("prompt", "a batch of prompts is not supported; send one request per prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        tokens = await tokenizer.text(prompt)
+    elif all(isinstance(t, int) for t in prompt):
+        tokens = prompt
+        if any(not 0 <= t < vocab_size for t in tokens):
+            raise invalid("prompt", f"prompt token ids must be in [0, {vocab_size})")
+    else:
+        raise invalid("prompt", "the prompt is a string, a list of token ids, or a list holding one of those")
+    if not tokens:
+        raise invalid("prompt", "the prompt is empty")
+    return tokens
+
+
+async def handle(request: web.Request) -> web.StreamResponse:
+    state = state_of(request)
+    body: CompletionRequest = await read_body(request, DECODE)
+    check_supported(body, state.config.max_n)
+    if body.best_of not in (None, 1):
+        raise unsupported("best_of", "best_of > 1 is not supported yet")
+    if body.suffix:
+        raise unsupported("suffix", "suffix (insertion) is not supported")
+    if body.echo and body.logprobs is not None:
+        raise unsupported("echo", "echo with logprobs is not supported: prompt logprobs are not computed")
+    model = state.model_name(body.model)
+    session = session_id(body.session_id, request.headers, state.config.session_header)
+    tokenizer = state.require_ready()
+    vocab = state.engine.info.vocab_size
+    prompt = await prompt_tokens(body.prompt, tokenizer, vocab)
+    rid = request_id("cmpl")
+    generate = generate_request(
+        body, prompt, rid=rid, vocab_size=vocab,
+        max_tokens=body.max_tokens, session=session, scope=scope_of(request, body.cache_salt),
+        logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
+    )
+    job = Job(model, prompt, generate, stop_strings(body), n=body.n)
+    echo = tokenizer.decode(prompt) if body.echo else ""
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    if job.n == 1:
+        reply = CompletionReply(rid, job, tokenizer, body.logprobs is not None, echo, include_usage)
+        return await respond(request, state, job, reply, body.stream)
+    replies = [CompletionReply(rid, job, tokenizer, body.logprobs is not None, echo, False, index=i)
+               for i in range(job.n)]
+    return await respond(request, state, job, Choices(replies, include_usage), body.stream)
