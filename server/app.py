@@ -17,10 +17,14 @@ from aiohttp import web
 
 from server.engine.api import EngineError
 from server.errors import ApiError, from_engine
-from server.protocol.anthropic import error_body
-from server.routes import chat, completions, loads, messages, models, responses, sessions
-from server.routes.common import dropped_tools_header, json_response
-from server.sse import CLIENT_GONE
+from server.api.messages.protocol import error_body
+from server.api.chat import route as chat
+from server.api.completions import route as completions
+from server.api.messages import route as messages
+from server.api.responses import route as responses
+from server.routes import loads, models, sessions
+from server.api.respond import dropped_tools_header, json_response
+from server.api.sse import CLIENT_GONE
 from server.slow_clients import Watchdog
 from server.slow_clients import listen as watched_listen
 from server.state import STATE, TENANT, AppState

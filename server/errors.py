@@ -10,9 +10,21 @@ from __future__ import annotations
 import re
 
 import msgspec
+from msgspec import Struct
 
 from server.engine.api import EngineError
-from server.protocol.openai import ErrorBody, ErrorDetail
+
+
+class ErrorDetail(Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(Struct):
+    error: ErrorDetail
+
 
 # The `type` OpenAI's clients expect for each status.
 ERROR_TYPES = {

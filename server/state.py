@@ -14,7 +14,7 @@ from server.engine.load import TokenRate
 from server.errors import ApiError
 from server.grammar import GrammarCompiler
 from server.metrics import Registry
-from server.responses_api.store import ResponseStore
+from server.api.responses.store import ResponseStore
 from server.slow_clients import SlowClients
 from server.tenants import key_tenants
 from server.text.tokenizer import PromptTokenizer
@@ -105,5 +105,5 @@ def tenant_of(request: web.Request) -> str:
 
 def scope_of(request: web.Request, cache_salt: str | None) -> Scope:
     """Whose cached state the request may reuse: its tenant's, split further by its cache_salt
-    (validated when the body was decoded: protocol.openai.CacheSalt)."""
+    (validated when the body was decoded: server.api.openai.CacheSalt)."""
     return Scope(tenant_of(request), cache_salt)

@@ -9,9 +9,9 @@ import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 
 from server.chat_output import ChatOutputParser, collect
-from server.messages_api.reply import MessageStream, message_reply, usage
-from server.messages_api.translate import UnsupportedContent, chat_request
-from server.protocol.anthropic import CountTokensRequest, MessagesRequest, error_body, sse
+from server.api.messages.reply import MessageStream, message_reply, usage
+from server.api.messages.translate import UnsupportedContent, chat_request
+from server.api.messages.protocol import CountTokensRequest, MessagesRequest, error_body, sse
 from server.reasoning import ReasoningSplitter
 from server.toolcalls import PARSERS
 from streaming_helpers import counting_ids

@@ -14,7 +14,7 @@ from scripted_replies import recording, scripted
 from server.cli import serve_parser
 from server.config import ServerConfig
 from server.settings import from_args
-from server.sse import EventStream
+from server.api.sse import EventStream
 
 
 async def test_chat_tool_call_non_streaming(oai):

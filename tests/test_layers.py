@@ -1,7 +1,8 @@
 """The layers, from the code itself: a graph built with the AST (imports inside functions and under
 `if TYPE_CHECKING:` included) shows no cycle among the engine's modules, and no edge from the product
 (server/, backends/) to tools/: tools are entry points that import the product, never the reverse.
-And no function of the product is longer than a reader takes in at once."""
+And no function of the product is longer than a reader takes in at once, and each API is one package
+of server/api/, laid out alike."""
 
 from __future__ import annotations
 
@@ -111,3 +112,22 @@ def test_no_function_of_the_product_runs_over_60_lines():
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
                     long.append(f"{path.relative_to(ROOT)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
     assert long == []
+
+
+def test_each_api_is_one_package_laid_out_alike():
+    """server/api/<api>/ holds an API's wire types, its reply and its route; every route calls the one
+    shared preparation (server/api/prepare.py), and an API reaches into another only for its wire types
+    (the chat request, which Messages and Responses translate into)."""
+    api = ROOT / "server" / "api"
+    apis = sorted(p.name for p in api.iterdir() if (p / "__init__.py").exists())
+    assert apis == ["chat", "completions", "messages", "responses"]
+    edges = graph()
+    for name in apis:
+        package = f"server.api.{name}"
+        assert {"protocol", "reply", "route"} <= {p.stem for p in (api / name).glob("*.py")}, name
+        assert "server.api.prepare" in edges[f"{package}.route"], name
+        for module, targets in edges.items():
+            if module.startswith(package + "."):
+                others = {t for t in targets if t.startswith("server.api.") and t.count(".") >= 3
+                          and not t.startswith(package + ".")}
+                assert all(t.endswith(".protocol") for t in others), (module, others)

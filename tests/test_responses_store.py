@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from server.errors import ApiError
-from server.protocol.responses import Response
-from server.responses_api.store import ResponseStore
-from server.responses_api.translate import chat_messages
+from server.api.responses.protocol import Response
+from server.api.responses.store import ResponseStore
+from server.api.responses.translate import chat_messages
 
 
 def made(rid: str) -> Response:

@@ -1,15 +1,19 @@
-"""The step as data (server/engine/plan.py): a step's plan is a plain value that round-trips through
-msgspec, and the plans an engine ran, replayed on a fresh backend from themselves alone, give the same
-tokens, with every reuse path in play (prefix cache, donor clone, following, n choices, named session)."""
+"""The step as data (server/engine/plan.py, its ops backends/effects.py's): a step's plan is a plain value
+that round-trips through msgspec, and the plans an engine ran, replayed on a fresh backend from themselves
+alone, give the same tokens, with every reuse path in play (prefix cache, donor clone, following, n
+choices, named session)."""
 
 from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import numpy as np
+import pytest
 
 from backend_fixtures import backend_name, prompt  # noqa: F401  (fixture: each importable backend)
 from backends import create_backend
+from backends import effects as e
 from backends.base import SamplingParams, SavedLayer, SavedState
 from engine_harness import collect, real_engine, request, until
 from server.engine import plan as p
@@ -19,8 +23,8 @@ def every_kind_of_plan() -> p.StepPlan:
     state = SavedState(3, (SavedLayer("full", (np.arange(12, dtype=np.float32).reshape(1, 3, 4),
                                                np.ones((1, 3, 4), np.uint16))),
                            SavedLayer("recurrent", (np.zeros((2, 2), np.float32),), 3)))
-    ops = [p.Open(1), p.Clone(2, 1, 40), p.Import(3, state), p.Export(2), p.KeepAt(1, (24, 48)),
-           p.MoveCheckpoints(1, 2), p.Release([2, 3])]
+    ops = [e.Open(1), e.Clone(2, 1, 40), e.Import(3, state), e.Export(2), e.KeepAt(1, (24, 48)),
+           e.MoveCheckpoints(1, 2), e.Release([2, 3])]
     sampling = SamplingParams(temperature=0.7, top_p=0.9, seed=-5, logit_bias={7: -1.5}, logprobs=True, top_logprobs=2)
     return p.StepPlan(9, ops, [p.Sampler(4, sampling, [1, 2, 3])], decode=[p.Row(4, 1, [17], True, False)],
                       prefill=[p.Row(5, 6, [1, 2, 3], False, True)], samples=[p.Sample(4, 4), p.Sample(8, 5)],
@@ -31,7 +35,7 @@ def test_a_step_plan_round_trips_through_msgspec():
     plan = every_kind_of_plan()
     back = p.decode(p.encode(plan))
     imported = back.ops[2]
-    assert isinstance(imported, p.Import)
+    assert isinstance(imported, e.Import)
     for got, want in zip(imported.state.layers, plan.ops[2].state.layers):  # type: ignore[union-attr]
         assert got.kind == want.kind and got.first == want.first
         for a, b in zip(got.arrays, want.arrays):
@@ -45,8 +49,21 @@ def test_a_step_plan_round_trips_through_msgspec():
 def test_the_passes_of_a_plan_follow_the_backends_batching():
     plan = every_kind_of_plan()
     assert plan.passes() == [plan.decode + plan.prefill]
+    assert [p.pass_of(rows) for rows in plan.passes()] == [e.Prefill([1, 6], [[17], [1, 2, 3]])]
     plan.mixed = False
     assert plan.passes() == [plan.decode, plan.prefill]
+    assert [p.pass_of(rows) for rows in plan.passes()] == [e.Decode([1], [17]), e.Prefill([6], [[1, 2, 3]])]
+
+
+@pytest.mark.parametrize("array", [
+    {"dtype": "|O", "shape": [1], "data": bytes(8)},  # objects: nothing but numbers is built from a plan
+    {"dtype": "<f4", "shape": [3], "data": bytes(8)},  # a shape its bytes do not fill
+    {"dtype": "<f4", "shape": [2]},  # no bytes
+])
+def test_a_saved_states_arrays_decode_as_numbers_of_their_shape_only(array):
+    state = {"position": 1, "layers": [{"kind": "full", "arrays": [array], "first": 0}]}
+    with pytest.raises(msgspec.ValidationError):
+        p.decode(msgspec.msgpack.encode({"step": 1, "ops": [{"type": "import", "sid": 1, "state": state}]}))
 
 
 async def test_plans_recorded_from_an_engine_replay_on_a_fresh_backend_to_the_same_tokens(backend_name,
@@ -81,4 +98,4 @@ async def test_plans_recorded_from_an_engine_replay_on_a_fresh_backend_to_the_sa
     replayed = p.replay([p.decode(p.encode(plan)) for plan in plans], fresh)
     assert {name: replayed[rid] for name, rid in rids.items()} == tokens
     assert [replayed[lead.rid], replayed[lead.siblings[0].rid]] == chosen
-    assert any(isinstance(op, p.Clone) for plan in plans for op in plan.ops)  # reuse took part
+    assert any(isinstance(op, e.Clone) for plan in plans for op in plan.ops)  # reuse took part

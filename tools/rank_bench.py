@@ -7,7 +7,7 @@ Writes a random-weight llama-shaped model (heads that split over 2), then times 
 256-token context: in one process, then on 2 ranks under the backend's launcher, one thread per
 process (on a shared machine more threads than free cores make OpenMP's barriers spin: a 2-thread
 process measured 50x slower here under load). On rank 0 it also times what is not
-compute: the plan broadcast per step (LockstepBackend.plan_seconds), and one collective of a decode
+compute: the broadcast of each step's effects (LockstepBackend.broadcast_seconds), and one collective of a decode
 step's activations ([rows, hidden], float32) on the model's group, of which a step runs 2 per layer
 (after attention, after the MLP) plus the embedding's and the logits' on torch.
 """
@@ -138,25 +138,25 @@ def child(name: str, folder: Path, sessions: list[int], steps: int, out: Path) -
         return
     leader = LockstepBackend(ranks.backend, ranks.channel, timeout=600)
     leader.load(str(folder), "float32")
-    plans: dict[int, list[float]] = {n: [] for n in sessions}
-    last = [leader.plan_seconds]
+    broadcasts: dict[int, list[float]] = {n: [] for n in sessions}
+    last = [leader.broadcast_seconds]
 
     def on_step(n: int) -> None:
-        plans[n].append(leader.plan_seconds - last[0])
-        last[0] = leader.plan_seconds
+        broadcasts[n].append(leader.broadcast_seconds - last[0])
+        last[0] = leader.broadcast_seconds
 
     def step_start() -> None:
-        last[0] = leader.plan_seconds
+        last[0] = leader.broadcast_seconds
 
     step = decode_steps(_Hooked(leader, step_start), sessions, steps, on_step)
     leader.stop("done")
-    out.write_text(json.dumps({"step_s": step, "plan_s": {n: statistics.median(v) for n, v in plans.items()},
+    out.write_text(json.dumps({"step_s": step, "broadcast_s": {n: statistics.median(v) for n, v in broadcasts.items()},
                                "allreduce_s": allreduce}))
     ranks.close()
 
 
 class _Hooked:
-    """The leader, with the plan clock read just before each decode (so a step's plan time is its own)."""
+    """The leader, with the broadcast clock read just before each decode (so a step's broadcast time is its own)."""
 
     def __init__(self, leader, before):
         self._leader, self._before = leader, before
@@ -216,19 +216,22 @@ def run_child(name: str, role: str, folder: Path, out: Path, argv: list[str], de
     return {k: {int(n): v for n, v in d.items()} for k, d in json.loads(out.read_text()).items()}
 
 
-def plan_costs(sessions: list[int], chunk: int = 512, repeat: int = 2000) -> list[tuple[str, int, float]]:
-    """(step, plan bytes, encode + decode µs) of the plans a step sends: a decode of n rows, a prefill chunk."""
-    from backends.lockstep import plan as p
+def broadcast_costs(sessions: list[int], chunk: int = 512, repeat: int = 2000) -> list[tuple[str, int, float]]:
+    """(step, bytes, encode + decode µs) of the broadcast a step sends: a decode of n rows, a prefill chunk."""
+    from backends import effects as e
+    from backends.lockstep import wire
 
-    plans = [(f"decode, {n} rows", p.Plan(1000, [p.Decode(list(range(100, 100 + n)), [30000 + i for i in range(n)])]))
-             for n in sessions]
-    plans.append((f"prefill chunk of {chunk}", p.Plan(1000, [p.Prefill([100], [[30000 + i for i in range(chunk)]])])))
+    broadcasts = [(f"decode, {n} rows", wire.Broadcast(1000, [e.Decode(list(range(100, 100 + n)),
+                                                                      [30000 + i for i in range(n)])]))
+                  for n in sessions]
+    broadcasts.append((f"prefill chunk of {chunk}",
+                       wire.Broadcast(1000, [e.Prefill([100], [[30000 + i for i in range(chunk)]])])))
     out = []
-    for what, plan in plans:
+    for what, broadcast in broadcasts:
         start = time.perf_counter()
         for _ in range(repeat):
-            p.decode(p.encode(plan))
-        out.append((what, len(p.encode(plan)), (time.perf_counter() - start) / repeat * 1e6))
+            wire.decode(wire.encode(broadcast))
+        out.append((what, len(wire.encode(broadcast)), (time.perf_counter() - start) / repeat * 1e6))
     return out
 
 
@@ -237,16 +240,16 @@ def report(args, shape: dict, one: dict, two: dict) -> None:
     per_step = 2 * layers + (2 if args.backend == "torch" else 0)
     print(f"rank-bench: {args.backend} on {args.device}, {args.shape} shape ({layers} layers, "
           f"hidden {shape['hidden_size']}), context {CONTEXT}, median of {args.steps} decode steps")
-    print("| sessions | 1 process ms/step | 2 ranks ms/step | ratio | plan broadcast ms | "
+    print("| sessions | 1 process ms/step | 2 ranks ms/step | ratio | broadcast ms | "
           f"collective ms (one) | collectives x {per_step} ms | not compute (share of 2-rank step) |")
     print("|---|---|---|---|---|---|---|---|")
     for n in one["step_s"]:
-        s1, s2, plan, ar = one["step_s"][n], two["step_s"][n], two["plan_s"][n], two["allreduce_s"][n]
-        overhead = plan + per_step * ar
-        print(f"| {n} | {s1 * 1e3:.2f} | {s2 * 1e3:.2f} | {s2 / s1:.2f} | {plan * 1e3:.3f} | {ar * 1e3:.3f} | "
+        s1, s2, sent, ar = one["step_s"][n], two["step_s"][n], two["broadcast_s"][n], two["allreduce_s"][n]
+        overhead = sent + per_step * ar
+        print(f"| {n} | {s1 * 1e3:.2f} | {s2 * 1e3:.2f} | {s2 / s1:.2f} | {sent * 1e3:.3f} | {ar * 1e3:.3f} | "
               f"{per_step * ar * 1e3:.2f} | {overhead * 1e3:.2f} ms ({overhead / s2:.0%}) |")
-    print("\n| plan | bytes | encode + decode µs |\n|---|---|---|")
-    for what, size, micros in plan_costs(list(one["step_s"])):
+    print("\n| broadcast | bytes | encode + decode µs |\n|---|---|---|")
+    for what, size, micros in broadcast_costs(list(one["step_s"])):
         print(f"| {what} | {size:,} | {micros:.1f} |")
 
 

@@ -7,9 +7,10 @@
         Follower(ranks.backend, ranks.channel).run()                        # follower.py
 
 Each rank's backend holds its shard of the model (backends/torch/parallel.py; mlx-lm's own
-`Model.shard` for MLX) and of every session's KV state. Rank 0's engine decides everything; the plan
-(plan.py) carries every backend effect to the other ranks over the same collective library
-(channel.py). Pipeline parallelism is not here (docs/distributed.md says what it would take).
+`Model.shard` for MLX) and of every session's KV state. Rank 0's engine decides everything; every
+backend effect its backend runs (backends/effects.py, the values of the engine's step plan) goes to
+the other ranks (wire.py) over the same collective library (channel.py), and each runs it through
+its own Executor. Pipeline parallelism is not here (docs/distributed.md says what it would take).
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
-"""How rank 0 reaches the other ranks: the plan, and saved states' arrays, over the collective
-library the model runs on (torch.distributed or mx.distributed), never a transport of our own.
+"""How rank 0 reaches the other ranks: its effects (wire.py), and the shards of exported states,
+over the collective library the model runs on (torch.distributed or mx.distributed), never a
+transport of our own.
 
-Four verbs, every rank calling each one at the same point of its plan:
-- `broadcast(payload)`: rank 0's bytes to every rank (a plan);
+Three verbs, every rank calling each one at the same point of the effects it runs:
+- `broadcast(payload)`: rank 0's bytes to every rank (a broadcast of effects);
 - `all_ok(ok)`: whether every rank's part of an optional step (an export, an import) went well;
-- `gather(buffer)`: each rank's bytes, to rank 0 (the shards of an exported state);
-- `broadcast_buffer(buffer, nbytes)`: rank 0's bytes of a known size to every rank (a state to import).
+- `gather(buffer)`: each rank's bytes, to rank 0 (the shards of an exported state).
 
-A plan travels in one collective of `HEAD` bytes (its length, then its first bytes) and, when it is
-longer, a second one for the rest: a decode step's plan is a few hundred bytes.
+A payload travels in one collective of `HEAD` bytes (its length, then its first bytes) and, when it
+is longer, a second one for the rest: a decode step's is a few hundred bytes, an import's holds the
+whole saved state.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-HEAD = 4096  # bytes of the first collective of a plan: a decode step of 64 rows fits in it
+HEAD = 4096  # bytes of the first collective of a payload: a decode step of 64 rows fits in it
 
 
 class Channel(abc.ABC):
@@ -39,12 +40,8 @@ class Channel(abc.ABC):
             return head[8:8 + length].tobytes()
         rest = np.zeros(length - (HEAD - 8), np.uint8)
         if payload is not None:
-            rest[:] = np.frombuffer(payload[HEAD - 8:], np.uint8)
+            rest[:] = np.frombuffer(payload, np.uint8, offset=HEAD - 8)
         return head[8:].tobytes() + self._broadcast(rest).tobytes()
-
-    def broadcast_buffer(self, buffer: np.ndarray | None, nbytes: int) -> np.ndarray:
-        """Rank 0's `buffer` (uint8, `nbytes` long; None on the other ranks), on every rank."""
-        return self._broadcast(buffer if buffer is not None else np.zeros(nbytes, np.uint8))
 
     @abc.abstractmethod
     def all_ok(self, ok: bool) -> bool:

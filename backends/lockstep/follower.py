@@ -1,20 +1,21 @@
-"""A rank other than 0: it runs no engine and decides nothing. It applies rank 0's plans to its own
-shard of the model, effect by effect, until rank 0 says stop or can no longer be reached.
+"""A rank other than 0: it runs no engine and decides nothing. It runs rank 0's effects on its own
+shard of the model, through its own Executor (backends/effects.py), until rank 0 says stop or can no
+longer be reached.
 
 Every effect here succeeded on rank 0 already (leader.py records only what did), so it succeeds
 here too: the ranks hold the same sessions at the same positions, each its own shard. One that
 fails here anyway (memory, a lost peer) leaves this rank's state apart from rank 0's, and no rank
-may run a plan alone: the rank leaves, and rank 0 finds it gone at its next collective.
+may run an effect alone: the rank leaves, and rank 0 finds it gone at its next collective. Exports
+and imports are optional work: one that fails on any rank is dropped on every rank.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
-from backends.base import Backend, Session
-from backends.lockstep import plan as p
-from backends.lockstep import saved
+from backends import effects as e
+from backends.base import Backend
+from backends.lockstep import saved, wire
 from backends.lockstep.channel import Channel
 from backends.lockstep.loading import load_in_step
 
@@ -22,81 +23,62 @@ log = logging.getLogger("kvfork.lockstep")
 
 
 class Follower:
-    """The sessions of one follower rank, by wire id, and the verbs that apply rank 0's effects to them."""
+    """One follower rank: its sessions by rank 0's ids (an Executor), and the effects that need the
+    other ranks too (Load, Export, Import)."""
 
     def __init__(self, backend: Backend, channel: Channel):
         self.backend, self.channel = backend, channel
-        self.sessions: dict[int, Session] = {}
-        self.steps = 0
+        self.ex = e.Executor(backend)
+        self.received = 0
         self.open_at_stop = 0
 
     def run(self) -> str:
-        """Apply plans until a Stop; returns its reason. Raises when the plan stream breaks."""
+        """Run broadcasts until a Stop; returns its reason. Raises when the stream of broadcasts breaks."""
         while True:
-            plan = p.decode(self.channel.broadcast(None))
-            self.steps += 1
-            if plan.step != self.steps:
-                raise RuntimeError(f"plan {plan.step} arrived when {self.steps} was due")
-            for effect in plan.effects:
-                if isinstance(effect, p.Stop):
-                    self.open_at_stop = len(self.sessions)  # rank 0 holds as many (it releases them too)
+            broadcast = wire.decode(self.channel.broadcast(None))
+            self.received += 1
+            if broadcast.seq != self.received:
+                raise RuntimeError(f"broadcast {broadcast.seq} arrived when {self.received} was due")
+            for effect in broadcast.effects:
+                if isinstance(effect, wire.Stop):
+                    self.open_at_stop = len(self.ex.sessions)  # rank 0 holds as many (it releases them too)
                     self.release_all()
                     return effect.reason
                 self.apply(effect)
 
-    def apply(self, effect: Any) -> None:
-        b, s = self.backend, self.sessions
+    def apply(self, effect: e.Effect | wire.Load) -> None:
         match effect:
-            case p.Load(folder, dtype, clone_mode):
-                b.set_clone_mode(clone_mode)  # type: ignore[arg-type]
-                load_in_step(b, self.channel, folder, dtype)
-            case p.Open(sid):
-                s[sid] = b.open_session()
-            case p.Clone(sid, source, upto):
-                s[sid] = b.clone(s[source], upto)
-            case p.Prefill(sids, chunks):
-                b.prefill([s[i] for i in sids], chunks)
-            case p.Decode(sids, tokens):
-                b.decode([s[i] for i in sids], tokens)
-            case p.Release(sids):
-                for sid in sids:
-                    b.release(s.pop(sid))
-            case p.KeepAt(sid, positions):
-                b.keep_at(s[sid], positions)
-            case p.MoveCheckpoints(source, target):
-                b.move_checkpoints(s[source], s[target])
-            case p.Export(sid):
-                self.export(s[sid])
-            case p.Import():
+            case wire.Load(folder, dtype, clone_mode):
+                self.backend.set_clone_mode(clone_mode)  # type: ignore[arg-type]
+                load_in_step(self.backend, self.channel, folder, dtype)
+            case e.Export():
+                self.export(effect)
+            case e.Import():
                 self.import_state(effect)
-            case other:
-                raise TypeError(f"unknown plan effect {other!r}")
+            case _:
+                self.ex.run(effect)
 
-    def export(self, session: Session) -> None:
+    def export(self, effect: e.Export) -> None:
+        """This rank's shard of the state, gathered on rank 0."""
         try:
-            shard = self.backend.export_state(session)
-        except Exception as exc:  # optional work: every rank learns it failed and drops it
+            shard = self.ex.run(effect)
+        except Exception as exc:
             log.warning("exporting a state failed: %r", exc)
             self.channel.all_ok(False)
             return
         if self.channel.all_ok(True):
             self.channel.gather(saved.to_bytes(shard))
 
-    def import_state(self, effect: p.Import) -> None:
-        buffer = self.channel.broadcast_buffer(None, saved.nbytes(effect.layers))
-        whole = saved.from_bytes(effect.position, effect.layers, buffer)
-        session = None
+    def import_state(self, effect: e.Import) -> None:
+        """This rank's part of the whole state rank 0 sent."""
+        ok = True
         try:
-            session = self.backend.import_state(saved.shard(whole, self.channel.rank, self.channel.size))
+            self.ex.run(e.Import(effect.sid, saved.shard(effect.state, self.channel.rank, self.channel.size)))
         except Exception as exc:
             log.warning("loading a state failed: %r", exc)
-        if self.channel.all_ok(session is not None):
-            assert session is not None
-            self.sessions[effect.sid] = session
-        elif session is not None:
-            self.backend.release(session)
+            ok = False
+        if not self.channel.all_ok(ok) and ok:
+            self.ex.run(e.Release([effect.sid]))
 
     def release_all(self) -> None:
-        for session in self.sessions.values():
-            self.backend.release(session)
-        self.sessions.clear()
+        self.ex.run(e.Release(list(self.ex.sessions)))

@@ -1,18 +1,20 @@
 """Rank 0's backend: its own shard of the model, with every effect sent to the other ranks first.
 
 The engine and its runner see one `Backend`. Each call that changes state runs here and is recorded
-as a plan effect (plan.py) under the session's wire id; each call that runs collectives (prefill,
-decode, export, import) first sends the effects recorded since the last one, itself last, as one
-plan, so every rank runs the same calls in the same order. Queries (bytes, live sessions) and
+as the effect that runs it (backends/effects.py: the values of the engine's step plan), its sessions
+named by their Session.id; each call that runs collectives (prefill, decode, export, import) first sends
+the effects recorded since the last one, itself last, as one broadcast (wire.py), so every rank runs
+the same calls in the same order, faults.py's retries included. Queries (bytes, live sessions) and
 sampling are rank 0's alone: every rank holds the same shard sizes, and rank 0's logits are whole
 (the model gathers them).
 
 Faults:
-- a refused call (check_inputs, CloneRefused) is refused here before anything is recorded;
+- a refused call (check_inputs, CloneRefused), or an export or import that fails on rank 0, fails
+  here before anything is recorded;
 - a call that fails in a collective, or on rank 0 mid-pass, leaves the ranks' states apart: the
   group has failed (`RanksFailed`, which the runner cannot take for one request's fault), and every
-  later call raises it at once. An export or import that fails on some rank is optional work: every
-  rank learns it (channel.all_ok) and drops it;
+  later call raises it at once. An export or import that fails on another rank is optional work:
+  every rank learns it (channel.all_ok) and drops it;
 - a step that waits on the other ranks longer than `timeout` is a stalled rank: the watchdog
   declares the group failed and tells `on_fault` (the runner stays blocked in the collective: MLX's
   take no timeout), so the engine answers its requests without it.
@@ -29,9 +31,9 @@ from typing import Any, Callable, Collection, Sequence
 
 import numpy as np
 
+from backends import effects as e
 from backends.base import Backend, BatchFailed, ModelInfo, Sampled, SamplerState, SavedState, Session, check_inputs
-from backends.lockstep import plan as p
-from backends.lockstep import saved
+from backends.lockstep import saved, wire
 from backends.lockstep.channel import Channel
 from backends.lockstep.loading import load_in_step
 
@@ -55,14 +57,13 @@ class LockstepBackend(Backend):
     def __init__(self, local: Backend, channel: Channel, timeout: float):
         self.local, self.channel = local, channel
         self.mixed_batches = local.mixed_batches
-        self._wire: dict[int, int] = {}  # local session id -> its sid in the plans
-        self._ids = itertools.count(1)
-        self._pending: list[Any] = []
-        self._steps = itertools.count(1)
+        self._live: set[int] = set()  # the ids of the sessions it handed out, their sids on every rank
+        self._pending: list[e.Effect] = []
+        self._sent = itertools.count(1)
         self._clone_mode = "share"
         self.failed: str | None = None
         self.stopped = False  # a Stop went round: every rank has left
-        self.plan_seconds = 0.0  # time spent sending plans (docs/benchmarks.md: the overhead of ranks)
+        self.broadcast_seconds = 0.0  # time spent sending effects (docs/benchmarks.md: the overhead of ranks)
         self._watchdog = Watchdog(timeout, self._stalled)
         self.on_fault: Callable[[str], None] = lambda reason: None  # told, from any thread, when the group fails
 
@@ -70,18 +71,18 @@ class LockstepBackend(Backend):
     def state_format(self) -> str:
         return f"{self.local.state_format}x{self.channel.size}"
 
-    # -- the plan --------------------------------------------------------
+    # -- the effects ----------------------------------------------------
 
-    def _record(self, effect: Any) -> None:
+    def _record(self, effect: e.Effect) -> None:
         self._pending.append(effect)
 
-    def _send(self, effect: Any) -> None:
-        """Send every effect recorded, `effect` last, as one plan."""
+    def _send(self, effect: e.Effect | wire.Load | wire.Stop) -> None:
+        """Send every effect recorded, `effect` last, as one broadcast."""
         self._check()
         effects, self._pending = [*self._pending, effect], []
         t0 = time.perf_counter()
-        self._guarded(self.channel.broadcast, p.encode(p.Plan(next(self._steps), effects)))
-        self.plan_seconds += time.perf_counter() - t0
+        self._guarded(self.channel.broadcast, wire.encode(wire.Broadcast(next(self._sent), effects)))
+        self.broadcast_seconds += time.perf_counter() - t0
 
     def _guarded(self, fn: Callable, *args: Any) -> Any:
         """A call that runs collectives: watched, and a failure fails the group."""
@@ -111,18 +112,15 @@ class LockstepBackend(Backend):
         self._fail(f"{peers(self.channel.size)} stopped answering: a step waited {seconds:.0f} s on the other "
                    "ranks (--rank-timeout)")
 
-    def _id(self, session: Session) -> int:
-        return self._wire[session.id]
-
-    def _name(self, session: Session) -> int:
-        wire = self._wire[session.id] = next(self._ids)
-        return wire
+    def _hand_out(self, session: Session) -> int:
+        self._live.add(session.id)
+        return session.id
 
     def stop(self, reason: str) -> None:
         """Tell every rank to leave (after the runner has stopped): releases still recorded go first."""
         try:
             if self.failed is None:
-                self._send(p.Stop(reason))
+                self._send(wire.Stop(reason))
                 self.stopped = True
         except RanksFailed:
             pass  # the others are gone already
@@ -136,7 +134,7 @@ class LockstepBackend(Backend):
         self.local.set_clone_mode(mode)
 
     def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
-        self._send(p.Load(folder, dtype, self._clone_mode))
+        self._send(wire.Load(folder, dtype, self._clone_mode))
         try:
             self.info = load_in_step(self.local, self.channel, folder, dtype)
         except Exception as exc:
@@ -146,44 +144,45 @@ class LockstepBackend(Backend):
 
     def open_session(self) -> Session:
         session = self.local.open_session()
-        self._record(p.Open(self._name(session)))
+        self._record(e.Open(self._hand_out(session)))
         return session
 
     def release(self, session: Session) -> None:
-        wire = self._wire.pop(session.id, None)
+        live = session.id in self._live
+        self._live.discard(session.id)
         self.local.release(session)
-        if wire is None:
+        if not live:  # releasing twice is a no-op (Backend.release)
             return
         last = self._pending[-1] if self._pending else None  # a request's sessions leave together: one effect
-        if isinstance(last, p.Release):
-            self._pending[-1] = p.Release([*last.sids, wire])
+        if isinstance(last, e.Release):
+            self._pending[-1] = e.Release([*last.sids, session.id])
         else:
-            self._record(p.Release([wire]))
+            self._record(e.Release([session.id]))
 
     def clone(self, session: Session, upto: int) -> Session:
         self._check()
         clone = self.local.clone(session, upto)  # a refusal records nothing
-        self._record(p.Clone(self._name(clone), self._id(session), upto))
+        self._record(e.Clone(self._hand_out(clone), session.id, upto))
         return clone
 
     def keep_at(self, session: Session, positions: Collection[int]) -> None:
         self.local.keep_at(session, positions)
-        self._record(p.KeepAt(self._id(session), sorted(positions)))
+        self._record(e.KeepAt(session.id, tuple(sorted(positions))))
 
     def move_checkpoints(self, source: Session, target: Session) -> None:
         self.local.move_checkpoints(source, target)
-        self._record(p.MoveCheckpoints(self._id(source), self._id(target)))
+        self._record(e.MoveCheckpoints(source.id, target.id))
 
     # -- compute ---------------------------------------------------------
 
     def prefill(self, sessions: Sequence[Session], chunks: Sequence[Sequence[int]]) -> Any:
-        check_inputs(sessions, chunks, self._wire, self.info)  # a refusal reaches no rank
-        self._send(p.Prefill([self._id(s) for s in sessions], [list(c) for c in chunks]))
+        check_inputs(sessions, chunks, self._live, self.info)  # a refusal reaches no rank
+        self._send(e.Prefill([s.id for s in sessions], [list(c) for c in chunks]))
         return self._guarded(self.local.prefill, sessions, chunks)
 
     def decode(self, sessions: Sequence[Session], tokens: Sequence[int]) -> Any:
-        check_inputs(sessions, [[t] for t in tokens], self._wire, self.info)
-        self._send(p.Decode([self._id(s) for s in sessions], list(tokens)))
+        check_inputs(sessions, [[t] for t in tokens], self._live, self.info)
+        self._send(e.Decode([s.id for s in sessions], list(tokens)))
         return self._guarded(self.local.decode, sessions, tokens)
 
     def sample(self, logits: Any, states: Sequence[SamplerState]) -> list[Sampled]:
@@ -192,26 +191,22 @@ class LockstepBackend(Backend):
     # -- saved states (optional work: a rank that fails one, fails it on every rank) ------
 
     def export_state(self, session: Session) -> SavedState:
-        self._send(p.Export(self._id(session)))
-        shard, error = _attempt(self.local.export_state, session)
-        if not self._guarded(self.channel.all_ok, error is None):
-            raise RuntimeError(f"exporting the state failed on a rank: {error or 'not rank 0'}")
-        assert shard is not None
+        self._check()
+        shard = self.local.export_state(session)
+        self._send(e.Export(session.id))
+        if not self._guarded(self.channel.all_ok, True):
+            raise RuntimeError("exporting the state failed on another rank (its log says why)")
         parts = self._guarded(self.channel.gather, saved.to_bytes(shard))
-        specs = saved.describe(shard)
-        return saved.join([saved.from_bytes(shard.position, specs, part) for part in parts])
+        return saved.join([saved.from_bytes(shard, part) for part in parts])
 
     def import_state(self, state: SavedState) -> Session:
-        wire, specs = next(self._ids), saved.describe(state)
-        self._send(p.Import(wire, state.position, specs))
-        self._guarded(self.channel.broadcast_buffer, saved.to_bytes(state), saved.nbytes(specs))
-        session, error = _attempt(self.local.import_state, saved.shard(state, 0, self.channel.size))
-        if not self._guarded(self.channel.all_ok, error is None):
-            if session is not None:
-                self.local.release(session)
-            raise RuntimeError(f"loading the state failed on a rank: {error or 'not rank 0'}")
-        assert session is not None
-        self._wire[session.id] = wire
+        self._check()
+        session = self.local.import_state(saved.shard(state, 0, self.channel.size))
+        self._send(e.Import(session.id, state))  # whole: each rank keeps its part
+        if not self._guarded(self.channel.all_ok, True):
+            self.local.release(session)
+            raise RuntimeError("loading the state failed on another rank (its log says why)")
+        self._hand_out(session)
         return session
 
     # -- rank 0's own accounting: every rank holds the same ------------------
@@ -242,14 +237,6 @@ def _gist(exc: BaseException) -> str:
     """The first sentence of an error, without a C++ source location ("[.../pair.cc:553] ")."""
     text = re.sub(r"^\[[^\]]*\] ", "", str(exc).strip())
     return text.split(". ")[0][:200]
-
-
-def _attempt(fn: Callable, *args: Any) -> tuple[Any, str | None]:
-    try:
-        return fn(*args), None
-    except Exception as exc:
-        log.warning("%s failed: %r", getattr(fn, "__name__", fn), exc)
-        return None, repr(exc)
 
 
 class Watchdog:

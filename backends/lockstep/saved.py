@@ -1,6 +1,7 @@
-"""Saved states (base.py's saved-state rule) across ranks: each rank holds its shard of every array
-on axis 0 (the KV heads of a layer's keys and values; a recurrent layer's state arrays as its model
-splits them), and a state crosses as one byte buffer described by `plan.LayerSpec`s.
+"""Saved states (the saved-state rule, base.SavedState) across ranks: each rank holds its shard of
+every array on axis 0 (the KV heads of a layer's keys and values; a recurrent layer's state arrays
+as its model splits them). An exported state is every rank's shard, gathered as one byte buffer a
+rank; an imported one crosses whole (in the Import effect) and each rank keeps its part.
 
 Joined on axis 0, the shards of keys and values are the one-process layout (heads split in order);
 a recurrent array is joined rank by rank, which only a run of as many ranks splits back the same
@@ -12,12 +13,6 @@ from __future__ import annotations
 import numpy as np
 
 from backends.base import SavedLayer, SavedState
-from backends.lockstep.plan import ArraySpec, LayerSpec
-
-
-def describe(state: SavedState) -> list[LayerSpec]:
-    return [LayerSpec(layer.kind, layer.first, [ArraySpec(list(a.shape), a.dtype.str) for a in layer.arrays])
-            for layer in state.layers]
 
 
 def to_bytes(state: SavedState) -> np.ndarray:
@@ -26,20 +21,17 @@ def to_bytes(state: SavedState) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
 
 
-def nbytes(specs: list[LayerSpec]) -> int:
-    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for layer in specs for a in layer.arrays)
-
-
-def from_bytes(position: int, specs: list[LayerSpec], buffer: np.ndarray) -> SavedState:
+def from_bytes(like: SavedState, buffer: np.ndarray) -> SavedState:
+    """The state `to_bytes` wrote into `buffer`, whose arrays have the shapes and dtypes of `like`'s
+    (every rank's shard has the same)."""
     layers, at = [], 0
-    for layer in specs:
+    for layer in like.layers:
         arrays = []
-        for spec in layer.arrays:
-            size = int(np.prod(spec.shape)) * np.dtype(spec.dtype).itemsize
-            arrays.append(buffer[at:at + size].view(np.dtype(spec.dtype)).reshape(spec.shape))
-            at += size
-        layers.append(SavedLayer(layer.kind, tuple(arrays), layer.first))  # type: ignore[arg-type]
-    return SavedState(position, tuple(layers))
+        for a in layer.arrays:
+            arrays.append(buffer[at:at + a.nbytes].view(a.dtype).reshape(a.shape))
+            at += a.nbytes
+        layers.append(SavedLayer(layer.kind, tuple(arrays), layer.first))
+    return SavedState(like.position, tuple(layers))
 
 
 def join(shards: list[SavedState]) -> SavedState:

@@ -11,7 +11,8 @@ Where things happen (docs/architecture.md walks one request through them):
   requests) in one trie, with one lookup (`Index.best`);
 - sessions.py: named sessions; disk.py: the prefix cache's disk tier (files, a worker thread);
 - runner.py: the thread that owns the backend; `Runner.step` takes commands, plans, runs the
-  forward pass, samples and publishes; plan.py: the step's plan, a plain value;
+  forward pass, samples and publishes; plan.py: the step's plan, a plain value of
+  backends/effects.py's effects;
   faults.py: failures recovered row by row; clone_orders.py: followers' clone orders;
   constraints.py: grammar masks;
 - the pure policies: matching.py, follow.py, scheduler.py, restore.py, rates.py;

@@ -61,7 +61,7 @@ class Engine:
                  plans: Callable[[Any], None] | None = None):
         """`kv_dir`: where the prefix cache's disk tier lives (disk.kv_root()); None: no disk tier.
         `kv_events`: told where reusable states are stored and removed (server/kv_events.KVEvents); None: off.
-        `plans`: handed each runner.StepPlan before it runs (a recorder, another rank)."""
+        `plans`: handed each plan.StepPlan before it runs (a recorder: plan.replay runs them again)."""
         validate(config)
         self.backend, self.model_path, self.dtype, self.config = backend, model_path, dtype, config
         self.kv_dir, self.registry, self.kv_events, self._plans = kv_dir, registry, kv_events, plans

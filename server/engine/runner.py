@@ -50,6 +50,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
+from backends import effects as e
 from backends.base import (Backend, CloneRefused, ModelInfo, Sampled, SamplerState, SamplingParams, Session,
                            clone_positions)
 from server.engine import faults
@@ -108,7 +109,8 @@ class Runner:
         self.events: collections.deque = collections.deque()  # runner -> control loop
         self._notify, self._plans = notify, plans
         self._wake = threading.Event()
-        self._ex = p.Executor(backend)
+        self._ex = e.Executor(backend)
+        self._ops: list[e.Op] = []  # run since the last plan took them
         self._running: dict[int, Seq] = {}
         self._opened: list[p.Sampler] = []  # samplers opened since the last plan
         self._orders = CloneOrders()
@@ -191,12 +193,12 @@ class Runner:
                     self._opened.append(p.Sampler(choice.rid, choice.sampling, s.start.prompt))
                     samples.append(p.Sample(choice.rid, rid))
         self._steps += 1
+        ops, self._ops = self._ops, []
         opened, self._opened = self._opened, []
-        return p.StepPlan(self._steps, self._ex.take_ops(), opened, decode, prefill, samples,
-                          self.backend.mixed_batches)
+        return p.StepPlan(self._steps, ops, opened, decode, prefill, samples, self.backend.mixed_batches)
 
     def forward(self, rows: list[p.Row]) -> list[faults.Group]:
-        return faults.forward(self._ex.forward, rows, self._fail)
+        return faults.forward(lambda rows: self._ex.run(p.pass_of(rows)), rows, self._fail)
 
     def sample(self, plan: p.StepPlan, group: list[p.Row | None], logits: Any) -> None:
         """Rows whose tokens are committed: prefill progress and captures; then each other choice over a
@@ -257,6 +259,12 @@ class Runner:
         assert self._constrained is not None, "no request runs before the model is loaded"
         return self._constrained
 
+    def _run(self, op: e.Op) -> Any:
+        """Run one session op; it goes into the next plan once it ran (one that raised changed nothing)."""
+        result = self._ex.run(op)
+        self._ops.append(op)
+        return result
+
     def _publish(self, *events: Any) -> None:
         self.events.extend(events)
         self._notify()
@@ -280,7 +288,7 @@ class Runner:
                 case m.CloneDonor() as order:
                     self._clone_donor(order)
                 case m.Release(sids=sids):
-                    self._ex.run(p.Release(sids))
+                    self._run(e.Release(sids))
                     self._releases += 1
                 case m.Spill() as spill:
                     self._spill(spill)
@@ -320,7 +328,7 @@ class Runner:
                     refused.append("error")
             if sid is None:
                 sid, reused = self._ex.new_sid(), 0
-                self._ex.run(p.Open(sid))
+                self._run(e.Open(sid))
             if start.keep_at:
                 self._keep_at(sid, start.keep_at)
         except Exception as exc:
@@ -347,7 +355,7 @@ class Runner:
     def _clone(self, source: int, upto: int) -> int:
         """A new session holding [0, upto) of session `source` (raises CloneRefused and the rest)."""
         sid = self._ex.new_sid()
-        self._ex.run(p.Clone(sid, source, upto))
+        self._run(e.Clone(sid, source, upto))
         return sid
 
     def _stop(self, rid: int, reason: str) -> None:
@@ -364,17 +372,17 @@ class Runner:
         """Optional work: a state that fails to export is simply not kept on disk."""
         state = None
         try:
-            state = self._ex.run(p.Export(command.sid))
+            state = self._run(e.Export(command.sid))
         except Exception as exc:
             log.warning("exporting a prefix cache entry failed: %r", exc)
-        self._ex.run(p.Release([command.sid]))
+        self._run(e.Release([command.sid]))
         self.events.append(m.Exported(command.key, state))
 
     def _restore(self, command: m.Restore) -> None:
         """Optional work: a state that fails to load leaves its request to prefill."""
         t0, sid = time.perf_counter(), self._ex.new_sid()
         try:
-            self._ex.run(p.Import(sid, command.state))
+            self._run(e.Import(sid, command.state))
         except Exception as exc:
             log.warning("loading a saved state for request %d failed: %r", command.rid, exc)
             self.events.append(m.Restored(command.rid, None))
@@ -384,7 +392,7 @@ class Runner:
     def _keep_at(self, sid: int, positions: tuple[int, ...]) -> None:
         """Checkpoints at message boundaries are optional work: a backend that fails them runs on without."""
         try:
-            self._ex.run(p.KeepAt(sid, tuple(positions)))
+            self._run(e.KeepAt(sid, tuple(positions)))
         except Exception as exc:
             log.warning("keeping checkpoints at %s failed: %r", positions, exc)
 
@@ -453,7 +461,7 @@ class Runner:
             return
         if s.session.kept:  # its message-boundary checkpoints go with the snapshot, which serves them
             try:
-                self._ex.run(p.MoveCheckpoints(s.sid, snapshot))
+                self._run(e.MoveCheckpoints(s.sid, snapshot))
             except Exception as exc:  # optional work: the snapshot serves its own length only
                 log.warning("moving checkpoints of request %d to its snapshot failed: %r", s.rid, exc)
         session = self._ex.sessions[snapshot]
@@ -532,6 +540,6 @@ class Runner:
             held = (s.start.prompt + s.sampler.output)[:s.session.position]
             nbytes, frees = self.backend.session_bytes(s.session), self.backend.release_frees(s.session)
         else:
-            self._ex.run(p.Release([s.sid]))
+            self._run(e.Release([s.sid]))
         self.events.append(m.Ended(s.rid, reason, s.prefilled, s.generated, error, kept, held, nbytes, frees,
                                    self._pooled(), grammar_failed))

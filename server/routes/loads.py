@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 
 from aiohttp import web
 
-from server.routes.common import json_response
+from server.api.respond import json_response
 from server.state import state_of
 
 PATH = "/v1/loads"

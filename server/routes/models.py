@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from server.protocol.openai import Health, ModelCard, ModelList
-from server.routes.common import json_response
+from server.api.openai import Health, ModelCard, ModelList
+from server.api.respond import json_response
 from server.state import state_of
 
 PATH = "/v1/models"

@@ -6,9 +6,9 @@ from __future__ import annotations
 from aiohttp import web
 
 from server.errors import ApiError
-from server.protocol.openai import SessionReply
-from server.routes.common import json_response
-from server.sampling import session_id
+from server.api.openai import SessionReply
+from server.api.respond import json_response
+from server.api.prepare import session_id
 from server.state import state_of, tenant_of
 
 

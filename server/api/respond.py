@@ -31,9 +31,9 @@ from server.chat_output import ChatOutputParser
 from server.engine.api import GenerateRequest, Usage
 from server.errors import ApiError, from_decode
 from server.generation import Finished, KeepAlive, Piece, generation
+from server.api.openai import PromptTokensDetails, UsageInfo, encoder
+from server.api.sse import EventStream
 from server.limits import Limits, check_depth
-from server.protocol.openai import PromptTokensDetails, UsageInfo, encoder
-from server.sse import EventStream
 from server.state import AppState, state_of
 
 # Bodies larger than this are checked and decoded on a thread: a 16 MiB body takes tens of milliseconds.

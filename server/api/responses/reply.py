@@ -18,15 +18,15 @@ import msgspec
 from server.errors import ApiError
 from server.chat_output import ChatOutputParser
 from server.generation import Finished, Piece
-from server.protocol.responses import (
+from server.api.responses.protocol import (
     ArgumentsDelta, ArgumentsDone, ContentPartAdded, ContentPartDone, ErrorEvent, Event, FunctionCallOut,
     IncompleteDetails, InputTokensDetails, OutputItem, OutputItemAdded, OutputItemDone, OutputMessage, OutputText,
     OutputTextDelta, OutputTextDone, OutputTokensDetails, ReasoningOut, ReasoningText, ReasoningTextDelta,
     ReasoningTextDone, Response, ResponseCompleted, ResponseCreated, ResponseIncomplete, ResponseInProgress,
     ResponsesRequest, ResponseUsage, sse,
 )
-from server.responses_api.translate import namespaces
-from server.sse import EventStream
+from server.api.responses.translate import namespaces
+from server.api.sse import EventStream
 from server.toolcalls.base import Event as ParserEvent
 from server.toolcalls.base import ReasoningDelta, ToolCallArguments, ToolCallStart
 

@@ -36,8 +36,8 @@ from typing import Any, Callable
 import msgspec
 
 from server.errors import ApiError
+from server.api.responses.protocol import Response
 from server.limits import over
-from server.protocol.responses import Response
 
 
 @dataclass

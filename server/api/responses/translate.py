@@ -1,9 +1,9 @@
-"""A Responses request, said as the OpenAI chat request it means (as messages_api does for Anthropic's).
+"""A Responses request, said as the OpenAI chat request it means (as api/messages does for Anthropic's).
 
-The mapping keeps one rule for rendering, the chat route's, so a history sent
+The mapping keeps one rule for rendering, `prepare`'s, so a history sent
 through /v1/responses renders to the same prompt tokens as its chat twin:
 - `instructions` → the first system message; a `developer` message → system.
-- message items → messages; text parts stay parts (the chat route joins them).
+- message items → messages; text parts stay parts (`prepare` joins them).
 - `function_call` items → the `tool_calls` of the assistant message just before
   them (or of a new one); `function_call_output` → `tool` messages.
 - `reasoning` items → `reasoning_content` of the next assistant message (of an
@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from server.errors import ApiError, from_decode, invalid
-from server.protocol.responses import (
+from server.api.responses.protocol import (
     ContentPart,
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -148,7 +148,7 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
 
 def _tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
     if isinstance(choice, str):
-        return choice  # auto, none, required: the chat route checks it
+        return choice  # auto, none, required: `prepare` checks it
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
     raise invalid("tool_choice", 'tool_choice is "auto", "none", "required" or {"type": "function", "name": ...}')

@@ -1,7 +1,7 @@
 """POST /v1/messages (+ streaming) and POST /v1/messages/count_tokens: Anthropic's Messages API.
 
 A Messages body is translated into the chat request it means
-(messages_api/translate.py) and prepared by the chat route's own `prepare`, so
+(translate.py) and prepared by the one `prepare` (server/api/prepare.py), so
 an agent history sent here renders to the same prompt tokens as through chat
 completions and gets the same prefix-cache and active reuse. Errors on these
 routes use Anthropic's shape: the error middleware picks it by path (PATH); a
@@ -15,13 +15,13 @@ from aiohttp import web
 
 from server.errors import ApiError, from_decode, invalid
 from server.limits import check_count, check_stops
-from server.messages_api.reply import MessagesReply, message_id, tool_use_id
+from server.api.messages.reply import MessagesReply, message_id, tool_use_id
 from server.engine.api import ContextTooLong
-from server.messages_api.translate import UnsupportedContent, chat_request, dropped_tools
-from server.protocol.anthropic import CountTokensRequest, MessagesRequest, TokenCount
-from server.protocol.openai import ChatCompletionRequest
-from server.routes.chat import prepare
-from server.routes.common import decoder, json_response, read_body, report_dropped_tools, respond
+from server.api.messages.translate import UnsupportedContent, chat_request, dropped_tools
+from server.api.messages.protocol import CountTokensRequest, MessagesRequest, TokenCount
+from server.api.chat.protocol import ChatCompletionRequest
+from server.api.prepare import prepare
+from server.api.respond import decoder, json_response, read_body, report_dropped_tools, respond
 from server.state import state_of
 
 PATH = "/v1/messages"

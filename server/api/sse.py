@@ -13,7 +13,7 @@ import time
 from aiohttp import web
 
 from server.errors import ApiError
-from server.protocol.openai import encoder
+from server.api.openai import encoder
 
 log = logging.getLogger("kvfork.http")
 CLIENT_GONE = web.RequestKey("client_gone", bool)  # set when a write found the connection closed

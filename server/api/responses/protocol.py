@@ -3,7 +3,7 @@
 As with chat completions, known fields are checked strictly and unknown ones
 ignored (Codex and the Agents SDK send `include`, `reasoning`, `prompt_cache_key`
 and more). Input items are kept as decoded JSON here and checked one by one in
-responses_api/translate.py, so an error names `input[i]`.
+translate.py, so an error names `input[i]`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Literal
 import msgspec
 from msgspec import Struct, field
 
-from server.protocol.openai import CacheSalt, Positive, Temperature, TopP
+from server.api.openai import CacheSalt, Positive, Temperature, TopP
 
 
 class TextFormat(Struct, kw_only=True):
@@ -168,7 +168,7 @@ class ResponseDeleted(Struct):
 
 
 # ---- stream events --------------------------------------------------------
-# `sequence_number` is set by the stream as it sends each event (responses_api/reply.py).
+# `sequence_number` is set by the stream as it sends each event (reply.py).
 
 
 class Event(Struct, tag_field="type", kw_only=True):

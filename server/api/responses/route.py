@@ -1,10 +1,10 @@
 """POST /v1/responses: OpenAI's Responses API, for Codex CLI and the Agents SDK.
 
 A Responses body is translated into the chat request it means
-(responses_api/translate.py), with the stored history of `previous_response_id`
-in front of its input, and prepared by the chat route's `prepare`: the same
+(translate.py), with the stored history of `previous_response_id`
+in front of its input, and prepared by the one `prepare` (server/api/prepare.py): the same
 prompt tokens, prefix cache and active reuse as its chat twin. Stored responses
-and the named sessions that keep conversations warm: responses_api/store.py.
+and the named sessions that keep conversations warm: store.py.
 GET and DELETE /v1/responses/{id} read and drop a stored response.
 """
 
@@ -14,13 +14,13 @@ import msgspec
 from aiohttp import web
 
 from server.errors import ApiError, from_decode
+from server.api.chat.protocol import ChatCompletionRequest
+from server.api.responses.protocol import Response, ResponseDeleted, ResponsesRequest
+from server.api.responses.reply import ResponsesReply, response_id
+from server.api.responses.translate import chat_messages, chat_request, tool_functions
+from server.api.prepare import prepare
+from server.api.respond import decoder, json_response, read_body, report_dropped_tools, respond
 from server.limits import check_count
-from server.protocol.openai import ChatCompletionRequest
-from server.protocol.responses import Response, ResponseDeleted, ResponsesRequest
-from server.responses_api.reply import ResponsesReply, response_id
-from server.responses_api.translate import chat_messages, chat_request, tool_functions
-from server.routes.chat import prepare
-from server.routes.common import decoder, json_response, read_body, report_dropped_tools, respond
 from server.state import state_of, tenant_of
 
 PATH = "/v1/responses"

@@ -17,7 +17,7 @@ route's) decides how text parts join:
   can run them, and refusing the request would stop the agent.
 - a `system` message in the conversation (Claude Code's mid-conversation-system
   beta) stays a system message where it stands; a template that refuses one there
-  gets it merged into the adjacent user turn (routes/chat.py).
+  gets it merged into the adjacent user turn (prepare.inline_system_messages).
 - structured outputs (`output_config.format`, the beta's `output_format`) →
   `response_format` json_schema.
 - tool_choice: auto → auto, any → required, tool → the named function, none → none.
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.protocol.anthropic import (
+from server.api.messages.protocol import (
     CountTokensRequest,
     DocumentBlock,
     ImageBlock,

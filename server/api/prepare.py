@@ -1,42 +1,40 @@
-"""POST /v1/chat/completions.
+"""The one preparation every API route calls: a request body -> a `Job` (prompt tokens, the
+engine request, stop strings, the output parser).
 
 `prepare` is the one path from a chat request to prompt tokens and an output
-parser; the Anthropic and Responses routes translate their bodies into a chat
-request and take the same path, so every API gets the same tokens and reuse.
-Tools: checking tools and tool_choice, feeding past calls back to templates
-(or, for templates that render no tools, the Hermes block: toolcalls/hermes.py),
-and saying parsed output in OpenAI's message and delta shapes.
+parser: template, tokens, sampling, grammar. The Anthropic and Responses routes
+translate their bodies into a chat request and take the same path, so every API
+gets the same tokens and reuse. Tools: checking tools and tool_choice, feeding
+past calls back to templates (or, for templates that render no tools, the Hermes
+block: toolcalls/hermes.py).
+
+A body's sampling fields become the engine's `GenerateRequest` (`generate_request`,
+below); the completions route, whose prompt is text or token ids with no template,
+calls it and its neighbours directly.
 """
 
 from __future__ import annotations
 
 import json
-import time
-from typing import Any, Callable
+import uuid
+from typing import Any, Callable, Mapping, Sequence
 
 from aiohttp import web
 
-from server.chat_output import ChatOutput, ChatOutputParser, collect, output_parser
-from server.engine.api import TokenEvent, Usage
-from server.errors import ApiError, invalid, unsupported
-from server.generation import Finished, Piece
+from backends.base import SEEDS, SamplingParams
+from server.chat_output import output_parser
+from server.engine.api import GenerateRequest, Scope
+from server.engine.sessions import check_session_id
+from server.errors import ApiError, invalid
 from server.grammar import request_ask
-from server.limits import check_count, check_prompt_chars, check_sampling, check_schema, json_deeper_than
-from server.protocol.openai import (
-    AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
-    ChoiceLogprobs, ChunkChoice, Delta, FunctionCall, FunctionDelta, TokenLogprob, ToolCallDelta, ToolCallOut,
-    TopLogprob,
-)
-from server.routes.common import Choices, Job, decoder, read_body, respond, usage_info
-from server.sampling import generate_request, request_id, session_id, stop_strings
-from server.sse import EventStream
-from server.state import AppState, scope_of, state_of
-from server.text.tokenizer import PromptTokenizer
+from server.api.chat.protocol import ChatCompletionRequest, ChatMessage
+from server.api.openai import SamplingFields
+from server.api.respond import Job
+from server.limits import check_count, check_prompt_chars, check_schema, json_deeper_than
+from server.state import AppState, scope_of
 from server.toolcalls import resolve_tool_parser
-from server.toolcalls.base import Event, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart, openai_call_id
+from server.toolcalls.base import openai_call_id
 from server.toolcalls.hermes import with_tools_block
-
-DECODE = decoder(ChatCompletionRequest)
 
 
 def check_tools(tools: list[dict[str, Any]] | None) -> list[str]:
@@ -208,115 +206,77 @@ async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Req
     return Job(model, prompt, generate, stop_strings(body), parser, body.n)
 
 
-async def handle(request: web.Request) -> web.StreamResponse:
-    state = state_of(request)
-    body: ChatCompletionRequest = await read_body(request, DECODE)
-    check_sampling(body, state.config)
-    check_count("tools", body.tools, state.config.max_tools, "--max-tools", "tools")
-    rid = request_id("chatcmpl")
-    job = await prepare(state, body, request, rid)
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
-    tokenizer = state.require_ready() if body.logprobs else None
-    if job.n == 1:
-        return await respond(request, state, job, ChatReply(rid, job, tokenizer, include_usage), body.stream)
-    # each choice parses its own output (tool calls, reasoning): a parser per choice
-    replies = [ChatReply(rid, job, tokenizer, False, index=i, parser=job.parser.copy() if job.parser else None)
-               for i in range(job.n)]
-    return await respond(request, state, job, Choices(replies, include_usage), body.stream)
+# ---- the engine request: its id, named session, stop strings and sampling -----------------------
+# Defaults follow OpenAI (temperature 1, top_p 1); `max_tokens` left out (None)
+# takes the engine's `--max-tokens` when the operator set one, else the context
+# left; the engine clamps any limit to the context left.
+
+def request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def token_logprobs(events: list[TokenEvent], tokenizer: PromptTokenizer) -> list[TokenLogprob]:
-    def entry(token: int, logprob: float) -> TopLogprob:
-        text = tokenizer.token_text(token)
-        return TopLogprob(text, logprob, list(text.encode()))
-
-    out = []
-    for event in events:
-        if event.logprob is None:
-            continue
-        top = [entry(t, lp) for t, lp in event.top_logprobs or ()]
-        head = entry(event.token, event.logprob)
-        out.append(TokenLogprob(head.token, head.logprob, head.bytes, top))
-    return out
+# kvfork's own session header. Sessions are opt-in: a header some client sends for its own purposes
+# (opencode's x-session-id) names a session only when the operator maps it (--session-header).
+SESSION_HEADER = "X-Kvfork-Session"
 
 
-def assistant_message(output: ChatOutput) -> AssistantMessage:
-    calls = [ToolCallOut(c.id, FunctionCall(c.name, c.arguments)) for c in output.tool_calls]
-    content = output.content if output.content or not calls else None
-    return AssistantMessage("assistant", content, reasoning_content=output.reasoning or None, tool_calls=calls or None)
+def session_id(body_value: str | None, headers: Mapping[str, str] | None = None,
+               mapped: Sequence[str] = ()) -> str | None:
+    """The named session a request opts into: the body's `session_id`, else the X-Kvfork-Session
+    header, else the first of the operator's `--session-header` names it carries. Printable ASCII,
+    at most 128."""
+    value = body_value
+    for name in (SESSION_HEADER, *mapped):
+        if value is None and headers is not None:
+            value = headers.get(name)
+    if value is not None:
+        try:
+            check_session_id(value)
+        except ValueError as e:
+            raise invalid("session_id", str(e)) from None
+    return value
 
 
-def finish_reason(reason: str, has_calls: bool) -> str:
-    return "tool_calls" if has_calls and reason == "stop" else reason
+def stop_strings(body: SamplingFields) -> list[str]:
+    if body.stop is None:
+        return []
+    return [body.stop] if isinstance(body.stop, str) else list(body.stop)
 
 
-def deltas(events: list[Event]) -> list[Delta]:
-    out = []
-    for event in events:
-        if isinstance(event, TextDelta):
-            out.append(Delta(content=event.text))
-        elif isinstance(event, ReasoningDelta):
-            out.append(Delta(reasoning_content=event.text))
-        elif isinstance(event, ToolCallStart):
-            start = ToolCallDelta(event.index, FunctionDelta(event.name, ""), id=event.id, type="function")
-            out.append(Delta(tool_calls=[start]))
-        elif isinstance(event, ToolCallArguments):
-            out.append(Delta(tool_calls=[ToolCallDelta(event.index, FunctionDelta(arguments=event.text))]))
-    return out
-
-
-class ChatReply:
-    """A chat completion: chunks as the parser releases output, or one body at the end.
-    `tokenizer` is given when the request asked for logprobs."""
-
-    stream_type = EventStream
-
-    def __init__(self, rid: str, job: Job, tokenizer: PromptTokenizer | None, include_usage: bool,
-                 index: int = 0, parser: ChatOutputParser | None = None):
-        self.rid, self.created, self.model = rid, int(time.time()), job.model
-        self.parser = parser or job.parser
-        self.tokenizer, self.include_usage, self.index = tokenizer, include_usage, index
-        self.events: list[Event] = []
-        self.logprobs: list[TokenLogprob] = []
-        self.calls = False
-        self.done: Finished | None = None
-
-    def start(self) -> list[ChatCompletionChunk]:
-        return [self._chunk(Delta(role="assistant", content=""))]
-
-    def piece(self, piece: Piece) -> list[ChatCompletionChunk]:
-        events = self.parser.feed(piece.text)
-        self.events += events
-        logprobs = token_logprobs(piece.tokens, self.tokenizer) if self.tokenizer else []
-        self.logprobs += logprobs
-        out = deltas(events) or ([Delta(content="")] if logprobs else [])
-        # the piece's logprobs ride on its first chunk
-        return [self._chunk(delta, logprobs=logprobs if i == 0 else None) for i, delta in enumerate(out)]
-
-    def finish(self, done: Finished) -> list[ChatCompletionChunk]:
-        self.done = done
-        events = self.parser.finish()
-        self.events += events
-        out = [self._chunk(delta) for delta in deltas(events)]
-        out.append(self._chunk(Delta(), finish_reason=finish_reason(done.finish_reason, self._has_calls())))
-        if self.include_usage:
-            out += self.usage(done.usage)
-        return out
-
-    def usage(self, usage: Usage) -> list[ChatCompletionChunk]:
-        return [ChatCompletionChunk(self.rid, self.created, self.model, [], usage_info(usage))]
-
-    def whole(self) -> ChatCompletion:
-        assert self.done is not None
-        output = collect(self.events)
-        choice = ChatChoice(self.index, assistant_message(output), finish_reason(self.done.finish_reason, bool(output.tool_calls)),
-                            ChoiceLogprobs(self.logprobs) if self.tokenizer else None)
-        return ChatCompletion(self.rid, self.created, self.model, [choice], usage_info(self.done.usage))
-
-    def _has_calls(self) -> bool:
-        return any(isinstance(e, ToolCallStart) for e in self.events)
-
-    def _chunk(self, delta: Delta, *, finish_reason: str | None = None,
-               logprobs: list[TokenLogprob] | None = None) -> ChatCompletionChunk:
-        choice = ChunkChoice(self.index, delta, finish_reason, ChoiceLogprobs(logprobs) if logprobs else None)
-        return ChatCompletionChunk(self.rid, self.created, self.model, [choice])
+def generate_request(body: SamplingFields, prompt: list[int], *, rid: str, vocab_size: int, max_tokens: int | None,
+                     session: str | None, scope: Scope = Scope(), logprobs: bool = False,
+                     top_logprobs: int = 0) -> GenerateRequest:
+    bias = {}
+    for key, value in (body.logit_bias or {}).items():
+        if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+            raise invalid("logit_bias", f"logit_bias keys are token ids in [0, {vocab_size}), got {key!r}")
+        bias[int(key)] = value
+    if body.seed is not None and body.seed not in SEEDS:
+        raise invalid("seed", f"seed is a signed or unsigned 64-bit integer, in [-2**63, 2**64), got {body.seed}")
+    stop_ids = frozenset(body.stop_token_ids or ())
+    if any(t >= vocab_size for t in stop_ids):
+        raise invalid("stop_token_ids", f"stop_token_ids are token ids in [0, {vocab_size})")
+    sampling = SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(0, body.top_k or 0),  # -1 (vLLM's "off") and 0 both mean off
+        min_p=body.min_p or 0.0,
+        seed=body.seed,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        logit_bias=bias,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+    return GenerateRequest(
+        request_id=rid,
+        prompt=prompt,
+        sampling=sampling,
+        max_tokens=max_tokens,  # type: ignore[arg-type]  # None: the engine's default
+        stop_token_ids=stop_ids,
+        ignore_eos=body.ignore_eos,
+        session_id=session,
+        scope=scope,
+        n=body.n,
+    )

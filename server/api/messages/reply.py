@@ -1,6 +1,6 @@
 """Chat output as Anthropic Messages replies: whole, or as the stream of events.
 
-`MessagesReply` is the route's reply (see routes/common.py): `MessageStream`
+`MessagesReply` is the route's reply (see server/api/respond.py): `MessageStream`
 turns the output parser's events into Anthropic's: a content
 block opens when the kind of output changes (thinking, text, one per tool call),
 and closes before the next one opens, so block indices follow output order.
@@ -14,7 +14,7 @@ import uuid
 from server.chat_output import ChatOutput, ChatOutputParser, collect
 from server.errors import ApiError
 from server.generation import Finished, Piece
-from server.protocol.anthropic import (
+from server.api.messages.protocol import (
     ContentBlockDelta,
     ContentBlockStart,
     ContentBlockStop,
@@ -37,7 +37,7 @@ from server.protocol.anthropic import (
     Ping,
     sse,
 )
-from server.sse import EventStream
+from server.api.sse import EventStream
 from server.toolcalls.base import Event, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart
 
 

@@ -1,0 +1,33 @@
+"""POST /v1/chat/completions: the body prepared (server/api/prepare.py), then answered by
+`ChatReply` (reply.py), one per choice when n > 1.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from server.api.chat.reply import ChatReply
+from server.api.chat.protocol import ChatCompletionRequest
+from server.api.prepare import prepare, request_id
+from server.api.respond import Choices, decoder, read_body, respond
+from server.limits import check_count, check_sampling
+from server.state import state_of
+
+DECODE = decoder(ChatCompletionRequest)
+
+
+async def handle(request: web.Request) -> web.StreamResponse:
+    state = state_of(request)
+    body: ChatCompletionRequest = await read_body(request, DECODE)
+    check_sampling(body, state.config)
+    check_count("tools", body.tools, state.config.max_tools, "--max-tools", "tools")
+    rid = request_id("chatcmpl")
+    job = await prepare(state, body, request, rid)
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    tokenizer = state.require_ready() if body.logprobs else None
+    if job.n == 1:
+        return await respond(request, state, job, ChatReply(rid, job, tokenizer, include_usage), body.stream)
+    # each choice parses its own output (tool calls, reasoning): a parser per choice
+    replies = [ChatReply(rid, job, tokenizer, False, index=i, parser=job.parser.copy() if job.parser else None)
+               for i in range(job.n)]
+    return await respond(request, state, job, Choices(replies, include_usage), body.stream)

@@ -1,0 +1,1 @@
+"""OpenAI's text completions (POST /v1/completions): protocol.py, reply.py, route.py."""

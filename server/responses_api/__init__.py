@@ -1,1 +1,0 @@
-"""The OpenAI Responses API, said through the chat path (see routes/responses.py)."""
