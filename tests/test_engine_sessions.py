@@ -83,3 +83,21 @@ async def test_reset_and_delete():
     await settled(engine, backend)
     assert backend.live_sessions() == stored_sessions(engine) == 0
     await engine.shutdown(1)
+
+
+def test_the_cap_is_per_tenant_and_a_tenant_whose_sessions_are_all_busy_runs_without_one():
+    """Issue 22: one tenant's sessions never evict another's; issue 23: a busy cap never refuses."""
+    from server.engine.index import Index
+    from server.engine.sessions import NamedSessions
+    from test_index import FULL, KEY
+
+    named = NamedSessions(2, Index(FULL, 0, None, 1, KEY))
+    a1, _ = named.acquire("a1", "A")
+    a2, _ = named.acquire("a2", "A")
+    assert a1 is not None and a2 is not None
+    assert named.acquire("a3", "A") == (None, ([], 0))  # both of A's busy: it runs without a session
+    b1, _ = named.acquire("b1", "B")  # B's share is its own
+    assert b1 is not None
+    named.give_back(a1)
+    a3, _ = named.acquire("a3", "A")  # A's new session evicts A's idle one, never B's
+    assert a3 is not None and named.get("a1", "A") is None and named.get("b1", "B") is b1
