@@ -253,9 +253,12 @@ async def test_a_daemon_publishes_what_its_prefix_cache_and_disk_tier_hold(tiny_
     there and stored on disk once its file is written."""
     import asyncio
 
+    import json
+
     import aiohttp
 
     from http_daemon import chat_body, serving
+    from server.engine.disk import SECRET, kv_root
 
     async with serving(tiny_model_dir("llama"), engine=dict(prefix_cache_entries=1),
                        kv_events_endpoint="tcp://127.0.0.1:0", kv_events_block_size=4) as d:
@@ -301,5 +304,17 @@ async def test_a_daemon_publishes_what_its_prefix_cache_and_disk_tier_hold(tiny_
                 first = set(stored.block_hashes)
                 got = await events(lambda s: first <= hashes(s, VBlockStored, "DISK"), "the first prompt on disk")
                 assert first <= hashes(got, VBlockRemoved, "GPU")  # the same blocks, by the same hashes
+                async with http.post(d.url + "/v1/chat/completions",
+                                     json=chat_body("salted " + "the long shared prompt " * 6, max_tokens=1,
+                                                    cache_salt="s")) as r:
+                    assert r.status == 200
+                got = await events(lambda s: any(isinstance(e, VBlockStored) and e.extra_keys for e in s),
+                                   "the salted prompt stored")
+                salted = next(e for e in got if isinstance(e, VBlockStored) and e.extra_keys)
+                # the scope's name is the one its disk files carry: an HMAC under $KVFORK_HOME/kv-secret, never a
+                # plain hash of the tenant and salt that could be guessed offline (issue 22)
+                secret = (kv_root().parent / SECRET).read_bytes()
+                assert salted.extra_keys[0] == (Scope("", "s").digest(secret),)
+                assert salted.extra_keys[0][0] != hashlib.sha256(json.dumps(["", "s"]).encode()).hexdigest()[:32]
         finally:
             sub.close(linger=0)
