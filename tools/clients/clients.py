@@ -115,8 +115,13 @@ class Opencode(Client):
             "provider": {"kvfork": {"npm": "@ai-sdk/openai-compatible", "name": "kvfork",
                                     "options": {"baseURL": f"{base_url}/v1", "apiKey": KEY,
                                                 "timeout": 3600000},  # a CPU prefill outlasts 5 minutes
-                                    "models": {MODEL: {"name": MODEL, "limit": {"context": context, "output": 4096}}}}},
+                                    "models": {MODEL: {"name": MODEL, "limit": {"context": context,
+                                                                                "output": min(4096, context // 8)}}}}},
         }
+        if context < 16384:
+            # opencode's own prompt fills most of a small context: past its threshold it compacts after
+            # every reply and continues, turn after turn, as a user of a small model would turn off.
+            config["compaction"] = {"auto": False}
         path = root / "opencode.json"
         path.write_text(json.dumps(config, indent=2))
         return env | {"OPENCODE_CONFIG": str(path), "OPENCODE_DISABLE_AUTOUPDATE": "1",
