@@ -4,6 +4,7 @@ runs a real one)."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -11,7 +12,9 @@ import pytest
 from tools import cluster
 
 
-def test_the_plan_splits_one_budget_and_gives_each_replica_its_port_and_folder(tiny_model_dir, kvfork_home):
+def test_the_plan_splits_one_budget_and_gives_each_replica_its_port_and_folder(tiny_model_dir, kvfork_home,
+                                                                             monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     model = tiny_model_dir("llama")
     p = cluster.plan(["--replicas", "3", "--port", "9000", "--model", model, "--kv-budget-bytes", "3000000",
                       "--inference-slots", "2"])
@@ -24,6 +27,7 @@ def test_the_plan_splits_one_budget_and_gives_each_replica_its_port_and_folder(t
         assert flags == {"--inference-slots": "2", "--model": model, "--kv-budget-bytes": "1000000",
                          "--host": "127.0.0.1", "--port": str(9001 + i)}
     assert p.homes == [kvfork_home / "cluster" / f"replica-{i}" for i in (1, 2, 3)]
+    assert p.replica_env == {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // 3))}  # a share of the cores
     gateway = p.gateway
     assert gateway[:4] == [sys.executable, "-m", "smg", "launch"]
     assert gateway[gateway.index("--worker-urls") + 1:gateway.index("--worker-urls") + 4] == [

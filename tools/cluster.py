@@ -93,6 +93,9 @@ class Plan:
     replicas: list[list[str]]  # each replica's command line
     homes: list[Path]  # each replica's KVFORK_HOME (its disk tier is under it)
     gateway: list[str]
+    # Each replica's share of the cores: N replicas of torch each taking every core thrash one machine
+    # (2 replicas on 2 cores took 15x one replica's wall time). An OMP_NUM_THREADS of the user's wins.
+    replica_env: dict[str, str] = field(default_factory=dict)
 
     def replica_url(self, index: int) -> str:
         return f"http://{HOST}:{self.port + 1 + index}"
@@ -147,7 +150,9 @@ def plan(argv: list[str]) -> Plan:
                "--disable-tokenizer-autoload"]
     if args.sticky_sessions:
         gateway += ["--sticky-sessions", "--assignment-mode", args.assignment]
-    return Plan(args.port, metrics_port, replicas, homes, gateway)
+    threads = {} if "OMP_NUM_THREADS" in os.environ else {
+        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.replicas))}
+    return Plan(args.port, metrics_port, replicas, homes, gateway, threads)
 
 
 def _kv_events(endpoint: str | None, index: int, p: Parser) -> list[str]:
@@ -263,7 +268,7 @@ async def _until(check, child: Child, what: str, stop: asyncio.Event) -> None:
 
 
 async def run(p: Plan) -> int:
-    replicas = [Child(f"replica {i + 1}", argv, {"KVFORK_HOME": str(home)})
+    replicas = [Child(f"replica {i + 1}", argv, {**p.replica_env, "KVFORK_HOME": str(home)})
                 for i, (argv, home) in enumerate(zip(p.replicas, p.homes))]
     # smg's own log (a banner, then a line per request at info) goes to a file beside the replicas' folders
     gateway = Child("gateway", p.gateway, log=kvfork_home() / "cluster" / "gateway.log", cwd=kvfork_home() / "cluster")
