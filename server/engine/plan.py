@@ -96,7 +96,7 @@ def decode(data: bytes) -> StepPlan:
     return _decode(data)
 
 
-_DISCARD = SamplingParams()  # greedy: samples the logits rows nobody reads, leaving real streams untouched
+DISCARD = SamplingParams()  # greedy: samples the logits rows nobody reads, leaving real streams untouched
 
 
 def replay(plans: Sequence[StepPlan], backend: Backend) -> dict[int, list[int]]:
@@ -115,6 +115,6 @@ def replay(plans: Sequence[StepPlan], backend: Backend) -> dict[int, list[int]]:
             at = {row.rid: i for i, row in enumerate(rows)}
             for s in plan.samples:
                 if s.row in at:
-                    states = [samplers[s.rid] if i == at[s.row] else SamplerState(_DISCARD) for i in range(len(rows))]
+                    states = [samplers[s.rid] if i == at[s.row] else SamplerState(DISCARD) for i in range(len(rows))]
                     picked.setdefault(s.rid, []).append(ex.sample(logits, states)[at[s.row]].token)
     return picked

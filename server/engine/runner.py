@@ -51,7 +51,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from backends import effects as e
-from backends.base import (Backend, CloneRefused, ModelInfo, Sampled, SamplerState, SamplingParams, Session,
+from backends.base import (Backend, CloneRefused, ModelInfo, Sampled, SamplerState, Session,
                            clone_positions)
 from server.engine import faults
 from server.engine import messages as m
@@ -62,7 +62,6 @@ from server.engine.rates import RateTracker, split_pass
 from server.engine.scheduler import Running, TimeBudget, plan_step
 
 log = logging.getLogger("kvfork.engine")
-_DISCARD = SamplingParams()  # greedy: samples the logits rows nobody reads, leaving real streams untouched
 
 
 @dataclass
@@ -497,7 +496,7 @@ class Runner:
         seqs = {s.rid: s for s in group if s is not None}
 
         def draw(rids: Sequence[int | None]) -> list[Sampled]:
-            states = [seqs[rid].sampler if rid is not None else SamplerState(_DISCARD) for rid in rids]
+            states = [seqs[rid].sampler if rid is not None else SamplerState(p.DISCARD) for rid in rids]
             return self._ex.sample(logits, self._rows.before_sample(list(rids), states))
 
         for rid, pick in faults.sample(draw, [s.rid if s is not None else None for s in group], self._fail):
