@@ -103,9 +103,13 @@ class _Node:
         self.size = 0  # entries here and below
 
     def below(self) -> Iterator[Entry]:
-        yield from self.entries
-        for child in self.children.values():
-            yield from child.below()
+        """The entries here and in every node below, depth first, on an explicit stack: a trie over a
+        long prompt is as deep as its blocks, far deeper than Python's recursion limit."""
+        stack = [self]
+        while stack:
+            node = stack.pop()
+            yield from node.entries
+            stack.extend(node.children.values())
 
 
 class _Trie:
