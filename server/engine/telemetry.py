@@ -76,6 +76,8 @@ class EngineMetrics:
                                 "disk tier hits, by the cost model's choice (restore, slower, no_gain)")
         self.disk_restores = c("prefix_cache_disk_restores_total",
                                "disk tier restores, by outcome (restored, corrupt, missing, failed)")
+        self.reuse_errors = c("reuse_errors_total", "lookups, choices or uses of reuse that raised, by stage "
+                              "(placement, disk); each request prefilled instead")
         self._gauges(registry, engine)
 
     @staticmethod
