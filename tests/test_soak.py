@@ -32,7 +32,8 @@ def one_torch_thread(backend_name):  # noqa: F811
 async def test_short_soak_passes_every_check(backend_name, one_torch_thread, tiny_model_dir):  # noqa: F811
     # A tight budget (a few dozen tiny sessions) so admission waits and the cache gives way.
     config = SoakConfig(model=tiny_model_dir("llama"), backend=backend_name, requests=360, seed=1,
-                        kv_budget_bytes=4 * MiB, prompt_words=32, max_tokens=12, hostile=False)
+                        kv_budget_bytes=4 * MiB, prompt_words=32, max_tokens=12, hostile=False,
+                        long_prompt_tokens=0)
     out = io.StringIO()
     report = await run(config, out)
     assert report.ok, "\n" + report.table()
@@ -51,6 +52,15 @@ async def test_the_hostile_wave_passes_its_checks(tiny_model_dir):
                              out=io.StringIO())
     rows = [row for row in checks(outcome) if "TTFT" not in row[0]]
     assert len(rows) == 4 and all(ok for *_, ok in rows), "\n" + table(outcome) + "\n" + "\n".join(map(str, rows))
+
+
+async def test_the_long_prompt_wave_passes_its_checks(tiny_model_dir):
+    """The soak's long-prompt wave (tools/long_prompts.py) on the tiny model, its context raised to hold a
+    prompt of 20,500 tokens: the parting near its start leaves it 20k tokens before its end."""
+    from tools.long_prompts import run_long_wave
+
+    rows = await run_long_wave(tiny_model_dir("llama"), "torch", 20_500, seed=3, out=io.StringIO())
+    assert len(rows) == 4 and all(ok for *_, ok in rows), "\n".join(map(str, rows))
 
 
 def test_the_fault_wrapper_forwards_every_backend_method():
