@@ -13,11 +13,11 @@ import random
 import aiohttp
 import pytest
 
-from backends import create_backend
+from kvfork.backends import create_backend
 from engine_harness import until
 from http_daemon import metrics, serving
 from tiny_models import write_model
-from tools.long_prompts import MIN_TOKENS, partings
+from kvfork.tools.long_prompts import MIN_TOKENS, partings
 
 CONTEXT = 131_072
 VOCAB = 500  # token ids drawn below it, past the special tokens
@@ -38,7 +38,7 @@ def disk_beats_prefill(monkeypatch):
     reason), so the restart below reads the long prompt back from disk."""
     from dataclasses import replace
 
-    from server.engine import placement, restore
+    from kvfork.server.engine import placement, restore
 
     def choose(upto, nbytes, memory, rates, prefilling):
         return restore.choose_restore(upto, nbytes, memory, replace(rates, prefill_tps=1.0), prefilling)

@@ -8,10 +8,10 @@ import logging
 import aiohttp
 import pytest
 
-from backends import create_backend
+from kvfork.backends import create_backend
 from engine_harness import until
 from http_daemon import metrics, serving
-from server.engine.index import Index
+from kvfork.server.engine.index import Index
 
 PROMPT = list(range(3, 203))  # 200 token ids, over the matching minimum
 ENGINE = dict(prefix_cache_min_tokens=64, prefix_cache_disk_bytes=1 << 30, prefix_cache_entries=1)
@@ -57,8 +57,8 @@ async def test_an_index_that_raises_leaves_the_request_to_a_fresh_prefill(tiny_m
 async def test_a_disk_entry_whose_use_raises_is_dropped_and_never_served_again(tiny_model_dir, monkeypatch):
     from dataclasses import replace
 
-    from backends.base import SavedState
-    from server.engine import placement, restore
+    from kvfork.backends.base import SavedState
+    from kvfork.server.engine import placement, restore
 
     def choose(upto, nbytes, memory, rates, prefilling):  # restore, whatever the tiny model's prefill costs
         return restore.choose_restore(upto, nbytes, memory, replace(rates, prefill_tps=1.0), prefilling)

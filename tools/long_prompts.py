@@ -25,9 +25,9 @@ from typing import Any
 
 import aiohttp
 
-from server.config import ServerConfig
-from server.engine.config import EngineConfig
-from server.serve import Daemon
+from kvfork.server.config import ServerConfig
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.serve import Daemon
 
 MIN_TOKENS = 64  # the daemon's default --prefix-cache-min-tokens
 TAIL = 24  # tokens each parting adds of its own
@@ -81,8 +81,8 @@ def _daemon(model: str, backend: Any, reuse: bool) -> Any:
 
 async def run_long_wave(model: str, backend_name: str, tokens: int, seed: int, out) -> list[tuple[str, str, str, bool]]:
     """(name, measured, wanted, ok) rows for the soak's table."""
-    from backends import create_backend
-    from tools.bench.serve import parse_metrics
+    from kvfork.backends import create_backend
+    from kvfork.tools.bench.serve import parse_metrics
 
     rng = random.Random(seed)
     timeout = aiohttp.ClientTimeout(total=None)
