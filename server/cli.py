@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from kvfork import __version__
 from kvfork.backends import prepare_process
 from kvfork.backends.model_path import resolve_model
 from kvfork.server.config import ServerConfig
@@ -35,7 +36,7 @@ COMMANDS = {
     "clients": ("kvfork.tools.clients", "Codex CLI, Claude Code and opencode, unchanged, in scripted sessions; one table"),
 }
 USAGE = ("usage: kvfork {serve,fetch-model,bench,smoke,soak,cache,cluster,clients} [options]   "
-         "(kvfork COMMAND --help for a command's options)")
+         "(kvfork COMMAND --help for a command's options; kvfork --version)")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -100,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         lines += [f"  {name:<12} {help_text}" for name, (_, help_text) in COMMANDS.items()]
         print("\n".join(lines))
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(f"kvfork {__version__}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command == "serve":
         return serve(rest)

@@ -58,7 +58,7 @@ def pid_listening_on(port: int) -> int:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"server" in argv and b"--port" in argv and argv[argv.index(b"--port") + 1] == str(port).encode():
+        if b"kvfork.server" in argv and b"--port" in argv and argv[argv.index(b"--port") + 1] == str(port).encode():
             return int(entry.name)
     raise LookupError(f"no replica on port {port}")
 
