@@ -38,7 +38,6 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 STAMP = "kvfork-converted.json"
 
 
-
 def default_model_dir() -> Path:
     return kvfork_home() / "models" / MODEL_NAME
 
