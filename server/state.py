@@ -13,7 +13,7 @@ from server.engine.api import EngineError, Scope
 from server.engine.load import TokenRate
 from server.errors import ApiError
 from server.grammar import GrammarCompiler
-from server.metrics import Registry
+from server.metrics import Counter, Registry
 from server.api.responses.store import ResponseStore
 from server.slow_clients import SlowClients
 from server.tenants import key_tenants
@@ -33,12 +33,15 @@ class AppState:
     responses: ResponseStore = field(init=False)  # for /v1/responses' previous_response_id
     keys: dict[str, str] = field(init=False)  # accepted API key -> its tenant; empty: no auth, one tenant
     clients: SlowClients = field(init=False)  # the slow-client bounds and their counters
+    volatile_lines: Counter = field(init=False)  # server/api/volatile.py's lines taken out of prompts
 
     def __post_init__(self) -> None:
         self.responses = ResponseStore(self.config.max_stored_responses, self._forget_session,
                                        self.config.max_stored_response_bytes)
         self.keys = key_tenants(self.config.api_key, self.config.api_keys_file)
         self.clients = SlowClients(self.registry, self.config)
+        self.volatile_lines = self.registry.counter(
+            "volatile_lines_removed_total", "volatile client lines taken out of prompts (--keep-volatile-lines), by line")
 
     def close(self) -> None:
         """Stop the worker threads (and grammar processes) the routes use."""

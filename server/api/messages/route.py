@@ -10,6 +10,8 @@ prompt over the context is refused in Anthropic's words.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import msgspec
 from aiohttp import web
 
@@ -22,11 +24,13 @@ from server.api.messages.protocol import CountTokensRequest, MessagesRequest, To
 from server.api.chat.protocol import ChatCompletionRequest
 from server.api.prepare import prepare
 from server.api.respond import decoder, json_response, read_body, report_dropped_tools, respond
-from server.state import state_of
+from server.api.volatile import strip_system
+from server.state import AppState, state_of
 
 PATH = "/v1/messages"
 DECODE_MESSAGES = decoder(MessagesRequest)
 DECODE_COUNT = decoder(CountTokensRequest)
+MessagesRequestT = TypeVar("MessagesRequestT", MessagesRequest, CountTokensRequest)
 
 
 def as_chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
@@ -42,9 +46,20 @@ def as_chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletio
         raise from_decode(e) from None
 
 
+def without_volatile_lines(state: AppState, body: MessagesRequestT) -> MessagesRequestT:
+    """The body without the volatile lines of server/api/volatile.py (unless --keep-volatile-lines),
+    each one counted in /metrics."""
+    if state.config.keep_volatile_lines:
+        return body
+    system, removed = strip_system(body.system)
+    for name in removed:
+        state.volatile_lines.inc(line=name)
+    return msgspec.structs.replace(body, system=system) if removed else body
+
+
 async def handle(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
-    body: MessagesRequest = await read_body(request, DECODE_MESSAGES)
+    body: MessagesRequest = without_volatile_lines(state, await read_body(request, DECODE_MESSAGES))
     limits = state.config
     check_stops("stop_sequences", body.stop_sequences, limits.max_stop_sequences, "--max-stop-sequences", limits)
     check_count("messages", body.messages, limits.max_messages, "--max-messages", "messages")
@@ -64,7 +79,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
 
 async def count_tokens(request: web.Request) -> web.Response:
     state = state_of(request)
-    body: CountTokensRequest = await read_body(request, DECODE_COUNT)
+    body: CountTokensRequest = without_volatile_lines(state, await read_body(request, DECODE_COUNT))
     check_count("messages", body.messages, state.config.max_messages, "--max-messages", "messages")
     job = await prepare(state, as_chat_request(body), request, message_id())
     return json_response(TokenCount(len(job.prompt)))
