@@ -14,6 +14,7 @@ from server.engine.load import TokenRate
 from server.errors import ApiError
 from server.grammar import GrammarCompiler
 from server.metrics import Counter, Registry
+from server.api.diagnosis import Fingerprints
 from server.api.responses.store import ResponseStore
 from server.slow_clients import SlowClients
 from server.tenants import key_tenants
@@ -33,6 +34,7 @@ class AppState:
     responses: ResponseStore = field(init=False)  # for /v1/responses' previous_response_id
     keys: dict[str, str] = field(init=False)  # accepted API key -> its tenant; empty: no auth, one tenant
     clients: SlowClients = field(init=False)  # the slow-client bounds and their counters
+    fingerprints: Fingerprints = field(init=False)  # cache diagnostics' (server/api/diagnosis.py)
     volatile_lines: Counter = field(init=False)  # server/api/volatile.py's lines taken out of prompts
 
     def __post_init__(self) -> None:
@@ -40,6 +42,7 @@ class AppState:
                                        self.config.max_stored_response_bytes)
         self.keys = key_tenants(self.config.api_key, self.config.api_keys_file)
         self.clients = SlowClients(self.registry, self.config)
+        self.fingerprints = Fingerprints(self.registry)
         self.volatile_lines = self.registry.counter(
             "volatile_lines_removed_total", "volatile client lines taken out of prompts (--keep-volatile-lines), by line")
 

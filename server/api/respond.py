@@ -28,6 +28,7 @@ import msgspec
 from aiohttp import web
 
 from server.chat_output import ChatOutputParser
+from server.api.diagnosis import Report
 from server.engine.api import GenerateRequest, Usage
 from server.errors import ApiError, from_decode
 from server.generation import Finished, KeepAlive, Piece, generation
@@ -109,6 +110,7 @@ class Job:
     stops: list[str]
     parser: ChatOutputParser | None = None  # chat-shaped APIs split reasoning and tool calls from the text
     n: int = 1  # choices: the prompt is prefilled once, choice i samples with seed + i
+    diagnostics: Report | None = None  # when the request asked for cache diagnostics (server/api/diagnosis.py)
 
 
 class Reply(Protocol):

@@ -22,6 +22,7 @@ from server.engine.api import ContextTooLong
 from server.api.messages.translate import UnsupportedContent, chat_request, dropped_tools
 from server.api.messages.protocol import CountTokensRequest, MessagesRequest, TokenCount
 from server.api.chat.protocol import ChatCompletionRequest
+from server.api.diagnosis import Asked
 from server.api.prepare import prepare
 from server.api.respond import decoder, json_response, read_body, report_dropped_tools, respond
 from server.api.volatile import strip_system
@@ -65,9 +66,10 @@ async def handle(request: web.Request) -> web.StreamResponse:
     check_count("messages", body.messages, limits.max_messages, "--max-messages", "messages")
     report_dropped_tools(request, dropped_tools(body))
     rid = message_id()
-    job = await prepare(state, as_chat_request(body), request, rid, make_call_id=tool_use_id)
+    asked = Asked(body.diagnostics.previous_message_id) if body.diagnostics is not None else None
+    job = await prepare(state, as_chat_request(body), request, rid, make_call_id=tool_use_id, asked=asked)
     try:
-        reply = MessagesReply(rid, job.model, len(job.prompt), job.parser)
+        reply = MessagesReply(rid, job.model, len(job.prompt), job.parser, job.diagnostics)
         return await respond(request, state, job, reply, body.stream)
     except ContextTooLong:
         # Anthropic's own words: Claude Code reads the numbers out of them to compact its history.
