@@ -40,7 +40,7 @@ async def post(http: aiohttp.ClientSession, url: str, path: str, body: dict, str
             out.update(frame["message"])
         elif kind == "message_delta":
             out.update({k: v for k, v in frame.items() if k == "kvfork_cache"})
-        elif kind in ("response.created", "response.completed"):
+        elif kind in ("response.created", "response.completed", "response.incomplete"):
             out.update(frame["response"])
         elif kind == "" and "choices" in frame:  # a chat chunk
             out.setdefault("id", frame["id"])
@@ -172,3 +172,95 @@ async def test_the_reasons_are_counted_in_metrics(daemon, http):
     seen = await metrics(http, daemon.url)
     for reason in [*CHANGES, "previous_message_not_found"]:
         assert seen[f'kvfork_cache_diagnoses_total{{reason="{reason}"}}'] == 1
+
+
+# ---- OpenAI's shape: /v1/responses, and /v1/chat/completions' extension ----------------------------
+
+FUNCTION = {"name": TOOL["name"], "description": TOOL["description"], "parameters": TOOL["input_schema"]}
+USER = "read server.py and find the bug in the cache code"
+
+
+def openai_body(api: str, compare: str | None, *, system: str = SYSTEM, tool: dict = FUNCTION, user: str = USER,
+                model: str = "tiny", options: bool = True) -> tuple[str, dict]:
+    extra = {"prompt_cache_options": {"comparison_response_id": compare}} if options else {}
+    if api == "responses":
+        return "/v1/responses", {"model": model, "instructions": system, "input": user, "max_output_tokens": 2,
+                                 "temperature": 0, "tools": [{"type": "function", **tool}], **extra}
+    return "/v1/chat/completions", {
+        "model": model, "max_tokens": 2, "temperature": 0, "stream_options": {"include_usage": True},
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        "tools": [{"type": "function", "function": tool}], **extra}
+
+
+def prompt_tokens(reply: dict) -> int:
+    usage = reply["usage"]
+    return usage.get("input_tokens", usage.get("prompt_tokens"))
+
+
+OPENAI_CHANGES = {  # the change, and the reason OpenAI's shape names it by
+    "input_changed (system)": (dict(system="You are a hasty agent. " + SYSTEM), "input_changed"),
+    "tools_changed": (dict(tool={**FUNCTION, "description": "Read any file. " + FUNCTION["description"]}),
+                      "tools_changed"),
+    "input_changed (messages)": (dict(user="read app.py and find the bug in the code"), "input_changed"),
+    "model_changed": (dict(model="tiny-2"), "model_changed"),
+}
+APIS = pytest.mark.parametrize("api", ["responses", "chat"])
+
+
+async def openai_pair(http, url, api, stream, first_kwargs=None, headers=KEYS, **second) -> tuple[dict, dict]:
+    path, body = openai_body(api, None, **(first_kwargs or {}))
+    first = await post(http, url, path, body, stream, headers=headers)
+    path, body = openai_body(api, first["id"], **second)
+    return first, await post(http, url, path, body, stream)
+
+
+@STREAM
+@APIS
+async def test_openai_nothing_diverged_is_a_cache_hit(daemon, http, api, stream):
+    first, again = await openai_pair(http, daemon.url, api, stream)
+    assert "prompt_cache_diagnostics" not in first  # nothing to compare with: only its fingerprint is kept
+    assert again["prompt_cache_diagnostics"] == {"type": "cache_hit"}
+    assert again["kvfork_cache"]["state"] == "reused" and again["kvfork_cache"]["reused_tokens"] > 100
+
+
+@STREAM
+@APIS
+@pytest.mark.parametrize("case", list(OPENAI_CHANGES))
+async def test_openai_each_change_is_a_cache_miss_with_its_reason(daemon, http, api, stream, case):
+    change, reason = OPENAI_CHANGES[case]
+    first, second = await openai_pair(http, daemon.url, api, stream, **change)
+    diagnostics = second["prompt_cache_diagnostics"]
+    assert diagnostics["type"] == "cache_miss" and diagnostics["reason"] == reason
+    assert diagnostics["comparison_reusable_tokens"] == prompt_tokens(first)
+    assert 0 < diagnostics["cache_missed_tokens"] <= prompt_tokens(first)
+    assert second["kvfork_cache"]["shared_tokens"] == prompt_tokens(first) - (
+        0 if reason == "model_changed" else diagnostics["cache_missed_tokens"])
+
+
+@STREAM
+@APIS
+@pytest.mark.parametrize("compare", ["resp_0123456789abcdef", "chatcmpl-nothing", "\u2603" * 3, "c" * 5000])
+async def test_openai_an_unknown_or_malformed_id_is_not_found(daemon, http, api, stream, compare):
+    path, body = openai_body(api, compare)
+    reply = await post(http, daemon.url, path, body, stream)
+    assert reply["prompt_cache_diagnostics"] == {"type": "comparison_response_not_found"}
+    assert "kvfork_cache" not in reply
+
+
+@STREAM
+@APIS
+async def test_openai_another_tenant_s_id_is_not_found(daemon, http, api, stream):
+    _, mine = await openai_pair(http, daemon.url, api, stream, headers={"Authorization": "Bearer key-b"})
+    assert mine["prompt_cache_diagnostics"] == {"type": "comparison_response_not_found"}
+    assert "kvfork_cache" not in mine
+
+
+@STREAM
+@APIS
+async def test_openai_a_response_made_without_options_is_unavailable(daemon, http, api, stream):
+    path, body = openai_body(api, None, options=False)
+    plain = await post(http, daemon.url, path, body, stream)
+    assert "prompt_cache_diagnostics" not in plain and "kvfork_cache" not in plain
+    path, body = openai_body(api, plain["id"])
+    reply = await post(http, daemon.url, path, body, stream)
+    assert reply["prompt_cache_diagnostics"] == {"type": "unavailable"}

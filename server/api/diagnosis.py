@@ -28,6 +28,7 @@ from typing import Any, Literal
 from server.engine.api import Scope, Usage
 from server.errors import ApiError
 from server.metrics import Registry
+from server.api.openai import PromptCacheOptions
 from server.text.tokenizer import PromptTokenizer
 
 # What the store keeps at most: 4M tokens of fingerprints (16 MiB), and ids of responses made without
@@ -202,6 +203,11 @@ class Asked:
     this one's fingerprint)."""
 
     previous: str | None = None
+
+
+def asked_by(options: PromptCacheOptions | None) -> Asked | None:
+    """OpenAI's `prompt_cache_options` (Responses, and chat completions' extension) as an ask."""
+    return Asked(options.comparison_response_id) if options is not None else None
 
 
 async def fingerprint(tokenizer: PromptTokenizer, scope: Scope, model: str, messages: list[dict[str, Any]],
