@@ -22,7 +22,7 @@ from server.api.chat import route as chat
 from server.api.completions import route as completions
 from server.api.messages import route as messages
 from server.api.responses import route as responses
-from server.routes import loads, models, sessions
+from server.routes import loads, models, reuse, sessions
 from server.api.respond import dropped_tools_header, json_response
 from server.api.sse import CLIENT_GONE
 from server.slow_clients import Watchdog
@@ -112,11 +112,6 @@ async def _response_headers(request: web.Request, response: web.StreamResponse) 
     dropped_tools_header(request, response)
 
 
-async def _root(request: web.Request) -> web.Response:
-    """GET and HEAD /: a reachability probe (Claude Code sends HEAD / before its first request)."""
-    return web.Response(text="kvfork\n")
-
-
 def build_app(state: AppState) -> web.Application:
     requests_total = state.registry.counter("http_requests_total", "HTTP requests answered, by route and status")
     app = web.Application(middlewares=_middlewares(state, requests_total), client_max_size=state.config.max_body_bytes)
@@ -130,7 +125,8 @@ def build_app(state: AppState) -> web.Application:
     app.router.add_delete(responses.PATH + "/{response_id}", responses.delete)
     app.router.add_post(messages.PATH + "/count_tokens", messages.count_tokens)
     app.router.add_get(models.PATH, models.list_models)
-    app.router.add_get("/", _root)  # HEAD too
+    app.router.add_get("/", reuse.root)  # HEAD too
+    app.router.add_get(reuse.PATH, reuse.handle)
     app.router.add_get("/health", models.health)
     app.router.add_get(METRICS, models.metrics)
     app.router.add_get(loads.PATH, loads.handle)

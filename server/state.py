@@ -16,6 +16,7 @@ from server.grammar import GrammarCompiler
 from server.metrics import Counter, Registry
 from server.api.diagnosis import Fingerprints
 from server.api.responses.store import ResponseStore
+from server.reuse import ReuseLog
 from server.slow_clients import SlowClients
 from server.tenants import key_tenants
 from server.text.tokenizer import PromptTokenizer
@@ -35,6 +36,7 @@ class AppState:
     keys: dict[str, str] = field(init=False)  # accepted API key -> its tenant; empty: no auth, one tenant
     clients: SlowClients = field(init=False)  # the slow-client bounds and their counters
     fingerprints: Fingerprints = field(init=False)  # cache diagnostics' (server/api/diagnosis.py)
+    reuse: ReuseLog = field(default_factory=ReuseLog)  # what the reuse page shows (server/reuse.py)
     volatile_lines: Counter = field(init=False)  # server/api/volatile.py's lines taken out of prompts
 
     def __post_init__(self) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import msgspec
 from aiohttp import web
@@ -144,6 +144,7 @@ class Choices:
         self.replies, self.include_usage = replies, include_usage
         self.stream_type = replies[0].stream_type
         self.done: list[Finished | None] = [None] * len(replies)
+        self.ended: Callable[[Usage], None] | None = None  # told choice 0's usage (it holds the prompt's)
 
     def start(self) -> list[Any]:
         return [frame for reply in self.replies for frame in reply.start()]
@@ -153,6 +154,8 @@ class Choices:
 
     def finish(self, index: int, done: Finished) -> list[Any]:
         self.done[index] = done
+        if index == 0 and self.ended is not None:
+            self.ended(done.usage)
         frames = self.replies[index].finish(done)
         if self.include_usage and all(self.done):
             frames += self.replies[0].usage(self.usage())
@@ -178,6 +181,9 @@ async def respond(request: web.Request, state: AppState, job: Job, reply: Reply 
     tokenizer = state.require_ready()
     keepalive = state.config.sse_keepalive if stream else None
     choices = reply if isinstance(reply, Choices) else Choices([reply])
+    scope = job.generate.scope
+    digest = state.engine.index.digest(scope) if state.engine.index is not None else scope.tenant_hash
+    choices.ended = lambda usage: state.reuse.ended(job.generate.request_id, scope, digest, usage)
     async with generation(state.engine, job.generate, tokenizer, job.stops, keepalive_s=keepalive) as events:
         if not stream:
             async for event in events:

@@ -162,6 +162,10 @@ class Engine:
     def following(self) -> int:
         return len(self._followers)
 
+    def live(self) -> list[Request]:
+        """The requests it holds now, in admission order (read, never changed: the reuse page's)."""
+        return list(self._requests.values())
+
     @property
     def rates(self) -> RateTracker:
         """The cost model's measured rates (tools and tests may set a simulated machine's)."""
