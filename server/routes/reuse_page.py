@@ -90,7 +90,9 @@ function chart(series, step) {
     const h = (H - 2 * pad) * b.reused_tokens / most;
     add("rect", {x: x(b.t), y: H - pad - h, width: w, height: h, fill: "#2a7", opacity: 0.6});
     const rate = b.prompt_tokens ? b.reused_tokens / b.prompt_tokens : 0;
-    path += (path ? " L" : "M") + (x(b.t) + w / 2).toFixed(1) + " " + (H - pad - (H - 2 * pad) * rate).toFixed(1);
+    const cx = (x(b.t) + w / 2).toFixed(1), cy = (H - pad - (H - 2 * pad) * rate).toFixed(1);
+    path += (path ? " L" : "M") + cx + " " + cy;
+    add("circle", {cx, cy, r: 3, fill: "#27c"});
   }
   if (path) add("path", {d: path, fill: "none", stroke: "#27c", "stroke-width": 2});
 }
