@@ -40,6 +40,9 @@ OPEN_PATHS = frozenset({models.PATH, loads.PATH})
 CLIENT_CLOSED = "499"  # nginx's "client closed request", for the metrics
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
 METRICS = "/metrics"
+# One line per request (--access-log): client address, request line, status, response bytes, seconds.
+ACCESS_LOG = logging.getLogger("kvfork.access")
+ACCESS_FORMAT = '%a "%r" %s %b %Tf'
 
 
 def _error_response(error: ApiError, path: str) -> web.Response:
@@ -149,6 +152,7 @@ class Listener:
 
 async def listen(app: web.Application, host: str, port: int) -> Listener:
     """Start serving (port 0 picks a free port: Listener.port)."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    access = ACCESS_LOG if app[STATE].config.access_log else None
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=access, access_log_format=ACCESS_FORMAT)
     await runner.setup()
     return Listener(runner, await watched_listen(runner, host, port, app[STATE].clients))

@@ -660,7 +660,7 @@ class Engine:
         elif not ev.reused:
             r.reuse_source = None
         if r.named is None and r.reuse_source != "donor":
-            (self.metrics.cache_hits if ev.clone_index is not None else self.metrics.cache_misses).inc()
+            self.metrics.cache_admissions.inc(outcome="hit" if ev.clone_index is not None else "miss")
         if candidates:
             self.metrics.clone("cache", ev.refused, ev.clone_index is not None)
 
