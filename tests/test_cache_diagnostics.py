@@ -140,26 +140,18 @@ async def test_messages_the_same_prompt_under_another_cache_salt_is_another_scop
 
 
 @STREAM
-async def test_messages_a_prefix_no_longer_held_is_said_so(agent_model, http, stream):
-    async with serving(agent_model, served_model_name=["tiny"], engine=dict(prefix_cache_entries=0)) as daemon:
+@pytest.mark.parametrize("engine, state", [(dict(prefix_cache_entries=0), "not_held"),
+                                           (dict(prefix_cache_min_tokens=100000), "below_minimum")])
+async def test_messages_a_same_prefix_kvfork_did_not_reuse_says_why(agent_model, http, stream, engine, state):
+    async with serving(agent_model, served_model_name=["tiny"], engine=engine) as daemon:
         first = await post(http, daemon.url, "/v1/messages", messages_body(diagnostics={"previous_message_id": None}),
                            stream, headers={})
         second = await post(http, daemon.url, "/v1/messages",
                             messages_body(diagnostics={"previous_message_id": first["id"]}), stream, headers={})
-        assert second["diagnostics"] is None and second["kvfork_cache"]["state"] == "not_held"
+        assert second["diagnostics"] is None and second["kvfork_cache"]["state"] == state
         seen = await metrics(http, daemon.url)
     assert seen['kvfork_cache_diagnoses_total{reason="none"}'] == 1
-    assert seen['kvfork_cache_diagnosis_states_total{state="not_held"}'] == 1
-
-
-@STREAM
-async def test_messages_a_shared_prefix_below_the_minimum_is_said_so(agent_model, http, stream):
-    async with serving(agent_model, served_model_name=["tiny"], engine=dict(prefix_cache_min_tokens=100000)) as daemon:
-        first = await post(http, daemon.url, "/v1/messages", messages_body(diagnostics={"previous_message_id": None}),
-                           stream, headers={})
-        second = await post(http, daemon.url, "/v1/messages",
-                            messages_body(diagnostics={"previous_message_id": first["id"]}), stream, headers={})
-    assert second["kvfork_cache"]["state"] == "below_minimum"
+    assert seen[f'kvfork_cache_diagnosis_states_total{{state="{state}"}}'] == 1
 
 
 async def test_the_reasons_are_counted_in_metrics(daemon, http):
