@@ -5,13 +5,15 @@ kvfork's own account in `kvfork_cache`; and the reasons counted in /metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import aiohttp
 import pytest
 
 from agent_server import agent_model  # noqa: F401 (fixture)
-from http_daemon import data_frames, metrics, serving, sse_events
+from http_daemon import data_frames, metrics, serving, sse_events, until
+from server.engine.rates import Rates, RateTracker
 
 SYSTEM = "You are a careful coding agent. Read before you write, and test what you change. " * 4
 TOOL = {"name": "read_file", "description": "Read a file of the workspace and return its text. " * 3,
@@ -152,6 +154,20 @@ async def test_messages_a_same_prefix_kvfork_did_not_reuse_says_why(agent_model,
         seen = await metrics(http, daemon.url)
     assert seen['kvfork_cache_diagnoses_total{reason="none"}'] == 1
     assert seen[f'kvfork_cache_diagnosis_states_total{{state="{state}"}}'] == 1
+
+
+@STREAM
+async def test_messages_a_disk_copy_dearer_to_read_than_to_compute_says_so(agent_model, http, stream):
+    async with serving(agent_model, served_model_name=["tiny"], engine=dict(prefix_cache_entries=1)) as daemon:
+        first = await post(http, daemon.url, "/v1/messages", messages_body(diagnostics={"previous_message_id": None}),
+                           stream, headers={})
+        other = messages_body(system="Another agent entirely. " * 12)
+        await post(http, daemon.url, "/v1/messages", other, stream, headers={})  # its entry evicts the first's
+        await until(lambda: asyncio.sleep(0, daemon.engine.disk.files), lambda n: n >= 1, "the first on disk")
+        daemon.engine.rates = RateTracker(prior=Rates(read_bps=1.0))  # a disk far slower than computing
+        second = await post(http, daemon.url, "/v1/messages",
+                            messages_body(diagnostics={"previous_message_id": first["id"]}), stream, headers={})
+    assert second["diagnostics"] is None and second["kvfork_cache"]["state"] == "restore_dearer"
 
 
 async def test_the_reasons_are_counted_in_metrics(daemon, http):
