@@ -45,8 +45,8 @@ class AppState:
         self.keys = key_tenants(self.config.api_key, self.config.api_keys_file)
         self.clients = SlowClients(self.registry, self.config)
         self.fingerprints = Fingerprints(self.registry)
-        self.volatile_lines = self.registry.counter(
-            "volatile_lines_removed_total", "volatile client lines taken out of prompts (--keep-volatile-lines), by line")
+        self.volatile_lines = self.registry.counter("volatile_lines_removed_total", "volatile client lines taken "
+                                                    "out of prompts (--keep-volatile-lines), by line")
 
     def close(self) -> None:
         """Stop the worker threads (and grammar processes) the routes use."""
