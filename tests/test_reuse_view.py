@@ -3,8 +3,6 @@ and that no tenant sees another's requests, entries or sessions; no prompt text 
 
 from __future__ import annotations
 
-import asyncio
-
 import aiohttp
 
 from agent_server import agent_model  # noqa: F401 (fixture)
@@ -51,11 +49,10 @@ async def test_a_burst_with_a_clone_shows_live_requests_decisions_and_the_cache(
         async with http.post(daemon.url + "/v1/chat/completions",
                              json=chat("go on", max_tokens=3000, ignore_eos=True, stream=True)) as donor:
             await donor.content.readline()  # it is running
-            seen = await until(lambda: reuse(http, daemon.url, {}),
-                               lambda d: any(r["committed"] > 100 for r in d["live"]), "the donor committed")
+            during = await until(lambda: reuse(http, daemon.url, {}),
+                                 lambda d: any(r["committed"] > 100 for r in d["live"]), "the donor committed")
             async with http.post(daemon.url + "/v1/chat/completions", json=chat("go on now")) as r:
                 assert r.status == 200
-            seen = await reuse(http, daemon.url, {})
             donor.close()  # the client goes away: the donor is cancelled
         await until(lambda: reuse(http, daemon.url, {}), lambda d: not d["live"], "the donor gone")
         async with http.post(daemon.url + "/v1/chat/completions", json=chat("a long one " * 60)) as r:
@@ -67,7 +64,11 @@ async def test_a_burst_with_a_clone_shows_live_requests_decisions_and_the_cache(
             assert probe.status == 200
         async with http.get(daemon.url + "/") as plain:
             assert await plain.text() == "kvfork\n"
+    [running] = during["live"]
+    assert running["phase"] == "decoding" and running["request_id"].startswith("chatcmpl-")
+    assert running["prompt_tokens"] == running["committed"] and running["age_s"] >= 0
     clone = next(d for d in seen["decisions"] if d["source"] == "donor")
+    assert clone["donor"] == running["request_id"]
     assert clone["reason"] == "cloned a running request" and clone["saved_tokens"] > 100 and clone["donor"]
     assert sum(b["reused_tokens"] for b in seen["series"]) >= clone["saved_tokens"]
     assert seen["cache"]["entries"] >= 1 and seen["cache"]["tree"][0]["tokens"] > 0
@@ -94,4 +95,3 @@ async def test_a_keyed_caller_sees_only_its_own_tenant(agent_model):
                 assert r.status == 401
         async with http.get(daemon.url + "/", headers={"Accept": "text/html"}) as r:
             assert r.status == 200  # the page holds no data: it asks for a key
-        await asyncio.sleep(0)
