@@ -205,9 +205,7 @@ async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Req
     if checkpoints:  # a hybrid model keeps its recurrent state where messages end: find them
         generate.boundaries = await tokenizer.message_ends(*rendered, kwargs, prompt, checkpoints, tenant)
     job = Job(model, prompt, generate, stop_strings(body), parser, body.n)
-    if asked is None:
-        state.fingerprints.made(rid, tenant)
-    else:
+    if asked is not None:
         job.diagnostics = diagnostics(state, asked, rid, await fingerprint(
             tokenizer, scope, model, messages, body.tools, kwargs, prompt))
     return job

@@ -182,6 +182,8 @@ async def respond(request: web.Request, state: AppState, job: Job, reply: Reply 
     keepalive = state.config.sse_keepalive if stream else None
     choices = reply if isinstance(reply, Choices) else Choices([reply])
     scope = job.generate.scope
+    if job.diagnostics is None:  # naming this response in a later request's diagnostics answers `unavailable`
+        state.fingerprints.made(job.generate.request_id, scope.tenant)
     digest = state.engine.index.digest(scope) if state.engine.index is not None else scope.tenant_hash
     choices.ended = lambda usage: state.reuse.ended(job.generate.request_id, scope, digest, usage)
     async with generation(state.engine, job.generate, tokenizer, job.stops, keepalive_s=keepalive) as events:
