@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from server.metrics import Registry
+from kvfork.server.metrics import Registry
 
 STATS_INTERVAL_S = 10.0
 

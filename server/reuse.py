@@ -15,8 +15,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from server.engine.api import Scope, Usage
-from server.engine.index import Entry
+from kvfork.server.engine.api import Scope, Usage
+from kvfork.server.engine.index import Entry
 
 DECISIONS = 300  # placement decisions kept
 BUCKET_S = 10.0  # the time series' step

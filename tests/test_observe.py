@@ -11,7 +11,7 @@ import pytest
 
 from agent_server import agent_model  # noqa: F401 (fixture)
 from http_daemon import chat_body, metrics, serving
-from server.observe import Totals, log_stats, stats_line
+from kvfork.server.observe import Totals, log_stats, stats_line
 
 
 class Load:

@@ -15,8 +15,8 @@ import pytest
 
 from agent_server import agent_model  # noqa: F401 (fixture)
 from http_daemon import metrics, serving
-from server.api.messages.protocol import TextBlock
-from server.api.volatile import strip_system, strip_text
+from kvfork.server.api.messages.protocol import TextBlock
+from kvfork.server.api.volatile import strip_system, strip_text
 
 RECORDED = json.loads((Path(__file__).parent / "fixtures/clients/claude.json").read_text())["requests"][0]["body"]
 # Claude Code 2.1.332 (sdk-cli and the interactive cli), and 2.1.177 with its per-request cch

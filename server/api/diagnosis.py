@@ -25,11 +25,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from server.engine.api import Scope, Usage
-from server.errors import ApiError
-from server.metrics import Registry
-from server.api.openai import PromptCacheOptions
-from server.text.tokenizer import PromptTokenizer
+from kvfork.server.engine.api import Scope, Usage
+from kvfork.server.errors import ApiError
+from kvfork.server.metrics import Registry
+from kvfork.server.api.openai import PromptCacheOptions
+from kvfork.server.text.tokenizer import PromptTokenizer
 
 # What the store keeps at most: 4M tokens of fingerprints (16 MiB), and ids of responses made without
 # diagnostics (a few MiB).

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from server.api.messages.protocol import TextBlock
+from kvfork.server.api.messages.protocol import TextBlock
 
 
 @dataclass(frozen=True)

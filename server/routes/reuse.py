@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from server.errors import ApiError
-from server.api.respond import json_response
-from server.routes.reuse_page import PAGE
-from server.state import state_of
-from server.tenants import key_tenant, request_key
+from kvfork.server.errors import ApiError
+from kvfork.server.api.respond import json_response
+from kvfork.server.routes.reuse_page import PAGE
+from kvfork.server.state import state_of
+from kvfork.server.tenants import key_tenant, request_key
 
 PATH = "/debug/reuse"
 

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from server.api.openai import Positive, PromptCacheOptions, SamplingFields, TopLogprobs, UsageInfo
+from kvfork.server.api.openai import Positive, PromptCacheOptions, SamplingFields, TopLogprobs, UsageInfo
 
 
 class JsonSchemaFormat(Struct):
