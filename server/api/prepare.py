@@ -29,6 +29,7 @@ from kvfork.server.errors import ApiError, invalid
 from kvfork.server.grammar import request_ask
 from kvfork.server.api.chat.protocol import ChatCompletionRequest, ChatMessage
 from kvfork.server.api.openai import SamplingFields
+from kvfork.server.api.diagnosis import Asked, Fingerprint, Report, fingerprint
 from kvfork.server.api.respond import Job
 from kvfork.server.limits import check_count, check_prompt_chars, check_schema, json_deeper_than
 from kvfork.server.state import AppState, scope_of
@@ -152,7 +153,7 @@ def inline_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any
 
 
 async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Request, rid: str,
-                  make_call_id: Callable[[], str] = openai_call_id) -> Job:
+                  make_call_id: Callable[[], str] = openai_call_id, asked: Asked | None = None) -> Job:
     """Chat, Messages and Responses requests alike: limits, render, tokenize, grammar. The route has checked
     its own API's limits (stop strings, tools) before translating its body."""
     if body.top_logprobs and not body.logprobs:
@@ -203,7 +204,20 @@ async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Req
     checkpoints = state.engine.recurrent_checkpoints
     if checkpoints:  # a hybrid model keeps its recurrent state where messages end: find them
         generate.boundaries = await tokenizer.message_ends(*rendered, kwargs, prompt, checkpoints, tenant)
-    return Job(model, prompt, generate, stop_strings(body), parser, body.n)
+    job = Job(model, prompt, generate, stop_strings(body), parser, body.n)
+    if asked is not None:
+        job.diagnostics = diagnostics(state, asked, rid, await fingerprint(
+            tokenizer, scope, model, messages, body.tools, kwargs, prompt))
+    return job
+
+
+def diagnostics(state: AppState, asked: Asked, rid: str, now: Fingerprint) -> Report:
+    """The request's diagnostics report: compared with the response it names, its fingerprint kept."""
+    report = Report(state.fingerprints, state.engine.config.prefix_cache_min_tokens)
+    if asked.previous is not None:
+        report.diagnosis = state.fingerprints.compare(now, asked.previous)
+    state.fingerprints.keep(rid, now)
+    return report
 
 
 # ---- the engine request: its id, named session, stop strings and sampling -----------------------

@@ -112,6 +112,7 @@ class Usage:
     prefill_s: float = 0.0
     ttft_s: float = 0.0
     decode_s: float = 0.0
+    decision: dict = field(default_factory=dict)  # the placement's decision and its inputs (the log line's)
 
 
 @dataclass

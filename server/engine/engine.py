@@ -163,6 +163,10 @@ class Engine:
     def following(self) -> int:
         return len(self._followers)
 
+    def live(self) -> list[Request]:
+        """The requests it holds now, in admission order (read, never changed: the reuse page's)."""
+        return list(self._requests.values())
+
     @property
     def rates(self) -> RateTracker:
         """The cost model's measured rates (tools and tests may set a simulated machine's)."""
@@ -685,7 +689,7 @@ class Engine:
         elif not ev.reused:
             r.reuse_source = None
         if r.named is None and r.reuse_source != "donor":
-            (self.metrics.cache_hits if ev.clone_index is not None else self.metrics.cache_misses).inc()
+            self.metrics.cache_admissions.inc(outcome="hit" if ev.clone_index is not None else "miss")
         if candidates:
             self.metrics.clone("cache", ev.refused, ev.clone_index is not None)
 

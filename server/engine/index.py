@@ -31,6 +31,7 @@ candidate with a known shared length, so no token is compared twice.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Hashable, Iterator, Literal, Protocol, Sequence
@@ -57,6 +58,8 @@ class Entry:
     kept: tuple[int, ...] = ()  # positions it holds a recurrent checkpoint at
     position: int = -1  # -1: len(tokens)
     stamp: int = 0  # recency: higher is more recent
+    created: float = 0.0  # time.monotonic() when the index stored it
+    uses: int = 0  # times it was used since (served a request, or the same prompt was captured again)
 
     def __post_init__(self) -> None:
         if self.position < 0:
@@ -174,6 +177,7 @@ class Index:
     def _store(self, entry: Entry) -> None:
         self._clock += 1
         entry.stamp = entry.stamp or self._clock
+        entry.created = entry.created or time.monotonic()
         self._trie.add(entry)
         self._tiers[entry.tier][self._name(entry)] = entry
         self._bytes[entry.tier] += entry.nbytes
@@ -221,6 +225,7 @@ class Index:
         if tier.get(name) is entry:
             self._clock += 1
             entry.stamp = self._clock
+            entry.uses += 1
             tier.move_to_end(name)
 
     # ---- the one lookup ----

@@ -197,6 +197,7 @@ class Request:
             prefill_s=max(0.0, first - started),
             ttft_s=(self.first_token_at - self.submitted_at) if self.first_token_at else 0.0,
             decode_s=max(0.0, now - first) if self.first_token_at else 0.0,
+            decision=self.decision,
         )
 
 
