@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Callable, Collection
+from typing import Any, Callable, Collection
 
 from server.reasoning import FORMATS, ReasoningSplitter, resolve_reasoning, starts_in_reasoning
 from server.toolcalls import PARSERS, resolve_tool_parser
@@ -122,6 +122,34 @@ def output_parser(
     if tool_parser and tool_parser.parse_calls and tool_choice in ("required", "function") and not in_reasoning:
         forced = tool_parser.opening(tool_name if tool_choice == "function" else None)
     return ChatOutputParser(tool_parser, splitter, forced)
+
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "probe",
+                                               "parameters": {"type": "object", "properties": {}}}}
+
+
+def start_formats(tokenizer: Any, tool_setting: str, reasoning_setting: str) -> str | None:
+    """At start: keep the markup tokens of the model's formats in decoded text (the parsers read them), and
+    the warning for a template that renders tools in a markup no family reads (None when there is none)."""
+    template, vocabulary = tokenizer.chat_template, tokenizer.vocabulary
+    tool = resolve_tool_parser(tool_setting, template, vocabulary)
+    thinking = resolve_reasoning(reasoning_setting, template, vocabulary)
+    markers = [*(PARSERS[tool].special_markers if tool else ())]
+    if thinking == "harmony":
+        markers += HarmonyParser.special_markers
+    elif thinking:
+        markers += [FORMATS[thinking].open, FORMATS[thinking].close]
+    tokenizer.keep_special([s for s in tokenizer.specials if any(s in m for m in markers)])
+    if tool is not None or tool_setting != "auto":
+        return None
+    message = [{"role": "user", "content": "hi"}]
+    try:
+        if tokenizer.render(message, [_PROBE_TOOL], {}) == tokenizer.render(message, None, {}):
+            return None  # renders no tools: requests get the Hermes block (server/api/prepare.py)
+    except Exception:  # noqa: BLE001 - a template that refuses the probe says nothing about its markup
+        return None
+    return ("the chat template renders tools in a markup kvfork does not know: tool calls are not parsed "
+            "(name the format with --tool-parser)")
 
 
 def collect(events: list[Event]) -> ChatOutput:

@@ -18,7 +18,8 @@ What gets constrained (`Ask`, built by the routes):
   markup as token references (toolcalls/lark.py);
 - `tool_choice: auto`: a lazy grammar: text is free until the family's opening
   markup, then the call's body is constrained (llama3: a reply that opens with
-  `{` is a call; Harmony: not constrained, its channels come and go).
+  `{` is a call); only for models that write their markup as text
+  (`auto_constrained`), and not Harmony, whose channels come and go.
 When the route has already appended the parser's opening to the prompt (the
 forced prefix, chat_output.py), the grammar starts after it.
 
@@ -59,8 +60,9 @@ from server.engine.api import Scope
 from server.errors import ApiError
 from server.fair import FairWorkers
 from server.grammar_worker import write_message
+from server.reasoning import FORMATS
 from server.toolcalls import PARSERS
-from server.toolcalls.lark import JSON_OPTIONS, closed, markup, text_until
+from server.toolcalls.lark import JSON_OPTIONS, CallGrammar, closed, markup, text_until
 
 ToolChoice = Literal["auto", "none", "required", "function"]
 _CACHE_ENTRIES = 256
@@ -102,7 +104,8 @@ class GrammarError(ApiError):
 
 
 def tool_lark(ask: ToolCalls) -> str:
-    """The Lark grammar of the calls `ask` allows (see the module docstring)."""
+    """The Lark grammar of the calls `ask` allows (see the module docstring). A family whose calls share a
+    block (Kimi's section, MiniMax's `<minimax:tool_call>`) writes parallel calls inside one."""
     family = PARSERS.get(ask.parser)
     if family is None:
         raise GrammarError("tool_choice", f"tool calls in the {ask.parser!r} format cannot be constrained")
@@ -110,24 +113,25 @@ def tool_lark(ask: ToolCalls) -> str:
     calls = [family.call_grammar(f, i, ask.specials) for i, f in enumerate(functions)]
     if not calls:
         raise GrammarError("tool_choice", "no tool to call")
+    opening, closing = family.block
+    firsts = [CallGrammar(opening + c.head, c.body, c.tail) for c in calls]  # a block's first call opens it
     rules = [rule for call in calls for rule in call.rules]
     every = " | ".join(f"({c.expression(ask.specials)})" for c in calls)
-    separator = markup(family.separator, ask.specials)
+    many = ask.choice == "auto" or (ask.choice == "required" and ask.parallel)
+    more = " ".join(p for p in ((f"({markup(family.separator, ask.specials)} call)*" if many else ""),
+                                markup(closing, ask.specials)) if p)
     lines = ["%llguidance {}", f"call: {every}", "ANY_TEXT: /(.|\\n)*/"]
-    if ask.choice == "auto":
-        trigger = family.trigger
-        if trigger is None:  # llama3: the whole reply is calls, or text that does not open with `{`
-            lines.append(f'start: call ({separator} call)* | /([^{{](.|\\n)*)?/')
-        else:
-            bodies = " | ".join(f"({c.expression(ask.specials, trigger)})" for c in calls)
-            lines += ["start: (opening call_body)* ANY_TEXT", text_until("opening", trigger, ask.specials),
-                      f"call_body: {bodies}"]
+    if ask.choice == "auto" and family.trigger is None:  # llama3: the whole reply is calls, or text not opening `{`
+        lines.append(f"start: call {more} | /([^{{](.|\\n)*)?/")
+    elif ask.choice == "auto":
+        bodies = " | ".join(f"({c.expression(ask.specials, family.trigger)})" for c in firsts)
+        lines += ["start: (opening call_body)* ANY_TEXT", text_until("opening", family.trigger, ask.specials),
+                  f"call_body: ({bodies}) {more}"]
     else:
-        first = [e for c in calls if (e := c.expression(ask.specials, ask.forced)) is not None]
+        first = [e for c in firsts if (e := c.expression(ask.specials, ask.forced)) is not None]
         if not first:
             raise GrammarError("tool_choice", "the forced opening matches no tool")
-        more = "" if ask.choice == "function" or not ask.parallel else f" ({separator} call)*"
-        lines.append(f"start: ({' | '.join(f'({e})' for e in first)}){more}")
+        lines.append(f"start: ({' | '.join(f'({e})' for e in first)}) {more}")
     return "\n".join(lines + rules) + "\n"
 
 
@@ -171,10 +175,20 @@ def request_ask(response_format: Any, tool_parser: str | None, tools: list[dict[
         return None
     if choice != "auto" and not forced:  # the reply starts inside reasoning: forced calls act as auto (chat_output)
         choice, tool_name = "auto", None
-    if choice == "auto" and not PARSERS[tool_parser].constrains_auto:
+    if choice == "auto" and not auto_constrained(tool_parser, specials or {}):
         return None
     return ToolCalls(tool_parser, tuple(t["function"] for t in tools), choice, tool_name, forced, parallel,
                      dict(specials or {}))
+
+
+def auto_constrained(tool_parser: str, specials: Mapping[str, int]) -> bool:
+    """Whether tool_choice auto gets a grammar: only where the model writes its markup as text. Free text
+    is a lexeme, which never holds a special token: where the call or thinking markers are special tokens
+    (Kimi's, GLM's in their own tokenizers) a free-text grammar would forbid them, so the calls the model
+    opens are parsed but not held (a broken one comes back as content)."""
+    family = PARSERS[tool_parser]
+    markers = (*family.special_markers, *(m for f in FORMATS.values() for m in (f.open, f.close)))
+    return family.constrains_auto and not any(s in m for s in specials for m in markers)
 
 
 def param_of(ask: Ask) -> str:

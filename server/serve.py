@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 from pathlib import Path
@@ -18,6 +19,7 @@ from backends import create_backend, default_backend
 from backends.base import Backend
 from backends.lockstep.leader import LockstepBackend
 from server.app import Listener, build_app, listen
+from server.chat_output import start_formats
 from server.config import ServerConfig
 from server.engine.config import EngineConfig
 from server.engine.disk import kv_root
@@ -28,6 +30,7 @@ from server.text.tokenizer import PromptTokenizer
 from server.warm import warm
 
 GiB = 1024**3
+log = logging.getLogger("kvfork")
 
 
 class Daemon:
@@ -55,6 +58,9 @@ class Daemon:
         _, self.state.tokenizer = await asyncio.gather(
             self.engine.start(), asyncio.to_thread(PromptTokenizer.load, self.model, template)
         )
+        warning = start_formats(self.state.tokenizer, self.config.tool_parser, self.config.reasoning_parser)
+        if warning:
+            log.warning(warning)
         if self.config.prefix_cache_warm:
             await warm(self.engine, self.state.tokenizer, self.config.prefix_cache_warm)
 

@@ -85,8 +85,9 @@ class ToolParser:
     """Base: holds the event bookkeeping; subclasses decide where calls are.
 
     A family's module also says how its calls are constrained (server/grammar.py joins them):
-    `call_grammar` writes one call to one function, `separator` goes between parallel calls, and
-    `trigger` is the text that opens a call when tool_choice is auto (None: the whole reply is calls).
+    `call_grammar` writes one call to one function, `separator` goes between parallel calls, `block`
+    wraps a turn's calls where the family writes them in one (Kimi's section), and `trigger` is the text
+    that opens a call when tool_choice is auto (None: the whole reply is calls).
     `special_markers` are its markup pieces that may be special tokens of the model's tokenizer: the
     detokenizer keeps them in the text (server/text/tokenizer.py) so the parser can see them.
     """
@@ -95,6 +96,7 @@ class ToolParser:
     parse_calls = True  # False: the parser reads the reply's structure (Harmony's channels) but no calls
     constrains_auto = True  # tool_choice auto gets a grammar that holds the calls the model opens
     separator = "\n"
+    block = ("", "")
     trigger: str | None = None
     special_markers: tuple[str, ...] = ()
 
@@ -161,6 +163,7 @@ class MarkupToolParser(ToolParser):
     """
 
     markers: tuple[tuple[str, str], ...] = ()
+    unclosed_is_text = False  # True: a call the reply ends inside of is text, however much of it parses
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -217,7 +220,7 @@ class MarkupToolParser(ToolParser):
         assert self._open
         opening, closing = self._open
         self._open = None
-        calls = self.parse_call(opening, body)
+        calls = None if self.unclosed_is_text and closing and not closed else self.parse_call(opening, body)
         if calls is None:  # malformed: the model's text, markup and all
             self._text(opening + body + (closing if closed else ""), out)
         else:

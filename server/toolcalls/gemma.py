@@ -11,21 +11,14 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from server.toolcalls.lark import CallGrammar, is_text, joined, json_value, markup, properties, text_until
+from server.toolcalls.lark import CallGrammar, joined, parameter_rules
 from server.toolcalls.reference import ReferenceParser
 
 
 def _arguments(function: dict[str, Any], index: int, quote: str, specials: Mapping[str, int]) -> tuple[str, list[str]]:
     """`key:value` pairs joined by commas: required ones always, optional ones after them."""
-    rules, required, optional = [], [], []
-    for k, (key, schema, is_required) in enumerate(properties(function)):
-        rule = f"p{index}_{k}"
-        if is_text(schema):
-            rules += [text_until(f"{rule}_value", quote, specials),
-                      f"{rule}: {markup(key + ':' + quote, specials)} {rule}_value"]
-        else:
-            rules.append(f"{rule}: {markup(key + ':', specials)} {json_value(schema, function)}")
-        (required if is_required else optional).append(rule)
+    parts, rules = parameter_rules(function, index, lambda key: key + ":", "", specials, text=(quote, quote))
+    required, optional = [r for r, needed in parts if needed], [r for r, needed in parts if not needed]
     return joined(required, optional, ","), rules
 
 

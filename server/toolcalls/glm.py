@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from server.toolcalls.lark import CallGrammar, is_text, json_value, markup, properties, text_until
+from server.toolcalls.lark import CallGrammar, in_order, parameter_rules
 from server.toolcalls.reference import ReferenceParser
 
 
@@ -35,16 +35,9 @@ class GlmParser(ReferenceParser):
     def call_grammar(cls, function: dict[str, Any], index: int, specials: Mapping[str, int]) -> CallGrammar:
         """The name, then one key/value pair per property in the schema's order (required ones always)."""
         t = cls.tag
-        rules, parts = [], []
-        for k, (key, schema, required) in enumerate(properties(function)):
-            rule = f"p{index}_{k}"
-            head = markup(f"\n<{t}arg_key>{key}</{t}arg_key>\n<{t}arg_value>", specials)
-            if is_text(schema):
-                rules += [text_until(f"{rule}_value", f"</{t}arg_value>", specials), f"{rule}: {head} {rule}_value"]
-            else:
-                rules.append(f"{rule}: {head} {json_value(schema, function)} {markup(f'</{t}arg_value>', specials)}")
-            parts.append(rule if required else f"{rule}?")
-        return CallGrammar(f"<{t}tool_call>{function['name']}", " ".join(parts), f"\n</{t}tool_call>", rules)
+        parts, rules = parameter_rules(function, index, lambda key: f"\n<{t}arg_key>{key}</{t}arg_key>\n<{t}arg_value>",
+                                       f"</{t}arg_value>", specials)
+        return CallGrammar(f"<{t}tool_call>{function['name']}", in_order(parts), f"\n</{t}tool_call>", rules)
 
 
 class LongcatParser(GlmParser):

@@ -56,7 +56,7 @@ def _header(text: str) -> tuple[str, str | None] | None:
 
 class HarmonyParser(ToolParser):
     name = "harmony"
-    separator = ""
+    separator = START + "assistant"  # each call is a message of its own
     trigger = None
     special_markers = MARKERS
     constrains_auto = False  # channels come and go: only a forced call is constrained

@@ -30,6 +30,7 @@ class KimiK2Parser(ReferenceParser):
     name = "kimi_k2"
     reference = "kimi_k2"
     markers = (_SECTION,)
+    block, separator = _SECTION, ""
     special_markers = (*_SECTION, _CALL, _ARGUMENTS, _END)
 
     def opening(self, name: str | None) -> str:
@@ -38,7 +39,7 @@ class KimiK2Parser(ReferenceParser):
     @classmethod
     def call_grammar(cls, function: dict[str, Any], index: int, specials: Mapping[str, int]) -> CallGrammar:
         body = f"/[0-9]{{1,4}}/ {markup(_ARGUMENTS, specials)} {json_value(parameters(function), function)}"
-        return CallGrammar(f"{_SECTION[0]}{_CALL}functions.{function['name']}:", body, _END + _SECTION[1])
+        return CallGrammar(f"{_CALL}functions.{function['name']}:", body, _END)
 
 
 _TOOLS = ("<|open|>tools<|sep|>", "<|close|>tools<|sep|>")
@@ -49,6 +50,7 @@ class KimiK3Parser(ReferenceParser):
     name = "kimi_k3"
     reference = "kimi_k3"
     markers = (_TOOLS,)
+    block, separator = _TOOLS, ""
     special_markers = XTML
 
     def opening(self, name: str | None) -> str:
@@ -56,6 +58,5 @@ class KimiK3Parser(ReferenceParser):
 
     @classmethod
     def call_grammar(cls, function: dict[str, Any], index: int, specials: Mapping[str, int]) -> CallGrammar:
-        head = f'{_TOOLS[0]}<|open|>call tool="{function["name"]}" index="1"<|sep|><|open|>json type="object"<|sep|>'
-        return CallGrammar(head, json_value(parameters(function), function),
-                           "<|close|>json<|sep|><|close|>call<|sep|>" + _TOOLS[1])
+        head = f'<|open|>call tool="{function["name"]}" index="1"<|sep|><|open|>json type="object"<|sep|>'
+        return CallGrammar(head, json_value(parameters(function), function), "<|close|>json<|sep|><|close|>call<|sep|>")

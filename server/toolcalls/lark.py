@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 # JSON as json.dumps and the chat templates' `tojson` write it.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -62,8 +62,18 @@ def properties(function: dict[str, Any]) -> list[tuple[str, dict[str, Any], bool
 
 
 def is_text(schema: dict[str, Any]) -> bool:
-    """A parameter written as bare text in XML-ish markup (its value read back as a string)."""
-    return schema.get("type", "string") == "string" and "enum" not in schema
+    """A parameter written as bare text in XML-ish markup (the parsers read its value back as a string)."""
+    enum = schema.get("enum")
+    return schema.get("type", "string") == "string" and (enum is None or all(isinstance(v, str) for v in enum))
+
+
+def text_value(rule: str, schema: dict[str, Any], end: str, specials: Mapping[str, int]) -> str:
+    """The rule `rule`: a text parameter's value as bare text, then `end`: one of its enum's values, or
+    free text up to the first `end`."""
+    if isinstance(schema.get("enum"), list):
+        values = " | ".join(json.dumps(v, ensure_ascii=False) for v in schema["enum"])
+        return f"{rule}: ({values}) {markup(end, specials)}"
+    return text_until(rule, end, specials)
 
 
 def markup(text: str, specials: Mapping[str, int]) -> str:
@@ -114,3 +124,29 @@ def joined(required: list[str], optional: list[str], separator: str) -> str:
     if optional:
         return f"({optional[0]}" + "".join(f" ({sep} {r})?" for r in optional[1:]) + ")?"
     return ""
+
+
+def parameter_rules(function: dict[str, Any], index: int, head: Callable[[str], str], close: str,
+                    specials: Mapping[str, int], text: tuple[str, str] | None = None,
+                    ) -> tuple[list[tuple[str, bool]], list[str]]:
+    """One rule per parameter of `function`, in the schema's order: `head(key)`, then the value and `close`.
+    A text parameter's value is bare text between `text` (opening, closing; default: nothing, `close`), any
+    other is JSON. Returns ([(rule, required)], the rules' definitions)."""
+    text_open, text_close = text or ("", close)
+    parts, rules = [], []
+    for k, (key, schema, required) in enumerate(properties(function)):
+        rule = f"p{index}_{k}"
+        start = " ".join(p for p in (markup(head(key), specials), markup(text_open, specials)) if p)
+        if is_text(schema):
+            rules += [text_value(f"{rule}_value", schema, text_close, specials), f"{rule}: {start} {rule}_value"]
+        else:
+            value = " ".join(p for p in (markup(head(key), specials), json_value(schema, function),
+                                         markup(close, specials)) if p)
+            rules.append(f"{rule}: {value}")
+        parts.append((rule, required))
+    return parts, rules
+
+
+def in_order(parts: list[tuple[str, bool]]) -> str:
+    """Parameter rules in the schema's order, the optional ones optional."""
+    return " ".join(rule if required else f"{rule}?" for rule, required in parts)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
-from server.toolcalls.lark import CallGrammar, is_text, json_value, markup, properties, text_until
+from server.toolcalls.lark import CallGrammar, in_order, parameter_rules
 from server.toolcalls.reference import ReferenceParser
 
 _BLOCK = ("<minimax:tool_call>", "</minimax:tool_call>")
@@ -25,6 +25,7 @@ class MiniMaxParser(ReferenceParser):
     name = "minimax_m2"
     reference = "minimax_m2"
     markers = (_BLOCK,)
+    block, separator = (_BLOCK[0] + "\n", _BLOCK[1]), ""
     special_markers = _BLOCK
 
     def opening(self, name: str | None) -> str:
@@ -32,13 +33,7 @@ class MiniMaxParser(ReferenceParser):
 
     @classmethod
     def call_grammar(cls, function: dict[str, Any], index: int, specials: Mapping[str, int]) -> CallGrammar:
-        rules, parts = [], []
-        for k, (key, schema, required) in enumerate(properties(function)):
-            rule, head = f"p{index}_{k}", markup(f"\n<parameter name={json.dumps(key)}>", specials)
-            if is_text(schema):
-                rules += [text_until(f"{rule}_value", "</parameter>", specials), f"{rule}: {head} {rule}_value"]
-            else:
-                rules.append(f"{rule}: {head} {json_value(schema, function)} {markup('</parameter>', specials)}")
-            parts.append(rule if required else f"{rule}?")
-        head = f"{_BLOCK[0]}\n<invoke name={json.dumps(function['name'], ensure_ascii=False)}>"
-        return CallGrammar(head, " ".join(parts), "\n</invoke>\n" + _BLOCK[1], rules)
+        parts, rules = parameter_rules(function, index, lambda key: f"\n<parameter name={json.dumps(key)}>",
+                                       "</parameter>", specials)
+        head = f"<invoke name={json.dumps(function['name'], ensure_ascii=False)}>"
+        return CallGrammar(head, in_order(parts), "\n</invoke>\n", rules)

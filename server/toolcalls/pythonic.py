@@ -20,7 +20,7 @@ class PythonicParser(ReferenceParser):
     name = "pythonic"
     reference = "pythonic"
     markers = (_BLOCK,)
-    separator = ""
+    block, separator = (_BLOCK[0] + "[", "]" + _BLOCK[1]), ", "  # [a(x=1), b(y=2)]
     special_markers = _BLOCK
 
     def opening(self, name: str | None) -> str:
@@ -34,4 +34,4 @@ class PythonicParser(ReferenceParser):
             rules.append(f'{rule}: "{key}=" {json_value(schema, function)}')
             (required if is_required else optional).append(rule)
         body = joined(required, optional, ", ")
-        return CallGrammar(f"{_BLOCK[0]}[{function['name']}(", body, ")]" + _BLOCK[1], rules)
+        return CallGrammar(f"{function['name']}(", body, ")", rules)

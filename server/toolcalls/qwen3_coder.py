@@ -19,7 +19,7 @@ import re
 from typing import Any, Mapping
 
 from server.toolcalls.base import MarkupToolParser, ParsedCall, json_object
-from server.toolcalls.lark import CallGrammar, is_text, json_value, markup, properties, text_until
+from server.toolcalls.lark import CallGrammar, in_order, parameter_rules
 
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)
@@ -68,16 +68,9 @@ class Qwen3CoderParser(MarkupToolParser):
     def call_grammar(cls, function: dict[str, Any], index: int, specials: Mapping[str, int]) -> CallGrammar:
         """`<function=NAME>` then one `<parameter=KEY>` element per property, in the schema's order: required
         ones always, the others optional. String values are free text up to the closing tag; others JSON."""
-        rules, parts = [], []
-        for k, (key, schema, required) in enumerate(properties(function)):
-            rule, open_tag = f"p{index}_{k}", markup(f"<parameter={key}>\n", specials)
-            close = "\n</parameter>\n"
-            if is_text(schema):
-                rules += [text_until(f"{rule}_value", close, specials), f"{rule}: {open_tag} {rule}_value"]
-            else:
-                rules.append(f"{rule}: {open_tag} {json_value(schema, function)} {markup(close, specials)}")
-            parts.append(rule if required else f"{rule}?")
-        return CallGrammar(f"<tool_call>\n<function={function['name']}>\n", " ".join(parts),
+        parts, rules = parameter_rules(function, index, lambda key: f"<parameter={key}>\n", "\n</parameter>\n",
+                                       specials)
+        return CallGrammar(f"<tool_call>\n<function={function['name']}>\n", in_order(parts),
                            "</function>\n</tool_call>", rules)
 
     def parse_call(self, opening: str, body: str) -> list[ParsedCall] | None:

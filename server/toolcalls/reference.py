@@ -4,8 +4,9 @@ Each of those modules has `parse_tool_call(text, tools)` and its markers
 `tool_call_start` / `tool_call_end`; they parse a finished call, not a stream.
 `ReferenceParser` is the stream around one: kvfork's hold-back finds the
 markers (written out in each family's module, pinned against mlx-lm's by
-tests/test_tool_families.py), and the text between them goes to mlx-lm's
-parser. A body it refuses, or that names no offered tool, is the model's text.
+tests/test_tool_family_grammars.py), and the text between them goes to mlx-lm's
+parser. A body it refuses, one that names no offered tool, or one the reply
+ends inside of (cut off by max_tokens) is the model's text.
 
 The modules are loaded from mlx-lm's folder under a package of our own, without
 running `mlx_lm/__init__.py`: that imports MLX and transformers' model code
@@ -60,6 +61,7 @@ class ReferenceParser(MarkupToolParser):
     """A family read by mlx-lm's parser `reference` (a module name in mlx_lm/tool_parsers/)."""
 
     reference = ""
+    unclosed_is_text = True  # the reference parsers read a cut-off call as a call with what it has
 
     def __init__(self, tools: list[dict] | None = None, make_id: Callable[[], str] = openai_call_id):
         super().__init__(tools, make_id)
