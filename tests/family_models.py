@@ -63,11 +63,13 @@ FAMILIES = {f.name: f for f in (
            thinking=("<|open|>think<|sep|>", "<|close|>think<|sep|>"),
            specials=("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")),
     Family("minimax_m2", "minimax_m2", '<invoke name="{{ fn.name }}">' + ARGS + NL + '<parameter name="{{ k }}">'
-           + _value() + "</parameter>{% endfor %}" + NL + "</invoke>\n", wrap=("<minimax:tool_call>\n", "</minimax:tool_call>"),
+           + _value() + "</parameter>{% endfor %}" + NL + "</invoke>\n",
+           wrap=("<minimax:tool_call>\n", "</minimax:tool_call>"),
            specials=("<minimax:tool_call>", "</minimax:tool_call>", "<think>", "</think>")),
     Family("mistral", "mistral", "[TOOL_CALLS]{{ fn.name }}[ARGS]{{ fn.arguments | tojson }}",
            thinking=("[THINK]", "[/THINK]"), specials=("[TOOL_CALLS]", "[ARGS]", "[THINK]", "[/THINK]")),
-    Family("gemma4", "gemma4", "<|tool_call>call:{{ fn.name }}{{ '{' }}" + ARGS + "{{ k }}:{% if v is string %}<|\"|>{{ v }}"
+    Family("gemma4", "gemma4", "<|tool_call>call:{{ fn.name }}{{ '{' }}" + ARGS
+           + "{{ k }}:{% if v is string %}<|\"|>{{ v }}"
            "<|\"|>{% else %}{{ v | tojson }}{% endif %}{{ ',' if not loop.last }}{% endfor %}{{ '}' }}<tool_call|>",
            thinking=("<|channel>thought", "<channel|>"),
            specials=("<|tool_call>", "<tool_call|>", '<|"|>', "<|channel>", "<channel|>")),
@@ -96,7 +98,9 @@ CHATML = """\
 {%- for message in messages -%}
 {%- if message.role == 'assistant' -%}
 {{- '<|im_start|>assistant\\n' -}}
-{%- if message.reasoning_content %}{{ @OPEN@ + '\\n' + message.reasoning_content + '\\n' + @CLOSE@ + '\\n\\n' }}{% endif -%}
+{%- if message.reasoning_content -%}
+{{- @OPEN@ + '\\n' + message.reasoning_content + '\\n' + @CLOSE@ + '\\n\\n' -}}
+{%- endif -%}
 {{- message.content or '' -}}
 {%- if message.tool_calls -%}
 {{- ('\\n' if message.content else '') + @WRAP_OPEN@ -}}
@@ -113,7 +117,8 @@ CHATML = """\
 {%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif -%}
 """
 
-# gpt-oss: Harmony turns; past reasoning kept (the published template drops it once a final answer follows).
+# gpt-oss: Harmony turns; past reasoning read as `thinking`, as gpt-oss's does, and kept (the published template
+# drops it once a final answer follows).
 HARMONY = """\
 {{- '<|start|>system<|message|>Reasoning: medium<|end|>' -}}
 {%- if tools -%}
@@ -123,8 +128,8 @@ HARMONY = """\
 {%- endif -%}
 {%- for message in messages -%}
 {%- if message.role == 'assistant' -%}
-{%- if message.reasoning_content -%}
-{{- '<|start|>assistant<|channel|>analysis<|message|>' + message.reasoning_content + '<|end|>' -}}
+{%- if message.thinking -%}
+{{- '<|start|>assistant<|channel|>analysis<|message|>' + message.thinking + '<|end|>' -}}
 {%- endif -%}
 {%- if message.content -%}
 {{- '<|start|>assistant<|channel|>' + ('commentary' if message.tool_calls else 'final') + '<|message|>'

@@ -18,7 +18,8 @@ from server.grammar import auto_constrained
 
 NAMES = (*FAMILIES, "harmony")
 REASONING = "The user wants the weather."
-HARMONY_CALL = '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "CITY"}<|call|>'
+HARMONY_CALL = ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "CITY"}'
+                '<|call|>')
 
 
 def replies(name: str) -> dict[str, str]:

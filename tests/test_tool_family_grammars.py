@@ -81,7 +81,8 @@ def reference_calls(name: str, text: str) -> list[dict]:
     family's markers (Harmony and Hermes, which mlx-lm does not read this way, by their JSON bodies)."""
     if name == "harmony":
         header, _, body = text.partition("<|message|>")
-        return [{"name": header.split("to=functions.")[1].split("<|")[0], "arguments": json.loads(body.split("<|call|>")[0])}]
+        name = header.split("to=functions.")[1].split("<|")[0]
+        return [{"name": name, "arguments": json.loads(body.split("<|call|>")[0])}]
     family = PARSERS[name]
     start, end = family.markers[0]
     parse = reference_module(getattr(family, "reference", name)).parse_tool_call  # qwen3_coder: ours, and mlx-lm's

@@ -103,6 +103,8 @@ def template_message(index: int, message: ChatMessage, max_depth: int) -> dict[s
     for key in ("name", "tool_call_id", "reasoning_content"):
         if getattr(message, key) is not None:
             out[key] = getattr(message, key)
+    if message.reasoning_content is not None:  # gpt-oss's template reads it as `thinking`
+        out["thinking"] = message.reasoning_content
     if message.tool_calls is not None:
         out["tool_calls"] = template_tool_calls(message.tool_calls, max_depth)
     return out
@@ -179,7 +181,7 @@ async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Req
     rendered = messages, body.tools
     tool_format = config.tool_parser
     vocabulary = tokenizer.vocabulary
-    if body.tools and tool_format == "auto" and resolve_tool_parser("auto", tokenizer.chat_template, vocabulary) is None:
+    if body.tools and tool_format == "auto" and not resolve_tool_parser("auto", tokenizer.chat_template, vocabulary):
         # A template that teaches no tool format may still render tools its own way; only one that
         # renders none at all (the text is the same without them) gets the Hermes block.
         if text == await tokenizer.render_chat(messages, None, kwargs, tenant):
