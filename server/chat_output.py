@@ -134,6 +134,8 @@ def start_formats(tokenizer: Any, tool_setting: str, reasoning_setting: str) -> 
     template, vocabulary = tokenizer.chat_template, tokenizer.vocabulary
     tool = resolve_tool_parser(tool_setting, template, vocabulary)
     thinking = resolve_reasoning(reasoning_setting, template, vocabulary)
+    if tool:
+        PARSERS[tool].prepare()
     markers = [*(PARSERS[tool].special_markers if tool else ())]
     if thinking == "harmony":
         markers += HarmonyParser.special_markers

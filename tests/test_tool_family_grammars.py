@@ -129,7 +129,7 @@ def test_forced_calls_from_random_tokens_are_read_by_mlx_lm(name, choice, family
     grammar = GrammarCompiler(hf, len(hf), [2], 10.0).build(grammar_text(ask), "tool_choice")
     rng = np.random.default_rng(0)
     for _ in range(3):
-        reply = tokenizer.decode(draw(grammar, len(hf), rng))
+        reply = tokenizer.decode_markup(draw(grammar, len(hf), rng))
         text = parser.prompt_suffix + reply
         calls = reference_calls(name, text)
         assert len(calls) == 1 and calls[0]["name"] in (tool_name or "get_forecast get_alerts").split()

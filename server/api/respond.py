@@ -176,7 +176,8 @@ async def respond(request: web.Request, state: AppState, job: Job, reply: Reply 
     tokenizer = state.require_ready()
     keepalive = state.config.sse_keepalive if stream else None
     choices = reply if isinstance(reply, Choices) else Choices([reply])
-    async with generation(state.engine, job.generate, tokenizer, job.stops, keepalive_s=keepalive) as events:
+    async with generation(state.engine, job.generate, tokenizer, job.stops, keepalive_s=keepalive,
+                          markup=job.parser is not None) as events:
         if not stream:
             async for event in events:
                 match event:

@@ -51,9 +51,9 @@ class PromptTokenizer:
         self._hidden: frozenset[int] | None = None  # special ids decode drops when some are kept
 
     def keep_special(self, texts: Sequence[str]) -> None:
-        """Keep the special tokens among `texts` in decoded text (the markup of the model's tool-call and
-        thinking formats: Harmony's `<|channel|>`, Kimi's `<|tool_call_begin|>`), dropping the others
-        as before; the output parsers read the markup and no client sees it."""
+        """Keep the special tokens among `texts` in `decode_markup`'s text (the markup of the model's
+        tool-call and thinking formats: Harmony's `<|channel|>`, Kimi's `<|tool_call_begin|>`), dropping
+        the others as `decode` does; the output parsers read the markup and no client sees it."""
         kept = {self.specials[t] for t in texts if t in self.specials}
         if kept:
             self._hidden = frozenset(set(self.specials.values()) | set(self.tokenizer.all_special_ids)) - kept
@@ -149,10 +149,14 @@ class PromptTokenizer:
     def decode(self, tokens: Sequence[int]) -> str:
         # No clean-up: it rewrites text already streamed (" ." -> "."), which
         # would break the incremental detokenizer's prefix rule.
-        if self._hidden is not None:
-            return self.tokenizer.decode([t for t in tokens if t not in self._hidden], skip_special_tokens=False,
-                                         clean_up_tokenization_spaces=False)
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def decode_markup(self, tokens: Sequence[int]) -> str:
+        """`decode`, with the special tokens `keep_special` named kept: the text the output parsers read."""
+        if self._hidden is None:
+            return self.decode(tokens)
+        return self.tokenizer.decode([t for t in tokens if t not in self._hidden], skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
 
     def token_text(self, token: int) -> str:
         """One token's own text, for logprobs (special tokens included); kept once decoded (a stream of 8

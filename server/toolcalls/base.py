@@ -107,6 +107,10 @@ class ToolParser:
         self._pending_ws = ""  # trailing whitespace of released text, held in case a call follows
         self._after_call = False
 
+    @classmethod
+    def prepare(cls) -> None:
+        """Load what the family's parser needs, at start rather than in the first request."""
+
     def feed(self, text: str) -> list[Event]:
         raise NotImplementedError
 

@@ -67,6 +67,7 @@ class HarmonyParser(ToolParser):
         self._buffer = ""
         self._header: tuple[str, str | None] | None = None  # the open message's (channel, recipient)
         self._raw = False  # the reply is not Harmony: everything is content
+        self._searched = 0  # how far the open message's body is known to hold no end marker
 
     def opening(self, name: str | None) -> str:
         return " to=functions." + (f"{name}{CHANNEL}commentary json{MESSAGE}" if name else "")
@@ -118,16 +119,19 @@ class HarmonyParser(ToolParser):
                 return False
             self._header, self._buffer = header, self._buffer[at + len(MESSAGE):]
             return True
-        found = [(at, end) for end in ENDS if (at := self._buffer.find(end)) >= 0]
+        found = [(at, end) for end in ENDS if (at := self._buffer.find(end, self._searched)) >= 0]
         if found:
             at, end = min(found)
             body, self._buffer = self._buffer[:at], self._buffer[at + (0 if end == START else len(end)):]
+            self._searched = 0
             self._close(body, out)
             return True
         if not self._is_call():  # reasoning and content stream; a call's body is held until it ends
             keep = max(held_prefix(self._buffer, end) for end in ENDS)
             self._body(self._buffer[:len(self._buffer) - keep], out)
             self._buffer = self._buffer[len(self._buffer) - keep:]
+        # a long call's body is searched once, not again on every delta
+        self._searched = max(0, len(self._buffer) - max(map(len, ENDS)) + 1)
         return False
 
     def _could_be_header(self, text: str) -> bool:

@@ -68,6 +68,10 @@ class ReferenceParser(MarkupToolParser):
         self.tool_list = [t for t in tools or () if t.get("type") == "function"]
         self._parse = reference_module(self.reference).parse_tool_call
 
+    @classmethod
+    def prepare(cls) -> None:
+        reference_module(cls.reference)
+
     def parse_call(self, opening: str, body: str) -> list[ParsedCall] | None:
         try:
             calls = as_calls(self._parse(self.wrapped(opening, body), self.tool_list))
