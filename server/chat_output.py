@@ -99,13 +99,15 @@ def output_parser(
     tool_name: str | None = None,
     make_id: Callable[[], str] = openai_call_id,
     vocabulary: Collection[str] = (),
+    named: str | None = None,
 ) -> ChatOutputParser:
     """The parser for one request: tools are parsed only when offered and not turned off.
 
     `tool_choice` is auto, none, required or function (then `tool_name` names it); `vocabulary` is the
-    tokenizer's added tokens, which say some families (Kimi K3) where the template does not.
+    tokenizer's added tokens, which say some families (Kimi K3) where the template does not; `named` the
+    checkpoint's own `tool_parser_type`.
     """
-    name = resolve_tool_parser(tool_parser_setting, chat_template, vocabulary)
+    name = resolve_tool_parser(tool_parser_setting, chat_template, vocabulary, named)
     calls = bool(name and tools and tool_choice != "none")
     thinking = resolve_reasoning(reasoning_setting, chat_template, vocabulary)
     tool_parser: ToolParser | None = None
@@ -132,7 +134,7 @@ def start_formats(tokenizer: Any, tool_setting: str, reasoning_setting: str) -> 
     """At start: keep the markup tokens of the model's formats in decoded text (the parsers read them), and
     the warning for a template that renders tools in a markup no family reads (None when there is none)."""
     template, vocabulary = tokenizer.chat_template, tokenizer.vocabulary
-    tool = resolve_tool_parser(tool_setting, template, vocabulary)
+    tool = resolve_tool_parser(tool_setting, template, vocabulary, tokenizer.tool_parser_type)
     thinking = resolve_reasoning(reasoning_setting, template, vocabulary)
     if tool:
         PARSERS[tool].prepare()

@@ -134,3 +134,10 @@ def test_markup_tokens_are_kept_for_the_parsers_only(tiny_model_dir, tmp_path):
     assert tokenizer.decode_markup(ids) == "<|channel|>final<|message|>Hi"
     assert tokenizer.decode(ids) == "finalHi"
     tokenizer.close()
+
+
+def test_a_checkpoint_that_names_its_parser_gets_it():
+    """MLX conversions name their parser in tokenizer_config.json (`tool_parser_type`): it wins over the template."""
+    assert resolve_tool_parser("auto", "<tool_call>", named="laguna") == "glm47"
+    assert resolve_tool_parser("auto", "<tool_call>", named="unheard_of") == "hermes"
+    assert resolve_tool_parser("none", "<tool_call>", named="glm47") is None

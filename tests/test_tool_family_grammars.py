@@ -60,14 +60,18 @@ def test_the_markers_are_mlx_lms(reference):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_detection_agrees_with_mlx_lm_and_never_misreads(name, family_dir):
-    from mlx_lm.tokenizer_utils import _infer_tool_parser
+    from pathlib import Path
+
+    from mlx_lm.tokenizer_utils import load
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(family_dir(name))
     vocabulary = {t.content for t in tokenizer.added_tokens_decoder.values()}
     assert detect_tool_parser(tokenizer.chat_template, vocabulary) == name
     if name != "harmony":  # mlx-lm has no Harmony parser
-        assert _infer_tool_parser(tokenizer) == FAMILIES[name].reference
+        wrapper = load(Path(family_dir(name)))  # mlx-lm's own detection, as its server loads a model
+        assert wrapper.tool_parser.__module__ == f"mlx_lm.tool_parsers.{FAMILIES[name].reference}"
+        assert wrapper.tool_call_start == PARSERS[name].markers[0][0]
         thinking = FAMILIES[name].thinking[0]
         expected = {"[THINK]": "mistral", "<|channel>thought": "gemma4", "<longcat_think>": "longcat",
                     "<|open|>think<|sep|>": "kimi_k3"}.get(thinking, "think")

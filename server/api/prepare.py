@@ -180,8 +180,9 @@ async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Req
         text = await tokenizer.render_chat(messages, body.tools, kwargs, tenant)
     rendered = messages, body.tools
     tool_format = config.tool_parser
-    vocabulary = tokenizer.vocabulary
-    if body.tools and tool_format == "auto" and not resolve_tool_parser("auto", tokenizer.chat_template, vocabulary):
+    vocabulary, named = tokenizer.vocabulary, tokenizer.tool_parser_type
+    if body.tools and tool_format == "auto" and not resolve_tool_parser("auto", tokenizer.chat_template, vocabulary,
+                                                                          named):
         # A template that teaches no tool format may still render tools its own way; only one that
         # renders none at all (the text is the same without them) gets the Hermes block.
         if text == await tokenizer.render_chat(messages, None, kwargs, tenant):
@@ -189,7 +190,7 @@ async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Req
             text = await tokenizer.render_chat(*rendered, kwargs, tenant)
             tool_format = "hermes"
     parser = output_parser(tool_format, config.reasoning_parser, tokenizer.chat_template, text, body.tools,
-                           choice, tool_name, make_call_id, vocabulary)
+                           choice, tool_name, make_call_id, vocabulary, named)
     prompt = await tokenizer.encode_rendered(text, tenant)
     if parser.prompt_suffix:  # encoded on its own: the prompt before it keeps the tokens other turns share
         prompt += await tokenizer.encode_rendered(parser.prompt_suffix, tenant)

@@ -49,6 +49,8 @@ class PromptTokenizer:
         # Special tokens, text -> id: a grammar refers to markup tokens by id (server/toolcalls/lark.py).
         self.specials = {t.content: i for i, t in added.items() if t.special}
         self._hidden: frozenset[int] | None = None  # special ids decode drops when some are kept
+        named = getattr(tokenizer, "init_kwargs", {}).get("tool_parser_type")
+        self.tool_parser_type = named if isinstance(named, str) else None  # mlx-lm's key, set by MLX conversions
 
     def keep_special(self, texts: Sequence[str]) -> None:
         """Keep the special tokens among `texts` in `decode_markup`'s text (the markup of the model's

@@ -62,9 +62,13 @@ _TEMPLATE_MARKERS: tuple[tuple[tuple[str, ...], str], ...] = (
 )
 
 
-def detect_tool_parser(chat_template: str | None, vocabulary: Collection[str] = ()) -> str | None:
+def detect_tool_parser(chat_template: str | None, vocabulary: Collection[str] = (),
+                       named: str | None = None) -> str | None:
     """The format a chat template (or, failing that, the tokenizer's added tokens) teaches its model,
-    or None when it teaches none."""
+    or None when it teaches none. `named`: the checkpoint's own `tool_parser_type` (mlx-lm's key in
+    tokenizer_config.json, which MLX conversions set), first when it is a family kvfork knows."""
+    if named in PARSERS:
+        return PARSERS[named].name
     template = chat_template or ""
     if harmony_template(template):
         return "harmony"
@@ -78,10 +82,11 @@ def detect_tool_parser(chat_template: str | None, vocabulary: Collection[str] = 
     return None
 
 
-def resolve_tool_parser(setting: str, chat_template: str | None, vocabulary: Collection[str] = ()) -> str | None:
+def resolve_tool_parser(setting: str, chat_template: str | None, vocabulary: Collection[str] = (),
+                        named: str | None = None) -> str | None:
     """The parser name for a `--tool-parser` value: `auto` reads the template, `none` turns parsing off."""
     if setting == "auto":
-        return detect_tool_parser(chat_template, vocabulary)
+        return detect_tool_parser(chat_template, vocabulary, named)
     return None if setting == "none" else PARSERS[setting].name
 
 
