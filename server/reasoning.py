@@ -65,10 +65,6 @@ def resolve_reasoning(setting: str, chat_template: str | None, vocabulary: Colle
     return None if setting == "none" else setting
 
 
-def template_reasons(chat_template: str | None) -> bool:
-    return detect_reasoning(chat_template) is not None
-
-
 def starts_in_reasoning(prompt_text: str, fmt: ThinkingFormat = THINK) -> bool:
     return prompt_text.rstrip().endswith(fmt.open)
 
