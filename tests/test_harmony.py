@@ -141,3 +141,15 @@ def test_a_checkpoint_that_names_its_parser_gets_it():
     assert resolve_tool_parser("auto", "<tool_call>", named="laguna") == "glm47"
     assert resolve_tool_parser("auto", "<tool_call>", named="unheard_of") == "hermes"
     assert resolve_tool_parser("none", "<tool_call>", named="glm47") is None
+
+
+def test_every_family_and_thinking_format_is_a_flag_value():
+    from server.cli import serve_parser
+    from server.config import ServerConfig
+    from server.settings import from_args
+
+    for tool, thinking in [("glm47", "think"), ("harmony", "harmony"), ("kimi_k3", "kimi_k3"), ("mistral", "mistral"),
+                           ("minimax_m2", "gemma4"), ("laguna", "longcat")]:
+        args = serve_parser().parse_args(["--tool-parser", tool, "--reasoning-parser", thinking])
+        config = from_args(ServerConfig, args)
+        assert (config.tool_parser, config.reasoning_parser) == (tool, thinking)
