@@ -23,10 +23,10 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection
 
-from server.reasoning import FORMATS, ReasoningSplitter, resolve_reasoning, starts_in_reasoning
-from server.toolcalls import PARSERS, resolve_tool_parser
-from server.toolcalls.harmony import HarmonyParser
-from server.toolcalls.base import (
+from kvfork.server.reasoning import FORMATS, ReasoningSplitter, resolve_reasoning, starts_in_reasoning
+from kvfork.server.toolcalls import PARSERS, resolve_tool_parser
+from kvfork.server.toolcalls.harmony import HarmonyParser
+from kvfork.server.toolcalls.base import (
     Event,
     ReasoningDelta,
     TextDelta,

@@ -56,13 +56,13 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 
 import numpy as np
 
-from server.engine.api import Scope
-from server.errors import ApiError
-from server.fair import FairWorkers
-from server.grammar_worker import write_message
-from server.reasoning import FORMATS
-from server.toolcalls import PARSERS
-from server.toolcalls.lark import JSON_OPTIONS, CallGrammar, closed, markup, text_until
+from kvfork.server.engine.api import Scope
+from kvfork.server.errors import ApiError
+from kvfork.server.fair import FairWorkers
+from kvfork.server.grammar_worker import write_message
+from kvfork.server.reasoning import FORMATS
+from kvfork.server.toolcalls import PARSERS
+from kvfork.server.toolcalls.lark import JSON_OPTIONS, CallGrammar, closed, markup, text_until
 
 ToolChoice = Literal["auto", "none", "required", "function"]
 _CACHE_ENTRIES = 256
@@ -284,7 +284,7 @@ class CompileProcess:
             self._proc = None
 
     def _start(self) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-m", "server.grammar_worker"], stdin=subprocess.PIPE,
+        self._proc = subprocess.Popen([sys.executable, "-m", "kvfork.server.grammar_worker"], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE)
         assert self._proc.stdin is not None
         write_message(self._proc.stdin, self._setup())

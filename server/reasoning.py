@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Collection
 
-from server.toolcalls.base import Event, ReasoningDelta, TextDelta, held_prefix
-from server.toolcalls.harmony import harmony_template
-from server.toolcalls.kimi import XTML
+from kvfork.server.toolcalls.base import Event, ReasoningDelta, TextDelta, held_prefix
+from kvfork.server.toolcalls.harmony import harmony_template
+from kvfork.server.toolcalls.kimi import XTML
 
 
 @dataclass(frozen=True)

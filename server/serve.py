@@ -15,19 +15,19 @@ import signal
 from pathlib import Path
 from typing import AsyncIterator
 
-from backends import create_backend, default_backend
-from backends.base import Backend
-from backends.lockstep.leader import LockstepBackend
-from server.app import Listener, build_app, listen
-from server.chat_output import start_formats
-from server.config import ServerConfig
-from server.engine.config import EngineConfig
-from server.engine.disk import kv_root
-from server.engine.engine import Engine
-from server.metrics import Registry
-from server.state import AppState
-from server.text.tokenizer import PromptTokenizer
-from server.warm import warm
+from kvfork.backends import create_backend, default_backend
+from kvfork.backends.base import Backend
+from kvfork.backends.lockstep.leader import LockstepBackend
+from kvfork.server.app import Listener, build_app, listen
+from kvfork.server.chat_output import start_formats
+from kvfork.server.config import ServerConfig
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.engine.disk import kv_root
+from kvfork.server.engine.engine import Engine
+from kvfork.server.metrics import Registry
+from kvfork.server.state import AppState
+from kvfork.server.text.tokenizer import PromptTokenizer
+from kvfork.server.warm import warm
 
 GiB = 1024**3
 log = logging.getLogger("kvfork")
@@ -106,7 +106,7 @@ def open_kv_events(config: ServerConfig):
     """The KV event publisher --kv-events-endpoint asks for (pyzmq, imported only then), else None."""
     if config.kv_events_endpoint is None:
         return None
-    from server.kv_events import KVEventPublisher, KVEvents
+    from kvfork.server.kv_events import KVEventPublisher, KVEvents
 
     replay = config.kv_events_replay_endpoint
     if replay is None and config.kv_events_endpoint.startswith("tcp://"):

@@ -13,14 +13,14 @@ import pytest
 
 from backend_fixtures import backend_name  # noqa: F401  (fixture: each importable backend)
 from family_models import FAMILIES, model_for
-from backends import create_backend
+from kvfork.backends import create_backend
 from http_daemon import serving
-from server.chat_output import output_parser, start_formats
-from server.grammar import GrammarCompiler, grammar_text, request_ask
-from server.reasoning import detect_reasoning
-from server.text.tokenizer import PromptTokenizer
-from server.toolcalls import PARSERS, detect_tool_parser
-from server.toolcalls.reference import ReferenceParser, reference_module
+from kvfork.server.chat_output import output_parser, start_formats
+from kvfork.server.grammar import GrammarCompiler, grammar_text, request_ask
+from kvfork.server.reasoning import detect_reasoning
+from kvfork.server.text.tokenizer import PromptTokenizer
+from kvfork.server.toolcalls import PARSERS, detect_tool_parser
+from kvfork.server.toolcalls.reference import ReferenceParser, reference_module
 from streaming_helpers import counting_ids, parse_every_way
 
 FORECAST = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]},

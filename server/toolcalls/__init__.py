@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Collection
 
-from server.toolcalls.base import (
+from kvfork.server.toolcalls.base import (
     Event,
     ParsedCall,
     ReasoningDelta,
@@ -18,17 +18,17 @@ from server.toolcalls.base import (
     ToolCallStart,
     ToolParser,
 )
-from server.toolcalls.gemma import FunctionGemmaParser, Gemma4Parser
-from server.toolcalls.glm import GlmParser, LongcatParser
-from server.toolcalls.harmony import HarmonyParser, harmony_template
-from server.toolcalls.hermes import HermesParser
-from server.toolcalls.kimi import XTML, KimiK2Parser, KimiK3Parser
-from server.toolcalls.llama3 import Llama3Parser
-from server.toolcalls.minimax import MiniMaxParser
-from server.toolcalls.mistral import MistralParser
-from server.toolcalls.pythonic import PythonicParser
-from server.toolcalls.qwen3_coder import Qwen3CoderParser
-from server.toolcalls.xml_calls import MiniCpm5Parser, MuseSparkParser
+from kvfork.server.toolcalls.gemma import FunctionGemmaParser, Gemma4Parser
+from kvfork.server.toolcalls.glm import GlmParser, LongcatParser
+from kvfork.server.toolcalls.harmony import HarmonyParser, harmony_template
+from kvfork.server.toolcalls.hermes import HermesParser
+from kvfork.server.toolcalls.kimi import XTML, KimiK2Parser, KimiK3Parser
+from kvfork.server.toolcalls.llama3 import Llama3Parser
+from kvfork.server.toolcalls.minimax import MiniMaxParser
+from kvfork.server.toolcalls.mistral import MistralParser
+from kvfork.server.toolcalls.pythonic import PythonicParser
+from kvfork.server.toolcalls.qwen3_coder import Qwen3CoderParser
+from kvfork.server.toolcalls.xml_calls import MiniCpm5Parser, MuseSparkParser
 
 FAMILIES: tuple[type[ToolParser], ...] = (
     HermesParser, Qwen3CoderParser, Llama3Parser, GlmParser, LongcatParser, KimiK2Parser, KimiK3Parser,

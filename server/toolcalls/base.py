@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from server.toolcalls.lark import CallGrammar
+from kvfork.server.toolcalls.lark import CallGrammar
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from server.toolcalls.lark import CallGrammar, joined, parameter_rules
-from server.toolcalls.reference import ReferenceParser
+from kvfork.server.toolcalls.lark import CallGrammar, joined, parameter_rules
+from kvfork.server.toolcalls.reference import ReferenceParser
 
 
 def _arguments(function: dict[str, Any], index: int, quote: str, specials: Mapping[str, int]) -> tuple[str, list[str]]:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from server.toolcalls.lark import CallGrammar, in_order, parameter_rules
-from server.toolcalls.reference import ReferenceParser
+from kvfork.server.toolcalls.lark import CallGrammar, in_order, parameter_rules
+from kvfork.server.toolcalls.reference import ReferenceParser
 
 
 class GlmParser(ReferenceParser):

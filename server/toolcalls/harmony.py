@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping
 
-from server.toolcalls.base import (
+from kvfork.server.toolcalls.base import (
     Event,
     ParsedCall,
     ReasoningDelta,
@@ -35,7 +35,7 @@ from server.toolcalls.base import (
     held_prefix,
     json_object,
 )
-from server.toolcalls.lark import CallGrammar, json_value, parameters
+from kvfork.server.toolcalls.lark import CallGrammar, json_value, parameters
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>", START)  # what ends a message's body

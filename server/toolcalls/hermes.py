@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
-from server.toolcalls.base import MarkupToolParser, ParsedCall, call_from_json, json_object
-from server.toolcalls.lark import CallGrammar, json_value, parameters
+from kvfork.server.toolcalls.base import MarkupToolParser, ParsedCall, call_from_json, json_object
+from kvfork.server.toolcalls.lark import CallGrammar, json_value, parameters
 
 
 class HermesParser(MarkupToolParser):

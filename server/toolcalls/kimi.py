@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from server.toolcalls.lark import CallGrammar, json_value, markup, parameters
-from server.toolcalls.reference import ReferenceParser
+from kvfork.server.toolcalls.lark import CallGrammar, json_value, markup, parameters
+from kvfork.server.toolcalls.reference import ReferenceParser
 
 _SECTION = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
 _CALL, _ARGUMENTS, _END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
-from server.toolcalls.base import Event, ParsedCall, ToolParser, call_from_json, held_prefix
-from server.toolcalls.lark import CallGrammar, json_value, parameters
+from kvfork.server.toolcalls.base import Event, ParsedCall, ToolParser, call_from_json, held_prefix
+from kvfork.server.toolcalls.lark import CallGrammar, json_value, parameters
 
 PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder()

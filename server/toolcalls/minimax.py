@@ -12,7 +12,7 @@ text, converted by the tool's schema.
 
 from __future__ import annotations
 
-from server.toolcalls.xml_calls import NamedElementsParser
+from kvfork.server.toolcalls.xml_calls import NamedElementsParser
 
 _BLOCK = ("<minimax:tool_call>", "</minimax:tool_call>")
 

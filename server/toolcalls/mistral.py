@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from server.toolcalls.lark import CallGrammar, json_value, parameters
-from server.toolcalls.reference import ReferenceParser
+from kvfork.server.toolcalls.lark import CallGrammar, json_value, parameters
+from kvfork.server.toolcalls.reference import ReferenceParser
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 

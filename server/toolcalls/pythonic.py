@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from server.toolcalls.lark import CallGrammar, joined, json_value, properties
-from server.toolcalls.reference import ReferenceParser
+from kvfork.server.toolcalls.lark import CallGrammar, joined, json_value, properties
+from kvfork.server.toolcalls.reference import ReferenceParser
 
 _BLOCK = ("<|tool_call_start|>", "<|tool_call_end|>")
 

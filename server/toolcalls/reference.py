@@ -22,7 +22,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-from server.toolcalls.base import MarkupToolParser, ParsedCall, openai_call_id
+from kvfork.server.toolcalls.base import MarkupToolParser, ParsedCall, openai_call_id
 
 _PACKAGE = "kvfork_mlx_tool_parsers"
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
-from server.toolcalls.lark import CallGrammar, in_order, parameter_rules
-from server.toolcalls.reference import ReferenceParser
+from kvfork.server.toolcalls.lark import CallGrammar, in_order, parameter_rules
+from kvfork.server.toolcalls.reference import ReferenceParser
 
 
 class NamedElementsParser(ReferenceParser):
