@@ -1,0 +1,106 @@
+"""A tiny model folder (tiny_models.py) written again as a GGUF, as llama.cpp's converter writes one:
+its `<arch>.*` keys, GGUF tensor names, llama's q/k rows permuted to interleaved pairs, the
+byte-level tokenizer as tokens, types and merges, and the chat template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
+from safetensors.numpy import load_file
+
+from tiny_models import CHATML
+
+_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_CONTROL, _NORMAL = 3, 1
+
+
+def gguf_name(hf: str) -> str:
+    base, kind = hf.rsplit(".", 1)
+    if base in _TOP:
+        return f"{_TOP[base]}.{kind}"
+    _, _, layer, rest = base.split(".", 3)
+    return f"blk.{layer}.{_NAMES[rest]}.{kind}"
+
+
+def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's converter: each head's rows (2, half) become (half, 2)."""
+    rows = weight.shape[0]
+    return weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def stored(hf: str, value: np.ndarray, config: dict, quant: GGMLQuantizationType) -> tuple[np.ndarray, GGMLQuantizationType]:
+    """A weight as the GGUF holds it: permuted for llama, quantized when 2-D (norms stay float32)."""
+    if config["model_type"] == "llama" and hf.endswith("q_proj.weight"):
+        value = llama_cpp_permute(value, config["num_attention_heads"])
+    elif config["model_type"] == "llama" and hf.endswith("k_proj.weight"):
+        value = llama_cpp_permute(value, config["num_key_value_heads"])
+    if value.ndim == 1 or quant == GGMLQuantizationType.F32:
+        return value.astype(np.float32), GGMLQuantizationType.F32
+    if quant not in quants._type_traits:  # one the package cannot write (nor read): zero blocks, to be refused
+        block, size = GGML_QUANT_SIZES[quant]
+        return np.zeros((*value.shape[:-1], value.shape[-1] // block * size), np.uint8), quant
+    return quants.quantize(value, quant), quant
+
+
+def write_gguf(folder: Path, out: Path, quant: GGMLQuantizationType = GGMLQuantizationType.F32,
+               chat_template: str = CHATML, bos: str | None = None, tokenizer: bool = True, tensors: dict[str, np.ndarray] | None = None,
+               **keys) -> Path:
+    """`folder` (a tiny model) as a GGUF at `out`; `bos`: a token the tokenizer prepends (`tokenizer`: False leaves
+    the tokenizer out); `tensors`: more (float32)
+    tensors by GGUF name; `keys`: extra `<arch>.` metadata (value, or None to leave out)."""
+    config = json.loads((folder / "config.json").read_text())
+    arch = config["model_type"]
+    writer = GGUFWriter(str(out), arch)
+    fields = {"block_count": config["num_hidden_layers"], "context_length": config["max_position_embeddings"],
+              "embedding_length": config["hidden_size"], "feed_forward_length": config["intermediate_size"],
+              "attention.head_count": config["num_attention_heads"],
+              "attention.head_count_kv": config["num_key_value_heads"], "attention.key_length": config["head_dim"],
+              "attention.value_length": config["head_dim"],
+              "attention.layer_norm_rms_epsilon": np.float32(config["rms_norm_eps"]),
+              "rope.freq_base": np.float32(config["rope_theta"]), **keys}
+    for key, value in fields.items():
+        if value is None:
+            continue
+        put = writer.add_string if isinstance(value, str) else \
+            writer.add_uint32 if isinstance(value, int) else writer.add_float32
+        put(f"{arch}.{key}", value)
+    if tokenizer:
+        _add_tokenizer(writer, folder, chat_template, bos)
+    for name, value in load_file(str(folder / "model.safetensors")).items():
+        data, kind = stored(name, value, config, quant)
+        writer.add_tensor(gguf_name(name), data, raw_shape=data.shape if kind == GGMLQuantizationType.F32 else None,
+                          raw_dtype=kind)
+    for name, value in (tensors or {}).items():
+        writer.add_tensor(name, value.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _add_tokenizer(writer: GGUFWriter, folder: Path, chat_template: str, bos: str | None) -> None:
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    vocab = dict(tok["model"]["vocab"])
+    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    vocab.update({t["content"]: t["id"] for t in tok["added_tokens"]})
+    tokens = sorted(vocab, key=vocab.get)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")  # the tiny tokenizer's split: each digit alone, then GPT-2's
+    writer.add_token_list(tokens)
+    writer.add_token_types([_CONTROL if t in special else _NORMAL for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_eos_token_id(vocab["<|im_end|>"])
+    writer.add_pad_token_id(vocab["<|endoftext|>"])
+    writer.add_add_bos_token(bos is not None)
+    if bos is not None:
+        writer.add_bos_token_id(vocab[bos])
+    writer.add_chat_template(chat_template)
