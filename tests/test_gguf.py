@@ -38,11 +38,16 @@ def home(tmp_path, monkeypatch):
     return tmp_path / "home"
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+# qwen2: llama's shapes with q/k/v biases
+QWEN2 = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"])
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3"])
 def pair(request, tmp_path_factory):
     """(safetensors folder, GGUF file) of one tiny model."""
     root = tmp_path_factory.mktemp(request.param)
-    folder = write_model(root / "hf", request.param)
+    folder = write_model(root / "hf", "llama", **QWEN2) if request.param == "qwen2" else \
+        write_model(root / "hf", request.param)
     return folder, write_gguf(folder, root / f"tiny-{request.param}.gguf")
 
 
@@ -53,6 +58,8 @@ def test_converts_back_to_the_same_weights_config_and_tokenizer(pair):
     want, got = load_file(str(folder / "model.safetensors")), load_file(str(converted / "model.safetensors"))
     assert sorted(got) == sorted(want)
     for name in want:
+        if "gemma" in gguf.name and name.endswith("norm.weight"):  # the file holds 1 + w, rounded to float32
+            want[name] = (want[name] + np.float32(1)) - np.float32(1)
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
     original, config = (json.loads((f / "config.json").read_text()) for f in (folder, converted))
     for key in ("model_type", "hidden_size", "num_key_value_heads", "head_dim", "rope_theta", "rms_norm_eps",
@@ -134,6 +141,26 @@ def test_every_type_comes_back_in_row_major_shape(tmp_path):
         got = dequantized(g.tensors[f"{kind.name}.weight"])
         assert got.dtype == np.float32 and got.shape == (8, 96), kind
         np.testing.assert_allclose(got, values, atol=0.3, err_msg=kind.name)
+
+
+def test_k_quants_come_back_as_the_gguf_package_computes_them(tmp_path):
+    """K quants (blocks of 256) the package reads but cannot write: random blocks with small float16 scales."""
+    rng = np.random.default_rng(1)
+    layouts = {Q.Q4_K: (slice(0, 4), 144), Q.Q6_K: (slice(208, 210), 210)}  # where each block's f16 scales sit
+    blocks = {}
+    writer = GGUFWriter(str(tmp_path / "k.gguf"), "llama")
+    for kind, (scales, size) in layouts.items():
+        raw = rng.integers(0, 256, (8, size), dtype=np.uint8)
+        raw[:, scales] = np.full((8, (scales.stop - scales.start) // 2), 0.01, np.float16).view(np.uint8)
+        blocks[kind] = raw
+        writer.add_tensor(f"{kind.name}.weight", raw, raw_shape=raw.shape, raw_dtype=kind)
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file, writer.close):
+        step()
+    g = read_gguf(tmp_path / "k.gguf")
+    for kind, raw in blocks.items():
+        got = dequantized(g.tensors[f"{kind.name}.weight"])
+        assert got.shape == (8, 256) and np.isfinite(got).all() and np.abs(got).max() > 0, kind
+        np.testing.assert_array_equal(got, quants.dequantize(raw, kind), err_msg=kind.name)
 
 
 def test_hub_gguf_is_one_named_file(tmp_path, monkeypatch, pair):
@@ -220,3 +247,26 @@ def test_serve_exits_2_with_one_sentence(tmp_path):
     lines = [line for line in done.stderr.strip().splitlines() if not line.startswith("kvfork: gguf: ")]
     assert lines == ["kvfork serve: error: --model: GGUF architecture 'mamba' is not one kvfork serves "
                      "(it serves llama, qwen2, qwen3)"]
+
+
+async def test_gemma3_with_a_sentencepiece_vocabulary_serves(tmp_path):
+    """Gemma's tokenizer (sentencepiece, BOS prepended, merges rebuilt from the vocabulary by transformers)
+    round-trips text, prepends BOS once, keeps the turn markers whole, and serves a chat over HTTP."""
+    from transformers import AutoTokenizer
+
+    gguf = write_gguf(write_model(tmp_path / "hf", "gemma3"), tmp_path / "tiny-gemma3.gguf", Q.Q8_0,
+                      tokenizer="sentencepiece")
+    model = str(resolve_model(str(gguf)))
+    tok = AutoTokenizer.from_pretrained(model)
+    text = "the capital of France is Paris, a city on a river!"
+    ids = tok.encode(text)
+    assert ids[0] == tok.bos_token_id == 2 and tok.bos_token_id not in ids[1:]
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    assert "\u2581capital" in tok.convert_ids_to_tokens(ids)  # a whole piece, not letters
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    prompt_ids = tok.encode(rendered, add_special_tokens=False)
+    assert prompt_ids[:2] == [2, tok.convert_tokens_to_ids("<start_of_turn>")] and prompt_ids.count(2) == 1
+    async with serving(model, create_backend("torch")) as daemon, aiohttp.ClientSession() as http:
+        async with http.post(f"{daemon.url}/v1/chat/completions", json=chat_body(max_tokens=6)) as r:
+            body = await r.json()
+    assert r.status == 200 and body["usage"]["prompt_tokens"] > 10, body

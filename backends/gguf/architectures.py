@@ -1,10 +1,10 @@
 """What each GGUF architecture kvfork serves becomes: config.json and Hugging Face tensor names.
 
 llama.cpp's converter writes each family's Hugging Face config as `<arch>.*` keys and renames
-its tensors; here both are turned back. Two of its changes to the values are undone too:
-llama's q/k rows are permuted to interleaved pairs (`unpermute_rope`), and a Llama 3 rope
-scaling is stored as a `rope_freqs` tensor of per-frequency factors (`_llama3_scaling` finds
-the transformers parameters that give exactly those factors).
+its tensors; here both are turned back. Its changes to the values are undone too: llama's q/k
+rows are permuted to interleaved pairs (`unpermute_rope`), gemma's zero-centred norms have 1
+added, and a Llama 3 rope scaling is stored as a `rope_freqs` tensor of per-frequency factors
+(`_llama3_scaling` finds the transformers parameters that give exactly those factors).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ FAMILIES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
 # llama.cpp permutes q/k rows of these (its converter's `undo_permute`); qwen's it leaves alone.
 PERMUTED = ("llama",)
@@ -39,17 +40,21 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# gemma's sandwich norms: its `ffn_norm` comes before the MLP, as in the others, but is named for it.
+_GEMMA_BLOCK_NAMES = dict(_BLOCK_NAMES, post_attention_norm="post_attention_layernorm",
+                          ffn_norm="pre_feedforward_layernorm", post_ffw_norm="post_feedforward_layernorm")
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _TOP = re.compile(r"(\w+)\.(weight|bias)$")
 ROPE_FREQS = "rope_freqs.weight"  # not a parameter: Llama 3's rope scaling, read into the config
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(arch: str, gguf_name: str) -> str:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'."""
+    names = _GEMMA_BLOCK_NAMES if arch == "gemma3" else _BLOCK_NAMES
     block = _BLOCK.match(gguf_name)
-    if block and block.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{block.group(1)}.{_BLOCK_NAMES[block.group(2)]}.{block.group(3)}"
+    if block and block.group(2) in names:
+        return f"model.layers.{block.group(1)}.{names[block.group(2)]}.{block.group(3)}"
     top = _TOP.match(gguf_name)
     if not block and top and top.group(1) in _TOP_NAMES:
         return f"{_TOP_NAMES[top.group(1)]}.{top.group(2)}"
@@ -69,6 +74,8 @@ def restore(g: GGUFFile, gguf_name: str, value: np.ndarray, config: dict[str, An
         return unpermute_rope(value, config["num_attention_heads"])
     if g.arch in PERMUTED and re.search(r"\.attn_k\.(weight|bias)$", gguf_name):
         return unpermute_rope(value, config["num_key_value_heads"])
+    if g.arch == "gemma3" and gguf_name.endswith("norm.weight"):
+        return value - np.float32(1.0)  # llama.cpp stores gemma's (1 + w) norms with the 1 added
     return value
 
 
@@ -85,7 +92,7 @@ def hf_config(g: GGUFFile) -> dict[str, Any]:
     head_dim = g.key("attention.key_length", hidden // heads)
     if g.key("rope.dimension_count", head_dim) != head_dim:
         raise UnservableGGUF("the GGUF turns only part of each head (partial rotary), which these families never do")
-    return {
+    config = {
         "architectures": [class_name],
         "model_type": model_type,
         "hidden_size": hidden,
@@ -104,6 +111,34 @@ def hf_config(g: GGUFFile) -> dict[str, Any]:
         "attention_bias": g.arch == "qwen2",
         "mlp_bias": False,
         "torch_dtype": "float32",
+    }
+    return config | _gemma3(g, config) if g.arch == "gemma3" else config
+
+
+def _gemma3(g: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's own settings. What the file does not state, llama.cpp fixes as kvfork does here: every
+    sixth layer full, the sliding layers' rope base 10000, and the query scale 1/sqrt(head_dim) except
+    for the 27B model (62 layers), which scales by 1/sqrt(hidden / heads)."""
+    n = config["num_hidden_layers"]
+    pattern = g.key("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):  # one flag per layer, True for a sliding one; mlx-lm takes the period
+        period = pattern.index(False) + 1 if False in pattern else n + 1
+        if pattern != [(i + 1) % period != 0 for i in range(n)]:
+            raise UnservableGGUF("the GGUF's sliding layers do not repeat every few layers, as Gemma 3's do")
+        pattern = period
+    full = [(i + 1) % pattern == 0 for i in range(n)]
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": _required(g, "attention.sliding_window"),
+        "sliding_window_pattern": pattern,
+        "layer_types": ["full_attention" if f else "sliding_attention" for f in full],
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"] if n == 62
+        else config["head_dim"],
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "tie_word_embeddings": True,
     }
 
 

@@ -40,7 +40,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, log: Log = print) -> None:
     index: dict[str, str] = {}
     for i, shard in enumerate(shards):
         file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        weights = {hf_name(name): restore(g, name, dequantized(g.tensors[name]), config) for name in shard}
+        weights = {hf_name(g.arch, name): restore(g, name, dequantized(g.tensors[name]), config) for name in shard}
         save_file(weights, str(out_dir / file), metadata={"format": "pt"})
         index.update(dict.fromkeys(weights, file))
     if len(shards) > 1:
