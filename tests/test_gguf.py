@@ -246,7 +246,7 @@ def test_serve_exits_2_with_one_sentence(tmp_path):
     assert done.returncode == 2
     lines = [line for line in done.stderr.strip().splitlines() if not line.startswith("kvfork: gguf: ")]
     assert lines == ["kvfork serve: error: --model: GGUF architecture 'mamba' is not one kvfork serves "
-                     "(it serves llama, qwen2, qwen3)"]
+                     "(it serves llama, qwen2, qwen3, gemma3)"]
 
 
 async def test_gemma3_with_a_sentencepiece_vocabulary_serves(tmp_path):
