@@ -73,6 +73,20 @@ def test_converts_back_to_the_same_weights_config_and_tokenizer(pair):
     assert rendered == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert ours.encode(rendered, add_special_tokens=False) == theirs.encode(rendered, add_special_tokens=False)
     assert ours.encode("year 2024")[-4:] == [ours.convert_tokens_to_ids(d) for d in "2024"]  # smollm's digit split
+    assert len(ours) == config["vocab_size"]  # no token past the file's vocabulary
+
+
+def test_no_token_past_the_vocabulary():
+    """transformers' byte-level class adds GPT-2's `<|endoftext|>` to a vocabulary without it (Llama 3's)."""
+    from backends.gguf.tokenizer import within_vocabulary
+    from transformers.integrations.gguf import convert_gguf_tokenizer
+
+    tokens = ["a", "b", "ab", "<|end_of_text|>"]
+    built, _ = convert_gguf_tokenizer("llama", {"tokenizer_type": "gpt2", "tokens": tokens, "token_type": [1, 1, 1, 3],
+                                                "merges": ["a b"], "eos_token_id": 3})
+    assert built.get_vocab_size(with_added_tokens=True) == 5  # the case guarded against
+    kept = within_vocabulary(built, len(tokens))
+    assert kept.get_vocab_size(with_added_tokens=True) == 4 and kept.encode("ab<|end_of_text|>").ids == [2, 3]
 
 
 @pytest.mark.parametrize("name", BACKENDS)

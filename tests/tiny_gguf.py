@@ -49,10 +49,11 @@ def stored(hf: str, value: np.ndarray, config: dict, quant: GGMLQuantizationType
         value = llama_cpp_permute(value, config["num_key_value_heads"])
     if value.ndim == 1 or quant == GGMLQuantizationType.F32:
         return value.astype(np.float32), GGMLQuantizationType.F32
-    if quant not in quants._type_traits:  # one the package cannot write (nor read): zero blocks, to be refused
+    try:
+        return quants.quantize(value, quant), quant
+    except NotImplementedError:  # one the package cannot write (Q8_1: nor read): zero blocks, to be refused
         block, size = GGML_QUANT_SIZES[quant]
         return np.zeros((*value.shape[:-1], value.shape[-1] // block * size), np.uint8), quant
-    return quants.quantize(value, quant), quant
 
 
 def write_gguf(folder: Path, out: Path, quant: GGMLQuantizationType = GGMLQuantizationType.F32,

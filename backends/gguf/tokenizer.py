@@ -59,6 +59,17 @@ def special_token_ids(g: GGUFFile) -> dict[str, int | None]:
     return ids
 
 
+def within_vocabulary(backend: Tokenizer, size: int) -> Tokenizer:
+    """The tokenizer less the tokens its transformers class added past the file's vocabulary (a class's
+    default special tokens, as GPT-2's `<|endoftext|>` beside Llama 3's vocabulary): text naming one would
+    otherwise encode to an id the model has no embedding for."""
+    data = json.loads(backend.to_str())
+    kept = [token for token in data["added_tokens"] if token["id"] < size]
+    if len(kept) == len(data["added_tokens"]):
+        return backend
+    return Tokenizer.from_str(json.dumps(dict(data, added_tokens=kept)))
+
+
 def _prepend(backend: Tokenizer, token: str, token_id: int) -> None:
     """BOS before every encoded text, in tokenizer.json itself: the generic tokenizer class reads no
     `add_bos_token` (as Llama 3's own tokenizer.json does it)."""
@@ -78,6 +89,7 @@ def write_tokenizer(g: GGUFFile, out_dir: Path, context_length: int) -> None:
         backend, _ = convert_gguf_tokenizer(g.arch, tokenizer_dict)
     except (ValueError, KeyError) as e:
         raise UnservableGGUF(f"transformers cannot build the GGUF's tokenizer ({e})") from None
+    backend = within_vocabulary(backend, len(tokenizer_dict["tokens"]))
     if tokenizer_dict.get("pre_tokenizer_type") in DIGIT_SPLITS:
         backend.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Digits(individual_digits=True),
