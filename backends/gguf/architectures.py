@@ -10,12 +10,12 @@ added, and a Llama 3 rope scaling is stored as a `rope_freqs` tensor of per-freq
 from __future__ import annotations
 
 import re
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-from backends.gguf.reader import GGUFFile, UnservableGGUF
+from backends.rope_scaling import frequencies
+from backends.gguf.reader import GGUFFile, UnservableGGUF, dequantized
 
 # GGUF architecture -> (model_type, architectures entry).
 FAMILIES = {
@@ -165,21 +165,15 @@ def rope_scaling(g: GGUFFile, head_dim: int) -> dict[str, Any] | None:
 
 
 def _llama3_scaling(g: GGUFFile, head_dim: int) -> dict[str, Any]:
-    """Llama 3.1's rope parameters, checked to give the file's per-frequency factors exactly.
+    """Llama 3.1's rope parameters, checked to give the file's per-frequency factors (to float32 rounding).
 
     The file keeps only the factors; every Llama 3.x checkpoint used low 1, high 4 and an
     original context of 8192, with the largest factor as `factor`."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    from backends.gguf.reader import dequantized
-
     factors = dequantized(g.tensors[ROPE_FREQS]).astype(np.float64)
     scaling = {"rope_type": "llama3", "factor": _shortest(factors.max()), "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     theta = _shortest(g.key("rope.freq_base", 10000.0))
-    config = SimpleNamespace(rope_parameters={**scaling, "rope_theta": theta}, head_dim=head_dim,
-                             hidden_size=head_dim, num_attention_heads=1, standardize_rope_params=lambda: None)
-    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    scaled, _ = frequencies(scaling, theta, head_dim, max_positions=0)
     plain = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if factors.shape != plain.shape or not np.allclose(plain / scaled.double().numpy(), factors, rtol=1e-4):
         raise UnservableGGUF("the GGUF's rope_freqs factors are not Llama 3's rope scaling, the only kind kvfork "
