@@ -24,6 +24,7 @@ from tiny_models import write_model
 from backends import create_backend
 from backends.gguf.architectures import unpermute_rope
 from backends.gguf.reader import UnservableGGUF, dequantized, read_gguf
+from backends.model_info import read_model_facts
 from backends.model_path import resolve_model
 from http_daemon import chat_body, serving
 
@@ -74,6 +75,8 @@ def test_converts_back_to_the_same_weights_config_and_tokenizer(pair):
     assert ours.encode(rendered, add_special_tokens=False) == theirs.encode(rendered, add_special_tokens=False)
     assert ours.encode("year 2024")[-4:] == [ours.convert_tokens_to_ids(d) for d in "2024"]  # smollm's digit split
     assert len(ours) == config["vocab_size"]  # no token past the file's vocabulary
+    # generation stops on EOS (<|im_end|>) and on the vocabulary's other end-of-turn control token, as llama.cpp does
+    assert read_model_facts(converted).eos_token_ids == (2, ours.convert_tokens_to_ids("<|endoftext|>"))
 
 
 def test_no_token_past_the_vocabulary():
@@ -146,7 +149,8 @@ def test_every_type_comes_back_in_row_major_shape(tmp_path):
     values = np.random.default_rng(0).standard_normal((8, 96)).astype(np.float32)
     kinds = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0)
     for kind in kinds:
-        data = values if kind == Q.F32 else values.astype(np.float16) if kind == Q.F16 else quants.quantize(values, kind)
+        data = values if kind == Q.F32 else values.astype(np.float16) if kind == Q.F16 else \
+            quants.quantize(values, kind)
         writer.add_tensor(f"{kind.name}.weight", data, raw_dtype=kind)
     for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file, writer.close):
         step()
@@ -182,7 +186,8 @@ def test_hub_gguf_is_one_named_file(tmp_path, monkeypatch, pair):
     import huggingface_hub
 
     asked = []
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, file: asked.append((repo, file)) or str(pair[1]))
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download",
+                        lambda repo, file: asked.append((repo, file)) or str(pair[1]))
     assert resolve_model("some-org/some-model-GGUF:tiny.gguf").name == pair[1].stem
     assert asked == [("some-org/some-model-GGUF", "tiny.gguf")]
 
@@ -280,6 +285,8 @@ async def test_gemma3_with_a_sentencepiece_vocabulary_serves(tmp_path):
     rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     prompt_ids = tok.encode(rendered, add_special_tokens=False)
     assert prompt_ids[:2] == [2, tok.convert_tokens_to_ids("<start_of_turn>")] and prompt_ids.count(2) == 1
+    # <eos>, and the turn's end
+    assert read_model_facts(model).eos_token_ids == (1, tok.convert_tokens_to_ids("<end_of_turn>"))
     async with serving(model, create_backend("torch")) as daemon, aiohttp.ClientSession() as http:
         async with http.post(f"{daemon.url}/v1/chat/completions", json=chat_body(max_tokens=6)) as r:
             body = await r.json()

@@ -23,7 +23,8 @@ SCALINGS = {
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
     # an original context below the test prompts: transformers then uses the long factors, as kvfork always does
     "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 32,
-                 "short_factor": [1.0 + 0.1 * i for i in range(HALF)], "long_factor": [1.0 + 0.7 * i for i in range(HALF)]},
+                 "short_factor": [1.0 + 0.1 * i for i in range(HALF)],
+                 "long_factor": [1.0 + 0.7 * i for i in range(HALF)]},
 }
 
 
@@ -51,7 +52,8 @@ def test_frequencies_and_attention_factor_are_transformers(kind):
     torch.testing.assert_close(sin[0, :, 0], want_sin[0, :, :HALF], rtol=0, atol=2e-5)
 
 
-@pytest.fixture(scope="module", params=[("llama", k) for k in SCALINGS] + [("qwen3", "yarn")], ids=lambda p: "-".join(p))
+@pytest.fixture(scope="module", params=[("llama", k) for k in SCALINGS] + [("qwen3", "yarn")],
+                ids=lambda p: "-".join(p))
 def scaled_model(request, tmp_path_factory):
     arch, kind = request.param
     return str(write_model(tmp_path_factory.mktemp(f"{arch}-{kind}"), arch, rope_scaling=SCALINGS[kind]))

@@ -143,6 +143,6 @@ def test_rope_frequencies_match_mlx_lm(scaling):
     else:  # nn.RoPE: plain base, a linear factor as `scale` on the positions
         want = rope.scale * theta ** (-np.arange(0, head_dim, 2) / head_dim)
     want_scale = getattr(rope, "mscale", None) or getattr(rope, "_scale", 1.0)
-    assert scale == pytest.approx(want_scale, rel=1e-6) and (scale != 1.0) == (scaling is not None and
-                                                                                scaling["rope_type"] in ("yarn", "longrope"))
+    scaled = scaling is not None and scaling["rope_type"] in ("yarn", "longrope")
+    assert scale == pytest.approx(want_scale, rel=1e-6) and (scale != 1.0) == scaled
     assert_arrays_close(ours, want, kind=Kind.BACKENDS, reductions=(1,) * 4, condition=math.log(theta), each=True)

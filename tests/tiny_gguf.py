@@ -38,7 +38,8 @@ def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def stored(hf: str, value: np.ndarray, config: dict, quant: GGMLQuantizationType) -> tuple[np.ndarray, GGMLQuantizationType]:
+def stored(hf: str, value: np.ndarray, config: dict,
+           quant: GGMLQuantizationType) -> tuple[np.ndarray, GGMLQuantizationType]:
     """A weight as the GGUF holds it: permuted for llama, gemma's norms with 1 added, quantized when 2-D (norms
     stay float32)."""
     if config["model_type"] == "gemma3_text" and hf.endswith("norm.weight"):
@@ -57,11 +58,11 @@ def stored(hf: str, value: np.ndarray, config: dict, quant: GGMLQuantizationType
 
 
 def write_gguf(folder: Path, out: Path, quant: GGMLQuantizationType = GGMLQuantizationType.F32,
-               chat_template: str = CHATML, bos: str | None = None, tokenizer: bool | str = True, tensors: dict[str, np.ndarray] | None = None,
-               **keys) -> Path:
+               chat_template: str = CHATML, bos: str | None = None, tokenizer: bool | str = True,
+               tensors: dict[str, np.ndarray] | None = None, **keys) -> Path:
     """`folder` (a tiny model) as a GGUF at `out`; `bos`: a token the tokenizer prepends (`tokenizer`: False leaves
-    the tokenizer out, "sentencepiece" writes `sentencepiece_vocab` with Gemma's turn template); `tensors`: more (float32)
-    tensors by GGUF name; `keys`: extra `<arch>.` metadata (value, or None to leave out)."""
+    the tokenizer out, "sentencepiece" writes `sentencepiece_vocab` with Gemma's turn template); `tensors`: more
+    (float32) tensors by GGUF name; `keys`: extra `<arch>.` metadata (value, or None to leave out)."""
     config = json.loads((folder / "config.json").read_text())
     arch = _ARCHS[config["model_type"]]
     writer = GGUFWriter(str(out), arch)
@@ -88,8 +89,8 @@ def write_gguf(folder: Path, out: Path, quant: GGMLQuantizationType = GGMLQuanti
         _add_tokenizer(writer, folder, chat_template, bos)
     for name, value in load_file(str(folder / "model.safetensors")).items():
         data, kind = stored(name, value, config, quant)
-        writer.add_tensor(gguf_name(name, config["model_type"]), data, raw_shape=data.shape if kind == GGMLQuantizationType.F32 else None,
-                          raw_dtype=kind)
+        raw_shape = data.shape if kind == GGMLQuantizationType.F32 else None
+        writer.add_tensor(gguf_name(name, config["model_type"]), data, raw_shape=raw_shape, raw_dtype=kind)
     for name, value in (tensors or {}).items():
         writer.add_tensor(name, value.astype(np.float32))
     writer.write_header_to_file()
@@ -150,7 +151,7 @@ def _add_sentencepiece(writer: GGUFWriter, size: int) -> None:
     writer.add_token_scores([-float(i) for i in range(len(tokens))])
     writer.add_token_types(types)
     writer.add_bos_token_id(tokens.index("<bos>"))
-    writer.add_eos_token_id(tokens.index("<end_of_turn>"))
+    writer.add_eos_token_id(tokens.index("<eos>"))  # as Gemma's files: its turns end with <end_of_turn>
     writer.add_unk_token_id(tokens.index("<unk>"))
     writer.add_pad_token_id(tokens.index("<pad>"))
     writer.add_add_bos_token(True)

@@ -148,7 +148,8 @@ def rope_scaling(g: GGUFFile, head_dim: int) -> dict[str, Any] | None:
     factor = g.key("rope.scaling.factor", 1.0)
     if ROPE_FREQS in g.tensors:
         if kind != "none":
-            raise UnservableGGUF(f"the GGUF has both rope_freqs and {kind} rope scaling, which no llama.cpp model writes")
+            raise UnservableGGUF(f"the GGUF has both rope_freqs and {kind} rope scaling, which no llama.cpp "
+                                 "model writes")
         return _llama3_scaling(g, head_dim)
     if kind == "none" or factor == 1.0:
         return None

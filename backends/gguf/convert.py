@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 
 from backends.gguf.architectures import ROPE_FREQS, hf_config, hf_name, restore
 from backends.gguf.reader import GGUFFile, dequantized, read_gguf
-from backends.gguf.tokenizer import special_token_ids, write_tokenizer
+from backends.gguf.tokenizer import end_of_generation_ids, special_token_ids, write_tokenizer
 
 # Bump whenever the converted folder would differ: cached folders with another version are rebuilt.
 CONVERTER_VERSION = 2
@@ -47,8 +47,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path, log: Log = print) -> None:
         total = sum(4 * int(g.tensors[name].n_elements) for name in names)
         _write_json(out_dir / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": index})
     _write_json(out_dir / "config.json", config)
-    _write_json(out_dir / "generation_config.json",
-                {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")})
+    # every id generation stops on (backends/model_info.py reads them beside config.json's EOS)
+    eog = end_of_generation_ids(g)
+    generation = {key: config[key] for key in ("bos_token_id", "pad_token_id")}
+    _write_json(out_dir / "generation_config.json", dict(generation, eos_token_id=eog if len(eog) > 1 else eog[0]))
 
 
 def _shards(g: GGUFFile, names: list[str]) -> list[list[str]]:

@@ -18,10 +18,16 @@ from tokenizers import Tokenizer, pre_tokenizers, processors
 
 from backends.gguf.reader import GGUFFile, UnservableGGUF
 
+_CONTROL = 3  # ggml token type of a special token
+
 # llama.cpp runs "\p{N}" before the GPT-2 regex for these names; Hugging Face writes the same as
 # Digits(individual) then ByteLevel: every digit is its own piece.
 DIGIT_SPLITS = ("smollm", "starcoder")
 GPT2_SPLITS = ("default", "gpt-2")  # the byte-level pre-tokenizer's own regex
+# Control tokens that end a turn in the families' chat templates: llama.cpp stops on these as well as on the
+# file's EOS (a Gemma file names <eos>, its turns end with <end_of_turn>), as their Hugging Face
+# generation_config.json lists them beside EOS.
+END_OF_TURN = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>")
 NO_TOKENIZER = "the GGUF carries no tokenizer (tokenizer.ggml.model and tokenizer.ggml.tokens)"
 
 
@@ -77,6 +83,17 @@ def _prepend(backend: Tokenizer, token: str, token_id: int) -> None:
                                              special_tokens=[(token, token_id)])
     backend.post_processor = template if backend.post_processor is None else \
         processors.Sequence([backend.post_processor, template])
+
+
+def end_of_generation_ids(g: GGUFFile) -> list[int]:
+    """EOS, the end-of-turn and end-of-message ids the file names, then its end-of-turn control tokens."""
+    found = [special_token_ids(g)["eos"]]
+    found += [g.meta[f"tokenizer.ggml.{key}_token_id"] for key in ("eot", "eom")
+              if f"tokenizer.ggml.{key}_token_id" in g.meta]
+    types = g.meta.get("tokenizer.ggml.token_type") or ()
+    found += [i for i, (token, kind) in enumerate(zip(g.meta["tokenizer.ggml.tokens"], types))
+              if kind == _CONTROL and token in END_OF_TURN]
+    return list(dict.fromkeys(found))
 
 
 def write_tokenizer(g: GGUFFile, out_dir: Path, context_length: int) -> None:

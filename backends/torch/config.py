@@ -47,7 +47,7 @@ class ArchConfig:
     gemma: bool = False  # (1 + w) norms, sandwich norms, gelu-tanh MLP, scaled embeddings
 
 
-def _rope(params: dict | None, theta: float | None, scaling: dict | None, max_positions: int) -> Rope:
+def _rope(params: dict | None, theta: float | None, scaling: dict | None, max_positions: int = 0) -> Rope:
     """transformers 5 nests theta and scaling in `rope_parameters`; older configs keep them top level."""
     params = dict(params or {})
     theta = params.pop("rope_theta", None) or theta or 10000.0
@@ -98,7 +98,7 @@ def parse_config(cfg: dict) -> ArchConfig | HybridConfig:
         cfg.get("max_position_embeddings", 0),
     )
     rope_sliding = (
-        _rope(rope_params.get("sliding_attention") if per_kind else None, cfg.get("rope_local_base_freq", 10000.0), None, 0)
+        _rope(rope_params.get("sliding_attention") if per_kind else None, cfg.get("rope_local_base_freq", 10000.0), None)
         if gemma
         else rope_full
     )
@@ -195,7 +195,8 @@ def parse_hybrid_config(cfg: dict) -> HybridConfig:
         head_dim=head_dim,
         rotary_dim=int(head_dim * partial),
         norm_eps=text.get("rms_norm_eps", 1e-6),
-        rope=_rope(rope_params, text.get("rope_theta"), text.get("rope_scaling"), text.get("max_position_embeddings", 0)),
+        rope=_rope(rope_params, text.get("rope_theta"), text.get("rope_scaling"),
+                   text.get("max_position_embeddings", 0)),
         linear=linear,
         linear_k_heads=text["linear_num_key_heads"],
         linear_v_heads=text["linear_num_value_heads"],

@@ -147,7 +147,8 @@ class Transformer(nn.Module):
         """tokens, positions: [tokens], the rows' end to end. Returns each row's last-token logits, [rows, vocab]."""
         # once per pass, shared by every layer of a kind
         full = angles(positions[None], self.inv_freq_full, self.rope_scale_full)
-        sliding = angles(positions[None], self.inv_freq_sliding, self.rope_scale_sliding) if any(self.cfg.sliding) else full
+        sliding = angles(positions[None], self.inv_freq_sliding, self.rope_scale_sliding) if any(self.cfg.sliding) \
+            else full
         h = self.model.embed_tokens(tokens)
         if self.cfg.gemma:
             h = h * torch.tensor(self.cfg.hidden_size**0.5, dtype=h.dtype)  # in the model dtype, as trained
