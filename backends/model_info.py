@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backends import rope_scaling
+from kvfork.backends import rope_scaling
 
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 # A config that states no context: small and old models, for which 2,048 is the common size, and too

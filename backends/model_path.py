@@ -57,6 +57,6 @@ def _hub_file(hub_id: str, file: str) -> Path:
 
 
 def _converted(gguf: Path) -> Path:
-    from backends.gguf.cache import converted_folder  # reads with the gguf package, only for a GGUF
+    from kvfork.backends.gguf.cache import converted_folder  # reads with the gguf package, only for a GGUF
 
     return converted_folder(gguf)

@@ -21,11 +21,11 @@ from safetensors.numpy import load_file
 from tiny_gguf import gguf_name, llama_cpp_permute, write_gguf
 from tiny_models import write_model
 
-from backends import create_backend
-from backends.gguf.architectures import unpermute_rope
-from backends.gguf.reader import UnservableGGUF, dequantized, read_gguf
-from backends.model_info import read_model_facts
-from backends.model_path import resolve_model
+from kvfork.backends import create_backend
+from kvfork.backends.gguf.architectures import unpermute_rope
+from kvfork.backends.gguf.reader import UnservableGGUF, dequantized, read_gguf
+from kvfork.backends.model_info import read_model_facts
+from kvfork.backends.model_path import resolve_model
 from http_daemon import chat_body, serving
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,7 +81,7 @@ def test_converts_back_to_the_same_weights_config_and_tokenizer(pair):
 
 def test_no_token_past_the_vocabulary():
     """transformers' byte-level class adds GPT-2's `<|endoftext|>` to a vocabulary without it (Llama 3's)."""
-    from backends.gguf.tokenizer import within_vocabulary
+    from kvfork.backends.gguf.tokenizer import within_vocabulary
     from transformers.integrations.gguf import convert_gguf_tokenizer
 
     tokens = ["a", "b", "ab", "<|end_of_text|>"]
@@ -259,7 +259,7 @@ def test_a_gguf_that_cannot_be_served_names_what_is_missing(tmp_path):
 
 def test_serve_exits_2_with_one_sentence(tmp_path):
     path = _raw_gguf(tmp_path / "mamba.gguf", "mamba")
-    done = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", str(path)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "kvfork.server.cli", "serve", "--model", str(path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, KVFORK_HOME=str(tmp_path / "home")))
     assert done.returncode == 2

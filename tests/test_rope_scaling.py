@@ -10,10 +10,10 @@ from backend_fixtures import continue_greedy, fresh, load, logits_np, model_of, 
 from tiny_models import write_model
 from tolerance import Kind, assert_logits_close, assert_same_greedy
 
-from backends import create_backend
-from backends.model_info import model_facts
-from backends.torch.config import parse_config
-from backends.torch.rope import angles, inverse_frequencies
+from kvfork.backends import create_backend
+from kvfork.backends.model_info import model_facts
+from kvfork.backends.torch.config import parse_config
+from kvfork.backends.torch.rope import angles, inverse_frequencies
 
 HALF = 8  # the tiny models' head_dim / 2
 SCALINGS = {

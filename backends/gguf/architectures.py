@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from backends.rope_scaling import frequencies
-from backends.gguf.reader import GGUFFile, UnservableGGUF, dequantized
+from kvfork.backends.rope_scaling import frequencies
+from kvfork.backends.gguf.reader import GGUFFile, UnservableGGUF, dequantized
 
 # GGUF architecture -> (model_type, architectures entry).
 FAMILIES = {

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from backends.gguf.convert import CONVERTER_VERSION, convert_gguf
-from backends.model_path import kvfork_home
+from kvfork.backends.gguf.convert import CONVERTER_VERSION, convert_gguf
+from kvfork.backends.model_path import kvfork_home
 
 STAMP = "kvfork-converted.json"
 

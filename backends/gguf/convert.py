@@ -14,9 +14,9 @@ from typing import Any, Callable
 
 from safetensors.numpy import save_file
 
-from backends.gguf.architectures import ROPE_FREQS, hf_config, hf_name, restore
-from backends.gguf.reader import GGUFFile, dequantized, read_gguf
-from backends.gguf.tokenizer import end_of_generation_ids, special_token_ids, write_tokenizer
+from kvfork.backends.gguf.architectures import ROPE_FREQS, hf_config, hf_name, restore
+from kvfork.backends.gguf.reader import GGUFFile, dequantized, read_gguf
+from kvfork.backends.gguf.tokenizer import end_of_generation_ids, special_token_ids, write_tokenizer
 
 # Bump whenever the converted folder would differ: cached folders with another version are rebuilt.
 CONVERTER_VERSION = 2

@@ -16,7 +16,7 @@ from typing import Any
 
 from tokenizers import Tokenizer, pre_tokenizers, processors
 
-from backends.gguf.reader import GGUFFile, UnservableGGUF
+from kvfork.backends.gguf.reader import GGUFFile, UnservableGGUF
 
 _CONTROL = 3  # ggml token type of a special token
 

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from backends import rope_scaling
+from kvfork.backends import rope_scaling
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3_text")
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # Gated DeltaNet + gated attention (hybrid.py)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from backends import rope_scaling
-from backends.torch.config import Rope
+from kvfork.backends import rope_scaling
+from kvfork.backends.torch.config import Rope
 
 
 def inverse_frequencies(rope: Rope, head_dim: int) -> tuple[torch.Tensor, float]:
