@@ -68,7 +68,7 @@ def serve(argv: list[str]) -> int:
     prepare_process(config.backend)
     try:
         model = str(resolve_model(config.model)) if config.model else str(_default_model())
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:  # ValueError: a GGUF that cannot be served, named in one line
         parser.error(f"--model: {e}")
     if not (Path(model) / "config.json").is_file():
         parser.error(f"--model: {model} is not a model folder (it has no config.json)")

@@ -67,8 +67,8 @@ def _template_check(path: str | None) -> str | None:
 class ServerConfig(Limits):
     """The daemon's flags; every limit on a request (server/limits.py) is one of them too."""
 
-    model: str | None = setting(None, "model folder (Hugging Face layout); default: SmolLM2, converted and "
-                                "fetched by `kvfork fetch-model` on first run")
+    model: str | None = setting(None, "model folder (Hugging Face layout), hub id, .gguf file or org/name:file.gguf; "
+                                "default: SmolLM2, converted and fetched by `kvfork fetch-model` on first run")
     backend: str = setting("auto", "auto: MLX on Apple Silicon, torch elsewhere (CUDA when present, else the CPU; "
                            "MLX where the torch backend is not installed)",
                            choices=BACKENDS)
