@@ -50,6 +50,14 @@ class ApiError(Exception):
         return ErrorBody(ErrorDetail(message=self.message, type=kind, param=self.param, code=self.code))
 
 
+def client_text(value: object, limit: int = 64) -> str:
+    """A client's string as a log line or an error message may hold it: escaped (no newline can forge a
+    line, no control byte reaches a terminal), quoted, and cut to `limit` characters with the length said."""
+    text = value if isinstance(value, str) else repr(value)
+    shown = text[:limit].encode("unicode_escape").decode("ascii").replace("'", "\\'")
+    return f"'{shown}'" + (f"... ({len(text):,} characters)" if len(text) > limit else "")
+
+
 def invalid(param: str, message: str) -> ApiError:
     return ApiError(400, message, code="invalid_value", param=param)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from server.errors import invalid, unsupported
+from server.errors import ApiError, invalid, unsupported
 from server.api.completions.reply import CompletionReply
 from server.api.completions.protocol import CompletionRequest
 from server.api.respond import Choices, Job, decoder, read_body, respond
@@ -17,11 +17,15 @@ DECODE = decoder(CompletionRequest)
 
 
 async def prompt_tokens(prompt: str | list, tokenizer: PromptTokenizer, vocab_size: int, max_chars: int,
-                        tenant: str = "") -> list[int]:
+                        context: int, tenant: str = "") -> list[int]:
+    """The prompt's token ids; token ids are counted against the context before anything reads them."""
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
             raise unsupported("prompt", "a batch of prompts is not supported; send one request per prompt")
         prompt = prompt[0]
+    if isinstance(prompt, list) and len(prompt) >= context:
+        raise ApiError(400, f"the prompt has {len(prompt):,} tokens; the context holds {context:,}, prompt and "
+                       "output together", code="context_length_exceeded", param="prompt")
     if isinstance(prompt, str):
         if len(prompt) > max_chars:
             raise over("prompt", f"the prompt is {len(prompt):,} characters long", max_chars,
@@ -53,7 +57,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
     tokenizer = state.require_ready()
     vocab = state.engine.info.vocab_size
     scope = scope_of(request, body.cache_salt)
-    prompt = await prompt_tokens(body.prompt, tokenizer, vocab, state.config.prompt_chars(state.context), scope.tenant)
+    prompt = await prompt_tokens(body.prompt, tokenizer, vocab, state.config.prompt_chars(state.context), state.context,
+                                 scope.tenant)
     rid = request_id("cmpl")
     generate = generate_request(
         body, prompt, rid=rid, vocab_size=vocab,
