@@ -23,8 +23,9 @@ from server.api.completions import route as completions
 from server.api.messages import route as messages
 from server.api.responses import route as responses
 from server.routes import loads, models, sessions
-from server.api.respond import dropped_tools_header, json_response
+from server.api.respond import DROPPED_TOOLS_HEADER, dropped_tools_header, json_response
 from server.api.sse import CLIENT_GONE
+from server.browsers import cors_headers, is_preflight, preflight
 from server.slow_clients import Watchdog
 from server.slow_clients import listen as watched_listen
 from server.state import STATE, TENANT, AppState
@@ -93,6 +94,13 @@ def _middlewares(state: AppState, requests_total) -> list:
         return response
 
     @web.middleware
+    async def browsers(request: web.Request, handler):
+        state.browsers.check(request)  # before auth: a preflight carries no key
+        if is_preflight(request):
+            return preflight(request)
+        return await handler(request)
+
+    @web.middleware
     async def auth(request: web.Request, handler):
         path = request.path
         if (state.keys and path.startswith("/v1/") and path not in OPEN_PATHS) or \
@@ -105,11 +113,12 @@ def _middlewares(state: AppState, requests_total) -> list:
             request[TENANT] = tenant
         return await handler(request)
 
-    return [errors, auth]
+    return [errors, browsers, auth]
 
 
 async def _response_headers(request: web.Request, response: web.StreamResponse) -> None:
     dropped_tools_header(request, response)
+    cors_headers(request, response, DROPPED_TOOLS_HEADER)
 
 
 async def _root(request: web.Request) -> web.Response:

@@ -30,6 +30,17 @@ def _header_check(names: list[str]) -> str | None:
     return f"not a header name: {bad[0]!r}" if bad else None
 
 
+def _origin_check(origins: list[str]) -> str | None:
+    bad = [o for o in origins if o != "*" and (not o.startswith(("http://", "https://")) or
+                                                "/" in o.split("://", 1)[1].rstrip("/"))]
+    return f"an origin is scheme://host[:port] (or *), got {bad[0]!r}" if bad else None
+
+
+def _host_name_check(names: list[str]) -> str | None:
+    bad = [n for n in names if not n or any(c in n for c in " /:@")]
+    return f"a host name holds no scheme, port or path, got {bad[0]!r}" if bad else None
+
+
 def _zmq_address_check(address: str | None) -> str | None:
     if address is None:
         return None
@@ -75,6 +86,12 @@ class ServerConfig(Limits):
                                 choices=DTYPES)
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8080, "port to listen on (0: any free port)", check=between(0, 65535))
+    allowed_origins: list[str] = setting([], "a web page origin (https://app.example.com; * for any) that may "
+                                         "call the daemon from a browser (CORS): pages of other sites are refused "
+                                         "a 403; repeat for more", repeat=True, check=_origin_check)
+    allowed_hosts: list[str] = setting([], "a name clients reach the daemon by (its Host header), besides loopback "
+                                       "names, IP addresses and this machine's name (* for any; guards against "
+                                       "DNS rebinding); repeat for more", repeat=True, check=_host_name_check)
     api_key: list[str] = setting([], "require a key (Authorization: Bearer KEY, or x-api-key) on every /v1 route; "
                                  "repeat for more, each its own tenant: nothing one tenant computed is reused for "
                                  "another", repeat=True, check=_key_check)

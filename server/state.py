@@ -8,6 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
+from server.browsers import Browsers
 from server.config import ServerConfig
 from server.engine.api import EngineError, Scope
 from server.engine.load import TokenRate
@@ -33,12 +34,14 @@ class AppState:
     responses: ResponseStore = field(init=False)  # for /v1/responses' previous_response_id
     keys: dict[str, str] = field(init=False)  # accepted API key -> its tenant; empty: no auth, one tenant
     clients: SlowClients = field(init=False)  # the slow-client bounds and their counters
+    browsers: Browsers = field(init=False)  # which hosts and pages may reach the daemon
 
     def __post_init__(self) -> None:
         self.responses = ResponseStore(self.config.max_stored_responses, self._forget_session,
                                        self.config.max_stored_response_bytes)
         self.keys = key_tenants(self.config.api_key, self.config.api_keys_file)
         self.clients = SlowClients(self.registry, self.config)
+        self.browsers = Browsers.of(self.config.host, self.config.allowed_hosts, self.config.allowed_origins)
 
     def close(self) -> None:
         """Stop the worker threads (and grammar processes) the routes use."""
