@@ -134,6 +134,12 @@ class ServerConfig(Limits):
                                     choices=("map", "array"))
     kv_events_block_size: int = setting(16, "tokens per block in KV events: the block size the router is told "
                                         "(vllm-router's --kv-event-block-size, 16 by default)", check=at_least(1))
+    kv_events_public: bool = setting(False, "with API keys: publish KV events, which carry every tenant's prompt "
+                                     "token ids, to whoever can reach --kv-events-endpoint (without it a keyed "
+                                     "daemon publishes only on ipc:// in a private folder, or hashes only)")
+    kv_events_hashes_only: bool = setting(False, "KV events carry block hashes only: no token ids, no scope keys "
+                                          "(for routers that take the hashes as published; vllm-router's "
+                                          "kv_aware recomputes them from token ids and needs those)")
     reasoning_parser: str = setting("auto", "split <think> reasoning from content (auto: when the chat template "
                                     "uses <think>)", choices=("auto", "none", "think"))
     chat_template: str | None = setting(None, "a Jinja chat template file to use instead of the model's (clients "

@@ -72,3 +72,10 @@ def test_each_replica_publishes_kv_events_on_ports_of_its_own(tiny_model_dir):
     assert sockets == [("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"), ("tcp://127.0.0.1:5559", "tcp://127.0.0.1:5560")]
     assert all(argv.count("--kv-events-endpoint") == 1 for argv in p.replicas)
 
+
+
+def test_kv_events_beyond_loopback_are_refused_as_host_is(tiny_model_dir, capsys):
+    for endpoint in ("tcp://0.0.0.0:5557", "tcp://10.1.2.3:5557"):
+        with pytest.raises(SystemExit):
+            cluster.plan(["--model", tiny_model_dir("llama"), "--kv-events-endpoint", endpoint])
+        assert "loopback" in capsys.readouterr().err

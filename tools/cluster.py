@@ -42,6 +42,7 @@ from typing import NoReturn
 import aiohttp
 
 from server.config import ServerConfig
+from server.kv_events import loopback
 from server.engine.config import KV_BUDGET_FRACTION, EngineConfig, physical_memory_bytes
 from server.settings import from_args
 from backends.model_path import kvfork_home
@@ -162,6 +163,9 @@ def _kv_events(endpoint: str | None, index: int, p: Parser) -> list[str]:
     host, _, port = endpoint.rpartition(":")
     if not endpoint.startswith("tcp://") or not int(port):
         p.error("--kv-events-endpoint: a cluster needs tcp://HOST:PORT (each replica takes PORT + 2i and the next)")
+    if not loopback(endpoint):  # as --host: the events carry prompts; several machines: the README
+        p.error(f"--kv-events-endpoint is loopback in a cluster (tcp://{HOST}:PORT): events carry token ids, and "
+                "everything here listens on loopback (several machines: the README)")
     first = int(port) + 2 * index
     return ["--kv-events-endpoint", f"{host}:{first}", "--kv-events-replay-endpoint", f"{host}:{first + 1}"]
 
