@@ -181,3 +181,25 @@ async def test_a_reader_that_stops_is_cut_off():
     finally:
         server.close()
         await runner.cleanup()
+
+
+# ---- 4: /v1/loads with --metrics-key ----
+
+
+async def test_loads_tell_only_counts_without_the_metrics_key(tiny_model_dir, http):
+    async with serving(tiny_model_dir("llama"), engine=dict(max_context=512), metrics_key="mkey") as d:
+        async with http.post(d.url + CHAT, json=chat_body("the same prompt " * 8, max_tokens=2)) as r:
+            assert r.status == 200
+        async with http.post(d.url + CHAT, json=chat_body("the same prompt " * 8, max_tokens=2)) as r:
+            assert r.status == 200  # reuses the first: the hit rate moves
+        async with http.get(d.url + "/v1/loads") as r:
+            assert r.status == 200  # smg polls it with no key
+            (open_rank,) = (await r.json())["loads"]
+        async with http.get(d.url + "/v1/loads", headers={"Authorization": "Bearer mkey"}) as r:
+            (full,) = (await r.json())["loads"]
+    assert full["cache_hit_rate"] > 0  # the keyed poller sees it move
+    for field in ("num_used_tokens", "token_usage", "cache_hit_rate", "num_waiting_uncached_tokens",
+                  "gen_throughput"):
+        assert open_rank[field] == 0, field
+    for field in ("num_running_reqs", "num_waiting_reqs", "max_running_requests", "max_total_num_tokens"):
+        assert open_rank[field] == full[field], field

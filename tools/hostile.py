@@ -48,6 +48,8 @@ from typing import Any, Awaitable, Callable
 
 import aiohttp
 
+from server.isolated import module_command
+
 CHAT, MESSAGES, RESPONSES = "/v1/chat/completions", "/v1/messages", "/v1/responses"
 HOSTILE, INNOCENT = "key-hostile", "key-innocent"
 KEYS = f"{HOSTILE} hostile\n{INNOCENT} innocent\n"
@@ -298,8 +300,8 @@ async def attack(ctx: Ctx, name: str, concurrency: int, samples: int) -> ShapeRe
     one measures `samples` TTFTs."""
     result = ShapeResult(name)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tools.hostile", "--attack", name, "--concurrency", str(concurrency),
-        "--target", json.dumps(asdict(ctx.target)), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        *module_command("tools.hostile", "--attack", name, "--concurrency", str(concurrency),
+                        "--target", json.dumps(asdict(ctx.target))), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
     assert proc.stdin is not None and proc.stdout is not None
     try:
         await proc.stdout.readline()  # ready

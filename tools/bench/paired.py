@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from server.isolated import module_command
 from tools.bench import report
 from tools.bench.client import Target
 from tools.bench.runner import replay
@@ -23,7 +24,7 @@ from tools.bench.stats import summarize
 from tools.bench.workload import Workload
 
 # How the daemon is started; tests point this at their OpenAI test double.
-DAEMON = [sys.executable, "-m", "server"]
+DAEMON = module_command("server")
 
 # kvfork's reuse modes: the flags that select them (a threshold of None: the daemon's default).
 def _threshold(k: int | None) -> list[str]:
