@@ -29,7 +29,7 @@ from server.browsers import cors_headers, is_preflight, preflight
 from server.slow_clients import Watchdog
 from server.slow_clients import listen as watched_listen
 from server.state import STATE, TENANT, AppState
-from server.tenants import key_tenant, request_key
+from server.tenants import request_key
 
 log = logging.getLogger("kvfork.http")
 
@@ -106,8 +106,7 @@ def _middlewares(state: AppState, requests_total) -> list:
         if (state.keys and path.startswith("/v1/") and path not in OPEN_PATHS) or \
                 (state.config.metrics_key and path == METRICS):
             given = request_key(request.headers.get("Authorization"), request.headers.get("x-api-key"))
-            keys = state.keys if path != METRICS else {state.config.metrics_key: ""}
-            tenant = key_tenant(keys, given)
+            tenant = (state.keys if path != METRICS else state.metrics_keys).tenant(given)
             if tenant is None:
                 raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
             request[TENANT] = tenant

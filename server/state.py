@@ -17,7 +17,7 @@ from server.grammar import GrammarCompiler
 from server.metrics import Registry
 from server.api.responses.store import ResponseStore
 from server.slow_clients import SlowClients
-from server.tenants import key_tenants
+from server.tenants import KeyTable, key_tenants
 from server.text.tokenizer import PromptTokenizer
 
 
@@ -32,14 +32,16 @@ class AppState:
     _grammars: GrammarCompiler | None = None  # built on the first constrained request
     generation_rate: TokenRate = field(default_factory=TokenRate)  # /v1/loads' gen_throughput
     responses: ResponseStore = field(init=False)  # for /v1/responses' previous_response_id
-    keys: dict[str, str] = field(init=False)  # accepted API key -> its tenant; empty: no auth, one tenant
+    keys: KeyTable = field(init=False)  # accepted API keys and their tenants; empty: no auth, one tenant
     clients: SlowClients = field(init=False)  # the slow-client bounds and their counters
+    metrics_keys: KeyTable = field(init=False)  # --metrics-key's, for /metrics and /v1/loads' every figure
     browsers: Browsers = field(init=False)  # which hosts and pages may reach the daemon
 
     def __post_init__(self) -> None:
         self.responses = ResponseStore(self.config.max_stored_responses, self._forget_session,
                                        self.config.max_stored_response_bytes)
-        self.keys = key_tenants(self.config.api_key, self.config.api_keys_file)
+        self.keys = KeyTable(key_tenants(self.config.api_key, self.config.api_keys_file))
+        self.metrics_keys = KeyTable({self.config.metrics_key: ""} if self.config.metrics_key else {})
         self.clients = SlowClients(self.registry, self.config)
         self.browsers = Browsers.of(self.config.host, self.config.allowed_hosts, self.config.allowed_origins)
 

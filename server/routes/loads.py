@@ -22,7 +22,7 @@ from aiohttp import web
 
 from server.api.respond import json_response
 from server.state import state_of
-from server.tenants import key_tenant, request_key
+from server.tenants import request_key
 
 PATH = "/v1/loads"
 
@@ -31,9 +31,8 @@ async def handle(request: web.Request) -> web.Response:
     state = state_of(request)
     load = state.engine.load()
     generated = state.engine.metrics.generated_tokens.get() if state.ready else 0.0
-    key = state.config.metrics_key
-    full = key is None or key_tenant({key: ""}, request_key(request.headers.get("Authorization"),
-                                                          request.headers.get("x-api-key"))) is not None
+    full = not state.metrics_keys or state.metrics_keys.tenant(
+        request_key(request.headers.get("Authorization"), request.headers.get("x-api-key"))) is not None
     if not full:
         load = load.counts_only()
     rank = {
