@@ -194,7 +194,7 @@ async def shape_prompt(ctx: Ctx) -> list[int | None]:
 async def shape_reader(ctx: Ctx) -> list[int | None]:
     body = json.dumps({"messages": [{"role": "user", "content": "Tell me everything."}], "n": 8, "stream": True,
                        "logprobs": True, "top_logprobs": 20, "max_tokens": 2000, "ignore_eos": True}).encode()
-    head = (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {HOSTILE}\r\n"
+    head = (f"POST {CHAT} HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {HOSTILE}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -216,10 +216,10 @@ async def shape_reader(ctx: Ctx) -> list[int | None]:
 
 async def shape_slowloris(ctx: Ctx) -> list[int | None]:
     hold = ctx.target.timeouts_s * 4 + 10  # lingering after a 401 takes up to 10 s in aiohttp
-    head = raw(ctx.port, f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bea".encode(), hold)
-    body = raw(ctx.port, (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {HOSTILE}\r\n"
+    head = raw(ctx.port, f"POST {CHAT} HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bea".encode(), hold)
+    body = raw(ctx.port, (f"POST {CHAT} HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {HOSTILE}\r\n"
                           "Content-Type: application/json\r\nContent-Length: 16000000\r\n\r\n{").encode(), hold)
-    anonymous = raw(ctx.port, (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\n"
+    anonymous = raw(ctx.port, (f"POST {CHAT} HTTP/1.1\r\nHost: localhost\r\n"
                                "Content-Length: 16000000\r\n\r\n{").encode(), hold)
     return list(await asyncio.gather(head, body, anonymous))
 
@@ -235,7 +235,7 @@ async def shape_hoard(ctx: Ctx) -> list[int | None]:
 
 
 async def shape_auth(ctx: Ctx) -> list[int | None]:
-    return [await raw(ctx.port, f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ".encode() +
+    return [await raw(ctx.port, f"POST {CHAT} HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer ".encode() +
                       b"\xff\xfe\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}", 30)]
 
 
