@@ -26,6 +26,7 @@ from server.routes import loads, models, sessions
 from server.api.respond import DROPPED_TOOLS_HEADER, dropped_tools_header, json_response
 from server.api.sse import CLIENT_GONE
 from server.browsers import cors_headers, is_preflight, preflight
+from server.refusals import PAUSE_S, RefusalLimiter
 from server.slow_clients import Watchdog
 from server.slow_clients import listen as watched_listen
 from server.state import STATE, TENANT, AppState
@@ -63,7 +64,22 @@ def _api_error(e: BaseException) -> ApiError:
     return ApiError(500, "internal error", code="internal_error")
 
 
+async def _slowed(limiter: RefusalLimiter, key: tuple[str, str]) -> None:
+    """A client past its refusals waits, then gets a 429 (server/refusals.py)."""
+    if limiter.over(key):
+        await asyncio.sleep(PAUSE_S)
+        raise ApiError(429, "too many refused requests; slow down (--refusal-rate)", code="rate_limit_exceeded")
+
+
+def _refusal_key(request: web.Request) -> tuple[str, str]:
+    """Whose bucket a refusal draws from: the authenticated tenant's, else the client address's."""
+    tenant = request.get(TENANT)
+    return ("tenant", tenant) if tenant is not None else ("address", request.remote or "")
+
+
 def _middlewares(state: AppState, requests_total) -> list:
+    limiter = RefusalLimiter(state.config.refusal_rate)
+
     @web.middleware
     async def errors(request: web.Request, handler):
         resource = request.match_info.route.resource
@@ -90,6 +106,8 @@ def _middlewares(state: AppState, requests_total) -> list:
         finally:
             if watchdog is not None:
                 watchdog.request_ended()
+        if 400 <= response.status < 500 and response.status != 429:
+            limiter.refused(_refusal_key(request))
         requests_total.inc(route=route, status=CLIENT_CLOSED if request.get(CLIENT_GONE) else str(response.status))
         return response
 
@@ -107,9 +125,11 @@ def _middlewares(state: AppState, requests_total) -> list:
                 (state.config.metrics_key and path == METRICS):
             given = request_key(request.headers.get("Authorization"), request.headers.get("x-api-key"))
             tenant = (state.keys if path != METRICS else state.metrics_keys).tenant(given)
-            if tenant is None:
+            if tenant is None:  # auth failures are counted by address: they slow the failing client alone
+                await _slowed(limiter, _refusal_key(request))
                 raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
             request[TENANT] = tenant
+        await _slowed(limiter, _refusal_key(request))
         return await handler(request)
 
     return [errors, browsers, auth]

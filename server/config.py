@@ -144,6 +144,10 @@ class ServerConfig(Limits):
                                     "uses <think>)", choices=("auto", "none", "think"))
     chat_template: str | None = setting(None, "a Jinja chat template file to use instead of the model's (clients "
                                         "can never send one)", check=_template_check)
+    refusal_rate: float = setting(10.0, "4xx answers per second a tenant may draw (an authentication failure, or "
+                                  "any request to a daemon without keys: its client address), in bursts of 10 "
+                                  "seconds' worth; past it, its requests wait a second and get a 429",
+                                  check=at_least(0.01))
     metrics_key: str | None = setting(None, "require this key (Authorization: Bearer KEY) on /metrics, which is "
                                       "open otherwise; tenants' API keys do not open it",
                                       check=lambda k: _key_check([k]) if k is not None else None)
