@@ -11,7 +11,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-ROOT = str(Path(__file__).resolve().parent.parent)  # the folder holding kvfork's packages (server, backends, tools)
+# The folder kvfork's top-level package was imported from (a checkout's root, or site-packages)
+ROOT = str(Path(sys.modules[__name__.partition(".")[0]].__file__ or __file__).resolve().parent.parent)
 # sys.argv is ['-c', ROOT, module, *args]: kvfork's folder goes first on the path, then `module` runs as -m runs it
 _RUN = ("import runpy, sys; sys.path.insert(0, sys.argv[1]); module = sys.argv[2]; del sys.argv[1:3]; "
         "runpy.run_module(module, run_name='__main__', alter_sys=True)")
