@@ -31,7 +31,7 @@ from yarl import URL
 
 from server.errors import ApiError
 
-CORS_ORIGIN = web.RequestKey("cors_origin", str)  # the allowed cross-site origin a reply goes to
+CORS_ORIGIN = web.RequestKey("cors_origin", str)  # Access-Control-Allow-Origin for a reply to an allowed origin
 _LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
 _PAGE_ONLY_TYPES = frozenset({"text/plain", "multipart/form-data"})  # what browsers send without a preflight
 _FORM = "application/x-www-form-urlencoded"
@@ -80,8 +80,11 @@ class Browsers:
                 or _is_ip(name) or name == self.listen_host or name in self.allowed_hosts
                 or name in _machine_names())
 
-    def origin_allowed(self, origin: str) -> bool:
-        return "*" in self.allowed_origins or origin.lower().rstrip("/") in self.allowed_origins
+    def allowed_origin(self, origin: str) -> str | None:
+        """What Access-Control-Allow-Origin says to `origin`: the operator's entry it matches (never the
+        client's string), or None: not allowed."""
+        normal = origin.lower().rstrip("/")
+        return normal if normal in self.allowed_origins else "*" if "*" in self.allowed_origins else None
 
     def check(self, request: web.Request) -> None:
         """Raise the 403 or 415 a request gets; note the CORS origin a reply goes to."""
@@ -93,10 +96,11 @@ class Browsers:
                                "(--allowed-hosts)", code="host_not_allowed")
         origin = request.headers.get("Origin")
         if origin is not None and not _same_origin(origin, host):
-            if not self.origin_allowed(origin):
+            allowed = self.allowed_origin(origin)
+            if allowed is None:
                 raise ApiError(403, "a request from another site's page is refused; allow its origin with "
                                "--allowed-origins", code="origin_not_allowed")
-            request[CORS_ORIGIN] = origin
+            request[CORS_ORIGIN] = allowed
         if request.method == "POST" and request.path.startswith("/v1/"):
             kind = request.content_type  # application/octet-stream when none is sent
             from_page = origin is not None or request.headers.get("Sec-Fetch-Site", "none") != "none"

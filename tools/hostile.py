@@ -412,7 +412,10 @@ async def run_wave(config: HostileConfig, backend: Any = None, out=sys.stdout,
                    shapes: list[str] | None = None) -> Outcome:
     from tools.bench.serve import parse_metrics
 
-    async with hostile_daemon(config, backend) as d, aiohttp.ClientSession() as http:
+    # the innocent lets an idle connection go before the daemon closes it (--header-timeout): a request sent on
+    # one the daemon is closing that instant would fail for the client's reuse of it, not the attack
+    connector = aiohttp.TCPConnector(keepalive_timeout=config.timeouts_s / 2)
+    async with hostile_daemon(config, backend) as d, aiohttp.ClientSession(connector=connector) as http:
         limits = d.config
         target = Target(d.url, d.port, limits.max_stop_chars, limits.max_stop_sequences,
                         limits.prompt_chars(d.state.context), limits.max_body_bytes, config.timeouts_s,
