@@ -78,13 +78,18 @@ async def test_files_are_private_and_name_their_scope_by_a_keyed_hash(tiny_model
         await engine.shutdown(1.0)
 
 
-async def test_older_loose_permissions_are_narrowed_at_start(tiny_model_dir):
-    model = tiny_model_dir("llama")
+async def one_file(model: str):
+    """(the tier's folder, its one file): a daemon that computed one prompt, stopped (its cache spilled)."""
     engine = await start(model)
     await run(engine, prompt_of(40), 2)
-    folder = engine.disk.folder
     await engine.shutdown(1.0)
-    (path,) = files(folder)
+    (path,) = files(engine.disk.folder)
+    return engine.disk.folder, path
+
+
+async def test_older_loose_permissions_are_narrowed_at_start(tiny_model_dir):
+    model = tiny_model_dir("llama")
+    folder, path = await one_file(model)
     for p, loose in ((path, 0o644), (folder / disk.LOCK, 0o644), (folder, 0o755)):
         p.chmod(loose)
     engine = await start(model)
@@ -146,11 +151,7 @@ def test_cache_clear_never_follows_a_link(kvfork_home, tmp_path, capsys):
 
 async def test_the_tier_follows_no_link_in_its_folder(tiny_model_dir, tmp_path):
     model = tiny_model_dir("llama")
-    engine = await start(model)
-    await run(engine, prompt_of(40), 2)
-    folder = engine.disk.folder
-    await engine.shutdown(1.0)
-    (path,) = files(folder)
+    folder, path = await one_file(model)
     outside = tmp_path / "private.safetensors"
     outside.write_bytes(path.read_bytes())  # a valid file, elsewhere
     outside.chmod(0o640)
