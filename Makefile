@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 # MLX's Linux wheel bundles a reference BLAS; preload OpenBLAS when the machine has it.
-BLAS_ENV = LD_PRELOAD="$$($(BIN)/python -m backends.mlx.blas)"
+BLAS_ENV = LD_PRELOAD="$$($(BIN)/python -m kvfork.backends.mlx.blas)"
 ARGS ?=
 
 .PHONY: install model serve test test-numeric smoke soak bench peers cluster clients clean
@@ -14,7 +14,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -e '.[dev,cluster,kv-router]'
-	$(BIN)/python -m backends.mlx.blas --install
+	$(BIN)/python -m kvfork.backends.mlx.blas --install
 	touch $(STAMP)
 
 model: install

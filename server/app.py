@@ -15,22 +15,22 @@ import logging
 
 from aiohttp import web
 
-from server.engine.api import EngineError
-from server.errors import ApiError, from_engine
-from server.api.messages.protocol import error_body
-from server.api.chat import route as chat
-from server.api.completions import route as completions
-from server.api.messages import route as messages
-from server.api.responses import route as responses
-from server.routes import loads, models, sessions
-from server.api.respond import DROPPED_TOOLS_HEADER, dropped_tools_header, json_response
-from server.api.sse import CLIENT_GONE
-from server.browsers import cors_headers, is_preflight, preflight
-from server.refusals import PAUSE_S, RefusalLimiter
-from server.slow_clients import Watchdog
-from server.slow_clients import listen as watched_listen
-from server.state import STATE, TENANT, AppState
-from server.tenants import request_key
+from kvfork.server.engine.api import EngineError
+from kvfork.server.errors import ApiError, from_engine
+from kvfork.server.api.messages.protocol import error_body
+from kvfork.server.api.chat import route as chat
+from kvfork.server.api.completions import route as completions
+from kvfork.server.api.messages import route as messages
+from kvfork.server.api.responses import route as responses
+from kvfork.server.routes import loads, models, sessions
+from kvfork.server.api.respond import DROPPED_TOOLS_HEADER, dropped_tools_header, json_response
+from kvfork.server.api.sse import CLIENT_GONE
+from kvfork.server.browsers import cors_headers, is_preflight, preflight
+from kvfork.server.refusals import PAUSE_S, RefusalLimiter
+from kvfork.server.slow_clients import Watchdog
+from kvfork.server.slow_clients import listen as watched_listen
+from kvfork.server.state import STATE, TENANT, AppState
+from kvfork.server.tenants import request_key
 
 log = logging.getLogger("kvfork.http")
 

@@ -29,7 +29,7 @@ from functools import lru_cache
 from aiohttp import web
 from yarl import URL
 
-from server.errors import ApiError
+from kvfork.server.errors import ApiError
 
 CORS_ORIGIN = web.RequestKey("cors_origin", str)  # Access-Control-Allow-Origin for a reply to an allowed origin
 _LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})

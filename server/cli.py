@@ -15,24 +15,24 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from backends import prepare_process
-from backends.model_path import resolve_model
-from server.config import ServerConfig
-from server.engine.config import EngineConfig
-from server.settings import add_arguments, from_args
-from server.tenants import key_tenants
-from server.warm import read_warm_file
+from kvfork.backends import prepare_process
+from kvfork.backends.model_path import resolve_model
+from kvfork.server.config import ServerConfig
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.settings import add_arguments, from_args
+from kvfork.server.tenants import key_tenants
+from kvfork.server.warm import read_warm_file
 
 # Commands are imported only when asked for: each pulls its own dependencies. bench, smoke and soak are
 # tools (entry points that import the product, never the reverse): a checkout without tools/ lacks them.
 COMMANDS = {
-    "fetch-model": ("backends.default_model", "fetch the default model (SmolLM2) and convert it"),
-    "bench": ("tools.bench", "replay benchmark against a running daemon"),
-    "smoke": ("tools.smoke", "end-to-end check of active prefix reuse on the default model"),
-    "soak": ("tools.soak", "load, faults, hang-ups and bad input against an in-process daemon; one table of checks"),
-    "cache": ("server.cache_command", "show (ls) or empty (clear) the prefix cache's disk tier"),
-    "cluster": ("tools.cluster", "N replicas of one model on this machine behind smg (pip install 'kvfork[cluster]')"),
-    "clients": ("tools.clients", "Codex CLI, Claude Code and opencode, unchanged, in scripted sessions; one table"),
+    "fetch-model": ("kvfork.backends.default_model", "fetch the default model (SmolLM2) and convert it"),
+    "bench": ("kvfork.tools.bench", "replay benchmark against a running daemon"),
+    "smoke": ("kvfork.tools.smoke", "end-to-end check of active prefix reuse on the default model"),
+    "soak": ("kvfork.tools.soak", "load, faults, hang-ups and bad input against an in-process daemon; one table of checks"),
+    "cache": ("kvfork.server.cache_command", "show (ls) or empty (clear) the prefix cache's disk tier"),
+    "cluster": ("kvfork.tools.cluster", "N replicas of one model on this machine behind smg (pip install 'kvfork[cluster]')"),
+    "clients": ("kvfork.tools.clients", "Codex CLI, Claude Code and opencode, unchanged, in scripted sessions; one table"),
 }
 USAGE = ("usage: kvfork {serve,fetch-model,bench,smoke,soak,cache,cluster,clients} [options]   "
          "(kvfork COMMAND --help for a command's options)")
@@ -73,10 +73,10 @@ def serve(argv: list[str]) -> int:
         parser.error(f"--model: {model} is not a model folder (it has no config.json)")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if config.distributed:
-        from server.distributed import serve as serve_ranks
+        from kvfork.server.distributed import serve as serve_ranks
 
         return serve_ranks(config, engine_config, model)
-    from server.serve import run  # the engine and backends load only for a valid command line
+    from kvfork.server.serve import run  # the engine and backends load only for a valid command line
 
     try:
         return asyncio.run(run(config, engine_config, model))
@@ -85,7 +85,7 @@ def serve(argv: list[str]) -> int:
 
 
 def _default_model() -> Path:
-    from backends.default_model import FetchError, ensure_default_model
+    from kvfork.backends.default_model import FetchError, ensure_default_model
 
     try:
         return ensure_default_model()

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from server.limits import Limits
-from server.settings import at_least, between, setting
-from server.tenants import read_keys_file
-from server.text.template import check_template
-from server.toolcalls import TOOL_PARSER_CHOICES
+from kvfork.server.limits import Limits
+from kvfork.server.settings import at_least, between, setting
+from kvfork.server.tenants import read_keys_file
+from kvfork.server.text.template import check_template
+from kvfork.server.toolcalls import TOOL_PARSER_CHOICES
 
 BACKENDS = ("auto", "mlx", "torch")
 DTYPES = ("float32", "float16", "bfloat16")

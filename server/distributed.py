@@ -28,12 +28,12 @@ import sys
 import threading
 from typing import Any
 
-from backends import default_backend
-from backends.lockstep import JoinError, Ranks, join
-from backends.lockstep.follower import Follower
-from backends.lockstep.leader import LockstepBackend
-from server.config import ServerConfig
-from server.engine.config import KV_BUDGET_FRACTION, EngineConfig, physical_memory_bytes
+from kvfork.backends import default_backend
+from kvfork.backends.lockstep import JoinError, Ranks, join
+from kvfork.backends.lockstep.follower import Follower
+from kvfork.backends.lockstep.leader import LockstepBackend
+from kvfork.server.config import ServerConfig
+from kvfork.server.engine.config import KV_BUDGET_FRACTION, EngineConfig, physical_memory_bytes
 
 
 def serve(config: ServerConfig, engine_config: EngineConfig, model: str) -> int:
@@ -44,7 +44,7 @@ def serve(config: ServerConfig, engine_config: EngineConfig, model: str) -> int:
         return 1
     if ranks.rank != 0:
         return follow(ranks)
-    from server.serve import run
+    from kvfork.server.serve import run
 
     engine_config = shared_budget(engine_config, ranks.local)
 

@@ -54,11 +54,11 @@ from typing import Any, Callable, Literal, Sequence
 
 import numpy as np
 
-from server.engine.api import Scope
-from server.errors import ApiError
-from server.fair import FairWorkers
-from server.grammar_worker import write_message
-from server.isolated import module_command
+from kvfork.server.engine.api import Scope
+from kvfork.server.errors import ApiError
+from kvfork.server.fair import FairWorkers
+from kvfork.server.grammar_worker import write_message
+from kvfork.server.isolated import module_command
 
 ToolChoice = Literal["auto", "none", "required", "function"]
 # JSON as json.dumps and the chat templates' `tojson` write it.
@@ -350,7 +350,7 @@ class CompileProcess:
             self._proc = None
 
     def _start(self) -> None:
-        self._proc = subprocess.Popen(module_command("server.grammar_worker"), stdin=subprocess.PIPE,
+        self._proc = subprocess.Popen(module_command("kvfork.server.grammar_worker"), stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE)
         assert self._proc.stdin is not None
         write_message(self._proc.stdin, self._setup())

@@ -1,6 +1,6 @@
 """Python subprocesses that import only kvfork's code, wherever they are started from.
 
-`python -m server` puts the working folder first on sys.path: started from a folder that holds a
+`python -m kvfork.server` puts the working folder first on sys.path: started from a folder that holds a
 `server/` (or `smg/`, `tools/`) package, the child would run that folder's code. A child here runs in
 Python's isolated mode (-I: no working folder, no PYTHON* variables, no user site-packages) and
 imports kvfork from the folder this very code was loaded from, named by its absolute path.

@@ -14,19 +14,19 @@ import signal
 from pathlib import Path
 from typing import AsyncIterator
 
-from backends import create_backend, default_backend
-from backends.base import Backend
-from backends.lockstep.leader import LockstepBackend
-from server.app import Listener, build_app, listen
-from server.config import ServerConfig
-from server.engine.config import EngineConfig
-from server.engine.disk import kv_root
-from server.engine.engine import Engine
-from server.metrics import Registry
-from server.state import AppState
-from server.tenants import key_tenants
-from server.text.tokenizer import PromptTokenizer
-from server.warm import warm
+from kvfork.backends import create_backend, default_backend
+from kvfork.backends.base import Backend
+from kvfork.backends.lockstep.leader import LockstepBackend
+from kvfork.server.app import Listener, build_app, listen
+from kvfork.server.config import ServerConfig
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.engine.disk import kv_root
+from kvfork.server.engine.engine import Engine
+from kvfork.server.metrics import Registry
+from kvfork.server.state import AppState
+from kvfork.server.tenants import key_tenants
+from kvfork.server.text.tokenizer import PromptTokenizer
+from kvfork.server.warm import warm
 
 GiB = 1024**3
 
@@ -101,7 +101,7 @@ def open_kv_events(config: ServerConfig):
     """The KV event publisher --kv-events-endpoint asks for (pyzmq, imported only then), else None."""
     if config.kv_events_endpoint is None:
         return None
-    from server.kv_events import KVEventPublisher, KVEvents, refusal
+    from kvfork.server.kv_events import KVEventPublisher, KVEvents, refusal
 
     keyed = bool(key_tenants(config.api_key, config.api_keys_file))
     refused = refusal(config.kv_events_endpoint, keyed, config.kv_events_public, config.kv_events_hashes_only)
@@ -153,7 +153,7 @@ async def run(config: ServerConfig, engine_config: EngineConfig, model: str,
         return 1
     print(f"kvfork: listening on {daemon.url} (loading {model} on {backend_name})", flush=True)
     if daemon.kv_events is not None:
-        from server.kv_events import readers
+        from kvfork.server.kv_events import readers
 
         pub = daemon.kv_events.publisher
         print(f"kvfork: KV events on {pub.endpoint} (replay: {pub.replay_endpoint}), blocks of "

@@ -24,9 +24,9 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from server.errors import ApiError
-from server.limits import Limits
-from server.metrics import Registry
+from kvfork.server.errors import ApiError
+from kvfork.server.limits import Limits
+from kvfork.server.metrics import Registry
 
 # Bytes of a full write buffer a client must drain per --write-timeout to keep its connection: 2 KiB/s
 # at the default 30 s, far below any real reader, far above one that trickles a byte at a time.

@@ -8,17 +8,17 @@ from typing import Any
 
 from aiohttp import web
 
-from server.browsers import Browsers
-from server.config import ServerConfig
-from server.engine.api import EngineError, Scope
-from server.engine.load import TokenRate
-from server.errors import ApiError
-from server.grammar import GrammarCompiler
-from server.metrics import Registry
-from server.api.responses.store import ResponseStore
-from server.slow_clients import SlowClients
-from server.tenants import KeyTable, key_tenants
-from server.text.tokenizer import PromptTokenizer
+from kvfork.server.browsers import Browsers
+from kvfork.server.config import ServerConfig
+from kvfork.server.engine.api import EngineError, Scope
+from kvfork.server.engine.load import TokenRate
+from kvfork.server.errors import ApiError
+from kvfork.server.grammar import GrammarCompiler
+from kvfork.server.metrics import Registry
+from kvfork.server.api.responses.store import ResponseStore
+from kvfork.server.slow_clients import SlowClients
+from kvfork.server.tenants import KeyTable, key_tenants
+from kvfork.server.text.tokenizer import PromptTokenizer
 
 
 @dataclass

@@ -11,13 +11,13 @@ import urllib.request
 
 import pytest
 
-from backends.mlx.blas import find_openblas
+from kvfork.backends.mlx.blas import find_openblas
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def kvfork(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server.cli", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvfork.server.cli", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=120, **kw)
 
 
@@ -67,7 +67,7 @@ def test_serve_preloads_openblas_for_mlx_only(tiny_model_dir, backend, preloaded
     env = dict(os.environ, LD_PRELOAD="" if preloaded else find_openblas())
     env.pop("KVFORK_BLAS_CHECKED", None)
     process = subprocess.Popen(
-        [sys.executable, "-m", "server", "--model", tiny_model_dir("llama"), "--backend", backend, "--port", "0",
+        [sys.executable, "-m", "kvfork.server", "--model", tiny_model_dir("llama"), "--backend", backend, "--port", "0",
          "--kv-budget-bytes", str(64 * 1024 * 1024)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
@@ -84,7 +84,7 @@ def test_serve_preloads_openblas_for_mlx_only(tiny_model_dir, backend, preloaded
 
 def test_serve_prints_what_it_loaded_and_where_and_stops_on_sigint(tiny_model_dir):
     process = subprocess.Popen(
-        [sys.executable, "-m", "server", "--model", tiny_model_dir("llama"), "--backend", "mlx", "--port", "0",
+        [sys.executable, "-m", "kvfork.server", "--model", tiny_model_dir("llama"), "--backend", "mlx", "--port", "0",
          "--kv-budget-bytes", str(64 * 1024 * 1024), "--served-model-name", "tiny"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )

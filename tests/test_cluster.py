@@ -117,7 +117,7 @@ async def test_two_replicas_behind_smg(tiny_model_dir, tmp_path):
     port = free_base_port(4)
     gateway, replicas = f"http://127.0.0.1:{port}", [f"http://127.0.0.1:{port + 1}", f"http://127.0.0.1:{port + 2}"]
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "server.cli", "cluster", "--replicas", "2", "--port", str(port),
+        sys.executable, "-m", "kvfork.server.cli", "cluster", "--replicas", "2", "--port", str(port),
         "--model", tiny_model_dir("llama"), "--backend", "torch", "--served-model-name", "tiny",
         "--kv-budget-bytes", str(256 * 1024 * 1024), "--api-key", KEY, "--prefix-cache-min-tokens", "16",
         "--shutdown-grace", "2",

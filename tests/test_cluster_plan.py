@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from server.isolated import module_command
-from tools import cluster
+from kvfork.server.isolated import module_command
+from kvfork.tools import cluster
 
 
 def test_the_plan_splits_one_budget_and_gives_each_replica_its_port_and_folder(tiny_model_dir, kvfork_home,
@@ -23,7 +23,7 @@ def test_the_plan_splits_one_budget_and_gives_each_replica_its_port_and_folder(t
     assert [p.replica_url(i) for i in range(3)] == ["http://127.0.0.1:9001", "http://127.0.0.1:9002",
                                                     "http://127.0.0.1:9003"]
     for i, argv in enumerate(p.replicas):
-        command = module_command("server")
+        command = module_command("kvfork.server")
         assert argv[:len(command)] == command
         flags = dict(zip(argv[len(command)::2], argv[len(command) + 1::2]))
         assert flags == {"--inference-slots": "2", "--model": model, "--kv-budget-bytes": "1000000",

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 
-from backends import default_model
-from backends.gguf.convert import read_gguf
-from backends.gguf.weights import dequantize, unpermute_rope
+from kvfork.backends import default_model
+from kvfork.backends.gguf.convert import read_gguf
+from kvfork.backends.gguf.weights import dequantize, unpermute_rope
 
 
 def test_dequantize_matches_gguf_reference(tmp_path):

@@ -11,8 +11,8 @@ import pytest
 
 from engine_harness import collect, prompt_of, request, start_engine
 from scripted_backend import Gate, ScriptedBackend
-from server.engine.api import CapacityExhausted, Scope
-from server.engine.fair_share import give_way, next_in_line, share
+from kvfork.server.engine.api import CapacityExhausted, Scope
+from kvfork.server.engine.fair_share import give_way, next_in_line, share
 
 TENANTS = ("a", "b", "c")
 

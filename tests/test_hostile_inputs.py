@@ -11,10 +11,10 @@ import pytest
 from aiohttp import web
 
 from http_daemon import chat_body, serving
-from server.limits import Limits
-from server.metrics import Registry
-from server.slow_clients import MIN_DRAINED, SlowClients
-from server.slow_clients import listen as watched_listen
+from kvfork.server.limits import Limits
+from kvfork.server.metrics import Registry
+from kvfork.server.slow_clients import MIN_DRAINED, SlowClients
+from kvfork.server.slow_clients import listen as watched_listen
 
 CHAT, COMPLETIONS, MESSAGES, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import random
 
-from backends.base import KVCost, LayerAttention, ModelInfo
-from server.engine.api import Scope
-from server.engine.index import BLOCK, Entry, Index
-from server.engine.matching import Source, ranked_matches, usable_match, window_floor
+from kvfork.backends.base import KVCost, LayerAttention, ModelInfo
+from kvfork.server.engine.api import Scope
+from kvfork.server.engine.index import BLOCK, Entry, Index
+from kvfork.server.engine.matching import Source, ranked_matches, usable_match, window_floor
 
 FULL = ModelInfo("t", 512, 4096, (LayerAttention("full"),), (2,), KVCost(1024), "float32", "cpu")
 SLIDING = ModelInfo("t", 512, 4096, (LayerAttention("sliding", 8), LayerAttention("full")), (2,), KVCost(1024),

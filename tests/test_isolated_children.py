@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from server.engine.api import Scope
-from server.grammar import GrammarCompiler, JsonSchema
-from server.isolated import module_command
-from tools import cluster
+from kvfork.server.engine.api import Scope
+from kvfork.server.grammar import GrammarCompiler, JsonSchema
+from kvfork.server.isolated import module_command
+from kvfork.tools import cluster
 
 
 @pytest.fixture
@@ -60,7 +60,7 @@ def test_the_gateway_launcher_runs_the_installed_smg(hostile_folder):
     assert not hostile_folder.exists()
 
 
-@pytest.mark.parametrize("module", ["tools.hostile", "server.cli"])
+@pytest.mark.parametrize("module", ["kvfork.tools.hostile", "kvfork.server.cli"])
 def test_tool_children_run_kvforks_code(hostile_folder, module):
     done = subprocess.run(module_command(module, "--help"), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -68,7 +68,7 @@ def test_tool_children_run_kvforks_code(hostile_folder, module):
 
 
 def test_the_marker_would_have_been_written_by_a_plain_child(hostile_folder):
-    """The folder is hostile indeed: `python -m server` from it runs its code (what main did)."""
-    subprocess.run([sys.executable, "-m", "server", "--help"], capture_output=True, timeout=120)
+    """The folder is hostile indeed: `python -m kvfork.server` from it runs its code (what main did)."""
+    subprocess.run([sys.executable, "-m", "kvfork.server", "--help"], capture_output=True, timeout=120)
     assert "server" in hostile_folder.read_text()
 

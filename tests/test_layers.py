@@ -83,16 +83,16 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_every_kind_of_import():
     edges = graph()
-    assert "server.engine.runner" in edges["server.engine.engine"]  # a plain from-import
-    assert "server.engine.messages" in edges["server.engine.admission"]  # `from server.engine import messages`
-    assert "backends.default_model" in edges["server.cli"]  # an import inside a function
+    assert "kvfork.server.engine.runner" in edges["kvfork.server.engine.engine"]  # a plain from-import
+    assert "kvfork.server.engine.messages" in edges["kvfork.server.engine.admission"]  # `from server.engine import messages`
+    assert "kvfork.backends.default_model" in edges["kvfork.server.cli"]  # an import inside a function
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def test_the_engine_has_no_import_cycle():
     edges = graph()
-    engine = {v: {w for w in ws if w.startswith("server.engine")} for v, ws in edges.items()
-              if v.startswith("server.engine")}
+    engine = {v: {w for w in ws if w.startswith("kvfork.server.engine")} for v, ws in edges.items()
+              if v.startswith("kvfork.server.engine")}
     assert cycles(engine) == []
 
 
@@ -123,9 +123,9 @@ def test_each_api_is_one_package_laid_out_alike():
     assert apis == ["chat", "completions", "messages", "responses"]
     edges = graph()
     for name in apis:
-        package = f"server.api.{name}"
+        package = f"kvfork.server.api.{name}"
         assert {"protocol", "reply", "route"} <= {p.stem for p in (api / name).glob("*.py")}, name
-        assert "server.api.prepare" in edges[f"{package}.route"], name
+        assert "kvfork.server.api.prepare" in edges[f"{package}.route"], name
         for module, targets in edges.items():
             if module.startswith(package + "."):
                 others = {t for t in targets if t.startswith("server.api.") and t.count(".") >= 3

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from http_daemon import serving
-from server.tenants import KeyTable, key_tenants, read_keys_file
+from kvfork.server.tenants import KeyTable, key_tenants, read_keys_file
 
 CHAT = "/v1/chat/completions"
 PROMPT = "a long shared system prompt that every request here sends, word for word, " * 3
@@ -134,7 +134,7 @@ def test_a_key_is_found_in_constant_work_among_100000(monkeypatch):
     timed)."""
     import hmac
 
-    from server import tenants
+    from kvfork.server import tenants
 
     keys = KeyTable({f"key-{i}": f"tenant-{i % 7}" for i in range(100_000)})
     compares: list[int] = []

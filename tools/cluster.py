@@ -48,12 +48,12 @@ from typing import NoReturn
 
 import aiohttp
 
-from server.config import ServerConfig
-from server.isolated import module_command
-from server.kv_events import loopback
-from server.engine.config import KV_BUDGET_FRACTION, EngineConfig, physical_memory_bytes
-from server.settings import from_args
-from backends.model_path import kvfork_home
+from kvfork.server.config import ServerConfig
+from kvfork.server.isolated import module_command
+from kvfork.server.kv_events import loopback
+from kvfork.server.engine.config import KV_BUDGET_FRACTION, EngineConfig, physical_memory_bytes
+from kvfork.server.settings import from_args
+from kvfork.backends.model_path import kvfork_home
 
 HOST = "127.0.0.1"  # replicas and the gateway: loopback only (several machines: the README's recipe)
 ASSIGNMENTS = ("min_group", "min_load", "random", "delegate")
@@ -135,7 +135,7 @@ def plan(argv: list[str]) -> Plan:
     ports = [args.port, *range(args.port + 1, args.port + 1 + args.replicas), metrics_port]
     if min(ports) < 1 or max(ports) > 65535 or len(set(ports)) != len(ports):
         p.error(f"ports {min(ports)}..{max(ports)} do not fit (each replica takes the port after the gateway's)")
-    from server.cli import serve_parser  # the replicas' own flags, checked as `kvfork serve` checks them
+    from kvfork.server.cli import serve_parser  # the replicas' own flags, checked as `kvfork serve` checks them
 
     serve = serve_parser()
     serve.prog = "kvfork cluster (replica flags)"
@@ -151,7 +151,7 @@ def plan(argv: list[str]) -> Plan:
     model = given.model or str(_default_model())
     share = budget // args.replicas
     own = ("--model", "--kv-budget-bytes", "--kv-events-endpoint", "--kv-events-replay-endpoint")
-    base = [*module_command("server"), *_without(serve_args, *own),
+    base = [*module_command("kvfork.server"), *_without(serve_args, *own),
             "--model", model, "--kv-budget-bytes", str(share), "--host", HOST]
     replicas = [[*base, "--port", str(args.port + 1 + i), *_kv_events(given.kv_events_endpoint, i, p)]
                 for i in range(args.replicas)]
@@ -201,7 +201,7 @@ def _without(argv: list[str], *flags: str) -> list[str]:
 
 
 def _default_model() -> Path:
-    from backends.default_model import FetchError, ensure_default_model
+    from kvfork.backends.default_model import FetchError, ensure_default_model
 
     try:
         return ensure_default_model()

@@ -33,7 +33,7 @@ Checks (kvfork soak adds them to its table):
 - every hostile request is refused or bounded (a 4xx, a 200 of bounded work, or its connection closed),
   and the slow connections were closed and counted.
 
-`python -m tools.hostile` runs it alone and prints the per-shape table (docs/benchmarks.md).
+`python -m kvfork.tools.hostile` runs it alone and prints the per-shape table (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from typing import Any, Awaitable, Callable
 
 import aiohttp
 
-from server.isolated import module_command
+from kvfork.server.isolated import module_command
 
 CHAT, COMPLETIONS, MESSAGES, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"
 HOSTILE, INNOCENT = "key-hostile", "key-innocent"
@@ -347,7 +347,7 @@ async def attack(ctx: Ctx, name: str, concurrency: int, samples: int) -> ShapeRe
     one measures `samples` TTFTs."""
     result = ShapeResult(name)
     proc = await asyncio.create_subprocess_exec(
-        *module_command("tools.hostile", "--attack", name, "--concurrency", str(concurrency),
+        *module_command("kvfork.tools.hostile", "--attack", name, "--concurrency", str(concurrency),
                         "--target", json.dumps(asdict(ctx.target))),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
     assert proc.stdin is not None and proc.stdout is not None
@@ -387,9 +387,9 @@ async def _attacking(name: str, target: Target, concurrency: int) -> list[int | 
 
 @contextlib.asynccontextmanager
 async def hostile_daemon(config: HostileConfig, backend: Any = None):
-    from server.config import ServerConfig
-    from server.engine.config import EngineConfig
-    from server.serve import Daemon, pick_backend
+    from kvfork.server.config import ServerConfig
+    from kvfork.server.engine.config import EngineConfig
+    from kvfork.server.serve import Daemon, pick_backend
 
     with tempfile.TemporaryDirectory() as folder:
         keys = Path(folder) / "keys"
@@ -410,7 +410,7 @@ async def hostile_daemon(config: HostileConfig, backend: Any = None):
 
 async def run_wave(config: HostileConfig, backend: Any = None, out=sys.stdout,
                    shapes: list[str] | None = None) -> Outcome:
-    from tools.bench.serve import parse_metrics
+    from kvfork.tools.bench.serve import parse_metrics
 
     # the innocent lets an idle connection go before the daemon closes it (--header-timeout): a request sent on
     # one the daemon is closing that instant would fail for the client's reuse of it, not the attack
@@ -481,7 +481,7 @@ def table(outcome: Outcome) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.hostile", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m kvfork.tools.hostile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model folder (default: the default model, fetched if needed)")
     ap.add_argument("--backend", default="auto", choices=("auto", "torch", "mlx"))
@@ -496,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         statuses = asyncio.run(_attacking(args.attack, Target(**json.loads(args.target)), args.concurrency))
         print(json.dumps(statuses), flush=True)
         return 0
-    from backends.default_model import ensure_default_model
+    from kvfork.backends.default_model import ensure_default_model
 
     model = args.model or str(ensure_default_model())
     config = HostileConfig(model=model, backend=args.backend, innocent_samples=args.samples)

@@ -49,15 +49,15 @@ from typing import Any, Callable
 
 import aiohttp
 
-from backends import create_backend
-from server.config import ServerConfig
-from server.engine.api import GenerateRequest
-from server.engine.config import EngineConfig
-from server.serve import Daemon, pick_backend
-from tools.bench.serve import parse_metrics
-from tools.bench.text import words
-from tools.faulty_backend import FaultyBackend, Fault
-from tools.memory import rss_bytes
+from kvfork.backends import create_backend
+from kvfork.server.config import ServerConfig
+from kvfork.server.engine.api import GenerateRequest
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.serve import Daemon, pick_backend
+from kvfork.tools.bench.serve import parse_metrics
+from kvfork.tools.bench.text import words
+from kvfork.tools.faulty_backend import FaultyBackend, Fault
+from kvfork.tools.memory import rss_bytes
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 PHASES = ("queued", "parked", "prefilling", "decoding")
@@ -483,7 +483,7 @@ async def run(c: SoakConfig, out=sys.stdout) -> Report:
 
 
 async def _hostile_wave(c: SoakConfig, report: Report, out) -> None:
-    from tools.hostile import HostileConfig, checks, run_wave, table
+    from kvfork.tools.hostile import HostileConfig, checks, run_wave, table
 
     print("soak: the hostile-tenant wave", file=out, flush=True)
     outcome = await run_wave(HostileConfig(model=c.model, backend=c.backend, innocent_samples=c.hostile_samples),
@@ -717,13 +717,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hostile", action=argparse.BooleanOptionalAction, default=defaults.hostile,
                     help="end with the hostile-tenant wave (tools/hostile.py)")
     args = ap.parse_args(argv)
-    from backends import prepare_process
+    from kvfork.backends import prepare_process
 
     prepare_process(args.backend)
     if args.model:
         model = args.model
     else:
-        from backends.default_model import FetchError, ensure_default_model
+        from kvfork.backends.default_model import FetchError, ensure_default_model
 
         try:
             model = str(ensure_default_model())

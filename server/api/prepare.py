@@ -21,20 +21,20 @@ from typing import Any, Callable, Mapping, Sequence
 
 from aiohttp import web
 
-from backends.base import SEEDS, SamplingParams
-from server.chat_output import output_parser
-from server.engine.api import GenerateRequest, Scope
-from server.engine.sessions import check_session_id
-from server.errors import ApiError, client_text, invalid
-from server.grammar import request_ask
-from server.api.chat.protocol import ChatCompletionRequest, ChatMessage
-from server.api.openai import SamplingFields
-from server.api.respond import Job
-from server.limits import check_count, check_prompt_chars, check_schema, json_deeper_than
-from server.state import AppState, scope_of
-from server.toolcalls import resolve_tool_parser
-from server.toolcalls.base import openai_call_id
-from server.toolcalls.hermes import with_tools_block
+from kvfork.backends.base import SEEDS, SamplingParams
+from kvfork.server.chat_output import output_parser
+from kvfork.server.engine.api import GenerateRequest, Scope
+from kvfork.server.engine.sessions import check_session_id
+from kvfork.server.errors import ApiError, client_text, invalid
+from kvfork.server.grammar import request_ask
+from kvfork.server.api.chat.protocol import ChatCompletionRequest, ChatMessage
+from kvfork.server.api.openai import SamplingFields
+from kvfork.server.api.respond import Job
+from kvfork.server.limits import check_count, check_prompt_chars, check_schema, json_deeper_than
+from kvfork.server.state import AppState, scope_of
+from kvfork.server.toolcalls import resolve_tool_parser
+from kvfork.server.toolcalls.base import openai_call_id
+from kvfork.server.toolcalls.hermes import with_tools_block
 
 
 def check_tools(tools: list[dict[str, Any]] | None) -> list[str]:

@@ -27,14 +27,14 @@ from typing import Any, Protocol
 import msgspec
 from aiohttp import web
 
-from server.chat_output import ChatOutputParser
-from server.engine.api import GenerateRequest, Usage
-from server.errors import ApiError, client_text, from_decode
-from server.generation import Finished, KeepAlive, Piece, generation
-from server.api.openai import PromptTokensDetails, UsageInfo, encoder
-from server.api.sse import EventStream
-from server.limits import Limits, check_depth
-from server.state import AppState, state_of
+from kvfork.server.chat_output import ChatOutputParser
+from kvfork.server.engine.api import GenerateRequest, Usage
+from kvfork.server.errors import ApiError, client_text, from_decode
+from kvfork.server.generation import Finished, KeepAlive, Piece, generation
+from kvfork.server.api.openai import PromptTokensDetails, UsageInfo, encoder
+from kvfork.server.api.sse import EventStream
+from kvfork.server.limits import Limits, check_depth
+from kvfork.server.state import AppState, state_of
 
 # Bodies larger than this are checked and decoded on a thread: a 16 MiB body takes tens of milliseconds.
 OFF_LOOP_BYTES = 256 * 1024

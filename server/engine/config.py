@@ -10,8 +10,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from backends.base import ModelInfo
-from server.settings import at_least, setting
+from kvfork.backends.base import ModelInfo
+from kvfork.server.settings import at_least, setting
 
 # The KV budget defaults to this share of physical memory: the rest is left to
 # the weights, the activations of a 2048-token step, and the rest of the system.

@@ -29,26 +29,26 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from backends.base import Backend, ModelInfo
-from backends.model_path import resolve_model
-from server.engine import messages as m
-from server.engine import request as phase
-from server.engine.admission import Admission
-from server.engine.api import CapacityExhausted, DoneEvent, GenerateRequest, NotReady, TokenEvent, choice_sampling
-from server.engine.config import EngineConfig
-from server.engine.disk import DiskTier, fingerprint, tier_secret
-from server.engine.follow import FollowOrder, at_deadline
-from server.engine.index import Index
-from server.engine.load import EngineLoad
-from server.engine.placement import (Cached, Clone, Follow, Fresh, Placement, Restore, Resume, View, Wait, place,
+from kvfork.backends.base import Backend, ModelInfo
+from kvfork.backends.model_path import resolve_model
+from kvfork.server.engine import messages as m
+from kvfork.server.engine import request as phase
+from kvfork.server.engine.admission import Admission
+from kvfork.server.engine.api import CapacityExhausted, DoneEvent, GenerateRequest, NotReady, TokenEvent, choice_sampling
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.engine.disk import DiskTier, fingerprint, tier_secret
+from kvfork.server.engine.follow import FollowOrder, at_deadline
+from kvfork.server.engine.index import Index
+from kvfork.server.engine.load import EngineLoad
+from kvfork.server.engine.placement import (Cached, Clone, Follow, Fresh, Placement, Restore, Resume, View, Wait, place,
                                      prefilling, take_view)
-from server.engine.rates import RateTracker
-from server.engine.request import Decoding, Following, Landed, Prefilling, Queued, Request, RequestHandle, Restoring
-from server.engine.runner import Runner
-from server.engine.sessions import NamedSessions
-from server.engine.telemetry import EngineMetrics
-from server.metrics import Registry
-from server.settings import validate
+from kvfork.server.engine.rates import RateTracker
+from kvfork.server.engine.request import Decoding, Following, Landed, Prefilling, Queued, Request, RequestHandle, Restoring
+from kvfork.server.engine.runner import Runner
+from kvfork.server.engine.sessions import NamedSessions
+from kvfork.server.engine.telemetry import EngineMetrics
+from kvfork.server.metrics import Registry
+from kvfork.server.settings import validate
 
 log = logging.getLogger("kvfork.engine")
 

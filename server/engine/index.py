@@ -35,9 +35,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Hashable, Iterator, Literal, Protocol, Sequence
 
-from backends.base import ModelInfo, clone_positions
-from server.engine.api import Scope
-from server.engine.matching import Source, common_prefix, usable_upto, window_floor
+from kvfork.backends.base import ModelInfo, clone_positions
+from kvfork.server.engine.api import Scope
+from kvfork.server.engine.matching import Source, common_prefix, usable_upto, window_floor
 
 BLOCK = 16  # tokens per trie node
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from backends.base import BlockStats, ModelInfo, Sampled, SamplingParams
+from kvfork.backends.base import BlockStats, ModelInfo, Sampled, SamplingParams
 
 # ---- control loop -> runner ----
 

@@ -30,13 +30,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Collection, Hashable, Iterable, Mapping, Sequence
 
-from server.engine.config import EngineConfig
-from server.engine.follow import FollowPolicy, Leader, Plan, leader_views, plan
-from server.engine.index import Found, Index, Match
-from server.engine.matching import Recipient, Source, choose_reuse
-from server.engine.rates import Rates
-from server.engine.request import Following, Prefilling, Queued, Request
-from server.engine.restore import choose_restore
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.engine.follow import FollowPolicy, Leader, Plan, leader_views, plan
+from kvfork.server.engine.index import Found, Index, Match
+from kvfork.server.engine.matching import Recipient, Source, choose_reuse
+from kvfork.server.engine.rates import Rates
+from kvfork.server.engine.request import Following, Prefilling, Queued, Request
+from kvfork.server.engine.restore import choose_restore
 
 
 @dataclass(frozen=True)

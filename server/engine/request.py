@@ -20,10 +20,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from server.engine.api import DoneEvent, GenerateRequest, ReuseSource, TokenEvent, Usage
-from server.engine.follow import FollowOrder
-from server.engine.index import Match
-from server.engine.sessions import NamedSession
+from kvfork.server.engine.api import DoneEvent, GenerateRequest, ReuseSource, TokenEvent, Usage
+from kvfork.server.engine.follow import FollowOrder
+from kvfork.server.engine.index import Match
+from kvfork.server.engine.sessions import NamedSession
 
 
 class RequestHandle:

@@ -11,15 +11,15 @@ import json
 import logging
 from typing import Protocol
 
-from server.engine import messages as m
-from server.engine.admission import Admission
-from server.engine.api import DoneEvent
-from server.engine.disk import DiskTier
-from server.engine.index import Index
-from server.engine.load import EngineLoad
-from server.engine.request import Request
-from server.engine.sessions import NamedSessions
-from server.metrics import Registry
+from kvfork.server.engine import messages as m
+from kvfork.server.engine.admission import Admission
+from kvfork.server.engine.api import DoneEvent
+from kvfork.server.engine.disk import DiskTier
+from kvfork.server.engine.index import Index
+from kvfork.server.engine.load import EngineLoad
+from kvfork.server.engine.request import Request
+from kvfork.server.engine.sessions import NamedSessions
+from kvfork.server.metrics import Registry
 
 
 class Readings(Protocol):

@@ -20,9 +20,9 @@ from datetime import datetime, timezone
 
 from aiohttp import web
 
-from server.api.respond import json_response
-from server.state import state_of
-from server.tenants import request_key
+from kvfork.server.api.respond import json_response
+from kvfork.server.state import state_of
+from kvfork.server.tenants import request_key
 
 PATH = "/v1/loads"
 

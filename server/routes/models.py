@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from server.api.openai import Health, ModelCard, ModelList
-from server.api.respond import json_response
-from server.state import state_of
+from kvfork.server.api.openai import Health, ModelCard, ModelList
+from kvfork.server.api.respond import json_response
+from kvfork.server.state import state_of
 
 PATH = "/v1/models"
 

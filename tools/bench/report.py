@@ -6,8 +6,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tools.bench.client import Record
-from tools.bench.stats import Summary, output_differences, ratio
+from kvfork.tools.bench.client import Record
+from kvfork.tools.bench.stats import Summary, output_differences, ratio
 
 
 @dataclass

@@ -14,14 +14,14 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server.config import ServerConfig
-from server.engine.config import EngineConfig
-from server.serve import Daemon, pick_backend
-from tools.clients.clients import CLIENTS, MODEL, Client
-from tools.clients.model import write_tiny_long_model
-from tools.clients.proxy import TURN, Proxy
-from backends.default_model import ensure_default_model
-from backends.model_path import kvfork_home
+from kvfork.server.config import ServerConfig
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.serve import Daemon, pick_backend
+from kvfork.tools.clients.clients import CLIENTS, MODEL, Client
+from kvfork.tools.clients.model import write_tiny_long_model
+from kvfork.tools.clients.proxy import TURN, Proxy
+from kvfork.backends.default_model import ensure_default_model
+from kvfork.backends.model_path import kvfork_home
 
 PROMPTS = (
     f"{TURN}1 Read the file notes.txt in this folder and tell me what it says.",

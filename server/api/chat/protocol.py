@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
 
-from server.api.openai import Positive, SamplingFields, TopLogprobs, UsageInfo
+from kvfork.server.api.openai import Positive, SamplingFields, TopLogprobs, UsageInfo
 
 
 class JsonSchemaFormat(Struct):

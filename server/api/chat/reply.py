@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import time
 
-from server.chat_output import ChatOutput, ChatOutputParser, collect
-from server.engine.api import TokenEvent, Usage
-from server.generation import Finished, Piece
-from server.api.chat.protocol import (
+from kvfork.server.chat_output import ChatOutput, ChatOutputParser, collect
+from kvfork.server.engine.api import TokenEvent, Usage
+from kvfork.server.generation import Finished, Piece
+from kvfork.server.api.chat.protocol import (
     AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChoiceLogprobs, ChunkChoice, Delta,
     FunctionCall, FunctionDelta, TokenLogprob, ToolCallDelta, ToolCallOut, TopLogprob,
 )
-from server.api.respond import Job, usage_info
-from server.api.sse import EventStream
-from server.text.tokenizer import PromptTokenizer
-from server.toolcalls.base import Event, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart
+from kvfork.server.api.respond import Job, usage_info
+from kvfork.server.api.sse import EventStream
+from kvfork.server.text.tokenizer import PromptTokenizer
+from kvfork.server.toolcalls.base import Event, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart
 
 
 def token_logprobs(events: list[TokenEvent], tokenizer: PromptTokenizer) -> list[TokenLogprob]:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from server.api.chat.reply import ChatReply
-from server.api.chat.protocol import ChatCompletionRequest
-from server.api.prepare import prepare, request_id
-from server.api.respond import Choices, decoder, read_body, respond
-from server.limits import check_count, check_sampling
-from server.state import state_of
+from kvfork.server.api.chat.reply import ChatReply
+from kvfork.server.api.chat.protocol import ChatCompletionRequest
+from kvfork.server.api.prepare import prepare, request_id
+from kvfork.server.api.respond import Choices, decoder, read_body, respond
+from kvfork.server.limits import check_count, check_sampling
+from kvfork.server.state import state_of
 
 DECODE = decoder(ChatCompletionRequest)
 

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from server.api.openai import CacheSalt
+from kvfork.server.api.openai import CacheSalt
 
 # --- request blocks -------------------------------------------------------------------------------
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import uuid
 
-from server.chat_output import ChatOutput, ChatOutputParser, collect
-from server.errors import ApiError
-from server.generation import Finished, Piece
-from server.api.messages.protocol import (
+from kvfork.server.chat_output import ChatOutput, ChatOutputParser, collect
+from kvfork.server.errors import ApiError
+from kvfork.server.generation import Finished, Piece
+from kvfork.server.api.messages.protocol import (
     ContentBlockDelta,
     ContentBlockStart,
     ContentBlockStop,
@@ -37,8 +37,8 @@ from server.api.messages.protocol import (
     Ping,
     sse,
 )
-from server.api.sse import EventStream
-from server.toolcalls.base import Event, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart
+from kvfork.server.api.sse import EventStream
+from kvfork.server.toolcalls.base import Event, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart
 
 
 def message_id() -> str:

@@ -13,16 +13,16 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from server.errors import ApiError, from_decode, invalid
-from server.limits import check_count, check_stops
-from server.api.messages.reply import MessagesReply, message_id, tool_use_id
-from server.engine.api import ContextTooLong
-from server.api.messages.translate import UnsupportedContent, chat_request, dropped_tools
-from server.api.messages.protocol import CountTokensRequest, MessagesRequest, TokenCount
-from server.api.chat.protocol import ChatCompletionRequest
-from server.api.prepare import prepare
-from server.api.respond import decoder, json_response, read_body, report_dropped_tools, respond
-from server.state import state_of
+from kvfork.server.errors import ApiError, from_decode, invalid
+from kvfork.server.limits import check_count, check_stops
+from kvfork.server.api.messages.reply import MessagesReply, message_id, tool_use_id
+from kvfork.server.engine.api import ContextTooLong
+from kvfork.server.api.messages.translate import UnsupportedContent, chat_request, dropped_tools
+from kvfork.server.api.messages.protocol import CountTokensRequest, MessagesRequest, TokenCount
+from kvfork.server.api.chat.protocol import ChatCompletionRequest
+from kvfork.server.api.prepare import prepare
+from kvfork.server.api.respond import decoder, json_response, read_body, report_dropped_tools, respond
+from kvfork.server.state import state_of
 
 PATH = "/v1/messages"
 DECODE_MESSAGES = decoder(MessagesRequest)

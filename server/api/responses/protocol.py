@@ -13,7 +13,7 @@ from typing import Any, Literal
 import msgspec
 from msgspec import Struct, field
 
-from server.api.openai import CacheSalt, Positive, Temperature, TopP
+from kvfork.server.api.openai import CacheSalt, Positive, Temperature, TopP
 
 
 class TextFormat(Struct, kw_only=True):

@@ -15,20 +15,20 @@ from typing import Callable
 
 import msgspec
 
-from server.errors import ApiError
-from server.chat_output import ChatOutputParser
-from server.generation import Finished, Piece
-from server.api.responses.protocol import (
+from kvfork.server.errors import ApiError
+from kvfork.server.chat_output import ChatOutputParser
+from kvfork.server.generation import Finished, Piece
+from kvfork.server.api.responses.protocol import (
     ArgumentsDelta, ArgumentsDone, ContentPartAdded, ContentPartDone, ErrorEvent, Event, FunctionCallOut,
     IncompleteDetails, InputTokensDetails, OutputItem, OutputItemAdded, OutputItemDone, OutputMessage, OutputText,
     OutputTextDelta, OutputTextDone, OutputTokensDetails, ReasoningOut, ReasoningText, ReasoningTextDelta,
     ReasoningTextDone, Response, ResponseCompleted, ResponseCreated, ResponseIncomplete, ResponseInProgress,
     ResponsesRequest, ResponseUsage, sse,
 )
-from server.api.responses.translate import namespaces
-from server.api.sse import EventStream
-from server.toolcalls.base import Event as ParserEvent
-from server.toolcalls.base import ReasoningDelta, ToolCallArguments, ToolCallStart
+from kvfork.server.api.responses.translate import namespaces
+from kvfork.server.api.sse import EventStream
+from kvfork.server.toolcalls.base import Event as ParserEvent
+from kvfork.server.toolcalls.base import ReasoningDelta, ToolCallArguments, ToolCallStart
 
 
 def response_id() -> str:

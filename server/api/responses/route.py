@@ -13,15 +13,15 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from server.errors import ApiError, from_decode
-from server.api.chat.protocol import ChatCompletionRequest
-from server.api.responses.protocol import Response, ResponseDeleted, ResponsesRequest
-from server.api.responses.reply import ResponsesReply, response_id
-from server.api.responses.translate import chat_messages, chat_request, tool_count, tool_functions
-from server.api.prepare import prepare
-from server.api.respond import decoder, json_response, read_body, report_dropped_tools, respond
-from server.limits import check_count, over
-from server.state import state_of, tenant_of
+from kvfork.server.errors import ApiError, from_decode
+from kvfork.server.api.chat.protocol import ChatCompletionRequest
+from kvfork.server.api.responses.protocol import Response, ResponseDeleted, ResponsesRequest
+from kvfork.server.api.responses.reply import ResponsesReply, response_id
+from kvfork.server.api.responses.translate import chat_messages, chat_request, tool_count, tool_functions
+from kvfork.server.api.prepare import prepare
+from kvfork.server.api.respond import decoder, json_response, read_body, report_dropped_tools, respond
+from kvfork.server.limits import check_count, over
+from kvfork.server.state import state_of, tenant_of
 
 PATH = "/v1/responses"
 DECODE = decoder(ResponsesRequest)
