@@ -23,12 +23,13 @@ from kvfork.server.api.completions import route as completions
 from kvfork.server.api.messages import route as messages
 from kvfork.server.api.responses import route as responses
 from kvfork.server.routes import loads, models, reuse, sessions
-from kvfork.server.api.respond import dropped_tools_header, json_response
+from kvfork.server.api.respond import dropped_tools_header, json_response, DROPPED_TOOLS_HEADER
 from kvfork.server.api.sse import CLIENT_GONE
-from kvfork.server.slow_clients import Watchdog
-from kvfork.server.slow_clients import listen as watched_listen
+from kvfork.server.slow_clients import Watchdog, listen as watched_listen
 from kvfork.server.state import STATE, TENANT, AppState
-from kvfork.server.tenants import key_tenant, request_key
+from kvfork.server.tenants import request_key
+from kvfork.server.browsers import cors_headers, is_preflight, preflight
+from kvfork.server.refusals import PAUSE_S, RefusalLimiter
 
 log = logging.getLogger("kvfork.http")
 
@@ -65,7 +66,22 @@ def _api_error(e: BaseException) -> ApiError:
     return ApiError(500, "internal error", code="internal_error")
 
 
+async def _slowed(limiter: RefusalLimiter, key: tuple[str, str]) -> None:
+    """A client past its refusals waits, then gets a 429 (server/refusals.py)."""
+    if limiter.over(key):
+        await asyncio.sleep(PAUSE_S)
+        raise ApiError(429, "too many refused requests; slow down (--refusal-rate)", code="rate_limit_exceeded")
+
+
+def _refusal_key(request: web.Request) -> tuple[str, str]:
+    """Whose bucket a refusal draws from: the authenticated tenant's, else the client address's."""
+    tenant = request.get(TENANT)
+    return ("tenant", tenant) if tenant is not None else ("address", request.remote or "")
+
+
 def _middlewares(state: AppState, requests_total) -> list:
+    limiter = RefusalLimiter(state.config.refusal_rate)
+
     @web.middleware
     async def errors(request: web.Request, handler):
         resource = request.match_info.route.resource
@@ -92,8 +108,17 @@ def _middlewares(state: AppState, requests_total) -> list:
         finally:
             if watchdog is not None:
                 watchdog.request_ended()
+        if 400 <= response.status < 500 and response.status != 429:
+            limiter.refused(_refusal_key(request))
         requests_total.inc(route=route, status=CLIENT_CLOSED if request.get(CLIENT_GONE) else str(response.status))
         return response
+
+    @web.middleware
+    async def browsers(request: web.Request, handler):
+        state.browsers.check(request)  # before auth: a preflight carries no key
+        if is_preflight(request):
+            return preflight(request)
+        return await handler(request)
 
     @web.middleware
     async def auth(request: web.Request, handler):
@@ -101,18 +126,20 @@ def _middlewares(state: AppState, requests_total) -> list:
         if (state.keys and path.startswith("/v1/") and path not in OPEN_PATHS) or \
                 (state.config.metrics_key and path == METRICS):
             given = request_key(request.headers.get("Authorization"), request.headers.get("x-api-key"))
-            keys = state.keys if path != METRICS else {state.config.metrics_key: ""}
-            tenant = key_tenant(keys, given)
-            if tenant is None:
+            tenant = (state.keys if path != METRICS else state.metrics_keys).tenant(given)
+            if tenant is None:  # auth failures are counted by address: they slow the failing client alone
+                await _slowed(limiter, _refusal_key(request))
                 raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
             request[TENANT] = tenant
+        await _slowed(limiter, _refusal_key(request))
         return await handler(request)
 
-    return [errors, auth]
+    return [errors, browsers, auth]
 
 
 async def _response_headers(request: web.Request, response: web.StreamResponse) -> None:
     dropped_tools_header(request, response)
+    cors_headers(request, response, DROPPED_TOOLS_HEADER)
 
 
 def build_app(state: AppState) -> web.Application:

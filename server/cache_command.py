@@ -20,7 +20,11 @@ def main(argv: list[str]) -> int:
             use = "  (in use by a running daemon)" if f["in_use"] else ""
             print(f"  {f['fingerprint']}  {f['entries']} entries  {f['bytes'] / 2**20:.1f} MiB{use}")
         return 0
-    removed, skipped = clear(root)
+    try:
+        removed, skipped = clear(root)
+    except OSError as exc:
+        print(f"kvfork cache clear: {exc}")
+        return 1
     print(f"removed {removed} entries from {root}")
     for name in skipped:
         print(f"  kept {name}: a running daemon holds it (stop it first)")

@@ -31,6 +31,17 @@ def _header_check(names: list[str]) -> str | None:
     return f"not a header name: {bad[0]!r}" if bad else None
 
 
+def _origin_check(origins: list[str]) -> str | None:
+    bad = [o for o in origins if o != "*" and (not o.startswith(("http://", "https://")) or
+                                                "/" in o.split("://", 1)[1].rstrip("/"))]
+    return f"an origin is scheme://host[:port] (or *), got {bad[0]!r}" if bad else None
+
+
+def _host_name_check(names: list[str]) -> str | None:
+    bad = [n for n in names if not n or any(c in n for c in " /:@")]
+    return f"a host name holds no scheme, port or path, got {bad[0]!r}" if bad else None
+
+
 def _zmq_address_check(address: str | None) -> str | None:
     if address is None:
         return None
@@ -76,6 +87,12 @@ class ServerConfig(Limits):
                                 choices=DTYPES)
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8080, "port to listen on (0: any free port)", check=between(0, 65535))
+    allowed_origins: list[str] = setting([], "a web page origin (https://app.example.com; * for any) that may "
+                                         "call the daemon from a browser (CORS): pages of other sites are refused "
+                                         "a 403; repeat for more", repeat=True, check=_origin_check)
+    allowed_hosts: list[str] = setting([], "a name clients reach the daemon by (its Host header), besides loopback "
+                                       "names, IP addresses and this machine's name (* for any; guards against "
+                                       "DNS rebinding); repeat for more", repeat=True, check=_host_name_check)
     api_key: list[str] = setting([], "require a key (Authorization: Bearer KEY, or x-api-key) on every /v1 route; "
                                  "repeat for more, each its own tenant: nothing one tenant computed is reused for "
                                  "another", repeat=True, check=_key_check)
@@ -118,6 +135,12 @@ class ServerConfig(Limits):
                                     choices=("map", "array"))
     kv_events_block_size: int = setting(16, "tokens per block in KV events: the block size the router is told "
                                         "(vllm-router's --kv-event-block-size, 16 by default)", check=at_least(1))
+    kv_events_public: bool = setting(False, "with API keys: publish KV events, which carry every tenant's prompt "
+                                     "token ids, to whoever can reach --kv-events-endpoint (without it a keyed "
+                                     "daemon publishes only on ipc:// in a private folder, or hashes only)")
+    kv_events_hashes_only: bool = setting(False, "KV events carry block hashes only: no token ids, no scope keys "
+                                          "(for routers that take the hashes as published; vllm-router's "
+                                          "kv_aware recomputes them from token ids and needs those)")
     reasoning_parser: str = setting("auto", "split reasoning from content: <think> (think), [THINK] (mistral), "
                                     "Gemma 4's, LongCat's, Kimi K3's markers or gpt-oss's Harmony channels (auto: "
                                     "the ones the chat template uses)", choices=REASONING_CHOICES)
@@ -131,6 +154,10 @@ class ServerConfig(Limits):
     keep_volatile_lines: bool = setting(False, "keep the volatile lines clients put in prompts (Claude Code's "
                                         "billing line: server/api/volatile.py), which otherwise are taken out "
                                         "before rendering so they never cost a prefill")
+    refusal_rate: float = setting(10.0, "4xx answers per second a tenant may draw (an authentication failure, or "
+                                  "any request to a daemon without keys: its client address), in bursts of 10 "
+                                  "seconds' worth; past it, its requests wait a second and get a 429",
+                                  check=at_least(0.01))
     metrics_key: str | None = setting(None, "require this key (Authorization: Bearer KEY) on /metrics, which is "
                                       "open otherwise; tenants' API keys do not open it",
                                       check=lambda k: _key_check([k]) if k is not None else None)

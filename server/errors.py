@@ -30,10 +30,12 @@ class ErrorBody(Struct):
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
@@ -48,6 +50,14 @@ class ApiError(Exception):
     def body(self) -> ErrorBody:
         kind = ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
         return ErrorBody(ErrorDetail(message=self.message, type=kind, param=self.param, code=self.code))
+
+
+def client_text(value: object, limit: int = 64) -> str:
+    """A client's string as a log line or an error message may hold it: escaped (no newline can forge a
+    line, no control byte reaches a terminal), quoted, and cut to `limit` characters with the length said."""
+    text = value if isinstance(value, str) else repr(value)
+    shown = text[:limit].encode("unicode_escape").decode("ascii").replace("'", "\\'")
+    return f"'{shown}'" + (f"... ({len(text):,} characters)" if len(text) > limit else "")
 
 
 def invalid(param: str, message: str) -> ApiError:

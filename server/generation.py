@@ -145,6 +145,8 @@ async def _events(handle, tokenizer: PromptTokenizer, stops: list[str],
 def _failure(event: DoneEvent) -> ChoiceFailed:
     if event.finish_reason == "cancelled":
         return ChoiceFailed(503, "the request was cancelled: the server is shutting down", "cancelled", event.usage)
+    if event.gave_way:
+        return ChoiceFailed(429, event.error or "the queue is full", "queue_full", event.usage)
     if event.grammar_failed:  # the request's own grammar (a 400: a client must not retry it as a server error)
         return ChoiceFailed(400, f"the grammar failed while generating: {event.error}", "invalid_grammar",
                             event.usage)

@@ -63,6 +63,7 @@ from kvfork.server.grammar_worker import write_message
 from kvfork.server.reasoning import FORMATS
 from kvfork.server.toolcalls import PARSERS
 from kvfork.server.toolcalls.lark import JSON_OPTIONS, CallGrammar, closed, markup, text_until
+from kvfork.server.isolated import module_command
 
 ToolChoice = Literal["auto", "none", "required", "function"]
 _CACHE_ENTRIES = 256
@@ -284,7 +285,7 @@ class CompileProcess:
             self._proc = None
 
     def _start(self) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-m", "kvfork.server.grammar_worker"], stdin=subprocess.PIPE,
+        self._proc = subprocess.Popen(module_command("kvfork.server.grammar_worker"), stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE)
         assert self._proc.stdin is not None
         write_message(self._proc.stdin, self._setup())

@@ -34,13 +34,25 @@ Design rules:
   hashes token ids alone matches it;
 - the publisher never blocks the caller: batches queue to a thread that owns both
   sockets; a full queue drops the batch and counts it (a consumer sees the gap in
-  the sequence numbers and asks for a replay, or resyncs).
+  the sequence numbers and asks for a replay, or resyncs);
+- who reads the stream reads every tenant's prompt token ids: a daemon with API keys
+  publishes only where the operator said who may read (`refusal`: an ipc:// endpoint
+  in a private folder, --kv-events-public, or hashes only), and the start-up line
+  names them (`readers`); --kv-events-hashes-only publishes neither token ids nor
+  scope keys (a router that takes block hashes as they come needs neither);
+- a keyless peer costs little: inbound messages (subscriptions, replay requests) are
+  capped at MAX_INBOUND bytes, queues at QUEUE_BATCHES, and what was announced at
+  start (the disk tier's files found there) goes to the subscribers of that moment
+  only, never to a replay.
 """
 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import logging
+import os
+import stat
 import queue
 import threading
 import time
@@ -58,6 +70,9 @@ MEDIUM_MEMORY = "GPU"  # vLLM's name for the engine's own KV memory, whatever th
 MEDIUM_DISK = "DISK"
 ROOT_HASH = hashlib.sha256(b"kvfork kv events root").digest()  # the first block's parent
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # closes a replay
+MAX_INBOUND = 1024  # bytes of one inbound message: a subscription's topic, a replay request
+QUEUE_BATCHES = 1_000  # batches queued for the publisher thread, and per subscriber in ZMQ (its high-water mark)
+_STARTING, _STARTED = object(), object()  # on the queue: what follows is never replayed / is again
 
 
 # ---- the wire: vLLM's structs (vllm/distributed/kv_events.py), field order as published ----
@@ -136,6 +151,55 @@ def chain_hashes(tokens: Sequence[int], block_size: int, first_extra: tuple | No
 def wire_hash(digest: bytes) -> int:
     """vLLM's integer form of a block hash: its last 8 bytes, big-endian, unsigned."""
     return int.from_bytes(digest[-8:], "big")
+
+
+# ---- who may read ----
+
+
+def _ipc_folder(endpoint: str) -> str | None:
+    return os.path.dirname(os.path.abspath(endpoint.removeprefix("ipc://"))) if endpoint.startswith("ipc://") else None
+
+
+def private_folder(folder: str) -> bool:
+    """Whether `folder` is a folder (not a link) of this user that no one else may enter (0700 or narrower)."""
+    try:
+        st = os.lstat(folder)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+
+
+def loopback(endpoint: str) -> bool:
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def readers(endpoint: str, hashes_only: bool) -> str:
+    """Who can read the stream on `endpoint`, for the start-up line."""
+    what = "block hashes (no token ids)" if hashes_only else "every tenant's prompt token ids"
+    folder = _ipc_folder(endpoint)
+    if folder is not None:
+        who = f"this user only ({folder} is private)" if private_folder(folder) else \
+            f"whoever may enter {folder} (it is not private: make it 0700)"
+    elif loopback(endpoint):
+        who = "any process on this machine"
+    else:
+        who = "anyone who can reach it over the network"
+    return f"{what}, readable by {who}"
+
+
+def refusal(endpoint: str, keyed: bool, public: bool, hashes_only: bool) -> str | None:
+    """Why a daemon may not publish on `endpoint`, or None. A keyless daemon has one tenant: its stream tells
+    nothing another tenant sent. A keyed one needs the operator to have said who may read."""
+    folder = _ipc_folder(endpoint)
+    if not keyed or public or hashes_only or (folder is not None and private_folder(folder)):
+        return None
+    return (f"--kv-events-endpoint {endpoint}: KV events carry every tenant's prompt token ids, and this daemon has "
+            "API keys: publish on ipc:// in a private (0700) folder of this user, add --kv-events-public to "
+            "let whoever reaches the endpoint read them, or --kv-events-hashes-only")
 
 
 # ---- which blocks each medium holds (pure) ----
@@ -219,15 +283,18 @@ class KVEvents:
     A scope is keyed by the index's name for it (Index.digest: an HMAC, never a tenant's name or key);
     the default scope's becomes no extra key at all."""
 
-    def __init__(self, publisher: "KVEventPublisher", block_size: int):
-        self.publisher, self.ledger = publisher, BlockLedger(block_size)
+    def __init__(self, publisher: "KVEventPublisher", block_size: int, hashes_only: bool = False):
+        self.publisher, self.ledger, self.hashes_only = publisher, BlockLedger(block_size), hashes_only
         self.default: str | None = None  # the default scope's digest (`attach`)
+        self.publisher.starting()
         self.publish(self.ledger.clear())  # a (re)started replica holds nothing yet
 
     def key(self, digest: str) -> str | None:
         return None if digest == self.default else digest
 
     def publish(self, event: KVCacheEvent | None) -> None:
+        if isinstance(event, BlockStored) and self.hashes_only:
+            event = msgspec.structs.replace(event, token_ids=[], extra_keys=None)
         if event is not None:
             self.publisher.publish([event])
 
@@ -238,6 +305,7 @@ class KVEvents:
         index.watch("memory", Watch(self, MEDIUM_MEMORY))
         if disk:
             index.watch("disk", Watch(self, MEDIUM_DISK))
+        self.publisher.started()  # the files found at start went to the subscribers of that moment only
 
     def close(self) -> None:
         self.publisher.close()
@@ -251,24 +319,26 @@ class KVEventPublisher:
     `publish(events)` queues one batch; it never blocks and never raises for a slow consumer."""
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "", dp_rank: int = 0,
-                 wire_format: str = "map", buffer_batches: int = 10_000, queue_size: int = 100_000,
-                 hwm: int = 100_000):
+                 wire_format: str = "map", buffer_batches: int = 10_000, queue_size: int = QUEUE_BATCHES,
+                 hwm: int = QUEUE_BATCHES):
         import zmq  # pyzmq: only when KV events are asked for
 
         assert wire_format in FORMATS, wire_format
         self._zmq, self.wire_format = zmq, wire_format
         self.topic, self.dp_rank = topic.encode(), dp_rank
         self.dropped = 0
-        self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(maxsize=queue_size)
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
+        self._replayable = True  # False between `starting` and `started`
         self._sent: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
         self._seq = 0
         ctx = zmq.Context.instance()
         self._pub = ctx.socket(zmq.PUB)
-        self._pub.set_hwm(hwm)
         self._replay = ctx.socket(zmq.ROUTER) if replay_endpoint else None
         for socket, address in ((self._pub, endpoint), (self._replay, replay_endpoint)):
             if socket is None:
                 continue
+            socket.set_hwm(hwm)
+            socket.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND)  # a bigger message from a peer: disconnected
             try:
                 socket.bind(address)
             except zmq.ZMQError as e:
@@ -289,6 +359,14 @@ class KVEventPublisher:
         except queue.Full:
             self.dropped += 1
 
+    def starting(self) -> None:
+        """What is published from now to `started` (start-up announcements) goes to the subscribers of the moment
+        and is never replayed."""
+        self._queue.put(_STARTING)
+
+    def started(self) -> None:
+        self._queue.put(_STARTED)
+
     def close(self, timeout_s: float = 2.0) -> None:
         self._queue.put(None)
         self._thread.join(timeout_s)
@@ -308,9 +386,13 @@ class KVEventPublisher:
                     continue
                 if batch is None:
                     return
+                if batch is _STARTING or batch is _STARTED:
+                    self._replayable = batch is _STARTED
+                    continue
                 payload = encode_batch(batch, self.wire_format)
                 self._pub.send_multipart((self.topic, self._seq.to_bytes(8, "big"), payload))
-                self._sent.append((self._seq, payload))
+                if self._replayable:
+                    self._sent.append((self._seq, payload))
                 self._seq += 1
         except Exception:  # the publisher is optional: it stops, serving goes on
             log.exception("KV event publisher stopped")

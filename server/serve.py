@@ -29,6 +29,7 @@ from kvfork.server.observe import log_stats, register_vllm_names
 from kvfork.server.state import AppState
 from kvfork.server.text.tokenizer import PromptTokenizer
 from kvfork.server.warm import warm
+from kvfork.server.tenants import key_tenants
 
 GiB = 1024**3
 log = logging.getLogger("kvfork")
@@ -113,14 +114,19 @@ def open_kv_events(config: ServerConfig):
     """The KV event publisher --kv-events-endpoint asks for (pyzmq, imported only then), else None."""
     if config.kv_events_endpoint is None:
         return None
-    from kvfork.server.kv_events import KVEventPublisher, KVEvents
+    from kvfork.server.kv_events import KVEventPublisher, KVEvents, refusal
+
+    keyed = bool(key_tenants(config.api_key, config.api_keys_file))
+    refused = refusal(config.kv_events_endpoint, keyed, config.kv_events_public, config.kv_events_hashes_only)
+    if refused is not None:
+        raise OSError(refused)
 
     replay = config.kv_events_replay_endpoint
     if replay is None and config.kv_events_endpoint.startswith("tcp://"):
         host, _, port = config.kv_events_endpoint.rpartition(":")
         replay = f"{host}:{int(port) + 1}" if int(port) else f"{host}:0"
     publisher = KVEventPublisher(config.kv_events_endpoint, replay, wire_format=config.kv_events_format)
-    return KVEvents(publisher, config.kv_events_block_size)
+    return KVEvents(publisher, config.kv_events_block_size, config.kv_events_hashes_only)
 
 
 def pick_backend(name: str) -> tuple[str, Backend]:
@@ -160,9 +166,12 @@ async def run(config: ServerConfig, engine_config: EngineConfig, model: str,
         return 1
     print(f"kvfork: listening on {daemon.url} (loading {model} on {backend_name})", flush=True)
     if daemon.kv_events is not None:
+        from kvfork.server.kv_events import readers
+
         pub = daemon.kv_events.publisher
         print(f"kvfork: KV events on {pub.endpoint} (replay: {pub.replay_endpoint}), blocks of "
-              f"{config.kv_events_block_size} tokens", flush=True)
+              f"{config.kv_events_block_size} tokens: {readers(pub.endpoint, config.kv_events_hashes_only)}",
+              flush=True)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

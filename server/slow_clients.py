@@ -9,9 +9,10 @@ handler waiting on a write forever. Three bounds (server/limits.py), each counte
   that has not delivered a complete request head within --header-timeout of its opening or of the
   end of its previous request (an idle keep-alive connection is closed then too, uncounted);
 - the body: `read_body` reads it under asyncio.timeout(--body-timeout), then closes the connection;
-- the writes: when the transport's buffer is full (the client stopped reading), the watchdog
-  closes the connection past --write-timeout; aiohttp then cancels the handler, whose generation
-  cancels its engine request (handler_cancellation, server/app.py), streaming or not.
+- the writes: while the transport's buffer is full, the watchdog judges progress: a client that
+  drained less than MIN_DRAINED bytes of it in one --write-timeout is cut off (a slow but steady
+  reader of a large reply is not, one that reads nothing or a trickle is); aiohttp then cancels the
+  handler, whose generation cancels its engine request (handler_cancellation, server/app.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from aiohttp import web
 from kvfork.server.errors import ApiError
 from kvfork.server.limits import Limits
 from kvfork.server.metrics import Registry
+
+# Bytes of a full write buffer a client must drain per --write-timeout to keep its connection: 2 KiB/s
+# at the default 30 s, far below any real reader, far above one that trickles a byte at a time.
+MIN_DRAINED = 64 * 1024
 
 
 class SlowClients:
@@ -61,7 +66,8 @@ class Watchdog(asyncio.Protocol):
         self.in_request = False
         self.head_since: float | None = None  # when the wait for the next request head began
         self.head_bytes = False  # some of that head has arrived (a partial head, not an idle connection)
-        self.paused_since: float | None = None  # when the transport's write buffer filled up
+        self.paused_since: float | None = None  # when the transport's write buffer filled up, or last drained
+        self.paused_buffer = 0  # the buffer's size then
         self._timer: asyncio.TimerHandle | None = None
 
     @staticmethod
@@ -91,7 +97,7 @@ class Watchdog(asyncio.Protocol):
         self.inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
-        self.paused_since = self.loop.time()
+        self._progress()
         self._arm()
         self.inner.pause_writing()
 
@@ -116,9 +122,9 @@ class Watchdog(asyncio.Protocol):
         self.head_since, self.head_bytes = self.loop.time(), False
         self._arm()
 
-    def _deadlines(self) -> list[tuple[float, Callable[[], bool]]]:
+    def _deadlines(self) -> list[tuple[float, Callable[[], bool | None]]]:
         """(when, what then): the action counts what it cuts off and says whether to reset (a slow client)
-        rather than close (an idle one, which may still be reading the last answer)."""
+        rather than close (an idle one, which may still be reading the last answer); None: not cut off."""
         limits, out = self.clients.limits, []
         if self.transport is None:  # closed (by us or the client): nothing to watch
             return out
@@ -128,7 +134,16 @@ class Watchdog(asyncio.Protocol):
             out.append((self.head_since + limits.header_timeout, self._head_late))
         return out
 
-    def _write_stalled(self) -> bool:
+    def _progress(self) -> None:
+        self.paused_since = self.loop.time()
+        self.paused_buffer = self.transport.get_write_buffer_size() if self.transport is not None else 0
+
+    def _write_stalled(self) -> bool | None:
+        """None (watch on) when the client drained MIN_DRAINED bytes since the last look, else cut it off."""
+        assert self.transport is not None  # _deadlines has none without one
+        if self.paused_buffer - self.transport.get_write_buffer_size() >= MIN_DRAINED:
+            self._progress()
+            return None
         self.clients.write_timeouts.inc()
         return True
 
@@ -154,6 +169,8 @@ class Watchdog(asyncio.Protocol):
         for at, cut_off in self._deadlines():
             if now >= at:
                 slow = cut_off()
+                if slow is None:
+                    break
                 transport, self.transport = self.transport, None
                 if transport is not None:
                     reset(transport) if slow else transport.close()

@@ -18,8 +18,9 @@ from kvfork.server.api.diagnosis import Fingerprints
 from kvfork.server.api.responses.store import ResponseStore
 from kvfork.server.reuse import ReuseLog
 from kvfork.server.slow_clients import SlowClients
-from kvfork.server.tenants import key_tenants
+from kvfork.server.tenants import key_tenants, KeyTable
 from kvfork.server.text.tokenizer import PromptTokenizer
+from kvfork.server.browsers import Browsers
 
 
 @dataclass
@@ -33,20 +34,24 @@ class AppState:
     _grammars: GrammarCompiler | None = None  # built on the first constrained request
     generation_rate: TokenRate = field(default_factory=TokenRate)  # /v1/loads' gen_throughput
     responses: ResponseStore = field(init=False)  # for /v1/responses' previous_response_id
-    keys: dict[str, str] = field(init=False)  # accepted API key -> its tenant; empty: no auth, one tenant
+    keys: KeyTable = field(init=False)  # accepted API keys and their tenants; empty: no auth, one tenant
     clients: SlowClients = field(init=False)  # the slow-client bounds and their counters
     fingerprints: Fingerprints = field(init=False)  # cache diagnostics' (server/api/diagnosis.py)
     reuse: ReuseLog = field(default_factory=ReuseLog)  # what the reuse page shows (server/reuse.py)
     volatile_lines: Counter = field(init=False)  # server/api/volatile.py's lines taken out of prompts
+    metrics_keys: KeyTable = field(init=False)  # --metrics-key's, for /metrics and /v1/loads' every figure
+    browsers: Browsers = field(init=False)  # which hosts and pages may reach the daemon
 
     def __post_init__(self) -> None:
         self.responses = ResponseStore(self.config.max_stored_responses, self._forget_session,
                                        self.config.max_stored_response_bytes)
-        self.keys = key_tenants(self.config.api_key, self.config.api_keys_file)
+        self.keys = KeyTable(key_tenants(self.config.api_key, self.config.api_keys_file))
+        self.metrics_keys = KeyTable({self.config.metrics_key: ""} if self.config.metrics_key else {})
         self.clients = SlowClients(self.registry, self.config)
         self.fingerprints = Fingerprints(self.registry)
         self.volatile_lines = self.registry.counter("volatile_lines_removed_total", "volatile client lines taken "
                                                     "out of prompts (--keep-volatile-lines), by line")
+        self.browsers = Browsers.of(self.config.host, self.config.allowed_hosts, self.config.allowed_origins)
 
     def close(self) -> None:
         """Stop the worker threads (and grammar processes) the routes use."""

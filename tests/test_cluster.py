@@ -134,8 +134,16 @@ async def test_two_replicas_behind_smg(tiny_model_dir, tmp_path):
             assert status == 401 and body["error"]["code"] == "invalid_api_key"
             status, body = await chat(http, gateway, "hello")
             assert status == 200 and body["choices"][0]["message"]["role"] == "assistant"
+            # smg's control plane is closed; its key is the operator's, in a 0600 file
+            key_file = tmp_path / "cluster" / "control-plane-key"
+            assert oct(key_file.stat().st_mode & 0o777) == "0o600"
+            control = {"Authorization": f"Bearer {key_file.read_text().strip()}"}
+            async with http.get(gateway + "/workers") as r:
+                assert r.status == 401
+            async with http.post(gateway + "/workers", json={"url": "http://127.0.0.1:9"}) as r:
+                assert r.status == 401  # no rogue worker registers
             # smg reads /v1/loads (open, keys or not) from both replicas
-            loads = await until(lambda: get_json(http, gateway + "/get_loads"),
+            loads = await until(lambda: get_json(http, gateway + "/get_loads", headers=control),
                                 lambda r: len([w for w in r[1]["loads"] if w.get("max_total_num_tokens", 0) > 0]) == 2,
                                 "both replicas' loads at the gateway")
             assert {w["worker"] for w in loads[1]["loads"]} == set(replicas)
@@ -194,7 +202,7 @@ async def test_two_replicas_behind_smg(tiny_model_dir, tmp_path):
             index = replicas.index(victim) + 1
             await cluster.line(rf"replica {index} exited \(code -9\); starting it again", after=before)
             await cluster.line(rf"^\[replica {index}\] kvfork: loaded", after=before)
-            await until(lambda: get_json(http, gateway + "/workers"),
+            await until(lambda: get_json(http, gateway + "/workers", headers=control),
                         lambda r: [w["is_healthy"] for w in r[1]["workers"]] == [True, True], "both healthy again")
 
             # a replica stopped (SIGTERM: its prefix cache spills to disk) comes back with its prefixes

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from kvfork.server.isolated import module_command
 from kvfork.tools import cluster
 
 
@@ -22,14 +23,15 @@ def test_the_plan_splits_one_budget_and_gives_each_replica_its_port_and_folder(t
     assert [p.replica_url(i) for i in range(3)] == ["http://127.0.0.1:9001", "http://127.0.0.1:9002",
                                                     "http://127.0.0.1:9003"]
     for i, argv in enumerate(p.replicas):
-        assert argv[:3] == [sys.executable, "-m", "kvfork.server"]
-        flags = dict(zip(argv[3::2], argv[4::2]))
+        command = module_command("kvfork.server")
+        assert argv[:len(command)] == command
+        flags = dict(zip(argv[len(command)::2], argv[len(command) + 1::2]))
         assert flags == {"--inference-slots": "2", "--model": model, "--kv-budget-bytes": "1000000",
                          "--host": "127.0.0.1", "--port": str(9001 + i)}
     assert p.homes == [kvfork_home / "cluster" / f"replica-{i}" for i in (1, 2, 3)]
     assert p.replica_env == {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // 3))}  # a share of the cores
     gateway = p.gateway
-    assert gateway[:4] == [sys.executable, "-m", "smg", "launch"]
+    assert gateway[:1] == ["launch"]  # smg's argv, sent on its stdin (cluster.SMG_LAUNCH)
     assert gateway[gateway.index("--worker-urls") + 1:gateway.index("--worker-urls") + 4] == [
         p.replica_url(i) for i in range(3)]
     for flag, value in (("--host", "127.0.0.1"), ("--port", "9000"), ("--policy", "cache_aware"),
@@ -72,3 +74,22 @@ def test_each_replica_publishes_kv_events_on_ports_of_its_own(tiny_model_dir):
     assert sockets == [("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"), ("tcp://127.0.0.1:5559", "tcp://127.0.0.1:5560")]
     assert all(argv.count("--kv-events-endpoint") == 1 for argv in p.replicas)
 
+
+
+def test_kv_events_beyond_loopback_are_refused_as_host_is(tiny_model_dir, capsys):
+    for endpoint in ("tcp://0.0.0.0:5557", "tcp://10.1.2.3:5557"):
+        with pytest.raises(SystemExit):
+            cluster.plan(["--model", tiny_model_dir("llama"), "--kv-events-endpoint", endpoint])
+        assert "loopback" in capsys.readouterr().err
+
+
+def test_smgs_control_plane_is_keyed_and_no_command_line_holds_the_key(tiny_model_dir):
+    p = cluster.plan(["--model", tiny_model_dir("llama")])
+    other = cluster.plan(["--model", tiny_model_dir("llama")])
+    assert len(p.control_key) >= 32 and p.control_key != other.control_key  # made for each run
+    argv = p.gateway_argv()
+    assert argv[argv.index("--control-plane-api-keys") + 1].endswith(":admin:" + p.control_key)
+    assert not any(p.control_key in arg for arg in [*p.gateway, *cluster.SMG_LAUNCH.split(), *sum(p.replicas, [])])
+    # every child imports only kvfork's code: isolated mode, kvfork's folder by its absolute path
+    for replica in p.replicas:
+        assert replica[:2] == [sys.executable, "-I"] and os.path.isabs(replica[4])

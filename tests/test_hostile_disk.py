@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import stat
+import shutil
 import struct
 
 import pytest
@@ -77,13 +78,18 @@ async def test_files_are_private_and_name_their_scope_by_a_keyed_hash(tiny_model
         await engine.shutdown(1.0)
 
 
-async def test_older_loose_permissions_are_narrowed_at_start(tiny_model_dir):
-    model = tiny_model_dir("llama")
+async def one_file(model: str):
+    """(the tier's folder, its one file): a daemon that computed one prompt, stopped (its cache spilled)."""
     engine = await start(model)
     await run(engine, prompt_of(40), 2)
-    folder = engine.disk.folder
     await engine.shutdown(1.0)
-    (path,) = files(folder)
+    (path,) = files(engine.disk.folder)
+    return engine.disk.folder, path
+
+
+async def test_older_loose_permissions_are_narrowed_at_start(tiny_model_dir):
+    model = tiny_model_dir("llama")
+    folder, path = await one_file(model)
     for p, loose in ((path, 0o644), (folder / disk.LOCK, 0o644), (folder, 0o755)):
         p.chmod(loose)
     engine = await start(model)
@@ -109,3 +115,96 @@ async def test_the_spill_at_shutdown_lands_before_the_pool_closes(tiny_model_dir
         await engine.shutdown(1.0)
     assert [disk.read_header(f)["tokens"] for f in files(folder)] == [json.dumps(p + prompt_of(200, 300))]
     assert not [r for r in caplog.records if "after shutdown" in r.getMessage() or r.exc_info]
+
+
+# ---- issue 33, finding 18: no link is followed ----
+
+
+def test_cache_clear_never_follows_a_link(kvfork_home, tmp_path, capsys):
+    from kvfork.server.cache_command import main
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / ("ab" * 20 + disk.SUFFIX)
+    victim.write_bytes(b"not the tier's")
+    (outside / disk.LOCK).write_bytes(b"")
+    root = disk.kv_root()
+    root.mkdir(mode=0o700, parents=True)
+    (root / "linked").symlink_to(outside, target_is_directory=True)
+    ours = root / ("f" * 20)
+    ours.mkdir(mode=0o700)
+    (ours / ("cd" * 20 + disk.SUFFIX)).write_bytes(b"x")
+    (ours / ("ef" * 20 + disk.SUFFIX)).symlink_to(victim)  # a link among the entries: removed itself
+    assert main(["clear"]) == 0
+    assert victim.read_bytes() == b"not the tier's" and (root / "linked").is_symlink()
+    assert not ours.exists() or not list(ours.iterdir())
+    assert all(f["fingerprint"] != "linked" for f in disk.describe(root))
+    # the kv folder itself a link: refused, nothing removed
+    shutil.rmtree(root)
+    root.symlink_to(outside, target_is_directory=True)
+    try:
+        assert main(["clear"]) == 1 and victim.exists()
+        assert "not cleared" in capsys.readouterr().out
+    finally:
+        root.unlink()
+
+
+async def test_the_tier_follows_no_link_in_its_folder(tiny_model_dir, tmp_path):
+    model = tiny_model_dir("llama")
+    folder, path = await one_file(model)
+    outside = tmp_path / "private.safetensors"
+    outside.write_bytes(path.read_bytes())  # a valid file, elsewhere
+    outside.chmod(0o640)
+    path.unlink()
+    path.symlink_to(outside)
+    engine = await start(model)
+    try:
+        assert engine.disk.on and not path.exists() and not path.is_symlink()  # the link removed, alone
+        assert stat.S_IMODE(outside.stat().st_mode) == 0o640 and outside.exists()  # never chmodded
+        _, done = await run(engine, prompt_of(40), 2)
+        assert done.usage.reuse_source != "disk"  # never read through the link
+    finally:
+        await engine.shutdown(1.0)
+    # a link in place of the lock file: the tier is off rather than chmod what it points to
+    (folder / disk.LOCK).unlink()
+    (folder / disk.LOCK).symlink_to(outside)
+    engine = await start(model)
+    try:
+        assert not engine.disk.on and stat.S_IMODE(outside.stat().st_mode) == 0o640
+    finally:
+        await engine.shutdown(1.0)
+    (folder / disk.LOCK).unlink()
+
+
+@pytest.mark.parametrize("bad", ["empty", "short", "link"])
+async def test_a_bad_secret_is_replaced_with_a_warning(tiny_model_dir, kvfork_home, tmp_path, caplog, bad):
+    model = tiny_model_dir("llama")
+    secret = kvfork_home / disk.SECRET
+    outside = tmp_path / "someone-elses"
+    outside.write_bytes(b"s" * 32)
+    outside.chmod(0o644)
+    secret.unlink(missing_ok=True)
+    if bad == "link":
+        secret.symlink_to(outside)
+    else:
+        secret.write_bytes(b"" if bad == "empty" else b"x" * 5)
+    with caplog.at_level(logging.WARNING, logger="kvfork.disk"):
+        engine = await start(model)
+    try:
+        assert engine.disk is not None and engine.disk.on
+        assert any("replacing the prefix cache's secret" in r.getMessage() for r in caplog.records)
+        assert not secret.is_symlink() and len(secret.read_bytes()) == 32 and secret.read_bytes() != b"s" * 32
+        assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+        assert stat.S_IMODE(outside.stat().st_mode) == 0o644 and outside.read_bytes() == b"s" * 32
+    finally:
+        await engine.shutdown(1.0)
+
+
+def test_two_daemons_making_the_secret_at_once_agree(kvfork_home):
+    from concurrent.futures import ThreadPoolExecutor
+
+    (kvfork_home / disk.SECRET).unlink(missing_ok=True)
+    with ThreadPoolExecutor(8) as pool:
+        secrets = list(pool.map(lambda _: disk.tier_secret(disk.kv_root()), range(16)))
+    assert len(set(secrets)) == 1 and len(secrets[0]) == 32
+    assert not list(kvfork_home.glob(".kv-secret*"))  # no temporary left behind

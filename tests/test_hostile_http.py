@@ -225,7 +225,7 @@ async def test_keys_are_read_as_rfc_7235_says_and_bad_bytes_are_a_401(tiny_model
         async with http.post(d.url + CHAT, json=body, headers={"Authorization": "BEARER  key-a "}) as r:
             assert r.status == 200
         for header in (b"Authorization: Bearer \xff\xfe", b"x-api-key: \xff\xfekey-a"):
-            reply = await raw_exchange(d.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + header +
+            reply = await raw_exchange(d.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n" + header +
                                        b"\r\nContent-Type: application/json\r\nContent-Length: 2\r\n"
                                        b"Connection: close\r\n\r\n{}")
             assert reply.startswith(b"HTTP/1.1 401"), reply[:200]
@@ -257,9 +257,9 @@ SLOW = dict(header_timeout=1.0, body_timeout=1.0, write_timeout=1.0)
 
 async def test_a_partial_head_or_a_trickled_body_is_cut_off_and_counted(tiny_model_dir, http):
     async with serving(tiny_model_dir("llama"), **SLOW) as d:
-        partial = await raw_exchange(d.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
+        partial = await raw_exchange(d.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Le")
         assert partial == b""  # closed without a word
-        trickled = await raw_exchange(d.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        trickled = await raw_exchange(d.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
                                               b"Content-Type: application/json\r\nContent-Length: 16000000\r\n\r\n{")
         assert b" 200 " not in trickled
         idle = await raw_exchange(d.port, b"")  # an idle connection is closed too, uncounted
@@ -271,7 +271,7 @@ async def test_a_partial_head_or_a_trickled_body_is_cut_off_and_counted(tiny_mod
 
 async def test_an_unauthenticated_huge_body_does_not_hold_its_connection(tiny_model_dir, keys_file):
     async with serving(tiny_model_dir("llama"), api_keys_file=keys_file, **SLOW) as d:
-        reply = await raw_exchange(d.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        reply = await raw_exchange(d.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
                                            b"Content-Length: 16000000\r\n\r\n{", read_s=20)
         assert reply.startswith(b"HTTP/1.1 401")  # and then closed: raw_exchange read to the end
 
@@ -284,7 +284,7 @@ async def test_a_stream_nobody_reads_is_cancelled_and_closed(tiny_model_dir, htt
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.setblocking(False)
         await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", d.port))
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         try:  # and never read
             await until(lambda: metrics(http, d.url), lambda m: m.get("kvfork_http_write_timeouts_total", 0) == 1,

@@ -318,3 +318,102 @@ async def test_a_daemon_publishes_what_its_prefix_cache_and_disk_tier_hold(tiny_
                 assert salted.extra_keys[0][0] != hashlib.sha256(json.dumps(["", "s"]).encode()).hexdigest()[:32]
         finally:
             sub.close(linger=0)
+
+
+# ---- issue 33, findings 1-3: who may read ----
+
+
+def test_a_keyed_daemon_publishes_only_where_the_operator_said_who_reads(tmp_path):
+    from kvfork.server.kv_events import readers, refusal
+
+    tcp = "tcp://127.0.0.1:5557"
+    assert refusal(tcp, keyed=False, public=False, hashes_only=False) is None  # one tenant: nobody else's prompts
+    reason = refusal(tcp, keyed=True, public=False, hashes_only=False)
+    assert reason is not None and "--kv-events-public" in reason and "ipc://" in reason
+    assert refusal(tcp, keyed=True, public=True, hashes_only=False) is None
+    assert refusal(tcp, keyed=True, public=False, hashes_only=True) is None
+    private, shared = tmp_path / "private", tmp_path / "shared"
+    private.mkdir(mode=0o700)
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    assert refusal(f"ipc://{private}/kv", keyed=True, public=False, hashes_only=False) is None
+    assert refusal(f"ipc://{shared}/kv", keyed=True, public=False, hashes_only=False) is not None
+    link = tmp_path / "link"
+    link.symlink_to(private, target_is_directory=True)
+    assert refusal(f"ipc://{link}/kv", keyed=True, public=False, hashes_only=False) is not None
+    assert "this user only" in readers(f"ipc://{private}/kv", False)
+    assert "any process on this machine" in readers(tcp, False) and "token ids" in readers(tcp, False)
+    assert "over the network" in readers("tcp://0.0.0.0:5557", True) and "no token ids" in readers(tcp, True)
+
+
+async def test_a_keyed_daemon_refuses_an_open_endpoint_at_start(tiny_model_dir, tmp_path):
+    from http_daemon import serving
+
+    keys = tmp_path / "keys"
+    keys.write_text("key-a tenant-a\n")
+    with pytest.raises(OSError, match="--kv-events-public"):
+        async with serving(tiny_model_dir("llama"), load=False, api_keys_file=str(keys),
+                           kv_events_endpoint="tcp://127.0.0.1:0"):
+            pass
+
+
+def test_hashes_only_publishes_no_token_ids_nor_scope_keys():
+    from kvfork.server.kv_events import KVEvents
+
+    class Collect:
+        def __init__(self):
+            self.batches: list = []
+
+        def publish(self, events):
+            self.batches.append(events)
+
+        def starting(self):
+            pass
+
+    collect = Collect()
+    events = KVEvents(collect, 4, hashes_only=True)  # type: ignore[arg-type]
+    events.default = "default"
+    events.publish(events.ledger.take(list(range(9)), "scope-digest", MEDIUM_MEMORY))
+    (stored,) = collect.batches[-1]
+    assert stored.token_ids == [] and stored.extra_keys is None and len(stored.block_hashes) == 2
+
+
+def test_inbound_messages_and_queues_are_capped(publisher):
+    from kvfork.server.kv_events import MAX_INBOUND, QUEUE_BATCHES
+
+    for sock in (publisher._pub, publisher._replay):  # noqa: SLF001  the sockets' options, read back
+        assert sock.getsockopt(zmq.MAXMSGSIZE) == MAX_INBOUND
+        assert sock.getsockopt(zmq.SNDHWM) == QUEUE_BATCHES
+    # a keyless peer's huge frame is refused by ZMQ (the peer is dropped), and replay still answers others
+    big = zmq.Context.instance().socket(zmq.DEALER)
+    big.connect(publisher.replay_endpoint)
+    big.send_multipart((b"", b"x" * (8 * 1024 * 1024)))
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVTIMEO, 10_000)
+    dealer.connect(publisher.replay_endpoint)
+    try:
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        assert dealer.recv_multipart()[1] == (-1).to_bytes(8, "big", signed=True)
+    finally:
+        big.close(linger=0)
+        dealer.close(linger=0)
+
+
+def test_start_up_announcements_are_never_replayed(publisher):
+    led = ledger()
+    publisher.starting()
+    publisher.publish([led.take([7] * 4, Scope(), MEDIUM_DISK)])  # a file found at start
+    publisher.started()
+    publisher.publish([led.take([8] * 4, Scope(), MEDIUM_MEMORY)])
+    time.sleep(0.3)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVTIMEO, 10_000)
+    dealer.connect(publisher.replay_endpoint)
+    try:
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        tokens = []
+        while (frames := dealer.recv_multipart())[1] != (-1).to_bytes(8, "big", signed=True):
+            tokens.append(decode(frames[2]).events[0].token_ids)
+        assert tokens == [[8] * 4]
+    finally:
+        dealer.close(linger=0)

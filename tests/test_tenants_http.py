@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from http_daemon import serving
-from kvfork.server.tenants import key_tenant, key_tenants, read_keys_file
+from kvfork.server.tenants import KeyTable, key_tenants, read_keys_file
 
 CHAT = "/v1/chat/completions"
 PROMPT = "a long shared system prompt that every request here sends, word for word, " * 3
@@ -113,9 +113,9 @@ async def test_without_keys_every_request_shares_one_scope(tiny_model_dir, http)
 
 def test_the_keys_file(tmp_path, keys_file):
     assert read_keys_file(keys_file) == {"key-a1": "tenant-a", "key-a2": "tenant-a", "key-b": "tenant-b"}
-    keys = key_tenants(["solo"], keys_file)
-    assert key_tenant(keys, "solo") == "key-1 (--api-key)" and key_tenant(keys, "key-a2") == "tenant-a"
-    assert key_tenant(keys, "") is None and key_tenant(keys, "key-a") is None
+    keys = KeyTable(key_tenants(["solo"], keys_file))
+    assert keys.tenant("solo") == "key-1 (--api-key)" and keys.tenant("key-a2") == "tenant-a"
+    assert keys.tenant("") is None and keys.tenant("key-a") is None and keys.tenant("\udcff") is None
     assert key_tenants([], None) == {}
     # three fields, one field, no keys at all, a key given to two tenants
     for text in ("k t extra\n", "k\n", "# nothing\n\n", "k a\nk b\n"):
@@ -127,3 +127,19 @@ def test_the_keys_file(tmp_path, keys_file):
         read_keys_file(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="--api-key"):
         key_tenants(["key-b"], keys_file)  # a --api-key key the file gives to a named tenant
+
+
+def test_a_key_is_found_in_constant_work_among_100000(monkeypatch):
+    """O(1): one SHA-256 of the presented key and one compare_digest, whatever the number of keys (counted, not
+    timed)."""
+    import hmac
+
+    from kvfork.server import tenants
+
+    keys = KeyTable({f"key-{i}": f"tenant-{i % 7}" for i in range(100_000)})
+    compares: list[int] = []
+    real = hmac.compare_digest
+    monkeypatch.setattr(tenants.hmac, "compare_digest", lambda a, b: compares.append(1) or real(a, b))
+    assert keys.tenant("key-99999") == "tenant-4" and keys.tenant("key-100000") is None
+    assert keys.tenant("key-5") == "tenant-5"
+    assert len(compares) == 3 and len(keys) == 100_000

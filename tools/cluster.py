@@ -20,9 +20,14 @@ take it out meanwhile and back in after. Ctrl-C (or SIGTERM) stops them all:
 each replica gets one SIGTERM, so it finishes in-flight requests and spills its
 prefix cache to its disk tier (`--shutdown-grace`).
 
-smg is optional (`pip install 'kvfork[cluster]'`) and never imported: it runs
-as `python -m smg launch`. Several machines: see the README (replicas started by
-hand, `smg launch --worker-urls ...` pointed at them).
+smg is optional (`pip install 'kvfork[cluster]'`) and never imported here: it runs
+in a process of its own, in Python's isolated mode. Its control plane (worker
+registration and removal, /workers, /get_loads) is closed: the cluster makes a key
+at each start (`--control-plane-api-keys`, role admin), hands it to smg through a
+pipe, never a command line (smg's entry point is called in-process with the argv
+built there: `SMG_LAUNCH`), and keeps it 0600 in $KVFORK_HOME/cluster/control-plane-key
+for the operator. Several machines: see the README (replicas started by hand,
+`smg launch --worker-urls ...` pointed at them).
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import json
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -42,6 +49,8 @@ from typing import NoReturn
 import aiohttp
 
 from kvfork.server.config import ServerConfig
+from kvfork.server.isolated import module_command
+from kvfork.server.kv_events import loopback
 from kvfork.server.engine.config import KV_BUDGET_FRACTION, EngineConfig, physical_memory_bytes
 from kvfork.server.settings import from_args
 from kvfork.backends.model_path import kvfork_home
@@ -55,6 +64,10 @@ READY_TIMEOUT_S = 600.0  # a first run may fetch and convert the default model
 STOP_TIMEOUT_S = 30.0  # after SIGTERM: the replicas' --shutdown-grace (10 s) and their disk spills
 QUICK_EXIT_S = 30.0  # a replica that exits this soon after starting, three times running, stays down
 POLL_S = 0.25
+CONTROL_KEY_FILE = "control-plane-key"  # in $KVFORK_HOME/cluster, 0600: smg's control-plane key of this run
+# smg's command line: its argv (the control-plane key among it) arrives as one JSON line on stdin, and its
+# entry point runs in this process, so /proc/PID/cmdline never holds the key
+SMG_LAUNCH = "import json, sys; argv = json.loads(sys.stdin.readline()); from smg.cli import main; main(argv)"
 
 
 class Parser(argparse.ArgumentParser):
@@ -92,7 +105,8 @@ class Plan:
     metrics_port: int
     replicas: list[list[str]]  # each replica's command line
     homes: list[Path]  # each replica's KVFORK_HOME (its disk tier is under it)
-    gateway: list[str]
+    gateway: list[str]  # smg's arguments (`launch ...`), less the control-plane key
+    control_key: str  # smg's control-plane key (admin), made for this run
     # Each replica's share of the cores: N replicas of torch each taking every core thrash one machine
     # (2 replicas on 2 cores took 15x one replica's wall time). An OMP_NUM_THREADS of the user's wins.
     replica_env: dict[str, str] = field(default_factory=dict)
@@ -103,6 +117,10 @@ class Plan:
     @property
     def gateway_url(self) -> str:
         return f"http://{HOST}:{self.port}"
+
+    def gateway_argv(self) -> list[str]:
+        """smg's whole argv, the key included: for its stdin, never a command line."""
+        return [*self.gateway, "--control-plane-api-keys", f"kvfork:kvfork cluster:admin:{self.control_key}"]
 
 
 def plan(argv: list[str]) -> Plan:
@@ -133,12 +151,12 @@ def plan(argv: list[str]) -> Plan:
     model = given.model or str(_default_model())
     share = budget // args.replicas
     own = ("--model", "--kv-budget-bytes", "--kv-events-endpoint", "--kv-events-replay-endpoint")
-    base = [sys.executable, "-m", "kvfork.server", *_without(serve_args, *own),
+    base = [*module_command("kvfork.server"), *_without(serve_args, *own),
             "--model", model, "--kv-budget-bytes", str(share), "--host", HOST]
     replicas = [[*base, "--port", str(args.port + 1 + i), *_kv_events(given.kv_events_endpoint, i, p)]
                 for i in range(args.replicas)]
     homes = [kvfork_home() / "cluster" / f"replica-{i + 1}" for i in range(args.replicas)]
-    gateway = [sys.executable, "-m", "smg", "launch", "--host", HOST, "--port", str(args.port),
+    gateway = ["launch", "--host", HOST, "--port", str(args.port),
                "--worker-urls", *(f"http://{HOST}:{args.port + 1 + i}" for i in range(args.replicas)),
                "--policy", args.policy, "--prometheus-host", HOST, "--prometheus-port", str(metrics_port),
                "--health-check-interval-secs", str(args.health_check_interval),
@@ -152,7 +170,7 @@ def plan(argv: list[str]) -> Plan:
         gateway += ["--sticky-sessions", "--assignment-mode", args.assignment]
     threads = {} if "OMP_NUM_THREADS" in os.environ else {
         "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.replicas))}
-    return Plan(args.port, metrics_port, replicas, homes, gateway, threads)
+    return Plan(args.port, metrics_port, replicas, homes, gateway, secrets.token_urlsafe(32), threads)
 
 
 def _kv_events(endpoint: str | None, index: int, p: Parser) -> list[str]:
@@ -162,6 +180,9 @@ def _kv_events(endpoint: str | None, index: int, p: Parser) -> list[str]:
     host, _, port = endpoint.rpartition(":")
     if not endpoint.startswith("tcp://") or not int(port):
         p.error("--kv-events-endpoint: a cluster needs tcp://HOST:PORT (each replica takes PORT + 2i and the next)")
+    if not loopback(endpoint):  # as --host: the events carry prompts; several machines: the README
+        p.error(f"--kv-events-endpoint is loopback in a cluster (tcp://{HOST}:PORT): events carry token ids, and "
+                "everything here listens on loopback (several machines: the README)")
     first = int(port) + 2 * index
     return ["--kv-events-endpoint", f"{host}:{first}", "--kv-events-replay-endpoint", f"{host}:{first + 1}"]
 
@@ -209,6 +230,7 @@ class Child:
     pump: asyncio.Task | None = None
     log: Path | None = None  # where its output goes; None: to ours, each line under its name
     cwd: Path | None = None  # where it runs (smg writes its smg.pid there)
+    stdin_data: bytes | None = None  # written to its stdin, which is then closed (None: no stdin)
 
     async def start(self) -> None:
         # A session of its own: a Ctrl-C in the terminal reaches the cluster alone, which then stops each
@@ -217,10 +239,16 @@ class Child:
         try:
             self.proc = await asyncio.create_subprocess_exec(
                 *self.argv, stdout=out, stderr=asyncio.subprocess.STDOUT, env={**os.environ, **self.env},
-                cwd=self.cwd, start_new_session=True)
+                cwd=self.cwd, start_new_session=True,
+                stdin=asyncio.subprocess.PIPE if self.stdin_data is not None else asyncio.subprocess.DEVNULL)
         finally:
             if self.log is not None:
                 out.close()
+        if self.stdin_data is not None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(self.stdin_data)
+            await self.proc.stdin.drain()
+            self.proc.stdin.close()
         self.started_at = time.monotonic()
         if self.log is None:
             self.pump = asyncio.create_task(self._forward())
@@ -248,12 +276,23 @@ class Child:
             await asyncio.gather(self.pump, return_exceptions=True)
 
 
-async def _get_json(http: aiohttp.ClientSession, url: str):
+async def _get_json(http: aiohttp.ClientSession, url: str, headers: dict[str, str] | None = None):
     try:
-        async with http.get(url, timeout=aiohttp.ClientTimeout(total=5)) as r:
+        async with http.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=5)) as r:
             return await r.json() if r.status == 200 else None
     except (aiohttp.ClientError, TimeoutError, ValueError):
         return None
+
+
+def write_private(path: Path, text: str) -> None:
+    """`text` in a 0600 file, replaced whole (a temporary file renamed over it; a link there is replaced, never
+    followed)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 async def _until(check, child: Child, what: str, stop: asyncio.Event) -> None:
@@ -271,8 +310,11 @@ async def run(p: Plan) -> int:
     replicas = [Child(f"replica {i + 1}", argv, {**p.replica_env, "KVFORK_HOME": str(home)})
                 for i, (argv, home) in enumerate(zip(p.replicas, p.homes))]
     # smg's own log (a banner, then a line per request at info) goes to a file beside the replicas' folders
-    gateway = Child("gateway", p.gateway, log=kvfork_home() / "cluster" / "gateway.log", cwd=kvfork_home() / "cluster")
-    gateway.log.parent.mkdir(parents=True, exist_ok=True)
+    folder = kvfork_home() / "cluster"
+    gateway = Child("gateway", [sys.executable, "-I", "-c", SMG_LAUNCH], log=folder / "gateway.log", cwd=folder,
+                    stdin_data=json.dumps(p.gateway_argv()).encode() + b"\n")
+    folder.mkdir(parents=True, exist_ok=True)
+    write_private(folder / CONTROL_KEY_FILE, p.control_key + "\n")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -298,7 +340,7 @@ async def _start_and_supervise(p: Plan, replicas: list[Child], gateway: Child, s
             print(f"replica {i + 1}: {p.replica_url(i)}", flush=True)
 
     async def all_healthy() -> bool:
-        workers = await _get_json(http, p.gateway_url + "/workers")
+        workers = await _get_json(http, p.gateway_url + "/workers", {"Authorization": f"Bearer {p.control_key}"})
         return len([w for w in (workers or {}).get("workers", []) if w.get("is_healthy")]) == len(replicas)
 
     for home, child in zip(p.homes, replicas):
@@ -311,8 +353,8 @@ async def _start_and_supervise(p: Plan, replicas: list[Child], gateway: Child, s
     if stop.is_set():
         return 130
     print(f"gateway: {p.gateway_url}", flush=True)
-    print(f"kvfork cluster: gateway metrics at http://{HOST}:{p.metrics_port}/metrics, its log in {gateway.log}; "
-          "Ctrl-C stops everything", flush=True)
+    print(f"kvfork cluster: gateway metrics at http://{HOST}:{p.metrics_port}/metrics, its log in {gateway.log}, "
+          f"its control-plane key in {gateway.cwd / CONTROL_KEY_FILE}; Ctrl-C stops everything", flush=True)
     return await _supervise(replicas, gateway, stop)
 
 

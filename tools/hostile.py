@@ -14,6 +14,11 @@ while the innocent one keeps measuring:
     slowloris   connections with half a request head, and bodies that never finish
     hoard       more stored responses and named sessions than its quota
     auth        keys that are not UTF-8
+    hog         (issue 33) every inference slot and the whole queue, with generations it keeps coming
+    flood       a torrent of the cheapest refusal, an empty body (a 400 each)
+    badkeys     a torrent of wrong keys (a 401 each), against a daemon of 100,000 keys
+    ids         /v1/completions with 3 million token ids and echo
+    trickle     a large reply read a kilobyte a second
 
 The hostile tenant runs in a process of its own (`--attack SHAPE`), as a real one would: in the
 daemon's process its own work (encoding 4 MB bodies) would be measured as the daemon's. It sends
@@ -48,7 +53,9 @@ from typing import Any, Awaitable, Callable
 
 import aiohttp
 
-CHAT, MESSAGES, RESPONSES = "/v1/chat/completions", "/v1/messages", "/v1/responses"
+from kvfork.server.isolated import module_command
+
+CHAT, COMPLETIONS, MESSAGES, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"
 HOSTILE, INNOCENT = "key-hostile", "key-innocent"
 KEYS = f"{HOSTILE} hostile\n{INNOCENT} innocent\n"
 ALLOWED = {200, 400, 401, 404, 408, 409, 413, 429}  # refused or bounded; None: its connection was closed
@@ -192,7 +199,7 @@ async def shape_prompt(ctx: Ctx) -> list[int | None]:
 async def shape_reader(ctx: Ctx) -> list[int | None]:
     body = json.dumps({"messages": [{"role": "user", "content": "Tell me everything."}], "n": 8, "stream": True,
                        "logprobs": True, "top_logprobs": 20, "max_tokens": 2000, "ignore_eos": True}).encode()
-    head = (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {HOSTILE}\r\n"
+    head = (f"POST {CHAT} HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {HOSTILE}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -214,10 +221,10 @@ async def shape_reader(ctx: Ctx) -> list[int | None]:
 
 async def shape_slowloris(ctx: Ctx) -> list[int | None]:
     hold = ctx.target.timeouts_s * 4 + 10  # lingering after a 401 takes up to 10 s in aiohttp
-    head = raw(ctx.port, f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bea".encode(), hold)
-    body = raw(ctx.port, (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {HOSTILE}\r\n"
+    head = raw(ctx.port, f"POST {CHAT} HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bea".encode(), hold)
+    body = raw(ctx.port, (f"POST {CHAT} HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {HOSTILE}\r\n"
                           "Content-Type: application/json\r\nContent-Length: 16000000\r\n\r\n{").encode(), hold)
-    anonymous = raw(ctx.port, (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\n"
+    anonymous = raw(ctx.port, (f"POST {CHAT} HTTP/1.1\r\nHost: localhost\r\n"
                                "Content-Length: 16000000\r\n\r\n{").encode(), hold)
     return list(await asyncio.gather(head, body, anonymous))
 
@@ -233,16 +240,58 @@ async def shape_hoard(ctx: Ctx) -> list[int | None]:
 
 
 async def shape_auth(ctx: Ctx) -> list[int | None]:
-    return [await raw(ctx.port, f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ".encode() +
+    return [await raw(ctx.port, f"POST {CHAT} HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer ".encode() +
                       b"\xff\xfe\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}", 30)]
 
 
-SERIAL = {"reader", "hoard"}  # one at a time: the reader's 8 choices take half the slots, the hoard is a count
+async def shape_hog(ctx: Ctx) -> list[int | None]:
+    return [await ctx.post(CHAT, {"messages": [{"role": "user", "content": "Count."}], "max_tokens": 8,
+                                  "ignore_eos": True})]
+
+
+async def shape_flood(ctx: Ctx) -> list[int | None]:
+    return [await ctx.post(CHAT, b"{}")]
+
+
+async def shape_badkeys(ctx: Ctx) -> list[int | None]:
+    return [await ctx.post(CHAT, {"messages": [{"role": "user", "content": "hi"}]}, key=f"k{time.monotonic_ns()}")]
+
+
+async def shape_ids(ctx: Ctx) -> list[int | None]:
+    return [await ctx.post(COMPLETIONS, ctx.encoded("ids", lambda: b'{"prompt": [' + b"1," * 3_000_000 +
+                                                          b'1], "echo": true, "max_tokens": 1}'))]
+
+
+async def shape_trickle(ctx: Ctx) -> list[int | None]:
+    body = json.dumps({"messages": [{"role": "user", "content": "Tell me everything."}], "n": 4, "stream": True,
+                       "logprobs": True, "top_logprobs": 20, "max_tokens": 500, "ignore_eos": True}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the kernel holds little of the reply for it
+    sock.connect(("127.0.0.1", ctx.port))
+    reader, writer = await asyncio.open_connection(sock=sock, limit=1024)
+    try:
+        writer.write((f"POST {CHAT} HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {HOSTILE}\r\n"
+                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if not await reader.read(1024):
+                return [None]  # the daemon cut it off (or it ended): bounded either way
+            await asyncio.sleep(1.0)
+        return [-1]
+    except ConnectionError:
+        return [None]
+    finally:
+        writer.close()
+
+
+SERIAL = {"reader", "hoard", "trickle"}  # one at a time: the reader's 8 choices take half the slots, the hoard is a count
 SHAPES: dict[str, Callable[[Ctx], Awaitable[list[int | None]]]] = {
     "stops": shape_stops, "nested": shape_nested, "template": shape_template, "schema": shape_schema,
     "prompt": shape_prompt, "reader": shape_reader, "slowloris": shape_slowloris, "hoard": shape_hoard,
-    "auth": shape_auth,
+    "auth": shape_auth, "hog": shape_hog, "flood": shape_flood, "badkeys": shape_badkeys, "ids": shape_ids,
+    "trickle": shape_trickle,
 }
+WIDE = {"hog": 48, "flood": 32, "badkeys": 32}  # in flight at once: past the slots and the queue, a torrent
 
 
 # ---- the innocent tenant ----
@@ -298,8 +347,9 @@ async def attack(ctx: Ctx, name: str, concurrency: int, samples: int) -> ShapeRe
     one measures `samples` TTFTs."""
     result = ShapeResult(name)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvfork.tools.hostile", "--attack", name, "--concurrency", str(concurrency),
-        "--target", json.dumps(asdict(ctx.target)), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        *module_command("kvfork.tools.hostile", "--attack", name, "--concurrency", str(concurrency),
+                        "--target", json.dumps(asdict(ctx.target))),
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
     assert proc.stdin is not None and proc.stdout is not None
     try:
         await proc.stdout.readline()  # ready
@@ -343,13 +393,14 @@ async def hostile_daemon(config: HostileConfig, backend: Any = None):
 
     with tempfile.TemporaryDirectory() as folder:
         keys = Path(folder) / "keys"
-        keys.write_text(KEYS)
+        keys.write_text(KEYS + "".join(f"key-{i} tenant-{i % 100}\n" for i in range(100_000)))  # badkeys' table
         t = config.timeouts_s
         server = ServerConfig(model=config.model, port=0, host="127.0.0.1", shutdown_grace=1.0, dtype="float32",
                               api_keys_file=str(keys), header_timeout=t, body_timeout=t, write_timeout=t,
                               grammar_compile_timeout=config.compile_timeout_s,
                               max_stored_responses=config.max_stored_responses)
-        engine = EngineConfig(inference_slots=16, max_named_sessions=config.max_named_sessions,
+        # 16 slots and a queue of 32: the hog shape fills both (issue 33's finding 8, at --max-queue 32)
+        engine = EngineConfig(inference_slots=16, max_queue=32, max_named_sessions=config.max_named_sessions,
                               prefix_cache_disk_bytes=0)
         if backend is None:
             _, backend = pick_backend(config.backend)
@@ -361,7 +412,10 @@ async def run_wave(config: HostileConfig, backend: Any = None, out=sys.stdout,
                    shapes: list[str] | None = None) -> Outcome:
     from kvfork.tools.bench.serve import parse_metrics
 
-    async with hostile_daemon(config, backend) as d, aiohttp.ClientSession() as http:
+    # the innocent lets an idle connection go before the daemon closes it (--header-timeout): a request sent on
+    # one the daemon is closing that instant would fail for the client's reuse of it, not the attack
+    connector = aiohttp.TCPConnector(keepalive_timeout=config.timeouts_s / 2)
+    async with hostile_daemon(config, backend) as d, aiohttp.ClientSession(connector=connector) as http:
         limits = d.config
         target = Target(d.url, d.port, limits.max_stop_chars, limits.max_stop_sequences,
                         limits.prompt_chars(d.state.context), limits.max_body_bytes, config.timeouts_s,
@@ -372,7 +426,8 @@ async def run_wave(config: HostileConfig, backend: Any = None, out=sys.stdout,
         rid = await innocent_keeps(ctx)
         results = []
         for name in shapes or SHAPES:
-            result = await attack(ctx, name, 1 if name in SERIAL else config.concurrency, config.innocent_samples)
+            concurrency = 1 if name in SERIAL else WIDE.get(name, config.concurrency)
+            result = await attack(ctx, name, concurrency, config.innocent_samples)
             results.append(result)
             print(f"hostile: {name}: innocent TTFT median {result.median * 1000:.0f} ms (solo "
                   f"{statistics.median(solo) * 1000:.0f} ms), hostile statuses "

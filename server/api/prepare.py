@@ -25,7 +25,7 @@ from kvfork.backends.base import SEEDS, SamplingParams
 from kvfork.server.chat_output import output_parser
 from kvfork.server.engine.api import GenerateRequest, Scope
 from kvfork.server.engine.sessions import check_session_id
-from kvfork.server.errors import ApiError, invalid
+from kvfork.server.errors import ApiError, invalid, client_text
 from kvfork.server.grammar import request_ask
 from kvfork.server.api.chat.protocol import ChatCompletionRequest, ChatMessage
 from kvfork.server.api.openai import SamplingFields
@@ -261,14 +261,25 @@ def stop_strings(body: SamplingFields) -> list[str]:
     return [body.stop] if isinstance(body.stop, str) else list(body.stop)
 
 
+def token_id(key: str, vocab_size: int) -> int | None:
+    """A logit_bias key as the token id it names: ASCII digits only (int() takes "²", "-5", " 5" and
+    raises past 4,300 digits), or None."""
+    if not (key.isascii() and key.isdigit()) or len(key) > len(str(vocab_size)):
+        return None
+    token = int(key)
+    return token if token < vocab_size else None
+
+
 def generate_request(body: SamplingFields, prompt: list[int], *, rid: str, vocab_size: int, max_tokens: int | None,
                      session: str | None, scope: Scope = Scope(), logprobs: bool = False,
                      top_logprobs: int = 0) -> GenerateRequest:
     bias = {}
     for key, value in (body.logit_bias or {}).items():
-        if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
-            raise invalid("logit_bias", f"logit_bias keys are token ids in [0, {vocab_size}), got {key!r}")
-        bias[int(key)] = value
+        token = token_id(key, vocab_size)
+        if token is None:
+            raise invalid("logit_bias", f"logit_bias keys are token ids in [0, {vocab_size}), got "
+                          f"{client_text(key, 32)}")
+        bias[token] = value
     if body.seed is not None and body.seed not in SEEDS:
         raise invalid("seed", f"seed is a signed or unsigned 64-bit integer, in [-2**63, 2**64), got {body.seed}")
     stop_ids = frozenset(body.stop_token_ids or ())

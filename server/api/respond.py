@@ -30,7 +30,7 @@ from aiohttp import web
 from kvfork.server.chat_output import ChatOutputParser
 from kvfork.server.api.diagnosis import Report
 from kvfork.server.engine.api import GenerateRequest, Usage
-from kvfork.server.errors import ApiError, from_decode
+from kvfork.server.errors import ApiError, from_decode, client_text
 from kvfork.server.generation import Finished, KeepAlive, Piece, generation
 from kvfork.server.api.openai import PromptTokensDetails, UsageInfo, encoder
 from kvfork.server.api.sse import EventStream
@@ -71,20 +71,24 @@ def decode_body(raw: bytes, decode: msgspec.json.Decoder, limits: Limits):
 
 DROPPED_TOOLS = web.RequestKey("dropped_tools", list)
 DROPPED_TOOLS_HEADER = "X-Kvfork-Dropped-Tools"
+_LOGGED_TOOLS = 8  # names a log line shows of the tools one request dropped
 
 
 def report_dropped_tools(request: web.Request, dropped: list[str]) -> None:
     """Tools a request offered that the model never sees (kinds nothing here runs, such as web_search):
-    named in the log and in the response's X-Kvfork-Dropped-Tools header (app.py sets it)."""
+    named in the log (escaped and bounded: they are the client's strings) and counted in the response's
+    X-Kvfork-Dropped-Tools header (app.py sets it; no client string goes into a header)."""
     if dropped:
         request[DROPPED_TOOLS] = dropped
-        log.info("%s %s: tools dropped (nothing here runs them): %s", request.method, request.path, ", ".join(dropped))
+        names = ", ".join(client_text(name) for name in dropped[:_LOGGED_TOOLS])
+        more = f" and {len(dropped) - _LOGGED_TOOLS} more" if len(dropped) > _LOGGED_TOOLS else ""
+        log.info("%s %s: tools dropped (nothing here runs them): %s%s", request.method, request.path, names, more)
 
 
 def dropped_tools_header(request: web.Request, response: web.StreamResponse) -> None:
     dropped = request.get(DROPPED_TOOLS)
     if dropped:
-        response.headers[DROPPED_TOOLS_HEADER] = ", ".join(dropped)
+        response.headers[DROPPED_TOOLS_HEADER] = str(len(dropped))
 
 
 def usage_info(usage: Usage) -> UsageInfo:

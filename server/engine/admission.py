@@ -2,7 +2,8 @@
 
 Its verbs are the only way in (its parts are private: tests/test_engine_boundary.py):
   check(req, waiting) -> Sizes        turn away what can never run or cannot wait
-  enqueue(r) / requeue(r) / withdraw(r) / next() -> r | None     the queue, first come first served
+  enqueue(r) / requeue(r) / withdraw(r) / next() -> r | None     the queue, in fair shares between tenants
+  give_way(tenant) -> r | None        at a full queue, the waiting request that gives way to `tenant`'s
   reserve(r, nbytes) -> bool          hold more of the budget only if it fits (evict_for), less always
   leave_slot(r) / let_go(r) / release(r)    give back a slot and its bytes / the bytes / everything
   take_named(r, nbytes)               a named session's state becomes its request's to hold
@@ -11,7 +12,8 @@ Its verbs are the only way in (its parts are private: tests/test_engine_boundary
   request_bytes, choice_bytes, clone_bytes, checkpoints     prices (the backend's KVCost)
 
 Design rules:
-- first come, first served over `inference_slots`; n choices are admitted
+- fair shares between tenants (fair_share.py), first come, first served within
+  a tenant, over `inference_slots`; n choices are admitted
   together (n slots, and every choice's bytes at once) or not at all; a head that does not fit the
   KV budget waits (the prefix cache gives way first, then idle named sessions,
   least recently used first), so memory never runs out;
@@ -51,6 +53,7 @@ from kvfork.server.engine import messages as m
 from kvfork.server.engine.api import CapacityExhausted, ContextTooLong, GenerateRequest, InvalidRequest, Scope
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.disk import DiskTier
+from kvfork.server.engine.fair_share import give_way, next_in_line
 from kvfork.server.engine.index import Entry, Index
 from kvfork.server.engine.request import Request
 from kvfork.server.engine.scheduler import clamp_max_tokens, fit_admission
@@ -219,23 +222,35 @@ class Admission:
         at = next((i for i, queued in enumerate(self._queue) if queued.rid > request.rid), len(self._queue))
         self._queue.insert(at, request)
 
+    def give_way(self, tenant: str) -> Request | None:
+        """The queue is full: the newest queued request of the tenant furthest above its share, when `tenant` is
+        below its own (fair_share.give_way); the caller turns it away. None: `tenant`'s request is refused."""
+        waiting = collections.Counter(r.req.scope.tenant for r in self._queue)
+        victim = give_way(waiting, tenant, self._config.max_queue)
+        return next((r for r in reversed(self._queue) if r.req.scope.tenant == victim), None)
+
+    def _tenants_in_slots(self) -> collections.Counter[str]:
+        return collections.Counter(r.req.scope.tenant for r in self._in_slots.values())
+
     def withdraw(self, request: Request) -> None:
         """Out of the queue, if it is in."""
         if request in self._queue:
             self._queue.remove(request)
 
     def next(self) -> Request | None:
-        """The queue's head, if slots are free for its choices and their bytes fit; they then hold them."""
-        if not self._queue:
+        """The next in line (fair_share.next_in_line), if slots are free for its choices and their bytes fit;
+        they then hold them. One that does not fit waits, and those behind it too (no big request starves)."""
+        at = next_in_line([r.req.scope.tenant for r in self._queue], self._tenants_in_slots())
+        if at is None:
             return None
-        head = self._queue[0]
+        head = self._queue[at]
         choices = [head, *head.waiting_siblings]
         if self.slots_used + len(choices) > self._config.inference_slots:
             return None
         padding = self._padding(choices) - self._padding()
         if not self._hold_together([(r, r.need_bytes) for r in choices], also=padding):
             return None
-        self._queue.popleft()
+        del self._queue[at]
         for r in choices:
             self._in_slots[r.rid] = r
         self._offer_capture(head)

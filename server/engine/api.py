@@ -129,3 +129,4 @@ class DoneEvent:
     error: str | None = None  # set when finish_reason == "error"
     grammar_failed: bool = False  # the error is the request's own grammar's (llguidance's limits, or no token
     #                               allowed): the client's input, not the engine's failure
+    gave_way: bool = False  # turned away while queued, for a tenant below its share of a full queue (a 429)

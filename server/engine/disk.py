@@ -33,8 +33,14 @@ Design rules:
   the tier, let alone the daemon;
 - a file holds a tenant's prompt: files are 0600 and folders 0700 (the lock
   file and the secret too), and a file names its scope only by an HMAC under a
-  secret made at first start ($KVFORK_HOME/kv-secret), never by a hash of the
-  tenant's name or key that could be guessed offline;
+  secret made at first start ($KVFORK_HOME/kv-secret, written whole or not at
+  all; one that is not 32 bytes is replaced, with a warning), never by a hash of
+  the tenant's name or key that could be guessed offline;
+- no link is followed under `$KVFORK_HOME/kv`, nor to the secret: every file is
+  opened with O_NOFOLLOW, every folder checked (lstat) to be a folder this user
+  owns; another user's or a link is skipped (a link in a fingerprint folder is
+  removed, the link alone), so neither the daemon nor `kvfork cache clear`
+  reads, chmods or deletes anything it points to;
 - at shutdown every write under way is answered on the loop before the worker
   thread stops (`close`), so the last spills land and replace what they should.
 """
@@ -49,6 +55,7 @@ import hmac
 import json
 import logging
 import os
+import stat
 import struct
 import time
 import zlib
@@ -108,27 +115,75 @@ def fingerprint(model_dir: str | Path, dtype: str, backend: str) -> str:
 
 def tier_secret(root: Path) -> bytes:
     """The key scopes are named under (api.Scope.digest): 32 random bytes made at first start, 0600
-    beside `root` (in $KVFORK_HOME), so the files of a scope keep their name across restarts. Two
-    daemons starting at once agree: the first to create the file writes it, the other reads it.
-    OSError when it cannot be made or read."""
+    beside `root` (in $KVFORK_HOME), so the files of a scope keep their name across restarts. It is
+    written to a temporary file and linked into place whole: two daemons starting at once agree (the
+    first link wins, the other reads it), and a crash never leaves a short one. One that is not 32
+    bytes, a link or another user's is replaced, with a warning. OSError when it cannot be made."""
     path = root.parent / SECRET
     path.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(3):
+        try:
+            return _read_secret(path)
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError) as exc:
+            log.warning("replacing the prefix cache's secret %s (%s): files of the old one are not reused", path, exc)
+            path.unlink(missing_ok=True)  # the link or file itself, never what a link points to
+        try:
+            _link_new_secret(path)
+        except FileExistsError:  # another daemon's landed first: read it
+            pass
+    return _read_secret(path)
+
+
+def _read_secret(path: Path) -> bytes:
+    fd = _open_private(path, os.O_RDONLY)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
-    except FileExistsError:
-        os.chmod(path, FILE_MODE)
-        for _ in range(50):  # a daemon that just created it may still be writing it
-            secret = path.read_bytes()
-            if len(secret) == 32:
-                return secret
-            time.sleep(0.01)
-        raise OSError(f"{path} does not hold a 32-byte secret")
-    secret = os.urandom(32)
-    with os.fdopen(fd, "wb") as f:
-        f.write(secret)
-        f.flush()
-        os.fsync(f.fileno())
+        secret = os.read(fd, 64)
+    finally:
+        os.close(fd)
+    if len(secret) != 32:
+        raise ValueError(f"it holds {len(secret)} bytes, not 32")
     return secret
+
+
+def _link_new_secret(path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
+    try:
+        os.write(fd, os.urandom(32))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)  # FileExistsError when another daemon's is there
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _open_private(path: Path, flags: int) -> int:
+    """A file of ours, opened without following a link (ELOOP: OSError) and made 0600; OSError when it is not
+    a regular file this user owns."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise OSError(errno.EPERM, "not a regular file of this user", str(path))
+        if stat.S_IMODE(st.st_mode) != FILE_MODE:
+            os.fchmod(fd, FILE_MODE)  # one written before the rule was 0644
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _own_folder(folder: Path) -> bool:
+    """Whether `folder` is a folder (not a link to one) this user owns."""
+    try:
+        st = os.lstat(folder)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
 
 
 def entry_name(scope: str, tokens: Sequence[int]) -> str:
@@ -191,8 +246,8 @@ def decode(data: bytes, fp: str) -> tuple[SavedState, list[int], str]:
 
 
 def read_header(path: Path) -> dict[str, str]:
-    """A file's metadata, without reading its tensors."""
-    with path.open("rb") as f:
+    """A file's metadata, without reading its tensors (a link or another user's file: OSError)."""
+    with os.fdopen(_open_private(path, os.O_RDONLY), "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         if n > 64 * 1024 * 1024:
             raise CorruptFile("header too large")
@@ -216,7 +271,7 @@ def _write_file(folder: Path, name: str, data: bytes) -> None:
     """Temporary file, fsync, rename, fsync of the folder: a crash leaves the old state or the new."""
     tmp = folder / f".{name}.{os.getpid()}.tmp"
     try:
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE), "wb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -224,7 +279,7 @@ def _write_file(folder: Path, name: str, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fd = os.open(folder, os.O_RDONLY)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         os.fsync(fd)
     finally:
@@ -247,19 +302,21 @@ class DiskStats:
 
 def _try_lock(folder: Path) -> int | None:
     """An exclusive flock on `folder`'s lock file, or None when another daemon holds it."""
-    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    fd = _open_private(folder / LOCK, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         return None
-    os.fchmod(fd, FILE_MODE)  # one made before the rule was 0644
     return fd
 
 
 def _private_folder(folder: Path) -> None:
-    """`folder` (and any parent it needs) made 0700; one made before the rule is narrowed."""
+    """`folder` (and any parent it needs) made 0700; one made before the rule is narrowed. OSError when it is a
+    link or another user's."""
     folder.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
+    if not _own_folder(folder):
+        raise OSError(errno.EPERM, "a link, or not a folder of this user: not used", str(folder))
     os.chmod(folder, FOLDER_MODE)
 
 
@@ -271,7 +328,8 @@ def _unlink(path: Path) -> None:
 
 
 def _empty_folder(folder: Path) -> None:
-    """Remove what the tier writes there (entries, temporaries, the lock), then the folder if empty."""
+    """Remove what the tier writes there (entries, temporaries, the lock), then the folder if empty. A link is
+    removed itself (unlink never follows one)."""
     for path in folder.iterdir():
         if path.name.endswith((SUFFIX, ".tmp")) or path.name == LOCK:
             path.unlink(missing_ok=True)
@@ -325,11 +383,10 @@ class DiskTier:
                 _unlink(path)
             elif path.name.endswith(SUFFIX):
                 try:
-                    tokens, scope = header_entry(read_header(path), self.fp)
-                    stat = path.stat()
-                    os.chmod(path, FILE_MODE)  # one written before the rule was 0644
-                    found.append((stat.st_mtime, Entry("disk", scope, tokens, path.name.removesuffix(SUFFIX),
-                                                       nbytes=stat.st_size)))
+                    tokens, scope = header_entry(read_header(path), self.fp)  # a link: refused, removed
+                    st = path.lstat()
+                    found.append((st.st_mtime, Entry("disk", scope, tokens, path.name.removesuffix(SUFFIX),
+                                                     nbytes=st.st_size)))
                 except Exception as exc:  # whatever a file holds, it is only ever that file's problem
                     log.warning("removed unreadable prefix cache file %s: %r", path.name, exc)
                     self.stats.corrupt += 1
@@ -340,7 +397,7 @@ class DiskTier:
 
     def _drop_other_fingerprints(self, root: Path) -> None:
         for folder in root.iterdir():
-            if folder == self.folder or not folder.is_dir() or not (folder / LOCK).exists():
+            if folder == self.folder or not _own_folder(folder) or not (folder / LOCK).exists():
                 continue
             fd = _try_lock(folder)
             if fd is None:
@@ -439,7 +496,8 @@ class DiskTier:
 
         def work() -> tuple[SavedState, float]:
             t0 = time.perf_counter()  # the read itself, not its wait behind other file work
-            data = (self.folder / f"{entry.owner}{SUFFIX}").read_bytes()
+            with os.fdopen(_open_private(self.folder / f"{entry.owner}{SUFFIX}", os.O_RDONLY), "rb") as f:
+                data = f.read()  # a link put in its place: refused, and the link removed (forget)
             state, tokens, scope = decode(data, self.fp)
             if tuple(tokens) != entry.tokens or scope != entry.scope or state.position != len(entry.tokens):
                 raise CorruptFile("holds another entry")
@@ -506,26 +564,29 @@ class DiskTier:
 def describe(root: Path) -> list[dict[str, Any]]:
     """Each fingerprint folder under `root`: entries, bytes, whether a daemon holds it."""
     out = []
-    for folder in sorted(root.iterdir()) if root.is_dir() else ():
-        if not folder.is_dir():
+    for folder in sorted(root.iterdir()) if _own_folder(root) else ():
+        if not _own_folder(folder):
             continue
-        files = [p for p in folder.iterdir() if p.name.endswith(SUFFIX)]
+        files = [p for p in folder.iterdir() if p.name.endswith(SUFFIX) and p.is_file() and not p.is_symlink()]
         held = False
         if (folder / LOCK).exists():
             fd = _try_lock(folder)
             held = fd is None
             if fd is not None:
                 os.close(fd)
-        out.append({"fingerprint": folder.name, "entries": len(files), "bytes": sum(p.stat().st_size for p in files),
+        out.append({"fingerprint": folder.name, "entries": len(files), "bytes": sum(p.lstat().st_size for p in files),
                     "in_use": held})
     return out
 
 
 def clear(root: Path) -> tuple[int, list[str]]:
-    """Empty every fingerprint folder no daemon holds: (files removed, folders skipped as in use)."""
+    """Empty every fingerprint folder no daemon holds: (files removed, folders skipped as in use). A link or
+    another user's folder, at `root` or under it, is never entered (so nothing it points to is removed)."""
     removed, skipped = 0, []
+    if root.exists() and not _own_folder(root):
+        raise OSError(errno.EPERM, "a link, or not a folder of this user: not cleared", str(root))
     for folder in sorted(root.iterdir()) if root.is_dir() else ():
-        if not folder.is_dir():
+        if not _own_folder(folder):
             continue
         fd = _try_lock(folder)
         if fd is None:

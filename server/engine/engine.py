@@ -208,6 +208,9 @@ class Engine:
         if not self.ready or self._admission is None or self._named is None:
             raise NotReady("the engine is not running" if self.info is not None else "the model is still loading")
         adm = self._admission
+        if self.waiting() >= self.config.max_queue and (victim := adm.give_way(req.scope.tenant)) is not None:
+            self.complete(victim, "error", "turned away from a full queue for another tenant's request: this "
+                          "tenant holds more than its share of --max-queue", gave_way=True)
         sizes = adm.check(req, waiting=self.waiting())
         named = None
         if req.session_id is not None:  # a busy session gives None: the request runs without it
@@ -583,16 +586,17 @@ class Engine:
             self._leave(x)
             phase.finish(x, "cancelled")
 
-    def complete(self, r: Request, reason: str, error: str | None = None, grammar_failed: bool = False) -> None:
+    def complete(self, r: Request, reason: str, error: str | None = None, grammar_failed: bool = False,
+                 gave_way: bool = False) -> None:
         if isinstance(r.phase, phase.Finished):
             return
         self._leave(r)
         phase.finish(r, reason, error)
-        event = DoneEvent(reason, r.usage(time.monotonic()), error, grammar_failed)  # type: ignore[arg-type]
+        event = DoneEvent(reason, r.usage(time.monotonic()), error, grammar_failed, gave_way)  # type: ignore[arg-type]
         self.metrics.done(r, event)
         r.handle.put(event)
         for sibling in r.waiting_siblings:  # it ended before the runner had it: so do its other choices
-            self.complete(sibling, reason, error, grammar_failed)
+            self.complete(sibling, reason, error, grammar_failed, gave_way)
 
     # ---- runner events ----
 

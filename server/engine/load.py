@@ -28,6 +28,12 @@ class EngineLoad:
     budget_tokens: int = 0  # token slots the KV budget holds at most (full attention, --kv-budget-bytes)
     reused_fraction: float = 0.0  # prompt tokens not prefilled, over prompt tokens, since start
 
+    def counts_only(self) -> "EngineLoad":
+        """The request counts and the fixed sizes alone: what tells no one request's size nor another tenant's
+        reuse."""
+        return EngineLoad(running=self.running, waiting=self.waiting, slots=self.slots,
+                          budget_tokens=self.budget_tokens)
+
     @property
     def kv_usage(self) -> float:
         """Fraction of the KV budget in use, 0 to 1."""

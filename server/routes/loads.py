@@ -6,9 +6,12 @@ least_load, power_of_two) from it. One replica is one data-parallel rank. The
 `include` sections beyond `core` (disaggregation, queues, memory) have nothing
 to say for kvfork, so every answer is the core fields; smg reads what it knows.
 
-Open like /health and /metrics, even with --api-key: smg polls it with no key of
-a client's, and it says only what /metrics already says (counts and fractions,
-no prompt, tenant or key).
+Open like /health, even with --api-key: smg polls it with no key of a client's. It
+says only what /metrics says (counts and fractions, no prompt, tenant or key), but
+with one request running, its token count is that request's size, and the hit rate
+moves when another tenant's request reuses its earlier prompt. So with --metrics-key
+set, a poller without that key gets the request counts alone (enough for smg's load
+balancing), and the token and reuse figures read 0; with the key, every field.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from aiohttp import web
 
 from kvfork.server.api.respond import json_response
 from kvfork.server.state import state_of
+from kvfork.server.tenants import request_key
 
 PATH = "/v1/loads"
 
@@ -27,6 +31,10 @@ async def handle(request: web.Request) -> web.Response:
     state = state_of(request)
     load = state.engine.load()
     generated = state.engine.metrics.generated_tokens.get() if state.ready else 0.0
+    full = not state.metrics_keys or state.metrics_keys.tenant(
+        request_key(request.headers.get("Authorization"), request.headers.get("x-api-key"))) is not None
+    if not full:
+        load = load.counts_only()
     rank = {
         "dp_rank": 0,
         "num_running_reqs": load.running,
@@ -36,7 +44,7 @@ async def handle(request: web.Request) -> web.Response:
         "num_used_tokens": load.used_tokens,
         "max_total_num_tokens": load.budget_tokens,
         "token_usage": load.kv_usage,
-        "gen_throughput": state.generation_rate.rate(generated),
+        "gen_throughput": state.generation_rate.rate(generated) if full else 0.0,
         "cache_hit_rate": load.reused_fraction,
         "utilization": load.running / load.slots if load.slots else 0.0,
         "max_running_requests": load.slots,

@@ -16,7 +16,7 @@ from kvfork.server.errors import ApiError
 from kvfork.server.api.respond import json_response
 from kvfork.server.routes.reuse_page import PAGE
 from kvfork.server.state import state_of
-from kvfork.server.tenants import key_tenant, request_key
+from kvfork.server.tenants import request_key
 
 PATH = "/debug/reuse"
 
@@ -25,14 +25,13 @@ def caller_tenant(request: web.Request) -> str | None:
     """The tenant whose requests the caller may see; None: every tenant's."""
     state = state_of(request)
     given = request_key(request.headers.get("Authorization"), request.headers.get("x-api-key"))
-    metrics_key = state.config.metrics_key
-    if metrics_key and key_tenant({metrics_key: ""}, given) is not None:
+    if state.metrics_keys and state.metrics_keys.tenant(given) is not None:
         return None
     if state.keys:
-        tenant = key_tenant(state.keys, given)
+        tenant = state.keys.tenant(given)
         if tenant is not None:
             return tenant
-    if state.keys or metrics_key:
+    if state.keys or state.metrics_keys:
         raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
     return None
 

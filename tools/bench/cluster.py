@@ -25,6 +25,7 @@ from pathlib import Path
 
 import aiohttp
 
+from kvfork.server.isolated import module_command
 from kvfork.tools.bench.client import Record, Target, request_body, stream_chat
 from kvfork.tools.bench.runner import replay
 from kvfork.tools.bench.serve import ServerProcess, exit_on_sigterm, free_port
@@ -35,7 +36,7 @@ CONTENDERS = ("sticky", "delegate", "rr", "single")
 
 
 def _start_cluster(port: int, policy_args: list[str], serve_args: list[str], log: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "kvfork.server.cli", "cluster", "--replicas", "2", "--port", str(port), *policy_args,
+    argv = [*module_command("kvfork.server.cli"), "cluster", "--replicas", "2", "--port", str(port), *policy_args,
             *serve_args]
     log.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     for contender in [c.strip() for c in args.contenders.split(",") if c.strip()]:
         started = time.strftime("%H:%M:%S")
         if contender == "single":
-            srv = ServerProcess("single", [sys.executable, "-m", "kvfork.server", *serve_args, "--port", "{port}"],
+            srv = ServerProcess("single", module_command("kvfork.server", *serve_args, "--port", "{port}"),
                                 out / "single.log", env={"KVFORK_HOME": str(out / "home-single")})
             with srv:
                 result = asyncio.run(replay(wl, Target(srv.base_url, name), label=contender))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from kvfork.server.isolated import module_command
 from kvfork.tools.bench import report
 from kvfork.tools.bench.client import Target
 from kvfork.tools.bench.runner import replay
@@ -23,7 +24,7 @@ from kvfork.tools.bench.stats import summarize
 from kvfork.tools.bench.workload import Workload
 
 # How the daemon is started; tests point this at their OpenAI test double.
-DAEMON = [sys.executable, "-m", "kvfork.server"]
+DAEMON = module_command("kvfork.server")
 
 # kvfork's reuse modes: the flags that select them (a threshold of None: the daemon's default).
 def _threshold(k: int | None) -> list[str]:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from msgspec import Struct
+from msgspec import Raw, Struct
 
 from kvfork.server.api.openai import Positive, SamplingFields, TopLogprobs, UsageInfo
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    prompt: str | list[str | int | list[int]]  # text, token ids, or a batch of one of either
+    # text, token ids, or a batch of one of either: read by the route (prompt_value), token ids counted first
+    prompt: Raw
     logprobs: TopLogprobs | None = None
     echo: bool = False
     best_of: Positive | None = None

@@ -17,11 +17,11 @@ from kvfork.server.errors import ApiError, from_decode
 from kvfork.server.api.chat.protocol import ChatCompletionRequest
 from kvfork.server.api.responses.protocol import Response, ResponseDeleted, ResponsesRequest
 from kvfork.server.api.responses.reply import ResponsesReply, response_id
-from kvfork.server.api.responses.translate import chat_messages, chat_request, tool_functions
+from kvfork.server.api.responses.translate import chat_messages, chat_request, tool_functions, tool_count
 from kvfork.server.api.diagnosis import asked_by
 from kvfork.server.api.prepare import prepare
 from kvfork.server.api.respond import decoder, json_response, read_body, report_dropped_tools, respond
-from kvfork.server.limits import check_count
+from kvfork.server.limits import check_count, over
 from kvfork.server.state import state_of, tenant_of
 
 PATH = "/v1/responses"
@@ -34,7 +34,10 @@ async def handle(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     body: ResponsesRequest = await read_body(request, DECODE)
     limits = state.config
-    check_count("tools", body.tools, limits.max_tools, "--max-tools", "tools")
+    if (tools := tool_count(body.tools)) > limits.max_tools:  # a namespace's functions each count
+        raise over("tools", f"tools holds {tools:,} tools, counting each function of a namespace",
+                   limits.max_tools, "--max-tools", "array_above_max_length")
+    report_dropped_tools(request, tool_functions(body.tools)[1])  # a tool not an object with a string type: 400
     if isinstance(body.input, list):  # before they are translated: each item is work on the loop
         check_count("input", body.input, limits.max_messages, "--max-messages", "items")
     rid = response_id()
@@ -44,7 +47,6 @@ async def handle(request: web.Request) -> web.StreamResponse:
     if body.store:
         store.check_room(history, tenant)
     session = store.claim(previous, rid) if body.store and previous is not None else None
-    report_dropped_tools(request, tool_functions(body.tools)[1])
     reply = None
     try:
         try:

@@ -110,8 +110,10 @@ def tool_functions(tools: list[dict[str, Any]] | None) -> tuple[list[tuple[str |
     names: set[str] = set()
 
     def add(namespace: str | None, tool: Any, where: str) -> None:
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            dropped.append(tool.get("type", "?") if isinstance(tool, dict) else "?")
+        if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
+            raise invalid(f"{where}.type", 'a tool is an object with a string type, e.g. {"type": "function", ...}')
+        if tool["type"] != "function":
+            dropped.append(tool["type"])
             return
         if not isinstance(tool.get("name"), str):
             raise invalid(f"{where}.name", 'a function tool is {"type": "function", "name": ..., "parameters": ...}')
@@ -123,11 +125,22 @@ def tool_functions(tools: list[dict[str, Any]] | None) -> tuple[list[tuple[str |
 
     for i, tool in enumerate(tools or ()):
         if tool.get("type") == "namespace" and isinstance(tool.get("name"), str):
+            if not isinstance(tool.get("tools") or [], list):
+                raise invalid(f"tools[{i}].tools", "a namespace tool's tools are a list")
             for j, inner in enumerate(tool.get("tools") or ()):
                 add(tool["name"], inner, f"tools[{i}].tools[{j}]")
         else:
             add(None, tool, f"tools[{i}]")
     return out, dropped
+
+
+def tool_count(tools: list[dict[str, Any]] | None) -> int:
+    """How many tools a request offers, each function of a `namespace` tool counted (--max-tools)."""
+    total = 0
+    for tool in tools or ():
+        inner = tool.get("tools") if tool.get("type") == "namespace" else None
+        total += len(inner) if isinstance(inner, list) else 1
+    return total
 
 
 def namespaces(tools: list[dict[str, Any]] | None) -> dict[str, str]:

@@ -1,0 +1,44 @@
+"""Fair shares between tenants, as pure functions: who gets a free inference slot, and who gives way when
+the queue is full.
+
+A tenant alone may use every slot and the whole queue (--max-queue). Under contention each gets its
+share. The queue's share is the capacity over the tenants waiting (the newcomer counted): a full queue
+takes a request of a tenant below its share by turning away the newest waiting request of the tenant
+furthest above its own (`give_way`); a tenant at its share or above is refused, as any request is at a
+full queue. A free slot goes to the earliest waiting request among those of the tenant holding the fewest
+slots (`next_in_line`): running requests are never stopped, so shares are reached as requests end, and a
+tenant's requests keep their order among themselves. Tenants are the scope's (api.Scope.tenant): a daemon
+without keys has one, and these are first come, first served.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+
+def share(capacity: int, tenants: int) -> int:
+    """Each of `tenants`' share of `capacity` (at least 1)."""
+    return max(1, capacity // max(1, tenants))
+
+
+def give_way(waiting: Mapping[str, int], tenant: str, capacity: int) -> str | None:
+    """The queue is full (its `capacity` taken, `waiting` per tenant): the tenant whose newest waiting request
+    gives way to one of `tenant`'s, or None, when `tenant` is at its share already (it is refused) or nobody
+    is above theirs. Ties go to the tenant with the largest name (any fixed order would do)."""
+    active = {t for t, n in waiting.items() if n > 0} | {tenant}
+    each = share(capacity, len(active))
+    if waiting.get(tenant, 0) >= each:
+        return None
+    over = [(n, t) for t, n in waiting.items() if t != tenant and n > each]
+    return max(over)[1] if over else None
+
+
+def next_in_line(queued: Sequence[str], in_slots: Mapping[str, int]) -> int | None:
+    """Which waiting request (its place in the queue; `queued`: each one's tenant, in the queue's order) the
+    next free slot goes to: the first of the tenant holding the fewest slots (`in_slots`). None: nobody waits."""
+    first: dict[str, int] = {}
+    for at, tenant in enumerate(queued):
+        first.setdefault(tenant, at)
+    if not first:
+        return None
+    return min(first.values(), key=lambda at: (in_slots.get(queued[at], 0), at))
