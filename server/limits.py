@@ -35,7 +35,10 @@ def _positive(v: Any) -> str | None:
 
 @dataclass(frozen=True)
 class Limits:
-    max_body_bytes: int = setting(16 * MiB, "largest request body; bigger gets 413", check=at_least(1024))
+    SETTINGS_GROUP = "limits"
+
+    max_body_bytes: int = setting(16 * MiB, "largest request body; bigger gets 413", check=at_least(1024),
+                                  size=True)
     max_json_depth: int = setting(128, "deepest nesting of arrays and objects in a request body", check=at_least(8))
     max_messages: int = setting(100_000, "most messages in one chat, Messages or Responses request (Anthropic's "
                                 "limit)", check=at_least(1))
@@ -47,7 +50,7 @@ class Limits:
                              "count)", check=at_least(1))
     max_schema_bytes: int = setting(256 * KiB, "largest JSON schema a grammar is compiled from: a response_format "
                                     "schema, or the tools' parameters together under tool_choice",
-                                    check=at_least(1024))
+                                    check=at_least(1024), size=True)
     max_stop: int = setting(4, "most stop strings on chat and completions (OpenAI's limit)", check=at_least(1))
     max_stop_sequences: int = setting(256, "most stop_sequences on /v1/messages (Anthropic sets no limit: a "
                                       "generous one)", check=at_least(1))
@@ -61,7 +64,7 @@ class Limits:
                                         "(/v1/responses), its oldest out first", check=at_least(1))
     max_stored_response_bytes: int = setting(64 * MiB, "bytes of stored responses (their conversations "
                                              "included) each tenant keeps, its oldest out first",
-                                             check=at_least(1024))
+                                             check=at_least(1024), size=True)
     grammar_compile_timeout: float = setting(5.0, "most seconds a request's grammar (response_format, "
                                              "tool_choice) may take to compile, in a process that is killed "
                                              "past it; the request then gets a 400", check=at_least(0.001))

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -51,12 +52,17 @@ class Daemon:
         self.port = self.listener.port
 
     async def load(self) -> None:
+        progress = self.state.progress
+        progress.enter("loading", Path(self.model).name)
+        progress.start()
         template = Path(self.config.chat_template).read_text(encoding="utf-8") if self.config.chat_template else None
         _, self.state.tokenizer = await asyncio.gather(
             self.engine.start(), asyncio.to_thread(PromptTokenizer.load, self.model, template)
         )
         if self.config.prefix_cache_warm:
+            progress.enter("warming", self.config.prefix_cache_warm)
             await warm(self.engine, self.state.tokenizer, self.config.prefix_cache_warm)
+        progress.enter("ready")
 
     @contextlib.asynccontextmanager
     async def serving(self) -> AsyncIterator[Daemon]:
@@ -69,6 +75,7 @@ class Daemon:
             await self.close()
 
     async def close(self) -> None:
+        self.state.progress.stop()
         await self.engine.shutdown(self.config.shutdown_grace)
         if self.listener is not None:
             await self.listener.close()
@@ -76,13 +83,25 @@ class Daemon:
         if self.kv_events is not None:
             self.kv_events.close()
 
+    def memory_fits(self) -> bool:
+        """Whether the KV budget holds one request at the full context (else: why not, on stderr); a budget
+        beyond what the device holds is warned of."""
+        plan = self.engine.memory
+        if plan.refusal is not None:
+            print(f"kvfork serve: error: {plan.refusal}", file=sys.stderr, flush=True)
+            return False
+        if plan.warning is not None:
+            print(f"kvfork: warning: {plan.warning}", file=sys.stderr, flush=True)
+        return True
+
     def loaded_line(self) -> str:
-        info, c = self.engine.info, self.engine.config
-        assert info is not None
+        info, c, plan = self.engine.info, self.engine.config, self.engine.memory
+        assert info is not None and plan is not None
         cache_cap = f"{c.prefix_cache_bytes / GiB:.2f} GiB" if c.prefix_cache_bytes else "no cap of its own"
         return (
             f"kvfork: loaded {info.name} ({len(info.layers)} layers, {info.dtype} on {info.device}, "
             f"context {c.max_context}) as {', '.join(self.state.served_names)}\n"
+            f"kvfork: KV budget {c.kv_budget_bytes / GiB:.2f} GiB: {plan.reason}\n"
             f"kvfork: set aside {c.kv_budget_bytes / GiB:.2f} GiB for KV state ({info.kv.full_bytes_per_token} "
             f"bytes/token): {c.inference_slots} inference slots, {c.max_captures} pending captures, prefix cache "
             f"of {c.prefix_cache_entries} entries ({cache_cap}){self._disk_line()}"
@@ -168,6 +187,8 @@ async def run(config: ServerConfig, engine_config: EngineConfig, model: str,
             if loading.exception() is not None:  # a model the backend or the tokenizer cannot read
                 print(f"kvfork: loading {model} failed: {loading.exception()}")
                 return 1
+            if not daemon.memory_fits():
+                return 2
             print(daemon.loaded_line(), flush=True)
             await stopping
         print("kvfork: shutting down", flush=True)

@@ -17,6 +17,7 @@ from server.metrics import Registry
 from server.api.responses.store import ResponseStore
 from server.slow_clients import SlowClients
 from server.tenants import key_tenants
+from server.progress import StartProgress
 from server.text.tokenizer import PromptTokenizer
 
 
@@ -27,6 +28,7 @@ class AppState:
     served_names: list[str]
     registry: Registry
     tokenizer: PromptTokenizer | None = None  # set once loaded
+    progress: StartProgress = field(default_factory=StartProgress)  # the start's phase, for /health
     created: int = field(default_factory=lambda: int(time.time()))
     _grammars: GrammarCompiler | None = None  # built on the first constrained request
     generation_rate: TokenRate = field(default_factory=TokenRate)  # /v1/loads' gen_throughput
