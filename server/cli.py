@@ -92,10 +92,10 @@ def announce(found: Layered) -> None:
 def serve(argv: list[str]) -> int:
     parser = serve_parser()
     args, config, engine_config, found = read_settings(parser, argv)
+    announce(found)
     if args.print_config:
         print(describe([config, engine_config], found.sources))
         return 0
-    announce(found)
     if config.prefix_cache_warm:
         try:
             read_warm_file(config.prefix_cache_warm)

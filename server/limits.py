@@ -43,7 +43,7 @@ class Limits:
     max_messages: int = setting(100_000, "most messages in one chat, Messages or Responses request (Anthropic's "
                                 "limit)", check=at_least(1))
     max_prompt_chars: int | None = setting(None, "most characters of messages and tools a request may send to be "
-                                           f"rendered and tokenized (None: {CHARS_PER_CONTEXT_TOKEN} x the context "
+                                           f"rendered and tokenized (default: {CHARS_PER_CONTEXT_TOKEN} x the context "
                                            "length)", check=at_least(1))
     max_tools: int = setting(128, "most tools in a chat completions or Responses request (OpenAI's limit; "
                              "/v1/messages tools are bounded by --max-prompt-chars alone, as Anthropic sets no "
