@@ -82,3 +82,20 @@ def test_this_machine():
     p = plan(device)
     assert device.kind == "cpu" and device.total_bytes == device.host_bytes > 0
     assert 0 < p.kv_budget_bytes < device.total_bytes - GiB
+
+
+def test_each_backend_reports_its_loaded_weights(tiny_model_dir):
+    from backends import create_backend
+    from backends.device_memory import weights_on_disk
+
+    folder = tiny_model_dir("llama")
+    readings = {}
+    for name in ("mlx", "torch"):
+        backend = create_backend(name)
+        backend.load(folder, "float32")
+        readings[name] = backend.memory(0)
+    on_disk = weights_on_disk(folder)  # the tensors and the file's header
+    assert on_disk - 64 * 1024 < readings["mlx"].weights_bytes <= on_disk
+    # torch on a CPU holds each projection in oneDNN's layout, and a packed copy of a tied embedding as its head
+    assert readings["torch"].weights_bytes >= readings["mlx"].weights_bytes
+    assert all(r.total_bytes > r.weights_bytes and r.kind in ("cpu", "metal", "cuda") for r in readings.values())

@@ -137,7 +137,9 @@ class TorchBackend(Backend):
 
     def memory(self, step_tokens: int) -> DeviceMemory:
         """On CUDA the device's own memory, with a step's activation peak measured as vLLM profiles it."""
-        weights = sum(t.nbytes for t in itertools.chain(self.model.parameters(), self.model.buffers()))
+        tensors = itertools.chain(self.model.parameters(), self.model.buffers())
+        weights = sum(t.nbytes for t in tensors) + sum(
+            m.nbytes for m in self.model.modules() if isinstance(m, packed_linear.PackedLinear))
         if self.device.type != "cuda":
             return cpu_memory(weights)
         return cuda_memory(self.device, weights, self._activation_peak(step_tokens) if step_tokens else 0)
