@@ -105,3 +105,36 @@ def test_serve_prints_what_it_loaded_and_where_and_stops_on_sigint(tiny_model_di
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def start_lines(*args: str, until: str) -> tuple[int | None, str]:
+    """A `kvfork serve` of its output up to a line holding `until` (or its exit): (exit code or None, text)."""
+    process = subprocess.Popen([sys.executable, "-m", "server", "--port", "0", *args], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in process.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if until in line:
+                break
+        process.send_signal(signal.SIGINT)
+        lines.append(process.communicate(timeout=60)[0])
+    finally:
+        if process.poll() is None:
+            process.kill()
+    return process.returncode, "".join(lines)
+
+
+def test_a_start_prints_the_budget_it_chose_and_why_and_refuses_one_too_small(tiny_model_dir):
+    model = tiny_model_dir("llama")
+    _, text = start_lines("--model", model, "--backend", "mlx", until="set aside")
+    # the device's rule: physical memory on a CPU, Metal's working set on Apple Silicon; a tiny model's weights
+    budget = re.search(r"kvfork: KV budget (\S+) GiB: (0\.75 of \S+ GiB physical memory|\S+'s recommended working "
+                       r"set) .* - 0\.00 GiB weights - \S+ GiB headroom", text)
+    assert budget is not None, text
+    assert f"set aside {budget.group(1)} GiB for KV state" in text
+    code, text = start_lines("--model", model, "--backend", "mlx", "--kv-budget-bytes", "4KiB", until="never")
+    assert code == 2
+    refusal = [line for line in text.splitlines() if line.startswith("kvfork serve: error:")]
+    assert len(refusal) == 1 and "cannot hold one request at the full context" in refusal[0]
+    assert refusal[0].endswith("raise --kv-budget-bytes or lower --max-context")
