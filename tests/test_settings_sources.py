@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 
@@ -17,7 +14,7 @@ import pytest
 
 from server.cli import read_settings, serve_parser
 from server.settings import parse_size
-from test_cli import ROOT, kvfork
+from test_cli import kvfork, started
 
 
 def settings(argv: list[str], env: dict[str, str] | None = None):
@@ -129,15 +126,7 @@ def test_a_daemon_takes_its_keys_from_the_environment_and_its_config_file(tiny_m
     file.write_text(f'model = "{tiny_model_dir("llama")}"\nbackend = "mlx"\nport = 0\nmetrics-key = "file-metrics"\n'
                     'served-model-name = ["tiny"]\nkv-budget-bytes = "64MiB"\n')
     env = {**os.environ, "KVFORK_API_KEY": "env-key-1,env-key-2", "KVFORK_CONFIG": str(file)}
-    process = subprocess.Popen([sys.executable, "-m", "server"], cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        lines = []
-        for line in process.stdout:  # type: ignore[union-attr]
-            lines.append(line)
-            if "set aside" in line or process.poll() is not None:
-                break
-        text = "".join(lines)
+    with started(env=env) as (process, text):
         url = re.search(r"listening on (http://127\.0\.0\.1:\d+)", text).group(1)  # type: ignore[union-attr]
         assert "KV budget 0.06 GiB: --kv-budget-bytes 0.06 GiB (the device holds" in text  # the plan and why
         assert "warning" not in text
@@ -148,6 +137,3 @@ def test_a_daemon_takes_its_keys_from_the_environment_and_its_config_file(tiny_m
             assert status_of(url + "/v1/chat/completions", key, body) == status
         cmdline = open(f"/proc/{process.pid}/cmdline", "rb").read()
         assert b"env-key" not in cmdline and b"file-metrics" not in cmdline
-    finally:
-        process.send_signal(signal.SIGINT)
-        process.communicate(timeout=60)
