@@ -4,17 +4,21 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 # MLX's Linux wheel bundles a reference BLAS; preload OpenBLAS when the machine has it.
-BLAS_ENV = LD_PRELOAD="$$($(BIN)/python -m backends.mlx.blas)"
+BLAS_ENV = LD_PRELOAD="$$($(BIN)/python -m kvfork.backends.mlx.blas)"
 ARGS ?=
 
 .PHONY: install model serve test test-numeric smoke soak bench peers cluster clients clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
+	  echo "kvfork needs Python 3.11 or newer, and $(PYTHON) is $$($(PYTHON) --version 2>/dev/null || echo missing):" \
+	    "install Python 3.11+ (macOS: brew install python@3.12; Ubuntu 22.04: sudo apt install python3.11 python3.11-venv)" \
+	    "and run make again with PYTHON=python3.12 (or python3.11)." >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -e '.[dev,cluster,kv-router]'
-	$(BIN)/python -m backends.mlx.blas --install
+	$(BIN)/python -m kvfork.backends.mlx.blas --install
 	touch $(STAMP)
 
 model: install

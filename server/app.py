@@ -15,20 +15,20 @@ import logging
 
 from aiohttp import web
 
-from server.engine.api import EngineError
-from server.errors import ApiError, from_engine
-from server.api.messages.protocol import error_body
-from server.api.chat import route as chat
-from server.api.completions import route as completions
-from server.api.messages import route as messages
-from server.api.responses import route as responses
-from server.routes import loads, models, sessions
-from server.api.respond import dropped_tools_header, json_response
-from server.api.sse import CLIENT_GONE
-from server.slow_clients import Watchdog
-from server.slow_clients import listen as watched_listen
-from server.state import STATE, TENANT, AppState
-from server.tenants import key_tenant, request_key
+from kvfork.server.engine.api import EngineError
+from kvfork.server.errors import ApiError, from_engine
+from kvfork.server.api.messages.protocol import error_body
+from kvfork.server.api.chat import route as chat
+from kvfork.server.api.completions import route as completions
+from kvfork.server.api.messages import route as messages
+from kvfork.server.api.responses import route as responses
+from kvfork.server.routes import loads, models, reuse, sessions
+from kvfork.server.api.respond import dropped_tools_header, json_response
+from kvfork.server.api.sse import CLIENT_GONE
+from kvfork.server.slow_clients import Watchdog
+from kvfork.server.slow_clients import listen as watched_listen
+from kvfork.server.state import STATE, TENANT, AppState
+from kvfork.server.tenants import key_tenant, request_key
 
 log = logging.getLogger("kvfork.http")
 
@@ -40,6 +40,9 @@ OPEN_PATHS = frozenset({models.PATH, loads.PATH})
 CLIENT_CLOSED = "499"  # nginx's "client closed request", for the metrics
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
 METRICS = "/metrics"
+# One line per request (--access-log): client address, request line, status, response bytes, seconds.
+ACCESS_LOG = logging.getLogger("kvfork.access")
+ACCESS_FORMAT = '%a "%r" %s %b %Tf'
 
 
 def _error_response(error: ApiError, path: str) -> web.Response:
@@ -112,11 +115,6 @@ async def _response_headers(request: web.Request, response: web.StreamResponse) 
     dropped_tools_header(request, response)
 
 
-async def _root(request: web.Request) -> web.Response:
-    """GET and HEAD /: a reachability probe (Claude Code sends HEAD / before its first request)."""
-    return web.Response(text="kvfork\n")
-
-
 def build_app(state: AppState) -> web.Application:
     requests_total = state.registry.counter("http_requests_total", "HTTP requests answered, by route and status")
     app = web.Application(middlewares=_middlewares(state, requests_total), client_max_size=state.config.max_body_bytes)
@@ -130,7 +128,8 @@ def build_app(state: AppState) -> web.Application:
     app.router.add_delete(responses.PATH + "/{response_id}", responses.delete)
     app.router.add_post(messages.PATH + "/count_tokens", messages.count_tokens)
     app.router.add_get(models.PATH, models.list_models)
-    app.router.add_get("/", _root)  # HEAD too
+    app.router.add_get("/", reuse.root)  # HEAD too
+    app.router.add_get(reuse.PATH, reuse.handle)
     app.router.add_get("/health", models.health)
     app.router.add_get(METRICS, models.metrics)
     app.router.add_get(loads.PATH, loads.handle)
@@ -153,6 +152,7 @@ class Listener:
 
 async def listen(app: web.Application, host: str, port: int) -> Listener:
     """Start serving (port 0 picks a free port: Listener.port)."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    access = ACCESS_LOG if app[STATE].config.access_log else None
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=access, access_log_format=ACCESS_FORMAT)
     await runner.setup()
     return Listener(runner, await watched_listen(runner, host, port, app[STATE].clients))

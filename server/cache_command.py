@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from server.engine.disk import clear, describe, kv_root
+from kvfork.server.engine.disk import clear, describe, kv_root
 
 
 def main(argv: list[str]) -> int:

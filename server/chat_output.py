@@ -23,9 +23,9 @@ import copy
 from dataclasses import dataclass, field
 from typing import Callable
 
-from server.reasoning import ReasoningSplitter, starts_in_reasoning, template_reasons
-from server.toolcalls import PARSERS, resolve_tool_parser
-from server.toolcalls.base import (
+from kvfork.server.reasoning import ReasoningSplitter, starts_in_reasoning, template_reasons
+from kvfork.server.toolcalls import PARSERS, resolve_tool_parser
+from kvfork.server.toolcalls.base import (
     Event,
     ReasoningDelta,
     TextDelta,

@@ -17,28 +17,29 @@ import os
 import sys
 from typing import NoReturn
 
-from backends import prepare_process
-from server.config import ServerConfig
-from server.engine.config import EngineConfig
-from server.model_source import Fetch, model_source
-from server.progress import StartProgress
-from server.settings import Layered, add_arguments, describe, from_args, layered, on_command_line
-from server.tenants import key_tenants
-from server.warm import read_warm_file
+from kvfork import __version__
+from kvfork.backends import prepare_process
+from kvfork.server.config import ServerConfig
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.model_source import Fetch, model_source
+from kvfork.server.progress import StartProgress
+from kvfork.server.settings import Layered, add_arguments, describe, from_args, layered, on_command_line
+from kvfork.server.tenants import key_tenants
+from kvfork.server.warm import read_warm_file
 
 # Commands are imported only when asked for: each pulls its own dependencies. bench, smoke and soak are
 # tools (entry points that import the product, never the reverse): a checkout without tools/ lacks them.
 COMMANDS = {
-    "fetch-model": ("backends.default_model", "fetch the default model (SmolLM2) and convert it"),
-    "bench": ("tools.bench", "replay benchmark against a running daemon"),
-    "smoke": ("tools.smoke", "end-to-end check of active prefix reuse on the default model"),
-    "soak": ("tools.soak", "load, faults, hang-ups and bad input against an in-process daemon; one table of checks"),
-    "cache": ("server.cache_command", "show (ls) or empty (clear) the prefix cache's disk tier"),
-    "cluster": ("tools.cluster", "N replicas of one model on this machine behind smg (pip install 'kvfork[cluster]')"),
-    "clients": ("tools.clients", "Codex CLI, Claude Code and opencode, unchanged, in scripted sessions; one table"),
+    "fetch-model": ("kvfork.backends.default_model", "fetch the default model (SmolLM2) and convert it"),
+    "bench": ("kvfork.tools.bench", "replay benchmark against a running daemon"),
+    "smoke": ("kvfork.tools.smoke", "end-to-end check of active prefix reuse on the default model"),
+    "soak": ("kvfork.tools.soak", "load, faults, hang-ups and bad input against an in-process daemon; one table of checks"),
+    "cache": ("kvfork.server.cache_command", "show (ls) or empty (clear) the prefix cache's disk tier"),
+    "cluster": ("kvfork.tools.cluster", "N replicas of one model on this machine behind smg (pip install 'kvfork[cluster]')"),
+    "clients": ("kvfork.tools.clients", "Codex CLI, Claude Code and opencode, unchanged, in scripted sessions; one table"),
 }
 USAGE = ("usage: kvfork {serve,fetch-model,bench,smoke,soak,cache,cluster,clients} [options]   "
-         "(kvfork COMMAND --help for a command's options)")
+         "(kvfork COMMAND --help for a command's options; kvfork --version)")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -108,10 +109,10 @@ def serve(argv: list[str]) -> int:
         parser.error(f"--model: {e}")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if config.distributed:
-        from server.distributed import serve as serve_ranks
+        from kvfork.server.distributed import serve as serve_ranks
 
         return serve_ranks(config, engine_config, _fetched(model, fetch))
-    from server.serve import run  # the engine and backends load only for a valid command line
+    from kvfork.server.serve import run  # the engine and backends load only for a valid command line
 
     try:
         return asyncio.run(run(config, engine_config, model, fetch=fetch))
@@ -134,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         lines += [f"  {name:<12} {help_text}" for name, (_, help_text) in COMMANDS.items()]
         print("\n".join(lines))
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(f"kvfork {__version__}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command == "serve":
         return serve(rest)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from server.limits import Limits
-from server.settings import at_least, between, setting
-from server.tenants import read_keys_file
-from server.text.template import check_template
-from server.toolcalls import TOOL_PARSER_CHOICES
+from kvfork.server.limits import Limits
+from kvfork.server.settings import at_least, between, setting
+from kvfork.server.tenants import read_keys_file
+from kvfork.server.text.template import check_template
+from kvfork.server.toolcalls import TOOL_PARSER_CHOICES
 
 BACKENDS = ("auto", "mlx", "torch")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -126,6 +126,14 @@ class ServerConfig(Limits):
                                     "uses <think>)", choices=("auto", "none", "think"))
     chat_template: str | None = setting(None, "a Jinja chat template file to use instead of the model's (clients "
                                         "can never send one)", check=_template_check)
+    log_stats: bool = setting(True, "log a stats line every 10 s while busy: throughput, running and waiting "
+                              "requests, KV in use, prefix cache hit rate in tokens (vLLM's --disable-log-stats "
+                              "is --no-log-stats)")
+    access_log: bool = setting(True, "log a line per HTTP request: client, request line, status, bytes, seconds "
+                               "(--no-access-log: off)")
+    keep_volatile_lines: bool = setting(False, "keep the volatile lines clients put in prompts (Claude Code's "
+                                        "billing line: server/api/volatile.py), which otherwise are taken out "
+                                        "before rendering so they never cost a prefill")
     metrics_key: str | None = setting(None, "require this key (Authorization: Bearer KEY) on /metrics, which is "
                                       "open otherwise; tenants' API keys do not open it (prefer KVFORK_METRICS_KEY "
                                       "or --config)",

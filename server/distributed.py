@@ -28,14 +28,14 @@ import sys
 import threading
 from typing import Any
 
-from backends import default_backend
-from backends.lockstep import JoinError, Ranks, join
-from backends.lockstep.follower import Follower
-from backends.lockstep.leader import LockstepBackend
-from server.config import ServerConfig
-from backends.device_memory import weights_on_disk
-from server.engine.config import EngineConfig
-from server.engine.memory_plan import shared_host_plan
+from kvfork.backends import default_backend
+from kvfork.backends.lockstep import JoinError, Ranks, join
+from kvfork.backends.lockstep.follower import Follower
+from kvfork.backends.lockstep.leader import LockstepBackend
+from kvfork.server.config import ServerConfig
+from kvfork.backends.device_memory import weights_on_disk
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.engine.memory_plan import shared_host_plan
 
 
 def serve(config: ServerConfig, engine_config: EngineConfig, model: str) -> int:
@@ -46,7 +46,7 @@ def serve(config: ServerConfig, engine_config: EngineConfig, model: str) -> int:
         return 1
     if ranks.rank != 0:
         return follow(ranks)
-    from server.serve import run
+    from kvfork.server.serve import run
 
     engine_config = shared_budget(engine_config, model, ranks)
 

@@ -12,7 +12,7 @@ import re
 import msgspec
 from msgspec import Struct
 
-from server.engine.api import EngineError
+from kvfork.server.engine.api import EngineError
 
 
 class ErrorDetail(Struct):

@@ -24,11 +24,11 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from server.engine.api import DoneEvent, GenerateRequest, TokenEvent, Usage
-from server.errors import ApiError
-from server.text.detokenizer import IncrementalDetokenizer
-from server.text.stops import StopMatcher
-from server.text.tokenizer import PromptTokenizer
+from kvfork.server.engine.api import DoneEvent, GenerateRequest, TokenEvent, Usage
+from kvfork.server.errors import ApiError
+from kvfork.server.text.detokenizer import IncrementalDetokenizer
+from kvfork.server.text.stops import StopMatcher
+from kvfork.server.text.tokenizer import PromptTokenizer
 
 
 @dataclass

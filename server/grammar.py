@@ -54,10 +54,10 @@ from typing import Any, Callable, Literal, Sequence
 
 import numpy as np
 
-from server.engine.api import Scope
-from server.errors import ApiError
-from server.fair import FairWorkers
-from server.grammar_worker import write_message
+from kvfork.server.engine.api import Scope
+from kvfork.server.errors import ApiError
+from kvfork.server.fair import FairWorkers
+from kvfork.server.grammar_worker import write_message
 
 ToolChoice = Literal["auto", "none", "required", "function"]
 # JSON as json.dumps and the chat templates' `tojson` write it.
@@ -349,7 +349,7 @@ class CompileProcess:
             self._proc = None
 
     def _start(self) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-m", "server.grammar_worker"], stdin=subprocess.PIPE,
+        self._proc = subprocess.Popen([sys.executable, "-m", "kvfork.server.grammar_worker"], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE)
         assert self._proc.stdin is not None
         write_message(self._proc.stdin, self._setup())

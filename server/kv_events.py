@@ -50,7 +50,7 @@ from typing import Any, Sequence
 
 import msgspec
 
-from server.engine.api import Scope
+from kvfork.server.engine.api import Scope
 
 log = logging.getLogger("kvfork.kv_events")
 

@@ -19,8 +19,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from server.errors import ApiError
-from server.settings import at_least, setting
+from kvfork.server.errors import ApiError
+from kvfork.server.settings import at_least, setting
 
 KiB, MiB = 1024, 1024 * 1024
 # The prompt-characters cap, when not set, is this many times the context length: far above the

@@ -54,16 +54,16 @@ class Counter(_Metric):
 
 
 class Gauge(_Metric):
-    """A value read when rendered, so it is never stale."""
+    """A value read when rendered, so it is never stale; `labels` are fixed (vLLM's model_name)."""
 
     kind = "gauge"
 
-    def __init__(self, name: str, help: str, read: Callable[[], float]):
+    def __init__(self, name: str, help: str, read: Callable[[], float], labels: Labels = ()):
         super().__init__(name, help)
-        self.read = read
+        self.read, self.labels = read, labels
 
     def render(self) -> list[str]:
-        return self.header() + [f"{self.name} {_fmt_value(self.read())}"]
+        return self.header() + [f"{self.name}{_fmt_labels(self.labels)} {_fmt_value(self.read())}"]
 
 
 class CounterView(Gauge):
@@ -112,11 +112,11 @@ class Registry:
     def counter(self, name: str, help: str) -> Counter:
         return self._add(Counter(name, help))  # type: ignore[return-value]
 
-    def gauge(self, name: str, help: str, read: Callable[[], float]) -> Gauge:
-        return self._add(Gauge(name, help, read))  # type: ignore[return-value]
+    def gauge(self, name: str, help: str, read: Callable[[], float], labels: Labels = ()) -> Gauge:
+        return self._add(Gauge(name, help, read, labels))  # type: ignore[return-value]
 
-    def counter_view(self, name: str, help: str, read: Callable[[], float]) -> CounterView:
-        return self._add(CounterView(name, help, read))  # type: ignore[return-value]
+    def counter_view(self, name: str, help: str, read: Callable[[], float], labels: Labels = ()) -> CounterView:
+        return self._add(CounterView(name, help, read, labels))  # type: ignore[return-value]
 
     def histogram(self, name: str, help: str, buckets: tuple[float, ...]) -> Histogram:
         return self._add(Histogram(name, help, buckets))  # type: ignore[return-value]

@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from backends.model_path import ALLOW_PATTERNS, resolve_model
-from server.progress import StartProgress
+from kvfork.backends.model_path import ALLOW_PATTERNS, resolve_model
+from kvfork.server.progress import StartProgress
 
 Fetch = Callable[[StartProgress], str]  # downloads (converts) the model, reporting its phases; its folder
 
@@ -29,7 +29,7 @@ def model_source(name: str | None) -> tuple[str, Fetch | None]:
     """(the model's folder, None) when it is on this machine; (its name, how to fetch it) when not yet.
     FileNotFoundError or ValueError: it can be neither (no such folder, an offline hub, no config.json)."""
     if name is None:
-        from backends.default_model import default_model_dir, ensure_default_model, is_current
+        from kvfork.backends.default_model import default_model_dir, ensure_default_model, is_current
 
         folder = default_model_dir()
         if is_current(folder):

@@ -10,7 +10,7 @@ markup, not text: they are dropped, so reasoning and content come out clean.
 
 from __future__ import annotations
 
-from server.toolcalls.base import Event, ReasoningDelta, TextDelta, held_prefix
+from kvfork.server.toolcalls.base import Event, ReasoningDelta, TextDelta, held_prefix
 
 OPEN, CLOSE = "<think>", "</think>"
 

@@ -15,19 +15,20 @@ import sys
 from pathlib import Path
 from typing import AsyncIterator
 
-from backends import create_backend, default_backend
-from backends.base import Backend
-from backends.lockstep.leader import LockstepBackend
-from server.app import Listener, build_app, listen
-from server.config import ServerConfig
-from server.engine.config import EngineConfig
-from server.engine.disk import kv_root
-from server.engine.engine import Engine
-from server.metrics import Registry
-from server.model_source import Fetch
-from server.state import AppState
-from server.text.tokenizer import PromptTokenizer
-from server.warm import warm
+from kvfork.backends import create_backend, default_backend
+from kvfork.backends.base import Backend
+from kvfork.backends.lockstep.leader import LockstepBackend
+from kvfork.server.app import Listener, build_app, listen
+from kvfork.server.config import ServerConfig
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.engine.disk import kv_root
+from kvfork.server.engine.engine import Engine
+from kvfork.server.metrics import Registry
+from kvfork.server.model_source import Fetch
+from kvfork.server.observe import log_stats, register_vllm_names
+from kvfork.server.state import AppState
+from kvfork.server.text.tokenizer import PromptTokenizer
+from kvfork.server.warm import warm
 
 GiB = 1024**3
 
@@ -43,6 +44,8 @@ class Daemon:
                              kv_events=self.kv_events)
         names = list(config.served_model_name) or [Path(model).name]
         self.state = AppState(config, self.engine, names, self.registry)
+        register_vllm_names(self.registry, self.engine, names[0])
+        self.stats: asyncio.Task | None = None  # the stats line's (--log-stats)
         self.listener: Listener | None = None
         self.port = config.port
 
@@ -68,6 +71,8 @@ class Daemon:
             progress.enter("warming", self.config.prefix_cache_warm)
             await warm(self.engine, self.state.tokenizer, self.config.prefix_cache_warm)
         progress.enter("ready")
+        if self.config.log_stats:
+            self.stats = asyncio.create_task(log_stats(self.engine))
 
     @contextlib.asynccontextmanager
     async def serving(self) -> AsyncIterator[Daemon]:
@@ -81,6 +86,8 @@ class Daemon:
 
     async def close(self) -> None:
         self.state.progress.stop()
+        if self.stats is not None:
+            self.stats.cancel()
         await self.engine.shutdown(self.config.shutdown_grace)
         if self.listener is not None:
             await self.listener.close()
@@ -124,7 +131,7 @@ def open_kv_events(config: ServerConfig):
     """The KV event publisher --kv-events-endpoint asks for (pyzmq, imported only then), else None."""
     if config.kv_events_endpoint is None:
         return None
-    from server.kv_events import KVEventPublisher, KVEvents
+    from kvfork.server.kv_events import KVEventPublisher, KVEvents
 
     replay = config.kv_events_replay_endpoint
     if replay is None and config.kv_events_endpoint.startswith("tcp://"):

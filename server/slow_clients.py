@@ -23,9 +23,9 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from server.errors import ApiError
-from server.limits import Limits
-from server.metrics import Registry
+from kvfork.server.errors import ApiError
+from kvfork.server.limits import Limits
+from kvfork.server.metrics import Registry
 
 
 class SlowClients:

@@ -8,17 +8,19 @@ from typing import Any
 
 from aiohttp import web
 
-from server.config import ServerConfig
-from server.engine.api import EngineError, Scope
-from server.engine.load import TokenRate
-from server.errors import ApiError
-from server.grammar import GrammarCompiler
-from server.metrics import Registry
-from server.api.responses.store import ResponseStore
-from server.slow_clients import SlowClients
-from server.tenants import key_tenants
-from server.progress import StartProgress
-from server.text.tokenizer import PromptTokenizer
+from kvfork.server.config import ServerConfig
+from kvfork.server.engine.api import EngineError, Scope
+from kvfork.server.engine.load import TokenRate
+from kvfork.server.errors import ApiError
+from kvfork.server.grammar import GrammarCompiler
+from kvfork.server.metrics import Counter, Registry
+from kvfork.server.api.diagnosis import Fingerprints
+from kvfork.server.api.responses.store import ResponseStore
+from kvfork.server.progress import StartProgress
+from kvfork.server.reuse import ReuseLog
+from kvfork.server.slow_clients import SlowClients
+from kvfork.server.tenants import key_tenants
+from kvfork.server.text.tokenizer import PromptTokenizer
 
 
 @dataclass
@@ -35,12 +37,18 @@ class AppState:
     responses: ResponseStore = field(init=False)  # for /v1/responses' previous_response_id
     keys: dict[str, str] = field(init=False)  # accepted API key -> its tenant; empty: no auth, one tenant
     clients: SlowClients = field(init=False)  # the slow-client bounds and their counters
+    fingerprints: Fingerprints = field(init=False)  # cache diagnostics' (server/api/diagnosis.py)
+    reuse: ReuseLog = field(default_factory=ReuseLog)  # what the reuse page shows (server/reuse.py)
+    volatile_lines: Counter = field(init=False)  # server/api/volatile.py's lines taken out of prompts
 
     def __post_init__(self) -> None:
         self.responses = ResponseStore(self.config.max_stored_responses, self._forget_session,
                                        self.config.max_stored_response_bytes)
         self.keys = key_tenants(self.config.api_key, self.config.api_keys_file)
         self.clients = SlowClients(self.registry, self.config)
+        self.fingerprints = Fingerprints(self.registry)
+        self.volatile_lines = self.registry.counter("volatile_lines_removed_total", "volatile client lines taken "
+                                                    "out of prompts (--keep-volatile-lines), by line")
 
     def close(self) -> None:
         """Stop the worker threads (and grammar processes) the routes use."""

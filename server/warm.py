@@ -14,12 +14,12 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from backends.base import SamplingParams
-from server.engine.api import GenerateRequest, Scope
+from kvfork.backends.base import SamplingParams
+from kvfork.server.engine.api import GenerateRequest, Scope
 
 if TYPE_CHECKING:  # the CLI reads the file before anything heavy loads
-    from server.engine.engine import Engine
-    from server.text.tokenizer import PromptTokenizer
+    from kvfork.server.engine.engine import Engine
+    from kvfork.server.text.tokenizer import PromptTokenizer
 
 log = logging.getLogger("kvfork.warm")
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from tolerance import Kind, Model, assert_logits_close, assert_same_greedy
 
-from backends import BACKENDS, create_backend
-from backends.base import Backend, SamplerState, SamplingParams
+from kvfork.backends import BACKENDS, create_backend
+from kvfork.backends.base import Backend, SamplerState, SamplingParams
 
 BACKEND_NAMES = tuple(BACKENDS)
 _loaded: dict[Hashable, Backend] = {}

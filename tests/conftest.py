@@ -13,7 +13,7 @@ import pytest
 import tolerance
 from scripted_backend import Gate
 from tiny_models import ARCHS, write_model
-from backends.model_path import kvfork_home as kvfork_home_of_user
+from kvfork.backends.model_path import kvfork_home as kvfork_home_of_user
 
 pytest_plugins = ("backend_fixtures", "pytester")  # backend_fixtures: its report hook (a lent backend's cleanup)
 

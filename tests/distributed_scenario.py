@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import Backend, CloneRefused, SamplerState, SamplingParams
+from kvfork.backends.base import Backend, CloneRefused, SamplerState, SamplingParams
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -83,7 +83,7 @@ def weight_bytes(backend: Backend) -> int:
     """Bytes of the model's weights as this process holds them."""
     model = backend.model  # type: ignore[attr-defined]
     if type(backend).__name__ == "TorchBackend":  # parameters, and the packed copies of linear layers
-        from backends.torch.packed_linear import PackedLinear
+        from kvfork.backends.torch.packed_linear import PackedLinear
 
         packed = sum(m.packed.numel() * 4 for m in model.modules() if isinstance(m, PackedLinear))
         return packed + sum(p.numel() * p.element_size() for p in model.parameters())
@@ -98,9 +98,9 @@ def figures(backend: Backend) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from backends.lockstep import join
-    from backends.lockstep.follower import Follower
-    from backends.lockstep.leader import LockstepBackend
+    from kvfork.backends.lockstep import join
+    from kvfork.backends.lockstep.follower import Follower
+    from kvfork.backends.lockstep.leader import LockstepBackend
 
     name, out, folders = argv[0], Path(argv[1]), argv[2:]
     ranks = join(name)

@@ -6,13 +6,13 @@ import asyncio
 import importlib
 from typing import Sequence
 
-from backends import BACKENDS
-from backends.base import Backend, SamplingParams
-from server.engine.api import DoneEvent, GenerateRequest, TokenEvent
-from server.engine.config import EngineConfig
-from server.engine.engine import Engine
-from server.engine.request import RequestHandle
-from server.metrics import Registry
+from kvfork.backends import BACKENDS
+from kvfork.backends.base import Backend, SamplingParams
+from kvfork.server.engine.api import DoneEvent, GenerateRequest, TokenEvent
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.engine.engine import Engine
+from kvfork.server.engine.request import RequestHandle
+from kvfork.server.metrics import Registry
 
 # Small enough for scripted prompts, and an explicit budget so no test depends on the machine's memory.
 TEST_CONFIG = dict(prefix_cache_min_tokens=8, kv_budget_bytes=1 << 30)

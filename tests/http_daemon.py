@@ -10,11 +10,11 @@ from typing import AsyncIterator, Callable
 
 import aiohttp
 
-from backends import create_backend
-from backends.base import Backend
-from server.config import ServerConfig
-from server.engine.config import EngineConfig
-from server.serve import Daemon
+from kvfork.backends import create_backend
+from kvfork.backends.base import Backend
+from kvfork.server.config import ServerConfig
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.serve import Daemon
 
 # Small budgets keep test runs light on a shared 2-core machine.
 TEST_ENGINE = dict(kv_budget_bytes=256 * 1024 * 1024, inference_slots=4, prefix_cache_min_tokens=16)

@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from backends.base import (Backend, BatchFailed, CloneRefused, KVCost, LayerAttention, ModelInfo, RowState, Sampled,
+from kvfork.backends.base import (Backend, BatchFailed, CloneRefused, KVCost, LayerAttention, ModelInfo, RowState, Sampled,
                            SamplerState, Session, check_inputs, clone_refusal)
 
 EOS = 2

@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 from typing import Callable
 
-from server.chat_output import ChatOutput, collect
-from server.toolcalls.base import Event
+from kvfork.server.chat_output import ChatOutput, collect
+from kvfork.server.toolcalls.base import Event
 
 
 def counting_ids() -> Callable[[], str]:

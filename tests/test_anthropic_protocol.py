@@ -8,12 +8,12 @@ import msgspec
 import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 
-from server.chat_output import ChatOutputParser, collect
-from server.api.messages.reply import MessageStream, message_reply, usage
-from server.api.messages.translate import UnsupportedContent, chat_request
-from server.api.messages.protocol import CountTokensRequest, MessagesRequest, error_body, sse
-from server.reasoning import ReasoningSplitter
-from server.toolcalls import PARSERS
+from kvfork.server.chat_output import ChatOutputParser, collect
+from kvfork.server.api.messages.reply import MessageStream, message_reply, usage
+from kvfork.server.api.messages.translate import UnsupportedContent, chat_request
+from kvfork.server.api.messages.protocol import CountTokensRequest, MessagesRequest, error_body, sse
+from kvfork.server.reasoning import ReasoningSplitter
+from kvfork.server.toolcalls import PARSERS
 from streaming_helpers import counting_ids
 
 SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}

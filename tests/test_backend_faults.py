@@ -12,7 +12,7 @@ import pytest
 from backend_fixtures import assert_close, backend, backend_name, fresh, logits_np, prompt, release_all  # noqa: F401
 from tolerance import Kind
 
-from backends.base import BatchFailed, RowState, SamplerState, SamplingParams
+from kvfork.backends.base import BatchFailed, RowState, SamplerState, SamplingParams
 
 PREFIX = 20  # past the sliding window (16) of the gemma3 test model: its rings have wrapped
 
@@ -171,7 +171,7 @@ def test_a_failed_sample_changes_no_stream_and_no_output(backend, backend_name, 
     """The runner samples again row by row after a failure: rows drawn before the failing one
     must not have moved their streams, or a seeded request would not replay."""
     import importlib
-    module = importlib.import_module(f"backends.{backend_name}.sampling")
+    module = importlib.import_module(f"kvfork.backends.{backend_name}.sampling")
     cut = "truncate" if backend_name == "torch" else "truncated"
     real = getattr(module, cut)
 

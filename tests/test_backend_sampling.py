@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from backend_fixtures import backend, backend_name, fresh, greedy, logits_np, prompt  # noqa: F401  (fixtures)
 
-from backends.base import SamplerState, SamplingParams
+from kvfork.backends.base import SamplerState, SamplingParams
 
 HOT = SamplingParams(temperature=30.0)  # hot enough that draws differ between streams
 

@@ -19,7 +19,7 @@ from backend_fixtures import (  # noqa: F401  (fixtures)
 )
 from tolerance import Kind
 
-from backends.base import CloneRefused, clone_refusal
+from kvfork.backends.base import CloneRefused, clone_refusal
 
 PROMPT = prompt(40)
 

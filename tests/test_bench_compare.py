@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from backends.mlx.blas import find_openblas
-from tools import smoke
-from tools.bench import main, paired, peers
-from tools.bench.serve import ServerProcess
+from kvfork.backends.mlx.blas import find_openblas
+from kvfork.tools import smoke
+from kvfork.tools.bench import main, paired, peers
+from kvfork.tools.bench.serve import ServerProcess
 
 DOUBLE = [sys.executable, str(Path(__file__).with_name("openai_double.py"))]
 

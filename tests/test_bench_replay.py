@@ -9,9 +9,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from openai_double import Double, make_app, parse_args
-from tools.bench.client import Target
-from tools.bench.runner import replay
-from tools.bench.workload import Call, Options, Workload, build
+from kvfork.tools.bench.client import Target
+from kvfork.tools.bench.runner import replay
+from kvfork.tools.bench.workload import Call, Options, Workload, build
 
 
 async def _serve(app: web.Application):

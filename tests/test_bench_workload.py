@@ -8,11 +8,11 @@ import random
 import numpy as np
 import pytest
 
-from tools.bench.client import Record
-from tools.bench.stats import output_differences, percentile, ratio, summarize
-from tools.bench.text import words
-from tools.bench.trace import TraceError, load
-from tools.bench.workload import AGENTX_CALLS, AGENTX_SESSIONS, Options, build
+from kvfork.tools.bench.client import Record
+from kvfork.tools.bench.stats import output_differences, percentile, ratio, summarize
+from kvfork.tools.bench.text import words
+from kvfork.tools.bench.trace import TraceError, load
+from kvfork.tools.bench.workload import AGENTX_CALLS, AGENTX_SESSIONS, Options, build
 
 
 def test_words_gives_the_asked_count():

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from backend_fixtures import backend, backend_name  # noqa: F401  (fixtures)
-from backends import create_backend
-from backends.model_info import FALLBACK_CONTEXT, ModelFacts, read_model_facts
+from kvfork.backends import create_backend
+from kvfork.backends.model_info import FALLBACK_CONTEXT, ModelFacts, read_model_facts
 from engine_harness import run, settled
-from server.engine.config import EngineConfig
-from server.engine.engine import Engine
-from server.metrics import Registry
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.engine.engine import Engine
+from kvfork.server.metrics import Registry
 from tiny_models import write_model
 
 
@@ -98,7 +98,7 @@ async def test_sessions_decoding_together_stay_inside_the_budget(backend_name, t
     """MLX pads the rows of its decode batch to the longest: a short request decoding beside a long one
     holds as much as the long one. The budget holds that padding (KVCost.padded_rows), so two requests
     whose own sessions fit together, but whose padded rows do not, run one after the other."""
-    from tools.faulty_backend import FaultyBackend
+    from kvfork.tools.faulty_backend import FaultyBackend
 
     long_prompt, short_prompt = prompt(500, seed=7), prompt(10, seed=8)
     probe = create_backend(backend_name)

@@ -9,7 +9,7 @@ from http_daemon import chat_body, metrics, serving, until
 from openai import AsyncOpenAI, BadRequestError
 from scripted_backend import ScriptedBackend
 
-from backends import create_backend
+from kvfork.backends import create_backend
 
 MESSAGES = [{"role": "user", "content": "the capital of France"}]
 PREFILLED = "kvfork_prefilled_tokens_total"

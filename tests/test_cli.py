@@ -13,13 +13,13 @@ from typing import Iterator
 
 import pytest
 
-from backends.mlx.blas import find_openblas
+from kvfork.backends.mlx.blas import find_openblas
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def kvfork(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server.cli", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvfork.server.cli", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=120, **kw)
 
 
@@ -69,7 +69,7 @@ def test_serve_preloads_openblas_for_mlx_only(tiny_model_dir, backend, preloaded
     env = dict(os.environ, LD_PRELOAD="" if preloaded else find_openblas())
     env.pop("KVFORK_BLAS_CHECKED", None)
     process = subprocess.Popen(
-        [sys.executable, "-m", "server", "--model", tiny_model_dir("llama"), "--backend", backend, "--port", "0",
+        [sys.executable, "-m", "kvfork.server", "--model", tiny_model_dir("llama"), "--backend", backend, "--port", "0",
          "--kv-budget-bytes", str(64 * 1024 * 1024)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
@@ -86,9 +86,9 @@ def test_serve_preloads_openblas_for_mlx_only(tiny_model_dir, backend, preloaded
 
 @contextlib.contextmanager
 def started(*args: str, env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
-    """`python -m server ARGS`, read up to its "set aside" line (or its exit): the process and its output so far.
+    """`python -m kvfork.server ARGS`, read up to its "set aside" line (or its exit): the process and its output so far.
     Killed after the block if still running."""
-    process = subprocess.Popen([sys.executable, "-m", "server", *args], cwd=ROOT, stdout=subprocess.PIPE,
+    process = subprocess.Popen([sys.executable, "-m", "kvfork.server", *args], cwd=ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, env=env)
     try:
         lines = []

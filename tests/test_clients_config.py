@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.clients.clients import CLIENTS
+from kvfork.tools.clients.clients import CLIENTS
 
 
 @pytest.mark.parametrize("context, compacts, output", [(8192, False, 1024), (65536, None, 4096)])

@@ -65,7 +65,7 @@ def pid_listening_on(port: int) -> int:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"server" in argv and b"--port" in argv and argv[argv.index(b"--port") + 1] == str(port).encode():
+        if b"kvfork.server" in argv and b"--port" in argv and argv[argv.index(b"--port") + 1] == str(port).encode():
             return int(entry.name)
     raise LookupError(f"no replica on port {port}")
 
@@ -124,7 +124,7 @@ async def test_two_replicas_behind_smg(tiny_model_dir, tmp_path):
     port = free_base_port(4)
     gateway, replicas = f"http://127.0.0.1:{port}", [f"http://127.0.0.1:{port + 1}", f"http://127.0.0.1:{port + 2}"]
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "server.cli", "cluster", "--replicas", "2", "--port", str(port),
+        sys.executable, "-m", "kvfork.server.cli", "cluster", "--replicas", "2", "--port", str(port),
         "--model", tiny_model_dir("llama"), "--backend", "torch", "--served-model-name", "tiny",
         "--kv-budget-bytes", "256MiB", "--prefix-cache-min-tokens", "16", "--shutdown-grace", "2",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,

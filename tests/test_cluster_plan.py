@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tools import cluster
+from kvfork.tools import cluster
 
 
 def test_the_plan_splits_one_budget_and_gives_each_replica_its_port_and_folder(tiny_model_dir, kvfork_home,
@@ -22,7 +22,7 @@ def test_the_plan_splits_one_budget_and_gives_each_replica_its_port_and_folder(t
     assert [p.replica_url(i) for i in range(3)] == ["http://127.0.0.1:9001", "http://127.0.0.1:9002",
                                                     "http://127.0.0.1:9003"]
     for i, argv in enumerate(p.replicas):
-        assert argv[:3] == [sys.executable, "-m", "server"]
+        assert argv[:3] == [sys.executable, "-m", "kvfork.server"]
         flags = dict(zip(argv[3::2], argv[4::2]))
         assert flags == {"--inference-slots": "2", "--model": model, "--kv-budget-bytes": "1000000",
                          "--host": "127.0.0.1", "--port": str(9001 + i)}
@@ -86,8 +86,8 @@ def test_keys_reach_the_replicas_in_their_environment_never_on_a_command_line(ti
 
 
 def test_without_a_budget_each_replica_gets_its_share_of_what_the_weights_leave(tiny_model_dir):
-    from backends.device_memory import weights_on_disk
-    from server.engine.memory_plan import shared_host_plan
+    from kvfork.backends.device_memory import weights_on_disk
+    from kvfork.server.engine.memory_plan import shared_host_plan
 
     model = tiny_model_dir("llama")
     p = cluster.plan(["--replicas", "2", "--model", model])

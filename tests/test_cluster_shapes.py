@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from http_daemon import metrics, serving
-from tools.bench.serve import free_port
+from kvfork.tools.bench.serve import free_port
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("smg") is None,
                                 reason="smg is not installed: pip install 'kvfork[cluster]'")

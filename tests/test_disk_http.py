@@ -11,7 +11,7 @@ import pytest
 
 from engine_harness import until
 from http_daemon import serving
-from server.cli import main as kvfork
+from kvfork.server.cli import main as kvfork
 
 CHAT = "/v1/chat/completions"
 PROMPT = "a long shared system prompt that every request here sends, word for word, " * 3
@@ -38,7 +38,7 @@ def disk_beats_prefill(monkeypatch):
     prefill is dear), so the cost model restores. tests/test_disk_tier.py tests its choice both ways."""
     from dataclasses import replace
 
-    from server.engine import placement, restore
+    from kvfork.server.engine import placement, restore
 
     def choose(upto, nbytes, memory, rates, prefilling):
         return restore.choose_restore(upto, nbytes, memory, replace(rates, prefill_tps=1.0), prefilling)

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backends import create_backend
-from backends.torch.config import parse_config
-from backends.torch.parallel import refusal
+from kvfork.backends import create_backend
+from kvfork.backends.torch.config import parse_config
+from kvfork.backends.torch.parallel import refusal
 from distributed_harness import (DISTRIBUTED_BACKENDS, LOGIT_SCALE, REPO, launched, log_text, rank_env, stop_group,
                                  wait_exit)
 from distributed_scenario import figures, scenario
@@ -139,6 +139,6 @@ def test_refusals_name_the_counts_that_do_not_divide(folders):
     hybrid = json.loads((Path(folders["qwen3_5"]) / "config.json").read_text())
     assert refusal(parse_config(hybrid), 2) is None
     assert "2 DeltaNet key heads" in refusal(parse_config(hybrid), 4)
-    split_refusal = pytest.importorskip("backends.mlx.loading").split_refusal
+    split_refusal = pytest.importorskip("kvfork.backends.mlx.loading").split_refusal
     assert "gemma3_text" in split_refusal(Path(folders["gemma3"]), 2)
     assert split_refusal(Path(folders["nine_heads"]), 3) is None

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from backend_fixtures import backend_name, logits_np, prompt  # noqa: F401 (fixture)
-from backends import create_backend
-from backends import effects as e
-from backends.lockstep import wire
-from backends.lockstep.channel import Channel
-from backends.lockstep.follower import Follower
-from backends.lockstep.leader import LockstepBackend
+from kvfork.backends import create_backend
+from kvfork.backends import effects as e
+from kvfork.backends.lockstep import wire
+from kvfork.backends.lockstep.channel import Channel
+from kvfork.backends.lockstep.follower import Follower
+from kvfork.backends.lockstep.leader import LockstepBackend
 
 EVERY_EFFECT = [  # and Import, whose saved state's arrays tests/test_step_plan.py round-trips
     wire.Load("/models/x", "float32", "share"), e.Open(1), e.Clone(2, 1, 40), e.Prefill([1, 2], [[5, 6], [7]]),

@@ -18,7 +18,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from backends import create_backend
+from kvfork.backends import create_backend
 from distributed_harness import (DISTRIBUTED_BACKENDS, KV_BUDGET, REPO, by_hand, free_ports, launched,
                                  log_text, logprob_bound, rank_env, stop_group)
 from http_daemon import TEST_ENGINE, data_frames, serving
@@ -44,7 +44,7 @@ def model(backend_name, tiny_model_dir, tiny_hybrid_dir) -> str:
 
 
 def serve_command(name: str, model: str, port: int, *extra: str) -> list[str]:
-    return ["-m", "server.cli", "serve", "--distributed", "--backend", name, "--model", model, "--port", str(port),
+    return ["-m", "kvfork.server.cli", "serve", "--distributed", "--backend", name, "--model", model, "--port", str(port),
             *FLAGS, *extra]
 
 

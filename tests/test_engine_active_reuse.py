@@ -6,8 +6,8 @@ import time
 
 from engine_harness import collect, prompt_of, reached, request, run, settled, start_engine, until
 from scripted_backend import Gate, ScriptedBackend
-from server.engine.request import Prefilling
-from server.engine.api import TokenEvent
+from kvfork.server.engine.request import Prefilling
+from kvfork.server.engine.api import TokenEvent
 
 SHARED = prompt_of(60, start=11)
 DONOR = SHARED + [7, 7, 7, 7, 7]

@@ -6,7 +6,7 @@ import pytest
 
 from engine_harness import collect, prompt_of, reached, request, run, settled, start_engine
 from scripted_backend import EOS, Gate, ScriptedBackend
-from server.engine.api import CapacityExhausted, ContextTooLong, InvalidRequest, NotReady
+from kvfork.server.engine.api import CapacityExhausted, ContextTooLong, InvalidRequest, NotReady
 
 
 async def test_load_runs_on_the_runner_thread_and_concurrent_requests_decode_together():
@@ -142,9 +142,9 @@ async def test_a_failing_request_fails_alone():
 
 async def test_submit_before_start_and_after_shutdown_is_not_ready():
     backend = ScriptedBackend()
-    from server.engine.config import EngineConfig
-    from server.engine.engine import Engine
-    from server.metrics import Registry
+    from kvfork.server.engine.config import EngineConfig
+    from kvfork.server.engine.engine import Engine
+    from kvfork.server.metrics import Registry
     engine = Engine(backend, "x", None, EngineConfig(), Registry())
     with pytest.raises(NotReady):
         engine.submit(request(prompt_of(4), 1))

@@ -7,12 +7,12 @@ import asyncio
 import pytest
 
 from backend_fixtures import prompt
-from backends.torch import kv
-from backends.torch.backend import TorchBackend
+from kvfork.backends.torch import kv
+from kvfork.backends.torch.backend import TorchBackend
 from engine_harness import collect, real_engine, references, request, run, settled, until
-from server.engine.api import CapacityExhausted
-from server.engine.engine import Engine
-from server.engine.request import Following, Phase
+from kvfork.server.engine.api import CapacityExhausted
+from kvfork.server.engine.engine import Engine
+from kvfork.server.engine.request import Following, Phase
 
 SHARED = 600  # two whole blocks and part of a third
 

@@ -7,8 +7,8 @@ import pytest
 
 from engine_harness import collect, prompt_of, reached, request, run, settled, start_engine, until
 from scripted_backend import BYTES_PER_TOKEN as KIB, Gate, ScriptedBackend
-from server.engine.api import CapacityExhausted
-from server.engine.request import Following, Prefilling, Queued
+from kvfork.server.engine.api import CapacityExhausted
+from kvfork.server.engine.request import Following, Prefilling, Queued
 
 S, T = 200, 5
 SHARED = prompt_of(S, start=3)
@@ -118,8 +118,8 @@ async def test_an_expired_head_lets_the_request_behind_it_in_at_once():
 
 
 def test_a_report_above_the_budget_is_counted():
-    from server.engine.telemetry import EngineMetrics
-    from server.metrics import Registry
+    from kvfork.server.engine.telemetry import EngineMetrics
+    from kvfork.server.metrics import Registry
 
     class Idle:  # the gauges read nothing in this test
         admission = reuse = None
@@ -246,7 +246,7 @@ async def test_a_queued_request_holds_its_named_sessions_state():
 
 def test_byte_gauges_render_exactly():
     """The soak compares the backend's bytes with the budget's to the byte, read from /metrics."""
-    from server.metrics import Gauge
+    from kvfork.server.metrics import Gauge
 
     assert Gauge("kvfork_kv_bytes", "bytes", lambda: 3_014_656).render()[-1] == "kvfork_kv_bytes 3014656"
     assert Gauge("x", "ratio", lambda: 0.25).render()[-1] == "x 0.25"

@@ -7,8 +7,8 @@ import pytest
 from engine_harness import collect, prompt_of, reached, request, settled, start_engine, until
 from scripted_backend import Gate, ScriptedBackend
 
-from backends.base import SamplingParams
-from server.engine.api import CapacityExhausted, InvalidRequest, choice_sampling
+from kvfork.backends.base import SamplingParams
+from kvfork.server.engine.api import CapacityExhausted, InvalidRequest, choice_sampling
 
 PROMPT = prompt_of(40)
 
@@ -154,10 +154,10 @@ async def test_cancelling_every_choice_frees_everything(where):
 async def test_on_a_real_backend_the_choices_never_hold_more_than_they_reserved(backend_name, tiny_model_dir):
     """Every step's report of what the backend holds stays within what admission reserved for the
     choices (torch prices a choice's clone exactly; MLX within its tolerance)."""
-    from backends import create_backend
-    from server.engine.config import EngineConfig
-    from server.engine.engine import Engine
-    from server.metrics import Registry
+    from kvfork.backends import create_backend
+    from kvfork.server.engine.config import EngineConfig
+    from kvfork.server.engine.engine import Engine
+    from kvfork.server.metrics import Registry
 
     config = EngineConfig(prefix_cache_entries=0, kv_budget_bytes=1 << 30, max_tokens=40)
     engine = Engine(create_backend(backend_name), tiny_model_dir("llama"), "float32", config, Registry())

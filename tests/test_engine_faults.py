@@ -10,7 +10,7 @@ import asyncio
 from engine_harness import collect, prompt_of, reached, request, run, settled, start_engine
 from scripted_backend import Gate, ScriptedBackend
 
-from backends.base import RowState
+from kvfork.backends.base import RowState
 
 PROMPTS = [prompt_of(10, start=20 + 37 * i) for i in range(4)]
 

@@ -6,7 +6,7 @@ import pytest
 
 from engine_harness import collect, prompt_of, reached, request, settled, start_engine, until
 from scripted_backend import Gate, ScriptedBackend
-from server.engine.api import CapacityExhausted
+from kvfork.server.engine.api import CapacityExhausted
 
 S, T = 200, 5
 SHARED = prompt_of(S, start=3)

@@ -71,7 +71,8 @@ async def test_longest_cached_match_serves_and_entries_outlive_their_request():
     tokens, done = await run(engine, base + [5], 7)
     assert tokens == backend.greedy(base + [5], 7)
     assert (done.usage.reused_tokens, done.usage.reuse_source) == (50, "cache")
-    assert engine.metrics.cache_hits.get() == 2 and engine.metrics.cache_misses.get() == 1  # the second used the first
+    admissions = engine.metrics.cache_admissions
+    assert admissions.get(outcome="hit") == 2 and admissions.get(outcome="miss") == 1  # the second used the first
     await engine.shutdown(1)
 
 
@@ -117,7 +118,8 @@ async def test_metrics_report_the_cache_and_what_the_backend_holds_at_rest():
     assert engine.stats.total_bytes == backend.total_bytes() == 30 * 1024
     text = engine.registry.render()
     for line in ("kvfork_prefix_cache_entries 1", f"kvfork_prefix_cache_bytes {30 * 1024}", "kvfork_live_sessions 1",
-                 'kvfork_prefix_cache_captures_total{outcome="stored"} 2', "kvfork_prefix_cache_misses_total 2",
+                 'kvfork_prefix_cache_captures_total{outcome="stored"} 2',
+                 'kvfork_prefix_cache_admissions_total{outcome="miss"} 2',
                  "kvfork_prefilled_tokens_total 50", 'kvfork_requests_total{finish_reason="length"} 2',
                  # what the budget counts as held, against what the backend holds: the same at rest
                  f"kvfork_kv_budget_held_bytes {30 * 1024}", f"kvfork_kv_bytes {30 * 1024}",

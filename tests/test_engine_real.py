@@ -10,12 +10,12 @@ import asyncio
 import numpy as np
 
 from backend_fixtures import backend_name  # noqa: F401  (fixture: each importable backend)
-from backends import create_backend
-from backends.base import SamplingParams
+from kvfork.backends import create_backend
+from kvfork.backends.base import SamplingParams
 from engine_harness import collect, request, run, settled
-from server.engine.config import EngineConfig
-from server.engine.engine import Engine
-from server.metrics import Registry
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.engine.engine import Engine
+from kvfork.server.metrics import Registry
 
 
 def prompt(n: int, seed: int) -> list[int]:

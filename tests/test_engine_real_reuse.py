@@ -7,7 +7,7 @@ import asyncio
 from backend_fixtures import backend_name, prompt  # noqa: F401  (fixture: each importable backend)
 from engine_harness import REUSE_OFF, collect, real_engine, references, request, run, settled
 from scripted_backend import Gate
-from server.engine.matching import common_prefix
+from kvfork.server.engine.matching import common_prefix
 
 
 async def test_a_donor_clone_gives_the_tokens_of_a_fresh_prefill(backend_name, arch, tiny_model_dir):

@@ -4,7 +4,7 @@ import pytest
 
 from engine_harness import collect, prompt_of, request, run, settled, start_engine, stored_sessions, until
 from scripted_backend import ScriptedBackend
-from server.engine.api import SessionBusy
+from kvfork.server.engine.api import SessionBusy
 
 
 async def test_warm_resume_prefills_only_the_new_tokens_and_equals_a_cold_run():
@@ -87,8 +87,8 @@ async def test_reset_and_delete():
 
 def test_the_cap_is_per_tenant_and_a_tenant_whose_sessions_are_all_busy_runs_without_one():
     """Issue 22: one tenant's sessions never evict another's; issue 23: a busy cap never refuses."""
-    from server.engine.index import Index
-    from server.engine.sessions import NamedSessions
+    from kvfork.server.engine.index import Index
+    from kvfork.server.engine.sessions import NamedSessions
     from test_index import FULL, KEY
 
     named = NamedSessions(2, Index(FULL, 0, None, 1, KEY))

@@ -6,7 +6,7 @@ import pytest
 
 from engine_harness import collect, prompt_of, reached, request, run, start_engine, until
 from scripted_backend import Gate, ScriptedBackend
-from server.engine.api import NotReady
+from kvfork.server.engine.api import NotReady
 
 
 async def test_in_flight_requests_finish_within_the_grace():

@@ -8,7 +8,7 @@ import pytest
 
 from engine_harness import collect, prompt_of, request, run, settled, start_engine
 from scripted_backend import ScriptedBackend
-from server.engine.api import Scope, TokenEvent
+from kvfork.server.engine.api import Scope, TokenEvent
 
 A, A_SALTED, B = Scope("tenant-a"), Scope("tenant-a", "salt"), Scope("tenant-b")
 OTHERS = [pytest.param(B, id="other-tenant"), pytest.param(A_SALTED, id="other-salt")]

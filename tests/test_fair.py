@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import threading
 
-from server.fair import FairWorkers
+from kvfork.server.fair import FairWorkers
 
 
 def test_another_tenant_goes_next_however_many_jobs_one_has_queued():

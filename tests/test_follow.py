@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from server.engine.follow import FollowPolicy, FollowOrder, Leader, Plan, leader_views, plan
-from server.engine.matching import Recipient, Source, choose_reuse, common_prefix
-from server.engine.rates import Rates
+from kvfork.server.engine.follow import FollowPolicy, FollowOrder, Leader, Plan, leader_views, plan
+from kvfork.server.engine.matching import Recipient, Source, choose_reuse, common_prefix
+from kvfork.server.engine.rates import Rates
 
 
 def decide(recipient: Recipient, leaders: list[Leader], cached: int, rates: Rates, policy: FollowPolicy,
@@ -244,7 +244,7 @@ def test_scanning_followers_through_their_leaders_changes_no_plan():
 
 # ---- at a follower's deadline: go on following while it is cheaper ----
 
-from server.engine.follow import at_deadline  # noqa: E402
+from kvfork.server.engine.follow import at_deadline  # noqa: E402
 
 
 def test_at_the_deadline_a_follower_of_a_moving_leader_keeps_following():

@@ -8,8 +8,8 @@ import aiohttp
 import pytest
 
 from http_daemon import chat_body, first_token, metrics, serving, until
-from server.app import build_app
-from server.engine.load import TokenRate
+from kvfork.server.app import build_app
+from kvfork.server.engine.load import TokenRate
 
 CHAT = "/v1/chat/completions"
 LOADS = "/v1/loads?include=core,disagg,queues,memory"  # what smg asks for
@@ -45,9 +45,9 @@ async def test_a_gateway_classifies_kvfork_as_a_generic_worker(tiny_model_dir, h
 
 
 def build_app_for_routes():
-    from server.config import ServerConfig
-    from server.metrics import Registry
-    from server.state import AppState
+    from kvfork.server.config import ServerConfig
+    from kvfork.server.metrics import Registry
+    from kvfork.server.state import AppState
 
     class Idle:  # the routes are all that is read
         ready, dead, info = False, False, None

@@ -13,13 +13,13 @@ from backend_fixtures import backend_name  # noqa: F401  (fixture: each importab
 from engine_harness import collect, prompt_of, request, run, start_engine
 from scripted_backend import ScriptedBackend
 
-from backends import create_backend
-from backends.base import SamplingParams
-from server.engine.config import EngineConfig
-from server.engine.engine import Engine
-from server.grammar import GrammarCompiler, GrammarError, JsonObject, JsonSchema, ToolCalls
-from server.metrics import Registry
-from server.toolcalls import PARSERS
+from kvfork.backends import create_backend
+from kvfork.backends.base import SamplingParams
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.engine.engine import Engine
+from kvfork.server.grammar import GrammarCompiler, GrammarError, JsonObject, JsonSchema, ToolCalls
+from kvfork.server.metrics import Registry
+from kvfork.server.toolcalls import PARSERS
 
 # ---- a grammar the engine tests can steer: a fixed set of tokens, until it dies ----
 
@@ -249,7 +249,7 @@ async def test_tiny_model_output_validates_against_the_schema(backend_name, tiny
 async def test_named_tool_choice_on_the_default_model():
     from transformers import AutoTokenizer
 
-    from backends import default_model
+    from kvfork.backends import default_model
 
     folder = str(default_model.ensure_default_model())
     engine = Engine(create_backend("torch"), folder, "float32", EngineConfig(kv_budget_bytes=1 << 30), Registry())

@@ -100,8 +100,8 @@ async def test_messages_tool_choice_tool_yields_a_valid_tool_use(daemon):
 
 @pytest.mark.slow
 async def test_json_schema_on_the_default_model():
-    from backends import create_backend
-    from backends import default_model
+    from kvfork.backends import create_backend
+    from kvfork.backends import default_model
 
     folder = str(default_model.ensure_default_model())
     async with serving(folder, create_backend("torch"), served_model_name=["smol"]) as d:

@@ -14,8 +14,8 @@ import struct
 import pytest
 
 from engine_harness import prompt_of, request, collect, run
-from server.engine import disk
-from server.engine.api import Scope
+from kvfork.server.engine import disk
+from kvfork.server.engine.api import Scope
 from test_disk_tier import files, start
 
 WRONG = [b"[]", json.dumps({"__metadata__": None}).encode(), json.dumps({"__metadata__": [1]}).encode()]

@@ -8,8 +8,8 @@ import resource
 
 import pytest
 
-from server.engine.api import Scope
-from server.grammar import PARSER_LIMITS, GrammarCompiler, GrammarError, JsonSchema
+from kvfork.server.engine.api import Scope
+from kvfork.server.grammar import PARSER_LIMITS, GrammarCompiler, GrammarError, JsonSchema
 
 WIDE = JsonSchema({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(6000)}})
 SMALL = JsonSchema({"type": "object", "properties": {"n": {"type": "integer"}}})

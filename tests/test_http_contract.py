@@ -142,7 +142,8 @@ async def test_health_and_metrics(daemon, http):
                    "kvfork_prefilled_tokens_total", "kvfork_generated_tokens_total",
                    "kvfork_time_to_first_token_seconds_bucket", "kvfork_inter_token_seconds_bucket",
                    "kvfork_queue_depth", "kvfork_live_sessions", "kvfork_prefix_cache_entries",
-                   "kvfork_prefix_cache_bytes", "kvfork_prefix_cache_hits_total", "kvfork_prefix_cache_misses_total",
+                   "kvfork_prefix_cache_bytes", "kvfork_prefix_cache_hits_total", "kvfork_prefix_cache_queries_total",
+                   "kvfork_prefix_cache_admissions_total", "kvfork_num_requests_running", "kvfork_num_requests_waiting",
                    "kvfork_clone_attempts_total", "kvfork_clone_successes_total", "kvfork_clone_refusals_total"):
         assert family in text
     seen = await metrics(http, daemon.url)

@@ -11,7 +11,7 @@ import pytest
 
 from http_daemon import TEST_ENGINE, chat_body, serving
 from scripted_backend import ScriptedBackend
-from tools.soak import MALFORMED, fuzz_bodies
+from kvfork.tools.soak import MALFORMED, fuzz_bodies
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 

@@ -13,7 +13,7 @@ import pytest
 
 from http_daemon import data_frames, serving, sse_events
 from scripted_backend import EOS, ScriptedBackend
-from server.text.tokenizer import PromptTokenizer
+from kvfork.server.text.tokenizer import PromptTokenizer
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "say it"}]

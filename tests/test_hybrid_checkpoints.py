@@ -8,7 +8,7 @@ import pytest
 
 from backend_fixtures import (assert_greedy_close, backend_name, continue_greedy, fresh, greedy,  # noqa: F401
                               lent, load, prompt, release_all)
-from backends.base import CloneRefused
+from kvfork.backends.base import CloneRefused
 from tiny_hybrid_models import HYBRID_ARCHS, MLX_ONLY_ARCHS
 from tolerance import Kind
 

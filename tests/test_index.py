@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import random
 
-from backends.base import KVCost, LayerAttention, ModelInfo
-from server.engine.api import Scope
-from server.engine.index import BLOCK, Entry, Index
-from server.engine.matching import Source, ranked_matches, usable_match, window_floor
+from kvfork.backends.base import KVCost, LayerAttention, ModelInfo
+from kvfork.server.engine.api import Scope
+from kvfork.server.engine.index import BLOCK, Entry, Index
+from kvfork.server.engine.matching import Source, ranked_matches, usable_match, window_floor
 
 FULL = ModelInfo("t", 512, 4096, (LayerAttention("full"),), (2,), KVCost(1024), "float32", "cpu")
 SLIDING = ModelInfo("t", 512, 4096, (LayerAttention("sliding", 8), LayerAttention("full")), (2,), KVCost(1024),
@@ -194,3 +194,115 @@ def test_a_watcher_hears_every_entry_stored_and_removed():
     assert seen == [("+", "memory", (1,), d), ("+", "memory", (2,), d), ("+", "memory", (3,), d),
                     ("-", "memory", (1,), d), ("+", "disk", (1,), "s"), ("-", "disk", (1,), "s"),
                     ("+", "running", (1, 2), t), ("-", "running", (1, 2), t)]
+
+
+# ---- prompts as long as agents send: the walks are iterative and linear in the blocks ----
+
+class ListIndex:
+    """The memory tier as a plain list, for reference: each entry compared token by token, the least
+    recently used first out (no trie, no blocks)."""
+
+    def __init__(self, max_entries: int, max_bytes: int):
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self.entries: list[tuple[tuple[int, ...], int, int]] = []  # (tokens, sid, nbytes), oldest first
+
+    def keep(self, tokens, sid, nbytes) -> None:
+        tokens = tuple(tokens)
+        for at, held in enumerate(self.entries):
+            if held[0] == tokens:  # the same prompt again: refreshed
+                self.entries.append(self.entries.pop(at))
+                return
+        self.entries.append((tokens, sid, nbytes))
+        while len(self.entries) > self.max_entries or self.nbytes > self.max_bytes:
+            self.entries.pop(0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, _, n in self.entries)
+
+    def best(self, prompt, min_tokens) -> tuple[int, int] | None:
+        """(sid, upto) of the longest usable match, ties to the most recent; None under `min_tokens`."""
+        best = None
+        for tokens, sid, _ in self.entries:  # oldest first: a later tie replaces
+            shared = 0
+            while shared < min(len(tokens), len(prompt)) and tokens[shared] == prompt[shared]:
+                shared += 1
+            upto = min(shared, len(prompt) - 1)
+            if upto >= min_tokens and (best is None or upto >= best[1]):
+                best = (sid, upto)
+        return best
+
+
+def test_the_index_agrees_with_a_list_on_prompts_of_up_to_200k_tokens():
+    """Random prompt sets of up to 200k tokens that share prefixes of every length, parting near their start,
+    in their middle and near their end: the same best match and the same bytes as a plain list."""
+    rng = random.Random(29)
+    for round_ in range(6):
+        i, ref = index(entries=6, nbytes=6 * 150_000, min_tokens=64), ListIndex(6, 6 * 150_000)
+        base = [rng.randrange(1000) for _ in range(rng.choice((20_000, 64_000, 200_000)))]
+        for sid in range(12):
+            part = rng.choice((rng.randrange(0, 200), rng.randrange(len(base)), len(base) - rng.randrange(1, 200)))
+            tail = [1000 + rng.randrange(1000) for _ in range(rng.randrange(0, 3 * BLOCK))]
+            tokens = base[:part] + tail
+            if not tokens:
+                continue
+            if rng.random() < 0.6:
+                nbytes = len(tokens)
+                cached(i, tokens, sid, nbytes=nbytes)
+                ref.keep(tokens, sid, nbytes)
+            else:
+                best = memory(i, tokens)
+                want = ref.best(tokens, 64)
+                assert (best[0] if best else None) == want, (round_, sid, part)
+            assert i.nbytes("memory") == ref.nbytes and i.count("memory") == len(ref.entries)
+
+
+def test_each_walk_visits_nodes_linear_in_the_blocks_without_recursing(monkeypatch):
+    """A cached prompt of 200k tokens and a new one leaving it after 40: the lookup sees the long entry
+    below where they part (the walk that recursed once per block and raised RecursionError), visiting each
+    node once; at a recursion limit just above the caller's, so no walk may recurse."""
+    import inspect
+    import sys
+
+    from kvfork.server.engine import index as index_module
+
+    visits = 0
+
+    class Children(dict):
+        def values(self):
+            nonlocal visits
+            visits += 1
+            return super().values()
+
+        def items(self):
+            nonlocal visits
+            visits += 1
+            return super().items()
+
+    class Counted(index_module._Node):
+        __slots__ = ()
+
+        def __init__(self):
+            super().__init__()
+            self.children = Children()
+
+    monkeypatch.setattr(index_module, "_Node", Counted)
+    rng = random.Random(1)
+    for length in (20_000, 200_000):
+        i = index(entries=4, min_tokens=1)
+        long = [rng.randrange(1000) for _ in range(length)]
+        cached(i, long, 1)
+        cached(i, long[:length // 2] + [5000] * 40, 2)
+        blocks = length // BLOCK
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(len(inspect.stack(0)) + 60)
+        try:
+            visits = 0
+            near_start = memory(i, long[:40] + [7000] * 100)
+            visits_near_start, visits = visits, 0
+            middle = memory(i, long[:length // 2 + 8] + [7001] * 100)
+        finally:
+            sys.setrecursionlimit(limit)
+        assert near_start == [(2, 40), (1, 40)]  # both below where they part, ties to the most recent
+        assert middle == [(1, length // 2 + 8), (2, length // 2)]
+        assert visits_near_start <= blocks + 8 and visits <= blocks + 8, (length, visits_near_start, visits, blocks)

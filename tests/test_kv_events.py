@@ -12,8 +12,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from server.engine.api import Scope
-from server.kv_events import (FORMATS, MEDIUM_DISK, MEDIUM_MEMORY, AllBlocksCleared, BlockLedger, BlockRemoved,
+from kvfork.server.engine.api import Scope
+from kvfork.server.kv_events import (FORMATS, MEDIUM_DISK, MEDIUM_MEMORY, AllBlocksCleared, BlockLedger, BlockRemoved,
                               BlockStored, KVEventBatch, chain_hashes, encode_batch, wire_hash)
 
 zmq = pytest.importorskip("zmq")
@@ -156,7 +156,7 @@ def test_media_are_counted_apart_and_a_scope_is_an_opaque_extra_key():
 
 @pytest.fixture
 def publisher():
-    from server.kv_events import KVEventPublisher
+    from kvfork.server.kv_events import KVEventPublisher
 
     pub = KVEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", topic="kv")
     yield pub
@@ -258,7 +258,7 @@ async def test_a_daemon_publishes_what_its_prefix_cache_and_disk_tier_hold(tiny_
     import aiohttp
 
     from http_daemon import chat_body, serving
-    from server.engine.disk import SECRET, kv_root
+    from kvfork.server.engine.disk import SECRET, kv_root
 
     async with serving(tiny_model_dir("llama"), engine=dict(prefix_cache_entries=1),
                        kv_events_endpoint="tcp://127.0.0.1:0", kv_events_block_size=4) as d:

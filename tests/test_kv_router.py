@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from http_daemon import serving
-from tools.bench.serve import free_port
+from kvfork.tools.bench.serve import free_port
 
 ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
 pytestmark = pytest.mark.skipif(not Path(ROUTER).exists(), reason="vllm-router is not installed: "

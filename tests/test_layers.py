@@ -10,15 +10,17 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("server", "backends", "tools")
+PACKAGES = ("kvfork", "server", "backends", "tools")
 
 
 def modules() -> dict[str, Path]:
+    """Module name -> file: the folders are kvfork's subpackages (server/ is kvfork.server)."""
     found = {}
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
             parts = path.relative_to(ROOT).with_suffix("").parts
-            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found[name if package == "kvfork" else f"kvfork.{name}"] = path
     return found
 
 
@@ -83,23 +85,24 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_every_kind_of_import():
     edges = graph()
-    assert "server.engine.runner" in edges["server.engine.engine"]  # a plain from-import
-    assert "server.engine.messages" in edges["server.engine.admission"]  # `from server.engine import messages`
-    assert "backends.default_model" in edges["server.model_source"]  # an import inside a function
+    assert "kvfork.server.engine.runner" in edges["kvfork.server.engine.engine"]  # a plain from-import
+    # `from kvfork.server.engine import messages`:
+    assert "kvfork.server.engine.messages" in edges["kvfork.server.engine.admission"]
+    assert "kvfork.backends.default_model" in edges["kvfork.server.model_source"]  # an import inside a function
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def test_the_engine_has_no_import_cycle():
     edges = graph()
-    engine = {v: {w for w in ws if w.startswith("server.engine")} for v, ws in edges.items()
-              if v.startswith("server.engine")}
+    engine = {v: {w for w in ws if w.startswith("kvfork.server.engine")} for v, ws in edges.items()
+              if v.startswith("kvfork.server.engine")}
     assert cycles(engine) == []
 
 
 def test_the_product_never_imports_tools():
     edges = graph()
-    reaching = {v: sorted(w for w in ws if w.split(".")[0] == "tools") for v, ws in edges.items()
-                if v.split(".")[0] in ("server", "backends")}
+    reaching = {v: sorted(w for w in ws if w.startswith("kvfork.tools")) for v, ws in edges.items()
+                if v.startswith(("kvfork.server", "kvfork.backends"))}
     assert {v: ws for v, ws in reaching.items() if ws} == {}
 
 
@@ -123,11 +126,11 @@ def test_each_api_is_one_package_laid_out_alike():
     assert apis == ["chat", "completions", "messages", "responses"]
     edges = graph()
     for name in apis:
-        package = f"server.api.{name}"
+        package = f"kvfork.server.api.{name}"
         assert {"protocol", "reply", "route"} <= {p.stem for p in (api / name).glob("*.py")}, name
-        assert "server.api.prepare" in edges[f"{package}.route"], name
+        assert "kvfork.server.api.prepare" in edges[f"{package}.route"], name
         for module, targets in edges.items():
             if module.startswith(package + "."):
-                others = {t for t in targets if t.startswith("server.api.") and t.count(".") >= 3
+                others = {t for t in targets if t.startswith("kvfork.server.api.") and t.count(".") >= 4
                           and not t.startswith(package + ".")}
                 assert all(t.endswith(".protocol") for t in others), (module, others)

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from server.engine.matching import (Recipient, Source, best_match, choose_reuse, common_prefix, ranked_matches,
+from kvfork.server.engine.matching import (Recipient, Source, best_match, choose_reuse, common_prefix, ranked_matches,
                                     usable_match, window_floor)
 
 
@@ -89,7 +89,7 @@ def test_non_text_donor_gives_nothing():
 
 
 def test_window_floor_agrees_with_the_backend_refusal_rule():
-    from backends.base import KVCost, LayerAttention, ModelInfo, clone_refusal
+    from kvfork.backends.base import KVCost, LayerAttention, ModelInfo, clone_refusal
     for window, position in itertools.product((1, 2, 4, 16), range(0, 40)):
         layers = (LayerAttention("full"), LayerAttention("sliding", window))
         info = ModelInfo("m", 10, 100, layers, (0,), KVCost(1), "f32", "cpu")

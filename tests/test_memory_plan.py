@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from backends.device_memory import DeviceMemory, cpu_memory
-from server.engine.memory_plan import GiB, plan_memory
+from kvfork.backends.device_memory import DeviceMemory, cpu_memory
+from kvfork.server.engine.memory_plan import GiB, plan_memory
 
 MiB = 1024**2
 # (device, weights): readings as each machine reports them
@@ -86,8 +86,8 @@ def test_this_machine():
 
 
 def test_each_backend_reports_its_loaded_weights(tiny_model_dir):
-    from backends import create_backend
-    from backends.device_memory import weights_on_disk
+    from kvfork.backends import create_backend
+    from kvfork.backends.device_memory import weights_on_disk
 
     folder = tiny_model_dir("llama")
     readings = {}

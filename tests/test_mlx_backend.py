@@ -10,8 +10,8 @@ from tolerance import Kind
 
 pytest.importorskip("mlx_lm")
 
-from backends import create_backend  # noqa: E402
-from backends.base import CloneRefused  # noqa: E402
+from kvfork.backends import create_backend  # noqa: E402
+from kvfork.backends.base import CloneRefused  # noqa: E402
 
 
 @pytest.fixture(scope="module")

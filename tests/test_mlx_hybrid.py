@@ -16,9 +16,9 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from tiny_hybrid_models import HYBRID_ARCHS, LAYOUTS, MLX_ONLY_ARCHS  # noqa: E402
 from tolerance import Kind  # noqa: E402
 
-from backends import create_backend  # noqa: E402
-from backends.mlx.last_token import supports_last_position  # noqa: E402
-from backends.base import BatchFailed, CloneRefused, RowState  # noqa: E402
+from kvfork.backends import create_backend  # noqa: E402
+from kvfork.backends.mlx.last_token import supports_last_position  # noqa: E402
+from kvfork.backends.base import BatchFailed, CloneRefused, RowState  # noqa: E402
 
 ARCHS = (*HYBRID_ARCHS, *MLX_ONLY_ARCHS)
 

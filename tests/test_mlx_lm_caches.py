@@ -13,7 +13,7 @@ mx = pytest.importorskip("mlx.core")
 from mlx_lm.models.cache import BatchKVCache, RotatingKVCache  # noqa: E402
 from packaging.specifiers import SpecifierSet  # noqa: E402
 
-from backends.mlx.mlx_lm_caches import MLX_LM_VERSIONS, in_time_order, set_write_index, write_index  # noqa: E402
+from kvfork.backends.mlx.mlx_lm_caches import MLX_LM_VERSIONS, in_time_order, set_write_index, write_index  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from backends.model_path import resolve_model
+from kvfork.backends.model_path import resolve_model
 
 
 def test_local_folder_is_itself(tmp_path):

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from server.errors import ApiError
-from server.text.tokenizer import PromptTokenizer
+from kvfork.server.errors import ApiError
+from kvfork.server.text.tokenizer import PromptTokenizer
 
 TEMPLATE = (
     "{{ bos_token }}{% if tools %}TOOLS:{{ tools[0]['function']['name'] }}\n{% endif %}"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from server.chat_output import ChatOutputParser, ToolCall, output_parser
-from server.reasoning import ReasoningSplitter, starts_in_reasoning, template_reasons
-from server.toolcalls import PARSERS
-from server.toolcalls.base import ReasoningDelta, TextDelta
+from kvfork.server.chat_output import ChatOutputParser, ToolCall, output_parser
+from kvfork.server.reasoning import ReasoningSplitter, starts_in_reasoning, template_reasons
+from kvfork.server.toolcalls import PARSERS
+from kvfork.server.toolcalls.base import ReasoningDelta, TextDelta
 from streaming_helpers import counting_ids, parse_every_way, run
 
 QWEN3_TEMPLATE = "{% if enable_thinking is false %}<think>\n\n</think>\n\n{% endif %} <tool_call> </tool_call>"

@@ -3,11 +3,11 @@ it keeps, what it carries across, and the phases it refuses to leave from (an en
 
 import pytest
 
-from backends.base import SamplingParams
-from server.engine import request as rq
-from server.engine.api import GenerateRequest
-from server.engine.follow import FollowOrder
-from server.engine.index import Match
+from kvfork.backends.base import SamplingParams
+from kvfork.server.engine import request as rq
+from kvfork.server.engine.api import GenerateRequest
+from kvfork.server.engine.follow import FollowOrder
+from kvfork.server.engine.index import Match
 
 
 def fresh(rid: int = 1) -> rq.Request:

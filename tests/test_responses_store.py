@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from server.errors import ApiError
-from server.api.responses.protocol import Response
-from server.api.responses.store import ResponseStore
-from server.api.responses.translate import chat_messages
+from kvfork.server.errors import ApiError
+from kvfork.server.api.responses.protocol import Response
+from kvfork.server.api.responses.store import ResponseStore
+from kvfork.server.api.responses.translate import chat_messages
 
 
 def made(rid: str) -> Response:

@@ -8,8 +8,8 @@ import pytest
 from backend_fixtures import backend, backend_name, fresh, greedy, prompt  # noqa: F401  (fixtures)
 from http_daemon import chat_body, serving
 
-from backends import create_backend
-from backends.base import SamplerState, SamplingParams
+from kvfork.backends import create_backend
+from kvfork.backends.base import SamplerState, SamplingParams
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 

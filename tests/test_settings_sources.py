@@ -12,8 +12,8 @@ import urllib.request
 
 import pytest
 
-from server.cli import read_settings, serve_parser
-from server.settings import parse_size
+from kvfork.server.cli import read_settings, serve_parser
+from kvfork.server.settings import parse_size
 from test_cli import kvfork, started
 
 

@@ -8,9 +8,9 @@ import io
 import pytest
 
 from backend_fixtures import backend_name  # noqa: F401  (fixture: each importable backend)
-from backends.base import Backend
-from tools.faulty_backend import FaultyBackend
-from tools.soak import MiB, SoakConfig, run
+from kvfork.backends.base import Backend
+from kvfork.tools.faulty_backend import FaultyBackend
+from kvfork.tools.soak import MiB, SoakConfig, run
 
 
 @pytest.fixture
@@ -32,7 +32,8 @@ def one_torch_thread(backend_name):  # noqa: F811
 async def test_short_soak_passes_every_check(backend_name, one_torch_thread, tiny_model_dir):  # noqa: F811
     # A tight budget (a few dozen tiny sessions) so admission waits and the cache gives way.
     config = SoakConfig(model=tiny_model_dir("llama"), backend=backend_name, requests=360, seed=1,
-                        kv_budget_bytes=4 * MiB, prompt_words=32, max_tokens=12, hostile=False)
+                        kv_budget_bytes=4 * MiB, prompt_words=32, max_tokens=12, hostile=False,
+                        long_prompt_tokens=0)
     out = io.StringIO()
     report = await run(config, out)
     assert report.ok, "\n" + report.table()
@@ -45,12 +46,21 @@ async def test_the_hostile_wave_passes_its_checks(tiny_model_dir):
     """The soak's hostile-tenant wave (tools/hostile.py), short, on a tiny model: the innocent tenant keeps its
     stored response and session; no 500; every hostile request refused or bounded; slow connections closed.
     Its time-to-first-token check is a measurement (kvfork soak, docs/benchmarks.md), not asserted here."""
-    from tools.hostile import HostileConfig, checks, run_wave, table
+    from kvfork.tools.hostile import HostileConfig, checks, run_wave, table
 
     outcome = await run_wave(HostileConfig(model=tiny_model_dir("llama"), backend="torch", innocent_samples=2),
                              out=io.StringIO())
     rows = [row for row in checks(outcome) if "TTFT" not in row[0]]
     assert len(rows) == 4 and all(ok for *_, ok in rows), "\n" + table(outcome) + "\n" + "\n".join(map(str, rows))
+
+
+async def test_the_long_prompt_wave_passes_its_checks(tiny_model_dir):
+    """The soak's long-prompt wave (tools/long_prompts.py) on the tiny model, its context raised to hold a
+    prompt of 20,500 tokens: the parting near its start leaves it 20k tokens before its end."""
+    from kvfork.tools.long_prompts import run_long_wave
+
+    rows = await run_long_wave(tiny_model_dir("llama"), "torch", 20_500, seed=3, out=io.StringIO())
+    assert len(rows) == 4 and all(ok for *_, ok in rows), "\n".join(map(str, rows))
 
 
 def test_the_fault_wrapper_forwards_every_backend_method():
@@ -63,9 +73,9 @@ def test_the_fault_wrapper_forwards_every_backend_method():
 def test_a_charged_samplers_later_failures_name_their_fault():
     """A fuzzed body carries no seed: its 503 is excused only by the hard fault its error names, so the
     later failures of a sampler a row fault charged name that fault too."""
-    from backends.base import SamplerState, SamplingParams
-    from tools.faulty_backend import InjectedFault
-    from tools.soak import names_hard_fault
+    from kvfork.backends.base import SamplerState, SamplingParams
+    from kvfork.tools.faulty_backend import InjectedFault
+    from kvfork.tools.soak import names_hard_fault
 
     faulty = FaultyBackend(inner=None, seed=0, rate=1.0, budget_bytes=0)  # every sample fails; inner never runs
     faulty.enabled = True
@@ -83,8 +93,8 @@ def test_a_charged_samplers_later_failures_name_their_fault():
 def test_a_batch_fault_that_strikes_a_lone_session_again_is_hard():
     """The runner retries a lone session's failed call once and then charges the failure to its request,
     so a retryable fault drawn twice in a row on one session alone may fail that request (and only then)."""
-    from backends.base import BatchFailed, Session
-    from tools.soak import names_hard_fault
+    from kvfork.backends.base import BatchFailed, Session
+    from kvfork.tools.soak import names_hard_fault
 
     faulty = FaultyBackend(inner=None, seed=3, rate=1.0, budget_bytes=0)  # every call fails; inner never runs
     faulty.enabled = True

@@ -13,8 +13,8 @@ import pytest
 from huggingface_hub import constants
 
 from http_daemon import TEST_ENGINE, serving
-from server import model_source as source
-from server.progress import StartProgress
+from kvfork.server import model_source as source
+from kvfork.server.progress import StartProgress
 
 
 class Terminal(io.StringIO):

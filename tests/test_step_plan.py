@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from backend_fixtures import backend_name, prompt  # noqa: F401  (fixture: each importable backend)
-from backends import create_backend
-from backends import effects as e
-from backends.base import SamplingParams, SavedLayer, SavedState
+from kvfork.backends import create_backend
+from kvfork.backends import effects as e
+from kvfork.backends.base import SamplingParams, SavedLayer, SavedState
 from engine_harness import collect, real_engine, request, until
-from server.engine import plan as p
+from kvfork.server.engine import plan as p
 
 
 def every_kind_of_plan() -> p.StepPlan:

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from http_daemon import serving
-from server.tenants import key_tenant, key_tenants, read_keys_file
+from kvfork.server.tenants import key_tenant, key_tenants, read_keys_file
 
 CHAT = "/v1/chat/completions"
 PROMPT = "a long shared system prompt that every request here sends, word for word, " * 3

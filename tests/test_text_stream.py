@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from server.text.detokenizer import IncrementalDetokenizer
-from server.text.stops import StopMatcher
-from server.text.tokenizer import PromptTokenizer
+from kvfork.server.text.detokenizer import IncrementalDetokenizer
+from kvfork.server.text.stops import StopMatcher
+from kvfork.server.text.tokenizer import PromptTokenizer
 
 
 @pytest.fixture(scope="module")

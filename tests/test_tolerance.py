@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from backend_fixtures import fresh, lent, load, logits_np, model_of, prompt, release_all
-from backends.base import SavedLayer, SavedState
-from backends.torch import attention
-from backends.torch.backend import TorchBackend
+from kvfork.backends.base import SavedLayer, SavedState
+from kvfork.backends.torch import attention
+from kvfork.backends.torch.backend import TorchBackend
 import tolerance
 from tolerance import Kind, Model, assert_logits_close, assert_same_greedy, bound, top_two_margin
 
@@ -130,7 +130,7 @@ def test_a_state_restored_from_disk_against_recomputing_it(backend_name, tiny_mo
     """A prompt's state written to the disk tier's format and read back, less its last token (as the engine
     restores a hit), which is then prefilled on it, against the whole prompt prefilled; the file missing
     one KV row (a middle one) is caught."""
-    from server.engine.disk import decode, encode
+    from kvfork.server.engine.disk import decode, encode
 
     pytest.importorskip(backend_name)
     b, tokens = load(backend_name, tiny_model_dir("llama")), prompt(60, seed=6)

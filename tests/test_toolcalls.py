@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from server.chat_output import ToolCall
-from server.toolcalls import PARSERS, detect_tool_parser, resolve_tool_parser
-from server.toolcalls.base import TextDelta, ToolCallArguments, ToolCallStart
+from kvfork.server.chat_output import ToolCall
+from kvfork.server.toolcalls import PARSERS, detect_tool_parser, resolve_tool_parser
+from kvfork.server.toolcalls.base import TextDelta, ToolCallArguments, ToolCallStart
 from streaming_helpers import counting_ids, parse_every_way, run
 
 TOOLS = [
@@ -263,7 +263,7 @@ def test_forced_openings_continue_into_a_call(name, model_text):
 def test_whitespace_the_model_writes_streams_with_a_bounded_hold_back(name):
     """Issue 23: with tools offered, whitespace was held back without limit in case a call followed:
     a reply of 30 newlines reached the client all at once at the end (and Claude Code timed out)."""
-    from server.toolcalls.base import MAX_HELD_WS
+    from kvfork.server.toolcalls.base import MAX_HELD_WS
 
     p = PARSERS[name](TOOLS, counting_ids())
     if name == "llama3":

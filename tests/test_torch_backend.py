@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from backend_fixtures import assert_close, lent, load
-from backends.torch import kv
-from backends.torch.backend import TorchBackend, read_weights
-from backends.model_info import read_model_facts
-from backends.torch.config import parse_config, read_config
+from kvfork.backends.torch import kv
+from kvfork.backends.torch.backend import TorchBackend, read_weights
+from kvfork.backends.model_info import read_model_facts
+from kvfork.backends.torch.config import parse_config, read_config
 from tolerance import Kind
 
 DEVICE = os.environ.get("KVFORK_DEVICE", "cpu")

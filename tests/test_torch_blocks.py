@@ -10,8 +10,8 @@ import pytest
 
 import backend_fixtures
 from backend_fixtures import assert_close, assert_greedy_close, lent
-from backends.torch import kv
-from backends.torch.backend import TorchBackend
+from kvfork.backends.torch import kv
+from kvfork.backends.torch.backend import TorchBackend
 from tolerance import Kind
 
 DEVICE = os.environ.get("KVFORK_DEVICE", "cpu")
@@ -205,7 +205,7 @@ def test_a_failed_clone_holds_nothing(tiny_model_dir, monkeypatch):
 def test_a_group_sharing_a_prefix_decodes_as_each_alone(llama, monkeypatch):
     """Cascade: decode rows that read the same blocks read them once for the group (one product of all
     their queries), merged with each row's own part by log-sum-exp: the logits each gets alone."""
-    from backends.torch import attention
+    from kvfork.backends.torch import attention
 
     calls = []
     real = attention.cascade

@@ -9,9 +9,9 @@ mx = pytest.importorskip("mlx.core", exc_type=ImportError)
 mlx_lm = pytest.importorskip("mlx_lm", exc_type=ImportError)
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from backends.base import SamplerState, SamplingParams  # noqa: E402
-from backends.torch.backend import TorchBackend  # noqa: E402
-from backends import default_model  # noqa: E402
+from kvfork.backends.base import SamplerState, SamplingParams  # noqa: E402
+from kvfork.backends.torch.backend import TorchBackend  # noqa: E402
+from kvfork.backends import default_model  # noqa: E402
 
 QUESTIONS = (
     "What is the capital of France?",

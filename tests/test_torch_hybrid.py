@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from backend_fixtures import assert_close, lent, load
-from backends.base import CloneRefused, LayerAttention, ModelInfo, clone_positions, clone_refusal
-from backends.torch.backend import TorchBackend
-from backends.torch.gated_delta import chunked_delta_rule, delta_rule, l2_normalize, recurrent_delta_rule
+from kvfork.backends.base import CloneRefused, LayerAttention, ModelInfo, clone_positions, clone_refusal
+from kvfork.backends.torch.backend import TorchBackend
+from kvfork.backends.torch.gated_delta import chunked_delta_rule, delta_rule, l2_normalize, recurrent_delta_rule
 from tiny_hybrid_models import HYBRID_ARCHS, LFM2
 from tolerance import Kind, assert_arrays_close
 

@@ -10,7 +10,7 @@ mx = pytest.importorskip("mlx.core", exc_type=ImportError)
 mlx_lm = pytest.importorskip("mlx_lm", exc_type=ImportError)
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from backends.torch.backend import TorchBackend  # noqa: E402
+from kvfork.backends.torch.backend import TorchBackend  # noqa: E402
 from tiny_hybrid_models import HYBRID_ARCHS, LAYOUTS  # noqa: E402
 from tolerance import Kind, Model, assert_logits_close  # noqa: E402
 

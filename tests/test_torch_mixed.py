@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from backend_fixtures import assert_close, lent, load
-from backends.base import BatchFailed, RowState
-from backends.torch.backend import TorchBackend
+from kvfork.backends.base import BatchFailed, RowState
+from kvfork.backends.torch.backend import TorchBackend
 from engine_harness import run
-from server.engine.config import EngineConfig
-from server.engine.engine import Engine
-from server.metrics import Registry
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.engine.engine import Engine
+from kvfork.server.metrics import Registry
 from tiny_hybrid_models import HYBRID_ARCHS
 from tolerance import Kind
 

@@ -15,8 +15,8 @@ mx = pytest.importorskip("mlx.core", exc_type=ImportError)
 mlx_lm = pytest.importorskip("mlx_lm", exc_type=ImportError)
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from backends.base import SamplerState, SamplingParams  # noqa: E402
-from backends.torch.backend import TorchBackend  # noqa: E402
+from kvfork.backends.base import SamplerState, SamplingParams  # noqa: E402
+from kvfork.backends.torch.backend import TorchBackend  # noqa: E402
 from tolerance import Kind, Model, assert_arrays_close, assert_logits_close, assert_same_greedy  # noqa: E402
 
 PROMPT_LEN = 40  # longer than gemma3's window (16), so its rings wrap during prefill
@@ -127,8 +127,8 @@ def test_greedy_continuations_agree(arch, tiny_model_dir, references):
 def test_rope_frequencies_match_mlx_lm(scaling):
     from mlx_lm.models.rope_utils import initialize_rope
 
-    from backends.torch.config import Rope
-    from backends.torch.rope import inverse_frequencies
+    from kvfork.backends.torch.config import Rope
+    from kvfork.backends.torch.rope import inverse_frequencies
 
     head_dim, theta = 128, 500000.0
     ours = inverse_frequencies(Rope(theta, scaling), head_dim).numpy()

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from backends.base import SamplerState, SamplingParams
-from backends.torch.sampling import sample
+from kvfork.backends.base import SamplerState, SamplingParams
+from kvfork.backends.torch.sampling import sample
 
 DEVICE = os.environ.get("KVFORK_DEVICE", "cpu")
 VOCAB = 64

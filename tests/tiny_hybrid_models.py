@@ -79,8 +79,8 @@ def _canonical_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
     """Random weights named and shaped as the torch backend's hybrid model."""
     import torch
 
-    from backends.torch.config import parse_config
-    from backends.torch.hybrid import HybridTransformer
+    from kvfork.backends.torch.config import parse_config
+    from kvfork.backends.torch.hybrid import HybridTransformer
 
     with torch.device("meta"):
         model = HybridTransformer(parse_config(config), tied=False)

@@ -102,8 +102,8 @@ def _parameter_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     except ImportError:
         import torch
 
-        from backends.torch.config import parse_config
-        from backends.torch.model import Transformer
+        from kvfork.backends.torch.config import parse_config
+        from kvfork.backends.torch.model import Transformer
 
         with torch.device("meta"):
             model = Transformer(parse_config(config), tied=config["tie_word_embeddings"])

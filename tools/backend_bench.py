@@ -1,7 +1,7 @@
 """Backend speed, side by side in one run: prefill and decode tokens/s, and
 the time to clone a prompt against the time to prefill it.
 
-    python -m tools.backend_bench --backend mlx --model FOLDER
+    python -m kvfork.tools.backend_bench --backend mlx --model FOLDER
 
 Every timing ends with the logits on the host (`to_numpy`), as the engine
 needs them, so lazy (MLX) and asynchronous (CUDA) backends are timed alike.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from backends import create_backend
+from kvfork.backends import create_backend
 
 
 def timed(fn) -> float:

@@ -1,6 +1,6 @@
 """Clone by reference against copying clones, side by side in one process (torch backend).
 
-    python -m tools.clone_bench --model FOLDER [--sections clone,synthetic,peak,fit,itl,prefill,blocks]
+    python -m kvfork.tools.clone_bench --model FOLDER [--sections clone,synthetic,peak,fit,itl,prefill,blocks]
 
 - clone: time and own bytes of a clone at 2,048 and 8,000 tokens of one prefilled
   donor, --clone-mode share and copy alternately (best of --repeat).
@@ -36,8 +36,8 @@ import time
 import numpy as np
 import torch
 
-from backends.torch import attention, kv
-from backends.torch.backend import TorchBackend
+from kvfork.backends.torch import attention, kv
+from kvfork.backends.torch.backend import TorchBackend
 
 GiB = 2**30
 QWEN3_8B = dict(full_layers=36, kv_heads=8, head_dim=128, dtype=torch.bfloat16)
@@ -210,7 +210,7 @@ def blocks(sizes=(64, 128, 256), n: int = 8192, repeat: int = 3) -> dict:
 
 
 def fit(bench: Bench | None, budget_gib: float, prefix: int = 4000, generate: int = 256) -> dict:
-    from backends.base import KVCost
+    from kvfork.backends.base import KVCost
 
     slot = 2 * QWEN3_8B["kv_heads"] * QWEN3_8B["head_dim"] * 2
     costs = {"qwen3-8b": KVCost(full_bytes_per_token=slot * QWEN3_8B["full_layers"], step=kv.BLOCK_TOKENS, spare=1,

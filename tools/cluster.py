@@ -41,9 +41,9 @@ from typing import NoReturn
 
 import aiohttp
 
-from backends.device_memory import weights_on_disk
-from server.engine.memory_plan import shared_host_plan
-from backends.model_path import kvfork_home
+from kvfork.backends.device_memory import weights_on_disk
+from kvfork.server.engine.memory_plan import shared_host_plan
+from kvfork.backends.model_path import kvfork_home
 
 HOST = "127.0.0.1"  # replicas and the gateway: loopback only (several machines: the README's recipe)
 ASSIGNMENTS = ("min_group", "min_load", "random", "delegate")
@@ -116,7 +116,7 @@ def plan(argv: list[str]) -> Plan:
     ports = [args.port, *range(args.port + 1, args.port + 1 + args.replicas), metrics_port]
     if min(ports) < 1 or max(ports) > 65535 or len(set(ports)) != len(ports):
         p.error(f"ports {min(ports)}..{max(ports)} do not fit (each replica takes the port after the gateway's)")
-    from server.cli import announce, read_settings, serve_parser  # the replicas' flags, checked as serve checks them
+    from kvfork.server.cli import announce, read_settings, serve_parser  # the replicas' flags, checked as serve checks them
 
     serve = serve_parser()
     serve.prog = "kvfork cluster (replica flags)"
@@ -130,7 +130,7 @@ def plan(argv: list[str]) -> Plan:
     # Keys reach the replicas in their environment, never on a command line every local user can read.
     own = ("--model", "--kv-budget-bytes", "--kv-events-endpoint", "--kv-events-replay-endpoint", "--api-key",
            "--metrics-key")
-    base = [sys.executable, "-m", "server", *_without(serve_args, *own),
+    base = [sys.executable, "-m", "kvfork.server", *_without(serve_args, *own),
             "--model", model, "--kv-budget-bytes", str(share), "--host", HOST]
     replicas = [[*base, "--port", str(args.port + 1 + i), *_kv_events(config.kv_events_endpoint, i, p)]
                 for i in range(args.replicas)]
@@ -181,7 +181,7 @@ def _without(argv: list[str], *flags: str) -> list[str]:
 
 
 def _default_model() -> Path:
-    from backends.default_model import FetchError, ensure_default_model
+    from kvfork.backends.default_model import FetchError, ensure_default_model
 
     try:
         return ensure_default_model()

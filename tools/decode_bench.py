@@ -1,6 +1,6 @@
 """Where a step's time goes, and decode/prefill speed next to the weights-read floor.
 
-    python -m tools.decode_bench --model FOLDER [--trees .,/tmp/old] [--profile] [--layout]
+    python -m kvfork.tools.decode_bench --model FOLDER [--trees .,/tmp/old] [--profile] [--layout]
 
 - floor: the model's weight bytes (its safetensors files) over this machine's
   measured read bandwidth (a sum over a buffer far larger than the caches, with
@@ -68,7 +68,7 @@ def _timed(fn) -> float:
 
 class Worker:
     def __init__(self, backend: str, model: str):
-        from backends import create_backend
+        from kvfork.backends import create_backend
 
         self.b = create_backend(backend)
         self.b.load(model)
@@ -140,7 +140,7 @@ class Tree:
         if not tool.exists():
             shutil.copy(HERE, tool)
         self.root = root
-        self.proc = subprocess.Popen([sys.executable, "-m", f"tools.{HERE.stem}", "--serve", "--backend", backend,
+        self.proc = subprocess.Popen([sys.executable, "-m", f"kvfork.tools.{HERE.stem}", "--serve", "--backend", backend,
                                       "--model", model], cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, env={**os.environ, "PYTHONPATH": str(root)})
         self._read()

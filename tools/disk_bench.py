@@ -2,7 +2,7 @@
 for each prompt size, TTFT when the cached prompt is restored from disk against recomputed,
 and what the cost model chooses, on a cold read.
 
-    python -m tools.disk_bench [--model FOLDER] [--backend torch] [--sizes 2000,4000,8000]
+    python -m kvfork.tools.disk_bench [--model FOLDER] [--backend torch] [--sizes 2000,4000,8000]
 
 Per size: daemon 1 computes the prompt and shuts down (its cache spills to a temporary
 KVFORK_HOME); then three fresh engines, each after a short unrelated warm-up prompt (so the
@@ -23,14 +23,14 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from backends import create_backend
-from backends.base import SamplingParams
-from server.engine import reuse
-from server.engine.api import GenerateRequest
-from server.engine.config import EngineConfig
-from server.engine.engine import Engine
-from server.metrics import Registry
-from backends.default_model import default_model_dir
+from kvfork.backends import create_backend
+from kvfork.backends.base import SamplingParams
+from kvfork.server.engine import reuse
+from kvfork.server.engine.api import GenerateRequest
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.engine.engine import Engine
+from kvfork.server.metrics import Registry
+from kvfork.backends.default_model import default_model_dir
 
 
 def drop_page_cache(folder: Path) -> str:

@@ -15,9 +15,9 @@
    once per --step-ms value (--max-step-ms): the decoders' inter-token latency
    p50/p95 over the prefill, and the long prompt's TTFT.
 
-    python -m tools.engine_bench [--model FOLDER] [--backend mlx] [--tokens 64] [--burst 6]
-    python -m tools.engine_bench --backend torch --choices 4 --shared 1500 --repeat 3
-    python -m tools.engine_bench --backend torch --interference 4 --long 4000 --step-ms 0,250
+    python -m kvfork.tools.engine_bench [--model FOLDER] [--backend mlx] [--tokens 64] [--burst 6]
+    python -m kvfork.tools.engine_bench --backend torch --choices 4 --shared 1500 --repeat 3
+    python -m kvfork.tools.engine_bench --backend torch --interference 4 --long 4000 --step-ms 0,250
 
 Prompts are distinct and the prefix cache is off, so every request prefills
 and decodes in full. Decode is timed from the moment every request has its
@@ -32,14 +32,14 @@ import json
 import sys
 import time
 
-from backends import create_backend
-from backends.base import SamplingParams
-from server.engine.api import GenerateRequest, TokenEvent
-from server.engine.config import EngineConfig
-from server.engine.engine import Engine
-from server.metrics import Registry
-from tools.bench.stats import percentile
-from backends.default_model import default_model_dir
+from kvfork.backends import create_backend
+from kvfork.backends.base import SamplingParams
+from kvfork.server.engine.api import GenerateRequest, TokenEvent
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.engine.engine import Engine
+from kvfork.server.metrics import Registry
+from kvfork.tools.bench.stats import percentile
+from kvfork.backends.default_model import default_model_dir
 
 
 async def decode_round(engine: Engine, concurrent: int, prompt_len: int, tokens: int, seed: int) -> dict:

@@ -37,7 +37,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Collection, Sequence
 
-from backends.base import Backend, BatchFailed, ModelInfo, RowState, Sampled, SamplerState, SavedState, Session
+from kvfork.backends.base import Backend, BatchFailed, ModelInfo, RowState, Sampled, SamplerState, SavedState, Session
 
 KINDS = ("prefill", "decode", "sample", "clone", "capture")
 

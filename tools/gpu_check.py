@@ -1,6 +1,6 @@
 """Torch backend timings on random models of realistic shapes, built in memory (no files, no network).
 
-    python -m tools.gpu_check [--shapes 0.5b,7b] [--prompt 2048] [--steps 32] [--device cuda]
+    python -m kvfork.tools.gpu_check [--shapes 0.5b,7b] [--prompt 2048] [--steps 32] [--device cuda]
 
 Per shape: prefill tokens/s for one prompt, decode tokens/s for 1 and 8 sessions
 at that length, and the time of a clone of the whole prompt: its GB/s against
@@ -21,12 +21,12 @@ import time
 
 import torch
 
-from backends.torch import attention
-from backends.torch.backend import DTYPES, TorchBackend, default_dtype
-from backends.model_info import model_facts
-from backends.torch.config import parse_config
-from backends.torch.model import Transformer
-from server.engine.memory_plan import GiB, plan_memory
+from kvfork.backends.torch import attention
+from kvfork.backends.torch.backend import DTYPES, TorchBackend, default_dtype
+from kvfork.backends.model_info import model_facts
+from kvfork.backends.torch.config import parse_config
+from kvfork.backends.torch.model import Transformer
+from kvfork.server.engine.memory_plan import GiB, plan_memory
 
 # Qwen2.5-0.5B and Mistral-7B shapes (a GQA llama of 7.2B parameters).
 SHAPES = {

@@ -1,6 +1,6 @@
 """llguidance against xgrammar on one tokenizer: mask time per token and compile time.
 
-    .venv/bin/python -m tools.grammar_bench [--model FOLDER] [--repeats 5]
+    .venv/bin/python -m kvfork.tools.grammar_bench [--model FOLDER] [--repeats 5]
 
 For each engine, on the same tokenizer (the default model's unless --model):
 - compile time of each schema (no cache: every compile is cold), alone and with
@@ -12,9 +12,9 @@ For each engine, on the same tokenizer (the default model's unless --model):
   p95): under the typical tool schema and under json_object (any JSON object).
 The document is tokenized once by the model's tokenizer and fed to both engines.
 
-    .venv/bin/python -m tools.grammar_bench --itl [--backend torch] [--rounds 3]
+    .venv/bin/python -m kvfork.tools.grammar_bench --itl [--backend torch] [--rounds 3]
 
-    .venv/bin/python -m tools.grammar_bench --guard [--repeats 5]
+    .venv/bin/python -m kvfork.tools.grammar_bench --guard [--repeats 5]
 
 kvfork's compile path (server/grammar.py) against building the matcher in the
 daemon alone, side by side, each compile cold (a new scope): what trying each new
@@ -60,8 +60,8 @@ OBJECT_DOC = {"files": ["src/main.py", "README.md"], "summary": "Two files chang
 
 def agent_tool_schemas() -> list[dict[str, Any]]:
     """The agent preset's tools, as JSON schemas of their `(path: str, query: str)` signatures."""
-    from tools.bench.text import tool_definitions
-    from tools.bench.workload import Options
+    from kvfork.tools.bench.text import tool_definitions
+    from kvfork.tools.bench.workload import Options
 
     names = [line[2:].split("(")[0] for line in tool_definitions(random.Random(0), Options().prefix_tokens).splitlines()
              if line.startswith("- tool_")]
@@ -149,8 +149,8 @@ def pct(values: list[float], q: float) -> float:
 
 async def itl_round(engine, hf, grammar, constrained: int, round_: int, tokens: int) -> dict[str, list[float]]:
     """8 requests together, the first `constrained` under the grammar; per-row token gaps while all 8 decode."""
-    from backends.base import SamplingParams
-    from server.engine.api import GenerateRequest, TokenEvent
+    from kvfork.backends.base import SamplingParams
+    from kvfork.server.engine.api import GenerateRequest, TokenEvent
 
     async def one(i: int) -> list[float]:
         question = f"Request {round_ * 8 + i}: the weather in city number {i} as JSON with location, unit and days."
@@ -178,11 +178,11 @@ async def itl_round(engine, hf, grammar, constrained: int, round_: int, tokens: 
 async def measure_itl(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
-    from backends import create_backend
-    from server.engine.config import EngineConfig
-    from server.engine.engine import Engine
-    from server.grammar import GrammarCompiler, JsonSchema
-    from server.metrics import Registry
+    from kvfork.backends import create_backend
+    from kvfork.server.engine.config import EngineConfig
+    from kvfork.server.engine.engine import Engine
+    from kvfork.server.grammar import GrammarCompiler, JsonSchema
+    from kvfork.server.metrics import Registry
 
     hf = AutoTokenizer.from_pretrained(args.model)
     config = EngineConfig(prefix_cache_entries=0, kv_budget_bytes=8 << 30, inference_slots=8)
@@ -211,8 +211,8 @@ async def measure_itl(args: argparse.Namespace) -> None:
 async def measure_guard(hf, tools: list[dict[str, Any]], repeats: int) -> None:
     import resource
 
-    from server.engine.api import Scope
-    from server.grammar import GrammarCompiler, GrammarError, JsonSchema, grammar_text
+    from kvfork.server.engine.api import Scope
+    from kvfork.server.grammar import GrammarCompiler, GrammarError, JsonSchema, grammar_text
 
     compiler = GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=30.0)
     try:
@@ -259,7 +259,7 @@ async def measure_guard(hf, tools: list[dict[str, Any]], repeats: int) -> None:
 def main() -> None:
     from transformers import AutoTokenizer
 
-    from backends.default_model import default_model_dir
+    from kvfork.backends.default_model import default_model_dir
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model folder whose tokenizer to use (default: the default model)")

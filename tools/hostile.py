@@ -28,7 +28,7 @@ Checks (kvfork soak adds them to its table):
 - every hostile request is refused or bounded (a 4xx, a 200 of bounded work, or its connection closed),
   and the slow connections were closed and counted.
 
-`python -m tools.hostile` runs it alone and prints the per-shape table (docs/benchmarks.md).
+`python -m kvfork.tools.hostile` runs it alone and prints the per-shape table (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -298,7 +298,7 @@ async def attack(ctx: Ctx, name: str, concurrency: int, samples: int) -> ShapeRe
     one measures `samples` TTFTs."""
     result = ShapeResult(name)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tools.hostile", "--attack", name, "--concurrency", str(concurrency),
+        sys.executable, "-m", "kvfork.tools.hostile", "--attack", name, "--concurrency", str(concurrency),
         "--target", json.dumps(asdict(ctx.target)), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
     assert proc.stdin is not None and proc.stdout is not None
     try:
@@ -337,9 +337,9 @@ async def _attacking(name: str, target: Target, concurrency: int) -> list[int | 
 
 @contextlib.asynccontextmanager
 async def hostile_daemon(config: HostileConfig, backend: Any = None):
-    from server.config import ServerConfig
-    from server.engine.config import EngineConfig
-    from server.serve import Daemon, pick_backend
+    from kvfork.server.config import ServerConfig
+    from kvfork.server.engine.config import EngineConfig
+    from kvfork.server.serve import Daemon, pick_backend
 
     with tempfile.TemporaryDirectory() as folder:
         keys = Path(folder) / "keys"
@@ -359,7 +359,7 @@ async def hostile_daemon(config: HostileConfig, backend: Any = None):
 
 async def run_wave(config: HostileConfig, backend: Any = None, out=sys.stdout,
                    shapes: list[str] | None = None) -> Outcome:
-    from tools.bench.serve import parse_metrics
+    from kvfork.tools.bench.serve import parse_metrics
 
     async with hostile_daemon(config, backend) as d, aiohttp.ClientSession() as http:
         limits = d.config
@@ -426,7 +426,7 @@ def table(outcome: Outcome) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.hostile", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m kvfork.tools.hostile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model folder (default: the default model, fetched if needed)")
     ap.add_argument("--backend", default="auto", choices=("auto", "torch", "mlx"))
@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         statuses = asyncio.run(_attacking(args.attack, Target(**json.loads(args.target)), args.concurrency))
         print(json.dumps(statuses), flush=True)
         return 0
-    from backends.default_model import ensure_default_model
+    from kvfork.backends.default_model import ensure_default_model
 
     model = args.model or str(ensure_default_model())
     config = HostileConfig(model=model, backend=args.backend, innocent_samples=args.samples)

@@ -1,6 +1,6 @@
 """Torch backend timings on a hybrid model of Qwen3.5-0.8B's layer sizes, random weights in memory.
 
-    python -m tools.hybrid_bench [--prompt 512] [--steps 16] [--device cpu] [--dtype float32]
+    python -m kvfork.tools.hybrid_bench [--prompt 512] [--steps 16] [--device cpu] [--dtype float32]
 
 The delta rule of one layer alone in both forms, then the whole model: prefill tok/s
 with the delta rule's chunked form (what prefill runs) against its
@@ -15,12 +15,12 @@ import argparse
 
 import torch
 
-from backends.torch.backend import DTYPES, TorchBackend, default_dtype
-from backends.model_info import model_facts
-from backends.torch.config import parse_config
-from backends.torch.gated_delta import chunked_delta_rule, l2_normalize, recurrent_delta_rule
-from backends.torch.hybrid import HybridTransformer
-from tools.gpu_check import Clock
+from kvfork.backends.torch.backend import DTYPES, TorchBackend, default_dtype
+from kvfork.backends.model_info import model_facts
+from kvfork.backends.torch.config import parse_config
+from kvfork.backends.torch.gated_delta import chunked_delta_rule, l2_normalize, recurrent_delta_rule
+from kvfork.backends.torch.hybrid import HybridTransformer
+from kvfork.tools.gpu_check import Clock
 
 # Qwen3.5-0.8B-like: 24 layers, every 4th gated full attention (6 of them), the rest Gated DeltaNet.
 SHAPE = dict(

@@ -3,7 +3,7 @@ SHAPE), for the benchmarks (tools/backend_bench.py, on either backend): Gated De
 every 4th layer full attention. The weights are mlx-lm's own initialisation, in mlx-community
 layout; the tokenizer is the default model's (benchmarks draw token ids below 30,000).
 
-    python -m tools.hybrid_model --out FOLDER [--dtype float32]
+    python -m kvfork.tools.hybrid_model --out FOLDER [--dtype float32]
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
-from tools.hybrid_bench import SHAPE  # the shape, stated once
+from kvfork.tools.hybrid_bench import SHAPE  # the shape, stated once
 
 CONFIG = dict(model_type="qwen3_5", architectures=["Qwen3_5ForConditionalGeneration"], text_config=SHAPE,
               tie_word_embeddings=True)
@@ -39,7 +39,7 @@ def write(out: Path, dtype: str, tokenizer_from: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from backends.default_model import default_model_dir
+    from kvfork.backends.default_model import default_model_dir
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="folder to write")

@@ -1,7 +1,7 @@
 """Resident memory beyond the KV a torch backend holds, over many clone / grow / release cycles: what
 the allocator keeps that no session holds (tools/soak.py's RSS row, isolated from HTTP and the engine).
 
-    python -m tools.kv_memory_bench [--model FOLDER] [--cycles 600]
+    python -m kvfork.tools.kv_memory_bench [--model FOLDER] [--cycles 600]
 
 One 1,024-token session is prefilled; then each cycle clones it at a random length, grows half of
 the clones by a short chunk, and releases random clones so 4-24 stay alive. Prints RSS minus the
@@ -14,8 +14,8 @@ import argparse
 import random
 import time
 
-from backends.default_model import default_model_dir
-from tools.memory import rss_bytes
+from kvfork.backends.default_model import default_model_dir
+from kvfork.tools.memory import rss_bytes
 
 
 def main() -> None:
@@ -27,7 +27,7 @@ def main() -> None:
 
     import torch
 
-    from backends import create_backend
+    from kvfork.backends import create_backend
 
     torch.set_num_threads(1)
     backend = create_backend("torch")

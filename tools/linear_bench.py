@@ -1,7 +1,7 @@
 """The torch CPU backend's linear layers: MKL on the checkpoint's [out, in] weights (plain
 `F.linear`) against oneDNN on weights reordered once (backends/torch/packed_linear.py).
 
-    python -m tools.linear_bench [--model FOLDER] [--rows 1,4,8,512] [--repeats 7]
+    python -m kvfork.tools.linear_bench [--model FOLDER] [--rows 1,4,8,512] [--repeats 7]
 
 One pass = every linear layer of the model once, at its own shape (random weights: speed depends on
 shapes, not values), for each row count; best of `--repeats` for each kind, MKL's first. Also a plain
@@ -15,8 +15,8 @@ import argparse
 import json
 import time
 
-from backends.default_model import default_model_dir
-from tools.memory import rss_bytes
+from kvfork.backends.default_model import default_model_dir
+from kvfork.tools.memory import rss_bytes
 
 
 def main() -> None:
@@ -29,8 +29,8 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from backends.torch import packed_linear
-    from backends.torch.config import ArchConfig, read_config
+    from kvfork.backends.torch import packed_linear
+    from kvfork.backends.torch.config import ArchConfig, read_config
 
     cfg = read_config(args.model)
     assert isinstance(cfg, ArchConfig), "a transformer's shapes (llama, qwen, gemma)"

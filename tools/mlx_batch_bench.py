@@ -5,7 +5,7 @@
 2. a clone copied tightly against one copied with room, each followed by its
    first write (a one-token prefill).
 
-    python -m tools.mlx_batch_bench --model FOLDER
+    python -m kvfork.tools.mlx_batch_bench --model FOLDER
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import json
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from backends.mlx import kvcopy
-from backends.mlx.backend import MLXBackend
-from tools.backend_bench import best, prompt, timed
+from kvfork.backends.mlx import kvcopy
+from kvfork.backends.mlx.backend import MLXBackend
+from kvfork.tools.backend_bench import best, prompt, timed
 
 
 def merge_every_step(b: MLXBackend, sessions, tokens) -> None:

@@ -1,6 +1,6 @@
 """Cost of parsing replies for reasoning and tool calls, per streamed delta.
 
-    python -m tools.output_parser_bench
+    python -m kvfork.tools.output_parser_bench
 
 A reply with a reasoning block, some content and one long tool call (a file
 write), fed in 4-character deltas (about a token each) through the same
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 
-from server.chat_output import collect, output_parser
+from kvfork.server.chat_output import collect, output_parser
 
 TEMPLATE = "<think> <tool_call>"  # what the parsers are chosen from: reasoning + Hermes calls
 TOOLS = [{"type": "function", "function": {"name": "write", "parameters": {"type": "object", "properties": {}}}}]

@@ -1,6 +1,6 @@
 """Per-step overhead of one model on 2 ranks against 1 process, on this machine (docs/benchmarks.md).
 
-    python -m tools.rank_bench [--backend torch|mlx] [--shape small|0.5b] [--sessions 1,4] [--steps 24]
+    python -m kvfork.tools.rank_bench [--backend torch|mlx] [--shape small|0.5b] [--sessions 1,4] [--steps 24]
                                [--device cpu|cuda]
 
 Writes a random-weight llama-shaped model (heads that split over 2), then times decode steps at a
@@ -93,7 +93,7 @@ def decode_steps(backend, sessions: list[int], steps: int, on_step=None) -> dict
 
 
 def one_process(name: str, folder: Path, sessions: list[int], steps: int) -> dict:
-    from backends import create_backend
+    from kvfork.backends import create_backend
 
     b = create_backend(name)
     b.load(str(folder), "float32")
@@ -125,9 +125,9 @@ def collective_seconds(ranks, hidden: int, rows: int, repeat: int = 50) -> float
 
 def child(name: str, folder: Path, sessions: list[int], steps: int, out: Path) -> None:
     """One rank of the 2-rank run (under the launcher)."""
-    from backends.lockstep import join
-    from backends.lockstep.follower import Follower
-    from backends.lockstep.leader import LockstepBackend
+    from kvfork.backends.lockstep import join
+    from kvfork.backends.lockstep.follower import Follower
+    from kvfork.backends.lockstep.leader import LockstepBackend
 
     ranks = join(name)
     hidden = json.loads((folder / "config.json").read_text())["hidden_size"]
@@ -203,7 +203,7 @@ def run_child(name: str, role: str, folder: Path, out: Path, argv: list[str], de
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     bin_dir = Path(sys.executable).parent
-    command = [sys.executable, "-m", "tools.rank_bench", *argv, "--child", role, str(folder), str(out)]
+    command = [sys.executable, "-m", "kvfork.tools.rank_bench", *argv, "--child", role, str(folder), str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", KVFORK_DEVICE=device)
     if name == "torch":
         env["LD_PRELOAD"] = ":".join(p for p in env.get("LD_PRELOAD", "").split(":") if "openblas" not in p)
@@ -218,8 +218,8 @@ def run_child(name: str, role: str, folder: Path, out: Path, argv: list[str], de
 
 def broadcast_costs(sessions: list[int], chunk: int = 512, repeat: int = 2000) -> list[tuple[str, int, float]]:
     """(step, bytes, encode + decode µs) of the broadcast a step sends: a decode of n rows, a prefill chunk."""
-    from backends import effects as e
-    from backends.lockstep import wire
+    from kvfork.backends import effects as e
+    from kvfork.backends.lockstep import wire
 
     broadcasts = [(f"decode, {n} rows", wire.Broadcast(1000, [e.Decode(list(range(100, 100 + n)),
                                                                       [30000 + i for i in range(n)])]))

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import aiohttp
 
-from tools.bench import paired
-from tools.bench.client import Record, Target, request_body, stream_chat
-from tools.bench.serve import ServerFailed, exit_on_sigterm, metric_total, scrape_metrics
-from tools.bench.text import tool_definitions, words
+from kvfork.tools.bench import paired
+from kvfork.tools.bench.client import Record, Target, request_body, stream_chat
+from kvfork.tools.bench.serve import ServerFailed, exit_on_sigterm, metric_total, scrape_metrics
+from kvfork.tools.bench.text import tool_definitions, words
 
 
 def conversation(prompt_tokens: int, seed: int) -> tuple[list[dict], list[dict]]:

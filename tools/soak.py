@@ -23,6 +23,10 @@ sampling) so a sampler, a submitted request and a response are matched exactly.
 Then the same requests that completed run one at a time on a second daemon with
 active reuse and the prefix cache off, and must return the same tokens.
 
+Then the long-prompt wave (tools/long_prompts.py): a prompt of `--long-prompt-tokens` (24,000) is
+cached, and three prompts leave it near its start, in its middle and near its end: each must reuse what
+it shares and give a reuse-off daemon's tokens (`--long-prompt-tokens 0` skips it).
+
 Last, the hostile-tenant wave (tools/hostile.py) on a third daemon with two
 tenants: one sends the shapes a hostile client sends (oversized stops, nested
 bodies, a template of its own, huge schemas, prompts at the character cap, slow
@@ -49,15 +53,15 @@ from typing import Any, Callable
 
 import aiohttp
 
-from backends import create_backend
-from server.config import ServerConfig
-from server.engine.api import GenerateRequest
-from server.engine.config import EngineConfig
-from server.serve import Daemon, pick_backend
-from tools.bench.serve import parse_metrics
-from tools.bench.text import words
-from tools.faulty_backend import FaultyBackend, Fault
-from tools.memory import rss_bytes
+from kvfork.backends import create_backend
+from kvfork.server.config import ServerConfig
+from kvfork.server.engine.api import GenerateRequest
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.serve import Daemon, pick_backend
+from kvfork.tools.bench.serve import parse_metrics
+from kvfork.tools.bench.text import words
+from kvfork.tools.faulty_backend import FaultyBackend, Fault
+from kvfork.tools.memory import rss_bytes
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 PHASES = ("queued", "parked", "prefilling", "decoding")
@@ -87,6 +91,7 @@ class SoakConfig:
     queue_timeout: float = 60.0
     warmup_waves: int = 2
     hostile: bool = True  # the hostile-tenant wave, after the rest
+    long_prompt_tokens: int = 24_000  # the long-prompt wave's cached prompt (tools/long_prompts.py); 0: none
     hostile_samples: int = 5  # the innocent tenant's TTFTs alone, and during each hostile shape
 
 
@@ -476,6 +481,11 @@ async def run(c: SoakConfig, out=sys.stdout) -> Report:
         kvfork_log.setLevel(saved[0])
         kvfork_log.propagate = saved[1]
     await _compare(c, backend_name, outcomes, report, out)
+    if c.long_prompt_tokens:
+        from kvfork.tools.long_prompts import run_long_wave
+
+        for row in await run_long_wave(c.model, backend_name, c.long_prompt_tokens, c.seed, out):
+            report.add(*row)
     if c.hostile:
         await _hostile_wave(c, report, out)
     print(report.table(), file=out)
@@ -483,7 +493,7 @@ async def run(c: SoakConfig, out=sys.stdout) -> Report:
 
 
 async def _hostile_wave(c: SoakConfig, report: Report, out) -> None:
-    from tools.hostile import HostileConfig, checks, run_wave, table
+    from kvfork.tools.hostile import HostileConfig, checks, run_wave, table
 
     print("soak: the hostile-tenant wave", file=out, flush=True)
     outcome = await run_wave(HostileConfig(model=c.model, backend=c.backend, innocent_samples=c.hostile_samples),
@@ -714,16 +724,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="chance that one backend call of each kind fails")
     ap.add_argument("--kv-budget-bytes", type=int, default=defaults.kv_budget_bytes,
                     help="the daemon's KV budget: small enough that admission waits and the cache gives way")
+    ap.add_argument("--long-prompt-tokens", type=int, default=defaults.long_prompt_tokens,
+                    help="the long-prompt wave's cached prompt, in tokens (0: no wave)")
     ap.add_argument("--hostile", action=argparse.BooleanOptionalAction, default=defaults.hostile,
                     help="end with the hostile-tenant wave (tools/hostile.py)")
     args = ap.parse_args(argv)
-    from backends import prepare_process
+    from kvfork.backends import prepare_process
 
     prepare_process(args.backend)
     if args.model:
         model = args.model
     else:
-        from backends.default_model import FetchError, ensure_default_model
+        from kvfork.backends.default_model import FetchError, ensure_default_model
 
         try:
             model = str(ensure_default_model())
@@ -731,7 +743,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"soak: the default model is not available: {e} (or pass --model FOLDER)", file=sys.stderr)
             return 2
     config = SoakConfig(model=model, backend=args.backend, requests=args.requests, seed=args.seed,
-                        fault_rate=args.fault_rate, kv_budget_bytes=args.kv_budget_bytes, hostile=args.hostile)
+                        fault_rate=args.fault_rate, kv_budget_bytes=args.kv_budget_bytes,
+                        long_prompt_tokens=args.long_prompt_tokens, hostile=args.hostile)
     try:
         report = asyncio.run(run(config))
     except (OSError, RuntimeError) as e:

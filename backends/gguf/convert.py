@@ -15,8 +15,8 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
-from backends.gguf.tokenizer import build_tokenizer, special_token_ids, tokenizer_config
-from backends.gguf.weights import hf_llama_weights
+from kvfork.backends.gguf.tokenizer import build_tokenizer, special_token_ids, tokenizer_config
+from kvfork.backends.gguf.weights import hf_llama_weights
 
 # Bump whenever the converted folder would differ: cached folders with another version are rebuilt.
 CONVERTER_VERSION = 1

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backends.base import Backend
-from backends.lockstep.channel import Channel, MLXChannel, TorchChannel
+from kvfork.backends.base import Backend
+from kvfork.backends.lockstep.channel import Channel, MLXChannel, TorchChannel
 
 # The plan channel waits as long as rank 0 stays idle: a lost peer still ends it at once (its
 # connection closes), and a stalled one is rank 0's watchdog's to find (leader.py).
@@ -63,8 +63,8 @@ def _join_torch() -> Ranks:
     import torch
     import torch.distributed as dist
 
-    from backends.torch.backend import TorchBackend, default_device
-    from backends.torch.parallel import Shards
+    from kvfork.backends.torch.backend import TorchBackend, default_device
+    from kvfork.backends.torch.parallel import Shards
 
     device = default_device()
     if device.type == "cuda" and device.index is None:  # one GPU per rank on a machine: torchrun's LOCAL_RANK
@@ -85,7 +85,7 @@ def _join_torch() -> Ranks:
 def _join_mlx() -> Ranks:
     import mlx.core as mx
 
-    from backends.mlx.backend import MLXBackend
+    from kvfork.backends.mlx.backend import MLXBackend
 
     try:
         group = mx.distributed.init(strict=True)

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import logging
 
-from backends import effects as e
-from backends.base import Backend
-from backends.lockstep import saved, wire
-from backends.lockstep.channel import Channel
-from backends.lockstep.loading import load_in_step
+from kvfork.backends import effects as e
+from kvfork.backends.base import Backend
+from kvfork.backends.lockstep import saved, wire
+from kvfork.backends.lockstep.channel import Channel
+from kvfork.backends.lockstep.loading import load_in_step
 
 log = logging.getLogger("kvfork.lockstep")
 

@@ -31,12 +31,12 @@ from typing import Any, Callable, Collection, Sequence
 
 import numpy as np
 
-from backends import effects as e
-from backends.base import Backend, BatchFailed, ModelInfo, Sampled, SamplerState, SavedState, Session, check_inputs
-from backends.device_memory import DeviceMemory
-from backends.lockstep import saved, wire
-from backends.lockstep.channel import Channel
-from backends.lockstep.loading import load_in_step
+from kvfork.backends import effects as e
+from kvfork.backends.base import Backend, BatchFailed, ModelInfo, Sampled, SamplerState, SavedState, Session, check_inputs
+from kvfork.backends.device_memory import DeviceMemory
+from kvfork.backends.lockstep import saved, wire
+from kvfork.backends.lockstep.channel import Channel
+from kvfork.backends.lockstep.loading import load_in_step
 
 log = logging.getLogger("kvfork.lockstep")
 

@@ -9,9 +9,9 @@ step watchdog: reading the weights takes as long as it takes, on every rank alik
 
 from __future__ import annotations
 
-from backends.base import Backend, ModelInfo
-from backends.lockstep.channel import Channel
-from backends.model_path import resolve_model
+from kvfork.backends.base import Backend, ModelInfo
+from kvfork.backends.lockstep.channel import Channel
+from kvfork.backends.model_path import resolve_model
 
 
 def load_in_step(backend: Backend, channel: Channel, folder: str, dtype: str | None) -> ModelInfo:

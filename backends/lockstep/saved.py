@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from backends.base import SavedLayer, SavedState
+from kvfork.backends.base import SavedLayer, SavedState
 
 
 def to_bytes(state: SavedState) -> np.ndarray:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import msgspec
 
-from backends import effects
-from backends.effects import Effect
+from kvfork.backends import effects
+from kvfork.backends.effects import Effect
 
 
 class Load(msgspec.Struct, tag="load", frozen=True):

@@ -18,14 +18,14 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-from backends.base import (Backend, BatchFailed, CloneRefused, ModelInfo, RowState, Sampled, SamplerState,
+from kvfork.backends.base import (Backend, BatchFailed, CloneRefused, ModelInfo, RowState, Sampled, SamplerState,
                            SavedLayer, SavedState, Session, check_inputs, clone_refusal)
-from backends.device_memory import DeviceMemory, cpu_memory, metal_memory
-from backends.mlx import kvcopy, recurrent, sampling
-from backends.mlx.batch import DecodeBatch, cache_marks, unmoved
-from backends.mlx.last_token import last_logits, supports_last_position
-from backends.mlx.loading import load_model
-from backends.mlx.mlx_lm_caches import write_index
+from kvfork.backends.device_memory import DeviceMemory, cpu_memory, metal_memory
+from kvfork.backends.mlx import kvcopy, recurrent, sampling
+from kvfork.backends.mlx.batch import DecodeBatch, cache_marks, unmoved
+from kvfork.backends.mlx.last_token import last_logits, supports_last_position
+from kvfork.backends.mlx.loading import load_model
+from kvfork.backends.mlx.mlx_lm_caches import write_index
 
 
 class MLXSession(Session):

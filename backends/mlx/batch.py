@@ -25,8 +25,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
-from backends.mlx import recurrent
-from backends.mlx.mlx_lm_caches import write_index
+from kvfork.backends.mlx import recurrent
+from kvfork.backends.mlx.mlx_lm_caches import write_index
 
 
 def cache_marks(caches: Sequence[Any]) -> list[Any]:

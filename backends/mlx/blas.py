@@ -4,7 +4,7 @@ The `mlx[cpu]` Linux wheel bundles a reference (netlib) BLAS. On a 2-core x86_64
 machine it prefilled the default model about 30x slower than with Debian's
 OpenBLAS preloaded. The preload must be in place before the process starts, so
 the launcher re-executes itself with it when it serves on MLX (`reexec_for_backend`)
-and the Makefile sets it for the test runner (`python -m backends.mlx.blas` prints it).
+and the Makefile sets it for the test runner (`python -m kvfork.backends.mlx.blas` prints it).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
-from backends.mlx.mlx_lm_caches import in_time_order, set_write_index
+from kvfork.backends.mlx.mlx_lm_caches import in_time_order, set_write_index
 
 STEP = KVCache.step
 

@@ -17,11 +17,11 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import load, load_model as lazy_model, sharded_load
 
-from backends.base import KVCost, LayerAttention, ModelInfo
-from backends.mlx.kvcopy import STEP
-from backends.mlx.recurrent import state_bytes
-from backends.model_info import read_model_facts
-from backends.model_path import resolve_model
+from kvfork.backends.base import KVCost, LayerAttention, ModelInfo
+from kvfork.backends.mlx.kvcopy import STEP
+from kvfork.backends.mlx.recurrent import state_bytes
+from kvfork.backends.model_info import read_model_facts
+from kvfork.backends.model_path import resolve_model
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from backends.base import Sampled, SamplerState, SamplingParams, packed_masks
+from kvfork.backends.base import Sampled, SamplerState, SamplingParams, packed_masks
 
 
 def _plain(p: SamplingParams) -> bool:

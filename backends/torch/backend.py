@@ -18,16 +18,16 @@ from typing import Any, Callable, Collection, Sequence
 import torch
 from safetensors import safe_open
 
-from backends.base import (Backend, BatchFailed, BlockStats, KVCost, LayerAttention, ModelInfo, RowState, Sampled,
+from kvfork.backends.base import (Backend, BatchFailed, BlockStats, KVCost, LayerAttention, ModelInfo, RowState, Sampled,
                            SamplerState, SavedLayer, SavedState, Session, check_inputs, clone_refusal)
-from backends.device_memory import DeviceMemory, cpu_memory, cuda_memory
-from backends.model_info import ModelFacts, read_model_facts
-from backends.model_path import resolve_model
-from backends.torch import checkpoints, hybrid, kv, packed_linear, parallel, sampling
-from backends.torch.config import ArchConfig, HybridConfig, read_config
-from backends.torch.gated_delta import RecurrentState
-from backends.torch.hybrid import HybridTransformer
-from backends.torch.model import Row, Transformer
+from kvfork.backends.device_memory import DeviceMemory, cpu_memory, cuda_memory
+from kvfork.backends.model_info import ModelFacts, read_model_facts
+from kvfork.backends.model_path import resolve_model
+from kvfork.backends.torch import checkpoints, hybrid, kv, packed_linear, parallel, sampling
+from kvfork.backends.torch.config import ArchConfig, HybridConfig, read_config
+from kvfork.backends.torch.gated_delta import RecurrentState
+from kvfork.backends.torch.hybrid import HybridTransformer
+from kvfork.backends.torch.model import Row, Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

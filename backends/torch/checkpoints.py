@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.torch.config import HybridConfig
+from kvfork.backends.torch.config import HybridConfig
 
 SKIPPED = ("model.visual.", "visual.", "vision_tower.", "mtp.", "model.mtp.")
 # Norms stored zero-centred by Hugging Face (x * (1 + w)) and with the 1 added by mlx-lm.

@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.torch.kv import state_copy, state_memory
+from kvfork.backends.torch.kv import state_copy, state_memory
 
-from backends.torch.config import HybridConfig
+from kvfork.backends.torch.config import HybridConfig
 
 CHUNK = 64  # tokens per chunk of the chunked form
 

@@ -22,14 +22,14 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from backends.torch import kv
-from backends.torch.attention import attend_rows
-from backends.torch.config import HybridConfig
-from backends.torch.gated_delta import GatedDeltaNet, RecurrentState
-from backends.torch.kv import BlockTable, FullKV
-from backends.torch.model import RMSNorm, Row, spans
-from backends.torch.moe import GLU, SparseMoE
-from backends.torch.rope import angles, inverse_frequencies, rotate
+from kvfork.backends.torch import kv
+from kvfork.backends.torch.attention import attend_rows
+from kvfork.backends.torch.config import HybridConfig
+from kvfork.backends.torch.gated_delta import GatedDeltaNet, RecurrentState
+from kvfork.backends.torch.kv import BlockTable, FullKV
+from kvfork.backends.torch.model import RMSNorm, Row, spans
+from kvfork.backends.torch.moe import GLU, SparseMoE
+from kvfork.backends.torch.rope import angles, inverse_frequencies, rotate
 
 HybridLayerState = FullKV | RecurrentState
 

@@ -54,7 +54,7 @@ from typing import Literal, Sequence
 
 import torch
 
-from backends.base import BlockStats
+from kvfork.backends.base import BlockStats
 
 BLOCK_TOKENS = 256  # tokens per block: the unit of growth, of sharing and of address (docs/benchmarks.md)
 

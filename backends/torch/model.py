@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.torch.attention import attend_rows
-from backends.torch.config import ArchConfig
-from backends.torch.kv import LayerKV
-from backends.torch.rope import angles, inverse_frequencies, rotate
+from kvfork.backends.torch.attention import attend_rows
+from kvfork.backends.torch.config import ArchConfig
+from kvfork.backends.torch.kv import LayerKV
+from kvfork.backends.torch.rope import angles, inverse_frequencies, rotate
 
 
 class RMSNorm(nn.Module):

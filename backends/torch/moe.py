@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.torch.config import HybridConfig
+from kvfork.backends.torch.config import HybridConfig
 
 
 class GLU(nn.Module):

@@ -20,6 +20,10 @@ and a coarser step cost more than MKL's unpadded pass; whole 64-row steps up
 to 2,048, the engine's default --max-batch-tokens; whole 512-row steps beyond),
 and the kernels of those up to 2,048 are compiled at load, where their memory
 is paid once, not mid-serving.
+
+The two oneDNN ops are torch's private ones (a leading underscore), checked for the torch versions
+in TORCH_VERSIONS: tests/test_package.py pins that range to the installed torch and to
+pyproject.toml's, so a torch upgrade fails a test instead of a load.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+TORCH_VERSIONS = ">=2.13,<2.14"  # checked; pyproject.toml pins the same range on Linux
 EXACT_ROWS = 16
 # (up to this many rows, padded to a multiple of this step)
 STEPS = ((64, 16), (2048, 64), (None, 512))

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from backends.torch.config import ArchConfig, HybridConfig
+from kvfork.backends.torch.config import ArchConfig, HybridConfig
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from backends.torch.config import Rope
+from kvfork.backends.torch.config import Rope
 
 
 def inverse_frequencies(rope: Rope, head_dim: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from backends.base import Sampled, SamplerState, SamplingParams, packed_masks
+from kvfork.backends.base import Sampled, SamplerState, SamplingParams, packed_masks
 
 
 def _plain_greedy(p: SamplingParams) -> bool:

@@ -29,6 +29,16 @@ class StreamOptions(Struct):
     include_usage: bool = False
 
 
+class PromptCacheOptions(Struct, kw_only=True):
+    """OpenAI's Responses `prompt_cache_options`; of it kvfork reads `comparison_response_id` (cache
+    diagnostics, server/api/diagnosis.py), on chat completions too. Its presence keeps the request's
+    fingerprint for later comparisons."""
+
+    comparison_response_id: str | None = None
+    mode: str | None = None  # kvfork caches every prompt: implicit and explicit are the same here
+    ttl: str | None = None
+
+
 class SamplingFields(Struct, kw_only=True):
     """What chat and text completions share, in OpenAI's spelling."""
 

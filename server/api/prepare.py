@@ -21,20 +21,21 @@ from typing import Any, Callable, Mapping, Sequence
 
 from aiohttp import web
 
-from backends.base import SEEDS, SamplingParams
-from server.chat_output import output_parser
-from server.engine.api import GenerateRequest, Scope
-from server.engine.sessions import check_session_id
-from server.errors import ApiError, invalid
-from server.grammar import request_ask
-from server.api.chat.protocol import ChatCompletionRequest, ChatMessage
-from server.api.openai import SamplingFields
-from server.api.respond import Job
-from server.limits import check_count, check_prompt_chars, check_schema, json_deeper_than
-from server.state import AppState, scope_of
-from server.toolcalls import resolve_tool_parser
-from server.toolcalls.base import openai_call_id
-from server.toolcalls.hermes import with_tools_block
+from kvfork.backends.base import SEEDS, SamplingParams
+from kvfork.server.chat_output import output_parser
+from kvfork.server.engine.api import GenerateRequest, Scope
+from kvfork.server.engine.sessions import check_session_id
+from kvfork.server.errors import ApiError, invalid
+from kvfork.server.grammar import request_ask
+from kvfork.server.api.chat.protocol import ChatCompletionRequest, ChatMessage
+from kvfork.server.api.openai import SamplingFields
+from kvfork.server.api.diagnosis import Asked, Fingerprint, Report, fingerprint
+from kvfork.server.api.respond import Job
+from kvfork.server.limits import check_count, check_prompt_chars, check_schema, json_deeper_than
+from kvfork.server.state import AppState, scope_of
+from kvfork.server.toolcalls import resolve_tool_parser
+from kvfork.server.toolcalls.base import openai_call_id
+from kvfork.server.toolcalls.hermes import with_tools_block
 
 
 def check_tools(tools: list[dict[str, Any]] | None) -> list[str]:
@@ -152,7 +153,7 @@ def inline_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any
 
 
 async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Request, rid: str,
-                  make_call_id: Callable[[], str] = openai_call_id) -> Job:
+                  make_call_id: Callable[[], str] = openai_call_id, asked: Asked | None = None) -> Job:
     """Chat, Messages and Responses requests alike: limits, render, tokenize, grammar. The route has checked
     its own API's limits (stop strings, tools) before translating its body."""
     if body.top_logprobs and not body.logprobs:
@@ -203,7 +204,20 @@ async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Req
     checkpoints = state.engine.recurrent_checkpoints
     if checkpoints:  # a hybrid model keeps its recurrent state where messages end: find them
         generate.boundaries = await tokenizer.message_ends(*rendered, kwargs, prompt, checkpoints, tenant)
-    return Job(model, prompt, generate, stop_strings(body), parser, body.n)
+    job = Job(model, prompt, generate, stop_strings(body), parser, body.n)
+    if asked is not None:
+        job.diagnostics = diagnostics(state, asked, rid, await fingerprint(
+            tokenizer, scope, model, messages, body.tools, kwargs, prompt))
+    return job
+
+
+def diagnostics(state: AppState, asked: Asked, rid: str, now: Fingerprint) -> Report:
+    """The request's diagnostics report: compared with the response it names, its fingerprint kept."""
+    report = Report(state.fingerprints, state.engine.config.prefix_cache_min_tokens)
+    if asked.previous is not None:
+        report.diagnosis = state.fingerprints.compare(now, asked.previous)
+    state.fingerprints.keep(rid, now)
+    return report
 
 
 # ---- the engine request: its id, named session, stop strings and sampling -----------------------

@@ -22,19 +22,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import msgspec
 from aiohttp import web
 
-from server.chat_output import ChatOutputParser
-from server.engine.api import GenerateRequest, Usage
-from server.errors import ApiError, from_decode
-from server.generation import Finished, KeepAlive, Piece, generation
-from server.api.openai import PromptTokensDetails, UsageInfo, encoder
-from server.api.sse import EventStream
-from server.limits import Limits, check_depth
-from server.state import AppState, state_of
+from kvfork.server.chat_output import ChatOutputParser
+from kvfork.server.api.diagnosis import Report
+from kvfork.server.engine.api import GenerateRequest, Usage
+from kvfork.server.errors import ApiError, from_decode
+from kvfork.server.generation import Finished, KeepAlive, Piece, generation
+from kvfork.server.api.openai import PromptTokensDetails, UsageInfo, encoder
+from kvfork.server.api.sse import EventStream
+from kvfork.server.limits import Limits, check_depth
+from kvfork.server.state import AppState, state_of
 
 # Bodies larger than this are checked and decoded on a thread: a 16 MiB body takes tens of milliseconds.
 OFF_LOOP_BYTES = 256 * 1024
@@ -109,6 +110,7 @@ class Job:
     stops: list[str]
     parser: ChatOutputParser | None = None  # chat-shaped APIs split reasoning and tool calls from the text
     n: int = 1  # choices: the prompt is prefilled once, choice i samples with seed + i
+    diagnostics: Report | None = None  # when the request asked for cache diagnostics (server/api/diagnosis.py)
 
 
 class Reply(Protocol):
@@ -142,6 +144,7 @@ class Choices:
         self.replies, self.include_usage = replies, include_usage
         self.stream_type = replies[0].stream_type
         self.done: list[Finished | None] = [None] * len(replies)
+        self.ended: Callable[[Usage], None] | None = None  # told choice 0's usage (it holds the prompt's)
 
     def start(self) -> list[Any]:
         return [frame for reply in self.replies for frame in reply.start()]
@@ -151,6 +154,8 @@ class Choices:
 
     def finish(self, index: int, done: Finished) -> list[Any]:
         self.done[index] = done
+        if index == 0 and self.ended is not None:
+            self.ended(done.usage)
         frames = self.replies[index].finish(done)
         if self.include_usage and all(self.done):
             frames += self.replies[0].usage(self.usage())
@@ -176,6 +181,11 @@ async def respond(request: web.Request, state: AppState, job: Job, reply: Reply 
     tokenizer = state.require_ready()
     keepalive = state.config.sse_keepalive if stream else None
     choices = reply if isinstance(reply, Choices) else Choices([reply])
+    scope = job.generate.scope
+    if job.diagnostics is None:  # naming this response in a later request's diagnostics answers `unavailable`
+        state.fingerprints.made(job.generate.request_id, scope.tenant)
+    digest = state.engine.index.digest(scope) if state.engine.index is not None else scope.tenant_hash
+    choices.ended = lambda usage: state.reuse.ended(job.generate.request_id, scope, digest, usage)
     async with generation(state.engine, job.generate, tokenizer, job.stops, keepalive_s=keepalive) as events:
         if not stream:
             async for event in events:

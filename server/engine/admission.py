@@ -46,15 +46,15 @@ import collections
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from backends.base import ModelInfo
-from server.engine import messages as m
-from server.engine.api import CapacityExhausted, ContextTooLong, GenerateRequest, InvalidRequest, Scope
-from server.engine.config import EngineConfig
-from server.engine.disk import DiskTier
-from server.engine.index import Entry, Index
-from server.engine.request import Request
-from server.engine.scheduler import clamp_max_tokens, fit_admission
-from server.engine.sessions import NamedSessions, check_session_id
+from kvfork.backends.base import ModelInfo
+from kvfork.server.engine import messages as m
+from kvfork.server.engine.api import CapacityExhausted, ContextTooLong, GenerateRequest, InvalidRequest, Scope
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.engine.disk import DiskTier
+from kvfork.server.engine.index import Entry, Index
+from kvfork.server.engine.request import Request
+from kvfork.server.engine.scheduler import clamp_max_tokens, fit_admission
+from kvfork.server.engine.sessions import NamedSessions, check_session_id
 
 
 @dataclass(frozen=True)

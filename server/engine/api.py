@@ -14,10 +14,10 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
-from backends.base import SamplingParams
+from kvfork.backends.base import SamplingParams
 
 if TYPE_CHECKING:
-    from server.engine.constraints import Constraint
+    from kvfork.server.engine.constraints import Constraint
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 ReuseSource = Literal["cache", "donor", "session", "disk"]
@@ -112,6 +112,7 @@ class Usage:
     prefill_s: float = 0.0
     ttft_s: float = 0.0
     decode_s: float = 0.0
+    decision: dict = field(default_factory=dict)  # the placement's decision and its inputs (the log line's)
 
 
 @dataclass

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from server.engine.follow import FollowOrder, chunk_end, promote
-from server.engine.messages import CloneDonor
+from kvfork.server.engine.follow import FollowOrder, chunk_end, promote
+from kvfork.server.engine.messages import CloneDonor
 
 
 class CloneOrders:

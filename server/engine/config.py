@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from backends.base import ModelInfo
-from backends.device_memory import DeviceMemory
-from server.engine.memory_plan import MemoryPlan, plan_memory
-from server.settings import at_least, between, setting
+from kvfork.backends.base import ModelInfo
+from kvfork.backends.device_memory import DeviceMemory
+from kvfork.server.engine.memory_plan import MemoryPlan, plan_memory
+from kvfork.server.settings import at_least, between, setting
 
 # Automatic capture sizing: as many pending captures as inference slots (every request
 # that finishes its prefill in the same step can be captured), but never more than

@@ -26,7 +26,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from backends.base import SamplerState, SamplingParams
+from kvfork.backends.base import SamplerState, SamplingParams
 
 _DISCARD = SamplingParams()  # greedy, no mask: a row whose grammar is dead samples this and is thrown away
 

@@ -61,9 +61,9 @@ import numpy as np
 from safetensors.numpy import load as load_tensors
 from safetensors.numpy import save as save_tensors
 
-from backends.base import SavedLayer, SavedState
-from backends.model_path import kvfork_home
-from server.engine.index import Entry, Index
+from kvfork.backends.base import SavedLayer, SavedState
+from kvfork.backends.model_path import kvfork_home
+from kvfork.server.engine.index import Entry, Index
 
 log = logging.getLogger("kvfork.disk")
 

@@ -29,27 +29,27 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from backends.base import Backend, ModelInfo
-from backends.model_path import resolve_model
-from server.engine import messages as m
-from server.engine import request as phase
-from server.engine.admission import Admission
-from server.engine.api import CapacityExhausted, DoneEvent, GenerateRequest, NotReady, TokenEvent, choice_sampling
-from server.engine.config import EngineConfig
-from server.engine.disk import DiskTier, fingerprint, tier_secret
-from server.engine.follow import FollowOrder, at_deadline
-from server.engine.index import Index
-from server.engine.load import EngineLoad
-from server.engine.memory_plan import MemoryPlan
-from server.engine.placement import (Cached, Clone, Follow, Fresh, Placement, Restore, Resume, View, Wait, place,
-                                     prefilling, take_view)
-from server.engine.rates import RateTracker
-from server.engine.request import Decoding, Following, Landed, Prefilling, Queued, Request, RequestHandle, Restoring
-from server.engine.runner import Runner
-from server.engine.sessions import NamedSessions
-from server.engine.telemetry import EngineMetrics
-from server.metrics import Registry
-from server.settings import validate
+from kvfork.backends.base import Backend, ModelInfo
+from kvfork.backends.model_path import resolve_model
+from kvfork.server.engine import messages as m
+from kvfork.server.engine import request as phase
+from kvfork.server.engine.admission import Admission
+from kvfork.server.engine.api import CapacityExhausted, DoneEvent, GenerateRequest, NotReady, TokenEvent, choice_sampling
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.engine.disk import DiskTier, fingerprint, tier_secret
+from kvfork.server.engine.follow import FollowOrder, at_deadline
+from kvfork.server.engine.index import Index
+from kvfork.server.engine.load import EngineLoad
+from kvfork.server.engine.memory_plan import MemoryPlan
+from kvfork.server.engine.placement import (Cached, Clone, Follow, Fresh, Placement, Restore, Resume, View, Wait, place,
+                                     place_without_reuse, prefilling, take_view)
+from kvfork.server.engine.rates import RateTracker
+from kvfork.server.engine.request import Decoding, Following, Landed, Prefilling, Queued, Request, RequestHandle, Restoring
+from kvfork.server.engine.runner import Runner
+from kvfork.server.engine.sessions import NamedSessions
+from kvfork.server.engine.telemetry import EngineMetrics
+from kvfork.server.metrics import Registry
+from kvfork.server.settings import validate
 
 log = logging.getLogger("kvfork.engine")
 
@@ -80,6 +80,7 @@ class Engine:
         self._disk: DiskTier | None = None
         self._requests: dict[int, Request] = {}
         self._followers: dict[int, Request] = {}  # parked behind a leader, in park order
+        self._reuse_errors_logged: set[tuple[str, str]] = set()  # (stage, exception type) logged once
         self._rates = RateTracker()  # the cost model's, from the runner's step timings
         self._next_rid = 0
         self._idle = asyncio.Event()
@@ -163,6 +164,10 @@ class Engine:
     @property
     def following(self) -> int:
         return len(self._followers)
+
+    def live(self) -> list[Request]:
+        """The requests it holds now, in admission order (read, never changed: the reuse page's)."""
+        return list(self._requests.values())
 
     @property
     def rates(self) -> RateTracker:
@@ -280,12 +285,38 @@ class Engine:
             for sibling in r.waiting_siblings:  # they hold their slots now, and go to the runner with r's Start
                 phase.prefill(sibling)
                 sibling.admitted_at = r.admitted_at
-            self._apply(r, place(r, self._view(r, slot=True)))
+            self._apply(r, self._place(r, slot=True))
 
     def _arrive(self, r: Request) -> None:
         """`r` has to wait for a slot: if it would follow a leader, it parks now (holding no slot)."""
         if self.config.active_prefix_reuse_min_tokens > 0 and r.named is None and self.config.follow:
-            self._apply(r, place(r, self._view(r, slot=False)))
+            self._apply(r, self._place(r, slot=False))
+
+    def _place(self, r: Request, slot: bool) -> Placement:
+        """Where `r` starts: placement.place over its view. Reuse is optional work: a lookup or a choice
+        that raises is logged and counted, and `r` starts from a fresh prefill (or waits for its slot)."""
+        try:
+            return place(r, self._view(r, slot))
+        except Exception as exc:
+            self._reuse_failed("placement", exc)
+            return place_without_reuse(r, slot)
+
+    def _cached_matches(self, r: Request) -> list:
+        """The prefix cache's matches for `r`'s prompt, best first; none when the lookup raises."""
+        assert self._index is not None
+        try:
+            return self._index.best(r.prompt, r.req.scope, disk=False).memory
+        except Exception as exc:
+            self._reuse_failed("placement", exc)
+            return []
+
+    def _reuse_failed(self, stage: str, exc: Exception) -> None:
+        """Counted each time; logged with its traceback the first time each stage fails this way."""
+        self.metrics.reuse_errors.inc(stage=stage)
+        seen = (stage, type(exc).__name__)
+        if seen not in self._reuse_errors_logged:
+            self._reuse_errors_logged.add(seen)
+            log.error("reuse failed (%s); the request prefills instead", stage, exc_info=exc)
 
     def _view(self, r: Request, slot: bool) -> View:
         assert self._index is not None
@@ -469,7 +500,9 @@ class Engine:
             self._rates = self._rates.observe_read(match.entry.nbytes, seconds)
             try:
                 state = state.prefix(match.upto)
-            except Exception:  # the lookup's rules admit it; a file that disagrees prefills
+            except Exception as exc:  # the lookup's rules admit it; a file that disagrees is dropped, r prefills
+                self._disk.forget(match.entry)  # type: ignore[union-attr]
+                self._reuse_failed("disk", exc)
                 state, outcome = None, "corrupt"
         if state is None:
             self.metrics.disk_restores.inc(outcome=outcome)
@@ -659,7 +692,7 @@ class Engine:
         elif not ev.reused:
             r.reuse_source = None
         if r.named is None and r.reuse_source != "donor":
-            (self.metrics.cache_hits if ev.clone_index is not None else self.metrics.cache_misses).inc()
+            self.metrics.cache_admissions.inc(outcome="hit" if ev.clone_index is not None else "miss")
         if candidates:
             self.metrics.clone("cache", ev.refused, ev.clone_index is not None)
 
@@ -733,7 +766,7 @@ class Engine:
             if r.ending:  # asked to end meanwhile: the runner holds nothing of it
                 self.complete(r, r.ending)
             else:
-                self._start(r, cached, candidates=self._index.best(r.prompt, r.req.scope, disk=False).memory)
+                self._start(r, cached, candidates=self._cached_matches(r))
             return
         landed = Landed(ev.sid, ev.upto) if ev.sid is not None else None  # its hold covers it
         if landed is None and ev.reason != "leader_gone":
@@ -767,7 +800,9 @@ class Engine:
             return
         outcome = "restored" if ev.sid is not None else "failed"
         self.metrics.disk_restores.inc(outcome=outcome)
-        if ev.sid is None:
+        if ev.sid is None:  # loading it raised: never served again
+            self._disk.forget(r.phase.match.entry)  # type: ignore[union-attr]
+            self.metrics.reuse_errors.inc(stage="disk")  # the runner logged why
             r.decision["disk"] = outcome
             self._stop_restoring(r)
             return

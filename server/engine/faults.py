@@ -24,8 +24,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Sequence
 
-from backends.base import BatchFailed, RowState, Sampled
-from server.engine.plan import Row
+from kvfork.backends.base import BatchFailed, RowState, Sampled
+from kvfork.server.engine.plan import Row
 
 log = logging.getLogger("kvfork.engine")
 

@@ -63,8 +63,8 @@ import math
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Literal, Sequence
 
-from server.engine.matching import Recipient, ReuseChoice, Source, common_prefix
-from server.engine.rates import Rates
+from kvfork.server.engine.matching import Recipient, ReuseChoice, Source, common_prefix
+from kvfork.server.engine.rates import Rates
 
 
 @dataclass(frozen=True)

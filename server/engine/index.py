@@ -31,13 +31,14 @@ candidate with a known shared length, so no token is compared twice.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Hashable, Iterator, Literal, Protocol, Sequence
 
-from backends.base import ModelInfo, clone_positions
-from server.engine.api import Scope
-from server.engine.matching import Source, common_prefix, usable_upto, window_floor
+from kvfork.backends.base import ModelInfo, clone_positions
+from kvfork.server.engine.api import Scope
+from kvfork.server.engine.matching import Source, common_prefix, usable_upto, window_floor
 
 BLOCK = 16  # tokens per trie node
 
@@ -57,6 +58,8 @@ class Entry:
     kept: tuple[int, ...] = ()  # positions it holds a recurrent checkpoint at
     position: int = -1  # -1: len(tokens)
     stamp: int = 0  # recency: higher is more recent
+    created: float = 0.0  # time.monotonic() when the index stored it
+    uses: int = 0  # times it was used since (served a request, or the same prompt was captured again)
 
     def __post_init__(self) -> None:
         if self.position < 0:
@@ -103,9 +106,13 @@ class _Node:
         self.size = 0  # entries here and below
 
     def below(self) -> Iterator[Entry]:
-        yield from self.entries
-        for child in self.children.values():
-            yield from child.below()
+        """The entries here and in every node below, depth first, on an explicit stack: a trie over a
+        long prompt is as deep as its blocks, far deeper than Python's recursion limit."""
+        stack = [self]
+        while stack:
+            node = stack.pop()
+            yield from node.entries
+            stack.extend(node.children.values())
 
 
 class _Trie:
@@ -170,6 +177,7 @@ class Index:
     def _store(self, entry: Entry) -> None:
         self._clock += 1
         entry.stamp = entry.stamp or self._clock
+        entry.created = entry.created or time.monotonic()
         self._trie.add(entry)
         self._tiers[entry.tier][self._name(entry)] = entry
         self._bytes[entry.tier] += entry.nbytes
@@ -217,6 +225,7 @@ class Index:
         if tier.get(name) is entry:
             self._clock += 1
             entry.stamp = self._clock
+            entry.uses += 1
             tier.move_to_end(name)
 
     # ---- the one lookup ----

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from backends.device_memory import DeviceMemory, cpu_memory
+from kvfork.backends.device_memory import DeviceMemory, cpu_memory
 
 GiB = 1024**3
 CPU_SHARE = 0.75

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from backends.base import BlockStats, ModelInfo, Sampled, SamplingParams
-from backends.device_memory import DeviceMemory
+from kvfork.backends.base import BlockStats, ModelInfo, Sampled, SamplingParams
+from kvfork.backends.device_memory import DeviceMemory
 
 # ---- control loop -> runner ----
 

@@ -14,6 +14,9 @@ applies what comes back (engine.Engine._apply). The placements:
 - Fresh(): an empty session: prefill it all;
 - Wait(): no slot yet and nothing to follow: it stays queued.
 
+`place_without_reuse` is where a request starts when the lookup or the choice raised:
+reuse is optional work, so it prefills (the engine logs and counts the failure).
+
 Rules (the policies cited hold the details):
 - a named session resumes its own state or starts cold, and takes no other reuse;
 - with active reuse off (--active-prefix-reuse-min-tokens 0), the prefix cache serves it;
@@ -30,13 +33,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Collection, Hashable, Iterable, Mapping, Sequence
 
-from server.engine.config import EngineConfig
-from server.engine.follow import FollowPolicy, Leader, Plan, leader_views, plan
-from server.engine.index import Found, Index, Match
-from server.engine.matching import Recipient, Source, choose_reuse
-from server.engine.rates import Rates
-from server.engine.request import Following, Prefilling, Queued, Request
-from server.engine.restore import choose_restore
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.engine.follow import FollowPolicy, Leader, Plan, leader_views, plan
+from kvfork.server.engine.index import Found, Index, Match
+from kvfork.server.engine.matching import Recipient, Source, choose_reuse
+from kvfork.server.engine.rates import Rates
+from kvfork.server.engine.request import Following, Prefilling, Queued, Request
+from kvfork.server.engine.restore import choose_restore
 
 
 @dataclass(frozen=True)
@@ -163,9 +166,8 @@ Placement = Resume | Clone | Cached | Follow | Restore | Fresh | Wait
 
 
 def place(r: Request, view: View) -> Placement:
-    landed = r.phase.landed if isinstance(r.phase, Queued) else None
-    if landed is not None:
-        return Resume(landed.sid, landed.upto, named=False)
+    if (resumed := _landed(r)) is not None:
+        return resumed
     if r.named is not None:
         state = r.named.state
         if state is not None and r.named.resumes(r.prompt, view.found.scope):
@@ -191,6 +193,19 @@ def place(r: Request, view: View) -> Placement:
     if decided.now.kind == "donor":
         return Clone(decided.now.donor, decided.now.upto, **why)  # type: ignore[arg-type]
     return _cached(found, **why)
+
+
+def place_without_reuse(r: Request, slot: bool) -> Placement:
+    """Where `r` starts when looking up reuse failed (reuse is optional work): a clone that landed for
+    it resumes, since it holds that session already; anything else prefills, or waits for its slot."""
+    if (resumed := _landed(r)) is not None:
+        return resumed
+    return Fresh() if slot else Wait()
+
+
+def _landed(r: Request) -> Resume | None:
+    landed = r.phase.landed if isinstance(r.phase, Queued) else None
+    return Resume(landed.sid, landed.upto, named=False) if landed is not None else None
 
 
 def _follow_plan(r: Request, view: View) -> Plan:

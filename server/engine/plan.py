@@ -29,9 +29,9 @@ from typing import Sequence
 
 import msgspec
 
-from backends import effects
-from backends.base import Backend, SamplerState, SamplingParams
-from backends.effects import Decode, Executor, Op, Prefill
+from kvfork.backends import effects
+from kvfork.backends.base import Backend, SamplerState, SamplingParams
+from kvfork.backends.effects import Decode, Executor, Op, Prefill
 
 
 class Row(msgspec.Struct, frozen=True):

@@ -20,10 +20,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from server.engine.api import DoneEvent, GenerateRequest, ReuseSource, TokenEvent, Usage
-from server.engine.follow import FollowOrder
-from server.engine.index import Match
-from server.engine.sessions import NamedSession
+from kvfork.server.engine.api import DoneEvent, GenerateRequest, ReuseSource, TokenEvent, Usage
+from kvfork.server.engine.follow import FollowOrder
+from kvfork.server.engine.index import Match
+from kvfork.server.engine.sessions import NamedSession
 
 
 class RequestHandle:
@@ -197,6 +197,7 @@ class Request:
             prefill_s=max(0.0, first - started),
             ttft_s=(self.first_token_at - self.submitted_at) if self.first_token_at else 0.0,
             decode_s=max(0.0, now - first) if self.first_token_at else 0.0,
+            decision=self.decision,
         )
 
 

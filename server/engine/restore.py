@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from server.engine.rates import Rates
+from kvfork.server.engine.rates import Rates
 
 RestoreReason = Literal["restore", "slower", "no_gain"]
 

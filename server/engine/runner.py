@@ -50,16 +50,16 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
-from backends import effects as e
-from backends.base import (Backend, CloneRefused, ModelInfo, Sampled, SamplerState, Session,
+from kvfork.backends import effects as e
+from kvfork.backends.base import (Backend, CloneRefused, ModelInfo, Sampled, SamplerState, Session,
                            clone_positions)
-from server.engine import faults
-from server.engine import messages as m
-from server.engine import plan as p
-from server.engine.clone_orders import CloneOrders
-from server.engine.constraints import ConstrainedRows
-from server.engine.rates import RateTracker, split_pass
-from server.engine.scheduler import Running, TimeBudget, plan_step
+from kvfork.server.engine import faults
+from kvfork.server.engine import messages as m
+from kvfork.server.engine import plan as p
+from kvfork.server.engine.clone_orders import CloneOrders
+from kvfork.server.engine.constraints import ConstrainedRows
+from kvfork.server.engine.rates import RateTracker, split_pass
+from kvfork.server.engine.scheduler import Running, TimeBudget, plan_step
 
 log = logging.getLogger("kvfork.engine")
 

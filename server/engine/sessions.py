@@ -29,8 +29,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-from server.engine.api import Scope, SessionBusy
-from server.engine.index import Entry, Index
+from kvfork.server.engine.api import Scope, SessionBusy
+from kvfork.server.engine.index import Entry, Index
 
 MAX_SESSION_ID = 128
 

@@ -11,15 +11,15 @@ import json
 import logging
 from typing import Protocol
 
-from server.engine import messages as m
-from server.engine.admission import Admission
-from server.engine.api import DoneEvent
-from server.engine.disk import DiskTier
-from server.engine.index import Index
-from server.engine.load import EngineLoad
-from server.engine.request import Request
-from server.engine.sessions import NamedSessions
-from server.metrics import Registry
+from kvfork.server.engine import messages as m
+from kvfork.server.engine.admission import Admission
+from kvfork.server.engine.api import DoneEvent
+from kvfork.server.engine.disk import DiskTier
+from kvfork.server.engine.index import Index
+from kvfork.server.engine.load import EngineLoad
+from kvfork.server.engine.request import Request
+from kvfork.server.engine.sessions import NamedSessions
+from kvfork.server.metrics import Registry
 
 
 class Readings(Protocol):
@@ -57,8 +57,9 @@ class EngineMetrics:
         self.ttft = h("time_to_first_token_seconds", "submit to first token", _LATENCY_BUCKETS)
         self.token_gap = h("inter_token_seconds", "time between two tokens of one request", _TOKEN_GAP_BUCKETS)
         self.queue_wait = h("queue_wait_seconds", "submit to admission into a slot", _LATENCY_BUCKETS)
-        self.cache_hits = c("prefix_cache_hits_total", "admissions served from a prefix cache snapshot")
-        self.cache_misses = c("prefix_cache_misses_total", "anonymous admissions no snapshot served")
+        # in tokens, vLLM's prefix_cache_queries/_hits are server/observe.py's; these count admissions
+        self.cache_admissions = c("prefix_cache_admissions_total", "anonymous admissions, by outcome: hit (a prefix "
+                                  "cache snapshot served it) or miss")
         self.captures = c("prefix_cache_captures_total", "prompt snapshots, by outcome (stored, refused, failed, skipped)")
         self.clone_attempts = c("clone_attempts_total", "clones tried, by source (cache, donor)")
         self.clone_successes = c("clone_successes_total", "clones that worked, by source")
@@ -76,6 +77,12 @@ class EngineMetrics:
                                 "disk tier hits, by the cost model's choice (restore, slower, no_gain)")
         self.disk_restores = c("prefix_cache_disk_restores_total",
                                "disk tier restores, by outcome (restored, corrupt, missing, failed)")
+        self.reuse_errors = c("reuse_errors_total", "lookups, choices or uses of reuse that raised, by stage "
+                              "(placement, disk); each request prefilled instead")
+        # running totals as steps and tokens happen (the counters above count requests as they end): the
+        # stats line's throughput (server/observe.py)
+        self.prefilled_now = 0
+        self.generated_now = 0
         self._gauges(registry, engine)
 
     @staticmethod
@@ -137,11 +144,13 @@ class EngineMetrics:
             self.budget_exceeded.inc()
 
     def step(self, stats: m.StepStats) -> None:
+        self.prefilled_now += stats.prefill_tokens
         self.steps.inc()
         self.step_seconds.inc(stats.step_s)
         self.backend_seconds.inc(stats.backend_s)
 
     def token(self, request: Request, now: float) -> None:
+        self.generated_now += 1
         if request.last_token_at:
             self.token_gap.observe(now - request.last_token_at)
         else:

@@ -17,8 +17,8 @@ from datetime import datetime, timezone
 
 from aiohttp import web
 
-from server.api.respond import json_response
-from server.state import state_of
+from kvfork.server.api.respond import json_response
+from kvfork.server.state import state_of
 
 PATH = "/v1/loads"
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from server.api.openai import Health, ModelCard, ModelList
-from server.api.respond import json_response
-from server.errors import ApiError
-from server.state import state_of
+from kvfork.server.api.openai import Health, ModelCard, ModelList
+from kvfork.server.api.respond import json_response
+from kvfork.server.errors import ApiError
+from kvfork.server.state import state_of
 
 PATH = "/v1/models"
 

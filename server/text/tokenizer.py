@@ -21,10 +21,10 @@ from __future__ import annotations
 import copy
 from typing import Any, Sequence
 
-from server.errors import ApiError
-from server.fair import FairWorkers
-from server.limits import text_chars
-from server.text.template import TemplateVariables
+from kvfork.server.errors import ApiError
+from kvfork.server.fair import FairWorkers
+from kvfork.server.limits import text_chars
+from kvfork.server.text.template import TemplateVariables
 
 # Prompts longer than this (characters) are tokenized on the worker thread: a
 # few thousand characters take well under a millisecond, so shorter ones stay

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from server.toolcalls.base import (
+from kvfork.server.toolcalls.base import (
     Event,
     ParsedCall,
     ReasoningDelta,
@@ -11,9 +11,9 @@ from server.toolcalls.base import (
     ToolCallStart,
     ToolParser,
 )
-from server.toolcalls.hermes import HermesParser
-from server.toolcalls.llama3 import Llama3Parser
-from server.toolcalls.qwen3_coder import Qwen3CoderParser
+from kvfork.server.toolcalls.hermes import HermesParser
+from kvfork.server.toolcalls.llama3 import Llama3Parser
+from kvfork.server.toolcalls.qwen3_coder import Qwen3CoderParser
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Qwen3CoderParser, Llama3Parser)}
 TOOL_PARSER_CHOICES = ("auto", "none", *PARSERS)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from server.toolcalls.base import MarkupToolParser, ParsedCall, call_from_json, json_object
+from kvfork.server.toolcalls.base import MarkupToolParser, ParsedCall, call_from_json, json_object
 
 
 class HermesParser(MarkupToolParser):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from server.toolcalls.base import Event, ParsedCall, ToolParser, call_from_json, held_prefix
+from kvfork.server.toolcalls.base import Event, ParsedCall, ToolParser, call_from_json, held_prefix
 
 PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from server.toolcalls.base import MarkupToolParser, ParsedCall, json_object
+from kvfork.server.toolcalls.base import MarkupToolParser, ParsedCall, json_object
 
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)

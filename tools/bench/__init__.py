@@ -1,5 +1,5 @@
 """The replay benchmark: `kvfork bench` (see cli.py for the commands)."""
 
-from tools.bench.cli import main
+from kvfork.tools.bench.cli import main
 
 __all__ = ["main"]

@@ -1,5 +1,5 @@
 import sys
 
-from tools.bench.cli import main
+from kvfork.tools.bench.cli import main
 
 raise SystemExit(main(sys.argv[1:]))

@@ -1,4 +1,4 @@
-"""`kvfork bench` / `python -m tools.bench`: replay, paired, peers.
+"""`kvfork bench` / `python -m kvfork.tools.bench`: replay, paired, peers.
 
   run     replay workloads against a server already running at --url
   paired  start kvfork once per reuse mode (default: off, then on) and compare
@@ -14,13 +14,13 @@ import sys
 import time
 from pathlib import Path
 
-from tools.bench import paired, peers, report
-from tools.bench.client import Target
-from tools.bench.runner import replay
-from tools.bench.serve import exit_on_sigterm
-from tools.bench.stats import summarize
-from tools.bench.trace import TraceError, load
-from tools.bench.workload import PRESETS, Options, Workload, build
+from kvfork.tools.bench import paired, peers, report
+from kvfork.tools.bench.client import Target
+from kvfork.tools.bench.runner import replay
+from kvfork.tools.bench.serve import exit_on_sigterm
+from kvfork.tools.bench.stats import summarize
+from kvfork.tools.bench.trace import TraceError, load
+from kvfork.tools.bench.workload import PRESETS, Options, Workload, build
 
 
 def _int_range(text: str) -> tuple[int, int]:
@@ -130,7 +130,7 @@ def _compare(args, workloads: list[Workload]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["cluster"]:  # routing over replicas: a command of its own (tools/bench/cluster.py)
-        from tools.bench import cluster
+        from kvfork.tools.bench import cluster
 
         return cluster.main(argv[1:])
     args = _parser().parse_args(argv)

@@ -25,17 +25,17 @@ from pathlib import Path
 
 import aiohttp
 
-from tools.bench.client import Record, Target, request_body, stream_chat
-from tools.bench.runner import replay
-from tools.bench.serve import ServerProcess, exit_on_sigterm, free_port
-from tools.bench.stats import percentile, summarize
-from tools.bench.workload import Options, agentic
+from kvfork.tools.bench.client import Record, Target, request_body, stream_chat
+from kvfork.tools.bench.runner import replay
+from kvfork.tools.bench.serve import ServerProcess, exit_on_sigterm, free_port
+from kvfork.tools.bench.stats import percentile, summarize
+from kvfork.tools.bench.workload import Options, agentic
 
 CONTENDERS = ("sticky", "delegate", "rr", "single")
 
 
 def _start_cluster(port: int, policy_args: list[str], serve_args: list[str], log: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "server.cli", "cluster", "--replicas", "2", "--port", str(port), *policy_args,
+    argv = [sys.executable, "-m", "kvfork.server.cli", "cluster", "--replicas", "2", "--port", str(port), *policy_args,
             *serve_args]
     log.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=f"out/bench/{time.strftime('%Y%m%d-%H%M%S')}-cluster")
     args = ap.parse_args(argv)
     exit_on_sigterm()  # a timeout or Ctrl-C stops the servers this started
-    from tools.bench.paired import default_model
+    from kvfork.tools.bench.paired import default_model
 
     model = args.model or default_model()
     name = Path(model).name
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     for contender in [c.strip() for c in args.contenders.split(",") if c.strip()]:
         started = time.strftime("%H:%M:%S")
         if contender == "single":
-            srv = ServerProcess("single", [sys.executable, "-m", "server", *serve_args, "--port", "{port}"],
+            srv = ServerProcess("single", [sys.executable, "-m", "kvfork.server", *serve_args, "--port", "{port}"],
                                 out / "single.log", env={"KVFORK_HOME": str(out / "home-single")})
             with srv:
                 result = asyncio.run(replay(wl, Target(srv.base_url, name), label=contender))

@@ -15,15 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from tools.bench import report
-from tools.bench.client import Target
-from tools.bench.runner import replay
-from tools.bench.serve import Metrics, ServerFailed, ServerProcess, metric_total, scrape_metrics
-from tools.bench.stats import summarize
-from tools.bench.workload import Workload
+from kvfork.tools.bench import report
+from kvfork.tools.bench.client import Target
+from kvfork.tools.bench.runner import replay
+from kvfork.tools.bench.serve import Metrics, ServerFailed, ServerProcess, metric_total, scrape_metrics
+from kvfork.tools.bench.stats import summarize
+from kvfork.tools.bench.workload import Workload
 
 # How the daemon is started; tests point this at their OpenAI test double.
-DAEMON = [sys.executable, "-m", "server"]
+DAEMON = [sys.executable, "-m", "kvfork.server"]
 
 # kvfork's reuse modes: the flags that select them (a threshold of None: the daemon's default).
 def _threshold(k: int | None) -> list[str]:
@@ -53,7 +53,7 @@ class Contender:
 
 def default_model() -> str:
     """The default model's folder, fetched and converted on first use."""
-    from backends.default_model import ensure_default_model
+    from kvfork.backends.default_model import ensure_default_model
 
     return str(ensure_default_model())
 

@@ -32,9 +32,9 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from backends.mlx.blas import find_openblas, thread_env
-from tools.bench.paired import Contender
-from tools.bench.serve import ServerFailed, ServerProcess
+from kvfork.backends.mlx.blas import find_openblas, thread_env
+from kvfork.tools.bench.paired import Contender
+from kvfork.tools.bench.serve import ServerFailed, ServerProcess
 
 PEERS = ("mlx", "llama")
 
@@ -217,7 +217,7 @@ def llama_server(home: Path, gguf: Path) -> Path:
 
 def default_gguf(home: Path) -> Path:
     """The GGUF the default model folder is converted from, kept for llama.cpp."""
-    from backends import default_model
+    from kvfork.backends import default_model
 
     out = home / "gguf" / Path(default_model.GGUF_MEMBER).name
     if not out.exists():

@@ -6,8 +6,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tools.bench.client import Record
-from tools.bench.stats import Summary, output_differences, ratio
+from kvfork.tools.bench.client import Record
+from kvfork.tools.bench.stats import Summary, output_differences, ratio
 
 
 @dataclass
@@ -115,7 +115,7 @@ def plot_ttft(path: Path, passes: list[Pass]) -> str | None:
         import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
     except ImportError:
-        return "matplotlib is not installed (pip install -e '.[dev]'): no plot"
+        return "matplotlib is not installed (pip install 'kvfork[bench]'): no plot"
     presets = list(dict.fromkeys(p.preset for p in passes))
     fig, axes = plt.subplots(len(presets), 1, figsize=(9, 3.2 * len(presets)), squeeze=False)
     for ax, preset in zip(axes[:, 0], presets):

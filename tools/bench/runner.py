@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from tools.bench.client import Record, Target, request_body, stream_chat
-from tools.bench.stats import percentile
-from tools.bench.workload import Call, Workload
+from kvfork.tools.bench.client import Record, Target, request_body, stream_chat
+from kvfork.tools.bench.stats import percentile
+from kvfork.tools.bench.workload import Call, Workload
 
 
 @dataclass

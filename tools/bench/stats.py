@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Iterable
 
 if TYPE_CHECKING:
-    from tools.bench.client import Record
+    from kvfork.tools.bench.client import Record
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:

@@ -14,8 +14,8 @@ import json
 import random
 from pathlib import Path
 
-from tools.bench.text import words
-from tools.bench.workload import Call, Workload
+from kvfork.tools.bench.text import words
+from kvfork.tools.bench.workload import Call, Workload
 
 
 class TraceError(ValueError):

@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tools.bench.text import tool_definitions, words
+from kvfork.tools.bench.text import tool_definitions, words
 
 # "idle": once every call listed before it is done (the server is idle then).
 Trigger = Literal["start", "first_token", "done", "idle"]

@@ -19,6 +19,6 @@ version, turns completed, tool calls, cached tokens, errors. Exits 1 when a clie
 should complete.
 """
 
-from tools.clients.run import main
+from kvfork.tools.clients.run import main
 
 __all__ = ["main"]

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.clients.proxy import ReadTool
+from kvfork.tools.clients.proxy import ReadTool
 
 MODEL = "tiny"  # the name every client asks for; kvfork runs with --accept-any-model anyway
 KEY = "kvfork-local"  # a dummy key: kvfork runs without keys, the clients want one to start

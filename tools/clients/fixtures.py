@@ -1,6 +1,6 @@
 """Recorded client requests → wire-shape fixtures (tests/fixtures/clients), with no third party's text.
 
-    python -m tools.clients.fixtures RECORD_DIR tests/fixtures/clients
+    python -m kvfork.tools.clients.fixtures RECORD_DIR tests/fixtures/clients
 
 `kvfork clients --record RECORD_DIR` writes every request a client sent. A fixture keeps the
 first turn's requests (up to the one that carries the tool result back) in their shape: methods,
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tools.clients.proxy import TURN
+from kvfork.tools.clients.proxy import TURN
 
 LONG = 48
 PROSE_KEYS = {"text", "content", "description", "instructions", "system", "title", "output", "thinking",
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     source, target = Path(argv[0]), Path(argv[1])
     target.mkdir(parents=True, exist_ok=True)
-    from tools.clients.clients import CLIENTS
+    from kvfork.tools.clients.clients import CLIENTS
 
     for name, client in CLIENTS.items():
         path = source / f"{name}.jsonl"

@@ -10,18 +10,20 @@ import os
 import shutil
 import subprocess
 import sys
+import random
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server.config import ServerConfig
-from server.engine.config import EngineConfig
-from server.serve import Daemon, pick_backend
-from tools.clients.clients import CLIENTS, MODEL, Client
-from tools.clients.model import write_tiny_long_model
-from tools.clients.proxy import TURN, Proxy
-from backends.default_model import ensure_default_model
-from backends.model_path import kvfork_home
+from kvfork.server.config import ServerConfig
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.serve import Daemon, pick_backend
+from kvfork.tools.clients.clients import CLIENTS, MODEL, Client
+from kvfork.tools.clients.model import write_tiny_long_model
+from kvfork.tools.clients.proxy import TURN, Proxy
+from kvfork.tools.bench.text import words
+from kvfork.backends.default_model import ensure_default_model
+from kvfork.backends.model_path import kvfork_home
 
 PROMPTS = (
     f"{TURN}1 Read the file notes.txt in this folder and tell me what it says.",
@@ -40,6 +42,7 @@ class Row:
     cached_tokens: int = 0
     errors: list[str] = field(default_factory=list)
     requests: int = 0
+    asked: int = 0  # turns the session was asked to complete
 
 
 def clients_dir() -> Path:
@@ -77,18 +80,32 @@ def version(client: Client, path: Path, env: dict[str, str]) -> str:
     return words[0] if words else "?"
 
 
-async def run_client(client: Client, kvfork_url: str, context: int, turns: int, record: Path | None,
-                     timeout_s: float) -> Row:
-    root = Path(tempfile.mkdtemp(prefix=f"kvfork-{client.name}-"))
+def project(root: Path, memory_bytes: int = 0) -> Path:
+    """A work folder holding notes.txt and, with `memory_bytes`, a CLAUDE.md that large (a project's memory:
+    Claude Code puts it in every session's first request)."""
     work = root / "work"
-    work.mkdir()
+    work.mkdir(parents=True)
     (work / "notes.txt").write_text(NOTES)
+    if memory_bytes:
+        rng, lines = random.Random(35), ["# Project notes", ""]
+        while sum(len(line) + 1 for line in lines) < memory_bytes:
+            lines.append(f"- {words(rng, 14)}.")
+        (work / "CLAUDE.md").write_text("\n".join(lines) + "\n")
+    return work
+
+
+async def run_client(client: Client, kvfork_url: str, context: int, turns: int, record: Path | None,
+                     timeout_s: float, work: Path | None = None, label: str | None = None) -> Row:
+    """One session of `client` (`label` in the table) in `work` (default: a project of its own)."""
+    label = label or client.name
+    root = Path(tempfile.mkdtemp(prefix=f"kvfork-{client.name}-"))
+    work = work or project(root)
     path = binary(client)
-    row = Row(client.name, "not installed")
+    row = Row(label, "not installed", asked=turns)
     if path is None:
         row.errors.append("not installed: run `kvfork clients --install`")
         return row
-    proxy = Proxy(kvfork_url, client.read_tool(work), record / f"{client.name}.jsonl" if record else None)
+    proxy = Proxy(kvfork_url, client.read_tool(work), record / f"{label}.jsonl" if record else None)
     base = await proxy.start()
     env = {"PATH": os.environ.get("PATH", "")} | client.configure(root, base, context)
     row.version = version(client, path, env)
@@ -119,7 +136,7 @@ async def run_client(client: Client, kvfork_url: str, context: int, turns: int, 
     tally = proxy.tally
     row.tool_calls, row.cached_tokens, row.requests = tally.tool_calls, tally.cached_tokens, tally.requests
     row.errors += tally.errors
-    print(f"kvfork clients: {client.name}: logs in {root}", flush=True)
+    print(f"kvfork clients: {label}: logs in {root}", flush=True)
     return row
 
 
@@ -148,10 +165,27 @@ async def serve_and_run(args: argparse.Namespace, names: list[str]) -> list[Row]
     print(f"kvfork clients: serving {model} on {daemon.url} ({backend_name})", flush=True)
     try:
         context = daemon.engine.config.max_context
-        return [await run_client(CLIENTS[n], daemon.url, context, args.turns, args.record, args.timeout)
+        rows = [await run_client(CLIENTS[n], daemon.url, context, args.turns, args.record, args.timeout)
                 for n in names]
+        if "claude" in names and args.claude_md and args.model != "default":
+            rows += await shared_project(daemon.url, context, args)
+        return rows
     finally:
         await daemon.close()
+
+
+async def shared_project(kvfork_url: str, context: int, args: argparse.Namespace) -> list[Row]:
+    """Two Claude Code sessions, one after the other, in one project with a large CLAUDE.md: the second's
+    first request shares the first's system prompt and tools, which reuse must serve (a long cached
+    prompt once made every later session sharing its start fail)."""
+    folder = Path(tempfile.mkdtemp(prefix="kvfork-project-"))
+    work = project(folder, args.claude_md)
+    try:
+        return [await run_client(CLIENTS["claude"], kvfork_url, context, 1, args.record, args.timeout, work,
+                                 f"claude, session {i} in a project with a {args.claude_md // 1000} KB CLAUDE.md")
+                for i in (1, 2)]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--record", type=Path, default=None, help="write each client's requests to DIR/CLIENT.jsonl")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one turn may take")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
+    parser.add_argument("--claude-md", type=int, default=35_000, help="then two Claude Code sessions in one "
+                        "project whose CLAUDE.md is this many bytes (0: none)")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.clients.split(",") if n.strip()]
     unknown = [n for n in names if n not in CLIENTS]
@@ -183,5 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps([r.__dict__ for r in rows], indent=2))
-    expected = args.turns if args.model != "default" else 1
-    return 0 if all(r.turns >= expected or (args.model == "default" and r.client == "claude") for r in rows) else 1
+    # on the default model (8k) Claude Code's prompt does not fit, and the others complete one turn
+    expected = [min(r.asked, 1) if args.model == "default" else r.asked for r in rows]
+    return 0 if all(r.turns >= e or (args.model == "default" and r.client == "claude")
+                    for r, e in zip(rows, expected)) else 1

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import msgspec
 from msgspec import Meta, Struct
 
-from server.api.openai import Positive, SamplingFields, TopLogprobs, UsageInfo
+from kvfork.server.api.openai import Positive, PromptCacheOptions, SamplingFields, TopLogprobs, UsageInfo
 
 
 class JsonSchemaFormat(Struct):
@@ -50,6 +51,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None  # Responses' cache diagnostics, here too
 
 
 # ---- the reply -------------------------------------------------------------
@@ -120,6 +122,9 @@ class ChatCompletion(Struct):
     choices: list[ChatChoice]
     usage: UsageInfo
     object: str = "chat.completion"
+    # only when asked for (server/api/diagnosis.py): Responses' shape, and kvfork's own
+    prompt_cache_diagnostics: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
+    kvfork_cache: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
 
 
 class Delta(Struct, omit_defaults=True):
@@ -143,3 +148,5 @@ class ChatCompletionChunk(Struct):
     choices: list[ChunkChoice]
     usage: UsageInfo | None = None
     object: str = "chat.completion.chunk"
+    prompt_cache_diagnostics: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET  # on the first chunk
+    kvfork_cache: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET  # on the finishing chunk

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import time
 
-from server.chat_output import ChatOutput, ChatOutputParser, collect
-from server.engine.api import TokenEvent, Usage
-from server.generation import Finished, Piece
-from server.api.chat.protocol import (
+import msgspec
+
+from kvfork.server.chat_output import ChatOutput, ChatOutputParser, collect
+from kvfork.server.engine.api import TokenEvent, Usage
+from kvfork.server.generation import Finished, Piece
+from kvfork.server.api.chat.protocol import (
     AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChoiceLogprobs, ChunkChoice, Delta,
     FunctionCall, FunctionDelta, TokenLogprob, ToolCallDelta, ToolCallOut, TopLogprob,
 )
-from server.api.respond import Job, usage_info
-from server.api.sse import EventStream
-from server.text.tokenizer import PromptTokenizer
-from server.toolcalls.base import Event, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart
+from kvfork.server.api.respond import Job, usage_info
+from kvfork.server.api.sse import EventStream
+from kvfork.server.text.tokenizer import PromptTokenizer
+from kvfork.server.toolcalls.base import Event, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart
 
 
 def token_logprobs(events: list[TokenEvent], tokenizer: PromptTokenizer) -> list[TokenLogprob]:
@@ -73,9 +75,13 @@ class ChatReply:
         self.logprobs: list[TokenLogprob] = []
         self.calls = False
         self.done: Finished | None = None
+        self.diagnostics = job.diagnostics if index == 0 else None  # said once, by choice 0
 
     def start(self) -> list[ChatCompletionChunk]:
-        return [self._chunk(Delta(role="assistant", content=""))]
+        first = self._chunk(Delta(role="assistant", content=""))
+        if self.diagnostics is not None and self.diagnostics.diagnosis is not None:
+            first.prompt_cache_diagnostics = self.diagnostics.openai()  # type: ignore[assignment]
+        return [first]
 
     def piece(self, piece: Piece) -> list[ChatCompletionChunk]:
         events = self.parser.feed(piece.text)
@@ -92,6 +98,9 @@ class ChatReply:
         self.events += events
         out = [self._chunk(delta) for delta in deltas(events)]
         out.append(self._chunk(Delta(), finish_reason=finish_reason(done.finish_reason, self._has_calls())))
+        account = self.diagnostics.ran(done.usage) if self.diagnostics is not None else None
+        if account is not None:
+            out[-1].kvfork_cache = account
         if self.include_usage:
             out += self.usage(done.usage)
         return out
@@ -104,7 +113,11 @@ class ChatReply:
         output = collect(self.events)
         choice = ChatChoice(self.index, assistant_message(output), finish_reason(self.done.finish_reason, bool(output.tool_calls)),
                             ChoiceLogprobs(self.logprobs) if self.tokenizer else None)
-        return ChatCompletion(self.rid, self.created, self.model, [choice], usage_info(self.done.usage))
+        body = ChatCompletion(self.rid, self.created, self.model, [choice], usage_info(self.done.usage))
+        if self.diagnostics is not None and self.diagnostics.diagnosis is not None:
+            body.prompt_cache_diagnostics = self.diagnostics.openai()  # type: ignore[assignment]
+            body.kvfork_cache = self.diagnostics.account or msgspec.UNSET
+        return body
 
     def _has_calls(self) -> bool:
         return any(isinstance(e, ToolCallStart) for e in self.events)

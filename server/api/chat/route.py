@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from server.api.chat.reply import ChatReply
-from server.api.chat.protocol import ChatCompletionRequest
-from server.api.prepare import prepare, request_id
-from server.api.respond import Choices, decoder, read_body, respond
-from server.limits import check_count, check_sampling
-from server.state import state_of
+from kvfork.server.api.chat.reply import ChatReply
+from kvfork.server.api.chat.protocol import ChatCompletionRequest
+from kvfork.server.api.diagnosis import asked_by
+from kvfork.server.api.prepare import prepare, request_id
+from kvfork.server.api.respond import Choices, decoder, read_body, respond
+from kvfork.server.limits import check_count, check_sampling
+from kvfork.server.state import state_of
 
 DECODE = decoder(ChatCompletionRequest)
 
@@ -22,7 +23,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
     check_sampling(body, state.config)
     check_count("tools", body.tools, state.config.max_tools, "--max-tools", "tools")
     rid = request_id("chatcmpl")
-    job = await prepare(state, body, request, rid)
+    job = await prepare(state, body, request, rid, asked=asked_by(body.prompt_cache_options))
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     tokenizer = state.require_ready() if body.logprobs else None
     if job.n == 1:

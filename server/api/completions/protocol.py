@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from msgspec import Struct
 
-from server.api.openai import Positive, SamplingFields, TopLogprobs, UsageInfo
+from kvfork.server.api.openai import Positive, SamplingFields, TopLogprobs, UsageInfo
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

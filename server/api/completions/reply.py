@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import time
 
-from server.generation import Finished, Piece
-from server.api.completions.protocol import Completion, CompletionChoice, CompletionLogprobs
-from server.engine.api import Usage
-from server.api.respond import Job, usage_info
-from server.api.sse import EventStream
-from server.text.tokenizer import PromptTokenizer
+from kvfork.server.generation import Finished, Piece
+from kvfork.server.api.completions.protocol import Completion, CompletionChoice, CompletionLogprobs
+from kvfork.server.engine.api import Usage
+from kvfork.server.api.respond import Job, usage_info
+from kvfork.server.api.sse import EventStream
+from kvfork.server.text.tokenizer import PromptTokenizer
 
 
 class CompletionReply:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from server.errors import invalid, unsupported
-from server.api.completions.reply import CompletionReply
-from server.api.completions.protocol import CompletionRequest
-from server.api.respond import Choices, Job, decoder, read_body, respond
-from server.api.prepare import generate_request, request_id, session_id, stop_strings
-from server.limits import check_sampling, over
-from server.state import scope_of, state_of
-from server.text.tokenizer import PromptTokenizer
+from kvfork.server.errors import invalid, unsupported
+from kvfork.server.api.completions.reply import CompletionReply
+from kvfork.server.api.completions.protocol import CompletionRequest
+from kvfork.server.api.respond import Choices, Job, decoder, read_body, respond
+from kvfork.server.api.prepare import generate_request, request_id, session_id, stop_strings
+from kvfork.server.limits import check_sampling, over
+from kvfork.server.state import scope_of, state_of
+from kvfork.server.text.tokenizer import PromptTokenizer
 
 DECODE = decoder(CompletionRequest)
 

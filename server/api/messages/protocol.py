@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from server.api.openai import CacheSalt
+from kvfork.server.api.openai import CacheSalt
 
 # --- request blocks -------------------------------------------------------------------------------
 
@@ -93,6 +93,13 @@ class OutputConfig(Struct, kw_only=True):
     format: OutputFormat | None = None
 
 
+class DiagnosticsAsk(Struct):
+    """Cache diagnostics (the beta `cache-diagnosis-2026-04-07`, served with or without its header): null on a
+    conversation's first turn, then the previous response's id."""
+
+    previous_message_id: str | None = None
+
+
 class MessagesRequest(Struct, kw_only=True):
     model: str | None = None
     messages: list[Message]
@@ -111,6 +118,7 @@ class MessagesRequest(Struct, kw_only=True):
     output_config: OutputConfig | None = None
     output_format: OutputFormat | None = None
     session_id: str | None = None  # kvfork's named session (opt-in; gateways forward the body, not our header)
+    diagnostics: DiagnosticsAsk | None = None
 
 
 class CountTokensRequest(Struct, kw_only=True):
@@ -161,6 +169,9 @@ class MessageReply(Struct, kw_only=True):
     stop_sequence: str | None = None
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
+    # only when asked for (server/api/diagnosis.py): Anthropic's, null when nothing diverged; and kvfork's own
+    diagnostics: dict[str, Any] | None | msgspec.UnsetType = msgspec.UNSET
+    kvfork_cache: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
 
 
 class TokenCount(Struct):
@@ -208,6 +219,7 @@ class StopDelta(Struct):
 class MessageDelta(Struct, tag_field="type", tag="message_delta"):
     delta: StopDelta
     usage: Usage
+    kvfork_cache: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET  # server/api/diagnosis.py
 
 
 class MessageStop(Struct, tag_field="type", tag="message_stop"):

@@ -11,10 +11,13 @@ from __future__ import annotations
 import json
 import uuid
 
-from server.chat_output import ChatOutput, ChatOutputParser, collect
-from server.errors import ApiError
-from server.generation import Finished, Piece
-from server.api.messages.protocol import (
+import msgspec
+
+from kvfork.server.api.diagnosis import Report
+from kvfork.server.chat_output import ChatOutput, ChatOutputParser, collect
+from kvfork.server.errors import ApiError
+from kvfork.server.generation import Finished, Piece
+from kvfork.server.api.messages.protocol import (
     ContentBlockDelta,
     ContentBlockStart,
     ContentBlockStop,
@@ -37,8 +40,8 @@ from server.api.messages.protocol import (
     Ping,
     sse,
 )
-from server.api.sse import EventStream
-from server.toolcalls.base import Event, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart
+from kvfork.server.api.sse import EventStream
+from kvfork.server.toolcalls.base import Event, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart
 
 
 def message_id() -> str:
@@ -110,12 +113,13 @@ class MessageStream:
                 out.append(ContentBlockDelta(self._index, InputJsonDelta(event.text)))
         return out
 
-    def finish(self, finish_reason: str, stop_sequence: str | None, usage: Usage) -> list[StreamEvent]:
+    def finish(self, finish_reason: str, stop_sequence: str | None, usage: Usage,
+               kvfork_cache: dict | None = None) -> list[StreamEvent]:
         out: list[StreamEvent] = []
         self._close(out)
         reason = stop_reason(finish_reason, self._tool_calls > 0, stop_sequence)
         delta = StopDelta(reason, stop_sequence if reason == "stop_sequence" else None)
-        return out + [MessageDelta(delta, usage), MessageStop()]
+        return out + [MessageDelta(delta, usage, kvfork_cache or msgspec.UNSET), MessageStop()]
 
     def _ensure(self, kind: str, block: ContentOut, out: list[StreamEvent]) -> None:
         if self._open == kind:
@@ -163,8 +167,10 @@ class MessagesReply:
 
     stream_type = MessagesEventStream
 
-    def __init__(self, id: str, model: str, prompt_tokens: int, parser: ChatOutputParser):
+    def __init__(self, id: str, model: str, prompt_tokens: int, parser: ChatOutputParser,
+                 diagnostics: Report | None = None):
         self.id, self.model, self.prompt_tokens, self.parser = id, model, prompt_tokens, parser
+        self.diagnostics = diagnostics
         self.stream = MessageStream(id, model)
         self.events: list[Event] = []
         self.done: Finished | None = None
@@ -184,17 +190,25 @@ class MessagesReply:
         out = self._start(done.usage.reused_tokens) if not self.started else []
         events = self.parser.finish()
         self.events += events
+        account = self.diagnostics.ran(done.usage) if self.diagnostics is not None else None
         return out + self.stream.events(events) + self.stream.finish(done.finish_reason, done.stop_string,
-                                                                     self._usage())
+                                                                     self._usage(), account)
 
     def _start(self, reused: int) -> list[StreamEvent]:
         self.started = True
-        return self.stream.start(usage(self.prompt_tokens, reused, 0))
+        start = self.stream.start(usage(self.prompt_tokens, reused, 0))
+        if self.diagnostics is not None:
+            start[0].message.diagnostics = self.diagnostics.anthropic()  # type: ignore[union-attr]
+        return start
 
     def whole(self) -> MessageReply:
         assert self.done is not None
-        return message_reply(self.id, self.model, collect(self.events), self.done.finish_reason,
+        body = message_reply(self.id, self.model, collect(self.events), self.done.finish_reason,
                              self.done.stop_string, self._usage())
+        if self.diagnostics is not None:
+            body.diagnostics = self.diagnostics.anthropic()
+            body.kvfork_cache = self.diagnostics.account or msgspec.UNSET
+        return body
 
     def _usage(self) -> Usage:
         assert self.done is not None

@@ -10,23 +10,28 @@ prompt over the context is refused in Anthropic's words.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import msgspec
 from aiohttp import web
 
-from server.errors import ApiError, from_decode, invalid
-from server.limits import check_count, check_stops
-from server.api.messages.reply import MessagesReply, message_id, tool_use_id
-from server.engine.api import ContextTooLong
-from server.api.messages.translate import UnsupportedContent, chat_request, dropped_tools
-from server.api.messages.protocol import CountTokensRequest, MessagesRequest, TokenCount
-from server.api.chat.protocol import ChatCompletionRequest
-from server.api.prepare import prepare
-from server.api.respond import decoder, json_response, read_body, report_dropped_tools, respond
-from server.state import state_of
+from kvfork.server.errors import ApiError, from_decode, invalid
+from kvfork.server.limits import check_count, check_stops
+from kvfork.server.api.messages.reply import MessagesReply, message_id, tool_use_id
+from kvfork.server.engine.api import ContextTooLong
+from kvfork.server.api.messages.translate import UnsupportedContent, chat_request, dropped_tools
+from kvfork.server.api.messages.protocol import CountTokensRequest, MessagesRequest, TokenCount
+from kvfork.server.api.chat.protocol import ChatCompletionRequest
+from kvfork.server.api.diagnosis import Asked
+from kvfork.server.api.prepare import prepare
+from kvfork.server.api.respond import decoder, json_response, read_body, report_dropped_tools, respond
+from kvfork.server.api.volatile import strip_system
+from kvfork.server.state import AppState, state_of
 
 PATH = "/v1/messages"
 DECODE_MESSAGES = decoder(MessagesRequest)
 DECODE_COUNT = decoder(CountTokensRequest)
+MessagesRequestT = TypeVar("MessagesRequestT", MessagesRequest, CountTokensRequest)
 
 
 def as_chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
@@ -42,17 +47,29 @@ def as_chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletio
         raise from_decode(e) from None
 
 
+def without_volatile_lines(state: AppState, body: MessagesRequestT) -> MessagesRequestT:
+    """The body without the volatile lines of server/api/volatile.py (unless --keep-volatile-lines),
+    each one counted in /metrics."""
+    if state.config.keep_volatile_lines:
+        return body
+    system, removed = strip_system(body.system)
+    for name in removed:
+        state.volatile_lines.inc(line=name)
+    return msgspec.structs.replace(body, system=system) if removed else body
+
+
 async def handle(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
-    body: MessagesRequest = await read_body(request, DECODE_MESSAGES)
+    body: MessagesRequest = without_volatile_lines(state, await read_body(request, DECODE_MESSAGES))
     limits = state.config
     check_stops("stop_sequences", body.stop_sequences, limits.max_stop_sequences, "--max-stop-sequences", limits)
     check_count("messages", body.messages, limits.max_messages, "--max-messages", "messages")
     report_dropped_tools(request, dropped_tools(body))
     rid = message_id()
-    job = await prepare(state, as_chat_request(body), request, rid, make_call_id=tool_use_id)
+    asked = Asked(body.diagnostics.previous_message_id) if body.diagnostics is not None else None
+    job = await prepare(state, as_chat_request(body), request, rid, make_call_id=tool_use_id, asked=asked)
     try:
-        reply = MessagesReply(rid, job.model, len(job.prompt), job.parser)
+        reply = MessagesReply(rid, job.model, len(job.prompt), job.parser, job.diagnostics)
         return await respond(request, state, job, reply, body.stream)
     except ContextTooLong:
         # Anthropic's own words: Claude Code reads the numbers out of them to compact its history.
@@ -64,7 +81,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
 
 async def count_tokens(request: web.Request) -> web.Response:
     state = state_of(request)
-    body: CountTokensRequest = await read_body(request, DECODE_COUNT)
+    body: CountTokensRequest = without_volatile_lines(state, await read_body(request, DECODE_COUNT))
     check_count("messages", body.messages, state.config.max_messages, "--max-messages", "messages")
     job = await prepare(state, as_chat_request(body), request, message_id())
     return json_response(TokenCount(len(job.prompt)))

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.api.messages.protocol import (
+from kvfork.server.api.messages.protocol import (
     CountTokensRequest,
     DocumentBlock,
     ImageBlock,
@@ -41,7 +41,7 @@ from server.api.messages.protocol import (
     ToolResultBlock,
     ToolUseBlock,
 )
-from server.toolcalls.base import arguments_json
+from kvfork.server.toolcalls.base import arguments_json
 
 
 class UnsupportedContent(ValueError):

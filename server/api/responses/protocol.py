@@ -13,7 +13,7 @@ from typing import Any, Literal
 import msgspec
 from msgspec import Struct, field
 
-from server.api.openai import CacheSalt, Positive, Temperature, TopP
+from kvfork.server.api.openai import CacheSalt, Positive, PromptCacheOptions, Temperature, TopP
 
 
 class TextFormat(Struct, kw_only=True):
@@ -45,6 +45,7 @@ class ResponsesRequest(Struct, kw_only=True):
     metadata: dict[str, str] | None = None
     cache_salt: CacheSalt | None = None  # vLLM's, as on chat completions
     session_id: str | None = None  # kvfork's named session (opt-in; gateways forward the body, not our header)
+    prompt_cache_options: PromptCacheOptions | None = None
 
 
 # ---- input items ----------------------------------------------------------
@@ -159,6 +160,9 @@ class Response(Struct, kw_only=True):
     incomplete_details: IncompleteDetails | None = None
     error: None = None
     object: str = "response"
+    # only when asked for (server/api/diagnosis.py): OpenAI's, and kvfork's own once the response ran
+    prompt_cache_diagnostics: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
+    kvfork_cache: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ResponseDeleted(Struct):

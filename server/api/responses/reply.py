@@ -15,20 +15,21 @@ from typing import Callable
 
 import msgspec
 
-from server.errors import ApiError
-from server.chat_output import ChatOutputParser
-from server.generation import Finished, Piece
-from server.api.responses.protocol import (
+from kvfork.server.errors import ApiError
+from kvfork.server.api.diagnosis import Report
+from kvfork.server.chat_output import ChatOutputParser
+from kvfork.server.generation import Finished, Piece
+from kvfork.server.api.responses.protocol import (
     ArgumentsDelta, ArgumentsDone, ContentPartAdded, ContentPartDone, ErrorEvent, Event, FunctionCallOut,
     IncompleteDetails, InputTokensDetails, OutputItem, OutputItemAdded, OutputItemDone, OutputMessage, OutputText,
     OutputTextDelta, OutputTextDone, OutputTokensDetails, ReasoningOut, ReasoningText, ReasoningTextDelta,
     ReasoningTextDone, Response, ResponseCompleted, ResponseCreated, ResponseIncomplete, ResponseInProgress,
     ResponsesRequest, ResponseUsage, sse,
 )
-from server.api.responses.translate import namespaces
-from server.api.sse import EventStream
-from server.toolcalls.base import Event as ParserEvent
-from server.toolcalls.base import ReasoningDelta, ToolCallArguments, ToolCallStart
+from kvfork.server.api.responses.translate import namespaces
+from kvfork.server.api.sse import EventStream
+from kvfork.server.toolcalls.base import Event as ParserEvent
+from kvfork.server.toolcalls.base import ReasoningDelta, ToolCallArguments, ToolCallStart
 
 
 def response_id() -> str:
@@ -87,8 +88,8 @@ class ResponsesReply:
     stream_type = ResponsesEventStream
 
     def __init__(self, rid: str, model: str, parser: ChatOutputParser, body: ResponsesRequest,
-                 keep: Callable[[Response], None] | None):
-        self.parser, self.keep = parser, keep
+                 keep: Callable[[Response], None] | None, diagnostics: Report | None = None):
+        self.parser, self.keep, self.diagnostics = parser, keep, diagnostics
         self.namespaces = namespaces(body.tools)
         self.response = Response(
             id=rid, created_at=int(time.time()), model=model, status="in_progress", output=[],
@@ -99,6 +100,8 @@ class ResponsesReply:
             max_output_tokens=body.max_output_tokens, previous_response_id=body.previous_response_id,
             temperature=body.temperature, top_p=body.top_p, metadata=body.metadata or {},
         )
+        if diagnostics is not None and diagnostics.diagnosis is not None:
+            self.response.prompt_cache_diagnostics = diagnostics.openai()  # type: ignore[assignment]
         self._open: _Open | None = None
         self.finished = False
 
@@ -123,6 +126,9 @@ class ResponsesReply:
             self.response.incomplete_details = IncompleteDetails("max_output_tokens")
         else:
             self.response.status = "completed"
+        account = self.diagnostics.ran(usage) if self.diagnostics is not None else None
+        if account is not None:
+            self.response.kvfork_cache = account
         if self.keep is not None:
             self.keep(self.response)
         self.finished = True

@@ -13,15 +13,16 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from server.errors import ApiError, from_decode
-from server.api.chat.protocol import ChatCompletionRequest
-from server.api.responses.protocol import Response, ResponseDeleted, ResponsesRequest
-from server.api.responses.reply import ResponsesReply, response_id
-from server.api.responses.translate import chat_messages, chat_request, tool_functions
-from server.api.prepare import prepare
-from server.api.respond import decoder, json_response, read_body, report_dropped_tools, respond
-from server.limits import check_count
-from server.state import state_of, tenant_of
+from kvfork.server.errors import ApiError, from_decode
+from kvfork.server.api.chat.protocol import ChatCompletionRequest
+from kvfork.server.api.responses.protocol import Response, ResponseDeleted, ResponsesRequest
+from kvfork.server.api.responses.reply import ResponsesReply, response_id
+from kvfork.server.api.responses.translate import chat_messages, chat_request, tool_functions
+from kvfork.server.api.diagnosis import asked_by
+from kvfork.server.api.prepare import prepare
+from kvfork.server.api.respond import decoder, json_response, read_body, report_dropped_tools, respond
+from kvfork.server.limits import check_count
+from kvfork.server.state import state_of, tenant_of
 
 PATH = "/v1/responses"
 DECODE = decoder(ResponsesRequest)
@@ -48,7 +49,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
     try:
         try:
             chat = msgspec.convert(chat_request(body, history, session), ChatCompletionRequest)
-            job = await prepare(state, chat, request, rid)
+            job = await prepare(state, chat, request, rid, asked=asked_by(body.prompt_cache_options))
         except msgspec.ValidationError as e:
             raise _renamed(from_decode(e)) from None
         except ApiError as e:
@@ -57,7 +58,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
         def keep(response: Response) -> None:
             store.put(response, history + chat_messages(msgspec.to_builtins(response.output)), session, tenant)
 
-        reply = ResponsesReply(rid, job.model, job.parser, body, keep if body.store else None)
+        reply = ResponsesReply(rid, job.model, job.parser, body, keep if body.store else None, job.diagnostics)
         return await respond(request, state, job, reply, body.stream)
     finally:
         if session is not None and (reply is None or not reply.finished):

@@ -22,8 +22,8 @@ from typing import Any
 
 import msgspec
 
-from server.errors import ApiError, from_decode, invalid
-from server.api.responses.protocol import (
+from kvfork.server.errors import ApiError, from_decode, invalid
+from kvfork.server.api.responses.protocol import (
     ContentPart,
     FunctionCallItem,
     FunctionCallOutputItem,

