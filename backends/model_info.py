@@ -8,7 +8,9 @@ Design rules:
   then the tokenizer's own EOS token, first seen first (as mlx-lm gathers them);
 - context length: the first of `CONTEXT_KEYS` in config.json (or `text_config`);
   a config stating none gets `FALLBACK_CONTEXT`, the one fallback;
-- generation defaults: generation_config.json's sampling fields, as published.
+- generation defaults: generation_config.json's sampling fields, as published;
+- a RoPE scaling whose frequencies depend on the sequence's length (dynamic NTK) is refused
+  here, for every backend: reused KV would not be what the model computes (backends/rope_scaling.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvfork.backends import rope_scaling
 
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 # A config that states no context: small and old models, for which 2,048 is the common size, and too
@@ -43,6 +47,10 @@ def model_facts(config: dict, generation: dict | None = None, tokenizer_eos: int
     """The facts from already-read files (a config alone: tools that build a model in memory)."""
     generation = generation or {}
     sources = (config, config.get("text_config") or {})
+    for scaling in _rope_scalings(sources):
+        reason = rope_scaling.length_refusal(scaling)
+        if reason is not None:
+            raise ValueError(reason)
     found: list[int] = []
     for value in (*(s.get("eos_token_id") for s in sources), generation.get("eos_token_id"), tokenizer_eos):
         for v in value if isinstance(value, list) else [value]:
@@ -51,6 +59,17 @@ def model_facts(config: dict, generation: dict | None = None, tokenizer_eos: int
     context = next((s[k] for s in sources for k in CONTEXT_KEYS if isinstance(s.get(k), int)), FALLBACK_CONTEXT)
     defaults = {k: float(generation[k]) for k in GENERATION_FIELDS if isinstance(generation.get(k), (int, float))}
     return ModelFacts(tuple(found), context, defaults)
+
+
+def _rope_scalings(sources: tuple[dict, ...]) -> list[dict]:
+    """Every RoPE scaling a config states: `rope_scaling`, `rope_parameters`, or one of those per layer kind."""
+    found = []
+    for source in sources:
+        for value in (source.get("rope_scaling"), source.get("rope_parameters")):
+            if isinstance(value, dict):
+                nested = [v for v in value.values() if isinstance(v, dict)]
+                found += nested or [value]
+    return found
 
 
 def _tokenizer_eos(folder: Path) -> int | None:

@@ -9,11 +9,11 @@ tool_choice, and how far it is enforced:
 - `auto`: the model decides; calls it writes are parsed.
 - `none`: tools still reach the template (the prompt stays the one other turns
   share), and nothing is parsed: whatever the model writes is content.
-- `required` / a named function: the prompt ends with the parser's opening
+- `required` / a named function: the prompt ends with the family's opening
   markup (`<tool_call>` ..., with the function's name when one is named), so the
   reply starts inside a call to it; the grammar (server/grammar.py) holds the
   rest of the call to the tool's schema.
-  A reply that would start inside a `<think>` block is not forced (forcing
+  A reply that would start inside a thinking block is not forced (forcing
   would cut the reasoning off); the choice then acts as `auto`.
 """
 
@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Collection
 
-from kvfork.server.reasoning import ReasoningSplitter, starts_in_reasoning, template_reasons
+from kvfork.server.reasoning import FORMATS, ReasoningSplitter, resolve_reasoning, starts_in_reasoning
 from kvfork.server.toolcalls import PARSERS, resolve_tool_parser
+from kvfork.server.toolcalls.harmony import HarmonyParser
 from kvfork.server.toolcalls.base import (
     Event,
     ReasoningDelta,
@@ -61,6 +62,12 @@ class ChatOutputParser:
             assert tool_parser is not None
             tool_parser.feed(forced)
 
+    @property
+    def call_format(self) -> str | None:
+        """The family whose calls are parsed from the reply (None: none are)."""
+        parser = self.tool_parser
+        return parser.name if parser is not None and parser.parse_calls else None
+
     def copy(self) -> "ChatOutputParser":
         """Another parser in this one's state (a forced opening already read), for another choice."""
         return copy.deepcopy(self)
@@ -91,20 +98,62 @@ def output_parser(
     tool_choice: str = "auto",
     tool_name: str | None = None,
     make_id: Callable[[], str] = openai_call_id,
+    vocabulary: Collection[str] = (),
+    named: str | None = None,
 ) -> ChatOutputParser:
     """The parser for one request: tools are parsed only when offered and not turned off.
 
-    `tool_choice` is auto, none, required or function (then `tool_name` names it).
+    `tool_choice` is auto, none, required or function (then `tool_name` names it); `vocabulary` is the
+    tokenizer's added tokens, which say some families (Kimi K3) where the template does not; `named` the
+    checkpoint's own `tool_parser_type`.
     """
-    name = resolve_tool_parser(tool_parser_setting, chat_template)
-    tool_parser = PARSERS[name](tools, make_id) if name and tools and tool_choice != "none" else None
-    reasons = reasoning_setting == "think" or (reasoning_setting == "auto" and template_reasons(chat_template))
-    in_reasoning = reasons and starts_in_reasoning(prompt_text)
-    splitter = ReasoningSplitter(in_reasoning) if reasons else None
+    name = resolve_tool_parser(tool_parser_setting, chat_template, vocabulary, named)
+    calls = bool(name and tools and tool_choice != "none")
+    thinking = resolve_reasoning(reasoning_setting, chat_template, vocabulary)
+    tool_parser: ToolParser | None = None
+    splitter = None
+    in_reasoning = False
+    if "harmony" in (name, thinking):  # one parser reads Harmony's channels: reasoning, content and calls
+        tool_parser = HarmonyParser(tools, make_id, calls=calls and name == "harmony")
+    else:
+        tool_parser = PARSERS[name](tools, make_id) if calls and name else None
+        if thinking:
+            in_reasoning = starts_in_reasoning(prompt_text, FORMATS[thinking])
+            splitter = ReasoningSplitter(in_reasoning, FORMATS[thinking])
     forced = ""
-    if tool_parser and tool_choice in ("required", "function") and not in_reasoning:
+    if tool_parser and tool_parser.parse_calls and tool_choice in ("required", "function") and not in_reasoning:
         forced = tool_parser.opening(tool_name if tool_choice == "function" else None)
     return ChatOutputParser(tool_parser, splitter, forced)
+
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "probe",
+                                               "parameters": {"type": "object", "properties": {}}}}
+
+
+def start_formats(tokenizer: Any, tool_setting: str, reasoning_setting: str) -> str | None:
+    """At start: keep the markup tokens of the model's formats in decoded text (the parsers read them), and
+    the warning for a template that renders tools in a markup no family reads (None when there is none)."""
+    template, vocabulary = tokenizer.chat_template, tokenizer.vocabulary
+    tool = resolve_tool_parser(tool_setting, template, vocabulary, tokenizer.tool_parser_type)
+    thinking = resolve_reasoning(reasoning_setting, template, vocabulary)
+    if tool:
+        PARSERS[tool].prepare()
+    markers = [*(PARSERS[tool].special_markers if tool else ())]
+    if thinking == "harmony":
+        markers += HarmonyParser.special_markers
+    elif thinking:
+        markers += [FORMATS[thinking].open, FORMATS[thinking].close]
+    tokenizer.keep_special([s for s in tokenizer.specials if any(s in m for m in markers)])
+    if tool is not None or tool_setting != "auto":
+        return None
+    message = [{"role": "user", "content": "hi"}]
+    try:
+        if tokenizer.render(message, [_PROBE_TOOL], {}) == tokenizer.render(message, None, {}):
+            return None  # renders no tools: requests get the Hermes block (server/api/prepare.py)
+    except Exception:  # noqa: BLE001 - a template that refuses the probe says nothing about its markup
+        return None
+    return ("the chat template renders tools in a markup kvfork does not know: tool calls are not parsed "
+            "(name the format with --tool-parser)")
 
 
 def collect(events: list[Event]) -> ChatOutput:

@@ -105,7 +105,7 @@ def serve(argv: list[str]) -> int:
     prepare_process(config.backend)
     try:
         model, fetch = model_source(config.model)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError) as e:  # ValueError: a GGUF that cannot be served, named in one line
         parser.error(f"--model: {e}")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if config.distributed:

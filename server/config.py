@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvfork.server.limits import Limits
+from kvfork.server.reasoning import REASONING_CHOICES
 from kvfork.server.settings import at_least, between, setting
 from kvfork.server.tenants import read_keys_file
 from kvfork.server.text.template import check_template
@@ -68,8 +69,9 @@ class ServerConfig(Limits):
 
     SETTINGS_GROUP = "serving"
 
-    model: str | None = setting(None, "model folder (Hugging Face layout); default: SmolLM2, converted and "
-                                "fetched by `kvfork fetch-model` on first run", group="model and device")
+    model: str | None = setting(None, "model folder (Hugging Face layout), hub id, .gguf file or org/name:file.gguf; "
+                                "default: SmolLM2, converted and fetched by `kvfork fetch-model` on first run",
+                                group="model and device")
     backend: str = setting("auto", "auto: MLX on Apple Silicon, torch elsewhere (CUDA when present, else the CPU; "
                            "MLX where the torch backend is not installed)",
                            choices=BACKENDS, group="model and device")
@@ -122,8 +124,9 @@ class ServerConfig(Limits):
                                     choices=("map", "array"))
     kv_events_block_size: int = setting(16, "tokens per block in KV events: the block size the router is told "
                                         "(vllm-router's --kv-event-block-size, 16 by default)", check=at_least(1))
-    reasoning_parser: str = setting("auto", "split <think> reasoning from content (auto: when the chat template "
-                                    "uses <think>)", choices=("auto", "none", "think"))
+    reasoning_parser: str = setting("auto", "split reasoning from content: <think> (think), [THINK] (mistral), "
+                                    "Gemma 4's, LongCat's, Kimi K3's markers or gpt-oss's Harmony channels (auto: "
+                                    "the ones the chat template uses)", choices=REASONING_CHOICES)
     chat_template: str | None = setting(None, "a Jinja chat template file to use instead of the model's (clients "
                                         "can never send one)", check=_template_check)
     log_stats: bool = setting(True, "log a stats line every 10 s while busy: throughput, running and waiting "

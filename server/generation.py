@@ -62,16 +62,17 @@ class ChoiceFailed(ApiError):
 
 @asynccontextmanager
 async def generation(engine, request: GenerateRequest, tokenizer: PromptTokenizer, stops: list[str],
-                     keepalive_s: float | None = None
+                     keepalive_s: float | None = None, markup: bool = False
                      ) -> AsyncIterator[AsyncIterator[tuple[int, Piece | Finished] | KeepAlive]]:
     """Submit now (an engine refusal raises here, before any response starts); yield (choice, event)
-    pairs, and KeepAlives while nothing arrives."""
+    pairs, and KeepAlives while nothing arrives. `markup`: the text keeps the model's markup tokens, for
+    an output parser to read (PromptTokenizer.decode_markup)."""
     handles = [engine.submit(request)] if request.n == 1 else engine.submit_choices(request)
     arrived: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, handle) -> None:
         try:
-            async for event in _events(handle, tokenizer, stops):
+            async for event in _events(handle, tokenizer, stops, markup):
                 arrived.put_nowait((index, event))
         except ChoiceFailed as failed:
             arrived.put_nowait((index, failed))
@@ -113,8 +114,10 @@ async def _merged(arrived: asyncio.Queue, n: int,
         yield index, event
 
 
-async def _events(handle, tokenizer: PromptTokenizer, stops: list[str]) -> AsyncIterator[Piece | Finished]:
-    detokenizer, matcher = IncrementalDetokenizer(tokenizer.decode), StopMatcher(stops)
+async def _events(handle, tokenizer: PromptTokenizer, stops: list[str],
+                  markup: bool) -> AsyncIterator[Piece | Finished]:
+    detokenizer = IncrementalDetokenizer(tokenizer.decode_markup if markup else tokenizer.decode)
+    matcher = StopMatcher(stops)
     stopped = False
     while True:
         event = await anext(handle)

@@ -13,11 +13,13 @@ What gets constrained (`Ask`, built by the routes):
 - `tool_choice: required`: one or more calls among the tools (one with
   `parallel_tool_calls: false`), `function` (named):
   exactly one call to it, each call's arguments valid against its `parameters`,
-  written in the markup of the request's tool parser (server/toolcalls/):
-  hermes `<tool_call>{json}</tool_call>`, qwen3_coder's XML, llama3's JSON;
-- `tool_choice: auto`: a lazy grammar: text is free until the parser's opening
+  written in the markup of the request's tool-call family: each family's module
+  in server/toolcalls/ writes one call (`call_grammar`), special tokens of the
+  markup as token references (toolcalls/lark.py);
+- `tool_choice: auto`: a lazy grammar: text is free until the family's opening
   markup, then the call's body is constrained (llama3: a reply that opens with
-  `{` is a call).
+  `{` is a call); only for models that write their markup as text
+  (`auto_constrained`), and not Harmony, whose channels come and go.
 When the route has already appended the parser's opening to the prompt (the
 forced prefix, chat_output.py), the grammar starts after it.
 
@@ -50,7 +52,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import numpy as np
 
@@ -58,10 +60,11 @@ from kvfork.server.engine.api import Scope
 from kvfork.server.errors import ApiError
 from kvfork.server.fair import FairWorkers
 from kvfork.server.grammar_worker import write_message
+from kvfork.server.reasoning import FORMATS
+from kvfork.server.toolcalls import PARSERS
+from kvfork.server.toolcalls.lark import JSON_OPTIONS, CallGrammar, closed, markup, text_until
 
 ToolChoice = Literal["auto", "none", "required", "function"]
-# JSON as json.dumps and the chat templates' `tojson` write it.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _CACHE_ENTRIES = 256
 
 
@@ -84,6 +87,7 @@ class ToolCalls:
     name: str | None = None  # the named function
     forced: str = ""  # the opening the prompt already ends with
     parallel: bool = True  # False: `required` makes exactly one call
+    specials: Mapping[str, int] = field(default_factory=dict)  # the tokenizer's special tokens: text -> id
 
 
 Ask = JsonObject | JsonSchema | ToolCalls
@@ -99,118 +103,35 @@ class GrammarError(ApiError):
 # ---- what each ask compiles to ----
 
 
-def closed(schema: Any) -> Any:
-    """The schema with `additionalProperties: false` on every object schema that leaves it unsaid."""
-    if isinstance(schema, list):
-        return [closed(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: closed(v) if k in _SUBSCHEMAS else v for k, v in schema.items()}
-    for key in ("properties", "$defs", "definitions", "patternProperties"):
-        if isinstance(schema.get(key), dict):
-            out[key] = {name: closed(sub) for name, sub in schema[key].items()}
-    if "properties" in schema and "additionalProperties" not in schema and "patternProperties" not in schema:
-        out["additionalProperties"] = False
-    return out
-
-
-_SUBSCHEMAS = ("items", "anyOf", "oneOf", "allOf", "not", "prefixItems", "additionalProperties")
-
-
-def _schema_json(schema: dict[str, Any], lenient: bool) -> str:
-    options = {**_JSON_OPTIONS, "lenient": lenient}
-    return json.dumps({**closed(schema), "x-guidance": options}, ensure_ascii=False)
-
-
-def _lit(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
-
-
-@dataclass
-class _Call:
-    """One call's markup as Lark pieces: `head` (literal text), then the body expression, then `tail`."""
-
-    head: str
-    body: str
-    tail: str
-    rules: list[str] = field(default_factory=list)
-
-    def expression(self, drop: str = "") -> str | None:
-        """The call as a Lark sequence, `drop` (text already in the prompt) cut from its start; None if it
-        does not start with `drop`."""
-        if not self.head.startswith(drop):
-            return None
-        head = self.head[len(drop):]
-        return " ".join(part for part in (_lit(head) if head else "", self.body, _lit(self.tail)) if part)
-
-
-def _parameters(function: dict[str, Any]) -> dict[str, Any]:
-    params = function.get("parameters")
-    return params if isinstance(params, dict) else {"type": "object", "properties": {}}
-
-
-def _hermes_call(function: dict[str, Any], index: int) -> _Call:
-    return _Call('<tool_call>\n{"name": ' + _lit(function["name"]) + ', "arguments": ',
-                 "%json " + _schema_json(_parameters(function), not function.get("strict", False)), "}\n</tool_call>")
-
-
-def _llama3_call(function: dict[str, Any], index: int) -> _Call:
-    return _Call('{"name": ' + _lit(function["name"]) + ', "parameters": ',
-                 "%json " + _schema_json(_parameters(function), not function.get("strict", False)), "}")
-
-
-def _qwen3_coder_call(function: dict[str, Any], index: int) -> _Call:
-    """`<function=NAME>` then one `<parameter=KEY>` element per property, in the schema's order: required ones
-    always, the others optional. String values are free text up to the closing tag; others are JSON."""
-    params = _parameters(function)
-    required = set(params.get("required") or ())
-    lenient = not function.get("strict", False)
-    rules, parts = [], []
-    for k, (key, schema) in enumerate((params.get("properties") or {}).items()):
-        rule = f"p{index}_{k}"
-        schema = schema if isinstance(schema, dict) else {}
-        open_tag = _lit(f"<parameter={key}>\n")
-        if schema.get("type", "string") == "string" and "enum" not in schema:
-            rules.append(f"{rule}_value[lazy]: ANY_TEXT {_lit(chr(10) + '</parameter>' + chr(10))}")
-            rules.append(f"{rule}: {open_tag} {rule}_value")
-        else:
-            rules.append(f"{rule}: {open_tag} %json {_schema_json(schema, lenient)} "
-                         f"{_lit(chr(10) + '</parameter>' + chr(10))}")
-        parts.append(rule if key in required else f"{rule}?")
-    return _Call(f"<tool_call>\n<function={function['name']}>\n", " ".join(parts), "</function>\n</tool_call>",
-                 rules)
-
-
-_CALLS = {"hermes": (_hermes_call, "\n", "<tool_call>"),
-          "qwen3_coder": (_qwen3_coder_call, "\n", "<tool_call>"),
-          "llama3": (_llama3_call, "; ", None)}
-
-
 def tool_lark(ask: ToolCalls) -> str:
-    """The Lark grammar of the calls `ask` allows (see the module docstring)."""
-    if ask.parser not in _CALLS:
+    """The Lark grammar of the calls `ask` allows (see the module docstring). A family whose calls share a
+    block (Kimi's section, MiniMax's `<minimax:tool_call>`) writes parallel calls inside one."""
+    family = PARSERS.get(ask.parser)
+    if family is None:
         raise GrammarError("tool_choice", f"tool calls in the {ask.parser!r} format cannot be constrained")
-    make, separator, trigger = _CALLS[ask.parser]
     functions = [f for f in ask.tools if ask.choice != "function" or f["name"] == ask.name]
-    calls = [make(f, i) for i, f in enumerate(functions)]
+    calls = [family.call_grammar(f, i, ask.specials) for i, f in enumerate(functions)]
     if not calls:
         raise GrammarError("tool_choice", "no tool to call")
+    opening, closing = family.block
+    firsts = [CallGrammar(opening + c.head, c.body, c.tail) for c in calls]  # a block's first call opens it
     rules = [rule for call in calls for rule in call.rules]
-    every = " | ".join(f"({c.expression()})" for c in calls)
+    every = " | ".join(f"({c.expression(ask.specials)})" for c in calls)
+    many = ask.choice == "auto" or (ask.choice == "required" and ask.parallel)
+    more = " ".join(p for p in ((f"({markup(family.separator, ask.specials)} call)*" if many else ""),
+                                markup(closing, ask.specials)) if p)
     lines = ["%llguidance {}", f"call: {every}", "ANY_TEXT: /(.|\\n)*/"]
-    if ask.choice == "auto":
-        if trigger is None:  # llama3: the whole reply is calls, or text that does not open with `{`
-            lines.append(f'start: call ({_lit(separator)} call)* | /([^{{](.|\\n)*)?/')
-        else:
-            bodies = " | ".join(f"({c.expression(trigger)})" for c in calls)
-            lines += ["start: (opening call_body)* ANY_TEXT", f"opening[lazy]: ANY_TEXT {_lit(trigger)}",
-                      f"call_body: {bodies}"]
+    if ask.choice == "auto" and family.trigger is None:  # llama3: the whole reply is calls, or text not opening `{`
+        lines.append(f"start: call {more} | /([^{{](.|\\n)*)?/")
+    elif ask.choice == "auto":
+        bodies = " | ".join(f"({c.expression(ask.specials, family.trigger)})" for c in firsts)
+        lines += ["start: (opening call_body)* ANY_TEXT", text_until("opening", family.trigger, ask.specials),
+                  f"call_body: ({bodies}) {more}"]
     else:
-        first = [e for c in calls if (e := c.expression(ask.forced)) is not None]
+        first = [e for c in firsts if (e := c.expression(ask.specials, ask.forced)) is not None]
         if not first:
             raise GrammarError("tool_choice", "the forced opening matches no tool")
-        more = "" if ask.choice == "function" or not ask.parallel else f" ({_lit(separator)} call)*"
-        lines.append(f"start: ({' | '.join(f'({e})' for e in first)}){more}")
+        lines.append(f"start: ({' | '.join(f'({e})' for e in first)}) {more}")
     return "\n".join(lines + rules) + "\n"
 
 
@@ -220,10 +141,10 @@ def grammar_text(ask: Ask) -> str:
 
     match ask:
         case JsonObject():
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
         case JsonSchema(schema, strict):
             try:
-                return llguidance.LLMatcher.grammar_from_json_schema(closed(schema), overrides={**_JSON_OPTIONS,
+                return llguidance.LLMatcher.grammar_from_json_schema(closed(schema), overrides={**JSON_OPTIONS,
                                                                                        "lenient": not strict})
             except ValueError as exc:
                 raise GrammarError("response_format", f"the JSON schema is not valid: {exc}") from None
@@ -233,7 +154,8 @@ def grammar_text(ask: Ask) -> str:
 
 
 def request_ask(response_format: Any, tool_parser: str | None, tools: list[dict[str, Any]] | None,
-                choice: ToolChoice, tool_name: str | None, forced: str, parallel: bool = True) -> Ask | None:
+                choice: ToolChoice, tool_name: str | None, forced: str, parallel: bool = True,
+                specials: Mapping[str, int] | None = None) -> Ask | None:
     """What a chat request asks its output to follow, or None. `response_format` is the protocol's
     ResponseFormat; `tool_parser` the parser the reply is read with (None: tools are not parsed);
     `forced` the opening the prompt ends with; `parallel` False (parallel_tool_calls) allows one call."""
@@ -253,7 +175,20 @@ def request_ask(response_format: Any, tool_parser: str | None, tools: list[dict[
         return None
     if choice != "auto" and not forced:  # the reply starts inside reasoning: forced calls act as auto (chat_output)
         choice, tool_name = "auto", None
-    return ToolCalls(tool_parser, tuple(t["function"] for t in tools), choice, tool_name, forced, parallel)
+    if choice == "auto" and not auto_constrained(tool_parser, specials or {}):
+        return None
+    return ToolCalls(tool_parser, tuple(t["function"] for t in tools), choice, tool_name, forced, parallel,
+                     dict(specials or {}))
+
+
+def auto_constrained(tool_parser: str, specials: Mapping[str, int]) -> bool:
+    """Whether tool_choice auto gets a grammar: only where the model writes its markup as text. Free text
+    is a lexeme, which never holds a special token: where the call or thinking markers are special tokens
+    (Kimi's, GLM's in their own tokenizers) a free-text grammar would forbid them, so the calls the model
+    opens are parsed but not held (a broken one comes back as content)."""
+    family = PARSERS[tool_parser]
+    markers = (*family.special_markers, *(m for f in FORMATS.values() for m in (f.open, f.close)))
+    return family.constrains_auto and not any(s in m for s in specials for m in markers)
 
 
 def param_of(ask: Ask) -> str:

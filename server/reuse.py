@@ -17,6 +17,7 @@ from typing import Any, Iterable
 
 from kvfork.server.engine.api import Scope, Usage
 from kvfork.server.engine.index import Entry
+from kvfork.server.engine.matching import common_prefix
 
 DECISIONS = 300  # placement decisions kept
 BUCKET_S = 10.0  # the time series' step
@@ -147,14 +148,22 @@ def prefix_tree(entries: list[Entry]) -> list[dict[str, Any]]:
 
 
 def _node(group: list[Entry], shared: int) -> dict[str, Any]:
-    first = group[0].tokens
-    depth = min(len(e.tokens) for e in group)
-    for e in group[1:]:
-        depth = next((i for i in range(shared, depth) if e.tokens[i] != first[i]), depth)
-    here = [e for e in group if len(e.tokens) == depth]
-    parts: dict[int, list[Entry]] = {}
-    for e in group:
-        if len(e.tokens) > depth:
-            parts.setdefault(e.tokens[depth], []).append(e)
-    return {"tokens": depth, "entries": [_entry(e) for e in here],
-            "children": [_node(part, depth + 1) for part in parts.values()]}
+    """The tree of `group`, whose prompts share their first `shared` tokens, built on an explicit stack: a
+    chain of conversation turns nests once per turn, deeper than Python's recursion limit."""
+    top: dict[str, Any] = {}
+    stack = [(group, shared, top)]
+    while stack:
+        group, shared, node = stack.pop()
+        first = group[0].tokens
+        depth = min(len(e.tokens) for e in group)
+        for e in group[1:]:
+            depth = min(depth, common_prefix(e.tokens, first, shared))
+        parts: dict[int, list[Entry]] = {}
+        for e in group:
+            if len(e.tokens) > depth:
+                parts.setdefault(e.tokens[depth], []).append(e)
+        node.update(tokens=depth, entries=[_entry(e) for e in group if len(e.tokens) == depth], children=[])
+        for part in parts.values():
+            node["children"].append(child := {})
+            stack.append((part, depth + 1, child))
+    return top

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -19,6 +20,7 @@ from kvfork.backends import create_backend, default_backend
 from kvfork.backends.base import Backend
 from kvfork.backends.lockstep.leader import LockstepBackend
 from kvfork.server.app import Listener, build_app, listen
+from kvfork.server.chat_output import start_formats
 from kvfork.server.config import ServerConfig
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.disk import kv_root
@@ -31,6 +33,7 @@ from kvfork.server.text.tokenizer import PromptTokenizer
 from kvfork.server.warm import warm
 
 GiB = 1024**3
+log = logging.getLogger("kvfork")
 
 
 class Daemon:
@@ -67,6 +70,9 @@ class Daemon:
         _, self.state.tokenizer = await asyncio.gather(
             self.engine.start(), asyncio.to_thread(PromptTokenizer.load, self.model, template)
         )
+        warning = start_formats(self.state.tokenizer, self.config.tool_parser, self.config.reasoning_parser)
+        if warning:
+            log.warning(warning)
         if self.config.prefix_cache_warm:
             progress.enter("warming", self.config.prefix_cache_warm)
             await warm(self.engine, self.state.tokenizer, self.config.prefix_cache_warm)

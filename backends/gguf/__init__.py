@@ -1,1 +1,2 @@
-"""A llama GGUF converted into a Hugging Face folder (the default model's route: backends/default_model.py)."""
+"""GGUF files converted into Hugging Face folders: any `--model x.gguf`, and the default model
+(backends/default_model.py)."""

@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvfork.backends import rope_scaling
+
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3_text")
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # Gated DeltaNet + gated attention (hybrid.py)
 # Mamba-style and short-convolution hybrids: served by the MLX backend through mlx-lm only.
@@ -20,7 +22,8 @@ MLX_ONLY_FAMILIES = ("lfm2", "lfm2_moe", "nemotron_h", "granitemoehybrid", "falc
 @dataclass(frozen=True)
 class Rope:
     theta: float
-    scaling: dict | None = None  # HF rope_scaling: linear or llama3; None = plain rope
+    scaling: dict | None = None  # HF rope_scaling (backends/rope_scaling.py); None = plain rope
+    max_positions: int = 0  # the model's context: YaRN and LongRoPE derive a missing factor from it
 
 
 @dataclass(frozen=True)
@@ -44,15 +47,18 @@ class ArchConfig:
     gemma: bool = False  # (1 + w) norms, sandwich norms, gelu-tanh MLP, scaled embeddings
 
 
-def _rope(params: dict | None, theta: float | None, scaling: dict | None) -> Rope:
+def _rope(params: dict | None, theta: float | None, scaling: dict | None, max_positions: int = 0) -> Rope:
     """transformers 5 nests theta and scaling in `rope_parameters`; older configs keep them top level."""
     params = dict(params or {})
     theta = params.pop("rope_theta", None) or theta or 10000.0
     if params.get("rope_type", "default") != "default":
         scaling = params
-    if scaling and (scaling.get("rope_type") or scaling.get("type")) in (None, "default"):
+    if rope_scaling.kind(scaling) is None:
         scaling = None
-    return Rope(float(theta), scaling)
+    reason = rope_scaling.refusal(scaling)
+    if reason is not None:
+        raise ValueError(f"torch backend: {reason}")
+    return Rope(float(theta), scaling, max_positions)
 
 
 def _layer_windows(cfg: dict, n: int) -> tuple[int | None, ...]:
@@ -89,6 +95,7 @@ def parse_config(cfg: dict) -> ArchConfig | HybridConfig:
         rope_params.get("full_attention") if per_kind else rope_params,
         cfg.get("rope_theta", 1_000_000.0 if gemma else None),
         cfg.get("rope_scaling"),
+        cfg.get("max_position_embeddings", 0),
     )
     rope_sliding = (
         _rope(rope_params.get("sliding_attention") if per_kind else None, cfg.get("rope_local_base_freq", 10000.0), None)
@@ -188,7 +195,8 @@ def parse_hybrid_config(cfg: dict) -> HybridConfig:
         head_dim=head_dim,
         rotary_dim=int(head_dim * partial),
         norm_eps=text.get("rms_norm_eps", 1e-6),
-        rope=_rope(rope_params, text.get("rope_theta"), text.get("rope_scaling")),
+        rope=_rope(rope_params, text.get("rope_theta"), text.get("rope_scaling"),
+                   text.get("max_position_embeddings", 0)),
         linear=linear,
         linear_k_heads=text["linear_num_key_heads"],
         linear_v_heads=text["linear_num_value_heads"],

@@ -136,7 +136,8 @@ class HybridTransformer(nn.Module):
         self.lm_head = None if tied else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def place(self, device: torch.device) -> None:
-        self.inv_freq = inverse_frequencies(self.cfg.rope, self.cfg.rotary_dim).to(device)
+        inv_freq, self.rope_scale = inverse_frequencies(self.cfg.rope, self.cfg.rotary_dim)
+        self.inv_freq = inv_freq.to(device)
 
     def set_chunked_prefill(self, chunked: bool) -> None:
         """Chunked (the default) or token-by-token delta rule in prefill; the tools compare both."""
@@ -147,7 +148,7 @@ class HybridTransformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
         """tokens, positions: [tokens], the rows' end to end; row.kv[layer] is a HybridLayerState.
         Returns each row's last-token logits, [rows, vocab]."""
-        rope = angles(positions[None], self.inv_freq)
+        rope = angles(positions[None], self.inv_freq, self.rope_scale)
         h = self.model.embed_tokens(tokens)
         for i, block in enumerate(self.model.layers):
             h = block(h, rope, i, rows)

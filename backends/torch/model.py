@@ -139,13 +139,16 @@ class Transformer(nn.Module):
 
     def place(self, device: torch.device) -> None:
         """Rope frequencies live outside the state dict: build them on the model's device."""
-        self.inv_freq_full = inverse_frequencies(self.cfg.rope_full, self.cfg.head_dim).to(device)
-        self.inv_freq_sliding = inverse_frequencies(self.cfg.rope_sliding, self.cfg.head_dim).to(device)
+        inv_freq_full, self.rope_scale_full = inverse_frequencies(self.cfg.rope_full, self.cfg.head_dim)
+        inv_freq_sliding, self.rope_scale_sliding = inverse_frequencies(self.cfg.rope_sliding, self.cfg.head_dim)
+        self.inv_freq_full, self.inv_freq_sliding = inv_freq_full.to(device), inv_freq_sliding.to(device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
         """tokens, positions: [tokens], the rows' end to end. Returns each row's last-token logits, [rows, vocab]."""
-        full = angles(positions[None], self.inv_freq_full)  # once per pass, shared by every layer of a kind
-        sliding = angles(positions[None], self.inv_freq_sliding) if any(self.cfg.sliding) else full
+        # once per pass, shared by every layer of a kind
+        full = angles(positions[None], self.inv_freq_full, self.rope_scale_full)
+        sliding = angles(positions[None], self.inv_freq_sliding, self.rope_scale_sliding) if any(self.cfg.sliding) \
+            else full
         h = self.model.embed_tokens(tokens)
         if self.cfg.gemma:
             h = h * torch.tensor(self.cfg.hidden_size**0.5, dtype=h.dtype)  # in the model dtype, as trained

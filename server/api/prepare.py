@@ -104,6 +104,8 @@ def template_message(index: int, message: ChatMessage, max_depth: int) -> dict[s
     for key in ("name", "tool_call_id", "reasoning_content"):
         if getattr(message, key) is not None:
             out[key] = getattr(message, key)
+    if message.reasoning_content is not None:  # gpt-oss's template reads it as `thinking`
+        out["thinking"] = message.reasoning_content
     if message.tool_calls is not None:
         out["tool_calls"] = template_tool_calls(message.tool_calls, max_depth)
     return out
@@ -179,7 +181,9 @@ async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Req
         text = await tokenizer.render_chat(messages, body.tools, kwargs, tenant)
     rendered = messages, body.tools
     tool_format = config.tool_parser
-    if body.tools and tool_format == "auto" and resolve_tool_parser("auto", tokenizer.chat_template) is None:
+    vocabulary, named = tokenizer.vocabulary, tokenizer.tool_parser_type
+    if body.tools and tool_format == "auto" and not resolve_tool_parser("auto", tokenizer.chat_template, vocabulary,
+                                                                          named):
         # A template that teaches no tool format may still render tools its own way; only one that
         # renders none at all (the text is the same without them) gets the Hermes block.
         if text == await tokenizer.render_chat(messages, None, kwargs, tenant):
@@ -187,7 +191,7 @@ async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Req
             text = await tokenizer.render_chat(*rendered, kwargs, tenant)
             tool_format = "hermes"
     parser = output_parser(tool_format, config.reasoning_parser, tokenizer.chat_template, text, body.tools,
-                           choice, tool_name, make_call_id)
+                           choice, tool_name, make_call_id, vocabulary, named)
     prompt = await tokenizer.encode_rendered(text, tenant)
     if parser.prompt_suffix:  # encoded on its own: the prompt before it keeps the tokens other turns share
         prompt += await tokenizer.encode_rendered(parser.prompt_suffix, tenant)
@@ -196,9 +200,9 @@ async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Req
         max_tokens=body.max_completion_tokens or body.max_tokens, session=session,
         scope=scope, logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
     )
-    ask = request_ask(body.response_format, parser.tool_parser.name if parser.tool_parser else None, body.tools,
+    ask = request_ask(body.response_format, parser.call_format, body.tools,
                       choice, tool_name, parser.prompt_suffix,  # type: ignore[arg-type]
-                      parallel=body.parallel_tool_calls is not False)
+                      parallel=body.parallel_tool_calls is not False, specials=tokenizer.specials)
     if ask is not None:
         generate.constraint = await state.grammars().compile(ask, scope)
     checkpoints = state.engine.recurrent_checkpoints

@@ -186,7 +186,8 @@ async def respond(request: web.Request, state: AppState, job: Job, reply: Reply 
         state.fingerprints.made(job.generate.request_id, scope.tenant)
     digest = state.engine.index.digest(scope) if state.engine.index is not None else scope.tenant_hash
     choices.ended = lambda usage: state.reuse.ended(job.generate.request_id, scope, digest, usage)
-    async with generation(state.engine, job.generate, tokenizer, job.stops, keepalive_s=keepalive) as events:
+    async with generation(state.engine, job.generate, tokenizer, job.stops, keepalive_s=keepalive,
+                          markup=job.parser is not None) as events:
         if not stream:
             async for event in events:
                 match event:

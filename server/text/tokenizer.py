@@ -43,6 +43,22 @@ class PromptTokenizer:
         self.variables = TemplateVariables.of(tokenizer.chat_template, frozenset(tokenizer.special_tokens_map))
         self.workers = FairWorkers(TOKENIZE_THREADS, "kvfork-tokenize", lambda: _Own(copy.deepcopy(tokenizer)))
         self._token_texts: dict[int, str] = {}
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        # The added tokens' texts: some tool-call and thinking formats are told by them (Kimi K3's XTML).
+        self.vocabulary = frozenset(t.content for t in added.values())
+        # Special tokens, text -> id: a grammar refers to markup tokens by id (server/toolcalls/lark.py).
+        self.specials = {t.content: i for i, t in added.items() if t.special}
+        self._hidden: frozenset[int] | None = None  # special ids decode drops when some are kept
+        named = getattr(tokenizer, "init_kwargs", {}).get("tool_parser_type")
+        self.tool_parser_type = named if isinstance(named, str) else None  # mlx-lm's key, set by MLX conversions
+
+    def keep_special(self, texts: Sequence[str]) -> None:
+        """Keep the special tokens among `texts` in `decode_markup`'s text (the markup of the model's
+        tool-call and thinking formats: Harmony's `<|channel|>`, Kimi's `<|tool_call_begin|>`), dropping
+        the others as `decode` does; the output parsers read the markup and no client sees it."""
+        kept = {self.specials[t] for t in texts if t in self.specials}
+        if kept:
+            self._hidden = frozenset(set(self.specials.values()) | set(self.tokenizer.all_special_ids)) - kept
 
     @classmethod
     def load(cls, folder: str, chat_template: str | None = None) -> "PromptTokenizer":
@@ -136,6 +152,13 @@ class PromptTokenizer:
         # No clean-up: it rewrites text already streamed (" ." -> "."), which
         # would break the incremental detokenizer's prefix rule.
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def decode_markup(self, tokens: Sequence[int]) -> str:
+        """`decode`, with the special tokens `keep_special` named kept: the text the output parsers read."""
+        if self._hidden is None:
+            return self.decode(tokens)
+        return self.tokenizer.decode([t for t in tokens if t not in self._hidden], skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
 
     def token_text(self, token: int) -> str:
         """One token's own text, for logprobs (special tokens included); kept once decoded (a stream of 8

@@ -20,7 +20,9 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
+
+from kvfork.server.toolcalls.lark import CallGrammar
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ Event = TextDelta | ReasoningDelta | ToolCallStart | ToolCallArguments
 class ParsedCall:
     name: str
     arguments: dict[str, Any]
+    id: str | None = None  # the model's own id for the call (Kimi's `functions.NAME:0`): its template renders it back
 
 
 def openai_call_id() -> str:
@@ -79,9 +82,23 @@ MAX_HELD_WS = 4
 
 
 class ToolParser:
-    """Base: holds the event bookkeeping; subclasses decide where calls are."""
+    """Base: holds the event bookkeeping; subclasses decide where calls are.
+
+    A family's module also says how its calls are constrained (server/grammar.py joins them):
+    `call_grammar` writes one call to one function, `separator` goes between parallel calls, `block`
+    wraps a turn's calls where the family writes them in one (Kimi's section), and `trigger` is the text
+    that opens a call when tool_choice is auto (None: the whole reply is calls).
+    `special_markers` are its markup pieces that may be special tokens of the model's tokenizer: the
+    detokenizer keeps them in the text (server/text/tokenizer.py) so the parser can see them.
+    """
 
     name = ""
+    parse_calls = True  # False: the parser reads the reply's structure (Harmony's channels) but no calls
+    constrains_auto = True  # tool_choice auto gets a grammar that holds the calls the model opens
+    separator = "\n"
+    block = ("", "")
+    trigger: str | None = None
+    special_markers: tuple[str, ...] = ()
 
     def __init__(self, tools: list[dict] | None = None, make_id: Callable[[], str] = openai_call_id):
         self.tools = {t["function"]["name"]: t["function"] for t in tools or () if t.get("type") == "function"}
@@ -89,6 +106,10 @@ class ToolParser:
         self.calls = 0
         self._pending_ws = ""  # trailing whitespace of released text, held in case a call follows
         self._after_call = False
+
+    @classmethod
+    def prepare(cls) -> None:
+        """Load what the family's parser needs, at start rather than in the first request."""
 
     def feed(self, text: str) -> list[Event]:
         raise NotImplementedError
@@ -100,10 +121,16 @@ class ToolParser:
         """Text that starts a call (to `name`, when given): appended to the prompt to force one."""
         raise NotImplementedError
 
+    @classmethod
+    def call_grammar(cls, function: dict[str, Any], index: int, specials: Mapping[str, int]) -> CallGrammar:
+        """One call to `function` (the tools' `index`th) in this family's markup, its arguments held to the
+        function's parameters."""
+        raise NotImplementedError
+
     def _calls(self, calls: list[ParsedCall], out: list[Event]) -> None:
         self._pending_ws, self._after_call = "", True
         for call in calls:
-            out.append(ToolCallStart(self.calls, self.make_id(), call.name))
+            out.append(ToolCallStart(self.calls, call.id or self.make_id(), call.name))
             out.append(ToolCallArguments(self.calls, arguments_json(call.arguments)))
             self.calls += 1
 
@@ -140,6 +167,12 @@ class MarkupToolParser(ToolParser):
     """
 
     markers: tuple[tuple[str, str], ...] = ()
+    unclosed_is_text = False  # True: a call the reply ends inside of is text, however much of it parses
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.markers and "trigger" not in cls.__dict__:
+            cls.trigger = cls.markers[0][0]
 
     def __init__(self, tools: list[dict] | None = None, make_id: Callable[[], str] = openai_call_id):
         super().__init__(tools, make_id)
@@ -155,6 +188,8 @@ class MarkupToolParser(ToolParser):
         out: list[Event] = []
         while True:
             if self._open:
+                if not self._open[1]:  # no closing marker: the calls run to the end of the reply
+                    break
                 at = self._buffer.find(self._open[1], self._searched)
                 if at < 0:  # a long call is searched once, not again on every delta
                     self._searched = max(0, len(self._buffer) - len(self._open[1]) + 1)
@@ -189,7 +224,7 @@ class MarkupToolParser(ToolParser):
         assert self._open
         opening, closing = self._open
         self._open = None
-        calls = self.parse_call(opening, body)
+        calls = None if self.unclosed_is_text and closing and not closed else self.parse_call(opening, body)
         if calls is None:  # malformed: the model's text, markup and all
             self._text(opening + body + (closing if closed else ""), out)
         else:

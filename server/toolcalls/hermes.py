@@ -6,16 +6,24 @@ Some models put a JSON list of calls in one element; each must be a call.
 from __future__ import annotations
 
 import json
+from typing import Any, Mapping
 
 from kvfork.server.toolcalls.base import MarkupToolParser, ParsedCall, call_from_json, json_object
+from kvfork.server.toolcalls.lark import CallGrammar, json_value, parameters
 
 
 class HermesParser(MarkupToolParser):
     name = "hermes"
+    aliases = ("json_tools",)  # mlx-lm's name for the same markup
     markers = (("<tool_call>", "</tool_call>"),)
 
     def opening(self, name: str | None) -> str:
         return "<tool_call>\n" + (f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ' if name else "")
+
+    @classmethod
+    def call_grammar(cls, function: dict[str, Any], index: int, specials: Mapping[str, int]) -> CallGrammar:
+        return CallGrammar('<tool_call>\n{"name": ' + json.dumps(function["name"], ensure_ascii=False)
+                           + ', "arguments": ', json_value(parameters(function), function), "}\n</tool_call>")
 
     def parse_call(self, opening: str, body: str) -> list[ParsedCall] | None:
         value = json_object(body.strip())

@@ -9,8 +9,10 @@ JSON is complete and names a function; anything else falls back to text.
 from __future__ import annotations
 
 import json
+from typing import Any, Mapping
 
 from kvfork.server.toolcalls.base import Event, ParsedCall, ToolParser, call_from_json, held_prefix
+from kvfork.server.toolcalls.lark import CallGrammar, json_value, parameters
 
 PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder()
@@ -18,6 +20,8 @@ _DECODER = json.JSONDecoder()
 
 class Llama3Parser(ToolParser):
     name = "llama3"
+    separator = "; "
+    special_markers = (PYTHON_TAG,)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -46,6 +50,11 @@ class Llama3Parser(ToolParser):
 
     def opening(self, name: str | None) -> str:
         return '{"name": ' + (json.dumps(name, ensure_ascii=False) + ', "parameters": ' if name else "")
+
+    @classmethod
+    def call_grammar(cls, function: dict[str, Any], index: int, specials: Mapping[str, int]) -> CallGrammar:
+        return CallGrammar('{"name": ' + json.dumps(function["name"], ensure_ascii=False) + ', "parameters": ',
+                           json_value(parameters(function), function), "}")
 
     def finish(self) -> list[Event]:
         out: list[Event] = []

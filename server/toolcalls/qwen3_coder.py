@@ -16,9 +16,10 @@ numbers, booleans, objects or arrays (a value that does not fit stays text).
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Mapping
 
 from kvfork.server.toolcalls.base import MarkupToolParser, ParsedCall, json_object
+from kvfork.server.toolcalls.lark import CallGrammar, in_order, parameter_rules
 
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)
@@ -62,6 +63,15 @@ class Qwen3CoderParser(MarkupToolParser):
 
     def opening(self, name: str | None) -> str:
         return "<tool_call>\n<function=" + (f"{name}>\n" if name else "")
+
+    @classmethod
+    def call_grammar(cls, function: dict[str, Any], index: int, specials: Mapping[str, int]) -> CallGrammar:
+        """`<function=NAME>` then one `<parameter=KEY>` element per property, in the schema's order: required
+        ones always, the others optional. String values are free text up to the closing tag; others JSON."""
+        parts, rules = parameter_rules(function, index, lambda key: f"<parameter={key}>\n", "\n</parameter>\n",
+                                       specials)
+        return CallGrammar(f"<tool_call>\n<function={function['name']}>\n", in_order(parts),
+                           "</function>\n</tool_call>", rules)
 
     def parse_call(self, opening: str, body: str) -> list[ParsedCall] | None:
         text = body.strip() if opening == "<tool_call>" else opening + body + "</function>"

@@ -95,10 +95,12 @@ def project(root: Path, memory_bytes: int = 0) -> Path:
 
 
 async def run_client(client: Client, kvfork_url: str, context: int, turns: int, record: Path | None,
-                     timeout_s: float, work: Path | None = None, label: str | None = None) -> Row:
-    """One session of `client` (`label` in the table) in `work` (default: a project of its own)."""
+                     timeout_s: float, work: Path | None = None, label: str | None = None,
+                     root: Path | None = None) -> Row:
+    """One session of `client` (`label` in the table) in `work` (default: a project of its own), its user's
+    home and configuration under `root` (default: a folder of its own)."""
     label = label or client.name
-    root = Path(tempfile.mkdtemp(prefix=f"kvfork-{client.name}-"))
+    root = root or Path(tempfile.mkdtemp(prefix=f"kvfork-{client.name}-"))
     work = work or project(root)
     path = binary(client)
     row = Row(label, "not installed", asked=turns)
@@ -175,14 +177,16 @@ async def serve_and_run(args: argparse.Namespace, names: list[str]) -> list[Row]
 
 
 async def shared_project(kvfork_url: str, context: int, args: argparse.Namespace) -> list[Row]:
-    """Two Claude Code sessions, one after the other, in one project with a large CLAUDE.md: the second's
-    first request shares the first's system prompt and tools, which reuse must serve (a long cached
-    prompt once made every later session sharing its start fail)."""
+    """Two Claude Code sessions of one user, one after the other, in one project with a large CLAUDE.md:
+    the second's first request shares the first's system prompt and tools (its memory path is the user's
+    and the project's), which reuse must serve (a long cached prompt once made every later session
+    sharing its start fail)."""
     folder = Path(tempfile.mkdtemp(prefix="kvfork-project-"))
     work = project(folder, args.claude_md)
     try:
         return [await run_client(CLIENTS["claude"], kvfork_url, context, 1, args.record, args.timeout, work,
-                                 f"claude, session {i} in a project with a {args.claude_md // 1000} KB CLAUDE.md")
+                                 f"claude, session {i} in a project with a {args.claude_md // 1000} KB CLAUDE.md",
+                                 folder)
                 for i in (1, 2)]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
