@@ -43,6 +43,8 @@ from typing import Any, Collection, Container, Literal, Sequence
 
 import numpy as np
 
+from kvfork.backends.device_memory import DeviceMemory, cpu_memory
+
 
 class CloneRefused(Exception):
     """A clone that cannot reproduce `[0, upto)`. A refusal changes nothing."""
@@ -459,6 +461,11 @@ class Backend(abc.ABC):
         """Bytes releasing this session would free now: its own that nobody reads, and pooled blocks
         nobody else reads."""
         return self.session_bytes(session)
+
+    def memory(self, step_tokens: int) -> DeviceMemory:
+        """After `load`: what the device reports about its memory, with the loaded weights and, where the
+        backend measures it, the activation peak of a `step_tokens` step (0: do not measure)."""
+        return cpu_memory()
 
     def pooled_bytes(self) -> int:
         """Bytes of blocks whose writer was released and that other sessions still read (0 where

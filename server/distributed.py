@@ -33,7 +33,9 @@ from kvfork.backends.lockstep import JoinError, Ranks, join
 from kvfork.backends.lockstep.follower import Follower
 from kvfork.backends.lockstep.leader import LockstepBackend
 from kvfork.server.config import ServerConfig
-from kvfork.server.engine.config import KV_BUDGET_FRACTION, EngineConfig, physical_memory_bytes
+from kvfork.backends.device_memory import weights_on_disk
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.engine.memory_plan import shared_host_plan
 
 
 def serve(config: ServerConfig, engine_config: EngineConfig, model: str) -> int:
@@ -46,7 +48,7 @@ def serve(config: ServerConfig, engine_config: EngineConfig, model: str) -> int:
         return follow(ranks)
     from kvfork.server.serve import run
 
-    engine_config = shared_budget(engine_config, ranks.local)
+    engine_config = shared_budget(engine_config, model, ranks)
 
     leader = LockstepBackend(ranks.backend, ranks.channel, config.rank_timeout)
     try:
@@ -56,13 +58,17 @@ def serve(config: ServerConfig, engine_config: EngineConfig, model: str) -> int:
     return leave(ranks, code, healthy=leader.stopped)
 
 
-def shared_budget(engine_config: EngineConfig, local: int) -> EngineConfig:
-    """The default KV budget is a share of the machine's memory: ranks on one machine split it (each rank
-    holds as much KV as rank 0, whose budget the engine keeps)."""
-    if engine_config.kv_budget_bytes is not None or local <= 1:
+def shared_budget(engine_config: EngineConfig, model: str, ranks: Ranks) -> EngineConfig:
+    """Ranks on one machine's memory split what their parts of the weights leave (each rank holds as much KV
+    as rank 0, whose budget the engine keeps). Ranks on GPUs have a device each: rank 0's own plan holds."""
+    local = ranks.local
+    on_gpu = str(getattr(ranks.backend, "device", "cpu")).startswith("cuda")
+    if engine_config.kv_budget_bytes is not None or local <= 1 or on_gpu:
         return engine_config
-    budget = int(KV_BUDGET_FRACTION * physical_memory_bytes() / local)
-    print(f"kvfork: {local} ranks on this machine: a KV budget of {budget / 1024**3:.2f} GiB each", flush=True)
+    plan = shared_host_plan(weights_on_disk(model) // local, local)
+    budget = plan.kv_budget_bytes
+    print(f"kvfork: {local} ranks on this machine: a KV budget of {budget / 1024**3:.2f} GiB each ({plan.reason})",
+          flush=True)
     return dataclasses.replace(engine_config, kv_budget_bytes=budget)
 
 

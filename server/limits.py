@@ -35,19 +35,22 @@ def _positive(v: Any) -> str | None:
 
 @dataclass(frozen=True)
 class Limits:
-    max_body_bytes: int = setting(16 * MiB, "largest request body; bigger gets 413", check=at_least(1024))
+    SETTINGS_GROUP = "limits"
+
+    max_body_bytes: int = setting(16 * MiB, "largest request body; bigger gets 413", check=at_least(1024),
+                                  size=True)
     max_json_depth: int = setting(128, "deepest nesting of arrays and objects in a request body", check=at_least(8))
     max_messages: int = setting(100_000, "most messages in one chat, Messages or Responses request (Anthropic's "
                                 "limit)", check=at_least(1))
     max_prompt_chars: int | None = setting(None, "most characters of messages and tools a request may send to be "
-                                           f"rendered and tokenized (None: {CHARS_PER_CONTEXT_TOKEN} x the context "
+                                           f"rendered and tokenized (default: {CHARS_PER_CONTEXT_TOKEN} x the context "
                                            "length)", check=at_least(1))
     max_tools: int = setting(128, "most tools in a chat completions or Responses request (OpenAI's limit; "
                              "/v1/messages tools are bounded by --max-prompt-chars alone, as Anthropic sets no "
                              "count)", check=at_least(1))
     max_schema_bytes: int = setting(256 * KiB, "largest JSON schema a grammar is compiled from: a response_format "
                                     "schema, or the tools' parameters together under tool_choice",
-                                    check=at_least(1024))
+                                    check=at_least(1024), size=True)
     max_stop: int = setting(4, "most stop strings on chat and completions (OpenAI's limit)", check=at_least(1))
     max_stop_sequences: int = setting(256, "most stop_sequences on /v1/messages (Anthropic sets no limit: a "
                                       "generous one)", check=at_least(1))
@@ -61,7 +64,7 @@ class Limits:
                                         "(/v1/responses), its oldest out first", check=at_least(1))
     max_stored_response_bytes: int = setting(64 * MiB, "bytes of stored responses (their conversations "
                                              "included) each tenant keeps, its oldest out first",
-                                             check=at_least(1024))
+                                             check=at_least(1024), size=True)
     grammar_compile_timeout: float = setting(5.0, "most seconds a request's grammar (response_format, "
                                              "tool_choice) may take to compile, in a process that is killed "
                                              "past it; the request then gets a 400", check=at_least(0.001))

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -25,6 +26,7 @@ from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.disk import kv_root
 from kvfork.server.engine.engine import Engine
 from kvfork.server.metrics import Registry
+from kvfork.server.model_source import Fetch
 from kvfork.server.observe import log_stats, register_vllm_names
 from kvfork.server.state import AppState
 from kvfork.server.text.tokenizer import PromptTokenizer
@@ -36,8 +38,10 @@ log = logging.getLogger("kvfork")
 
 
 class Daemon:
-    def __init__(self, config: ServerConfig, engine_config: EngineConfig, model: str, backend: Backend):
-        self.config, self.model = config, model
+    def __init__(self, config: ServerConfig, engine_config: EngineConfig, model: str, backend: Backend,
+                 fetch: Fetch | None = None):
+        """`fetch`: how to download (and convert) a model not on this machine yet, done first in `load`."""
+        self.config, self.model, self.fetch = config, model, fetch
         self.registry = Registry()
         self.kv_events = open_kv_events(config)
         self.engine = Engine(backend, model, config.dtype, engine_config, self.registry, kv_dir=kv_root(),
@@ -58,6 +62,11 @@ class Daemon:
         self.port = self.listener.port
 
     async def load(self) -> None:
+        progress = self.state.progress
+        progress.start()
+        if self.fetch is not None:
+            self.model = self.engine.model_path = await asyncio.to_thread(self.fetch, progress)
+        progress.enter("loading", Path(self.model).name)
         template = Path(self.config.chat_template).read_text(encoding="utf-8") if self.config.chat_template else None
         _, self.state.tokenizer = await asyncio.gather(
             self.engine.start(), asyncio.to_thread(PromptTokenizer.load, self.model, template)
@@ -66,7 +75,9 @@ class Daemon:
         if warning:
             log.warning(warning)
         if self.config.prefix_cache_warm:
+            progress.enter("warming", self.config.prefix_cache_warm)
             await warm(self.engine, self.state.tokenizer, self.config.prefix_cache_warm)
+        progress.enter("ready")
         if self.config.log_stats:
             self.stats = asyncio.create_task(log_stats(self.engine))
 
@@ -81,6 +92,7 @@ class Daemon:
             await self.close()
 
     async def close(self) -> None:
+        self.state.progress.stop()
         if self.stats is not None:
             self.stats.cancel()
         await self.engine.shutdown(self.config.shutdown_grace)
@@ -90,13 +102,25 @@ class Daemon:
         if self.kv_events is not None:
             self.kv_events.close()
 
+    def memory_fits(self) -> bool:
+        """Whether the KV budget holds one request at the full context (else: why not, on stderr); a budget
+        beyond what the device holds is warned of."""
+        plan = self.engine.memory
+        if plan.refusal is not None:
+            print(f"kvfork serve: error: {plan.refusal}", file=sys.stderr, flush=True)
+            return False
+        if plan.warning is not None:
+            print(f"kvfork: warning: {plan.warning}", file=sys.stderr, flush=True)
+        return True
+
     def loaded_line(self) -> str:
-        info, c = self.engine.info, self.engine.config
-        assert info is not None
+        info, c, plan = self.engine.info, self.engine.config, self.engine.memory
+        assert info is not None and plan is not None
         cache_cap = f"{c.prefix_cache_bytes / GiB:.2f} GiB" if c.prefix_cache_bytes else "no cap of its own"
         return (
             f"kvfork: loaded {info.name} ({len(info.layers)} layers, {info.dtype} on {info.device}, "
             f"context {c.max_context}) as {', '.join(self.state.served_names)}\n"
+            f"kvfork: KV budget {c.kv_budget_bytes / GiB:.2f} GiB: {plan.reason}\n"
             f"kvfork: set aside {c.kv_budget_bytes / GiB:.2f} GiB for KV state ({info.kv.full_bytes_per_token} "
             f"bytes/token): {c.inference_slots} inference slots, {c.max_captures} pending captures, prefix cache "
             f"of {c.prefix_cache_entries} entries ({cache_cap}){self._disk_line()}"
@@ -141,8 +165,9 @@ def pick_backend(name: str) -> tuple[str, Backend]:
 
 
 async def run(config: ServerConfig, engine_config: EngineConfig, model: str,
-              leader: LockstepBackend | None = None) -> int:
-    """Serve until a signal. `leader`: rank 0's backend of a model split over ranks (server/distributed.py)."""
+              leader: LockstepBackend | None = None, fetch: Fetch | None = None) -> int:
+    """Serve until a signal. `leader`: rank 0's backend of a model split over ranks (server/distributed.py);
+    `fetch`: the model is downloaded first (model_source.py)."""
     if leader is not None:
         backend_name, backend = f"{config.backend}, rank 0 of {leader.channel.size}, pid {os.getpid()}", leader
     else:
@@ -152,7 +177,7 @@ async def run(config: ServerConfig, engine_config: EngineConfig, model: str,
             print(f"kvfork: the {config.backend} backend cannot load here: {e}")
             return 1
     try:
-        daemon = Daemon(config, engine_config, model, backend)
+        daemon = Daemon(config, engine_config, model, backend, fetch)
     except OSError as e:  # the KV event sockets
         print(f"kvfork: KV events: {e}")
         return 1
@@ -190,6 +215,8 @@ async def run(config: ServerConfig, engine_config: EngineConfig, model: str,
             if loading.exception() is not None:  # a model the backend or the tokenizer cannot read
                 print(f"kvfork: loading {model} failed: {loading.exception()}")
                 return 1
+            if not daemon.memory_fits():
+                return 2
             print(daemon.loaded_line(), flush=True)
             await stopping
         print("kvfork: shutting down", flush=True)

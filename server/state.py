@@ -16,6 +16,7 @@ from kvfork.server.grammar import GrammarCompiler
 from kvfork.server.metrics import Counter, Registry
 from kvfork.server.api.diagnosis import Fingerprints
 from kvfork.server.api.responses.store import ResponseStore
+from kvfork.server.progress import StartProgress
 from kvfork.server.reuse import ReuseLog
 from kvfork.server.slow_clients import SlowClients
 from kvfork.server.tenants import key_tenants, KeyTable
@@ -30,6 +31,7 @@ class AppState:
     served_names: list[str]
     registry: Registry
     tokenizer: PromptTokenizer | None = None  # set once loaded
+    progress: StartProgress = field(default_factory=StartProgress)  # the start's phase, for /health
     created: int = field(default_factory=lambda: int(time.time()))
     _grammars: GrammarCompiler | None = None  # built on the first constrained request
     generation_rate: TokenRate = field(default_factory=TokenRate)  # /v1/loads' gen_throughput

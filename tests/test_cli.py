@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import urllib.request
+from typing import Iterator
 
 import pytest
 
@@ -82,19 +84,28 @@ def test_serve_preloads_openblas_for_mlx_only(tiny_model_dir, backend, preloaded
         process.wait(timeout=30)
 
 
-def test_serve_prints_what_it_loaded_and_where_and_stops_on_sigint(tiny_model_dir):
-    process = subprocess.Popen(
-        [sys.executable, "-m", "kvfork.server", "--model", tiny_model_dir("llama"), "--backend", "mlx", "--port", "0",
-         "--kv-budget-bytes", str(64 * 1024 * 1024), "--served-model-name", "tiny"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+@contextlib.contextmanager
+def started(*args: str, env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`python -m kvfork.server ARGS`, read up to its "set aside" line (or its exit): the process and its output so far.
+    Killed after the block if still running."""
+    process = subprocess.Popen([sys.executable, "-m", "kvfork.server", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=env)
     try:
         lines = []
         for line in process.stdout:  # type: ignore[union-attr]
             lines.append(line)
-            if "set aside" in line or process.poll() is not None:
+            if "set aside" in line:
                 break
-        text = "".join(lines)
+        yield process, "".join(lines)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+
+
+def test_serve_prints_what_it_loaded_and_where_and_stops_on_sigint(tiny_model_dir):
+    with started("--model", tiny_model_dir("llama"), "--backend", "mlx", "--port", "0", "--kv-budget-bytes", "64MiB",
+                 "--served-model-name", "tiny") as (process, text):
         url = re.search(r"listening on (http://127\.0\.0\.1:\d+)", text).group(1)  # type: ignore[union-attr]
         assert "loaded" in text and "as tiny" in text and "0.06 GiB for KV state" in text
         with urllib.request.urlopen(url + "/health") as r:
@@ -102,6 +113,18 @@ def test_serve_prints_what_it_loaded_and_where_and_stops_on_sigint(tiny_model_di
         process.send_signal(signal.SIGINT)
         rest = process.communicate(timeout=60)[0]
         assert process.returncode == 0 and "shutting down" in rest
-    finally:
-        if process.poll() is None:
-            process.kill()
+
+
+def test_a_start_prints_the_budget_it_chose_and_why_and_refuses_one_too_small(tiny_model_dir):
+    model = tiny_model_dir("llama")
+    with started("--model", model, "--backend", "mlx", "--port", "0") as (_, text):
+        # the device's rule: physical memory on a CPU, Metal's working set on Apple Silicon; a tiny model's weights
+        budget = re.search(r"kvfork: KV budget (\S+) GiB: (0\.75 of \S+ GiB physical memory|\S+'s recommended "
+                           r"working set) .* - 0\.00 GiB weights - \S+ GiB headroom", text)
+        assert budget is not None, text
+        assert f"set aside {budget.group(1)} GiB for KV state" in text
+    with started("--model", model, "--backend", "mlx", "--port", "0", "--kv-budget-bytes", "4KiB") as (process, text):
+        assert process.wait(timeout=60) == 2
+    refusal = [line for line in text.splitlines() if line.startswith("kvfork serve: error:")]
+    assert len(refusal) == 1 and "cannot hold one request at the full context" in refusal[0]
+    assert refusal[0].endswith("raise --kv-budget-bytes or lower --max-context")

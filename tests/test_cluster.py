@@ -49,6 +49,13 @@ def free_base_port(span: int) -> int:
     raise RuntimeError("no run of free ports")
 
 
+def readable(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:  # a process that ended meanwhile
+        return b""
+
+
 def pid_listening_on(port: int) -> int:
     """The replica serving `port`: the `kvfork serve` process whose command line names it."""
     for entry in Path("/proc").iterdir():
@@ -119,15 +126,20 @@ async def test_two_replicas_behind_smg(tiny_model_dir, tmp_path):
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvfork.server.cli", "cluster", "--replicas", "2", "--port", str(port),
         "--model", tiny_model_dir("llama"), "--backend", "torch", "--served-model-name", "tiny",
-        "--kv-budget-bytes", str(256 * 1024 * 1024), "--api-key", KEY, "--prefix-cache-min-tokens", "16",
-        "--shutdown-grace", "2",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env={**os.environ, "KVFORK_HOME": str(tmp_path)})
+        "--kv-budget-bytes", "256MiB", "--prefix-cache-min-tokens", "16", "--shutdown-grace", "2",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, "KVFORK_HOME": str(tmp_path), "KVFORK_API_KEY": KEY})
     cluster = Cluster(proc)
     try:
         await cluster.line(rf"^gateway: {re.escape(gateway)}$")
         assert [(await cluster.line(rf"^replica {i}: (\S+)$")).group(1) for i in (1, 2)] == replicas
         # one KV budget, split; a disk tier each
         assert all((tmp_path / "cluster" / f"replica-{i}" / "kv").is_dir() for i in (1, 2))
+        # the key reaches the replicas in their environment: no command line on this machine holds it
+        for url in replicas:
+            pid = pid_listening_on(int(url.rsplit(":", 1)[1]))
+            assert KEY.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert not [p for p in Path("/proc").glob("[0-9]*/cmdline") if KEY.encode() in readable(p)]
         async with aiohttp.ClientSession() as http:
             # Bearer keys pass through smg to the replicas, which check them (smg drops x-api-key)
             status, body = await chat(http, gateway, "hello", headers={})

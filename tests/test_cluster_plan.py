@@ -93,3 +93,25 @@ def test_smgs_control_plane_is_keyed_and_no_command_line_holds_the_key(tiny_mode
     # every child imports only kvfork's code: isolated mode, kvfork's folder by its absolute path
     for replica in p.replicas:
         assert replica[:2] == [sys.executable, "-I"] and os.path.isabs(replica[4])
+
+
+def test_keys_reach_the_replicas_in_their_environment_never_on_a_command_line(tiny_model_dir, capsys):
+    p = cluster.plan(["--replicas", "2", "--model", tiny_model_dir("llama"), "--api-key", "k-one", "--api-key=k-two",
+                      "--metrics-key", "m-key"])
+    for argv in [*p.replicas, p.gateway]:
+        assert not [arg for arg in argv if any(k in arg for k in ("k-one", "k-two", "m-key"))]
+        assert "--api-key" not in argv and "--metrics-key" not in argv
+    assert p.replica_env["KVFORK_API_KEY"] == "k-one,k-two" and p.replica_env["KVFORK_METRICS_KEY"] == "m-key"
+    # given on the cluster's own command line, they work, with a warning that every local user can read them
+    assert "--api-key is on the command line" in capsys.readouterr().err
+
+
+def test_without_a_budget_each_replica_gets_its_share_of_what_the_weights_leave(tiny_model_dir):
+    from kvfork.backends.device_memory import weights_on_disk
+    from kvfork.server.engine.memory_plan import shared_host_plan
+
+    model = tiny_model_dir("llama")
+    p = cluster.plan(["--replicas", "2", "--model", model])
+    budget = int(p.replicas[0][p.replicas[0].index("--kv-budget-bytes") + 1])
+    assert budget == shared_host_plan(weights_on_disk(model), 2).kv_budget_bytes > 0
+    assert budget < shared_host_plan(weights_on_disk(model), 1).kv_budget_bytes / 2 + 1

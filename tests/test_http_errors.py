@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 import aiohttp
 import pytest
 
-from http_daemon import chat_body, serving
+from http_daemon import TEST_ENGINE, chat_body, serving
 from scripted_backend import ScriptedBackend
 from kvfork.tools.soak import MALFORMED, fuzz_bodies
 
@@ -24,7 +24,8 @@ async def http():
 
 async def error_of(response: aiohttp.ClientResponse) -> dict:
     body = await response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    beside = {"status", "phase"} if response.url.path == "/health" else set()  # /health says where a start is
+    assert set(body) == {"error", *beside} and set(body["error"]) == {"message", "type", "param", "code"}
     assert body["error"]["message"] and "Traceback" not in body["error"]["message"]
     return body["error"]
 
@@ -144,9 +145,15 @@ async def test_not_ready_until_loaded(tiny_model_dir, http):
         await expect(http, "GET", d.url + "/health", 503, "not_ready")
         await expect(http, "POST", d.url + CHAT, 503, "not_ready", json=chat_body())
         await expect(http, "POST", d.url + "/v1/sessions/a/reset", 503, "not_ready")
+        async with http.get(d.url + "/health") as r:
+            assert (await r.json())["phase"] == "loading"
         await d.load()
         async with http.get(d.url + "/health") as r:
-            assert r.status == 200
+            body = await r.json()
+            assert r.status == 200 and body["status"] == "ok" and body["phase"] == "ready"
+            plan = body["memory"]  # the memory plan the KV budget came from
+            assert plan["kv_budget_bytes"] == TEST_ENGINE["kv_budget_bytes"] and "--kv-budget-bytes" in plan["reason"]
+            assert plan["device"]["weights_bytes"] > 0 and plan["device"]["kind"] in ("cpu", "metal")
 
 
 async def test_capacity_exhausted(tiny_model_dir, http):
@@ -191,6 +198,8 @@ async def test_health_is_503_once_the_runner_has_died(tiny_model_dir, http):
             await d.load()
         error = await expect(http, "GET", d.url + "/health", 503, "not_ready")
         assert "stopped" in error["message"]
+        async with http.get(d.url + "/health") as r:
+            assert (await r.json())["status"] == "failed"
         await expect(http, "POST", d.url + CHAT, 503, "not_ready", json=chat_body())
 
 

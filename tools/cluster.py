@@ -48,11 +48,10 @@ from typing import NoReturn
 
 import aiohttp
 
-from kvfork.server.config import ServerConfig
+from kvfork.backends.device_memory import weights_on_disk
+from kvfork.server.engine.memory_plan import shared_host_plan
 from kvfork.server.isolated import module_command
 from kvfork.server.kv_events import loopback
-from kvfork.server.engine.config import KV_BUDGET_FRACTION, EngineConfig, physical_memory_bytes
-from kvfork.server.settings import from_args
 from kvfork.backends.model_path import kvfork_home
 
 HOST = "127.0.0.1"  # replicas and the gateway: loopback only (several machines: the README's recipe)
@@ -135,25 +134,23 @@ def plan(argv: list[str]) -> Plan:
     ports = [args.port, *range(args.port + 1, args.port + 1 + args.replicas), metrics_port]
     if min(ports) < 1 or max(ports) > 65535 or len(set(ports)) != len(ports):
         p.error(f"ports {min(ports)}..{max(ports)} do not fit (each replica takes the port after the gateway's)")
-    from kvfork.server.cli import serve_parser  # the replicas' own flags, checked as `kvfork serve` checks them
+    from kvfork.server.cli import announce, read_settings, serve_parser  # the replicas' flags, checked as serve checks them
 
     serve = serve_parser()
     serve.prog = "kvfork cluster (replica flags)"
-    given = serve.parse_args(serve_args)
-    try:
-        from_args(ServerConfig, given)
-        from_args(EngineConfig, given)
-    except ValueError as e:
-        p.error(str(e))
-    if given.host != HOST:
+    _, config, engine_config, found = read_settings(serve, serve_args)
+    announce(found)
+    if config.host != HOST:
         p.error(f"--host is the cluster's to set: everything listens on {HOST} (several machines: the README)")
-    budget = given.kv_budget_bytes or int(KV_BUDGET_FRACTION * physical_memory_bytes())
-    model = given.model or str(_default_model())
-    share = budget // args.replicas
-    own = ("--model", "--kv-budget-bytes", "--kv-events-endpoint", "--kv-events-replay-endpoint")
+    model = config.model or str(_default_model())
+    share = engine_config.kv_budget_bytes // args.replicas if engine_config.kv_budget_bytes else \
+        shared_host_plan(weights_on_disk(model), args.replicas).kv_budget_bytes
+    # Keys reach the replicas in their environment, never on a command line every local user can read.
+    own = ("--model", "--kv-budget-bytes", "--kv-events-endpoint", "--kv-events-replay-endpoint", "--api-key",
+           "--metrics-key")
     base = [*module_command("kvfork.server"), *_without(serve_args, *own),
             "--model", model, "--kv-budget-bytes", str(share), "--host", HOST]
-    replicas = [[*base, "--port", str(args.port + 1 + i), *_kv_events(given.kv_events_endpoint, i, p)]
+    replicas = [[*base, "--port", str(args.port + 1 + i), *_kv_events(config.kv_events_endpoint, i, p)]
                 for i in range(args.replicas)]
     homes = [kvfork_home() / "cluster" / f"replica-{i + 1}" for i in range(args.replicas)]
     gateway = ["launch", "--host", HOST, "--port", str(args.port),
@@ -168,9 +165,13 @@ def plan(argv: list[str]) -> Plan:
                "--disable-tokenizer-autoload"]
     if args.sticky_sessions:
         gateway += ["--sticky-sessions", "--assignment-mode", args.assignment]
-    threads = {} if "OMP_NUM_THREADS" in os.environ else {
+    env = {} if "OMP_NUM_THREADS" in os.environ else {
         "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.replicas))}
-    return Plan(args.port, metrics_port, replicas, homes, gateway, secrets.token_urlsafe(32), threads)
+    if config.api_key:
+        env["KVFORK_API_KEY"] = ",".join(config.api_key)
+    if config.metrics_key:
+        env["KVFORK_METRICS_KEY"] = config.metrics_key
+    return Plan(args.port, metrics_port, replicas, homes, gateway, secrets.token_urlsafe(32), env)
 
 
 def _kv_events(endpoint: str | None, index: int, p: Parser) -> list[str]:

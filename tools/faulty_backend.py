@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Collection, Sequence
 
 from kvfork.backends.base import Backend, BatchFailed, ModelInfo, RowState, Sampled, SamplerState, SavedState, Session
+from kvfork.backends.device_memory import DeviceMemory
 
 KINDS = ("prefill", "decode", "sample", "clone", "capture")
 
@@ -262,6 +263,9 @@ class FaultyBackend(Backend):
 
     def release_frees(self, session: Session) -> int:
         return self.inner.release_frees(session)
+
+    def memory(self, step_tokens: int) -> DeviceMemory:
+        return self.inner.memory(step_tokens)
 
     def pooled_bytes(self) -> int:
         return self.inner.pooled_bytes()

@@ -8,6 +8,10 @@ the device's own measured copy bandwidth, and its time against the prefill's.
 First, where FlashAttention imports: its attention against torch's SDPA on the
 backend's own KV layout (decode, a causal chunk, a sliding chunk), values and time.
 Random weights give meaningless tokens but the same work as trained ones.
+Per shape too, the memory plan on CUDA (server/engine/memory_plan.py): what the device
+reports, the weights' bytes against their parameter count, the activation peak of a full
+step measured as the daemon measures it at load, and the KV budget they leave under
+--gpu-memory-utilization 0.9.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from kvfork.backends.torch.backend import DTYPES, TorchBackend, default_dtype
 from kvfork.backends.model_info import model_facts
 from kvfork.backends.torch.config import parse_config
 from kvfork.backends.torch.model import Transformer
+from kvfork.server.engine.memory_plan import GiB, plan_memory
 
 # Qwen2.5-0.5B and Mistral-7B shapes (a GQA llama of 7.2B parameters).
 SHAPES = {
@@ -86,6 +91,23 @@ def check_flash(device: torch.device, clock: Clock, dtype: torch.dtype) -> None:
               f"{flash_s * 1e6:.0f} us vs {sdpa_s * 1e6:.0f} us", flush=True)
 
 
+def check_memory(name: str, backend: TorchBackend, step_tokens: int) -> None:
+    """The device's reading and the KV budget it gives (the daemon's own calls), checked against torch's figures."""
+    reading = backend.memory(step_tokens)
+    params_bytes = sum(p.nbytes for p in backend.model.parameters())
+    total = torch.cuda.get_device_properties(backend.device).total_memory
+    assert reading.kind == "cuda" and reading.total_bytes == total
+    assert params_bytes <= reading.weights_bytes <= 1.05 * params_bytes + 2**20, (reading.weights_bytes, params_bytes)
+    assert reading.activation_bytes > 0, "a step's activation peak was not measured"
+    plan = plan_memory(reading, kv_budget_bytes=None, gpu_memory_utilization=0.9,
+                       request_bytes=backend.info.kv.bytes_for(backend.info.context_length))
+    left = 0.9 * reading.total_bytes - reading.weights_bytes - reading.activation_bytes
+    assert abs(plan.kv_budget_bytes - left) <= 1 and plan.refusal is None, plan
+    print(f"{name} memory: {reading.name} {reading.total_bytes / GiB:.2f} GiB, weights "
+          f"{reading.weights_bytes / GiB:.2f} GiB, activation peak of a {step_tokens}-token step {reading.activation_bytes / GiB:.2f} GiB -> KV budget "
+          f"{plan.kv_budget_bytes / GiB:.2f} GiB ({plan.reason})", flush=True)
+
+
 def check_shape(name: str, device: torch.device, dtype: str | None, prompt_len: int, steps: int, copy_bps: float) -> None:
     clock = Clock(device)
     backend = TorchBackend(str(device))
@@ -94,6 +116,8 @@ def check_shape(name: str, device: torch.device, dtype: str | None, prompt_len: 
     built = clock(lambda: backend.install(parse_config(config), random_weights(config, device, weights_dtype), name,
                                                   model_facts(config), dtype))
     params = sum(p.numel() for p in backend.model.parameters())
+    if device.type == "cuda":
+        check_memory(name, backend, prompt_len)
     prompt = torch.randint(0, config["vocab_size"], (prompt_len,)).tolist()
 
     warm, warm_len = backend.open_session(), min(256, prompt_len)  # kernels, allocator, cuBLAS plans

@@ -5,7 +5,9 @@
 #      (MLX rows and mlx-lm parity tests skip without MLX; tests/tiny_models.py then
 #      takes parameter shapes from our model code);
 #   2. FlashAttention against SDPA where flash_attn imports, then timings on random ~0.5B and ~7B-shaped models built in memory (tools/gpu_check.py):
-#      prefill and decode tokens/s, clone GB/s against the card's measured copy bandwidth;
+#      prefill and decode tokens/s, clone GB/s against the card's measured copy bandwidth; the memory plan
+#      (the device's reading, the weights, a step's measured activation peak, the KV budget under
+#      --gpu-memory-utilization 0.9), checked against torch's own figures;
 #   3. with 2 GPUs or more: one model over 2 of them (tensor parallel, NCCL; plans over gloo): the 2-rank
 #      backend tests on GPUs 0 and 1, then decode steps of a 0.5B-shaped model on 1 GPU against 2, with
 #      the plan broadcast and one NCCL all-reduce timed (tools/rank_bench.py). About 3 minutes.

@@ -33,6 +33,7 @@ import numpy as np
 
 from kvfork.backends import effects as e
 from kvfork.backends.base import Backend, BatchFailed, ModelInfo, Sampled, SamplerState, SavedState, Session, check_inputs
+from kvfork.backends.device_memory import DeviceMemory
 from kvfork.backends.lockstep import saved, wire
 from kvfork.backends.lockstep.channel import Channel
 from kvfork.backends.lockstep.loading import load_in_step
@@ -70,6 +71,10 @@ class LockstepBackend(Backend):
     @property
     def state_format(self) -> str:
         return f"{self.local.state_format}x{self.channel.size}"
+
+    def memory(self, step_tokens: int) -> DeviceMemory:
+        """Rank 0's device, unmeasured: a step on rank 0 alone would wait on collectives no other rank joins."""
+        return self.local.memory(0)
 
     # -- the effects ----------------------------------------------------
 

@@ -15,10 +15,12 @@ from typing import Any, Collection, Sequence
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from kvfork.backends.base import (Backend, BatchFailed, CloneRefused, ModelInfo, RowState, Sampled, SamplerState,
                            SavedLayer, SavedState, Session, check_inputs, clone_refusal)
+from kvfork.backends.device_memory import DeviceMemory, cpu_memory, metal_memory
 from kvfork.backends.mlx import kvcopy, recurrent, sampling
 from kvfork.backends.mlx.batch import DecodeBatch, cache_marks, unmoved
 from kvfork.backends.mlx.last_token import last_logits, supports_last_position
@@ -48,6 +50,11 @@ class MLXBackend(Backend):
         self._batch = DecodeBatch(self.model)
         self._last_only = supports_last_position(self.model)
         return self.info
+
+    def memory(self, step_tokens: int) -> DeviceMemory:
+        """Apple Silicon's unified memory (MLX's wired limit raised to Metal's working set), else the CPU's."""
+        weights = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+        return metal_memory(weights) if mx.metal.is_available() else cpu_memory(weights)
 
     def open_session(self) -> MLXSession:
         return self._track(MLXSession(make_prompt_cache(self.model), [0] * len(self._windows)))

@@ -10,6 +10,7 @@ the copy overlaps whatever the runner does meanwhile.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from pathlib import Path
 from typing import Any, Callable, Collection, Sequence
@@ -19,6 +20,7 @@ from safetensors import safe_open
 
 from kvfork.backends.base import (Backend, BatchFailed, BlockStats, KVCost, LayerAttention, ModelInfo, RowState, Sampled,
                            SamplerState, SavedLayer, SavedState, Session, check_inputs, clone_refusal)
+from kvfork.backends.device_memory import DeviceMemory, cpu_memory, cuda_memory
 from kvfork.backends.model_info import ModelFacts, read_model_facts
 from kvfork.backends.model_path import resolve_model
 from kvfork.backends.torch import checkpoints, hybrid, kv, packed_linear, parallel, sampling
@@ -132,6 +134,30 @@ class TorchBackend(Backend):
         self.pool = kv.BlockPool(full, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.info = self._describe(cfg, name, facts)
         return self.info
+
+    def memory(self, step_tokens: int) -> DeviceMemory:
+        """On CUDA the device's own memory, with a step's activation peak measured as vLLM profiles it."""
+        tensors = itertools.chain(self.model.parameters(), self.model.buffers())
+        weights = sum(t.nbytes for t in tensors) + sum(
+            m.nbytes for m in self.model.modules() if isinstance(m, packed_linear.PackedLinear))
+        if self.device.type != "cuda":
+            return cpu_memory(weights)
+        return cuda_memory(self.device, weights, self._activation_peak(step_tokens) if step_tokens else 0)
+
+    def _activation_peak(self, tokens: int) -> int:
+        """Peak bytes one prefill of `tokens` tokens allocates beyond what was allocated before and the KV it
+        keeps: run on a session released after."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        session = self.open_session()
+        try:
+            self.prefill([session], [[0] * min(tokens, self.info.context_length)])
+            torch.cuda.synchronize(self.device)
+            kept = self.session_bytes(session)
+        finally:
+            self.release(session)
+        return max(0, torch.cuda.max_memory_allocated(self.device) - before - kept)
 
     def _refuse_split(self, cfg: ArchConfig | HybridConfig) -> None:
         assert self.shards is not None

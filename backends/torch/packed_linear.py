@@ -65,6 +65,12 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
         self.bias = None if bias is None else bias.detach()
 
+    @property
+    def nbytes(self) -> int:
+        """The weights' bytes (oneDNN's layout is opaque to `Tensor.nbytes`)."""
+        bias = 0 if self.bias is None else self.bias.nbytes
+        return self.out_features * self.in_features * self.packed.dtype.itemsize + bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         n = rows.shape[0]

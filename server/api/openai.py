@@ -11,7 +11,7 @@ ignore_eos, session_id, chat_template_kwargs, cache_salt) follow vLLM's names.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta, Struct
@@ -92,6 +92,8 @@ class ModelList(Struct):
 
 class Health(Struct):
     status: str = "ok"
+    phase: str = "ready"  # server/progress.py's PHASES: "warming" while --prefix-cache-warm runs
+    memory: Any = None  # the engine's memory_plan.MemoryPlan: where the KV budget comes from
 
 
 class SessionReply(Struct, omit_defaults=True):

@@ -7,15 +7,13 @@ Defaults that depend on the machine or the model are resolved in one place
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 from kvfork.backends.base import ModelInfo
-from kvfork.server.settings import at_least, setting
+from kvfork.backends.device_memory import DeviceMemory
+from kvfork.server.engine.memory_plan import MemoryPlan, plan_memory
+from kvfork.server.settings import at_least, between, setting
 
-# The KV budget defaults to this share of physical memory: the rest is left to
-# the weights, the activations of a 2048-token step, and the rest of the system.
-KV_BUDGET_FRACTION = 0.5
 # Automatic capture sizing: as many pending captures as inference slots (every request
 # that finishes its prefill in the same step can be captured), but never more than
 # this share of the KV budget, counting each snapshot at a full context.
@@ -24,7 +22,9 @@ CAPTURE_BUDGET_FRACTION = 0.25
 
 @dataclass(frozen=True)
 class EngineConfig:
-    inference_slots: int = setting(8, "requests decoded together", check=at_least(1))
+    SETTINGS_GROUP = "scheduling"
+
+    inference_slots: int = setting(8, "requests decoded together", check=at_least(1), aliases=("--max-num-seqs",))
     max_batch_tokens: int = setting(2048, "tokens one step may run: decodes first, prefill chunks fill the rest",
                                     check=at_least(1))
     prefill_chunk: int = setting(512, "most prompt tokens one request prefills in one step", check=at_least(1))
@@ -35,57 +35,66 @@ class EngineConfig:
     queue_timeout: float = setting(300.0, "seconds a request may wait for a slot before it ends with an error",
                                    check=at_least(0.001))
     kv_budget_bytes: int | None = setting(None, "KV cache bytes the engine may hold; admission waits rather than "
-                                          f"exceed it (None: {KV_BUDGET_FRACTION:g} of physical memory)",
-                                          check=at_least(1))
+                                          "exceed it (default: what the device leaves once the weights are "
+                                          "loaded, docs/kv-budget.md)", check=at_least(1), size=True,
+                                          group="model and device")
+    gpu_memory_utilization: float = setting(0.9, "on CUDA, the share of the device's memory this instance may "
+                                            "use (weights, activations and KV), as vLLM's flag",
+                                            check=between(0.01, 1),
+                                            group="model and device")
     prefix_cache_entries: int = setting(16, "finished prompts kept for reuse (0 disables the prefix cache)",
-                                        check=at_least(0))
-    prefix_cache_bytes: int | None = setting(None, "most bytes the prefix cache holds (None: no cap of its own; "
-                                             "it still gives way to admission)", check=at_least(0))
+                                        check=at_least(0), group="reuse")
+    prefix_cache_bytes: int | None = setting(None, "most bytes the prefix cache holds (default: no cap of its own; "
+                                             "it still gives way to admission)", check=at_least(0), size=True,
+                                             group="reuse")
     # 16 GiB: a few percent of a laptop's SSD, yet room for ~45 full-context (8k) prompts of the default
     # model in float32 (46 KB a token), ~4,000 agent prompts of 2k tokens in bf16 on a 135M model, or a
     # dozen 32k prompts of an 8B one: a working set of system prompts and conversations that outlives restarts.
     prefix_cache_disk_bytes: int = setting(16 * 1024**3, "bytes the prefix cache may keep on disk, under "
                                            "$KVFORK_HOME/kv, for entries evicted from memory and across restarts "
-                                           "(least recently used first out; 0: no disk tier)", check=at_least(0))
+                                           "(least recently used first out; 0: no disk tier)", check=at_least(0),
+                                           size=True, group="reuse")
     prefix_cache_min_tokens: int = setting(64, "shortest prompt captured, and shortest cached match used",
-                                           check=at_least(1))
+                                           check=at_least(1), group="reuse")
     max_captures: int | None = setting(None, "prompt snapshots for the prefix cache that may be pending at once "
-                                       f"(None: one per inference slot, capped at {CAPTURE_BUDGET_FRACTION:g} of "
-                                       "the KV budget at full context)", check=at_least(0))
+                                       f"(default: one per inference slot, capped at {CAPTURE_BUDGET_FRACTION:g} "
+                                       "of the KV budget at full context)", check=at_least(0), group="reuse")
     max_named_sessions: int = setting(64, "named sessions each tenant keeps (its least recently used first out)",
-                                      check=at_least(1))
-    max_context: int | None = setting(None, "most tokens of prompt and output per request (None: the model's)",
-                                      check=at_least(2))
-    max_tokens: int | None = setting(None, "output limit of a request that gives none (None: up to the context "
+                                      check=at_least(1), group="reuse")
+    max_context: int | None = setting(None, "most tokens of prompt and output per request (default: the "
+                                      "model's)", check=at_least(2), aliases=("--max-model-len",), group="limits")
+    max_tokens: int | None = setting(None, "output limit of a request that gives none (default: up to the context "
                                      "left, as OpenAI's and Anthropic's APIs bound it only by the model); any "
-                                     "limit is clamped to the context left", check=at_least(1))
+                                     "limit is clamped to the context left", check=at_least(1), group="limits")
     # Cloning beats recomputing from a few tokens on (a clone's fixed cost is about
     # one token's prefill, docs/benchmarks.md); 64 is the prefix cache's own
     # shortest match, so both kinds of reuse start at the same size.
     active_prefix_reuse_min_tokens: int = setting(
         64, "prefill tokens active prefix reuse must save beyond the best cached match (0 disables it)",
-        check=at_least(0))
-    follow_max_wait: float = setting(30.0, "most seconds a request follows a prefilling donor", check=at_least(0))
+        check=at_least(0), group="reuse")
+    follow_max_wait: float = setting(30.0, "most seconds a request follows a prefilling donor", check=at_least(0),
+                                     group="reuse")
     recurrent_checkpoints: int = setting(
         4, "on a model with recurrent layers, checkpoints of the recurrent state a request keeps at its last "
         "message boundaries, so a later prompt that shares its conversation up to one is served from it "
-        "(each costs one recurrent state in the KV budget; 0: none)", check=at_least(0))
+        "(each costs one recurrent state in the KV budget; 0: none)", check=at_least(0), group="reuse")
     clone_mode: str = setting("share", "how a clone holds the prefix it reuses: share (the whole blocks below it "
                               "by reference, counted once in the budget) or copy (all of it; for comparison). A "
-                              "backend that can only copy (MLX) copies either way", choices=("share", "copy"))
+                              "backend that can only copy (MLX) copies either way", choices=("share", "copy"),
+                              group="reuse")
     follow: bool = setting(True, "with active reuse on, let a request wait for a prefilling donor to commit the "
-                           "shared prefix (--no-follow: clone-now: clone only what is already committed)")
+                           "shared prefix (--no-follow: clone-now: clone only what is already committed)",
+                           group="reuse")
 
-    def resolve(self, info: ModelInfo) -> "EngineConfig":
-        """The config with every machine- or model-dependent default filled in."""
-        budget = self.kv_budget_bytes or int(KV_BUDGET_FRACTION * physical_memory_bytes())
+    def resolve(self, info: ModelInfo, device: DeviceMemory) -> tuple["EngineConfig", MemoryPlan]:
+        """The config with every machine- or model-dependent default filled in, and the memory plan
+        its KV budget comes from."""
         context = min(self.max_context or info.context_length, info.context_length)
+        plan = plan_memory(device, kv_budget_bytes=self.kv_budget_bytes, request_bytes=info.kv.bytes_for(context),
+                           gpu_memory_utilization=self.gpu_memory_utilization)
+        budget = plan.kv_budget_bytes
         captures = self.max_captures
         if captures is None:
             snapshot = max(1, info.kv.bytes_for(context, start=context))
             captures = max(1, min(self.inference_slots, int(CAPTURE_BUDGET_FRACTION * budget) // snapshot))
-        return dataclasses.replace(self, kv_budget_bytes=budget, max_context=context, max_captures=captures)
-
-
-def physical_memory_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return dataclasses.replace(self, kv_budget_bytes=budget, max_context=context, max_captures=captures), plan

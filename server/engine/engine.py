@@ -40,6 +40,7 @@ from kvfork.server.engine.disk import DiskTier, fingerprint, tier_secret
 from kvfork.server.engine.follow import FollowOrder, at_deadline
 from kvfork.server.engine.index import Index
 from kvfork.server.engine.load import EngineLoad
+from kvfork.server.engine.memory_plan import MemoryPlan
 from kvfork.server.engine.placement import (Cached, Clone, Follow, Fresh, Placement, Restore, Resume, View, Wait, place,
                                      place_without_reuse, prefilling, take_view)
 from kvfork.server.engine.rates import RateTracker
@@ -66,6 +67,7 @@ class Engine:
         self.backend, self.model_path, self.dtype, self.config = backend, model_path, dtype, config
         self.kv_dir, self.registry, self.kv_events, self._plans = kv_dir, registry, kv_events, plans
         self.info: ModelInfo | None = None
+        self.memory: MemoryPlan | None = None  # where the KV budget comes from, once loaded
         self.dead = False
         self.failure: str | None = None  # why the engine stopped serving, once it did
         self._closing = False
@@ -615,7 +617,8 @@ class Engine:
 
     def _on_loaded(self, ev: m.Loaded) -> None:
         self.info = ev.info
-        self.config = c = self.config.resolve(ev.info)
+        self.config, self.memory = self.config.resolve(ev.info, ev.device)
+        c = self.config
         disk = self._disk_identity(ev.info)
         # Scopes are named under the disk tier's secret, so its files keep their scope across restarts;
         # without the tier, under a key of this process's own.

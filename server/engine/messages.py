@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfork.backends.base import BlockStats, ModelInfo, Sampled, SamplingParams
+from kvfork.backends.device_memory import DeviceMemory
 
 # ---- control loop -> runner ----
 
@@ -117,6 +118,7 @@ class Stop:
 @dataclass
 class Loaded:
     info: ModelInfo
+    device: DeviceMemory  # what the device reports, the loaded weights included (memory_plan.py)
 
 
 @dataclass

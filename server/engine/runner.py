@@ -132,7 +132,7 @@ class Runner:
             self.backend.set_clone_mode(self.clone_mode)  # type: ignore[arg-type]
             info = self._info = self.backend.load(self.model_path, self.dtype)
             self._constrained = ConstrainedRows(info.vocab_size)
-            self._publish(m.Loaded(info))
+            self._publish(m.Loaded(info, self.backend.memory(self.max_batch_tokens)))
         except Exception as exc:
             log.exception("model load failed")
             self._publish(m.Died(f"model load failed: {exc}"))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import msgspec
 from aiohttp import web
 
 from kvfork.server.api.openai import Health, ModelCard, ModelList
 from kvfork.server.api.respond import json_response
+from kvfork.server.errors import ApiError
 from kvfork.server.state import state_of
 
 PATH = "/v1/models"
@@ -19,9 +21,16 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 once the model is loaded; 503 while it loads and after the runner has died."""
-    state_of(request).require_ready()
-    return json_response(Health())
+    """200 once the model is loaded, with the memory plan; 503 while it loads (saying which phase: progress.py)
+    and after the runner has died, an OpenAI error body either way."""
+    state = state_of(request)
+    try:
+        state.require_ready()
+    except ApiError as e:
+        status = "failed" if state.engine.dead else "loading"
+        body = {**msgspec.to_builtins(e.body()), "status": status, "phase": state.progress.phase}
+        return json_response(body, status=e.status)
+    return json_response(Health(phase=state.progress.phase, memory=state.engine.memory))
 
 
 async def metrics(request: web.Request) -> web.Response:

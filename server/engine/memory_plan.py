@@ -1,0 +1,94 @@
+"""How many bytes of KV state fit the device: one pure function of what the device reports
+(backends/device_memory.py), the flags and the model, so every rule is tested on the readings of
+real machines (tests/test_memory_plan.py) and printed at start and in /health with its reason.
+
+- CUDA: `--gpu-memory-utilization` as vLLM means it, the share of the device's total memory
+  this instance may use; KV = that share - the loaded weights - the measured activation peak of
+  one full step. The host's memory never counts.
+- Apple Silicon: Metal's recommended working set (the wired limit is raised to it at load);
+  KV = working set - weights - headroom, as the weights share the same memory.
+- CPU: CPU_SHARE of physical memory (the rest is the system's and other programs'); KV = that
+  - weights - headroom.
+
+Headroom, where activations are not measured, is HEADROOM_FRACTION of the memory the rule starts
+from and at least HEADROOM_MIN: a step's activations and the runtime's own buffers.
+`sharers` processes with their own weights dividing one machine's memory (kvfork cluster's
+replicas, ranks on one host) each get an equal share of what is left.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvfork.backends.device_memory import DeviceMemory, cpu_memory
+
+GiB = 1024**3
+CPU_SHARE = 0.75
+HEADROOM_FRACTION = 0.1
+HEADROOM_MIN = GiB
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    device: DeviceMemory  # the reading it was decided from
+    kv_budget_bytes: int
+    reason: str  # one line: where the figure comes from
+    available_bytes: int  # the most KV this device holds by the rule, whatever the flags say
+    warning: str | None = None  # an explicit budget beyond what the device holds
+    refusal: str | None = None  # the budget cannot hold one full-context request: the daemon will not start
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def _available(device: DeviceMemory, utilization: float, sharers: int) -> tuple[int, str]:
+    """The bytes the device leaves for KV, and how that figure was reached."""
+    weights = device.weights_bytes * sharers
+    if device.kind == "cuda":
+        base = int(utilization * device.total_bytes)
+        start = f"{utilization:g} of {device.name}'s {_gib(device.total_bytes)} (--gpu-memory-utilization)"
+        spare, spare_text = device.activation_bytes, f"{_gib(device.activation_bytes)} measured activation peak"
+    else:
+        if device.kind == "metal":
+            base = device.working_set_bytes or int(CPU_SHARE * device.total_bytes)
+            start = f"{device.name}'s recommended working set {_gib(base)} of {_gib(device.total_bytes)}"
+        else:
+            base = int(CPU_SHARE * device.total_bytes)
+            start = f"{CPU_SHARE:g} of {_gib(device.total_bytes)} physical memory ({device.name})"
+        spare = max(device.activation_bytes, HEADROOM_MIN, int(HEADROOM_FRACTION * base))
+        spare_text = f"{_gib(spare)} headroom"
+    left = max(0, base - weights - spare) // sharers
+    share = f", split {sharers} ways" if sharers > 1 else ""
+    return left, f"{start} - {_gib(weights)} weights - {spare_text}{share}"
+
+
+def plan_memory(device: DeviceMemory, *, kv_budget_bytes: int | None, gpu_memory_utilization: float,
+                request_bytes: int, sharers: int = 1) -> MemoryPlan:
+    """The KV budget. `kv_budget_bytes`: --kv-budget-bytes (None: the device's rule); `request_bytes`: one
+    request at the full context, which the budget must hold for the daemon to start."""
+    available, how = _available(device, gpu_memory_utilization, sharers)
+    warning = None
+    if kv_budget_bytes is not None:
+        budget = kv_budget_bytes
+        reason = f"--kv-budget-bytes {_gib(kv_budget_bytes)} (the device holds {_gib(available)}: {how})"
+        if kv_budget_bytes > available:
+            warning = (f"--kv-budget-bytes {_gib(kv_budget_bytes)} is more than this device holds for KV "
+                       f"({_gib(available)}: {how}): past that, requests fail or the machine swaps instead of "
+                       "queueing")
+        flag = "--kv-budget-bytes"
+    else:
+        budget, reason = available, how
+        flag = "--gpu-memory-utilization" if device.kind == "cuda" else "--kv-budget-bytes"
+    refusal = None
+    if budget < request_bytes:
+        refusal = (f"a KV budget of {_gib(budget)} ({reason}) cannot hold one request at the full context "
+                   f"({_gib(request_bytes)}): raise {flag} or lower --max-context")
+    return MemoryPlan(device, budget, reason, available, warning, refusal)
+
+
+def shared_host_plan(weights_each: int, sharers: int) -> MemoryPlan:
+    """The budget of each of `sharers` processes on this machine's memory, each holding `weights_each` bytes of
+    weights (a replica: the model's; a rank: its part), decided before any has loaded."""
+    return plan_memory(cpu_memory(weights_each), kv_budget_bytes=None, gpu_memory_utilization=1.0, request_bytes=0,
+                       sharers=sharers)
