@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from kvfork.backends import create_backend, default_backend
 from kvfork.backends.base import Backend
@@ -164,6 +164,14 @@ def pick_backend(name: str) -> tuple[str, Backend]:
     return name, create_backend(name)
 
 
+def _announce_kv_events(pub: Any, config: ServerConfig) -> None:
+    """Where KV events are published, and who can read them."""
+    from kvfork.server.kv_events import readers
+
+    print(f"kvfork: KV events on {pub.endpoint} (replay: {pub.replay_endpoint}), blocks of "
+          f"{config.kv_events_block_size} tokens: {readers(pub.endpoint, config.kv_events_hashes_only)}", flush=True)
+
+
 async def run(config: ServerConfig, engine_config: EngineConfig, model: str,
               leader: LockstepBackend | None = None, fetch: Fetch | None = None) -> int:
     """Serve until a signal. `leader`: rank 0's backend of a model split over ranks (server/distributed.py);
@@ -191,12 +199,7 @@ async def run(config: ServerConfig, engine_config: EngineConfig, model: str,
         return 1
     print(f"kvfork: listening on {daemon.url} (loading {model} on {backend_name})", flush=True)
     if daemon.kv_events is not None:
-        from kvfork.server.kv_events import readers
-
-        pub = daemon.kv_events.publisher
-        print(f"kvfork: KV events on {pub.endpoint} (replay: {pub.replay_endpoint}), blocks of "
-              f"{config.kv_events_block_size} tokens: {readers(pub.endpoint, config.kv_events_hashes_only)}",
-              flush=True)
+        _announce_kv_events(daemon.kv_events.publisher, config)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
