@@ -69,6 +69,15 @@ os.environ["KVFORK_HOME"] = str(_HOME)
 atexit.register(shutil.rmtree, _HOME, True)  # removes the link, never what it points to
 
 
+@pytest.fixture
+async def http():
+    """An HTTP client session for a test that talks to a daemon (http_daemon.serving)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
 @pytest.fixture(autouse=True)
 def gates_opened():
     """A test that holds the runner in a Gate opens it: passing by the gate's timeout is waiting, not testing."""

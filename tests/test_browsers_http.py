@@ -5,18 +5,11 @@ from __future__ import annotations
 
 import json
 
-import aiohttp
 import pytest
 
 from http_daemon import chat_body, serving
 
 CHAT = "/v1/chat/completions"
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 @pytest.fixture

@@ -67,12 +67,6 @@ async def daemon(agent_model):
         yield d
 
 
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
 @STREAM
 async def test_messages_nothing_diverged_is_null_and_the_prefix_was_reused(daemon, http, stream):
     first = await post(http, daemon.url, "/v1/messages", messages_body(diagnostics={"previous_message_id": None}),

@@ -16,12 +16,6 @@ PREFILLED = "kvfork_prefilled_tokens_total"
 NO_EOS = {"ignore_eos": True}
 
 
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
 def client_of(daemon) -> AsyncOpenAI:
     return AsyncOpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0)
 

@@ -23,12 +23,6 @@ RANK_FIELDS = {"dp_rank", "num_running_reqs", "num_waiting_reqs", "num_total_req
                "max_running_requests"}
 
 
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
 async def test_a_gateway_classifies_kvfork_as_a_generic_worker(tiny_model_dir, http):
     async with serving(tiny_model_dir("llama"), load=False) as d:
         async with http.get(d.url + "/health") as r:

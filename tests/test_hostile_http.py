@@ -22,12 +22,6 @@ def auth(key: str) -> dict:
 
 
 @pytest.fixture
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-@pytest.fixture
 def keys_file(tmp_path):
     path = tmp_path / "keys"
     path.write_text(KEYS)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import aiohttp
 import pytest
 from aiohttp import web
 
@@ -17,12 +16,6 @@ from kvfork.server.slow_clients import MIN_DRAINED, SlowClients
 from kvfork.server.slow_clients import listen as watched_listen
 
 CHAT, COMPLETIONS, MESSAGES, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 @pytest.fixture

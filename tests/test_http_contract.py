@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import aiohttp
 import pytest
 
 from http_daemon import chat_body, data_frames, metrics, serving, sse_events
@@ -14,12 +13,6 @@ LONG = "the prefix cache of the server holds the shared prompt of every agent re
 async def daemon(tiny_model_dir):
     async with serving(tiny_model_dir("llama"), served_model_name=["tiny", "tiny-alias"]) as d:
         yield d
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def post(http, url, body, headers=None) -> tuple[int, dict]:

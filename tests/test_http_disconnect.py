@@ -14,12 +14,6 @@ LONG_RUN = 3000  # tokens: far more than the test lets a request run, so only a 
 CANCELLED = 'kvfork_requests_total{finish_reason="cancelled"}'
 
 
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
 async def test_disconnect_mid_stream_cancels_and_frees_the_slot(tiny_model_dir, http):
     async with serving(tiny_model_dir("llama"), engine=dict(inference_slots=1)) as d:
         read = lambda: metrics(http, d.url)  # noqa: E731

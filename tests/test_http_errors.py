@@ -16,12 +16,6 @@ from kvfork.tools.soak import MALFORMED, fuzz_bodies
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
 
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
 async def error_of(response: aiohttp.ClientResponse) -> dict:
     body = await response.json()
     beside = {"status", "phase"} if response.url.path == "/health" else set()  # /health says where a start is

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 import pytest
 
 from http_daemon import data_frames, serving, sse_events
@@ -42,12 +41,6 @@ def replying(tokenizer: PromptTokenizer, text: str, fail_after: int | None = Non
     if fail_after is not None:
         backend.fail = fails
     return backend
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 def deltas(frames: list) -> list[str]:

@@ -3,7 +3,6 @@ greedily; every 64-bit seed works on both backends, and anything wider is a 400.
 
 from __future__ import annotations
 
-import aiohttp
 import pytest
 from backend_fixtures import backend, backend_name, fresh, greedy, prompt  # noqa: F401  (fixtures)
 from http_daemon import chat_body, serving
@@ -45,12 +44,6 @@ def test_a_seed_wider_than_64_bits_is_refused():
     for seed in (2**64, -2**63 - 1):
         with pytest.raises(ValueError, match="seed"):
             SamplingParams(seed=seed)
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import logging
 
-import aiohttp
 import pytest
 
 from http_daemon import serving
@@ -32,12 +31,6 @@ def keys_file(tmp_path):
 async def daemon(tiny_model_dir, keys_file):
     async with serving(tiny_model_dir("llama"), api_keys_file=keys_file) as d:
         yield d
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def cached(http, daemon, key: str, **extra) -> int:
