@@ -1,5 +1,5 @@
 """Subprocesses import only kvfork's code (issue 33, finding 6): each child kvfork starts, started from a
-working folder that holds a `server/`, `smg/` and `tools/` package of its own, never imports those."""
+working folder that holds a `kvfork/`, `server/`, `smg/` and `tools/` package of its own, never imports those."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from kvfork.tools import cluster
 def hostile_folder(tmp_path, monkeypatch) -> Path:
     """The working folder, each of its packages writing a marker file when imported."""
     folder, marker = tmp_path / "work", tmp_path / "imported"
-    for package in ("server", "smg", "tools", "runpy", "json"):
+    for package in ("kvfork", "server", "smg", "tools", "runpy", "json"):
         (folder / package).mkdir(parents=True)
         (folder / package / "__init__.py").write_text(
             f"open({str(marker)!r}, 'a').write({package!r} + '\\n')\n")
@@ -68,7 +68,7 @@ def test_tool_children_run_kvforks_code(hostile_folder, module):
 
 
 def test_the_marker_would_have_been_written_by_a_plain_child(hostile_folder):
-    """The folder is hostile indeed: `python -m kvfork.server` from it runs its code (what main did)."""
+    """The folder is hostile indeed: a plain `python -m kvfork.server` started from it runs its code."""
     subprocess.run([sys.executable, "-m", "kvfork.server", "--help"], capture_output=True, timeout=120)
-    assert "server" in hostile_folder.read_text()
+    assert "kvfork" in hostile_folder.read_text()
 
