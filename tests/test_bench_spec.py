@@ -1,0 +1,58 @@
+"""`kvfork bench spec`'s parts: its workloads, and the offline acceptance replay."""
+
+from __future__ import annotations
+
+import random
+
+from kvfork.server.engine.drafts import Drafts
+from kvfork.tools.bench import spec
+from kvfork.tools.bench.spec_replay import replay_one
+from kvfork.tools.bench.spec_workloads import WORKLOADS, code_file, jobs
+
+SIZES = dict(code_lines=150, code_tokens=2400, agent_tokens=64, prose_tokens=256)
+
+
+def test_a_reply_that_restates_the_prompt_takes_fewer_steps_than_tokens():
+    rng = random.Random(0)
+    body = [rng.randrange(100, 5000) for _ in range(300)]
+    counts, steps = replay_one(Drafts("prompt"), "s", [1, 2, *body, 3], body, 16)
+    drafted, accepted = counts["prompt"]
+    assert 0 < accepted <= drafted and steps < len(body) // 4
+    # every step commits its accepted run and one token more: together, the reply after its first token
+    assert steps + accepted >= len(body) - 1
+
+
+def test_a_reply_with_nothing_to_copy_drafts_nothing_and_steps_once_a_token():
+    rng = random.Random(1)
+    prompt, reply = [rng.randrange(100, 50_000) for _ in range(200)], [rng.randrange(100, 50_000) for _ in range(50)]
+    counts, steps = replay_one(Drafts("suffix"), "s", prompt, reply, 16)
+    assert counts == {} and steps == len(reply) - 1
+
+
+def test_the_suffix_corpus_carries_one_reply_into_the_next_of_its_scope():
+    rng = random.Random(2)
+    reply = [rng.randrange(100, 50_000) for _ in range(80)]
+    drafts = Drafts("suffix")
+    replay_one(drafts, "s", [5, 6, 7], reply, 16)
+    counts, steps = replay_one(drafts, "s", [8, 9, 10], reply, 16)
+    assert counts["suffix"][1] > 60 and steps < 20
+
+
+def test_the_workloads_are_seeded_and_the_code_file_is_about_150_lines():
+    text, names = code_file(random.Random(0), 150)
+    assert 150 <= len(text.splitlines()) < 170 and len(names) > 5
+    for name in WORKLOADS:
+        first, again, other = (jobs(name, seed, 4, **SIZES) for seed in (1, 1, 2))
+        assert len(first) == 4 and first == again and first != other
+
+
+def test_the_table_reports_medians_spread_speedup_and_acceptance():
+    result = {"names": ["code-edit"], "levels": [1],
+              "speed": {"code-edit|1|off": [10.0, 12.0, 11.0], "code-edit|1|suffix": [20.0, 22.0, 24.0]},
+              "offline": {"code-edit": {"prompt": {"drafted": 10, "accepted": 8, "acceptance": 0.8,
+                                                    "tokens_per_step": 3.0}}},
+              "served": {"code-edit|suffix": {"drafted:suffix": 50.0, "accepted:suffix": 25.0}}}
+    md = spec.table(result, "suffix")
+    assert "| code-edit | 1 | 11.0 (10.0-12.0) | 22.0 (20.0-24.0) | 2.00x |" in md
+    assert "| code-edit (offline) | prompt | 10 | 8 | 80% | 3.00 |" in md
+    assert "| code-edit (served) | suffix | 50 | 25 | 50% | |" in md
