@@ -56,3 +56,14 @@ def test_the_table_reports_medians_spread_speedup_and_acceptance():
     assert "| code-edit | 1 | 11.0 (10.0-12.0) | 22.0 (20.0-24.0) | 2.00x |" in md
     assert "| code-edit (offline) | prompt | 10 | 8 | 80% | 3.00 |" in md
     assert "| code-edit (served) | suffix | 50 | 25 | 50% | |" in md
+
+
+def test_the_reference_replies_are_the_file_with_the_edit_and_the_scripts_next_turn():
+    (edit,) = jobs("code-edit", 3, 1, **SIZES)
+    asked, reference = edit.messages[0]["content"], edit.reference
+    old = asked.split("Rename the function `")[1].split("`")[0]
+    assert f"def {old}_v2(" in reference and f"def {old}(" not in reference
+    changed = [b for a, b in zip(asked.split("```python\n")[1].splitlines(), reference.splitlines()[1:]) if a != b]
+    assert len(changed) == 2 and any("limit: int = 128" in line for line in changed)
+    calls = jobs("agent", 3, 4, **SIZES)
+    assert calls[0].reference.startswith("Calling tool_") and calls[0].reference in calls[1].messages[-2]["content"]

@@ -56,8 +56,16 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--server-arg", action="append", default=[], metavar="ARG", help="extra daemon flag")
     ap.add_argument("--offline-only", action="store_true",
                     help="start one daemon (speculation off) and report the offline acceptance alone")
+    ap.add_argument("--reference", action="store_true",
+                    help="no daemon: the offline acceptance over the reference replies (code-edit: the file with the "
+                         "edit applied; agent: the script's next assistant turn)")
     ap.add_argument("--out", help="results folder (default: out/bench/<time>-spec)")
     return ap
+
+
+def _sizes(args) -> dict:
+    return dict(code_lines=args.code_lines, code_tokens=args.code_tokens, agent_tokens=args.agent_tokens,
+                prose_tokens=args.prose_tokens)
 
 
 def _daemon(mode: str, model: str, extra: list[str], out: Path) -> ServerProcess:
@@ -100,8 +108,7 @@ def _run(args, model: str, out: Path) -> dict:
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     modes = ["off"] if args.offline_only else ["off", args.speculative]
-    sizes = dict(code_lines=args.code_lines, code_tokens=args.code_tokens, agent_tokens=args.agent_tokens,
-                 prose_tokens=args.prose_tokens)
+    sizes = _sizes(args)
     speed: dict[str, list[float]] = {}
     served: dict[str, dict[str, float]] = {}
     replay = Replay(model, args.speculative)
@@ -121,9 +128,22 @@ def _run(args, model: str, out: Path) -> dict:
                         for k, v in after.items():
                             bucket[k] = bucket.get(k, 0.0) + v - before.get(k, 0.0)
                         if mode == "off":
-                            replay.add(name, wave, recs)
+                            done = sorted(zip(wave, recs), key=lambda jr: jr[1].send_s + (jr[1].e2e_s or 0))
+                            replay.add(name, [(job, rec.text) for job, rec in done])
                         print(f"run {run + 1} {name} c={c} {mode}: {tps:.1f} tok/s", file=sys.stderr, flush=True)
     return {"speed": speed, "served": served, "offline": replay.summary(), "levels": levels, "names": names}
+
+
+def _reference(args, model: str) -> dict:
+    """Offline acceptance over the workloads' reference replies, as many runs as asked."""
+    names = [w.strip() for w in args.workloads.split(",") if w.strip() != "prose"]
+    sizes = _sizes(args)
+    replay = Replay(model, args.speculative)
+    for run in range(args.runs):
+        for name in names:
+            for c in (int(c) for c in args.concurrency.split(",") if c.strip()):
+                replay.add(name, [(job, job.reference) for job in jobs(name, run * 100 + c, c, **sizes)])
+    return {"speed": {}, "served": {}, "offline": replay.summary(), "levels": [], "names": names}
 
 
 def _spread(values: list[float]) -> str:
@@ -132,13 +152,14 @@ def _spread(values: list[float]) -> str:
 
 def table(result: dict, mode: str) -> str:
     lines = [f"| workload | concurrent | off tok/s, median (min-max) | {mode} tok/s | speedup |", "|---|---|---|---|---|"]
+    lines = lines if result["levels"] else []
     for name in result["names"]:
         for c in result["levels"]:
             off = result["speed"][f"{name}|{c}|off"]
             on = result["speed"].get(f"{name}|{c}|{mode}")
             ratio = f"{statistics.median(on) / statistics.median(off):.2f}x" if on else "-"
             lines.append(f"| {name} | {c} | {_spread(off)} | {_spread(on) if on else '-'} | {ratio} |")
-    lines += ["", "| workload | source | drafted | accepted | acceptance | tokens per step |", "|---|---|---|---|---|---|"]
+    lines += [""] * bool(lines) + ["| workload | source | drafted | accepted | acceptance | tokens per step |", "|---|---|---|---|---|---|"]
     for name in result["names"]:
         for source, row in sorted(result["offline"].get(name, {}).items()):
             lines.append(f"| {name} (offline) | {source} | {row['drafted']} | {row['accepted']} | "
@@ -158,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or paired.default_model()
     out = Path(args.out or f"out/bench/{time.strftime('%Y%m%d-%H%M%S')}-spec")
     out.mkdir(parents=True, exist_ok=True)
-    result = _run(args, model, out)
+    result = _reference(args, model) if args.reference else _run(args, model, out)
     md = table(result, args.speculative)
     print(md)
     (out / "summary.md").write_text(md)

@@ -11,7 +11,6 @@ tokenizer's tokens of the text: the same tokens as the model's wherever its text
 from __future__ import annotations
 
 from kvfork.server.engine.drafts import Drafts
-from kvfork.tools.bench.client import Record
 from kvfork.tools.bench.spec_workloads import Job
 
 
@@ -49,12 +48,13 @@ class Replay:
         self.counts: dict[str, dict[str, list[int]]] = {}
         self.tokens: dict[str, list[int]] = {}  # workload -> [reply tokens after the first, steps]
 
-    def add(self, workload: str, wave: list[Job], records: list[Record]) -> None:
+    def add(self, workload: str, replies: list[tuple[Job, str]]) -> None:
+        """Replies in the order they finished, each with the job it answers."""
         drafts = self.drafts.setdefault(workload, Drafts(self.mode, max_tokens=self.limit))
-        for job, rec in sorted(zip(wave, records), key=lambda jr: jr[1].send_s + (jr[1].e2e_s or 0)):
-            text = self.tokenizer.apply_chat_template(job.messages, add_generation_prompt=True, tokenize=False)
-            prompt = self.tokenizer.encode(text, add_special_tokens=False)
-            reply = self.tokenizer.encode(rec.text, add_special_tokens=False)
+        for job, text in replies:
+            rendered = self.tokenizer.apply_chat_template(job.messages, add_generation_prompt=True, tokenize=False)
+            prompt = self.tokenizer.encode(rendered, add_special_tokens=False)
+            reply = self.tokenizer.encode(text, add_special_tokens=False)
             counts, steps = replay_one(drafts, "bench", prompt, reply, self.limit)
             for source, (drafted, accepted) in counts.items():
                 row = self.counts.setdefault(workload, {}).setdefault(source, [0, 0])

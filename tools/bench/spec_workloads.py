@@ -13,6 +13,7 @@ replies, never this run's.
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 
 from kvfork.tools.bench.text import words
@@ -27,6 +28,7 @@ _VERBS = "load parse merge split check build read write flush trim sort scan".sp
 class Job:
     messages: list[dict]
     max_tokens: int
+    reference: str = ""  # the reply a model that does as asked writes (code-edit, agent), for offline acceptance
 
 
 def _name(rng: random.Random) -> str:
@@ -62,18 +64,22 @@ def code_edit(seed: int, count: int, lines: int, max_tokens: int) -> list[Job]:
     for i in range(count):
         rng = random.Random(f"{seed}:code-edit:{i}")
         text, names = code_file(rng, lines)
-        old, doc = rng.sample(names, 2)
+        old, limited = rng.sample(names, 2)
         ask = (f"Here is src/mod_{i}.py:\n```python\n{text}\n```\nRename the function `{old}` to `{old}_v2` and "
-               f"change the limit of `{doc}` to 128. Reply with the whole updated file in one code block.")
-        jobs.append(Job([{"role": "user", "content": ask}], max_tokens))
+               f"change the default limit of `{limited}` to 128. Reply with the whole updated file in one code block.")
+        edited = re.sub(rf"(def {limited}\(.*limit: int = )\d+", r"\g<1>128", text.replace(f"def {old}(", f"def {old}_v2("))
+        jobs.append(Job([{"role": "user", "content": ask}], max_tokens, f"```python\n{edited}\n```"))
     return jobs
 
 
 def agent(seed: int, count: int, max_tokens: int) -> list[Job]:
     """`count` calls of the agent preset (its sessions' histories, in order)."""
     opts = Options(seed=seed, scale=1.0, max_tokens=(max_tokens, max_tokens))
-    calls = agentic("agentx-mini", opts, sessions=max(1, count // 4), total_calls=count).calls
-    return [Job(c.messages, c.max_tokens) for c in calls[:count]]
+    calls = agentic("agentx-mini", opts, sessions=max(1, count // 4), total_calls=count).calls[:count]
+    # a call's reference: the assistant turn its session's script says next
+    after = {c.id: n for c, n in zip(calls, calls[1:]) if n.session == c.session and len(n.messages) > len(c.messages)}
+    return [Job(c.messages, c.max_tokens, after[c.id].messages[len(c.messages)]["content"] if c.id in after else "")
+            for c in calls]
 
 
 def prose(seed: int, count: int, max_tokens: int) -> list[Job]:
