@@ -152,9 +152,21 @@ def test_a_100k_prompt_proposes_with_work_independent_of_its_length():
 
     opened_small, small = per_call(1_000)
     opened_large, large = per_call(100_000)
-    assert opened_large >= 100_000  # the prompt is indexed once, at open
-    bound = d.CANDIDATES * (d.MAX_MATCH + 1) + d.CANDIDATES * 16 + 2  # candidates read + continuation + a token
+    assert opened_small == opened_large == 0  # opening indexes nothing: proposals do, a chunk at a time
+    # a chunk of the prompt, the candidates read, the continuation, the new token
+    bound = d.INDEX_CHUNK + d.CANDIDATES * (d.MAX_MATCH + 1) + d.CANDIDATES * 16 + 1
     assert small <= bound and large <= bound
+
+
+def test_a_long_prompt_is_indexed_from_its_end_and_in_the_end_whole():
+    prompt = noise(10 * d.INDEX_CHUNK, seed=14)
+    r = Drafts("prompt").open("t", prompt)
+    early, late = prompt[:6], prompt[-40:-34]
+    assert r.propose(prompt + late, 4).tokens == prompt[-34:-30]  # the recent text on the first call
+    assert r.propose(prompt + late + early, 4) is None  # the start is not indexed yet
+    for _ in range(10):
+        r.propose(prompt + late + early, 4)
+    assert r.propose(prompt + late + early, 4).tokens == prompt[6:10]
 
 
 def test_an_unknown_speculative_value_is_refused_at_start():

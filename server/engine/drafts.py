@@ -33,6 +33,9 @@ KEY_TOKENS = 2  # an n-gram of this many tokens keys the index; also the shortes
 MIN_MATCH = KEY_TOKENS
 MAX_MATCH = 32  # a match is compared this far back at most
 CANDIDATES = 32  # most recent occurrences of a key kept and read
+# A prompt is indexed from its end backwards, this many tokens per proposal, so a 150k-token prompt
+# never stalls the runner thread (its most recent text, the likeliest to be restated, comes first).
+INDEX_CHUNK = 1024
 MATCH_FACTOR = 2  # a draft is at most this many times as long as the match that proposed it
 MIN_PATH_PROB = 0.1  # SuffixDecoding's threshold: stop where fewer than this share of occurrences agree
 SEPARATOR = -1  # between a corpus' entries, so no match runs from one response into the next
@@ -79,27 +82,48 @@ class TokenIndex:
         self.positions: dict[int, array] = {}
         self.bytes = 0
         self.work = 0
+        self.pending = 0  # loaded tokens [0, pending) whose keys are not indexed yet
 
     @property
     def end(self) -> int:
         return self.base + len(self.tokens)
 
     def extend(self, tokens: Sequence[int]) -> None:
+        """Append tokens and index them now."""
         for t in tokens:
             self.tokens.append(t)
             self.bytes += TOKEN_BYTES
-            self._index_last()
+            self._index(len(self.tokens), newest=True)
 
-    def _index_last(self) -> None:
-        n = len(self.tokens)
+    def load(self, tokens: Sequence[int]) -> None:
+        """Append tokens and leave their indexing to `catch_up` (at most a chunk at a time)."""
+        self.tokens.extend(tokens)
+        self.bytes += len(tokens) * TOKEN_BYTES
+        self.pending = len(self.tokens)
+
+    def catch_up(self, budget: int) -> None:
+        """Index up to `budget` loaded tokens, the most recent first."""
+        stop = max(KEY_TOKENS - 1, self.pending - budget)
+        for n in range(self.pending, stop, -1):
+            self._index(n, newest=False)
+        self.pending = min(self.pending, stop)
+
+    def _index(self, n: int, newest: bool) -> None:
+        """Index the key ending at tokens[n - 1]: after every occurrence indexed so far (`newest`)
+        or before them (a loaded prompt, indexed backwards: kept only while a key has few)."""
         self.work += 1
-        if n < KEY_TOKENS or SEPARATOR in self.tokens[n - KEY_TOKENS:]:
+        if n < KEY_TOKENS or SEPARATOR in self.tokens[n - KEY_TOKENS:n]:
             return
         key = _key(self.tokens, n)
         found = self.positions.get(key)
         if found is None:
             found = self.positions[key] = array("q")
             self.bytes += KEY_BYTES
+        if not newest:
+            if len(found) < CANDIDATES:
+                found.insert(0, self.base + n)
+                self.bytes += POSITION_BYTES
+            return
         found.append(self.base + n)
         self.bytes += POSITION_BYTES
         if len(found) > 2 * CANDIDATES:  # keep the most recent: amortized O(1)
@@ -265,7 +289,7 @@ class RequestDrafts:
         self.drafts, self.scope = drafts, scope
         self.corpus_work = 0
         self.own = TokenIndex()
-        self.own.extend(prompt)
+        self.own.load(prompt)
         self.adaptation = Adaptation(drafts.max_tokens)
 
     @property
@@ -282,6 +306,7 @@ class RequestDrafts:
         output so far), from the source whose draft scores higher; None when neither has one."""
         if not self.active:
             return None
+        self.own.catch_up(INDEX_CHUNK)
         if len(tokens) > self.own.end:
             self.own.extend(tokens[self.own.end:])
         n = min(limit, self.adaptation.length)
