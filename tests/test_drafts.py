@@ -56,10 +56,13 @@ def test_no_match_no_draft_and_the_output_is_indexed_as_it_grows():
 def test_suffix_drafts_from_a_scopes_past_responses_only():
     drafts = Drafts("suffix")
     reply = noise(30, seed=7)
-    drafts.open("tenant-a/salt", [1, 2, 3]).close(reply)
+    request = drafts.open("tenant-a/salt", [1, 2, 3])
+    request.close(reply)
+    request.close(reply)  # once only
     tail = [42, *reply[:3]]
     mine = drafts.open("tenant-a/salt", tail).propose(tail, 4)
     assert mine == Draft(reply[3:7], "suffix", 4.0)
+    assert drafts.stats() == {"corpus_bytes": drafts.bytes, "corpus_entries": 1, "scopes": 1}
     for other in ("tenant-b/salt", "tenant-a/other-salt"):
         assert drafts.open(other, tail).propose(tail, 4) is None
     assert Drafts("prompt").open("tenant-a/salt", tail).propose(tail, 4) is None  # prompt mode keeps no corpus

@@ -288,6 +288,7 @@ class RequestDrafts:
     def __init__(self, drafts: Drafts, scope: str, prompt: Sequence[int]) -> None:
         self.drafts, self.scope = drafts, scope
         self.corpus_work = 0
+        self.closed = False
         self.own = TokenIndex()
         self.own.load(prompt)
         self.adaptation = Adaptation(drafts.max_tokens)
@@ -311,13 +312,13 @@ class RequestDrafts:
             self.own.extend(tokens[self.own.end:])
         n = min(limit, self.adaptation.length)
         tail = tokens[-MAX_MATCH:]
-        tokens_, score = self.own.draft(tail, n)
-        best = Draft(tokens_, "prompt", score)
+        guess, score = self.own.draft(tail, n)
+        best = Draft(guess, "prompt", score)
         corpus = self.drafts.corpora.get(self.scope) if self.drafts.mode == "suffix" else None
         if corpus is not None:
             self.corpus_work -= corpus.index.work
-            tokens_, score = corpus.index.draft(tail, n)
-            past = Draft(tokens_, "suffix", score)
+            guess, score = corpus.index.draft(tail, n)
+            past = Draft(guess, "suffix", score)
             self.corpus_work += corpus.index.work
             if past.score > best.score:
                 best = past
@@ -327,4 +328,7 @@ class RequestDrafts:
         self.adaptation.record(len(draft.tokens), accepted)
 
     def close(self, output: Sequence[int]) -> None:
-        self.drafts.remember(self.scope, output)
+        """The finished request's output joins its scope's corpus (once, however often it is called)."""
+        if not self.closed:
+            self.closed = True
+            self.drafts.remember(self.scope, output)
