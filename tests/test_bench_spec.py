@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import random
+import sys
+from pathlib import Path
 
 from kvfork.server.engine.drafts import Drafts
-from kvfork.tools.bench import spec
+from kvfork.tools.bench import main, paired, spec
 from kvfork.tools.bench.spec_replay import replay_one
 from kvfork.tools.bench.spec_workloads import WORKLOADS, code_file, jobs
 
@@ -67,3 +70,22 @@ def test_the_reference_replies_are_the_file_with_the_edit_and_the_scripts_next_t
     assert len(changed) == 2 and any("limit: int = 128" in line for line in changed)
     calls = jobs("agent", 3, 4, **SIZES)
     assert calls[0].reference.startswith("Calling tool_") and calls[0].reference in calls[1].messages[-2]["content"]
+
+
+def test_a_run_against_two_daemons_alternates_them_and_reports_every_workload(tiny_model_dir, tmp_path, monkeypatch,
+                                                                              capsys):
+    monkeypatch.setattr(paired, "DAEMON", [sys.executable, str(Path(__file__).with_name("openai_double.py"))])
+    out = tmp_path / "out"
+    code = main(["spec", "--model", tiny_model_dir("llama"), "--runs", "2", "--concurrency", "1,2", "--code-lines",
+                 "20", "--code-tokens", "24", "--agent-tokens", "8", "--prose-tokens", "8", "--out", str(out)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    for name in ("code-edit", "agent", "prose"):
+        for c in (1, 2):
+            assert f"| {name} | {c} | " in printed.out
+        assert f"| {name} (offline) |" in printed.out
+    # runs alternate which daemon goes first
+    order = [line.rsplit(" ", 3)[-3].rstrip(":") for line in printed.err.splitlines() if " code-edit c=1 " in line]
+    assert order == ["off", "suffix", "suffix", "off"]
+    doc = json.loads((out / "results.json").read_text())
+    assert all(len(v) == 2 for v in doc["speed"].values()) and len(doc["speed"]) == 12

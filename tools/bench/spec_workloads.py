@@ -52,7 +52,7 @@ def _function(rng: random.Random, name: str) -> list[str]:
 def code_file(rng: random.Random, lines: int = 150) -> tuple[str, list[str]]:
     """A Python module of about `lines` lines, and its functions' names."""
     out, names = ['"""' + words(rng, 12) + '"""', "", "from __future__ import annotations", "", ""], []
-    while len(out) < lines:
+    while len(out) < lines or len(names) < 2:  # two at least: one renamed, one edited
         name = f"{_name(rng)}_{len(names)}"
         names.append(name)
         out += _function(rng, name)
