@@ -123,8 +123,8 @@ def ttft(log) -> float:
 
 
 # A quiet 2-core CPU on the default model: a pass costs 65 ms, a decode row 7 ms, a prefill token
-# 2.2 ms (docs/benchmarks.md, "A long prompt beside running requests: the step budget"). The same loaded 4x: everything 4x slower, so the
-# decode rows alone (4 x 0.37 s) take longer than the budget.
+# 2.2 ms (docs/benchmarks.md, "A long prompt beside running requests: the step budget"). The same
+# loaded 4x: everything 4x slower, so the decode rows alone (4 x 0.37 s) take longer than the budget.
 QUIET = dict(fixed_s=0.065, decode_s_per_row=0.007, prefill_s_per_token=0.0022)
 LOADED = {k: 4 * v for k, v in QUIET.items()}
 
