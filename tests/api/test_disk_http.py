@@ -32,25 +32,7 @@ async def spilled(daemon) -> None:
     await until(lambda: adm.spilling == 0)
 
 
-@pytest.fixture(autouse=True)
-def disk_beats_prefill(monkeypatch):
-    """A tiny model prefills faster than anything loads: simulate the case the tier is for (a model whose
-    prefill is dear), so the cost model restores. tests/test_disk_tier.py tests its choice both ways."""
-    from dataclasses import replace
-
-    from kvfork.server.engine import placement, restore
-
-    def choose(upto, nbytes, memory, rates, prefilling):
-        return restore.choose_restore(upto, nbytes, memory, replace(rates, prefill_tps=1.0), prefilling)
-
-    monkeypatch.setattr(placement, "choose_restore", choose)
-
-
-@pytest.fixture
-def keys_file(tmp_path):
-    path = tmp_path / "keys"
-    path.write_text(KEYS)
-    return str(path)
+pytestmark = pytest.mark.usefixtures("disk_beats_prefill")  # conftest.py: the tier is worth reading
 
 
 async def test_an_evicted_prompt_comes_back_from_disk_then_after_a_restart(tiny_model_dir, caplog):

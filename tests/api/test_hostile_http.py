@@ -22,13 +22,6 @@ def auth(key: str) -> dict:
 
 
 @pytest.fixture
-def keys_file(tmp_path):
-    path = tmp_path / "keys"
-    path.write_text(KEYS)
-    return str(path)
-
-
-@pytest.fixture
 async def daemon(tiny_model_dir):
     async with serving(tiny_model_dir("llama"), engine=dict(max_context=512)) as d:
         yield d

@@ -19,11 +19,6 @@ MESSAGES = [{"role": "user", "content": "say it"}]
 REPLY = "héllo 🎉 wörld STOP more text"
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir) -> PromptTokenizer:
-    return PromptTokenizer.load(tiny_model_dir("llama"))
-
-
 def replying(tokenizer: PromptTokenizer, text: str, fail_after: int | None = None) -> ScriptedBackend:
     """A backend whose answer to MESSAGES is `text`, then EOS (or a failure after `fail_after` tokens)."""
     prompt = tokenizer.encode_chat(MESSAGES, None, {})

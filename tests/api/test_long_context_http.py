@@ -32,18 +32,7 @@ def long_model(tmp_path_factory) -> str:
     return str(write_model(tmp_path_factory.mktemp("llama-128k"), "llama", **SHAPE))
 
 
-@pytest.fixture(autouse=True)
-def disk_beats_prefill(monkeypatch):
-    """A tiny model prefills faster than a file loads: make the cost model restore (test_disk_http.py's
-    reason), so the restart below reads the long prompt back from disk."""
-    from dataclasses import replace
-
-    from kvfork.server.engine import placement, restore
-
-    def choose(upto, nbytes, memory, rates, prefilling):
-        return restore.choose_restore(upto, nbytes, memory, replace(rates, prefill_tps=1.0), prefilling)
-
-    monkeypatch.setattr(placement, "choose_restore", choose)
+pytestmark = pytest.mark.usefixtures("disk_beats_prefill")  # conftest.py: the tier is worth reading
 
 
 async def complete(http, url: str, prompt: list[int]) -> int:

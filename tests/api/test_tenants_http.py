@@ -21,13 +21,6 @@ def auth(key: str) -> dict:
 
 
 @pytest.fixture
-def keys_file(tmp_path):
-    path = tmp_path / "keys"
-    path.write_text(KEYS)
-    return str(path)
-
-
-@pytest.fixture
 async def daemon(tiny_model_dir, keys_file):
     async with serving(tiny_model_dir("llama"), api_keys_file=keys_file) as d:
         yield d

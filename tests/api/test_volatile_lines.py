@@ -18,7 +18,7 @@ from http_daemon import metrics, serving
 from kvfork.server.api.messages.protocol import TextBlock
 from kvfork.server.api.volatile import strip_system, strip_text
 
-RECORDED = json.loads((Path(__file__).parent / "fixtures/clients/claude.json").read_text())["requests"][0]["body"]
+RECORDED = json.loads((Path(__file__).parents[1] / "fixtures/clients/claude.json").read_text())["requests"][0]["body"]
 # Claude Code 2.1.332 (sdk-cli and the interactive cli), and 2.1.177 with its per-request cch
 BILLING_332 = "x-anthropic-billing-header: cc_version=2.1.332.{}; cc_entrypoint=sdk-cli;"
 BILLING_332_CLI = "x-anthropic-billing-header: cc_version=2.1.332.{}; cc_entrypoint=cli;"

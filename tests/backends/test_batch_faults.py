@@ -136,10 +136,9 @@ def test_a_decode_that_fails_midway_is_classified_and_leaves_the_backend_consist
 async def test_a_failed_decode_step_through_the_engine(backend_name, arch, tiny_model_dir, layer):
     """One decode step of three requests fails at `layer`: requests the backend left untouched
     run again and give exactly their lone tokens; those it left corrupt fail; nothing leaks."""
-    from engine_harness import run, settled
-    from test_engine_real import real_engine
+    from engine_harness import WHOLE_PROMPTS, real_engine, run, settled
 
-    engine = await real_engine(backend_name, tiny_model_dir(arch), prefix_cache_entries=0)
+    engine = await real_engine(backend_name, tiny_model_dir(arch), **WHOLE_PROMPTS, prefix_cache_entries=0)
     b = engine.backend
     prompts = [prompt(PREFIX, seed=40 + i) for i in range(3)]
     alone = [(await run(engine, p, 12))[0] for p in prompts]

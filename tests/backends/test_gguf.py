@@ -28,7 +28,7 @@ from kvfork.backends.model_info import read_model_facts
 from kvfork.backends.model_path import resolve_model
 from http_daemon import chat_body, serving
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BACKENDS = ("mlx", "torch")
 
 

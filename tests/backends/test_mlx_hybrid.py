@@ -167,7 +167,7 @@ def test_session_bytes_count_the_recurrent_state(hybrid):
 def test_a_decode_failure_is_classified_by_whether_a_state_moved(arch, tiny_hybrid_dir):
     """A step that fails in the first layer moved nothing: the sessions run again exactly. One that
     fails at the full-attention layer after the recurrent ones replaced their states is corrupt."""
-    from test_backend_faults import failing_layer
+    from test_batch_faults import failing_layer
 
     b = load("mlx", tiny_hybrid_dir(arch))
     prompts = [prompt(12, seed=30 + i) for i in range(3)]
@@ -216,7 +216,7 @@ def test_keep_at_on_a_model_without_recurrent_layers_keeps_nothing(tiny_model_di
 def test_a_prefill_that_fails_keeps_no_checkpoint(arch, tiny_hybrid_dir):
     """A chunk split at a checkpoint that fails in its second piece has moved the state: corrupt,
     and the state taken at the split is not kept. One failing before any layer ran is untouched."""
-    from test_backend_faults import failing_layer
+    from test_batch_faults import failing_layer
 
     b = create_backend("mlx")
     b.load(tiny_hybrid_dir(arch), "float32")

@@ -15,7 +15,7 @@ from packaging.specifiers import SpecifierSet  # noqa: E402
 
 from kvfork.backends.mlx.mlx_lm_caches import MLX_LM_VERSIONS, in_time_order, set_write_index, write_index  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_installed_mlx_lm_is_one_the_adapter_was_checked_for():

@@ -27,7 +27,7 @@ TOOL = {"type": "function", "function": {"name": "read_file", "description": "re
     "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
 CALL = {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": "{\"path\": \"a\"}"}}
 ANTHROPIC_TOOL = {"name": "read_file", "description": "read", "input_schema": {"type": "object", "properties": {}}}
-FIXTURES = Path(__file__).parent / "fixtures" / "clients"  # the agent clients' recorded shapes, where present
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "clients"  # the agent clients' recorded shapes, where present
 
 SHAPES = {
     "chat": ("/v1/chat/completions", {"model": M, "messages": USER, "max_tokens": 3}),

@@ -6,7 +6,7 @@ hiding it."""
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # The two places that call a library's private API, each its one adapter: mlx-lm's cache members,
 # and torch's oneDNN ops (torch names them with a leading underscore).
 ADAPTERS = {"backends/mlx/mlx_lm_caches.py", "backends/torch/packed_linear.py"}

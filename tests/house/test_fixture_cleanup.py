@@ -37,7 +37,7 @@ def test_the_one_after_the_leak_too(backend):
 
 def test_a_failure_inside_the_fixture_leaves_the_next_test_unaffected(pytester, monkeypatch):
     """On the scripted backend (a pytest of its own starts in a second, not the ten torch takes)."""
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # backend_fixtures, scripted_backend
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parents[1]))  # backend_fixtures, scripted_backend
     pytester.makeconftest('''
 import pytest
 

@@ -25,7 +25,7 @@ from packaging.specifiers import SpecifierSet
 
 import kvfork
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = ("kvfork", *kvfork.SUBPACKAGES)
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 # Imported by the product but not installed here: where each comes from.

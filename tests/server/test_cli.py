@@ -15,7 +15,7 @@ import pytest
 
 from kvfork.backends.mlx.blas import find_openblas
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def kvfork(*args: str, **kw) -> subprocess.CompletedProcess:

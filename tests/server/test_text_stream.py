@@ -11,11 +11,6 @@ from kvfork.server.text.stops import StopMatcher
 from kvfork.server.text.tokenizer import PromptTokenizer
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir) -> PromptTokenizer:
-    return PromptTokenizer.load(tiny_model_dir("llama"))
-
-
 def stream(detok: IncrementalDetokenizer, tokens: list[int]) -> list[str]:
     return [detok.add(t) for t in tokens] + [detok.flush()]
 

@@ -17,7 +17,7 @@ from kvfork.tools import smoke
 from kvfork.tools.bench import main, paired, peers
 from kvfork.tools.bench.serve import ServerProcess
 
-DOUBLE = [sys.executable, str(Path(__file__).with_name("openai_double.py"))]
+DOUBLE = [sys.executable, str(Path(__file__).parents[1] / "openai_double.py")]
 
 
 @pytest.fixture(autouse=True)

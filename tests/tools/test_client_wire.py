@@ -20,7 +20,7 @@ from agent_server import agent_model  # noqa: F401
 from http_daemon import serving
 from scripted_replies import scripted
 
-FIXTURES = Path(__file__).parent / "fixtures" / "clients"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "clients"
 CLIENTS = sorted(p.stem for p in FIXTURES.glob("*.json"))
 CONTEXT = 65536  # the model `kvfork clients` serves
 
