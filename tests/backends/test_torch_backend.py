@@ -1,5 +1,5 @@
 """What only the torch backend has: stepwise buffer growth, HF config reading, in-memory install.
-The backend contract itself (clone, sliding rule, batching, bytes) is tests/test_backends.py."""
+The backend contract itself (clone, sliding rule, batching, bytes) is tests/backends/test_contract.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The torch backend on hybrid models (Gated DeltaNet beside full attention): the two forms of
 the delta rule, both checkpoint layouts, batched decode, and the recurrent clone rule.
-Parity with mlx-lm itself is tests/test_torch_hybrid_parity.py."""
+Parity with mlx-lm itself is tests/backends/test_torch_hybrid_parity.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The torch sampler on hand-made logits, where the exact outcome is known. The sampling
-contract shared with MLX (streams, greedy, bias, logprobs) is tests/test_backend_sampling.py."""
+contract shared with MLX (streams, greedy, bias, logprobs) is tests/backends/test_sampling.py."""
 
 from __future__ import annotations
 

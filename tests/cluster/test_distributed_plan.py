@@ -17,7 +17,7 @@ from kvfork.backends.lockstep.channel import Channel
 from kvfork.backends.lockstep.follower import Follower
 from kvfork.backends.lockstep.leader import LockstepBackend
 
-EVERY_EFFECT = [  # and Import, whose saved state's arrays tests/test_step_plan.py round-trips
+EVERY_EFFECT = [  # and Import, whose saved state's arrays tests/engine/test_step_plan.py round-trips
     wire.Load("/models/x", "float32", "share"), e.Open(1), e.Clone(2, 1, 40), e.Prefill([1, 2], [[5, 6], [7]]),
     e.Decode([1, 2], [8, 9]), e.KeepAt(1, (20, 40)), e.MoveCheckpoints(1, 2), e.Export(2), e.Release([1, 3]),
     wire.Stop("bye"),

@@ -1,6 +1,6 @@
 """What a gateway in front of several replicas (smg) reads from one: the generic-worker contract, /v1/loads in
 smg's WorkerLoadResponse shape, the gauges the Gateway API Inference Extension scrapes, and the routing key
-smg adds, which names no session here. Real HTTP, tiny model; smg itself is in tests/test_cluster.py."""
+smg adds, which names no session here. Real HTTP, tiny model; smg itself is in tests/cluster/test_cluster.py."""
 
 from __future__ import annotations
 
