@@ -11,7 +11,7 @@ import pytest
 from backend_fixtures import backend, backend_name  # noqa: F401  (fixtures)
 from kvfork.backends import create_backend
 from kvfork.backends.model_info import FALLBACK_CONTEXT, ModelFacts, read_model_facts
-from engine_harness import run, settled
+from engine_harness import run, settled, start_engine
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.engine import Engine
 from kvfork.server.metrics import Registry
@@ -59,9 +59,8 @@ def test_a_torch_session_costs_exactly_its_price(backend, backend_name):
 
 
 async def test_after_a_run_the_budget_holds_what_the_backend_holds(backend_name, arch, tiny_model_dir):
-    config = EngineConfig(prefix_cache_min_tokens=8, kv_budget_bytes=1 << 30, max_tokens=16, prefill_chunk=64)
-    engine = Engine(create_backend(backend_name), tiny_model_dir(arch), "float32", config, Registry())
-    await engine.start()
+    engine = await start_engine(create_backend(backend_name), tiny_model_dir(arch), "float32", max_tokens=16,
+                                prefill_chunk=64)
     backend, kv = engine.backend, engine.info.kv
     prompts = [prompt(40 + 90 * i, seed=i) for i in range(3)]  # some longer than a growth step
     await asyncio.gather(*(run(engine, p, 12) for p in prompts), run(engine, prompt(270, seed=9), 12, session_id="a"),

@@ -155,13 +155,9 @@ async def test_on_a_real_backend_the_choices_never_hold_more_than_they_reserved(
     """Every step's report of what the backend holds stays within what admission reserved for the
     choices (torch prices a choice's clone exactly; MLX within its tolerance)."""
     from kvfork.backends import create_backend
-    from kvfork.server.engine.config import EngineConfig
-    from kvfork.server.engine.engine import Engine
-    from kvfork.server.metrics import Registry
 
-    config = EngineConfig(prefix_cache_entries=0, kv_budget_bytes=1 << 30, max_tokens=40)
-    engine = Engine(create_backend(backend_name), tiny_model_dir("llama"), "float32", config, Registry())
-    await engine.start()
+    engine = await start_engine(create_backend(backend_name), tiny_model_dir("llama"), "float32",
+                                prefix_cache_entries=0, max_tokens=40)
     kv, adm = engine.info.kv, engine.admission
     over = []
     handles = engine.submit_choices(request(prompt_of(300), 40, n=3, ignore_eos=True))
