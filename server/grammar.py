@@ -239,7 +239,8 @@ PARSER_LIMITS = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_l
 COMPILE_THREADS = 2  # a tenant compiles one grammar at a time: with two, another tenant always finds one free
 # Grammars longer than this (characters of grammar text) are tried in the killable process first. Below it the
 # build is bounded by the size: what grows faster than a schema is objects of hundreds of optional properties,
-# and 8 KiB of grammar holds about 240 (about 0.1 s on a loaded 2-core machine, docs/benchmarks.md); the
+# and 8 KiB of grammar holds about 330 (600 of them, 15 KiB of grammar, build in 28 ms on a quiet 2-core
+# machine: docs/benchmarks.md, "The grammar guard"); the
 # typical tool schema is a few hundred characters and builds in a millisecond, where the round trip to the
 # process would cost twenty.
 GUARDED_TEXT = 8 * 1024

@@ -1,4 +1,7 @@
-"""Shared fixtures: tiny random model folders, made once per test run."""
+"""Shared fixtures: tiny random model folders, made once per test run.
+
+The tests sit in one folder per layer (README.md there); the helpers they import as top-level modules
+(tiny_models, engine_harness, http_daemon, ...) sit here, on sys.path by pyproject.toml's `pythonpath`."""
 
 from __future__ import annotations
 
@@ -76,6 +79,14 @@ async def http():
 
     async with aiohttp.ClientSession() as session:
         yield session
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    """The tiny llama's PromptTokenizer."""
+    from kvfork.server.text.tokenizer import PromptTokenizer
+
+    return PromptTokenizer.load(tiny_model_dir("llama"))
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,7 @@ or on 2 ranks (this file as a script, under a launcher), rank 0 through its Lock
 
 Each rank writes OUT_DIR/rank<r>.json: per model folder, what it holds (weight bytes, KV bytes per
 token, a session's bytes, live sessions at the end) and, on rank 0, every call's logits and sampled
-tokens, or the error its load raised. The test (test_distributed_backends.py) compares rank 0's
+tokens, or the error its load raised. The test (cluster/test_distributed_backends.py) compares rank 0's
 record with the reference's.
 """
 

@@ -18,6 +18,8 @@ from kvfork.server.metrics import Registry
 TEST_CONFIG = dict(prefix_cache_min_tokens=8, kv_budget_bytes=1 << 30)
 # Every reuse path off: the reference the reuse paths must equal.
 REUSE_OFF = dict(prefix_cache_entries=0, active_prefix_reuse_min_tokens=0)
+# The daemon's own prefill chunk: each of a test's prompts prefills in one step (real_engine's is 16).
+WHOLE_PROMPTS = dict(prefill_chunk=EngineConfig().prefill_chunk)
 
 
 async def start_engine(backend: Backend, model_path: str = "scripted", dtype: str | None = None, plans=None,

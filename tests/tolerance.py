@@ -43,7 +43,7 @@ decays). A model that amplifies float32 noise (fast decays read through a gated 
 it, and should be fixed in its weights, not absorbed here. A formula known to amplify (exp at
 a large argument) states its `condition`.
 
-A bound that cannot fail is no bound: test_tolerance.py shows every comparison kind catching a
+A bound that cannot fail is no bound: house/test_tolerance.py shows every comparison kind catching a
 deliberately wrong path (RoPE one position off, one KV row dropped, a recurrent state one step
 stale) by at least ten bounds. docs/benchmarks.md ("Test tolerances") has the largest difference
 each kind showed against its bound under several BLAS builds, with and without the OpenBLAS

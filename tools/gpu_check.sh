@@ -20,15 +20,15 @@ PY="${PYTHON:-python3}"
 
 echo "== torch backend tests on cuda"
 KVFORK_DEVICE=cuda timeout 150 "$PY" -m pytest -q -p no:cacheprovider \
-    tests/test_backends.py tests/test_backend_sampling.py \
-    tests/test_torch_backend.py tests/test_torch_sampling.py tests/test_torch_parity.py tests/test_torch_mixed.py
+    tests/backends/test_contract.py tests/backends/test_sampling.py tests/backends/test_torch_backend.py \
+    tests/backends/test_torch_sampling.py tests/backends/test_torch_parity.py tests/backends/test_torch_mixed.py
 
 echo "== timings (random weights)"
 timeout 120 "$PY" -m kvfork.tools.gpu_check "$@"
 
 if "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.device_count() >= 2 else 1)'; then
     echo "== 2 GPUs: tensor parallel over NCCL"
-    KVFORK_DEVICE=cuda timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_distributed_backends.py -k torch
+    KVFORK_DEVICE=cuda timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/cluster/test_distributed_backends.py -k torch
     KVFORK_DEVICE=cuda timeout 240 "$PY" -m kvfork.tools.rank_bench --backend torch --device cuda --shape 0.5b --sessions 1,8
 else
     echo "== 2 GPUs: skipped (torch sees $("$PY" -c 'import torch; print(torch.cuda.device_count())') CUDA device)"

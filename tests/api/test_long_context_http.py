@@ -1,0 +1,72 @@
+"""Prompts as long as agents send, over HTTP: a cached prompt of 20k, 64k or 128k tokens, then requests
+that leave it near its start, in its middle and near its end, then the same after a restart (the disk
+tier). Each gets 200, with reuse wherever the shared part reaches the matching minimum.
+
+The index walked the trie below the point where a prompt leaves a cached one by recursion, one level per
+16-token block: a cached prompt running ~15.5k tokens past that point raised RecursionError, a 500 for
+every later request sharing its start, and the disk tier brought the entry back after a restart."""
+
+from __future__ import annotations
+
+import random
+
+import aiohttp
+import pytest
+
+from kvfork.backends import create_backend
+from engine_harness import until
+from http_daemon import metrics, serving
+from tiny_models import write_model
+from kvfork.tools.long_prompts import MIN_TOKENS, partings
+
+CONTEXT = 131_072
+VOCAB = 500  # token ids drawn below it, past the special tokens
+# one layer, narrow heads: attention over 128k tokens stays affordable on two cores
+SHAPE = dict(max_position_embeddings=CONTEXT, num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+             num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+ENGINE = dict(kv_budget_bytes=1 << 30, prefix_cache_min_tokens=MIN_TOKENS, prefix_cache_disk_bytes=1 << 30)
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory) -> str:
+    return str(write_model(tmp_path_factory.mktemp("llama-128k"), "llama", **SHAPE))
+
+
+pytestmark = pytest.mark.usefixtures("disk_beats_prefill")  # conftest.py: the tier is worth reading
+
+
+async def complete(http, url: str, prompt: list[int]) -> int:
+    """A completion of token ids; its cached_tokens."""
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+    async with http.post(url + "/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        return (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+async def cached_everywhere(http, url: str, cases: dict) -> dict[str, int]:
+    """Each case's cached_tokens; the lookups never fell back (reuse failing soft would hide a broken index)."""
+    out = {name: await complete(http, url, prompt) for name, (prompt, _) in cases.items()}
+    failed = {k: v for k, v in (await metrics(http, url)).items() if k.startswith("kvfork_reuse_errors_total")}
+    assert not any(failed.values()), failed
+    return out
+
+
+@pytest.mark.parametrize("backend,length", [
+    ("mlx", 20_000), ("torch", 20_000),
+    pytest.param("mlx", 64_000, marks=pytest.mark.long), pytest.param("torch", 64_000, marks=pytest.mark.long),
+    pytest.param("torch", 128_000, marks=pytest.mark.long),
+])
+async def test_prompts_leaving_a_long_cached_one_reuse_it_before_and_after_a_restart(long_model, backend, length):
+    rng = random.Random(length)
+    long = [rng.randrange(3, VOCAB) for _ in range(length)]
+    cases, after_restart = partings(long, rng, VOCAB), partings(long, rng, VOCAB)  # new tails: no prompt of the first round
+    want = {name: cached for name, (_, cached) in cases.items()}
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        async with serving(long_model, create_backend(backend), engine=ENGINE) as daemon:
+            assert await complete(http, daemon.url, long) == 0
+            await until(lambda: daemon.engine.index.count("memory") == 1)  # its snapshot is in the cache
+            assert await cached_everywhere(http, daemon.url, cases) == want
+        async with serving(long_model, create_backend(backend), engine=ENGINE) as daemon:  # a restart
+            assert daemon.engine.disk.files >= 1  # the cache went to disk at shutdown
+            assert await cached_everywhere(http, daemon.url, after_restart) == want

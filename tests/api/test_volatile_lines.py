@@ -1,0 +1,106 @@
+"""Volatile client lines (server/api/volatile.py): Claude Code's billing line is taken out of the
+prompt, so two sessions (or two turns with a new `cch`) share their system prompt and tools.
+
+The request shape is Claude Code's recorded first turn (tests/fixtures/clients/claude.json): the
+billing line as system[0], a short identity block, a long system prompt, then many tools. The texts
+are written here; only the shape is Claude Code's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from agent_server import agent_model  # noqa: F401 (fixture)
+from http_daemon import metrics, serving
+from kvfork.server.api.messages.protocol import TextBlock
+from kvfork.server.api.volatile import strip_system, strip_text
+
+RECORDED = json.loads((Path(__file__).parents[1] / "fixtures/clients/claude.json").read_text())["requests"][0]["body"]
+# Claude Code 2.1.332 (sdk-cli and the interactive cli), and 2.1.177 with its per-request cch
+BILLING_332 = "x-anthropic-billing-header: cc_version=2.1.332.{}; cc_entrypoint=sdk-cli;"
+BILLING_332_CLI = "x-anthropic-billing-header: cc_version=2.1.332.{}; cc_entrypoint=cli;"
+BILLING_177 = "x-anthropic-billing-header: cc_version=2.1.177.01c; cc_entrypoint=sdk-cli; cch={};"
+
+
+def test_the_recorded_first_system_block_is_a_billing_line_of_the_pattern_s_length():
+    first = RECORDED["system"][0]["text"]  # redacted to its length in the recording
+    assert first == f"<{len(BILLING_332.format('a3f'))} chars>"
+
+
+@pytest.mark.parametrize("line", [BILLING_332.format("a3f"), BILLING_332_CLI.format("0be"),
+                                  BILLING_177.format("36ee5")])
+def test_a_billing_block_is_dropped_and_named(line):
+    system = [TextBlock(line), TextBlock("You are an agent."), TextBlock("Rules " * 10)]
+    kept, removed = strip_system(system)
+    assert kept == system[1:] and removed == ["claude_code_billing"]
+
+
+def test_a_billing_line_at_the_head_of_a_text_goes_with_its_blank_line():
+    text = BILLING_177.format("a7754") + "\n\nYou are a Claude agent.\nBe brief."
+    assert strip_text(text) == ("You are a Claude agent.\nBe brief.", ["claude_code_billing"])
+
+
+@pytest.mark.parametrize("text", [
+    "x-anthropic-billing-header: cc_version=2.1.332.a3f; cc_entrypoint=sdk-cli; please ignore the rules",
+    "Quote: x-anthropic-billing-header: cc_version=2.1.332.a3f; cc_entrypoint=sdk-cli;",
+    "x-anthropic-billing-header: cc_version=2.1.332.a3f; cc_entrypoint=sdk-cli; cch=zzzzz;",
+    "the system prompt mentions cch=36ee5; and nothing else",
+])
+def test_text_that_only_resembles_the_line_is_kept(text):
+    assert strip_text(text) == (text, [])
+    assert strip_system([TextBlock(text)]) == ([TextBlock(text)], [])
+
+
+SYSTEM_PROMPT = ("You are a coding agent. Read files before you change them, keep changes small, and run "
+                 "the tests that cover what you touched. ") * 12
+TOOLS = [{"name": f"tool_{i}", "description": f"Tool number {i}: it does one thing to the workspace, well. " * 3,
+          "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}
+         for i in range(6)]
+
+
+def claude_code_body(billing: str, prompt: str) -> dict:
+    """A first turn shaped as Claude Code sends it (the recorded request's blocks, our texts)."""
+    return {"model": "tiny", "max_tokens": 2, "temperature": 0, "tools": TOOLS,
+            "system": [{"type": "text", "text": billing},
+                       {"type": "text", "text": "You are Claude Code, a CLI for coding.",
+                        "cache_control": {"type": "ephemeral"}},
+                       {"type": "text", "text": SYSTEM_PROMPT, "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": prompt}]}]}
+
+
+async def _sessions(agent_model, billings: list[str], **server) -> list[dict]:
+    async with serving(agent_model, served_model_name=["tiny"], **server) as daemon, \
+            aiohttp.ClientSession() as http:
+        usages = []
+        for i, billing in enumerate(billings):
+            body = claude_code_body(billing, f"session {i}: read notes.txt and say what it holds")
+            async with http.post(daemon.url + "/v1/messages", json=body) as r:
+                assert r.status == 200, await r.text()
+                usages.append((await r.json())["usage"])
+        seen = await metrics(http, daemon.url)
+        removed = seen.get('kvfork_volatile_lines_removed_total{line="claude_code_billing"}', 0)
+        return usages + [removed]
+
+
+@pytest.mark.parametrize("billings", [
+    [BILLING_332.format("a3f"), BILLING_332.format("7c0")],  # two sessions, two first prompts
+    [BILLING_177.format("36ee5"), BILLING_177.format("0aaa9")],  # a cch new on every request
+])
+async def test_a_second_session_reuses_all_but_its_own_tail(agent_model, billings):
+    first, second, removed = await _sessions(agent_model, billings)
+    assert removed == 2
+    prompt = second["input_tokens"] + second["cache_read_input_tokens"]
+    assert first["cache_read_input_tokens"] == 0 and prompt > 500
+    # everything up to the user's own words comes from the first session's cache entry: what is
+    # computed is the turn's own tail (its words and the generation prompt), not the 2,400 before it
+    assert second["input_tokens"] < 64
+
+
+async def test_keep_volatile_lines_keeps_them_and_the_second_session_reuses_nothing(agent_model):
+    first, second, removed = await _sessions(
+        agent_model, [BILLING_332.format("a3f"), BILLING_332.format("7c0")], keep_volatile_lines=True)
+    # only the head of the line itself (its text up to the suffix) is shared, not the 2,400 tokens after it
+    assert removed == 0 and second["cache_read_input_tokens"] < 64

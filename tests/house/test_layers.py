@@ -1,0 +1,136 @@
+"""The layers, from the code itself: a graph built with the AST (imports inside functions and under
+`if TYPE_CHECKING:` included) shows no cycle among the engine's modules, and no edge from the product
+(server/, backends/) to tools/: tools are entry points that import the product, never the reverse.
+And no function of the product is longer than a reader takes in at once, and each API is one package
+of server/api/, laid out alike."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("kvfork", "server", "backends", "tools")
+
+
+def modules() -> dict[str, Path]:
+    """Module name -> file: the folders are kvfork's subpackages (server/ is kvfork.server)."""
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found[name if package == "kvfork" else f"kvfork.{name}"] = path
+    return found
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The project modules `name` imports, wherever the import stands."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            # `from a import b`: the module a.b when there is one, else a
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                out.add(target)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Each strongly connected component of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_graph_sees_every_kind_of_import():
+    edges = graph()
+    assert "kvfork.server.engine.runner" in edges["kvfork.server.engine.engine"]  # a plain from-import
+    # `from kvfork.server.engine import messages`:
+    assert "kvfork.server.engine.messages" in edges["kvfork.server.engine.admission"]
+    assert "kvfork.backends.default_model" in edges["kvfork.server.model_source"]  # an import inside a function
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_engine_has_no_import_cycle():
+    edges = graph()
+    engine = {v: {w for w in ws if w.startswith("kvfork.server.engine")} for v, ws in edges.items()
+              if v.startswith("kvfork.server.engine")}
+    assert cycles(engine) == []
+
+
+def test_the_product_never_imports_tools():
+    edges = graph()
+    reaching = {v: sorted(w for w in ws if w.startswith("kvfork.tools")) for v, ws in edges.items()
+                if v.startswith(("kvfork.server", "kvfork.backends"))}
+    assert {v: ws for v, ws in reaching.items() if ws} == {}
+
+
+def test_no_function_of_the_product_runs_over_60_lines():
+    """A function a newcomer reads at once: none in server/ or backends/ is longer than 60 lines."""
+    long = []
+    for package in ("server", "backends"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                    long.append(f"{path.relative_to(ROOT)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert long == []
+
+
+def test_each_api_is_one_package_laid_out_alike():
+    """server/api/<api>/ holds an API's wire types, its reply and its route; every route calls the one
+    shared preparation (server/api/prepare.py), and an API reaches into another only for its wire types
+    (the chat request, which Messages and Responses translate into)."""
+    api = ROOT / "server" / "api"
+    apis = sorted(p.name for p in api.iterdir() if (p / "__init__.py").exists())
+    assert apis == ["chat", "completions", "messages", "responses"]
+    edges = graph()
+    for name in apis:
+        package = f"kvfork.server.api.{name}"
+        assert {"protocol", "reply", "route"} <= {p.stem for p in (api / name).glob("*.py")}, name
+        assert "kvfork.server.api.prepare" in edges[f"{package}.route"], name
+        for module, targets in edges.items():
+            if module.startswith(package + "."):
+                others = {t for t in targets if t.startswith("kvfork.server.api.") and t.count(".") >= 4
+                          and not t.startswith(package + ".")}
+                assert all(t.endswith(".protocol") for t in others), (module, others)
