@@ -130,6 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-s-per-token", type=float, default=0.0002)
     p.add_argument("--decode-s", type=float, default=0.01)
     p.add_argument("--perturb-reuse", action="store_true")
+    p.add_argument("--speculative", default="off")  # taken, not acted on: the double has no verify pass
     return p.parse_args(argv)
 
 

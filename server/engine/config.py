@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kvfork.backends.base import ModelInfo
 from kvfork.backends.device_memory import DeviceMemory
+from kvfork.server.engine.drafts import MODES as SPECULATIVE_MODES
 from kvfork.server.engine.memory_plan import MemoryPlan, plan_memory
 from kvfork.server.settings import at_least, between, setting
 
@@ -85,6 +86,14 @@ class EngineConfig:
     follow: bool = setting(True, "with active reuse on, let a request wait for a prefilling donor to commit the "
                            "shared prefix (--no-follow: clone-now: clone only what is already committed)",
                            group="reuse")
+    speculative: str = setting("off", "model-free speculative decoding: prompt (drafts from the request's own "
+                               "prompt and output), suffix (also from the earlier responses of its tenant and "
+                               "cache_salt, prompt lookup as the fallback), or off", choices=SPECULATIVE_MODES)
+    speculative_tokens: int = setting(16, "most tokens one draft proposes (each request adapts its own draft length "
+                                      "below it)", check=at_least(1), aliases=("--num-speculative-tokens",))
+    speculative_corpus_bytes: int = setting(64 * 1024**2, "bytes the suffix corpora of past responses may hold, "
+                                            "all scopes together (oldest responses out first)", check=at_least(0),
+                                            size=True)
 
     def resolve(self, info: ModelInfo, device: DeviceMemory) -> tuple["EngineConfig", MemoryPlan]:
         """The config with every machine- or model-dependent default filled in, and the memory plan

@@ -4,6 +4,7 @@
   paired  start kvfork once per reuse mode (default: off, then on) and compare
   peers   the same, plus mlx_lm.server and llama.cpp's server where available
   cluster routing policies over 2 replicas behind smg, against one replica (tools/bench/cluster.py)
+  spec    speculative decoding off and on, same prompts, one run (tools/bench/spec.py)
 """
 
 from __future__ import annotations
@@ -133,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvfork.tools.bench import cluster
 
         return cluster.main(argv[1:])
+    if argv[:1] == ["spec"]:  # speculative decoding off and on: a command of its own (tools/bench/spec.py)
+        from kvfork.tools.bench import spec
+
+        return spec.main(argv[1:])
     args = _parser().parse_args(argv)
     args.argv = argv  # recorded with the results
     exit_on_sigterm()
