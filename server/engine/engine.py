@@ -22,6 +22,7 @@ Index (reusable states), NamedSessions, DiskTier; none calls back into the engin
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -59,13 +60,15 @@ STOP_WAIT_S = 10.0  # after the grace period: how long cancelled requests get to
 class Engine:
     def __init__(self, backend: Backend, model_path: str, dtype: str | None, config: EngineConfig,
                  registry: Registry, kv_dir: Path | None = None, kv_events: Any = None,
-                 plans: Callable[[Any], None] | None = None):
+                 plans: Callable[[Any], None] | None = None, drafts: Any = None):
         """`kv_dir`: where the prefix cache's disk tier lives (disk.kv_root()); None: no disk tier.
         `kv_events`: told where reusable states are stored and removed (server/kv_events.KVEvents); None: off.
-        `plans`: handed each plan.StepPlan before it runs (a recorder: plan.replay runs them again)."""
+        `plans`: handed each plan.StepPlan before it runs (a recorder: plan.replay runs them again).
+        `drafts`: speculative decoding's drafters (speculation.Drafts), read when the runner starts; None: off."""
         validate(config)
         self.backend, self.model_path, self.dtype, self.config = backend, model_path, dtype, config
         self.kv_dir, self.registry, self.kv_events, self._plans = kv_dir, registry, kv_events, plans
+        self.drafts = drafts
         self.info: ModelInfo | None = None
         self.memory: MemoryPlan | None = None  # where the KV budget comes from, once loaded
         self.dead = False
@@ -102,7 +105,8 @@ class Engine:
 
         c = self.config
         self._runner = Runner(self.backend, self.model_path, self.dtype, c.max_batch_tokens, c.prefill_chunk,
-                              c.max_step_ms / 1000, notify, c.clone_mode, self._plans)
+                              c.max_step_ms / 1000, notify, c.clone_mode, self._plans, self.drafts,
+                              c.speculative_max_batch)
         self._runner.thread.start()
         await self._loaded
 
@@ -369,7 +373,8 @@ class Engine:
         self._send(m.Start(r.rid, r.prompt, r.req.sampling, r.max_tokens, r.stop_ids, capture=adm.has_capture(r),
                            keep_session=r.named is not None, resume=sid, resume_at=at,
                            clone_from=[(c.entry.sid, c.upto) for c in candidates or ()], donor=donor,
-                           constraint=r.req.constraint, choices=choices, keep_at=adm.checkpoints(r.req)))
+                           constraint=r.req.constraint, choices=choices, keep_at=adm.checkpoints(r.req),
+                           scope=json.dumps([r.req.scope.tenant, r.req.scope.salt])))
         for sibling in r.waiting_siblings:
             sibling.sent = True
         self._index.run(r.rid, r.prompt, r.req.scope, r.rid)
@@ -745,6 +750,7 @@ class Engine:
         if r.named is not None:
             self._named.release(r.named, ev.sid, ev.held, r.req.scope, ev.nbytes, ev.frees)
         r.prefilled, r.generated = ev.prefilled, ev.generated
+        self.metrics.speculated(r, ev.speculated)
         self.complete(r, ev.reason, ev.error, ev.grammar_failed)
 
     def _on_clone_done(self, ev: m.CloneDone) -> None:
