@@ -92,8 +92,19 @@ async def test_seeded_sampling_gives_the_same_tokens_with_speculation(backend_na
     await on.shutdown(1)
 
 
+def pooled(counts: dict, rare: set) -> dict:
+    out: dict = {}
+    for cell, n in counts.items():
+        key = (-1,) if cell in rare else cell  # one cell for all the rare ones
+        out[key] = out.get(key, 0) + n
+    return out
+
+
 def chi_square(a: dict, b: dict) -> tuple[float, int]:
-    """Two-sample chi-square statistic over the cells both samples use, and its degrees of freedom."""
+    """Two-sample chi-square statistic over the cells both samples use (those seen under 10 times
+    in all pooled into one), and its degrees of freedom."""
+    rare = {c for c in set(a) | set(b) if a.get(c, 0) + b.get(c, 0) < 10}
+    a, b = pooled(a, rare), pooled(b, rare)
     cells = sorted(set(a) | set(b))
     na, nb = sum(a.values()), sum(b.values())
     stat = 0.0
@@ -106,8 +117,8 @@ def chi_square(a: dict, b: dict) -> tuple[float, int]:
 async def test_sampled_tokens_follow_the_distribution_of_speculation_off(backend_name, tiny_model_dir):
     """The rejection rule: over many seeds, the (second, third) token pairs drawn with speculation on
     have the distribution of those drawn with it off (different seeds: two independent samples)."""
-    folder, p, runs = tiny_model_dir("llama"), prompt(12, seed=5), 240
-    sampling = dict(temperature=1.5, top_k=3)
+    folder, p, runs = tiny_model_dir("llama"), prompt(12, seed=5), 200
+    sampling = dict(temperature=10.0, top_k=4)  # the tiny model's logits are steep: flattened to a spread
     samples = []
     for drafts, seeds in ((None, range(runs)), (ScriptedDrafts(spoil_every=0), range(10_000, 10_000 + runs))):
         engine = await engine_of(backend_name, folder, drafts, prefix_cache_entries=0)
