@@ -24,6 +24,7 @@ class ScriptedDrafts:
         self.seen: dict[str, list[list[int]]] = {}  # scope -> prompt + output of finished requests
         self.opened: list[str] = []  # the scopes requests opened with
         self.proposals = 0
+        self.proposed_tokens = 0
 
     def open(self, scope: str, prompt: Sequence[int]) -> "RequestDrafts":
         self.opened.append(scope)
@@ -53,6 +54,7 @@ class RequestDrafts:
         if o.spoil_every and o.proposals % o.spoil_every == 0:
             at = len(guess) // 2
             guess[at] = (guess[at] + 1) % o.vocab
+        o.proposed_tokens += len(guess)
         return Draft(guess, source)
 
     def _seen_after(self, tokens: list[int]) -> list[int]:
