@@ -6,6 +6,7 @@ distribution; clones, cancels, grammars-free requests and broken drafters leave 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import numpy as np
@@ -60,6 +61,18 @@ async def test_greedy_tokens_are_those_of_speculation_off(backend_name, arch, ti
     await settled(on, on.backend)
     await on.shutdown(1)
     assert on.backend.live_sessions() == 0
+
+
+async def test_the_request_log_line_says_what_speculation_saved(backend_name, tiny_model_dir, caplog):
+    caplog.set_level(logging.INFO, "kvfork.requests")
+    p = prompt(20, seed=14)
+    on = await engine_of(backend_name, tiny_model_dir("llama"), ScriptedDrafts(spoil_every=0), prefix_cache_entries=0)
+    await run(on, p, 16, ignore_eos=True)
+    await run(on, p, 16, ignore_eos=True)  # drafts the first one's output: all accepted
+    await on.shutdown(1)
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvfork.requests"]
+    saved = [json.loads(line.split(" ", 1)[1]).get("speculation_saved_tokens") for line in lines]
+    assert saved[-1] == counted(on)[1] - (saved[0] or 0) and saved[-1] >= 8
 
 
 async def test_a_hybrid_does_not_speculate_and_says_so_once(backend_name, tiny_hybrid_dir, caplog):
@@ -197,3 +210,28 @@ async def test_a_broken_drafter_fails_soft(backend_name, tiny_model_dir, caplog)
     got, done = await run(on, p, 10, ignore_eos=True)
     assert got == want and done.finish_reason == "length"
     await on.shutdown(1)
+
+
+async def test_plans_with_drafts_replay_on_a_fresh_backend_to_the_same_tokens(backend_name, tiny_model_dir):
+    """Verification is part of the step plan: its verify passes and roll backs (Truncate ops) run
+    again from the recorded plans alone, to the same tokens."""
+    from kvfork.backends import effects as e
+    from kvfork.server.engine import plan as p
+
+    folder, plans = tiny_model_dir("llama"), []
+    settings = dict(prefix_cache_min_tokens=8, kv_budget_bytes=1 << 30, prefill_chunk=16, prefix_cache_entries=0)
+    engine = Engine(create_backend(backend_name), folder, "float32", EngineConfig(**settings), Registry(),
+                    plans=plans.append, drafts=ScriptedDrafts())
+    await engine.start()
+    prompts = [prompt(20, seed=12), prompt(26, seed=13)]
+    want = [(await run(engine, q, 20, ignore_eos=True))[0] for q in prompts]
+    handles = [engine.submit(request(q, 20, rid=f"again{i}", ignore_eos=True)) for i, q in enumerate(prompts)]
+    rids = [next(r.rid for r in engine.requests() if r.handle is h) for h in handles]
+    assert [(await collect(h))[0] for h in handles] == want
+    await engine.shutdown(1)
+    assert any(row.reads > 1 for plan in plans for row in plan.decode)
+    assert any(isinstance(op, e.Truncate) for plan in plans for op in plan.ops)
+    fresh = create_backend(backend_name)
+    fresh.load(folder, "float32")
+    replayed = p.replay([p.decode(p.encode(plan)) for plan in plans], fresh)
+    assert [replayed[rid] for rid in rids] == want

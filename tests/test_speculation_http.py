@@ -54,6 +54,9 @@ async def test_greedy_text_is_the_same_with_speculation_on(backend_name, arch, t
     if rolls_back:
         assert spec(read, "drafted") > spec(read, "accepted") > 0
         assert read['kvfork_spec_accepted_tokens_total{source="suffix"}'] > 0
+        vllm = {k.split("{")[0]: v for k, v in read.items() if k.startswith("kvfork_spec_decode_")}
+        assert vllm == {"kvfork_spec_decode_num_draft_tokens_total": spec(read, "drafted"),
+                        "kvfork_spec_decode_num_accepted_tokens_total": spec(read, "accepted")}
     else:  # it does not speculate (a hybrid; MLX's rotating caches), and counts nothing
         assert spec(read, "drafted") == 0
 

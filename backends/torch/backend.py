@@ -255,16 +255,16 @@ class TorchBackend(Backend):
         if any(not 1 <= n <= len(chunk) for n, chunk in zip(reads, chunks)):
             raise ValueError("each row reads between 1 and all of its positions")
         for s, chunk in zip(sessions, chunks):
-            kv.keep_undo(s.layers, s.position, len(chunk))
+            kv.keep_ring_undo(s.layers, s.position, len(chunk))
         return self._forward(sessions, chunks, list(reads))
 
     @torch.inference_mode()
     def truncate(self, session: TorchSession, position: int) -> None:
         if session.id not in self._sessions:
             raise ValueError(f"{session!r} was released")
-        if position > session.position or not kv.undoable(session.layers, position):
+        if position > session.position or not kv.rings_undoable(session.layers, position):
             raise ValueError(f"cannot roll {session!r} back to {position}")
-        kv.undo(session.layers, position)
+        kv.undo_rings(session.layers, position)
         session.position = position
 
     def _forward(self, sessions: Sequence[TorchSession], chunks: Sequence[Sequence[int]],

@@ -365,19 +365,19 @@ def reserve(layers: Sequence, end: int) -> None:
         layer.reserve(end)
 
 
-def keep_undo(layers: Sequence, start: int, n: int) -> None:
+def keep_ring_undo(layers: Sequence, start: int, n: int) -> None:
     for layer in layers:
         if isinstance(layer, RingKV):
             layer.keep_undo(start, n)
 
 
-def undoable(layers: Sequence, position: int) -> bool:
+def rings_undoable(layers: Sequence, position: int) -> bool:
     """Whether every ring can roll back to `position`: it kept what its last verify pass overwrote past it."""
     return all(layer.undo is not None and layer.undo[0] <= position and layer.undo[4] == layer.writes
                for layer in layers if isinstance(layer, RingKV))
 
 
-def undo(layers: Sequence, position: int) -> None:
+def undo_rings(layers: Sequence, position: int) -> None:
     for layer in layers:
         if isinstance(layer, RingKV):
             layer.roll_back(position)
