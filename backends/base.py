@@ -409,6 +409,22 @@ class Backend(abc.ABC):
         frequency penalties count), so the engine does not append it again.
         """
 
+    @property
+    def rolls_back(self) -> bool:
+        """After `load`: whether `verify` and `truncate` serve this model (speculative decoding)."""
+        return False
+
+    def verify(self, sessions: Sequence[Session], chunks: Sequence[Sequence[int]], reads: Sequence[int]) -> Any:
+        """`prefill`, reading more logits: the last `reads[i]` positions of chunks[i] (at least 1) each give
+        a row, all rows in order, shape [sum(reads), vocab] (a decode row with k drafted tokens reads k + 1).
+        A session may then be `truncate`d back to any position this call passed (same fault contract)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot verify drafted tokens")
+
+    def truncate(self, session: Session, position: int) -> None:
+        """Roll a session back to `position` (at most its position, at least where its last `verify` call
+        began): the state of its first `position` tokens, as if nothing later had been written."""
+        raise NotImplementedError(f"{type(self).__name__} cannot roll a session back")
+
     @abc.abstractmethod
     def clone(self, session: Session, upto: int) -> Session:
         """An independent session holding the state of the first `upto` committed tokens.

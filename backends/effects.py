@@ -1,8 +1,8 @@
 """Backend effects as plain values, and the one place they run.
 
-    Op        a session effect: Open, Clone, Import, Export, KeepAt, MoveCheckpoints, Release
-    Pass      a forward pass: Prefill (chunks, decode rows among them on a mixed_batches backend)
-              or Decode (one token a row)
+    Op        a session effect: Open, Clone, Import, Export, KeepAt, MoveCheckpoints, Truncate, Release
+    Pass      a forward pass: Prefill (chunks, decode rows among them on a mixed_batches backend),
+              Verify (the same, reading a decode row's drafted positions too) or Decode (one token a row)
     Executor  one backend's sessions by id, and `run(effect)`: the one place an effect becomes
               a backend call
     encode(value) -> bytes, decoder(kind)(data) -> value     msgpack through msgspec
@@ -63,6 +63,11 @@ class MoveCheckpoints(msgspec.Struct, tag="move_checkpoints", frozen=True):
     target: int
 
 
+class Truncate(msgspec.Struct, tag="truncate", frozen=True):
+    sid: int  # roll back to `position`: drafted tokens past the accepted run (Backend.truncate)
+    position: int
+
+
 class Release(msgspec.Struct, tag="release", frozen=True):
     sids: list[int]  # a request's sessions leave together
 
@@ -72,13 +77,19 @@ class Prefill(msgspec.Struct, tag="prefill", frozen=True):
     chunks: list[list[int]]
 
 
+class Verify(msgspec.Struct, tag="verify", frozen=True):
+    sids: list[int]  # chunks[i] committed to sids[i], its last reads[i] positions' logits read (Backend.verify)
+    chunks: list[list[int]]
+    reads: list[int]
+
+
 class Decode(msgspec.Struct, tag="decode", frozen=True):
     sids: list[int]  # tokens[i] committed to sids[i] (Backend.decode)
     tokens: list[int]
 
 
-Op = Open | Clone | Import | Export | KeepAt | MoveCheckpoints | Release
-Pass = Prefill | Decode
+Op = Open | Clone | Import | Export | KeepAt | MoveCheckpoints | Truncate | Release
+Pass = Prefill | Verify | Decode
 Effect = Op | Pass
 
 
@@ -113,6 +124,8 @@ class Executor:
                     b.keep_at(s[sid], positions)
                 case MoveCheckpoints(source=source, target=target):
                     b.move_checkpoints(s[source], s[target])
+                case Truncate(sid=sid, position=position):
+                    b.truncate(s[sid], position)
                 case Release(sids=sids):
                     for sid in sids:
                         session = s.pop(sid, None)
@@ -120,6 +133,8 @@ class Executor:
                             b.release(session)
                 case Prefill(sids=sids, chunks=chunks):
                     return b.prefill([s[sid] for sid in sids], chunks)
+                case Verify(sids=sids, chunks=chunks, reads=reads):
+                    return b.verify([s[sid] for sid in sids], chunks, reads)
                 case Decode(sids=sids, tokens=tokens):
                     return b.decode([s[sid] for sid in sids], tokens)
                 case other:

@@ -219,6 +219,10 @@ class Matcher:
     def fork(self) -> "Matcher":
         return Matcher(self._m.deep_copy())
 
+    def validate(self, tokens: list[int]) -> int:
+        """How many leading `tokens` the grammar accepts from here; the matcher is unchanged (drafts)."""
+        return self._m.validate_tokens(tokens)
+
 
 @dataclass(frozen=True)
 class Grammar:

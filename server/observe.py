@@ -7,7 +7,9 @@ vLLM's names (its `vllm:` prefix is `kvfork_` here), in tokens and requests as v
   them not prefilled (reused from the prefix cache, a running donor, a named session or the disk tier);
   their ratio is the prefix hit rate in tokens, the same ratio vLLM's dashboards plot;
 - `num_requests_running`, `num_requests_waiting`: requests holding an inference slot, and waiting for
-  one (queued, or parked behind a prefilling leader).
+  one (queued, or parked behind a prefilling leader);
+- `spec_decode_num_draft_tokens_total`, `spec_decode_num_accepted_tokens_total`: speculative decoding's
+  drafted and accepted tokens (kvfork's own `spec_drafted_tokens_total{source}` splits them by drafter).
 kvfork's own names stay for what only kvfork has (clones, following, the disk tier, admissions the
 prefix cache served: `prefix_cache_admissions_total`).
 """
@@ -38,6 +40,11 @@ def register_vllm_names(registry: Registry, engine: Any, model_name: str) -> Non
                           "prefix_cache_queries)", metrics(lambda m: sum(m.prompt_tokens.values.values())), labels)
     registry.counter_view("prefix_cache_hits_total", "of them, prompt tokens reused rather than prefilled "
                           "(vLLM's prefix_cache_hits)", metrics(lambda m: sum(m.reused_tokens.values.values())), labels)
+    registry.counter_view("spec_decode_num_draft_tokens_total", "tokens drafted for speculative decoding (vLLM's "
+                          "spec_decode_num_draft_tokens)", metrics(lambda m: sum(m.spec_drafted.values.values())), labels)
+    registry.counter_view("spec_decode_num_accepted_tokens_total", "of them, accepted (vLLM's "
+                          "spec_decode_num_accepted_tokens)", metrics(lambda m: sum(m.spec_accepted.values.values())),
+                          labels)
     registry.gauge("num_requests_running", "requests holding an inference slot (vLLM's num_requests_running)",
                    lambda: engine.load().running, labels)
     registry.gauge("num_requests_waiting", "requests waiting for a slot: queued, or parked behind a prefilling "

@@ -194,6 +194,25 @@ class FaultyBackend(Backend):
         self._measure()
         return logits
 
+    @property
+    def rolls_back(self) -> bool:
+        return self.inner.rolls_back
+
+    def verify(self, sessions: Sequence[Session], chunks: Sequence[Sequence[int]], reads: Sequence[int]) -> Any:
+        self._read(sessions, "verify")
+        self._batch_fault("prefill", sessions, chunks)  # one pass of the same kind: its faults count as prefill's
+        logits = self.inner.verify(sessions, chunks, reads)
+        for s, chunk in zip(sessions, chunks):
+            self._history.setdefault(s.id, []).extend(chunk)
+            self._just_prefilled.pop(s.id, None)
+        self._measure()
+        return logits
+
+    def truncate(self, session: Session, position: int) -> None:
+        self._read([session], "truncate")
+        self.inner.truncate(session, position)
+        del self._history.setdefault(session.id, [])[position:]
+
     def decode(self, sessions: Sequence[Session], tokens: Sequence[int]) -> Any:
         self._read(sessions, "decode")
         self._batch_fault("decode", sessions, [[t] for t in tokens])

@@ -178,12 +178,25 @@ class LockstepBackend(Backend):
         self.local.move_checkpoints(source, target)
         self._record(e.MoveCheckpoints(source.id, target.id))
 
+    def truncate(self, session: Session, position: int) -> None:
+        self.local.truncate(session, position)
+        self._record(e.Truncate(session.id, position))
+
+    @property
+    def rolls_back(self) -> bool:
+        return self.local.rolls_back
+
     # -- compute ---------------------------------------------------------
 
     def prefill(self, sessions: Sequence[Session], chunks: Sequence[Sequence[int]]) -> Any:
         check_inputs(sessions, chunks, self._live, self.info)  # a refusal reaches no rank
         self._send(e.Prefill([s.id for s in sessions], [list(c) for c in chunks]))
         return self._guarded(self.local.prefill, sessions, chunks)
+
+    def verify(self, sessions: Sequence[Session], chunks: Sequence[Sequence[int]], reads: Sequence[int]) -> Any:
+        check_inputs(sessions, chunks, self._live, self.info)
+        self._send(e.Verify([s.id for s in sessions], [list(c) for c in chunks], list(reads)))
+        return self._guarded(self.local.verify, sessions, chunks, reads)
 
     def decode(self, sessions: Sequence[Session], tokens: Sequence[int]) -> Any:
         check_inputs(sessions, [[t] for t in tokens], self._live, self.info)

@@ -11,7 +11,7 @@ standalone session (kvcopy.py).
 
 from __future__ import annotations
 
-from typing import Any, Collection, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -76,6 +76,44 @@ class MLXBackend(Backend):
         check_inputs(sessions, chunks, self._sessions, self.info)
         if not sessions:
             return mx.zeros((0, self.info.vocab_size), mx.float32)
+        return mx.stack(self._standalone(sessions, chunks, self._run_chunk)).astype(mx.float32)
+
+    # Speculative decoding, on models of full layers alone: a verify row runs standalone (it leaves the
+    # decode batch, as a prefill chunk does) reading its last positions' logits, and `truncate` trims
+    # its caches (mlx-lm's KVCache.trim). A rotating (sliding) cache past its window and a recurrent
+    # state cannot trim: those models do not speculate.
+
+    @property
+    def rolls_back(self) -> bool:
+        return not self.info.recurrent and not self._windows
+
+    def verify(self, sessions: Sequence[MLXSession], chunks: Sequence[Sequence[int]], reads: Sequence[int]) -> mx.array:
+        check_inputs(sessions, chunks, self._sessions, self.info)
+        if not self.rolls_back:
+            raise ValueError("only a model of full-attention layers rolls drafted tokens back here")
+        if any(not 1 <= n <= len(chunk) for n, chunk in zip(reads, chunks)):
+            raise ValueError("each row reads between 1 and all of its positions")
+        if not sessions:
+            return mx.zeros((0, self.info.vocab_size), mx.float32)
+        read = dict(zip((s.id for s in sessions), reads))
+
+        def run(session: MLXSession, chunk: Sequence[int]) -> tuple[mx.array, dict]:
+            return self.model(mx.array(chunk)[None], cache=session.caches)[0, -read[session.id]:], {}
+
+        return mx.concatenate(self._standalone(sessions, chunks, run)).astype(mx.float32)
+
+    def truncate(self, session: MLXSession, position: int) -> None:
+        if session.id not in self._sessions or session.caches is None:
+            raise ValueError(f"{session!r} was released or is a row of the decode batch")
+        if not self.rolls_back or position > session.position:
+            raise ValueError(f"cannot roll {session!r} back to {position}")
+        for cache in session.caches:
+            cache.trim(session.position - position)
+        session.position = position
+
+    def _standalone(self, sessions: Sequence[MLXSession], chunks: Sequence[Sequence[int]],
+                    run: Callable[[MLXSession, Sequence[int]], tuple[mx.array, dict]]) -> list[mx.array]:
+        """Each session out of the decode batch runs its chunk (`run`: its logits, the checkpoints taken)."""
         self._refuse_lost(sessions)
         rows: list[mx.array] = []
         for session, chunk in zip(sessions, chunks):
@@ -84,7 +122,7 @@ class MLXBackend(Backend):
                 if self._batch.has(session):
                     self._batch.leave(session)
                 marks = cache_marks(session.caches)
-                logits, taken = self._run_chunk(session, chunk)
+                logits, taken = run(session, chunk)
                 mx.eval(logits, self._arrays(taken))
             except Exception as exc:
                 if marks is None:  # failed while leaving the batch: the batch is not trustworthy
@@ -92,13 +130,15 @@ class MLXBackend(Backend):
                 kept = bool(marks) and unmoved(marks, cache_marks(session.caches))
                 failed = RowState.UNTOUCHED if kept else RowState.CORRUPT
                 later = [RowState.CORRUPT if s.lost else RowState.UNTOUCHED for s in sessions[len(rows) + 1:]]
-                done = mx.stack([*rows, *[mx.zeros_like(rows[0])] * (len(sessions) - len(rows))]) if rows else None
+                done = None  # the committed rows' logits (a verify call's come in rows of several: none)
+                if rows and rows[0].ndim == 1:
+                    done = mx.stack([*rows, *[mx.zeros_like(rows[0])] * (len(sessions) - len(rows))])
                 raise BatchFailed(exc, [RowState.COMMITTED] * len(rows) + [failed] + later,
                                   None if done is None else done.astype(mx.float32)) from exc
             self._advance(session, len(chunk))
             session.keep(taken)
             rows.append(logits)
-        return mx.stack(rows).astype(mx.float32)
+        return rows
 
     def decode(self, sessions: Sequence[MLXSession], tokens: Sequence[int]) -> mx.array:
         check_inputs(sessions, [[t] for t in tokens], self._sessions, self.info)

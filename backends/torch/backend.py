@@ -235,6 +235,41 @@ class TorchBackend(Backend):
         check_inputs(sessions, chunks, self._sessions, self.info)
         if not sessions:
             return torch.zeros((0, self.info.vocab_size), device=self.device)
+        return self._forward(sessions, chunks, None)
+
+    # Speculative decoding: a verify pass is one prefill pass reading more positions' logits. A full
+    # layer rolls back by its position alone (writes past it are invisible); a ring first keeps the
+    # entries the pass overwrites (kv.RingKV.keep_undo), which `truncate` puts back. A recurrent state
+    # cannot roll back without a checkpoint per drafted position: hybrids do not speculate.
+
+    @property
+    def rolls_back(self) -> bool:
+        return not isinstance(self.cfg, HybridConfig)
+
+    @torch.inference_mode()
+    def verify(self, sessions: Sequence[TorchSession], chunks: Sequence[Sequence[int]],
+               reads: Sequence[int]) -> torch.Tensor:
+        check_inputs(sessions, chunks, self._sessions, self.info)
+        if not self.rolls_back:
+            raise ValueError("a model with recurrent layers cannot roll drafted tokens back")
+        if any(not 1 <= n <= len(chunk) for n, chunk in zip(reads, chunks)):
+            raise ValueError("each row reads between 1 and all of its positions")
+        for s, chunk in zip(sessions, chunks):
+            kv.keep_ring_undo(s.layers, s.position, len(chunk))
+        return self._forward(sessions, chunks, list(reads))
+
+    @torch.inference_mode()
+    def truncate(self, session: TorchSession, position: int) -> None:
+        if session.id not in self._sessions:
+            raise ValueError(f"{session!r} was released")
+        if position > session.position or not kv.rings_undoable(session.layers, position):
+            raise ValueError(f"cannot roll {session!r} back to {position}")
+        kv.undo_rings(session.layers, position)
+        session.position = position
+
+    def _forward(self, sessions: Sequence[TorchSession], chunks: Sequence[Sequence[int]],
+                 reads: list[int] | None) -> torch.Tensor:
+        """One pass (pieces where checkpoints cut a chunk); each row's last logits, or its last reads[i]."""
         writes = [hybrid.in_place_writes(s.layers) for s in sessions]
         try:
             self._wait_for_clones(sessions)
@@ -254,11 +289,12 @@ class TorchBackend(Backend):
                                    dtype=torch.long, device=self.device)
                 positions = torch.tensor([row.start + j for row in rows for j in range(row.length)],
                                          device=self.device)
-                logits = self.model(ids, positions, rows)
+                logits = self.model(ids, positions, rows) if reads is None else \
+                    self.model(ids, positions, rows, reads)  # a verify pass: no checkpoint cuts it
                 for row, i in enumerate(now):
                     end = starts[i] + pieces[i][piece][1]
                     if piece == len(pieces[i]) - 1:
-                        out[i] = logits[row]
+                        out[i] = logits[row] if reads is None else logits[sum(reads[:i]):sum(reads[:i + 1])]
                     if end in sessions[i].wanted:
                         taken.setdefault(i, {})[end] = self._states(sessions[i])
         except Exception as exc:
@@ -266,7 +302,7 @@ class TorchBackend(Backend):
         for i, (s, chunk) in enumerate(zip(sessions, chunks)):
             s.position += len(chunk)
             s.keep(taken.get(i, {}))
-        return torch.stack(out)  # type: ignore[arg-type]
+        return torch.stack(out) if reads is None else torch.cat(out)  # type: ignore[arg-type]
 
     def decode(self, sessions: Sequence[TorchSession], tokens: Sequence[int]) -> torch.Tensor:
         return self.prefill(sessions, [[t] for t in tokens])

@@ -27,7 +27,7 @@ from kvfork.backends.torch.attention import attend_rows
 from kvfork.backends.torch.config import HybridConfig
 from kvfork.backends.torch.gated_delta import GatedDeltaNet, RecurrentState
 from kvfork.backends.torch.kv import BlockTable, FullKV
-from kvfork.backends.torch.model import RMSNorm, Row, spans
+from kvfork.backends.torch.model import RMSNorm, Row, read_positions, spans
 from kvfork.backends.torch.moe import GLU, SparseMoE
 from kvfork.backends.torch.rope import angles, inverse_frequencies, rotate
 
@@ -152,7 +152,7 @@ class HybridTransformer(nn.Module):
         h = self.model.embed_tokens(tokens)
         for i, block in enumerate(self.model.layers):
             h = block(h, rope, i, rows)
-        h = self.model.norm(h[[span.stop - 1 for span in spans(rows)]])
+        h = self.model.norm(h[read_positions(rows)])
         if self.lm_head is not None:
             return self.lm_head(h)
         return h @ self.model.embed_tokens.weight.T

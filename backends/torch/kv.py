@@ -274,6 +274,9 @@ class RingKV:
         self.keys, self.values = keys, values
         self.held_from = held_from
         self.writes = 0
+        # (start, held_from, keys, values, writes) of the entries the last verify pass overwrote, from
+        # `start` on, and what `writes` was once it wrote (a later write makes the undo stale)
+        self.undo: tuple[int, int, torch.Tensor, torch.Tensor, int] | None = None
 
     @classmethod
     def empty(cls, kv_heads: int, head_dim: int, window: int, dtype, device) -> RingKV:
@@ -317,6 +320,25 @@ class RingKV:
         self.values[:, entries] = v
         self.held_from = max(self.held_from, start + k.shape[1] - self.window)
 
+    def keep_undo(self, start: int, n: int) -> None:
+        """Before a verify pass writes [start, start + n): keep the entries it overwrites (`truncate`)."""
+        if n > self.window:  # it would overwrite positions the rolled-back state still needs
+            self.undo = None
+            return
+        entries = torch.arange(start, start + n, device=self.keys.device) % self.window
+        self.undo = (start, self.held_from, self.keys[:, entries].clone(), self.values[:, entries].clone(),
+                     self.writes + 1)
+
+    def roll_back(self, position: int) -> None:
+        """Back to `position`, at or past where the last verify pass began: the entries it wrote past
+        `position` hold again what they held before."""
+        assert self.undo is not None
+        start, held_from, keys, values, _ = self.undo
+        entries = torch.arange(position, start + keys.shape[1], device=keys.device)
+        self.keys[:, entries % self.window] = keys[:, entries - start]
+        self.values[:, entries % self.window] = values[:, entries - start]
+        self.held_from = max(held_from, position - self.window)
+
     def copy_prefix(self, upto: int) -> RingKV:
         # clone_refusal admits upto >= position - 1 once the ring has wrapped, so the copy
         # holds what the donor holds. Entry upto % W may carry the donor's position `upto`:
@@ -341,6 +363,24 @@ def reserve(layers: Sequence, end: int) -> None:
     """Grow every full layer for writes up to `end`, before a forward pass writes any of them."""
     for layer in layers:
         layer.reserve(end)
+
+
+def keep_ring_undo(layers: Sequence, start: int, n: int) -> None:
+    for layer in layers:
+        if isinstance(layer, RingKV):
+            layer.keep_undo(start, n)
+
+
+def rings_undoable(layers: Sequence, position: int) -> bool:
+    """Whether every ring can roll back to `position`: it kept what its last verify pass overwrote past it."""
+    return all(layer.undo is not None and layer.undo[0] <= position and layer.undo[4] == layer.writes
+               for layer in layers if isinstance(layer, RingKV))
+
+
+def undo_rings(layers: Sequence, position: int) -> None:
+    for layer in layers:
+        if isinstance(layer, RingKV):
+            layer.roll_back(position)
 
 
 def held_from(layers: Sequence) -> list[int]:

@@ -55,6 +55,12 @@ def spans(rows: Sequence[Row]) -> list[slice]:
     return [slice(end - row.length, end) for row, end in zip(rows, ends)]
 
 
+def read_positions(rows: Sequence[Row], reads: Sequence[int] | None = None) -> list[int]:
+    """The tokens of the varlen batch whose logits are read: each row's last, or its last `reads[i]`."""
+    counts = reads if reads is not None else [1] * len(rows)
+    return [i for span, n in zip(spans(rows), counts) for i in range(span.stop - n, span.stop)]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ArchConfig, window: int | None):
         super().__init__()
@@ -143,8 +149,10 @@ class Transformer(nn.Module):
         inv_freq_sliding, self.rope_scale_sliding = inverse_frequencies(self.cfg.rope_sliding, self.cfg.head_dim)
         self.inv_freq_full, self.inv_freq_sliding = inv_freq_full.to(device), inv_freq_sliding.to(device)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
-        """tokens, positions: [tokens], the rows' end to end. Returns each row's last-token logits, [rows, vocab]."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: Sequence[Row],
+                reads: Sequence[int] | None = None) -> torch.Tensor:
+        """tokens, positions: [tokens], the rows' end to end. Returns each row's last-token logits, [rows, vocab];
+        with `reads`, the last reads[i] tokens' of row i, [sum(reads), vocab] (drafted tokens verified)."""
         # once per pass, shared by every layer of a kind
         full = angles(positions[None], self.inv_freq_full, self.rope_scale_full)
         sliding = angles(positions[None], self.inv_freq_sliding, self.rope_scale_sliding) if any(self.cfg.sliding) \
@@ -154,7 +162,7 @@ class Transformer(nn.Module):
             h = h * torch.tensor(self.cfg.hidden_size**0.5, dtype=h.dtype)  # in the model dtype, as trained
         for i, block in enumerate(self.model.layers):
             h = block(h, sliding if self.cfg.sliding[i] else full, i, rows)
-        h = self.model.norm(h[[span.stop - 1 for span in spans(rows)]])
+        h = self.model.norm(h[read_positions(rows, reads)])
         if self.lm_head is not None:
             return self.lm_head(h)
         return h @ self.model.embed_tokens.weight.T

@@ -95,6 +95,12 @@ class EngineConfig:
                                             "all scopes together (oldest responses out first)", check=at_least(0),
                                             size=True)
 
+    # Verifying a draft reads its positions in the same pass, nearly free while a decode step is bound by
+    # reading the weights; with many rows the step becomes compute-bound and drafts cost what they save.
+    speculative_max_batch: int = setting(8, "speculative decoding drafts only in steps that decode at most this "
+                                         "many requests (larger batches are compute-bound; 0: never drafts)",
+                                         check=at_least(0))
+
     def resolve(self, info: ModelInfo, device: DeviceMemory) -> tuple["EngineConfig", MemoryPlan]:
         """The config with every machine- or model-dependent default filled in, and the memory plan
         its KV budget comes from."""

@@ -41,6 +41,9 @@ class TokenMatcher(Protocol):
     def fork(self) -> "TokenMatcher":
         """An independent copy at the same point (n > 1 choices, a cloned request)."""
 
+    # Optional (speculative decoding): `validate(tokens) -> int`, how many leading tokens the grammar
+    # accepts from here, the matcher unchanged. A matcher without it gets no drafts.
+
 
 class Constraint(Protocol):
     def matcher(self) -> TokenMatcher:
@@ -93,6 +96,25 @@ class ConstrainedRows:
             else:
                 states[i].allowed = row.mask
         return out
+
+    def admissible(self, rid: int, tokens: Sequence[int]) -> int:
+        """How many leading drafted `tokens` the row's grammar accepts from where it is (an unconstrained
+        row: all); 0 where its matcher cannot check a draft (no `validate`) or its grammar is dead."""
+        row = self._rows.get(rid)
+        if row is None:
+            return len(tokens)
+        validate = getattr(row.matcher, "validate", None)
+        if validate is None:
+            return 0
+        if row.pending is not None:  # the matcher is being advanced: join it first
+            row.dead = row.pending.result()
+            row.pending = None
+        if row.dead:
+            return 0
+        try:
+            return max(0, min(len(tokens), int(validate(list(tokens)))))
+        except Exception:  # a matcher that cannot check this draft: none of it
+            return 0
 
     def after_sample(self, rid: int, token: int) -> str | None:
         """The row's token is sampled: advance its matcher off the critical path. Returns why it must end, or None."""

@@ -22,6 +22,7 @@ Index (reusable states), NamedSessions, DiskTier; none calls back into the engin
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -37,6 +38,7 @@ from kvfork.server.engine.admission import Admission
 from kvfork.server.engine.api import CapacityExhausted, DoneEvent, GenerateRequest, NotReady, TokenEvent, choice_sampling
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.disk import DiskTier, fingerprint, tier_secret
+from kvfork.server.engine.drafts import Drafts
 from kvfork.server.engine.follow import FollowOrder, at_deadline
 from kvfork.server.engine.index import Index
 from kvfork.server.engine.load import EngineLoad
@@ -59,13 +61,16 @@ STOP_WAIT_S = 10.0  # after the grace period: how long cancelled requests get to
 class Engine:
     def __init__(self, backend: Backend, model_path: str, dtype: str | None, config: EngineConfig,
                  registry: Registry, kv_dir: Path | None = None, kv_events: Any = None,
-                 plans: Callable[[Any], None] | None = None):
+                 plans: Callable[[Any], None] | None = None, drafts: Drafts | None = None):
         """`kv_dir`: where the prefix cache's disk tier lives (disk.kv_root()); None: no disk tier.
         `kv_events`: told where reusable states are stored and removed (server/kv_events.KVEvents); None: off.
-        `plans`: handed each plan.StepPlan before it runs (a recorder: plan.replay runs them again)."""
+        `plans`: handed each plan.StepPlan before it runs (a recorder: plan.replay runs them again).
+        `drafts`: speculative decoding's drafters (drafts.Drafts, or a test's double), read when the runner
+        starts; None: the ones `config.speculative` names, none when it is off."""
         validate(config)
         self.backend, self.model_path, self.dtype, self.config = backend, model_path, dtype, config
         self.kv_dir, self.registry, self.kv_events, self._plans = kv_dir, registry, kv_events, plans
+        self.drafts = drafts if drafts is not None or config.speculative == "off" else Drafts.from_config(config)
         self.info: ModelInfo | None = None
         self.memory: MemoryPlan | None = None  # where the KV budget comes from, once loaded
         self.dead = False
@@ -102,7 +107,8 @@ class Engine:
 
         c = self.config
         self._runner = Runner(self.backend, self.model_path, self.dtype, c.max_batch_tokens, c.prefill_chunk,
-                              c.max_step_ms / 1000, notify, c.clone_mode, self._plans)
+                              c.max_step_ms / 1000, notify, c.clone_mode, self._plans, self.drafts,
+                              c.speculative_max_batch)
         self._runner.thread.start()
         await self._loaded
 
@@ -369,7 +375,8 @@ class Engine:
         self._send(m.Start(r.rid, r.prompt, r.req.sampling, r.max_tokens, r.stop_ids, capture=adm.has_capture(r),
                            keep_session=r.named is not None, resume=sid, resume_at=at,
                            clone_from=[(c.entry.sid, c.upto) for c in candidates or ()], donor=donor,
-                           constraint=r.req.constraint, choices=choices, keep_at=adm.checkpoints(r.req)))
+                           constraint=r.req.constraint, choices=choices, keep_at=adm.checkpoints(r.req),
+                           scope=json.dumps([r.req.scope.tenant, r.req.scope.salt])))
         for sibling in r.waiting_siblings:
             sibling.sent = True
         self._index.run(r.rid, r.prompt, r.req.scope, r.rid)
@@ -745,6 +752,7 @@ class Engine:
         if r.named is not None:
             self._named.release(r.named, ev.sid, ev.held, r.req.scope, ev.nbytes, ev.frees)
         r.prefilled, r.generated = ev.prefilled, ev.generated
+        self.metrics.speculated(r, ev.speculated)
         self.complete(r, ev.reason, ev.error, ev.grammar_failed)
 
     def _on_clone_done(self, ev: m.CloneDone) -> None:

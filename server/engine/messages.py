@@ -55,6 +55,7 @@ class Start:
     constraint: Any = None  # a constraints.Constraint: the grammar its tokens must follow, or None
     donor: tuple[int, int] | None = None
     keep_at: tuple[int, ...] = ()  # positions its session keeps the recurrent state at (Backend.keep_at)
+    scope: str = ""  # whose drafts corpus it reads and adds to (drafts.Drafts.open): its tenant and cache_salt
 
 
 @dataclass
@@ -169,6 +170,7 @@ class Ended:
     frees: int = 0  # what releasing the kept session would free (Backend.release_frees)
     pooled: Pooled = Pooled()  # after its session was released (what others read of it pooled)
     grammar_failed: bool = False  # the error is its grammar's (api.DoneEvent.grammar_failed)
+    speculated: dict[str, tuple[int, int]] = field(default_factory=dict)  # draft source -> (drafted, accepted)
 
 
 @dataclass

@@ -20,7 +20,12 @@ Design rules:
   is recovered from by faults.py (the plan is not rewritten for it: the ranks of one model
   follow the backend calls themselves, backends/lockstep, retries included);
 - sampling reads the plan's rows' logits only; a decode row carries the token it
-  commits, so the next step runs from the plan alone.
+  commits, so the next step runs from the plan alone;
+- speculation: a decode row may carry drafted tokens after the one it commits (`Row.reads`
+  = 1 + drafted) and its pass is one `verify` call reading each of their positions' logits
+  (on a backend without mixed_batches, the drafted decode rows are a pass of their own); its
+  sampler walks them while the draw equals the draft, and the rest is rolled back by a
+  `Truncate` op, among the next step's ops like every op run after a pass.
 """
 
 from __future__ import annotations
@@ -31,17 +36,23 @@ import msgspec
 
 from kvfork.backends import effects
 from kvfork.backends.base import Backend, SamplerState, SamplingParams
-from kvfork.backends.effects import Decode, Executor, Op, Prefill
+from kvfork.backends.effects import Decode, Executor, Op, Prefill, Verify
 
 
 class Row(msgspec.Struct, frozen=True):
-    """One row of a forward pass: a prefill chunk, or a decode row's one token."""
+    """One row of a forward pass: a prefill chunk, or a decode row: the token it commits, then the
+    tokens drafted to follow it (speculation), each position's logits read (`reads`)."""
 
     rid: int  # the request it belongs to
     sid: int
     tokens: list[int]
     logits: bool  # its last logits are read: a decode row, or the chunk that ends its prompt
     prefill: bool
+    reads: int = 1  # logits rows it gives: its last `reads` positions' (a decode row with k drafted: k + 1)
+
+    @property
+    def draft(self) -> list[int]:
+        return self.tokens[1:] if not self.prefill else []
 
 
 class Sampler(msgspec.Struct, frozen=True):
@@ -69,20 +80,32 @@ class StepPlan(msgspec.Struct):
     def passes(self) -> list[list[Row]]:
         if self.mixed:
             return [self.decode + self.prefill] if self.decode or self.prefill else []
-        return [rows for rows in (self.decode, self.prefill) if rows]
+        plain = [row for row in self.decode if row.reads == 1]
+        return [rows for rows in (plain, [row for row in self.decode if row.reads > 1], self.prefill) if rows]
 
     @property
     def prefill_tokens(self) -> int:
         return sum(len(row.tokens) for row in self.prefill)
 
 
-def pass_of(rows: Sequence[Row]) -> Prefill | Decode:
-    """One `prefill` call when any row is a prefill chunk (with the decode rows, on a mixed_batches
-    backend), else one `decode` call."""
+def pass_of(rows: Sequence[Row]) -> Prefill | Verify | Decode:
+    """One `verify` call when a decode row carries a draft, else one `prefill` call when any row is a
+    prefill chunk (with the decode rows, on a mixed_batches backend), else one `decode` call."""
     sids = [row.sid for row in rows]
+    if any(row.reads > 1 for row in rows):
+        return Verify(sids, [row.tokens for row in rows], [row.reads for row in rows])
     if any(row.prefill for row in rows):
         return Prefill(sids, [row.tokens for row in rows])
     return Decode(sids, [row.tokens[0] for row in rows])
+
+
+def offsets(rows: Sequence[Row | None]) -> list[int]:
+    """The logits row each pass row's reads start at (a row nobody reads, None, took one)."""
+    out, at = [], 0
+    for row in rows:
+        out.append(at)
+        at += row.reads if row is not None else 1
+    return out
 
 
 _decode = effects.decoder(StepPlan)
@@ -112,9 +135,15 @@ def replay(plans: Sequence[StepPlan], backend: Backend) -> dict[int, list[int]]:
             samplers[s.rid] = SamplerState(s.params, prompt=s.prompt)
         for rows in plan.passes():
             logits = ex.run(pass_of(rows))
-            at = {row.rid: i for i, row in enumerate(rows)}
+            starts = offsets(rows)
+            at = {row.rid: (i, row.draft) for i, row in zip(starts, rows)}
+            total = starts[-1] + rows[-1].reads
             for s in plan.samples:
                 if s.row in at:
-                    states = [samplers[s.rid] if i == at[s.row] else SamplerState(DISCARD) for i in range(len(rows))]
-                    picked.setdefault(s.rid, []).append(ex.sample(logits, states)[at[s.row]].token)
+                    i, draft = at[s.row]
+                    for j in range(len(draft) + 1):  # a drafted row: while the draw equals the draft (Runner._walk)
+                        states = [samplers[s.rid] if k == i + j else SamplerState(DISCARD) for k in range(total)]
+                        picked.setdefault(s.rid, []).append(ex.sample(logits, states)[i + j].token)
+                        if j == len(draft) or picked[s.rid][-1] != draft[j]:
+                            break
     return picked

@@ -60,6 +60,8 @@ from kvfork.server.engine.clone_orders import CloneOrders
 from kvfork.server.engine.constraints import ConstrainedRows
 from kvfork.server.engine.rates import RateTracker, split_pass
 from kvfork.server.engine.scheduler import Running, TimeBudget, plan_step
+from kvfork.server.engine.drafts import Draft, Drafts, RequestDrafts
+from kvfork.server.engine.speculation import draft_cap
 
 log = logging.getLogger("kvfork.engine")
 
@@ -77,6 +79,10 @@ class Seq:
     next_token: int | None = None  # sampled, not yet committed
     choices: list[m.Choice] = field(default_factory=list)  # opened when the prompt's last logits are in
     capture_at: int = 0  # where its prompt is snapshot (Start.capture), 0: nowhere
+    drafts: RequestDrafts | None = None  # its drafter, where it speculates
+    draft: Draft | None = None  # what this step's decode row carries after its token
+    draft_from: int = 0  # its tokens generated before this step's decode row
+    speculated: dict[str, list[int]] = field(default_factory=dict)  # source -> [drafted, accepted]
 
     @property
     def rid(self) -> int:
@@ -97,8 +103,10 @@ class Seq:
 class Runner:
     def __init__(self, backend: Backend, model_path: str, dtype: str | None,
                  max_batch_tokens: int, prefill_chunk: int, max_step_s: float, notify: Callable[[], None],
-                 clone_mode: str = "share", plans: Callable[[p.StepPlan], None] | None = None):
-        """`plans`: handed each step's plan before its forward pass runs."""
+                 clone_mode: str = "share", plans: Callable[[p.StepPlan], None] | None = None,
+                 drafts: Drafts | None = None, speculative_max_batch: int = 0):
+        """`plans`: handed each step's plan before its forward pass runs. `drafts`: the drafters of
+        speculative decoding (None: off), used while a step decodes at most `speculative_max_batch` rows."""
         self.backend, self.model_path, self.dtype, self.clone_mode = backend, model_path, dtype, clone_mode
         self.max_batch_tokens, self.prefill_chunk, self.max_step_s = max_batch_tokens, prefill_chunk, max_step_s
         # The step budget's own rates, from the step timings measured here (the
@@ -119,6 +127,8 @@ class Runner:
         self._constrained: ConstrainedRows | None = None  # once the model is loaded (it knows the vocabulary)
         self._info: ModelInfo | None = None  # once loaded
         self._releases = 0  # Release commands run (m.Pooled)
+        self._drafts, self._speculative_max_batch = drafts, speculative_max_batch
+        self._draft_cap = 0  # most tokens a row drafts on the loaded model (0: it does not speculate)
         self.thread = threading.Thread(target=self._main, name="kvfork-runner", daemon=True)
 
     def send(self, command: Any) -> None:
@@ -132,6 +142,7 @@ class Runner:
             self.backend.set_clone_mode(self.clone_mode)  # type: ignore[arg-type]
             info = self._info = self.backend.load(self.model_path, self.dtype)
             self._constrained = ConstrainedRows(info.vocab_size)
+            self._draft_cap = self._speculation(info)
             self._publish(m.Loaded(info, self.backend.memory(self.max_batch_tokens)))
         except Exception as exc:
             log.exception("model load failed")
@@ -175,10 +186,10 @@ class Runner:
                    for rid, s in self._running.items()]
         rates = self._rates.rates
         budget = TimeBudget(self.max_step_s, rates.decode_s, rates.step_s_per_token) if self.max_step_s else None
-        batch = plan_step(running, self.max_batch_tokens, self.prefill_chunk, self._rotation, budget)
+        drafted = self._draft_all([r.rid for r in running if r.prefill_left == 0])
+        batch = plan_step(running, self.max_batch_tokens, self.prefill_chunk, self._rotation, budget, drafted)
         self._rotation = batch.last_prefilled
-        decode = [p.Row(rid, self._running[rid].sid, [self._running[rid].next_token], True, False)  # type: ignore
-                  for rid in batch.decode]
+        decode = [self._decode_row(self._running[rid]) for rid in batch.decode]
         samples = [p.Sample(rid, rid) for rid in batch.decode]
         prefill = []
         for rid, n in batch.prefill:
@@ -196,18 +207,23 @@ class Runner:
         opened, self._opened = self._opened, []
         return p.StepPlan(self._steps, ops, opened, decode, prefill, samples, self.backend.mixed_batches)
 
+    def _decode_row(self, s: Seq) -> p.Row:
+        tokens = [s.next_token, *(s.draft.tokens if s.draft is not None else ())]
+        return p.Row(s.rid, s.sid, tokens, True, False, len(tokens))  # type: ignore[list-item]
+
     def forward(self, rows: list[p.Row]) -> list[faults.Group]:
         return faults.forward(lambda rows: self._ex.run(p.pass_of(rows)), rows, self._fail)
 
     def sample(self, plan: p.StepPlan, group: list[p.Row | None], logits: Any) -> None:
         """Rows whose tokens are committed: prefill progress and captures; then each other choice over a
         prompt that is in opens and samples its first token; then the rows' own samples (plan.samples)."""
-        at = {}
+        at, starts = {}, p.offsets(group)
+        total = starts[-1] + (group[-1].reads if group[-1] is not None else 1) if group else 0
         for i, row in enumerate(group):
             s = self._running.get(row.rid) if row is not None else None
             if s is None:
                 continue
-            at[s.rid] = i
+            at[s.rid] = starts[i]  # its logits row (a drafted row's first)
             if row.prefill:  # type: ignore[union-attr]
                 s.prefilled += len(row.tokens)  # type: ignore[union-attr]
                 if s.session.position == s.capture_at:
@@ -219,10 +235,14 @@ class Runner:
             if sample.rid == sample.row:
                 own.add(sample.rid)
             else:
-                self._open_choice(self._running[sample.row], sample.rid, logits, at[sample.row], len(group))
-        ready = [self._running.get(row.rid) if row is not None and row.rid in own else None for row in group]
+                self._open_choice(self._running[sample.row], sample.rid, logits, at[sample.row], total)
+        ready: list[Seq | None] = [None] * total
+        for rid in own & at.keys():
+            ready[at[rid]] = self._running[rid]
+        walking = [(s, at[s.rid], s.generated) for s in ready if s is not None and s.draft is not None]
         if any(ready):
             self._sample(logits, ready)
+        self._walk(logits, walking, total)
 
     def publish(self, plan: p.StepPlan, took: bool, step_s: float, backend_s: float, prefill_s: float) -> None:
         """Events for the loop: a step's StepStats, or, after commands alone, what the backend holds."""
@@ -349,6 +369,11 @@ class Runner:
         if not planned:
             self._opened.append(p.Sampler(start.rid, start.sampling, start.prompt))
         self._rows.start(start.rid, start.constraint)
+        if self._draft_cap and self._drafts is not None:
+            try:
+                s.drafts = self._drafts.open(start.scope, start.prompt)
+            except Exception as exc:  # optional work: it decodes without
+                log.warning("opening a drafter for request %d failed: %r", start.rid, exc)
         return s
 
     def _clone(self, source: int, upto: int) -> int:
@@ -509,6 +534,8 @@ class Runner:
             self._end(s, "error", error=failure, grammar_failed=True)
             return
         s.generated += 1  # the backend's sampler has appended the token to `sampler.output`
+        if self._accepts(s, pick.token):  # counted before it may end
+            s.speculated[s.draft.source][1] += 1  # type: ignore[union-attr]
         if pick.token in s.start.stop_ids:
             self._end(s, "stop")
             return
@@ -516,6 +543,104 @@ class Runner:
         s.next_token = pick.token
         if s.generated >= s.start.max_tokens:
             self._end(s, "length")
+
+    # ---- speculation (speculation.py) ----
+
+    def _speculation(self, info: ModelInfo) -> int:
+        """Most tokens a row drafts on this model; 0, said once, where the backend cannot roll it back."""
+        if self._drafts is None:
+            return 0
+        if not self.backend.rolls_back:
+            log.warning("speculative decoding off: %s cannot roll drafted tokens back on this model "
+                        "(recurrent or sliding layers it cannot undo)", type(self.backend).__name__)
+            return 0
+        return draft_cap(info.sliding_windows)
+
+    def _draft_all(self, decoding: list[int]) -> int:
+        """Each decoding request's draft for this step (none in a step that is compute-bound); the tokens drafted."""
+        on = 0 < len(decoding) <= self._speculative_max_batch
+        total = 0
+        for rid in decoding:
+            s = self._running[rid]
+            s.draft = self._propose(s) if on and s.drafts is not None and s.drafts.active else None
+            s.draft_from = s.generated
+            if s.draft is not None:
+                total += len(s.draft.tokens)
+                counts = s.speculated.setdefault(s.draft.source, [0, 0])
+                counts[0] += len(s.draft.tokens)
+        return total
+
+    def _propose(self, s: Seq) -> Draft | None:
+        """Its drafter's guess, cut to what may be verified: within its max_tokens (whose positions its
+        reservation holds), the model's cap, the vocabulary and its grammar. A drafter that raises is dropped."""
+        limit = min(self._draft_cap, s.start.max_tokens - s.generated - 1)
+        if limit < 1:
+            return None
+        assert s.drafts is not None and self._info is not None
+        try:
+            draft = s.drafts.propose([*s.start.prompt, *s.sampler.output], limit)
+        except Exception as exc:  # optional work: it decodes on without
+            log.warning("the drafter of request %d failed, it decodes without: %r", s.rid, exc)
+            s.drafts = None
+            return None
+        if draft is None:
+            return None
+        tokens = list(draft.tokens[:limit])
+        vocab = self._info.vocab_size
+        tokens = tokens[:next((i for i, t in enumerate(tokens) if not 0 <= t < vocab), len(tokens))]
+        tokens = tokens[:self._rows.admissible(s.rid, tokens)]
+        return replace(draft, tokens=tokens) if tokens else None  # type: ignore[type-var]
+
+    def _walk(self, logits: Any, walking: list[tuple[Seq, int, int]], rows: int) -> None:
+        """The drafted rows after their first token (sampled with the rest): while the last draw equals
+        the draft, the next row is sampled (speculation.py: greedy, or the rejection rule); then each
+        is rolled back to what it accepted. `walking`: (request, its first logits row, its tokens
+        generated before that row was sampled)."""
+        accepted = {s.rid: 0 for s, _, _ in walking}
+        j = 0
+        while walking:
+            going = []
+            for s, at, before in walking:
+                assert s.draft is not None
+                took = s.generated == before + 1 and self._accepts(s, s.sampler.output[-1])
+                accepted[s.rid] += took
+                if took and s.rid in self._running:
+                    going.append((s, at, s.generated))
+                else:
+                    self._verified(s, accepted[s.rid])
+            walking, j = going, j + 1
+            ready: list[Seq | None] = [None] * rows
+            for s, at, _ in walking:
+                ready[at + j] = s
+            if walking:
+                self._sample(logits, ready)
+
+    @staticmethod
+    def _accepts(s: Seq, token: int) -> bool:
+        """Whether `token`, its latest, is the drafted one its row's position guessed."""
+        j = s.generated - s.draft_from - 1
+        return s.draft is not None and j < len(s.draft.tokens) and token == s.draft.tokens[j]
+
+    def _verified(self, s: Seq, accepted: int) -> None:
+        assert s.draft is not None
+        if s.rid in self._running:
+            if s.drafts is not None:
+                s.drafts.verified(s.draft, accepted)
+            self._roll_back(s)
+        s.draft = None
+
+    def _roll_back(self, s: Seq) -> bool:
+        """Its session back to the tokens it has committed, past any drafted ones it did not accept."""
+        committed = len(s.start.prompt) + s.generated - 1
+        if s.generated == 0 or s.session.position <= committed:
+            return True
+        try:
+            self._run(e.Truncate(s.sid, committed))
+        except Exception as exc:
+            if s.rid in self._running:
+                self._fail(s.rid, f"rolling drafted tokens back failed: {exc!r}")
+            return False
+        return True
 
     # ---- ends ----
 
@@ -531,8 +656,9 @@ class Runner:
             self.events.append(m.Ended(choice.rid, reason, 0, 0, error, grammar_failed=grammar_failed))
         del self._running[s.rid]
         self._rows.end(s.rid)
+        self._close_drafts(s, reason)
         kept, held, nbytes, frees = None, [], 0, 0
-        if s.start.keep_session and reason != "error":
+        if s.start.keep_session and reason != "error" and self._roll_back(s):
             kept = s.sid
             if s.session.kept or s.start.keep_at:  # an idle named session is priced without checkpoints
                 self._keep_at(s.sid, ())
@@ -541,4 +667,13 @@ class Runner:
         else:
             self._run(e.Release([s.sid]))
         self.events.append(m.Ended(s.rid, reason, s.prefilled, s.generated, error, kept, held, nbytes, frees,
-                                   self._pooled(), grammar_failed))
+                                   self._pooled(), grammar_failed, {k: (d, a) for k, (d, a) in s.speculated.items()}))
+
+    def _close_drafts(self, s: Seq, reason: str) -> None:
+        """A finished output joins its scope's corpus (optional work)."""
+        drafts, s.drafts = s.drafts, None
+        if drafts is not None and reason != "error":
+            try:
+                drafts.close(s.sampler.output)
+            except Exception as exc:
+                log.warning("closing the drafter of request %d failed: %r", s.rid, exc)

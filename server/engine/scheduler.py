@@ -76,9 +76,10 @@ class Schedule:
 
 
 def plan_step(running: Sequence[Running], max_batch_tokens: int, prefill_chunk: int,
-              last_prefilled: int | None = None, time_budget: TimeBudget | None = None) -> Schedule:
+              last_prefilled: int | None = None, time_budget: TimeBudget | None = None, drafted: int = 0) -> Schedule:
+    """`drafted`: tokens the decode rows carry after their own (speculation), out of the same token budget."""
     plan = Schedule(decode=[r.rid for r in running if r.prefill_left == 0], last_prefilled=last_prefilled)
-    budget = max_batch_tokens - len(plan.decode)
+    budget = max_batch_tokens - len(plan.decode) - drafted
     if plan.decode and time_budget is not None:  # nobody waits on a step that only prefills
         budget = min(budget, time_budget.prefill_tokens())
     waiting = sorted((r for r in running if r.prefill_left > 0), key=lambda r: r.rid)

@@ -79,6 +79,10 @@ class EngineMetrics:
                                "disk tier restores, by outcome (restored, corrupt, missing, failed)")
         self.reuse_errors = c("reuse_errors_total", "lookups, choices or uses of reuse that raised, by stage "
                               "(placement, disk); each request prefilled instead")
+        self.spec_drafted = c("spec_drafted_tokens_total", "tokens drafted for speculative decoding, by source "
+                              "(prompt, suffix)")
+        self.spec_accepted = c("spec_accepted_tokens_total", "of them, accepted by verification (each a token "
+                               "generated without a pass of its own), by source")
         # running totals as steps and tokens happen (the counters above count requests as they end): the
         # stats line's throughput (server/observe.py)
         self.prefilled_now = 0
@@ -163,6 +167,14 @@ class EngineMetrics:
         if success:
             self.clone_attempts.inc(source=source)
             self.clone_successes.inc(source=source)
+
+    def speculated(self, request: Request, counts: dict[str, tuple[int, int]]) -> None:
+        """An ended request's drafted and accepted tokens by source; what speculation saved goes on its log line."""
+        for source, (drafted, accepted) in counts.items():
+            self.spec_drafted.inc(drafted, source=source)
+            self.spec_accepted.inc(accepted, source=source)
+        if counts:
+            request.decision["speculation_saved_tokens"] = sum(accepted for _, accepted in counts.values())
 
     def done(self, request: Request, event: DoneEvent) -> None:
         usage = event.usage
