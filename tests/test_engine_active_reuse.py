@@ -185,11 +185,11 @@ async def test_a_recipient_cancelled_while_its_clone_is_pending_leaks_nothing():
     gate.open()
     tokens, done = await collect(recipient)
     assert done.finish_reason == "cancelled" and tokens == []
-    assert engine.admission.slots_used == 1  # its slot went back with it
+    assert engine.snapshot().slots_used == 1  # its slot went back with it
     donor.cancel()
     await collect(donor)
     await settled(engine, backend)
-    assert backend.live_sessions() == 0 and engine.admission.reserved == 0
+    assert backend.live_sessions() == 0 and engine.snapshot().reserved == 0
     await engine.shutdown(1)
 
 
@@ -241,7 +241,7 @@ async def test_races_repeated():
                 assert done.finish_reason == "cancelled"
                 assert tokens == backend.greedy(p, len(tokens))
         await settled(engine, backend)
-        assert engine.admission.slots_used == 0 and engine.admission.reserved == 0
+        assert engine.snapshot().slots_used == 0 and engine.snapshot().reserved == 0
         await engine.shutdown(1)
         assert backend.live_sessions() == 0
 

@@ -85,7 +85,7 @@ async def test_leader_cancelled_at_every_phase(cancel_at):
     assert total == S + 5 * T + max(0, leader_prefilled - S)
     await settled(engine, backend)
     assert backend.live_sessions() == 0
-    assert engine.admission.slots_used == 0 and engine.admission.reserved == 0
+    assert engine.snapshot().slots_used == 0 and engine.snapshot().reserved == 0
     await engine.shutdown(1)
 
 
@@ -96,9 +96,9 @@ async def test_a_follower_past_its_wait_takes_the_seed_path():
     leader = engine.submit(request(PROMPTS[0], 4))
     await reached(gate)  # the leader is stuck inside a chunk
     follower = engine.submit(request(PROMPTS[1], 4))
-    assert engine.following
+    assert engine.snapshot().following
     await asyncio.sleep(0.3)  # past its follow deadline: it stops following, nothing waits forever
-    assert not engine.following
+    assert not engine.snapshot().following
     gate.open()
     tokens, done = await collect(follower)
     assert tokens == backend.greedy(PROMPTS[1], 4)
@@ -120,7 +120,7 @@ async def test_a_follower_whose_leader_slows_down_goes_on_following_while_that_i
     leader = engine.submit(request(PROMPTS[0], 4))
     await reached(gate)
     follower = engine.submit(request(PROMPTS[1], 4))
-    assert engine.following  # the measured rate puts the leader's target well within the wait
+    assert engine.snapshot().following  # the measured rate puts the leader's target well within the wait
     backend.delay["prefill"] = 0.3  # the machine slows down: the rest (5 chunks) takes three times the wait
     gate.open()
     tokens, done = await collect(follower)
@@ -194,8 +194,8 @@ async def test_races_repeated():
             assert done.finish_reason in ("length", "cancelled"), (repeat, done)
             assert tokens == backend.greedy(p, len(tokens)), (repeat, done.usage)
         await settled(engine, backend)
-        assert engine.admission.slots_used == 0 and engine.admission.reserved == 0
-        assert not engine.following
+        assert engine.snapshot().slots_used == 0 and engine.snapshot().reserved == 0
+        assert not engine.snapshot().following
         await engine.shutdown(1)
         assert backend.live_sessions() == 0
 
@@ -207,7 +207,7 @@ async def test_followers_count_against_the_queue_and_its_timeout():
     leader = engine.submit(request(PROMPTS[0], 4))
     await reached(gate)
     follower = engine.submit(request(PROMPTS[1], 4))
-    assert engine.following  # parked, holding no slot
+    assert engine.snapshot().following  # parked, holding no slot
     with pytest.raises(CapacityExhausted):
         engine.submit(request(PROMPTS[2], 4))  # the slot is taken and the follower fills the queue
     tokens, done = await collect(follower)  # the leader is stuck past the queue timeout
@@ -225,7 +225,7 @@ async def test_cache_entries_on_a_sliding_model_never_block_following():
     backend = slow_prefill(ScriptedBackend(window=16))
     engine = await start_engine(backend, **{**FOLLOW, "prefix_cache_entries": 16})
     tokens, _ = await collect(engine.submit(request(PROMPTS[5], 4)))
-    assert engine.index.count("memory") == 1  # SHARED + 5 tokens, longer than the window
+    assert engine.snapshot().cached == 1  # SHARED + 5 tokens, longer than the window
     _, results = await burst(engine, PROMPTS[:4])
     for p, (tokens, done) in zip(PROMPTS, results):
         assert tokens == backend.greedy(p, 4) and done.finish_reason == "length"

@@ -20,7 +20,7 @@ async def test_capture_runs_after_the_last_prefill_chunk_and_before_the_first_de
     capture = first_index(backend.calls, lambda c: c == ("clone", sid, 40))
     first_decode = first_index(backend.calls, lambda c: c[0] == "decode" and sid in c[1])
     assert last_chunk < capture < first_decode
-    assert engine.index.count("memory") == 1
+    assert engine.snapshot().cached == 1
     await engine.shutdown(1)
 
 
@@ -57,7 +57,7 @@ async def test_short_prompts_are_not_captured():
     backend = ScriptedBackend()
     engine = await start_engine(backend, prefix_cache_min_tokens=20)
     await run(engine, prompt_of(19), 3)
-    assert engine.index.count("memory") == 0 and backend.live_sessions() == 0
+    assert engine.snapshot().cached == 0 and backend.live_sessions() == 0
     await engine.shutdown(1)
 
 
@@ -88,7 +88,7 @@ async def test_a_refused_clone_falls_back_to_an_older_entry_then_to_a_full_prefi
     assert tokens == backend.greedy(base + [5], 7)
     assert (done.usage.reused_tokens, done.usage.reuse_source) == (30, "cache")
     assert engine.metrics.clone_refusals.get(source="cache", reason="no_memory") == 1
-    assert engine.index.count("memory") == 3  # the refused entry stays (and the new prompt was captured)
+    assert engine.snapshot().cached == 3  # the refused entry stays (and the new prompt was captured)
 
     backend.refuse = lambda session, upto: "no_memory"
     tokens, done = await run(engine, base + [6], 4)
@@ -104,7 +104,7 @@ async def test_cache_eviction_by_entries_releases_snapshots():
     for i in range(4):
         await run(engine, prompt_of(20, start=i * 50), 2)
     await settled(engine, backend)
-    assert engine.index.count("memory") == 2 and backend.live_sessions() == 2
+    assert engine.snapshot().cached == 2 and backend.live_sessions() == 2
     await engine.shutdown(1)
     assert backend.live_sessions() == 0
 
