@@ -66,7 +66,8 @@ async def test_choices_are_admitted_together_with_every_byte_reserved():
     handles = engine.submit_choices(request(PROMPT, 8, n=3))
     await asyncio.sleep(0.05)
     adm = engine.admission
-    assert engine.snapshot().slots_used == 1 and engine.snapshot().queued == 1  # two slots free: three choices wait for three
+    snap = engine.snapshot()
+    assert snap.slots_used == 1 and snap.queued == 1  # two slots free: three choices wait for three
     decoding = backend.gates["decode"] = Gate()  # the blocker makes one token: it never decodes
     gate.open()
     await collect(blocker)
@@ -75,7 +76,8 @@ async def test_choices_are_admitted_together_with_every_byte_reserved():
     # choice 0 opened its session empty; the others are clones at the prompt's full length
     choice = adm.choice_bytes(len(PROMPT), 8)
     assert choice == backend.info.kv.bytes_for(len(PROMPT) + 8, start=len(PROMPT))
-    assert engine.snapshot().slots_used == 3 and engine.snapshot().reserved == adm.request_bytes(len(PROMPT), 8, start=0) + 2 * choice
+    snap = engine.snapshot()
+    assert snap.slots_used == 3 and snap.reserved == adm.request_bytes(len(PROMPT), 8, start=0) + 2 * choice
     decoding.open()
     await asyncio.gather(*(collect(h) for h in handles))
     await settled(engine, backend)

@@ -5,7 +5,7 @@ Where things happen (docs/architecture.md walks one request through them):
 - engine.py: the lifecycle (the runner thread, load, failure, shutdown) and `Engine.snapshot()`
   (snapshot.py); serving.py: the state machine over requests, built once the model has loaded:
   submit, admit, place; the runner's events, by the phases they move: parking.py (Following,
-  Restoring), running.py (Prefilling, Decoding), ending.py (Finished);
+  Restoring), progress.py (Prefilling, Decoding), ending.py (Finished);
 - request.py: one request, a state per phase, and the transitions between them;
 - placement.py: where a request starts from, a pure decision (`place`);
 - admission.py: the KV budget and the queue, with narrow verbs;

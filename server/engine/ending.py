@@ -40,8 +40,8 @@ class Ending:
 
     @staticmethod
     def _with_runner(r: Request) -> bool:
-        """Whether the runner has (or will have) `r`: a choice goes there only with its lead's Start."""
-        return r.holds_slot and (r.lead is None or r.sent)
+        """Whether the runner has (or will have) `r`: a choice goes there only with its parent's Start."""
+        return r.holds_slot and (r.parent is None or r.sent)
 
     def _expire(self, rid: int) -> None:
         r = self._requests.get(rid)

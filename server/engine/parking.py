@@ -33,13 +33,13 @@ class Parking:
         now = time.monotonic()
         first = r.tried.first_parked_at or now
         order = FollowOrder.park(r.rid, p.decided, r.rid, first, self.config.follow_max_wait)
-        lead = self._requests.get(order.leader)  # type: ignore[arg-type]
-        following = phase.follow(r, order, p.cached, now, lead.committed_prompt if lead is not None else 0)
+        leader = self._requests.get(order.leader)  # type: ignore[arg-type]
+        following = phase.follow(r, order, p.cached, now, leader.committed_prompt if leader is not None else 0)
         self._followers[r.rid] = r
         loop = asyncio.get_running_loop()
         following.timer = loop.call_later(max(0.0, order.deadline - now), self._follow_expired, r.rid)
         self._expire_at(r, r.submitted_at + self.config.queue_timeout)  # the same queue timeout as anyone
-        if lead is not None and lead.holds_slot:
+        if leader is not None and leader.holds_slot:
             self._register(r)
 
     def _register(self, f: Request) -> None:
@@ -63,11 +63,11 @@ class Parking:
         leader's progress since `f` last looked (follow.at_deadline); if so the timer is armed again."""
         following = f.phase
         assert isinstance(following, Following)
-        lead = self._requests.get(following.order.leader)  # type: ignore[arg-type]
-        if lead is None or not lead.holds_slot:
+        leader = self._requests.get(following.order.leader)  # type: ignore[arg-type]
+        if leader is None or not leader.holds_slot:
             return False  # a parked leader (a chain) or one on its way: plan again
         now, (seen_at, seen) = time.monotonic(), following.seen
-        committed = lead.committed_prompt
+        committed = leader.committed_prompt
         progress = (committed - seen) / (now - seen_at) if now > seen_at else 0.0
         decided = at_deadline(len(f.prompt), following.order.target, committed, progress, self.rates.rates,
                               prefilling(self._requests.values()), self.config.follow_max_wait)
@@ -108,7 +108,7 @@ class Parking:
 
     # ---- restoring from the disk tier ----
 
-    def _restore(self, r: Request, match: Any) -> None:
+    def _read_from_disk(self, r: Request, match: Any) -> None:
         """Park `r`, holding the bytes of the session it will be handed and no slot, while the disk
         thread reads and checks the file; the runner then loads it."""
         adm, disk = self._admission, self._disk
@@ -119,9 +119,9 @@ class Parking:
         phase.restore(r, match)
         disk.touch(match.entry)
         self._expire_at(r, r.submitted_at + self.config.queue_timeout)
-        disk.read(match.entry, lambda state, outcome, seconds: self._read(r.rid, match, state, outcome, seconds))
+        disk.read(match.entry, lambda state, outcome, s: self._on_disk_read(r.rid, match, state, outcome, s))
 
-    def _read(self, rid: int, match: Any, state: Any, outcome: str, seconds: float) -> None:
+    def _on_disk_read(self, rid: int, match: Any, state: Any, outcome: str, seconds: float) -> None:
         """The disk thread read `match`'s file (state None: it was bad, and is gone)."""
         r = self._requests.get(rid)
         if r is None or not isinstance(r.phase, Restoring) or r.phase.match is not match:

@@ -5,7 +5,7 @@ A request's path: `submit_choices` checks it (Admission.check) and queues it; `a
 head a slot; `_place` asks placement.place where it starts and `_apply` does it: a Start to the runner, or
 a park (following a leader, restoring from disk: parking.py) that comes back to the queue. The runner's
 events (`handle`) move it through its phases (request.py): the handlers are grouped by the phases they
-move, in parking.py (Following, Restoring), running.py (Prefilling, Decoding) and ending.py (Finished).
+move, in parking.py (Following, Restoring), progress.py (Prefilling, Decoding) and ending.py (Finished).
 It never calls the backend and never blocks: commands go to the runner thread through `send`.
 """
 
@@ -31,14 +31,14 @@ from kvfork.server.engine.placement import (Cached, Clone, Follow, Fresh, Placem
                                             place_without_reuse, take_view)
 from kvfork.server.engine.rates import RateTracker
 from kvfork.server.engine.request import Following, Queued, Request, RequestHandle
-from kvfork.server.engine.running import Running
+from kvfork.server.engine.progress import Progress
 from kvfork.server.engine.sessions import NamedSessions
 from kvfork.server.engine.telemetry import EngineMetrics
 
 log = logging.getLogger("kvfork.engine")
 
 
-class Serving(Parking, Running, Ending):
+class Serving(Parking, Progress, Ending):
     def __init__(self, config: EngineConfig, info: ModelInfo, index: Index, disk: DiskTier | None,
                  send: Callable[[Any], None], metrics: EngineMetrics, rates: RateTracker):
         """`config` resolved for the loaded model; `disk`: the prefix cache's disk tier, None when it is off."""
@@ -101,7 +101,7 @@ class Serving(Parking, Running, Ending):
         r.tried.no_follow = req.n > 1  # its choices hold their slots from admission: it clones now or prefills
         for i in range(1, req.n):
             choice = replace(req, sampling=choice_sampling(req.sampling, i), n=1)
-            r.siblings.append(self._new_request(choice, sizes.max_tokens, r.stop_ids, sizes.choice_need, lead=r))
+            r.siblings.append(self._new_request(choice, sizes.max_tokens, r.stop_ids, sizes.choice_need, parent=r))
         if named is not None and named.state is not None:
             adm.take_named(r, named.state.nbytes)
         self.idle.clear()
@@ -212,7 +212,7 @@ class Serving(Parking, Running, Ending):
             case Follow():
                 self._follow(r, p)
             case Restore(match=match):
-                self._restore(r, match)
+                self._read_from_disk(r, match)
             case Wait():
                 pass
 
@@ -254,7 +254,7 @@ class Serving(Parking, Running, Ending):
         handler(self, event)
 
     _handlers: dict[type, Callable[["Serving", Any], None]] = {
-        m.Started: Running.on_started, m.Token: Running.on_token, m.Captured: Running.on_captured,
-        m.Exported: Running.on_exported, m.Holding: Running.on_holding, m.StepStats: Running.on_step_stats,
+        m.Started: Progress.on_started, m.Token: Progress.on_token, m.Captured: Progress.on_captured,
+        m.Exported: Progress.on_exported, m.Holding: Progress.on_holding, m.StepStats: Progress.on_step_stats,
         m.CloneDone: Parking.on_clone_done, m.Restored: Parking.on_restored, m.Ended: Ending.on_ended,
     }

@@ -14,7 +14,7 @@ from kvfork.server.engine.api import TokenEvent
 from kvfork.server.engine.request import Decoding, Prefilling, Request
 
 
-class Running:
+class Progress:
     def on_started(self, ev: m.Started) -> None:
         r = self._requests.get(ev.rid)
         if r is None:
@@ -32,7 +32,7 @@ class Running:
         adm = self._admission
         start = 0 if r.named is not None else ev.reused
         adm.reserve(r, adm.request_bytes(len(r.prompt), r.max_tokens, start, len(adm.checkpoints(r.req))))
-        if r.lead is not None:  # a choice's clone of its lead: the prompt is counted once, on choice 0
+        if r.parent is not None:  # a choice's clone of its parent: the prompt is counted once, on choice 0
             r.reused = 0
             return
         r.handle.reused = r.reused  # final from here: APIs that say the usage split up front read it
@@ -112,6 +112,6 @@ class Running:
         for rid, position in ev.committed.items():
             r = self._requests.get(rid)
             if r is not None and isinstance(r.phase, (Prefilling, Decoding)):
-                r.phase.committed, r.phase.kept = position, ev.kept.get(rid, ())
-                self._index.moved(rid, position, r.phase.kept)
+                r.phase.committed, r.phase.checkpoints = position, ev.kept.get(rid, ())
+                self._index.moved(rid, position, r.phase.checkpoints)
 
