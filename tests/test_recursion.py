@@ -26,7 +26,6 @@ HANDS_ON = {
     "server/grammar.py:close": "each worker stream's close",
     "server/metrics.py:render": "each metric's render",
     "server/serve.py:listen": "server/app.py's listen",
-    "server/engine/engine.py:snapshot": "server/engine/snapshot.py's snapshot, of the state machine",
     "server/engine/admission.py:give_way": "server/engine/fair_share.py's give_way, the policy it asks",
 }
 

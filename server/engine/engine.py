@@ -40,7 +40,7 @@ from kvfork.server.engine.request import Request, RequestHandle
 from kvfork.server.engine.runner import Runner
 from kvfork.server.engine.serving import Serving
 from kvfork.server.engine.sessions import NamedSessions
-from kvfork.server.engine.snapshot import EngineSnapshot, snapshot
+from kvfork.server.engine.snapshot import EngineSnapshot
 from kvfork.server.engine.telemetry import EngineMetrics
 from kvfork.server.metrics import Registry
 from kvfork.server.settings import validate
@@ -171,8 +171,8 @@ class Engine:
         return next((r for r in self.requests() if r.rid == rid), None)
 
     def snapshot(self) -> EngineSnapshot:
-        """What it holds now, as one frozen value (snapshot.py): what tests and tools read."""
-        return snapshot(self._serving)
+        """What it holds now, as one frozen value (snapshot.py): what tests, tools and metrics read."""
+        return self._serving.snapshot() if self._serving is not None else EngineSnapshot()
 
     @property
     def rates(self) -> RateTracker:

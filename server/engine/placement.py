@@ -3,7 +3,7 @@
     place(request, view) -> Placement
 
 The engine takes the view (`take_view`, over its requests and the index) and
-applies what comes back (engine.Engine._apply). The placements:
+applies what comes back (serving.Serving._apply). The placements:
 - Resume(sid, upto): a session it holds already: its named session's (warm resume),
   or a clone that landed for it while it waited (a follow, a disk read);
 - Clone(donor, upto): a clone of what a running request has committed now (clone-now);

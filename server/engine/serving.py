@@ -33,6 +33,7 @@ from kvfork.server.engine.rates import RateTracker
 from kvfork.server.engine.request import Following, Queued, Request, RequestHandle
 from kvfork.server.engine.progress import Progress
 from kvfork.server.engine.sessions import NamedSessions
+from kvfork.server.engine.snapshot import EngineSnapshot
 from kvfork.server.engine.telemetry import EngineMetrics
 
 log = logging.getLogger("kvfork.engine")
@@ -81,6 +82,15 @@ class Serving(Parking, Progress, Ending):
     def requests(self) -> list[Request]:
         """The requests it holds now, in admission order (read, never changed)."""
         return list(self._requests.values())
+
+    def snapshot(self) -> EngineSnapshot:
+        adm, index, named, disk = self._admission, self._index, self._named, self._disk
+        return EngineSnapshot(
+            loaded=True, budget=adm.budget, held=adm.held(), reserved=adm.reserved, pooled=adm.pooled,
+            in_transit=adm.in_transit, spilling=adm.spilling, abandoned=adm.abandoned, slots_used=adm.slots_used,
+            queued=adm.queued, following=self.following, captures_in_use=adm.captures_in_use,
+            cached=index.count("memory"), cached_bytes=index.nbytes("memory"), on_disk=index.count("disk"),
+            disk_on=disk is not None and disk.on, named_sessions=len(named), named_holding=named.holding())
 
     # ---- requests ----
 

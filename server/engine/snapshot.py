@@ -1,4 +1,4 @@
-"""What the engine holds at one moment, as one frozen value: `Engine.snapshot()`.
+"""What the engine holds at one moment, as one frozen value: `Engine.snapshot()` (made by `Serving.snapshot`).
 
 Tests, tools and the daemon read the engine through it rather than through its managers' parts; each
 field says where it comes from. Before the model has loaded every figure is 0 and `loaded` is False.
@@ -14,10 +14,6 @@ field says where it comes from. Before the model has loaded every figure is 0 an
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from kvfork.server.engine.serving import Serving
 
 
 @dataclass(frozen=True)
@@ -43,16 +39,3 @@ class EngineSnapshot:
     disk_on: bool = False  # the disk tier is open and writing
     named_sessions: int = 0
     named_holding: int = 0  # named sessions holding KV state
-
-
-def snapshot(serving: Serving | None) -> EngineSnapshot:
-    """`serving`: the engine's state machine, None before the model has loaded."""
-    if serving is None:
-        return EngineSnapshot()
-    adm, index, named, disk = serving.admission, serving.index, serving.named, serving.disk
-    return EngineSnapshot(
-        loaded=True, budget=adm.budget, held=adm.held(), reserved=adm.reserved, pooled=adm.pooled,
-        in_transit=adm.in_transit, spilling=adm.spilling, abandoned=adm.abandoned, slots_used=adm.slots_used,
-        queued=adm.queued, following=serving.following, captures_in_use=adm.captures_in_use,
-        cached=index.count("memory"), cached_bytes=index.nbytes("memory"), on_disk=index.count("disk"),
-        disk_on=disk is not None and disk.on, named_sessions=len(named), named_holding=named.holding())
