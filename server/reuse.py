@@ -78,7 +78,7 @@ class ReuseLog:
             "bucket_s": BUCKET_S,
             "series": self._series(tenant),
             "decisions": [record for owner, record in reversed(self.decisions) if mine(owner)],
-            "live": live_requests(engine.live() if index is not None else [], tenant),
+            "live": live_requests(engine.requests() if index is not None else [], tenant),
             "cache": {"entries": len(entries), "bytes": sum(e.nbytes for e in entries),
                       "tree": prefix_tree(entries)},
             "sessions": [{"name": e.owner[1], "scope": e.scope[:12], "tokens": len(e.tokens), "bytes": e.nbytes,

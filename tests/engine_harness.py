@@ -71,7 +71,7 @@ def prompt_of(n: int, start: int = 3) -> list[int]:
 
 def stored_sessions(engine: Engine) -> int:
     """Sessions the engine keeps on purpose: prefix cache snapshots and named sessions' state."""
-    return engine.index.count("memory") + engine.named.holding()
+    return engine.snapshot().cached + engine.snapshot().named_holding
 
 
 async def settled(engine: Engine, backend, extra: int = 0) -> None:

@@ -2,8 +2,10 @@
 
 Where things happen (docs/architecture.md walks one request through them):
 - api.py: the engine <-> daemon contract (requests in, events out);
-- engine.py: the state machine over requests, on the control loop: submit, admit, place,
-  the runner's events, ends;
+- engine.py: the lifecycle (the runner thread, load, failure, shutdown) and `Engine.snapshot()`
+  (snapshot.py); serving.py: the state machine over requests, built once the model has loaded:
+  submit, admit, place; the runner's events, by the phases they move: parking.py (Following,
+  Restoring), progress.py (Prefilling, Decoding), ending.py (Finished);
 - request.py: one request, a state per phase, and the transitions between them;
 - placement.py: where a request starts from, a pure decision (`place`);
 - admission.py: the KV budget and the queue, with narrow verbs;

@@ -1,14 +1,17 @@
 """Admission: the KV budget and the queue, on the control loop.
 
 Its verbs are the only way in (its parts are private: tests/test_engine_boundary.py):
-  check(req, waiting) -> Sizes        turn away what can never run or cannot wait
+  check(req, waiting) -> Sizes        turn away what can never run or cannot wait (can_wait: may one more wait)
   enqueue(r) / requeue(r) / withdraw(r) / next() -> r | None     the queue, in fair shares between tenants
   give_way(tenant) -> r | None        at a full queue, the waiting request that gives way to `tenant`'s
-  reserve(r, nbytes) -> bool          hold more of the budget only if it fits (evict_for), less always
+  reserve(r, nbytes) -> bool          hold more of the budget only if it fits (the cache gives way), less always
   leave_slot(r) / let_go(r) / release(r)    give back a slot and its bytes / the bytes / everything
   take_named(r, nbytes)               a named session's state becomes its request's to hold
   abandon(r, nbytes) / answered(rid)  a clone ordered from the runner, no longer waited for
-  keep_snapshot(...) / release_sessions(sids)    what joins the prefix cache / what the runner releases
+  capture_done(r) / spilled(nbytes)   a capture's, a spill's bytes go back
+  pooled_now(pooled)                  the runner's figure of blocks no one session holds
+  keep_snapshot(...) / release_sessions(sids) / drain()    what joins the prefix cache / what the runner
+                                      releases / everything, at shutdown
   request_bytes, choice_bytes, clone_bytes, checkpoints     prices (the backend's KVCost)
 
 Design rules:
@@ -306,7 +309,7 @@ class Admission:
     def _hold_together(self, holds: list[tuple[Request, int]], also: int = 0) -> bool:
         """All of `holds` (request, bytes), with `also` fitting beside them, or none."""
         extra = sum(nbytes - self.holds(request) for request, nbytes in holds)
-        if extra + also > 0 and not self.evict_for(extra + also):
+        if extra + also > 0 and not self._evict_for(extra + also):
             return False
         for request, nbytes in holds:
             self._reserved += nbytes - self.holds(request)
@@ -324,7 +327,7 @@ class Admission:
         joined = {r.rid for r in joining}
         return sum(max(0, row - (r.need_bytes if r.rid in joined else self.holds(r))) for r in rows)
 
-    def evict_for(self, need: int) -> bool:
+    def _evict_for(self, need: int) -> bool:
         """Make room for `need` more bytes: the prefix cache gives way first, then idle named sessions.
         False (nothing evicted) when even that would not make room."""
         idle = self._named.idle_bytes()

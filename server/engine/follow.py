@@ -5,16 +5,16 @@ The engine calls (and RateTracker from rates.py: .observe_prefill(tokens, s),
   Leader.active(source, tps) -> Leader          # an admitted request, prefilling or decoding
   Leader.starting(source, at, after_s, tps) -> Leader   # an admitted request whose clone is pending
   leader_views(active, parked, rates, tps) -> list[Leader]   # + the parked followers, as leaders
-  plan(recipient, leaders, now, rates, policy, prefilling) -> Plan   # now: matching.choose_reuse's clone-now
-  Plan.log_fields() -> dict                     # the decision and its inputs, for the log line
-  FollowOrder.park(request_id, plan, order, first_parked_at, max_wait_s) -> FollowOrder
+  decide(recipient, leaders, now, rates, policy, prefilling) -> FollowDecision  # now: choose_reuse's clone-now
+  FollowDecision.log_fields() -> dict                     # the decision and its inputs, for the log line
+  FollowOrder.park(request_id, decision, order, first_parked_at, max_wait_s) -> FollowOrder
   chunk_end(committed, planned_end, stops) -> int   # where a leader's prefill chunk stops
   promote(gone, gone_committed, parked, state_usable) -> Promotion   # the runner, via clone_orders.py
 
 Engine flow:
   - Admitting an anonymous text request (on arrival, or when a slot frees), with
     now = matching.choose_reuse(recipient, the best donor, the best cached match, min_tokens):
-    p = plan(Recipient(...), leaders, now, tracker.rates, policy, prefilling).
+    p = decide(Recipient(...), leaders, now, tracker.rates, policy, prefilling).
     p.follow: park it (FollowOrder.park), holding no slot but counted in the queue
     and its timeout. Otherwise take p.now, exactly matching.choose_reuse's choice
     (so --no-follow is FollowPolicy(follow=False), nothing else). Log p.log_fields().
@@ -46,14 +46,14 @@ Rules (each also stated where it binds):
     salvages most (the heir), cloned at once; the heir then waits for a slot
     like any follower whose clone landed, and everyone else below the gone
     leader plans again and finds the heir.
-  - Only requests nobody follows plan with following on (new, queued, or
+  - Only requests nobody follows are decided with following on (new, queued, or
     unparked by promote), so no request ever follows its own follower.
   - A follower holds no slot (but the bytes of its clone, in the budget) and
     looks again at its deadline, which runs from the first time it parked: it
     goes on only while its leader's measured progress makes that cheaper than
     clone-now, so no follower waits on a stalled leader.
-Cost: run `plan` on arrival and at admission, not per step: with 256 parked
-followers of 2,000-token prompts, leader_views + plan take ~2 ms (a parked
+Cost: run `decide` on arrival and at admission, not per step: with 256 parked
+followers of 2,000-token prompts, leader_views + decide take ~2 ms (a parked
 follower is compared only beyond its leader's part). Per step only `chunk_end`.
 """
 
@@ -133,7 +133,7 @@ FollowReason = Literal["follow", "off", "no_leader", "below_threshold", "too_lon
 
 
 @dataclass(frozen=True)
-class Plan:
+class FollowDecision:
     follow: bool  # park behind `leader` until it commits `target`; else take `now` (clone-now's choice)
     now: ReuseChoice
     leader: Hashable | None
@@ -164,8 +164,8 @@ class Plan:
                 "prefilling": self.prefilling}
 
 
-def plan(recipient: Recipient, leaders: Sequence[Leader], now: ReuseChoice, rates: Rates, policy: FollowPolicy,
-         prefilling: int) -> Plan:
+def decide(recipient: Recipient, leaders: Sequence[Leader], now: ReuseChoice, rates: Rates, policy: FollowPolicy,
+         prefilling: int) -> FollowDecision:
     """Follow a leader, or take clone-now's choice `now` (matching.choose_reuse, with the best
     prefix-cache match `now.cached_match`).
 
@@ -183,9 +183,9 @@ def plan(recipient: Recipient, leaders: Sequence[Leader], now: ReuseChoice, rate
     ttft_clone = ttft(0.0, now.donor_match) if now.donor_match > 0 else None
     ttft_alone = ttft(0.0, now.upto if now.kind != "donor" else cached)
 
-    def result(reason: FollowReason, lead: Leader | None = None, target: int = 0) -> Plan:
+    def result(reason: FollowReason, lead: Leader | None = None, target: int = 0) -> FollowDecision:
         wait = lead.eta(target) if lead else 0.0
-        return Plan(reason == "follow", now, lead.source.key if lead else None, target, wait, ttft_clone,
+        return FollowDecision(reason == "follow", now, lead.source.key if lead else None, target, wait, ttft_clone,
                     ttft_alone, ttft(wait, target) if lead else None, reason, rates, prefilling)
 
     if not policy.follow or now.reason in ("disabled", "named_session", "not_text"):
@@ -250,12 +250,12 @@ class FollowOrder:
     deadline: float  # engine clock; then at_deadline() says whether it goes on following
 
     @classmethod
-    def park(cls, request_id: Hashable, plan: Plan, order: int, first_parked_at: float,
+    def park(cls, request_id: Hashable, decision: FollowDecision, order: int, first_parked_at: float,
              max_wait_s: float) -> FollowOrder:
         # The deadline runs from the FIRST time the request parked: a follower that
         # parks again after a promotion keeps it, so no follower waits forever.
-        assert plan.follow and plan.leader is not None
-        return cls(request_id, plan.leader, plan.target, order, first_parked_at + max_wait_s)
+        assert decision.follow and decision.leader is not None
+        return cls(request_id, decision.leader, decision.target, order, first_parked_at + max_wait_s)
 
 
 @dataclass(frozen=True)

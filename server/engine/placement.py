@@ -3,7 +3,7 @@
     place(request, view) -> Placement
 
 The engine takes the view (`take_view`, over its requests and the index) and
-applies what comes back (engine.Engine._apply). The placements:
+applies what comes back (serving.Serving._apply). The placements:
 - Resume(sid, upto): a session it holds already: its named session's (warm resume),
   or a clone that landed for it while it waited (a follow, a disk read);
 - Clone(donor, upto): a clone of what a running request has committed now (clone-now);
@@ -20,7 +20,7 @@ reuse is optional work, so it prefills (the engine logs and counts the failure).
 Rules (the policies cited hold the details):
 - a named session resumes its own state or starts cold, and takes no other reuse;
 - with active reuse off (--active-prefix-reuse-min-tokens 0), the prefix cache serves it;
-- otherwise follow.plan decides between following and matching.choose_reuse's
+- otherwise follow.decide decides between following and matching.choose_reuse's
   clone-now choice (donor, cache, or nothing);
 - the disk tier comes last: a file that serves more than the best match in memory is
   restored when the cost model (restore.choose_restore) expects it to beat computing;
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Collection, Hashable, Iterable, Mapping, Sequence
 
 from kvfork.server.engine.config import EngineConfig
-from kvfork.server.engine.follow import FollowPolicy, Leader, Plan, leader_views, plan
+from kvfork.server.engine.follow import FollowDecision, FollowPolicy, Leader, decide, leader_views
 from kvfork.server.engine.index import Found, Index, Match
 from kvfork.server.engine.matching import Recipient, Source, choose_reuse
 from kvfork.server.engine.rates import Rates
@@ -75,7 +75,7 @@ def take_view(r: Request, requests: Collection[Request], followers: Iterable[Req
 def prefilling(requests: Iterable[Request]) -> int:
     """Requests prefilling now (each choice's prompt once): they share the prefill rate."""
     return sum(1 for x in requests if isinstance(x.phase, Prefilling) and x.committed < len(x.prompt)
-               and x.lead is None)
+               and x.parent is None)
 
 
 def _leaders(r: Request, requests: Iterable[Request], followers: list[Request], index: Index, rates: Rates,
@@ -86,8 +86,8 @@ def _leaders(r: Request, requests: Iterable[Request], followers: list[Request], 
     below, scope = _followers_below(r, followers), r.req.scope
     active = []
     for x in requests:
-        # a request on its way out gives nothing; another scope's never; a choice is its lead's twin
-        if x is r or x.rid in below or x.ending or x.req.scope != scope or x.lead is not None:
+        # a request on its way out gives nothing; another scope's never; a choice is its parent's twin
+        if x is r or x.rid in below or x.ending or x.req.scope != scope or x.parent is not None:
             continue
         if isinstance(x.phase, Prefilling) and x.phase.donor_upto:  # holds [0, donor_upto) once cloned
             source = Source.donor(x.rid, x.prompt, 0, x.rid)
@@ -117,7 +117,7 @@ def _followers_below(r: Request, followers: list[Request]) -> set[int]:
 @dataclass(frozen=True)
 class _Placed:
     log: dict[str, Any] | None = field(default=None, kw_only=True)  # the decision and its inputs (None: as was)
-    follow_choice: str | None = field(default=None, kw_only=True)  # follow.plan's reason, when it ran
+    follow_choice: str | None = field(default=None, kw_only=True)  # follow.decide's reason, when it ran
     disk_choice: str | None = field(default=None, kw_only=True)  # the cost model's, when it ran
     cached: int = field(default=0, kw_only=True)  # the best prefix cache match
 
@@ -144,7 +144,7 @@ class Cached(_Placed):
 class Follow(_Placed):
     leader: int
     target: int
-    decided: Plan  # the follow order is made of it (follow.FollowOrder.park)
+    decided: FollowDecision  # the follow order is made of it (follow.FollowOrder.park)
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,7 @@ def place(r: Request, view: View) -> Placement:
     if view.policy.min_tokens <= 0:  # active reuse off: the prefix cache, or the disk tier
         why: dict[str, Any] = dict(log=dict(r.decision), cached=found.cached)
         return _restore(view, found.cached, why) or _cached(found, **why)
-    decided = _follow_plan(r, view)
+    decided = _follow_decision(r, view)
     log = {**decided.log_fields(), **{k: r.decision[k] for k in ("clone_refused", "follow_expired")
                                       if k in r.decision}}
     for key in ("donor", "leader"):  # name them as the client did
@@ -208,12 +208,12 @@ def _landed(r: Request) -> Resume | None:
     return Resume(landed.sid, landed.upto, named=False) if landed is not None else None
 
 
-def _follow_plan(r: Request, view: View) -> Plan:
+def _follow_decision(r: Request, view: View) -> FollowDecision:
     recipient = Recipient(r.rid, r.prompt)
     found = view.found
     donors = [found.donor] if found.donor is not None else []
     now = choose_reuse(recipient, donors, found.cached, view.policy.min_tokens)
-    return plan(recipient, view.leaders, now, view.rates, view.policy, view.prefilling)
+    return decide(recipient, view.leaders, now, view.rates, view.policy, view.prefilling)
 
 
 def _cached(found: Found, **why: Any) -> Cached | Fresh:

@@ -36,7 +36,6 @@ class RequestHandle:
         self._ending = False  # after cancel() or finish(), no more tokens: only the DoneEvent
         self.done: DoneEvent | None = None  # set once the DoneEvent has been read
         self.reused = 0  # prompt tokens reused, known once it starts (before its first token)
-        self.reused = 0  # prompt tokens reused, known once it starts (before its first token)
 
     def __aiter__(self) -> "RequestHandle":
         return self
@@ -103,13 +102,13 @@ class Prefilling:
     candidates: list[Match] = field(default_factory=list)  # the prefix cache entries its Start named
     started: bool = False  # the runner has its session
     committed: int = 0  # prompt and output positions, as the runner last published
-    kept: tuple[int, ...] = ()  # its session's recurrent checkpoints, as the runner last published
+    checkpoints: tuple[int, ...] = ()  # its session's recurrent checkpoints, as the runner last published
 
 
 @dataclass
 class Decoding:
     committed: int = 0
-    kept: tuple[int, ...] = ()
+    checkpoints: tuple[int, ...] = ()
 
 
 @dataclass
@@ -120,7 +119,7 @@ class Finished:
 
 Phase = Queued | Following | Restoring | Prefilling | Decoding | Finished
 Waiting = (Queued, Following, Restoring)  # holding no slot
-Running = (Prefilling, Decoding)  # holding a slot, with the runner
+InSlot = (Prefilling, Decoding)  # holding a slot, with the runner
 
 
 @dataclass
@@ -146,8 +145,8 @@ class Request:
     ending: str | None = None  # "cancelled" or "stop": asked for, runner not yet done
     expiry: asyncio.TimerHandle | None = None  # the queue timeout, while it waits
     # n > 1: choice 0 is the request that prefills (it lists the others as `siblings`); each other choice
-    # (its `lead` set) is admitted with it, holding a slot, and is `sent` to the runner in its Start.
-    lead: "Request | None" = None
+    # (its `parent` is choice 0) is admitted with it, holding a slot, and is `sent` to the runner in its Start.
+    parent: "Request | None" = None
     siblings: list["Request"] = field(default_factory=list)
     sent: bool = False
     decision: dict[str, Any] = field(default_factory=dict)  # reuse decision and its inputs, for the log line
@@ -167,12 +166,12 @@ class Request:
 
     @property
     def holds_slot(self) -> bool:
-        return isinstance(self.phase, Running)
+        return isinstance(self.phase, InSlot)
 
     @property
     def committed(self) -> int:
         """Prompt and output positions its session holds, as the runner last published (0 while waiting)."""
-        return self.phase.committed if isinstance(self.phase, Running) else 0
+        return self.phase.committed if isinstance(self.phase, InSlot) else 0
 
     @property
     def committed_prompt(self) -> int:
@@ -188,7 +187,7 @@ class Request:
         started = self.admitted_at or now
         first = self.first_token_at or now
         return Usage(
-            prompt_tokens=len(self.req.prompt) if self.lead is None else 0,  # counted once, on choice 0
+            prompt_tokens=len(self.req.prompt) if self.parent is None else 0,  # counted once, on choice 0
             reused_tokens=self.reused,
             reuse_source=self.reuse_source,
             prefilled_tokens=self.prefilled,
@@ -236,7 +235,7 @@ def restore(r: Request, match: Match) -> Restoring:
 
 
 def prefill(r: Request, cached: int = 0, donor_upto: int = 0, candidates: list[Match] | None = None) -> Prefilling:
-    """Handed to the runner, holding a slot (also: a choice going with its lead; again: a start whose donor
+    """Handed to the runner, holding a slot (also: a choice going with its parent; again: a start whose donor
     clone was refused)."""
     _leave(r, Queued, Prefilling)
     r.phase = Prefilling(cached, donor_upto, candidates or [])
@@ -255,7 +254,7 @@ def decode(r: Request) -> Decoding:
     """Its first token is sampled."""
     _leave(r, Prefilling)
     assert isinstance(r.phase, Prefilling)
-    r.phase = Decoding(r.phase.committed, r.phase.kept)
+    r.phase = Decoding(r.phase.committed, r.phase.checkpoints)
     return r.phase
 
 

@@ -12,29 +12,20 @@ import logging
 from typing import Protocol
 
 from kvfork.server.engine import messages as m
-from kvfork.server.engine.admission import Admission
 from kvfork.server.engine.api import DoneEvent
 from kvfork.server.engine.disk import DiskTier
-from kvfork.server.engine.index import Index
 from kvfork.server.engine.load import EngineLoad
 from kvfork.server.engine.request import Request
-from kvfork.server.engine.sessions import NamedSessions
+from kvfork.server.engine.snapshot import EngineSnapshot
 from kvfork.server.metrics import Registry
 
 
 class Readings(Protocol):
-    """What the gauges read (engine.Engine is one); None until the model is loaded."""
+    """What the gauges read (engine.Engine is one): its snapshot (all zeros until the model is loaded)."""
 
-    @property
-    def admission(self) -> Admission | None: ...
-    @property
-    def index(self) -> Index | None: ...
-    @property
-    def named(self) -> NamedSessions | None: ...
+    def snapshot(self) -> EngineSnapshot: ...
     @property
     def disk(self) -> DiskTier | None: ...
-    @property
-    def following(self) -> int: ...
     @property
     def stats(self) -> m.StepStats: ...
     def load(self) -> EngineLoad: ...
@@ -94,15 +85,12 @@ class EngineMetrics:
         """Gauges read at scrape time: 0 for what is not there yet (before the model loads, no disk tier)."""
         g = registry.gauge
 
-        def admission(read):
-            return lambda: read(engine.admission) if engine.admission is not None else 0
+        def snap(read):
+            return lambda: read(engine.snapshot())
 
-        def index(read):
-            return lambda: read(engine.index) if engine.index is not None else 0
-
-        g("queue_depth", "requests waiting for a slot", admission(lambda a: a.queued))
-        g("following_requests", "requests parked behind a prefilling leader", lambda: engine.following)
-        g("running_requests", "requests holding an inference slot", admission(lambda a: a.slots_used))
+        g("queue_depth", "requests waiting for a slot", snap(lambda s: s.queued))
+        g("following_requests", "requests parked behind a prefilling leader", snap(lambda s: s.following))
+        g("running_requests", "requests holding an inference slot", snap(lambda s: s.slots_used))
         # The Gateway API Inference Extension's model-server protocol: TotalQueuedRequests, TotalRunningRequests
         # (running_requests above) and KVCacheUtilization, in vLLM's meaning (docs/cluster.md).
         g("waiting_requests", "requests waiting: queued for a slot, or parked behind a prefilling leader",
@@ -112,9 +100,9 @@ class EngineMetrics:
         g("live_sessions", "backend sessions open", lambda: engine.stats.live_sessions)
         g("kv_bytes", "bytes of KV state the backend holds", lambda: engine.stats.total_bytes)
         g("kv_budget_held_bytes", "bytes of the KV budget held: reservations, prefix cache, idle named sessions, "
-          "pooled blocks (compare kv_bytes)", admission(lambda a: a.held()))
+          "pooled blocks (compare kv_bytes)", snap(lambda s: s.held))
         g("kv_pooled_bytes", "bytes of KV blocks whose writer is gone that other sessions still read",
-          admission(lambda a: a.pooled))
+          snap(lambda s: s.pooled))
 
         def blocks(read):  # a gauge over the backend's blocks, 0 for a backend without them
             return lambda: read(engine.stats.blocks) if engine.stats.blocks is not None else 0
@@ -125,22 +113,22 @@ class EngineMetrics:
         g("kv_bytes_saved_by_sharing", "bytes copying clones would hold beyond what sharing holds",
           blocks(lambda b: b.saved_bytes))
         g("kv_reserved_bytes", "bytes of the KV budget reserved by requests and captures",
-          admission(lambda a: a.reserved))
-        g("named_sessions", "named sessions kept", lambda: len(engine.named) if engine.named is not None else 0)
-        g("prefix_cache_entries", "snapshots in the prefix cache", index(lambda i: i.count("memory")))
-        g("prefix_cache_bytes", "bytes of the prefix cache", index(lambda i: i.nbytes("memory")))
+          snap(lambda s: s.reserved))
+        g("named_sessions", "named sessions kept", snap(lambda s: s.named_sessions))
+        g("prefix_cache_entries", "snapshots in the prefix cache", snap(lambda s: s.cached))
+        g("prefix_cache_bytes", "bytes of the prefix cache", snap(lambda s: s.cached_bytes))
 
         def disk(read):  # a gauge over the disk tier, 0 while it is off or not open
             return lambda: read(engine.disk) if engine.disk is not None else 0
 
-        g("prefix_cache_disk_entries", "files in the prefix cache's disk tier", disk(lambda d: d.files))
+        g("prefix_cache_disk_entries", "files in the prefix cache's disk tier", snap(lambda s: s.on_disk))
         g("prefix_cache_disk_bytes", "bytes of the prefix cache's disk tier", disk(lambda d: d.nbytes))
         g("prefix_cache_disk_on", "1 while the disk tier is on", disk(lambda d: int(d.on)))
         g("prefix_cache_disk_spilled", "entries written to the disk tier since start", disk(lambda d: d.stats.spilled))
         registry.counter_view("disk_corrupt_files_total", "disk tier files found torn, corrupt or malformed and "
                               "removed", disk(lambda d: d.stats.corrupt))
         g("prefix_cache_disk_spilling_bytes", "bytes of evicted entries held until their file is written",
-          admission(lambda a: a.spilling))
+          snap(lambda s: s.spilling))
 
     def holding(self, backend_bytes: int, budget: int | None) -> None:
         """The runner's report of what the backend holds, checked against the budget."""

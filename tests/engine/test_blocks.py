@@ -92,9 +92,9 @@ async def test_requests_sharing_a_long_prefix_hold_it_once_and_answer_as_reuse_o
     assert max(seen) >= 2, "no block was ever shared"
 
     await settled(engine, backend)
-    adm = engine.admission
-    assert adm.reserved == 0 and not adm.in_transit
-    assert adm.held() == backend.total_bytes()
+    snap = engine.snapshot()
+    assert snap.reserved == 0 and not snap.in_transit
+    assert snap.held == backend.total_bytes()
     assert engine.metrics.budget_exceeded.get() == 0
     await engine.shutdown(1)
     assert backend.live_sessions() == 0 and not backend.pool.stores and backend.total_bytes() == 0

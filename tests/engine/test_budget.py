@@ -45,7 +45,7 @@ async def test_idle_named_sessions_give_way_and_their_owners_start_cold():
     for name, p in (("a", a), ("b", b)):
         tokens, done = await run(engine, p, 10, session_id=name)
         assert done.finish_reason == "length"
-    assert engine.admission.held() == 2 * 39 * KIB  # both idle, 39 tokens committed each
+    assert engine.snapshot().held == 2 * 39 * KIB  # both idle, 39 tokens committed each
     # a newcomer needs 40 of the 22 left: the least recently used idle session gives way, at once
     tokens, done = await run(engine, prompt_of(30, start=3), 10)
     assert done.finish_reason == "length" and done.usage.queue_s < 30
@@ -55,7 +55,7 @@ async def test_idle_named_sessions_give_way_and_their_owners_start_cold():
     assert done.finish_reason == "length" and done.usage.reused_tokens == 0
     assert tokens == backend.greedy(a + [7], 4)
     await settled(engine, backend)
-    assert engine.admission.held() == backend.total_bytes()
+    assert engine.snapshot().held == backend.total_bytes()
     await engine.shutdown(1)
 
 
@@ -70,7 +70,7 @@ async def test_parked_followers_count_against_max_queue():
         except CapacityExhausted:
             refused += 1
         assert engine.waiting() <= 1
-    assert engine.following == 1 and refused == 4  # the leader runs, one follows, the rest: 429
+    assert engine.snapshot().following == 1 and refused == 4  # the leader runs, one follows, the rest: 429
     for p, (tokens, done) in zip(prompts, await asyncio.gather(*(collect(h) for h in handles))):
         assert done.finish_reason == "length" and tokens == backend.greedy(p, 4)
     await engine.shutdown(1)
@@ -90,7 +90,7 @@ async def test_landed_clones_are_inside_the_budget():
     assert backend.peak <= budget
     assert engine.metrics.budget_exceeded.get() == 0
     await settled(engine, backend)
-    assert engine.admission.reserved == 0 and engine.admission.held() == backend.total_bytes()
+    assert engine.snapshot().reserved == 0 and engine.snapshot().held == backend.total_bytes()
     await engine.shutdown(1)
 
 
@@ -155,7 +155,7 @@ async def test_a_clone_now_order_stays_held_after_its_request_leaves():
     assert isinstance(started.phase, Prefilling) and started.phase.donor_upto  # its Start carries the donor clone
     await reached(gate)  # the runner is making the clone
     recipient.cancel()
-    assert engine.admission.held() >= 245 * KIB + 200 * KIB  # the clone is still the runner's to hand back
+    assert engine.snapshot().held >= 245 * KIB + 200 * KIB  # the clone is still the runner's to hand back
     newcomer = engine.submit(request(prompt_of(20, start=9), 4, rid="newcomer"))
     assert _request_named(engine, "newcomer").phase.__class__ is Queued
     gate.open()
@@ -166,7 +166,7 @@ async def test_a_clone_now_order_stays_held_after_its_request_leaves():
     await collect(donor)
     assert backend.peak <= engine.config.kv_budget_bytes
     await settled(engine, backend)
-    assert engine.admission.reserved == 0 and engine.admission.held() == backend.total_bytes()
+    assert engine.snapshot().reserved == 0 and engine.snapshot().held == backend.total_bytes()
     await engine.shutdown(1)
 
 
@@ -189,7 +189,7 @@ async def test_a_served_follow_order_stays_held_after_its_follower_leaves():
     follower.cancel()
     _, done = await collect(follower)
     assert done.finish_reason == "cancelled"
-    assert engine.admission.held() >= 209 * KIB + 200 * KIB
+    assert engine.snapshot().held >= 209 * KIB + 200 * KIB
     newcomer = engine.submit(request(prompt_of(20, start=9), 4, rid="newcomer"))
     assert _request_named(engine, "newcomer").phase.__class__ is Queued
     clone.open()
@@ -198,7 +198,7 @@ async def test_a_served_follow_order_stays_held_after_its_follower_leaves():
     await collect(leader)
     assert backend.peak <= engine.config.kv_budget_bytes
     await settled(engine, backend)
-    assert engine.admission.reserved == 0 and engine.admission.held() == backend.total_bytes()
+    assert engine.snapshot().reserved == 0 and engine.snapshot().held == backend.total_bytes()
     await engine.shutdown(1)
 
 
@@ -216,7 +216,7 @@ async def test_a_follower_cancelled_before_its_order_is_served_gives_its_bytes_b
     prefill.open()
     await collect(leader)
     await settled(engine, backend)
-    assert engine.admission.reserved == 0 and not engine.admission.abandoned
+    assert engine.snapshot().reserved == 0 and not engine.snapshot().abandoned
     await engine.shutdown(1)
 
 
@@ -233,14 +233,14 @@ async def test_a_queued_request_holds_its_named_sessions_state():
     await reached(gate)
     again = engine.submit(request(turn, 4, rid="again", session_id="a"))  # queued behind the blocker
     assert _request_named(engine, "again").phase.__class__ is Queued
-    assert engine.admission.held() >= backend.total_bytes()  # the 39 tokens still live are counted
+    assert engine.snapshot().held >= backend.total_bytes()  # the 39 tokens still live are counted
     gate.open()
     tokens, done = await collect(again)
     assert done.finish_reason == "length" and done.usage.reused_tokens == 39
     assert tokens == backend.greedy(turn, 4)
     await collect(blocker)
     await settled(engine, backend)
-    assert engine.admission.reserved == 0 and engine.admission.held() == backend.total_bytes()
+    assert engine.snapshot().reserved == 0 and engine.snapshot().held == backend.total_bytes()
     await engine.shutdown(1)
 
 

@@ -11,7 +11,8 @@ from dataclasses import replace
 
 import pytest
 
-from kvfork.server.engine.follow import FollowPolicy, FollowOrder, Leader, Plan, at_deadline, leader_views, plan
+from kvfork.server.engine.follow import FollowDecision, FollowPolicy, FollowOrder, Leader, at_deadline, leader_views
+from kvfork.server.engine import follow as following
 from kvfork.server.engine.matching import Recipient, Source, choose_reuse, common_prefix
 from kvfork.server.engine.rates import Rates
 from engine_harness import collect, prompt_of, reached, request, settled, start_engine, until
@@ -20,10 +21,10 @@ from kvfork.server.engine.api import CapacityExhausted
 
 
 def decide(recipient: Recipient, leaders: list[Leader], cached: int, rates: Rates, policy: FollowPolicy,
-           prefilling: int) -> Plan:
-    """follow.plan with clone-now's choice over the leaders' sources, as placement makes it from the index."""
+           prefilling: int) -> FollowDecision:
+    """follow.decide with clone-now's choice over the leaders' sources, as placement makes it from the index."""
     now = choose_reuse(recipient, [lead.source for lead in leaders], cached, policy.min_tokens)
-    return plan(recipient, leaders, now, rates, policy, prefilling)
+    return following.decide(recipient, leaders, now, rates, policy, prefilling)
 
 FREE_CLONES = Rates(prefill_tps=100.0, clone_fixed_s=0.0, clone_s_per_token=0.0)
 ON = FollowPolicy(min_tokens=1, follow=True, max_wait_s=math.inf)
@@ -227,7 +228,7 @@ def test_leader_views_see_parked_followers_down_a_chain():
 
 
 def test_scanning_followers_through_their_leaders_changes_no_plan():
-    # plan skips comparing a parked follower's shared part with its leader's; the
+    # decide skips comparing a parked follower's shared part with its leader's; the
     # same views without `follows` compare every prompt in full, and must agree
     rng = random.Random(3)
     for _ in range(400):

@@ -83,7 +83,7 @@ def test_active_reuse_off_takes_the_cache_and_never_a_donor_nor_a_leader(memory)
     r.decision["clone_refused"] = 4
     placed = place(r, view(memory=memory, source=donor(180), leaders=[leader(20)], min_tokens=0))
     assert type(placed) is (Cached if memory else Fresh)
-    assert placed.follow_choice is None and placed.log == {"clone_refused": 4}  # follow.plan never ran
+    assert placed.follow_choice is None and placed.log == {"clone_refused": 4}  # follow.decide never ran
 
 
 # ---- clone-now: a running donor's committed prefix ----

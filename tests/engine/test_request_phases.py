@@ -26,9 +26,9 @@ def test_a_request_walks_queued_prefilling_decoding_finished():
     assert (p.cached, p.donor_upto, p.started) == (1, 2, False)
     p = rq.started(r, reused=2)
     assert (p.started, p.donor_upto, p.committed) == (True, 0, 2)  # the donor's clone is done with
-    p.kept = (1,)
+    p.checkpoints = (1,)
     d = rq.decode(r)
-    assert isinstance(r.phase, rq.Decoding) and (d.committed, d.kept) == (2, (1,))  # carried across
+    assert isinstance(r.phase, rq.Decoding) and (d.committed, d.checkpoints) == (2, (1,))  # carried across
     f = rq.finish(r, "length")
     assert isinstance(r.phase, rq.Finished) and (f.reason, f.error) == ("length", None)
 

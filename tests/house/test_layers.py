@@ -117,6 +117,30 @@ def test_no_function_of_the_product_runs_over_60_lines():
     assert long == []
 
 
+MAX_CLASS_LINES, MAX_MODULE_LINES = 350, 600
+# Over the cap still, each with its size when the cap came (a split not made yet).
+OVER_CAP = {
+    "server/engine/runner.py": "679 lines: the runner thread, with speculative decoding's draft and walk",
+    "server/engine/runner.py:Runner": "577 lines: the runner thread's step, planning, sampling and verifying",
+    "backends/torch/backend.py:TorchBackend": "384 lines: the torch backend's sessions and forward passes",
+}
+
+
+def test_no_class_or_module_of_the_product_is_too_long():
+    """A class a newcomer reads in one sitting: none in server/ or backends/ over 350 lines, no module over 600,
+    but those listed in OVER_CAP."""
+    long = set()
+    for package in ("server", "backends"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            source, name = path.read_text(), str(path.relative_to(ROOT))
+            if len(source.splitlines()) > MAX_MODULE_LINES:
+                long.add(name)
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                    long.add(f"{name}:{node.name}")
+    assert long - set(OVER_CAP) == set()
+
+
 def test_each_api_is_one_package_laid_out_alike():
     """server/api/<api>/ holds an API's wire types, its reply and its route; every route calls the one
     shared preparation (server/api/prepare.py), and an API reaches into another only for its wire types

@@ -15,7 +15,7 @@ BOUNDED = {
     "server/settings.py:_toml_value": "a setting's value: a list of scalars, one level",
     "server/toolcalls/lark.py:closed": "a schema's nesting, refused past --max-json-depth before it is compiled",
     "server/engine/faults.py:sample": "retries each row alone once (retried=True stops it)",
-    "server/engine/engine.py:complete": "a request ends its choices, which have none of their own",
+    "server/engine/ending.py:complete": "a request ends its choices, which have none of their own",
     "tools/clients/fixtures.py:scrub": "a recorded request's JSON nesting",
 }
 # not recursion: each hands on to a method of the same name of another type, or calls a module's function

@@ -1,0 +1,101 @@
+"""The last phase, Finished: a request asked to end (cancelled, a stop string, its queue timeout) or
+ended by the runner, and everything it held going back.
+
+A part of `Serving` (serving.py), whose state it reads: the requests, the managers, the metrics.
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvfork.server.engine import messages as m
+from kvfork.server.engine import request as phase
+from kvfork.server.engine.api import DoneEvent
+from kvfork.server.engine.request import Following, Queued, Request, Restoring
+
+
+class Ending:
+    def cancel(self, rid: int) -> None:
+        r = self._requests.get(rid)
+        if r is None or r.ending == "cancelled":
+            return
+        r.ending = "cancelled"
+        self._index.stop(rid)
+        if self._with_runner(r):
+            self._send(m.Cancel(rid))
+        else:  # the runner holds nothing of it (a pending clone comes back to nobody and is released)
+            self.complete(r, "cancelled")
+            self.admit()
+
+    def _finish(self, rid: int) -> None:
+        r = self._requests.get(rid)
+        if r is None or r.ending:
+            return
+        r.ending = "stop"
+        self._index.stop(rid)
+        if self._with_runner(r):
+            self._send(m.Finish(rid))
+        else:
+            self.complete(r, "stop")
+
+    @staticmethod
+    def _with_runner(r: Request) -> bool:
+        """Whether the runner has (or will have) `r`: a choice goes there only with its parent's Start."""
+        return r.holds_slot and (r.parent is None or r.sent)
+
+    def _expire(self, rid: int) -> None:
+        r = self._requests.get(rid)
+        if r is not None and isinstance(r.phase, phase.Waiting):
+            self.complete(r, "error", f"waited longer than --queue-timeout ({self.config.queue_timeout:g} s)")
+            self.admit()  # the expired head may have been all that held the queue back
+
+    def _leave(self, r: Request) -> None:
+        """Everything `r` holds on the loop goes back: its slot, bytes, capture, named session, landed clone."""
+        adm = self._admission
+        if isinstance(r.phase, Following):  # first: a clone order it abandons keeps its bytes held
+            self._unpark(r)
+        if isinstance(r.phase, Restoring) and r.phase.sent:  # the runner may have loaded it already
+            adm.abandon(r, adm.clone_bytes(r.phase.match.upto))
+        self._leader_left(r)
+        adm.release(r)
+        if r.named is not None and r.named.busy:
+            self._named.give_back(r.named)
+        if isinstance(r.phase, Queued) and r.phase.landed is not None:
+            adm.release_sessions([r.phase.landed.sid])
+        self._index.stop(r.rid)
+        if r.expiry is not None:
+            r.expiry.cancel()
+        del self._requests[r.rid]
+        if not self._requests:
+            self.idle.set()
+
+    def _withdraw(self, r: Request) -> None:
+        """Turned away after all: as if it never came (no DoneEvent, nobody holds its handle yet)."""
+        for x in (r, *r.siblings):
+            self._leave(x)
+            phase.finish(x, "cancelled")
+
+    def complete(self, r: Request, reason: str, error: str | None = None, grammar_failed: bool = False,
+                 gave_way: bool = False) -> None:
+        if isinstance(r.phase, phase.Finished):
+            return
+        self._leave(r)
+        phase.finish(r, reason, error)
+        event = DoneEvent(reason, r.usage(time.monotonic()), error, grammar_failed, gave_way)  # type: ignore[arg-type]
+        self.metrics.done(r, event)
+        r.handle.put(event)
+        for sibling in r.waiting_siblings:  # it ended before the runner had it: so do its other choices
+            self.complete(sibling, reason, error, grammar_failed, gave_way)
+
+    def on_ended(self, ev: m.Ended) -> None:
+        r = self._requests.get(ev.rid)
+        self._admission.pooled_now(ev.pooled)  # with its reservation let go below: its blocks others read are pooled
+        if r is None:
+            self._admission.release_sessions([ev.sid] if ev.sid is not None else [], max(0, ev.nbytes - ev.frees))
+            return
+        if r.named is not None:
+            self._named.release(r.named, ev.sid, ev.held, r.req.scope, ev.nbytes, ev.frees)
+        r.prefilled, r.generated = ev.prefilled, ev.generated
+        self.metrics.speculated(r, ev.speculated)
+        self.complete(r, ev.reason, ev.error, ev.grammar_failed)
+

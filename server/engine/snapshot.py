@@ -1,0 +1,41 @@
+"""What the engine holds at one moment, as one frozen value: `Engine.snapshot()` (made by `Serving.snapshot`).
+
+Tests, tools and the daemon read the engine through it rather than through its managers' parts; each
+field says where it comes from. Before the model has loaded every figure is 0 and `loaded` is False.
+
+    snap = engine.snapshot()
+    snap.reserved, snap.held, snap.budget     # bytes (Admission): reserved by requests, held in all, the budget
+    snap.slots_used, snap.queued, snap.following, snap.captures_in_use
+    snap.cached, snap.cached_bytes            # the prefix cache's memory tier (Index)
+    snap.on_disk, snap.disk_on                # the disk tier's files (Index), whether the tier is writing
+    snap.named_sessions, snap.named_holding   # named sessions kept, and those holding state
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    loaded: bool = False
+    # the budget (Admission)
+    budget: int = 0  # bytes of KV state the engine may hold
+    held: int = 0  # bytes it counts now: reservations, the prefix cache, idle named sessions, pooled, in transit
+    reserved: int = 0  # of those, what requests, captures and abandoned clone orders reserve
+    pooled: int = 0  # blocks no one session holds that others still read, as the runner last reported
+    in_transit: int = 0  # what released sessions wrote that others read, until the runner ran the Release
+    spilling: int = 0  # evicted cache entries on their way to disk
+    abandoned: int = 0  # clone orders no one waits for that the runner has not answered yet
+    # requests
+    slots_used: int = 0
+    queued: int = 0
+    following: int = 0  # parked behind a leader
+    captures_in_use: int = 0
+    # reusable states (Index, NamedSessions, DiskTier)
+    cached: int = 0  # prefix cache entries in memory
+    cached_bytes: int = 0
+    on_disk: int = 0  # the disk tier's files
+    disk_on: bool = False  # the disk tier is open and writing
+    named_sessions: int = 0
+    named_holding: int = 0  # named sessions holding KV state
