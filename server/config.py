@@ -89,7 +89,8 @@ class ServerConfig(Limits):
     pin: list[str] = setting([], "a model name never unloaded to make room for another; repeat for more",
                              repeat=True, group="model and device")
     max_loaded_models: int = setting(0, "most models loaded at once (0: as many as --memory-budget-bytes holds; "
-                                     "the MLX backend loads one at a time)", check=at_least(0), group="model and device")
+                                     "the MLX backend loads one at a time)", check=at_least(0),
+                                     group="model and device")
     model_ttl: float = setting(0.0, "seconds an idle model stays loaded when several are served (0: until "
                                "another needs its memory)", check=at_least(0), group="model and device")
     memory_budget_bytes: int | None = setting(None, "device bytes the weights and KV of every loaded model share "

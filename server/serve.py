@@ -182,8 +182,7 @@ async def run(config: ServerConfig, engine_config: EngineConfig, model: str,
         return 1
     if leader is not None:  # a stalled rank fails the engine from the watchdog's thread
         loop = asyncio.get_running_loop()
-        engine = daemon.engine
-        leader.on_fault = lambda reason: loop.call_soon_threadsafe(engine.fail, reason)
+        leader.on_fault = lambda reason: loop.call_soon_threadsafe(daemon.engine.fail, reason)  # type: ignore[union-attr]
     try:
         await daemon.listen()
     except OSError as e:
@@ -220,5 +219,5 @@ async def run(config: ServerConfig, engine_config: EngineConfig, model: str,
         stopping.cancel()
         loading.cancel()
         await daemon.close()
-        if leader is not None and not engine.runner_alive:  # the other ranks leave with rank 0
+        if leader is not None and not daemon.engine.runner_alive:  # type: ignore[union-attr]  # the other ranks leave
             await asyncio.to_thread(leader.stop, "rank 0 shut down")

@@ -67,10 +67,10 @@ class AppState:
         """A model's copy of the state compiles grammars for its own tokenizer."""
         self._grammars = None
 
-    async def for_model(self, request: web.Request, requested: str | None) -> AppState:
+    async def for_model(self, request: web.Request, requested: str | None, stream: bool = False) -> AppState:
         """The state of the model a request names: this one, unless the daemon serves several (then the
         model's, loaded first if need be and held until the request ends)."""
-        return self if self.pool is None else await self.pool.acquire(request, requested)
+        return self if self.pool is None else await self.pool.acquire(request, requested, stream)
 
     def current(self) -> AppState:
         """The state a route naming no model reads: this one; with several models, that of the model a request

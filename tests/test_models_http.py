@@ -5,13 +5,14 @@ fails to load, and a conversation resumed on a reloaded model from its spilled p
 from __future__ import annotations
 
 import asyncio
+import threading
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from http_daemon import TEST_ENGINE, chat_body, metrics
+from http_daemon import TEST_ENGINE, chat_body, metrics, sse_events
 from kvfork.backends import create_backend
 from kvfork.backends.device_memory import weights_on_disk
 from kvfork.server.config import ServerConfig
@@ -157,3 +158,47 @@ async def ask_messages(http, daemon, model: str, messages: list) -> dict:
         out = await r.json()
         assert r.status == 200, out
         return out
+
+
+async def test_a_stream_waiting_for_its_model_hears_keep_alives(three):
+    async with aiohttp.ClientSession() as http, pool(three, hold=1, sse_keepalive=0.01) as daemon:
+        body = chat_body(model="b", max_tokens=4, stream=True)
+        async with http.post(daemon.url + CHAT, json=body) as r:
+            assert r.status == 200
+            lines = await sse_events(r)
+        first_data = next(i for i, line in enumerate(lines) if line.startswith("data: "))
+        assert ": keep-alive" in lines[:first_data]
+        assert lines[-1] == "data: [DONE]" and '"content"' in "".join(lines)
+
+
+async def test_a_running_request_finishes_before_its_model_unloads(three):
+    """A long answer on a, then a request for b (one model fits): a's answer completes whole, then b loads."""
+    async with aiohttp.ClientSession() as http, pool(three, hold=1) as daemon:
+        long = asyncio.create_task(ask_long(http, daemon))
+        while not daemon.pool.slots["a"].users:
+            await asyncio.sleep(0.01)
+        other = await ask(http, daemon, "b")
+        answer = await long
+        assert answer["choices"][0]["finish_reason"] == "length" and answer["usage"]["completion_tokens"] == 64
+        assert other["model"] == "b"
+
+
+async def ask_long(http, daemon) -> dict:
+    body = chat_body(model="a", max_tokens=64, ignore_eos=True)
+    async with http.post(daemon.url + CHAT, json=body) as r:
+        assert r.status == 200
+        return await r.json()
+
+
+async def test_shutdown_during_a_load_leaves_no_runner_and_no_partial_file(three, kvfork_home):
+    async with aiohttp.ClientSession() as http:
+        async with pool(three, hold=1) as daemon:
+            await ask(http, daemon, "a", "a prompt long enough to be kept in the prefix cache, word for word " * 2)
+            waiting = asyncio.create_task(http.post(daemon.url + CHAT, json=chat_body(model="b", max_tokens=2)))
+            while daemon.pool.loading != "b":
+                await asyncio.sleep(0.005)
+        response = await waiting
+        assert response.status in (200, 503)
+        response.release()
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvfork-runner") and t.is_alive()]
+    assert not list(Path(kvfork_home, "kv").rglob("*.tmp"))

@@ -8,7 +8,7 @@ from typing import Callable
 
 from kvfork.backends.base import Backend
 from kvfork.backends.device_memory import DeviceMemory, cpu_memory
-from kvfork.server.app import Listener, build_app, listen
+from kvfork.server.app import Listener, build_app, listen as listen_on
 from kvfork.server.config import ServerConfig
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.metrics import Registry
@@ -54,11 +54,13 @@ class PoolDaemon:
         return f"http://{self.config.host}:{self.port}"
 
     async def listen(self) -> None:
-        self.listener = await listen(build_app(self.state), self.config.host, self.config.port)
+        self.listener = await listen_on(build_app(self.state), self.config.host, self.config.port)
         self.port = self.listener.port
 
     async def load(self) -> None:
         """Load the pinned models (else the first), as a daemon of one model loads it before it is ready."""
+        if not self.memory_fits():
+            raise ValueError("a model does not fit the memory budget (above)")
         self.pool.start()
         first = [s for s in self.pool.slots.values() if s.pinned] or [self.pool.slot(None)]
         for slot in first:
@@ -87,7 +89,7 @@ class PoolDaemon:
                 f"{budget.reason}{cap}")
 
     async def close(self) -> None:
-        await self.pool.close(self.config.shutdown_grace)
+        await self.pool.shutdown(self.config.shutdown_grace)
         if self.listener is not None:
             await self.listener.close()
         self.state.close()

@@ -27,7 +27,9 @@ from aiohttp import web
 from kvfork.backends.base import Backend
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.errors import ApiError
+from kvfork.server.api.sse import OPENED
 from kvfork.server.pool.budget import PoolBudget
+from kvfork.server.pool.keepalive import KeepAlive, error_in_stream
 from kvfork.server.pool.served import ServedModel
 from kvfork.server.pool.specs import ModelSpec
 from kvfork.server.state import AppState
@@ -65,9 +67,11 @@ class ModelPool:
         self.switch_timeout, self.ttl = config.model_switch_timeout, config.model_ttl
         self._queue: list[Slot] = []  # the models of waiting requests, in arrival order
         self._switching: asyncio.Task | None = None
+        self._switching_to: Slot | None = None  # the model the switch loads (None: an idle unload)
         self._changed = asyncio.Event()
         self._expiry: asyncio.Task | None = None
         self._closed = False
+        self._closing: set[asyncio.Task] = set()  # models shutting down, awaited by `shutdown` even when cut short
         self.loads = base.registry.counter("model_loads_total", "models loaded (several served), by model_name and "
                                            "outcome")
         self.unloads = base.registry.counter("model_unloads_total", "models unloaded (several served), by "
@@ -88,12 +92,18 @@ class ModelPool:
         raise ApiError(404, f"the model {requested!r} does not exist; this server serves "
                        f"{', '.join(repr(n) for n in self.slots)}", code="model_not_found", param="model")
 
-    async def acquire(self, request: web.Request, requested: str | None) -> AppState:
-        """The named model's state, loaded first if need be; held for the request (`release`)."""
+    async def acquire(self, request: web.Request, requested: str | None, stream: bool) -> AppState:
+        """The named model's state, loaded first if need be; held for the request (`release`). A streaming
+        request hears keep-alives while it waits (keepalive.py)."""
         if self._closed:
             raise ApiError(503, "the server is shutting down", code="not_ready")
         slot = self.slot(requested)
-        state = await self.take(slot)
+        beat = KeepAlive(request, self.base.config.sse_keepalive) if stream and not slot.ready else None
+        try:
+            state = await self.take(slot)
+        finally:
+            if beat is not None:
+                await beat.stop()
         request[LEASE] = slot
         return state
 
@@ -108,7 +118,7 @@ class ModelPool:
                 if self._closed:
                     raise ApiError(503, "the server is shutting down", code="not_ready")
                 if self._switching is None and self._next() is slot:
-                    self._switching = asyncio.create_task(self._switch_to(slot))
+                    self._switching, self._switching_to = asyncio.create_task(self._switch_to(slot)), slot
                 await self._changed.wait()
         finally:
             self._queue.remove(slot)
@@ -124,13 +134,26 @@ class ModelPool:
 
     @web.middleware
     async def middleware(self, request: web.Request, handler):
-        """Releases the model a request held, once its answer is written."""
+        """Releases the model a request held, once its answer is written; a failure after its stream opened
+        early goes out inside the stream."""
         try:
             return await handler(request)
+        except Exception as e:
+            if request.get(OPENED) is None or isinstance(e, ConnectionError):
+                raise
+            error = e if isinstance(e, ApiError) else ApiError(500, "internal error", code="internal_error")
+            if not isinstance(e, ApiError):
+                log.exception("unexpected error")
+            return await error_in_stream(request, error)
         finally:
             slot = request.get(LEASE)
             if isinstance(slot, Slot):
                 self.release(slot)
+
+    @property
+    def loading(self) -> str | None:
+        """The model a switch is loading now, if any."""
+        return self._switching_to.spec.name if self._switching_to is not None else None
 
     def loaded(self) -> list[ServedModel]:
         return [s.served for s in self.slots.values() if s.served is not None]
@@ -165,7 +188,7 @@ class ModelPool:
             log.warning("%s", slot.error)
         finally:
             slot.attempts += 1
-            self._switching = None
+            self._switching = self._switching_to = None
             self._notify()
 
     async def _load(self, slot: Slot) -> None:
@@ -178,7 +201,7 @@ class ModelPool:
             if refusal is not None:
                 raise ValueError(refusal)
         except BaseException:
-            await asyncio.shield(served.close(0))  # a load cut short (shutdown too) leaves nothing behind
+            await self._close(served, 0)  # a load cut short (shutdown too) leaves nothing behind
             raise
         slot.spec = served.spec
         slot.served, slot.used = served, time.monotonic()
@@ -212,16 +235,23 @@ class ModelPool:
                     await asyncio.wait_for(self._changed.wait(), deadline - time.monotonic())
                 except TimeoutError:
                     break
-            served = slot.served
+            served, slot.served = slot.served, None
             assert served is not None
             if slot.users:
                 log.warning("kvfork: unloading model %s %s: %d requests still running are cancelled "
                             "(--model-switch-timeout)", slot.spec.name, why, slot.users)
-            await served.close(max(0.0, deadline - time.monotonic()))
+            await self._close(served, max(0.0, deadline - time.monotonic()))
             log.info("kvfork: unloaded model %s %s", slot.spec.name, why)
-        finally:
-            slot.served, slot.leaving = None, False
+        finally:  # cut short before its close began, the model stays loaded for `shutdown` to close
+            slot.leaving = False
             self._notify()
+
+    async def _close(self, served: ServedModel, grace_s: float) -> None:
+        """Close `served`; a switch cancelled meanwhile leaves the close running, for `shutdown` to await."""
+        task = asyncio.create_task(served.close(grace_s))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        await asyncio.shield(task)
 
     # ---- lifecycle ----
 
@@ -247,8 +277,8 @@ class ModelPool:
             self._switching = None
             self._notify()
 
-    async def close(self, grace_s: float) -> None:
-        """Shutdown: a load in progress is cut short (the model it made closed), every model closes."""
+    async def shutdown(self, grace_s: float) -> None:
+        """The daemon's shutdown: a load in progress is cut short (the model it made closed), every model closes."""
         self._closed = True
         if self._expiry is not None:
             self._expiry.cancel()
@@ -256,6 +286,6 @@ class ModelPool:
             self._switching.cancel()
             await asyncio.gather(self._switching, return_exceptions=True)
         self._notify()
-        await asyncio.gather(*(served.close(grace_s) for served in self.loaded()))
+        await asyncio.gather(*self._closing, *(served.close(grace_s) for served in self.loaded()))
         for slot in self.slots.values():
             slot.served = None

@@ -39,7 +39,8 @@ def pool_cards(pool: ModelPool, created: int) -> dict[str, Any]:
 
 def pool_health(pool: ModelPool) -> dict[str, Any]:
     models = {name: {"loaded": slot.ready, "error": slot.error} for name, slot in pool.slots.items()}
-    return {"status": "ok", "phase": "ready", "memory_budget_bytes": pool.budget.total_bytes, "models": models}
+    return {"status": "ok", "phase": "ready", "memory_budget_bytes": pool.budget.total_bytes, "loading": pool.loading,
+            "models": models}
 
 
 def pool_metrics(pool: ModelPool) -> str:

@@ -61,7 +61,7 @@ def without_volatile_lines(state: AppState, body: MessagesRequestT) -> MessagesR
 async def handle(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     body: MessagesRequest = without_volatile_lines(state, await read_body(request, DECODE_MESSAGES))
-    state = await state.for_model(request, body.model)
+    state = await state.for_model(request, body.model, body.stream)
     limits = state.config
     check_stops("stop_sequences", body.stop_sequences, limits.max_stop_sequences, "--max-stop-sequences", limits)
     check_count("messages", body.messages, limits.max_messages, "--max-messages", "messages")
