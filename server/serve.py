@@ -19,8 +19,8 @@ from typing import Any, AsyncIterator
 from kvfork.backends import create_backend, default_backend
 from kvfork.backends.base import Backend
 from kvfork.backends.lockstep.leader import LockstepBackend
-from kvfork.server.app import Listener, build_app, listen
 from kvfork.server.config import ServerConfig
+from kvfork.server.listening import Listening
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.disk import kv_root
 from kvfork.server.engine.engine import Engine
@@ -37,7 +37,7 @@ GiB = 1024**3
 log = logging.getLogger("kvfork")
 
 
-class Daemon:
+class Daemon(Listening):
     def __init__(self, config: ServerConfig, engine_config: EngineConfig, model: str, backend: Backend,
                  fetch: Fetch | None = None):
         """`fetch`: how to download (and convert) a model not on this machine yet, done first in `load`."""
@@ -50,16 +50,7 @@ class Daemon:
         self.state = AppState(config, self.engine, names, self.registry)
         register_vllm_names(self.registry, self.engine, names[0])
         self.stats: asyncio.Task | None = None  # the stats line's (--log-stats)
-        self.listener: Listener | None = None
         self.port = config.port
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.config.host}:{self.port}"
-
-    async def listen(self) -> None:
-        self.listener = await listen(build_app(self.state), self.config.host, self.config.port)
-        self.port = self.listener.port
 
     async def load(self) -> None:
         progress = self.state.progress

@@ -33,13 +33,13 @@ def three(tmp_path_factory) -> dict[str, str]:
 
 
 @asynccontextmanager
-async def pool(models: dict[str, str], hold: int = 2, **server):
+async def pool(models: dict[str, str], hold: int = 2, backend: str = "torch", **server):
     """A daemon of `models` under a budget that holds `hold` of them (weights and KV)."""
     weights = max(weights_on_disk(p) for p in models.values())
     config = ServerConfig(model=[f"{n}={p}" for n, p in models.items()], port=0, shutdown_grace=1.0,
                           memory_budget_bytes=hold * (weights + KV) + KV // 2, **server)
     engine = EngineConfig(**{**TEST_ENGINE, "kv_budget_bytes": KV})
-    daemon = PoolDaemon(config, engine, model_specs(config.model, None), "torch", lambda: create_backend("torch"))
+    daemon = PoolDaemon(config, engine, model_specs(config.model, None), backend, lambda: create_backend(backend))
     await daemon.listen()
     try:
         await daemon.load()
@@ -202,3 +202,24 @@ async def test_shutdown_during_a_load_leaves_no_runner_and_no_partial_file(three
         response.release()
     assert not [t for t in threading.enumerate() if t.name.startswith("kvfork-runner") and t.is_alive()]
     assert not list(Path(kvfork_home, "kv").rglob("*.tmp"))
+
+
+async def test_mlx_holds_one_model_at_a_time(three):
+    """On MLX one model runs at a time, whatever the budget holds: a -> b -> a answers the same on a."""
+    async with aiohttp.ClientSession() as http, pool(three, backend="mlx") as daemon:
+        first = await ask(http, daemon, "a")
+        await ask(http, daemon, "b")
+        assert await listed(http, daemon) == {"a": False, "b": True, "c": False}
+        back = await ask(http, daemon, "a")
+        assert back["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("extra, says", [(["--served-model-name", "x"], "NAME=PATH"),
+                                         (["--pin", "nope"], "--pin 'nope'"),
+                                         (["--model", "a=/tmp"], "two models are named 'a'")])
+def test_flags_that_do_not_combine_with_several_models_exit_2(three, extra, says, capsys):
+    from kvfork.server.cli import main as kvfork
+
+    with pytest.raises(SystemExit) as e:
+        kvfork(["serve", "--model", f"a={three['a']}", "--model", f"b={three['b']}", *extra])
+    assert e.value.code == 2 and says in capsys.readouterr().err

@@ -8,7 +8,7 @@ from typing import Callable
 
 from kvfork.backends.base import Backend
 from kvfork.backends.device_memory import DeviceMemory, cpu_memory
-from kvfork.server.app import Listener, build_app, listen as listen_on
+from kvfork.server.listening import Listening
 from kvfork.server.config import ServerConfig
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.metrics import Registry
@@ -34,7 +34,7 @@ def device_reading(backend: str) -> DeviceMemory:
     return cpu_memory(0)
 
 
-class PoolDaemon:
+class PoolDaemon(Listening):
     def __init__(self, config: ServerConfig, engine_config: EngineConfig, specs: list[ModelSpec],
                  backend: str, make_backend: Callable[[], Backend]):
         """`backend`: the backend's name ("mlx" loads one model at a time); `make_backend`: a fresh one per load."""
@@ -46,16 +46,7 @@ class PoolDaemon:
         budget = PoolBudget.of(device_reading(backend), engine_config, config.memory_budget_bytes, max_loaded,
                                len(specs))
         self.pool = self.state.pool = ModelPool(self.state, specs, engine_config, make_backend, budget)
-        self.listener: Listener | None = None
         self.port = config.port
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.config.host}:{self.port}"
-
-    async def listen(self) -> None:
-        self.listener = await listen_on(build_app(self.state), self.config.host, self.config.port)
-        self.port = self.listener.port
 
     async def load(self) -> None:
         """Load the pinned models (else the first), as a daemon of one model loads it before it is ready."""

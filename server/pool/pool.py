@@ -205,7 +205,7 @@ class ModelPool:
             raise
         slot.spec = served.spec
         slot.served, slot.used = served, time.monotonic()
-        log.info("kvfork: loaded model %s in %.1f s (%s)", slot.spec.name, time.monotonic() - t0,
+        log.info("loaded model %s in %.1f s (%s)", slot.spec.name, time.monotonic() - t0,
                  self.budget.describe(slot.footprint))
 
     async def _make_room(self, slot: Slot) -> None:
@@ -238,10 +238,10 @@ class ModelPool:
             served, slot.served = slot.served, None
             assert served is not None
             if slot.users:
-                log.warning("kvfork: unloading model %s %s: %d requests still running are cancelled "
+                log.warning("unloading model %s %s: %d requests still running are cancelled "
                             "(--model-switch-timeout)", slot.spec.name, why, slot.users)
             await self._close(served, max(0.0, deadline - time.monotonic()))
-            log.info("kvfork: unloaded model %s %s", slot.spec.name, why)
+            log.info("unloaded model %s %s", slot.spec.name, why)
         finally:  # cut short before its close began, the model stays loaded for `shutdown` to close
             slot.leaving = False
             self._notify()

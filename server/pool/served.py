@@ -24,8 +24,11 @@ class ServedModel:
         self.spec = spec
         self.registry = Registry()  # the model's own metrics, rendered with its model_name label
         # each model's disk tier in a folder of its own: a tier removes the files of other fingerprints it finds
+        models = kv_root() / "models"
+        for folder in (kv_root(), models):  # its files hold tenants' prompts: private, as the tier's folders are
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.engine = Engine(backend, spec.path, base.config.dtype, engine_config, self.registry,
-                             kv_dir=kv_root() / "models" / spec.name.replace("/", "--"))
+                             kv_dir=models / spec.name.replace("/", "--"))
         self.state = copy.copy(base)
         self.state.engine, self.state.served_names, self.state.pool = self.engine, [spec.name], None
         self.state.progress = StartProgress()
