@@ -127,9 +127,12 @@ async def test_a_model_that_fails_to_load_leaves_the_others_serving(three, tmp_p
         await ask(http, daemon, "b")
 
 
-async def test_a_conversation_resumes_from_its_spilled_cache_after_a_switch(three, monkeypatch):
+@pytest.mark.parametrize("hybrid", [False, True], ids=["llama", "qwen3_5"])
+async def test_a_conversation_resumes_from_its_spilled_cache_after_a_switch(three, tiny_hybrid_dir, hybrid,
+                                                                            monkeypatch):
     """A -> B -> A with a budget of one model: A's prefix cache spills to its disk tier as A unloads and the
-    return to A restores it: the same greedy tokens as without the switch, the prefix counted cached."""
+    return to A restores it: the same greedy tokens as without the switch, the prefix counted cached. A
+    hybrid A's recurrent checkpoints come back with it."""
     from dataclasses import replace
 
     from kvfork.server.engine import placement, restore
@@ -140,7 +143,8 @@ async def test_a_conversation_resumes_from_its_spilled_cache_after_a_switch(thre
     monkeypatch.setattr(placement, "choose_restore", choose)
     system = "a long shared system prompt that every request here sends, word for word, " * 3
     first = [{"role": "system", "content": system}, {"role": "user", "content": "hello there"}]
-    async with aiohttp.ClientSession() as http, pool(three, hold=1) as daemon:
+    models = {**three, "a": tiny_hybrid_dir("qwen3_5")} if hybrid else three
+    async with aiohttp.ClientSession() as http, pool(models, hold=1) as daemon:
         answer = await ask_messages(http, daemon, "a", first)
         again = await ask_messages(http, daemon, "a", first)
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
