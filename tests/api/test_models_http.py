@@ -129,18 +129,10 @@ async def test_a_model_that_fails_to_load_leaves_the_others_serving(three, tmp_p
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["llama", "qwen3_5"])
 async def test_a_conversation_resumes_from_its_spilled_cache_after_a_switch(three, tiny_hybrid_dir, hybrid,
-                                                                            monkeypatch):
+                                                                            disk_beats_prefill):
     """A -> B -> A with a budget of one model: A's prefix cache spills to its disk tier as A unloads and the
     return to A restores it: the same greedy tokens as without the switch, the prefix counted cached. A
     hybrid A's recurrent checkpoints come back with it."""
-    from dataclasses import replace
-
-    from kvfork.server.engine import placement, restore
-
-    def choose(upto, nbytes, memory, rates, prefilling):  # a tiny model prefills faster than files load
-        return restore.choose_restore(upto, nbytes, memory, replace(rates, prefill_tps=1.0), prefilling)
-
-    monkeypatch.setattr(placement, "choose_restore", choose)
     system = "a long shared system prompt that every request here sends, word for word, " * 3
     first = [{"role": "system", "content": system}, {"role": "user", "content": "hello there"}]
     models = {**three, "a": tiny_hybrid_dir("qwen3_5")} if hybrid else three
