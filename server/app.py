@@ -144,7 +144,10 @@ async def _response_headers(request: web.Request, response: web.StreamResponse) 
 
 def build_app(state: AppState) -> web.Application:
     requests_total = state.registry.counter("http_requests_total", "HTTP requests answered, by route and status")
-    app = web.Application(middlewares=_middlewares(state, requests_total), client_max_size=state.config.max_body_bytes)
+    # several models: a request's lease on its model is released after its answer (server/pool/pool.py)
+    pool = [state.pool.middleware] if state.pool is not None else []
+    app = web.Application(middlewares=_middlewares(state, requests_total) + pool,
+                          client_max_size=state.config.max_body_bytes)
     app[STATE] = state
     app.on_response_prepare.append(_response_headers)
     app.router.add_post("/v1/chat/completions", chat.handle)

@@ -22,6 +22,7 @@ from kvfork.backends import prepare_process
 from kvfork.server.config import ServerConfig
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.model_source import Fetch, model_source
+from kvfork.server.pool.specs import ModelSpec, model_specs, pool_refusal, several
 from kvfork.server.progress import StartProgress
 from kvfork.server.settings import Layered, add_arguments, describe, from_args, layered, on_command_line
 from kvfork.server.tenants import key_tenants
@@ -102,9 +103,11 @@ def serve(argv: list[str]) -> int:
             read_warm_file(config.prefix_cache_warm)
         except ValueError as e:
             parser.error(f"--prefix-cache-warm: {e}")
+    specs = _pool_specs(parser, config)
     prepare_process(config.backend)
     try:
-        model, fetch = model_source(config.model)
+        model, fetch = (", ".join(s.name for s in specs), None) if specs is not None else \
+            model_source(config.model[0] if config.model else None)
     except (FileNotFoundError, ValueError) as e:  # ValueError: a GGUF that cannot be served, named in one line
         parser.error(f"--model: {e}")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -115,9 +118,23 @@ def serve(argv: list[str]) -> int:
     from kvfork.server.serve import run  # the engine and backends load only for a valid command line
 
     try:
-        return asyncio.run(run(config, engine_config, model, fetch=fetch))
+        return asyncio.run(run(config, engine_config, model, fetch=fetch, specs=specs))
     except KeyboardInterrupt:  # a second Ctrl-C during shutdown
         return 130
+
+
+def _pool_specs(parser: argparse.ArgumentParser, config: ServerConfig) -> list[ModelSpec] | None:
+    """The models of a daemon serving several (server/pool/), checked before anything loads; None: one model."""
+    if not several(config.model, config.models_dir):
+        return None
+    try:
+        specs = model_specs(config.model, config.models_dir)
+    except (FileNotFoundError, ValueError) as e:
+        parser.error(f"--model: {e}")
+    problem = pool_refusal(config, specs)
+    if problem:
+        parser.error(problem)
+    return specs
 
 
 def _fetched(model: str, fetch: Fetch | None) -> str:

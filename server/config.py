@@ -80,9 +80,26 @@ class ServerConfig(Limits):
 
     SETTINGS_GROUP = "serving"
 
-    model: str | None = setting(None, "model folder (Hugging Face layout), hub id, .gguf file or org/name:file.gguf; "
-                                "default: SmolLM2, converted and fetched by `kvfork fetch-model` on first run",
-                                group="model and device")
+    model: list[str] = setting([], "model folder (Hugging Face layout), hub id, .gguf file or org/name:file.gguf, "
+                               "optionally named NAME=PATH; repeat to serve several, picked by the request's model "
+                               "(docs/models.md); default: SmolLM2, converted and fetched by `kvfork fetch-model` on "
+                               "first run", repeat=True, group="model and device")
+    models_dir: str | None = setting(None, "serve every model folder (or hub cache entry) in this folder, each by "
+                                     "its folder's name", group="model and device")
+    pin: list[str] = setting([], "a model name never unloaded to make room for another; repeat for more",
+                             repeat=True, group="model and device")
+    max_loaded_models: int = setting(0, "most models loaded at once (0: as many as --memory-budget-bytes holds; "
+                                     "the MLX backend loads one at a time)", check=at_least(0),
+                                     group="model and device")
+    model_ttl: float = setting(0.0, "seconds an idle model stays loaded when several are served (0: until "
+                               "another needs its memory)", check=at_least(0), group="model and device")
+    memory_budget_bytes: int | None = setting(None, "device bytes the weights and KV of every loaded model share "
+                                              "when several are served (default: the device's rule, "
+                                              "docs/kv-budget.md)", size=True, check=at_least(1),
+                                              group="model and device")
+    model_switch_timeout: float = setting(30.0, "seconds the requests running on a model get to finish before it "
+                                          "unloads for another (the rest end with an error naming the switch)",
+                                          check=at_least(0), group="model and device")
     backend: str = setting("auto", "auto: MLX on Apple Silicon, torch elsewhere (CUDA when present, else the CPU; "
                            "MLX where the torch backend is not installed)",
                            choices=BACKENDS, group="model and device")

@@ -19,25 +19,25 @@ from typing import Any, AsyncIterator
 from kvfork.backends import create_backend, default_backend
 from kvfork.backends.base import Backend
 from kvfork.backends.lockstep.leader import LockstepBackend
-from kvfork.server.app import Listener, build_app, listen
-from kvfork.server.chat_output import start_formats
 from kvfork.server.config import ServerConfig
+from kvfork.server.listening import Listening
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.disk import kv_root
 from kvfork.server.engine.engine import Engine
 from kvfork.server.metrics import Registry
+from kvfork.server.model_load import load_model
 from kvfork.server.model_source import Fetch
 from kvfork.server.observe import log_stats, register_vllm_names
+from kvfork.server.pool.daemon import PoolDaemon
+from kvfork.server.pool.specs import ModelSpec
 from kvfork.server.state import AppState
-from kvfork.server.text.tokenizer import PromptTokenizer
-from kvfork.server.warm import warm
 from kvfork.server.tenants import key_tenants
 
 GiB = 1024**3
 log = logging.getLogger("kvfork")
 
 
-class Daemon:
+class Daemon(Listening):
     def __init__(self, config: ServerConfig, engine_config: EngineConfig, model: str, backend: Backend,
                  fetch: Fetch | None = None):
         """`fetch`: how to download (and convert) a model not on this machine yet, done first in `load`."""
@@ -50,34 +50,14 @@ class Daemon:
         self.state = AppState(config, self.engine, names, self.registry)
         register_vllm_names(self.registry, self.engine, names[0])
         self.stats: asyncio.Task | None = None  # the stats line's (--log-stats)
-        self.listener: Listener | None = None
         self.port = config.port
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.config.host}:{self.port}"
-
-    async def listen(self) -> None:
-        self.listener = await listen(build_app(self.state), self.config.host, self.config.port)
-        self.port = self.listener.port
 
     async def load(self) -> None:
         progress = self.state.progress
         progress.start()
         if self.fetch is not None:
             self.model = self.engine.model_path = await asyncio.to_thread(self.fetch, progress)
-        progress.enter("loading", Path(self.model).name)
-        template = Path(self.config.chat_template).read_text(encoding="utf-8") if self.config.chat_template else None
-        _, self.state.tokenizer = await asyncio.gather(
-            self.engine.start(), asyncio.to_thread(PromptTokenizer.load, self.model, template)
-        )
-        warning = start_formats(self.state.tokenizer, self.config.tool_parser, self.config.reasoning_parser)
-        if warning:
-            log.warning(warning)
-        if self.config.prefix_cache_warm:
-            progress.enter("warming", self.config.prefix_cache_warm)
-            await warm(self.engine, self.state.tokenizer, self.config.prefix_cache_warm)
-        progress.enter("ready")
+        await load_model(self.state, self.model)
         if self.config.log_stats:
             self.stats = asyncio.create_task(log_stats(self.engine))
 
@@ -173,9 +153,10 @@ def _announce_kv_events(pub: Any, config: ServerConfig) -> None:
 
 
 async def run(config: ServerConfig, engine_config: EngineConfig, model: str,
-              leader: LockstepBackend | None = None, fetch: Fetch | None = None) -> int:
+              leader: LockstepBackend | None = None, fetch: Fetch | None = None,
+              specs: list[ModelSpec] | None = None) -> int:
     """Serve until a signal. `leader`: rank 0's backend of a model split over ranks (server/distributed.py);
-    `fetch`: the model is downloaded first (model_source.py)."""
+    `fetch`: the model is downloaded first (model_source.py); `specs`: several models (server/pool/)."""
     if leader is not None:
         backend_name, backend = f"{config.backend}, rank 0 of {leader.channel.size}, pid {os.getpid()}", leader
     else:
@@ -185,13 +166,14 @@ async def run(config: ServerConfig, engine_config: EngineConfig, model: str,
             print(f"kvfork: the {config.backend} backend cannot load here: {e}")
             return 1
     try:
-        daemon = Daemon(config, engine_config, model, backend, fetch)
+        daemon: Daemon | PoolDaemon = Daemon(config, engine_config, model, backend, fetch) if specs is None else \
+            PoolDaemon(config, engine_config, specs, backend_name, lambda: create_backend(backend_name))
     except OSError as e:  # the KV event sockets
         print(f"kvfork: KV events: {e}")
         return 1
     if leader is not None:  # a stalled rank fails the engine from the watchdog's thread
         loop = asyncio.get_running_loop()
-        leader.on_fault = lambda reason: loop.call_soon_threadsafe(daemon.engine.fail, reason)
+        leader.on_fault = lambda reason: loop.call_soon_threadsafe(daemon.engine.fail, reason)  # type: ignore[union-attr]
     try:
         await daemon.listen()
     except OSError as e:
@@ -228,5 +210,5 @@ async def run(config: ServerConfig, engine_config: EngineConfig, model: str,
         stopping.cancel()
         loading.cancel()
         await daemon.close()
-        if leader is not None and not daemon.engine.runner_alive:  # the other ranks leave with rank 0
+        if leader is not None and not daemon.engine.runner_alive:  # type: ignore[union-attr]  # the other ranks leave
             await asyncio.to_thread(leader.stop, "rank 0 shut down")

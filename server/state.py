@@ -43,6 +43,7 @@ class AppState:
     volatile_lines: Counter = field(init=False)  # server/api/volatile.py's lines taken out of prompts
     metrics_keys: KeyTable = field(init=False)  # --metrics-key's, for /metrics and /v1/loads' every figure
     browsers: Browsers = field(init=False)  # which hosts and pages may reach the daemon
+    pool: Any = None  # several models (server/pool/pool.ModelPool): `engine` is None, `for_model` picks one
 
     def __post_init__(self) -> None:
         self.responses = ResponseStore(self.config.max_stored_responses, self._forget_session,
@@ -62,12 +63,36 @@ class AppState:
         if self._grammars is not None:
             self._grammars.close()
 
+    def reset_grammars(self) -> None:
+        """A model's copy of the state compiles grammars for its own tokenizer."""
+        self._grammars = None
+
+    async def for_model(self, request: web.Request, requested: str | None, stream: bool = False) -> AppState:
+        """The state of the model a request names: this one, unless the daemon serves several (then the
+        model's, loaded first if need be and held until the request ends)."""
+        return self if self.pool is None else await self.pool.acquire(request, requested, stream)
+
+    def current(self) -> AppState:
+        """The state a route naming no model reads: this one; with several models, that of the model a request
+        used last (503 while none is loaded)."""
+        if self.pool is None:
+            return self
+        state = self.pool.recent()
+        if state is None:
+            raise ApiError(503, "no model is loaded yet: a request naming one loads it", code="not_ready")
+        return state
+
+    def engines(self) -> list[Any]:
+        """Every loaded model's engine."""
+        return [self.engine] if self.pool is None else self.pool.engines()
+
     def _forget_session(self, name: str, tenant: str) -> None:
         """Free a named session's KV state; one still running is left to the engine's LRU."""
-        try:
-            self.engine.delete_session(name, tenant)
-        except EngineError:
-            pass
+        for engine in self.engines():
+            try:
+                engine.delete_session(name, tenant)
+            except EngineError:
+                pass
 
     def model_name(self, requested: str | None) -> str:
         """The name to answer with; 404 model_not_found for a name we do not serve."""

@@ -142,7 +142,9 @@ def plan(argv: list[str]) -> Plan:
     announce(found)
     if config.host != HOST:
         p.error(f"--host is the cluster's to set: everything listens on {HOST} (several machines: the README)")
-    model = config.model or str(_default_model())
+    if len(config.model) > 1 or config.models_dir:
+        p.error("each replica serves one model: several models are served by one `kvfork serve` (docs/cluster.md)")
+    model = config.model[0] if config.model else str(_default_model())
     share = engine_config.kv_budget_bytes // args.replicas if engine_config.kv_budget_bytes else \
         shared_host_plan(weights_on_disk(model), args.replicas).kv_budget_bytes
     # Keys reach the replicas in their environment, never on a command line every local user can read.

@@ -17,18 +17,20 @@ from kvfork.server.api.openai import encoder
 
 log = logging.getLogger("kvfork.http")
 CLIENT_GONE = web.RequestKey("client_gone", bool)  # set when a write found the connection closed
+# A stream opened before its reply, its keep-alives sent while the model loads (server/pool/keepalive.py)
+OPENED = web.RequestKey("opened_stream", web.StreamResponse)
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class EventStream:
     def __init__(self, request: web.Request):
         self.request = request
-        self.response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        )
+        self.response = request.get(OPENED) or web.StreamResponse(headers=SSE_HEADERS)
         self.last_write = time.monotonic()
 
     async def __aenter__(self) -> "EventStream":
-        await self.response.prepare(self.request)
+        if not self.response.prepared:
+            await self.response.prepare(self.request)
         return self
 
     async def __aexit__(self, kind, error, traceback) -> bool:

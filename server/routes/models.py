@@ -8,6 +8,7 @@ from aiohttp import web
 from kvfork.server.api.openai import Health, ModelCard, ModelList
 from kvfork.server.api.respond import json_response
 from kvfork.server.errors import ApiError
+from kvfork.server.pool.views import pool_cards, pool_health, pool_metrics
 from kvfork.server.state import state_of
 
 PATH = "/v1/models"
@@ -15,6 +16,8 @@ PATH = "/v1/models"
 
 async def list_models(request: web.Request) -> web.Response:
     state = state_of(request)
+    if state.pool is not None:
+        return json_response(pool_cards(state.pool, state.created))
     info = state.engine.info if state.ready else None
     context = info.context_length if info else None
     return json_response(ModelList([ModelCard(name, state.created, max_model_len=context) for name in state.served_names]))
@@ -24,6 +27,8 @@ async def health(request: web.Request) -> web.Response:
     """200 once the model is loaded, with the memory plan; 503 while it loads (saying which phase: progress.py)
     and after the runner has died, an OpenAI error body either way."""
     state = state_of(request)
+    if state.pool is not None:  # ready: a model loads when a request names it
+        return json_response(pool_health(state.pool))
     try:
         state.require_ready()
     except ApiError as e:
@@ -34,5 +39,6 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    text = state_of(request).registry.render()
+    state = state_of(request)
+    text = state.registry.render() if state.pool is None else pool_metrics(state.pool)
     return web.Response(text=text, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})

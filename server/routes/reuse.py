@@ -37,7 +37,7 @@ def caller_tenant(request: web.Request) -> str | None:
 
 
 async def handle(request: web.Request) -> web.Response:
-    state = state_of(request)
+    state = state_of(request).current()
     response = json_response(state.reuse.view(state.engine, caller_tenant(request)))
     response.headers["Cache-Control"] = "no-store"
     return response

@@ -13,18 +13,21 @@ from kvfork.server.state import state_of, tenant_of
 
 
 async def reset(request: web.Request) -> web.Response:
-    name = _known_session(request, state_of(request).engine.reset_session)
+    name = _known_session(request, lambda engine: engine.reset_session)
     return json_response(SessionReply(name, "session", reset=True))
 
 
 async def delete(request: web.Request) -> web.Response:
-    name = _known_session(request, state_of(request).engine.delete_session)
+    name = _known_session(request, lambda engine: engine.delete_session)
     return json_response(SessionReply(name, "session", deleted=True))
 
 
-def _known_session(request: web.Request, act) -> str:
-    state_of(request).require_ready()
+def _known_session(request: web.Request, verb) -> str:
+    """Act on the session in every loaded model (one, unless the daemon serves several)."""
+    state = state_of(request)
+    state.current().require_ready()
     name = session_id(request.match_info["session_id"])
-    if not act(name, tenant_of(request)):  # SessionBusy raises: the middleware answers 409
+    found = [verb(engine)(name, tenant_of(request)) for engine in state.engines()]  # SessionBusy raises: 409
+    if not any(found):
         raise ApiError(404, f"no session named {name!r}", code="session_not_found", param="session_id")
     return name

@@ -25,7 +25,7 @@ HANDS_ON = {
     "server/api/respond.py:whole": "each reply's whole",
     "server/grammar.py:close": "each worker stream's close",
     "server/metrics.py:render": "each metric's render",
-    "server/serve.py:listen": "server/app.py's listen",
+    "server/listening.py:listen": "server/app.py's listen",
     "server/engine/admission.py:give_way": "server/engine/fair_share.py's give_way, the policy it asks",
 }
 

@@ -20,6 +20,7 @@ DECODE = decoder(ChatCompletionRequest)
 async def handle(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     body: ChatCompletionRequest = await read_body(request, DECODE)
+    state = await state.for_model(request, body.model, body.stream)
     check_sampling(body, state.config)
     check_count("tools", body.tools, state.config.max_tools, "--max-tools", "tools")
     rid = request_id("chatcmpl")

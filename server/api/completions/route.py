@@ -61,6 +61,7 @@ async def prompt_tokens(prompt: str | list, tokenizer: PromptTokenizer, vocab_si
 async def handle(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     body: CompletionRequest = await read_body(request, DECODE)
+    state = await state.for_model(request, body.model, body.stream)
     check_sampling(body, state.config)
     if body.best_of not in (None, 1):
         raise unsupported("best_of", "best_of > 1 is not supported yet")

@@ -61,6 +61,7 @@ def without_volatile_lines(state: AppState, body: MessagesRequestT) -> MessagesR
 async def handle(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     body: MessagesRequest = without_volatile_lines(state, await read_body(request, DECODE_MESSAGES))
+    state = await state.for_model(request, body.model, body.stream)
     limits = state.config
     check_stops("stop_sequences", body.stop_sequences, limits.max_stop_sequences, "--max-stop-sequences", limits)
     check_count("messages", body.messages, limits.max_messages, "--max-messages", "messages")
@@ -82,6 +83,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
 async def count_tokens(request: web.Request) -> web.Response:
     state = state_of(request)
     body: CountTokensRequest = without_volatile_lines(state, await read_body(request, DECODE_COUNT))
+    state = await state.for_model(request, body.model)
     check_count("messages", body.messages, state.config.max_messages, "--max-messages", "messages")
     job = await prepare(state, as_chat_request(body), request, message_id())
     return json_response(TokenCount(len(job.prompt)))

@@ -33,6 +33,7 @@ _PARAMS = {"response_format": "text.format", "max_tokens": "max_output_tokens", 
 async def handle(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     body: ResponsesRequest = await read_body(request, DECODE)
+    state = await state.for_model(request, body.model, body.stream)
     limits = state.config
     if (tools := tool_count(body.tools)) > limits.max_tools:  # a namespace's functions each count
         raise over("tools", f"tools holds {tools:,} tools, counting each function of a namespace",

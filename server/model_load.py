@@ -1,0 +1,32 @@
+"""Loading a model into an AppState: the engine's weights and the tokenizer together, then the prefix cache's
+warm prompts; the daemon's one model and each model of a pool load so."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from kvfork.server.chat_output import start_formats
+from kvfork.server.state import AppState
+from kvfork.server.text.tokenizer import PromptTokenizer
+from kvfork.server.warm import warm
+
+log = logging.getLogger("kvfork")
+
+
+async def load_model(state: AppState, path: str) -> None:
+    """Load `path` into `state.engine` and `state.tokenizer`, warm the prefix cache, and enter "ready"."""
+    config, progress = state.config, state.progress
+    progress.enter("loading", Path(path).name)
+    template = Path(config.chat_template).read_text(encoding="utf-8") if config.chat_template else None
+    _, state.tokenizer = await asyncio.gather(
+        state.engine.start(), asyncio.to_thread(PromptTokenizer.load, path, template)
+    )
+    warning = start_formats(state.tokenizer, config.tool_parser, config.reasoning_parser)
+    if warning:
+        log.warning(warning)
+    if config.prefix_cache_warm:
+        progress.enter("warming", config.prefix_cache_warm)
+        await warm(state.engine, state.tokenizer, config.prefix_cache_warm)
+    progress.enter("ready")

@@ -1,0 +1,72 @@
+"""One memory budget for every loaded model's weights and KV.
+
+The budget: --memory-budget-bytes, else the device's rule of docs/kv-budget.md before any weights are loaded
+(what the device holds less its headroom). A model takes its weights (the size of its weight files) and its
+KV budget: --kv-budget-bytes when given, else an equal share of the budget among the models that may be
+loaded at once (--max-loaded-models, else every model served) less its weights. A model fits when the
+footprints of the loaded models and its own sum to the budget at most, and fewer than --max-loaded-models are
+loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from kvfork.backends.device_memory import DeviceMemory, weights_on_disk
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.engine.memory_plan import plan_memory
+from kvfork.server.pool.specs import ModelSpec
+
+GiB = 1024**3
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+@dataclass(frozen=True)
+class PoolBudget:
+    total_bytes: int
+    reason: str  # where the figure comes from
+    max_loaded: int  # 0: as many as the bytes hold
+    kv_bytes: int | None  # --kv-budget-bytes: each model's KV budget
+    sharers: int  # models that may be loaded at once, for the default KV share
+
+    @classmethod
+    def of(cls, device: DeviceMemory, engine: EngineConfig, total: int | None, max_loaded: int,
+           models: int) -> PoolBudget:
+        if total is None:
+            plan = plan_memory(device, kv_budget_bytes=None, gpu_memory_utilization=engine.gpu_memory_utilization,
+                               request_bytes=0)
+            total, reason = plan.available_bytes, plan.reason
+        else:
+            reason = "--memory-budget-bytes"
+        return cls(total, reason, max_loaded, engine.kv_budget_bytes, max_loaded or models)
+
+    def weights(self, spec: ModelSpec) -> int:
+        return weights_on_disk(spec.path) if spec.fetch is None else 0
+
+    def kv(self, spec: ModelSpec) -> int:
+        if self.kv_bytes is not None:
+            return self.kv_bytes
+        return max(0, self.total_bytes // self.sharers - self.weights(spec))
+
+    def footprint(self, spec: ModelSpec) -> int:
+        return self.weights(spec) + self.kv(spec)
+
+    def engine_config(self, config: EngineConfig, spec: ModelSpec) -> EngineConfig:
+        """The model's engine settings: the daemon's, with the model's KV budget."""
+        return dataclasses.replace(config, kv_budget_bytes=self.kv(spec))
+
+    def fits(self, need: int, loaded: list[int]) -> bool:
+        return sum(loaded) + need <= self.total_bytes and not (self.max_loaded and len(loaded) >= self.max_loaded)
+
+    def refusal(self, need: int, pinned: list[int]) -> str:
+        """Why a model of `need` bytes cannot be loaded beside the pinned models' `pinned` bytes."""
+        held = f" beside pinned models holding {_gib(sum(pinned))}" if pinned else ""
+        return (f"it takes {_gib(need)} (weights and KV), more than the memory budget of "
+                f"{_gib(self.total_bytes)} ({self.reason}) holds{held}")
+
+    def describe(self, need: int) -> str:
+        return f"{_gib(need)} of the {_gib(self.total_bytes)} memory budget"

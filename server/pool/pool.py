@@ -1,0 +1,291 @@
+"""The models a daemon serves, loaded on demand under one memory budget.
+
+Each loaded model is a `ServedModel`: its own engine, runner thread and backend, so everything an engine
+does (admission, the prefix cache, tenants, limits, metrics) stays per model. A request names its model;
+`acquire` hands it that model's state, loading the model first when it is not loaded, and holds the model
+(a lease, released when the request ends) so it is not unloaded under the request.
+
+Switching: one load or unload runs at a time (`_switching`), so two requests wanting the last memory for
+different models never wait on each other: the second's switch starts when the first's has ended. The next
+switch is to the model of the longest waiting request, and a request for a loaded model never waits behind
+a switch, so A B A C runs as A A B C. Making room unloads the least recently used unpinned model, idle ones
+first; a model still running requests stops taking new ones and gives them `--model-switch-timeout` seconds
+to finish, after which the engine cancels the rest. Unloading shuts the engine down, which spills its prefix
+cache to the disk tier: loading the model again finds those files and restores from them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from aiohttp import web
+
+from kvfork.backends.base import Backend
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.errors import ApiError
+from kvfork.server.api.sse import OPENED
+from kvfork.server.pool.budget import PoolBudget
+from kvfork.server.pool.keepalive import KeepAlive, error_in_stream
+from kvfork.server.pool.served import ServedModel
+from kvfork.server.pool.specs import ModelSpec
+from kvfork.server.state import AppState
+
+log = logging.getLogger("kvfork")
+LEASE = web.RequestKey("model_lease", object)
+
+
+@dataclass(eq=False)
+class Slot:
+    """One model the daemon serves, loaded or not."""
+
+    spec: ModelSpec
+    pinned: bool
+    footprint: int  # its weights and KV budget, bytes of the pool's budget it takes once loaded
+    served: ServedModel | None = None
+    users: int = 0  # requests holding it
+    used: float = 0.0  # when a request last took it (monotonic)
+    leaving: bool = False  # unloading: it takes no new request
+    attempts: int = 0  # loads tried, so a request knows whether a failure is news to it
+    error: str | None = None  # why the last load failed
+
+    @property
+    def ready(self) -> bool:
+        return self.served is not None and not self.leaving
+
+
+class ModelPool:
+    def __init__(self, base: AppState, specs: list[ModelSpec], engine_config: EngineConfig,
+                 make_backend: Callable[[], Backend], budget: PoolBudget):
+        config = base.config
+        self.base, self.engine_config, self.make_backend, self.budget = base, engine_config, make_backend, budget
+        self.slots = {s.name: Slot(s, s.name in config.pin, budget.footprint(s)) for s in specs}
+        self.default = specs[0].name
+        self.switch_timeout, self.ttl = config.model_switch_timeout, config.model_ttl
+        self._queue: list[Slot] = []  # the models of waiting requests, in arrival order
+        self._switching: asyncio.Task | None = None
+        self._switching_to: Slot | None = None  # the model the switch loads (None: an idle unload)
+        self._changed = asyncio.Event()
+        self._expiry: asyncio.Task | None = None
+        self._closed = False
+        self._closing: set[asyncio.Task] = set()  # models shutting down, awaited by `shutdown` even when cut short
+        self.loads = base.registry.counter("model_loads_total", "models loaded (several served), by model_name and "
+                                           "outcome")
+        self.unloads = base.registry.counter("model_unloads_total", "models unloaded (several served), by "
+                                             "model_name and why: room, ttl")
+
+    # ---- what routes call ----
+
+    def slot(self, requested: str | None) -> Slot:
+        """The model a request names; the first model when it names none (or, under --accept-any-model, one
+        the daemon does not serve); else 404 model_not_found listing what there is."""
+        if requested is None:
+            return self.slots[self.default]
+        slot = self.slots.get(requested)
+        if slot is not None:
+            return slot
+        if self.base.config.accept_any_model:
+            return self.slots[self.default]
+        raise ApiError(404, f"the model {requested!r} does not exist; this server serves "
+                       f"{', '.join(repr(n) for n in self.slots)}", code="model_not_found", param="model")
+
+    async def acquire(self, request: web.Request, requested: str | None, stream: bool) -> AppState:
+        """The named model's state, loaded first if need be; held for the request (`release`). A streaming
+        request hears keep-alives while it waits (keepalive.py)."""
+        if self._closed:
+            raise ApiError(503, "the server is shutting down", code="not_ready")
+        slot = self.slot(requested)
+        beat = KeepAlive(request, self.base.config.sse_keepalive) if stream and not slot.ready else None
+        try:
+            state = await self.take(slot)
+        finally:
+            if beat is not None:
+                await beat.stop()
+        request[LEASE] = slot
+        return state
+
+    async def take(self, slot: Slot) -> AppState:
+        """Wait until `slot` is loaded (starting its load when its turn comes), then hold it."""
+        seen = slot.attempts
+        self._queue.append(slot)
+        try:
+            while not slot.ready:
+                if slot.attempts > seen and slot.error is not None:
+                    raise ApiError(503, slot.error, code="model_load_failed", param="model")
+                if self._closed:
+                    raise ApiError(503, "the server is shutting down", code="not_ready")
+                if self._switching is None and self._next() is slot:
+                    self._switching, self._switching_to = asyncio.create_task(self._switch_to(slot)), slot
+                await self._changed.wait()
+        finally:
+            self._queue.remove(slot)
+        slot.users += 1
+        slot.used = time.monotonic()
+        assert slot.served is not None
+        return slot.served.state
+
+    def release(self, slot: Slot) -> None:
+        slot.users -= 1
+        slot.used = time.monotonic()
+        self._notify()
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler):
+        """Releases the model a request held, once its answer is written; a failure after its stream opened
+        early goes out inside the stream."""
+        try:
+            return await handler(request)
+        except Exception as e:
+            if request.get(OPENED) is None or isinstance(e, ConnectionError):
+                raise
+            error = e if isinstance(e, ApiError) else ApiError(500, "internal error", code="internal_error")
+            if not isinstance(e, ApiError):
+                log.exception("unexpected error")
+            return await error_in_stream(request, error)
+        finally:
+            slot = request.get(LEASE)
+            if isinstance(slot, Slot):
+                self.release(slot)
+
+    @property
+    def loading(self) -> str | None:
+        """The model a switch is loading now, if any."""
+        return self._switching_to.spec.name if self._switching_to is not None else None
+
+    def loaded(self) -> list[ServedModel]:
+        return [s.served for s in self.slots.values() if s.served is not None]
+
+    def engines(self) -> list:
+        return [served.engine for served in self.loaded()]
+
+    def recent(self) -> AppState | None:
+        """The state of the model a request used last (what /v1/loads and /debug/reuse show), if any is loaded."""
+        ready = [s for s in self.slots.values() if s.ready]
+        return max(ready, key=lambda s: s.used).served.state if ready else None  # type: ignore[union-attr]
+
+    # ---- switching ----
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _next(self) -> Slot | None:
+        """The model the next switch loads: that of the longest waiting request whose model is not ready."""
+        return next((s for s in self._queue if not s.ready), None)
+
+    async def _switch_to(self, slot: Slot) -> None:
+        try:
+            await self._make_room(slot)
+            await self._load(slot)
+            slot.error = None
+            self.loads.inc(model_name=slot.spec.name, outcome="loaded")
+        except Exception as e:  # the other models keep serving
+            slot.error = f"model {slot.spec.name!r} could not be loaded: {e}"
+            self.loads.inc(model_name=slot.spec.name, outcome="failed")
+            log.warning("%s", slot.error)
+        finally:
+            slot.attempts += 1
+            self._switching = self._switching_to = None
+            self._notify()
+
+    async def _load(self, slot: Slot) -> None:
+        t0 = time.monotonic()
+        served = ServedModel(slot.spec, self.base, self.budget.engine_config(self.engine_config, slot.spec),
+                             self.make_backend())
+        try:
+            await served.load()
+            refusal = served.engine.memory.refusal if served.engine.memory is not None else None
+            if refusal is not None:
+                raise ValueError(refusal)
+        except BaseException:
+            await self._close(served, 0)  # a load cut short (shutdown too) leaves nothing behind
+            raise
+        slot.spec = served.spec
+        slot.served, slot.used = served, time.monotonic()
+        log.info("loaded model %s in %.1f s (%s)", slot.spec.name, time.monotonic() - t0,
+                 self.budget.describe(slot.footprint))
+
+    async def _make_room(self, slot: Slot) -> None:
+        """Unload least recently used unpinned models until `slot` fits the budget and --max-loaded-models;
+        ValueError with the numbers when it cannot fit beside the pinned ones."""
+        deadline = time.monotonic() + self.switch_timeout
+        while True:
+            loaded = [s for s in self.slots.values() if s.served is not None]
+            if self.budget.fits(slot.footprint, [s.footprint for s in loaded]):
+                return
+            candidates = [s for s in loaded if not s.pinned and s is not slot]
+            if not candidates:
+                raise ValueError(self.budget.refusal(slot.footprint, [s.footprint for s in loaded if s.pinned]))
+            idle = [s for s in candidates if s.users == 0 and s not in self._queue]
+            victim = min(idle or candidates, key=lambda s: s.used)
+            await self._unload(victim, deadline, f"to load {slot.spec.name!r}")
+            self.unloads.inc(model_name=victim.spec.name, why="room")
+
+    async def _unload(self, slot: Slot, deadline: float, why: str) -> None:
+        """Stop `slot` taking requests, give those it runs until `deadline`, then shut its engine down (its
+        prefix cache spills to the disk tier)."""
+        slot.leaving = True
+        self._notify()
+        try:
+            while slot.users and time.monotonic() < deadline:
+                try:
+                    await asyncio.wait_for(self._changed.wait(), deadline - time.monotonic())
+                except TimeoutError:
+                    break
+            served, slot.served = slot.served, None
+            assert served is not None
+            if slot.users:
+                log.warning("unloading model %s %s: %d requests still running are cancelled "
+                            "(--model-switch-timeout)", slot.spec.name, why, slot.users)
+            await self._close(served, max(0.0, deadline - time.monotonic()))
+            log.info("unloaded model %s %s", slot.spec.name, why)
+        finally:  # cut short before its close began, the model stays loaded for `shutdown` to close
+            slot.leaving = False
+            self._notify()
+
+    async def _close(self, served: ServedModel, grace_s: float) -> None:
+        """Close `served`; a switch cancelled meanwhile leaves the close running, for `shutdown` to await."""
+        task = asyncio.create_task(served.close(grace_s))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        await asyncio.shield(task)
+
+    # ---- lifecycle ----
+
+    def start(self) -> None:
+        if self.ttl > 0:
+            self._expiry = asyncio.create_task(self._expire())
+
+    async def _expire(self) -> None:
+        """Unload models idle for --model-ttl seconds (never a pinned one)."""
+        while True:
+            await asyncio.sleep(max(0.05, min(1.0, self.ttl / 4)))
+            now = time.monotonic()
+            for slot in self.slots.values():
+                if (self._switching is None and slot.ready and not slot.pinned and not slot.users
+                        and slot not in self._queue and now - slot.used >= self.ttl):
+                    self._switching = asyncio.create_task(self._idle_unload(slot))
+
+    async def _idle_unload(self, slot: Slot) -> None:
+        try:
+            await self._unload(slot, time.monotonic(), f"after {self.ttl:g} s idle (--model-ttl)")
+            self.unloads.inc(model_name=slot.spec.name, why="ttl")
+        finally:
+            self._switching = None
+            self._notify()
+
+    async def shutdown(self, grace_s: float) -> None:
+        """The daemon's shutdown: a load in progress is cut short (the model it made closed), every model closes."""
+        self._closed = True
+        if self._expiry is not None:
+            self._expiry.cancel()
+        if self._switching is not None:
+            self._switching.cancel()
+            await asyncio.gather(self._switching, return_exceptions=True)
+        self._notify()
+        await asyncio.gather(*self._closing, *(served.close(grace_s) for served in self.loaded()))
+        for slot in self.slots.values():
+            slot.served = None

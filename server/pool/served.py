@@ -1,0 +1,56 @@
+"""One model of a pool: its engine (with its runner thread and backend), its tokenizer, and the AppState its
+requests read: a copy of the daemon's, sharing everything but what belongs to the model."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+
+from kvfork.backends.base import Backend
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.engine.disk import kv_root
+from kvfork.server.engine.engine import Engine
+from kvfork.server.metrics import Registry
+from kvfork.server.observe import register_vllm_names
+from kvfork.server.pool.specs import ModelSpec
+from kvfork.server.progress import StartProgress
+from kvfork.server.model_load import load_model
+from kvfork.server.state import AppState
+
+
+class ServedModel:
+    def __init__(self, spec: ModelSpec, base: AppState, engine_config: EngineConfig, backend: Backend):
+        self.spec = spec
+        self.registry = Registry()  # the model's own metrics, rendered with its model_name label
+        # each model's disk tier in a folder of its own: a tier removes the files of other fingerprints it finds
+        models = kv_root() / "models"
+        for folder in (kv_root(), models):  # its files hold tenants' prompts: private, as the tier's folders are
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.engine = Engine(backend, spec.path, base.config.dtype, engine_config, self.registry,
+                             kv_dir=models / spec.name.replace("/", "--"))
+        self.state = copy.copy(base)
+        self.state.engine, self.state.served_names, self.state.pool = self.engine, [spec.name], None
+        self.state.progress = StartProgress()
+        self.state.tokenizer = None
+        self.state.reset_grammars()
+        register_vllm_names(self.registry, self.engine, spec.name)
+
+    async def load(self) -> None:
+        """Weights and tokenizer (downloaded first where the model is not here yet); raises what failed."""
+        path = self.spec.path
+        if self.spec.fetch is not None:
+            path = self.engine.model_path = await asyncio.to_thread(self.spec.fetch, self.state.progress)
+            self.spec = dataclasses.replace(self.spec, path=path, fetch=None)
+        await load_model(self.state, path)
+
+    async def close(self, grace_s: float) -> None:
+        """Let running requests finish within `grace_s`, cancel the rest; the prefix cache spills to the disk
+        tier (the engine's shutdown), so loading the model again restores it."""
+        await self.engine.shutdown(grace_s)
+        self.state.close()
+
+    @property
+    def weights_bytes(self) -> int:
+        memory = self.engine.memory
+        return memory.device.weights_bytes if memory is not None else 0

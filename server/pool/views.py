@@ -1,0 +1,69 @@
+"""What /v1/models, /health and /metrics say of a daemon serving several models."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from kvfork.server.api.openai import ModelCard
+from kvfork.server.metrics import Registry
+from kvfork.server.pool.pool import ModelPool, Slot
+
+_SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{(.*)\})? (.*)$")
+
+
+class PoolModelCard(ModelCard, kw_only=True):
+    loaded: bool = False  # in memory now; a request for a model not loaded waits for its load
+    pinned: bool = False  # --pin: never unloaded for another model
+
+
+def _context(slot: Slot) -> int | None:
+    """The loaded engine's context; else what the model's config.json says it holds."""
+    if slot.served is not None and slot.served.engine.info is not None:
+        return slot.served.engine.config.max_context
+    try:
+        config = json.loads((Path(slot.spec.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    context = config.get("max_position_embeddings", config.get("text_config", {}).get("max_position_embeddings"))
+    return context if isinstance(context, int) else None
+
+
+def pool_cards(pool: ModelPool, created: int) -> dict[str, Any]:
+    cards = [PoolModelCard(name, created, max_model_len=_context(slot), loaded=slot.ready, pinned=slot.pinned)
+             for name, slot in pool.slots.items()]
+    return {"object": "list", "data": cards}
+
+
+def pool_health(pool: ModelPool) -> dict[str, Any]:
+    models = {name: {"loaded": slot.ready, "error": slot.error} for name, slot in pool.slots.items()}
+    return {"status": "ok", "phase": "ready", "memory_budget_bytes": pool.budget.total_bytes, "loading": pool.loading,
+            "models": models}
+
+
+def pool_metrics(pool: ModelPool) -> str:
+    """The daemon's metrics, then each loaded model's under its `model_name` label (vLLM's), one family per
+    name whichever models have it."""
+    lines = pool.base.registry.render().splitlines()
+    families: dict[str, list[str]] = {}
+    for slot in pool.slots.values():
+        if slot.served is not None:
+            _labelled(slot.served.registry, slot.spec.name, families)
+    for rows in families.values():
+        lines += rows
+    return "\n".join(lines) + "\n"
+
+
+def _labelled(registry: Registry, name: str, families: dict[str, list[str]]) -> None:
+    for metric in registry.metrics.values():
+        rows = metric.render()
+        family = families.setdefault(metric.name, rows[:2])
+        for row in rows[2:]:
+            m = _SAMPLE.match(row)
+            if m is None or "model_name=" in (m.group(2) or ""):
+                family.append(row)
+                continue
+            labels = f'model_name="{name}"' + (f",{m.group(2)}" if m.group(2) else "")
+            family.append(f"{m.group(1)}{{{labels}}} {m.group(3)}")

@@ -1,0 +1,221 @@
+"""Several models in one daemon, over HTTP: switching by `model`, LRU eviction under a budget that holds
+two, pinning, --model-ttl, a request waiting for a loading model, grouping, an unknown model, a model that
+fails to load, and a conversation resumed on a reloaded model from its spilled prefix cache."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from http_daemon import TEST_ENGINE, chat_body, metrics, sse_events
+from kvfork.backends import create_backend
+from kvfork.backends.device_memory import weights_on_disk
+from kvfork.server.config import ServerConfig
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.pool.daemon import PoolDaemon
+from kvfork.server.pool.specs import model_specs
+from tiny_models import write_model
+
+KV = 32 * 1024 * 1024
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory) -> dict[str, str]:
+    """Three tiny llama models of different weights (so different disk-tier fingerprints)."""
+    return {name: str(write_model(tmp_path_factory.mktemp(name), "llama", seed=i))
+            for i, name in enumerate(("a", "b", "c"))}
+
+
+@asynccontextmanager
+async def pool(models: dict[str, str], hold: int = 2, backend: str = "torch", **server):
+    """A daemon of `models` under a budget that holds `hold` of them (weights and KV)."""
+    weights = max(weights_on_disk(p) for p in models.values())
+    config = ServerConfig(model=[f"{n}={p}" for n, p in models.items()], port=0, shutdown_grace=1.0,
+                          memory_budget_bytes=hold * (weights + KV) + KV // 2, **server)
+    engine = EngineConfig(**{**TEST_ENGINE, "kv_budget_bytes": KV})
+    daemon = PoolDaemon(config, engine, model_specs(config.model, None), backend, lambda: create_backend(backend))
+    await daemon.listen()
+    try:
+        await daemon.load()
+        yield daemon
+    finally:
+        await daemon.close()
+
+
+async def ask(http, daemon, model: str, text: str = "the capital of France", **extra) -> dict:
+    async with http.post(daemon.url + CHAT, json=chat_body(text, model=model, max_tokens=4, **extra)) as r:
+        body = await r.json()
+        assert r.status == 200, body
+        return body
+
+
+async def listed(http, daemon) -> dict[str, bool]:
+    async with http.get(daemon.url + "/v1/models") as r:
+        return {card["id"]: card["loaded"] for card in (await r.json())["data"]}
+
+
+async def test_switch_by_model_evicts_the_least_recently_used(three):
+    async with aiohttp.ClientSession() as http, pool(three) as daemon:
+        assert await listed(http, daemon) == {"a": True, "b": False, "c": False}
+        assert (await ask(http, daemon, "b"))["model"] == "b"
+        assert await listed(http, daemon) == {"a": True, "b": True, "c": False}
+        await ask(http, daemon, "a")  # a is now the more recent
+        await ask(http, daemon, "c")  # room for c: b goes
+        assert await listed(http, daemon) == {"a": True, "b": False, "c": True}
+        text = await (await http.get(daemon.url + "/metrics")).text()
+        assert 'model_name="c"' in text and 'kvfork_num_requests_running{model_name="a"}' in text
+
+
+async def test_a_pinned_model_stays(three):
+    async with aiohttp.ClientSession() as http, pool(three, pin=["a"]) as daemon:
+        for model in ("b", "c", "b"):
+            await ask(http, daemon, model)
+            assert (await listed(http, daemon))["a"]
+
+
+async def test_an_idle_model_unloads_after_its_ttl(three):
+    async with aiohttp.ClientSession() as http, pool(three, model_ttl=0.2) as daemon:
+        await ask(http, daemon, "b")
+        for _ in range(200):
+            if not any((await listed(http, daemon)).values()):
+                break
+            await asyncio.sleep(0.05)
+        assert await listed(http, daemon) == {"a": False, "b": False, "c": False}
+        assert (await ask(http, daemon, "a"))["choices"][0]["message"]["content"] is not None
+
+
+async def test_requests_for_a_loading_model_wait_and_are_grouped(three):
+    """Requests for b and c arrive while only a is loaded and one model fits: every one succeeds, and the
+    models load in the order of their first request, each once (b b c c, not b c b c)."""
+    async with aiohttp.ClientSession() as http, pool(three, hold=1) as daemon:
+        order = ["b", "c", "b", "c"]
+        answers = await asyncio.gather(*(ask(http, daemon, m, stream=False) for m in order))
+        assert [a["model"] for a in answers] == order
+        assert await listed(http, daemon) == {"a": False, "b": False, "c": True}
+        loads = await metrics(http, daemon.url)
+        assert loads['kvfork_model_loads_total{model_name="b",outcome="loaded"}'] == 1
+        assert loads['kvfork_model_loads_total{model_name="c",outcome="loaded"}'] == 1
+
+
+async def test_an_unknown_model_is_a_404_in_each_api_shape(three):
+    async with aiohttp.ClientSession() as http, pool(three) as daemon:
+        async with http.post(daemon.url + CHAT, json=chat_body(model="nope")) as r:
+            body = await r.json()
+            assert r.status == 404 and body["error"]["code"] == "model_not_found"
+            assert "'a', 'b', 'c'" in body["error"]["message"]
+        anthropic = {"model": "nope", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+        async with http.post(daemon.url + "/v1/messages", json=anthropic) as r:
+            body = await r.json()
+            assert r.status == 404 and body["type"] == "error" and "'a', 'b', 'c'" in body["error"]["message"]
+
+
+async def test_a_model_that_fails_to_load_leaves_the_others_serving(three, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(Path(three["a"], "config.json").read_text())  # no weights
+    async with aiohttp.ClientSession() as http, pool({**three, "broken": str(broken)}) as daemon:
+        async with http.post(daemon.url + CHAT, json=chat_body(model="broken", max_tokens=2)) as r:
+            body = await r.json()
+            assert r.status == 503 and body["error"]["code"] == "model_load_failed", body
+        await ask(http, daemon, "a")
+        await ask(http, daemon, "b")
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["llama", "qwen3_5"])
+async def test_a_conversation_resumes_from_its_spilled_cache_after_a_switch(three, tiny_hybrid_dir, hybrid,
+                                                                            disk_beats_prefill):
+    """A -> B -> A with a budget of one model: A's prefix cache spills to its disk tier as A unloads and the
+    return to A restores it: the same greedy tokens as without the switch, the prefix counted cached. A
+    hybrid A's recurrent checkpoints come back with it."""
+    system = "a long shared system prompt that every request here sends, word for word, " * 3
+    first = [{"role": "system", "content": system}, {"role": "user", "content": "hello there"}]
+    models = {**three, "a": tiny_hybrid_dir("qwen3_5")} if hybrid else three
+    async with aiohttp.ClientSession() as http, pool(models, hold=1) as daemon:
+        answer = await ask_messages(http, daemon, "a", first)
+        again = await ask_messages(http, daemon, "a", first)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        await ask(http, daemon, "b")
+        assert await listed(http, daemon) == {"a": False, "b": True, "c": False}
+        back = await ask_messages(http, daemon, "a", first)
+        assert back["choices"][0]["message"]["content"] == answer["choices"][0]["message"]["content"]
+        assert back["usage"]["prompt_tokens_details"]["cached_tokens"] >= \
+            again["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+async def ask_messages(http, daemon, model: str, messages: list) -> dict:
+    body = {"model": model, "messages": messages, "temperature": 0, "max_tokens": 6}
+    async with http.post(daemon.url + CHAT, json=body) as r:
+        out = await r.json()
+        assert r.status == 200, out
+        return out
+
+
+async def test_a_stream_waiting_for_its_model_hears_keep_alives(three):
+    async with aiohttp.ClientSession() as http, pool(three, hold=1, sse_keepalive=0.01) as daemon:
+        body = chat_body(model="b", max_tokens=4, stream=True)
+        async with http.post(daemon.url + CHAT, json=body) as r:
+            assert r.status == 200
+            lines = await sse_events(r)
+        first_data = next(i for i, line in enumerate(lines) if line.startswith("data: "))
+        assert ": keep-alive" in lines[:first_data]
+        assert lines[-1] == "data: [DONE]" and '"content"' in "".join(lines)
+
+
+async def test_a_running_request_finishes_before_its_model_unloads(three):
+    """A long answer on a, then a request for b (one model fits): a's answer completes whole, then b loads."""
+    async with aiohttp.ClientSession() as http, pool(three, hold=1) as daemon:
+        long = asyncio.create_task(ask_long(http, daemon))
+        while not daemon.pool.slots["a"].users:
+            await asyncio.sleep(0.01)
+        other = await ask(http, daemon, "b")
+        answer = await long
+        assert answer["choices"][0]["finish_reason"] == "length" and answer["usage"]["completion_tokens"] == 64
+        assert other["model"] == "b"
+
+
+async def ask_long(http, daemon) -> dict:
+    body = chat_body(model="a", max_tokens=64, ignore_eos=True)
+    async with http.post(daemon.url + CHAT, json=body) as r:
+        assert r.status == 200
+        return await r.json()
+
+
+async def test_shutdown_during_a_load_leaves_no_runner_and_no_partial_file(three, kvfork_home):
+    async with aiohttp.ClientSession() as http:
+        async with pool(three, hold=1) as daemon:
+            await ask(http, daemon, "a", "a prompt long enough to be kept in the prefix cache, word for word " * 2)
+            waiting = asyncio.create_task(http.post(daemon.url + CHAT, json=chat_body(model="b", max_tokens=2)))
+            while daemon.pool.loading != "b":
+                await asyncio.sleep(0.005)
+        response = await waiting
+        assert response.status in (200, 503)
+        response.release()
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvfork-runner") and t.is_alive()]
+    assert not list(Path(kvfork_home, "kv").rglob("*.tmp"))
+
+
+async def test_mlx_holds_one_model_at_a_time(three):
+    """On MLX one model runs at a time, whatever the budget holds: a -> b -> a answers the same on a."""
+    async with aiohttp.ClientSession() as http, pool(three, backend="mlx") as daemon:
+        first = await ask(http, daemon, "a")
+        await ask(http, daemon, "b")
+        assert await listed(http, daemon) == {"a": False, "b": True, "c": False}
+        back = await ask(http, daemon, "a")
+        assert back["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("extra, says", [(["--served-model-name", "x"], "NAME=PATH"),
+                                         (["--pin", "nope"], "--pin 'nope'"),
+                                         (["--model", "a=/tmp"], "two models are named 'a'")])
+def test_flags_that_do_not_combine_with_several_models_exit_2(three, extra, says, capsys):
+    from kvfork.server.cli import main as kvfork
+
+    with pytest.raises(SystemExit) as e:
+        kvfork(["serve", "--model", f"a={three['a']}", "--model", f"b={three['b']}", *extra])
+    assert e.value.code == 2 and says in capsys.readouterr().err
