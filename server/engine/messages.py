@@ -101,7 +101,7 @@ class Spill:
 
 
 @dataclass
-class Restore:
+class LoadState:
     """Load a state read from the disk tier into a new session for a parked request (its bytes are held)."""
 
     rid: int
@@ -189,7 +189,7 @@ class Exported:
 
 
 @dataclass
-class Restored:
+class StateLoaded:
     rid: int
     sid: int | None  # None: the load failed
     upto: int = 0

@@ -141,7 +141,7 @@ class Parking:
             self.admit()
             return
         r.phase.sent = True
-        self._send(m.Restore(rid, state))
+        self._send(m.LoadState(rid, state))
 
     def _stop_restoring(self, r: Request, landed: Landed | None = None) -> None:
         if landed is None:
@@ -182,7 +182,7 @@ class Parking:
         self._unpark(r, landed, answered=True)
         self._requeue(r)
 
-    def on_restored(self, ev: m.Restored) -> None:
+    def on_state_loaded(self, ev: m.StateLoaded) -> None:
         """The runner loaded a request's state (or failed to): it waits for a slot, or prefills."""
         r = self._requests.get(ev.rid)
         # the answer to a load its request stopped waiting for

@@ -5,7 +5,7 @@
                  decode rows and prefill chunks of its forward pass(es), and which rows are
                  sampled by which sampler
     pass_of(rows) -> Prefill | Decode     the backend call that runs one pass's rows
-    encode(plan) -> bytes, decode(data) -> StepPlan     msgpack, through msgspec
+    to_bytes(plan) -> bytes, from_bytes(data) -> StepPlan     msgpack, through msgspec
     replay(plans, backend) -> {rid: tokens}    run recorded plans again, on a fresh backend
 
 Design rules:
@@ -111,11 +111,11 @@ def offsets(rows: Sequence[Row | None]) -> list[int]:
 _decode = effects.decoder(StepPlan)
 
 
-def encode(plan: StepPlan) -> bytes:
+def to_bytes(plan: StepPlan) -> bytes:
     return effects.encode(plan)
 
 
-def decode(data: bytes) -> StepPlan:
+def from_bytes(data: bytes) -> StepPlan:
     return _decode(data)
 
 

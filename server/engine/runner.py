@@ -1,9 +1,10 @@
 """The runner: the one thread that owns the backend. Each step (`Runner.step`):
 
-    take commands  the control loop's starts, ends, clone orders, releases, spills, restores
+    take commands  the control loop's starts, ends, clone orders, releases, spills, state loads
     plan           the scheduler's decode rows and prefill chunks, as a StepPlan (plan.py)
     forward        the plan's pass(es), failures recovered row by row (faults.py)
-    sample         each committed row's captures and choices, then its token
+    commit         each row's progress, captures and choices; then its token, sampled (`sample`)
+                   and, for a drafted row, walked over its draft (speculation.py)
     publish        tokens, ends, every running request's committed position: events for the loop
 
 It never waits on the loop: events go on a deque, and `notify` wakes the loop
@@ -162,7 +163,7 @@ class Runner:
     # ---- one step ----
 
     def step(self) -> p.StepPlan:
-        """One cycle: take the loop's commands, plan, forward, sample, publish. Returns the plan it ran."""
+        """One cycle: take the loop's commands, plan, forward, commit (each row's progress; its token sampled), publish. Returns the plan it ran."""
         took = self.take_commands()
         t0, backend_s = time.perf_counter(), self._ex.seconds
         plan = self.plan()
@@ -172,7 +173,7 @@ class Runner:
         for rows in plan.passes():
             before = self._ex.seconds
             for group, logits in self.forward(rows):
-                self.sample(plan, group, logits)
+                self.commit(plan, group, logits)
             pass_s = self._ex.seconds - before
         prefill_s = self._observe(plan, self._ex.seconds - backend_s, pass_s)
         self._serve_orders()
@@ -214,7 +215,7 @@ class Runner:
     def forward(self, rows: list[p.Row]) -> list[faults.Group]:
         return faults.forward(lambda rows: self._ex.run(p.pass_of(rows)), rows, self._fail)
 
-    def sample(self, plan: p.StepPlan, group: list[p.Row | None], logits: Any) -> None:
+    def commit(self, plan: p.StepPlan, group: list[p.Row | None], logits: Any) -> None:
         """Rows whose tokens are committed: prefill progress and captures; then each other choice over a
         prompt that is in opens and samples its first token; then the rows' own samples (plan.samples)."""
         at, starts = {}, p.offsets(group)
@@ -241,7 +242,7 @@ class Runner:
             ready[at[rid]] = self._running[rid]
         walking = [(s, at[s.rid], s.generated) for s in ready if s is not None and s.draft is not None]
         if any(ready):
-            self._sample(logits, ready)
+            self.sample(logits, ready)
         self._walk(logits, walking, total)
 
     def publish(self, plan: p.StepPlan, took: bool, step_s: float, backend_s: float, prefill_s: float) -> None:
@@ -311,8 +312,8 @@ class Runner:
                     self._releases += 1
                 case m.Spill() as spill:
                     self._spill(spill)
-                case m.Restore() as restore:
-                    self._restore(restore)
+                case m.LoadState() as load:
+                    self._load_state(load)
                 case m.Stop():
                     self._orders = CloneOrders()  # nobody is left to hand anything over to
                     for s in list(self._running.values()):
@@ -402,16 +403,16 @@ class Runner:
         self._run(e.Release([command.sid]))
         self.events.append(m.Exported(command.key, state))
 
-    def _restore(self, command: m.Restore) -> None:
+    def _load_state(self, command: m.LoadState) -> None:
         """Optional work: a state that fails to load leaves its request to prefill."""
         t0, sid = time.perf_counter(), self._ex.new_sid()
         try:
             self._run(e.Import(sid, command.state))
         except Exception as exc:
             log.warning("loading a saved state for request %d failed: %r", command.rid, exc)
-            self.events.append(m.Restored(command.rid, None))
+            self.events.append(m.StateLoaded(command.rid, None))
             return
-        self.events.append(m.Restored(command.rid, sid, self._ex.sessions[sid].position, time.perf_counter() - t0))
+        self.events.append(m.StateLoaded(command.rid, sid, self._ex.sessions[sid].position, time.perf_counter() - t0))
 
     def _keep_at(self, sid: int, positions: tuple[int, ...]) -> None:
         """Checkpoints at message boundaries are optional work: a backend that fails them runs on without."""
@@ -506,7 +507,7 @@ class Runner:
             return
         s = self._open(start, sid, [], planned=True)
         self.events.append(m.Started(rid, len(start.prompt), None))
-        self._sample(logits, [s if i == row else None for i in range(rows)])
+        self.sample(logits, [s if i == row else None for i in range(rows)])
 
     def _drop_choice(self, rid: int, reason: str) -> None:
         """A choice still waiting for its prompt leaves alone."""
@@ -516,7 +517,7 @@ class Runner:
                 self.events.append(m.Ended(rid, reason, 0, 0))
                 return
 
-    def _sample(self, logits: Any, group: list[Seq | None]) -> None:
+    def sample(self, logits: Any, group: list[Seq | None]) -> None:
         """Sample the rows of `group`'s requests (None rows are sampled greedily and dropped)."""
         seqs = {s.rid: s for s in group if s is not None}
 
@@ -613,7 +614,7 @@ class Runner:
             for s, at, _ in walking:
                 ready[at + j] = s
             if walking:
-                self._sample(logits, ready)
+                self.sample(logits, ready)
 
     @staticmethod
     def _accepts(s: Seq, token: int) -> bool:
@@ -657,16 +658,16 @@ class Runner:
         del self._running[s.rid]
         self._rows.end(s.rid)
         self._close_drafts(s, reason)
-        kept, held, nbytes, frees = None, [], 0, 0
+        named_sid, held, nbytes, frees = None, [], 0, 0
         if s.start.keep_session and reason != "error" and self._roll_back(s):
-            kept = s.sid
+            named_sid = s.sid
             if s.session.kept or s.start.keep_at:  # an idle named session is priced without checkpoints
                 self._keep_at(s.sid, ())
             held = (s.start.prompt + s.sampler.output)[:s.session.position]
             nbytes, frees = self.backend.session_bytes(s.session), self.backend.release_frees(s.session)
         else:
             self._run(e.Release([s.sid]))
-        self.events.append(m.Ended(s.rid, reason, s.prefilled, s.generated, error, kept, held, nbytes, frees,
+        self.events.append(m.Ended(s.rid, reason, s.prefilled, s.generated, error, named_sid, held, nbytes, frees,
                                    self._pooled(), grammar_failed, {k: (d, a) for k, (d, a) in s.speculated.items()}))
 
     def _close_drafts(self, s: Seq, reason: str) -> None:

@@ -78,9 +78,9 @@ class Schedule:
 def plan_step(running: Sequence[Running], max_batch_tokens: int, prefill_chunk: int,
               last_prefilled: int | None = None, time_budget: TimeBudget | None = None, drafted: int = 0) -> Schedule:
     """`drafted`: tokens the decode rows carry after their own (speculation), out of the same token budget."""
-    plan = Schedule(decode=[r.rid for r in running if r.prefill_left == 0], last_prefilled=last_prefilled)
-    budget = max_batch_tokens - len(plan.decode) - drafted
-    if plan.decode and time_budget is not None:  # nobody waits on a step that only prefills
+    schedule = Schedule(decode=[r.rid for r in running if r.prefill_left == 0], last_prefilled=last_prefilled)
+    budget = max_batch_tokens - len(schedule.decode) - drafted
+    if schedule.decode and time_budget is not None:  # nobody waits on a step that only prefills
         budget = min(budget, time_budget.prefill_tokens())
     waiting = sorted((r for r in running if r.prefill_left > 0), key=lambda r: r.rid)
     if last_prefilled is not None:  # rotate: start after the one served last
@@ -90,10 +90,10 @@ def plan_step(running: Sequence[Running], max_batch_tokens: int, prefill_chunk: 
         if budget <= 0:
             break
         n = min(prefill_chunk, r.prefill_left, budget, r.prefill_cap or r.prefill_left)
-        plan.prefill.append((r.rid, n))
-        plan.last_prefilled = r.rid
+        schedule.prefill.append((r.rid, n))
+        schedule.last_prefilled = r.rid
         budget -= n
-    return plan
+    return schedule
 
 
 @dataclass(frozen=True)

@@ -268,5 +268,5 @@ class Serving(Parking, Progress, Ending):
     _handlers: dict[type, Callable[["Serving", Any], None]] = {
         m.Started: Progress.on_started, m.Token: Progress.on_token, m.Captured: Progress.on_captured,
         m.Exported: Progress.on_exported, m.Holding: Progress.on_holding, m.StepStats: Progress.on_step_stats,
-        m.CloneDone: Parking.on_clone_done, m.Restored: Parking.on_restored, m.Ended: Ending.on_ended,
+        m.CloneDone: Parking.on_clone_done, m.StateLoaded: Parking.on_state_loaded, m.Ended: Ending.on_ended,
     }

@@ -233,5 +233,5 @@ async def test_plans_with_drafts_replay_on_a_fresh_backend_to_the_same_tokens(ba
     assert any(isinstance(op, e.Truncate) for plan in plans for op in plan.ops)
     fresh = create_backend(backend_name)
     fresh.load(folder, "float32")
-    replayed = p.replay([p.decode(p.encode(plan)) for plan in plans], fresh)
+    replayed = p.replay([p.from_bytes(p.to_bytes(plan)) for plan in plans], fresh)
     assert [replayed[rid] for rid in rids] == want

@@ -33,7 +33,7 @@ def every_kind_of_plan() -> p.StepPlan:
 
 def test_a_step_plan_round_trips_through_msgspec():
     plan = every_kind_of_plan()
-    back = p.decode(p.encode(plan))
+    back = p.from_bytes(p.to_bytes(plan))
     imported = back.ops[2]
     assert isinstance(imported, e.Import)
     for got, want in zip(imported.state.layers, plan.ops[2].state.layers):  # type: ignore[union-attr]
@@ -63,7 +63,7 @@ def test_the_passes_of_a_plan_follow_the_backends_batching():
 def test_a_saved_states_arrays_decode_as_numbers_of_their_shape_only(array):
     state = {"position": 1, "layers": [{"kind": "full", "arrays": [array], "first": 0}]}
     with pytest.raises(msgspec.ValidationError):
-        p.decode(msgspec.msgpack.encode({"step": 1, "ops": [{"type": "import", "sid": 1, "state": state}]}))
+        p.from_bytes(msgspec.msgpack.encode({"step": 1, "ops": [{"type": "import", "sid": 1, "state": state}]}))
 
 
 async def test_plans_recorded_from_an_engine_replay_on_a_fresh_backend_to_the_same_tokens(backend_name,
@@ -95,7 +95,7 @@ async def test_plans_recorded_from_an_engine_replay_on_a_fresh_backend_to_the_sa
 
     fresh = create_backend(backend_name)
     fresh.load(folder, "float32")
-    replayed = p.replay([p.decode(p.encode(plan)) for plan in plans], fresh)
+    replayed = p.replay([p.from_bytes(p.to_bytes(plan)) for plan in plans], fresh)
     assert {name: replayed[rid] for name, rid in rids.items()} == tokens
     assert [replayed[lead.rid], replayed[lead.siblings[0].rid]] == chosen
     assert any(isinstance(op, e.Clone) for plan in plans for op in plan.ops)  # reuse took part
