@@ -186,7 +186,12 @@ async def ask_long(http, daemon) -> dict:
         return await r.json()
 
 
+def runner_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("kvfork-runner") and t.is_alive()}
+
+
 async def test_shutdown_during_a_load_leaves_no_runner_and_no_partial_file(three, kvfork_home):
+    before = runner_threads()  # other tests' daemons in this process are not this one's
     async with aiohttp.ClientSession() as http:
         async with pool(three, hold=1) as daemon:
             await ask(http, daemon, "a", "a prompt long enough to be kept in the prefix cache, word for word " * 2)
@@ -196,7 +201,7 @@ async def test_shutdown_during_a_load_leaves_no_runner_and_no_partial_file(three
         response = await waiting
         assert response.status in (200, 503)
         response.release()
-    assert not [t for t in threading.enumerate() if t.name.startswith("kvfork-runner") and t.is_alive()]
+    assert not runner_threads() - before
     assert not list(Path(kvfork_home, "kv").rglob("*.tmp"))
 
 
