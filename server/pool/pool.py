@@ -30,12 +30,17 @@ from kvfork.server.errors import ApiError
 from kvfork.server.api.sse import OPENED
 from kvfork.server.pool.budget import PoolBudget
 from kvfork.server.pool.keepalive import KeepAlive, error_in_stream
+from kvfork.server.pool.loadable import check_folder, folder_state
 from kvfork.server.pool.served import ServedModel
 from kvfork.server.pool.specs import ModelSpec
 from kvfork.server.state import AppState
 
 log = logging.getLogger("kvfork")
 LEASE = web.RequestKey("model_lease", object)
+
+
+class StillBroken(Exception):
+    """A model's folder is as it was when its last load failed: that failure stands, nothing is evicted."""
 
 
 @dataclass(eq=False)
@@ -51,6 +56,7 @@ class Slot:
     leaving: bool = False  # unloading: it takes no new request
     attempts: int = 0  # loads tried, so a request knows whether a failure is news to it
     error: str | None = None  # why the last load failed
+    failed_on: tuple | None = None  # its folder's files when the last load failed (loadable.py)
 
     @property
     def ready(self) -> bool:
@@ -177,19 +183,37 @@ class ModelPool:
         return next((s for s in self._queue if not s.ready), None)
 
     async def _switch_to(self, slot: Slot) -> None:
+        files, loading = None, False
         try:
+            files = await asyncio.to_thread(self._loadable, slot)
             await self._make_room(slot)
+            loading = True
             await self._load(slot)
-            slot.error = None
+            slot.error = slot.failed_on = None
             self.loads.inc(model_name=slot.spec.name, outcome="loaded")
         except Exception as e:  # the other models keep serving
-            slot.error = f"model {slot.spec.name!r} could not be loaded: {e}"
+            if not isinstance(e, StillBroken):
+                slot.error = f"model {slot.spec.name!r} could not be loaded: {e}"
+                slot.failed_on = files if loading else None  # a load's failure, not the budget's: remembered
             self.loads.inc(model_name=slot.spec.name, outcome="failed")
             log.warning("%s", slot.error)
         finally:
             slot.attempts += 1
             self._switching = self._switching_to = None
             self._notify()
+
+    @staticmethod
+    def _loadable(slot: Slot) -> tuple | None:
+        """Refuse, before anything unloads for it, a model whose folder is unchanged since its last load
+        failed (StillBroken) or whose config or weights' headers cannot be read; its folder's files
+        (loadable.folder_state), None where it is not a local folder."""
+        if slot.spec.fetch is not None:
+            return None
+        files = folder_state(slot.spec.path)
+        if files is not None and files == slot.failed_on:
+            raise StillBroken(slot.error)
+        check_folder(slot.spec.path)
+        return files
 
     async def _load(self, slot: Slot) -> None:
         t0 = time.monotonic()
