@@ -9,7 +9,7 @@ A's config and tokenizer). Each conversation opens with a system prompt of about
 user turn and the answer per call. Three runs, on a temporary KVFORK_HOME (the first two in this process):
   switch   one model loaded at a time (--max-loaded-models 1): every call to A follows a call to B, so A
            unloaded (its prefix cache spilled to disk) and loads again, restoring from its files;
-  resident --max-loaded-models 2: A never unloads (i);
+  resident A alone, never unloaded (i): B's calls, in a daemon holding both, would not touch A's cache;
   restart  each return to A starts a fresh `kvfork serve` process of A alone with an empty cache and sends it
            the switch run's request, timed from the process's start (ii).
 TTFT: from sending the request (the restart: from starting the process) to the first streamed token.
@@ -108,7 +108,8 @@ async def pooled(models: dict[str, str], loaded: int, args) -> tuple[list[float]
         await daemon.listen()
         try:
             await daemon.load()
-            for call, name in enumerate(["A"] + ["B", "A"] * args.switches):
+            calls = [name for name in ["A"] + ["B", "A"] * args.switches if name in models]
+            for call, name in enumerate(calls):
                 messages = talks[name].ask()
                 seconds, text = await ttft(http, daemon.url, name, messages, args.max_tokens)
                 talks[name].answered(text)
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["KVFORK_HOME"] = str(Path(folder) / "switch")
         switch, asked = asyncio.run(pooled(models, 1, args))
         os.environ["KVFORK_HOME"] = str(Path(folder) / "resident")  # a cold disk tier, as the switch run's was
-        resident, _ = asyncio.run(pooled(models, 2, args))
+        resident, _ = asyncio.run(pooled({"A": args.model}, 1, args))  # B's calls would not touch A
         restarts = [asyncio.run(restart(args.model, messages, args)) for messages in asked]
     print("| return to A | switch (A unloaded, restored from disk) | (i) A never unloaded | (ii) restart per "
           "switch | switch / restart |")
