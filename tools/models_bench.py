@@ -22,8 +22,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +36,7 @@ from kvfork.server.config import ServerConfig
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.pool.daemon import PoolDaemon
 from kvfork.server.pool.specs import model_specs
+from kvfork.tools.bench.serve import ServerProcess
 
 WORDS = ("the build failed on the parser module because a test expects trailing commas in every list literal "
          "and the formatter removed them while the linter asked for them back").split()
@@ -121,38 +120,20 @@ async def pooled(models: dict[str, str], loaded: int, args) -> tuple[list[float]
     return returns, asked
 
 
-async def restart(model: str, messages: list, args) -> float:
+async def restart(model: str, messages: list, args, folder: Path) -> float:
     """From starting a fresh `kvfork serve` process of A alone, on an empty KVFORK_HOME, to the first token
-    of `messages`: the process's imports, the load and the whole prefill."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    home = tempfile.mkdtemp(prefix="kvfork-restart-")
-    command = [sys.executable, "-m", "kvfork", "serve", "--model", model, "--port", str(port), "--backend",
-               args.backend, "--served-model-name", "A", "--kv-budget-bytes", str(args.kv_budget),
-               "--inference-slots", "2"]
+    of `messages`: the process's imports, the load and the whole prefill (its readiness polled each 0.5 s)."""
+    home = Path(tempfile.mkdtemp(prefix="kvfork-restart-"))
+    server = ServerProcess("kvfork", [sys.executable, "-m", "kvfork", "serve", "--model", model, "--port", "{port}",
+                                      "--backend", args.backend, "--served-model-name", "A", "--kv-budget-bytes",
+                                      str(args.kv_budget), "--inference-slots", "2"],
+                           folder / "restart.log", env={"KVFORK_HOME": str(home)}, scratch=home)
     t0 = time.perf_counter()
-    server = subprocess.Popen(command, env={**os.environ, "KVFORK_HOME": home}, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
+    with server:
+        started = time.perf_counter() - t0
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
-            while True:
-                assert server.poll() is None, f"kvfork serve exited with {server.returncode}"
-                try:
-                    async with http.get(url + "/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientConnectionError:
-                    pass
-                await asyncio.sleep(0.05)
-            started = time.perf_counter() - t0
-            seconds, _ = await ttft(http, url, "A", messages, args.max_tokens)
-            return started + seconds
-    finally:
-        server.terminate()
-        server.wait(30)
-        shutil.rmtree(home, ignore_errors=True)
+            seconds, _ = await ttft(http, server.base_url, "A", messages, args.max_tokens)
+    return started + seconds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         switch, asked = asyncio.run(pooled(models, 1, args))
         os.environ["KVFORK_HOME"] = str(Path(folder) / "resident")  # a cold disk tier, as the switch run's was
         resident, _ = asyncio.run(pooled({"A": args.model}, 1, args))  # B's calls would not touch A
-        restarts = [asyncio.run(restart(args.model, messages, args)) for messages in asked]
+        restarts = [asyncio.run(restart(args.model, messages, args, Path(folder))) for messages in asked]
     print("| return to A | switch (A unloaded, restored from disk) | (i) A never unloaded | (ii) restart per "
           "switch | switch / restart |")
     print("|---|---|---|---|---|")
