@@ -37,6 +37,9 @@ from kvfork.server.state import AppState
 
 log = logging.getLogger("kvfork")
 LEASE = web.RequestKey("model_lease", object)
+# A failed load answers again without a new try while its folder is unchanged, for this long: a failure of
+# the moment (memory another process held) is tried again after it.
+FAILED_LOAD_HOLD_S = 60.0
 
 
 class StillBroken(Exception):
@@ -57,6 +60,7 @@ class Slot:
     attempts: int = 0  # loads tried, so a request knows whether a failure is news to it
     error: str | None = None  # why the last load failed
     failed_on: tuple | None = None  # its folder's files when the last load failed (loadable.py)
+    failed_at: float = 0.0  # when (monotonic)
 
     @property
     def ready(self) -> bool:
@@ -195,6 +199,7 @@ class ModelPool:
             if not isinstance(e, StillBroken):
                 slot.error = f"model {slot.spec.name!r} could not be loaded: {e}"
                 slot.failed_on = files if loading else None  # a load's failure, not the budget's: remembered
+                slot.failed_at = time.monotonic()
             self.loads.inc(model_name=slot.spec.name, outcome="failed")
             log.warning("%s", slot.error)
         finally:
@@ -205,12 +210,13 @@ class ModelPool:
     @staticmethod
     def _loadable(slot: Slot) -> tuple | None:
         """Refuse, before anything unloads for it, a model whose folder is unchanged since its last load
-        failed (StillBroken) or whose config or weights' headers cannot be read; its folder's files
-        (loadable.folder_state), None where it is not a local folder."""
+        failed less than FAILED_LOAD_HOLD_S ago (StillBroken) or whose config or weights' headers cannot be
+        read; its folder's files (loadable.folder_state), None where it is not a local folder."""
         if slot.spec.fetch is not None:
             return None
         files = folder_state(slot.spec.path)
-        if files is not None and files == slot.failed_on:
+        recent = time.monotonic() - slot.failed_at < FAILED_LOAD_HOLD_S
+        if files is not None and files == slot.failed_on and recent:
             raise StillBroken(slot.error)
         check_folder(slot.spec.path)
         return files

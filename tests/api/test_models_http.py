@@ -19,6 +19,7 @@ from kvfork.backends import create_backend
 from kvfork.backends.device_memory import weights_on_disk
 from kvfork.server.config import ServerConfig
 from kvfork.server.engine.config import EngineConfig
+from kvfork.server.pool import pool as pool_module
 from kvfork.server.pool.daemon import PoolDaemon
 from kvfork.server.pool.specs import model_specs
 from tiny_models import write_model
@@ -136,7 +137,7 @@ async def refused(http, daemon, model: str) -> str:
         return body["error"]["message"]
 
 
-async def test_a_broken_model_does_not_evict_a_healthy_one(three, tmp_path):
+async def test_a_broken_model_does_not_evict_a_healthy_one(three, tmp_path, monkeypatch):
     """With room for one model: a folder with no weights is refused from its config and headers, and a folder
     whose weights do not fit its config fails its load once; asked again while unchanged, each answers its
     error without unloading the model that serves."""
@@ -158,6 +159,9 @@ async def test_a_broken_model_does_not_evict_a_healthy_one(three, tmp_path):
         counts = await metrics(http, daemon.url)
         assert counts['kvfork_model_loads_total{model_name="a",outcome="loaded"}'] == 2
         assert counts['kvfork_model_loads_total{model_name="misfit",outcome="failed"}'] == 2
+        monkeypatch.setattr(pool_module, "FAILED_LOAD_HOLD_S", 0.0)  # the failure's hold over: tried again
+        assert await refused(http, daemon, "misfit") == first
+        assert not (await listed(http, daemon))["a"]
         (misfit / "config.json").write_text(json.dumps(config))  # mended: loaded on the next request
         await ask(http, daemon, "misfit")
 
