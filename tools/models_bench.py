@@ -6,12 +6,13 @@ llama-swap does: a fresh server, its cache lost).
 
 A: the default model (or --model); B: random weights at A's sizes (B's folder written to a temporary folder,
 A's config and tokenizer). Each conversation opens with a system prompt of about --tokens tokens and adds a
-user turn and the answer per call. Three runs, each in process on a temporary KVFORK_HOME:
+user turn and the answer per call. Three runs, on a temporary KVFORK_HOME (the first two in this process):
   switch   one model loaded at a time (--max-loaded-models 1): every call to A follows a call to B, so A
            unloaded (its prefix cache spilled to disk) and loads again, restoring from its files;
-  resident --max-loaded-models 2: A never unloads (i);
-  restart  each return to A starts a fresh daemon of A alone with an empty cache, timed from its start (ii).
-TTFT: from sending the request (the restart: from starting the daemon) to the first streamed token.
+  resident A alone, never unloaded (i): B's calls, in a daemon holding both, would not touch A's cache;
+  restart  each return to A starts a fresh `kvfork serve` process of A alone with an empty cache and sends it
+           the switch run's request, timed from the process's start (ii).
+TTFT: from sending the request (the restart: from starting the process) to the first streamed token.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import asyncio
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,7 +36,7 @@ from kvfork.server.config import ServerConfig
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.pool.daemon import PoolDaemon
 from kvfork.server.pool.specs import model_specs
-from kvfork.server.serve import Daemon
+from kvfork.tools.bench.serve import ServerProcess
 
 WORDS = ("the build failed on the parser module because a test expects trailing commas in every list literal "
          "and the formatter removed them while the linter asked for them back").split()
@@ -92,49 +94,46 @@ class Conversation:
         self.messages.append({"role": "assistant", "content": text})
 
 
-async def pooled(models: dict[str, str], loaded: int, args) -> list[float]:
-    """TTFTs of the returns to A in a daemon holding `loaded` models at once."""
+async def pooled(models: dict[str, str], loaded: int, args) -> tuple[list[float], list[list]]:
+    """TTFTs of the returns to A in a daemon holding `loaded` models at once, and the messages of each."""
     config = ServerConfig(model=[f"{n}={p}" for n, p in models.items()], port=0, max_loaded_models=loaded,
                           backend=args.backend, shutdown_grace=1.0)
     engine = EngineConfig(kv_budget_bytes=args.kv_budget, inference_slots=2)
     daemon = PoolDaemon(config, engine, model_specs(config.model, None), args.backend,
                         lambda: create_backend(args.backend))
     talks = {name: Conversation(system_prompt(args.tokens)) for name in models}
-    returns = []
+    returns, asked = [], []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
         await daemon.listen()
         try:
             await daemon.load()
-            for call, name in enumerate(["A"] + ["B", "A"] * args.switches):
-                seconds, text = await ttft(http, daemon.url, name, talks[name].ask(), args.max_tokens)
+            calls = [name for name in ["A"] + ["B", "A"] * args.switches if name in models]
+            for call, name in enumerate(calls):
+                messages = talks[name].ask()
+                seconds, text = await ttft(http, daemon.url, name, messages, args.max_tokens)
                 talks[name].answered(text)
                 if name == "A" and call:
                     returns.append(seconds)
+                    asked.append(list(messages))
         finally:
             await daemon.close()
-    return returns
+    return returns, asked
 
 
-async def restarts(model: str, args) -> list[float]:
-    """TTFT of each return to A when every switch restarts A's server: daemon start, load, full prefill."""
-    talk, returns = Conversation(system_prompt(args.tokens)), []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
-        for call in range(args.switches + 1):
-            home = tempfile.mkdtemp(prefix="kvfork-restart-")
-            os.environ["KVFORK_HOME"] = home  # an empty cache, as a restarted server has
-            t0 = time.perf_counter()
-            config = ServerConfig(model=[model], port=0, backend=args.backend, shutdown_grace=1.0,
-                                  served_model_name=["A"])
-            daemon = Daemon(config, EngineConfig(kv_budget_bytes=args.kv_budget, inference_slots=2), model,
-                            create_backend(args.backend))
-            async with daemon.serving():
-                start = time.perf_counter() - t0
-                seconds, text = await ttft(http, daemon.url, "A", talk.ask(), args.max_tokens)
-            talk.answered(text)
-            shutil.rmtree(home, ignore_errors=True)
-            if call:
-                returns.append(start + seconds)
-    return returns
+async def restart(model: str, messages: list, args, folder: Path) -> float:
+    """From starting a fresh `kvfork serve` process of A alone, on an empty KVFORK_HOME, to the first token
+    of `messages`: the process's imports, the load and the whole prefill (its readiness polled each 0.5 s)."""
+    home = Path(tempfile.mkdtemp(prefix="kvfork-restart-"))
+    server = ServerProcess("kvfork", [sys.executable, "-m", "kvfork", "serve", "--model", model, "--port", "{port}",
+                                      "--backend", args.backend, "--served-model-name", "A", "--kv-budget-bytes",
+                                      str(args.kv_budget), "--inference-slots", "2"],
+                           folder / "restart.log", env={"KVFORK_HOME": str(home)}, scratch=home)
+    t0 = time.perf_counter()
+    with server:
+        started = time.perf_counter() - t0
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
+            seconds, _ = await ttft(http, server.base_url, "A", messages, args.max_tokens)
+    return started + seconds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,15 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-budget", type=int, default=1 << 30, help="each model's KV budget, bytes")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvfork-models-bench-") as folder:
-        os.environ["KVFORK_HOME"] = str(Path(folder) / "home")
         models = {"A": args.model, "B": str(random_twin(Path(args.model), Path(folder) / "B"))}
-        switch = asyncio.run(pooled(models, 1, args))
-        resident = asyncio.run(pooled(models, 2, args))
-        restart = asyncio.run(restarts(args.model, args))
+        os.environ["KVFORK_HOME"] = str(Path(folder) / "switch")
+        switch, asked = asyncio.run(pooled(models, 1, args))
+        os.environ["KVFORK_HOME"] = str(Path(folder) / "resident")  # a cold disk tier, as the switch run's was
+        resident, _ = asyncio.run(pooled({"A": args.model}, 1, args))  # B's calls would not touch A
+        restarts = [asyncio.run(restart(args.model, messages, args, Path(folder))) for messages in asked]
     print("| return to A | switch (A unloaded, restored from disk) | (i) A never unloaded | (ii) restart per "
           "switch | switch / restart |")
     print("|---|---|---|---|---|")
-    for i, (s, r, x) in enumerate(zip(switch, resident, restart), 1):
+    for i, (s, r, x) in enumerate(zip(switch, resident, restarts), 1):
         print(f"| {i} | {s:.2f} s | {r:.2f} s | {x:.2f} s | {s / x:.2f}x |")
     return 0
 

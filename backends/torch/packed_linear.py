@@ -19,7 +19,10 @@ decode batches; whole 16-row steps up to 64, where a pass is still read-bound
 and a coarser step cost more than MKL's unpadded pass; whole 64-row steps up
 to 2,048, the engine's default --max-batch-tokens; whole 512-row steps beyond),
 and the kernels of those up to 2,048 are compiled at load, where their memory
-is paid once, not mid-serving.
+is paid once, not mid-serving. oneDNN keeps them per process, keyed by shape and
+row count (not by weight): a model loaded again, or another of the same shapes,
+finds them compiled, so the warm-up passes (half a load's time on the default
+model) run once per process, while the kernels fit oneDNN's cache.
 
 The two oneDNN ops are torch's private ones (a leading underscore), checked for the torch versions
 in TORCH_VERSIONS: tests/test_package.py pins that range to the installed torch and to
@@ -27,6 +30,8 @@ pyproject.toml's, so a torch upgrade fails a test instead of a load.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +42,9 @@ EXACT_ROWS = 16
 # (up to this many rows, padded to a multiple of this step)
 STEPS = ((64, 16), (2048, 64), (None, 512))
 WARM_ROWS = 2048
+# oneDNN's primitive cache: the kernels it keeps per process, least recently used first out
+KERNEL_CACHE = int(os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024"))
+_compiled: set[tuple[int, int, int]] = set()  # (out_features, in_features, rows) warmed in this process
 
 
 def padded_rows(rows: int) -> int:
@@ -102,7 +110,8 @@ def pack(model: nn.Module, tied_head: torch.Tensor | None) -> None:
 @torch.inference_mode()
 def warm(model: nn.Module) -> None:
     """Compile the kernel of every padded row count up to WARM_ROWS, once per weight shape (the
-    output projection only up to EXACT_ROWS: it reads one row per session)."""
+    output projection only up to EXACT_ROWS: it reads one row per session), skipping those this process
+    compiled already. Past the kernel cache's size some may have been evicted: then all are warmed again."""
     seen = set()
     head = getattr(model, "lm_head", None)
     in_head = set(head.modules()) if head is not None else set()  # the head itself, or its rank's part
@@ -112,4 +121,10 @@ def warm(model: nn.Module) -> None:
         seen.add((linear.out_features, linear.in_features))
         rows = range(1, EXACT_ROWS + 1) if linear in in_head else warm_rows()
         for n in rows:
+            key = (linear.out_features, linear.in_features, n)
+            if key in _compiled:
+                continue
+            if len(_compiled) >= KERNEL_CACHE:
+                _compiled.clear()
             linear(torch.zeros(n, linear.in_features))
+            _compiled.add(key)

@@ -30,12 +30,20 @@ from kvfork.server.errors import ApiError
 from kvfork.server.api.sse import OPENED
 from kvfork.server.pool.budget import PoolBudget
 from kvfork.server.pool.keepalive import KeepAlive, error_in_stream
+from kvfork.server.pool.loadable import check_folder, folder_state
 from kvfork.server.pool.served import ServedModel
 from kvfork.server.pool.specs import ModelSpec
 from kvfork.server.state import AppState
 
 log = logging.getLogger("kvfork")
 LEASE = web.RequestKey("model_lease", object)
+# A failed load answers again without a new try while its folder is unchanged, for this long: a failure of
+# the moment (memory another process held) is tried again after it.
+FAILED_LOAD_HOLD_S = 60.0
+
+
+class StillBroken(Exception):
+    """A model's folder is as it was when its last load failed: that failure stands, nothing is evicted."""
 
 
 @dataclass(eq=False)
@@ -51,6 +59,8 @@ class Slot:
     leaving: bool = False  # unloading: it takes no new request
     attempts: int = 0  # loads tried, so a request knows whether a failure is news to it
     error: str | None = None  # why the last load failed
+    failed_on: tuple | None = None  # its folder's files when the last load failed (loadable.py)
+    failed_at: float = 0.0  # when (monotonic)
 
     @property
     def ready(self) -> bool:
@@ -177,19 +187,39 @@ class ModelPool:
         return next((s for s in self._queue if not s.ready), None)
 
     async def _switch_to(self, slot: Slot) -> None:
+        files, loading = None, False
         try:
+            files = await asyncio.to_thread(self._loadable, slot)
             await self._make_room(slot)
+            loading = True
             await self._load(slot)
-            slot.error = None
+            slot.error = slot.failed_on = None
             self.loads.inc(model_name=slot.spec.name, outcome="loaded")
         except Exception as e:  # the other models keep serving
-            slot.error = f"model {slot.spec.name!r} could not be loaded: {e}"
+            if not isinstance(e, StillBroken):
+                slot.error = f"model {slot.spec.name!r} could not be loaded: {e}"
+                slot.failed_on = files if loading else None  # a load's failure, not the budget's: remembered
+                slot.failed_at = time.monotonic()
             self.loads.inc(model_name=slot.spec.name, outcome="failed")
             log.warning("%s", slot.error)
         finally:
             slot.attempts += 1
             self._switching = self._switching_to = None
             self._notify()
+
+    @staticmethod
+    def _loadable(slot: Slot) -> tuple | None:
+        """Refuse, before anything unloads for it, a model whose folder is unchanged since its last load
+        failed less than FAILED_LOAD_HOLD_S ago (StillBroken) or whose config or weights' headers cannot be
+        read; its folder's files (loadable.folder_state), None where it is not a local folder."""
+        if slot.spec.fetch is not None:
+            return None
+        files = folder_state(slot.spec.path)
+        recent = time.monotonic() - slot.failed_at < FAILED_LOAD_HOLD_S
+        if files is not None and files == slot.failed_on and recent:
+            raise StillBroken(slot.error)
+        check_folder(slot.spec.path)
+        return files
 
     async def _load(self, slot: Slot) -> None:
         t0 = time.monotonic()

@@ -5,6 +5,8 @@ fails to load, and a conversation resumed on a reloaded model from its spilled p
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import threading
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -17,6 +19,7 @@ from kvfork.backends import create_backend
 from kvfork.backends.device_memory import weights_on_disk
 from kvfork.server.config import ServerConfig
 from kvfork.server.engine.config import EngineConfig
+from kvfork.server.pool import pool as pool_module
 from kvfork.server.pool.daemon import PoolDaemon
 from kvfork.server.pool.specs import model_specs
 from tiny_models import write_model
@@ -125,6 +128,42 @@ async def test_a_model_that_fails_to_load_leaves_the_others_serving(three, tmp_p
             assert r.status == 503 and body["error"]["code"] == "model_load_failed", body
         await ask(http, daemon, "a")
         await ask(http, daemon, "b")
+
+
+async def refused(http, daemon, model: str) -> str:
+    async with http.post(daemon.url + CHAT, json=chat_body(model=model, max_tokens=2)) as r:
+        body = await r.json()
+        assert r.status == 503 and body["error"]["code"] == "model_load_failed", body
+        return body["error"]["message"]
+
+
+async def test_a_broken_model_does_not_evict_a_healthy_one(three, tmp_path, monkeypatch):
+    """With room for one model: a folder with no weights is refused from its config and headers, and a folder
+    whose weights do not fit its config fails its load once; asked again while unchanged, each answers its
+    error without unloading the model that serves."""
+    empty, misfit = tmp_path / "empty", tmp_path / "misfit"
+    empty.mkdir()
+    (empty / "config.json").write_text(Path(three["a"], "config.json").read_text())
+    shutil.copytree(three["b"], misfit)
+    config = json.loads((misfit / "config.json").read_text())
+    (misfit / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] * 2}))
+    models = {"a": three["a"], "empty": str(empty), "misfit": str(misfit)}
+    async with aiohttp.ClientSession() as http, pool(models, hold=1) as daemon:
+        await ask(http, daemon, "a")
+        assert "no *.safetensors" in await refused(http, daemon, "empty")
+        assert (await listed(http, daemon))["a"]
+        first = await refused(http, daemon, "misfit")  # its headers read well: a is unloaded for its load
+        await ask(http, daemon, "a")
+        assert await refused(http, daemon, "misfit") == first
+        assert await listed(http, daemon) == {"a": True, "empty": False, "misfit": False}
+        counts = await metrics(http, daemon.url)
+        assert counts['kvfork_model_loads_total{model_name="a",outcome="loaded"}'] == 2
+        assert counts['kvfork_model_loads_total{model_name="misfit",outcome="failed"}'] == 2
+        monkeypatch.setattr(pool_module, "FAILED_LOAD_HOLD_S", 0.0)  # the failure's hold over: tried again
+        assert await refused(http, daemon, "misfit") == first
+        assert not (await listed(http, daemon))["a"]
+        (misfit / "config.json").write_text(json.dumps(config))  # mended: loaded on the next request
+        await ask(http, daemon, "misfit")
 
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["llama", "qwen3_5"])
