@@ -23,7 +23,7 @@ from kvfork.server.config import ServerConfig
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.model_source import Fetch, model_source
 from kvfork.server.pool.specs import ModelSpec, model_specs, pool_refusal, several
-from kvfork.server.progress import StartProgress
+from kvfork.server.start_progress import StartProgress
 from kvfork.server.settings import Layered, add_arguments, describe, from_args, layered, on_command_line
 from kvfork.server.tenants import key_tenants
 from kvfork.server.warm import read_warm_file

@@ -16,7 +16,7 @@ from kvfork.server.grammar import GrammarCompiler
 from kvfork.server.metrics import Counter, Registry
 from kvfork.server.api.diagnosis import Fingerprints
 from kvfork.server.api.responses.store import ResponseStore
-from kvfork.server.progress import StartProgress
+from kvfork.server.start_progress import StartProgress
 from kvfork.server.reuse import ReuseLog
 from kvfork.server.slow_clients import SlowClients
 from kvfork.server.tenants import key_tenants, KeyTable

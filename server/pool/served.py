@@ -14,7 +14,7 @@ from kvfork.server.engine.engine import Engine
 from kvfork.server.metrics import Registry
 from kvfork.server.observe import register_vllm_names
 from kvfork.server.pool.specs import ModelSpec
-from kvfork.server.progress import StartProgress
+from kvfork.server.start_progress import StartProgress
 from kvfork.server.model_load import load_model
 from kvfork.server.state import AppState
 

@@ -14,7 +14,7 @@ from huggingface_hub import constants
 
 from http_daemon import TEST_ENGINE, serving
 from kvfork.server import model_source as source
-from kvfork.server.progress import StartProgress
+from kvfork.server.start_progress import StartProgress
 
 
 class Terminal(io.StringIO):
