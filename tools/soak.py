@@ -20,8 +20,12 @@ Every choice is drawn from `--seed`; which backend call a fault hits depends on
 timing. Requests are greedy; each carries a distinct `seed` (ignored by greedy
 sampling) so a sampler, a submitted request and a response are matched exactly.
 
+The soaked daemon decodes speculatively (`--speculative`, suffix unless told: drafts from the prompt
+and from past responses, verified in the step), so the table says that it drafted.
+
 Then the same requests that completed run one at a time on a second daemon with
-active reuse and the prefix cache off, and must return the same tokens.
+active reuse, the prefix cache and speculative decoding off, and must return the same tokens: neither
+reuse nor another request's speculation state may change a request's output.
 
 Then the long-prompt wave (tools/long_prompts.py): a prompt of `--long-prompt-tokens` (24,000) is
 cached, and three prompts leave it near its start, in its middle and near its end: each must reuse what
@@ -57,6 +61,7 @@ from kvfork.backends import create_backend
 from kvfork.server.config import ServerConfig
 from kvfork.server.engine.api import GenerateRequest
 from kvfork.server.engine.config import EngineConfig
+from kvfork.server.engine.drafts import MODES
 from kvfork.server.serve import Daemon, pick_backend
 from kvfork.tools.bench.serve import parse_metrics
 from kvfork.tools.bench.text import words
@@ -93,6 +98,7 @@ class SoakConfig:
     hostile: bool = True  # the hostile-tenant wave, after the rest
     long_prompt_tokens: int = 24_000  # the long-prompt wave's cached prompt (tools/long_prompts.py); 0: none
     hostile_samples: int = 5  # the innocent tenant's TTFTs alone, and during each hostile shape
+    speculative: str = "suffix"  # the soaked daemon's drafter (drafts.MODES); the reference daemon's is off
 
 
 @dataclass
@@ -416,7 +422,7 @@ def engine_config(c: SoakConfig, reuse: bool) -> EngineConfig:
         max_queue=256, queue_timeout=c.queue_timeout, max_tokens=c.max_tokens,
         max_named_sessions=c.max_named_sessions, prefix_cache_min_tokens=16,
         prefix_cache_entries=16 if reuse else 0, active_prefix_reuse_min_tokens=c.reuse_min_tokens if reuse else 0,
-        follow_max_wait=5.0,
+        follow_max_wait=5.0, speculative=c.speculative if reuse else "off",
         # Off: the fault wrapper charges a fault to the tokens a session holds, which a session loaded
         # from the disk tier does not tell it (tests/test_disk_tier.py covers the tier's own faults).
         prefix_cache_disk_bytes=0,
@@ -681,6 +687,9 @@ def _checks(c: SoakConfig, report: Report, d: Daemon, recorder: Recorder, reques
     growth = rss_end - rss_warm
     report.add("RSS growth after warm-up, beyond the KV the backend holds more", f"{growth / MiB:+.1f} MiB",
                f"<= +{RSS_GROWTH_LIMIT // MiB} MiB", growth <= RSS_GROWTH_LIMIT)
+    if c.speculative != "off":
+        drafted = sum(v for k, v in m.items() if k.startswith("kvfork_spec_drafted_tokens_total"))
+        report.add(f"tokens drafted (--speculative {c.speculative})", f"{drafted:g}", "> 0", drafted > 0)
     report.add("runner alive at the end", "yes" if d.engine.ready else "no", "yes", bool(d.engine.ready))
 
 
@@ -728,6 +737,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the long-prompt wave's cached prompt, in tokens (0: no wave)")
     ap.add_argument("--hostile", action=argparse.BooleanOptionalAction, default=defaults.hostile,
                     help="end with the hostile-tenant wave (tools/hostile.py)")
+    ap.add_argument("--speculative", default=defaults.speculative, choices=MODES,
+                    help="the soaked daemon's speculative decoding; the reference daemon's is off")
     args = ap.parse_args(argv)
     from kvfork.backends import prepare_process
 
@@ -744,7 +755,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     config = SoakConfig(model=model, backend=args.backend, requests=args.requests, seed=args.seed,
                         fault_rate=args.fault_rate, kv_budget_bytes=args.kv_budget_bytes,
-                        long_prompt_tokens=args.long_prompt_tokens, hostile=args.hostile)
+                        long_prompt_tokens=args.long_prompt_tokens, hostile=args.hostile,
+                        speculative=args.speculative)
     try:
         report = asyncio.run(run(config))
     except (OSError, RuntimeError) as e:

@@ -49,16 +49,17 @@ def test_the_workloads_are_seeded_and_the_code_file_is_about_150_lines():
         assert len(first) == 4 and first == again and first != other
 
 
-def test_the_table_reports_medians_spread_speedup_and_acceptance():
+def test_the_table_reports_medians_spread_speedup_and_acceptance_of_each_mode():
     result = {"names": ["code-edit"], "levels": [1],
-              "speed": {"code-edit|1|off": [10.0, 12.0, 11.0], "code-edit|1|suffix": [20.0, 22.0, 24.0]},
+              "speed": {"code-edit|1|off": [10.0, 12.0, 11.0], "code-edit|1|prompt": [9.0, 11.0, 10.0],
+                        "code-edit|1|suffix": [20.0, 22.0, 24.0]},
               "offline": {"code-edit": {"prompt": {"drafted": 10, "accepted": 8, "acceptance": 0.8,
                                                     "tokens_per_step": 3.0}}},
               "served": {"code-edit|suffix": {"drafted:suffix": 50.0, "accepted:suffix": 25.0}}}
-    md = spec.table(result, "suffix")
-    assert "| code-edit | 1 | 11.0 (10.0-12.0) | 22.0 (20.0-24.0) | 2.00x |" in md
+    md = spec.table(result, ["prompt", "suffix"])
+    assert "| code-edit | 1 | 11.0 (10.0-12.0) | 10.0 (9.0-11.0) | 0.91x | 22.0 (20.0-24.0) | 2.00x |" in md
     assert "| code-edit (offline) | prompt | 10 | 8 | 80% | 3.00 |" in md
-    assert "| code-edit (served) | suffix | 50 | 25 | 50% | |" in md
+    assert "| code-edit (served, suffix) | suffix | 50 | 25 | 50% | |" in md
 
 
 def test_the_reference_replies_are_the_file_with_the_edit_and_the_scripts_next_turn():
@@ -72,20 +73,21 @@ def test_the_reference_replies_are_the_file_with_the_edit_and_the_scripts_next_t
     assert calls[0].reference.startswith("Calling tool_") and calls[0].reference in calls[1].messages[-2]["content"]
 
 
-def test_a_run_against_two_daemons_alternates_them_and_reports_every_workload(tiny_model_dir, tmp_path, monkeypatch,
-                                                                              capsys):
+def test_a_run_against_three_daemons_reverses_their_order_and_reports_every_workload(tiny_model_dir, tmp_path,
+                                                                                    monkeypatch, capsys):
     monkeypatch.setattr(paired, "DAEMON", [sys.executable, str(Path(__file__).parents[1] / "openai_double.py")])
     out = tmp_path / "out"
     code = main(["spec", "--model", tiny_model_dir("llama"), "--runs", "2", "--concurrency", "1,2", "--code-lines",
-                 "20", "--code-tokens", "24", "--agent-tokens", "8", "--prose-tokens", "8", "--out", str(out)])
+                 "20", "--code-tokens", "24", "--agent-tokens", "8", "--prose-tokens", "8",
+                 "--speculative", "prompt,suffix", "--out", str(out)])
     printed = capsys.readouterr()
     assert code == 0, printed.err
     for name in ("code-edit", "agent", "prose"):
         for c in (1, 2):
             assert f"| {name} | {c} | " in printed.out
         assert f"| {name} (offline) |" in printed.out
-    # runs alternate which daemon goes first
+    # runs reverse the daemons' order
     order = [line.rsplit(" ", 3)[-3].rstrip(":") for line in printed.err.splitlines() if " code-edit c=1 " in line]
-    assert order == ["off", "suffix", "suffix", "off"]
+    assert order == ["off", "prompt", "suffix", "suffix", "prompt", "off"]
     doc = json.loads((out / "results.json").read_text())
-    assert all(len(v) == 2 for v in doc["speed"].values()) and len(doc["speed"]) == 12
+    assert all(len(v) == 2 for v in doc["speed"].values()) and len(doc["speed"]) == 18

@@ -1,10 +1,10 @@
 """`kvfork bench spec`: speculative decoding off and on, in one run, on the same prompts.
 
-    kvfork bench spec [--model FOLDER] [--speculative suffix] [--runs 5] [--concurrency 1,4]
+    kvfork bench spec [--model FOLDER] [--speculative prompt,suffix] [--runs 5] [--concurrency 1,4]
 
-Two daemons start (`--speculative off` and the mode asked), both resident, and take traffic one
-at a time, never together: each run sends every workload (tools/bench/spec_workloads.py) at each
-concurrency to both, the order alternating from run to run. Per workload and concurrency the
+One daemon per mode starts (`--speculative off` and each mode asked), all resident, and they take
+traffic one at a time, never together: each run sends every workload (tools/bench/spec_workloads.py)
+at each concurrency to each daemon, the order reversed from run to run. Per workload and concurrency the
 report gives decode tokens/s (output tokens after the first over the time from the first token to
 the last reply's end), the median of the runs and their spread (min-max), and the speedup of the
 medians.
@@ -45,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvfork bench spec", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model folder (default: the default model, fetched if needed)")
-    ap.add_argument("--speculative", default="suffix", choices=("prompt", "suffix"), help="the mode measured")
+    ap.add_argument("--speculative", default="suffix", type=_modes,
+                    help="the modes measured against off, comma-separated: prompt, suffix (default: %(default)s)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated (default: %(default)s)")
     ap.add_argument("--concurrency", default="1,4", help="requests sent together (default: %(default)s)")
     ap.add_argument("--runs", type=int, default=5, help="alternating runs, median taken (default: %(default)s)")
@@ -61,6 +62,13 @@ def _parser() -> argparse.ArgumentParser:
                          "edit applied; agent: the script's next assistant turn)")
     ap.add_argument("--out", help="results folder (default: out/bench/<time>-spec)")
     return ap
+
+
+def _modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes or any(m not in ("prompt", "suffix") for m in modes):
+        raise argparse.ArgumentTypeError(f"modes are prompt and suffix, comma-separated, not {text!r}")
+    return modes
 
 
 def _sizes(args) -> dict:
@@ -107,11 +115,11 @@ def _counters(url: str) -> dict[str, float]:
 def _run(args, model: str, out: Path) -> dict:
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    modes = ["off"] if args.offline_only else ["off", args.speculative]
+    modes = ["off"] if args.offline_only else ["off", *args.speculative]
     sizes = _sizes(args)
     speed: dict[str, list[float]] = {}
     served: dict[str, dict[str, float]] = {}
-    replay = Replay(model, args.speculative)
+    replay = Replay(model, args.speculative[-1])
     with contextlib.ExitStack() as stack:
         urls = {m: stack.enter_context(_daemon(m, model, args.server_arg, out)).base_url for m in modes}
         for run in range(args.runs):
@@ -138,7 +146,7 @@ def _reference(args, model: str) -> dict:
     """Offline acceptance over the workloads' reference replies, as many runs as asked."""
     names = [w.strip() for w in args.workloads.split(",") if w.strip() != "prose"]
     sizes = _sizes(args)
-    replay = Replay(model, args.speculative)
+    replay = Replay(model, args.speculative[-1])
     for run in range(args.runs):
         for name in names:
             for c in (int(c) for c in args.concurrency.split(",") if c.strip()):
@@ -150,26 +158,31 @@ def _spread(values: list[float]) -> str:
     return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
 
 
-def table(result: dict, mode: str) -> str:
-    lines = [f"| workload | concurrent | off tok/s, median (min-max) | {mode} tok/s | speedup |", "|---|---|---|---|---|"]
+def table(result: dict, modes: list[str]) -> str:
+    head = "".join(f" {m} tok/s | {m} speedup |" for m in modes)
+    lines = [f"| workload | concurrent | off tok/s, median (min-max) |{head}", "|---|---|---|" + "---|---|" * len(modes)]
     lines = lines if result["levels"] else []
     for name in result["names"]:
         for c in result["levels"]:
             off = result["speed"][f"{name}|{c}|off"]
-            on = result["speed"].get(f"{name}|{c}|{mode}")
-            ratio = f"{statistics.median(on) / statistics.median(off):.2f}x" if on else "-"
-            lines.append(f"| {name} | {c} | {_spread(off)} | {_spread(on) if on else '-'} | {ratio} |")
+            cells = ""
+            for mode in modes:
+                on = result["speed"].get(f"{name}|{c}|{mode}")
+                ratio = f"{statistics.median(on) / statistics.median(off):.2f}x" if on else "-"
+                cells += f" {_spread(on) if on else '-'} | {ratio} |"
+            lines.append(f"| {name} | {c} | {_spread(off)} |{cells}")
     lines += [""] * bool(lines) + ["| workload | source | drafted | accepted | acceptance | tokens per step |", "|---|---|---|---|---|---|"]
     for name in result["names"]:
         for source, row in sorted(result["offline"].get(name, {}).items()):
             lines.append(f"| {name} (offline) | {source} | {row['drafted']} | {row['accepted']} | "
                          f"{row['acceptance']:.0%} | {row['tokens_per_step']:.2f} |")
-        counters = result["served"].get(f"{name}|{mode}", {})
-        for key in sorted(k for k in counters if k.startswith("drafted:")):
-            source = key.split(":", 1)[1]
-            drafted, accepted = counters[key], counters.get(f"accepted:{source}", 0.0)
-            share = f"{accepted / drafted:.0%}" if drafted else "-"
-            lines.append(f"| {name} (served) | {source} | {drafted:.0f} | {accepted:.0f} | {share} | |")
+        for mode in modes:
+            counters = result["served"].get(f"{name}|{mode}", {})
+            for key in sorted(k for k in counters if k.startswith("drafted:")):
+                source = key.split(":", 1)[1]
+                drafted, accepted = counters[key], counters.get(f"accepted:{source}", 0.0)
+                share = f"{accepted / drafted:.0%}" if drafted else "-"
+                lines.append(f"| {name} (served, {mode}) | {source} | {drafted:.0f} | {accepted:.0f} | {share} | |")
     return "\n".join(lines) + "\n"
 
 
