@@ -424,7 +424,7 @@ def engine_config(c: SoakConfig, reuse: bool) -> EngineConfig:
         prefix_cache_entries=16 if reuse else 0, active_prefix_reuse_min_tokens=c.reuse_min_tokens if reuse else 0,
         follow_max_wait=5.0, speculative=c.speculative if reuse else "off",
         # Off: the fault wrapper charges a fault to the tokens a session holds, which a session loaded
-        # from the disk tier does not tell it (tests/test_disk_tier.py covers the tier's own faults).
+        # from the disk tier does not tell it (tests/engine/test_disk_tier.py covers the tier's own faults).
         prefix_cache_disk_bytes=0,
     )
 
@@ -662,7 +662,7 @@ def _checks(c: SoakConfig, report: Report, d: Daemon, recorder: Recorder, reques
     report.add("client disconnects", f"{gone}/{len(outcomes)} ({gone / max(1, len(outcomes)):.0%})",
                f">= {MIN_DISCONNECT_SHARE:.0%}", gone >= MIN_DISCONNECT_SHARE * len(outcomes))
     # Where a hang-up lands moves with the machine's speed (a faster one admits a request before its
-    # "queued" moment), so it is reported, not checked: tests/test_engine_cancel.py and test_engine_follow.py
+    # "queued" moment), so it is reported, not checked: tests/engine/test_cancel.py and test_engine_follow.py
     # hold a request in each phase (a gated runner) and check that hanging up there frees its place.
     report.notes.append("disconnects by phase: " + ", ".join(f"{p} {n}" for p, n in phases.items())
                         + f" (+{landed_elsewhere} elsewhere)")

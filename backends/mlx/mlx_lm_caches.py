@@ -4,7 +4,7 @@ No public API of mlx-lm gives a cache's write index or a rotating cache's ring i
 time order, and kvfork needs both: to copy a sliding layer's ring into a clone
 (kvcopy.py), to find a row of the decode batch (backend.py), and to tell whether a
 failed step moved a cache (batch.py). They live here, read as mlx-lm's own code
-uses them, for the versions in MLX_LM_VERSIONS: tests/test_mlx_lm_caches.py pins
+uses them, for the versions in MLX_LM_VERSIONS: tests/backends/test_mlx_lm_caches.py pins
 that range to the installed mlx-lm and to pyproject.toml's, and checks what each
 member means, so an mlx-lm upgrade fails a test instead of a clone.
 """

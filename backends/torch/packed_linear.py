@@ -25,7 +25,7 @@ finds them compiled, so the warm-up passes (half a load's time on the default
 model) run once per process, while the kernels fit oneDNN's cache.
 
 The two oneDNN ops are torch's private ones (a leading underscore), checked for the torch versions
-in TORCH_VERSIONS: tests/test_package.py pins that range to the installed torch and to
+in TORCH_VERSIONS: tests/house/test_package.py pins that range to the installed torch and to
 pyproject.toml's, so a torch upgrade fails a test instead of a load.
 """
 

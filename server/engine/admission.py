@@ -1,6 +1,6 @@
 """Admission: the KV budget and the queue, on the control loop.
 
-Its verbs are the only way in (its parts are private: tests/test_engine_boundary.py):
+Its verbs are the only way in (its parts are private: tests/house/test_engine_boundary.py):
   check(req, waiting) -> Sizes        turn away what can never run or cannot wait (can_wait: may one more wait)
   enqueue(r) / requeue(r) / withdraw(r) / next() -> r | None     the queue, in fair shares between tenants
   give_way(tenant) -> r | None        at a full queue, the waiting request that gives way to `tenant`'s

@@ -1,6 +1,6 @@
 """How many bytes of KV state fit the device: one pure function of what the device reports
 (backends/device_memory.py), the flags and the model, so every rule is tested on the readings of
-real machines (tests/test_memory_plan.py) and printed at start and in /health with its reason.
+real machines (tests/engine/test_memory_plan.py) and printed at start and in /health with its reason.
 
 - CUDA: `--gpu-memory-utilization` as vLLM means it, the share of the device's total memory
   this instance may use; KV = that share - the loaded weights - the measured activation peak of

@@ -10,7 +10,7 @@ runner (starting from a donor's clone, or not) and Decoding has sampled its firs
 token. Any phase may end in Finished.
 
 Each transition is one function below, the only place a request changes phase
-(tests/test_request_phases.py walks every one of them).
+(tests/engine/test_request_phases.py walks every one of them).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each of those modules has `parse_tool_call(text, tools)` and its markers
 `tool_call_start` / `tool_call_end`; they parse a finished call, not a stream.
 `ReferenceParser` is the stream around one: kvfork's hold-back finds the
 markers (written out in each family's module, pinned against mlx-lm's by
-tests/test_tool_family_grammars.py), and the text between them goes to mlx-lm's
+tests/server/test_tool_family_grammars.py), and the text between them goes to mlx-lm's
 parser. A body it refuses, one that names no offered tool, or one the reply
 ends inside of (cut off by max_tokens) is the model's text.
 
