@@ -142,7 +142,7 @@ async def test_a_held_call_gets_keep_alives_and_a_busy_stream_does_not():
         async def write(self, frame):
             self.frames.append(frame)
 
-    stream = EventStream(None)  # type: ignore[arg-type]
+    stream = EventStream({})  # type: ignore[arg-type]  (a request is a mapping; this one opened no stream early)
     stream.response, stream.last_write = Response(), 0.0
     await stream.keep_alive_if_quiet(5.0)  # quiet since long ago
     await stream.keep_alive_if_quiet(5.0)  # it just wrote
