@@ -5,29 +5,28 @@ present. A clone shares the whole blocks below its `upto` by reference and copie
 the rest (kv.py; --clone-mode copy copies it all). On CUDA a clone copies on a side stream; both sessions carry the copy's
 event and the runner's stream waits on it before either one is next used, so
 the copy overlaps whatever the runner does meanwhile.
+
+This class holds the sessions, the forward passes, clones and the byte accounting; a model comes
+in through loading.py (read, built, described), and a session's state goes to and from the host
+through saved.py (the saved-state rule).
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
 import os
-from pathlib import Path
-from typing import Any, Callable, Collection, Sequence
+from typing import Collection, Sequence
 
 import torch
-from safetensors import safe_open
 
-from kvfork.backends.base import (Backend, BatchFailed, BlockStats, KVCost, LayerAttention, ModelInfo, RowState, Sampled,
-                           SamplerState, SavedLayer, SavedState, Session, check_inputs, clone_refusal)
+from kvfork.backends.base import (Backend, BatchFailed, BlockStats, ModelInfo, RowState, Sampled, SamplerState,
+                           SavedState, Session, check_inputs, clone_refusal)
 from kvfork.backends.device_memory import DeviceMemory, cpu_memory, cuda_memory
 from kvfork.backends.model_info import ModelFacts, read_model_facts
 from kvfork.backends.model_path import resolve_model
-from kvfork.backends.torch import checkpoints, hybrid, kv, packed_linear, parallel, sampling
-from kvfork.backends.torch.config import ArchConfig, HybridConfig, read_config
+from kvfork.backends.torch import hybrid, kv, loading, parallel, sampling, saved
+from kvfork.backends.torch.config import ArchConfig, HybridConfig
 from kvfork.backends.torch.gated_delta import RecurrentState
-from kvfork.backends.torch.hybrid import HybridTransformer
-from kvfork.backends.torch.model import Row, Transformer
+from kvfork.backends.torch.model import Row
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -50,26 +49,6 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
-def read_weights(folder: Path, device: torch.device,
-                 part: Callable[[str, Any, list[int]], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Every weight of the folder by name; `part(name, slice, shape)`: the part of each one this rank
-    holds (tensor parallelism), read from its safetensors slice so the rest is never read."""
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {folder}")
-    weights = {}
-    for path in files:
-        with safe_open(str(path), framework="pt", device=str(device)) as f:
-            for name in f.keys():
-                key = name.removeprefix("language_model.")
-                if part is None:
-                    weights[key] = f.get_tensor(name)
-                else:
-                    piece = f.get_slice(name)
-                    weights[key] = part(key, piece, piece.get_shape())
-    return weights
-
-
 class TorchBackend(Backend):
     def __init__(self, device: str | None = None, shards: parallel.Shards | None = None):
         """`shards`: this process's rank of a tensor-parallel group (parallel.py); None: the whole model."""
@@ -89,15 +68,8 @@ class TorchBackend(Backend):
 
     def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
         path = resolve_model(folder)
-        cfg, part = read_config(path), None
-        if self.shards is not None:
-            self._refuse_split(cfg)
-            # A rank reads its parts alone where checkpoint names are the model's; a hybrid's checkpoint
-            # layouts (checkpoints.py) are brought to them first, so it reads the whole and splits it.
-            if isinstance(cfg, ArchConfig):
-                part = functools.partial(parallel.local_weight, cfg=cfg, shards=self.shards)
-        weights = read_weights(path, self.device, part)
-        return self.install(cfg, weights, path.name, read_model_facts(path), dtype, split=part is not None)
+        cfg, weights, split = loading.read(path, self.device, self.shards)
+        return self.install(cfg, weights, path.name, read_model_facts(path), dtype, split)
 
     def install(self, cfg: ArchConfig | HybridConfig, weights: dict[str, torch.Tensor], name: str, facts: ModelFacts,
                 dtype: str | None = None, split: bool = False) -> ModelInfo:
@@ -105,41 +77,15 @@ class TorchBackend(Backend):
         rank's parts, parallel.local_weight); `load` reads them from a folder, tools/gpu_check.py makes
         random ones of realistic shapes."""
         self.dtype = DTYPES[dtype] if dtype else default_dtype(self.device)
-        if isinstance(cfg, HybridConfig):
-            weights = checkpoints.canonical(cfg, weights)
-        shards = self.shards
-        if shards is not None:
-            self._refuse_split(cfg)
-            if not split:
-                weights = {k: parallel.local_weight(k, w, w.shape, cfg, shards) for k, w in weights.items()}
-            cfg = parallel.local_config(cfg, shards.size)
-        with torch.device("meta"):
-            tied = "lm_head.weight" not in weights
-            model = HybridTransformer(cfg, tied) if isinstance(cfg, HybridConfig) else Transformer(cfg, tied)
-            if shards is not None:
-                parallel.split_vocabulary(model, cfg, shards)
-        wanted = model.state_dict().keys()
-        # A DeltaNet layer's decay rates stay float32 (as mlx-lm keeps them): exp(A_log) in bf16 is off by ~1%.
-        dtypes = {k: torch.float32 if k.endswith("A_log") else self.dtype for k in wanted}
-        model.load_state_dict({k: weights[k].to(self.device, dtypes[k]) for k in wanted if k in weights}, strict=True, assign=True)
-        model.place(self.device)
-        if shards is not None:
-            parallel.join_sublayers(model, cfg, shards)
-            tied = False  # the head is installed: its own rows, or the embedding's
-        if packed_linear.available(self.device, self.dtype):
-            packed_linear.pack(model, model.model.embed_tokens.weight if tied else None)
-        self.model, self.cfg = model.eval(), cfg
-        full = sum(not linear for linear in cfg.linear) if isinstance(cfg, HybridConfig) else \
-            sum(not w for w in cfg.sliding)
-        self.pool = kv.BlockPool(full, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
-        self.info = self._describe(cfg, name, facts)
+        self.model, self.cfg = loading.build(cfg, weights, self.device, self.dtype, self.shards, split)
+        self.pool = kv.BlockPool(loading.full_layers(self.cfg), self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype,
+                                 self.device)
+        self.info = loading.describe(self.cfg, name, facts, self.dtype, self.device, self.clone_mode == "share")
         return self.info
 
     def memory(self, step_tokens: int) -> DeviceMemory:
         """On CUDA the device's own memory, with a step's activation peak measured as vLLM profiles it."""
-        tensors = itertools.chain(self.model.parameters(), self.model.buffers())
-        weights = sum(t.nbytes for t in tensors) + sum(
-            m.nbytes for m in self.model.modules() if isinstance(m, packed_linear.PackedLinear))
+        weights = loading.weight_bytes(self.model)
         if self.device.type != "cuda":
             return cpu_memory(weights)
         return cuda_memory(self.device, weights, self._activation_peak(step_tokens) if step_tokens else 0)
@@ -158,37 +104,6 @@ class TorchBackend(Backend):
         finally:
             self.release(session)
         return max(0, torch.cuda.max_memory_allocated(self.device) - before - kept)
-
-    def _refuse_split(self, cfg: ArchConfig | HybridConfig) -> None:
-        assert self.shards is not None
-        reason = parallel.refusal(cfg, self.shards.size)
-        if reason is not None:
-            raise ValueError(f"torch backend: cannot split the model over {self.shards.size} ranks: {reason}")
-
-    def _describe(self, cfg: ArchConfig | HybridConfig, name: str, facts: ModelFacts) -> ModelInfo:
-        if isinstance(cfg, HybridConfig):
-            layers = tuple(LayerAttention("recurrent") if linear else LayerAttention("full") for linear in cfg.linear)
-            state = hybrid.recurrent_bytes(cfg, self.dtype)
-        else:
-            layers = tuple(LayerAttention("sliding", w) if w else LayerAttention("full") for w in cfg.sliding)
-            state = 0
-        per_token = 2 * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize  # one token's keys and values, one layer
-        # Exact: a full layer holds kv.capacity(n) = whole BLOCK_TOKENS blocks with one position always free
-        # (opened, cloned or grown alike), less the whole blocks a clone reads by reference; one ring of
-        # the window per sliding layer, and one recurrent state per session.
-        cost = KVCost(full_bytes_per_token=per_token * sum(1 for layer in layers if layer.kind == "full"),
-                      ring_bytes=per_token * sum(layer.window or 0 for layer in layers if layer.kind == "sliding"),
-                      step=kv.BLOCK_TOKENS, spare=1, state_bytes=state, shares=self.clone_mode == "share")
-        return ModelInfo(
-            name=name,
-            vocab_size=cfg.vocab_size,
-            context_length=facts.context_length,
-            layers=layers,
-            eos_token_ids=facts.eos_token_ids,
-            kv=cost,
-            dtype=str(self.dtype).removeprefix("torch."),
-            device=str(self.device),
-        )
 
     # -- sessions --------------------------------------------------------
 
@@ -296,7 +211,7 @@ class TorchBackend(Backend):
                     if piece == len(pieces[i]) - 1:
                         out[i] = logits[row] if reads is None else logits[sum(reads[:i]):sum(reads[:i + 1])]
                     if end in sessions[i].wanted:
-                        taken.setdefault(i, {})[end] = self._states(sessions[i])
+                        taken.setdefault(i, {})[end] = hybrid.recurrent_copies(sessions[i].layers)
         except Exception as exc:
             raise BatchFailed(exc, [self._after_failure(s, w) for s, w in zip(sessions, writes)]) from exc
         for i, (s, chunk) in enumerate(zip(sessions, chunks)):
@@ -315,11 +230,6 @@ class TorchBackend(Backend):
         cuts = sorted(p - start for p in session.wanted if start < p < start + length)
         return list(zip([0, *cuts], [*cuts, length]))
 
-    @staticmethod
-    def _states(session: TorchSession) -> list[RecurrentState]:
-        """Copies of a session's recurrent layers' states."""
-        return [layer.copy_prefix(0) for layer in session.layers if isinstance(layer, RecurrentState)]
-
     @torch.inference_mode()
     def keep_at(self, session: TorchSession, positions: Collection[int]) -> None:
         if session.id not in self._sessions:
@@ -329,7 +239,8 @@ class TorchBackend(Backend):
         session.wanted = frozenset(p for p in positions if p > 0)
         session.checkpoints = {p: states for p, states in session.checkpoints.items() if p in session.wanted}
         self._wait_for_clones([session])
-        session.keep({session.position: self._states(session)} if session.position in session.wanted else {})
+        session.keep({session.position: hybrid.recurrent_copies(session.layers)}
+                     if session.position in session.wanted else {})
 
     @staticmethod
     def _after_failure(session: TorchSession, writes: int) -> RowState:
@@ -415,51 +326,18 @@ class TorchBackend(Backend):
         if session.id not in self._sessions:
             raise ValueError(f"{session!r} was released")
         self._wait_for_clones([session])
-        n, layers = session.position, []
-        for layer in session.layers:
-            match layer:
-                case kv.FullKV():
-                    layers.append(SavedLayer("full", tuple(_host(t) for t in layer.read(n))))
-                case kv.RingKV():
-                    first = max(layer.held_from, n - layer.window, 0)
-                    entries = torch.arange(first, n, device=self.device) % layer.window
-                    held = (_host(layer.keys[:, entries]), _host(layer.values[:, entries]))
-                    layers.append(SavedLayer("sliding", held, first))
-                case RecurrentState():
-                    layers.append(SavedLayer("recurrent", (_host(layer.conv), _host(layer.ssm))))
-        return SavedState(n, tuple(layers))
+        return saved.export(session.layers, session.position, self.device)
 
     @torch.inference_mode()
     def import_state(self, state: SavedState) -> TorchSession:
         session = self.open_session()
-        n = state.position
         try:
-            for layer, saved in zip(session.layers, state.layers, strict=True):
-                arrays = [self._device(a) for a in saved.arrays]
-                match layer:
-                    case kv.FullKV() if saved.kind == "full":
-                        layer.reserve(n)
-                        layer.update(arrays[0], arrays[1], 0)
-                    case kv.RingKV() if saved.kind == "sliding":
-                        slots = torch.arange(saved.first, n, device=self.device) % layer.window
-                        layer.keys[:, slots], layer.values[:, slots] = arrays[0], arrays[1]
-                        layer.held_from = saved.first
-                    case RecurrentState() if saved.kind == "recurrent":
-                        layer.conv.copy_(arrays[0])
-                        layer.ssm.copy_(arrays[1])
-                    case _:
-                        raise ValueError(f"a saved {saved.kind} layer does not fit {type(layer).__name__}")
+            saved.import_into(session.layers, state, self.device)
         except BaseException:
             self.release(session)
             raise
-        session.position = n
+        session.position = state.position
         return session
-
-    def _device(self, array) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        if tensor.dtype == torch.uint16:  # bfloat16 bits (the saved-state rule)
-            tensor = tensor.view(torch.bfloat16)
-        return tensor.to(self.device)
 
     # -- accounting ------------------------------------------------------
 
@@ -490,9 +368,3 @@ class TorchBackend(Backend):
 
     def to_numpy(self, logits: torch.Tensor):
         return logits.float().cpu().numpy()
-
-
-def _host(tensor: torch.Tensor):
-    """A tensor as a numpy array on the host: bfloat16 as its uint16 bits (the saved-state rule)."""
-    tensor = tensor.detach().to("cpu").contiguous()
-    return (tensor.view(torch.uint16) if tensor.dtype == torch.bfloat16 else tensor).numpy()

@@ -46,6 +46,11 @@ def in_place_writes(states: Sequence[kv.LayerKV | RecurrentState]) -> int:
     return kv.ring_writes(states) + sum(s.writes for s in states if isinstance(s, RecurrentState))
 
 
+def recurrent_copies(states: Sequence[kv.LayerKV | RecurrentState]) -> list[RecurrentState]:
+    """Copies of a session's recurrent layers' states (a checkpoint), in layer order."""
+    return [s.copy_prefix(0) for s in states if isinstance(s, RecurrentState)]
+
+
 def recurrent_bytes(cfg: HybridConfig, dtype: torch.dtype) -> int:
     """Bytes of one session's recurrent state (all DeltaNet layers), whatever its length."""
     conv_dim = 2 * cfg.linear_k_heads * cfg.linear_k_dim + cfg.linear_v_heads * cfg.linear_v_dim

@@ -12,7 +12,8 @@ import torch
 
 from backend_fixtures import assert_close, lent, load
 from kvfork.backends.torch import kv
-from kvfork.backends.torch.backend import TorchBackend, read_weights
+from kvfork.backends.torch.backend import TorchBackend
+from kvfork.backends.torch.loading import read_weights
 from kvfork.backends.model_info import read_model_facts
 from kvfork.backends.torch.config import parse_config, read_config
 from tolerance import Kind

@@ -1,0 +1,140 @@
+"""A model into our model code, and its description as a `ModelInfo` (what backends/mlx/loading.py
+does through mlx-lm).
+
+The weights come as Hugging Face names: read from a folder's safetensors (`read_weights`; a
+tensor-parallel rank reads only its parts of them), a hybrid's checkpoint layouts brought to the
+model's names (checkpoints.py), split over the ranks where they were read whole (parallel.py). The
+model is built on the meta device and the weights assigned to it, so none is allocated twice. The
+description's KV cost is exact for kv.py's layout, so the budget prices what a session allocates.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors import safe_open
+
+from kvfork.backends.base import KVCost, LayerAttention, ModelInfo
+from kvfork.backends.model_info import ModelFacts
+from kvfork.backends.torch import checkpoints, hybrid, kv, packed_linear, parallel
+from kvfork.backends.torch.config import ArchConfig, HybridConfig, read_config
+from kvfork.backends.torch.hybrid import HybridTransformer
+from kvfork.backends.torch.model import Transformer
+
+
+def read(folder: Path, device: torch.device,
+         shards: parallel.Shards | None) -> tuple[ArchConfig | HybridConfig, dict[str, torch.Tensor], bool]:
+    """A model folder's config and weights, and whether those are already this rank's parts (`build`'s
+    `split`); with `shards`, a model that cannot split is refused before a weight is read."""
+    cfg, part = read_config(folder), None
+    if shards is not None:
+        refuse_split(cfg, shards)
+        # A rank reads its parts alone where checkpoint names are the model's; a hybrid's checkpoint
+        # layouts (checkpoints.py) are brought to them first, so it reads the whole and splits it.
+        if isinstance(cfg, ArchConfig):
+            part = functools.partial(parallel.local_weight, cfg=cfg, shards=shards)
+    return cfg, read_weights(folder, device, part), part is not None
+
+
+def read_weights(folder: Path, device: torch.device,
+                 part: Callable[[str, Any, list[int]], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Every weight of the folder by name; `part(name, slice, shape)`: the part of each one this rank
+    holds (tensor parallelism), read from its safetensors slice so the rest is never read."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    weights = {}
+    for path in files:
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                key = name.removeprefix("language_model.")
+                if part is None:
+                    weights[key] = f.get_tensor(name)
+                else:
+                    piece = f.get_slice(name)
+                    weights[key] = part(key, piece, piece.get_shape())
+    return weights
+
+
+def refuse_split(cfg: ArchConfig | HybridConfig, shards: parallel.Shards) -> None:
+    """Raise, with the reason, where the model cannot split over the group's ranks."""
+    reason = parallel.refusal(cfg, shards.size)
+    if reason is not None:
+        raise ValueError(f"torch backend: cannot split the model over {shards.size} ranks: {reason}")
+
+
+def build(cfg: ArchConfig | HybridConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+          shards: parallel.Shards | None, split: bool) -> tuple[Transformer | HybridTransformer,
+                                                                 ArchConfig | HybridConfig]:
+    """The model on `device`, in eval mode, and its config: with `shards`, this rank's part of both
+    (`split`: the weights are already this rank's parts, parallel.local_weight)."""
+    if isinstance(cfg, HybridConfig):
+        weights = checkpoints.canonical(cfg, weights)
+    if shards is not None:
+        refuse_split(cfg, shards)
+        if not split:
+            weights = {k: parallel.local_weight(k, w, w.shape, cfg, shards) for k, w in weights.items()}
+        cfg = parallel.local_config(cfg, shards.size)
+    with torch.device("meta"):
+        tied = "lm_head.weight" not in weights
+        model = HybridTransformer(cfg, tied) if isinstance(cfg, HybridConfig) else Transformer(cfg, tied)
+        if shards is not None:
+            parallel.split_vocabulary(model, cfg, shards)
+    wanted = model.state_dict().keys()
+    # A DeltaNet layer's decay rates stay float32 (as mlx-lm keeps them): exp(A_log) in bf16 is off by ~1%.
+    dtypes = {k: torch.float32 if k.endswith("A_log") else dtype for k in wanted}
+    model.load_state_dict({k: weights[k].to(device, dtypes[k]) for k in wanted if k in weights},
+                          strict=True, assign=True)
+    model.place(device)
+    if shards is not None:
+        parallel.join_sublayers(model, cfg, shards)
+        tied = False  # the head is installed: its own rows, or the embedding's
+    if packed_linear.available(device, dtype):
+        packed_linear.pack(model, model.model.embed_tokens.weight if tied else None)
+    return model.eval(), cfg
+
+
+def weight_bytes(model: Transformer | HybridTransformer) -> int:
+    """What the model's weights occupy on its device, its packed projections included."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return sum(t.nbytes for t in tensors) + sum(
+        m.nbytes for m in model.modules() if isinstance(m, packed_linear.PackedLinear))
+
+
+def full_layers(cfg: ArchConfig | HybridConfig) -> int:
+    """How many layers attend over every position (the layers of a session's block table)."""
+    if isinstance(cfg, HybridConfig):
+        return sum(not linear for linear in cfg.linear)
+    return sum(not w for w in cfg.sliding)
+
+
+def describe(cfg: ArchConfig | HybridConfig, name: str, facts: ModelFacts, dtype: torch.dtype, device: torch.device,
+             shares: bool) -> ModelInfo:
+    """`shares`: a clone reads the whole blocks below it by reference (kv.py's `share` clone mode)."""
+    if isinstance(cfg, HybridConfig):
+        layers = tuple(LayerAttention("recurrent") if linear else LayerAttention("full") for linear in cfg.linear)
+        state = hybrid.recurrent_bytes(cfg, dtype)
+    else:
+        layers = tuple(LayerAttention("sliding", w) if w else LayerAttention("full") for w in cfg.sliding)
+        state = 0
+    per_token = 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize  # one token's keys and values, one layer
+    # Exact: a full layer holds kv.capacity(n) = whole BLOCK_TOKENS blocks with one position always free
+    # (opened, cloned or grown alike), less the whole blocks a clone reads by reference; one ring of
+    # the window per sliding layer, and one recurrent state per session.
+    cost = KVCost(full_bytes_per_token=per_token * sum(1 for layer in layers if layer.kind == "full"),
+                  ring_bytes=per_token * sum(layer.window or 0 for layer in layers if layer.kind == "sliding"),
+                  step=kv.BLOCK_TOKENS, spare=1, state_bytes=state, shares=shares)
+    return ModelInfo(
+        name=name,
+        vocab_size=cfg.vocab_size,
+        context_length=facts.context_length,
+        layers=layers,
+        eos_token_ids=facts.eos_token_ids,
+        kv=cost,
+        dtype=str(dtype).removeprefix("torch."),
+        device=str(device),
+    )
