@@ -37,13 +37,13 @@ class RequestDrafts:
         self.results: list[tuple[int, int]] = []  # (drafted, accepted) per verified draft
         self.active = True
 
-    def propose(self, tokens: Sequence[int], limit: int) -> Draft | None:
+    def propose(self, output: Sequence[int], limit: int) -> Draft | None:
         o = self.owner
         if o.raises:
             raise RuntimeError("a broken drafter")
         if o.fixed is not None:
             return Draft(o.fixed[:limit], "prompt")
-        tokens = list(tokens)
+        tokens = self.prompt + list(output)
         guess, source = self._seen_after(tokens), "suffix"
         if not guess:
             guess, source = self._lookup(tokens), "prompt"

@@ -51,7 +51,6 @@ import asyncio
 import errno
 import fcntl
 import hashlib
-import hmac
 import json
 import logging
 import os

@@ -291,6 +291,7 @@ class RequestDrafts:
         self.closed = False
         self.own = TokenIndex()
         self.own.load(prompt)
+        self.prompt_len = len(prompt)
         self.adaptation = Adaptation(drafts.max_tokens)
 
     @property
@@ -302,16 +303,18 @@ class RequestDrafts:
         """Elementary steps done for this request (see TokenIndex.work)."""
         return self.own.work + self.corpus_work
 
-    def propose(self, tokens: Sequence[int], limit: int) -> Draft | None:
-        """Up to min(limit, the adapted length) tokens guessed to follow `tokens` (the prompt and the
-        output so far), from the source whose draft scores higher; None when neither has one."""
+    def propose(self, output: Sequence[int], limit: int) -> Draft | None:
+        """Up to min(limit, the adapted length) tokens guessed to follow the prompt and `output` (the
+        request's tokens so far: only those not seen yet are read), from the source whose draft scores
+        higher; None when neither has one."""
         if not self.active:
             return None
         self.own.catch_up(INDEX_CHUNK)
-        if len(tokens) > self.own.end:
-            self.own.extend(tokens[self.own.end:])
+        seen = self.own.end - self.prompt_len
+        if len(output) > seen:
+            self.own.extend(output[seen:])
         n = min(limit, self.adaptation.length)
-        tail = tokens[-MAX_MATCH:]
+        tail = self.own.tokens[-MAX_MATCH:]
         guess, score = self.own.draft(tail, n)
         best = Draft(guess, "prompt", score)
         corpus = self.drafts.corpora.get(self.scope) if self.drafts.mode == "suffix" else None

@@ -141,7 +141,7 @@ def replay(plans: Sequence[StepPlan], backend: Backend) -> dict[int, list[int]]:
             for s in plan.samples:
                 if s.row in at:
                     i, draft = at[s.row]
-                    for j in range(len(draft) + 1):  # a drafted row: while the draw equals the draft (Runner._walk)
+                    for j in range(len(draft) + 1):  # a drafted row: while the draw equals the draft (Speculation._walk)
                         states = [samplers[s.rid] if k == i + j else SamplerState(DISCARD) for k in range(total)]
                         picked.setdefault(s.rid, []).append(ex.sample(logits, states)[i + j].token)
                         if j == len(draft) or picked[s.rid][-1] != draft[j]:

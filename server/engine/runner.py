@@ -11,35 +11,12 @@ It never waits on the loop: events go on a deque, and `notify` wakes the loop
 (`call_soon_threadsafe`).
 
 Design rules:
-- a capture (a clone at prompt length) takes the request's recurrent checkpoints
-  with it (they serve the same prefixes from the cache, which counts their
-  bytes from then on). It runs right after the last prefill chunk
-  and before the first decode writes: a decode would overwrite what a sliding
-  layer's snapshot needs. On a model with recurrent layers it runs one token
-  before the prompt's end (prefill stops there: the recurrent rule,
-  backends.base.clone_positions), so the same prompt sent again, whose match is
-  at most len - 1, is served;
-- a follower's clone order is served the moment its donor has committed the
-  target (the donor's chunk stops there), before the donor writes again;
-- a donor that leaves hands what it committed to the follower that salvages
-  most (follow.promote), cloned before its state is released;
-- a donor with recurrent layers holds a state only at its position and its
-  checkpoints (the recurrent rule): a clone asked of it where it holds
-  none (it moved on since the loop looked, or it leaves below a follower's
-  target) is served from the highest state it holds below, if any;
-- every CloneDonor is answered by exactly one CloneDone (a session, a refusal,
-  or "cancelled" for an order dropped while it waited): the control loop holds
-  the clone's bytes until then;
-- faults stay where they start (faults.py); optional work (a snapshot, a clone
-  from the prefix cache) that fails for any reason falls back, to the next
-  candidate or to none, and is counted;
-- grammar-constrained rows (constraints.py) join their mask just before a sample
-  and hand the sampled token over just after it; nothing else here knows them;
-- n choices prefill their prompt once: when its last logits row is in (after
-  the capture, before any decode writes), each other choice gets a clone of the
-  session at the prompt's full length and samples its first token from that
-  row with its own stream (and its own matcher, at the grammar's start); a
-  clone or a sample that fails fails its choice alone.
+- faults stay where they start (faults.py): a pass or a sample that fails is recovered row by
+  row, and fails only the requests whose rows fail;
+- grammar-constrained rows (constraints.py) join their mask just before a sample and hand the
+  sampled token over just after it; nothing else here knows them;
+- the commands (commands.py), the clones of running sessions (cloning.py) and speculation
+  (speculation.py) state their own rules.
 """
 
 from __future__ import annotations
@@ -48,60 +25,30 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from kvfork.backends import effects as e
-from kvfork.backends.base import (Backend, CloneRefused, ModelInfo, Sampled, SamplerState, Session,
-                           clone_positions)
+from kvfork.backends.base import Backend, ModelInfo, Sampled, SamplerState
 from kvfork.server.engine import faults
 from kvfork.server.engine import messages as m
 from kvfork.server.engine import plan as p
 from kvfork.server.engine.clone_orders import CloneOrders
+from kvfork.server.engine.cloning import Cloning
+from kvfork.server.engine.commands import Commands
 from kvfork.server.engine.constraints import ConstrainedRows
+from kvfork.server.engine.drafts import Drafts
 from kvfork.server.engine.rates import RateTracker, split_pass
 from kvfork.server.engine.scheduler import Running, TimeBudget, plan_step
-from kvfork.server.engine.drafts import Draft, Drafts, RequestDrafts
-from kvfork.server.engine.speculation import draft_cap
+from kvfork.server.engine.sequence import Seq
+from kvfork.server.engine.speculation import Speculation
 
 log = logging.getLogger("kvfork.engine")
 
 
-@dataclass
-class Seq:
-    """A request in an inference slot, as the runner runs it."""
+class Runner(Commands, Cloning, Speculation):
+    """The runner thread: its step, here; the loop's commands (commands.py), the clones of running
+    sessions (cloning.py) and speculative decoding (speculation.py), in their parts."""
 
-    start: m.Start
-    sid: int
-    session: Session
-    sampler: SamplerState
-    prefilled: int = 0
-    generated: int = 0
-    next_token: int | None = None  # sampled, not yet committed
-    choices: list[m.Choice] = field(default_factory=list)  # opened when the prompt's last logits are in
-    capture_at: int = 0  # where its prompt is snapshot (Start.capture), 0: nowhere
-    drafts: RequestDrafts | None = None  # its drafter, where it speculates
-    draft: Draft | None = None  # what this step's decode row carries after its token
-    draft_from: int = 0  # its tokens generated before this step's decode row
-    speculated: dict[str, list[int]] = field(default_factory=dict)  # source -> [drafted, accepted]
-
-    @property
-    def rid(self) -> int:
-        return self.start.rid
-
-    @property
-    def prefill_left(self) -> int:
-        return max(0, len(self.start.prompt) - self.session.position)
-
-    def prefill_cap(self, orders: int | None) -> int | None:
-        """Most tokens it may prefill this step: up to a follower's target (`orders`), and up to its capture."""
-        position = self.session.position
-        if position < self.capture_at < len(self.start.prompt):
-            return min(self.capture_at - position, orders or self.prefill_left)
-        return orders
-
-
-class Runner:
     def __init__(self, backend: Backend, model_path: str, dtype: str | None,
                  max_batch_tokens: int, prefill_chunk: int, max_step_s: float, notify: Callable[[], None],
                  clone_mode: str = "share", plans: Callable[[p.StepPlan], None] | None = None,
@@ -143,7 +90,7 @@ class Runner:
             self.backend.set_clone_mode(self.clone_mode)  # type: ignore[arg-type]
             info = self._info = self.backend.load(self.model_path, self.dtype)
             self._constrained = ConstrainedRows(info.vocab_size)
-            self._draft_cap = self._speculation(info)
+            self._draft_cap = self._draft_cap_for(info)
             self._publish(m.Loaded(info, self.backend.memory(self.max_batch_tokens)))
         except Exception as exc:
             log.exception("model load failed")
@@ -292,230 +239,7 @@ class Runner:
     def _pooled(self) -> m.Pooled:
         return m.Pooled(self.backend.pooled_bytes(), self._releases)
 
-    # ---- commands ----
-
-    def take_commands(self) -> bool:
-        """Run what the loop sent, in order; whether there was anything."""
-        took = bool(self.inbox)
-        while self.inbox:
-            match self.inbox.popleft():
-                case m.Start() as start:
-                    self._start(start)
-                case m.Cancel(rid=rid):
-                    self._stop(rid, "cancelled")
-                case m.Finish(rid=rid):
-                    self._stop(rid, "stop")
-                case m.CloneDonor() as order:
-                    self._clone_donor(order)
-                case m.Release(sids=sids):
-                    self._run(e.Release(sids))
-                    self._releases += 1
-                case m.Spill() as spill:
-                    self._spill(spill)
-                case m.LoadState() as load:
-                    self._load_state(load)
-                case m.Stop():
-                    self._orders = CloneOrders()  # nobody is left to hand anything over to
-                    for s in list(self._running.values()):
-                        self._end(s, "cancelled")
-                    self._rows.close()
-                    self._stopping = True
-        self._serve_orders()
-        if self.events:
-            self._notify()
-        return took
-
-    def _start(self, start: m.Start) -> None:
-        sid, reused, index, refused, clone_s = start.resume, start.resume_at, None, [], 0.0
-        if start.donor is not None:
-            t0 = time.perf_counter()
-            sid, reused, reason = self._clone_of(*start.donor)
-            if sid is None:
-                self.events.append(m.CloneDone(start.rid, None, reason=reason))
-                return
-            clone_s = time.perf_counter() - t0
-        try:
-            for i, (source, upto) in enumerate(start.clone_from if sid is None else ()):
-                try:
-                    t0 = time.perf_counter()
-                    sid, reused, index = self._clone(source, upto), upto, i
-                    clone_s = time.perf_counter() - t0
-                    break
-                except CloneRefused as refusal:
-                    refused.append(refusal.reason)
-                except Exception as exc:  # optional work: the next candidate, or a cold start
-                    log.warning("clone from the prefix cache for request %d failed: %r", start.rid, exc)
-                    refused.append("error")
-            if sid is None:
-                sid, reused = self._ex.new_sid(), 0
-                self._run(e.Open(sid))
-            if start.keep_at:
-                self._keep_at(sid, start.keep_at)
-        except Exception as exc:
-            log.exception("start failed")
-            self.events.append(m.Started(start.rid, 0, None, refused))
-            for rid in [start.rid] + [choice.rid for choice in start.choices]:
-                self.events.append(m.Ended(rid, "error", 0, 0, error=f"start failed: {exc}"))
-            return
-        self._open(start, sid, list(start.choices))
-        self.events.append(m.Started(start.rid, reused, index, refused, clone_s))
-
-    def _open(self, start: m.Start, sid: int, choices: list[m.Choice], planned: bool = False) -> Seq:
-        """`start`'s request takes its slot on session `sid`, with its sampler and its grammar's matcher
-        (`planned`: the plan named its sampler already)."""
-        capture_at = len(start.prompt) - 1 if self._info is not None and self._info.recurrent else len(start.prompt)
-        s = self._running[start.rid] = Seq(start, sid, self._ex.sessions[sid],
-                                           SamplerState(start.sampling, prompt=start.prompt), choices=choices,
-                                           capture_at=capture_at if start.capture else 0)
-        if not planned:
-            self._opened.append(p.Sampler(start.rid, start.sampling, start.prompt))
-        self._rows.start(start.rid, start.constraint)
-        if self._draft_cap and self._drafts is not None:
-            try:
-                s.drafts = self._drafts.open(start.scope, start.prompt)
-            except Exception as exc:  # optional work: it decodes without
-                log.warning("opening a drafter for request %d failed: %r", start.rid, exc)
-        return s
-
-    def _clone(self, source: int, upto: int) -> int:
-        """A new session holding [0, upto) of session `source` (raises CloneRefused and the rest)."""
-        sid = self._ex.new_sid()
-        self._run(e.Clone(sid, source, upto))
-        return sid
-
-    def _stop(self, rid: int, reason: str) -> None:
-        """Cancel or Finish: the request leaves (a clone order it waits for is dropped, and answered)."""
-        if self._orders.drop_recipient(rid):  # every order is answered, a dropped one too
-            self.events.append(m.CloneDone(rid, None, reason="cancelled"))
-        s = self._running.get(rid)
-        if s is not None:
-            self._end(s, reason)
-        else:
-            self._drop_choice(rid, reason)
-
-    def _spill(self, command: m.Spill) -> None:
-        """Optional work: a state that fails to export is simply not kept on disk."""
-        state = None
-        try:
-            state = self._run(e.Export(command.sid))
-        except Exception as exc:
-            log.warning("exporting a prefix cache entry failed: %r", exc)
-        self._run(e.Release([command.sid]))
-        self.events.append(m.Exported(command.key, state))
-
-    def _load_state(self, command: m.LoadState) -> None:
-        """Optional work: a state that fails to load leaves its request to prefill."""
-        t0, sid = time.perf_counter(), self._ex.new_sid()
-        try:
-            self._run(e.Import(sid, command.state))
-        except Exception as exc:
-            log.warning("loading a saved state for request %d failed: %r", command.rid, exc)
-            self.events.append(m.StateLoaded(command.rid, None))
-            return
-        self.events.append(m.StateLoaded(command.rid, sid, self._ex.sessions[sid].position, time.perf_counter() - t0))
-
-    def _keep_at(self, sid: int, positions: tuple[int, ...]) -> None:
-        """Checkpoints at message boundaries are optional work: a backend that fails them runs on without."""
-        try:
-            self._run(e.KeepAt(sid, tuple(positions)))
-        except Exception as exc:
-            log.warning("keeping checkpoints at %s failed: %r", positions, exc)
-
-    # ---- clones for followers ----
-
-    def _clone_donor(self, command: m.CloneDonor) -> None:
-        donor = self._running.get(command.donor)
-        if donor is None:
-            self.events.append(m.CloneDone(command.rid, None, reason="donor_gone"))
-        elif donor.session.position < command.upto:
-            self._orders.add(command)
-        else:
-            self._clone_for(command.rid, donor, command.upto)
-
-    def _clone_of(self, donor_rid: int, upto: int) -> tuple[int, int, None] | tuple[None, int, str]:
-        """`[0, upto)` of a running request's session (at most: a recurrent donor gives the highest
-        state it holds at or below), with what it holds, or why not (a clone fails soft)."""
-        donor = self._running.get(donor_rid)
-        if donor is None:
-            return None, 0, "donor_gone"
-        if self._info is not None and self._info.recurrent:
-            held = clone_positions(donor.session.position, self._info, donor.session.kept)
-            upto = max((q for q in held if q <= upto), default=upto)  # none below: the clone is refused
-        try:
-            return self._clone(donor.sid, upto), upto, None
-        except CloneRefused as refusal:
-            return None, 0, refusal.reason
-        except Exception as exc:
-            log.warning("clone of request %d failed: %s", donor_rid, exc)
-            return None, 0, "error"
-
-    def _clone_for(self, rid: int, donor: Seq, upto: int, refused_reason: str | None = None) -> None:
-        t0 = time.perf_counter()
-        sid, upto, reason = self._clone_of(donor.rid, upto)
-        if sid is not None:
-            self.events.append(m.CloneDone(rid, sid, upto, seconds=time.perf_counter() - t0))
-        else:
-            self.events.append(m.CloneDone(rid, None, reason=refused_reason or reason))
-
-    def _serve_orders(self) -> None:
-        for order in self._orders.due({rid: s.session.position for rid, s in self._running.items()}):
-            self._clone_for(order.rid, self._running[order.donor], order.upto)
-
-    def _hand_over(self, s: Seq, usable: bool) -> None:
-        """A donor with followers waiting is leaving: its heir gets what it committed, the rest plan again."""
-        committed = min(s.session.position, len(s.start.prompt))
-        heir, upto, others = self._orders.leaving(s.rid, committed, usable)
-        if heir is not None:
-            self._clone_for(heir.rid, s, upto, refused_reason="leader_gone")
-        for order in others:
-            self.events.append(m.CloneDone(order.rid, None, reason="leader_gone"))
-
-    # ---- what a committed row leads to ----
-
-    def _capture(self, s: Seq) -> None:
-        prompt = s.start.prompt[:s.capture_at]
-        try:
-            snapshot = self._clone(s.sid, len(prompt))
-        except CloneRefused as refusal:
-            log.info("capture of request %d refused: %s", s.rid, refusal)
-            self.events.append(m.Captured(s.rid, prompt, None))
-            return
-        except Exception as exc:  # optional work: the request goes on without a snapshot
-            log.warning("capture of request %d failed: %r", s.rid, exc)
-            self.events.append(m.Captured(s.rid, prompt, None, failed=True))
-            return
-        if s.session.kept:  # its message-boundary checkpoints go with the snapshot, which serves them
-            try:
-                self._run(e.MoveCheckpoints(s.sid, snapshot))
-            except Exception as exc:  # optional work: the snapshot serves its own length only
-                log.warning("moving checkpoints of request %d to its snapshot failed: %r", s.rid, exc)
-        session = self._ex.sessions[snapshot]
-        self.events.append(m.Captured(s.rid, prompt, snapshot, self.backend.session_bytes(session),
-                                      kept=session.kept))
-
-    def _open_choice(self, lead: Seq, rid: int, logits: Any, row: int, rows: int) -> None:
-        """`lead`'s prompt is in and row `row` of `logits` is its last: choice `rid` starts from a clone at
-        the prompt's full length (before `lead` decodes) and samples its first token from that row."""
-        choice = next(c for c in lead.choices if c.rid == rid)
-        lead.choices.remove(choice)
-        start = replace(lead.start, rid=rid, sampling=choice.sampling, capture=False, choices=[])
-        try:
-            sid = self._clone(lead.sid, len(start.prompt))
-        except Exception as exc:  # the clone of one choice fails that choice alone
-            log.warning("the clone for choice request %d failed: %r", rid, exc)
-            self.events.append(m.Ended(rid, "error", 0, 0, error=f"its clone failed: {exc!r}"))
-            return
-        s = self._open(start, sid, [], planned=True)
-        self.events.append(m.Started(rid, len(start.prompt), None))
-        self.sample(logits, [s if i == row else None for i in range(rows)])
-
-    def _drop_choice(self, rid: int, reason: str) -> None:
-        """A choice still waiting for its prompt leaves alone."""
-        for s in self._running.values():
-            if any(choice.rid == rid for choice in s.choices):
-                s.choices = [choice for choice in s.choices if choice.rid != rid]
-                self.events.append(m.Ended(rid, reason, 0, 0))
-                return
+    # ---- sampling ----
 
     def sample(self, logits: Any, group: list[Seq | None]) -> None:
         """Sample the rows of `group`'s requests (None rows are sampled greedily and dropped)."""
@@ -545,104 +269,6 @@ class Runner:
         if s.generated >= s.start.max_tokens:
             self._end(s, "length")
 
-    # ---- speculation (speculation.py) ----
-
-    def _speculation(self, info: ModelInfo) -> int:
-        """Most tokens a row drafts on this model; 0, said once, where the backend cannot roll it back."""
-        if self._drafts is None:
-            return 0
-        if not self.backend.rolls_back:
-            log.warning("speculative decoding off: %s cannot roll drafted tokens back on this model "
-                        "(recurrent or sliding layers it cannot undo)", type(self.backend).__name__)
-            return 0
-        return draft_cap(info.sliding_windows)
-
-    def _draft_all(self, decoding: list[int]) -> int:
-        """Each decoding request's draft for this step (none in a step that is compute-bound); the tokens drafted."""
-        on = 0 < len(decoding) <= self._speculative_max_batch
-        total = 0
-        for rid in decoding:
-            s = self._running[rid]
-            s.draft = self._propose(s) if on and s.drafts is not None and s.drafts.active else None
-            s.draft_from = s.generated
-            if s.draft is not None:
-                total += len(s.draft.tokens)
-                counts = s.speculated.setdefault(s.draft.source, [0, 0])
-                counts[0] += len(s.draft.tokens)
-        return total
-
-    def _propose(self, s: Seq) -> Draft | None:
-        """Its drafter's guess, cut to what may be verified: within its max_tokens (whose positions its
-        reservation holds), the model's cap, the vocabulary and its grammar. A drafter that raises is dropped."""
-        limit = min(self._draft_cap, s.start.max_tokens - s.generated - 1)
-        if limit < 1:
-            return None
-        assert s.drafts is not None and self._info is not None
-        try:
-            draft = s.drafts.propose([*s.start.prompt, *s.sampler.output], limit)
-        except Exception as exc:  # optional work: it decodes on without
-            log.warning("the drafter of request %d failed, it decodes without: %r", s.rid, exc)
-            s.drafts = None
-            return None
-        if draft is None:
-            return None
-        tokens = list(draft.tokens[:limit])
-        vocab = self._info.vocab_size
-        tokens = tokens[:next((i for i, t in enumerate(tokens) if not 0 <= t < vocab), len(tokens))]
-        tokens = tokens[:self._rows.admissible(s.rid, tokens)]
-        return replace(draft, tokens=tokens) if tokens else None  # type: ignore[type-var]
-
-    def _walk(self, logits: Any, walking: list[tuple[Seq, int, int]], rows: int) -> None:
-        """The drafted rows after their first token (sampled with the rest): while the last draw equals
-        the draft, the next row is sampled (speculation.py: greedy, or the rejection rule); then each
-        is rolled back to what it accepted. `walking`: (request, its first logits row, its tokens
-        generated before that row was sampled)."""
-        accepted = {s.rid: 0 for s, _, _ in walking}
-        j = 0
-        while walking:
-            going = []
-            for s, at, before in walking:
-                assert s.draft is not None
-                took = s.generated == before + 1 and self._accepts(s, s.sampler.output[-1])
-                accepted[s.rid] += took
-                if took and s.rid in self._running:
-                    going.append((s, at, s.generated))
-                else:
-                    self._verified(s, accepted[s.rid])
-            walking, j = going, j + 1
-            ready: list[Seq | None] = [None] * rows
-            for s, at, _ in walking:
-                ready[at + j] = s
-            if walking:
-                self.sample(logits, ready)
-
-    @staticmethod
-    def _accepts(s: Seq, token: int) -> bool:
-        """Whether `token`, its latest, is the drafted one its row's position guessed."""
-        j = s.generated - s.draft_from - 1
-        return s.draft is not None and j < len(s.draft.tokens) and token == s.draft.tokens[j]
-
-    def _verified(self, s: Seq, accepted: int) -> None:
-        assert s.draft is not None
-        if s.rid in self._running:
-            if s.drafts is not None:
-                s.drafts.verified(s.draft, accepted)
-            self._roll_back(s)
-        s.draft = None
-
-    def _roll_back(self, s: Seq) -> bool:
-        """Its session back to the tokens it has committed, past any drafted ones it did not accept."""
-        committed = len(s.start.prompt) + s.generated - 1
-        if s.generated == 0 or s.session.position <= committed:
-            return True
-        try:
-            self._run(e.Truncate(s.sid, committed))
-        except Exception as exc:
-            if s.rid in self._running:
-                self._fail(s.rid, f"rolling drafted tokens back failed: {exc!r}")
-            return False
-        return True
-
     # ---- ends ----
 
     def _fail(self, rid: int, error: str) -> None:
@@ -670,11 +296,3 @@ class Runner:
         self.events.append(m.Ended(s.rid, reason, s.prefilled, s.generated, error, named_sid, held, nbytes, frees,
                                    self._pooled(), grammar_failed, {k: (d, a) for k, (d, a) in s.speculated.items()}))
 
-    def _close_drafts(self, s: Seq, reason: str) -> None:
-        """A finished output joins its scope's corpus (optional work)."""
-        drafts, s.drafts = s.drafts, None
-        if drafts is not None and reason != "error":
-            try:
-                drafts.close(s.sampler.output)
-            except Exception as exc:
-                log.warning("closing the drafter of request %d failed: %r", s.rid, exc)

@@ -2,7 +2,7 @@
 
 The drafters (server/engine/drafts.py) guess tokens from text the request can see; the runner
 verifies them inside its batched step (runner.py: a decode row carries its draft, the pass reads
-every position's logits, `Runner._walk` accepts the longest run the sampler agrees with, and the
+every position's logits, `Speculation._walk` accepts the longest run the sampler agrees with, and the
 session is rolled back past it: Backend.truncate).
 
 Design rules:
@@ -23,7 +23,16 @@ Design rules:
 
 from __future__ import annotations
 
-from typing import Sequence
+import logging
+from dataclasses import replace
+from typing import Any, Sequence
+
+from kvfork.backends import effects as e
+from kvfork.backends.base import ModelInfo
+from kvfork.server.engine.drafts import Draft
+from kvfork.server.engine.sequence import Seq
+
+log = logging.getLogger("kvfork.engine")
 
 # Most tokens one decode row drafts, whatever the drafter proposes: verifying k tokens costs one
 # pass reading k + 1 positions, which stays near one token's cost while the pass is bound by
@@ -35,3 +44,114 @@ def draft_cap(windows: Sequence[int]) -> int:
     """Most drafted tokens a row may carry on a model with these sliding windows: a verify row of
     k + 1 tokens must not overwrite a ring entry its rolled-back state still reads (k + 1 <= W)."""
     return min([MAX_DRAFT, *(w - 1 for w in windows)])
+
+
+class Speculation:
+    """A part of `Runner` (runner.py), whose state it reads: the drafting before a step is planned
+    (`_draft_all`), the walk over the drafted rows after their first token is sampled (`_walk`),
+    and the roll back past what was not accepted."""
+
+    def _draft_cap_for(self, info: ModelInfo) -> int:
+        """Most tokens a row drafts on this model; 0, said once, where the backend cannot roll it back."""
+        if self._drafts is None:
+            return 0
+        if not self.backend.rolls_back:
+            log.warning("speculative decoding off: %s cannot roll drafted tokens back on this model "
+                        "(recurrent or sliding layers it cannot undo)", type(self.backend).__name__)
+            return 0
+        return draft_cap(info.sliding_windows)
+
+    def _draft_all(self, decoding: list[int]) -> int:
+        """Each decoding request's draft for this step (none in a step that is compute-bound); the tokens drafted."""
+        on = 0 < len(decoding) <= self._speculative_max_batch
+        total = 0
+        for rid in decoding:
+            s = self._running[rid]
+            s.draft = self._propose(s) if on and s.drafts is not None and s.drafts.active else None
+            s.draft_from = s.generated
+            if s.draft is not None:
+                total += len(s.draft.tokens)
+                counts = s.speculated.setdefault(s.draft.source, [0, 0])
+                counts[0] += len(s.draft.tokens)
+        return total
+
+    def _propose(self, s: Seq) -> Draft | None:
+        """Its drafter's guess, cut to what may be verified: within its max_tokens (whose positions its
+        reservation holds), the model's cap, the vocabulary and its grammar. A drafter that raises is dropped."""
+        limit = min(self._draft_cap, s.start.max_tokens - s.generated - 1)
+        if limit < 1:
+            return None
+        assert s.drafts is not None and self._info is not None
+        try:
+            draft = s.drafts.propose(s.sampler.output, limit)
+        except Exception as exc:  # optional work: it decodes on without
+            log.warning("the drafter of request %d failed, it decodes without: %r", s.rid, exc)
+            s.drafts = None
+            return None
+        if draft is None:
+            return None
+        tokens = list(draft.tokens[:limit])
+        vocab = self._info.vocab_size
+        tokens = tokens[:next((i for i, t in enumerate(tokens) if not 0 <= t < vocab), len(tokens))]
+        tokens = tokens[:self._rows.admissible(s.rid, tokens)]
+        return replace(draft, tokens=tokens) if tokens else None  # type: ignore[type-var]
+
+    def _walk(self, logits: Any, walking: list[tuple[Seq, int, int]], rows: int) -> None:
+        """The drafted rows after their first token (sampled with the rest): while the last draw equals
+        the draft, the next row is sampled (speculation.py: greedy, or the rejection rule); then each
+        is rolled back to what it accepted. `walking`: (request, its first logits row, its tokens
+        generated before that row was sampled)."""
+        accepted = {s.rid: 0 for s, _, _ in walking}
+        j = 0
+        while walking:
+            going = []
+            for s, at, before in walking:
+                assert s.draft is not None
+                took = s.generated == before + 1 and self._accepts(s, s.sampler.output[-1])
+                accepted[s.rid] += took
+                if took and s.rid in self._running:
+                    going.append((s, at, s.generated))
+                else:
+                    self._verified(s, accepted[s.rid])
+            walking, j = going, j + 1
+            ready: list[Seq | None] = [None] * rows
+            for s, at, _ in walking:
+                ready[at + j] = s
+            if walking:
+                self.sample(logits, ready)
+
+    @staticmethod
+    def _accepts(s: Seq, token: int) -> bool:
+        """Whether `token`, its latest, is the drafted one its row's position guessed."""
+        j = s.generated - s.draft_from - 1
+        return s.draft is not None and j < len(s.draft.tokens) and token == s.draft.tokens[j]
+
+    def _verified(self, s: Seq, accepted: int) -> None:
+        assert s.draft is not None
+        if s.rid in self._running:
+            if s.drafts is not None:
+                s.drafts.verified(s.draft, accepted)
+            self._roll_back(s)
+        s.draft = None
+
+    def _roll_back(self, s: Seq) -> bool:
+        """Its session back to the tokens it has committed, past any drafted ones it did not accept."""
+        committed = len(s.start.prompt) + s.generated - 1
+        if s.generated == 0 or s.session.position <= committed:
+            return True
+        try:
+            self._run(e.Truncate(s.sid, committed))
+        except Exception as exc:
+            if s.rid in self._running:
+                self._fail(s.rid, f"rolling drafted tokens back failed: {exc!r}")
+            return False
+        return True
+
+    def _close_drafts(self, s: Seq, reason: str) -> None:
+        """A finished output joins its scope's corpus (optional work)."""
+        drafts, s.drafts = s.drafts, None
+        if drafts is not None and reason != "error":
+            try:
+                drafts.close(s.sampler.output)
+            except Exception as exc:
+                log.warning("closing the drafter of request %d failed: %r", s.rid, exc)

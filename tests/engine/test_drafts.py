@@ -30,9 +30,9 @@ def test_prompt_lookup_proposes_what_followed_the_longest_match():
     body = noise(40, seed=1)
     prompt = body + noise(30, seed=2) + body[:5]  # the reply starts restating `body`
     r = Drafts("prompt", max_tokens=8).open("t", prompt)
-    draft = r.propose(prompt, 8)
+    draft = r.propose([], 8)
     assert draft == Draft(body[5:9], "prompt", 4.0)  # the adapted length (4) bounds it, not the limit
-    assert r.propose(prompt, 2).tokens == body[5:7]  # the caller's limit bounds it too
+    assert r.propose([], 2).tokens == body[5:7]  # the caller's limit bounds it too
 
 
 def test_the_longest_match_wins_over_a_more_recent_shorter_one():
@@ -40,17 +40,17 @@ def test_the_longest_match_wins_over_a_more_recent_shorter_one():
     key = [7, 8]
     # [5, 7, 8] is followed by a; later [6, 7, 8] by b: a tail ending [5, 7, 8] must draft a
     prompt = [5, *key, *a, 6, *key, *b, 5, *key]
-    draft = Drafts("prompt").open("t", prompt).propose(prompt, 4)
+    draft = Drafts("prompt").open("t", prompt).propose([], 4)
     assert draft is not None and draft.tokens == a[:4]
 
 
 def test_no_match_no_draft_and_the_output_is_indexed_as_it_grows():
     prompt = noise(50, seed=5)
     r = Drafts("prompt").open("t", prompt)
-    assert r.propose(prompt, 4) is None
+    assert r.propose([], 4) is None
     out = noise(6, seed=6)
-    tokens = prompt + out + out[:2]  # the output repeats its own start
-    assert r.propose(tokens, 4).tokens == out[2:6]
+    # the output repeats its own start
+    assert r.propose(out + out[:2], 4).tokens == out[2:6]
 
 
 def test_suffix_drafts_from_a_scopes_past_responses_only():
@@ -60,12 +60,12 @@ def test_suffix_drafts_from_a_scopes_past_responses_only():
     request.close(reply)
     request.close(reply)  # once only
     tail = [42, *reply[:3]]
-    mine = drafts.open("tenant-a/salt", tail).propose(tail, 4)
+    mine = drafts.open("tenant-a/salt", tail).propose([], 4)
     assert mine == Draft(reply[3:7], "suffix", 4.0)
     assert drafts.stats() == {"corpus_bytes": drafts.bytes, "corpus_entries": 1, "scopes": 1}
     for other in ("tenant-b/salt", "tenant-a/other-salt"):
-        assert drafts.open(other, tail).propose(tail, 4) is None
-    assert Drafts("prompt").open("tenant-a/salt", tail).propose(tail, 4) is None  # prompt mode keeps no corpus
+        assert drafts.open(other, tail).propose([], 4) is None
+    assert Drafts("prompt").open("tenant-a/salt", tail).propose([], 4) is None  # prompt mode keeps no corpus
 
 
 def test_suffix_follows_the_most_frequent_continuation_and_stops_at_the_threshold():
@@ -75,7 +75,7 @@ def test_suffix_follows_the_most_frequent_continuation_and_stops_at_the_threshol
         drafts.remember("s", [i + 1000, *stem, *common, 500 + i])
     drafts.remember("s", [*stem, *rare])
     r = drafts.open("s", [1, *stem])
-    draft = r.propose([1, *stem], 6)
+    draft = r.propose([], 6)
     # 9 of 10 occurrences agree on `common`; after it each of the 9 ends differently (1/9 * 0.9 < 0.1)
     assert draft is not None and draft.tokens == common and draft.score == pytest.approx(4 * 0.9)
 
@@ -89,8 +89,8 @@ def test_the_corpus_stays_within_its_bytes_and_evicts_the_oldest_first():
         assert drafts.stats()["corpus_bytes"] <= budget
     assert 0 < drafts.stats()["corpus_entries"] < len(replies)
     newest, oldest = replies[-1], replies[0]
-    assert drafts.open("scope-0", newest[:4]).propose(newest[:4], 4).tokens == newest[4:8]
-    assert drafts.open("scope-0", oldest[:4]).propose(oldest[:4], 4) is None  # evicted
+    assert drafts.open("scope-0", newest[:4]).propose([], 4).tokens == newest[4:8]
+    assert drafts.open("scope-0", oldest[:4]).propose([], 4) is None  # evicted
     # the accounting is exact: forgetting everything brings it back to nothing
     for corpus in list(drafts.corpora.values()):
         while corpus.entries:
@@ -103,7 +103,7 @@ def test_a_response_larger_than_the_budget_keeps_its_end():
     reply = noise(1_000, seed=9)
     drafts.remember("s", reply)
     assert 0 < drafts.stats()["corpus_bytes"] <= 20_000
-    assert drafts.open("s", reply[-10:-6]).propose(reply[-10:-6], 4).tokens == reply[-6:-2]
+    assert drafts.open("s", reply[-10:-6]).propose([], 4).tokens == reply[-6:-2]
 
 
 def test_the_draft_length_adapts_to_acceptance():
@@ -123,18 +123,18 @@ def test_a_request_whose_drafts_are_rejected_turns_itself_off():
     prompt = noise(20, seed=10) * 2
     r = Drafts("prompt").open("t", prompt)
     for _ in range(d.WARMUP_DRAFTS - 1):
-        draft = r.propose(prompt, 4)
+        draft = r.propose([], 4)
         r.verified(draft, 0)
     assert r.active  # not before the warm-up
-    r.verified(r.propose(prompt, 4), 0)
-    assert not r.active and r.propose(prompt, 4) is None
+    r.verified(r.propose([], 4), 0)
+    assert not r.active and r.propose([], 4) is None
 
 
 def test_mostly_accepted_drafts_stay_on():
     prompt = noise(20, seed=11) * 2
     r = Drafts("prompt").open("t", prompt)
     for i in range(50):
-        draft = r.propose(prompt, 4)
+        draft = r.propose([], 4)
         r.verified(draft, len(draft.tokens) if i % 4 else 0)
     assert r.active
 
@@ -144,12 +144,12 @@ def test_a_100k_prompt_proposes_with_work_independent_of_its_length():
         prompt = noise(n, seed=12, vocab=2_000)  # a small vocabulary: many repeated keys
         r = Drafts("suffix").open("t", prompt)
         opened = r.work
-        tokens = list(prompt)
+        output: list[int] = []
         most = 0
         for t in noise(50, seed=13, vocab=2_000):
-            tokens.append(t)
+            output.append(t)
             before = r.work
-            r.propose(tokens, 16)
+            r.propose(output, 16)
             most = max(most, r.work - before)
         return opened, most
 
@@ -165,11 +165,11 @@ def test_a_long_prompt_is_indexed_from_its_end_and_in_the_end_whole():
     prompt = noise(10 * d.INDEX_CHUNK, seed=14)
     r = Drafts("prompt").open("t", prompt)
     early, late = prompt[:6], prompt[-40:-34]
-    assert r.propose(prompt + late, 4).tokens == prompt[-34:-30]  # the recent text on the first call
-    assert r.propose(prompt + late + early, 4) is None  # the start is not indexed yet
+    assert r.propose(late, 4).tokens == prompt[-34:-30]  # the recent text on the first call
+    assert r.propose(late + early, 4) is None  # the start is not indexed yet
     for _ in range(10):
-        r.propose(prompt + late + early, 4)
-    assert r.propose(prompt + late + early, 4).tokens == prompt[6:10]
+        r.propose(late + early, 4)
+    assert r.propose(late + early, 4).tokens == prompt[6:10]
 
 
 def test_an_unknown_speculative_value_is_refused_at_start():

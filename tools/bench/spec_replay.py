@@ -18,9 +18,9 @@ def replay_one(drafts: Drafts, scope: str, prompt: list[int], reply: list[int], 
     """({source: [drafted, accepted]}, verify steps) for one reply."""
     request = drafts.open(scope, prompt)
     assert request is not None
-    seq, counts, steps, i = prompt + reply, {}, 0, 1
+    counts, steps, i = {}, 0, 1
     while i < len(reply):
-        draft = request.propose(seq[:len(prompt) + i], limit)
+        draft = request.propose(reply[:i], limit)
         accepted = 0
         if draft is not None:
             while accepted < len(draft.tokens) and i + accepted < len(reply) \
