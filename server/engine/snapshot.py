@@ -6,7 +6,7 @@ field says where it comes from. Before the model has loaded every figure is 0 an
     snap = engine.snapshot()
     snap.reserved, snap.held, snap.budget     # bytes (Admission): reserved by requests, held in all, the budget
     snap.pooled, snap.in_transit, snap.spilling, snap.abandoned   # what the loop's ledger counts (ledger.py)
-    snap.live_sessions, snap.total_bytes      # what the backend holds, as the runner last reported (messages.Ledger)
+    snap.live_sessions, snap.total_bytes, snap.blocks   # the backend, as the runner last reported (messages.Ledger)
     snap.slots_used, snap.queued, snap.following, snap.captures_in_use
     snap.cached, snap.cached_bytes            # the prefix cache's memory tier (Index)
     snap.on_disk, snap.disk_on                # the disk tier's files (Index), whether the tier is writing
