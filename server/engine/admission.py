@@ -7,12 +7,16 @@ Its verbs are the only way in (its parts are private: tests/house/test_engine_bo
   reserve(r, nbytes) -> bool          hold more of the budget only if it fits (the cache gives way), less always
   leave_slot(r) / let_go(r) / release(r)    give back a slot and its bytes / the bytes / everything
   take_named(r, nbytes)               a named session's state becomes its request's to hold
-  abandon(r, nbytes) / answered(rid)  a clone ordered from the runner, no longer waited for
-  capture_done(r) / spilled(nbytes)   a capture's, a spill's bytes go back
-  pooled_now(pooled)                  the runner's figure of blocks no one session holds
+  capture_done(r)                     a capture's bytes go back
   keep_snapshot(...) / release_sessions(sids) / drain()    what joins the prefix cache / what the runner
                                       releases / everything, at shutdown
   request_bytes, choice_bytes, clone_bytes, checkpoints     prices (the backend's KVCost)
+  held(), holds(r), in_slot(r), has_capture(r), budget, reserved, queued, queued_tokens, slots_used,
+  captures_in_use                     reads (Engine.snapshot(), metrics)
+
+What the runner holds beyond those holders (pooled blocks, releases in transit, abandoned orders, spilling
+entries) is counted by the LoopLedger (ledger.py) that Serving hands it and enters the runner's answers in;
+`held()` counts its `nbytes`, and Admission enters its own releases and spills there.
 
 Design rules:
 - fair shares between tenants (fair_share.py), first come, first served within
@@ -28,21 +32,23 @@ Design rules:
   from the moment the request acquires it (even queued, before it runs);
 - a clone ordered from the runner stays held until the runner answers the
   order, even when its request stopped waiting for it (it left, or its follow
-  timed out): the runner may already have made it;
+  timed out): the runner may already have made it (the request's hold moves to
+  the ledger's `abandoned`);
 - bytes are priced by the backend's own cost function (`ModelInfo.kv`, a pure
   function); cache entries count what the backend measured for them; where the
   backend pads the sessions it runs together (MLX), the padding is held too;
 - a cache entry evicted while the disk tier is on spills there: its bytes stay
-  held (`spilling`) until its file is written, so room it makes comes only then
-  (the head waits for it, and the loop admits again when the write is done);
+  held (the ledger's `spilling`) until its file is written, so room it makes
+  comes only then (the head waits for it, and the loop admits again when the
+  write is done);
 - clone by reference (`KVCost.shares`): each block is counted once, by whoever
   holds it on its own: a running request reserves what it writes (a clone, only
   its own tokens past the blocks it reads: `shared=`), a cache entry or an idle
   named session the bytes the runner measured as its own, and the runner reports
-  the rest, the blocks whose writer is gone that others still read (`pooled`).
-  Releasing a session frees at once only what nobody else reads (`frees`); what
-  others read stays counted (`in_transit`) until the runner reports the Release
-  run, when it is in `pooled`.
+  the rest, the blocks whose writer is gone that others still read (the ledger's
+  `pooled`). Releasing a session frees at once only what nobody else reads
+  (`frees`); what others read stays counted (the ledger's `in_transit`) until
+  the runner reports the Release run, when it is pooled.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.disk import DiskTier
 from kvfork.server.engine.fair_share import give_way, next_in_line
 from kvfork.server.engine.index import Entry, Index
+from kvfork.server.engine.ledger import LoopLedger
 from kvfork.server.engine.request import Request
 from kvfork.server.engine.scheduler import clamp_max_tokens, fit_admission
 from kvfork.server.engine.sessions import NamedSessions, check_session_id
@@ -72,23 +79,15 @@ class Sizes:
 
 class Admission:
     def __init__(self, config: EngineConfig, info: ModelInfo, index: Index, named: NamedSessions,
-                 disk: DiskTier | None, send: Callable[[Any], None]):
+                 disk: DiskTier | None, send: Callable[[Any], None], ledger: LoopLedger):
         self._config, self._kv, self._recurrent = config, info.kv, info.recurrent
         self._budget: int = config.kv_budget_bytes  # type: ignore[assignment]  (resolved)
-        self._index, self._named, self._disk, self._send = index, named, disk, send
+        self._index, self._named, self._disk, self._send, self._ledger = index, named, disk, send, ledger
         self._queue: collections.deque[Request] = collections.deque()
         self._in_slots: dict[int, Request] = {}  # rid -> request holding an inference slot
         self._holds: dict[int, int] = {}  # rid -> bytes it holds: its slot's, or its landing clone's
         self._captures: dict[int, int] = {}  # rid -> bytes of the snapshot its capture may take
-        self._reserved = 0  # what requests hold, captures, abandoned clones
-        # rid -> bytes of each clone it ordered and stopped waiting for, oldest first: the runner may have
-        # made it (or may still), so its bytes stay held until the runner's CloneDone answers the order
-        self._abandoned: dict[int, collections.deque[int]] = {}
-        self._spilling = 0  # bytes of evicted entries on their way to disk: held until their file is written
-        self._pooled = 0  # bytes the runner reports held by no one session (m.Pooled)
-        self._releases_sent = 0
-        # (Release number, bytes): what a released session wrote that others read, until that Release has run
-        self._in_transit: collections.deque[tuple[int, int]] = collections.deque()
+        self._reserved = 0  # what requests and captures hold
 
     # ---- reads ----
 
@@ -114,30 +113,12 @@ class Admission:
         return self._reserved
 
     @property
-    def pooled(self) -> int:
-        return self._pooled
-
-    @property
-    def spilling(self) -> int:
-        return self._spilling
-
-    @property
     def captures_in_use(self) -> int:
         return len(self._captures)
 
-    @property
-    def in_transit(self) -> int:
-        """Bytes of released sessions others still read, until the runner reports the Release run."""
-        return sum(nbytes for _, nbytes in self._in_transit)
-
-    @property
-    def abandoned(self) -> int:
-        """Clone orders no one waits for any more that the runner has not answered yet."""
-        return sum(len(orders) for orders in self._abandoned.values())
-
     def held(self) -> int:
         return (self._reserved + self._padding() + self._index.nbytes("memory") + self._named.idle_bytes()
-                + self._pooled + self.in_transit + self._spilling)
+                + self._ledger.nbytes)
 
     def in_slot(self, request: Request) -> bool:
         return request.rid in self._in_slots
@@ -289,23 +270,6 @@ class Admission:
         self._reserved += nbytes
         self._holds[request.rid] = self.holds(request) + nbytes
 
-    def abandon(self, request: Request, nbytes: int) -> None:
-        """`request` stops waiting for a clone of `nbytes` it ordered from the runner: those bytes move
-        from its hold to the order, until `answered`."""
-        nbytes = min(nbytes, self.holds(request))
-        self._holds[request.rid] = self.holds(request) - nbytes
-        self._abandoned.setdefault(request.rid, collections.deque()).append(nbytes)
-
-    def answered(self, rid: int) -> bool:
-        """The runner answered `rid`'s oldest order: if it was abandoned, its bytes go back (True)."""
-        orders = self._abandoned.get(rid)
-        if not orders:
-            return False
-        self._reserved -= orders.popleft()
-        if not orders:
-            del self._abandoned[rid]
-        return True
-
     def _hold_together(self, holds: list[tuple[Request, int]], also: int = 0) -> bool:
         """All of `holds` (request, bytes), with `also` fitting beside them, or none."""
         extra = sum(nbytes - self.holds(request) for request, nbytes in holds)
@@ -339,9 +303,9 @@ class Admission:
         # A snapshot's own bytes are never read by another session (a clone of it reads below its own
         # block): evicting it frees them all (a spilled one once its file is written); the pooled blocks
         # it was the last to read go once the runner reports the release.
-        spilling = self._spilling
+        spilling = self._ledger.spilling
         self._drop_entries(self._index.evict_memory(fit.evict_bytes))
-        spilled = self._spilling - spilling  # free once written: no named session goes for them
+        spilled = self._ledger.spilling - spilling  # free once written: no named session goes for them
         short = self._budget - (self.held() - spilled) - need
         if short < 0:
             self.release_sessions(*self._named.evict_bytes(-short))
@@ -354,15 +318,7 @@ class Admission:
         bytes others still read, counted until the runner has run the Release (then it is pooled)."""
         if sids:
             self._send(m.Release(list(sids)))
-            self._releases_sent += 1
-            if still_read:
-                self._in_transit.append((self._releases_sent, still_read))
-
-    def pooled_now(self, pooled: m.Pooled) -> None:
-        """The runner's figure, as of an event: Releases it had run are in it, so their transit ends."""
-        self._pooled = pooled.nbytes
-        while self._in_transit and self._in_transit[0][0] <= pooled.releases:
-            self._in_transit.popleft()
+            self._ledger.released(still_read)
 
     def _drop_entries(self, entries: list[Entry]) -> None:
         """Entries the prefix cache let go: each spills to the disk tier, or is released."""
@@ -370,15 +326,11 @@ class Admission:
         for entry in entries:
             assert entry.sid is not None
             if self._disk is not None and self._disk.on and self._disk.worth(entry.tokens, entry.scope):
-                self._spilling += entry.nbytes
+                self._ledger.spill(entry.nbytes)
                 self._send(m.Spill((entry.tokens, entry.scope, entry.nbytes), entry.sid))
             else:
                 released.append(entry.sid)
         self.release_sessions(released)
-
-    def spilled(self, nbytes: int) -> None:
-        """A spill is over (its file written, or not): its bytes go back."""
-        self._spilling -= nbytes
 
     # ---- snapshots for the prefix cache ----
 

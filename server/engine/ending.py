@@ -55,7 +55,7 @@ class Ending:
         if isinstance(r.phase, Following):  # first: a clone order it abandons keeps its bytes held
             self._unpark(r)
         if isinstance(r.phase, Restoring) and r.phase.sent:  # the runner may have loaded it already
-            adm.abandon(r, adm.clone_bytes(r.phase.match.upto))
+            self._abandon(r, adm.clone_bytes(r.phase.match.upto))
         self._leader_left(r)
         adm.release(r)
         if r.named is not None and r.named.busy:
@@ -89,7 +89,8 @@ class Ending:
 
     def on_ended(self, ev: m.Ended) -> None:
         r = self._requests.get(ev.rid)
-        self._admission.pooled_now(ev.pooled)  # with its reservation let go below: its blocks others read are pooled
+        if ev.ledger is not None:  # with its reservation let go below: its blocks others read are pooled
+            self.on_ledger(ev.ledger)
         if r is None:
             self._admission.release_sessions([ev.sid] if ev.sid is not None else [], max(0, ev.nbytes - ev.frees))
             return

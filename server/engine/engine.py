@@ -49,7 +49,6 @@ from kvfork.server.settings import validate
 log = logging.getLogger("kvfork.engine")
 
 STOP_WAIT_S = 10.0  # after the grace period: how long cancelled requests get to leave before we stop waiting
-NO_STATS = m.StepStats({}, 0, 0, 0.0, 0.0)
 
 
 class Engine:
@@ -162,11 +161,6 @@ class Engine:
     @property
     def following(self) -> int:
         return self._serving.following if self._serving is not None else 0
-
-    @property
-    def stats(self) -> m.StepStats:
-        """The runner's last step statistics (live sessions and bytes from its last Holding)."""
-        return self._serving.stats if self._serving is not None else NO_STATS
 
     def requests(self) -> list[Request]:
         """The requests it holds now, in admission order (read, never changed: the reuse page's)."""

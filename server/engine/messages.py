@@ -86,7 +86,7 @@ class CloneDonor:
 
 @dataclass
 class Release:
-    """Release these sessions. The runner counts the Releases it has run (`Pooled.releases`), so the
+    """Release these sessions. The runner counts the Releases it has run (`Ledger.releases`), so the
     loop knows when the blocks they wrote that others still read have reached the pool."""
 
     sids: list[int]
@@ -148,13 +148,16 @@ class Captured:
 
 
 @dataclass(frozen=True)
-class Pooled:
-    """What the backend holds beyond its sessions' own bytes, as of the event carrying it: blocks whose
-    writer was released that others still read (Backend.pooled_bytes), after `releases` Release
-    commands had run."""
+class Ledger:
+    """What the backend holds, as of one moment on the runner thread: sent after a step (following its
+    StepStats), after commands that ran while no step did, and inside an `Ended` (after its session was
+    released). The loop's byte view is derived from the last one it read (ledger.LoopLedger)."""
 
-    nbytes: int = 0
-    releases: int = 0
+    live_sessions: int = 0  # sessions open (Backend.live_sessions)
+    total_bytes: int = 0  # bytes of KV state they hold, each counted once (Backend.total_bytes)
+    pooled_bytes: int = 0  # blocks whose writer was released that others still read (Backend.pooled_bytes)
+    releases: int = 0  # Release commands run so far: their blocks others read are in `pooled_bytes`
+    blocks: BlockStats | None = None  # a backend with blocks (Backend.block_stats)
 
 
 @dataclass
@@ -168,7 +171,7 @@ class Ended:
     held: list[int] = field(default_factory=list)  # the tokens it has committed
     nbytes: int = 0  # the kept session's own bytes (Backend.session_bytes)
     frees: int = 0  # what releasing the kept session would free (Backend.release_frees)
-    pooled: Pooled = Pooled()  # after its session was released (what others read of it pooled)
+    ledger: Ledger | None = None  # once its session was released (what others read of it pooled); None: none was
     grammar_failed: bool = False  # the error is its grammar's (api.DoneEvent.grammar_failed)
     speculated: dict[str, tuple[int, int]] = field(default_factory=dict)  # draft source -> (drafted, accepted)
 
@@ -198,26 +201,14 @@ class StateLoaded:
 
 @dataclass
 class StepStats:
+    """A step's timing and every running request's progress; the step's `Ledger` follows it."""
+
     committed: dict[int, int]  # every running request's committed prompt+output position
-    live_sessions: int
-    total_bytes: int
     step_s: float
     backend_s: float
     prefill_tokens: int = 0
     prefill_s: float = 0.0
     kept: dict[int, tuple[int, ...]] = field(default_factory=dict)  # recurrent checkpoints held, where any
-    pooled: Pooled = Pooled()
-    blocks: BlockStats | None = None  # a backend with blocks (Backend.block_stats)
-
-
-@dataclass
-class Holding:
-    """What the backend holds after commands ran while no request was running (no step reports it)."""
-
-    live_sessions: int
-    total_bytes: int
-    pooled: Pooled = Pooled()
-    blocks: BlockStats | None = None
 
 
 @dataclass

@@ -88,9 +88,17 @@ class Parking:
         if following.timer is not None:
             following.timer.cancel()
         if following.registered and not answered:
-            self._admission.abandon(f, self._admission.clone_bytes(following.order.target))
+            self._abandon(f, self._admission.clone_bytes(following.order.target))
             self._send(m.Cancel(f.rid))  # drops its clone order
         phase.queue(f, landed)
+
+    def _abandon(self, r: Request, nbytes: int) -> None:
+        """`r` stops waiting for a session of `nbytes` it ordered from the runner (a clone, a state load): those
+        bytes move from its hold to the ledger's abandoned orders, held until the runner answers the order."""
+        adm = self._admission
+        nbytes = min(nbytes, adm.holds(r))
+        adm.reserve(r, adm.holds(r) - nbytes)  # less: it always fits
+        self._ledger.abandon(r.rid, nbytes)
 
     def _requeue(self, r: Request) -> None:
         """Back in the queue at its arrival place, holding nothing (or only its landed session)."""
@@ -157,7 +165,7 @@ class Parking:
         # the answer to an order its request stopped waiting for (it left, or its follow timed out)
         waits = r is not None and (isinstance(r.phase, Following) or
                                    (isinstance(r.phase, Prefilling) and r.phase.donor_upto > 0))
-        if self._admission.answered(ev.rid) or not waits:
+        if self._ledger.answered(ev.rid) or not waits:
             self._admission.release_sessions([ev.sid] if ev.sid is not None else [])
             return
         assert r is not None
@@ -186,7 +194,7 @@ class Parking:
         """The runner loaded a request's state (or failed to): it waits for a slot, or prefills."""
         r = self._requests.get(ev.rid)
         # the answer to a load its request stopped waiting for
-        if self._admission.answered(ev.rid) or r is None or not isinstance(r.phase, Restoring):
+        if self._ledger.answered(ev.rid) or r is None or not isinstance(r.phase, Restoring):
             self._admission.release_sessions([ev.sid] if ev.sid is not None else [])
             return
         outcome = "restored" if ev.sid is not None else "failed"

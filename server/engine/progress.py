@@ -85,11 +85,10 @@ class Progress:
 
     def on_exported(self, ev: m.Exported) -> None:
         """A spilled entry's state is on the host: to its file; its bytes go back once written."""
-        adm = self._admission
         tokens, scope, nbytes = ev.key
 
         def written(_: bool) -> None:
-            adm.spilled(nbytes)
+            self._ledger.spilled(nbytes)
             self.admit()
 
         if ev.state is None or self._disk is None:
@@ -97,17 +96,13 @@ class Progress:
         else:
             self._disk.write(ev.state, tokens, scope, written)
 
-    def on_holding(self, ev: m.Holding) -> None:
-        stats = self.stats
-        stats.live_sessions, stats.total_bytes, stats.blocks = ev.live_sessions, ev.total_bytes, ev.blocks
-        self._admission.pooled_now(ev.pooled)
+    def on_ledger(self, ev: m.Ledger) -> None:
+        """What the backend holds (after a step, commands, or an end): the loop's byte view follows it."""
+        self._ledger.update(ev)
         self.metrics.holding(ev.total_bytes, self.config.kv_budget_bytes)
 
     def on_step_stats(self, ev: m.StepStats) -> None:
-        self.stats = ev
-        self._admission.pooled_now(ev.pooled)
         self.metrics.step(ev)
-        self.metrics.holding(ev.total_bytes, self.config.kv_budget_bytes)
         self.rates = self.rates.observe_prefill(ev.prefill_tokens, ev.prefill_s)
         for rid, position in ev.committed.items():
             r = self._requests.get(rid)

@@ -74,7 +74,7 @@ class Runner(Commands, Cloning, Speculation):
         self._stopping = False
         self._constrained: ConstrainedRows | None = None  # once the model is loaded (it knows the vocabulary)
         self._info: ModelInfo | None = None  # once loaded
-        self._releases = 0  # Release commands run (m.Pooled)
+        self._releases = 0  # Release commands run (m.Ledger.releases)
         self._drafts, self._speculative_max_batch = drafts, speculative_max_batch
         self._draft_cap = 0  # most tokens a row drafts on the loaded model (0: it does not speculate)
         self.thread = threading.Thread(target=self._main, name="kvfork-runner", daemon=True)
@@ -193,19 +193,16 @@ class Runner(Commands, Cloning, Speculation):
         self._walk(logits, walking, total)
 
     def publish(self, plan: p.StepPlan, took: bool, step_s: float, backend_s: float, prefill_s: float) -> None:
-        """Events for the loop: a step's StepStats, or, after commands alone, what the backend holds."""
+        """Events for the loop: a step's StepStats and Ledger, or, after commands alone, the Ledger."""
         if not plan.passes():
-            if took and not self._running:  # no step reports what the commands left held
-                self.events.append(m.Holding(self.backend.live_sessions(), self.backend.total_bytes(),
-                                             self._pooled(), self.backend.block_stats()))
+            if took:  # no step reports what the commands left held
+                self.events.append(self._ledger())
             if self.events:
                 self._notify()
             return
         committed = {rid: s.session.position for rid, s in self._running.items()}
         kept = {rid: s.session.kept for rid, s in self._running.items() if s.session.kept}
-        backend = self.backend
-        self._publish(m.StepStats(committed, backend.live_sessions(), backend.total_bytes(), step_s, backend_s,
-                                  plan.prefill_tokens, prefill_s, kept, self._pooled(), backend.block_stats()))
+        self._publish(m.StepStats(committed, step_s, backend_s, plan.prefill_tokens, prefill_s, kept), self._ledger())
 
     def _observe(self, plan: p.StepPlan, step_s: float, last_pass_s: float) -> float:
         """The step's backend time into the step budget's rates (a step that decoded: the whole step
@@ -236,8 +233,10 @@ class Runner(Commands, Cloning, Speculation):
         self.events.extend(events)
         self._notify()
 
-    def _pooled(self) -> m.Pooled:
-        return m.Pooled(self.backend.pooled_bytes(), self._releases)
+    def _ledger(self) -> m.Ledger:
+        """What the backend holds now, for the loop's byte view."""
+        b = self.backend
+        return m.Ledger(b.live_sessions(), b.total_bytes(), b.pooled_bytes(), self._releases, b.block_stats())
 
     # ---- sampling ----
 
@@ -294,5 +293,5 @@ class Runner(Commands, Cloning, Speculation):
         else:
             self._run(e.Release([s.sid]))
         self.events.append(m.Ended(s.rid, reason, s.prefilled, s.generated, error, named_sid, held, nbytes, frees,
-                                   self._pooled(), grammar_failed, {k: (d, a) for k, (d, a) in s.speculated.items()}))
+                                   self._ledger(), grammar_failed, {k: (d, a) for k, (d, a) in s.speculated.items()}))
 

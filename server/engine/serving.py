@@ -27,6 +27,7 @@ from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.disk import DiskTier
 from kvfork.server.engine.ending import Ending
 from kvfork.server.engine.index import Index
+from kvfork.server.engine.ledger import LoopLedger
 from kvfork.server.engine.parking import Parking
 from kvfork.server.engine.placement import (Cached, Clone, Follow, Fresh, Placement, Restore, Resume, View, Wait, place,
                                             place_without_reuse, take_view)
@@ -48,9 +49,9 @@ class Serving(Parking, Progress, Ending):
         self._send = send
         self._index, self._disk = index, disk
         self._named = NamedSessions(config.max_named_sessions, index)
-        self._admission = Admission(config, info, index, self._named, disk, send)
+        self._ledger = LoopLedger()  # the runner's bytes, as its reports and the loop's orders give them
+        self._admission = Admission(config, info, index, self._named, disk, send, self._ledger)
         self.closing = False  # shutting down: nothing more is admitted
-        self.stats = m.StepStats({}, 0, 0, 0.0, 0.0)  # the runner's last
         self.idle = asyncio.Event()  # set while it holds no request
         self.idle.set()
         self._requests: dict[int, Request] = {}
@@ -85,13 +86,16 @@ class Serving(Parking, Progress, Ending):
         return list(self._requests.values())
 
     def snapshot(self) -> EngineSnapshot:
-        adm, index, named, disk = self._admission, self._index, self._named, self._disk
+        adm, ledger, index, named, disk = self._admission, self._ledger, self._index, self._named, self._disk
+        runner = ledger.runner
         return EngineSnapshot(
-            loaded=True, budget=adm.budget, held=adm.held(), reserved=adm.reserved, pooled=adm.pooled,
-            in_transit=adm.in_transit, spilling=adm.spilling, abandoned=adm.abandoned, slots_used=adm.slots_used,
-            queued=adm.queued, following=self.following, captures_in_use=adm.captures_in_use,
-            cached=index.count("memory"), cached_bytes=index.nbytes("memory"), on_disk=index.count("disk"),
-            disk_on=disk is not None and disk.on, named_sessions=len(named), named_holding=named.holding())
+            loaded=True, budget=adm.budget, held=adm.held(), reserved=adm.reserved, pooled=ledger.pooled,
+            in_transit=ledger.in_transit, spilling=ledger.spilling, abandoned=ledger.abandoned,
+            live_sessions=runner.live_sessions, total_bytes=runner.total_bytes, blocks=runner.blocks,
+            slots_used=adm.slots_used, queued=adm.queued, following=self.following,
+            captures_in_use=adm.captures_in_use, cached=index.count("memory"), cached_bytes=index.nbytes("memory"),
+            on_disk=index.count("disk"), disk_on=disk is not None and disk.on, named_sessions=len(named),
+            named_holding=named.holding())
 
     # ---- requests ----
 
@@ -267,6 +271,6 @@ class Serving(Parking, Progress, Ending):
 
     _handlers: dict[type, Callable[["Serving", Any], None]] = {
         m.Started: Progress.on_started, m.Token: Progress.on_token, m.Captured: Progress.on_captured,
-        m.Exported: Progress.on_exported, m.Holding: Progress.on_holding, m.StepStats: Progress.on_step_stats,
+        m.Exported: Progress.on_exported, m.Ledger: Progress.on_ledger, m.StepStats: Progress.on_step_stats,
         m.CloneDone: Parking.on_clone_done, m.StateLoaded: Parking.on_state_loaded, m.Ended: Ending.on_ended,
     }

@@ -5,6 +5,8 @@ field says where it comes from. Before the model has loaded every figure is 0 an
 
     snap = engine.snapshot()
     snap.reserved, snap.held, snap.budget     # bytes (Admission): reserved by requests, held in all, the budget
+    snap.pooled, snap.in_transit, snap.spilling, snap.abandoned   # what the loop's ledger counts (ledger.py)
+    snap.live_sessions, snap.total_bytes, snap.blocks   # the backend, as the runner last reported (messages.Ledger)
     snap.slots_used, snap.queued, snap.following, snap.captures_in_use
     snap.cached, snap.cached_bytes            # the prefix cache's memory tier (Index)
     snap.on_disk, snap.disk_on                # the disk tier's files (Index), whether the tier is writing
@@ -15,18 +17,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvfork.backends.base import BlockStats
+
 
 @dataclass(frozen=True)
 class EngineSnapshot:
     loaded: bool = False
     # the budget (Admission)
     budget: int = 0  # bytes of KV state the engine may hold
-    held: int = 0  # bytes it counts now: reservations, the prefix cache, idle named sessions, pooled, in transit
-    reserved: int = 0  # of those, what requests, captures and abandoned clone orders reserve
+    held: int = 0  # bytes it counts now: reserved, the prefix cache, idle named sessions, and the ledger's below
+    reserved: int = 0  # of those, what requests and captures reserve
+    # the loop's ledger of the runner's bytes (ledger.LoopLedger)
     pooled: int = 0  # blocks no one session holds that others still read, as the runner last reported
     in_transit: int = 0  # what released sessions wrote that others read, until the runner ran the Release
     spilling: int = 0  # evicted cache entries on their way to disk
-    abandoned: int = 0  # clone orders no one waits for that the runner has not answered yet
+    abandoned: int = 0  # clone or load orders no one waits for that the runner has not answered yet (a count)
+    # the backend, as the runner last reported (messages.Ledger)
+    live_sessions: int = 0  # sessions open
+    total_bytes: int = 0  # bytes of KV state they hold (compare `held`)
+    blocks: BlockStats | None = None  # a backend with blocks: blocks held, shared, bytes saved by sharing
     # requests
     slots_used: int = 0
     queued: int = 0

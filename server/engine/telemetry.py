@@ -26,8 +26,6 @@ class Readings(Protocol):
     def snapshot(self) -> EngineSnapshot: ...
     @property
     def disk(self) -> DiskTier | None: ...
-    @property
-    def stats(self) -> m.StepStats: ...
     def load(self) -> EngineLoad: ...
 
 
@@ -97,15 +95,15 @@ class EngineMetrics:
           lambda: engine.load().waiting)
         g("kv_cache_usage_perc", "fraction of the KV budget in use, 0 to 1 (the prefix cache and idle named "
           "sessions give way, so they are not counted)", lambda: engine.load().kv_usage)
-        g("live_sessions", "backend sessions open", lambda: engine.stats.live_sessions)
-        g("kv_bytes", "bytes of KV state the backend holds", lambda: engine.stats.total_bytes)
+        g("live_sessions", "backend sessions open", snap(lambda s: s.live_sessions))
+        g("kv_bytes", "bytes of KV state the backend holds", snap(lambda s: s.total_bytes))
         g("kv_budget_held_bytes", "bytes of the KV budget held: reservations, prefix cache, idle named sessions, "
           "pooled blocks (compare kv_bytes)", snap(lambda s: s.held))
         g("kv_pooled_bytes", "bytes of KV blocks whose writer is gone that other sessions still read",
           snap(lambda s: s.pooled))
 
         def blocks(read):  # a gauge over the backend's blocks, 0 for a backend without them
-            return lambda: read(engine.stats.blocks) if engine.stats.blocks is not None else 0
+            return snap(lambda s: read(s.blocks) if s.blocks is not None else 0)
 
         g("kv_blocks", "blocks of full-attention KV held, each counted once", blocks(lambda b: b.blocks))
         g("kv_blocks_shared", "blocks held by more than one session, cache entry or named session",

@@ -376,8 +376,8 @@ async def test_metrics_report_the_cache_and_what_the_backend_holds_at_rest():
     engine = await start_engine(backend, prefix_cache_entries=1)
     await run(engine, prompt_of(20, start=1), 2)
     await run(engine, prompt_of(30, start=200), 2)  # its snapshot evicts the first one
-    await until(lambda: engine.stats.live_sessions == 1)  # the eviction's release, reported at rest
-    assert engine.stats.total_bytes == backend.total_bytes() == 30 * 1024
+    await until(lambda: engine.snapshot().live_sessions == 1)  # the eviction's release, reported at rest
+    assert engine.snapshot().total_bytes == backend.total_bytes() == 30 * 1024
     text = engine.registry.render()
     for line in ("kvfork_prefix_cache_entries 1", f"kvfork_prefix_cache_bytes {30 * 1024}", "kvfork_live_sessions 1",
                  'kvfork_prefix_cache_captures_total{outcome="stored"} 2',
