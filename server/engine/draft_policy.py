@@ -34,6 +34,13 @@ and a row below it skips drafting in that step (other rows still draft). The two
   drafting back on after a few accepted probes. A new request's first draft is such a probe, so its
   own record starts at once, whatever the requests before it did.
 
+A step that prefills drafts nothing (Speculation._draft_all): its pass is compute-bound by the prompt
+chunks, so a drafted position there costs what a prompt token costs, comes out of the step's token
+budget, and lengthens the step that every prefilling request waits on. The requests it delays are
+not in the rule above, and they decide a batch's end: on the agent workload at four requests (a
+chain of followers, each waiting for its leader's prefill) drafting during prefill made suffix
+0.86-0.94x of off; without it, 1.2x (docs/benchmarks.md).
+
 Drafting or not never changes a token: verification keeps only what the request's sampler draws.
 """
 

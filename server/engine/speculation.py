@@ -19,6 +19,10 @@ Design rules:
   cannot roll back (`Backend.rolls_back`), a grammar whose matcher cannot check a draft
   (constraints.ConstrainedRows.admissible), or a step with more decode rows than
   --speculative-max-batch (compute-bound: verifying costs as much as it saves);
+- nothing is drafted in a step that prefills: its pass is compute-bound by the prompt chunks, and
+  drafted positions would come out of their token budget and lengthen the step every prefilling
+  request waits on (other requests' time to first token, and a chain of followers, would pay for
+  this one's speed: draft_policy.py);
 - a row drafts only where its drafts pay at the step's batch size: its expected acceptance above
   what a drafted token costs there (draft_policy.py, from the steps' measured seconds), with a
   probe now and then so it can turn drafting back on.
@@ -66,10 +70,12 @@ class Speculation:
         return draft_cap(info.sliding_windows)
 
     def _draft_all(self, decoding: list[int]) -> int:
-        """Each decoding request's draft for this step: none in a step over --speculative-max-batch rows,
-        and none for a row whose drafts would not pay at this batch size (draft_policy.py). The tokens drafted."""
+        """Each decoding request's draft for this step: none in a step over --speculative-max-batch rows or
+        one that prefills, and none for a row whose drafts would not pay at this batch size (draft_policy.py).
+        The tokens drafted."""
         batch = len(decoding)
-        on = 0 < batch <= self._speculative_max_batch and not self._policy.baseline(batch)
+        prefilling = any(s.prefill_left > 0 for s in self._running.values())
+        on = 0 < batch <= self._speculative_max_batch and not prefilling and not self._policy.baseline(batch)
         total = 0
         for rid in decoding:
             s = self._running[rid]

@@ -235,3 +235,25 @@ async def test_plans_with_drafts_replay_on_a_fresh_backend_to_the_same_tokens(ba
     fresh.load(folder, "float32")
     replayed = p.replay([p.from_bytes(p.to_bytes(plan)) for plan in plans], fresh)
     assert [replayed[rid] for rid in rids] == want
+
+
+async def test_rows_whose_drafts_are_all_rejected_draft_only_to_probe(backend_name, tiny_model_dir):
+    """The batch-level policy (draft_policy.py): four requests whose drafter proposes a token the model
+    never picks stop drafting after their first few drafts, but for a probe every PROBE_EVERY steps,
+    whatever the steps' timings; their tokens are those of speculation off."""
+    from kvfork.server.engine.draft_policy import PROBE_EVERY
+
+    folder, n = tiny_model_dir("llama"), 64
+    prompts = [prompt(20, seed=30 + i) for i in range(4)]
+    off = await engine_of(backend_name, folder, prefix_cache_entries=0)
+    want = await asyncio.gather(*(run(off, q, n, ignore_eos=True) for q in prompts))
+    await off.shutdown(1)
+    never = next(t for t in range(500) if all(t not in tokens for tokens, _ in want))
+    on = await engine_of(backend_name, folder, ScriptedDrafts(fixed=[never]), prefix_cache_entries=0)
+    if not on.backend.rolls_back:
+        pytest.skip(f"{backend_name} does not speculate on llama")
+    got = await asyncio.gather(*(run(on, q, n, ignore_eos=True) for q in prompts))
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
+    drafted, accepted = counted(on)
+    assert accepted == 0 and 4 <= drafted <= 4 * (n // PROBE_EVERY + 4)  # one a step would be 4 * (n - 1)
+    await on.shutdown(1)
