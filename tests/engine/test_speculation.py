@@ -257,3 +257,26 @@ async def test_rows_whose_drafts_are_all_rejected_draft_only_to_probe(backend_na
     drafted, accepted = counted(on)
     assert accepted == 0 and 4 <= drafted <= 4 * (n // PROBE_EVERY + 4)  # one a step would be 4 * (n - 1)
     await on.shutdown(1)
+
+
+async def test_no_row_drafts_in_a_step_that_prefills(backend_name, tiny_model_dir):
+    """A request whose drafts are all accepted decodes without drafts while another's prompt is
+    prefilled beside it (drafted positions would lengthen the step that prompt waits on), and drafts
+    once it is in; the tokens are those it decodes alone."""
+    folder, plans = tiny_model_dir("llama"), []
+    settings = dict(prefix_cache_min_tokens=8, kv_budget_bytes=1 << 30, prefill_chunk=16, prefix_cache_entries=0)
+    engine = Engine(create_backend(backend_name), folder, "float32", EngineConfig(**settings), Registry(),
+                    plans=plans.append, drafts=ScriptedDrafts(spoil_every=0))
+    await engine.start()
+    if not engine.backend.rolls_back:
+        pytest.skip(f"{backend_name} does not speculate on llama")
+    p, other = prompt(12, seed=40), prompt(120, seed=41)  # one chunk; eight chunks of 16
+    want, _ = await run(engine, p, 150, ignore_eos=True)  # its output seeds the drafter: drafts are then accepted
+    plans.clear()
+    (got, _), _ = await asyncio.gather(run(engine, p, 150, ignore_eos=True), run(engine, other, 4, ignore_eos=True))
+    assert got == want
+    await engine.shutdown(1)
+    drafting = [any(row.reads > 1 for row in plan.decode) for plan in plans]
+    assert not any(d and plan.prefill for d, plan in zip(drafting, plans))
+    mixed = [i for i, plan in enumerate(plans) if plan.prefill and plan.decode]
+    assert mixed and any(drafting[mixed[-1] + 1:])  # it decoded beside the prefill, and drafted after
