@@ -71,8 +71,8 @@ class Speculation:
 
     def _draft_all(self, decoding: list[int]) -> int:
         """Each decoding request's draft for this step: none in a step over --speculative-max-batch rows or
-        one that prefills, and none for a row whose drafts would not pay at this batch size (draft_policy.py).
-        The tokens drafted."""
+        while a running request has prompt left to prefill, and none for a row whose drafts would not pay at
+        this batch size (draft_policy.py). The tokens drafted."""
         batch = len(decoding)
         prefilling = any(s.prefill_left > 0 for s in self._running.values())
         on = 0 < batch <= self._speculative_max_batch and not prefilling and not self._policy.baseline(batch)
