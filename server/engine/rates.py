@@ -110,7 +110,7 @@ class RateTracker:
         mx, my = sx / w, sy / w
         # Clones of one size cannot separate the fixed part from the per-token
         # part: keep the prior's fixed part and put the rest per token.
-        fit = _line(self.clone_moments)
+        fit = fit_line(self.clone_moments)
         if fit is None:
             fixed = min(self.prior.clone_fixed_s, my)
             return fixed, (my - fixed) / mx
@@ -122,7 +122,7 @@ class RateTracker:
         w, sx, sy, _, _ = self.step_moments
         if w <= 0:
             return self.prior.decode_s, self.prior.step_s_per_token
-        fit = _line(self.step_moments)
+        fit = fit_line(self.step_moments)
         if fit is None or fit[1] <= 0:
             # Steps of one chunk size (or none yet with prefill) cannot tell the parts apart: each
             # prefill token costs what a prefill-only step's rate says, the rest is fixed.
@@ -143,7 +143,7 @@ class RateTracker:
         return sample if first else (1 - self.alpha) * old + self.alpha * sample
 
 
-def _line(moments: tuple[float, ...]) -> tuple[float, float] | None:
+def fit_line(moments: tuple[float, ...]) -> tuple[float, float] | None:
     """Least squares y = a + b x over EMA moments (1, x, y, x*x, x*y): (a, b), or None when the x
     seen are (nearly) all one value and cannot fix a slope."""
     w, sx, sy, sxx, sxy = moments

@@ -36,6 +36,7 @@ from kvfork.server.engine.clone_orders import CloneOrders
 from kvfork.server.engine.cloning import Cloning
 from kvfork.server.engine.commands import Commands
 from kvfork.server.engine.constraints import ConstrainedRows
+from kvfork.server.engine.draft_policy import DraftPolicy
 from kvfork.server.engine.drafts import Drafts
 from kvfork.server.engine.rates import RateTracker, split_pass
 from kvfork.server.engine.scheduler import Running, TimeBudget, plan_step
@@ -77,6 +78,7 @@ class Runner(Commands, Cloning, Speculation):
         self._releases = 0  # Release commands run (m.Ledger.releases)
         self._drafts, self._speculative_max_batch = drafts, speculative_max_batch
         self._draft_cap = 0  # most tokens a row drafts on the loaded model (0: it does not speculate)
+        self._policy = DraftPolicy()  # which rows draft in a step (draft_policy.py)
         self.thread = threading.Thread(target=self._main, name="kvfork-runner", daemon=True)
 
     def send(self, command: Any) -> None:
@@ -122,6 +124,7 @@ class Runner(Commands, Cloning, Speculation):
             for group, logits in self.forward(rows):
                 self.commit(plan, group, logits)
             pass_s = self._ex.seconds - before
+        self._timed(plan, time.perf_counter() - t0)
         prefill_s = self._observe(plan, self._ex.seconds - backend_s, pass_s)
         self._serve_orders()
         self.publish(plan, took, time.perf_counter() - t0, self._ex.seconds - backend_s, prefill_s)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from kvfork.backends.base import SamplerState, Session
 from kvfork.server.engine import messages as m
+from kvfork.server.engine.draft_policy import PROBE_EVERY, Acceptance
 from kvfork.server.engine.drafts import Draft, RequestDrafts
 
 
@@ -27,6 +28,9 @@ class Seq:
     draft: Draft | None = None  # what this step's decode row carries after its token
     draft_from: int = 0  # its tokens generated before this step's decode row
     speculated: dict[str, list[int]] = field(default_factory=dict)  # source -> [drafted, accepted]
+    acceptance: Acceptance = field(default_factory=Acceptance)  # its recent drafts' (draft_policy.py)
+    # steps in a row it did not draft in, where the policy said they would not pay (it starts with a probe)
+    skipped: int = PROBE_EVERY
 
     @property
     def rid(self) -> int:

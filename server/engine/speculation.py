@@ -18,7 +18,14 @@ Design rules:
 - nothing is drafted where it cannot be verified or rolled back: a backend or model that
   cannot roll back (`Backend.rolls_back`), a grammar whose matcher cannot check a draft
   (constraints.ConstrainedRows.admissible), or a step with more decode rows than
-  --speculative-max-batch (compute-bound: verifying costs as much as it saves).
+  --speculative-max-batch (compute-bound: verifying costs as much as it saves);
+- nothing is drafted in a step that prefills: its pass is compute-bound by the prompt chunks, and
+  drafted positions would come out of their token budget and lengthen the step every prefilling
+  request waits on (other requests' time to first token, and a chain of followers, would pay for
+  this one's speed: draft_policy.py);
+- a row drafts only where its drafts pay at the step's batch size: its expected acceptance above
+  what a drafted token costs there (draft_policy.py, from the steps' measured seconds), with a
+  probe now and then so it can turn drafting back on.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from typing import Any, Sequence
 
 from kvfork.backends import effects as e
 from kvfork.backends.base import ModelInfo
+from kvfork.server.engine import plan as p
 from kvfork.server.engine.drafts import Draft
 from kvfork.server.engine.sequence import Seq
 
@@ -62,18 +70,31 @@ class Speculation:
         return draft_cap(info.sliding_windows)
 
     def _draft_all(self, decoding: list[int]) -> int:
-        """Each decoding request's draft for this step (none in a step that is compute-bound); the tokens drafted."""
-        on = 0 < len(decoding) <= self._speculative_max_batch
+        """Each decoding request's draft for this step: none in a step over --speculative-max-batch rows or
+        while a running request has prompt left to prefill, and none for a row whose drafts would not pay at
+        this batch size (draft_policy.py). The tokens drafted."""
+        batch = len(decoding)
+        prefilling = any(s.prefill_left > 0 for s in self._running.values())
+        on = 0 < batch <= self._speculative_max_batch and not prefilling and not self._policy.baseline(batch)
         total = 0
         for rid in decoding:
             s = self._running[rid]
-            s.draft = self._propose(s) if on and s.drafts is not None and s.drafts.active else None
+            s.draft = None
+            if on and s.drafts is not None and s.drafts.active:
+                pays = self._policy.allows(s.acceptance, batch, s.skipped)
+                s.skipped = 0 if pays else s.skipped + 1
+                s.draft = self._propose(s) if pays else None
             s.draft_from = s.generated
             if s.draft is not None:
                 total += len(s.draft.tokens)
                 counts = s.speculated.setdefault(s.draft.source, [0, 0])
                 counts[0] += len(s.draft.tokens)
         return total
+
+    def _timed(self, plan: p.StepPlan, seconds: float) -> None:
+        """A step that decoded and prefilled nothing, into its batch size's cost of a drafted token."""
+        if self._draft_cap and plan.decode and not plan.prefill:
+            self._policy.step(len(plan.decode), sum(row.reads - 1 for row in plan.decode), seconds)
 
     def _propose(self, s: Seq) -> Draft | None:
         """Its drafter's guess, cut to what may be verified: within its max_tokens (whose positions its
@@ -128,6 +149,9 @@ class Speculation:
 
     def _verified(self, s: Seq, accepted: int) -> None:
         assert s.draft is not None
+        drafted = len(s.draft.tokens)
+        s.acceptance = s.acceptance.after(drafted, accepted)
+        self._policy.verified(drafted, accepted)
         if s.rid in self._running:
             if s.drafts is not None:
                 s.drafts.verified(s.draft, accepted)

@@ -235,3 +235,48 @@ async def test_plans_with_drafts_replay_on_a_fresh_backend_to_the_same_tokens(ba
     fresh.load(folder, "float32")
     replayed = p.replay([p.from_bytes(p.to_bytes(plan)) for plan in plans], fresh)
     assert [replayed[rid] for rid in rids] == want
+
+
+async def test_rows_whose_drafts_are_all_rejected_draft_only_to_probe(backend_name, tiny_model_dir):
+    """The batch-level policy (draft_policy.py): four requests whose drafter proposes a token the model
+    never picks stop drafting after their first few drafts, but for a probe every PROBE_EVERY steps,
+    whatever the steps' timings; their tokens are those of speculation off."""
+    from kvfork.server.engine.draft_policy import PROBE_EVERY
+
+    folder, n = tiny_model_dir("llama"), 64
+    prompts = [prompt(20, seed=30 + i) for i in range(4)]
+    off = await engine_of(backend_name, folder, prefix_cache_entries=0)
+    want = await asyncio.gather(*(run(off, q, n, ignore_eos=True) for q in prompts))
+    await off.shutdown(1)
+    never = next(t for t in range(500) if all(t not in tokens for tokens, _ in want))
+    on = await engine_of(backend_name, folder, ScriptedDrafts(fixed=[never]), prefix_cache_entries=0)
+    if not on.backend.rolls_back:
+        pytest.skip(f"{backend_name} does not speculate on llama")
+    got = await asyncio.gather(*(run(on, q, n, ignore_eos=True) for q in prompts))
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
+    drafted, accepted = counted(on)
+    assert accepted == 0 and 4 <= drafted <= 4 * (n // PROBE_EVERY + 4)  # one a step would be 4 * (n - 1)
+    await on.shutdown(1)
+
+
+async def test_no_row_drafts_in_a_step_that_prefills(backend_name, tiny_model_dir):
+    """A request whose drafts are all accepted decodes without drafts while another's prompt is
+    prefilled beside it (drafted positions would lengthen the step that prompt waits on), and drafts
+    once it is in; the tokens are those it decodes alone."""
+    folder, plans = tiny_model_dir("llama"), []
+    settings = dict(prefix_cache_min_tokens=8, kv_budget_bytes=1 << 30, prefill_chunk=16, prefix_cache_entries=0)
+    engine = Engine(create_backend(backend_name), folder, "float32", EngineConfig(**settings), Registry(),
+                    plans=plans.append, drafts=ScriptedDrafts(spoil_every=0))
+    await engine.start()
+    if not engine.backend.rolls_back:
+        pytest.skip(f"{backend_name} does not speculate on llama")
+    p, other = prompt(12, seed=40), prompt(120, seed=41)  # one chunk; eight chunks of 16
+    want, _ = await run(engine, p, 150, ignore_eos=True)  # its output seeds the drafter: drafts are then accepted
+    plans.clear()
+    (got, _), _ = await asyncio.gather(run(engine, p, 150, ignore_eos=True), run(engine, other, 4, ignore_eos=True))
+    assert got == want
+    await engine.shutdown(1)
+    drafting = [any(row.reads > 1 for row in plan.decode) for plan in plans]
+    assert not any(d and plan.prefill for d, plan in zip(drafting, plans))
+    mixed = [i for i, plan in enumerate(plans) if plan.prefill and plan.decode]
+    assert mixed and any(drafting[mixed[-1] + 1:])  # it decoded beside the prefill, and drafted after
