@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 BLAS_ENV = LD_PRELOAD="$$($(BIN)/python -m kvfork.backends.mlx.blas)"
 ARGS ?=
 
-.PHONY: install model serve test test-numeric smoke soak bench peers cluster clients clean
+.PHONY: install model serve test test-long test-distributed test-all test-numeric smoke soak bench peers cluster clients clean
 
 install: $(STAMP)
 
@@ -27,7 +27,20 @@ model: install
 serve: install
 	$(BIN)/kvfork serve $(ARGS)
 
+# The tiers (tests/README.md): `make test` is the fast tier, run before every push; the `long` and
+# `distributed` markers put a test in a tier of its own; `make test-all` runs every tier at once.
+FAST_TIER := not long and not distributed
+
 test: install
+	$(BLAS_ENV) $(BIN)/python -m pytest -q -m "$(FAST_TIER)" $(ARGS)
+
+test-long: install
+	$(BLAS_ENV) $(BIN)/python -m pytest -q -m long $(ARGS)
+
+test-distributed: install
+	$(BLAS_ENV) $(BIN)/python -m pytest -q -m distributed $(ARGS)
+
+test-all: install
 	$(BLAS_ENV) $(BIN)/python -m pytest -q $(ARGS)
 
 # The numeric tests (marked `numeric`) without the OpenBLAS preload: MLX's bundled BLAS and torch's own

@@ -98,7 +98,7 @@ async def test_messages_tool_choice_tool_yields_a_valid_tool_use(daemon):
     jsonschema.validate(uses[0].input, FORECAST)
 
 
-@pytest.mark.slow
+@pytest.mark.default_model
 async def test_json_schema_on_the_default_model():
     from kvfork.backends import create_backend
     from kvfork.backends import default_model

@@ -51,7 +51,7 @@ def converted():
     return folder, model, tokenizer
 
 
-@pytest.mark.slow
+@pytest.mark.default_model
 def test_converted_folder(converted, capsys):
     folder, _, tokenizer = converted
     assert default_model.is_current(folder)
@@ -70,7 +70,7 @@ def test_converted_folder(converted, capsys):
     assert tokenizer.eos_token_ids == {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
 
 
-@pytest.mark.slow
+@pytest.mark.default_model
 def test_greedy_answer_names_paris(converted):
     from mlx_lm import generate
     from mlx_lm.sample_utils import make_sampler

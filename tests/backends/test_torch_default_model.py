@@ -22,7 +22,7 @@ QUESTIONS = (
 )
 STEPS = 16
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.default_model
 
 
 @pytest.fixture(scope="module")

@@ -245,7 +245,7 @@ async def test_tiny_model_output_validates_against_the_schema(backend_name, tiny
 # ---- the default model: a named tool choice yields a valid call ----
 
 
-@pytest.mark.slow
+@pytest.mark.default_model
 async def test_named_tool_choice_on_the_default_model():
     from transformers import AutoTokenizer
 
