@@ -55,12 +55,13 @@ async def test_the_hostile_wave_passes_its_checks(tiny_model_dir):
     assert len(rows) == 4 and all(ok for *_, ok in rows), "\n" + table(outcome) + "\n" + "\n".join(map(str, rows))
 
 
-async def test_the_long_prompt_wave_passes_its_checks(tiny_model_dir):
-    """The soak's long-prompt wave (tools/long_prompts.py) on the tiny model, its context raised to hold a
-    prompt of 20,500 tokens: the parting near its start leaves it 20k tokens before its end."""
+@pytest.mark.long
+async def test_the_long_prompt_wave_passes_its_checks(long_context_model):
+    """The soak's long-prompt wave (tools/long_prompts.py) on the long tests' tiny model, a prompt of
+    20,500 tokens: the parting near its start leaves it 20k tokens before its end."""
     from kvfork.tools.long_prompts import run_long_wave
 
-    rows = await run_long_wave(tiny_model_dir("llama"), "torch", 20_500, seed=3, out=io.StringIO())
+    rows = await run_long_wave(long_context_model, "torch", 20_500, seed=3, out=io.StringIO())
     assert len(rows) == 4 and all(ok for *_, ok in rows), "\n".join(map(str, rows))
 
 
