@@ -44,9 +44,9 @@ async def cached_everywhere(http, url: str, cases: dict) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("backend,length,shorter", [
-    ("mlx", 20_000, ()), ("torch", 20_000, ()),
-    pytest.param("mlx", 64_000, (), marks=pytest.mark.long),
-    pytest.param("torch", 128_000, (64_000,), marks=pytest.mark.long),
+    pytest.param("mlx", 20_000, (), id="mlx-20k"), pytest.param("torch", 20_000, (), id="torch-20k"),
+    pytest.param("mlx", 64_000, (), marks=pytest.mark.long, id="mlx-64k"),
+    pytest.param("torch", 128_000, (64_000,), marks=pytest.mark.long, id="torch-128k-and-64k"),
 ])
 async def test_prompts_leaving_a_long_cached_one_reuse_it_before_and_after_a_restart(long_context_model, backend,
                                                                                      length, shorter):
