@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from kvfork.backends.torch.cpu_attention import attention_with_lse
+
 
 @functools.cache
 def flash_attention():
@@ -119,20 +121,15 @@ def chunk_after_keys(q, keys, values, scale) -> torch.Tensor:
     kv_heads, before = keys.shape[0], keys.shape[1] - n
     group = heads // kv_heads
     # every query of a key head's group sees every earlier key: the group's queries as one longer sequence
-    seen, lse_seen = _flash_cpu(q.reshape(1, kv_heads, group * n, head_dim), keys[None, :, :before],
+    seen, lse_seen = attention_with_lse(q.reshape(1, kv_heads, group * n, head_dim), keys[None, :, :before],
                                 values[None, :, :before], False, scale)
-    own, lse_own = _flash_cpu(q[None], keys[:, before:].repeat_interleave(group, 0)[None],
+    own, lse_own = attention_with_lse(q[None], keys[:, before:].repeat_interleave(group, 0)[None],
                               values[:, before:].repeat_interleave(group, 0)[None], True, scale)
     seen, lse_seen = seen.reshape(heads, n, head_dim), lse_seen.reshape(heads, n, 1)
     lse_own = lse_own.reshape(heads, n, 1)
     lse = torch.logaddexp(lse_seen, lse_own)
     out = seen * torch.exp(lse_seen - lse) + own[0] * torch.exp(lse_own - lse)
     return out.to(q.dtype).transpose(0, 1)
-
-
-def _flash_cpu(q, keys, values, causal: bool, scale: float):
-    """torch's fused CPU attention, which returns the log-sum-exp of each query's scores beside its output."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values, 0.0, causal, scale=scale)
 
 
 def flash(kernel, q, keys, values, window, scale) -> torch.Tensor:
