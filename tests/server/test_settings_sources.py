@@ -9,9 +9,9 @@ import os
 import re
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
-
 from kvfork.server.cli import read_settings, serve_parser
 from kvfork.server.settings import parse_size
 from test_cli import kvfork, started
@@ -135,5 +135,5 @@ def test_a_daemon_takes_its_keys_from_the_environment_and_its_config_file(tiny_m
         body = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
         for key, status in ((None, 401), ("env-key-2", 200), ("file-metrics", 401)):
             assert status_of(url + "/v1/chat/completions", key, body) == status
-        cmdline = open(f"/proc/{process.pid}/cmdline", "rb").read()
+        cmdline = Path(f"/proc/{process.pid}/cmdline").read_bytes()
         assert b"env-key" not in cmdline and b"file-metrics" not in cmdline
