@@ -1,10 +1,14 @@
 """A malformed GGUF is refused in one sentence, at once: counts past the file's end, arrays of arrays, a key
 stated twice, a special id past the vocabulary, a key of the wrong type. The files are written here, most
-byte by byte (tiny_gguf.handmade_gguf), as no writer would make them."""
+byte by byte (tiny_gguf.handmade_gguf), as no writer would make them. A conversion folder someone planted
+is never served."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import stat
 import struct
 import subprocess
 import sys
@@ -14,6 +18,7 @@ from gguf import GGUFValueType as V
 from tiny_gguf import gguf_text, handmade_gguf, write_gguf
 from tiny_models import write_model
 
+from kvfork.backends.gguf.cache import STAMP, gguf_stamp
 from kvfork.backends.gguf.reader import UnservableGGUF, read_gguf
 from kvfork.backends.model_path import resolve_model
 
@@ -115,3 +120,29 @@ def test_serve_refuses_a_malformed_gguf_in_one_line(tmp_path):
     assert done.returncode == 2 and lines == ["kvfork serve: error: --model: the GGUF's general.nested is an array "
                                               "of arrays, which no GGUF model holds (llama.cpp refuses them too)"]
 
+
+def test_a_planted_conversion_is_never_served(tmp_path, folder, home):
+    """A folder at the name a digest of the file's public facts (path, size, mtime) gives, stamped as a current
+    conversion: the conversion's folder is named under the home's secret instead, in 0700 folders."""
+    gguf = write_gguf(folder, tmp_path / "tiny.gguf")
+    stamp = gguf_stamp(gguf.resolve())
+    public = hashlib.sha256(json.dumps(stamp, sort_keys=True).encode()).hexdigest()[:16]
+    planted = home / "models" / "gguf" / public / gguf.stem
+    planted.mkdir(parents=True)
+    (planted / STAMP).write_text(json.dumps(stamp))
+    (planted / "config.json").write_text('{"model_type": "planted"}')
+    converted = resolve_model(str(gguf))
+    assert converted != planted and json.loads((converted / "config.json").read_text())["model_type"] == "llama"
+    for private in (converted.parent, converted.parent.parent):
+        assert stat.S_IMODE(private.stat().st_mode) == 0o700
+    assert resolve_model(str(gguf)) == converted  # found again: the name is stable under one secret
+
+
+def test_a_conversion_folder_that_is_a_link_is_refused(tmp_path, folder, home):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (home / "models").mkdir(parents=True)
+    (home / "models" / "gguf").symlink_to(elsewhere)
+    with pytest.raises(UnservableGGUF, match="no private folder for the conversion under"):
+        resolve_model(str(write_gguf(folder, tmp_path / "tiny.gguf")))
+    assert not any(elsewhere.iterdir())
