@@ -78,7 +78,9 @@ class GGUFFile:
 
 def _is(value: Any, kind: Any) -> bool:
     if typing.get_origin(kind) is list:  # an array holds one type: its first item stands for all
-        return isinstance(value, list) and (not value or _is(value[0], typing.get_args(kind)[0]))
+        if not isinstance(value, list) or not value:
+            return isinstance(value, list)
+        value, kind = value[0], typing.get_args(kind)[0]
     if kind is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
