@@ -15,11 +15,11 @@ def test_the_shipped_lockfile_pins_the_clients_and_their_whole_trees():
     lock = json.loads(run.LOCKFILE.read_text())
     pinned = {c.package: c.version for c in CLIENTS.values()}
     assert manifest["dependencies"] == lock["packages"][""]["dependencies"] == pinned
-    assert manifest["allowScripts"] == {f"{p}@{v}": True for p, v in pinned.items() if p in run.scripted(list(CLIENTS))}
+    assert manifest["allowScripts"] == dict.fromkeys(run.scripted(list(CLIENTS)), True)  # at the lockfile's versions
     for package, version in pinned.items():
         assert lock["packages"][f"node_modules/{package}"]["version"] == version
     for path, entry in lock["packages"].items():  # a platform's optional build may lack its hash (docs/agents.md)
-        assert not path or entry["integrity"].startswith("sha512-") or entry["optional"], path
+        assert not path or entry.get("integrity", "").startswith("sha512-") or entry["optional"], path
         assert not path or entry["version"], path
 
 

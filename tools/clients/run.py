@@ -62,7 +62,7 @@ def install(names: list[str]) -> None:
     """The pinned clients into $KVFORK_HOME/clients, every package as kvfork's lockfile pins it (`npm ci`), with
     no install script of any dependency run; then the named clients' own install steps alone (Claude Code's and
     opencode's link the platform's native binary, which npm brought as an optional package; Codex has none),
-    which package.json's allowScripts approves at the pinned versions (npm 11 runs no other)."""
+    which package.json's allowScripts approves (npm 11 runs no other; the lockfile fixes their versions)."""
     folder = clients_dir()
     folder.mkdir(parents=True, exist_ok=True)
     for shipped in (LOCKFILE.with_name("package.json"), LOCKFILE):
