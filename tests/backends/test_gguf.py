@@ -1,4 +1,4 @@
-"""`--model x.gguf`: a GGUF read with the gguf package, converted once into a folder both backends load.
+"""`--model x.gguf`: a GGUF read (backends/gguf/reader.py), converted once into a folder both backends load.
 
 A tiny llama and qwen3 written as GGUF (tiny_gguf.py) convert back to exactly the weights, config and
 tokenizer they were written from, so each backend gives the same greedy tokens from either; a quantised
