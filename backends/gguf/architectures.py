@@ -70,10 +70,12 @@ def unpermute_rope(weight: np.ndarray, n_heads: int) -> np.ndarray:
 
 def restore(g: GGUFFile, gguf_name: str, value: np.ndarray, config: dict[str, Any]) -> np.ndarray:
     """A dequantized tensor as the Hugging Face checkpoint held it."""
-    if g.arch in PERMUTED and re.search(r"\.attn_q\.(weight|bias)$", gguf_name):
-        return unpermute_rope(value, config["num_attention_heads"])
-    if g.arch in PERMUTED and re.search(r"\.attn_k\.(weight|bias)$", gguf_name):
-        return unpermute_rope(value, config["num_key_value_heads"])
+    for kind, heads in (("q", config["num_attention_heads"]), ("k", config["num_key_value_heads"])):
+        if g.arch in PERMUTED and re.search(rf"\.attn_{kind}\.(weight|bias)$", gguf_name):
+            if value.shape[0] % (2 * heads):
+                raise UnservableGGUF(f"the GGUF's tensor {gguf_name} has {value.shape[0]} rows, not a pair of "
+                                     f"halves for each of its {heads} heads")
+            return unpermute_rope(value, heads)
     if g.arch == "gemma3" and gguf_name.endswith("norm.weight"):
         return value - np.float32(1.0)  # llama.cpp stores gemma's (1 + w) norms with the 1 added
     return value
@@ -92,12 +94,17 @@ def hf_config(g: GGUFFile) -> dict[str, Any]:
     head_dim = _count(g, "attention.key_length", hidden // heads)
     if g.key("rope.dimension_count", head_dim, int) != head_dim:
         raise UnservableGGUF("the GGUF turns only part of each head (partial rotary), which these families never do")
+    layers = _count(g, "block_count")
+    held = {int(block.group(1)) for name in g.tensors if (block := _BLOCK.match(name))}
+    if len(held) != layers or max(held) != layers - 1:  # distinct indices from 0: exactly 0 .. layers - 1
+        raise UnservableGGUF(f"the GGUF states {layers} blocks ({g.arch}.block_count) but holds tensors of "
+                             f"{len(held)}")
     config = {
         "architectures": [class_name],
         "model_type": model_type,
         "hidden_size": hidden,
         "intermediate_size": _count(g, "feed_forward_length"),
-        "num_hidden_layers": _count(g, "block_count"),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,

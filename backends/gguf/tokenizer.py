@@ -130,8 +130,9 @@ def write_tokenizer(g: GGUFFile, out_dir: Path, context_length: int) -> None:
     _check_split(tokenizer_dict)
     try:
         backend, _ = convert_gguf_tokenizer(g.arch, tokenizer_dict)
-    except (ValueError, KeyError) as e:
-        raise UnservableGGUF(f"transformers cannot build the GGUF's tokenizer ({e})") from None
+    except Exception as e:  # the file's vocabulary, fed to transformers and tokenizers: any failure is its own
+        raise UnservableGGUF(f"transformers cannot build the GGUF's tokenizer ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''})") from None
     backend = within_vocabulary(backend, len(tokenizer_dict["tokens"]))
     if tokenizer_dict.get("pre_tokenizer_type") in DIGIT_SPLITS:
         backend.pre_tokenizer = pre_tokenizers.Sequence([

@@ -103,6 +103,10 @@ def folder(tmp_path_factory):
      "tokenizer.ggml.token_type does not give one value per token"),
     ({"attention.head_count": "four"}, "llama.attention.head_count is a string where kvfork reads an integer"),
     ({"attention.head_count": 0}, "llama.attention.head_count is 0, where a positive count belongs"),
+    ({"block_count": 2**31}, "states 2147483648 blocks \\(llama.block_count\\) but holds tensors of 2"),
+    ({"attention.head_count": 7}, "blk.0.attn_q.weight has 64 rows, not a pair of halves for each of its 7 heads"),
+    (dict(replace={"tokenizer.ggml.merges": (["abc"], V.ARRAY)}),  # was a TypeError from tokenizers
+     "transformers cannot build the GGUF's tokenizer \\(TypeError"),
 ])
 def test_a_value_a_model_cannot_have_is_refused(tmp_path, folder, written, reason):
     path = write_gguf(folder, tmp_path / "odd.gguf", **written)
