@@ -17,6 +17,7 @@ cache to the disk tier: loading the model again finds those files and restores f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from typing import Callable
 from aiohttp import web
 
 from kvfork.backends.base import Backend
+from kvfork.backends.model_info import read_model_facts
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.errors import ApiError
 from kvfork.server.api.sse import OPENED
@@ -33,7 +35,9 @@ from kvfork.server.pool.keepalive import KeepAlive, error_in_stream
 from kvfork.server.pool.loadable import check_folder, folder_state
 from kvfork.server.pool.served import ServedModel
 from kvfork.server.pool.specs import ModelSpec
+from kvfork.server.model_load import load_tokenizer
 from kvfork.server.state import AppState
+from kvfork.server.text.tokenizer import PromptTokenizer
 
 log = logging.getLogger("kvfork")
 LEASE = web.RequestKey("model_lease", object)
@@ -62,9 +66,17 @@ class Slot:
     failed_on: tuple | None = None  # its folder's files when the last load failed (loadable.py)
     failed_at: float = 0.0  # when (monotonic)
 
+    counter: asyncio.Task | None = None  # its tokenizer and context loaded alone, for count_tokens
+
     @property
     def ready(self) -> bool:
         return self.served is not None and not self.leaving
+
+    @property
+    def refusal(self) -> str:
+        """What a request for it hears when its last load failed: the model, not why (`error` holds the paths
+        and parsers' words, for the log and for the holder of --metrics-key on /health)."""
+        return f"model {self.spec.name!r} could not be loaded; the daemon's log says why"
 
 
 class ModelPool:
@@ -124,7 +136,7 @@ class ModelPool:
         try:
             while not slot.ready:
                 if slot.attempts > seen and slot.error is not None:
-                    raise ApiError(503, slot.error, code="model_load_failed", param="model")
+                    raise ApiError(503, slot.refusal, code="model_load_failed", param="model")
                 if self._closed:
                     raise ApiError(503, "the server is shutting down", code="not_ready")
                 if self._switching is None and self._next() is slot:
@@ -136,6 +148,34 @@ class ModelPool:
         slot.used = time.monotonic()
         assert slot.served is not None
         return slot.served.state
+
+    async def counting(self, requested: str | None) -> tuple[PromptTokenizer, int]:
+        """The tokenizer and context `requested` counts prompts with: the loaded model's, else its tokenizer
+        loaded alone (kept), so a count never loads a model nor unloads another tenant's."""
+        slot = self.slot(requested)
+        if slot.ready:
+            assert slot.served is not None
+            state = slot.served.state
+            return state.require_ready(), state.context
+        if slot.spec.fetch is not None:
+            raise ApiError(503, f"model {slot.spec.name!r} is not on this machine yet: a request for it downloads "
+                           "and loads it", code="not_ready", param="model")
+        if slot.counter is None:
+            slot.counter = asyncio.create_task(asyncio.to_thread(self._counter, slot.spec.path))
+        counter = slot.counter
+        try:
+            return await asyncio.shield(counter)
+        except Exception as e:
+            if counter.done():
+                if slot.counter is counter:
+                    slot.counter = None  # tried again on the next count
+                log.warning("model %s: its tokenizer could not be loaded for count_tokens: %s", slot.spec.name, e)
+                raise ApiError(503, slot.refusal, code="model_load_failed", param="model") from None
+            raise
+
+    def _counter(self, path: str) -> tuple[PromptTokenizer, int]:
+        context = read_model_facts(path).context_length
+        return load_tokenizer(self.base.config, path), min(self.engine_config.max_context or context, context)
 
     def release(self, slot: Slot) -> None:
         slot.users -= 1
@@ -319,3 +359,7 @@ class ModelPool:
         await asyncio.gather(*self._closing, *(served.close(grace_s) for served in self.loaded()))
         for slot in self.slots.values():
             slot.served = None
+            if slot.counter is not None:
+                counter, slot.counter = slot.counter, None
+                with contextlib.suppress(Exception):
+                    (await counter)[0].close()

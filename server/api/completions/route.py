@@ -61,7 +61,6 @@ async def prompt_tokens(prompt: str | list, tokenizer: PromptTokenizer, vocab_si
 async def handle(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     body: CompletionRequest = await read_body(request, DECODE)
-    state = await state.for_model(request, body.model, body.stream)
     check_sampling(body, state.config)
     if body.best_of not in (None, 1):
         raise unsupported("best_of", "best_of > 1 is not supported yet")
@@ -69,8 +68,9 @@ async def handle(request: web.Request) -> web.StreamResponse:
         raise unsupported("suffix", "suffix (insertion) is not supported")
     if body.echo and body.logprobs is not None:
         raise unsupported("echo", "echo with logprobs is not supported: prompt logprobs are not computed")
-    model = state.model_name(body.model)
     session = session_id(body.session_id, request.headers, state.config.session_header)
+    state = await state.for_model(request, body.model, body.stream)  # the checks above need no model
+    model = state.model_name(body.model)
     tokenizer = state.require_ready()
     vocab = state.engine.info.vocab_size
     scope = scope_of(request, body.cache_salt)
