@@ -252,11 +252,11 @@ async def prepare(state: AppState, checked: Checked, request: web.Request, rid: 
 
 
 def diagnostics(state: AppState, asked: Asked, rid: str, now: Fingerprint) -> Report:
-    """The request's diagnostics report: compared with the response it names, its fingerprint kept."""
-    report = Report(state.fingerprints, state.engine.config.prefix_cache_min_tokens)
+    """The request's diagnostics report: compared with the response it names; its fingerprint is kept once the
+    engine admits the request (respond)."""
+    report = Report(state.fingerprints, state.engine.config.prefix_cache_min_tokens, now)
     if asked.previous is not None:
         report.diagnosis = state.fingerprints.compare(now, asked.previous)
-    state.fingerprints.keep(rid, now)
     return report
 
 
