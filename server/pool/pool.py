@@ -65,7 +65,7 @@ class Slot:
     error: str | None = None  # why the last load failed
     failed_on: tuple | None = None  # its folder's files when the last load failed (loadable.py)
     failed_at: float = 0.0  # when (monotonic)
-
+    budget_refused: bool = False  # the last load failed for the budget (its numbers), not the model's files
     counter: asyncio.Task | None = None  # its tokenizer and context loaded alone, for count_tokens
 
     @property
@@ -75,7 +75,10 @@ class Slot:
     @property
     def refusal(self) -> str:
         """What a request for it hears when its last load failed: the model, not why (`error` holds the paths
-        and parsers' words, for the log and for the holder of --metrics-key on /health)."""
+        and parsers' words, for the log and for the holder of --metrics-key on /health); a refusal of the
+        budget's, which holds numbers alone, as it is."""
+        if self.budget_refused and self.error is not None:
+            return self.error
         return f"model {self.spec.name!r} could not be loaded; the daemon's log says why"
 
 
@@ -227,18 +230,20 @@ class ModelPool:
         return next((s for s in self._queue if not s.ready), None)
 
     async def _switch_to(self, slot: Slot) -> None:
-        files, loading = None, False
+        files, stage = None, "files"
         try:
             files = await asyncio.to_thread(self._loadable, slot)
+            stage = "room"
             await self._make_room(slot)
-            loading = True
+            stage = "load"
             await self._load(slot)
             slot.error = slot.failed_on = None
             self.loads.inc(model_name=slot.spec.name, outcome="loaded")
         except Exception as e:  # the other models keep serving
             if not isinstance(e, StillBroken):
                 slot.error = f"model {slot.spec.name!r} could not be loaded: {e}"
-                slot.failed_on = files if loading else None  # a load's failure, not the budget's: remembered
+                slot.budget_refused = stage == "room"  # the budget's numbers, no path: said to every caller
+                slot.failed_on = files if stage == "load" else None  # a load's failure, not the budget's: remembered
                 slot.failed_at = time.monotonic()
             self.loads.inc(model_name=slot.spec.name, outcome="failed")
             log.warning("%s", slot.error)
