@@ -72,11 +72,18 @@ class AppState:
         model's, loaded first if need be and held until the request ends)."""
         return self if self.pool is None else await self.pool.acquire(request, requested, stream)
 
-    async def counting(self, requested: str | None) -> tuple[PromptTokenizer, int]:
+    async def known_context(self, requested: str | None) -> int | None:
+        """The context of the model a request names, where it is known before the model is acquired (a body
+        over it is refused without loading anything); None: checked once the model is acquired."""
+        if self.pool is not None:
+            return await self.pool.context(requested)
+        return self.context if self.ready else None
+
+    async def counting(self, request: web.Request, requested: str | None) -> tuple[PromptTokenizer, int]:
         """The tokenizer and context a request naming `requested` would be counted with (count_tokens); with
         several models, a model not loaded is not loaded for a count: its tokenizer alone is."""
         if self.pool is not None:
-            return await self.pool.counting(requested)
+            return await self.pool.counting(request, requested)
         self.model_name(requested)
         return self.require_ready(), self.context
 

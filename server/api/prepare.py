@@ -1,7 +1,7 @@
 """The one preparation every API route calls: a request body -> a `Job` (prompt tokens, the
 engine request, stop strings, the output parser).
 
-A chat request is first checked (`check_chat`: every limit that needs no model), before the route
+A chat request is first checked (`check_chat`: every limit that needs no loaded model), before the route
 acquires its model, so a refused request never loads or unloads one; `prepare` is then the one path
 from a checked request to prompt tokens and an output parser: template, tokens (`render_prompt`, which
 count_tokens calls alone), sampling, grammar. The Anthropic and Responses routes
@@ -118,30 +118,35 @@ def template_message(index: int, message: ChatMessage, max_depth: int) -> dict[s
 
 @dataclass
 class Checked:
-    """A chat-shaped request checked against every limit that needs no model, before any model is acquired
-    (a refused request never loads one): its messages as templates read them, its tool choice, its session."""
+    """A chat-shaped request checked against every limit that needs no loaded model, before any model is
+    acquired (a refused request never loads one): its messages as templates read them, its tool choice, its
+    session."""
 
     body: ChatCompletionRequest
     messages: list[dict[str, Any]]
     choice: str  # auto | none | required | function
     tool_name: str | None  # the function a named tool_choice names
     session: str | None
+    context: int | None  # the context its characters were checked for (None: not yet)
 
 
 def check_chat(config: Limits, body: ChatCompletionRequest, headers: Mapping[str, str],
-               session_header: Sequence[str] = ()) -> Checked:
-    """Chat, Messages and Responses requests alike: what a body may ask for, judged from the body and the
-    limits alone. The route has checked its own API's limits (stop strings, tools) before translating it."""
+               session_header: Sequence[str] = (), context: int | None = None) -> Checked:
+    """Chat, Messages and Responses requests alike: what a body may ask for, judged from the body, the limits
+    and the model's `context` where it is known before the model is acquired (AppState.known_context). The
+    route has checked its own API's limits (stop strings, tools) before translating it."""
     if body.top_logprobs and not body.logprobs:
         raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
     check_count("messages", body.messages, config.max_messages, "--max-messages", "messages")
     messages = [template_message(i, m, config.max_json_depth) for i, m in enumerate(body.messages)]
+    if context is not None:
+        check_prompt_chars(messages, body.tools, config, context)
     choice, tool_name = tool_choice_of(body.tool_choice, check_tools(body.tools))
     if body.response_format is not None and body.response_format.json_schema is not None:
         check_schema("response_format", body.response_format.json_schema.schema, config)
     if body.tools and body.tool_choice != "none":  # a tool grammar is built from their parameters
         check_schema("tools", [tool["function"].get("parameters") for tool in body.tools], config)
-    return Checked(body, messages, choice, tool_name, session_id(body.session_id, headers, session_header))
+    return Checked(body, messages, choice, tool_name, session_id(body.session_id, headers, session_header), context)
 
 
 def inline_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -191,7 +196,8 @@ async def render_prompt(tokenizer: PromptTokenizer, config: ServerConfig, checke
                         tenant: str, make_call_id: Callable[[], str] = openai_call_id) -> Rendered:
     """Template and tokens: the prompt a checked request takes on a model of `context` tokens."""
     body, messages = checked.body, checked.messages
-    check_prompt_chars(messages, body.tools, config, context)
+    if checked.context != context:
+        check_prompt_chars(messages, body.tools, config, context)
     kwargs = tokenizer.variables.kwargs(body.chat_template_kwargs, config.max_template_kwarg_chars)
     try:
         text = await tokenizer.render_chat(messages, body.tools, kwargs, tenant)

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from aiohttp import web
@@ -66,7 +67,8 @@ class Slot:
     failed_on: tuple | None = None  # its folder's files when the last load failed (loadable.py)
     failed_at: float = 0.0  # when (monotonic)
     budget_refused: bool = False  # the last load failed for the budget (its numbers), not the model's files
-    counter: asyncio.Task | None = None  # its tokenizer and context loaded alone, for count_tokens
+    context: int | None = None  # the context its requests get, from its folder, known before it loads
+    counter: asyncio.Task | None = None  # its tokenizer loaded alone, for count_tokens
 
     @property
     def ready(self) -> bool:
@@ -80,6 +82,17 @@ class Slot:
         if self.budget_refused and self.error is not None:
             return self.error
         return f"model {self.spec.name!r} could not be loaded; the daemon's log says why"
+
+
+def _folder_context(path: str) -> int | None:
+    """The context a model folder's config states (as its backend reads it); None without a readable config
+    (its load says what is wrong)."""
+    if not (Path(path).expanduser() / "config.json").is_file():
+        return None
+    try:
+        return read_model_facts(Path(path).expanduser()).context_length
+    except (OSError, ValueError):
+        return None
 
 
 class ModelPool:
@@ -152,22 +165,37 @@ class ModelPool:
         assert slot.served is not None
         return slot.served.state
 
-    async def counting(self, requested: str | None) -> tuple[PromptTokenizer, int]:
-        """The tokenizer and context `requested` counts prompts with: the loaded model's, else its tokenizer
-        loaded alone (kept), so a count never loads a model nor unloads another tenant's."""
+    async def context(self, requested: str | None) -> int | None:
+        """The context a request naming `requested` gets, known without loading the model (its folder's
+        config and --max-context, as its engine resolves them), so that a body over it is refused before
+        anything loads; None where the model's files are not here yet (or say no context)."""
         slot = self.slot(requested)
         if slot.ready:
             assert slot.served is not None
-            state = slot.served.state
+            return slot.served.state.context
+        if slot.context is None and slot.spec.fetch is None:
+            stated = await asyncio.to_thread(_folder_context, slot.spec.path)
+            if stated is not None:
+                slot.context = min(self.engine_config.max_context or stated, stated)
+        return slot.context
+
+    async def counting(self, request: web.Request, requested: str | None) -> tuple[PromptTokenizer, int]:
+        """The tokenizer and context `requested` counts prompts with: the loaded model's (held for the request,
+        as `acquire` holds it), else its tokenizer loaded alone (kept), so a count never loads a model nor
+        unloads another tenant's."""
+        slot = self.slot(requested)
+        if slot.ready:
+            state = await self.acquire(request, requested, False)
             return state.require_ready(), state.context
-        if slot.spec.fetch is not None:
+        context = await self.context(requested)
+        if context is None:
             raise ApiError(503, f"model {slot.spec.name!r} is not on this machine yet: a request for it downloads "
                            "and loads it", code="not_ready", param="model")
         if slot.counter is None:
-            slot.counter = asyncio.create_task(asyncio.to_thread(self._counter, slot.spec.path))
+            slot.counter = asyncio.create_task(asyncio.to_thread(load_tokenizer, self.base.config, slot.spec.path))
         counter = slot.counter
         try:
-            return await asyncio.shield(counter)
+            return await asyncio.shield(counter), context
         except Exception as e:
             if counter.done():
                 if slot.counter is counter:
@@ -175,10 +203,6 @@ class ModelPool:
                 log.warning("model %s: its tokenizer could not be loaded for count_tokens: %s", slot.spec.name, e)
                 raise ApiError(503, slot.refusal, code="model_load_failed", param="model") from None
             raise
-
-    def _counter(self, path: str) -> tuple[PromptTokenizer, int]:
-        context = read_model_facts(path).context_length
-        return load_tokenizer(self.base.config, path), min(self.engine_config.max_context or context, context)
 
     def release(self, slot: Slot) -> None:
         slot.users -= 1
@@ -367,4 +391,4 @@ class ModelPool:
             if slot.counter is not None:
                 counter, slot.counter = slot.counter, None
                 with contextlib.suppress(Exception):
-                    (await counter)[0].close()
+                    (await counter).close()

@@ -164,9 +164,12 @@ REFUSED = [  # each refused by its body, whatever model it names
 async def test_a_refused_request_loads_and_unloads_nothing(three):
     """Requests naming b, each refused for its body (a 400), leave a, the one model that fits, serving:
     nothing loads or unloads for them."""
+    context = json.loads(Path(three["b"], "config.json").read_text())["max_position_embeddings"]
+    over_context = [(CHAT, chat_body("x" * (32 * context + 1), model="b")),  # past --max-prompt-chars
+                    ("/v1/completions", {"model": "b", "prompt": list(range(context))})]
     async with aiohttp.ClientSession() as http, pool(three, hold=1) as daemon:
         await ask(http, daemon, "a")
-        for path, body in REFUSED:
+        for path, body in REFUSED + over_context:
             async with http.post(daemon.url + path, json=body) as r:
                 assert r.status == 400, (path, await r.text())
         assert await listed(http, daemon) == {"a": True, "b": False, "c": False}

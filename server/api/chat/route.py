@@ -23,7 +23,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
     config = state.config
     check_sampling(body, config)
     check_count("tools", body.tools, config.max_tools, "--max-tools", "tools")
-    checked = check_chat(config, body, request.headers, config.session_header)
+    checked = check_chat(config, body, request.headers, config.session_header, await state.known_context(body.model))
     state = await state.for_model(request, body.model, body.stream)
     rid = request_id("chatcmpl")
     job = await prepare(state, checked, request, rid, asked=asked_by(body.prompt_cache_options))
