@@ -285,6 +285,6 @@ async def test_refused_requests_store_nothing_and_a_tenant_evicts_its_own_first(
     assert fingerprints.kept.total == held
     for _ in range(4):  # key-a's own: past the bound, its oldest go
         await post(http, daemon.url, "/v1/messages", messages_body(diagnostics={"previous_message_id": None}), False)
-    again = await post(http, daemon.url, "/v1/messages", messages_body(diagnostics={"previous_message_id": theirs["id"]}),
-                       False, headers={"Authorization": "Bearer key-b"})
+    asked = messages_body(diagnostics={"previous_message_id": theirs["id"]})
+    again = await post(http, daemon.url, "/v1/messages", asked, False, headers={"Authorization": "Bearer key-b"})
     assert again["diagnostics"] is None and again["kvfork_cache"]["state"] == "reused"
