@@ -148,5 +148,6 @@ def test_a_daemon_takes_its_keys_from_the_environment_and_its_config_file(tiny_m
         body = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
         for key, status in ((None, 401), ("env-key-2", 200), ("file-metrics", 401)):
             assert status_of(url + "/v1/chat/completions", key, body) == status
-        cmdline = open(f"/proc/{process.pid}/cmdline", "rb").read()
+        with open(f"/proc/{process.pid}/cmdline", "rb") as proc:
+            cmdline = proc.read()
         assert b"env-key" not in cmdline and b"file-metrics" not in cmdline
