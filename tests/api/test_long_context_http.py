@@ -1,8 +1,8 @@
 """Prompts as long as agents send, over HTTP: a cached prompt of 20k, 64k or 128k tokens, then requests
 that leave it near its start, in its middle and near its end, then the same after a restart (the disk
-tier). Each gets 200, with reuse wherever the shared part reaches the matching minimum. The 20k prompts
-run in the fast tier; in the long tier one prefill per backend serves the partings of every length up to
-it (torch's 128k prompt those of a 64k one too).
+tier). Each gets 200, with reuse wherever the shared part reaches the matching minimum. All in the long
+tier (the fast tier has the index's own walk at 200k, tests/engine/test_index.py); one prefill per case
+serves the partings of every length up to it (torch's 128k prompt those of a 64k one too).
 
 The index walked the trie below the point where a prompt leaves a cached one by recursion, one level per
 16-token block: a cached prompt running ~15.5k tokens past that point raised RecursionError, a 500 for
@@ -43,10 +43,11 @@ async def cached_everywhere(http, url: str, cases: dict) -> dict[str, int]:
     return out
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("backend,length,shorter", [
     pytest.param("mlx", 20_000, (), id="mlx-20k"), pytest.param("torch", 20_000, (), id="torch-20k"),
-    pytest.param("mlx", 64_000, (), marks=pytest.mark.long, id="mlx-64k"),
-    pytest.param("torch", 128_000, (64_000,), marks=pytest.mark.long, id="torch-128k-and-64k"),
+    pytest.param("mlx", 64_000, (), id="mlx-64k"),
+    pytest.param("torch", 128_000, (64_000,), id="torch-128k-and-64k"),
 ])
 async def test_prompts_leaving_a_long_cached_one_reuse_it_before_and_after_a_restart(long_context_model, backend,
                                                                                      length, shorter):

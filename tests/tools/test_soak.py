@@ -43,6 +43,7 @@ async def test_short_soak_passes_every_check(backend_name, one_torch_thread, tin
     assert any(note.startswith("disconnects by phase: ") for note in report.notes)  # reported, not checked
 
 
+@pytest.mark.long  # a wave of hostile tenants and their innocent: a minute and more on 2 cores
 async def test_the_hostile_wave_passes_its_checks(tiny_model_dir):
     """The soak's hostile-tenant wave (tools/hostile.py), short, on a tiny model: the innocent tenant keeps its
     stored response and session; no 500; every hostile request refused or bounded; slow connections closed.
