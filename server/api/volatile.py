@@ -1,15 +1,21 @@
 """Volatile client lines: text a client puts in a prompt that changes between requests and that no
 model needs, taken out before the prompt is rendered so it never costs a prefill.
 
-Each entry of `VOLATILE_LINES` names the client, what the line is, and the exact pattern it removes:
-a whole line (to its newline, or a whole system text block) that matches the pattern from its first
-character to its last. Nothing else in a prompt is touched. `--keep-volatile-lines` keeps them all.
+Each entry of `VOLATILE_LINES` names the client, what the line is, and the pattern of its structure: a
+whole line (to its newline, or a whole system text block) that matches the pattern from its first
+character to its last. Only `system` is read (never user text or tool descriptions), and nothing else
+in it is touched. `--keep-volatile-lines` keeps them all.
 
-Claude Code's billing line is the first: its first system block is
+Claude Code's billing line is the first: `x-anthropic-billing-header:` and then only `key=value;`
+pairs. The keys vary by release and by who sends the request: the main agent's first system block is
 `x-anthropic-billing-header: cc_version=2.1.332.<3 hex>; cc_entrypoint=sdk-cli;` (`cli` from the
-interactive CLI), the suffix derived from the session's first prompt; older releases (2.1.177) add
-`cch=<5 hex>;`, new on every request. Anthropic's servers ignore it; a prefix cache that renders it
-sees a new prompt at its first tokens, so two sessions (or, with `cch`, two turns) share nothing.
+interactive CLI), a subagent's adds `cc_is_subagent=true;`, work started from an async context
+`cc_workload=<name>;`, a gateway `cc_gateway=<1|env>;`, and older releases (2.1.177) `cch=<5 hex>;`,
+new on every request. The version's 3-hex suffix is derived from the session's (or the subagent's)
+first prompt. Anthropic's servers ignore the line; a prefix cache that renders it sees a new prompt
+at its first tokens, so two sessions, two subagents (or, with `cch`, two turns) share nothing. The
+rule is the line's structure, not a list of its keys, so a key a new release adds is taken out too;
+a line with anything else in it is kept.
 """
 
 from __future__ import annotations
@@ -22,15 +28,16 @@ from kvfork.server.api.messages.protocol import TextBlock
 
 @dataclass(frozen=True)
 class VolatileLine:
-    name: str  # what /metrics and the log call it
+    name: str  # what the line is, as /metrics and the log call it
     client: str
     pattern: re.Pattern[str]  # matches the whole line, nothing around it
 
 
+_PAIR = r" *[A-Za-z_][A-Za-z0-9_.-]*=[^\s;]+;"  # one `key=value;`: a value holds no space and no `;`
+
 VOLATILE_LINES = (
     VolatileLine("claude_code_billing", "Claude Code (2.1.x)",
-                 re.compile(r"x-anthropic-billing-header: cc_version=[0-9]+(?:\.[0-9]+)*(?:\.[0-9a-f]{3})?;"
-                            r"(?: cc_entrypoint=[a-z-]+;)?(?: cch=[0-9a-f]{5};)? ?")),
+                 re.compile(rf"x-anthropic-billing-header:(?:{_PAIR})+ *")),
 )
 
 
