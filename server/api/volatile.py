@@ -33,11 +33,11 @@ class VolatileLine:
     pattern: re.Pattern[str]  # matches the whole line, nothing around it
 
 
-_PAIR = r" *[A-Za-z_][A-Za-z0-9_.-]*=[^\s;]+;"  # one `key=value;`: a value holds no space and no `;`
+_PAIR = r" ?[A-Za-z_][A-Za-z0-9_.-]*=[^\s;]+;"  # one `key=value;` (a value holds no space and no `;`), one space at most before it: linear to match
 
 VOLATILE_LINES = (
     VolatileLine("claude_code_billing", "Claude Code (2.1.x)",
-                 re.compile(rf"x-anthropic-billing-header:(?:{_PAIR})+ *")),
+                 re.compile(rf"x-anthropic-billing-header:(?:{_PAIR})+ ?")),
 )
 
 
