@@ -183,6 +183,8 @@ class Listener:
 async def listen(app: web.Application, host: str, port: int) -> Listener:
     """Start serving (port 0 picks a free port: Listener.port)."""
     access = ACCESS_LOG if app[STATE].config.access_log else None
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=access, access_log_format=ACCESS_FORMAT)
+    # request bodies are decoded from their Content-Encoding by kvfork (api/content_encoding.py), not the parser
+    runner = web.AppRunner(app, handler_cancellation=True, auto_decompress=False, access_log=access,
+                           access_log_format=ACCESS_FORMAT)
     await runner.setup()
     return Listener(runner, await watched_listen(runner, host, port, app[STATE].clients))

@@ -8,7 +8,8 @@ HTTP on a loopback port, in waves. Each wave mixes:
 - single chat and completion requests, streaming or not, short and long;
 - late arrivals that find every slot busy;
 - one turn of a named session (a few sessions, more than --max-named-sessions);
-- bad bodies from a fuzzer, and valid requests with hostile sampling values.
+- bad bodies from a fuzzer (some compressed, some cut short or in a Content-Encoding the daemon does
+  not decode), and valid requests with hostile sampling values.
 About a quarter of the requests hang up, at a point drawn up front: a moment
 after the engine has them (queued, parked behind a leader), once the backend has
 committed a drawn share of the prompt (prefilling), or after some streamed
@@ -46,18 +47,21 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import gzip
 import json
 import logging
 import random
 import re
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import aiohttp
 
 from kvfork.backends import create_backend
+from kvfork.server.api.content_encoding import zstd
 from kvfork.server.config import ServerConfig
 from kvfork.server.engine.api import GenerateRequest
 from kvfork.server.engine.config import EngineConfig
@@ -254,6 +258,16 @@ _FUZZ_FIELDS = ["messages", "model", "max_tokens", "temperature", "top_p", "top_
 FUZZ_BASE = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
 # Bodies that are no JSON object at all, or not the one a route wants.
 MALFORMED = [b"null", b"[]", b'"x"', b"1e999", b"\xff\xfe\x00", b"{" * 5000, b'{"messages": 1}']
+
+
+def fuzz_coding(rng: random.Random, data: bytes) -> tuple[bytes, str | None]:
+    """A fuzzed body as it is sent: as is, in a Content-Encoding the daemon decodes (a fifth of those cut
+    short, so they do not decode), or labelled with one it does not decode (br)."""
+    coding = rng.choice((None, None, "gzip", "deflate", "zstd", "br"))
+    if coding in (None, "br"):
+        return data, coding
+    packed = {"gzip": gzip.compress, "deflate": zlib.compress, "zstd": zstd().compress}[coding](data)
+    return (packed[:rng.randrange(len(packed))] if rng.random() < 0.2 else packed), coding
 
 
 def fuzz_bodies(rng: random.Random, n: int, good: dict) -> list[bytes]:
@@ -530,7 +544,7 @@ async def _soak(c: SoakConfig, faulty: FaultyBackend, report: Report, request_lo
             extra = [_hostile(workload, rng)] if wave % 2 == 0 else []
             bodies = (MALFORMED if wave == 0 else []) + fuzz_bodies(rng, 2, FUZZ_BASE)
             tasks = [send(http, d.url, s, moments) for s in specs + extra]
-            fuzz = [_post_raw(http, d.url + rng.choice((CHAT, COMPLETIONS)), b) for b in bodies]
+            fuzz = [_post_raw(http, d.url + rng.choice((CHAT, COMPLETIONS)), *fuzz_coding(rng, b)) for b in bodies]
             results = await asyncio.gather(*tasks, asyncio.gather(*fuzz))
             done, fuzz_statuses = list(results[:-1]), results[-1]
             fuzzed += fuzz_statuses
@@ -564,20 +578,22 @@ def _hostile(workload: Workload, rng: random.Random) -> Spec:
 
 @dataclass
 class Fuzzed:
-    body: bytes
+    body: bytes  # as sent, in `coding`
+    coding: str | None
     status: int
     shaped: bool  # an error in OpenAI's shape (or no error)
     error: str = ""
 
 
-async def _post_raw(http: aiohttp.ClientSession, url: str, data: bytes) -> Fuzzed:
-    async with http.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
+async def _post_raw(http: aiohttp.ClientSession, url: str, data: bytes, coding: str | None) -> Fuzzed:
+    headers = {"Content-Type": "application/json", **({"Content-Encoding": coding} if coding else {})}
+    async with http.post(url, data=data, headers=headers) as r:
         if r.status < 400:
-            return Fuzzed(data, r.status, True)
+            return Fuzzed(data, coding, r.status, True)
         body = await r.json(content_type=None)
         shaped = isinstance(body, dict) and set(body) == {"error"} and isinstance(body["error"], dict) \
             and set(body["error"]) == {"message", "type", "param", "code"}
-        return Fuzzed(data, r.status, shaped, _error_text(body))
+        return Fuzzed(data, coding, r.status, shaped, _error_text(body))
 
 
 _FAULT_ID = re.compile(r"injected \w+ fault #(\d+)")
@@ -621,7 +637,7 @@ def _checks(c: SoakConfig, report: Report, d: Daemon, recorder: Recorder, reques
     report.add("fuzzed bodies: no 5xx, errors in OpenAI's shape", f"{len(fuzzed) - len(bad)}/{len(fuzzed)}", "all",
                not bad)
     for f in bad[:3]:
-        report.notes.append(f"fuzzed body {f.body[:120]!r}: {f.status} {f.error}")
+        report.notes.append(f"fuzzed body {f.body[:120]!r} ({f.coding or 'plain'}): {f.status} {f.error}")
 
     # faults stay where they start
     unexplained = []

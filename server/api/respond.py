@@ -25,9 +25,10 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Protocol
 
 import msgspec
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from kvfork.server.chat_output import ChatOutputParser
+from kvfork.server.api.content_encoding import coding_of, decoded
 from kvfork.server.api.diagnosis import Report
 from kvfork.server.engine.api import GenerateRequest, Usage
 from kvfork.server.errors import ApiError, from_decode, client_text
@@ -49,9 +50,13 @@ def decoder(kind: type) -> msgspec.json.Decoder:
 
 
 async def read_body(request: web.Request, decode: msgspec.json.Decoder):
-    """The body, decoded: within --body-timeout and --max-body-bytes, nested at most --max-json-depth."""
+    """The body, decoded: within --body-timeout and --max-body-bytes (sent, and inflated from its
+    Content-Encoding: content_encoding.py), nested at most --max-json-depth."""
     state = state_of(request)
+    coding = coding_of(",".join(request.headers.getall(hdrs.CONTENT_ENCODING, ())))
     raw = await state.clients.read_body(request)
+    if coding is not None:
+        raw = await asyncio.to_thread(decoded, raw, coding, state.config.max_body_bytes)
     if not raw:
         raise ApiError(400, "the request body is empty; send a JSON object", code="invalid_json")
     if len(raw) > OFF_LOOP_BYTES:

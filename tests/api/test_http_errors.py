@@ -11,7 +11,7 @@ import pytest
 
 from http_daemon import TEST_ENGINE, chat_body, serving
 from scripted_backend import ScriptedBackend
-from kvfork.tools.soak import MALFORMED, fuzz_bodies
+from kvfork.tools.soak import MALFORMED, fuzz_bodies, fuzz_coding
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
@@ -174,10 +174,12 @@ async def test_unknown_routes_and_methods(daemon, http):
 
 
 async def test_no_input_yields_a_500(daemon, http):
-    bodies = MALFORMED + fuzz_bodies(random.Random(0), 150, chat_body(max_tokens=1))
+    rng = random.Random(0)
+    bodies = MALFORMED + fuzz_bodies(rng, 150, chat_body(max_tokens=1))
     for route in (CHAT, COMPLETIONS):
-        for data in bodies:
-            async with http.post(daemon.url + route, data=data, headers={"Content-Type": "application/json"}) as r:
+        for data, coding in (fuzz_coding(rng, body) for body in bodies):  # some compressed, or not decodable
+            headers = {"Content-Type": "application/json", **({"Content-Encoding": coding} if coding else {})}
+            async with http.post(daemon.url + route, data=data, headers=headers) as r:
                 text = await r.text()
                 assert r.status < 500, (data[:200], text)
                 if r.status >= 400:
