@@ -19,6 +19,7 @@ while the innocent one keeps measuring:
     badkeys     a torrent of wrong keys (a 401 each), against a daemon of 100,000 keys
     ids         /v1/completions with 3 million token ids and echo
     trickle     a large reply read a kilobyte a second
+    inflate     zstd and gzip bodies of kilobytes that inflate to gigabytes, far past --max-body-bytes
 
 The hostile tenant runs in a process of its own (`--attack SHAPE`), as a real one would: in the
 daemon's process its own work (encoding 4 MB bodies) would be measured as the daemon's. It sends
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gzip
 import json
 import socket
 import statistics
@@ -134,9 +136,10 @@ class Ctx:
     def headers(self, key: str = HOSTILE) -> dict[str, str]:
         return {"Authorization": f"Bearer {key}"}
 
-    async def post(self, path: str, body: Any, key: str = HOSTILE) -> int:
+    async def post(self, path: str, body: Any, key: str = HOSTILE, coding: str | None = None) -> int:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        headers = {**self.headers(key), "Content-Type": "application/json"}
+        headers = {**self.headers(key), "Content-Type": "application/json",
+                   **({"Content-Encoding": coding} if coding else {})}
         async with self.http.post(self.url + path, data=data, headers=headers) as r:
             await r.read()
             return r.status
@@ -284,12 +287,22 @@ async def shape_trickle(ctx: Ctx) -> list[int | None]:
         writer.close()
 
 
+async def shape_inflate(ctx: Ctx) -> list[int | None]:
+    from kvfork.server.api.content_encoding import zstd
+
+    spaces = b" " * (2 * ctx.target.max_body_bytes)  # twice the limit: packed, a few kilobytes
+    # zstd: 64 frames of them, 2 GiB at the default limit, from a few hundred kilobytes; gzip (1,000 to 1) one
+    frames = ctx.encoded("inflate-zstd", lambda: zstd().compress(spaces) * 64)
+    member = ctx.encoded("inflate-gzip", lambda: gzip.compress(spaces, compresslevel=9))
+    return [await ctx.post(CHAT, frames, coding="zstd"), await ctx.post(MESSAGES, member, coding="gzip")]
+
+
 SERIAL = {"reader", "hoard", "trickle"}  # one at a time: the reader's 8 choices take half the slots, the hoard is a count
 SHAPES: dict[str, Callable[[Ctx], Awaitable[list[int | None]]]] = {
     "stops": shape_stops, "nested": shape_nested, "template": shape_template, "schema": shape_schema,
     "prompt": shape_prompt, "reader": shape_reader, "slowloris": shape_slowloris, "hoard": shape_hoard,
     "auth": shape_auth, "hog": shape_hog, "flood": shape_flood, "badkeys": shape_badkeys, "ids": shape_ids,
-    "trickle": shape_trickle,
+    "trickle": shape_trickle, "inflate": shape_inflate,
 }
 WIDE = {"hog": 48, "flood": 32, "badkeys": 32}  # in flight at once: past the slots and the queue, a torrent
 
