@@ -7,9 +7,10 @@ nothing to reuse. (On this tiny random model the reply hangs on the prompt's las
 what the reused state holds: the state itself is compared with a fresh prefill, within tolerance.py's
 bound, in the backends' contract tests, tests/backends/test_contract.py.)
 
-The requests are tests/fixtures/clients/subagents/claude.json: the main agent's recorded first request
-and two subagent requests built in its shape (placeholders for every piece of prose, filled here with
-words at a twentieth of their recorded length: the tools' schemas, kept whole, make most of the tokens).
+The requests are tests/fixtures/clients/subagents/claude.json, recorded from Claude Code 2.1.332 in
+`kvfork clients`' subagent step: the main agent's first request of the turn, then each subagent's first
+request (every piece of the client's prose a placeholder, filled here with words at a twentieth of its
+recorded length: the tools' schemas, kept whole, make most of the tokens).
 They are replayed as Claude Code sends them (its path, headers and streamed body), with `temperature` 0
 and thinking off, so that the greedy reply is text to compare. A `cache_salt` per case keeps the cases
 apart on the one daemon each backend serves, and a fresh salt is a request with nothing to reuse."""

@@ -13,7 +13,9 @@ Each client runs a scripted session of `--turns` turns in a throwaway folder hol
 turn 1 asks it to read the file, later turns talk. A random model writes no tool call of its own,
 so a scripted proxy (proxy.py) in front of kvfork forces the one harmless call (reading notes.txt
 with the client's own read tool, arguments fixed by a grammar) and ends other replies with a short
-JSON reply; it also records every request the client sends (`--record DIR`: the raw material of the
+JSON reply; then Claude Code starts two subagents with different first prompts (its Agent tool, the
+calls' arguments fixed the same way), and a second table shows what each subagent's first request
+reused. The proxy also records every request the client sends (`--record DIR`: the raw material of the
 wire-shape fixtures in tests/fixtures/clients) and counts kvfork's answers. The table: client,
 version, turns completed, tool calls, cached tokens, errors. Exits 1 when a client fails a turn it
 should complete.

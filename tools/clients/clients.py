@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfork.tools.clients.proxy import ReadTool
+from kvfork.tools.clients.proxy import ToolCall
 
 MODEL = "tiny"  # the name every client asks for; kvfork runs with --accept-any-model anyway
 KEY = "kvfork-local"  # a dummy key: kvfork runs without keys, the clients want one to start
@@ -21,7 +21,7 @@ class Client:
     binary: str
     api: str
 
-    def read_tool(self, work: Path) -> ReadTool:
+    def read_tool(self, work: Path) -> ToolCall:
         raise NotImplementedError
 
     def configure(self, root: Path, base_url: str, context: int) -> dict[str, str]:
@@ -42,10 +42,10 @@ def _base_env(root: Path) -> dict[str, str]:
 
 
 class Codex(Client):
-    def read_tool(self, work: Path) -> ReadTool:
+    def read_tool(self, work: Path) -> ToolCall:
         # Codex reads files through its shell tool; the command is the script's, fixed by the grammar,
         # and runs in Codex's read-only sandbox.
-        return ReadTool("exec_command", {"cmd": "cat notes.txt"})
+        return ToolCall("exec_command", {"cmd": "cat notes.txt"})
 
     def configure(self, root: Path, base_url: str, context: int) -> dict[str, str]:
         env = _base_env(root)
@@ -84,8 +84,8 @@ enabled = false
 
 
 class ClaudeCode(Client):
-    def read_tool(self, work: Path) -> ReadTool:
-        return ReadTool("Read", {"file_path": str(work / "notes.txt")})
+    def read_tool(self, work: Path) -> ToolCall:
+        return ToolCall("Read", {"file_path": str(work / "notes.txt")})
 
     def configure(self, root: Path, base_url: str, context: int) -> dict[str, str]:
         env = _base_env(root)
@@ -98,14 +98,14 @@ class ClaudeCode(Client):
                       "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
 
     def command(self, prompt: str, first: bool, work: Path) -> list[str]:
-        # the prompt before --allowedTools, which takes every value after it
+        # the prompt before --allowedTools, which takes every value after it; Agent starts subagents (run.py)
         return [self.binary, "-p", prompt, *(() if first else ("--continue",)), "--model", MODEL,
-                "--allowedTools", "Read"]
+                "--allowedTools", "Read", "Agent"]
 
 
 class Opencode(Client):
-    def read_tool(self, work: Path) -> ReadTool:
-        return ReadTool("read", {"filePath": str(work / "notes.txt")})
+    def read_tool(self, work: Path) -> ToolCall:
+        return ToolCall("read", {"filePath": str(work / "notes.txt")})
 
     def configure(self, root: Path, base_url: str, context: int) -> dict[str, str]:
         env = _base_env(root)

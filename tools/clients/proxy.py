@@ -7,8 +7,12 @@ only the requests on their way to kvfork, with kvfork's own constrained decoding
   client's read tool gets `tool_choice` naming it, and that tool's schema (in every request, so
   the prompt stays the one the other turns share) admits exactly the scripted arguments: the model
   can write nothing else, so no model-made argument ever reaches a tool.
+- The subagent step (Claude Code) asks, in its own turn, for two subagents: while fewer tool results
+  than subagents have come back, a request that offers the Agent tool gets `tool_choice` naming it, and
+  its schema admits exactly the next subagent's description and prompt (the calls differ, so the Agent
+  tool's schema is the one place the main agent's requests of that turn differ).
 - Every other request gets a JSON-schema output that admits one short reply, `{"reply": "done"}`,
-  and `tool_choice: none`, so a reply ends cleanly instead of running to its limit.
+  and `tool_choice: none`, so a reply ends cleanly instead of running to its limit (a subagent's too).
 """
 
 from __future__ import annotations
@@ -28,9 +32,12 @@ END_SCHEMA = {"type": "object", "properties": {"reply": {"type": "string", "enum
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "accept-encoding"}
 
 
+SUBAGENT = "cc_is_subagent=true;"  # in the billing line of a Claude Code subagent's request
+
+
 @dataclass(frozen=True)
-class ReadTool:
-    """The client's file-reading tool and the one call the script lets the model make to it."""
+class ToolCall:
+    """One of the client's tools and the one call the script lets the model make to it."""
 
     name: str
     arguments: dict[str, str]
@@ -38,6 +45,26 @@ class ReadTool:
     def schema(self) -> dict[str, Any]:
         return {"type": "object", "additionalProperties": False, "required": list(self.arguments),
                 "properties": {k: {"type": "string", "enum": [v]} for k, v in self.arguments.items()}}
+
+
+@dataclass(frozen=True)
+class Subagents:
+    """The subagents the script has Claude Code start with its Agent tool, one after the other, in the
+    turn numbered `turn`: one prompt each."""
+
+    turn: int
+    prompts: tuple[str, ...]
+
+    def next_call(self, api: str, body: dict) -> ToolCall | None:
+        """The Agent call this request of the main agent must make, if any is left."""
+        text = _conversation(api, body)
+        mark = f"{TURN}{self.turn}"
+        if mark not in text:
+            return None
+        started = text[text.rindex(mark):].count('"tool_result"')
+        if started >= len(self.prompts):
+            return None
+        return ToolCall("Agent", {"description": f"subagent {started + 1}", "prompt": self.prompts[started]})
 
 
 @dataclass
@@ -49,6 +76,7 @@ class Tally:
     cached_tokens: int = 0
     errors: list[str] = field(default_factory=list)
     forced_calls: int = 0
+    subagents: list[tuple[int, int]] = field(default_factory=list)  # each subagent request's (prompt, cached)
 
 
 def _conversation(api: str, body: dict) -> str:
@@ -72,24 +100,35 @@ def _tool_name(api: str, tool: dict) -> str | None:
     return tool.get("name")
 
 
-def steer(api: str, body: dict, read: ReadTool) -> bool:
-    """Rewrite `body` in place; True when it forces the read call."""
-    tools = body.get("tools") or []
+def _force(api: str, body: dict, call: ToolCall, wanted: bool) -> bool:
+    """Give `call`'s tool its scripted schema where `body` offers it; with `wanted`, name it in
+    `tool_choice`. True when the call is forced."""
     offered = False
-    for tool in tools:
-        if _tool_name(api, tool) != read.name:
+    for tool in body.get("tools") or []:
+        if _tool_name(api, tool) != call.name:
             continue
         offered = True
         if api == "chat":
-            tool["function"]["parameters"] = read.schema()
+            tool["function"]["parameters"] = call.schema()
         elif api == "messages":
-            tool["input_schema"] = read.schema()
+            tool["input_schema"] = call.schema()
         else:
-            tool["parameters"] = read.schema()
-    if offered and _wants_call(api, body):
-        body["tool_choice"] = {"messages": {"type": "tool", "name": read.name},
-                               "chat": {"type": "function", "function": {"name": read.name}},
-                               "responses": {"type": "function", "name": read.name}}[api]
+            tool["parameters"] = call.schema()
+    if offered and wanted:
+        body["tool_choice"] = {"messages": {"type": "tool", "name": call.name},
+                               "chat": {"type": "function", "function": {"name": call.name}},
+                               "responses": {"type": "function", "name": call.name}}[api]
+        return True
+    return False
+
+
+def steer(api: str, body: dict, read: ToolCall, subagents: Subagents | None = None) -> bool:
+    """Rewrite `body` in place; True when it forces a call (the read, or starting a subagent)."""
+    tools = body.get("tools") or []
+    if _force(api, body, read, _wants_call(api, body)):
+        return True
+    start = subagents.next_call(api, body) if subagents is not None else None
+    if start is not None and _force(api, body, start, True):
         return True
     if api == "messages":
         body["output_config"] = {"format": {"type": "json_schema", "schema": END_SCHEMA}}
@@ -136,11 +175,16 @@ def _objects(raw: bytes) -> list[dict]:
     return out
 
 
-def count(api: str, status: int, raw: bytes, tally: Tally) -> None:
-    """Add one answer's tool calls, cached tokens and errors to `tally`."""
+def count(api: str, status: int, raw: bytes, tally: Tally, subagent: bool = False) -> None:
+    """Add one answer's tool calls, cached tokens and errors to `tally` (a subagent's prompt and cached
+    tokens to its list too)."""
     if status >= 400:
         tally.errors.append(f"{api} {status}: {raw[:200].decode(errors='replace')}")
         return
+    if subagent:
+        usage = next((o["usage"] for o in _objects(raw) if o.get("type") in ("message_delta", "message")), {})
+        cached = usage.get("cache_read_input_tokens", 0)
+        tally.subagents.append((usage.get("input_tokens", 0) + cached, cached))
     for obj in _objects(raw):
         kind = obj.get("type", "")
         if kind == "error" or (kind == "" and "error" in obj):
@@ -167,8 +211,8 @@ def count(api: str, status: int, raw: bytes, tally: Tally) -> None:
 class Proxy:
     """Listens on a loopback port and forwards to `upstream` (kvfork), steering and counting."""
 
-    def __init__(self, upstream: str, read: ReadTool, record: Path | None = None):
-        self.upstream, self.read, self.record = upstream.rstrip("/"), read, record
+    def __init__(self, upstream: str, read: ToolCall, record: Path | None = None, subagents: Subagents | None = None):
+        self.upstream, self.read, self.record, self.subagents = upstream.rstrip("/"), read, record, subagents
         self.tally = Tally()
         self.session: aiohttp.ClientSession | None = None
         self.runner: web.AppRunner | None = None
@@ -201,13 +245,15 @@ class Proxy:
             except ValueError:
                 body = None
         self._record(request, body if body is not None else raw.decode(errors="replace"))
-        forced = False
+        forced = subagent = False
         if api is not None and isinstance(body, dict):
-            forced = steer(api, body, self.read)
+            subagent = api == "messages" and SUBAGENT in json.dumps(body.get("system"))
+            forced = steer(api, body, self.read, self.subagents)
             raw = json.dumps(body).encode()
             self.tally.requests += 1
             self.tally.forced_calls += forced
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        # the body goes on decoded (aiohttp inflated it): without the client's Content-Encoding
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS | {"content-encoding"}}
         assert self.session is not None
         async with self.session.request(request.method, self.upstream + request.path_qs, data=raw or None,
                                         headers=headers) as upstream:
@@ -222,7 +268,7 @@ class Proxy:
                 await response.write(chunk)
             await response.write_eof()
         if api is not None:
-            count(api, upstream.status, bytes(seen), self.tally)
+            count(api, upstream.status, bytes(seen), self.tally, subagent)
         return response
 
     def _record(self, request: web.Request, body: Any) -> None:

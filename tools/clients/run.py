@@ -20,7 +20,7 @@ from kvfork.server.engine.config import EngineConfig
 from kvfork.server.serve import Daemon, pick_backend
 from kvfork.tools.clients.clients import CLIENTS, MODEL, Client
 from kvfork.tools.clients.model import write_tiny_long_model
-from kvfork.tools.clients.proxy import TURN, Proxy
+from kvfork.tools.clients.proxy import TURN, Proxy, Subagents
 from kvfork.tools.bench.text import words
 from kvfork.backends.default_model import ensure_default_model
 from kvfork.backends.model_path import kvfork_home
@@ -31,6 +31,10 @@ PROMPTS = (
     f"{TURN}3 That is all for now.",
 )
 NOTES = "kvfork clients: a harmless file the scripted session reads.\n"
+# The subagent step: Claude Code starts two subagents, one after the other, each with its own first prompt
+SUBAGENTS = Subagents(4, ("List the files in this folder and say what each one holds.",
+                          "Find what notes.txt asks for and report it in one line."))
+SUBAGENTS_PROMPT = f"{TURN}4 Start two subagents with the Agent tool, one after the other, and report what they found."
 
 
 @dataclass
@@ -43,6 +47,7 @@ class Row:
     errors: list[str] = field(default_factory=list)
     requests: int = 0
     asked: int = 0  # turns the session was asked to complete
+    subagents: list[tuple[int, int]] = field(default_factory=list)  # each subagent request's (prompt, cached)
 
 
 def clients_dir() -> Path:
@@ -104,9 +109,11 @@ def project(root: Path, memory_bytes: int = 0) -> Path:
 
 async def run_client(client: Client, kvfork_url: str, context: int, turns: int, record: Path | None,
                      timeout_s: float, work: Path | None = None, label: str | None = None,
-                     root: Path | None = None) -> Row:
+                     root: Path | None = None, prompts: tuple[str, ...] = PROMPTS,
+                     subagents: Subagents | None = None) -> Row:
     """One session of `client` (`label` in the table) in `work` (default: a project of its own), its user's
-    home and configuration under `root` (default: a folder of its own)."""
+    home and configuration under `root` (default: a folder of its own): `turns` of `prompts`, in which
+    the proxy has it start `subagents` (Claude Code)."""
     label = label or client.name
     root = root or Path(tempfile.mkdtemp(prefix=f"kvfork-{client.name}-"))
     work = work or project(root)
@@ -115,7 +122,7 @@ async def run_client(client: Client, kvfork_url: str, context: int, turns: int, 
     if path is None:
         row.errors.append("not installed: run `kvfork clients --install`")
         return row
-    proxy = Proxy(kvfork_url, client.read_tool(work), record / f"{label}.jsonl" if record else None)
+    proxy = Proxy(kvfork_url, client.read_tool(work), record / f"{label}.jsonl" if record else None, subagents)
     base = await proxy.start()
     env = {"PATH": os.environ.get("PATH", "")} | client.configure(root, base, context)
     row.version = version(client, path, env)
@@ -125,7 +132,7 @@ async def run_client(client: Client, kvfork_url: str, context: int, turns: int, 
         return row
     try:
         for turn in range(turns):
-            argv = [str(path), *client.command(PROMPTS[turn], turn == 0, work)[1:]]
+            argv = [str(path), *client.command(prompts[turn], turn == 0, work)[1:]]
             process = await asyncio.create_subprocess_exec(*argv, cwd=work, env=env, stdin=subprocess.DEVNULL,
                                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             try:
@@ -146,6 +153,9 @@ async def run_client(client: Client, kvfork_url: str, context: int, turns: int, 
     tally = proxy.tally
     row.tool_calls, row.cached_tokens, row.requests = tally.tool_calls, tally.cached_tokens, tally.requests
     row.errors += tally.errors
+    row.subagents = tally.subagents
+    if subagents is not None and len(tally.subagents) < len(subagents.prompts):
+        row.errors.append(f"{len(tally.subagents)} of {len(subagents.prompts)} subagents started")
     print(f"kvfork clients: {label}: logs in {root}", flush=True)
     return row
 
@@ -157,6 +167,10 @@ def table(rows: list[Row]) -> str:
         errors = "; ".join(e.replace("|", "/").replace("\n", " ")[:160] for e in r.errors[:3]) or "none"
         lines.append(f"| {r.client} | {r.version} | {r.turns} | {r.tool_calls} | {r.cached_tokens} | {r.requests} "
                      f"| {errors} |")
+    started = [(r.client, i, prompt, cached) for r in rows for i, (prompt, cached) in enumerate(r.subagents, 1)]
+    if started:
+        lines += ["", "| session | subagent | prompt tokens | cached tokens |", "|---|---|---|---|"]
+        lines += [f"| {client} | {i} | {prompt} | {cached} |" for client, i, prompt, cached in started]
     return "\n".join(lines)
 
 
@@ -179,6 +193,10 @@ async def serve_and_run(args: argparse.Namespace, names: list[str]) -> list[Row]
                 for n in names]
         if "claude" in names and args.claude_md and args.model != "default":
             rows += await shared_project(daemon.url, context, args)
+        if "claude" in names and args.subagents and args.model != "default":
+            rows.append(await run_client(CLIENTS["claude"], daemon.url, context, 1, args.record, args.timeout,
+                                         label="claude, two subagents", prompts=(SUBAGENTS_PROMPT,),
+                                         subagents=SUBAGENTS))
         return rows
     finally:
         await daemon.close()
@@ -215,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
     parser.add_argument("--claude-md", type=int, default=35_000, help="then two Claude Code sessions in one "
                         "project whose CLAUDE.md is this many bytes (0: none)")
+    parser.add_argument("--no-subagents", dest="subagents", action="store_false", help="skip the step where "
+                        "Claude Code starts two subagents with different first prompts (the table shows what "
+                        "each one's first request reused)")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.clients.split(",") if n.strip()]
     unknown = [n for n in names if n not in CLIENTS]
