@@ -83,7 +83,10 @@ enabled = false
         return [self.binary, "exec", "resume", "--last", "--skip-git-repo-check", prompt]
 
 
+@dataclass(frozen=True)
 class ClaudeCode(Client):
+    flags: tuple[str, ...] = ()  # more of its own, before the allowed tools (run.py: the two-projects step)
+
     def read_tool(self, work: Path) -> ToolCall:
         return ToolCall("Read", {"file_path": str(work / "notes.txt")})
 
@@ -99,7 +102,7 @@ class ClaudeCode(Client):
 
     def command(self, prompt: str, first: bool, work: Path) -> list[str]:
         # the prompt before --allowedTools, which takes every value after it; Agent starts subagents (run.py)
-        return [self.binary, "-p", prompt, *(() if first else ("--continue",)), "--model", MODEL,
+        return [self.binary, "-p", prompt, *(() if first else ("--continue",)), "--model", MODEL, *self.flags,
                 "--allowedTools", "Read", "Agent"]
 
 

@@ -76,7 +76,7 @@ class Tally:
     cached_tokens: int = 0
     errors: list[str] = field(default_factory=list)
     forced_calls: int = 0
-    subagents: list[tuple[int, int]] = field(default_factory=list)  # each subagent request's (prompt, cached)
+    messages: list[tuple[bool, int, int]] = field(default_factory=list)  # each Messages answer: (a subagent's, prompt, cached)
 
 
 def _conversation(api: str, body: dict) -> str:
@@ -176,15 +176,15 @@ def _objects(raw: bytes) -> list[dict]:
 
 
 def count(api: str, status: int, raw: bytes, tally: Tally, subagent: bool = False) -> None:
-    """Add one answer's tool calls, cached tokens and errors to `tally` (a subagent's prompt and cached
-    tokens to its list too)."""
+    """Add one answer's tool calls, cached tokens and errors to `tally` (a Messages answer's prompt and
+    cached tokens to its list too)."""
     if status >= 400:
         tally.errors.append(f"{api} {status}: {raw[:200].decode(errors='replace')}")
         return
-    if subagent:
+    if api == "messages":
         usage = next((o["usage"] for o in _objects(raw) if o.get("type") in ("message_delta", "message")), {})
         cached = usage.get("cache_read_input_tokens", 0)
-        tally.subagents.append((usage.get("input_tokens", 0) + cached, cached))
+        tally.messages.append((subagent, usage.get("input_tokens", 0) + cached, cached))
     for obj in _objects(raw):
         kind = obj.get("type", "")
         if kind == "error" or (kind == "" and "error" in obj):

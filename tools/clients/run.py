@@ -12,7 +12,7 @@ import subprocess
 import sys
 import random
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvfork.server.config import ServerConfig
@@ -20,7 +20,7 @@ from kvfork.server.engine.config import EngineConfig
 from kvfork.server.serve import Daemon, pick_backend
 from kvfork.tools.clients.clients import CLIENTS, MODEL, Client
 from kvfork.tools.clients.model import write_tiny_long_model
-from kvfork.tools.clients.proxy import TURN, Proxy, Subagents
+from kvfork.tools.clients.proxy import TURN, Proxy, Subagents, ToolCall
 from kvfork.tools.bench.text import words
 from kvfork.backends.default_model import ensure_default_model
 from kvfork.backends.model_path import kvfork_home
@@ -34,6 +34,8 @@ NOTES = "kvfork clients: a harmless file the scripted session reads.\n"
 # The subagent step: Claude Code starts two subagents, one after the other, each with its own first prompt
 SUBAGENTS = Subagents(4, ("List the files in this folder and say what each one holds.",
                           "Find what notes.txt asks for and report it in one line."))
+# Claude Code's flag that moves the folder, memory path and git status out of the system prompt
+EXCLUDE_DYNAMIC = "--exclude-dynamic-system-prompt-sections"
 SUBAGENTS_PROMPT = f"{TURN}4 Start two subagents with the Agent tool, one after the other, and report what they found."
 
 
@@ -47,7 +49,7 @@ class Row:
     errors: list[str] = field(default_factory=list)
     requests: int = 0
     asked: int = 0  # turns the session was asked to complete
-    subagents: list[tuple[int, int]] = field(default_factory=list)  # each subagent request's (prompt, cached)
+    noted: list[tuple[str, int, int]] = field(default_factory=list)  # requests of note: (which, prompt, cached)
 
 
 def clients_dir() -> Path:
@@ -110,10 +112,13 @@ def project(root: Path, memory_bytes: int = 0) -> Path:
 async def run_client(client: Client, kvfork_url: str, context: int, turns: int, record: Path | None,
                      timeout_s: float, work: Path | None = None, label: str | None = None,
                      root: Path | None = None, prompts: tuple[str, ...] = PROMPTS,
-                     subagents: Subagents | None = None) -> Row:
+                     subagents: Subagents | None = None, note_first: bool = False,
+                     read: ToolCall | None = None) -> Row:
     """One session of `client` (`label` in the table) in `work` (default: a project of its own), its user's
     home and configuration under `root` (default: a folder of its own): `turns` of `prompts`, in which
-    the proxy has it start `subagents` (Claude Code)."""
+    the proxy has it start `subagents` (Claude Code); the requests of note (the second table) are the
+    subagents' first requests, or with `note_first` the session's first request. `read`: the one read
+    the script allows (default: the client's read tool on `work`'s notes.txt)."""
     label = label or client.name
     root = root or Path(tempfile.mkdtemp(prefix=f"kvfork-{client.name}-"))
     work = work or project(root)
@@ -122,7 +127,8 @@ async def run_client(client: Client, kvfork_url: str, context: int, turns: int, 
     if path is None:
         row.errors.append("not installed: run `kvfork clients --install`")
         return row
-    proxy = Proxy(kvfork_url, client.read_tool(work), record / f"{label}.jsonl" if record else None, subagents)
+    proxy = Proxy(kvfork_url, read or client.read_tool(work), record / f"{label}.jsonl" if record else None,
+                  subagents)
     base = await proxy.start()
     env = {"PATH": os.environ.get("PATH", "")} | client.configure(root, base, context)
     row.version = version(client, path, env)
@@ -153,9 +159,13 @@ async def run_client(client: Client, kvfork_url: str, context: int, turns: int, 
     tally = proxy.tally
     row.tool_calls, row.cached_tokens, row.requests = tally.tool_calls, tally.cached_tokens, tally.requests
     row.errors += tally.errors
-    row.subagents = tally.subagents
-    if subagents is not None and len(tally.subagents) < len(subagents.prompts):
-        row.errors.append(f"{len(tally.subagents)} of {len(subagents.prompts)} subagents started")
+    started = [(prompt, cached) for subagent, prompt, cached in tally.messages if subagent]
+    if subagents is not None:
+        row.noted = [(f"subagent {i}", prompt, cached) for i, (prompt, cached) in enumerate(started, 1)]
+        if len(started) < len(subagents.prompts):
+            row.errors.append(f"{len(started)} of {len(subagents.prompts)} subagents started")
+    elif note_first and tally.messages:
+        row.noted = [("first request", *tally.messages[0][1:])]
     print(f"kvfork clients: {label}: logs in {root}", flush=True)
     return row
 
@@ -167,10 +177,10 @@ def table(rows: list[Row]) -> str:
         errors = "; ".join(e.replace("|", "/").replace("\n", " ")[:160] for e in r.errors[:3]) or "none"
         lines.append(f"| {r.client} | {r.version} | {r.turns} | {r.tool_calls} | {r.cached_tokens} | {r.requests} "
                      f"| {errors} |")
-    started = [(r.client, i, prompt, cached) for r in rows for i, (prompt, cached) in enumerate(r.subagents, 1)]
-    if started:
-        lines += ["", "| session | subagent | prompt tokens | cached tokens |", "|---|---|---|---|"]
-        lines += [f"| {client} | {i} | {prompt} | {cached} |" for client, i, prompt, cached in started]
+    noted = [(r.client, *request) for r in rows for request in r.noted]
+    if noted:
+        lines += ["", "| session | request | prompt tokens | cached tokens |", "|---|---|---|---|"]
+        lines += [f"| {client} | {which} | {prompt} | {cached} |" for client, which, prompt, cached in noted]
     return "\n".join(lines)
 
 
@@ -197,6 +207,8 @@ async def serve_and_run(args: argparse.Namespace, names: list[str]) -> list[Row]
             rows.append(await run_client(CLIENTS["claude"], daemon.url, context, 1, args.record, args.timeout,
                                          label="claude, two subagents", prompts=(SUBAGENTS_PROMPT,),
                                          subagents=SUBAGENTS))
+        if "claude" in names and args.projects and args.model != "default":
+            rows += await two_projects(daemon.url, context, args)
         return rows
     finally:
         await daemon.close()
@@ -218,6 +230,31 @@ async def shared_project(kvfork_url: str, context: int, args: argparse.Namespace
         shutil.rmtree(folder, ignore_errors=True)
 
 
+async def two_projects(kvfork_url: str, context: int, args: argparse.Namespace) -> list[Row]:
+    """Claude Code sessions of one user in two projects, one after the other: as it starts by default,
+    the project's folder and memory path sit early in the system prompt, before the tools, so the second
+    project shares little of the first's first request; with --exclude-dynamic-system-prompt-sections
+    those move into the first user message, after the system prompt and tools. Both read one notes.txt
+    outside either project: the script's read call, fixed in the tool's schema, is then no difference
+    of its own."""
+    rows, shared = [], Path(tempfile.mkdtemp(prefix="kvfork-notes-"))
+    read = CLIENTS["claude"].read_tool(project(shared))
+    try:
+        for flags in ((), (EXCLUDE_DYNAMIC,)):
+            client = replace(CLIENTS["claude"], flags=flags)
+            for name in ("a", "b"):
+                folder = Path(tempfile.mkdtemp(prefix=f"kvfork-project-{name}-"))
+                try:
+                    label = f"claude, project {name}" + (f", {EXCLUDE_DYNAMIC}" if flags else "")
+                    rows.append(await run_client(client, kvfork_url, context, 1, args.record, args.timeout,
+                                                 project(folder), label, folder, note_first=True, read=read))
+                finally:
+                    shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvfork clients", description=__doc__)
     parser.add_argument("--install", action="store_true", help="install the pinned clients into "
@@ -236,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-subagents", dest="subagents", action="store_false", help="skip the step where "
                         "Claude Code starts two subagents with different first prompts (the table shows what "
                         "each one's first request reused)")
+    parser.add_argument("--no-projects", dest="projects", action="store_false", help="skip the step where Claude "
+                        "Code runs in two projects, one after the other, by default and with "
+                        f"{EXCLUDE_DYNAMIC} (the table shows what each session's first request reused)")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.clients.split(",") if n.strip()]
     unknown = [n for n in names if n not in CLIENTS]
