@@ -34,9 +34,9 @@ NOTES = "kvfork clients: a harmless file the scripted session reads.\n"
 # The subagent step: Claude Code starts two subagents, one after the other, each with its own first prompt
 SUBAGENTS = Subagents(4, ("List the files in this folder and say what each one holds.",
                           "Find what notes.txt asks for and report it in one line."))
+SUBAGENTS_PROMPT = f"{TURN}4 Start two subagents with the Agent tool, one after the other, and report what they found."
 # Claude Code's flag that moves the folder, memory path and git status out of the system prompt
 EXCLUDE_DYNAMIC = "--exclude-dynamic-system-prompt-sections"
-SUBAGENTS_PROMPT = f"{TURN}4 Start two subagents with the Agent tool, one after the other, and report what they found."
 
 
 @dataclass
