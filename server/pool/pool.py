@@ -10,13 +10,18 @@ different models never wait on each other: the second's switch starts when the f
 switch is to the model of the longest waiting request, and a request for a loaded model never waits behind
 a switch, so A B A C runs as A A B C. Making room unloads the least recently used unpinned model, idle ones
 first; a model still running requests stops taking new ones and gives them `--model-switch-timeout` seconds
-to finish, after which the engine cancels the rest. Unloading shuts the engine down, which spills its prefix
+to finish, after which the engine cancels the rest. Between tenants (turns.py): a switch waits for the
+other tenants' requests on the model it unloads to end (never cancelled for it), and a tenant's switches
+that unload a model another tenant used are --model-switch-interval seconds apart; its request waits
+meanwhile, and the other tenants' switches go first. Unloading shuts the engine down, which spills its prefix
 cache to the disk tier: loading the model again finds those files and restores from them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -33,7 +38,8 @@ from kvfork.server.pool.keepalive import KeepAlive, error_in_stream
 from kvfork.server.pool.loadable import check_folder, folder_state
 from kvfork.server.pool.served import ServedModel
 from kvfork.server.pool.specs import ModelSpec
-from kvfork.server.state import AppState
+from kvfork.server.pool.turns import SwitchTurns, disrupts, waits_for
+from kvfork.server.state import AppState, tenant_of
 
 log = logging.getLogger("kvfork")
 LEASE = web.RequestKey("model_lease", object)
@@ -54,7 +60,8 @@ class Slot:
     pinned: bool
     footprint: int  # its weights and KV budget, bytes of the pool's budget it takes once loaded
     served: ServedModel | None = None
-    users: int = 0  # requests holding it
+    tenants: collections.Counter[str] = field(default_factory=collections.Counter)  # requests holding it, per tenant
+    last_tenant: str | None = None  # whose request took it last
     used: float = 0.0  # when a request last took it (monotonic)
     leaving: bool = False  # unloading: it takes no new request
     attempts: int = 0  # loads tried, so a request knows whether a failure is news to it
@@ -66,6 +73,19 @@ class Slot:
     def ready(self) -> bool:
         return self.served is not None and not self.leaving
 
+    @property
+    def users(self) -> int:
+        """Requests holding it."""
+        return sum(self.tenants.values())
+
+
+@dataclass(eq=False)
+class Waiter:
+    """A request waiting for its model: which, and whose."""
+
+    slot: Slot
+    tenant: str
+
 
 class ModelPool:
     def __init__(self, base: AppState, specs: list[ModelSpec], engine_config: EngineConfig,
@@ -75,7 +95,8 @@ class ModelPool:
         self.slots = {s.name: Slot(s, s.name in config.pin, budget.footprint(s)) for s in specs}
         self.default = specs[0].name
         self.switch_timeout, self.ttl = config.model_switch_timeout, config.model_ttl
-        self._queue: list[Slot] = []  # the models of waiting requests, in arrival order
+        self._queue: list[Waiter] = []  # waiting requests, in arrival order
+        self.turns = SwitchTurns(config.model_switch_interval)
         self._switching: asyncio.Task | None = None
         self._switching_to: Slot | None = None  # the model the switch loads (None: an idle unload)
         self._changed = asyncio.Event()
@@ -109,36 +130,41 @@ class ModelPool:
             raise ApiError(503, "the server is shutting down", code="not_ready")
         slot = self.slot(requested)
         beat = KeepAlive(request, self.base.config.sse_keepalive) if stream and not slot.ready else None
+        tenant = tenant_of(request)
         try:
-            state = await self.take(slot)
+            state = await self.take(slot, tenant)
         finally:
             if beat is not None:
                 await beat.stop()
-        request[LEASE] = slot
+        request[LEASE] = Waiter(slot, tenant)
         return state
 
-    async def take(self, slot: Slot) -> AppState:
-        """Wait until `slot` is loaded (starting its load when its turn comes), then hold it."""
-        seen = slot.attempts
-        self._queue.append(slot)
+    async def take(self, slot: Slot, tenant: str = "") -> AppState:
+        """Wait until `slot` is loaded (starting its load when its turn comes), then hold it for `tenant`."""
+        seen, me = slot.attempts, Waiter(slot, tenant)
+        self._queue.append(me)
         try:
             while not slot.ready:
                 if slot.attempts > seen and slot.error is not None:
                     raise ApiError(503, slot.error, code="model_load_failed", param="model")
                 if self._closed:
                     raise ApiError(503, "the server is shutting down", code="not_ready")
-                if self._switching is None and self._next() is slot:
-                    self._switching, self._switching_to = asyncio.create_task(self._switch_to(slot)), slot
-                await self._changed.wait()
+                if self._switching is None and self._next() is me:
+                    if self._disrupts(me):
+                        self.turns.charge(tenant, time.monotonic())
+                    self._switching, self._switching_to = asyncio.create_task(self._switch_to(slot, tenant)), slot
+                held = self._held_back(me)  # its tenant's turn to switch comes later: look again then
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), held or None)
         finally:
-            self._queue.remove(slot)
-        slot.users += 1
-        slot.used = time.monotonic()
+            self._queue.remove(me)
+        slot.tenants[tenant] += 1
+        slot.last_tenant, slot.used = tenant, time.monotonic()
         assert slot.served is not None
         return slot.served.state
 
-    def release(self, slot: Slot) -> None:
-        slot.users -= 1
+    def release(self, slot: Slot, tenant: str = "") -> None:
+        slot.tenants[tenant] -= 1
         slot.used = time.monotonic()
         self._notify()
 
@@ -156,9 +182,9 @@ class ModelPool:
                 log.exception("unexpected error")
             return await error_in_stream(request, error)
         finally:
-            slot = request.get(LEASE)
-            if isinstance(slot, Slot):
-                self.release(slot)
+            lease = request.get(LEASE)
+            if isinstance(lease, Waiter):
+                self.release(lease.slot, lease.tenant)
 
     @property
     def loading(self) -> str | None:
@@ -182,15 +208,43 @@ class ModelPool:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    def _next(self) -> Slot | None:
-        """The model the next switch loads: that of the longest waiting request whose model is not ready."""
-        return next((s for s in self._queue if not s.ready), None)
+    def _next(self) -> Waiter | None:
+        """The request the next switch is for: the longest waiting whose model is not ready and whose tenant
+        may switch now."""
+        return next((w for w in self._queue if not w.slot.ready and not self._held_back(w)), None)
 
-    async def _switch_to(self, slot: Slot) -> None:
+    def _held_back(self, waiter: Waiter) -> float:
+        """Seconds before `waiter`'s tenant may make the switch it needs (turns.py); 0: now (or none needed)."""
+        if waiter.slot.ready:
+            return 0.0
+        return self.turns.wait(waiter.tenant, self._disrupts(waiter), time.monotonic())
+
+    def _disrupts(self, waiter: Waiter) -> bool:
+        """Whether loading `waiter`'s model would unload one another tenant used (as room is made now)."""
+        return disrupts(waiter.tenant, [(s.tenants, s.last_tenant) for s in self._victims(waiter.slot)])
+
+    def _victims(self, slot: Slot) -> list[Slot]:
+        """The models loading `slot` would unload, by `_victim`'s rule, as things are now."""
+        loaded, out = [s for s in self.slots.values() if s.served is not None], []
+        while (victim := self._victim(slot, loaded)) is not None:
+            out.append(victim)
+            loaded.remove(victim)
+        return out
+
+    def _victim(self, slot: Slot, loaded: list[Slot]) -> Slot | None:
+        """The next model to unload so `slot` fits beside `loaded`; None: it fits (or nothing may go)."""
+        if self.budget.fits(slot.footprint, [s.footprint for s in loaded]):
+            return None
+        candidates = [s for s in loaded if not s.pinned and s is not slot]
+        wanted = {w.slot for w in self._queue}
+        idle = [s for s in candidates if s.users == 0 and s not in wanted]
+        return min(idle or candidates, key=lambda s: s.used, default=None)
+
+    async def _switch_to(self, slot: Slot, tenant: str | None = None) -> None:
         files, loading = None, False
         try:
             files = await asyncio.to_thread(self._loadable, slot)
-            await self._make_room(slot)
+            await self._make_room(slot, tenant)
             loading = True
             await self._load(slot)
             slot.error = slot.failed_on = None
@@ -238,28 +292,28 @@ class ModelPool:
         log.info("loaded model %s in %.1f s (%s)", slot.spec.name, time.monotonic() - t0,
                  self.budget.describe(slot.footprint))
 
-    async def _make_room(self, slot: Slot) -> None:
+    async def _make_room(self, slot: Slot, tenant: str | None) -> None:
         """Unload least recently used unpinned models until `slot` fits the budget and --max-loaded-models;
         ValueError with the numbers when it cannot fit beside the pinned ones."""
         deadline = time.monotonic() + self.switch_timeout
         while True:
             loaded = [s for s in self.slots.values() if s.served is not None]
-            if self.budget.fits(slot.footprint, [s.footprint for s in loaded]):
+            victim = self._victim(slot, loaded)
+            if victim is None and self.budget.fits(slot.footprint, [s.footprint for s in loaded]):
                 return
-            candidates = [s for s in loaded if not s.pinned and s is not slot]
-            if not candidates:
+            if victim is None:
                 raise ValueError(self.budget.refusal(slot.footprint, [s.footprint for s in loaded if s.pinned]))
-            idle = [s for s in candidates if s.users == 0 and s not in self._queue]
-            victim = min(idle or candidates, key=lambda s: s.used)
-            await self._unload(victim, deadline, f"to load {slot.spec.name!r}")
+            await self._unload(victim, deadline, f"to load {slot.spec.name!r}", tenant)
             self.unloads.inc(model_name=victim.spec.name, why="room")
 
-    async def _unload(self, slot: Slot, deadline: float, why: str) -> None:
-        """Stop `slot` taking requests, give those it runs until `deadline`, then shut its engine down (its
-        prefix cache spills to the disk tier)."""
+    async def _unload(self, slot: Slot, deadline: float, why: str, tenant: str | None = None) -> None:
+        """Stop `slot` taking requests, wait for the other tenants' it runs to end (turns.waits_for), give the
+        rest until `deadline`, then shut its engine down (its prefix cache spills to the disk tier)."""
         slot.leaving = True
         self._notify()
         try:
+            while waits_for(tenant, slot.tenants):
+                await self._changed.wait()
             while slot.users and time.monotonic() < deadline:
                 try:
                     await asyncio.wait_for(self._changed.wait(), deadline - time.monotonic())
@@ -296,7 +350,7 @@ class ModelPool:
             now = time.monotonic()
             for slot in self.slots.values():
                 if (self._switching is None and slot.ready and not slot.pinned and not slot.users
-                        and slot not in self._queue and now - slot.used >= self.ttl):
+                        and slot not in {w.slot for w in self._queue} and now - slot.used >= self.ttl):
                     self._switching = asyncio.create_task(self._idle_unload(slot))
 
     async def _idle_unload(self, slot: Slot) -> None:
