@@ -2,10 +2,11 @@
 runner's Loaded event; before that the engine serves nothing): its managers exist from the start.
 
 A request's path: `submit_choices` checks it (Admission.check) and queues it; `admit` gives the queue's
-head a slot (or pauses a request of a tenant above its share for one below it); `_place` asks placement.place where it starts and `_apply` does it: a Start to the runner, or
-a park (following a leader, restoring from disk: parking.py) that comes back to the queue. The runner's
-events (`handle`) move it through its phases (request.py): the handlers are grouped by the phases they
-move, in parking.py (Following, Restoring), progress.py (Prefilling, Decoding) and ending.py (Finished).
+head a slot (or pauses a request of a tenant above its share for one below it); `_place` asks
+placement.place where it starts and `_apply` does it: a Start to the runner, or a park (following a leader,
+restoring from disk: parking.py) that comes back to the queue. The runner's events (`handle`) move it
+through its phases (request.py): the handlers are grouped by the phases they move, in parking.py
+(Following, Restoring), progress.py (Prefilling, Decoding, Paused) and ending.py (Finished).
 It never calls the backend and never blocks: commands go to the runner thread through `send`.
 """
 
