@@ -231,13 +231,19 @@ class Admission:
         if at is None:
             return None
         head = self._queue[at]
-        choices = 1 + len(head.waiting_siblings)
-        if self.slots_used + choices <= self._config.inference_slots or not self._would_fit(head):
+        short = self.slots_used + 1 + len(head.waiting_siblings) - self._config.inference_slots
+        if short <= 0 or not self._would_fit(head):
             return None
         pausable = [r for r in self._in_slots.values() if isinstance(r.phase, Decoding) and not r.ending]
-        tenant = preempt(self._tenants_in_slots(), head.req.scope.tenant, self._config.inference_slots,
-                         {r.req.scope.tenant for r in pausable})
-        return max((r for r in pausable if r.req.scope.tenant == tenant), key=lambda r: r.rid, default=None)
+        slots, tenant = self._config.inference_slots, head.req.scope.tenant
+        held, left = self._tenants_in_slots(), collections.Counter(r.req.scope.tenant for r in pausable)
+        victims = []
+        while len(victims) < short and (victim := preempt(held, tenant, slots, +left)) is not None:
+            victims.append(victim)  # the pauses its choices need, as the policy would make them one by one
+            held[victim], left[victim], held[tenant] = held[victim] - 1, left[victim] - 1, held[tenant] + 1
+        if len(victims) < short:
+            return None  # pausing could not give it every slot it needs: nobody pauses for nothing
+        return max((r for r in pausable if r.req.scope.tenant == victims[0]), key=lambda r: r.rid)
 
     def pause(self, request: Request) -> None:
         """It gives its slot up and waits at its arrival place, holding its bytes (its session stays whole)."""

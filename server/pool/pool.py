@@ -80,8 +80,8 @@ class Slot:
 
 
 @dataclass(eq=False)
-class Waiter:
-    """A request waiting for its model: which, and whose."""
+class Claim:
+    """A request's claim on a model (waiting for it, then holding it): which, and whose."""
 
     slot: Slot
     tenant: str
@@ -95,8 +95,8 @@ class ModelPool:
         self.slots = {s.name: Slot(s, s.name in config.pin, budget.footprint(s)) for s in specs}
         self.default = specs[0].name
         self.switch_timeout, self.ttl = config.model_switch_timeout, config.model_ttl
-        self._queue: list[Waiter] = []  # waiting requests, in arrival order
-        self.turns = SwitchTurns(config.model_switch_interval)
+        self._queue: list[Claim] = []  # waiting requests, in arrival order
+        self._turns = SwitchTurns(config.model_switch_interval)
         self._switching: asyncio.Task | None = None
         self._switching_to: Slot | None = None  # the model the switch loads (None: an idle unload)
         self._changed = asyncio.Event()
@@ -136,12 +136,12 @@ class ModelPool:
         finally:
             if beat is not None:
                 await beat.stop()
-        request[LEASE] = Waiter(slot, tenant)
+        request[LEASE] = Claim(slot, tenant)
         return state
 
     async def take(self, slot: Slot, tenant: str = "") -> AppState:
         """Wait until `slot` is loaded (starting its load when its turn comes), then hold it for `tenant`."""
-        seen, me = slot.attempts, Waiter(slot, tenant)
+        seen, me = slot.attempts, Claim(slot, tenant)
         self._queue.append(me)
         try:
             while not slot.ready:
@@ -151,7 +151,7 @@ class ModelPool:
                     raise ApiError(503, "the server is shutting down", code="not_ready")
                 if self._switching is None and self._next() is me:
                     if self._disrupts(me):
-                        self.turns.charge(tenant, time.monotonic())
+                        self._turns.charge(tenant, time.monotonic())
                     self._switching, self._switching_to = asyncio.create_task(self._switch_to(slot, tenant)), slot
                 held = self._held_back(me)  # its tenant's turn to switch comes later: look again then
                 with contextlib.suppress(TimeoutError):
@@ -183,7 +183,7 @@ class ModelPool:
             return await error_in_stream(request, error)
         finally:
             lease = request.get(LEASE)
-            if isinstance(lease, Waiter):
+            if isinstance(lease, Claim):
                 self.release(lease.slot, lease.tenant)
 
     @property
@@ -208,20 +208,20 @@ class ModelPool:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    def _next(self) -> Waiter | None:
+    def _next(self) -> Claim | None:
         """The request the next switch is for: the longest waiting whose model is not ready and whose tenant
         may switch now."""
-        return next((w for w in self._queue if not w.slot.ready and not self._held_back(w)), None)
+        return next((c for c in self._queue if not c.slot.ready and not self._held_back(c)), None)
 
-    def _held_back(self, waiter: Waiter) -> float:
-        """Seconds before `waiter`'s tenant may make the switch it needs (turns.py); 0: now (or none needed)."""
-        if waiter.slot.ready:
+    def _held_back(self, claim: Claim) -> float:
+        """Seconds before `claim`'s tenant may make the switch it needs (turns.py); 0: now (or none needed)."""
+        if claim.slot.ready:
             return 0.0
-        return self.turns.wait(waiter.tenant, self._disrupts(waiter), time.monotonic())
+        return self._turns.wait(claim.tenant, self._disrupts(claim), time.monotonic())
 
-    def _disrupts(self, waiter: Waiter) -> bool:
-        """Whether loading `waiter`'s model would unload one another tenant used (as room is made now)."""
-        return disrupts(waiter.tenant, [(s.tenants, s.last_tenant) for s in self._victims(waiter.slot)])
+    def _disrupts(self, claim: Claim) -> bool:
+        """Whether loading `claim`'s model would unload one another tenant used (as room is made now)."""
+        return disrupts(claim.tenant, [(s.tenants, s.last_tenant) for s in self._victims(claim.slot)])
 
     def _victims(self, slot: Slot) -> list[Slot]:
         """The models loading `slot` would unload, by `_victim`'s rule, as things are now."""
@@ -236,7 +236,7 @@ class ModelPool:
         if self.budget.fits(slot.footprint, [s.footprint for s in loaded]):
             return None
         candidates = [s for s in loaded if not s.pinned and s is not slot]
-        wanted = {w.slot for w in self._queue}
+        wanted = {c.slot for c in self._queue}
         idle = [s for s in candidates if s.users == 0 and s not in wanted]
         return min(idle or candidates, key=lambda s: s.used, default=None)
 
@@ -350,7 +350,7 @@ class ModelPool:
             now = time.monotonic()
             for slot in self.slots.values():
                 if (self._switching is None and slot.ready and not slot.pinned and not slot.users
-                        and slot not in {w.slot for w in self._queue} and now - slot.used >= self.ttl):
+                        and slot not in {c.slot for c in self._queue} and now - slot.used >= self.ttl):
                     self._switching = asyncio.create_task(self._idle_unload(slot))
 
     async def _idle_unload(self, slot: Slot) -> None:

@@ -228,3 +228,48 @@ async def test_a_shutdown_ends_a_paused_request():
         await engine.shutdown(1)
     _, done = await collect(hog[1])
     assert done.finish_reason == "cancelled" and backend.live_sessions() == 0
+
+
+async def test_choices_get_every_slot_they_need_or_nobody_pauses():
+    """4 slots, all the hog's, decoding: a request of 3 choices cannot get 3 (its share is 2): nobody pauses
+    for it. One of 2 choices can: two of the hog's pause, and its choices take both slots at once."""
+    backend = ScriptedBackend()
+    gate = backend.gates["decode"] = Gate()
+    engine = await start_engine(backend, inference_slots=4, prefix_cache_entries=0,
+                                active_prefix_reuse_min_tokens=0)
+    try:
+        for i in range(4):
+            engine.submit(request(prompt_of(20, 100 * i), 10_000, rid=f"a{i}", scope=Scope("tenant-a")))
+        await reached(gate)
+        await until(lambda: all(isinstance(_phase(engine, f"a{i}"), Decoding) for i in range(4)))
+        engine.submit_choices(request(prompt_of(20, 900), 4, rid="b3", scope=Scope("tenant-b"), n=3))
+        assert (engine.snapshot().paused, engine.snapshot().queued) == (0, 1)
+        engine.submit_choices(request(prompt_of(20, 800), 4, rid="c2", scope=Scope("tenant-c"), n=2))
+        snap = engine.snapshot()  # b's is still next in line, and three tenants make a share of 1 each
+        assert (snap.paused, snap.queued) == (0, 2)
+    finally:
+        gate.open()
+        await engine.shutdown(1)
+
+
+async def test_two_choices_take_the_slots_two_pauses_give():
+    backend = ScriptedBackend()
+    gate = backend.gates["decode"] = Gate()
+    engine = await start_engine(backend, inference_slots=4, prefix_cache_entries=0,
+                                active_prefix_reuse_min_tokens=0)
+    try:
+        for i in range(4):
+            engine.submit(request(prompt_of(20, 100 * i), 10_000, rid=f"a{i}", scope=Scope("tenant-a")))
+        await reached(gate)
+        await until(lambda: all(isinstance(_phase(engine, f"a{i}"), Decoding) for i in range(4)))
+        handles = engine.submit_choices(request(prompt_of(20, 900), 4, rid="b2", scope=Scope("tenant-b"), n=2))
+        snap = engine.snapshot()
+        assert (snap.paused, snap.queued, snap.slots_used) == (2, 0, 4)
+        assert {type(_phase(engine, f"a{i}")) for i in (2, 3)} == {Paused}  # the newest two
+        gate.open()
+        for handle in handles:
+            tokens, done = await collect(handle)
+            assert done.finish_reason == "length" and len(tokens) == 4
+    finally:
+        gate.open()
+        await engine.shutdown(1)
