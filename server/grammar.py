@@ -64,6 +64,8 @@ from kvfork.server.reasoning import FORMATS
 from kvfork.server.toolcalls import PARSERS
 from kvfork.server.toolcalls.lark import JSON_OPTIONS, CallGrammar, closed, markup, text_until
 from kvfork.server.isolated import module_command
+from kvfork.server.config import ServerConfig
+from kvfork.server.settings import without_secrets
 
 ToolChoice = Literal["auto", "none", "required", "function"]
 _CACHE_ENTRIES = 256
@@ -291,7 +293,7 @@ class CompileProcess:
 
     def _start(self) -> None:
         self._proc = subprocess.Popen(module_command("kvfork.server.grammar_worker"), stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE)
+                                      stdout=subprocess.PIPE, env=without_secrets(os.environ, ServerConfig))
         assert self._proc.stdin is not None
         write_message(self._proc.stdin, self._setup())
         self._reply(STARTUP_S)

@@ -68,6 +68,9 @@ class Limits:
     grammar_compile_timeout: float = setting(5.0, "most seconds a request's grammar (response_format, "
                                              "tool_choice) may take to compile, in a process that is killed "
                                              "past it; the request then gets a 400", check=at_least(0.001))
+    template_timeout: float = setting(10.0, "most seconds a chat template may take to render one request's "
+                                      "messages (on a worker thread, interrupted past it); the request then gets a "
+                                      "400", check=at_least(0.001))
     header_timeout: float = setting(30.0, "seconds a connection has to send a request's headers, from its "
                                     "opening or the end of its previous request (an idle keep-alive "
                                     "connection is closed then too)", check=_positive)

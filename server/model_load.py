@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 from kvfork.server.chat_output import start_formats
+from kvfork.server.config import ServerConfig
 from kvfork.server.state import AppState
 from kvfork.server.text.tokenizer import PromptTokenizer
 from kvfork.server.warm import warm
@@ -15,14 +16,17 @@ from kvfork.server.warm import warm
 log = logging.getLogger("kvfork")
 
 
+def load_tokenizer(config: ServerConfig, path: str) -> PromptTokenizer:
+    """The model's tokenizer, with the operator's chat template (--chat-template) where one is set."""
+    template = Path(config.chat_template).read_text(encoding="utf-8") if config.chat_template else None
+    return PromptTokenizer.load(path, template, config.template_timeout)
+
+
 async def load_model(state: AppState, path: str) -> None:
     """Load `path` into `state.engine` and `state.tokenizer`, warm the prefix cache, and enter "ready"."""
     config, progress = state.config, state.progress
     progress.enter("loading", Path(path).name)
-    template = Path(config.chat_template).read_text(encoding="utf-8") if config.chat_template else None
-    _, state.tokenizer = await asyncio.gather(
-        state.engine.start(), asyncio.to_thread(PromptTokenizer.load, path, template)
-    )
+    _, state.tokenizer = await asyncio.gather(state.engine.start(), asyncio.to_thread(load_tokenizer, config, path))
     warning = start_formats(state.tokenizer, config.tool_parser, config.reasoning_parser)
     if warning:
         log.warning(warning)

@@ -186,6 +186,12 @@ class Layered:
     notices: list[str] = field(default_factory=list)  # a flag overriding an environment variable that differs
 
 
+def _given(f: dataclasses.Field, raw: Any) -> str:
+    """A value a user gave, as an error quotes it: a secret's never (its type alone), so no log line or
+    terminal shows a key that was written in the wrong place or shape."""
+    return f"a {type(raw).__name__} (a secret: not shown)" if f.metadata["secret"] else repr(raw)
+
+
 def _scalar(f: dataclasses.Field, kind: type, raw: Any, where: str) -> Any:
     """One value from the environment (text) or a TOML file (text or TOML's types), as its flag reads it."""
     if kind is bool:
@@ -194,18 +200,19 @@ def _scalar(f: dataclasses.Field, kind: type, raw: Any, where: str) -> Any:
             return True
         if word in ("0", "false", "no", "off"):
             return False
-        raise ValueError(f"{where}: expected true or false, got {raw!r}")
+        raise ValueError(f"{where}: expected true or false, got {_given(f, raw)}")
     if isinstance(raw, bool) or not isinstance(raw, (str, int, float)):
-        raise ValueError(f"{where}: expected {'a size' if f.metadata['size'] else kind.__name__}, got {raw!r}")
+        raise ValueError(f"{where}: expected {'a size' if f.metadata['size'] else kind.__name__}, got {_given(f, raw)}")
     try:
         value = parse_size(raw) if f.metadata["size"] and isinstance(raw, str) else kind(raw)
         if kind is int and isinstance(raw, float):
             raise ValueError
     except ValueError as e:
-        reason = str(e) if f.metadata["size"] and isinstance(raw, str) else f"expected {kind.__name__}, got {raw!r}"
+        size_text = f.metadata["size"] and isinstance(raw, str)
+        reason = str(e) if size_text else f"expected {kind.__name__}, got {_given(f, raw)}"
         raise ValueError(f"{where}: {reason}") from None
     if f.metadata["choices"] and value not in f.metadata["choices"]:
-        raise ValueError(f"{where}: {value!r} is not one of {', '.join(map(str, f.metadata['choices']))}")
+        raise ValueError(f"{where}: {_given(f, value)} is not one of {', '.join(map(str, f.metadata['choices']))}")
     return value
 
 
@@ -214,7 +221,7 @@ def _convert(f: dataclasses.Field, kind: type, raw: Any, where: str) -> Any:
         return _scalar(f, kind, raw, where)
     items = [item.strip() for item in raw.split(",")] if isinstance(raw, str) else raw
     if not isinstance(items, list):
-        raise ValueError(f"{where}: expected a list, got {raw!r}")
+        raise ValueError(f"{where}: expected a list, got {_given(f, raw)}")
     return [_scalar(f, kind, item, where) for item in items if item != ""]
 
 
@@ -264,6 +271,13 @@ def layered(given: argparse.Namespace, environ: Mapping[str, str], config_path: 
         setattr(out.namespace, f.name, value)
         out.sources[f.name] = source
     return out
+
+
+def without_secrets(environ: Mapping[str, str], *classes: type) -> dict[str, str]:
+    """`environ` less the variables of the secret settings of `classes` (KVFORK_API_KEY ...): the environment of
+    a child process that serves no request."""
+    hidden = {env_name(f) for f, _, _ in _settings(*classes) if f.metadata["secret"]}
+    return {k: v for k, v in environ.items() if k not in hidden}
 
 
 def on_command_line(sources: dict[str, str], *classes: type) -> list[tuple[str, str]]:

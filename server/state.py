@@ -19,7 +19,7 @@ from kvfork.server.api.responses.store import ResponseStore
 from kvfork.server.start_progress import StartProgress
 from kvfork.server.reuse import ReuseLog
 from kvfork.server.slow_clients import SlowClients
-from kvfork.server.tenants import key_tenants, KeyTable
+from kvfork.server.tenants import key_tenants, KeyTable, request_key
 from kvfork.server.text.tokenizer import PromptTokenizer
 from kvfork.server.browsers import Browsers
 
@@ -72,6 +72,21 @@ class AppState:
         model's, loaded first if need be and held until the request ends)."""
         return self if self.pool is None else await self.pool.acquire(request, requested, stream)
 
+    async def known_context(self, requested: str | None) -> int | None:
+        """The context of the model a request names, where it is known before the model is acquired (a body
+        over it is refused without loading anything); None: checked once the model is acquired."""
+        if self.pool is not None:
+            return await self.pool.context(requested)
+        return self.context if self.ready else None
+
+    async def counting(self, request: web.Request, requested: str | None) -> tuple[PromptTokenizer, int]:
+        """The tokenizer and context a request naming `requested` would be counted with (count_tokens); with
+        several models, a model not loaded is not loaded for a count: its tokenizer alone is."""
+        if self.pool is not None:
+            return await self.pool.counting(request, requested)
+        self.model_name(requested)
+        return self.require_ready(), self.context
+
     def current(self) -> AppState:
         """The state a route naming no model reads: this one; with several models, that of the model a request
         used last (503 while none is loaded)."""
@@ -109,7 +124,9 @@ class AppState:
 
     def require_ready(self) -> PromptTokenizer:
         if not self.ready:
-            reason = f"the model runner has stopped: {self.engine.failure}" if self.engine.dead \
+            # why it stopped names the server's paths and libraries: the log has it (and /health, for the
+            # holder of --metrics-key)
+            reason = "the model runner has stopped; the daemon's log says why" if self.engine.dead \
                 else "the model is still loading"
             raise ApiError(503, reason, code="not_ready")
         assert self.tokenizer is not None
@@ -141,6 +158,14 @@ def state_of(request: web.Request) -> AppState:
 def tenant_of(request: web.Request) -> str:
     """The tenant whose key authenticated the request ("" without keys)."""
     return request.get(TENANT, "")
+
+
+def holds_metrics_key(request: web.Request) -> bool:
+    """Whether the caller presents --metrics-key (set): it may read every tenant's figures and the server's own
+    errors."""
+    keys = state_of(request).metrics_keys
+    return bool(keys) and keys.tenant(request_key(request.headers.get("Authorization"),
+                                                  request.headers.get("x-api-key"))) is not None
 
 
 def scope_of(request: web.Request, cache_salt: str | None) -> Scope:

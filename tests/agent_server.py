@@ -3,8 +3,6 @@ scripted backend that writes chosen text, reached with the official `openai` and
 
 from __future__ import annotations
 
-import anthropic
-import openai
 import pytest
 
 from agent_models import with_agent_template
@@ -54,13 +52,13 @@ async def daemon(agent_model):
 
 
 @pytest.fixture
-def oai(daemon):
-    return openai.AsyncOpenAI(base_url=daemon.url + "/v1", api_key="sekrit", max_retries=0)
+def oai(daemon, sdk):
+    return sdk.openai(daemon, api_key="sekrit")
 
 
 @pytest.fixture
-def claude(daemon):
-    return anthropic.AsyncAnthropic(base_url=daemon.url, api_key="sekrit", max_retries=0)
+def claude(daemon, sdk):
+    return sdk.anthropic(daemon, api_key="sekrit")
 
 
 def user(text: str) -> list[dict]:

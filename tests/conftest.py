@@ -15,10 +15,12 @@ import pytest
 
 import tolerance
 from scripted_backend import Gate
-from tiny_models import ARCHS, write_model
+from sdk_clients import SdkClients
+from tiny_models import ARCHS, LONG_CONTEXT, write_model
 from kvfork.backends.model_path import kvfork_home as kvfork_home_of_user
 
-pytest_plugins = ("backend_fixtures", "pytester")  # backend_fixtures: its report hook (a lent backend's cleanup)
+# backend_fixtures: its report hook (a lent backend's cleanup); tiers: the fast tier's report, leaks named
+pytest_plugins = ("backend_fixtures", "tiers", "pytester")
 
 
 @pytest.fixture(scope="session")
@@ -32,6 +34,12 @@ def tiny_model_dir(tmp_path_factory):
         return made[arch]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def long_context_model(tmp_path_factory) -> str:
+    """The long tests' tiny llama (tiny_models.LONG_CONTEXT: a 128k context, one layer), written once per run."""
+    return str(write_model(tmp_path_factory.mktemp("llama-128k"), "llama", **LONG_CONTEXT))
 
 
 @pytest.fixture(params=ARCHS)
@@ -79,6 +87,14 @@ async def http():
 
     async with aiohttp.ClientSession() as session:
         yield session
+
+
+@pytest.fixture
+async def sdk():
+    """OpenAI and Anthropic SDK clients for a test (`sdk.openai(daemon)`), closed at its end."""
+    clients = SdkClients()
+    yield clients
+    await clients.close()
 
 
 @pytest.fixture(scope="module")

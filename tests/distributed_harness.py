@@ -76,8 +76,8 @@ def launched(backend: str, command: list[str], env: dict[str, str], log: Path) -
     else:
         argv = [str(BIN / "mlx.launch"), "--backend", "ring", "-n", "2", "--hosts", "127.0.0.1", "--starting-port",
                 str(port), "--", sys.executable, *command]
-    return subprocess.Popen(argv, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    with log.open("w") as out:  # the child writes through its own copy of the descriptor
+        return subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _torchrun_target(command: list[str]) -> list[str]:
@@ -97,9 +97,9 @@ def by_hand(backend: str, command: list[str], env: dict[str, str], logs: Path) -
             hosts = logs / "hosts.json"
             hosts.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
             own.update(MLX_RANK=str(rank), MLX_HOSTFILE=str(hosts))
-        procs.append(subprocess.Popen([sys.executable, *command], cwd=REPO, env=own,
-                                      stdout=(logs / f"rank{rank}.log").open("w"), stderr=subprocess.STDOUT,
-                                      start_new_session=True))
+        with (logs / f"rank{rank}.log").open("w") as out:
+            procs.append(subprocess.Popen([sys.executable, *command], cwd=REPO, env=own, stdout=out,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
     return procs
 
 

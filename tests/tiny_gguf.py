@@ -5,10 +5,13 @@ byte-level tokenizer as tokens, types and merges, and the chat template."""
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, quants
+from gguf.gguf_writer import GGUFValue
 from safetensors.numpy import load_file
 
 from tiny_models import CHATML
@@ -59,10 +62,12 @@ def stored(hf: str, value: np.ndarray, config: dict,
 
 def write_gguf(folder: Path, out: Path, quant: GGMLQuantizationType = GGMLQuantizationType.F32,
                chat_template: str = CHATML, bos: str | None = None, tokenizer: bool | str = True,
-               tensors: dict[str, np.ndarray] | None = None, **keys) -> Path:
+               tensors: dict[str, np.ndarray] | None = None,
+               replace: dict[str, tuple[Any, GGUFValueType]] | None = None, **keys) -> Path:
     """`folder` (a tiny model) as a GGUF at `out`; `bos`: a token the tokenizer prepends (`tokenizer`: False leaves
     the tokenizer out, "sentencepiece" writes `sentencepiece_vocab` with Gemma's turn template); `tensors`: more
-    (float32) tensors by GGUF name; `keys`: extra `<arch>.` metadata (value, or None to leave out)."""
+    (float32) tensors by GGUF name; `replace`: full keys written as (value, type) instead (a token list that is
+    an integer); `keys`: extra `<arch>.` metadata (value, or None to leave out)."""
     config = json.loads((folder / "config.json").read_text())
     arch = _ARCHS[config["model_type"]]
     writer = GGUFWriter(str(out), arch)
@@ -87,6 +92,8 @@ def write_gguf(folder: Path, out: Path, quant: GGMLQuantizationType = GGMLQuanti
         _add_sentencepiece(writer, config["vocab_size"])
     elif tokenizer:
         _add_tokenizer(writer, folder, chat_template, bos)
+    for key, (value, kind) in (replace or {}).items():
+        writer.kv_data[0][key] = GGUFValue(value, kind)
     for name, value in load_file(str(folder / "model.safetensors")).items():
         data, kind = stored(name, value, config, quant)
         raw_shape = data.shape if kind == GGMLQuantizationType.F32 else None
@@ -156,3 +163,18 @@ def _add_sentencepiece(writer: GGUFWriter, size: int) -> None:
     writer.add_pad_token_id(tokens.index("<pad>"))
     writer.add_add_bos_token(True)
     writer.add_chat_template(GEMMA_TURNS)
+
+
+def gguf_text(text: str) -> bytes:
+    """A GGUF string: its u64 length, then its UTF-8 bytes."""
+    raw = text.encode()
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def handmade_gguf(out: Path, fields: list[tuple[str, GGUFValueType, bytes]], n_tensors: int = 0,
+                  tail: bytes = b"") -> Path:
+    """A GGUF written byte by byte, as GGUFWriter refuses to (a key twice, counts past the file's end):
+    `fields` as (key, value type, the value's bytes), then `tail`."""
+    header = b"GGUF" + struct.pack("<IQQ", 3, n_tensors, len(fields))
+    out.write_bytes(header + b"".join(gguf_text(k) + struct.pack("<I", kind) + v for k, kind, v in fields) + tail)
+    return out

@@ -64,6 +64,11 @@ CONFIGS: dict[str, dict] = {
 }
 ARCHS = tuple(CONFIGS)
 
+# The long tests' llama: one layer and narrow heads, so attention over 128k tokens stays affordable on two
+# cores (write_model(folder, "llama", **LONG_CONTEXT)).
+LONG_CONTEXT = dict(max_position_embeddings=131_072, num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+
 
 def corpus(seed: int = 0, lines: int = 400) -> list[str]:
     rng = np.random.default_rng(seed)

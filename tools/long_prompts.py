@@ -51,11 +51,16 @@ def with_context(model: str, context: int, into: Path) -> str:
     return str(copy)
 
 
-def partings(long: list[int], rng: random.Random, vocab: int) -> dict[str, tuple[list[int], int]]:
+def partings(long: list[int], rng: random.Random, vocab: int,
+             lengths: tuple[int, ...] = ()) -> dict[str, tuple[list[int], int]]:
     """Prompts leaving `long` near its start, in its middle and near its end, and the cached tokens each
-    must get (what it shares, where that reaches the minimum)."""
+    must get (what it shares, where that reaches the minimum). Each of `lengths` adds the middle and the
+    end of `long`'s first that many tokens: the partings of a shorter cached prompt, read from one prefill."""
+    points = {"start": 40, "middle": len(long) // 2, "end": len(long) - 40}
+    for length in lengths:
+        points.update({f"middle of {length}": length // 2, f"end of {length}": length - 40})
     out = {}
-    for name, shared in (("start", 40), ("middle", len(long) // 2), ("end", len(long) - 40)):
+    for name, shared in points.items():
         tail = [rng.randrange(3, vocab) for _ in range(TAIL)]
         while tail[0] == long[shared]:
             tail[0] = rng.randrange(3, vocab)

@@ -70,10 +70,12 @@ def unpermute_rope(weight: np.ndarray, n_heads: int) -> np.ndarray:
 
 def restore(g: GGUFFile, gguf_name: str, value: np.ndarray, config: dict[str, Any]) -> np.ndarray:
     """A dequantized tensor as the Hugging Face checkpoint held it."""
-    if g.arch in PERMUTED and re.search(r"\.attn_q\.(weight|bias)$", gguf_name):
-        return unpermute_rope(value, config["num_attention_heads"])
-    if g.arch in PERMUTED and re.search(r"\.attn_k\.(weight|bias)$", gguf_name):
-        return unpermute_rope(value, config["num_key_value_heads"])
+    for kind, heads in (("q", config["num_attention_heads"]), ("k", config["num_key_value_heads"])):
+        if g.arch in PERMUTED and re.search(rf"\.attn_{kind}\.(weight|bias)$", gguf_name):
+            if value.shape[0] % (2 * heads):
+                raise UnservableGGUF(f"the GGUF's tensor {gguf_name} has {value.shape[0]} rows, not a pair of "
+                                     f"halves for each of its {heads} heads")
+            return unpermute_rope(value, heads)
     if g.arch == "gemma3" and gguf_name.endswith("norm.weight"):
         return value - np.float32(1.0)  # llama.cpp stores gemma's (1 + w) norms with the 1 added
     return value
@@ -85,28 +87,33 @@ def hf_config(g: GGUFFile) -> dict[str, Any]:
         raise UnservableGGUF(f"GGUF architecture {g.arch or '(none stated)'!r} is not one kvfork serves "
                              f"(it serves {', '.join(FAMILIES)})")
     model_type, class_name = FAMILIES[g.arch]
-    heads, hidden = _required(g, "attention.head_count"), _required(g, "embedding_length")
-    kv_heads = g.key("attention.head_count_kv", heads)
-    if isinstance(kv_heads, list):
+    heads, hidden = _count(g, "attention.head_count"), _count(g, "embedding_length")
+    if isinstance(g.key("attention.head_count_kv"), list):
         raise UnservableGGUF("the GGUF gives each layer its own KV head count, which these families never do")
-    head_dim = g.key("attention.key_length", hidden // heads)
-    if g.key("rope.dimension_count", head_dim) != head_dim:
+    kv_heads = _count(g, "attention.head_count_kv", heads)
+    head_dim = _count(g, "attention.key_length", hidden // heads)
+    if g.key("rope.dimension_count", head_dim, int) != head_dim:
         raise UnservableGGUF("the GGUF turns only part of each head (partial rotary), which these families never do")
+    layers = _count(g, "block_count")
+    held = {int(block.group(1)) for name in g.tensors if (block := _BLOCK.match(name))}
+    if len(held) != layers or max(held) != layers - 1:  # distinct indices from 0: exactly 0 .. layers - 1
+        raise UnservableGGUF(f"the GGUF states {layers} blocks ({g.arch}.block_count) but holds tensors of "
+                             f"{len(held)}")
     config = {
         "architectures": [class_name],
         "model_type": model_type,
         "hidden_size": hidden,
-        "intermediate_size": _required(g, "feed_forward_length"),
-        "num_hidden_layers": _required(g, "block_count"),
+        "intermediate_size": _count(g, "feed_forward_length"),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": _shortest(_required(g, "attention.layer_norm_rms_epsilon")),
+        "rms_norm_eps": _shortest(_required(g, "attention.layer_norm_rms_epsilon", float)),
         # Top level on purpose: mlx-lm's llama reads `rope_theta` and `rope_scaling` here.
-        "rope_theta": _shortest(g.key("rope.freq_base", 10000.0)),
+        "rope_theta": _shortest(g.key("rope.freq_base", 10000.0, float)),
         "rope_scaling": rope_scaling(g, head_dim),
-        "max_position_embeddings": _required(g, "context_length"),
+        "max_position_embeddings": _count(g, "context_length"),
         "tie_word_embeddings": "output.weight" not in g.tensors,
         "attention_bias": g.arch == "qwen2",
         "mlp_bias": False,
@@ -120,17 +127,20 @@ def _gemma3(g: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
     sixth layer full, the sliding layers' rope base 10000, and the query scale 1/sqrt(head_dim) except
     for the 27B model (62 layers), which scales by 1/sqrt(hidden / heads)."""
     n = config["num_hidden_layers"]
-    pattern = g.key("attention.sliding_window_pattern", 6)
+    pattern = g.key("attention.sliding_window_pattern")
     if isinstance(pattern, list):  # one flag per layer, True for a sliding one; mlx-lm takes the period
+        g.key("attention.sliding_window_pattern", kind=list[bool])
         period = pattern.index(False) + 1 if False in pattern else n + 1
         if pattern != [(i + 1) % period != 0 for i in range(n)]:
             raise UnservableGGUF("the GGUF's sliding layers do not repeat every few layers, as Gemma 3's do")
         pattern = period
+    else:
+        pattern = _count(g, "attention.sliding_window_pattern", 6)
     full = [(i + 1) % pattern == 0 for i in range(n)]
     return {
         "hidden_act": "gelu_pytorch_tanh",
         "hidden_activation": "gelu_pytorch_tanh",
-        "sliding_window": _required(g, "attention.sliding_window"),
+        "sliding_window": _count(g, "attention.sliding_window"),
         "sliding_window_pattern": pattern,
         "layer_types": ["full_attention" if f else "sliding_attention" for f in full],
         "rope_local_base_freq": 10000.0,
@@ -144,8 +154,8 @@ def _gemma3(g: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
 
 def rope_scaling(g: GGUFFile, head_dim: int) -> dict[str, Any] | None:
     """The transformers `rope_scaling` the file's rope keys (or its rope_freqs tensor) stand for."""
-    kind = g.key("rope.scaling.type", "none")
-    factor = g.key("rope.scaling.factor", 1.0)
+    kind = g.key("rope.scaling.type", "none", str)
+    factor = g.key("rope.scaling.factor", 1.0, float)
     if ROPE_FREQS in g.tensors:
         if kind != "none":
             raise UnservableGGUF(f"the GGUF has both rope_freqs and {kind} rope scaling, which no llama.cpp "
@@ -157,10 +167,10 @@ def rope_scaling(g: GGUFFile, head_dim: int) -> dict[str, Any] | None:
         return {"rope_type": "linear", "factor": _shortest(factor)}
     if kind == "yarn":
         scaling = {"rope_type": "yarn", "factor": _shortest(factor),
-                   "original_max_position_embeddings": _required(g, "rope.scaling.original_context_length")}
+                   "original_max_position_embeddings": _count(g, "rope.scaling.original_context_length")}
         for key, ours in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
             if g.key(f"rope.scaling.{key}") is not None:
-                scaling[ours] = _shortest(g.key(f"rope.scaling.{key}"))
+                scaling[ours] = _shortest(g.key(f"rope.scaling.{key}", kind=float))
         return scaling
     raise UnservableGGUF(f"the GGUF's rope scaling {kind!r} is not one kvfork reads from a GGUF (linear, yarn)")
 
@@ -173,7 +183,7 @@ def _llama3_scaling(g: GGUFFile, head_dim: int) -> dict[str, Any]:
     factors = dequantized(g.tensors[ROPE_FREQS]).astype(np.float64)
     scaling = {"rope_type": "llama3", "factor": _shortest(factors.max()), "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    theta = _shortest(g.key("rope.freq_base", 10000.0))
+    theta = _shortest(g.key("rope.freq_base", 10000.0, float))
     scaled, _ = frequencies(scaling, theta, head_dim, max_positions=0)
     plain = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if factors.shape != plain.shape or not np.allclose(plain / scaled.double().numpy(), factors, rtol=1e-4):
@@ -182,10 +192,18 @@ def _llama3_scaling(g: GGUFFile, head_dim: int) -> dict[str, Any]:
     return scaling
 
 
-def _required(g: GGUFFile, name: str) -> Any:
-    value = g.key(name)
+def _required(g: GGUFFile, name: str, kind: Any) -> Any:
+    value = g.key(name, kind=kind)
     if value is None:
         raise UnservableGGUF(f"the GGUF lacks {g.arch}.{name}")
+    return value
+
+
+def _count(g: GGUFFile, name: str, default: int | None = None) -> int:
+    """A size or count: a positive integer (the file's own when it states one, else `default`)."""
+    value = _required(g, name, int) if default is None else g.key(name, default, int)
+    if value <= 0:
+        raise UnservableGGUF(f"the GGUF's {g.arch}.{name} is {value}, where a positive count belongs")
     return value
 
 

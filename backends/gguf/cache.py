@@ -2,8 +2,11 @@
 
 A GGUF at a path is converted into `models/gguf/<digest>/<file stem>` (so the served model
 name is the file's stem), the digest standing for the file's path, size and modification time:
-an edited or replaced file converts anew, an unchanged one is found at once. Each folder
-carries a stamp of what it was made from and by which converter version; a stale one is
+an edited or replaced file converts anew, an unchanged one is found at once. Those are public,
+so the digest is an HMAC of them under the home's secret ($KVFORK_HOME/kv-secret, the disk
+tier's: backends/private_files.py), and `models/gguf` and each digest's folder are 0700 folders
+of this user: a folder someone else planted is never at the name looked for, nor inside. Each
+folder carries a stamp of what it was made from and by which converter version; a stale one is
 rebuilt. A folder appears atomically (built in a temp folder beside it, then renamed), so an
 interrupted or concurrent conversion never leaves half a model behind.
 """
@@ -11,6 +14,7 @@ interrupted or concurrent conversion never leaves half a model behind.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import shutil
@@ -21,7 +25,9 @@ from pathlib import Path
 from typing import Callable
 
 from kvfork.backends.gguf.convert import CONVERTER_VERSION, convert_gguf
+from kvfork.backends.gguf.reader import UnservableGGUF
 from kvfork.backends.model_path import kvfork_home
+from kvfork.backends.private_files import SECRET, private_folder, secret
 
 STAMP = "kvfork-converted.json"
 
@@ -79,8 +85,17 @@ def converted_folder(gguf_path: Path) -> Path:
     """The Hugging Face folder of a GGUF file, converted first when missing or stale."""
     path = gguf_path.expanduser().resolve()
     stamp = gguf_stamp(path)
-    digest = hashlib.sha256(json.dumps(stamp, sort_keys=True).encode()).hexdigest()[:16]
-    target = kvfork_home() / "models" / "gguf" / digest / path.stem
+    home = kvfork_home()
+    try:
+        key = secret(home / SECRET)
+        digest = hmac.new(key, b"gguf:" + json.dumps(stamp, sort_keys=True).encode(), hashlib.sha256).hexdigest()
+        folder = home / "models" / "gguf" / digest[:32]
+        private_folder(folder.parent)
+        private_folder(folder)
+    except OSError as e:
+        raise UnservableGGUF(f"no private folder for the conversion under {home} ({e.strerror}: {e.filename})") \
+            from None
+    target = folder / path.stem
     if not stamp_matches(target, stamp):
         _log(f"converting {path} into {target} (once: later starts find it there)")
         build(target, stamp, lambda _, built: convert_gguf(path, built, log=_log))

@@ -1,9 +1,10 @@
 """Convert a GGUF into a Hugging Face folder (float32 weights) that mlx-lm and our torch backend load.
 
-The `gguf` package reads the file and dequantizes each tensor (every type `gguf.quants`
-knows: F32, F16, BF16, Q4_0 ... Q8_0, the K and IQ quants); backends/gguf/architectures.py
-says what each tensor and metadata key becomes. Weights are written tensor by tensor into
-shards of at most `SHARD_BYTES`, so a large model never sits in memory whole.
+reader.py reads the file (checking it: a malformed one is refused in one sentence) and the `gguf`
+package dequantizes each tensor (every type `gguf.quants` knows: F32, F16, BF16, Q4_0 ... Q8_0,
+the K and IQ quants); backends/gguf/architectures.py says what each tensor and metadata key
+becomes. Weights are written tensor by tensor into shards of at most `SHARD_BYTES`, so a large
+model never sits in memory whole.
 """
 
 from __future__ import annotations

@@ -29,11 +29,38 @@ GPT2_SPLITS = ("default", "gpt-2")  # the byte-level pre-tokenizer's own regex
 # generation_config.json lists them beside EOS.
 END_OF_TURN = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>")
 NO_TOKENIZER = "the GGUF carries no tokenizer (tokenizer.ggml.model and tokenizer.ggml.tokens)"
+# The type of every tokenizer key kvfork or transformers reads; the ids name tokens of the vocabulary.
+KINDS = {"ggml.model": str, "ggml.pre": str, "ggml.tokens": list[str], "ggml.scores": list[float],
+         "ggml.token_type": list[int], "ggml.merges": list[str], "ggml.precompiled_charsmap": list[int],
+         "ggml.add_space_prefix": bool, "ggml.add_bos_token": bool, "ggml.add_eos_token": bool, "chat_template": str}
+IDS = ("bos", "eos", "unknown", "padding", "eot", "eom")
+
+
+def vocabulary(g: GGUFFile) -> list[str]:
+    """The file's tokens, once every tokenizer key is checked: each of its type, the per-token lists as long
+    as the vocabulary, and each special id one of its tokens."""
+    kinds = KINDS | {f"ggml.{role}_token_id": int for role in IDS}
+    for key, kind in kinds.items():
+        g.value(f"tokenizer.{key}", kind=kind)
+    tokens = g.value("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise UnservableGGUF(NO_TOKENIZER)
+    for key in ("scores", "token_type"):
+        if len(g.value(f"tokenizer.ggml.{key}", tokens)) != len(tokens):
+            raise UnservableGGUF(f"the GGUF's tokenizer.ggml.{key} does not give one value per token "
+                                 f"of its {len(tokens)}")
+    for role in IDS:
+        token_id = g.value(f"tokenizer.ggml.{role}_token_id")
+        if token_id is not None and not 0 <= token_id < len(tokens):
+            raise UnservableGGUF(f"the GGUF's tokenizer.ggml.{role}_token_id is {token_id}, not a token of its "
+                                 f"vocabulary of {len(tokens)}")
+    return tokens
 
 
 def _tokenizer_dict(g: GGUFFile) -> dict[str, Any]:
     from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING
 
+    vocabulary(g)
     found = {name: g.meta[f"tokenizer.{key}"] for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
              if f"tokenizer.{key}" in g.meta}
     if "tokens" not in found or "tokenizer_type" not in found:
@@ -54,8 +81,7 @@ def _check_split(tokenizer_dict: dict[str, Any]) -> None:
 
 def special_token_ids(g: GGUFFile) -> dict[str, int | None]:
     """bos/eos/unk/pad ids the GGUF names (pad falls back to eos)."""
-    if "tokenizer.ggml.tokens" not in g.meta:
-        raise UnservableGGUF(NO_TOKENIZER)
+    vocabulary(g)
     ids = {role: g.meta.get(f"tokenizer.ggml.{key}_token_id")
            for role, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding"))}
     if ids["eos"] is None:
@@ -104,8 +130,9 @@ def write_tokenizer(g: GGUFFile, out_dir: Path, context_length: int) -> None:
     _check_split(tokenizer_dict)
     try:
         backend, _ = convert_gguf_tokenizer(g.arch, tokenizer_dict)
-    except (ValueError, KeyError) as e:
-        raise UnservableGGUF(f"transformers cannot build the GGUF's tokenizer ({e})") from None
+    except Exception as e:  # the file's vocabulary, fed to transformers and tokenizers: any failure is its own
+        raise UnservableGGUF(f"transformers cannot build the GGUF's tokenizer ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''})") from None
     backend = within_vocabulary(backend, len(tokenizer_dict["tokens"]))
     if tokenizer_dict.get("pre_tokenizer_type") in DIGIT_SPLITS:
         backend.pre_tokenizer = pre_tokenizers.Sequence([

@@ -14,8 +14,10 @@ earlier response the two are compared:
   an official type.
 
 A fingerprint holds token ids, never text; it is found only by its own tenant (another tenant's id
-reads as not found), and the store is bounded by tokens, oldest out. Ids of responses that did not
-opt in are remembered (no tokens) so that naming one answers `unavailable` rather than not found.
+reads as not found), and the store is bounded by tokens: past the bound, the tenant holding the most loses
+its oldest. Ids of responses that did not opt in are remembered (no tokens, bounded the same way) so that
+naming one answers `unavailable` rather than not found. Both are stored once the engine has admitted the
+request, so refused requests evict nothing.
 """
 
 from __future__ import annotations
@@ -134,37 +136,60 @@ def diagnose(now: Fingerprint, before: Fingerprint | None, known: bool) -> Diagn
     return Diagnosis(reason, shared, len(before.prompt) - shared, len(before.prompt), other_scope)
 
 
-class Fingerprints:
-    """Fingerprints by (tenant, response id), bounded by the tokens they hold, oldest out; and the ids of
-    responses made without one."""
+class _Kept:
+    """One store of the tenants' entries under one bound on their total size: when it is over, the tenant
+    holding the most gives up its oldest, so one tenant's requests never evict another tenant's below it."""
 
-    def __init__(self, registry: Registry, max_tokens: int = MAX_FINGERPRINT_TOKENS):
-        self.max_tokens, self.tokens = max_tokens, 0
-        self.kept: OrderedDict[tuple[str, str], Fingerprint] = OrderedDict()
-        self.plain: OrderedDict[tuple[str, str], None] = OrderedDict()
+    def __init__(self, limit: int):
+        self.limit, self.total = limit, 0
+        self.by_tenant: dict[str, OrderedDict[str, Any]] = {}
+        self.sizes: dict[str, int] = {}
+
+    def get(self, tenant: str, rid: str) -> Any:
+        return self.by_tenant.get(tenant, {}).get(rid)
+
+    def has(self, tenant: str, rid: str) -> bool:
+        return rid in self.by_tenant.get(tenant, {})
+
+    def put(self, tenant: str, rid: str, value: Any, size: int) -> None:
+        self.by_tenant.setdefault(tenant, OrderedDict())[rid] = (value, size)
+        self.sizes[tenant] = self.sizes.get(tenant, 0) + size
+        self.total += size
+        while self.total > self.limit:
+            most = max(self.sizes, key=self.sizes.__getitem__)
+            kept = self.by_tenant[most]
+            _, (_, freed) = kept.popitem(last=False)
+            self.sizes[most] -= freed
+            self.total -= freed
+            if not kept:
+                del self.by_tenant[most], self.sizes[most]
+
+
+class Fingerprints:
+    """Fingerprints by (tenant, response id), bounded by the tokens they hold, and the ids of responses made
+    without one, bounded by their count: each bound shared, the tenant holding the most giving up its oldest.
+    Both are stored once the engine has admitted the request (`Report.keep`, `made`): a refused request
+    stores nothing."""
+
+    def __init__(self, registry: Registry, max_tokens: int = MAX_FINGERPRINT_TOKENS, max_plain: int = MAX_PLAIN_IDS):
+        self.kept = _Kept(max_tokens)
+        self.plain = _Kept(max_plain)
         self.outcomes = registry.counter("cache_diagnoses_total", "cache diagnostics answered, by the official "
                                          "reason (none: nothing diverged)")
         self.states = registry.counter("cache_diagnosis_states_total", "what kvfork did with the prefix a "
                                        "diagnosed request shared with the one it named, by state")
 
     def keep(self, rid: str, fingerprint: Fingerprint) -> None:
-        key = (fingerprint.scope.tenant, rid)
-        self.kept[key] = fingerprint
-        self.tokens += len(fingerprint.prompt)
-        while self.tokens > self.max_tokens and self.kept:
-            _, old = self.kept.popitem(last=False)
-            self.tokens -= len(old.prompt)
+        self.kept.put(fingerprint.scope.tenant, rid, fingerprint, max(1, len(fingerprint.prompt)))
 
     def made(self, rid: str, tenant: str) -> None:
         """A response made without diagnostics: naming it answers `unavailable`."""
-        self.plain[(tenant, rid)] = None
-        while len(self.plain) > MAX_PLAIN_IDS:
-            self.plain.popitem(last=False)
+        self.plain.put(tenant, rid, None, 1)
 
     def compare(self, now: Fingerprint, previous: str) -> Diagnosis:
-        key = (now.scope.tenant, previous)
-        found = self.kept.get(key)
-        diagnosis = diagnose(now, found, key in self.plain)
+        tenant = now.scope.tenant
+        found = self.kept.get(tenant, previous)
+        diagnosis = diagnose(now, found[0] if found is not None else None, self.plain.has(tenant, previous))
         self.outcomes.inc(reason=diagnosis.reason or "none")
         return diagnosis
 
@@ -180,8 +205,12 @@ class Report:
 
     fingerprints: Fingerprints
     min_tokens: int  # the prefix cache's shortest match (--prefix-cache-min-tokens)
+    fingerprint: Fingerprint  # this request's, kept once the engine admits it (`keep`)
     diagnosis: Diagnosis | None = None  # None: no response named
     account: dict[str, Any] | None = None
+
+    def keep(self, rid: str) -> None:
+        self.fingerprints.keep(rid, self.fingerprint)
 
     def anthropic(self) -> dict[str, Any] | None:
         return self.diagnosis.anthropic() if self.diagnosis is not None else None

@@ -1,8 +1,10 @@
 """The one preparation every API route calls: a request body -> a `Job` (prompt tokens, the
 engine request, stop strings, the output parser).
 
-`prepare` is the one path from a chat request to prompt tokens and an output
-parser: template, tokens, sampling, grammar. The Anthropic and Responses routes
+A chat request is first checked (`check_chat`: every limit that needs no loaded model), before the route
+acquires its model, so a refused request never loads or unloads one; `prepare` is then the one path
+from a checked request to prompt tokens and an output parser: template, tokens (`render_prompt`, which
+count_tokens calls alone), sampling, grammar. The Anthropic and Responses routes
 translate their bodies into a chat request and take the same path, so every API
 gets the same tokens and reuse. Tools: checking tools and tool_choice, feeding
 past calls back to templates (or, for templates that render no tools, the Hermes
@@ -17,12 +19,14 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from aiohttp import web
 
 from kvfork.backends.base import SEEDS, SamplingParams
-from kvfork.server.chat_output import output_parser
+from kvfork.server.chat_output import ChatOutputParser, output_parser
+from kvfork.server.config import ServerConfig
 from kvfork.server.engine.api import GenerateRequest, Scope
 from kvfork.server.engine.sessions import check_session_id
 from kvfork.server.errors import ApiError, invalid, client_text
@@ -31,10 +35,11 @@ from kvfork.server.api.chat.protocol import ChatCompletionRequest, ChatMessage
 from kvfork.server.api.openai import SamplingFields
 from kvfork.server.api.diagnosis import Asked, Fingerprint, Report, fingerprint
 from kvfork.server.api.respond import Job
-from kvfork.server.limits import check_count, check_prompt_chars, check_schema, json_deeper_than
+from kvfork.server.limits import Limits, check_count, check_prompt_chars, check_schema, json_deeper_than
 from kvfork.server.state import AppState, scope_of
 from kvfork.server.toolcalls import resolve_tool_parser
 from kvfork.server.toolcalls.base import openai_call_id
+from kvfork.server.text.tokenizer import PromptTokenizer
 from kvfork.server.toolcalls.hermes import with_tools_block
 
 
@@ -111,15 +116,37 @@ def template_message(index: int, message: ChatMessage, max_depth: int) -> dict[s
     return out
 
 
-def check_chat_limits(state: AppState, body: ChatCompletionRequest, messages: list[dict[str, Any]]) -> None:
-    """The limits every chat-shaped request meets before it is rendered (server/limits.py): its messages'
-    and tools' characters, and the schemas a grammar would be compiled from."""
-    limits = state.config
-    check_prompt_chars(messages, body.tools, limits, state.context)
+@dataclass
+class Checked:
+    """A chat-shaped request checked against every limit that needs no loaded model, before any model is
+    acquired (a refused request never loads one): its messages as templates read them, its tool choice, its
+    session."""
+
+    body: ChatCompletionRequest
+    messages: list[dict[str, Any]]
+    choice: str  # auto | none | required | function
+    tool_name: str | None  # the function a named tool_choice names
+    session: str | None
+    context: int | None  # the context its characters were checked for (None: not yet)
+
+
+def check_chat(config: Limits, body: ChatCompletionRequest, headers: Mapping[str, str],
+               session_header: Sequence[str] = (), context: int | None = None) -> Checked:
+    """Chat, Messages and Responses requests alike: what a body may ask for, judged from the body, the limits
+    and the model's `context` where it is known before the model is acquired (AppState.known_context). The
+    route has checked its own API's limits (stop strings, tools) before translating it."""
+    if body.top_logprobs and not body.logprobs:
+        raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
+    check_count("messages", body.messages, config.max_messages, "--max-messages", "messages")
+    messages = [template_message(i, m, config.max_json_depth) for i, m in enumerate(body.messages)]
+    if context is not None:
+        check_prompt_chars(messages, body.tools, config, context)
+    choice, tool_name = tool_choice_of(body.tool_choice, check_tools(body.tools))
     if body.response_format is not None and body.response_format.json_schema is not None:
-        check_schema("response_format", body.response_format.json_schema.schema, limits)
+        check_schema("response_format", body.response_format.json_schema.schema, config)
     if body.tools and body.tool_choice != "none":  # a tool grammar is built from their parameters
-        check_schema("tools", [tool["function"].get("parameters") for tool in body.tools], limits)
+        check_schema("tools", [tool["function"].get("parameters") for tool in body.tools], config)
+    return Checked(body, messages, choice, tool_name, session_id(body.session_id, headers, session_header), context)
 
 
 def inline_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -154,23 +181,24 @@ def inline_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any
     return [m for m in out if m["role"] is not None]
 
 
-async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Request, rid: str,
-                  make_call_id: Callable[[], str] = openai_call_id, asked: Asked | None = None) -> Job:
-    """Chat, Messages and Responses requests alike: limits, render, tokenize, grammar. The route has checked
-    its own API's limits (stop strings, tools) before translating its body."""
-    if body.top_logprobs and not body.logprobs:
-        raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
-    config = state.config
-    check_count("messages", body.messages, config.max_messages, "--max-messages", "messages")
-    tokenizer = state.require_ready()
-    messages = [template_message(i, m, config.max_json_depth) for i, m in enumerate(body.messages)]
-    choice, tool_name = tool_choice_of(body.tool_choice, check_tools(body.tools))
-    check_chat_limits(state, body, messages)
-    model = state.model_name(body.model)
-    session = session_id(body.session_id, request.headers, config.session_header)
+@dataclass
+class Rendered:
+    """A checked request's prompt: its tokens, the parser of its output, and what the template was given."""
+
+    prompt: list[int]
+    parser: ChatOutputParser
+    messages: list[dict[str, Any]]  # as rendered (system messages inlined where the template wants them)
+    template_input: tuple[list[dict[str, Any]], list[dict[str, Any]] | None]  # messages and tools (Hermes block)
+    kwargs: dict[str, Any]  # the template's own variables
+
+
+async def render_prompt(tokenizer: PromptTokenizer, config: ServerConfig, checked: Checked, context: int,
+                        tenant: str, make_call_id: Callable[[], str] = openai_call_id) -> Rendered:
+    """Template and tokens: the prompt a checked request takes on a model of `context` tokens."""
+    body, messages = checked.body, checked.messages
+    if checked.context != context:
+        check_prompt_chars(messages, body.tools, config, context)
     kwargs = tokenizer.variables.kwargs(body.chat_template_kwargs, config.max_template_kwarg_chars)
-    scope = scope_of(request, body.cache_salt)
-    tenant = scope.tenant
     try:
         text = await tokenizer.render_chat(messages, body.tools, kwargs, tenant)
     except ApiError:
@@ -191,36 +219,50 @@ async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Req
             text = await tokenizer.render_chat(*rendered, kwargs, tenant)
             tool_format = "hermes"
     parser = output_parser(tool_format, config.reasoning_parser, tokenizer.chat_template, text, body.tools,
-                           choice, tool_name, make_call_id, vocabulary, named)
+                           checked.choice, checked.tool_name, make_call_id, vocabulary, named)
     prompt = await tokenizer.encode_rendered(text, tenant)
     if parser.prompt_suffix:  # encoded on its own: the prompt before it keeps the tokens other turns share
         prompt += await tokenizer.encode_rendered(parser.prompt_suffix, tenant)
+    return Rendered(prompt, parser, messages, rendered, kwargs)
+
+
+async def prepare(state: AppState, checked: Checked, request: web.Request, rid: str,
+                  make_call_id: Callable[[], str] = openai_call_id, asked: Asked | None = None) -> Job:
+    """A checked request on its model: render, tokenize, sampling, grammar."""
+    body = checked.body
+    tokenizer = state.require_ready()
+    model = state.model_name(body.model)
+    scope = scope_of(request, body.cache_salt)
+    tenant = scope.tenant
+    rendered = await render_prompt(tokenizer, state.config, checked, state.context, tenant, make_call_id)
+    prompt, parser = rendered.prompt, rendered.parser
     generate = generate_request(
         body, prompt, rid=rid, vocab_size=state.engine.info.vocab_size,
-        max_tokens=body.max_completion_tokens or body.max_tokens, session=session,
+        max_tokens=body.max_completion_tokens or body.max_tokens, session=checked.session,
         scope=scope, logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
     )
     ask = request_ask(body.response_format, parser.call_format, body.tools,
-                      choice, tool_name, parser.prompt_suffix,  # type: ignore[arg-type]
+                      checked.choice, checked.tool_name, parser.prompt_suffix,  # type: ignore[arg-type]
                       parallel=body.parallel_tool_calls is not False, specials=tokenizer.specials)
     if ask is not None:
         generate.constraint = await state.grammars().compile(ask, scope)
     checkpoints = state.engine.recurrent_checkpoints
     if checkpoints:  # a hybrid model keeps its recurrent state where messages end: find them
-        generate.boundaries = await tokenizer.message_ends(*rendered, kwargs, prompt, checkpoints, tenant)
+        generate.boundaries = await tokenizer.message_ends(*rendered.template_input, rendered.kwargs, prompt,
+                                                           checkpoints, tenant)
     job = Job(model, prompt, generate, stop_strings(body), parser, body.n)
     if asked is not None:
         job.diagnostics = diagnostics(state, asked, rid, await fingerprint(
-            tokenizer, scope, model, messages, body.tools, kwargs, prompt))
+            tokenizer, scope, model, rendered.messages, body.tools, rendered.kwargs, prompt))
     return job
 
 
 def diagnostics(state: AppState, asked: Asked, rid: str, now: Fingerprint) -> Report:
-    """The request's diagnostics report: compared with the response it names, its fingerprint kept."""
-    report = Report(state.fingerprints, state.engine.config.prefix_cache_min_tokens)
+    """The request's diagnostics report: compared with the response it names; its fingerprint is kept once the
+    engine admits the request (respond)."""
+    report = Report(state.fingerprints, state.engine.config.prefix_cache_min_tokens, now)
     if asked.previous is not None:
         report.diagnosis = state.fingerprints.compare(now, asked.previous)
-    state.fingerprints.keep(rid, now)
     return report
 
 

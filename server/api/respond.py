@@ -185,13 +185,16 @@ async def respond(request: web.Request, state: AppState, job: Job, reply: Reply 
     tokenizer = state.require_ready()
     keepalive = state.config.sse_keepalive if stream else None
     choices = reply if isinstance(reply, Choices) else Choices([reply])
-    scope = job.generate.scope
-    if job.diagnostics is None:  # naming this response in a later request's diagnostics answers `unavailable`
-        state.fingerprints.made(job.generate.request_id, scope.tenant)
+    scope, rid = job.generate.scope, job.generate.request_id
     digest = state.engine.index.digest(scope) if state.engine.index is not None else scope.tenant_hash
-    choices.ended = lambda usage: state.reuse.ended(job.generate.request_id, scope, digest, usage)
+    choices.ended = lambda usage: state.reuse.ended(rid, scope, digest, usage)
     async with generation(state.engine, job.generate, tokenizer, job.stops, keepalive_s=keepalive,
                           markup=job.parser is not None) as events:
+        # admitted: a later request's diagnostics may name it (a fingerprint, or `unavailable` without one)
+        if job.diagnostics is not None:
+            job.diagnostics.keep(rid)
+        else:
+            state.fingerprints.made(rid, scope.tenant)
         if not stream:
             async for event in events:
                 match event:

@@ -54,7 +54,6 @@ import hashlib
 import json
 import logging
 import os
-import stat
 import struct
 import time
 import zlib
@@ -69,6 +68,7 @@ from safetensors.numpy import save as save_tensors
 
 from kvfork.backends.base import SavedLayer, SavedState
 from kvfork.backends.model_path import kvfork_home
+from kvfork.backends.private_files import FILE_MODE, SECRET, open_private, own_folder, private_folder, secret
 from kvfork.server.engine.index import Entry, Index
 
 log = logging.getLogger("kvfork.disk")
@@ -76,8 +76,6 @@ log = logging.getLogger("kvfork.disk")
 KV_FORMAT_VERSION = "2"  # bump when the file layout or the saved-state rule changes: old files are then dropped
 SUFFIX = ".safetensors"
 LOCK = "lock"
-SECRET = "kv-secret"  # beside the kv folder, in $KVFORK_HOME: the key scopes are named under (api.Scope.digest)
-FILE_MODE, FOLDER_MODE = 0o600, 0o700
 # The tokenizer's files, and the converter's record (backends/default_model.py: the converter's version)
 _MODEL_FILES = ("kvfork-converted.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                 "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
@@ -113,76 +111,9 @@ def fingerprint(model_dir: str | Path, dtype: str, backend: str) -> str:
 
 
 def tier_secret(root: Path) -> bytes:
-    """The key scopes are named under (api.Scope.digest): 32 random bytes made at first start, 0600
-    beside `root` (in $KVFORK_HOME), so the files of a scope keep their name across restarts. It is
-    written to a temporary file and linked into place whole: two daemons starting at once agree (the
-    first link wins, the other reads it), and a crash never leaves a short one. One that is not 32
-    bytes, a link or another user's is replaced, with a warning. OSError when it cannot be made."""
-    path = root.parent / SECRET
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for _ in range(3):
-        try:
-            return _read_secret(path)
-        except FileNotFoundError:
-            pass
-        except (OSError, ValueError) as exc:
-            log.warning("replacing the prefix cache's secret %s (%s): files of the old one are not reused", path, exc)
-            path.unlink(missing_ok=True)  # the link or file itself, never what a link points to
-        try:
-            _link_new_secret(path)
-        except FileExistsError:  # another daemon's landed first: read it
-            pass
-    return _read_secret(path)
-
-
-def _read_secret(path: Path) -> bytes:
-    fd = _open_private(path, os.O_RDONLY)
-    try:
-        secret = os.read(fd, 64)
-    finally:
-        os.close(fd)
-    if len(secret) != 32:
-        raise ValueError(f"it holds {len(secret)} bytes, not 32")
-    return secret
-
-
-def _link_new_secret(path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
-    try:
-        os.write(fd, os.urandom(32))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        os.link(tmp, path)  # FileExistsError when another daemon's is there
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _open_private(path: Path, flags: int) -> int:
-    """A file of ours, opened without following a link (ELOOP: OSError) and made 0600; OSError when it is not
-    a regular file this user owns."""
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-            raise OSError(errno.EPERM, "not a regular file of this user", str(path))
-        if stat.S_IMODE(st.st_mode) != FILE_MODE:
-            os.fchmod(fd, FILE_MODE)  # one written before the rule was 0644
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _own_folder(folder: Path) -> bool:
-    """Whether `folder` is a folder (not a link to one) this user owns."""
-    try:
-        st = os.lstat(folder)
-    except OSError:
-        return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+    """The key scopes are named under (api.Scope.digest): the secret beside `root` (in $KVFORK_HOME), so the
+    files of a scope keep their name across restarts (backends/private_files.py: made once, 0600)."""
+    return secret(root.parent / SECRET)
 
 
 def entry_name(scope: str, tokens: Sequence[int]) -> str:
@@ -246,7 +177,7 @@ def decode(data: bytes, fp: str) -> tuple[SavedState, list[int], str]:
 
 def read_header(path: Path) -> dict[str, str]:
     """A file's metadata, without reading its tensors (a link or another user's file: OSError)."""
-    with os.fdopen(_open_private(path, os.O_RDONLY), "rb") as f:
+    with os.fdopen(open_private(path, os.O_RDONLY), "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         if n > 64 * 1024 * 1024:
             raise CorruptFile("header too large")
@@ -301,22 +232,13 @@ class DiskStats:
 
 def _try_lock(folder: Path) -> int | None:
     """An exclusive flock on `folder`'s lock file, or None when another daemon holds it."""
-    fd = _open_private(folder / LOCK, os.O_RDWR | os.O_CREAT)
+    fd = open_private(folder / LOCK, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         return None
     return fd
-
-
-def _private_folder(folder: Path) -> None:
-    """`folder` (and any parent it needs) made 0700; one made before the rule is narrowed. OSError when it is a
-    link or another user's."""
-    folder.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
-    if not _own_folder(folder):
-        raise OSError(errno.EPERM, "a link, or not a folder of this user: not used", str(folder))
-    os.chmod(folder, FOLDER_MODE)
 
 
 def _unlink(path: Path) -> None:
@@ -354,8 +276,8 @@ class DiskTier:
         self._due = 0  # file work submitted whose answer has not run on the loop yet
         self._answered: asyncio.Event | None = None  # set as each answer runs (close waits on it)
         try:
-            _private_folder(root)
-            _private_folder(self.folder)
+            private_folder(root)
+            private_folder(self.folder)
             self._lock_fd = _try_lock(self.folder)
             if self._lock_fd is None:
                 log.warning("prefix cache disk tier off: another daemon uses %s", self.folder)
@@ -396,7 +318,7 @@ class DiskTier:
 
     def _drop_other_fingerprints(self, root: Path) -> None:
         for folder in root.iterdir():
-            if folder == self.folder or not _own_folder(folder) or not (folder / LOCK).exists():
+            if folder == self.folder or not own_folder(folder) or not (folder / LOCK).exists():
                 continue
             fd = _try_lock(folder)
             if fd is None:
@@ -495,7 +417,7 @@ class DiskTier:
 
         def work() -> tuple[SavedState, float]:
             t0 = time.perf_counter()  # the read itself, not its wait behind other file work
-            with os.fdopen(_open_private(self.folder / f"{entry.owner}{SUFFIX}", os.O_RDONLY), "rb") as f:
+            with os.fdopen(open_private(self.folder / f"{entry.owner}{SUFFIX}", os.O_RDONLY), "rb") as f:
                 data = f.read()  # a link put in its place: refused, and the link removed (forget)
             state, tokens, scope = decode(data, self.fp)
             if tuple(tokens) != entry.tokens or scope != entry.scope or state.position != len(entry.tokens):
@@ -563,8 +485,8 @@ class DiskTier:
 def describe(root: Path) -> list[dict[str, Any]]:
     """Each fingerprint folder under `root`: entries, bytes, whether a daemon holds it."""
     out = []
-    for folder in sorted(root.iterdir()) if _own_folder(root) else ():
-        if not _own_folder(folder):
+    for folder in sorted(root.iterdir()) if own_folder(root) else ():
+        if not own_folder(folder):
             continue
         files = [p for p in folder.iterdir() if p.name.endswith(SUFFIX) and p.is_file() and not p.is_symlink()]
         held = False
@@ -582,10 +504,10 @@ def clear(root: Path) -> tuple[int, list[str]]:
     """Empty every fingerprint folder no daemon holds: (files removed, folders skipped as in use). A link or
     another user's folder, at `root` or under it, is never entered (so nothing it points to is removed)."""
     removed, skipped = 0, []
-    if root.exists() and not _own_folder(root):
+    if root.exists() and not own_folder(root):
         raise OSError(errno.EPERM, "a link, or not a folder of this user: not cleared", str(root))
     for folder in sorted(root.iterdir()) if root.is_dir() else ():
-        if not _own_folder(folder):
+        if not own_folder(folder):
             continue
         fd = _try_lock(folder)
         if fd is None:

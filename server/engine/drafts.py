@@ -45,6 +45,11 @@ _SHIFT = 21  # token ids below 2**21 (every vocabulary in use) pack a key into o
 # array('i'); a position in an array('q'); a key: its int, its position array's header
 # and its dict slot.
 TOKEN_BYTES, POSITION_BYTES, KEY_BYTES = 4, 8, 32 + 80 + 48
+# A scope's corpus costs this much before its first token (measured with tracemalloc: its Corpus and
+# TokenIndex with their attribute dicts, the empty arrays, dict and deque, its slot in Drafts.corpora),
+# plus its name's characters, and each entry a slot in two deques: a corpus per request (a cache_salt
+# that changes every time) costs what it holds.
+SCOPE_BYTES, ENTRY_BYTES = 1536, 16
 
 # Adaptation: drafts start `INITIAL_LENGTH` long; a draft accepted in full lengthens the next
 # by `GROW`, one rejected early shortens it to the accepted run plus one (transformers' "heuristic"
@@ -214,6 +219,10 @@ class Corpus:
     def evict_oldest(self) -> None:
         self.index.drop_front(self.entries.popleft())
 
+    def nbytes(self, scope: str) -> int:
+        """Its estimated bytes: the scope's fixed cost, its entries and its index."""
+        return SCOPE_BYTES + len(scope) + ENTRY_BYTES * len(self.entries) + self.index.bytes
+
 
 class Adaptation:
     """A request's draft length and acceptance, and whether it still drafts."""
@@ -260,23 +269,28 @@ class Drafts:
 
     def remember(self, scope: str, output: Sequence[int]) -> None:
         """A finished response joins its scope's corpus; the oldest entries leave to stay in budget."""
-        fit = self.corpus_bytes // (TOKEN_BYTES + POSITION_BYTES + KEY_BYTES) - 1  # a token costs at most this
+        room = self.corpus_bytes - SCOPE_BYTES - len(scope) - ENTRY_BYTES
+        fit = room // (TOKEN_BYTES + POSITION_BYTES + KEY_BYTES) - 1  # a token costs at most this
         keep = list(output[-fit:]) if fit > 0 else []
         if self.mode != "suffix" or len(keep) < KEY_TOKENS:
             return
-        corpus = self.corpora.setdefault(scope, Corpus())
-        before = corpus.index.bytes
+        corpus = self.corpora.get(scope)
+        if corpus is None:
+            corpus = self.corpora[scope] = Corpus()
+            self.bytes += corpus.nbytes(scope)
+        before = corpus.nbytes(scope)
         corpus.add(keep)
-        self.bytes += corpus.index.bytes - before
+        self.bytes += corpus.nbytes(scope) - before
         self.ages.append(scope)
         while self.bytes > self.corpus_bytes:
             name = self.ages.popleft()
             oldest = self.corpora[name]
-            before = oldest.index.bytes
+            before = oldest.nbytes(name)
             oldest.evict_oldest()
-            self.bytes += oldest.index.bytes - before
+            self.bytes += oldest.nbytes(name) - before
             if not oldest.entries:
                 del self.corpora[name]
+                self.bytes -= oldest.nbytes(name)
 
     def stats(self) -> dict:
         return {"corpus_bytes": self.bytes, "corpus_entries": len(self.ages), "scopes": len(self.corpora)}

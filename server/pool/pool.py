@@ -25,11 +25,13 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from aiohttp import web
 
 from kvfork.backends.base import Backend
+from kvfork.backends.model_info import read_model_facts
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.errors import ApiError
 from kvfork.server.api.sse import OPENED
@@ -39,7 +41,9 @@ from kvfork.server.pool.loadable import check_folder, folder_state
 from kvfork.server.pool.served import ServedModel
 from kvfork.server.pool.specs import ModelSpec
 from kvfork.server.pool.turns import SwitchTurns, disrupts, waits_for
+from kvfork.server.model_load import load_tokenizer
 from kvfork.server.state import AppState, tenant_of
+from kvfork.server.text.tokenizer import PromptTokenizer
 
 log = logging.getLogger("kvfork")
 LEASE = web.RequestKey("model_lease", object)
@@ -68,6 +72,9 @@ class Slot:
     error: str | None = None  # why the last load failed
     failed_on: tuple | None = None  # its folder's files when the last load failed (loadable.py)
     failed_at: float = 0.0  # when (monotonic)
+    budget_refused: bool = False  # the last load failed for the budget (its numbers), not the model's files
+    context: int | None = None  # the context its requests get, from its folder, known before it loads
+    counter: asyncio.Task | None = None  # its tokenizer loaded alone, for count_tokens
 
     @property
     def ready(self) -> bool:
@@ -78,6 +85,15 @@ class Slot:
         """Requests holding it."""
         return sum(self.tenants.values())
 
+    @property
+    def refusal(self) -> str:
+        """What a request for it hears when its last load failed: the model, not why (`error` holds the paths
+        and parsers' words, for the log and for the holder of --metrics-key on /health); a refusal of the
+        budget's, which holds numbers alone, as it is."""
+        if self.budget_refused and self.error is not None:
+            return self.error
+        return f"model {self.spec.name!r} could not be loaded; the daemon's log says why"
+
 
 @dataclass(eq=False)
 class Claim:
@@ -85,6 +101,17 @@ class Claim:
 
     slot: Slot
     tenant: str
+
+
+def _folder_context(path: str) -> int | None:
+    """The context a model folder's config states (as its backend reads it); None without a readable config
+    (its load says what is wrong)."""
+    if not (Path(path).expanduser() / "config.json").is_file():
+        return None
+    try:
+        return read_model_facts(Path(path).expanduser()).context_length
+    except (OSError, ValueError):
+        return None
 
 
 class ModelPool:
@@ -146,7 +173,7 @@ class ModelPool:
         try:
             while not slot.ready:
                 if slot.attempts > seen and slot.error is not None:
-                    raise ApiError(503, slot.error, code="model_load_failed", param="model")
+                    raise ApiError(503, slot.refusal, code="model_load_failed", param="model")
                 if self._closed:
                     raise ApiError(503, "the server is shutting down", code="not_ready")
                 if self._switching is None and self._next() is me:
@@ -162,6 +189,45 @@ class ModelPool:
         slot.last_tenant, slot.used = tenant, time.monotonic()
         assert slot.served is not None
         return slot.served.state
+
+    async def context(self, requested: str | None) -> int | None:
+        """The context a request naming `requested` gets, known without loading the model (its folder's
+        config and --max-context, as its engine resolves them), so that a body over it is refused before
+        anything loads; None where the model's files are not here yet (or say no context)."""
+        slot = self.slot(requested)
+        if slot.ready:
+            assert slot.served is not None
+            return slot.served.state.context
+        if slot.context is None and slot.spec.fetch is None:
+            stated = await asyncio.to_thread(_folder_context, slot.spec.path)
+            if stated is not None:
+                slot.context = min(self.engine_config.max_context or stated, stated)
+        return slot.context
+
+    async def counting(self, request: web.Request, requested: str | None) -> tuple[PromptTokenizer, int]:
+        """The tokenizer and context `requested` counts prompts with: the loaded model's (held for the request,
+        as `acquire` holds it), else its tokenizer loaded alone (kept), so a count never loads a model nor
+        unloads another tenant's."""
+        slot = self.slot(requested)
+        if slot.ready:
+            state = await self.acquire(request, requested, False)
+            return state.require_ready(), state.context
+        context = await self.context(requested)
+        if context is None:
+            raise ApiError(503, f"model {slot.spec.name!r} is not on this machine yet: a request for it downloads "
+                           "and loads it", code="not_ready", param="model")
+        if slot.counter is None:
+            slot.counter = asyncio.create_task(asyncio.to_thread(load_tokenizer, self.base.config, slot.spec.path))
+        counter = slot.counter
+        try:
+            return await asyncio.shield(counter), context
+        except Exception as e:
+            if counter.done():
+                if slot.counter is counter:
+                    slot.counter = None  # tried again on the next count
+                log.warning("model %s: its tokenizer could not be loaded for count_tokens: %s", slot.spec.name, e)
+                raise ApiError(503, slot.refusal, code="model_load_failed", param="model") from None
+            raise
 
     def release(self, slot: Slot, tenant: str = "") -> None:
         slot.tenants[tenant] -= 1
@@ -241,18 +307,20 @@ class ModelPool:
         return min(idle or candidates, key=lambda s: s.used, default=None)
 
     async def _switch_to(self, slot: Slot, tenant: str | None = None) -> None:
-        files, loading = None, False
+        files, stage = None, "files"
         try:
             files = await asyncio.to_thread(self._loadable, slot)
+            stage = "room"
             await self._make_room(slot, tenant)
-            loading = True
+            stage = "load"
             await self._load(slot)
             slot.error = slot.failed_on = None
             self.loads.inc(model_name=slot.spec.name, outcome="loaded")
         except Exception as e:  # the other models keep serving
             if not isinstance(e, StillBroken):
                 slot.error = f"model {slot.spec.name!r} could not be loaded: {e}"
-                slot.failed_on = files if loading else None  # a load's failure, not the budget's: remembered
+                slot.budget_refused = stage == "room"  # the budget's numbers, no path: said to every caller
+                slot.failed_on = files if stage == "load" else None  # a load's failure, not the budget's: remembered
                 slot.failed_at = time.monotonic()
             self.loads.inc(model_name=slot.spec.name, outcome="failed")
             log.warning("%s", slot.error)
@@ -373,3 +441,7 @@ class ModelPool:
         await asyncio.gather(*self._closing, *(served.close(grace_s) for served in self.loaded()))
         for slot in self.slots.values():
             slot.served = None
+            if slot.counter is not None:
+                counter, slot.counter = slot.counter, None
+                with contextlib.suppress(Exception):
+                    (await counter).close()

@@ -37,8 +37,11 @@ def pool_cards(pool: ModelPool, created: int) -> dict[str, Any]:
     return {"object": "list", "data": cards}
 
 
-def pool_health(pool: ModelPool) -> dict[str, Any]:
-    models = {name: {"loaded": slot.ready, "error": slot.error} for name, slot in pool.slots.items()}
+def pool_health(pool: ModelPool, detailed: bool) -> dict[str, Any]:
+    """Each model's state; a failed load's own error (its paths, a parser's words) only where `detailed` (the
+    caller holds --metrics-key), else that it failed."""
+    models = {name: {"loaded": slot.ready, "error": slot.error if slot.error is None or detailed else slot.refusal}
+              for name, slot in pool.slots.items()}
     return {"status": "ok", "phase": "ready", "memory_budget_bytes": pool.budget.total_bytes, "loading": pool.loading,
             "models": models}
 

@@ -21,8 +21,7 @@ from datetime import datetime, timezone
 from aiohttp import web
 
 from kvfork.server.api.respond import json_response
-from kvfork.server.state import state_of
-from kvfork.server.tenants import request_key
+from kvfork.server.state import holds_metrics_key, state_of
 
 PATH = "/v1/loads"
 
@@ -31,8 +30,7 @@ async def handle(request: web.Request) -> web.Response:
     state = state_of(request).current()
     load = state.engine.load()
     generated = state.engine.metrics.generated_tokens.get() if state.ready else 0.0
-    full = not state.metrics_keys or state.metrics_keys.tenant(
-        request_key(request.headers.get("Authorization"), request.headers.get("x-api-key"))) is not None
+    full = not state.metrics_keys or holds_metrics_key(request)
     if not full:
         load = load.counts_only()
     rank = {

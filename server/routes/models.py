@@ -9,7 +9,7 @@ from kvfork.server.api.openai import Health, ModelCard, ModelList
 from kvfork.server.api.respond import json_response
 from kvfork.server.errors import ApiError
 from kvfork.server.pool.views import pool_cards, pool_health, pool_metrics
-from kvfork.server.state import state_of
+from kvfork.server.state import holds_metrics_key, state_of
 
 PATH = "/v1/models"
 
@@ -27,13 +27,16 @@ async def health(request: web.Request) -> web.Response:
     """200 once the model is loaded, with the memory plan; 503 while it loads (saying which phase: progress.py)
     and after the runner has died, an OpenAI error body either way."""
     state = state_of(request)
+    detailed = holds_metrics_key(request)
     if state.pool is not None:  # ready: a model loads when a request names it
-        return json_response(pool_health(state.pool))
+        return json_response(pool_health(state.pool, detailed))
     try:
         state.require_ready()
     except ApiError as e:
         status = "failed" if state.engine.dead else "loading"
         body = {**msgspec.to_builtins(e.body()), "status": status, "phase": state.progress.phase}
+        if state.engine.dead and detailed:
+            body["error"]["message"] = f"the model runner has stopped: {state.engine.failure}"
         return json_response(body, status=e.status)
     return json_response(Health(phase=state.progress.phase, memory=state.engine.memory))
 

@@ -15,7 +15,7 @@ from aiohttp import web
 from kvfork.server.errors import ApiError
 from kvfork.server.api.respond import json_response
 from kvfork.server.routes.reuse_page import PAGE
-from kvfork.server.state import state_of
+from kvfork.server.state import holds_metrics_key, state_of
 from kvfork.server.tenants import request_key
 
 PATH = "/debug/reuse"
@@ -24,9 +24,9 @@ PATH = "/debug/reuse"
 def caller_tenant(request: web.Request) -> str | None:
     """The tenant whose requests the caller may see; None: every tenant's."""
     state = state_of(request)
-    given = request_key(request.headers.get("Authorization"), request.headers.get("x-api-key"))
-    if state.metrics_keys and state.metrics_keys.tenant(given) is not None:
+    if holds_metrics_key(request):
         return None
+    given = request_key(request.headers.get("Authorization"), request.headers.get("x-api-key"))
     if state.keys:
         tenant = state.keys.tenant(given)
         if tenant is not None:

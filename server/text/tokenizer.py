@@ -5,7 +5,13 @@ encoded without special tokens; raw completion text gets the tokenizer's usual
 special tokens unless it already starts with the BOS string. Either way a
 prompt never carries two.
 
-Long work (a prompt past a few thousand characters) runs on two worker threads
+A chat template render, whatever its input's size, runs on a worker thread with a time limit
+(`render_timeout`, --template-timeout): a template is code (a model's, a GGUF's from the hub, the
+operator's), and a loop in it would hold the loop; past the limit the render is interrupted
+(`interruptible`) and the request gets a 400. Encoding alone is bounded by its size, and short text
+stays on the loop.
+
+Long work (a render, or text past a few thousand characters to encode) runs on two worker threads
 shared by tenants in turn, a tenant one job at a time (server/fair.py): the
 routes pass the tenant, so another tenant never waits for the first one's long
 job. Each thread renders and encodes with its own copy of the tokenizer (a Rust
@@ -19,11 +25,13 @@ the tokenizer itself.
 from __future__ import annotations
 
 import copy
-from typing import Any, Sequence
+import ctypes
+import threading
+from typing import Any, Callable, Sequence
 
 from kvfork.server.errors import ApiError
 from kvfork.server.fair import FairWorkers
-from kvfork.server.limits import text_chars
+from kvfork.server.limits import Limits
 from kvfork.server.text.template import TemplateVariables
 
 # Prompts longer than this (characters) are tokenized on the worker thread: a
@@ -33,10 +41,43 @@ _OFF_LOOP_CHARS = 4096
 TOKENIZE_THREADS = 2  # a tenant runs one job at a time: with two, another tenant always finds one free
 
 
+class RenderTimeout(BaseException):
+    """Raised into a worker thread whose render ran past its limit: a BaseException, so that no `except
+    Exception` of jinja's or transformers' takes it for a template's own error."""
+
+
+def interruptible(seconds: float, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` on this thread, RenderTimeout raised into it once `seconds` have passed (CPython's
+    PyThreadState_SetAsyncExc: delivered at the next bytecode, which a template's loops run)."""
+    thread = ctypes.c_ulong(threading.get_ident())
+    lock = threading.Lock()
+    state = {"done": False, "fired": False}
+
+    def interrupt() -> None:
+        with lock:
+            if not state["done"]:
+                state["fired"] = True
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(thread, ctypes.py_object(RenderTimeout))
+
+    timer = threading.Timer(seconds, interrupt)
+    timer.start()
+    try:
+        return fn(*args)
+    finally:
+        timer.cancel()
+        with lock:
+            state["done"] = True
+            if state["fired"]:  # one not yet delivered is dropped: nothing after this may receive it
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(thread, None)
+
+
 class PromptTokenizer:
-    def __init__(self, tokenizer: Any, chat_template: str | None = None):
-        """`chat_template`: the operator's template (--chat-template), instead of the model's."""
+    def __init__(self, tokenizer: Any, chat_template: str | None = None,
+                 render_timeout: float = Limits.template_timeout):
+        """`chat_template`: the operator's template (--chat-template), instead of the model's; `render_timeout`:
+        the seconds a render may take (--template-timeout)."""
         self.tokenizer = tokenizer
+        self.render_timeout = render_timeout
         if chat_template is not None:
             tokenizer.chat_template = chat_template
         self.bos_token: str | None = tokenizer.bos_token
@@ -61,10 +102,11 @@ class PromptTokenizer:
             self._hidden = frozenset(set(self.specials.values()) | set(self.tokenizer.all_special_ids)) - kept
 
     @classmethod
-    def load(cls, folder: str, chat_template: str | None = None) -> "PromptTokenizer":
+    def load(cls, folder: str, chat_template: str | None = None,
+             render_timeout: float = Limits.template_timeout) -> "PromptTokenizer":
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(folder), chat_template)
+        return cls(AutoTokenizer.from_pretrained(folder), chat_template, render_timeout)
 
     def close(self) -> None:
         self.workers.close()
@@ -76,20 +118,19 @@ class PromptTokenizer:
 
     async def chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
                    template_kwargs: dict[str, Any] | None = None, tenant: str = "") -> list[int]:
-        return await self._run(tenant, _size(messages, tools), self.encode_chat, messages, tools,
-                               template_kwargs or {})
+        return await self._render(tenant, self.encode_chat, messages, tools, template_kwargs or {})
 
     async def render_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
                           template_kwargs: dict[str, Any] | None = None, tenant: str = "") -> str:
-        return await self._run(tenant, _size(messages, tools), self.render, messages, tools, template_kwargs or {})
+        return await self._render(tenant, self.render, messages, tools, template_kwargs or {})
 
     async def message_ends(self, messages: list[dict[str, Any]], tools: list[dict] | None,
                            template_kwargs: dict[str, Any] | None, prompt: Sequence[int], last: int,
                            tenant: str = "") -> tuple[int, ...]:
         """Token offsets in `prompt` (these messages rendered and encoded) where each of the last
         `last` earlier messages ends, the system/tools block included (GenerateRequest.boundaries)."""
-        return await self._run(tenant, _size(messages, tools) * last, self.find_message_ends, messages, tools,
-                               template_kwargs or {}, prompt, last)
+        return await self._render(tenant, self.find_message_ends, messages, tools, template_kwargs or {}, prompt,
+                                  last)
 
     def find_message_ends(self, messages: list[dict[str, Any]], tools: list[dict] | None,
                           template_kwargs: dict[str, Any], prompt: Sequence[int], last: int,
@@ -174,6 +215,15 @@ class PromptTokenizer:
             return fn(*args)
         return await self.workers.run(tenant, lambda own: fn(*args, tok=own.tokenizer))
 
+    async def _render(self, tenant: str, fn, *args):
+        """A job that renders the template: on a worker, whatever its size, within `render_timeout`."""
+        try:
+            return await self.workers.run(tenant, lambda own: interruptible(self.render_timeout, fn, *args,
+                                                                             own.tokenizer))
+        except RenderTimeout:
+            raise ApiError(400, f"the chat template took more than {self.render_timeout:g} s to render these "
+                           "messages (--template-timeout)", code="template_timeout", param="messages") from None
+
 
 class _Own:
     """A worker thread's own copy of the tokenizer (FairWorkers' per-thread resource)."""
@@ -183,9 +233,3 @@ class _Own:
 
     def close(self) -> None:
         pass
-
-
-def _size(messages: list[dict[str, Any]], tools: list[dict] | None) -> int:
-    """The characters a render takes in, about: a message is counted even when empty (a template loops over
-    each)."""
-    return sum(text_chars(m.get("content")) + 16 for m in messages) + text_chars(tools)

@@ -232,10 +232,11 @@ class MarkupToolParser(ToolParser):
 
 
 def json_object(text: str) -> Any:
-    """The JSON value in `text`, or None when it is not valid JSON."""
+    """The JSON value in `text`, or None when it is not valid JSON or nests deeper than Python's JSON reader
+    recurses (RecursionError: model text, so broken markup, never a server error)."""
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 

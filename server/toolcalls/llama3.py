@@ -9,13 +9,15 @@ JSON is complete and names a function; anything else falls back to text.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Mapping
 
 from kvfork.server.toolcalls.base import Event, ParsedCall, ToolParser, call_from_json, held_prefix
 from kvfork.server.toolcalls.lark import CallGrammar, json_value, parameters
 
 PYTHON_TAG = "<|python_tag|>"
-_DECODER = json.JSONDecoder()
+# Deeper than any call's arguments: past it the reply is text, before Python's JSON reader recurses that deep.
+MAX_DEPTH = 128
 
 
 class Llama3Parser(ToolParser):
@@ -28,6 +30,7 @@ class Llama3Parser(ToolParser):
         self._buffer = ""
         self._mode = "undecided"  # then "text" or "calls"
         self._done = 0  # how much of the buffer is parsed into released calls
+        self._object = _ObjectEnd()  # where the call being read closes
 
     def feed(self, text: str) -> list[Event]:
         out: list[Event] = []
@@ -81,31 +84,60 @@ class Llama3Parser(ToolParser):
                 head = head[1:].lstrip()
             if not head:
                 return
-            skipped = len(rest) - len(head)
-            call = self._next_call(head)
+            start = self._done + len(rest) - len(head)
+            end = self._object.end(self._buffer, start) if head.startswith("{") else None
+            call = None if end is None or end < 0 else _call(self._buffer[start:end])
             if call is None:
-                if final or not head.startswith("{") or self._complete(head):
+                if final or end is not None or not head.startswith("{"):  # junk, JSON that is no call, too deep
                     self._buffer = rest
                     self._to_text(out)
                 return
-            parsed, length = call
-            self._calls([parsed], out)
-            self._done += skipped + length
+            self._calls([call], out)
+            self._done = end
 
-    @staticmethod
-    def _next_call(head: str) -> tuple[ParsedCall, int] | None:
-        try:
-            value, length = _DECODER.raw_decode(head)
-        except ValueError:
-            return None
-        call = call_from_json(value)
-        return None if call is None else (call, length)
 
-    @staticmethod
-    def _complete(head: str) -> bool:
-        """True when `head` opens with a complete JSON value (that was not a call)."""
-        try:
-            _DECODER.raw_decode(head)
-        except ValueError:
-            return False
-        return True
+class _ObjectEnd:
+    """Where the JSON object opening at a position of a growing buffer closes, each character read once however
+    many times it is asked (a call's JSON is decoded once, when it has closed): linear in the reply."""
+
+    STRUCTURE = re.compile(r'[{}\[\]"\\]')
+
+    def __init__(self) -> None:
+        self.start = self.at = -1
+        self.depth, self.in_string = 0, False
+
+    def end(self, buffer: str, start: int) -> int | None:
+        """The index past the object's closing brace; None while it is open; -1 when it nests deeper than
+        MAX_DEPTH (no call: its text is the model's)."""
+        if start != self.start:
+            self.start, self.at, self.depth, self.in_string = start, start, 0, False
+        while (m := self.STRUCTURE.search(buffer, self.at)) is not None:
+            c, self.at = m.group(), m.end()
+            if self.in_string:
+                if c == "\\":
+                    if self.at == len(buffer):  # what it escapes has not come yet
+                        self.at -= 1
+                        return None
+                    self.at += 1
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+                if self.depth > MAX_DEPTH:
+                    return -1
+            else:
+                self.depth -= 1
+                if self.depth == 0:
+                    return self.at
+        self.at = len(buffer)
+        return None
+
+
+def _call(text: str) -> ParsedCall | None:
+    """The call `text` (one whole JSON object) makes, or None: not JSON, or no call."""
+    try:
+        return call_from_json(json.loads(text))
+    except (ValueError, RecursionError):
+        return None

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from agent_server import CLAUDE_TOOL, agent_model, claude, daemon, oai, reply, user  # noqa: F401
-from http_daemon import data_frames, serving, sse_events
+from http_daemon import serving, sse_events
 from scripted_replies import RecordingScript, scripted
 from scripted_backend import ScriptedBackend
 
@@ -250,10 +250,9 @@ async def test_namespace_tools_are_flattened_and_dropped_tools_are_counted(daemo
     assert plain.output[-1].type == "function_call" and getattr(plain.output[-1], "namespace", None) is None
 
 
-async def test_a_long_prefill_keeps_a_responses_stream_alive_with_events(agent_model):
+async def test_a_long_prefill_keeps_a_responses_stream_alive_with_events(agent_model, sdk):
     """Codex drops a stream after 5 minutes without an event (SSE comments do not count): before the
     first output, keep-alives are response.in_progress again; the SDK still assembles the reply."""
-    import openai
 
     backend = scripted(agent_model, reply)
     backend.delay["prefill"] = 0.3
@@ -261,7 +260,7 @@ async def test_a_long_prefill_keeps_a_responses_stream_alive_with_events(agent_m
             aiohttp.ClientSession() as http:
         async with http.post(d.url + "/v1/responses", json={"input": "hello", "stream": True}) as r:
             kinds = [json.loads(line[6:])["type"] for line in await sse_events(r) if line.startswith("data: ")]
-        client = openai.AsyncOpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0)
+        client = sdk.openai(d, api_key="x")
         async with client.responses.stream(model="tiny", input="hello") as stream:
             final = await stream.get_final_response()
     first_output = kinds.index("response.output_item.added")

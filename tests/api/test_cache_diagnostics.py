@@ -266,3 +266,25 @@ async def test_openai_a_response_made_without_options_is_unavailable(daemon, htt
     path, body = openai_body(api, plain["id"])
     reply = await post(http, daemon.url, path, body, stream)
     assert reply["prompt_cache_diagnostics"] == {"type": "unavailable"}
+
+
+async def test_refused_requests_store_nothing_and_a_tenant_evicts_its_own_first(daemon, http):
+    """Issue 45: fingerprints are stored once the engine admits a request, and past the store's bound the
+    tenant holding the most gives up its oldest: key-a's refused and many requests never evict key-b's."""
+    fingerprints = daemon.state.fingerprints
+    theirs = await post(http, daemon.url, "/v1/messages", messages_body(diagnostics={"previous_message_id": None}),
+                        False, headers={"Authorization": "Bearer key-b"})
+    held = fingerprints.kept.total
+    fingerprints.kept.limit = 3 * held  # room for three fingerprints of this size
+    context = daemon.state.context
+    too_long = messages_body(messages=[{"role": "user", "content": "word " * context}],
+                             diagnostics={"previous_message_id": None})  # the engine refuses it
+    for _ in range(4):
+        async with http.post(daemon.url + "/v1/messages", json=too_long, headers=KEYS) as r:
+            assert r.status == 400, await r.text()
+    assert fingerprints.kept.total == held
+    for _ in range(4):  # key-a's own: past the bound, its oldest go
+        await post(http, daemon.url, "/v1/messages", messages_body(diagnostics={"previous_message_id": None}), False)
+    asked = messages_body(diagnostics={"previous_message_id": theirs["id"]})
+    again = await post(http, daemon.url, "/v1/messages", asked, False, headers={"Authorization": "Bearer key-b"})
+    assert again["diagnostics"] is None and again["kvfork_cache"]["state"] == "reused"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import openai
 import pytest
 
@@ -149,10 +148,10 @@ async def test_a_held_call_gets_keep_alives_and_a_busy_stream_does_not():
     assert stream.response.frames == [b": keep-alive\n\n"]
 
 
-async def test_tool_parser_setting_overrides_the_template(agent_model):
+async def test_tool_parser_setting_overrides_the_template(agent_model, sdk):
     async with serving(agent_model, scripted(agent_model, reply), tool_parser="none",
                        served_model_name=["tiny"]) as d:
-        client = openai.AsyncOpenAI(base_url=d.url + "/v1", api_key="unused", max_retries=0)
+        client = sdk.openai(d)
         done = await client.chat.completions.create(messages=user("weather?"), tools=[WEATHER], model="tiny")
         assert done.choices[0].message.content == REPLIES["weather?"] and not done.choices[0].message.tool_calls
 
@@ -167,7 +166,7 @@ def test_tool_parser_flag():
     assert caught.value.code == 2
 
 
-async def test_a_template_without_tools_gets_the_hermes_block(tiny_model_dir):
+async def test_a_template_without_tools_gets_the_hermes_block(tiny_model_dir, sdk):
     """The tiny model's ChatML template renders no tools (as SmolLM2's): the tools go into a system
     block in Hermes' words, past calls and results are written as Hermes markup, replies parse as
     Hermes calls, and tool_choice is kept (through /v1/messages too)."""
@@ -191,7 +190,7 @@ async def test_a_template_without_tools_gets_the_hermes_block(tiny_model_dir):
         second = await client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER])
         assert second.choices[0].message.content == "It is sunny in Paris."
         text = script.prompt_text(second.usage.prompt_tokens)
-        claude = anthropic.AsyncAnthropic(base_url=d.url, api_key="unused", max_retries=0)
+        claude = sdk.anthropic(d)
         used = await claude.messages.create(model="tiny", max_tokens=100, messages=user("forced"), tools=[CLAUDE_TOOL],
                                             tool_choice={"type": "tool", "name": "get_weather"})
         assert [(b.type, b.name, b.input) for b in used.content] == [("tool_use", "get_weather", {"city": "Paris"})]

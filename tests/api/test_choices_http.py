@@ -6,7 +6,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 from http_daemon import chat_body, metrics, serving, until
-from openai import AsyncOpenAI, BadRequestError
+from openai import BadRequestError
 from scripted_backend import ScriptedBackend
 
 from kvfork.backends import create_backend
@@ -14,10 +14,6 @@ from kvfork.backends import create_backend
 MESSAGES = [{"role": "user", "content": "the capital of France"}]
 PREFILLED = "kvfork_prefilled_tokens_total"
 NO_EOS = {"ignore_eos": True}
-
-
-def client_of(daemon) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(params=["mlx", "torch"])
@@ -28,8 +24,8 @@ async def daemon(request, tiny_model_dir):
         yield d
 
 
-async def test_seeded_choices_are_reproducible_and_choice_0_is_the_single_answer(daemon, http):
-    client = client_of(daemon)
+async def test_seeded_choices_are_reproducible_and_choice_0_is_the_single_answer(daemon, http, sdk):
+    client = sdk.openai(daemon)
     ask = dict(model="x", messages=MESSAGES, max_tokens=12, temperature=1.0, seed=7, extra_body=NO_EOS)
     before = (await metrics(http, daemon.url))[PREFILLED]
     first = await client.chat.completions.create(n=3, **ask)
@@ -49,8 +45,8 @@ async def test_seeded_choices_are_reproducible_and_choice_0_is_the_single_answer
     await client.close()
 
 
-async def test_greedy_choices_are_the_single_answer(daemon):
-    client = client_of(daemon)
+async def test_greedy_choices_are_the_single_answer(daemon, sdk):
+    client = sdk.openai(daemon)
     ask = dict(model="x", messages=MESSAGES, max_tokens=10, temperature=0, extra_body=NO_EOS)
     pair = await client.chat.completions.create(n=2, **ask)
     single = await client.chat.completions.create(**ask)
@@ -65,8 +61,8 @@ async def test_greedy_choices_are_the_single_answer(daemon):
     await client.close()
 
 
-async def test_streamed_choices_carry_their_index(daemon):
-    client = client_of(daemon)
+async def test_streamed_choices_carry_their_index(daemon, sdk):
+    client = sdk.openai(daemon)
     ask = dict(model="x", messages=MESSAGES, max_tokens=8, temperature=1.0, seed=3, n=3, extra_body=NO_EOS)
     whole = await client.chat.completions.create(**ask)
     stream = await client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **ask)
@@ -95,9 +91,9 @@ async def test_streamed_choices_carry_their_index(daemon):
     await client.close()
 
 
-async def test_n_over_max_n_is_a_400(tiny_model_dir):
+async def test_n_over_max_n_is_a_400(tiny_model_dir, sdk):
     async with serving(tiny_model_dir("llama"), max_n=2, accept_any_model=True) as d:
-        client = client_of(d)
+        client = sdk.openai(d)
         with pytest.raises(BadRequestError) as e:
             await client.chat.completions.create(model="x", messages=MESSAGES, n=3)
         assert e.value.code == "integer_above_max_value" and e.value.param == "n"
@@ -106,11 +102,11 @@ async def test_n_over_max_n_is_a_400(tiny_model_dir):
         await client.close()
 
 
-async def test_a_failing_choice_fails_alone(tiny_model_dir):
+async def test_a_failing_choice_fails_alone(tiny_model_dir, sdk):
     backend = ScriptedBackend()
     backend.sample_fail = lambda state: state.params.seed == 6 and len(state.output) == 2
     async with serving(tiny_model_dir("llama"), backend, accept_any_model=True) as d:
-        client = client_of(d)
+        client = sdk.openai(d)
         ask = dict(model="x", messages=MESSAGES, max_tokens=5, temperature=1.0, seed=5, n=3, extra_body=NO_EOS)
         reply = await client.chat.completions.create(**ask)
         assert [c.finish_reason for c in reply.choices] == ["length", "error", "length"]

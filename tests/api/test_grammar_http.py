@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import jsonschema
 import openai
 import pytest
@@ -28,8 +27,8 @@ async def daemon(tiny_model_dir):
 
 
 @pytest.fixture
-def oai(daemon):
-    return openai.AsyncOpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0)
+def oai(daemon, sdk):
+    return sdk.openai(daemon, api_key="none")
 
 
 async def test_json_schema_response_format(oai):
@@ -88,8 +87,8 @@ async def test_required_without_parallel_calls_is_one_call(oai):
     assert done.choices[0].finish_reason == "tool_calls" and len(done.choices[0].message.tool_calls) == 1
 
 
-async def test_messages_tool_choice_tool_yields_a_valid_tool_use(daemon):
-    claude = anthropic.AsyncAnthropic(base_url=daemon.url, api_key="none", max_retries=0)
+async def test_messages_tool_choice_tool_yields_a_valid_tool_use(daemon, sdk):
+    claude = sdk.anthropic(daemon, api_key="none")
     tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
     message = await claude.messages.create(model="tiny", max_tokens=96, messages=ASK, tools=tools,
                                            tool_choice={"type": "tool", "name": "get_forecast"})
@@ -99,13 +98,13 @@ async def test_messages_tool_choice_tool_yields_a_valid_tool_use(daemon):
 
 
 @pytest.mark.default_model
-async def test_json_schema_on_the_default_model():
+async def test_json_schema_on_the_default_model(sdk):
     from kvfork.backends import create_backend
     from kvfork.backends import default_model
 
     folder = str(default_model.ensure_default_model())
     async with serving(folder, create_backend("torch"), served_model_name=["smol"]) as d:
-        client = openai.AsyncOpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0)
+        client = sdk.openai(d, api_key="none")
         fmt = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": FORECAST, "strict": True}}
         done = await client.chat.completions.create(
             model="smol", messages=[{"role": "user", "content": "Forecast for Paris, 3 days, in celsius, as JSON."}],

@@ -295,3 +295,26 @@ async def test_metrics_can_require_a_key_of_its_own(tiny_model_dir, keys_file, h
     async with serving(tiny_model_dir("llama"), api_keys_file=keys_file) as d:
         async with http.get(d.url + "/metrics") as r:
             assert r.status == 200  # open by default
+
+
+# ---- issue 45: work on the loop ----
+
+
+async def test_messages_content_blocks_are_counted_before_they_are_translated(tiny_model_dir, http, monkeypatch):
+    """A Messages body's content blocks (a tool result's own, the system's) count with its messages against
+    --max-messages, before any is translated: one message of many blocks is a 400 as many messages are."""
+    from kvfork.server.api.messages import route
+
+    translated = []
+    monkeypatch.setattr(route, "chat_request", lambda body: translated.append(body) or {})
+    text = {"type": "text", "text": "hi"}
+    result = {"type": "tool_result", "tool_use_id": "t", "content": [text] * 6}
+    bodies = [[{"role": "user", "content": [text] * 9}],
+              [{"role": "user", "content": [result]}, {"role": "user", "content": [text]}]]
+    async with serving(tiny_model_dir("llama"), max_messages=8) as d:
+        for messages in bodies:
+            for path in (MESSAGES, MESSAGES + "/count_tokens"):
+                body = {"max_tokens": 2, "messages": messages, "system": [text]}
+                error = (await refused(http, d.url + path, body))["error"]
+                assert "--max-messages" in error["message"] and "content blocks" in error["message"]
+    assert not translated

@@ -4,11 +4,12 @@ client's string never reaches a header or forges a log line, and every input is 
 from __future__ import annotations
 
 import asyncio
+import io
+import json
 import logging
 
 import pytest
 from aiohttp import web
-
 from http_daemon import chat_body, serving
 from kvfork.server.limits import Limits
 from kvfork.server.metrics import Registry
@@ -25,7 +26,9 @@ async def daemon(tiny_model_dir):
 
 
 async def answer(http, url: str, body: dict) -> tuple[int, dict, dict]:
-    async with http.post(url, json=body) as r:
+    # a stream, not raw bytes: aiohttp warns that a body of megabytes in one write would hold its loop
+    data = io.BytesIO(json.dumps(body).encode())
+    async with http.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
         return r.status, dict(r.headers), await r.json(content_type=None)
 
 

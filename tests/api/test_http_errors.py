@@ -187,14 +187,17 @@ async def test_no_input_yields_a_500(daemon, http):
 async def test_health_is_503_once_the_runner_has_died(tiny_model_dir, http):
     backend = ScriptedBackend()
     backend.fail = lambda kind, sessions, inputs: kind == "load"
-    async with serving(tiny_model_dir("llama"), backend, load=False) as d:
+    async with serving(tiny_model_dir("llama"), backend, load=False, metrics_key="m-key") as d:
         with pytest.raises(RuntimeError):
             await d.load()
         error = await expect(http, "GET", d.url + "/health", 503, "not_ready")
-        assert "stopped" in error["message"]
-        async with http.get(d.url + "/health") as r:
-            assert (await r.json())["status"] == "failed"
-        await expect(http, "POST", d.url + CHAT, 503, "not_ready", json=chat_body())
+        why = d.state.engine.failure
+        assert "stopped" in error["message"] and why and why not in error["message"]  # why: the log's
+        async with http.get(d.url + "/health", headers={"Authorization": "Bearer m-key"}) as r:
+            body = await r.json()
+            assert body["status"] == "failed" and why in body["error"]["message"]
+        error = await expect(http, "POST", d.url + CHAT, 503, "not_ready", json=chat_body())
+        assert why not in error["message"]
 
 
 async def test_no_responses_input_yields_a_500(daemon, http):

@@ -5,7 +5,6 @@ found it: GenerateRequest.boundaries), and answers as it does with reuse off."""
 
 from __future__ import annotations
 
-import anthropic
 import pytest
 
 from agent_server import with_agent_template
@@ -27,13 +26,13 @@ def hybrid_agent_model(tiny_hybrid_dir, tmp_path_factory) -> str:
     return str(with_agent_template(tiny_hybrid_dir("qwen3_5"), tmp_path_factory.mktemp("hybrid-agent")))
 
 
-async def test_a_new_conversation_reads_the_cache_where_the_shared_system_block_ends(hybrid_agent_model):
+async def test_a_new_conversation_reads_the_cache_where_the_shared_system_block_ends(hybrid_agent_model, sdk):
     kwargs = dict(model="tiny", max_tokens=6, system=SYSTEM, tools=[TOOL], extra_body={"temperature": 0})
     async with serving(hybrid_agent_model, served_model_name=["tiny"], engine=dict(prefix_cache_entries=0)) as cold:
-        want = await anthropic.AsyncAnthropic(base_url=cold.url, api_key="unused", max_retries=0).messages.create(
+        want = await sdk.anthropic(cold).messages.create(
             **kwargs, messages=OTHER)
     async with serving(hybrid_agent_model, served_model_name=["tiny"]) as daemon:
-        claude = anthropic.AsyncAnthropic(base_url=daemon.url, api_key="unused", max_retries=0)
+        claude = sdk.anthropic(daemon)
         first = await claude.messages.create(**kwargs, messages=FIRST)
         other = await claude.messages.create(**kwargs, messages=OTHER)
     read = other.usage.cache_read_input_tokens

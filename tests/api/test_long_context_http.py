@@ -1,6 +1,8 @@
 """Prompts as long as agents send, over HTTP: a cached prompt of 20k, 64k or 128k tokens, then requests
 that leave it near its start, in its middle and near its end, then the same after a restart (the disk
-tier). Each gets 200, with reuse wherever the shared part reaches the matching minimum.
+tier). Each gets 200, with reuse wherever the shared part reaches the matching minimum. All in the long
+tier (the fast tier has the index's own walk at 200k, tests/engine/test_index.py); one prefill per case
+serves the partings of every length up to it (torch's 128k prompt those of a 64k one too).
 
 The index walked the trie below the point where a prompt leaves a cached one by recursion, one level per
 16-token block: a cached prompt running ~15.5k tokens past that point raised RecursionError, a 500 for
@@ -16,20 +18,10 @@ import pytest
 from kvfork.backends import create_backend
 from engine_harness import until
 from http_daemon import metrics, serving
-from tiny_models import write_model
 from kvfork.tools.long_prompts import MIN_TOKENS, partings
 
-CONTEXT = 131_072
 VOCAB = 500  # token ids drawn below it, past the special tokens
-# one layer, narrow heads: attention over 128k tokens stays affordable on two cores
-SHAPE = dict(max_position_embeddings=CONTEXT, num_hidden_layers=1, hidden_size=32, intermediate_size=64,
-             num_attention_heads=2, num_key_value_heads=1, head_dim=16)
 ENGINE = dict(kv_budget_bytes=1 << 30, prefix_cache_min_tokens=MIN_TOKENS, prefix_cache_disk_bytes=1 << 30)
-
-
-@pytest.fixture(scope="module")
-def long_model(tmp_path_factory) -> str:
-    return str(write_model(tmp_path_factory.mktemp("llama-128k"), "llama", **SHAPE))
 
 
 pytestmark = pytest.mark.usefixtures("disk_beats_prefill")  # conftest.py: the tier is worth reading
@@ -51,22 +43,25 @@ async def cached_everywhere(http, url: str, cases: dict) -> dict[str, int]:
     return out
 
 
-@pytest.mark.parametrize("backend,length", [
-    ("mlx", 20_000), ("torch", 20_000),
-    pytest.param("mlx", 64_000, marks=pytest.mark.long), pytest.param("torch", 64_000, marks=pytest.mark.long),
-    pytest.param("torch", 128_000, marks=pytest.mark.long),
+@pytest.mark.long
+@pytest.mark.parametrize("backend,length,shorter", [
+    pytest.param("mlx", 20_000, (), id="mlx-20k"), pytest.param("torch", 20_000, (), id="torch-20k"),
+    pytest.param("mlx", 64_000, (), id="mlx-64k"),
+    pytest.param("torch", 128_000, (64_000,), id="torch-128k-and-64k"),
 ])
-async def test_prompts_leaving_a_long_cached_one_reuse_it_before_and_after_a_restart(long_model, backend, length):
+async def test_prompts_leaving_a_long_cached_one_reuse_it_before_and_after_a_restart(long_context_model, backend,
+                                                                                     length, shorter):
     rng = random.Random(length)
     long = [rng.randrange(3, VOCAB) for _ in range(length)]
-    cases, after_restart = partings(long, rng, VOCAB), partings(long, rng, VOCAB)  # new tails: no prompt of the first round
+    # new tails after the restart: no prompt of the first round
+    cases, after_restart = partings(long, rng, VOCAB, shorter), partings(long, rng, VOCAB, shorter)
     want = {name: cached for name, (_, cached) in cases.items()}
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout) as http:
-        async with serving(long_model, create_backend(backend), engine=ENGINE) as daemon:
+        async with serving(long_context_model, create_backend(backend), engine=ENGINE) as daemon:
             assert await complete(http, daemon.url, long) == 0
             await until(lambda: daemon.engine.snapshot().cached == 1)  # its snapshot is in the cache
             assert await cached_everywhere(http, daemon.url, cases) == want
-        async with serving(long_model, create_backend(backend), engine=ENGINE) as daemon:  # a restart
+        async with serving(long_context_model, create_backend(backend), engine=ENGINE) as daemon:  # a restart
             assert daemon.engine.snapshot().on_disk >= 1  # the cache went to disk at shutdown
             assert await cached_everywhere(http, daemon.url, after_restart) == want

@@ -104,7 +104,7 @@ async def test_history_through_either_api_is_the_same_prompt(oai, claude):
 # --- Anthropic errors, keys and names -------------------------------------------------------------
 
 
-async def test_messages_errors_use_anthropic_shape(daemon, claude):
+async def test_messages_errors_use_anthropic_shape(daemon, claude, sdk):
     with pytest.raises(anthropic.NotFoundError) as caught:
         await claude.messages.create(model="my-agent-model", max_tokens=5, messages=user("hi"))
     assert caught.value.body == {"type": "error", "error": {"type": "not_found_error", "message": caught.value.body["error"]["message"]}}
@@ -115,14 +115,14 @@ async def test_messages_errors_use_anthropic_shape(daemon, claude):
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
     with pytest.raises(anthropic.BadRequestError, match="not supported"):
         await claude.messages.create(model="tiny", max_tokens=5, messages=[{"role": "user", "content": [image]}])
-    wrong = anthropic.AsyncAnthropic(base_url=daemon.url, api_key="wrong", max_retries=0)
+    wrong = sdk.anthropic(daemon, api_key="wrong")
     with pytest.raises(anthropic.AuthenticationError) as caught:
         await wrong.messages.create(model="tiny", max_tokens=5, messages=user("hi"))
     assert caught.value.body["error"]["type"] == "authentication_error"
 
 
-async def test_messages_bearer_key_and_error_mid_stream(daemon):
-    bearer = anthropic.AsyncAnthropic(base_url=daemon.url, auth_token="sekrit", max_retries=0)
+async def test_messages_bearer_key_and_error_mid_stream(daemon, sdk):
+    bearer = sdk.anthropic(daemon, api_key=None, auth_token="sekrit")
     message = await bearer.messages.create(model="tiny", max_tokens=20, messages=user("hi"))
     assert message.content[0].text == "Plain answer."
     daemon.engine.backend.fail = lambda kind, sessions, inputs: kind == "decode"
@@ -175,8 +175,8 @@ async def test_messages_no_input_yields_a_500(daemon):
                         assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
 
 
-async def test_messages_accept_any_model(agent_model):
+async def test_messages_accept_any_model(agent_model, sdk):
     async with serving(agent_model, scripted(agent_model, reply), accept_any_model=True) as d:
-        client = anthropic.AsyncAnthropic(base_url=d.url, api_key="unused", max_retries=0)
+        client = sdk.anthropic(d)
         message = await client.messages.create(model="my-agent-model", max_tokens=20, messages=user("hi"))
         assert message.model == "my-agent-model" and message.content[0].text == "Plain answer."

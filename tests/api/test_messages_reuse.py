@@ -5,7 +5,6 @@ the same history runs clones the running one's state (active prefix reuse)."""
 from __future__ import annotations
 
 import aiohttp
-import anthropic
 import pytest
 
 from agent_server import agent_model  # noqa: F401 (fixture)
@@ -26,13 +25,9 @@ HISTORY = [
 ]
 
 
-def client(daemon) -> anthropic.AsyncAnthropic:
-    return anthropic.AsyncAnthropic(base_url=daemon.url, api_key="unused", max_retries=0)
-
-
-async def test_resent_history_reads_the_prefix_cache(agent_model):
+async def test_resent_history_reads_the_prefix_cache(agent_model, sdk):
     async with serving(agent_model, served_model_name=["tiny"]) as daemon:
-        claude = client(daemon)
+        claude = sdk.anthropic(daemon)
         kwargs = dict(model="tiny", max_tokens=4, system=SYSTEM, tools=[TOOL], messages=HISTORY)
         first = await claude.messages.create(**kwargs)
         again = await claude.messages.create(**kwargs)
@@ -55,7 +50,7 @@ OPENAI_TOOL = {"type": "function", "function": {"name": "read_file", "descriptio
                                                 "parameters": TOOL["input_schema"]}}
 
 
-async def test_a_request_while_its_history_runs_reuses_the_running_state(agent_model):
+async def test_a_request_while_its_history_runs_reuses_the_running_state(agent_model, sdk):
     engine = dict(prefix_cache_entries=0, active_prefix_reuse_min_tokens=1)  # no cache: reuse can only be a donor
     async with serving(agent_model, served_model_name=["tiny"], engine=engine) as daemon, \
             aiohttp.ClientSession() as http:
@@ -68,9 +63,9 @@ async def test_a_request_while_its_history_runs_reuses_the_running_state(agent_m
             # the donor has committed its prompt and decodes for seconds more: the recipient clones it
             follow_up = HISTORY + [{"role": "assistant", "content": "Found it."},
                                    {"role": "user", "content": "now fix it"}]
-            recipient = await client(daemon).messages.create(model="tiny", max_tokens=4, system=SYSTEM,
+            recipient = await sdk.anthropic(daemon).messages.create(model="tiny", max_tokens=4, system=SYSTEM,
                                                               tools=[TOOL], messages=follow_up)
-        donor_prompt = await client(daemon).messages.count_tokens(model="tiny", system=SYSTEM, tools=[TOOL],
+        donor_prompt = await sdk.anthropic(daemon).messages.count_tokens(model="tiny", system=SYSTEM, tools=[TOOL],
                                                                   messages=HISTORY)
         # all of the donor's prompt (the OpenAI twin of the history) is the recipient's too, and is reused
         shared = recipient.usage.cache_read_input_tokens

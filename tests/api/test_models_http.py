@@ -133,6 +133,70 @@ async def test_a_model_that_fails_to_load_leaves_the_others_serving(three, tmp_p
         await ask(http, daemon, "b")
 
 
+async def test_a_load_error_names_paths_only_to_the_metrics_key(three, tmp_path):
+    """/health and the 503 say which model failed; its own error (the folder's path, what refused it) goes to
+    the log and to the holder of --metrics-key alone."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text(Path(three["a"], "config.json").read_text())
+    async with aiohttp.ClientSession() as http, pool({"a": three["a"], "empty": str(empty)},
+                                                     metrics_key="m-key") as daemon:
+        message = await refused(http, daemon, "empty")
+        async with http.get(daemon.url + "/health") as r:
+            shown = (await r.json())["models"]["empty"]["error"]
+        async with http.get(daemon.url + "/health", headers={"Authorization": "Bearer m-key"}) as r:
+            full = (await r.json())["models"]["empty"]["error"]
+    assert str(tmp_path) not in message + shown and "safetensors" not in message + shown
+    assert "'empty'" in message and "'empty'" in shown
+    assert str(empty) in full and "no *.safetensors" in full
+
+
+REFUSED = [  # each refused by its body, whatever model it names
+    (CHAT, {**chat_body(model="b"), "n": 99}),
+    ("/v1/completions", {"model": "b", "prompt": "hi", "stop": ["x"] * 9}),
+    ("/v1/messages", {"model": "b", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+                      "stop_sequences": ["x" * 300]}),
+    ("/v1/messages/count_tokens", {"model": "b", "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {}}]}]}),
+    ("/v1/responses", {"model": "b", "input": "hi", "tools": [{"type": "function", "name": f"f{i}"}
+                                                               for i in range(200)]}),
+    (CHAT, {**chat_body(model="b"), "tool_choice": "required"}),
+]
+
+
+async def test_a_refused_request_loads_and_unloads_nothing(three):
+    """Requests naming b, each refused for its body (a 400), leave a, the one model that fits, serving:
+    nothing loads or unloads for them."""
+    context = json.loads(Path(three["b"], "config.json").read_text())["max_position_embeddings"]
+    over_context = [(CHAT, chat_body("x" * (32 * context + 1), model="b")),  # past --max-prompt-chars
+                    ("/v1/completions", {"model": "b", "prompt": list(range(context))})]
+    async with aiohttp.ClientSession() as http, pool(three, hold=1) as daemon:
+        await ask(http, daemon, "a")
+        for path, body in REFUSED + over_context:
+            async with http.post(daemon.url + path, json=body) as r:
+                assert r.status == 400, (path, await r.text())
+        assert await listed(http, daemon) == {"a": True, "b": False, "c": False}
+        counts = await metrics(http, daemon.url)
+        changes = {k: v for k, v in counts.items() if k.startswith(("kvfork_model_loads_total",
+                                                                     "kvfork_model_unloads_total")) and v}
+        assert changes == {'kvfork_model_loads_total{model_name="a",outcome="loaded"}': 1}
+
+
+async def test_count_tokens_loads_no_model(three):
+    """count_tokens on a model not loaded counts with its tokenizer alone: a stays loaded, and the count is
+    the one b gives once loaded."""
+    messages = {"model": "b", "system": "be brief", "messages": [{"role": "user", "content": "the capital of France"}]}
+    async with aiohttp.ClientSession() as http, pool(three, hold=1) as daemon:
+        await ask(http, daemon, "a")
+        async with http.post(daemon.url + "/v1/messages/count_tokens", json=messages) as r:
+            cold = await r.json()
+            assert r.status == 200, cold
+        assert await listed(http, daemon) == {"a": True, "b": False, "c": False}
+        await ask(http, daemon, "b")
+        async with http.post(daemon.url + "/v1/messages/count_tokens", json=messages) as r:
+            assert await r.json() == cold and cold["input_tokens"] > 0
+
+
 async def refused(http, daemon, model: str) -> str:
     async with http.post(daemon.url + CHAT, json=chat_body(model=model, max_tokens=2)) as r:
         body = await r.json()
@@ -153,7 +217,7 @@ async def test_a_broken_model_does_not_evict_a_healthy_one(three, tmp_path, monk
     models = {"a": three["a"], "empty": str(empty), "misfit": str(misfit)}
     async with aiohttp.ClientSession() as http, pool(models, hold=1) as daemon:
         await ask(http, daemon, "a")
-        assert "no *.safetensors" in await refused(http, daemon, "empty")
+        assert await refused(http, daemon, "empty") == "model 'empty' could not be loaded; the daemon's log says why"
         assert (await listed(http, daemon))["a"]
         first = await refused(http, daemon, "misfit")  # its headers read well: a is unloaded for its load
         await ask(http, daemon, "a")

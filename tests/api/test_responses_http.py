@@ -26,8 +26,8 @@ async def served(agent_model):
 
 
 @pytest.fixture
-def oai(served):
-    return openai.AsyncOpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0)
+def oai(served, sdk):
+    return sdk.openai(served[0])
 
 
 async def test_text_and_reasoning_non_streaming(oai):
@@ -89,9 +89,9 @@ async def test_named_tool_choice_and_max_output_tokens(oai):
     assert cut.usage.output_tokens == 2
 
 
-async def test_the_same_prompt_tokens_as_the_chat_twin(served, oai):
+async def test_the_same_prompt_tokens_as_the_chat_twin(served, oai, sdk):
     daemon, script, _ = served
-    chat = openai.AsyncOpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0)
+    chat = sdk.openai(daemon)
     twin = await chat.chat.completions.create(model="tiny", max_tokens=1, tools=[WEATHER], messages=[
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "weather?"},
@@ -144,7 +144,7 @@ async def test_bad_input_is_a_400_naming_the_field(oai):
         assert caught.value.body["param"] == param, body
 
 
-async def test_openai_agents_sdk_round_trip(served):
+async def test_openai_agents_sdk_round_trip(served, sdk):
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
     calls = []
@@ -155,7 +155,7 @@ async def test_openai_agents_sdk_round_trip(served):
         calls.append(city)
         return "sunny"
 
-    client = openai.AsyncOpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0)
+    client = sdk.openai(served[0])
     model = agents.OpenAIResponsesModel(model="tiny", openai_client=client)
     agent = agents.Agent(name="weather", instructions="Answer briefly.", tools=[get_weather], model=model)
     result = await agents.Runner.run(agent, "weather?")

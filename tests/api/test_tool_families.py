@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 
-import anthropic
-import openai
 import pytest
 
 from agent_server import CLAUDE_TOOL, WEATHER, user
@@ -99,9 +97,9 @@ async def family(request, tiny_model_dir, tmp_path):
         yield name, d, script
 
 
-async def test_calls_reasoning_and_round_trip(family):
+async def test_calls_reasoning_and_round_trip(family, sdk):
     name, d, script = family
-    oai = openai.AsyncOpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0)
+    oai = sdk.openai(d, api_key="none")
     content, reasoning, calls, finish = "", "", {}, None
     async for chunk in await oai.chat.completions.create(model="tiny", messages=user("weather?"), tools=[WEATHER],
                                                           stream=True):
@@ -140,16 +138,16 @@ async def test_calls_reasoning_and_round_trip(family):
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
 
 
-async def test_anthropic_and_responses_shapes(family):
+async def test_anthropic_and_responses_shapes(family, sdk):
     name, d, _ = family
-    claude = anthropic.AsyncAnthropic(base_url=d.url, api_key="none", max_retries=0)
+    claude = sdk.anthropic(d, api_key="none")
     async with claude.messages.stream(model="tiny", max_tokens=200, messages=user("weather?"),
                                       tools=[CLAUDE_TOOL]) as stream:
         done = await stream.get_final_message()
     blocks = [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None) or b.input) for b in done.content]
     assert blocks == [("thinking", REASONING), ("text", "Let me check."), ("tool_use", {"city": "Paris"})]
     assert done.stop_reason == "tool_use"
-    oai = openai.AsyncOpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0)
+    oai = sdk.openai(d, api_key="none")
     response = await oai.responses.create(model="tiny", input="weather?",
                                           tools=[{"type": "function", **WEATHER["function"]}])
     kinds = [item.type for item in response.output]

@@ -1,4 +1,4 @@
-"""`--model x.gguf`: a GGUF read with the gguf package, converted once into a folder both backends load.
+"""`--model x.gguf`: a GGUF read (backends/gguf/reader.py), converted once into a folder both backends load.
 
 A tiny llama and qwen3 written as GGUF (tiny_gguf.py) convert back to exactly the weights, config and
 tokenizer they were written from, so each backend gives the same greedy tokens from either; a quantised
@@ -243,7 +243,7 @@ def _bad_ggufs(root):
         "carries no tokenizer": write_gguf(folder, root / "untokenized.gguf", tokenizer=False),
         "stored as Q8_1, a quantisation the gguf package cannot dequantize": write_gguf(
             folder, root / "q81.gguf", Q.Q8_1),
-        "not a GGUF file the gguf package can read": root / "text.gguf",
+        "is not a GGUF file": root / "text.gguf",
         "is one part of a split GGUF": write_gguf(folder, root / "m-00001-of-00002.gguf"),
         "lacks llama.feed_forward_length": write_gguf(folder, root / "no-ffn.gguf", feed_forward_length=None),
         "rope_freqs factors are not Llama 3's": write_gguf(folder, root / "freqs.gguf",

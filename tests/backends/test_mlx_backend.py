@@ -3,6 +3,8 @@ exactly and generate; an all-recurrent model (Mamba) loads (hybrids: test_mlx_hy
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from backend_fixtures import assert_close, assert_greedy_close, continue_greedy, fresh, load, logits_np, prompt
@@ -28,7 +30,7 @@ def test_quantized_model_loads_clones_and_generates(quantized_dir):
     b = load("mlx", quantized_dir, None)
     info = b.info
     assert info.dtype == "float32" and info.vocab_size == 512
-    assert "quantization" in open(f"{quantized_dir}/config.json").read()
+    assert "quantization" in Path(quantized_dir, "config.json").read_text()
     tokens = prompt(30)
     reference, want = fresh(b, tokens)
     want_greedy = continue_greedy(b, reference, want, 6)

@@ -120,6 +120,7 @@ async def chat(http, url: str, text: str, headers=AUTH, **extra) -> tuple[int, d
         return r.status, await r.json(content_type=None)
 
 
+@pytest.mark.long  # smg and two replica processes, each loading its model
 async def test_two_replicas_behind_smg(tiny_model_dir, tmp_path):
     port = free_base_port(4)
     gateway, replicas = f"http://127.0.0.1:{port}", [f"http://127.0.0.1:{port + 1}", f"http://127.0.0.1:{port + 2}"]

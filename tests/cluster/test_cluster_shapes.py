@@ -138,6 +138,7 @@ async def status_of(http: aiohttp.ClientSession, url: str, body: dict, headers: 
         return r.status
 
 
+@pytest.mark.long  # smg and a replica process
 async def test_shapes_through_smg(gateway):
     url, daemon = gateway
     recorded = recorded_shapes()

@@ -7,9 +7,9 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-# The two places that call a library's private API, each its one adapter: mlx-lm's cache members,
-# and torch's oneDNN ops (torch names them with a leading underscore).
-ADAPTERS = {"backends/mlx/mlx_lm_caches.py", "backends/torch/packed_linear.py"}
+# The places that call a library's private API, each its one adapter: mlx-lm's cache members, torch's
+# oneDNN ops and its fused CPU attention with the log-sum-exp (torch names them with a leading underscore).
+ADAPTERS = {"backends/mlx/mlx_lm_caches.py", "backends/torch/packed_linear.py", "backends/torch/cpu_attention.py"}
 # The standard library's documented functions whose names begin with an underscore.
 STDLIB_PUBLIC = {"os._exit"}
 

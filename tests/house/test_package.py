@@ -148,6 +148,7 @@ def test_the_wheel_holds_kvfork_alone(wheel):
     modules = {str(path.relative_to(ROOT)) for folder in kvfork.SUBPACKAGES for path in (ROOT / folder).rglob("*.py")}
     assert {name.removeprefix("kvfork/") for name in names if name.endswith(".py") and name.count("/") > 1} == modules
     assert "kvfork = kvfork.server.cli:main" in wheel.read(info + "entry_points.txt").decode()
+    assert {"kvfork/tools/clients/package.json", "kvfork/tools/clients/package-lock.json"} <= set(names)
 
 
 def test_the_wheel_metadata(wheel):

@@ -68,39 +68,39 @@ def test_serve_preloads_openblas_for_mlx_only(tiny_model_dir, backend, preloaded
     # Inherited either way: the daemon adds it for MLX and drops it for torch, whose BLAS it slows.
     env = dict(os.environ, LD_PRELOAD="" if preloaded else find_openblas())
     env.pop("KVFORK_BLAS_CHECKED", None)
-    process = subprocess.Popen(
+    with subprocess.Popen(
         [sys.executable, "-m", "kvfork.server", "--model", tiny_model_dir("llama"), "--backend", backend, "--port", "0",
          "--kv-budget-bytes", str(64 * 1024 * 1024)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
-    try:
-        for line in process.stdout:  # type: ignore[union-attr]
-            if "listening on" in line or process.poll() is not None:
-                break
-        assert "listening on" in line
-        assert preloads_openblas(process.pid) == preloaded
-    finally:
-        process.kill()
-        process.wait(timeout=30)
+    ) as process:
+        try:
+            for line in process.stdout:  # type: ignore[union-attr]
+                if "listening on" in line or process.poll() is not None:
+                    break
+            assert "listening on" in line
+            assert preloads_openblas(process.pid) == preloaded
+        finally:
+            process.kill()
+            process.wait(timeout=30)
 
 
 @contextlib.contextmanager
 def started(*args: str, env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
     """`python -m kvfork.server ARGS`, read up to its "set aside" line (or its exit): the process and its output so far.
     Killed after the block if still running."""
-    process = subprocess.Popen([sys.executable, "-m", "kvfork.server", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        lines = []
-        for line in process.stdout:  # type: ignore[union-attr]
-            lines.append(line)
-            if "set aside" in line:
-                break
-        yield process, "".join(lines)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=30)
+    with subprocess.Popen([sys.executable, "-m", "kvfork.server", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=env) as process:
+        try:
+            lines = []
+            for line in process.stdout:  # type: ignore[union-attr]
+                lines.append(line)
+                if "set aside" in line:
+                    break
+            yield process, "".join(lines)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=30)
 
 
 def test_serve_prints_what_it_loaded_and_where_and_stops_on_sigint(tiny_model_dir):

@@ -11,7 +11,7 @@ from http_daemon import serving
 from kvfork.server.chat_output import output_parser
 from kvfork.server.reasoning import FORMATS, resolve_reasoning
 from kvfork.server.toolcalls import resolve_tool_parser
-from streaming_helpers import counting_ids, parse_every_way
+from streaming_helpers import collect, counting_ids, parse_every_way, run
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
@@ -153,3 +153,11 @@ def test_every_family_and_thinking_format_is_a_flag_value():
         args = serve_parser().parse_args(["--tool-parser", tool, "--reasoning-parser", thinking])
         config = from_args(ServerConfig, args)
         assert (config.tool_parser, config.reasoning_parser) == (tool, thinking)
+
+
+def test_arguments_nested_deeper_than_json_reads_are_text():
+    """A call whose JSON nests past what Python's reader recurses into is the model's text (issue 45)."""
+    body = '{"city": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    text = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>" + body
+    out = collect(run(harmony(), [text]))
+    assert out.tool_calls == [] and body in out.content

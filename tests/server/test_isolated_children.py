@@ -72,3 +72,24 @@ def test_the_marker_would_have_been_written_by_a_plain_child(hostile_folder):
     subprocess.run([sys.executable, "-m", "kvfork.server", "--help"], capture_output=True, timeout=120)
     assert "kvfork" in hostile_folder.read_text()
 
+
+
+def test_the_grammar_worker_gets_no_key(monkeypatch):
+    """The grammar worker serves no request: it is started without KVFORK_API_KEY and KVFORK_METRICS_KEY."""
+    from kvfork.server import grammar
+
+    monkeypatch.setenv("KVFORK_API_KEY", "tenant-secret")
+    monkeypatch.setenv("KVFORK_METRICS_KEY", "metrics-secret")
+    monkeypatch.setenv("KVFORK_HOME", "/kept")
+    started = []
+
+    def popen(argv, **kwargs):
+        started.append(kwargs.get("env"))
+        raise OSError("not started in this test")
+
+    monkeypatch.setattr(grammar.subprocess, "Popen", popen)
+    with pytest.raises(OSError):
+        grammar.CompileProcess(lambda: {})._start()
+    env = started[0]
+    assert env is not None and env.get("KVFORK_HOME") == "/kept"
+    assert "KVFORK_API_KEY" not in env and "KVFORK_METRICS_KEY" not in env

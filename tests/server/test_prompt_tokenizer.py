@@ -97,3 +97,28 @@ async def test_message_ends_are_where_each_earlier_message_ends_in_the_prompt(bo
     assert await bos_tokenizer.message_ends(messages, tools, None, prompt, 2) == ends[1:]
     other = await bos_tokenizer.chat([{"role": "system", "content": "be long"}, *messages[1:]], tools)
     assert await bos_tokenizer.message_ends(messages, tools, None, other, 8) == ()  # not this prompt's prefix
+
+
+LOOPING = ("{% if messages[0]['content'] == 'loop' %}{% for i in range(100000) %}{% for j in range(LOOPS) %}"
+           "{% endfor %}{% endfor %}{% endif %}{{ messages[0]['content'] }}")
+
+
+async def test_a_template_render_runs_off_the_loop_and_is_cut_at_its_time_limit(tiny_model_dir):
+    """A short message into a template that loops (a GGUF from the hub brings its own): the render runs on a
+    worker thread, is interrupted past --template-timeout with a 400, and the worker renders the next."""
+    from transformers import AutoTokenizer
+
+    template = LOOPING.replace("LOOPS", "30")  # seconds to render on the loop
+    tokenizer = PromptTokenizer(AutoTokenizer.from_pretrained(tiny_model_dir("llama")), template, render_timeout=0.2)
+    threads: list[str] = []
+    render = tokenizer.render
+    tokenizer.render = lambda *args: threads.append(threading.current_thread().name) or render(*args)
+    try:
+        assert await tokenizer.render_chat([{"role": "user", "content": "hi"}]) == "hi"
+        with pytest.raises(ApiError) as e:
+            await tokenizer.render_chat([{"role": "user", "content": "loop"}])
+        assert e.value.status == 400 and e.value.code == "template_timeout" and "--template-timeout" in e.value.message
+        assert await tokenizer.render_chat([{"role": "user", "content": "after"}]) == "after"
+        assert all(name.startswith("kvfork-tokenize") for name in threads)
+    finally:
+        tokenizer.close()

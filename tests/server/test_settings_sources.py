@@ -9,9 +9,9 @@ import os
 import re
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
-
 from kvfork.server.cli import read_settings, serve_parser
 from kvfork.server.settings import parse_size
 from test_cli import kvfork, started
@@ -105,6 +105,19 @@ def test_bad_input_exits_2_with_one_line_naming_what_to_change(tmp_path, file, e
     assert len(lines) == 1 and lines[0].startswith("kvfork serve: error:") and says in lines[0], lines
 
 
+@pytest.mark.parametrize("file", ['metrics-key = ["s3cret-value"]\n', 'api-key = {key = "s3cret-value"}\n',
+                                  'metrics-key = {value = "s3cret-value"}\n'])
+def test_a_secret_of_the_wrong_type_is_not_echoed(tmp_path, file):
+    from kvfork.server.config import ServerConfig
+    from kvfork.server.settings import read_config_file
+
+    config = tmp_path / "kvfork.toml"
+    config.write_text(file)
+    with pytest.raises(ValueError) as e:
+        read_config_file(str(config), ServerConfig)
+    assert "s3cret" not in str(e.value) and "not shown" in str(e.value)
+
+
 def test_a_key_on_the_command_line_works_with_a_warning():
     done = kvfork("serve", "--api-key", "visible-key", "--print-config")
     assert done.returncode == 0 and "warning: --api-key is on the command line" in done.stderr
@@ -135,5 +148,5 @@ def test_a_daemon_takes_its_keys_from_the_environment_and_its_config_file(tiny_m
         body = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
         for key, status in ((None, 401), ("env-key-2", 200), ("file-metrics", 401)):
             assert status_of(url + "/v1/chat/completions", key, body) == status
-        cmdline = open(f"/proc/{process.pid}/cmdline", "rb").read()
+        cmdline = Path(f"/proc/{process.pid}/cmdline").read_bytes()
         assert b"env-key" not in cmdline and b"file-metrics" not in cmdline

@@ -156,8 +156,8 @@ async def test_a_named_call_on_the_torch_backend(name, family_dir, backend_name)
 
 
 async def named_call(name: str, family_dir, backend: str) -> None:
-    async with serving(family_dir(name), create_backend(backend), served_model_name=["tiny"]) as d:
-        client = openai.AsyncOpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0)
+    async with (serving(family_dir(name), create_backend(backend), served_model_name=["tiny"]) as d,
+                openai.AsyncOpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0) as client):
         done = await client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "the forecast"}], tools=TOOLS, max_tokens=256,
             tool_choice={"type": "function", "function": {"name": "get_forecast"}}, temperature=1.0, seed=1)

@@ -9,7 +9,7 @@ import pytest
 from kvfork.server.chat_output import ToolCall
 from kvfork.server.toolcalls import PARSERS, detect_tool_parser, resolve_tool_parser
 from kvfork.server.toolcalls.base import TextDelta, ToolCallArguments, ToolCallStart
-from streaming_helpers import counting_ids, parse_every_way, run
+from streaming_helpers import collect, counting_ids, parse_every_way, run
 
 TOOLS = [
     {
@@ -273,3 +273,34 @@ def test_whitespace_the_model_writes_streams_with_a_bounded_hold_back(name):
         released.append("".join(e.text for e in p.feed("\n") if isinstance(e, TextDelta)))
     assert all(released[MAX_HELD_WS:])  # every token past the hold-back comes out as it arrives
     assert sum(map(len, released)) == 30 - MAX_HELD_WS
+
+
+# --- hostile model text (issue 45) ------------------------------------------------------------------
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("name, text", [
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": ' + DEEP + "}</tool_call>"),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": "' + DEEP + '"}</tool_call>'),
+    ("llama3", '{"name": "get_weather", "parameters": {"a": ' + DEEP + "}}"),
+])
+def test_deeply_nested_json_in_a_call_is_text(name, text):
+    """JSON nested past what Python's reader recurses into: the model's text, as broken markup is."""
+    out = collect(run(parser(name), [text]))  # whole: a split at each of its 200,000 boundaries is too many
+    assert out.tool_calls == [] and out.content == text
+
+
+def test_llama3_decodes_a_call_once_however_many_deltas_close_a_brace(monkeypatch):
+    """Deltas that each close a brace inside a call's arguments: the parser decodes the call's JSON once, when
+    it closes, never its pending text again on every delta (quadratic: 64,000 such deltas cost 33 s)."""
+    decoded = []
+    raw_decode = json.JSONDecoder.raw_decode
+    monkeypatch.setattr(json.JSONDecoder, "raw_decode",
+                        lambda self, s, idx=0: decoded.append(len(s) - idx) or raw_decode(self, s, idx))
+    p = PARSERS["llama3"](TOOLS, counting_ids())
+    pieces = ['{"name": "get_weather", "parameters": {"k": [', *["{}, "] * 4_000, "{}]}}"]
+    events = [e for piece in pieces for e in p.feed(piece)] + p.finish()
+    text = "".join(pieces)
+    assert [type(e) for e in events] == [ToolCallStart, ToolCallArguments]
+    assert sum(decoded) <= 2 * len(text)

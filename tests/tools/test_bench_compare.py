@@ -292,6 +292,8 @@ def test_llama_server_build_steps_and_cache(monkeypatch, tmp_path):
 
 
 def test_a_new_build_that_cannot_serve_is_skipped_with_its_reason_until_the_flags_change(monkeypatch, tmp_path):
+    """Both flag sets are the test's own: the machine's CPU may report either."""
+    monkeypatch.setattr(peers, "cpu_flags", lambda: {"avx2", "fma", "f16c", "bmi2"} | peers.AVX512)
     ran = fake_build(monkeypatch, "sigill")
     gguf = tmp_path / "m.gguf"
     with pytest.raises(peers.PeerUnavailable, match="killed by SIGILL"):
@@ -301,7 +303,7 @@ def test_a_new_build_that_cannot_serve_is_skipped_with_its_reason_until_the_flag
     with pytest.raises(peers.PeerUnavailable, match="cannot serve: it was killed by SIGILL.*remove .* to build"):
         peers.llama_server(tmp_path, gguf)
     assert len(ran) == built  # not built again with the same flags
-    monkeypatch.setattr(peers, "cpu_flags", lambda: {"avx2", "fma", "f16c", "bmi2"})  # other flags: built again
+    monkeypatch.setattr(peers, "cpu_flags", lambda: {"avx2", "fma", "f16c", "bmi2"})  # no AVX-512: built again
     fake_build(monkeypatch)
     assert peers.answers(peers.llama_server(tmp_path, gguf), gguf, tmp_path / "check.log") is None
     assert not peers.refusal_note(tmp_path / "llama.cpp" / "llama-server").exists()

@@ -39,7 +39,8 @@ def _start_cluster(port: int, policy_args: list[str], serve_args: list[str], log
     argv = [*module_command("kvfork.server.cli"), "cluster", "--replicas", "2", "--port", str(port), *policy_args,
             *serve_args]
     log.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    with open(log, "wb") as out:  # the child writes through its own copy of the descriptor
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -49,21 +49,29 @@ def clients_dir() -> Path:
     return kvfork_home() / "clients"
 
 
+LOCKFILE = Path(__file__).with_name("package-lock.json")  # beside package.json: the clients and their whole trees
+
+
+def scripted(names: list[str]) -> list[str]:
+    """The packages among the named clients' that have an install step of their own (the lockfile says which)."""
+    packages = json.loads(LOCKFILE.read_text())["packages"]
+    return [CLIENTS[n].package for n in names if packages[f"node_modules/{CLIENTS[n].package}"].get("hasInstallScript")]
+
+
 def install(names: list[str]) -> None:
-    """npm install the pinned clients into $KVFORK_HOME/clients (their install scripts link the
-    platform's native binary, which npm brings as an optional package)."""
+    """The pinned clients into $KVFORK_HOME/clients, every package as kvfork's lockfile pins it (`npm ci`), with
+    no install script of any dependency run; then the named clients' own install steps alone (Claude Code's and
+    opencode's link the platform's native binary, which npm brought as an optional package; Codex has none),
+    which package.json's allowScripts approves (npm 11 runs no other; the lockfile fixes their versions)."""
     folder = clients_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    # npm 11 runs a package's install script only when package.json allows it: approve the clients'.
-    manifest = folder / "package.json"
-    data = json.loads(manifest.read_text()) if manifest.exists() else {}
-    data.setdefault("allowScripts", {}).update({CLIENTS[n].package: True for n in names})
-    manifest.write_text(json.dumps(data, indent=2) + "\n")
-    specs = [f"{CLIENTS[n].package}@{CLIENTS[n].version}" for n in names]
-    print(f"kvfork clients: npm install {' '.join(specs)} into {folder}", flush=True)
-    subprocess.run(["npm", "install", "--prefix", str(folder), "--no-audit", "--no-fund", *specs], check=True)
-    # a package installed earlier without its script gets it run now
-    subprocess.run(["npm", "rebuild", "--prefix", str(folder), *(CLIENTS[n].package for n in names)], check=True)
+    for shipped in (LOCKFILE.with_name("package.json"), LOCKFILE):
+        shutil.copyfile(shipped, folder / shipped.name)
+    print(f"kvfork clients: npm ci --ignore-scripts into {folder} (package-lock.json: "
+          f"{', '.join(f'{c.package}@{c.version}' for c in CLIENTS.values())})", flush=True)
+    subprocess.run(["npm", "ci", "--ignore-scripts", "--prefix", str(folder), "--no-audit", "--no-fund"], check=True)
+    if own := scripted(names):
+        subprocess.run(["npm", "rebuild", "--prefix", str(folder), *own], check=True)
 
 
 def binary(client: Client) -> Path | None:
@@ -194,8 +202,9 @@ async def shared_project(kvfork_url: str, context: int, args: argparse.Namespace
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvfork clients", description=__doc__)
-    parser.add_argument("--install", action="store_true", help="npm install the pinned clients into "
-                        "$KVFORK_HOME/clients first")
+    parser.add_argument("--install", action="store_true", help="install the pinned clients into "
+                        "$KVFORK_HOME/clients first (npm ci --ignore-scripts from kvfork's lockfile, then the "
+                        "clients' own install steps)")
     parser.add_argument("--clients", default=",".join(CLIENTS), help="which clients (default: all three)")
     parser.add_argument("--model", default="tiny", help="tiny (a random llama, 64k context), default (SmolLM2, "
                         "8k), or a model folder")

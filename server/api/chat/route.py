@@ -9,7 +9,7 @@ from aiohttp import web
 from kvfork.server.api.chat.reply import ChatReply
 from kvfork.server.api.chat.protocol import ChatCompletionRequest
 from kvfork.server.api.diagnosis import asked_by
-from kvfork.server.api.prepare import prepare, request_id
+from kvfork.server.api.prepare import check_chat, prepare, request_id
 from kvfork.server.api.respond import Choices, decoder, read_body, respond
 from kvfork.server.limits import check_count, check_sampling
 from kvfork.server.state import state_of
@@ -20,11 +20,13 @@ DECODE = decoder(ChatCompletionRequest)
 async def handle(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     body: ChatCompletionRequest = await read_body(request, DECODE)
+    config = state.config
+    check_sampling(body, config)
+    check_count("tools", body.tools, config.max_tools, "--max-tools", "tools")
+    checked = check_chat(config, body, request.headers, config.session_header, await state.known_context(body.model))
     state = await state.for_model(request, body.model, body.stream)
-    check_sampling(body, state.config)
-    check_count("tools", body.tools, state.config.max_tools, "--max-tools", "tools")
     rid = request_id("chatcmpl")
-    job = await prepare(state, body, request, rid, asked=asked_by(body.prompt_cache_options))
+    job = await prepare(state, checked, request, rid, asked=asked_by(body.prompt_cache_options))
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     tokenizer = state.require_ready() if body.logprobs else None
     if job.n == 1:

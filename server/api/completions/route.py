@@ -10,7 +10,7 @@ from kvfork.server.api.completions.reply import CompletionReply
 from kvfork.server.api.completions.protocol import CompletionRequest
 from kvfork.server.api.respond import Choices, Job, decoder, read_body, respond
 from kvfork.server.api.prepare import generate_request, request_id, session_id, stop_strings
-from kvfork.server.limits import check_sampling, over
+from kvfork.server.limits import Limits, check_sampling, over
 from kvfork.server.state import scope_of, state_of
 from kvfork.server.text.tokenizer import PromptTokenizer
 
@@ -18,41 +18,45 @@ DECODE = decoder(CompletionRequest)
 _PROMPT = msgspec.json.Decoder(str | list[str | int | list[int]])
 
 
-def prompt_value(raw: msgspec.Raw, context: int) -> str | list:
-    """The body's prompt. Token ids are counted before they are decoded (their commas, at C speed): 3 million
-    of them cost the loop 160 ms to decode, and a prompt past the context is refused without it."""
+def prompt_value(raw: msgspec.Raw, context: int, limits: Limits) -> str | list[int]:
+    """The body's prompt, checked against a model of `context` tokens: text within --max-prompt-chars, or token
+    ids fewer than the context. Token ids are counted before they are decoded (their commas, at C speed): 3
+    million of them cost the loop 160 ms to decode, and a prompt past the context is refused without it."""
     data = bytes(raw)
     if data[:1] == b"[" and data.lstrip(b"[ \t\r\n")[:1] in b"-0123456789" and data.count(b",") + 1 >= context:
         raise ApiError(400, f"the prompt has {data.count(b',') + 1:,} tokens or more; the context holds "
                        f"{context:,}, prompt and output together", code="context_length_exceeded", param="prompt")
     try:
-        return _PROMPT.decode(data)
+        prompt = _PROMPT.decode(data)
     except msgspec.ValidationError as e:
         raise invalid("prompt", f"the prompt is a string, a list of token ids, or a list holding one of those "
                       f"({e})") from None
-
-
-async def prompt_tokens(prompt: str | list, tokenizer: PromptTokenizer, vocab_size: int, max_chars: int,
-                        context: int, tenant: str = "") -> list[int]:
-    """The prompt's token ids; token ids are counted against the context before anything reads them."""
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
             raise unsupported("prompt", "a batch of prompts is not supported; send one request per prompt")
         prompt = prompt[0]
-    if isinstance(prompt, list) and len(prompt) >= context:
+    if isinstance(prompt, str):
+        max_chars = limits.prompt_chars(context)
+        if len(prompt) > max_chars:
+            raise over("prompt", f"the prompt is {len(prompt):,} characters long", max_chars, "--max-prompt-chars")
+        return prompt
+    if not all(isinstance(t, int) for t in prompt):
+        raise invalid("prompt", "the prompt is a string, a list of token ids, or a list holding one of those")
+    if len(prompt) >= context:
         raise ApiError(400, f"the prompt has {len(prompt):,} tokens; the context holds {context:,}, prompt and "
                        "output together", code="context_length_exceeded", param="prompt")
+    return prompt
+
+
+async def prompt_tokens(prompt: str | list[int], tokenizer: PromptTokenizer, vocab_size: int,
+                        tenant: str = "") -> list[int]:
+    """A checked prompt's token ids: text tokenized, ids checked against the vocabulary."""
     if isinstance(prompt, str):
-        if len(prompt) > max_chars:
-            raise over("prompt", f"the prompt is {len(prompt):,} characters long", max_chars,
-                       "--max-prompt-chars")
         tokens = await tokenizer.text(prompt, tenant)
-    elif all(isinstance(t, int) for t in prompt):
+    else:
         tokens = prompt
         if any(not 0 <= t < vocab_size for t in tokens):
             raise invalid("prompt", f"prompt token ids must be in [0, {vocab_size})")
-    else:
-        raise invalid("prompt", "the prompt is a string, a list of token ids, or a list holding one of those")
     if not tokens:
         raise invalid("prompt", "the prompt is empty")
     return tokens
@@ -61,7 +65,6 @@ async def prompt_tokens(prompt: str | list, tokenizer: PromptTokenizer, vocab_si
 async def handle(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     body: CompletionRequest = await read_body(request, DECODE)
-    state = await state.for_model(request, body.model, body.stream)
     check_sampling(body, state.config)
     if body.best_of not in (None, 1):
         raise unsupported("best_of", "best_of > 1 is not supported yet")
@@ -69,14 +72,17 @@ async def handle(request: web.Request) -> web.StreamResponse:
         raise unsupported("suffix", "suffix (insertion) is not supported")
     if body.echo and body.logprobs is not None:
         raise unsupported("echo", "echo with logprobs is not supported: prompt logprobs are not computed")
-    model = state.model_name(body.model)
     session = session_id(body.session_id, request.headers, state.config.session_header)
+    known = await state.known_context(body.model)
+    checked = prompt_value(body.prompt, known, state.config) if known is not None else None
+    state = await state.for_model(request, body.model, body.stream)  # the checks above need no loaded model
+    model = state.model_name(body.model)
     tokenizer = state.require_ready()
+    if checked is None or known != state.context:
+        checked = prompt_value(body.prompt, state.context, state.config)
     vocab = state.engine.info.vocab_size
     scope = scope_of(request, body.cache_salt)
-    context = state.context
-    prompt = await prompt_tokens(prompt_value(body.prompt, context), tokenizer, vocab, state.config.prompt_chars(context),
-                                 context, scope.tenant)
+    prompt = await prompt_tokens(checked, tokenizer, vocab, scope.tenant)
     rid = request_id("cmpl")
     generate = generate_request(
         body, prompt, rid=rid, vocab_size=vocab,

@@ -16,17 +16,17 @@ import msgspec
 from aiohttp import web
 
 from kvfork.server.errors import ApiError, from_decode, invalid
-from kvfork.server.limits import check_count, check_stops
+from kvfork.server.limits import check_stops, over
 from kvfork.server.api.messages.reply import MessagesReply, message_id, tool_use_id
 from kvfork.server.engine.api import ContextTooLong
-from kvfork.server.api.messages.translate import UnsupportedContent, chat_request, dropped_tools
+from kvfork.server.api.messages.translate import UnsupportedContent, chat_request, dropped_tools, items_over
 from kvfork.server.api.messages.protocol import CountTokensRequest, MessagesRequest, TokenCount
 from kvfork.server.api.chat.protocol import ChatCompletionRequest
 from kvfork.server.api.diagnosis import Asked
-from kvfork.server.api.prepare import prepare
+from kvfork.server.api.prepare import Checked, check_chat, prepare, render_prompt
 from kvfork.server.api.respond import decoder, json_response, read_body, report_dropped_tools, respond
 from kvfork.server.api.volatile import strip_system
-from kvfork.server.state import AppState, state_of
+from kvfork.server.state import AppState, state_of, tenant_of
 
 PATH = "/v1/messages"
 DECODE_MESSAGES = decoder(MessagesRequest)
@@ -61,14 +61,14 @@ def without_volatile_lines(state: AppState, body: MessagesRequestT) -> MessagesR
 async def handle(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     body: MessagesRequest = without_volatile_lines(state, await read_body(request, DECODE_MESSAGES))
-    state = await state.for_model(request, body.model, body.stream)
     limits = state.config
     check_stops("stop_sequences", body.stop_sequences, limits.max_stop_sequences, "--max-stop-sequences", limits)
-    check_count("messages", body.messages, limits.max_messages, "--max-messages", "messages")
+    checked = checked_chat(state, body, request, await state.known_context(body.model))
     report_dropped_tools(request, dropped_tools(body))
+    state = await state.for_model(request, body.model, body.stream)
     rid = message_id()
     asked = Asked(body.diagnostics.previous_message_id) if body.diagnostics is not None else None
-    job = await prepare(state, as_chat_request(body), request, rid, make_call_id=tool_use_id, asked=asked)
+    job = await prepare(state, checked, request, rid, make_call_id=tool_use_id, asked=asked)
     try:
         reply = MessagesReply(rid, job.model, len(job.prompt), job.parser, job.diagnostics)
         return await respond(request, state, job, reply, body.stream)
@@ -81,9 +81,24 @@ async def handle(request: web.Request) -> web.StreamResponse:
 
 
 async def count_tokens(request: web.Request) -> web.Response:
+    """The prompt tokens a Messages request would take, as Anthropic's count_tokens answers: a count on the
+    model's tokenizer, never a generation. A model not loaded is not loaded for it: its tokenizer alone is
+    (AppState.counting)."""
     state = state_of(request)
     body: CountTokensRequest = without_volatile_lines(state, await read_body(request, DECODE_COUNT))
-    state = await state.for_model(request, body.model)
-    check_count("messages", body.messages, state.config.max_messages, "--max-messages", "messages")
-    job = await prepare(state, as_chat_request(body), request, message_id())
-    return json_response(TokenCount(len(job.prompt)))
+    tokenizer, context = await state.counting(request, body.model)
+    checked = checked_chat(state, body, request, context)
+    rendered = await render_prompt(tokenizer, state.config, checked, context, tenant_of(request))
+    return json_response(TokenCount(len(rendered.prompt)))
+
+
+def checked_chat(state: AppState, body: MessagesRequest | CountTokensRequest, request: web.Request,
+                 context: int | None) -> Checked:
+    """The chat request a Messages body means, checked (prepare.check_chat) for a model of `context` tokens
+    (None: not known yet); its messages and content blocks are counted before they are translated."""
+    limits = state.config
+    count = items_over(body, limits.max_messages)
+    if count is not None:
+        raise over("messages", f"messages hold {count:,} or more messages and content blocks", limits.max_messages,
+                   "--max-messages", "array_above_max_length")
+    return check_chat(limits, as_chat_request(body), request.headers, limits.session_header, context)

@@ -143,6 +143,25 @@ def _tool_choice(choice: ToolChoice) -> str | dict[str, Any]:
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
 
 
+def items_over(request: MessagesRequest | CountTokensRequest, limit: int) -> int | None:
+    """The messages and content blocks (a tool result's own blocks too, the system's) a request holds, when
+    more than `limit`; None otherwise. Each is work on the loop when translated, so they are counted first,
+    and the count stops past the limit."""
+    count = len(request.system) if isinstance(request.system, list) else 0
+    for message in request.messages:
+        count += 1
+        if isinstance(message.content, list):
+            count += len(message.content)
+            if count > limit:
+                return count
+            for block in message.content:
+                if isinstance(block, ToolResultBlock) and isinstance(block.content, list):
+                    count += len(block.content)
+        if count > limit:
+            return count
+    return None
+
+
 def chat_request(request: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
     """The OpenAI chat-completions request body (as decoded JSON) this Messages request means."""
     messages: list[dict[str, Any]] = []

@@ -19,7 +19,7 @@ from kvfork.server.api.responses.protocol import Response, ResponseDeleted, Resp
 from kvfork.server.api.responses.reply import ResponsesReply, response_id
 from kvfork.server.api.responses.translate import chat_messages, chat_request, tool_functions, tool_count
 from kvfork.server.api.diagnosis import asked_by
-from kvfork.server.api.prepare import prepare
+from kvfork.server.api.prepare import check_chat, prepare
 from kvfork.server.api.respond import decoder, json_response, read_body, report_dropped_tools, respond
 from kvfork.server.limits import check_count, over
 from kvfork.server.state import state_of, tenant_of
@@ -33,7 +33,6 @@ _PARAMS = {"response_format": "text.format", "max_tokens": "max_output_tokens", 
 async def handle(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     body: ResponsesRequest = await read_body(request, DECODE)
-    state = await state.for_model(request, body.model, body.stream)
     limits = state.config
     if (tools := tool_count(body.tools)) > limits.max_tools:  # a namespace's functions each count
         raise over("tools", f"tools holds {tools:,} tools, counting each function of a namespace",
@@ -52,7 +51,10 @@ async def handle(request: web.Request) -> web.StreamResponse:
     try:
         try:
             chat = msgspec.convert(chat_request(body, history, session), ChatCompletionRequest)
-            job = await prepare(state, chat, request, rid, asked=asked_by(body.prompt_cache_options))
+            checked = check_chat(limits, chat, request.headers, limits.session_header,
+                                 await state.known_context(body.model))
+            state = await state.for_model(request, body.model, body.stream)
+            job = await prepare(state, checked, request, rid, asked=asked_by(body.prompt_cache_options))
         except msgspec.ValidationError as e:
             raise _renamed(from_decode(e)) from None
         except ApiError as e:
