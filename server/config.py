@@ -100,6 +100,9 @@ class ServerConfig(Limits):
     model_switch_timeout: float = setting(30.0, "seconds the requests running on a model get to finish before it "
                                           "unloads for another (the rest end with an error naming the switch)",
                                           check=at_least(0), group="model and device")
+    model_switch_interval: float = setting(30.0, "seconds between two switches one tenant causes that unload a "
+                                           "model another tenant used (its request waits meanwhile; 0: no limit)",
+                                           check=at_least(0), group="model and device")
     backend: str = setting("auto", "auto: MLX on Apple Silicon, torch elsewhere (CUDA when present, else the CPU; "
                            "MLX where the torch backend is not installed)",
                            choices=BACKENDS, group="model and device")

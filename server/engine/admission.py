@@ -4,6 +4,7 @@ Its verbs are the only way in (its parts are private: tests/house/test_engine_bo
   check(req, waiting) -> Sizes        turn away what can never run or cannot wait (can_wait: may one more wait)
   enqueue(r) / requeue(r) / withdraw(r) / next() -> r | None     the queue, in fair shares between tenants
   give_way(tenant) -> r | None        at a full queue, the waiting request that gives way to `tenant`'s
+  to_pause() -> r | None / pause(r)   the running request that gives its slot to a tenant below its share
   reserve(r, nbytes) -> bool          hold more of the budget only if it fits (the cache gives way), less always
   leave_slot(r) / let_go(r) / release(r)    give back a slot and its bytes / the bytes / everything
   take_named(r, nbytes)               a named session's state becomes its request's to hold
@@ -11,7 +12,7 @@ Its verbs are the only way in (its parts are private: tests/house/test_engine_bo
   keep_snapshot(...) / release_sessions(sids) / drain()    what joins the prefix cache / what the runner
                                       releases / everything, at shutdown
   request_bytes, choice_bytes, clone_bytes, checkpoints     prices (the backend's KVCost)
-  held(), holds(r), in_slot(r), has_capture(r), budget, reserved, queued, queued_tokens, slots_used,
+  held(), holds(r), in_slot(r), has_capture(r), budget, reserved, queued, paused, queued_tokens, slots_used,
   captures_in_use                     reads (Engine.snapshot(), metrics)
 
 What the runner holds beyond those holders (pooled blocks, releases in transit, abandoned orders, spilling
@@ -20,7 +21,9 @@ entries) is counted by the LoopLedger (ledger.py) that Serving hands it and ente
 
 Design rules:
 - fair shares between tenants (fair_share.py), first come, first served within
-  a tenant, over `inference_slots`; n choices are admitted
+  a tenant, over `inference_slots`; a tenant above its share pauses a decoding request for
+  one below its own (`to_pause`): the paused request keeps its bytes, waits in the queue at
+  its arrival place, and takes them back with its next slot (no new byte); n choices are admitted
   together (n slots, and every choice's bytes at once) or not at all; a head that does not fit the
   KV budget waits (the prefix cache gives way first, then idle named sessions,
   least recently used first), so memory never runs out;
@@ -62,10 +65,10 @@ from kvfork.server.engine import messages as m
 from kvfork.server.engine.api import CapacityExhausted, ContextTooLong, GenerateRequest, InvalidRequest, Scope
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.disk import DiskTier
-from kvfork.server.engine.fair_share import give_way, next_in_line
+from kvfork.server.engine.fair_share import give_way, next_in_line, preempt
 from kvfork.server.engine.index import Entry, Index
 from kvfork.server.engine.ledger import LoopLedger
-from kvfork.server.engine.request import Request
+from kvfork.server.engine.request import Decoding, Paused, Request
 from kvfork.server.engine.scheduler import clamp_max_tokens, fit_admission
 from kvfork.server.engine.sessions import NamedSessions, check_session_id
 
@@ -97,12 +100,19 @@ class Admission:
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        """Requests waiting for their first slot (a paused one was admitted: it does not count against
+        --max-queue)."""
+        return len(self._queue) - self.paused
+
+    @property
+    def paused(self) -> int:
+        """Paused requests, waiting to decode on."""
+        return sum(1 for r in self._queue if isinstance(r.phase, Paused))
 
     @property
     def queued_tokens(self) -> int:
         """Prompt tokens of the queued requests: prefill work not started."""
-        return sum(len(r.prompt) for r in self._queue)
+        return sum(len(r.prompt) for r in self._queue if not isinstance(r.phase, Paused))
 
     @property
     def slots_used(self) -> int:
@@ -209,9 +219,47 @@ class Admission:
     def give_way(self, tenant: str) -> Request | None:
         """The queue is full: the newest queued request of the tenant furthest above its share, when `tenant` is
         below its own (fair_share.give_way); the caller turns it away. None: `tenant`'s request is refused."""
-        waiting = collections.Counter(r.req.scope.tenant for r in self._queue)
-        victim = give_way(waiting, tenant, self._config.max_queue)
-        return next((r for r in reversed(self._queue) if r.req.scope.tenant == victim), None)
+        queued = [r for r in self._queue if not isinstance(r.phase, Paused)]  # a paused one never gives way
+        victim = give_way(collections.Counter(r.req.scope.tenant for r in queued), tenant, self._config.max_queue)
+        return next((r for r in reversed(queued) if r.req.scope.tenant == victim), None)
+
+    def to_pause(self) -> Request | None:
+        """The running request that pauses so the next in line gets a slot (fair_share.preempt): the newest
+        decoding request of the tenant furthest above its share, when the next in line's tenant is below its
+        own, no slot is free for its choices, and its bytes would fit. None: nobody pauses."""
+        at = next_in_line([r.req.scope.tenant for r in self._queue], self._tenants_in_slots())
+        if at is None:
+            return None
+        head = self._queue[at]
+        short = self.slots_used + 1 + len(head.waiting_siblings) - self._config.inference_slots
+        if short <= 0 or not self._would_fit(head):
+            return None
+        pausable = [r for r in self._in_slots.values() if isinstance(r.phase, Decoding) and not r.ending]
+        slots, tenant = self._config.inference_slots, head.req.scope.tenant
+        held, left = self._tenants_in_slots(), collections.Counter(r.req.scope.tenant for r in pausable)
+        victims = []
+        while len(victims) < short and (victim := preempt(held, tenant, slots, +left)) is not None:
+            victims.append(victim)  # the pauses its choices need, as the policy would make them one by one
+            held[victim], left[victim], held[tenant] = held[victim] - 1, left[victim] - 1, held[tenant] + 1
+        if len(victims) < short:
+            return None  # pausing could not give it every slot it needs: nobody pauses for nothing
+        return max((r for r in pausable if r.req.scope.tenant == victims[0]), key=lambda r: r.rid)
+
+    def pause(self, request: Request) -> None:
+        """It gives its slot up and waits at its arrival place, holding its bytes (its session stays whole)."""
+        del self._in_slots[request.rid]
+        self.requeue(request)
+
+    def _would_fit(self, head: Request) -> bool:
+        """Whether the bytes `head` and its choices take with a slot fit now (the cache and idle named sessions
+        giving way), nothing evicted yet."""
+        extra = sum(self._slot_bytes(r) - self.holds(r) for r in [head, *head.waiting_siblings])
+        evictable = self._index.nbytes("memory") + self._named.idle_bytes()
+        return fit_admission(extra, self.held(), evictable, self._budget).admit
+
+    def _slot_bytes(self, request: Request) -> int:
+        """What it holds with a slot: its reservation, or, paused, what it held before."""
+        return self.holds(request) if isinstance(request.phase, Paused) else request.need_bytes
 
     def _tenants_in_slots(self) -> collections.Counter[str]:
         return collections.Counter(r.req.scope.tenant for r in self._in_slots.values())
@@ -232,12 +280,13 @@ class Admission:
         if self.slots_used + len(choices) > self._config.inference_slots:
             return None
         padding = self._padding(choices) - self._padding()
-        if not self._hold_together([(r, r.need_bytes) for r in choices], also=padding):
+        if not self._hold_together([(r, self._slot_bytes(r)) for r in choices], also=padding):
             return None
         del self._queue[at]
         for r in choices:
             self._in_slots[r.rid] = r
-        self._offer_capture(head)
+        if not isinstance(head.phase, Paused):  # a paused request's prompt is in: nothing to capture
+            self._offer_capture(head)
         return head
 
     # ---- holding bytes ----

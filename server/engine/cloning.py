@@ -42,7 +42,7 @@ log = logging.getLogger("kvfork.engine")
 
 class Cloning:
     def _clone_donor(self, command: m.CloneDonor) -> None:
-        donor = self._running.get(command.donor)
+        donor = self._running.get(command.donor) or self._paused.get(command.donor)
         if donor is None:
             self.events.append(m.CloneDone(command.rid, None, reason="donor_gone"))
         elif donor.session.position < command.upto:
@@ -53,7 +53,7 @@ class Cloning:
     def _clone_of(self, donor_rid: int, upto: int) -> tuple[int, int, None] | tuple[None, int, str]:
         """`[0, upto)` of a running request's session (at most: a recurrent donor gives the highest
         state it holds at or below), with what it holds, or why not (a clone fails soft)."""
-        donor = self._running.get(donor_rid)
+        donor = self._running.get(donor_rid) or self._paused.get(donor_rid)
         if donor is None:
             return None, 0, "donor_gone"
         if self._info is not None and self._info.recurrent:

@@ -1,6 +1,7 @@
 """The control loop's commands, as the runner thread runs them: a request's Start (a clone from the
-prefix cache, a session resumed, or an empty one), its Cancel or Finish, and the sessions the loop lets
-go (Release), spills to disk (Spill) and loads back (LoadState).
+prefix cache, a session resumed, or an empty one), its Cancel or Finish, its Pause and Resume (out of the
+batch and back, everything it holds kept), and the sessions the loop lets go (Release), spills to disk
+(Spill) and loads back (LoadState).
 
 A part of `Runner` (runner.py), whose state it reads: the inbox, the running requests, the executor.
 
@@ -39,6 +40,10 @@ class Commands:
                     self._stop(rid, "cancelled")
                 case m.Finish(rid=rid):
                     self._stop(rid, "stop")
+                case m.Pause(rid=rid) if rid in self._running:  # one that ended meanwhile is not paused
+                    self._paused[rid] = self._running.pop(rid)
+                case m.Resume(rid=rid) if rid in self._paused:
+                    self._running[rid] = self._paused.pop(rid)
                 case m.CloneDonor() as order:
                     self._clone_donor(order)
                 case m.Release(sids=sids):
@@ -50,7 +55,7 @@ class Commands:
                     self._load_state(load)
                 case m.Stop():
                     self._orders = CloneOrders()  # nobody is left to hand anything over to
-                    for s in list(self._running.values()):
+                    for s in [*self._running.values(), *self._paused.values()]:
                         self._end(s, "cancelled")
                     self._rows.close()
                     self._stopping = True
@@ -121,7 +126,7 @@ class Commands:
         """Cancel or Finish: the request leaves (a clone order it waits for is dropped, and answered)."""
         if self._orders.drop_recipient(rid):  # every order is answered, a dropped one too
             self.events.append(m.CloneDone(rid, None, reason="cancelled"))
-        s = self._running.get(rid)
+        s = self._running.get(rid) or self._paused.get(rid)
         if s is not None:
             self._end(s, reason)
         else:

@@ -41,7 +41,7 @@ class Ending:
     @staticmethod
     def _with_runner(r: Request) -> bool:
         """Whether the runner has (or will have) `r`: a choice goes there only with its parent's Start."""
-        return r.holds_slot and (r.parent is None or r.sent)
+        return isinstance(r.phase, phase.WithRunner) and (r.parent is None or r.sent)
 
     def _expire(self, rid: int) -> None:
         r = self._requests.get(rid)

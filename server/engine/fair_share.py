@@ -6,14 +6,16 @@ share. The queue's share is the capacity over the tenants waiting (the newcomer 
 takes a request of a tenant below its share by turning away the newest waiting request of the tenant
 furthest above its own (`give_way`); a tenant at its share or above is refused, as any request is at a
 full queue. A free slot goes to the earliest waiting request among those of the tenant holding the fewest
-slots (`next_in_line`): running requests are never stopped, so shares are reached as requests end, and a
-tenant's requests keep their order among themselves. Tenants are the scope's (api.Scope.tenant): a daemon
-without keys has one, and these are first come, first served.
+slots (`next_in_line`), and a tenant's requests keep their order among themselves. When no slot is free for a
+tenant waiting below its share of the slots, the tenant furthest above its own pauses a running request
+(`preempt`): the slot is the waiting tenant's at once, not when a generation of the other ends (on a real
+model that is seconds). Shares of slots are over the tenants in slots or waiting. Tenants are the scope's
+(api.Scope.tenant): a daemon without keys has one, and these are first come, first served.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 
 def share(capacity: int, tenants: int) -> int:
@@ -42,3 +44,17 @@ def next_in_line(queued: Sequence[str], in_slots: Mapping[str, int]) -> int | No
     if not first:
         return None
     return min(first.values(), key=lambda at: (in_slots.get(queued[at], 0), at))
+
+
+def preempt(in_slots: Mapping[str, int], waiting: str, slots: int, pausable: Collection[str]) -> str | None:
+    """No slot is free for the `waiting` tenant's next request: the tenant that pauses one of its running
+    requests to give it a slot, or None. One does only while `waiting` holds fewer slots (`in_slots`) than its
+    share of `slots` and that tenant more than its own; of those, the one holding most (ties: the largest
+    name), among the tenants with a request it can pause (`pausable`). A pause leaves both within their shares
+    or nearer them, so slots never go back and forth."""
+    active = {t for t, n in in_slots.items() if n > 0} | {waiting}
+    each = share(slots, len(active))
+    if in_slots.get(waiting, 0) >= each:
+        return None
+    over = [(n, t) for t, n in in_slots.items() if t != waiting and n > each and t in pausable]
+    return max(over)[1] if over else None

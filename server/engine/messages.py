@@ -85,6 +85,20 @@ class CloneDonor:
 
 
 @dataclass
+class Pause:
+    """The request gives its slot up: it leaves the batch, its session, sampler and grammar kept as they are."""
+
+    rid: int
+
+
+@dataclass
+class Resume:
+    """A paused request decodes on from where it stopped."""
+
+    rid: int
+
+
+@dataclass
 class Release:
     """Release these sessions. The runner counts the Releases it has run (`Ledger.releases`), so the
     loop knows when the blocks they wrote that others still read have reached the pool."""

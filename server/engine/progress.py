@@ -1,4 +1,4 @@
-"""The running phases, Prefilling and Decoding: the runner's events about a request it runs (its start, its
+"""The running phases, Prefilling, Decoding and Paused: the runner's events about a request it runs (its start, its
 tokens, its capture, the positions it committed) and about the whole batch (the bytes it holds, a spill's state).
 
 A part of `Serving` (serving.py), whose state it reads: the requests, the managers, the metrics.
@@ -11,7 +11,7 @@ import time
 from kvfork.server.engine import messages as m
 from kvfork.server.engine import request as phase
 from kvfork.server.engine.api import TokenEvent
-from kvfork.server.engine.request import Decoding, Prefilling, Request
+from kvfork.server.engine.request import Prefilling, Request, WithRunner
 
 
 class Progress:
@@ -106,7 +106,7 @@ class Progress:
         self.rates = self.rates.observe_prefill(ev.prefill_tokens, ev.prefill_s)
         for rid, position in ev.committed.items():
             r = self._requests.get(rid)
-            if r is not None and isinstance(r.phase, (Prefilling, Decoding)):
+            if r is not None and isinstance(r.phase, WithRunner):
                 r.phase.committed, r.phase.checkpoints = position, ev.kept.get(rid, ())
                 self._index.moved(rid, position, r.phase.checkpoints)
 

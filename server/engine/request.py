@@ -1,13 +1,15 @@
 """One request as the control loop sees it: what every phase shares, and a state per phase.
 
-    Queued -> [Following or Restoring -> Queued ->] Prefilling -> Decoding -> Finished
+    Queued -> [Following or Restoring -> Queued ->] Prefilling -> Decoding [-> Paused -> Decoding] -> Finished
 
 Queued waits for an inference slot (holding a session a follow clone or a disk read
 handed it, if one did); Following is parked, holding no slot, until a prefilling
 leader has committed what it needs; Restoring is parked the same way until its
 prefix is read from the disk tier and loaded; Prefilling has been handed to the
 runner (starting from a donor's clone, or not) and Decoding has sampled its first
-token. Any phase may end in Finished.
+token. Paused has given its slot to another tenant's request (fair_share.preempt): the runner keeps its
+session, sampler and grammar as they were, and it waits in the queue, holding its bytes, to decode on from
+where it stopped. Any phase may end in Finished.
 
 Each transition is one function below, the only place a request changes phase
 (tests/engine/test_request_phases.py walks every one of them).
@@ -112,14 +114,21 @@ class Decoding:
 
 
 @dataclass
+class Paused:
+    committed: int = 0
+    checkpoints: tuple[int, ...] = ()
+
+
+@dataclass
 class Finished:
     reason: str
     error: str | None = None
 
 
-Phase = Queued | Following | Restoring | Prefilling | Decoding | Finished
-Waiting = (Queued, Following, Restoring)  # holding no slot
+Phase = Queued | Following | Restoring | Prefilling | Decoding | Paused | Finished
+Waiting = (Queued, Following, Restoring)  # holding no slot, nothing with the runner
 InSlot = (Prefilling, Decoding)  # holding a slot, with the runner
+WithRunner = (Prefilling, Decoding, Paused)  # the runner holds its session
 
 
 @dataclass
@@ -254,6 +263,22 @@ def decode(r: Request) -> Decoding:
     """Its first token is sampled."""
     _leave(r, Prefilling)
     assert isinstance(r.phase, Prefilling)
+    r.phase = Decoding(r.phase.committed, r.phase.checkpoints)
+    return r.phase
+
+
+def pause(r: Request) -> Paused:
+    """It gives its slot to another tenant's request; the runner keeps its session as it is."""
+    _leave(r, Decoding)
+    assert isinstance(r.phase, Decoding)
+    r.phase = Paused(r.phase.committed, r.phase.checkpoints)
+    return r.phase
+
+
+def resume(r: Request) -> Decoding:
+    """It has a slot again, and decodes on."""
+    _leave(r, Paused)
+    assert isinstance(r.phase, Paused)
     r.phase = Decoding(r.phase.committed, r.phase.checkpoints)
     return r.phase
 

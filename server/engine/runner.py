@@ -68,6 +68,7 @@ class Runner(Commands, Cloning, Speculation):
         self._ex = e.Executor(backend)
         self._ops: list[e.Op] = []  # run since the last plan took them
         self._running: dict[int, Seq] = {}
+        self._paused: dict[int, Seq] = {}  # out of the batch, their sessions kept (m.Pause)
         self._opened: list[p.Sampler] = []  # samplers opened since the last plan
         self._orders = CloneOrders()
         self._rotation: int | None = None
@@ -283,7 +284,8 @@ class Runner(Commands, Cloning, Speculation):
         self._hand_over(s, usable=reason != "error")
         for choice in s.choices:  # it left before its prompt was in: its choices go with it
             self.events.append(m.Ended(choice.rid, reason, 0, 0, error, grammar_failed=grammar_failed))
-        del self._running[s.rid]
+        self._running.pop(s.rid, None)
+        self._paused.pop(s.rid, None)
         self._rows.end(s.rid)
         self._close_drafts(s, reason)
         named_sid, held, nbytes, frees = None, [], 0, 0

@@ -2,10 +2,11 @@
 runner's Loaded event; before that the engine serves nothing): its managers exist from the start.
 
 A request's path: `submit_choices` checks it (Admission.check) and queues it; `admit` gives the queue's
-head a slot; `_place` asks placement.place where it starts and `_apply` does it: a Start to the runner, or
-a park (following a leader, restoring from disk: parking.py) that comes back to the queue. The runner's
-events (`handle`) move it through its phases (request.py): the handlers are grouped by the phases they
-move, in parking.py (Following, Restoring), progress.py (Prefilling, Decoding) and ending.py (Finished).
+head a slot (or pauses a request of a tenant above its share for one below it); `_place` asks
+placement.place where it starts and `_apply` does it: a Start to the runner, or a park (following a leader,
+restoring from disk: parking.py) that comes back to the queue. The runner's events (`handle`) move it
+through its phases (request.py): the handlers are grouped by the phases they move, in parking.py
+(Following, Restoring), progress.py (Prefilling, Decoding, Paused) and ending.py (Finished).
 It never calls the backend and never blocks: commands go to the runner thread through `send`.
 """
 
@@ -32,7 +33,7 @@ from kvfork.server.engine.parking import Parking
 from kvfork.server.engine.placement import (Cached, Clone, Follow, Fresh, Placement, Restore, Resume, View, Wait, place,
                                             place_without_reuse, take_view)
 from kvfork.server.engine.rates import RateTracker
-from kvfork.server.engine.request import Following, Queued, Request, RequestHandle
+from kvfork.server.engine.request import Following, Paused, Queued, Request, RequestHandle
 from kvfork.server.engine.progress import Progress
 from kvfork.server.engine.sessions import NamedSessions
 from kvfork.server.engine.snapshot import EngineSnapshot
@@ -92,7 +93,7 @@ class Serving(Parking, Progress, Ending):
             loaded=True, budget=adm.budget, held=adm.held(), reserved=adm.reserved, pooled=ledger.pooled,
             in_transit=ledger.in_transit, spilling=ledger.spilling, abandoned=ledger.abandoned,
             live_sessions=runner.live_sessions, total_bytes=runner.total_bytes, blocks=runner.blocks,
-            slots_used=adm.slots_used, queued=adm.queued, following=self.following,
+            slots_used=adm.slots_used, queued=adm.queued, paused=adm.paused, following=self.following,
             captures_in_use=adm.captures_in_use, cached=index.count("memory"), cached_bytes=index.nbytes("memory"),
             on_disk=index.count("disk"), disk_on=disk is not None and disk.on, named_sessions=len(named),
             named_holding=named.holding())
@@ -152,11 +153,27 @@ class Serving(Parking, Progress, Ending):
     # ---- admission and placement ----
 
     def admit(self) -> None:
-        """Give free slots to the queue's head while its bytes fit; each admitted request is placed."""
+        """Give free slots to the queue's head while its bytes fit; each admitted request is placed, a paused
+        one decodes on. Then, while no slot is free for a tenant below its share, a tenant above its own
+        pauses a request for it (Admission.to_pause), and the slot is given again."""
         adm = self._admission
         if self.closing:
             return
+        self._admit_free()
+        while (paused := adm.to_pause()) is not None:
+            phase.pause(paused)
+            adm.pause(paused)
+            self._send(m.Pause(paused.rid))
+            self.metrics.preemptions.inc()
+            self._admit_free()
+
+    def _admit_free(self) -> None:
+        adm = self._admission
         while (r := adm.next()) is not None:
+            if isinstance(r.phase, Paused):
+                phase.resume(r)
+                self._send(m.Resume(r.rid))
+                continue
             if r.expiry is not None:
                 r.expiry.cancel()
             r.admitted_at = time.monotonic()

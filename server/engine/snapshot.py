@@ -7,7 +7,7 @@ field says where it comes from. Before the model has loaded every figure is 0 an
     snap.reserved, snap.held, snap.budget     # bytes (Admission): reserved by requests, held in all, the budget
     snap.pooled, snap.in_transit, snap.spilling, snap.abandoned   # what the loop's ledger counts (ledger.py)
     snap.live_sessions, snap.total_bytes, snap.blocks   # the backend, as the runner last reported (messages.Ledger)
-    snap.slots_used, snap.queued, snap.following, snap.captures_in_use
+    snap.slots_used, snap.queued, snap.paused, snap.following, snap.captures_in_use
     snap.cached, snap.cached_bytes            # the prefix cache's memory tier (Index)
     snap.on_disk, snap.disk_on                # the disk tier's files (Index), whether the tier is writing
     snap.named_sessions, snap.named_holding   # named sessions kept, and those holding state
@@ -39,6 +39,7 @@ class EngineSnapshot:
     # requests
     slots_used: int = 0
     queued: int = 0
+    paused: int = 0  # gave their slot to a tenant below its share (fair_share.preempt); they wait to decode on
     following: int = 0  # parked behind a leader
     captures_in_use: int = 0
     # reusable states (Index, NamedSessions, DiskTier)

@@ -55,6 +55,8 @@ class EngineMetrics:
         self.clone_refusals = c("clone_refusals_total", "clones refused, by source and reason")
         self.donor_saved = c("active_reuse_saved_tokens_total",
                              "prefill tokens active reuse saved beyond the best cached match")
+        self.preemptions = c("preemptions_total", "decoding requests paused to give their slot to a tenant below "
+                             "its share (fair_share.preempt)")
         self.follow = c("follow_decisions_total", "reuse decisions for anonymous requests, by choice")
         self.step_seconds = c("runner_step_seconds_total", "wall time of runner steps")
         self.backend_seconds = c("runner_backend_seconds_total", "time of runner steps spent in backend calls")

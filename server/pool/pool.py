@@ -10,13 +10,17 @@ different models never wait on each other: the second's switch starts when the f
 switch is to the model of the longest waiting request, and a request for a loaded model never waits behind
 a switch, so A B A C runs as A A B C. Making room unloads the least recently used unpinned model, idle ones
 first; a model still running requests stops taking new ones and gives them `--model-switch-timeout` seconds
-to finish, after which the engine cancels the rest. Unloading shuts the engine down, which spills its prefix
+to finish, after which the engine cancels the rest. Between tenants (turns.py): a switch waits for the
+other tenants' requests on the model it unloads to end (never cancelled for it), and a tenant's switches
+that unload a model another tenant used are --model-switch-interval seconds apart; its request waits
+meanwhile, and the other tenants' switches go first. Unloading shuts the engine down, which spills its prefix
 cache to the disk tier: loading the model again finds those files and restores from them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -36,8 +40,9 @@ from kvfork.server.pool.keepalive import KeepAlive, error_in_stream
 from kvfork.server.pool.loadable import check_folder, folder_state
 from kvfork.server.pool.served import ServedModel
 from kvfork.server.pool.specs import ModelSpec
+from kvfork.server.pool.turns import SwitchTurns, disrupts, waits_for
 from kvfork.server.model_load import load_tokenizer
-from kvfork.server.state import AppState
+from kvfork.server.state import AppState, tenant_of
 from kvfork.server.text.tokenizer import PromptTokenizer
 
 log = logging.getLogger("kvfork")
@@ -59,7 +64,8 @@ class Slot:
     pinned: bool
     footprint: int  # its weights and KV budget, bytes of the pool's budget it takes once loaded
     served: ServedModel | None = None
-    users: int = 0  # requests holding it
+    tenants: collections.Counter[str] = field(default_factory=collections.Counter)  # requests holding it, per tenant
+    last_tenant: str | None = None  # whose request took it last
     used: float = 0.0  # when a request last took it (monotonic)
     leaving: bool = False  # unloading: it takes no new request
     attempts: int = 0  # loads tried, so a request knows whether a failure is news to it
@@ -75,6 +81,11 @@ class Slot:
         return self.served is not None and not self.leaving
 
     @property
+    def users(self) -> int:
+        """Requests holding it."""
+        return sum(self.tenants.values())
+
+    @property
     def refusal(self) -> str:
         """What a request for it hears when its last load failed: the model, not why (`error` holds the paths
         and parsers' words, for the log and for the holder of --metrics-key on /health); a refusal of the
@@ -82,6 +93,14 @@ class Slot:
         if self.budget_refused and self.error is not None:
             return self.error
         return f"model {self.spec.name!r} could not be loaded; the daemon's log says why"
+
+
+@dataclass(eq=False)
+class Claim:
+    """A request's claim on a model (waiting for it, then holding it): which, and whose."""
+
+    slot: Slot
+    tenant: str
 
 
 def _folder_context(path: str) -> int | None:
@@ -103,7 +122,8 @@ class ModelPool:
         self.slots = {s.name: Slot(s, s.name in config.pin, budget.footprint(s)) for s in specs}
         self.default = specs[0].name
         self.switch_timeout, self.ttl = config.model_switch_timeout, config.model_ttl
-        self._queue: list[Slot] = []  # the models of waiting requests, in arrival order
+        self._queue: list[Claim] = []  # waiting requests, in arrival order
+        self._turns = SwitchTurns(config.model_switch_interval)
         self._switching: asyncio.Task | None = None
         self._switching_to: Slot | None = None  # the model the switch loads (None: an idle unload)
         self._changed = asyncio.Event()
@@ -137,31 +157,36 @@ class ModelPool:
             raise ApiError(503, "the server is shutting down", code="not_ready")
         slot = self.slot(requested)
         beat = KeepAlive(request, self.base.config.sse_keepalive) if stream and not slot.ready else None
+        tenant = tenant_of(request)
         try:
-            state = await self.take(slot)
+            state = await self.take(slot, tenant)
         finally:
             if beat is not None:
                 await beat.stop()
-        request[LEASE] = slot
+        request[LEASE] = Claim(slot, tenant)
         return state
 
-    async def take(self, slot: Slot) -> AppState:
-        """Wait until `slot` is loaded (starting its load when its turn comes), then hold it."""
-        seen = slot.attempts
-        self._queue.append(slot)
+    async def take(self, slot: Slot, tenant: str = "") -> AppState:
+        """Wait until `slot` is loaded (starting its load when its turn comes), then hold it for `tenant`."""
+        seen, me = slot.attempts, Claim(slot, tenant)
+        self._queue.append(me)
         try:
             while not slot.ready:
                 if slot.attempts > seen and slot.error is not None:
                     raise ApiError(503, slot.refusal, code="model_load_failed", param="model")
                 if self._closed:
                     raise ApiError(503, "the server is shutting down", code="not_ready")
-                if self._switching is None and self._next() is slot:
-                    self._switching, self._switching_to = asyncio.create_task(self._switch_to(slot)), slot
-                await self._changed.wait()
+                if self._switching is None and self._next() is me:
+                    if self._disrupts(me):
+                        self._turns.charge(tenant, time.monotonic())
+                    self._switching, self._switching_to = asyncio.create_task(self._switch_to(slot, tenant)), slot
+                held = self._held_back(me)  # its tenant's turn to switch comes later: look again then
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), held or None)
         finally:
-            self._queue.remove(slot)
-        slot.users += 1
-        slot.used = time.monotonic()
+            self._queue.remove(me)
+        slot.tenants[tenant] += 1
+        slot.last_tenant, slot.used = tenant, time.monotonic()
         assert slot.served is not None
         return slot.served.state
 
@@ -204,8 +229,8 @@ class ModelPool:
                 raise ApiError(503, slot.refusal, code="model_load_failed", param="model") from None
             raise
 
-    def release(self, slot: Slot) -> None:
-        slot.users -= 1
+    def release(self, slot: Slot, tenant: str = "") -> None:
+        slot.tenants[tenant] -= 1
         slot.used = time.monotonic()
         self._notify()
 
@@ -223,9 +248,9 @@ class ModelPool:
                 log.exception("unexpected error")
             return await error_in_stream(request, error)
         finally:
-            slot = request.get(LEASE)
-            if isinstance(slot, Slot):
-                self.release(slot)
+            lease = request.get(LEASE)
+            if isinstance(lease, Claim):
+                self.release(lease.slot, lease.tenant)
 
     @property
     def loading(self) -> str | None:
@@ -249,16 +274,44 @@ class ModelPool:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    def _next(self) -> Slot | None:
-        """The model the next switch loads: that of the longest waiting request whose model is not ready."""
-        return next((s for s in self._queue if not s.ready), None)
+    def _next(self) -> Claim | None:
+        """The request the next switch is for: the longest waiting whose model is not ready and whose tenant
+        may switch now."""
+        return next((c for c in self._queue if not c.slot.ready and not self._held_back(c)), None)
 
-    async def _switch_to(self, slot: Slot) -> None:
+    def _held_back(self, claim: Claim) -> float:
+        """Seconds before `claim`'s tenant may make the switch it needs (turns.py); 0: now (or none needed)."""
+        if claim.slot.ready:
+            return 0.0
+        return self._turns.wait(claim.tenant, self._disrupts(claim), time.monotonic())
+
+    def _disrupts(self, claim: Claim) -> bool:
+        """Whether loading `claim`'s model would unload one another tenant used (as room is made now)."""
+        return disrupts(claim.tenant, [(s.tenants, s.last_tenant) for s in self._victims(claim.slot)])
+
+    def _victims(self, slot: Slot) -> list[Slot]:
+        """The models loading `slot` would unload, by `_victim`'s rule, as things are now."""
+        loaded, out = [s for s in self.slots.values() if s.served is not None], []
+        while (victim := self._victim(slot, loaded)) is not None:
+            out.append(victim)
+            loaded.remove(victim)
+        return out
+
+    def _victim(self, slot: Slot, loaded: list[Slot]) -> Slot | None:
+        """The next model to unload so `slot` fits beside `loaded`; None: it fits (or nothing may go)."""
+        if self.budget.fits(slot.footprint, [s.footprint for s in loaded]):
+            return None
+        candidates = [s for s in loaded if not s.pinned and s is not slot]
+        wanted = {c.slot for c in self._queue}
+        idle = [s for s in candidates if s.users == 0 and s not in wanted]
+        return min(idle or candidates, key=lambda s: s.used, default=None)
+
+    async def _switch_to(self, slot: Slot, tenant: str | None = None) -> None:
         files, stage = None, "files"
         try:
             files = await asyncio.to_thread(self._loadable, slot)
             stage = "room"
-            await self._make_room(slot)
+            await self._make_room(slot, tenant)
             stage = "load"
             await self._load(slot)
             slot.error = slot.failed_on = None
@@ -307,28 +360,28 @@ class ModelPool:
         log.info("loaded model %s in %.1f s (%s)", slot.spec.name, time.monotonic() - t0,
                  self.budget.describe(slot.footprint))
 
-    async def _make_room(self, slot: Slot) -> None:
+    async def _make_room(self, slot: Slot, tenant: str | None) -> None:
         """Unload least recently used unpinned models until `slot` fits the budget and --max-loaded-models;
         ValueError with the numbers when it cannot fit beside the pinned ones."""
         deadline = time.monotonic() + self.switch_timeout
         while True:
             loaded = [s for s in self.slots.values() if s.served is not None]
-            if self.budget.fits(slot.footprint, [s.footprint for s in loaded]):
+            victim = self._victim(slot, loaded)
+            if victim is None and self.budget.fits(slot.footprint, [s.footprint for s in loaded]):
                 return
-            candidates = [s for s in loaded if not s.pinned and s is not slot]
-            if not candidates:
+            if victim is None:
                 raise ValueError(self.budget.refusal(slot.footprint, [s.footprint for s in loaded if s.pinned]))
-            idle = [s for s in candidates if s.users == 0 and s not in self._queue]
-            victim = min(idle or candidates, key=lambda s: s.used)
-            await self._unload(victim, deadline, f"to load {slot.spec.name!r}")
+            await self._unload(victim, deadline, f"to load {slot.spec.name!r}", tenant)
             self.unloads.inc(model_name=victim.spec.name, why="room")
 
-    async def _unload(self, slot: Slot, deadline: float, why: str) -> None:
-        """Stop `slot` taking requests, give those it runs until `deadline`, then shut its engine down (its
-        prefix cache spills to the disk tier)."""
+    async def _unload(self, slot: Slot, deadline: float, why: str, tenant: str | None = None) -> None:
+        """Stop `slot` taking requests, wait for the other tenants' it runs to end (turns.waits_for), give the
+        rest until `deadline`, then shut its engine down (its prefix cache spills to the disk tier)."""
         slot.leaving = True
         self._notify()
         try:
+            while waits_for(tenant, slot.tenants):
+                await self._changed.wait()
             while slot.users and time.monotonic() < deadline:
                 try:
                     await asyncio.wait_for(self._changed.wait(), deadline - time.monotonic())
@@ -365,7 +418,7 @@ class ModelPool:
             now = time.monotonic()
             for slot in self.slots.values():
                 if (self._switching is None and slot.ready and not slot.pinned and not slot.users
-                        and slot not in self._queue and now - slot.used >= self.ttl):
+                        and slot not in {c.slot for c in self._queue} and now - slot.used >= self.ttl):
                     self._switching = asyncio.create_task(self._idle_unload(slot))
 
     async def _idle_unload(self, slot: Slot) -> None:

@@ -1,6 +1,8 @@
 """Several models in one daemon, over HTTP: switching by `model`, LRU eviction under a budget that holds
 two, pinning, --model-ttl, a request waiting for a loading model, grouping, an unknown model, a model that
-fails to load, and a conversation resumed on a reloaded model from its spilled prefix cache."""
+fails to load, a conversation resumed on a reloaded model from its spilled prefix cache, and switches between
+tenants (a switch waits for another tenant's running requests; a tenant's switches of another's model are
+spaced by --model-switch-interval)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from tiny_models import write_model
 
 KV = 32 * 1024 * 1024
 CHAT = "/v1/chat/completions"
+KEYS = "key-hostile hostile\nkey-innocent innocent\n"
 
 
 @pytest.fixture(scope="module")
@@ -327,3 +330,47 @@ def test_flags_that_do_not_combine_with_several_models_exit_2(three, extra, says
     with pytest.raises(SystemExit) as e:
         kvfork(["serve", "--model", f"a={three['a']}", "--model", f"b={three['b']}", *extra])
     assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def ask_as(http, daemon, key: str, model: str, max_tokens: int = 4) -> dict:
+    body = chat_body(model=model, max_tokens=max_tokens, ignore_eos=True)
+    async with http.post(daemon.url + CHAT, json=body, headers=auth(key)) as r:
+        answer = await r.json()
+        assert r.status == 200, answer
+        return answer
+
+
+async def test_another_tenants_switch_waits_for_the_running_request_whatever_the_timeout(three, keys_file):
+    """One model fits, and the switch timeout is 0: the hostile tenant's request for b waits until the
+    innocent's long answer on a has ended whole (before, the switch cancelled it at once)."""
+    async with aiohttp.ClientSession() as http, pool(three, hold=1, api_keys_file=keys_file,
+                                                     model_switch_timeout=0.0) as daemon:
+        long = asyncio.create_task(ask_as(http, daemon, "key-innocent", "a", max_tokens=64))
+        while not daemon.pool.slots["a"].users:
+            await asyncio.sleep(0.01)
+        other = await ask_as(http, daemon, "key-hostile", "b")
+        answer = await long
+        assert answer["choices"][0]["finish_reason"] == "length" and answer["usage"]["completion_tokens"] == 64
+        assert other["model"] == "b"
+
+
+async def test_a_tenant_switches_another_tenants_model_once_per_interval(three, keys_file):
+    """The hostile tenant takes the one model's room for b (its switch); the innocent takes a back (its own
+    switch); the hostile tenant's next request for b waits for its interval, and the innocent keeps a."""
+    async with aiohttp.ClientSession() as http, pool(three, hold=1, api_keys_file=keys_file,
+                                                     model_switch_interval=600.0) as daemon:
+        await ask_as(http, daemon, "key-innocent", "a")
+        await ask_as(http, daemon, "key-hostile", "b")
+        await ask_as(http, daemon, "key-innocent", "a")
+        again = asyncio.create_task(ask_as(http, daemon, "key-hostile", "b"))
+        for _ in range(3):
+            assert (await ask_as(http, daemon, "key-innocent", "a"))["model"] == "a"
+        assert not again.done() and await listed(http, daemon) == {"a": True, "b": False, "c": False}
+        loads = await metrics(http, daemon.url)
+        assert loads['kvfork_model_loads_total{model_name="b",outcome="loaded"}'] == 1
+    with pytest.raises(AssertionError, match="shutting down"):  # it waited until the daemon closed
+        await again

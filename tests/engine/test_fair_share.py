@@ -1,6 +1,8 @@
 """Fair shares between tenants (issue 33, finding 8): the pure policy (server/engine/fair_share.py), over every
 small case, and the engine applying it: a tenant alone uses every slot and the whole queue; under contention,
-a full queue makes room for a tenant below its share, and free slots go to the tenant holding fewest."""
+a full queue makes room for a tenant below its share, free slots go to the tenant holding fewest, and a tenant
+above its share of the slots pauses a decoding request for one waiting below its own (issue 45): the waiting
+tenant's first token comes within steps, and the paused request decodes on to the tokens it had alone."""
 
 from __future__ import annotations
 
@@ -9,10 +11,12 @@ import itertools
 
 import pytest
 
-from engine_harness import collect, prompt_of, request, start_engine
+from engine_harness import collect, prompt_of, reached, request, settled, start_engine, until
 from scripted_backend import Gate, ScriptedBackend
 from kvfork.server.engine.api import CapacityExhausted, Scope
-from kvfork.server.engine.fair_share import give_way, next_in_line, share
+from kvfork.backends.base import SamplingParams
+from kvfork.server.engine.fair_share import give_way, next_in_line, preempt, share
+from kvfork.server.engine.request import Decoding, Paused
 
 TENANTS = ("a", "b", "c")
 
@@ -95,6 +99,177 @@ async def test_one_tenant_cannot_shut_another_out_of_slots_and_queue():
         await asyncio.gather(*(track(f"a{i}", h) for i, h in enumerate(handles[:5])), track("b0", b_handle))
         # b0 took the first slot that came free: it ended before A's last queued requests
         assert order.index("b0") < order.index("a4")
+    finally:
+        gate.open()
+        await engine.shutdown(1)
+
+
+def test_preempt_over_every_small_batch():
+    for slots in range(1, 6):
+        for held in itertools.product(range(slots + 1), repeat=len(TENANTS)):
+            if sum(held) > slots:
+                continue
+            in_slots = dict(zip(TENANTS, held))
+            for waiting in (*TENANTS, "new"):
+                for k in range(len(TENANTS) + 1):
+                    for pausable in itertools.combinations(TENANTS, k):
+                        victim = preempt(in_slots, waiting, slots, set(pausable))
+                        active = {t for t, n in in_slots.items() if n} | {waiting}
+                        each = share(slots, len(active))
+                        mine = in_slots.get(waiting, 0)
+                        over = [t for t in pausable if t != waiting and in_slots[t] > each]
+                        if victim is None:
+                            assert mine >= each or not over
+                            continue
+                        assert victim in pausable and victim != waiting
+                        assert in_slots[victim] > each > mine  # both end within their shares or nearer
+                        assert in_slots[victim] - 1 >= each >= mine + 1  # so the slot never comes back
+                        assert in_slots[victim] == max(in_slots[t] for t in over)
+
+
+def test_a_hog_gives_slots_back_until_the_shares_are_even():
+    in_slots, slots = {"a": 16}, 16
+    paused = 0
+    while (victim := preempt(in_slots, "b", slots, {"a"})) is not None:  # b waits, with more to run
+        in_slots[victim] -= 1
+        in_slots["b"] = in_slots.get("b", 0) + 1
+        paused += 1
+    assert in_slots == {"a": 8, "b": 8} and paused == 8
+    assert preempt({"a": 1}, "b", 1, {"a"}) is None  # one slot: a share of 1 each, a holds no more than its own
+    assert preempt({"a": 2}, "b", 2, set()) is None  # nothing a can pause (prefilling): b waits for an end
+
+
+def _phase(engine, rid):
+    return next((r.phase for r in engine.requests() if r.req.request_id == rid), None)
+
+
+async def test_a_hog_pauses_a_request_for_the_innocent_and_it_decodes_on_unchanged():
+    """A holds both slots with long generations (one of them seeded); B's request gets a slot at once: A's
+    newest pauses (its session kept), B's first token comes before A's requests end, and A's paused request
+    then decodes on to exactly the tokens it generates alone."""
+    backend = ScriptedBackend()
+    gate = backend.gates["decode"] = Gate()
+    engine = await start_engine(backend, inference_slots=2, prefix_cache_entries=0,
+                                active_prefix_reuse_min_tokens=0)
+    a, b = Scope("tenant-a"), Scope("tenant-b")
+    seeded = SamplingParams(temperature=0.8, seed=7)
+    try:
+        hog = [engine.submit(request(prompt_of(20, 100 * i), 40, rid=f"a{i}", scope=a,
+                                     **({"sampling": seeded} if i else {}))) for i in range(2)]
+        await reached(gate)
+        await until(lambda: all(isinstance(_phase(engine, f"a{i}"), Decoding) for i in range(2)))
+        innocent = engine.submit(request(prompt_of(20, 900), 4, rid="b0", scope=b))
+        assert isinstance(_phase(engine, "a1"), Paused)  # the newest, at once: no end awaited
+        snap = engine.snapshot()
+        assert (snap.paused, snap.queued, snap.slots_used) == (1, 0, 2)
+        gate.open()
+        (a0, _), (a1, done1), (b0, _) = await asyncio.gather(*(collect(h) for h in (*hog, innocent)))
+        # in the runner's calls: b0 prefilled and decoded beside a0 while a1 sat out, then a1 decoded on
+        prefills = [sid for call in backend.calls if call[0] == "prefill" for sid, _ in call[1]]
+        s0, s1, sb = prefills
+        decodes = [set(call[1]) for call in backend.calls if call[0] == "decode"]
+        with_b = [i for i, rows in enumerate(decodes) if sb in rows]
+        assert with_b and all(decodes[i] == {s0, sb} for i in with_b)
+        assert s1 in decodes[0] and any(s1 in rows for rows in decodes[with_b[-1] + 1:])
+        assert engine.metrics.preemptions.get() == 1
+        assert a0 == backend.greedy(prompt_of(20, 0), 40) and b0 == backend.greedy(prompt_of(20, 900), 4)
+        assert a1 == backend.greedy(prompt_of(20, 100), 40) and done1.finish_reason == "length"
+        assert done1.usage.prefilled_tokens == 20  # resumed from its own session: nothing prefilled again
+        await settled(engine, backend)
+        assert backend.live_sessions() == 0
+    finally:
+        gate.open()
+        await engine.shutdown(1)
+
+
+async def test_a_paused_request_cancelled_leaves_nothing_behind():
+    backend = ScriptedBackend()
+    gate = backend.gates["decode"] = Gate()
+    engine = await start_engine(backend, inference_slots=2, prefix_cache_entries=0,
+                                active_prefix_reuse_min_tokens=0)
+    a = Scope("tenant-a")
+    try:
+        hog = [engine.submit(request(prompt_of(20, 100 * i), 10_000, rid=f"a{i}", scope=a)) for i in range(3)]
+        await reached(gate)
+        await until(lambda: all(isinstance(_phase(engine, f"a{i}"), Decoding) for i in range(2)))
+        innocent = engine.submit(request(prompt_of(20, 900), 10_000, rid="b0", scope=Scope("tenant-b")))
+        assert isinstance(_phase(engine, "a1"), Paused)
+        hog[1].cancel()  # the client of the paused request goes away
+        gate.open()
+        _, done = await collect(hog[1])
+        assert done.finish_reason == "cancelled"
+        await until(lambda: backend.live_sessions() == 2)  # a0's and b0's: a1's session was released
+        snap = engine.snapshot()
+        assert (snap.paused, snap.queued, snap.slots_used) == (0, 1, 2)  # a2 waits: each tenant holds its share
+        engine.submit(request(prompt_of(20, 500), 10_000, rid="b1", scope=Scope("tenant-b")))
+        assert engine.snapshot().paused == 0  # b at its share: nobody pauses for its second request
+        engine.submit(request(prompt_of(20, 700), 10_000, rid="c0", scope=Scope("tenant-c")))
+        assert engine.snapshot().paused == 0  # three tenants over two slots: a share of 1, nobody above it
+    finally:
+        gate.open()
+        await engine.shutdown(1)  # everything still running or paused is cancelled and released
+    assert backend.live_sessions() == 0
+
+
+async def test_a_shutdown_ends_a_paused_request():
+    backend = ScriptedBackend()
+    gate = backend.gates["decode"] = Gate()
+    engine = await start_engine(backend, inference_slots=2, prefix_cache_entries=0,
+                                active_prefix_reuse_min_tokens=0)
+    try:
+        hog = [engine.submit(request(prompt_of(20, 100 * i), 10_000, rid=f"a{i}", scope=Scope("tenant-a")))
+               for i in range(2)]
+        await reached(gate)
+        await until(lambda: all(isinstance(_phase(engine, f"a{i}"), Decoding) for i in range(2)))
+        engine.submit(request(prompt_of(20, 900), 10_000, rid="b0", scope=Scope("tenant-b")))
+        assert engine.snapshot().paused == 1
+    finally:
+        gate.open()
+        await engine.shutdown(1)
+    _, done = await collect(hog[1])
+    assert done.finish_reason == "cancelled" and backend.live_sessions() == 0
+
+
+async def test_choices_get_every_slot_they_need_or_nobody_pauses():
+    """4 slots, all the hog's, decoding: a request of 3 choices cannot get 3 (its share is 2): nobody pauses
+    for it. One of 2 choices can: two of the hog's pause, and its choices take both slots at once."""
+    backend = ScriptedBackend()
+    gate = backend.gates["decode"] = Gate()
+    engine = await start_engine(backend, inference_slots=4, prefix_cache_entries=0,
+                                active_prefix_reuse_min_tokens=0)
+    try:
+        for i in range(4):
+            engine.submit(request(prompt_of(20, 100 * i), 10_000, rid=f"a{i}", scope=Scope("tenant-a")))
+        await reached(gate)
+        await until(lambda: all(isinstance(_phase(engine, f"a{i}"), Decoding) for i in range(4)))
+        engine.submit_choices(request(prompt_of(20, 900), 4, rid="b3", scope=Scope("tenant-b"), n=3))
+        assert (engine.snapshot().paused, engine.snapshot().queued) == (0, 1)
+        engine.submit_choices(request(prompt_of(20, 800), 4, rid="c2", scope=Scope("tenant-c"), n=2))
+        snap = engine.snapshot()  # b's is still next in line, and three tenants make a share of 1 each
+        assert (snap.paused, snap.queued) == (0, 2)
+    finally:
+        gate.open()
+        await engine.shutdown(1)
+
+
+async def test_two_choices_take_the_slots_two_pauses_give():
+    backend = ScriptedBackend()
+    gate = backend.gates["decode"] = Gate()
+    engine = await start_engine(backend, inference_slots=4, prefix_cache_entries=0,
+                                active_prefix_reuse_min_tokens=0)
+    try:
+        for i in range(4):
+            engine.submit(request(prompt_of(20, 100 * i), 10_000, rid=f"a{i}", scope=Scope("tenant-a")))
+        await reached(gate)
+        await until(lambda: all(isinstance(_phase(engine, f"a{i}"), Decoding) for i in range(4)))
+        handles = engine.submit_choices(request(prompt_of(20, 900), 4, rid="b2", scope=Scope("tenant-b"), n=2))
+        snap = engine.snapshot()
+        assert (snap.paused, snap.queued, snap.slots_used) == (2, 0, 4)
+        assert {type(_phase(engine, f"a{i}")) for i in (2, 3)} == {Paused}  # the newest two
+        gate.open()
+        for handle in handles:
+            tokens, done = await collect(handle)
+            assert done.finish_reason == "length" and len(tokens) == 4
     finally:
         gate.open()
         await engine.shutdown(1)
