@@ -30,6 +30,7 @@ from kvfork.server.grammar import request_ask
 from kvfork.server.api.chat.protocol import ChatCompletionRequest, ChatMessage
 from kvfork.server.api.openai import SamplingFields
 from kvfork.server.api.diagnosis import Asked, Fingerprint, Report, fingerprint
+from kvfork.server.api.images import IMAGE_PART, image_lines
 from kvfork.server.api.respond import Job
 from kvfork.server.limits import check_count, check_prompt_chars, check_schema, json_deeper_than
 from kvfork.server.state import AppState, scope_of
@@ -91,15 +92,22 @@ def template_tool_calls(calls: list[dict[str, Any]], max_depth: int) -> list[dic
     return out
 
 
-def template_message(index: int, message: ChatMessage, max_depth: int) -> dict[str, Any]:
-    """A message as chat templates expect it: text content, the other fields passed through."""
+def template_message(index: int, message: ChatMessage, max_depth: int,
+                     image_lines: Mapping[tuple[int, int], str]) -> dict[str, Any]:
+    """A message as chat templates expect it: text content (each image as its line: server/api/images.py), the
+    other fields passed through."""
     content = message.content
     if isinstance(content, list):
+        texts = []
         for j, part in enumerate(content):
-            if part.type != "text":
-                raise ApiError(400, f"content parts of type {part.type!r} are not supported; send text",
-                               code="unsupported_content", param=f"messages[{index}].content[{j}]")
-        content = "\n".join(part.text or "" for part in content)
+            if part.type == IMAGE_PART:
+                texts.append(image_lines[index, j])
+            elif part.type == "text":
+                texts.append(part.text or "")
+            else:
+                raise ApiError(400, f"content parts of type {client_text(part.type, 32)} are not supported; send "
+                               "text or images", code="unsupported_content", param=f"messages[{index}].content[{j}]")
+        content = "\n".join(texts)
     out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role, "content": content or ""}
     for key in ("name", "tool_call_id", "reasoning_content"):
         if getattr(message, key) is not None:
@@ -163,14 +171,15 @@ async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Req
     config = state.config
     check_count("messages", body.messages, config.max_messages, "--max-messages", "messages")
     tokenizer = state.require_ready()
-    messages = [template_message(i, m, config.max_json_depth) for i, m in enumerate(body.messages)]
-    choice, tool_name = tool_choice_of(body.tool_choice, check_tools(body.tools))
-    check_chat_limits(state, body, messages)
     model = state.model_name(body.model)
-    session = session_id(body.session_id, request.headers, config.session_header)
-    kwargs = tokenizer.variables.kwargs(body.chat_template_kwargs, config.max_template_kwarg_chars)
     scope = scope_of(request, body.cache_salt)
     tenant = scope.tenant
+    lines = await image_lines(state, body.messages, model, tenant)
+    messages = [template_message(i, m, config.max_json_depth, lines) for i, m in enumerate(body.messages)]
+    choice, tool_name = tool_choice_of(body.tool_choice, check_tools(body.tools))
+    check_chat_limits(state, body, messages)
+    session = session_id(body.session_id, request.headers, config.session_header)
+    kwargs = tokenizer.variables.kwargs(body.chat_template_kwargs, config.max_template_kwarg_chars)
     try:
         text = await tokenizer.render_chat(messages, body.tools, kwargs, tenant)
     except ApiError:
