@@ -10,7 +10,8 @@ threads that tenants share in turn (server/fair.py, as the tokenizer's long work
 image at a time, so another tenant's request never waits behind its queue. The work is bounded before it
 starts: the body by `--max-body-bytes`, the count by `--max-images`, and the pixels by
 `--max-image-pixels`, checked on the header before any pixel is decoded (a decompression bomb is refused
-by what it claims, not by what it would cost).
+by what it claims, not by what it would cost). An image a tenant sent lately is not decoded again: an
+agent's history carries each screenshot from turn to turn.
 
 An image's identity is `Image.digest`, a SHA-256 kvfork computes over the decoded pixels (their size and
 every RGBA value), never anything the client says about it (a URL, a declared type, a hash): the same
@@ -24,6 +25,8 @@ import base64
 import binascii
 import hashlib
 import io
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvfork.server.fair import FairWorkers
@@ -34,6 +37,7 @@ MEDIA_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "
 READABLE = "PNG, JPEG, WebP or GIF"
 DECODE_THREADS = 2  # a tenant decodes one image at a time: with two, another tenant always finds one free
 _BASE64_SPACE = str.maketrans("", "", " \t\r\n")  # MIME-wrapped base64 (lines of 76) reads too
+REMEMBERED = 1024  # images kept decoded, all tenants together (a few hundred bytes each)
 
 
 @dataclass(frozen=True)
@@ -117,17 +121,39 @@ def decode(payload: str, max_pixels: int) -> Image:
 
 
 class Images:
-    """The decoding threads, and the count of images a text-only model was given as a line of text."""
+    """The decoding threads; the images each tenant sent lately, by their bytes, so a screenshot an agent's
+    history carries from turn to turn is decoded once; and the count of images a text-only model was given
+    as a line of text."""
 
-    def __init__(self, registry: Registry):
+    def __init__(self, registry: Registry, remembered: int = REMEMBERED):
         self._workers: FairWorkers | None = None  # started by the first image
+        self._known: OrderedDict[tuple[str, bytes], Image] = OrderedDict()  # least recently used first
+        self._lock = threading.Lock()
+        self._remembered = remembered
         self.replaced = registry.counter("images_replaced_total", "images in tool results given to a text-only "
                                          "model as a line of text naming them (--images), by media type")
 
     async def read(self, tenant: str, source: DataUrl, max_pixels: int) -> Image:
         if self._workers is None:
             self._workers = FairWorkers(DECODE_THREADS, "kvfork-images")
-        return await self._workers.run(tenant, decode, source.payload, max_pixels)
+        return await self._workers.run(tenant, self._read, tenant, source.payload, max_pixels)
+
+    def _read(self, tenant: str, payload: str, max_pixels: int) -> Image:
+        """On a worker: the image these bytes hold, decoded once per tenant (the key is kvfork's own hash of the
+        bytes, which decode to the same pixels every time; another tenant's decoding is never shared, so no
+        tenant learns by its timing what another sent)."""
+        key = (tenant, hashlib.sha256(payload.encode("ascii", "replace")).digest())
+        with self._lock:
+            image = self._known.get(key)
+            if image is not None:
+                self._known.move_to_end(key)
+                return image
+        image = decode(payload, max_pixels)
+        with self._lock:
+            self._known[key] = image
+            while len(self._known) > self._remembered:
+                self._known.popitem(last=False)
+        return image
 
     def close(self) -> None:
         if self._workers is not None:

@@ -32,7 +32,11 @@ class ImagePart:
     message: int
     part: int
     url: str
-    in_tool_result: bool
+    role: str  # of the message holding it: `tool`, a tool's result
+
+    @property
+    def in_tool_result(self) -> bool:
+        return self.role == "tool"
 
     @property
     def param(self) -> str:
@@ -52,7 +56,7 @@ def image_parts(messages: list[ChatMessage]) -> list[ImagePart]:
             if not url:
                 raise invalid(f"messages[{i}].content[{j}].image_url", 'an image_url part is {"type": "image_url", '
                               '"image_url": {"url": "data:image/png;base64,..."}}')
-            out.append(ImagePart(i, j, url, message.role == "tool"))
+            out.append(ImagePart(i, j, url, message.role))
     return out
 
 
@@ -74,7 +78,7 @@ async def image_lines(state: AppState, messages: list[ChatMessage], model: str,
             raise invalid(part.param, f"image {n}: {e}") from None
     for n, part in enumerate(parts, 1):
         if not part.in_tool_result or config.images == "refuse":
-            where = "inside a tool result" if part.in_tool_result else "in a user's message"
+            where = "inside a tool result" if part.in_tool_result else f"in a {part.role} message"
             raise ApiError(400, f"the model {model!r} reads text only: image {n} ({where}) cannot be sent to it; "
                            "send text", code="unsupported_content", param=part.param)
     lines = {}

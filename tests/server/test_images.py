@@ -12,7 +12,9 @@ import zlib
 import pytest
 from PIL import Image as Pillow
 
-from kvfork.server.images import DataUrl, ImageRefused, RemoteUrl, decode, source_of
+from kvfork.server import images
+from kvfork.server.images import DataUrl, ImageRefused, Images, RemoteUrl, decode, source_of
+from kvfork.server.metrics import Registry
 
 BIG = 1 << 24
 
@@ -82,3 +84,19 @@ def test_urls_data_or_an_allowed_host_only():
                       ("file:///etc/passwd", "data URL"), ("ftp://shots.example.com/a.png", "data URL")]:
         with pytest.raises(ImageRefused, match=said.replace("+", r"\+")):
             source_of(url, ["shots.example.com"])
+
+
+async def test_a_tenants_image_is_decoded_once_and_never_for_another_tenant(monkeypatch):
+    decoded = []
+    monkeypatch.setattr(images, "decode", lambda payload, limit: decoded.append(payload) or decode(payload, limit))
+    reader = Images(Registry(), remembered=2)
+    try:
+        shot, other = (DataUrl("image/png", encoded(picture, "PNG")) for picture in (gradient(), gradient(8, 8)))
+        first = await reader.read("a", shot, BIG)
+        assert await reader.read("a", shot, BIG) == first and len(decoded) == 1  # the next turn's history
+        assert await reader.read("b", shot, BIG) == first and len(decoded) == 2  # another tenant decodes its own
+        await reader.read("a", other, BIG)  # past `remembered`: the least recently used goes
+        await reader.read("a", shot, BIG)
+        assert len(decoded) == 4
+    finally:
+        reader.close()
