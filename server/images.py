@@ -29,6 +29,8 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from yarl import URL
+
 from kvfork.server.fair import FairWorkers
 from kvfork.server.metrics import Registry
 
@@ -78,15 +80,16 @@ def source_of(url: str, allowed_domains: list[str]) -> DataUrl | RemoteUrl:
             raise ImageRefused(f"the data URL's type is {media_type[:40]!r}; kvfork reads {READABLE} images "
                                f"({', '.join(MEDIA_TYPES.values())})")
         return DataUrl(media_type.lower(), payload)
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme.lower() not in ("http", "https"):
+    try:
+        parsed = URL(url)  # aiohttp's own reading of a URL, the one a fetch would make
+    except ValueError:
+        parsed = None
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
         raise ImageRefused("an image is a data URL (data:image/png;base64,...) or an http(s) URL")
-    host = rest.split("/", 1)[0].split("?", 1)[0].split("#", 1)[0].rpartition("@")[2]
-    host = host.rsplit(":", 1)[0] if not host.endswith("]") else host  # the port off; an IPv6 literal kept
-    if host.lower() not in {d.lower() for d in allowed_domains}:
+    if parsed.host not in {d.lower() for d in allowed_domains}:
         raise ImageRefused("kvfork fetches no image from the network unless the operator allows its domain "
                            "(--allowed-media-domains); send the image as a data URL (data:image/png;base64,...)")
-    return RemoteUrl(host.lower())
+    return RemoteUrl(parsed.host)
 
 
 def decode(payload: str, max_pixels: int) -> Image:

@@ -174,7 +174,7 @@ async def prepare(state: AppState, body: ChatCompletionRequest, request: web.Req
     model = state.model_name(body.model)
     scope = scope_of(request, body.cache_salt)
     tenant = scope.tenant
-    lines = await image_lines(state, body.messages, model, tenant)
+    lines = await image_lines(state, body.messages, model, tenant, rid)
     messages = [template_message(i, m, config.max_json_depth, lines) for i, m in enumerate(body.messages)]
     choice, tool_name = tool_choice_of(body.tool_choice, check_tools(body.tools))
     check_chat_limits(state, body, messages)

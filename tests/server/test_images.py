@@ -81,6 +81,7 @@ def test_urls_data_or_an_allowed_host_only():
     for url, said in [("data:image/png,raw", "base64"), ("data:image/svg+xml;base64,AAAA", "image/svg+xml"),
                       ("https://shots.example.com.evil.test/a.png", "--allowed-media-domains"),
                       ("http://evil.test/?shots.example.com", "--allowed-media-domains"),
+                      ("https://shots.example.com\\@evil.test/", "data URL"),
                       ("file:///etc/passwd", "data URL"), ("ftp://shots.example.com/a.png", "data URL")]:
         with pytest.raises(ImageRefused, match=said.replace("+", r"\+")):
             source_of(url, ["shots.example.com"])
