@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from yarl import URL
 
+from kvfork.server.errors import client_text
 from kvfork.server.fair import FairWorkers
 from kvfork.server.metrics import Registry
 
@@ -39,7 +40,7 @@ MEDIA_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "
 READABLE = "PNG, JPEG, WebP or GIF"
 DECODE_THREADS = 2  # a tenant decodes one image at a time: with two, another tenant always finds one free
 _BASE64_SPACE = str.maketrans("", "", " \t\r\n")  # MIME-wrapped base64 (lines of 76) reads too
-REMEMBERED = 1024  # images kept decoded, all tenants together (a few hundred bytes each)
+REMEMBERED = 1024  # images remembered once decoded (what they are and their hash), all tenants together
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,7 @@ class ImageRefused(ValueError):
 
 @dataclass(frozen=True)
 class DataUrl:
-    media_type: str  # as the URL declares it
-    payload: str  # the base64 text
+    payload: str  # the base64 text (its declared type is checked, the decoded one is what counts)
 
 
 @dataclass(frozen=True)
@@ -73,13 +73,13 @@ def source_of(url: str, allowed_domains: list[str]) -> DataUrl | RemoteUrl:
     allowed domain; anything else is refused, before any work."""
     if url[:5].lower() == "data:":
         head, comma, payload = url[5:].partition(",")
-        media_type, _, encoding = head.partition(";")
-        if not comma or encoding.lower() != "base64":
+        media_type, *parameters = head.split(";")
+        if not comma or not parameters or parameters[-1].lower() != "base64":
             raise ImageRefused("a data URL holds the image in base64: data:image/png;base64,...")
         if media_type.lower() not in MEDIA_TYPES.values():
-            raise ImageRefused(f"the data URL's type is {media_type[:40]!r}; kvfork reads {READABLE} images "
+            raise ImageRefused(f"the data URL's type is {client_text(media_type, 40)}; kvfork reads {READABLE} images "
                                f"({', '.join(MEDIA_TYPES.values())})")
-        return DataUrl(media_type.lower(), payload)
+        return DataUrl(payload)
     try:
         parsed = URL(url)  # aiohttp's own reading of a URL, the one a fetch would make
     except ValueError:

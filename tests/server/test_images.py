@@ -75,7 +75,8 @@ def test_what_kvfork_does_not_read_is_refused_saying_why(payload, said):
 
 
 def test_urls_data_or_an_allowed_host_only():
-    assert source_of("data:image/PNG;base64,AAAA", []) == DataUrl("image/png", "AAAA")
+    assert source_of("data:image/PNG;base64,AAAA", []) == source_of("data:image/png;name=a.png;base64,AAAA", []) == \
+        DataUrl("AAAA")
     assert source_of("https://user@Shots.example.com:8443/a.png?x#y", ["shots.example.com"]) == \
         RemoteUrl("shots.example.com")
     for url, said in [("data:image/png,raw", "base64"), ("data:image/svg+xml;base64,AAAA", "image/svg+xml"),
@@ -92,7 +93,7 @@ async def test_a_tenants_image_is_decoded_once_and_never_for_another_tenant(monk
     monkeypatch.setattr(images, "decode", lambda payload, limit: decoded.append(payload) or decode(payload, limit))
     reader = Images(Registry(), remembered=2)
     try:
-        shot, other = (DataUrl("image/png", encoded(picture, "PNG")) for picture in (gradient(), gradient(8, 8)))
+        shot, other = (DataUrl(encoded(picture, "PNG")) for picture in (gradient(), gradient(8, 8)))
         first = await reader.read("a", shot, BIG)
         assert await reader.read("a", shot, BIG) == first and len(decoded) == 1  # the next turn's history
         assert await reader.read("b", shot, BIG) == first and len(decoded) == 2  # another tenant decodes its own
