@@ -60,8 +60,8 @@ def _api_error(e: BaseException) -> ApiError:
     if isinstance(e, EngineError):
         return from_engine(e)
     if isinstance(e, web.HTTPException):
-        return ApiError(e.status, e.reason if e.status != 413 else e.text or e.reason,
-                        code=_HTTP_CODES.get(e.status, f"http_{e.status}"))
+        message = e.reason if e.status != 413 else f"{e.text or e.reason} (--max-body-bytes)"
+        return ApiError(e.status, message, code=_HTTP_CODES.get(e.status, f"http_{e.status}"))
     log.exception("unexpected error")  # the log keeps the traceback; the client gets none
     return ApiError(500, "internal error", code="internal_error")
 

@@ -14,6 +14,7 @@ from kvfork.server.toolcalls import TOOL_PARSER_CHOICES
 BACKENDS = ("auto", "mlx", "torch")
 DTYPES = ("float32", "float16", "bfloat16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+IMAGE_CHOICES = ("replace", "refuse")
 
 
 def _name_check(names: list[str]) -> str | None:
@@ -170,6 +171,14 @@ class ServerConfig(Limits):
     reasoning_parser: str = setting("auto", "split reasoning from content: <think> (think), [THINK] (mistral), "
                                     "Gemma 4's, LongCat's, Kimi K3's markers or gpt-oss's Harmony channels (auto: "
                                     "the ones the chat template uses)", choices=REASONING_CHOICES)
+    images: str = setting("replace", "what a text-only model does with an image inside a tool result (an agent "
+                          "reading a screenshot): replace it by one line of text naming its media type and size, "
+                          "so the session goes on, or refuse the request with a 400 as it refuses an image in a "
+                          "user's message", choices=IMAGE_CHOICES)
+    allowed_media_domains: list[str] = setting([], "a host an image's http(s) URL may name (vLLM's flag); without "
+                                               "one every such URL is a 400 and images come as data URLs. A "
+                                               "text-only model fetches none; repeat for more", repeat=True,
+                                               check=_host_name_check)
     chat_template: str | None = setting(None, "a Jinja chat template file to use instead of the model's (clients "
                                         "can never send one)", check=_template_check)
     log_stats: bool = setting(True, "log a stats line every 10 s while busy: throughput, running and waiting "

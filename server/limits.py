@@ -20,13 +20,15 @@ import msgspec
 import numpy as np
 
 from kvfork.server.errors import ApiError
-from kvfork.server.settings import at_least, setting
+from kvfork.server.settings import at_least, between, setting
 
 KiB, MiB = 1024, 1024 * 1024
 # The prompt-characters cap, when not set, is this many times the context length: far above the
 # characters any tokenizer packs into one token, so a prompt just over the context still reaches the
 # token count and gets its context-length error, while a 15 MB message is refused before tokenizing.
 CHARS_PER_CONTEXT_TOKEN = 32
+# Pillow refuses to open an image past this many pixels (twice its Image.MAX_IMAGE_PIXELS) as a bomb
+PILLOW_MAX_PIXELS = 2 * (1024**3 // 4 // 3)
 
 
 def _positive(v: Any) -> str | None:
@@ -58,6 +60,11 @@ class Limits:
     max_n: int = setting(8, "most choices (n) a chat or completions request may ask for; each takes an "
                          "inference slot", check=at_least(1))
     max_logit_bias: int = setting(300, "most logit_bias entries (OpenAI's limit)", check=at_least(1))
+    max_images: int = setting(100, "most images in one chat, Messages or Responses request, its history included "
+                              "(Anthropic's limit)", check=at_least(0))
+    max_image_pixels: int = setting(8000 * 8000, "most pixels (width x height) of one image, read from its header "
+                                    "before any pixel is decoded (decompression bombs); Anthropic refuses past "
+                                    "8000 x 8000", check=between(1, PILLOW_MAX_PIXELS))
     max_template_kwarg_chars: int = setting(1024, "longest string a chat_template_kwargs value may be",
                                             check=at_least(1))
     max_stored_responses: int = setting(1024, "responses each tenant keeps for previous_response_id "

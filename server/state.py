@@ -13,6 +13,7 @@ from kvfork.server.engine.api import EngineError, Scope
 from kvfork.server.engine.load import TokenRate
 from kvfork.server.errors import ApiError
 from kvfork.server.grammar import GrammarCompiler
+from kvfork.server.images import Images
 from kvfork.server.metrics import Counter, Registry
 from kvfork.server.api.diagnosis import Fingerprints
 from kvfork.server.api.responses.store import ResponseStore
@@ -43,6 +44,7 @@ class AppState:
     volatile_lines: Counter = field(init=False)  # server/api/volatile.py's lines taken out of prompts
     metrics_keys: KeyTable = field(init=False)  # --metrics-key's, for /metrics and /v1/loads' every figure
     browsers: Browsers = field(init=False)  # which hosts and pages may reach the daemon
+    images: Images = field(init=False)  # decoding requests' images (server/images.py)
     pool: Any = None  # several models (server/pool/pool.ModelPool): `engine` is None, `for_model` picks one
 
     def __post_init__(self) -> None:
@@ -55,9 +57,15 @@ class AppState:
         self.volatile_lines = self.registry.counter("volatile_lines_removed_total", "volatile client lines taken "
                                                     "out of prompts (--keep-volatile-lines), by line")
         self.browsers = Browsers.of(self.config.host, self.config.allowed_hosts, self.config.allowed_origins)
+        self.images = Images(self.registry)
 
     def close(self) -> None:
         """Stop the worker threads (and grammar processes) the routes use."""
+        self.images.close()
+        self.close_model()
+
+    def close_model(self) -> None:
+        """Stop the model's own worker threads (its tokenizer's, its grammars'); a pool's copies share the rest."""
         if self.tokenizer is not None:
             self.tokenizer.close()
         if self._grammars is not None:

@@ -22,6 +22,8 @@ while the innocent one keeps measuring:
     inflate     zstd and gzip bodies of kilobytes that inflate to gigabytes, far past --max-body-bytes
     models      requests naming another model than the innocent's, on a daemon of two models where
                 one fits: each switch would unload the innocent's model
+    images      images in tool results: a decompression bomb's header, bytes no image, a BMP, a URL on no
+                allowed domain, more than --max-images, a data URL past the body limit, and screenshots
 
 The hostile tenant runs in a process of its own (`--attack SHAPE`), as a real one would: in the
 daemon's process its own work (encoding 4 MB bodies) would be measured as the daemon's. The several-models
@@ -46,14 +48,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import gzip
 import json
 import socket
 import statistics
+import struct
 import sys
 import tempfile
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -318,12 +323,47 @@ async def shape_inflate(ctx: Ctx) -> list[int | None]:
     return [await ctx.post(CHAT, frames, coding="zstd"), await ctx.post(MESSAGES, member, coding="gzip")]
 
 
+def _tool_result(*urls: str) -> dict[str, Any]:
+    """A chat turn whose tool result holds images (a text-only model decodes them to describe them)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "screenshot", "arguments": "{}"}}
+    return {"messages": [{"role": "user", "content": "look"}, {"role": "assistant", "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "c1",
+                          "content": [{"type": "image_url", "image_url": {"url": url}} for url in urls]}],
+            "max_tokens": 2}
+
+
+def _png(width: int, height: int, rows: bytes = b"") -> bytes:
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    head = chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))  # 8-bit grey
+    return b"\x89PNG\r\n\x1a\n" + head + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+
+
+def _data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+async def shape_images(ctx: Ctx) -> list[int | None]:
+    bodies = {
+        # 100,000 x 100,000 pixels claimed: refused by its header, never decoded
+        "bomb": lambda: _tool_result(_data_url(_png(100_000, 100_000))),
+        "noise": lambda: _tool_result(_data_url(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 64)),
+        "bmp": lambda: _tool_result(_data_url(b"BM" + bytes(4096), "image/bmp")),
+        "url": lambda: _tool_result("https://attacker.example/track.png"),
+        "count": lambda: _tool_result(*[_data_url(_png(8, 8, bytes(8 * 9)))] * 5000),
+        "body": lambda: _tool_result("data:image/png;base64," + "A" * ctx.target.max_body_bytes),
+        # four 1280x800 screenshots, flat grey: decoded, hashed and described, bounded by their pixels
+        "shots": lambda: _tool_result(*[_data_url(_png(1280, 800, bytes(800 * 1281)))] * 4),
+    }
+    return [await ctx.post(CHAT, ctx.encoded(f"images-{name}", make)) for name, make in bodies.items()]
+
+
 SERIAL = {"reader", "hoard", "trickle"}  # one at a time: the reader's 8 choices take half the slots, the hoard is a count
 SHAPES: dict[str, Callable[[Ctx], Awaitable[list[int | None]]]] = {
     "stops": shape_stops, "nested": shape_nested, "template": shape_template, "schema": shape_schema,
     "prompt": shape_prompt, "reader": shape_reader, "slowloris": shape_slowloris, "hoard": shape_hoard,
     "auth": shape_auth, "hog": shape_hog, "flood": shape_flood, "badkeys": shape_badkeys, "ids": shape_ids,
-    "trickle": shape_trickle, "inflate": shape_inflate, "models": shape_models,
+    "trickle": shape_trickle, "inflate": shape_inflate, "models": shape_models, "images": shape_images,
 }
 SEVERAL = {"models"}  # on the daemon of two models
 WIDE = {"hog": 48, "flood": 32, "badkeys": 32}  # in flight at once: past the slots and the queue, a torrent

@@ -34,9 +34,10 @@ from kvfork.server.grammar import request_ask
 from kvfork.server.api.chat.protocol import ChatCompletionRequest, ChatMessage
 from kvfork.server.api.openai import SamplingFields
 from kvfork.server.api.diagnosis import Asked, Fingerprint, Report, fingerprint
+from kvfork.server.api.images import IMAGE_PART, image_lines
 from kvfork.server.api.respond import Job
-from kvfork.server.limits import Limits, check_count, check_prompt_chars, check_schema, json_deeper_than
-from kvfork.server.state import AppState, scope_of
+from kvfork.server.limits import check_count, check_prompt_chars, check_schema, json_deeper_than
+from kvfork.server.state import AppState, scope_of, tenant_of
 from kvfork.server.toolcalls import resolve_tool_parser
 from kvfork.server.toolcalls.base import openai_call_id
 from kvfork.server.text.tokenizer import PromptTokenizer
@@ -96,15 +97,22 @@ def template_tool_calls(calls: list[dict[str, Any]], max_depth: int) -> list[dic
     return out
 
 
-def template_message(index: int, message: ChatMessage, max_depth: int) -> dict[str, Any]:
-    """A message as chat templates expect it: text content, the other fields passed through."""
+def template_message(index: int, message: ChatMessage, max_depth: int,
+                     image_lines: Mapping[tuple[int, int], str]) -> dict[str, Any]:
+    """A message as chat templates expect it: text content (each image as its line: server/api/images.py), the
+    other fields passed through."""
     content = message.content
     if isinstance(content, list):
+        texts = []
         for j, part in enumerate(content):
-            if part.type != "text":
-                raise ApiError(400, f"content parts of type {part.type!r} are not supported; send text",
-                               code="unsupported_content", param=f"messages[{index}].content[{j}]")
-        content = "\n".join(part.text or "" for part in content)
+            if part.type == IMAGE_PART:
+                texts.append(image_lines[index, j])
+            elif part.type == "text":
+                texts.append(part.text or "")
+            else:
+                raise ApiError(400, f"content parts of type {client_text(part.type, 32)} are not supported; send "
+                               "text or images", code="unsupported_content", param=f"messages[{index}].content[{j}]")
+        content = "\n".join(texts)
     out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role, "content": content or ""}
     for key in ("name", "tool_call_id", "reasoning_content"):
         if getattr(message, key) is not None:
@@ -130,15 +138,18 @@ class Checked:
     context: int | None  # the context its characters were checked for (None: not yet)
 
 
-def check_chat(config: Limits, body: ChatCompletionRequest, headers: Mapping[str, str],
-               session_header: Sequence[str] = (), context: int | None = None) -> Checked:
+async def check_chat(state: AppState, body: ChatCompletionRequest, request: web.Request, rid: str,
+                     context: int | None = None) -> Checked:
     """Chat, Messages and Responses requests alike: what a body may ask for, judged from the body, the limits
-    and the model's `context` where it is known before the model is acquired (AppState.known_context). The
-    route has checked its own API's limits (stop strings, tools) before translating it."""
+    and the model's `context` where it is known before the model is acquired (AppState.known_context), its
+    images read (each a line of text for a text-only model: server/api/images.py). The route has checked its
+    own API's limits (stop strings, tools) before translating it."""
+    config = state.config
     if body.top_logprobs and not body.logprobs:
         raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
     check_count("messages", body.messages, config.max_messages, "--max-messages", "messages")
-    messages = [template_message(i, m, config.max_json_depth) for i, m in enumerate(body.messages)]
+    lines = await image_lines(state, body.messages, body.model, tenant_of(request), rid)
+    messages = [template_message(i, m, config.max_json_depth, lines) for i, m in enumerate(body.messages)]
     if context is not None:
         check_prompt_chars(messages, body.tools, config, context)
     choice, tool_name = tool_choice_of(body.tool_choice, check_tools(body.tools))
@@ -146,7 +157,8 @@ def check_chat(config: Limits, body: ChatCompletionRequest, headers: Mapping[str
         check_schema("response_format", body.response_format.json_schema.schema, config)
     if body.tools and body.tool_choice != "none":  # a tool grammar is built from their parameters
         check_schema("tools", [tool["function"].get("parameters") for tool in body.tools], config)
-    return Checked(body, messages, choice, tool_name, session_id(body.session_id, headers, session_header), context)
+    session = session_id(body.session_id, request.headers, config.session_header)
+    return Checked(body, messages, choice, tool_name, session, context)
 
 
 def inline_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

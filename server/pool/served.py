@@ -48,7 +48,7 @@ class ServedModel:
         """Let running requests finish within `grace_s`, cancel the rest; the prefix cache spills to the disk
         tier (the engine's shutdown), so loading the model again restores it."""
         await self.engine.shutdown(grace_s)
-        self.state.close()
+        self.state.close_model()
 
     @property
     def weights_bytes(self) -> int:

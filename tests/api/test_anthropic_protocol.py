@@ -164,13 +164,28 @@ def test_invalid_requests_name_the_field(body, where):
 @pytest.mark.parametrize(
     "content",
     [
-        [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}],
+        [{"type": "document", "source": {}}],
         [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "document", "source": {}}]}],
+        [{"type": "image", "source": {"type": "file", "file_id": "file_1"}}],
     ],
 )
-def test_images_and_documents_are_unsupported(content):
-    with pytest.raises(UnsupportedContent, match="not supported"):
+def test_documents_and_file_images_are_unsupported(content):
+    with pytest.raises(UnsupportedContent, match="not supported|no Files API"):
         chat_request(decode({"max_tokens": 5, "messages": [{"role": "user", "content": content}]}))
+
+
+def test_images_become_chat_image_parts_in_user_turns_and_tool_results():
+    png = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
+    linked = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}
+    result = {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text", "text": "shot:"}, linked]}
+    messages = chat_request(decode({"max_tokens": 5, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "see"}, png, result]}]}))["messages"]
+    assert messages == [
+        {"role": "user", "content": [{"type": "text", "text": "see"},
+                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]},
+        {"role": "tool", "tool_call_id": "t", "content": [
+            {"type": "text", "text": "shot:"},
+            {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]
 
 
 def test_tool_choice_tool_needs_a_name_and_a_custom_tool_a_schema():

@@ -84,7 +84,7 @@ async def test_unsupported_parameters_and_content(daemon, http):
     await expect(http, "POST", url, 400, "invalid_grammar", "response_format.type",
                  json=chat_body(response_format={"type": "yaml"}))
     image = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this"},
-                                                        {"type": "image_url", "image_url": {"url": "data:,"}}]}]}
+                                                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]}
     await expect(http, "POST", url, 400, "unsupported_content", "messages[0].content[1]", json=image)
     for extra, param in [({"best_of": 2}, "best_of"), ({"suffix": "x"}, "suffix"),
                          ({"echo": True, "logprobs": 1}, "echo"), ({"prompt": ["a", "b"]}, "prompt")]:

@@ -113,7 +113,7 @@ async def test_messages_errors_use_anthropic_shape(daemon, claude, sdk):
         await claude.messages.create(model="tiny", max_tokens=0, messages=user("hi"))
     assert caught.value.body["error"]["type"] == "invalid_request_error" and "max_tokens" in caught.value.body["error"]["message"]
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
-    with pytest.raises(anthropic.BadRequestError, match="not supported"):
+    with pytest.raises(anthropic.BadRequestError, match="'tiny' reads text only"):
         await claude.messages.create(model="tiny", max_tokens=5, messages=[{"role": "user", "content": [image]}])
     wrong = sdk.anthropic(daemon, api_key="wrong")
     with pytest.raises(anthropic.AuthenticationError) as caught:

@@ -25,11 +25,17 @@ class ResponseFormat(Struct):
     json_schema: JsonSchemaFormat | None = None
 
 
+class ImageUrl(Struct):
+    url: str
+
+
 class ContentPart(Struct):
-    """One part of a message's content; only text parts are served (others: unsupported_content)."""
+    """One part of a message's content: text, or an image (server/api/images.py); others are refused
+    (unsupported_content). `image_url` is an object as OpenAI sends it, or the URL alone as vLLM accepts."""
 
     type: str
     text: str | None = None
+    image_url: ImageUrl | str | None = None
 
 
 class ChatMessage(Struct):

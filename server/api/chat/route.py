@@ -23,9 +23,9 @@ async def handle(request: web.Request) -> web.StreamResponse:
     config = state.config
     check_sampling(body, config)
     check_count("tools", body.tools, config.max_tools, "--max-tools", "tools")
-    checked = check_chat(config, body, request.headers, config.session_header, await state.known_context(body.model))
-    state = await state.for_model(request, body.model, body.stream)
     rid = request_id("chatcmpl")
+    checked = await check_chat(state, body, request, rid, await state.known_context(body.model))
+    state = await state.for_model(request, body.model, body.stream)
     job = await prepare(state, checked, request, rid, asked=asked_by(body.prompt_cache_options))
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     tokenizer = state.require_ready() if body.logprobs else None

@@ -63,10 +63,10 @@ async def handle(request: web.Request) -> web.StreamResponse:
     body: MessagesRequest = without_volatile_lines(state, await read_body(request, DECODE_MESSAGES))
     limits = state.config
     check_stops("stop_sequences", body.stop_sequences, limits.max_stop_sequences, "--max-stop-sequences", limits)
-    checked = checked_chat(state, body, request, await state.known_context(body.model))
+    rid = message_id()
+    checked = await checked_chat(state, body, request, rid, await state.known_context(body.model))
     report_dropped_tools(request, dropped_tools(body))
     state = await state.for_model(request, body.model, body.stream)
-    rid = message_id()
     asked = Asked(body.diagnostics.previous_message_id) if body.diagnostics is not None else None
     job = await prepare(state, checked, request, rid, make_call_id=tool_use_id, asked=asked)
     try:
@@ -87,13 +87,13 @@ async def count_tokens(request: web.Request) -> web.Response:
     state = state_of(request)
     body: CountTokensRequest = without_volatile_lines(state, await read_body(request, DECODE_COUNT))
     tokenizer, context = await state.counting(request, body.model)
-    checked = checked_chat(state, body, request, context)
+    checked = await checked_chat(state, body, request, "count_tokens", context)
     rendered = await render_prompt(tokenizer, state.config, checked, context, tenant_of(request))
     return json_response(TokenCount(len(rendered.prompt)))
 
 
-def checked_chat(state: AppState, body: MessagesRequest | CountTokensRequest, request: web.Request,
-                 context: int | None) -> Checked:
+async def checked_chat(state: AppState, body: MessagesRequest | CountTokensRequest, request: web.Request,
+                       rid: str, context: int | None) -> Checked:
     """The chat request a Messages body means, checked (prepare.check_chat) for a model of `context` tokens
     (None: not known yet); its messages and content blocks are counted before they are translated."""
     limits = state.config
@@ -101,4 +101,4 @@ def checked_chat(state: AppState, body: MessagesRequest | CountTokensRequest, re
     if count is not None:
         raise over("messages", f"messages hold {count:,} or more messages and content blocks", limits.max_messages,
                    "--max-messages", "array_above_max_length")
-    return check_chat(limits, as_chat_request(body), request.headers, limits.session_header, context)
+    return await check_chat(state, as_chat_request(body), request, rid, context)

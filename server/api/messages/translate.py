@@ -8,7 +8,9 @@ The mapping keeps structure rather than flattening it, so one rule (the chat
 route's) decides how text parts join:
 - `system` as a string stays a string; as blocks it becomes text parts.
 - A user message's `tool_result` blocks become `tool` messages, in order; runs
-  of text blocks between them become user messages with text parts.
+  of text and image blocks between them become user messages with text and
+  `image_url` parts (a base64 source as a data URL), and so does a tool
+  result's content (server/api/images.py decides what a model takes).
 - An assistant message's text blocks become its content parts, `tool_use`
   blocks its `tool_calls` (arguments rendered as the templates' `tojson` does),
   `thinking` blocks its `reasoning_content`.
@@ -45,10 +47,10 @@ from kvfork.server.toolcalls.base import arguments_json
 
 
 class UnsupportedContent(ValueError):
-    """A block kvfork cannot feed a text model (images, documents)."""
+    """A block kvfork cannot feed the model: documents, images anywhere but user turns and tool results."""
 
 
-def _parts(blocks: list[TextBlock]) -> list[dict[str, str]]:
+def _parts(blocks: list[TextBlock]) -> list[dict[str, Any]]:
     return [{"type": "text", "text": b.text} for b in blocks]
 
 
@@ -57,31 +59,58 @@ def _check_text(block: object, where: str) -> None:
         raise UnsupportedContent(f"{where}: {type(block).__struct_config__.tag} content is not supported")
 
 
+def _image(block: ImageBlock, where: str) -> dict[str, Any]:
+    """An image block as chat's image_url part: a base64 source as a data URL, a url source as its URL."""
+    source = block.source
+    kind = source.get("type")
+    if kind == "base64" and isinstance(source.get("data"), str) and isinstance(source.get("media_type"), str):
+        url = f"data:{source['media_type']};base64,{source['data']}"
+    elif kind == "url" and isinstance(source.get("url"), str):
+        url = source["url"]
+    elif kind in ("base64", "url"):
+        raise ValueError(f"{where}: an image's {kind} source needs " +
+                         ("media_type and data" if kind == "base64" else "a url"))
+    else:
+        raise UnsupportedContent(f"{where}: an image source is base64 or url (kvfork serves no Files API)")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _user_parts(blocks: list, where: str) -> list[dict[str, Any]]:
+    """Text and image blocks (of a user turn, or a tool result's content) as chat's content parts."""
+    out = []
+    for block in blocks:
+        if isinstance(block, ImageBlock):
+            out.append(_image(block, where))
+        else:
+            _check_text(block, where)
+            out.append({"type": "text", "text": block.text})
+    return out
+
+
 def _user(content: str | list, index: int) -> list[dict[str, Any]]:
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
     out: list[dict[str, Any]] = []
-    texts: list[TextBlock] = []
+    where = f"messages[{index}]"
+    parts: list[TextBlock | ImageBlock] = []
     for block in content:
-        _check_text(block, f"messages[{index}]")
-        if isinstance(block, TextBlock):
-            texts.append(block)
+        if isinstance(block, (TextBlock, ImageBlock)):
+            parts.append(block)
             continue
-        if texts:
-            out.append({"role": "user", "content": _parts(texts)})
-            texts = []
+        _check_text(block, where)
+        if parts:
+            out.append({"role": "user", "content": _user_parts(parts, where)})
+            parts = []
         if isinstance(block, ToolResultBlock):
             result = block.content
             if not isinstance(result, str):
-                for part in result:
-                    _check_text(part, f"messages[{index}] tool_result")
-                result = _parts(result)  # type: ignore[arg-type]
+                result = _user_parts(result, f"{where} tool_result")  # type: ignore[assignment]
             out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": result})
         elif not isinstance(block, (ThinkingBlock, RedactedThinkingBlock)):
             kind = type(block).__struct_config__.tag
             raise ValueError(f"messages[{index}]: {kind} blocks belong to assistant messages")
-    if texts or not out:
-        out.append({"role": "user", "content": _parts(texts)})
+    if parts or not out:
+        out.append({"role": "user", "content": _user_parts(parts, where)})
     return out
 
 

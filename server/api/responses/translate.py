@@ -3,7 +3,9 @@
 The mapping keeps one rule for rendering, `prepare`'s, so a history sent
 through /v1/responses renders to the same prompt tokens as its chat twin:
 - `instructions` → the first system message; a `developer` message → system.
-- message items → messages; text parts stay parts (`prepare` joins them).
+- message items → messages; text parts stay parts (`prepare` joins them), `input_image`
+  parts become chat's `image_url` parts, in a `function_call_output` too
+  (server/api/images.py decides what a model takes).
 - `function_call` items → the `tool_calls` of the assistant message just before
   them (or of a new one); `function_call_output` → `tool` messages.
 - `reasoning` items → `reasoning_content` of the next assistant message (of an
@@ -22,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from kvfork.server.errors import ApiError, from_decode, invalid
+from kvfork.server.errors import ApiError, client_text, from_decode, invalid
 from kvfork.server.api.responses.protocol import (
     ContentPart,
     FunctionCallItem,
@@ -43,12 +45,20 @@ def _convert(raw: dict, kind: type, where: str):
         raise invalid(f"{where}.{error.param}" if error.param else where, f"{where}: {error.message}") from None
 
 
-def _parts(parts: list[ContentPart], where: str) -> list[dict[str, str]]:
+def _parts(parts: list[ContentPart], where: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
     for j, part in enumerate(parts):
-        if part.type not in TEXT_PARTS:
-            raise ApiError(400, f"content parts of type {part.type!r} are not supported; send text",
+        if part.type == "input_image" and part.image_url is not None:
+            out.append({"type": "image_url", "image_url": {"url": part.image_url}})
+        elif part.type == "input_image":
+            raise ApiError(400, "an input_image is sent by its image_url (a data URL); kvfork serves no Files API",
                            code="unsupported_content", param=f"{where}.content[{j}]")
-    return [{"type": "text", "text": part.text or ""} for part in parts]
+        elif part.type in TEXT_PARTS:
+            out.append({"type": "text", "text": part.text or ""})
+        else:
+            raise ApiError(400, f"content parts of type {client_text(part.type, 32)} are not supported; send text "
+                           "or input_image", code="unsupported_content", param=f"{where}.content[{j}]")
+    return out
 
 
 def chat_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:

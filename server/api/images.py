@@ -1,0 +1,108 @@
+"""The images of a chat request, as a text-only model takes them (every model kvfork serves today).
+
+Every API's images arrive here as chat `image_url` parts: chat's own, Responses' `input_image`, and
+Messages' `image` blocks (in user turns and inside `tool_result` content), translated into them. Each is
+checked before any work (their count, then each URL: server/images.py), then:
+- an image in a user's message (or any turn but a tool result) is a 400 naming the model, as OpenAI
+  answers a model that reads no images;
+- an image inside a tool result (an agent reading a screenshot) is decoded and replaced by one line of
+  text naming its media type and size, so the agent's session goes on; counted in /metrics
+  (`kvfork_images_replaced_total`) and logged, one line a request (with each image's hash, by which
+  the same screenshot is told across turns). `--images refuse` makes it a 400 too. An http(s) URL on an
+  allowed domain is never fetched for it: the line names its host.
+The line is all the model sees of the image, so count_tokens counts it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from kvfork.server.api.chat.protocol import ChatMessage
+from kvfork.server.errors import ApiError, client_text, invalid
+from kvfork.server.images import DataUrl, ImageRefused, RemoteUrl, source_of
+from kvfork.server.limits import over
+from kvfork.server.state import AppState
+
+log = logging.getLogger("kvfork.http")
+IMAGE_PART = "image_url"
+_LOGGED_IMAGES = 8  # images one request's log line names
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    message: int
+    part: int
+    url: str
+    role: str  # of the message holding it: `tool`, a tool's result
+
+    @property
+    def in_tool_result(self) -> bool:
+        return self.role == "tool"
+
+    @property
+    def param(self) -> str:
+        return f"messages[{self.message}].content[{self.part}]"
+
+
+def image_parts(messages: list[ChatMessage]) -> list[ImagePart]:
+    """The image parts of the messages, in order; a 400 for one without its URL."""
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message.content, list):
+            continue
+        for j, part in enumerate(message.content):
+            if part.type != IMAGE_PART:
+                continue
+            url = part.image_url if isinstance(part.image_url, str) or part.image_url is None else part.image_url.url
+            if not url:
+                raise invalid(f"messages[{i}].content[{j}].image_url", 'an image_url part is {"type": "image_url", '
+                              '"image_url": {"url": "data:image/png;base64,..."}}')
+            out.append(ImagePart(i, j, url, message.role))
+    return out
+
+
+async def image_lines(state: AppState, messages: list[ChatMessage], model: str, tenant: str,
+                      rid: str) -> dict[tuple[int, int], str]:
+    """The line of text standing for each image, by (message, part); a 400 for any the model cannot take."""
+    parts = image_parts(messages)
+    if not parts:
+        return {}
+    config = state.config
+    if len(parts) > config.max_images:
+        raise over("messages", f"the request holds {len(parts):,} images", config.max_images, "--max-images",
+                   "array_above_max_length")
+    sources = []
+    for n, part in enumerate(parts, 1):
+        try:
+            sources.append(source_of(part.url, config.allowed_media_domains))
+        except ImageRefused as e:
+            raise invalid(part.param, f"image {n}: {e}") from None
+    for n, part in enumerate(parts, 1):
+        if not part.in_tool_result or config.images == "refuse":
+            where = "inside a tool result" if part.in_tool_result else f"in a {part.role} message"
+            raise ApiError(400, f"the model {model!r} reads text only: image {n} ({where}) cannot be sent to it; "
+                           "send text", code="unsupported_content", param=part.param)
+    described = [await _describe(state, source, tenant, n, part)
+                 for n, (part, source) in enumerate(zip(parts, sources), 1)]
+    for _, media_type, _ in described:  # counted once every image is read: a request refused counts none
+        state.images.replaced.inc(media_type=media_type)
+    logged = [f"image {n} {known}" for n, (_, _, known) in enumerate(described[:_LOGGED_IMAGES], 1)]
+    more = f" and {len(described) - _LOGGED_IMAGES} more" if len(described) > _LOGGED_IMAGES else ""
+    log.info("%s: images in tool results given to the text-only model %s as a line of text each (--images): %s%s",
+             rid, client_text(model), ", ".join(logged), more)
+    return {(part.message, part.part): f"[{what}: not shown, this model reads text only]"
+            for part, (what, _, _) in zip(parts, described)}
+
+
+async def _describe(state: AppState, source: DataUrl | RemoteUrl, tenant: str, n: int,
+                    part: ImagePart) -> tuple[str, str, str]:
+    """What the line says of an image, its media type (for /metrics) and what the log says of it."""
+    if isinstance(source, RemoteUrl):
+        return f"an image at {source.host}, not fetched", "url", f"at {source.host}"
+    try:
+        image = await state.images.read(tenant, source, state.config.max_image_pixels)
+    except ImageRefused as e:
+        raise invalid(part.param, f"image {n}: {e}") from None
+    return f"{image.media_type} image, {image.width}x{image.height} pixels", image.media_type, \
+        f"{image}, sha256 {image.digest[:12]}"
