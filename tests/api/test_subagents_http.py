@@ -58,8 +58,10 @@ def subagent_model(tmp_path_factory) -> str:
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=["mlx", "torch"])
 async def daemon(request, subagent_model):
     pytest.importorskip("mlx.core" if request.param == "mlx" else "torch")
+    # memory alone: the cases need no disk tier; prefill chunks of 64 tokens keep a subagent's prompt in
+    # prefill for dozens of steps, so the other, sent beside it, is placed while it runs however fast the machine
     engine = dict(prefix_cache_min_tokens=REUSE_MIN, active_prefix_reuse_min_tokens=REUSE_MIN,
-                  prefix_cache_disk_bytes=0)  # memory alone: the cases need no disk tier
+                  prefix_cache_disk_bytes=0, prefill_chunk=REUSE_MIN)
     async with serving(subagent_model, create_backend(request.param), engine=engine, accept_any_model=True) as d:
         yield d
 
