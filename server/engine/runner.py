@@ -209,13 +209,13 @@ class Runner(Commands, Cloning, Speculation):
         """The step's backend time into the step budget's rates (a step that decoded: the whole step
         against its prefill tokens) and the prefill rate; returns the step's prefill time: its pass of
         prefill chunks, or the prefill part of its one mixed pass (rates.split_pass)."""
-        tokens = plan.prefill_tokens
+        tokens, positions = plan.prefill_tokens, sum(row.reads for row in plan.decode)
         if plan.decode and not plan.mixed:
             prefill_s = last_pass_s if plan.prefill else 0.0
         else:
-            prefill_s = split_pass(len(plan.decode), tokens, step_s)[1]
+            prefill_s = split_pass(positions, tokens, step_s)[1]
         if plan.decode:
-            self._rates = self._rates.observe_step(tokens, step_s)
+            self._rates = self._rates.observe_step(tokens, step_s, positions - len(plan.decode))
         self._rates = self._rates.observe_prefill(tokens, prefill_s)
         return prefill_s
 
