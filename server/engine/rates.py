@@ -129,10 +129,13 @@ class RateTracker:
         return (fixed, slope) if fixed >= 0 else (0.0, my / mx)
 
     def _step_fit(self, prefill_tps: float) -> tuple[float, float]:
-        """(decode_s, step_s_per_token) of a step that decodes."""
+        """(decode_s, step_s_per_token) of a step that decodes; while only steps that verified drafts
+        were seen, the fixed part their line gives."""
         w, sx, sy, _, _ = self.step_moments
         if w <= 0:
-            return self.prior.decode_s, self.prior.step_s_per_token
+            fit = fit_line(self.verify_moments) if self.verify_moments[0] > 0 else None
+            fixed = self.prior.decode_s if fit is None else max(0.0, fit[0])
+            return fixed, self.prior.step_s_per_token
         fit = fit_line(self.step_moments)
         if fit is None or fit[1] <= 0:
             # Steps of one chunk size (or none yet with prefill) cannot tell the parts apart: each

@@ -79,3 +79,7 @@ def test_rate_tracker_keeps_verified_positions_off_the_decode_line():
         alike = alike.observe_step(0, 0.08 + 0.0005 * 8, 8)
     assert alike.rates.verify_s_per_token == pytest.approx(0.0005, rel=1e-3)
     assert RateTracker().rates.verify_s_per_token == Rates().verify_s_per_token
+    drafting = RateTracker()
+    for drafted in [4, 16, 8, 12, 2]:  # no plain step yet: the fixed part is the drafted steps' line's
+        drafting = drafting.observe_step(0, 0.08 + 0.0005 * drafted, drafted)
+    assert drafting.rates.decode_s == pytest.approx(0.08, rel=1e-3)
