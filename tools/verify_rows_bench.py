@@ -7,11 +7,11 @@ the rows the pass gave (`rows_in_pass`: what sampling every row at each draft de
 the rows sampled (`rows_sampled`). Work, not seconds: a loaded machine gives the same counts.
 
     python -m kvfork.tools.verify_rows_bench [--model FOLDER] [--backend torch] [--tokens 128]
-                                             [--concurrency 1,4] [--speculative suffix]
+                                             [--concurrency 1,4] [--speculative suffix] [--restate 3] [--sends 2]
 
-Workload: per request a prompt that restates one span of random tokens three times (prompt lookup
-finds it), sent twice at each concurrency (suffix decoding drafts the second from the first's reply),
-greedy, the prefix cache off. A JSON line per concurrency: steps, tokens, drafted and accepted
+Workload: per request a prompt that restates one span of 48 random tokens `--restate` times (prompt
+lookup finds it where it is restated), sent `--sends` times at each concurrency (suffix decoding
+drafts a later send from the earlier replies), greedy, the prefix cache off. A JSON line per concurrency: steps, tokens, drafted and accepted
 tokens, and both row counts (in all and per step).
 """
 
@@ -48,12 +48,12 @@ class RowCounts:
         backend.select_rows = counted  # type: ignore[method-assign]
 
 
-def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+def prompts(n: int, vocab: int, restate: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         span = [rng.randrange(3, vocab) for _ in range(48)]
-        out.append([rng.randrange(3, vocab) for _ in range(8)] + span * 3)
+        out.append([rng.randrange(3, vocab) for _ in range(8)] + span * restate)
     return out
 
 
@@ -74,9 +74,9 @@ async def measure(args: argparse.Namespace) -> list[dict]:
         for concurrency in args.concurrency:
             before = (m.steps.get(), counts.rows_in_pass, counts.rows_sampled,
                       sum(m.spec_drafted.values.values()), sum(m.spec_accepted.values.values()))
-            batch = prompts(concurrency, min(engine.info.vocab_size, 30000), seed=concurrency)
+            batch = prompts(concurrency, min(engine.info.vocab_size, 30000), args.restate, seed=concurrency)
             generated = 0
-            for again in range(2):
+            for again in range(args.sends):
                 generated += await run_round(engine, batch, args.tokens, f"c{concurrency}-{again}")
             steps, in_pass, sampled, drafted, accepted = (
                 now - then for now, then in zip((m.steps.get(), counts.rows_in_pass, counts.rows_sampled,
@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=128, help="tokens each request generates")
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     parser.add_argument("--speculative", default="suffix", choices=("prompt", "suffix"))
+    parser.add_argument("--restate", type=int, default=3, help="times each prompt states its span of tokens")
+    parser.add_argument("--sends", type=int, default=2, help="times each prompt is sent at each concurrency")
     args = parser.parse_args(argv)
     args.model = args.model or str(default_model_dir())
     for row in asyncio.run(measure(args)):
