@@ -11,8 +11,8 @@ the rows sampled (`rows_sampled`). Work, not seconds: a loaded machine gives the
 
 Workload: per request a prompt that restates one span of 48 random tokens `--restate` times (prompt
 lookup finds it where it is restated), sent `--sends` times at each concurrency (suffix decoding
-drafts a later send from the earlier replies), greedy, the prefix cache off. A JSON line per concurrency: steps, tokens, drafted and accepted
-tokens, and both row counts (in all and per step).
+drafts a later send from the earlier replies), greedy, the prefix cache off. A JSON line per
+concurrency: steps, tokens, drafted and accepted tokens, and both row counts (in all and per step).
 """
 
 from __future__ import annotations

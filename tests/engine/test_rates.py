@@ -72,7 +72,8 @@ def test_rate_tracker_keeps_verified_positions_off_the_decode_line():
     tracker = plain
     for drafted in [4, 16, 8, 12, 2] * 6:  # 0.5 ms a drafted position: near free while bound by the weights
         tracker = tracker.observe_step(0, 0.08 + 0.0005 * drafted, drafted)
-    assert (tracker.rates.decode_s, tracker.rates.step_s_per_token) == (plain.rates.decode_s, plain.rates.step_s_per_token)
+    assert tracker.rates.decode_s == plain.rates.decode_s
+    assert tracker.rates.step_s_per_token == plain.rates.step_s_per_token
     assert tracker.rates.verify_s_per_token == pytest.approx(0.0005, rel=1e-3)
     alike = plain
     for _ in range(5):  # drafts all of one length: what they took beyond the fixed part, per position
