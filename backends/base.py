@@ -409,6 +409,12 @@ class Backend(abc.ABC):
         frequency penalties count), so the engine does not append it again.
         """
 
+    @abc.abstractmethod
+    def select_rows(self, logits: Any, rows: Sequence[int]) -> Any:
+        """The logits rows `rows` (indices into `logits`, in that order), on the device, for `sample` to
+        read only those: a verify pass's positions past a rejected draft are never sampled. `logits`
+        itself when `rows` are all its rows in order."""
+
     @property
     def rolls_back(self) -> bool:
         """After `load`: whether `verify` and `truncate` serve this model (speculative decoding)."""

@@ -143,10 +143,11 @@ class Executor:
         finally:
             self.seconds += time.perf_counter() - t0
 
-    def sample(self, logits: Any, states: Sequence[SamplerState]) -> Any:
+    def sample(self, logits: Any, states: Sequence[SamplerState], rows: Sequence[int]) -> Any:
+        """States[i] samples logits row rows[i]; no other row is sampled (Backend.select_rows)."""
         t0 = time.perf_counter()
         try:
-            return self.backend.sample(logits, states)
+            return self.backend.sample(self.backend.select_rows(logits, rows), states)
         finally:
             self.seconds += time.perf_counter() - t0
 

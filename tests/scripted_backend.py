@@ -168,6 +168,9 @@ class ScriptedBackend(Backend):
             state.output.append(t)  # as every backend's sampler does
         return [Sampled(t, 0.0 if st.params.logprobs else None) for t, st in zip(picks, states)]
 
+    def select_rows(self, logits: list[int], rows: Sequence[int]) -> list[int]:
+        return [logits[i] for i in rows]
+
     def clone(self, session: Session, upto: int) -> ScriptedSession:
         self.calls.append(("clone", session.id, upto))
         self._enter("clone", [session])

@@ -242,6 +242,9 @@ class FaultyBackend(Backend):
         self._struck_alone["sample"] = None
         return self.inner.sample(logits, states)
 
+    def select_rows(self, logits: Any, rows: Sequence[int]) -> Any:
+        return self.inner.select_rows(logits, rows)
+
     def clone(self, session: Session, upto: int) -> Session:
         self._read([session], "clone")
         kind = "capture" if self._just_prefilled.get(session.id) == upto else "clone"

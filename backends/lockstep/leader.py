@@ -206,6 +206,9 @@ class LockstepBackend(Backend):
     def sample(self, logits: Any, states: Sequence[SamplerState]) -> list[Sampled]:
         return self.local.sample(logits, states)
 
+    def select_rows(self, logits: Any, rows: Sequence[int]) -> Any:
+        return self.local.select_rows(logits, rows)
+
     # -- saved states (optional work: a rank that fails one, fails it on every rank) ------
 
     def export_state(self, session: Session) -> SavedState:

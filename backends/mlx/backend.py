@@ -169,6 +169,9 @@ class MLXBackend(Backend):
     def sample(self, logits: mx.array, states: Sequence[SamplerState]) -> list[Sampled]:
         return sampling.sample(logits, states)
 
+    def select_rows(self, logits: mx.array, rows: Sequence[int]) -> mx.array:
+        return sampling.select_rows(logits, rows)
+
     def clone(self, session: MLXSession, upto: int) -> MLXSession:
         if session.lost:
             raise CloneRefused("lost", "its state went with a failed decode step")

@@ -82,6 +82,12 @@ def allow(logits: mx.array, states: Sequence[SamplerState]) -> mx.array:
     return mx.where(bits[:, : logits.shape[-1]] == 1, logits, mx.array(-float("inf"), logits.dtype))
 
 
+def select_rows(logits: mx.array, rows: Sequence[int]) -> mx.array:
+    if list(rows) == list(range(logits.shape[0])):
+        return logits
+    return mx.take(logits, mx.array(rows, mx.int32), axis=0)
+
+
 def sample(logits: mx.array, states: Sequence[SamplerState]) -> list[Sampled]:
     logits = logits.astype(mx.float32)
     picking = allow(logits, states)

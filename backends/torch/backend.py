@@ -250,6 +250,10 @@ class TorchBackend(Backend):
     def sample(self, logits: torch.Tensor, states: Sequence[SamplerState]) -> list[Sampled]:
         return sampling.sample(logits, states)
 
+    @torch.inference_mode()
+    def select_rows(self, logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        return sampling.select_rows(logits, rows)
+
     # -- clone -----------------------------------------------------------
 
     @torch.inference_mode()

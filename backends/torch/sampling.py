@@ -88,6 +88,12 @@ def allow(logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
     return logits.masked_fill(bits == 0, float("-inf"))
 
 
+def select_rows(logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    if list(rows) == list(range(logits.shape[0])):
+        return logits
+    return logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
+
+
 def sample(logits: torch.Tensor, states: Sequence[SamplerState]) -> list[Sampled]:
     logits = logits.float()
     picking = allow(logits, states)

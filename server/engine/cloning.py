@@ -109,7 +109,7 @@ class Cloning:
         self.events.append(m.Captured(s.rid, prompt, snapshot, self.backend.session_bytes(session),
                                       kept=session.kept))
 
-    def _open_choice(self, lead: Seq, rid: int, logits: Any, row: int, rows: int) -> None:
+    def _open_choice(self, lead: Seq, rid: int, logits: Any, row: int) -> None:
         """`lead`'s prompt is in and row `row` of `logits` is its last: choice `rid` starts from a clone at
         the prompt's full length (before `lead` decodes) and samples its first token from that row."""
         choice = next(c for c in lead.choices if c.rid == rid)
@@ -123,4 +123,4 @@ class Cloning:
             return
         s = self._open(start, sid, [], planned=True)
         self.events.append(m.Started(rid, len(start.prompt), None))
-        self.sample(logits, [s if i == row else None for i in range(rows)])
+        self.sample(logits, {row: s})

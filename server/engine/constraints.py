@@ -79,13 +79,13 @@ class ConstrainedRows:
         self._rows[rid] = row
         row.pending = self._submit(row, None)
 
-    def before_sample(self, rids: Sequence[int | None], states: Sequence[SamplerState]) -> list[SamplerState]:
+    def before_sample(self, rids: Sequence[int], states: Sequence[SamplerState]) -> list[SamplerState]:
         """Join each constrained row's mask and put it on its state; a dead row samples as a discard."""
         if not self._rows:
             return list(states)
         out = list(states)
         for i, rid in enumerate(rids):
-            row = self._rows.get(rid) if rid is not None else None
+            row = self._rows.get(rid)
             if row is None:
                 continue
             if row.pending is not None:

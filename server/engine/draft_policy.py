@@ -26,8 +26,8 @@ and a row below it skips drafting in that step (other rows still draft). The two
   does not draft at four rows), and one with a record goes by its own (a code edit beside prose does).
   All requests' acceptance starts optimistic (PRIOR_TOKENS drafted tokens all accepted) and forgets
   that start as drafts are verified (by `PRIOR_RECENT` per draft).
-- `FLOOR`: below this acceptance no batch size pays (a rejected position is never free: the walk
-  over it and the roll back cost time on every backend); it also stops a request whose drafts are
+- `FLOOR`: below this acceptance no batch size pays (a rejected position is never free: its
+  share of the pass and the roll back cost time on every backend); it also stops a request whose drafts are
   all rejected without waiting for its own switch (drafts.Adaptation, after its warm-up).
 - probing: a row that skipped drafting `PROBE_EVERY` steps in a row drafts once, so its acceptance
   follows its text: a request whose reply turns repetitive (a file restated after prose) turns

@@ -90,20 +90,18 @@ def _one_by_one(run: Callable[[list[Row]], Any], rows: list[Row], fail: Fail) ->
     return [group for row in rows for group in forward(run, [row], fail)]
 
 
-def sample(draw: Callable[[Sequence[int | None]], list[Sampled]], rids: list[int | None], fail: Fail,
+def sample(draw: Callable[[Sequence[int]], list[Sampled]], rids: list[int], fail: Fail,
            retried: bool = False) -> list[tuple[int, Sampled]]:
-    """Sample the rows of `rids` (None rows are sampled greedily and dropped). `retried`: this one
+    """Sample the rows of `rids` (draw samples those rows alone, one pick each). `retried`: this one
     row's sampling already failed once alone."""
     try:
         picks = draw(rids)
     except Exception as exc:
-        wanted = [i for i, rid in enumerate(rids) if rid is not None]
-        if len(wanted) == 1 and retried:
-            fail(rids[wanted[0]], f"sampling failed: {exc}")  # type: ignore[arg-type]
+        if len(rids) == 1 and retried:
+            fail(rids[0], f"sampling failed: {exc}")
             return []
-        if len(wanted) == 1:  # the sampler changed nothing: once more before charging the request
+        if len(rids) == 1:  # the sampler changed nothing: once more before charging the request
             return sample(draw, rids, fail, retried=True)
         log.warning("sampling a batch failed (%s); sampling its rows one by one", exc)
-        return [pick for i in wanted for pick in sample(draw, [r if j == i else None for j, r in enumerate(rids)],
-                                                         fail)]
-    return [(rid, pick) for rid, pick in zip(rids, picks) if rid is not None]
+        return [pick for rid in rids for pick in sample(draw, [rid], fail)]
+    return list(zip(rids, picks))

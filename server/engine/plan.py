@@ -119,9 +119,6 @@ def from_bytes(data: bytes) -> StepPlan:
     return _decode(data)
 
 
-DISCARD = SamplingParams()  # greedy: samples the logits rows nobody reads, leaving real streams untouched
-
-
 def replay(plans: Sequence[StepPlan], backend: Backend) -> dict[int, list[int]]:
     """Run recorded plans on `backend` (loaded, holding no session of theirs); the tokens each
     request's sampler picks, by rid."""
@@ -135,15 +132,12 @@ def replay(plans: Sequence[StepPlan], backend: Backend) -> dict[int, list[int]]:
             samplers[s.rid] = SamplerState(s.params, prompt=s.prompt)
         for rows in plan.passes():
             logits = ex.run(pass_of(rows))
-            starts = offsets(rows)
-            at = {row.rid: (i, row.draft) for i, row in zip(starts, rows)}
-            total = starts[-1] + rows[-1].reads
+            at = {row.rid: (i, row.draft) for i, row in zip(offsets(rows), rows)}
             for s in plan.samples:
                 if s.row in at:
                     i, draft = at[s.row]
                     for j in range(len(draft) + 1):  # a drafted row: while the draw equals the draft (Speculation._walk)
-                        states = [samplers[s.rid] if k == i + j else SamplerState(DISCARD) for k in range(total)]
-                        picked.setdefault(s.rid, []).append(ex.sample(logits, states)[i + j].token)
+                        picked.setdefault(s.rid, []).append(ex.sample(logits, [samplers[s.rid]], [i + j])[0].token)
                         if j == len(draft) or picked[s.rid][-1] != draft[j]:
                             break
     return picked

@@ -28,7 +28,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from kvfork.backends import effects as e
-from kvfork.backends.base import Backend, ModelInfo, Sampled, SamplerState
+from kvfork.backends.base import Backend, ModelInfo, Sampled
 from kvfork.server.engine import faults
 from kvfork.server.engine import messages as m
 from kvfork.server.engine import plan as p
@@ -170,7 +170,6 @@ class Runner(Commands, Cloning, Speculation):
         """Rows whose tokens are committed: prefill progress and captures; then each other choice over a
         prompt that is in opens and samples its first token; then the rows' own samples (plan.samples)."""
         at, starts = {}, p.offsets(group)
-        total = starts[-1] + (group[-1].reads if group[-1] is not None else 1) if group else 0
         for i, row in enumerate(group):
             s = self._running.get(row.rid) if row is not None else None
             if s is None:
@@ -187,14 +186,12 @@ class Runner(Commands, Cloning, Speculation):
             if sample.rid == sample.row:
                 own.add(sample.rid)
             else:
-                self._open_choice(self._running[sample.row], sample.rid, logits, at[sample.row], total)
-        ready: list[Seq | None] = [None] * total
-        for rid in own & at.keys():
-            ready[at[rid]] = self._running[rid]
-        walking = [(s, at[s.rid], s.generated) for s in ready if s is not None and s.draft is not None]
-        if any(ready):
+                self._open_choice(self._running[sample.row], sample.rid, logits, at[sample.row])
+        ready = {at[rid]: self._running[rid] for rid in own & at.keys()}
+        walking = [(s, row, s.generated) for row, s in sorted(ready.items()) if s.draft is not None]
+        if ready:
             self.sample(logits, ready)
-        self._walk(logits, walking, total)
+        self._walk(logits, walking)
 
     def publish(self, plan: p.StepPlan, took: bool, step_s: float, backend_s: float, prefill_s: float) -> None:
         """Events for the loop: a step's StepStats and Ledger, or, after commands alone, the Ledger."""
@@ -212,13 +209,13 @@ class Runner(Commands, Cloning, Speculation):
         """The step's backend time into the step budget's rates (a step that decoded: the whole step
         against its prefill tokens) and the prefill rate; returns the step's prefill time: its pass of
         prefill chunks, or the prefill part of its one mixed pass (rates.split_pass)."""
-        tokens = plan.prefill_tokens
+        tokens, positions = plan.prefill_tokens, sum(row.reads for row in plan.decode)
         if plan.decode and not plan.mixed:
             prefill_s = last_pass_s if plan.prefill else 0.0
         else:
-            prefill_s = split_pass(len(plan.decode), tokens, step_s)[1]
+            prefill_s = split_pass(positions, tokens, step_s)[1]
         if plan.decode:
-            self._rates = self._rates.observe_step(tokens, step_s)
+            self._rates = self._rates.observe_step(tokens, step_s, positions - len(plan.decode))
         self._rates = self._rates.observe_prefill(tokens, prefill_s)
         return prefill_s
 
@@ -244,15 +241,16 @@ class Runner(Commands, Cloning, Speculation):
 
     # ---- sampling ----
 
-    def sample(self, logits: Any, group: list[Seq | None]) -> None:
-        """Sample the rows of `group`'s requests (None rows are sampled greedily and dropped)."""
-        seqs = {s.rid: s for s in group if s is not None}
+    def sample(self, logits: Any, picked: dict[int, Seq]) -> None:
+        """Sample the logits rows of `picked` (row -> its request), and no other row."""
+        at = {s.rid: row for row, s in sorted(picked.items())}
+        seqs = {s.rid: s for s in picked.values()}
 
-        def draw(rids: Sequence[int | None]) -> list[Sampled]:
-            states = [seqs[rid].sampler if rid is not None else SamplerState(p.DISCARD) for rid in rids]
-            return self._ex.sample(logits, self._rows.before_sample(list(rids), states))
+        def draw(rids: Sequence[int]) -> list[Sampled]:
+            states = self._rows.before_sample(list(rids), [seqs[rid].sampler for rid in rids])
+            return self._ex.sample(logits, states, [at[rid] for rid in rids])
 
-        for rid, pick in faults.sample(draw, [s.rid if s is not None else None for s in group], self._fail):
+        for rid, pick in faults.sample(draw, list(at), self._fail):
             if rid in self._running:
                 self._accept(self._running[rid], pick)
 

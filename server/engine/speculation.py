@@ -117,11 +117,12 @@ class Speculation:
         tokens = tokens[:self._rows.admissible(s.rid, tokens)]
         return replace(draft, tokens=tokens) if tokens else None  # type: ignore[type-var]
 
-    def _walk(self, logits: Any, walking: list[tuple[Seq, int, int]], rows: int) -> None:
+    def _walk(self, logits: Any, walking: list[tuple[Seq, int, int]]) -> None:
         """The drafted rows after their first token (sampled with the rest): while the last draw equals
-        the draft, the next row is sampled (speculation.py: greedy, or the rejection rule); then each
-        is rolled back to what it accepted. `walking`: (request, its first logits row, its tokens
-        generated before that row was sampled)."""
+        the draft, the next row is sampled (speculation.py: greedy, or the rejection rule), and only
+        those rows are (a position past a rejected draft is never sampled); then each is rolled back
+        to what it accepted. `walking`: (request, its first logits row, its tokens generated before
+        that row was sampled)."""
         accepted = {s.rid: 0 for s, _, _ in walking}
         j = 0
         while walking:
@@ -135,11 +136,8 @@ class Speculation:
                 else:
                     self._verified(s, accepted[s.rid])
             walking, j = going, j + 1
-            ready: list[Seq | None] = [None] * rows
-            for s, at, _ in walking:
-                ready[at + j] = s
             if walking:
-                self.sample(logits, ready)
+                self.sample(logits, {at + j: s for s, at, _ in walking})
 
     @staticmethod
     def _accepts(s: Seq, token: int) -> bool:

@@ -110,3 +110,61 @@ def test_a_fresh_backend_running_the_broadcasts_holds_rank_0s_sessions(backend_n
     for s in (a, b, c):
         leader.release(s)
     follower.release_all()
+
+
+async def test_plans_with_drafts_replayed_through_rank_0_give_the_same_tokens_on_every_rank(backend_name,  # noqa: F811
+                                                                                             tiny_model_dir):
+    """Recorded plans with drafted rows (verify passes, row-picked sampling, roll backs) replayed through
+    rank 0's LockstepBackend give the engine's tokens, and a follower running its broadcasts computes
+    every pass's logits as rank 0 did: the rows rank 0 sampled give the same tokens there."""
+    from engine_harness import collect, request, run
+    from kvfork.server.engine import plan as p
+    from kvfork.server.engine.config import EngineConfig
+    from kvfork.server.engine.engine import Engine
+    from kvfork.server.metrics import Registry
+    from scripted_drafts import ScriptedDrafts
+
+    folder, plans = tiny_model_dir("llama"), []
+    settings = dict(prefix_cache_min_tokens=8, kv_budget_bytes=1 << 30, prefill_chunk=16, prefix_cache_entries=0)
+    engine = Engine(create_backend(backend_name), folder, "float32", EngineConfig(**settings), Registry(),
+                    plans=plans.append, drafts=ScriptedDrafts())
+    await engine.start()
+    if not engine.backend.rolls_back:
+        await engine.shutdown(1)
+        pytest.skip(f"{backend_name} does not speculate on llama")
+    prompts = [prompt(20, seed=12), prompt(26, seed=13)]
+    want = [(await run(engine, q, 20, ignore_eos=True))[0] for q in prompts]
+    handles = [engine.submit(request(q, 20, rid=f"again{i}", ignore_eos=True)) for i, q in enumerate(prompts)]
+    rids = [next(r.rid for r in engine.requests() if r.handle is h) for h in handles]
+    assert [(await collect(h))[0] for h in handles] == want
+    await engine.shutdown(1)
+    assert any(row.reads > 1 for plan in plans for row in plan.decode)
+
+    passes: dict[str, list[np.ndarray]] = {"leader": [], "follower": []}
+
+    def logged(name: str):
+        backend = create_backend(backend_name)
+        for call in ("prefill", "decode", "verify"):
+            def logging_call(*args, _call=getattr(backend, call)):
+                logits = _call(*args)
+                passes[name].append(backend.to_numpy(logits))
+                return logits
+            setattr(backend, call, logging_call)
+        return backend
+
+    leader = LockstepBackend(logged("leader"), Recorder(), timeout=600)
+    leader.load(folder, "float32")
+    replayed = p.replay([p.from_bytes(p.to_bytes(plan)) for plan in plans], leader)
+    assert [replayed[rid] for rid in rids] == want
+    follower = Follower(logged("follower"), Replay(list(leader.channel.sent)))
+    with pytest.raises(StopIteration):  # every broadcast run, none left
+        while True:
+            for effect in wire.decode(follower.channel.broadcast(None)).effects:
+                follower.apply(effect)
+    assert any(isinstance(op, e.Truncate) for plan in plans for op in plan.ops)
+    assert len(passes["follower"]) == len(passes["leader"]) > 0
+    for theirs, mine in zip(passes["follower"], passes["leader"]):
+        # the same calls on the same shapes, on the same kernels: bit-exact (tolerance.py)
+        np.testing.assert_array_equal(theirs, mine)
+    follower.release_all()
+

@@ -61,3 +61,26 @@ def test_rate_tracker_steps_of_one_size_put_the_prefill_rate_per_token():
         tracker = tracker.observe_step(100, 0.5)
     assert tracker.rates.step_s_per_token == pytest.approx(0.002)
     assert tracker.rates.decode_s == pytest.approx(0.3)
+
+
+def test_rate_tracker_keeps_verified_positions_off_the_decode_line():
+    """Steps that verify drafted positions (speculation) fit their own per-position cost: the fixed part
+    of a step that decodes, which the step budget sizes prefill chunks by, stays what plain steps take."""
+    plain = RateTracker()
+    for tokens in [0, 16, 200, 40, 0, 120] * 6:  # 80 ms fixed, 2 ms a prefill token
+        plain = plain.observe_step(tokens, 0.08 + 0.002 * tokens)
+    tracker = plain
+    for drafted in [4, 16, 8, 12, 2] * 6:  # 0.5 ms a drafted position: near free while bound by the weights
+        tracker = tracker.observe_step(0, 0.08 + 0.0005 * drafted, drafted)
+    assert tracker.rates.decode_s == plain.rates.decode_s
+    assert tracker.rates.step_s_per_token == plain.rates.step_s_per_token
+    assert tracker.rates.verify_s_per_token == pytest.approx(0.0005, rel=1e-3)
+    alike = plain
+    for _ in range(5):  # drafts all of one length: what they took beyond the fixed part, per position
+        alike = alike.observe_step(0, 0.08 + 0.0005 * 8, 8)
+    assert alike.rates.verify_s_per_token == pytest.approx(0.0005, rel=1e-3)
+    assert RateTracker().rates.verify_s_per_token == Rates().verify_s_per_token
+    drafting = RateTracker()
+    for drafted in [4, 16, 8, 12, 2]:  # no plain step yet: the fixed part is the drafted steps' line's
+        drafting = drafting.observe_step(0, 0.08 + 0.0005 * drafted, drafted)
+    assert drafting.rates.decode_s == pytest.approx(0.08, rel=1e-3)

@@ -63,6 +63,33 @@ async def test_greedy_tokens_are_those_of_speculation_off(backend_name, arch, ti
     assert on.backend.live_sessions() == 0
 
 
+async def test_only_the_rows_a_walk_reaches_are_sampled(backend_name, tiny_model_dir):
+    """Every sampled logits row becomes one token (a drafted row's positions past its first rejected
+    draft are never sampled), and the sampler is handed only the rows it samples: rows sampled equal
+    tokens generated, though some drafts were rejected (their verify passes read rows past them)."""
+    on = await engine_of(backend_name, tiny_model_dir("llama"), ScriptedDrafts(), prefix_cache_entries=0)
+    if not on.backend.rolls_back:
+        pytest.skip(f"{backend_name} does not speculate on llama")
+    sampled, handed = [], []
+    backend_sample = on.backend.sample
+
+    def counting_sample(logits, states):
+        sampled.append(len(states))
+        handed.append(on.backend.to_numpy(logits).shape[0])
+        return backend_sample(logits, states)
+
+    on.backend.sample = counting_sample
+    prompts = [prompt(20 + 3 * i, seed=50 + i) for i in range(3)]
+    for q in prompts:  # its own text drafted, then the earlier outputs
+        await run(on, q, 24, ignore_eos=True)
+    await asyncio.gather(*(run(on, q, 24, ignore_eos=True) for q in prompts))
+    drafted, accepted = counted(on)
+    await on.shutdown(1)
+    assert drafted > accepted > 0  # some drafts were rejected: rows past them were read, not sampled
+    assert sampled == handed
+    assert sum(sampled) == 2 * 3 * 24
+
+
 async def test_the_request_log_line_says_what_speculation_saved(backend_name, tiny_model_dir, caplog):
     caplog.set_level(logging.INFO, "kvfork.requests")
     p = prompt(20, seed=14)
