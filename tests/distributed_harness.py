@@ -58,10 +58,14 @@ def _free(port: int) -> bool:
     return True
 
 
+METRICS_KEY = "ranks-metrics-key"  # /health says why the runner stopped only to its holder
+
+
 def rank_env(backend: str, home: Path) -> dict[str, str]:
     # KVFORK_DEVICE=cuda (tools/gpu_check.sh) puts rank r on GPU r, over NCCL; the CPU (gloo) otherwise.
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", KVFORK_HOME=str(home),
-               PYTHONUNBUFFERED="1", KVFORK_DEVICE=os.environ.get("KVFORK_DEVICE", "cpu"))
+               PYTHONUNBUFFERED="1", KVFORK_DEVICE=os.environ.get("KVFORK_DEVICE", "cpu"),
+               KVFORK_METRICS_KEY=METRICS_KEY)
     if backend == "torch":
         env["LD_PRELOAD"] = ":".join(p for p in env.get("LD_PRELOAD", "").split(":") if "openblas" not in p)
     return env

@@ -19,8 +19,8 @@ import aiohttp
 import pytest
 
 from kvfork.backends import create_backend
-from distributed_harness import (DISTRIBUTED_BACKENDS, KV_BUDGET, REPO, by_hand, free_ports, launched,
-                                 log_text, logprob_bound, rank_env, stop_group)
+from distributed_harness import (DISTRIBUTED_BACKENDS, KV_BUDGET, METRICS_KEY, REPO, by_hand, free_ports,
+                                 launched, log_text, logprob_bound, rank_env, stop_group)
 from http_daemon import TEST_ENGINE, data_frames, serving
 
 pytestmark = pytest.mark.distributed
@@ -118,7 +118,8 @@ async def test_two_ranks_answer_as_one_process_with_reuse_on(backend_name, model
         url = f"http://127.0.0.1:{port}"
         await healthy(url, [log])
         got = await workload(url)
-        async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+        async with aiohttp.ClientSession() as http, \
+                http.get(url + "/metrics", headers={"Authorization": f"Bearer {METRICS_KEY}"}) as r:
             metrics = await r.text()
     finally:
         if proc.poll() is None:
@@ -158,13 +159,18 @@ async def stream_until_error(url: str, fault) -> list:
 
 
 async def health(url: str) -> tuple[int, str]:
-    async with aiohttp.ClientSession() as http, http.get(url + "/health") as r:
-        return r.status, await r.text()
+    """/health as the metrics key's holder reads it (why the runner stopped), after checking that a reader
+    without the key is told only that it stopped."""
+    async with aiohttp.ClientSession() as http:
+        async with http.get(url + "/health") as r:
+            assert r.status == 503 and "the model runner has stopped" in await r.text()
+        async with http.get(url + "/health", headers={"Authorization": f"Bearer {METRICS_KEY}"}) as r:
+            return r.status, await r.text()
 
 
 async def test_rank_1_killed_mid_stream_without_a_launcher(backend_name, model, tmp_path):
-    """Rank 0 survives a dead peer: the stream ends with an error naming rank 1, /health names it, new
-    requests get a 503; it still stops on SIGTERM."""
+    """Rank 0 survives a dead peer: the stream ends with an error naming rank 1, /health names it (to the
+    metrics key's holder), new requests get a 503; it still stops on SIGTERM."""
     port = free_ports(1)
     rank0, rank1 = by_hand(backend_name, serve_command(backend_name, model, port), rank_env(backend_name, tmp_path),
                            tmp_path)
@@ -177,7 +183,7 @@ async def test_rank_1_killed_mid_stream_without_a_launcher(backend_name, model, 
         assert status == 503 and "rank 1" in text, text
         async with aiohttp.ClientSession() as http:
             async with http.post(url + "/v1/chat/completions", json=chat("after")) as r:
-                assert r.status == 503 and "rank 1" in await r.text()
+                assert r.status == 503 and "the model runner has stopped" in await r.text()
         assert rank0.poll() is None, "rank 0 left with its peer"
         rank0.send_signal(signal.SIGTERM)
         assert rank0.wait(60) == 0, log_text(tmp_path / "rank0.log")[-2000:]
@@ -205,7 +211,7 @@ async def test_rank_1_killed_mid_stream_under_the_launcher(backend_name, model, 
 
 async def test_stalled_rank_caught_by_the_watchdog(backend_name, model, tmp_path):
     """A rank that stops answering (SIGSTOP) without its connections closing: rank 0's watchdog ends
-    the stream past --rank-timeout and /health names the rank."""
+    the stream past --rank-timeout and /health names the rank (to the metrics key's holder)."""
     port = free_ports(1)
     rank0, rank1 = by_hand(backend_name, serve_command(backend_name, model, port, "--rank-timeout", "3"),
                            rank_env(backend_name, tmp_path), tmp_path)
