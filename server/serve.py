@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from kvfork.backends import create_backend, default_backend
-from kvfork.backends.base import Backend
+from kvfork.backends.base import Backend, KVStorageRefused
 from kvfork.backends.lockstep.leader import LockstepBackend
 from kvfork.server.config import ServerConfig
 from kvfork.server.listening import Listening
@@ -152,6 +152,17 @@ def _announce_kv_events(pub: Any, config: ServerConfig) -> None:
           f"{config.kv_events_block_size} tokens: {readers(pub.endpoint, config.kv_events_hashes_only)}", flush=True)
 
 
+def _load_failure(exc: BaseException | None, model: str) -> int | None:
+    """The exit code of a load that raised `exc`, its one line printed; None where it loaded."""
+    if isinstance(exc, KVStorageRefused):  # a --kv-cache-dtype this model or backend cannot take: a bad setting
+        print(f"kvfork serve: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    if exc is not None:  # a model the backend or the tokenizer cannot read
+        print(f"kvfork: loading {model} failed: {exc}")
+        return 1
+    return None
+
+
 async def run(config: ServerConfig, engine_config: EngineConfig, model: str,
               leader: LockstepBackend | None = None, fetch: Fetch | None = None,
               specs: list[ModelSpec] | None = None) -> int:
@@ -197,9 +208,9 @@ async def run(config: ServerConfig, engine_config: EngineConfig, model: str,
     try:
         await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
         if loading.done():
-            if loading.exception() is not None:  # a model the backend or the tokenizer cannot read
-                print(f"kvfork: loading {model} failed: {loading.exception()}")
-                return 1
+            failed = _load_failure(loading.exception(), model)
+            if failed is not None:
+                return failed
             if not daemon.memory_fits():
                 return 2
             print(daemon.loaded_line(), flush=True)
