@@ -232,6 +232,8 @@ class ModelInfo:
     dtype: str
     device: str
     kv_dtype: str = ""  # how KV state is stored (KVStorage.label); "" : as `dtype`
+    # (storage, full_bytes_per_token) for each --kv-cache-dtype the backend could store this model's KV in
+    kv_token_bytes: tuple[tuple[str, int], ...] = ()
 
     @property
     def recurrent(self) -> bool:

@@ -100,7 +100,7 @@ class Daemon(Listening):
         return (
             f"kvfork: loaded {info.name} ({len(info.layers)} layers, {info.dtype} on {info.device}, "
             f"context {c.max_context}) as {', '.join(self.state.served_names)}\n"
-            f"kvfork: KV budget {c.kv_budget_bytes / GiB:.2f} GiB: {plan.reason}\n"
+            f"kvfork: KV budget {c.kv_budget_bytes / GiB:.2f} GiB{_held_tokens(plan.tokens)}: {plan.reason}\n"
             f"kvfork: set aside {c.kv_budget_bytes / GiB:.2f} GiB for KV state ({info.kv.full_bytes_per_token} "
             f"bytes/token): {c.inference_slots} inference slots, {c.max_captures} pending captures, prefix cache "
             f"of {c.prefix_cache_entries} entries ({cache_cap}){self._disk_line()}"
@@ -112,6 +112,20 @@ class Daemon(Listening):
             return ", no disk tier"
         return (f", disk tier of {disk.max_bytes / GiB:.2f} GiB at {disk.folder} ({disk.files} entries, "
                 f"{disk.nbytes / GiB:.2f} GiB)")
+
+
+def _held_tokens(tokens: dict[str, int]) -> str:
+    """` = 356k tokens in float32 (int8: 1.3M, ...)`: what the budget holds in the storage chosen (the first)
+    and in the others --kv-cache-dtype offers; empty where the backend says nothing of them."""
+    if not tokens:
+        return ""
+    (own, n), *others = tokens.items()
+    rest = ", ".join(f"{name}: {_count(m)}" for name, m in others)
+    return f" = {_count(n)} tokens in {own}" + (f" ({rest})" if rest else "")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e6:.3g}M" if n >= 1_000_000 else f"{n / 1e3:.3g}k" if n >= 1000 else str(n)
 
 
 def open_kv_events(config: ServerConfig):

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 from safetensors import safe_open
 
-from kvfork.backends.base import KVCost, KVStorage, LayerAttention, ModelInfo
+from kvfork.backends.base import KV_CACHE_DTYPES, KVCost, KVStorage, KVStorageRefused, LayerAttention, ModelInfo
 from kvfork.backends.model_info import ModelFacts
 from kvfork.backends.torch import checkpoints, hybrid, kv, kv_storage, packed_linear, parallel
 from kvfork.backends.torch.config import ArchConfig, HybridConfig, read_config
@@ -139,4 +139,19 @@ def describe(cfg: ArchConfig | HybridConfig, name: str, facts: ModelFacts, dtype
         dtype=str(dtype).removeprefix("torch."),
         device=str(device),
         kv_dtype=spec.label(str(dtype).removeprefix("torch.")),
+        kv_token_bytes=token_bytes(cfg, dtype, spec.group),
     )
+
+
+def token_bytes(cfg: ArchConfig | HybridConfig, dtype: torch.dtype, group: int) -> tuple[tuple[str, int], ...]:
+    """(storage, bytes per token of the full-attention layers) for the weights' dtype and each
+    --kv-cache-dtype the head size takes with groups of `group` (ModelInfo.kv_token_bytes)."""
+    out = {}
+    for spec in (KVStorage(), *(KVStorage(name, group) for name in KV_CACHE_DTYPES[1:])):
+        try:
+            storage = kv_storage.storage_for(spec, dtype, cfg.head_dim)
+        except KVStorageRefused:
+            continue
+        row = kv_storage.row_bytes(storage, cfg.head_dim)
+        out[spec.label(str(dtype).removeprefix("torch."))] = 2 * cfg.num_kv_heads * row * full_layers(cfg)
+    return tuple(out.items())

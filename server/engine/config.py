@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from kvfork.backends.base import KV_CACHE_DTYPES, KV_CACHE_SPELLINGS, KV_GROUP_SIZES, KVStorage, ModelInfo
 from kvfork.backends.device_memory import DeviceMemory
 from kvfork.server.engine.drafts import MODES as SPECULATIVE_MODES
-from kvfork.server.engine.memory_plan import MemoryPlan, plan_memory
+from kvfork.server.engine.memory_plan import MemoryPlan, budget_tokens, plan_memory
 from kvfork.server.settings import at_least, between, setting
 
 # Automatic capture sizing: as many pending captures as inference slots (every request
@@ -125,4 +125,5 @@ class EngineConfig:
         if captures is None:
             snapshot = max(1, info.kv.bytes_for(context, start=context))
             captures = max(1, min(self.inference_slots, int(CAPTURE_BUDGET_FRACTION * budget) // snapshot))
+        plan = dataclasses.replace(plan, tokens=budget_tokens(budget, info))
         return dataclasses.replace(self, kv_budget_bytes=budget, max_context=context, max_captures=captures), plan
