@@ -30,7 +30,9 @@ Saved-state rule (the disk tier's, `export_state` / `import_state` state it):
   positions [0, position), a sliding layer those it holds, [first, position), a
   recurrent layer its state arrays (held at `position` only). Keys and values are
   [kv_heads, tokens, head_dim] in temporal order, in the model's dtype (bfloat16
-  as its uint16 bits: numpy has none). A state imported is a new session that
+  as its uint16 bits: numpy has none), or as the backend stores them under
+  --kv-cache-dtype (`KVStorage`; its `label` is in the disk tier's fingerprint, so a
+  file of another storage is never read). A state imported is a new session that
   clones and runs exactly as the one exported would have; checkpoints stay behind.
 """
 
@@ -118,6 +120,46 @@ class SavedState:
         return SavedState(upto, layers)
 
 
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "int8", "int4")
+KV_CACHE_SPELLINGS = {"int8_per_token_head": "int8", "int4_per_token_head": "int4"}  # vLLM's names
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+class KVStorageRefused(ValueError):
+    """A --kv-cache-dtype the backend cannot store for this model (its head size, its device)."""
+
+
+@dataclass(frozen=True)
+class KVStorage:
+    """How a backend stores KV state (--kv-cache-dtype, --kv-group-size), apart from the weights' dtype.
+    auto: the weights' dtype; float16 / bfloat16 / fp8: that element type; int8 / int4: integers in
+    per-token groups of `group` along the head dimension, each group with a 16-bit scale and bias
+    (x = q * scale + bias), as mlx-lm's QuantizedKVCache groups them. The state is written in this
+    form and every copy of it (clones, the prefix cache, sessions, the disk tier) keeps it."""
+
+    dtype: str = "auto"
+    group: int = 64
+
+    @classmethod
+    def named(cls, dtype: str, group: int = 64) -> KVStorage:
+        """From the flag's spelling (vLLM's int8_per_token_head too)."""
+        dtype = KV_CACHE_SPELLINGS.get(dtype, dtype)
+        if dtype not in KV_CACHE_DTYPES:
+            raise KVStorageRefused(f"unknown --kv-cache-dtype {dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
+        return cls(dtype, group)
+
+    @property
+    def bits(self) -> int | None:
+        """Bits per element of a grouped integer storage; None for a floating one."""
+        return {"int8": 8, "int4": 4}.get(self.dtype)
+
+    def label(self, weights_dtype: str) -> str:
+        """What is stored, as the start line and the disk tier's fingerprint name it."""
+        if self.dtype == "auto":
+            return weights_dtype
+        return f"{self.dtype} (groups of {self.group})" if self.bits else self.dtype
+
+
 @dataclass(frozen=True)
 class KVCost:
     """What one session's KV state costs, as its backend allocates it. A pure function published at
@@ -189,6 +231,9 @@ class ModelInfo:
     kv: KVCost  # what a session costs (see KVCost)
     dtype: str
     device: str
+    kv_dtype: str = ""  # how KV state is stored (KVStorage.label); "" : as `dtype`
+    # (storage, full_bytes_per_token) for each --kv-cache-dtype the backend could store this model's KV in
+    kv_token_bytes: tuple[tuple[str, int], ...] = ()
 
     @property
     def recurrent(self) -> bool:
@@ -467,6 +512,13 @@ class Backend(abc.ABC):
         """What saved states (export_state) are named by on disk: a state of one format imports into any
         backend of the same format."""
         return type(self).__name__
+
+    def set_kv_storage(self, storage: KVStorage) -> None:
+        """Before `load`: how KV state is stored (--kv-cache-dtype). `load` raises KVStorageRefused where
+        the model or device cannot take it; a backend that stores only the weights' dtype refuses others here."""
+        if storage.dtype != "auto":
+            raise KVStorageRefused(f"--kv-cache-dtype {storage.dtype}: {type(self).__name__} stores KV in the "
+                                   "weights' dtype only")
 
     def set_clone_mode(self, mode: Literal["share", "copy"]) -> None:
         """Before `load`: whether `clone` shares the whole blocks below `upto` by reference ("share")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from kvfork.backends import create_backend, default_backend
-from kvfork.backends.base import Backend
+from kvfork.backends.base import Backend, KVStorageRefused
 from kvfork.backends.lockstep.leader import LockstepBackend
 from kvfork.server.config import ServerConfig
 from kvfork.server.listening import Listening
@@ -100,7 +100,7 @@ class Daemon(Listening):
         return (
             f"kvfork: loaded {info.name} ({len(info.layers)} layers, {info.dtype} on {info.device}, "
             f"context {c.max_context}) as {', '.join(self.state.served_names)}\n"
-            f"kvfork: KV budget {c.kv_budget_bytes / GiB:.2f} GiB: {plan.reason}\n"
+            f"kvfork: KV budget {c.kv_budget_bytes / GiB:.2f} GiB{_held_tokens(plan.tokens)}: {plan.reason}\n"
             f"kvfork: set aside {c.kv_budget_bytes / GiB:.2f} GiB for KV state ({info.kv.full_bytes_per_token} "
             f"bytes/token): {c.inference_slots} inference slots, {c.max_captures} pending captures, prefix cache "
             f"of {c.prefix_cache_entries} entries ({cache_cap}){self._disk_line()}"
@@ -112,6 +112,20 @@ class Daemon(Listening):
             return ", no disk tier"
         return (f", disk tier of {disk.max_bytes / GiB:.2f} GiB at {disk.folder} ({disk.files} entries, "
                 f"{disk.nbytes / GiB:.2f} GiB)")
+
+
+def _held_tokens(tokens: dict[str, int]) -> str:
+    """` = 356k tokens in float32 (int8: 1.3M, ...)`: what the budget holds in the storage chosen (the first)
+    and in the others --kv-cache-dtype offers; empty where the backend says nothing of them."""
+    if not tokens:
+        return ""
+    (own, n), *others = tokens.items()
+    rest = ", ".join(f"{name}: {_count(m)}" for name, m in others)
+    return f" = {_count(n)} tokens in {own}" + (f" ({rest})" if rest else "")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e6:.3g}M" if n >= 1_000_000 else f"{n / 1e3:.3g}k" if n >= 1000 else str(n)
 
 
 def open_kv_events(config: ServerConfig):
@@ -150,6 +164,17 @@ def _announce_kv_events(pub: Any, config: ServerConfig) -> None:
 
     print(f"kvfork: KV events on {pub.endpoint} (replay: {pub.replay_endpoint}), blocks of "
           f"{config.kv_events_block_size} tokens: {readers(pub.endpoint, config.kv_events_hashes_only)}", flush=True)
+
+
+def _load_failure(exc: BaseException | None, model: str) -> int | None:
+    """The exit code of a load that raised `exc`, its one line printed; None where it loaded."""
+    if isinstance(exc, KVStorageRefused):  # a --kv-cache-dtype this model or backend cannot take: a bad setting
+        print(f"kvfork serve: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    if exc is not None:  # a model the backend or the tokenizer cannot read
+        print(f"kvfork: loading {model} failed: {exc}")
+        return 1
+    return None
 
 
 async def run(config: ServerConfig, engine_config: EngineConfig, model: str,
@@ -197,9 +222,9 @@ async def run(config: ServerConfig, engine_config: EngineConfig, model: str,
     try:
         await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
         if loading.done():
-            if loading.exception() is not None:  # a model the backend or the tokenizer cannot read
-                print(f"kvfork: loading {model} failed: {loading.exception()}")
-                return 1
+            failed = _load_failure(loading.exception(), model)
+            if failed is not None:
+                return failed
             if not daemon.memory_fits():
                 return 2
             print(daemon.loaded_line(), flush=True)

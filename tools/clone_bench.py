@@ -38,9 +38,10 @@ import torch
 
 from kvfork.backends.torch import attention, kv
 from kvfork.backends.torch.backend import TorchBackend
+from kvfork.backends.torch.kv_storage import Plain
 
 GiB = 2**30
-QWEN3_8B = dict(full_layers=36, kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+QWEN3_8B = dict(full_layers=36, kv_heads=8, head_dim=128, storage=Plain(torch.bfloat16, torch.bfloat16))
 MODES = ("share", "copy")
 DECODES = {"cascade": ("share", True), "blocked": ("share", False), "copy": ("copy", False)}  # mode, cascade
 
@@ -137,11 +138,12 @@ class Bench:
                     self.b.prefill(made, [text])
                     table = made[0].table
                     runs = table.runs()
+                    query = torch.empty(self.b.cfg.num_heads, 1, self.b.cfg.head_dim, dtype=self.b.dtype)
 
                     def join():
                         for layer in range(self.b.pool.full_layers):
                             attention.join([(s.keys[layer][:, :end - s.base], s.values[layer][:, :end - s.base])
-                                            for s, end in runs])
+                                            for s, end in runs], self.b.pool.storage, query)
                     out[f"{chunk} join share of chunk"] = round(best(join, self.repeat) / once.seconds, 4)
                     self.release(made)
         return out
@@ -250,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
                 if bench is not None:
                     pool = bench.b.pool
                     shapes["default"] = dict(full_layers=pool.full_layers, kv_heads=pool.kv_heads,
-                                             head_dim=pool.head_dim, dtype=pool.dtype)
+                                             head_dim=pool.head_dim, storage=pool.storage)
                 report[section] = peak(shapes, generate=args.generate)
             case "fit":
                 report[section] = fit(bench, args.budget_gib)

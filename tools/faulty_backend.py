@@ -280,6 +280,9 @@ class FaultyBackend(Backend):
     def set_clone_mode(self, mode) -> None:
         self.inner.set_clone_mode(mode)
 
+    def set_kv_storage(self, storage) -> None:
+        self.inner.set_kv_storage(storage)
+
     def session_bytes(self, session: Session) -> int:
         return self.inner.session_bytes(session)
 

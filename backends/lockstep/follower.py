@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from kvfork.backends import effects as e
-from kvfork.backends.base import Backend
+from kvfork.backends.base import Backend, KVStorage
 from kvfork.backends.lockstep import saved, wire
 from kvfork.backends.lockstep.channel import Channel
 from kvfork.backends.lockstep.loading import load_in_step
@@ -48,8 +48,9 @@ class Follower:
 
     def apply(self, effect: e.Effect | wire.Load) -> None:
         match effect:
-            case wire.Load(folder, dtype, clone_mode):
+            case wire.Load(folder, dtype, clone_mode, kv_cache_dtype, kv_group_size):
                 self.backend.set_clone_mode(clone_mode)  # type: ignore[arg-type]
+                self.backend.set_kv_storage(KVStorage(kv_cache_dtype, kv_group_size))
                 load_in_step(self.backend, self.channel, folder, dtype)
             case e.Export():
                 self.export(effect)

@@ -32,7 +32,8 @@ from typing import Any, Callable, Collection, Sequence
 import numpy as np
 
 from kvfork.backends import effects as e
-from kvfork.backends.base import Backend, BatchFailed, ModelInfo, Sampled, SamplerState, SavedState, Session, check_inputs
+from kvfork.backends.base import (Backend, BatchFailed, KVStorage, ModelInfo, Sampled, SamplerState, SavedState, Session,
+                                  check_inputs)
 from kvfork.backends.device_memory import DeviceMemory
 from kvfork.backends.lockstep import saved, wire
 from kvfork.backends.lockstep.channel import Channel
@@ -62,6 +63,7 @@ class LockstepBackend(Backend):
         self._pending: list[e.Effect] = []
         self._sent = itertools.count(1)
         self._clone_mode = "share"
+        self._kv_storage = KVStorage()
         self.failed: str | None = None
         self.stopped = False  # a Stop went round: every rank has left
         self.broadcast_seconds = 0.0  # time spent sending effects (docs/benchmarks.md: the overhead of ranks)
@@ -138,8 +140,12 @@ class LockstepBackend(Backend):
         self._clone_mode = mode
         self.local.set_clone_mode(mode)
 
+    def set_kv_storage(self, storage: KVStorage) -> None:
+        self._kv_storage = storage
+        self.local.set_kv_storage(storage)
+
     def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
-        self._send(wire.Load(folder, dtype, self._clone_mode))
+        self._send(wire.Load(folder, dtype, self._clone_mode, self._kv_storage.dtype, self._kv_storage.group))
         try:
             self.info = load_in_step(self.local, self.channel, folder, dtype)
         except Exception as exc:

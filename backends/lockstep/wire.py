@@ -26,6 +26,8 @@ class Load(msgspec.Struct, tag="load", frozen=True):
     folder: str
     dtype: str | None
     clone_mode: str
+    kv_cache_dtype: str = "auto"
+    kv_group_size: int = 64
 
 
 class Stop(msgspec.Struct, tag="stop", frozen=True):

@@ -22,6 +22,13 @@ run, the common case, is read as it is. Several:
   and steps: a fresh tensor per layer faults its pages in first, which measured
   several times the copy itself on the CPU.
 
+A row's runs hold keys and values as its layer stores them (kv_storage.py). Stored in the weights'
+dtype, they are read as they are; otherwise (--kv-cache-dtype) a decode row decodes them one block
+(`BLOCK_TOKENS` positions from the run's start, which is a block boundary) at a time inside its loop
+over runs, and a prefill chunk decodes them block by block into its joined buffer: never the whole
+cache at once. Every row reads its runs in the same blocks, so a clone, reading the same stored rows
+in more runs, computes the same scores as the session that wrote them.
+
 On CUDA, FlashAttention (`flash_attn`) reads the same buffers through strides
 when it imports; otherwise, and on the CPU, torch's SDPA. Both give the same
 masks: causal aligned to the last key, and for sliding layers the window.
@@ -37,6 +44,10 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from kvfork.backends.torch.cpu_attention import attention_with_lse
+from kvfork.backends.torch.kv import BLOCK_TOKENS
+from kvfork.backends.torch.kv_storage import Storage
+
+Runs = list[tuple[torch.Tensor, torch.Tensor]]  # (keys, values) as stored, in position order
 
 
 @functools.cache
@@ -56,15 +67,15 @@ def window_mask(first_key: int, start: int, n: int, n_keys: int, window: int, de
     return (k <= q) & (k > q - window)
 
 
-def attend(q: torch.Tensor, runs: list[tuple[torch.Tensor, torch.Tensor]], start: int, first_key: int | None,
-           window: int | None, scale: float) -> torch.Tensor:
+def attend(q: torch.Tensor, runs: Runs, start: int, first_key: int | None, window: int | None, scale: float,
+           storage: Storage) -> torch.Tensor:
     """q: [heads, n, head_dim] for positions [start, start + n); runs: (keys, values) [kv_heads, n_keys,
-    head_dim] each, in position order, the first key at position `first_key` (None: a ring's unordered
-    slots, all visible to the single query). Returns [n, heads, head_dim]."""
-    if len(runs) > 1 and q.shape[1] == 1:
-        return decode_runs(q, runs, scale)
-    if len(runs) > 1:
-        keys, values = join(runs)
+    width] each as `storage` holds them, in position order, the first key at position `first_key` (None: a
+    ring's unordered slots, all visible to the single query). Returns [n, heads, head_dim]."""
+    if q.shape[1] == 1 and (len(runs) > 1 or not storage.exact):
+        return decode_runs(q, runs, scale, storage)
+    if len(runs) > 1 or not storage.exact:
+        keys, values = join(runs, storage, q)
     else:
         (keys, values), = runs
     kernel = flash_attention() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
@@ -78,20 +89,28 @@ def attend(q: torch.Tensor, runs: list[tuple[torch.Tensor, torch.Tensor]], start
 _joined: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def join(runs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The runs' keys and values, each as one [kv_heads, tokens, head_dim] view of a buffer reused
-    by every later call (read it before the next call)."""
-    first = runs[0][0]
-    n = sum(k.shape[1] for k, _ in runs)
-    key = (first.device, first.dtype, first.shape[0], first.shape[2])
+def pieces(runs: Runs, storage: Storage) -> Runs:
+    """The runs as attention reads them: as they are where stored in the weights' dtype, else in blocks,
+    each decoded when read."""
+    if storage.exact:
+        return runs
+    return [(k[:, at:at + BLOCK_TOKENS], v[:, at:at + BLOCK_TOKENS]) for k, v in runs
+            for at in range(0, k.shape[1], BLOCK_TOKENS)]
+
+
+def join(runs: Runs, storage: Storage, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The runs' keys and values decoded, each as one [kv_heads, tokens, head_dim] view (q's dtype and
+    head_dim) of a buffer reused by every later call (read it before the next call)."""
+    kv_heads, n = runs[0][0].shape[0], sum(k.shape[1] for k, _ in runs)
+    key = (q.device, q.dtype, kv_heads, q.shape[2])
     held = _joined.get(key)
     if held is None or held[0].shape[1] < n:
-        shape = (first.shape[0], n, first.shape[2])
-        held = _joined[key] = (first.new_empty(shape), first.new_empty(shape))
+        shape = (kv_heads, n, q.shape[2])
+        held = _joined[key] = (q.new_empty(shape), q.new_empty(shape))
     at = 0
-    for k, v in runs:
-        held[0][:, at:at + k.shape[1]].copy_(k)
-        held[1][:, at:at + k.shape[1]].copy_(v)
+    for k, v in pieces(runs, storage):
+        held[0][:, at:at + k.shape[1]].copy_(storage.decode(k))
+        held[1][:, at:at + k.shape[1]].copy_(storage.decode(v))
         at += k.shape[1]
     return held[0][:, :n], held[1][:, :n]
 
@@ -122,9 +141,9 @@ def chunk_after_keys(q, keys, values, scale) -> torch.Tensor:
     group = heads // kv_heads
     # every query of a key head's group sees every earlier key: the group's queries as one longer sequence
     seen, lse_seen = attention_with_lse(q.reshape(1, kv_heads, group * n, head_dim), keys[None, :, :before],
-                                values[None, :, :before], False, scale)
+                                        values[None, :, :before], False, scale)
     own, lse_own = attention_with_lse(q[None], keys[:, before:].repeat_interleave(group, 0)[None],
-                              values[:, before:].repeat_interleave(group, 0)[None], True, scale)
+                                      values[:, before:].repeat_interleave(group, 0)[None], True, scale)
     seen, lse_seen = seen.reshape(heads, n, head_dim), lse_seen.reshape(heads, n, 1)
     lse_own = lse_own.reshape(heads, n, 1)
     lse = torch.logaddexp(lse_seen, lse_own)
@@ -142,27 +161,30 @@ def flash(kernel, q, keys, values, window, scale) -> torch.Tensor:
     return out[0]
 
 
-def partial(grouped: torch.Tensor, runs: list[tuple[torch.Tensor, torch.Tensor]], scale: float):
+def partial(grouped: torch.Tensor, runs: Runs, scale: float, storage: Storage):
     """Grouped queries [kv_heads, q, head_dim] over keys in runs read where they lie: the scores against
-    each run, one softmax over all of them (float32), each run's values weighted by its part. Returns
-    the output [kv_heads, q, head_dim] (float32) and the log-sum-exp of the scores [kv_heads, q, 1]."""
-    scores = torch.cat([torch.matmul(grouped, k.transpose(1, 2)) for k, _ in runs], dim=-1).float() * scale
+    each run (each block, decoded, where stored otherwise than in the weights' dtype), one softmax over all
+    of them (float32), each run's values weighted by its part. Returns the output [kv_heads, q, head_dim]
+    (float32) and the log-sum-exp of the scores [kv_heads, q, 1]."""
+    runs = pieces(runs, storage)
+    scores = torch.cat([torch.matmul(grouped, storage.decode(k).transpose(1, 2)) for k, _ in runs],
+                       dim=-1).float() * scale
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     weights = torch.exp(scores - lse).to(grouped.dtype)
     out, at = None, 0
     for _, v in runs:
-        part = torch.matmul(weights[..., at:at + v.shape[1]], v).float()
+        part = torch.matmul(weights[..., at:at + v.shape[1]], storage.decode(v)).float()
         out = part if out is None else out + part
         at += v.shape[1]
     assert out is not None
     return out, lse
 
 
-def decode_runs(q: torch.Tensor, runs: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
-    """One query ([heads, 1, head_dim]) over keys in several runs, read where they lie. Grouped-query
+def decode_runs(q: torch.Tensor, runs: Runs, scale: float, storage: Storage) -> torch.Tensor:
+    """One query ([heads, 1, head_dim]) over keys in runs, read where they lie. Grouped-query
     heads share their key head as SDPA's enable_gqa does (head h reads h // group)."""
     kv_heads, head_dim = runs[0][0].shape[0], q.shape[-1]
-    out, _ = partial(q.reshape(kv_heads, -1, head_dim), runs, scale)
+    out, _ = partial(q.reshape(kv_heads, -1, head_dim), runs, scale, storage)
     return out.to(q.dtype).reshape(1, -1, head_dim)
 
 
@@ -180,6 +202,7 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, states: Seque
     it once for the group: one product of all their queries against the shared keys, merged with
     each row's own runs by log-sum-exp."""
     written = [state.update(k[:, span], v[:, span], start) for state, span, start in zip(states, spans, starts)]
+    storage = states[0].storage  # one storage for every session of a backend
     out: list[torch.Tensor | None] = [None] * len(written)
     groups: dict[tuple[int, int], list[int]] = {}
     for i, ((runs, _), span) in enumerate(zip(written, spans)):
@@ -187,16 +210,17 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, states: Seque
             groups.setdefault((runs[0][0].data_ptr(), runs[0][0].shape[1]), []).append(i)
     for group in groups.values():
         if len(group) > 1:
-            for i, o in zip(group, cascade(q, [spans[i] for i in group], [written[i][0] for i in group], scale)):
+            for i, o in zip(group, cascade(q, [spans[i] for i in group], [written[i][0] for i in group], scale,
+                                           storage)):
                 out[i] = o
     for i, ((runs, first_key), span, start) in enumerate(zip(written, spans, starts)):
         if out[i] is None:
-            out[i] = attend(q[:, span], runs, start, first_key, window, scale)
+            out[i] = attend(q[:, span], runs, start, first_key, window, scale, storage)
     return torch.cat(out)  # type: ignore[arg-type]
 
 
-def cascade(q: torch.Tensor, spans: Sequence[slice], row_runs: list[list[tuple[torch.Tensor, torch.Tensor]]],
-            scale: float) -> list[torch.Tensor]:
+def cascade(q: torch.Tensor, spans: Sequence[slice], row_runs: list[Runs], scale: float,
+            storage: Storage) -> list[torch.Tensor]:
     """Decode rows (one query each, at `spans` of q) whose first run is the same: that run read once
     for all of them, each row's other runs alone, merged by log-sum-exp. Returns [1, heads, head_dim]
     per row."""
@@ -204,12 +228,12 @@ def cascade(q: torch.Tensor, spans: Sequence[slice], row_runs: list[list[tuple[t
     rows = len(spans)
     queries = torch.stack([q[:, span][:, 0] for span in spans])  # [rows, heads, head_dim]
     grouped = queries.view(rows, kv_heads, -1, head_dim).transpose(0, 1).reshape(kv_heads, -1, head_dim)
-    together, lse_together = partial(grouped, [(shared_k, shared_v)], scale)
+    together, lse_together = partial(grouped, [(shared_k, shared_v)], scale, storage)
     group = together.shape[1] // rows
     out = []
     for r, runs in enumerate(row_runs):
         at = slice(r * group, (r + 1) * group)
-        own, lse_own = partial(q[:, spans[r]].reshape(kv_heads, -1, head_dim), runs[1:], scale)
+        own, lse_own = partial(q[:, spans[r]].reshape(kv_heads, -1, head_dim), runs[1:], scale, storage)
         lse = torch.logaddexp(lse_together[:, at], lse_own)
         merged = together[:, at] * torch.exp(lse_together[:, at] - lse) + own * torch.exp(lse_own - lse)
         out.append(merged.to(q.dtype).reshape(1, -1, head_dim))

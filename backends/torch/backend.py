@@ -18,12 +18,12 @@ from typing import Collection, Sequence
 
 import torch
 
-from kvfork.backends.base import (Backend, BatchFailed, BlockStats, ModelInfo, RowState, Sampled, SamplerState,
-                           SavedState, Session, check_inputs, clone_refusal)
+from kvfork.backends.base import (Backend, BatchFailed, BlockStats, KVStorage, KVStorageRefused, ModelInfo, RowState,
+                                  Sampled, SamplerState, SavedState, Session, check_inputs, clone_refusal)
 from kvfork.backends.device_memory import DeviceMemory, cpu_memory, cuda_memory
 from kvfork.backends.model_info import ModelFacts, read_model_facts
 from kvfork.backends.model_path import resolve_model
-from kvfork.backends.torch import hybrid, kv, loading, parallel, sampling, saved
+from kvfork.backends.torch import hybrid, kv, kv_storage, loading, parallel, sampling, saved
 from kvfork.backends.torch.config import ArchConfig, HybridConfig
 from kvfork.backends.torch.gated_delta import RecurrentState
 from kvfork.backends.torch.model import Row
@@ -60,6 +60,10 @@ class TorchBackend(Backend):
         self._sessions: dict[int, TorchSession] = {}
         self._copy_stream: torch.cuda.Stream | None = None
         self.clone_mode: kv.CloneMode = "share"
+        self.kv_storage = KVStorage()
+
+    def set_kv_storage(self, storage: KVStorage) -> None:
+        self.kv_storage = storage
 
     def set_clone_mode(self, mode: kv.CloneMode) -> None:
         self.clone_mode = mode
@@ -77,10 +81,14 @@ class TorchBackend(Backend):
         rank's parts, parallel.local_weight); `load` reads them from a folder, tools/gpu_check.py makes
         random ones of realistic shapes."""
         self.dtype = DTYPES[dtype] if dtype else default_dtype(self.device)
+        storage = kv_storage.storage_for(self.kv_storage, self.dtype, cfg.head_dim)
+        if self.kv_storage.dtype == "fp8" and not hasattr(torch, "float8_e4m3fn"):
+            raise KVStorageRefused(f"--kv-cache-dtype fp8: torch {torch.__version__} has no float8 type")
         self.model, self.cfg = loading.build(cfg, weights, self.device, self.dtype, self.shards, split)
-        self.pool = kv.BlockPool(loading.full_layers(self.cfg), self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype,
+        self.pool = kv.BlockPool(loading.full_layers(self.cfg), self.cfg.num_kv_heads, self.cfg.head_dim, storage,
                                  self.device)
-        self.info = loading.describe(self.cfg, name, facts, self.dtype, self.device, self.clone_mode == "share")
+        self.info = loading.describe(self.cfg, name, facts, self.dtype, self.device, self.clone_mode == "share",
+                                     storage, self.kv_storage)
         return self.info
 
     def memory(self, step_tokens: int) -> DeviceMemory:
@@ -118,7 +126,7 @@ class TorchBackend(Backend):
         cfg = self.cfg
         if isinstance(cfg, HybridConfig):
             return hybrid.new_states(cfg, table, self.dtype, self.device)
-        return kv.new_layers(cfg.sliding, table, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        return kv.new_layers(cfg.sliding, table, cfg.num_kv_heads, cfg.head_dim, self.device)
 
     def release(self, session: TorchSession) -> None:
         if self._sessions.pop(session.id, None) is not None:

@@ -34,6 +34,10 @@ Design rules:
 - A sliding layer of window W is a ring of W entries; position p lives in entry
   p % W. `held_from` is the oldest position whose entry is still valid. That is
   what base.clone_refusal judges. Rings (and recurrent states) stay copied.
+- Storage (--kv-cache-dtype, kv_storage.py): every tensor here holds rows as its storage writes
+  them, [kv_heads, tokens, width]; `FullKV.update` and `RingKV.update` encode what a pass computes and
+  return stored runs, which attention decodes (attention.py). Clones, rings' undo and saved states move
+  the stored rows as they are.
 - A write past `position` into a store is invisible (reads stop at the writer's
   end, the next write overwrites it); a ring write replaces positions still
   read. So a failed call leaves a session untouched exactly when none of its
@@ -41,8 +45,9 @@ Design rules:
 
 Cost of a session of n tokens opened at `start` with `shared` leading tokens read
 by reference (exactly what `BlockTable.owned_bytes` returns, KVCost.bytes_for):
-  (capacity(n) - shared) x full layers x 2 x kv_heads x head_dim x itemsize
-  + sliding layers x 2 x kv_heads x head_dim x itemsize x window.
+  (capacity(n) - shared) x full layers x 2 x kv_heads x row bytes
+  + sliding layers x 2 x kv_heads x row bytes x window,
+a row being one head's token as stored (kv_storage.row_bytes: head_dim x itemsize when plain).
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from typing import Literal, Sequence
 import torch
 
 from kvfork.backends.base import BlockStats
+from kvfork.backends.torch.kv_storage import Storage, row_bytes
 
 BLOCK_TOKENS = 256  # tokens per block: the unit of growth, of sharing and of address (docs/benchmarks.md)
 
@@ -76,7 +82,9 @@ def state_memory(shape: Sequence[int], dtype: torch.dtype, device, zeroed: bool 
 
 def state_copy(tensor: torch.Tensor) -> torch.Tensor:
     return state_memory(tensor.shape, tensor.dtype, tensor.device).copy_(tensor)
-Segments = list[tuple[torch.Tensor, torch.Tensor]]  # (keys, values) views, in position order
+
+
+Segments = list[tuple[torch.Tensor, torch.Tensor]]  # (keys, values) stored views, in position order
 
 
 def capacity(tokens: int) -> int:
@@ -117,14 +125,14 @@ class Store:
 class BlockPool:
     """Every store of one backend: allocation, reference counts and accounting."""
 
-    def __init__(self, full_layers: int, kv_heads: int, head_dim: int, dtype, device):
+    def __init__(self, full_layers: int, kv_heads: int, head_dim: int, storage: Storage, device):
         self.full_layers, self.kv_heads, self.head_dim = full_layers, kv_heads, head_dim
-        self.dtype, self.device = dtype, device
+        self.storage, self.device = storage, device
         self.stores: dict[int, Store] = {}
 
     def new_store(self, base: int, tokens: int, writer: int) -> Store:
-        shape = (self.kv_heads, tokens, self.head_dim)
-        made = [state_memory(shape, self.dtype, self.device) for _ in range(2 * self.full_layers)]
+        shape = (self.kv_heads, tokens, self.storage.width(self.head_dim))
+        made = [state_memory(shape, self.storage.dtype, self.device) for _ in range(2 * self.full_layers)]
         store = Store(made[: self.full_layers], made[self.full_layers :], base, tokens, writer)
         self.stores[store.id] = store
         return store
@@ -146,7 +154,7 @@ class BlockPool:
 
     @property
     def block_bytes(self) -> int:
-        return 2 * self.full_layers * self.kv_heads * BLOCK_TOKENS * self.head_dim * self.dtype.itemsize
+        return 2 * self.full_layers * self.kv_heads * BLOCK_TOKENS * row_bytes(self.storage, self.head_dim)
 
 
 class BlockTable:
@@ -181,8 +189,8 @@ class BlockTable:
         self.own = grown
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> Segments:
-        """Write k, v ([kv_heads, n, head_dim]) at [start, start + n) of full layer `layer`; return the
-        runs of keys and values [0, start + n), in position order."""
+        """Write stored rows k, v ([kv_heads, n, width]) at [start, start + n) of full layer `layer`;
+        return the stored runs of keys and values [0, start + n), in position order."""
         end = start + k.shape[1]
         out = []
         for store, stop in self.runs():
@@ -247,20 +255,25 @@ class FullKV:
 
     def __init__(self, table: BlockTable, layer: int):
         self.table, self.layer = table, layer
+        self.storage = table.pool.storage
 
     def reserve(self, end: int) -> None:
         self.table.reserve(end)
 
     def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[Segments, int | None]:
-        """Write k, v at [start, start + n); return the runs of keys and values [0, start + n) and the
-        first key position (always 0: runs are in position order)."""
-        return self.table.update(self.layer, k, v, start), 0
+        """Write k, v ([kv_heads, n, head_dim]) at [start, start + n), encoded; return the stored runs of
+        keys and values [0, start + n) and the first key position (always 0: runs are in position order)."""
+        return self.write(self.storage.encode(k), self.storage.encode(v), start), 0
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> Segments:
+        """Write stored rows (a saved state's) at [start, start + n)."""
+        return self.table.update(self.layer, k, v, start)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return ()  # held by the table, counted once (BlockTable.owned_bytes)
 
     def read(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of [0, end), joined into one new tensor pair (a saved state's layer)."""
+        """Stored keys and values of [0, end), joined into one new tensor pair (a saved state's layer)."""
         runs = [(store.keys[self.layer][:, : min(stop, end) - store.base],
                  store.values[self.layer][:, : min(stop, end) - store.base])
                 for store, stop in self.table.runs() if store.base < end]
@@ -270,8 +283,8 @@ class FullKV:
 class RingKV:
     """A sliding-window layer: the last `window` positions, position p in entry p % window."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, held_from: int = 0):
-        self.keys, self.values = keys, values
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, storage: Storage, held_from: int = 0):
+        self.keys, self.values, self.storage = keys, values, storage
         self.held_from = held_from
         self.writes = 0
         # (start, held_from, keys, values, writes) of the entries the last verify pass overwrote, from
@@ -279,9 +292,9 @@ class RingKV:
         self.undo: tuple[int, int, torch.Tensor, torch.Tensor, int] | None = None
 
     @classmethod
-    def empty(cls, kv_heads: int, head_dim: int, window: int, dtype, device) -> RingKV:
-        shape = (kv_heads, window, head_dim)
-        return cls(state_memory(shape, dtype, device), state_memory(shape, dtype, device))
+    def empty(cls, kv_heads: int, head_dim: int, window: int, storage: Storage, device) -> RingKV:
+        shape = (kv_heads, window, storage.width(head_dim))
+        return cls(state_memory(shape, storage.dtype, device), state_memory(shape, storage.dtype, device), storage)
 
     @property
     def window(self) -> int:
@@ -291,8 +304,8 @@ class RingKV:
         """A ring never grows."""
 
     def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[Segments, int | None]:
-        """Write k, v ([kv_heads, n, head_dim]) at [start, start + n); return the keys the new
-        queries may attend (one run).
+        """Write k, v ([kv_heads, n, head_dim]) at [start, start + n), encoded; return the stored keys the
+        new queries may attend (one run).
 
         One token (decode): the ring itself after the write, entries unordered but
         all inside the window; first position None means "no mask needed".
@@ -301,6 +314,7 @@ class RingKV:
         """
         n, w = k.shape[1], self.window
         end = start + n
+        k, v = self.storage.encode(k), self.storage.encode(v)
         if n == 1:
             self._write(k, v, start)
             filled = min(end, w)
@@ -343,7 +357,7 @@ class RingKV:
         # clone_refusal admits upto >= position - 1 once the ring has wrapped, so the copy
         # holds what the donor holds. Entry upto % W may carry the donor's position `upto`:
         # the clone's next write replaces it before anything reads it.
-        return RingKV(state_copy(self.keys), state_copy(self.values), self.held_from)
+        return RingKV(state_copy(self.keys), state_copy(self.values), self.storage, self.held_from)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.keys, self.values
@@ -352,11 +366,12 @@ class RingKV:
 LayerKV = FullKV | RingKV
 
 
-def new_layers(windows: tuple[int | None, ...], table: BlockTable, kv_heads: int, head_dim: int, dtype,
+def new_layers(windows: tuple[int | None, ...], table: BlockTable, kv_heads: int, head_dim: int,
                device) -> list[LayerKV]:
-    """A session's layers: a ring per sliding layer, its block table's layer per full one."""
+    """A session's layers: a ring per sliding layer (in the table's storage), its block table's layer per full one."""
     full = itertools.count()
-    return [RingKV.empty(kv_heads, head_dim, w, dtype, device) if w else FullKV(table, next(full)) for w in windows]
+    storage = table.pool.storage
+    return [RingKV.empty(kv_heads, head_dim, w, storage, device) if w else FullKV(table, next(full)) for w in windows]
 
 
 def reserve(layers: Sequence, end: int) -> None:

@@ -18,9 +18,9 @@ from typing import Any, Callable
 import torch
 from safetensors import safe_open
 
-from kvfork.backends.base import KVCost, LayerAttention, ModelInfo
+from kvfork.backends.base import KV_CACHE_DTYPES, KVCost, KVStorage, KVStorageRefused, LayerAttention, ModelInfo
 from kvfork.backends.model_info import ModelFacts
-from kvfork.backends.torch import checkpoints, hybrid, kv, packed_linear, parallel
+from kvfork.backends.torch import checkpoints, hybrid, kv, kv_storage, packed_linear, parallel
 from kvfork.backends.torch.config import ArchConfig, HybridConfig, read_config
 from kvfork.backends.torch.hybrid import HybridTransformer
 from kvfork.backends.torch.model import Transformer
@@ -113,15 +113,16 @@ def full_layers(cfg: ArchConfig | HybridConfig) -> int:
 
 
 def describe(cfg: ArchConfig | HybridConfig, name: str, facts: ModelFacts, dtype: torch.dtype, device: torch.device,
-             shares: bool) -> ModelInfo:
-    """`shares`: a clone reads the whole blocks below it by reference (kv.py's `share` clone mode)."""
+             shares: bool, storage: kv_storage.Storage, spec: KVStorage) -> ModelInfo:
+    """`shares`: a clone reads the whole blocks below it by reference (kv.py's `share` clone mode);
+    `storage`: how keys and values are stored (`spec`, --kv-cache-dtype)."""
     if isinstance(cfg, HybridConfig):
         layers = tuple(LayerAttention("recurrent") if linear else LayerAttention("full") for linear in cfg.linear)
         state = hybrid.recurrent_bytes(cfg, dtype)
     else:
         layers = tuple(LayerAttention("sliding", w) if w else LayerAttention("full") for w in cfg.sliding)
         state = 0
-    per_token = 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize  # one token's keys and values, one layer
+    per_token = 2 * cfg.num_kv_heads * kv_storage.row_bytes(storage, cfg.head_dim)  # a token's keys, values; a layer
     # Exact: a full layer holds kv.capacity(n) = whole BLOCK_TOKENS blocks with one position always free
     # (opened, cloned or grown alike), less the whole blocks a clone reads by reference; one ring of
     # the window per sliding layer, and one recurrent state per session.
@@ -137,4 +138,20 @@ def describe(cfg: ArchConfig | HybridConfig, name: str, facts: ModelFacts, dtype
         kv=cost,
         dtype=str(dtype).removeprefix("torch."),
         device=str(device),
+        kv_dtype=spec.label(str(dtype).removeprefix("torch.")),
+        kv_token_bytes=token_bytes(cfg, dtype, spec.group),
     )
+
+
+def token_bytes(cfg: ArchConfig | HybridConfig, dtype: torch.dtype, group: int) -> tuple[tuple[str, int], ...]:
+    """(storage, bytes per token of the full-attention layers) for the weights' dtype and each
+    --kv-cache-dtype the head size takes with groups of `group` (ModelInfo.kv_token_bytes)."""
+    out = {}
+    for spec in (KVStorage(), *(KVStorage(name, group) for name in KV_CACHE_DTYPES[1:])):
+        try:
+            storage = kv_storage.storage_for(spec, dtype, cfg.head_dim)
+        except KVStorageRefused:
+            continue
+        row = kv_storage.row_bytes(storage, cfg.head_dim)
+        out[spec.label(str(dtype).removeprefix("torch."))] = 2 * cfg.num_kv_heads * row * full_layers(cfg)
+    return tuple(out.items())

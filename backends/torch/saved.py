@@ -3,7 +3,9 @@ what the disk tier writes and reads, and what a tensor-parallel rank hands on as
 
 A full layer leaves as its keys and values of [0, position) joined from its block table's runs; a
 ring as the entries it still holds, [held_from, position), put in position order; a recurrent
-state as its two tensors. bfloat16 travels as its uint16 bits (numpy has no bfloat16).
+state as its two tensors. Keys and values leave as stored (--kv-cache-dtype, kv_storage.py) and come
+back into the same storage without a round trip through the weights' dtype. bfloat16 travels as its
+uint16 bits (numpy has no bfloat16).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def import_into(layers: Sequence[kv.LayerKV | RecurrentState], state: SavedState
         match layer:
             case kv.FullKV() if saved.kind == "full":
                 layer.reserve(n)
-                layer.update(arrays[0], arrays[1], 0)
+                layer.write(arrays[0], arrays[1], 0)
             case kv.RingKV() if saved.kind == "sliding":
                 slots = torch.arange(saved.first, n, device=device) % layer.window
                 layer.keys[:, slots], layer.values[:, slots] = arrays[0], arrays[1]

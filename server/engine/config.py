@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from kvfork.backends.base import ModelInfo
+from kvfork.backends.base import KV_CACHE_DTYPES, KV_CACHE_SPELLINGS, KV_GROUP_SIZES, KVStorage, ModelInfo
 from kvfork.backends.device_memory import DeviceMemory
 from kvfork.server.engine.drafts import MODES as SPECULATIVE_MODES
-from kvfork.server.engine.memory_plan import MemoryPlan, plan_memory
+from kvfork.server.engine.memory_plan import MemoryPlan, budget_tokens, plan_memory
 from kvfork.server.settings import at_least, between, setting
 
 # Automatic capture sizing: as many pending captures as inference slots (every request
@@ -43,6 +43,15 @@ class EngineConfig:
                                             "use (weights, activations and KV), as vLLM's flag",
                                             check=between(0.01, 1),
                                             group="model and device")
+    kv_cache_dtype: str = setting("auto", "how KV state is stored, apart from --dtype: auto (the weights' dtype), "
+                                  "float16, bfloat16, fp8 (torch), or int8 / int4 in per-token groups of "
+                                  "--kv-group-size along each head with 16-bit scales and biases (vLLM's "
+                                  "int8_per_token_head / int4_per_token_head too); everything that keeps the "
+                                  "state keeps it so (docs/kv-budget.md)",
+                                  choices=KV_CACHE_DTYPES + tuple(KV_CACHE_SPELLINGS), group="model and device")
+    kv_group_size: int = setting(64, "elements of a head sharing one scale and bias under --kv-cache-dtype int8 / "
+                                 "int4 (the head size must be a multiple of it)", choices=KV_GROUP_SIZES,
+                                 group="model and device")
     prefix_cache_entries: int = setting(16, "finished prompts kept for reuse (0 disables the prefix cache)",
                                         check=at_least(0), group="reuse")
     prefix_cache_bytes: int | None = setting(None, "most bytes the prefix cache holds (default: no cap of its own; "
@@ -101,6 +110,10 @@ class EngineConfig:
                                          "many requests (larger batches are compute-bound; 0: never drafts)",
                                          check=at_least(0))
 
+    @property
+    def kv_storage(self) -> KVStorage:
+        return KVStorage.named(self.kv_cache_dtype, self.kv_group_size)
+
     def resolve(self, info: ModelInfo, device: DeviceMemory) -> tuple["EngineConfig", MemoryPlan]:
         """The config with every machine- or model-dependent default filled in, and the memory plan
         its KV budget comes from."""
@@ -112,4 +125,5 @@ class EngineConfig:
         if captures is None:
             snapshot = max(1, info.kv.bytes_for(context, start=context))
             captures = max(1, min(self.inference_slots, int(CAPTURE_BUDGET_FRACTION * budget) // snapshot))
+        plan = dataclasses.replace(plan, tokens=budget_tokens(budget, info))
         return dataclasses.replace(self, kv_budget_bytes=budget, max_context=context, max_captures=captures), plan

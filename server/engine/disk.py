@@ -87,9 +87,9 @@ def kv_root() -> Path:
     return kvfork_home() / "kv"
 
 
-def fingerprint(model_dir: str | Path, dtype: str, backend: str) -> str:
-    """What a file's KV state depends on: the model's config, tokenizer, converter version and weights
-    (their safetensors headers and sizes, not their gigabytes), dtype, backend, and the KV format."""
+def fingerprint(model_dir: str | Path, dtype: str, backend: str, kv_dtype: str = "") -> str:
+    """What a file's KV state depends on: the model's config, tokenizer, converter version and weights (their
+    safetensors headers and sizes, not gigabytes), dtype, KV storage (ModelInfo.kv_dtype), backend, KV format."""
     folder = Path(model_dir)
     h = hashlib.sha256()
 
@@ -105,7 +105,8 @@ def fingerprint(model_dir: str | Path, dtype: str, backend: str) -> str:
         with path.open("rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             feed(path.name, f.read(min(n, 100_000_000)) + str(path.stat().st_size).encode())
-    for label, value in (("dtype", dtype), ("backend", backend), ("format", KV_FORMAT_VERSION)):
+    stored = dtype if kv_dtype in ("", dtype) else f"{dtype}, kv {kv_dtype}"  # --kv-cache-dtype auto: as before
+    for label, value in (("dtype", stored), ("backend", backend), ("format", KV_FORMAT_VERSION)):
         feed(label, value.encode())
     return h.hexdigest()[:20]
 

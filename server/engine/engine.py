@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from kvfork.backends.base import Backend, ModelInfo
+from kvfork.backends.base import Backend, KVStorageRefused, ModelInfo
 from kvfork.backends.model_path import resolve_model
 from kvfork.server.engine import messages as m
 from kvfork.server.engine import request as phase
@@ -90,7 +90,7 @@ class Engine:
         c = self.config
         self._runner = Runner(self.backend, self.model_path, self.dtype, c.max_batch_tokens, c.prefill_chunk,
                               c.max_step_ms / 1000, notify, c.clone_mode, self._plans, self.drafts,
-                              c.speculative_max_batch)
+                              c.speculative_max_batch, c.kv_storage)
         self._runner.thread.start()
         await self._loaded
 
@@ -279,7 +279,7 @@ class Engine:
             log.warning("prefix cache disk tier off: %s cannot save sessions", type(self.backend).__name__)
             return None
         try:
-            fp = fingerprint(resolve_model(self.model_path), info.dtype, self.backend.state_format)
+            fp = fingerprint(resolve_model(self.model_path), info.dtype, self.backend.state_format, info.kv_dtype)
         except OSError as exc:
             log.warning("prefix cache disk tier off: cannot fingerprint the model (%r)", exc)
             return None
@@ -298,7 +298,7 @@ class Engine:
     def _on_died(self, ev: m.Died) -> None:
         self.dead, self.failure = True, ev.error
         if self._loaded is not None and not self._loaded.done():
-            self._loaded.set_exception(RuntimeError(ev.error))
+            self._loaded.set_exception(KVStorageRefused(ev.error) if ev.refused else RuntimeError(ev.error))
         if self._serving is not None:
             for r in self._serving.requests():
                 self._serving.complete(r, "error", ev.error)

@@ -18,8 +18,9 @@ replicas, ranks on one host) each get an equal share of what is left.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from kvfork.backends.base import ModelInfo
 from kvfork.backends.device_memory import DeviceMemory, cpu_memory
 
 GiB = 1024**3
@@ -36,6 +37,17 @@ class MemoryPlan:
     available_bytes: int  # the most KV this device holds by the rule, whatever the flags say
     warning: str | None = None  # an explicit budget beyond what the device holds
     refusal: str | None = None  # the budget cannot hold one full-context request: the daemon will not start
+    # tokens of full-attention KV the budget holds: in the storage chosen (first), and in each other one
+    # --kv-cache-dtype could choose (`budget_tokens`)
+    tokens: dict[str, int] = field(default_factory=dict)
+
+
+def budget_tokens(budget: int, info: ModelInfo) -> dict[str, int]:
+    """Tokens of full-attention KV `budget` bytes hold, by storage: the model's own first, then the others
+    its backend offers (ModelInfo.kv_token_bytes)."""
+    own = info.kv_dtype or info.dtype
+    per_token = {own: info.kv.full_bytes_per_token, **dict(info.kv_token_bytes)}
+    return {name: budget // n for name, n in per_token.items() if n > 0}
 
 
 def _gib(n: float) -> str:

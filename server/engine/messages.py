@@ -228,3 +228,4 @@ class StepStats:
 @dataclass
 class Died:
     error: str
+    refused: bool = False  # the backend refused a setting at load (base.KVStorageRefused)

@@ -28,7 +28,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from kvfork.backends import effects as e
-from kvfork.backends.base import Backend, ModelInfo, Sampled
+from kvfork.backends.base import Backend, KVStorage, KVStorageRefused, ModelInfo, Sampled
 from kvfork.server.engine import faults
 from kvfork.server.engine import messages as m
 from kvfork.server.engine import plan as p
@@ -53,10 +53,12 @@ class Runner(Commands, Cloning, Speculation):
     def __init__(self, backend: Backend, model_path: str, dtype: str | None,
                  max_batch_tokens: int, prefill_chunk: int, max_step_s: float, notify: Callable[[], None],
                  clone_mode: str = "share", plans: Callable[[p.StepPlan], None] | None = None,
-                 drafts: Drafts | None = None, speculative_max_batch: int = 0):
+                 drafts: Drafts | None = None, speculative_max_batch: int = 0,
+                 kv_storage: KVStorage = KVStorage()):
         """`plans`: handed each step's plan before its forward pass runs. `drafts`: the drafters of
         speculative decoding (None: off), used while a step decodes at most `speculative_max_batch` rows."""
         self.backend, self.model_path, self.dtype, self.clone_mode = backend, model_path, dtype, clone_mode
+        self.kv_storage = kv_storage
         self.max_batch_tokens, self.prefill_chunk, self.max_step_s = max_batch_tokens, prefill_chunk, max_step_s
         # The step budget's own rates, from the step timings measured here (the
         # control loop keeps the cost model's, from the same StepStats).
@@ -91,10 +93,14 @@ class Runner(Commands, Cloning, Speculation):
     def _main(self) -> None:
         try:
             self.backend.set_clone_mode(self.clone_mode)  # type: ignore[arg-type]
+            self.backend.set_kv_storage(self.kv_storage)
             info = self._info = self.backend.load(self.model_path, self.dtype)
             self._constrained = ConstrainedRows(info.vocab_size)
             self._draft_cap = self._draft_cap_for(info)
             self._publish(m.Loaded(info, self.backend.memory(self.max_batch_tokens)))
+        except KVStorageRefused as exc:  # a setting this model or backend cannot take: the start's own error
+            self._publish(m.Died(str(exc), refused=True))
+            return
         except Exception as exc:
             log.exception("model load failed")
             self._publish(m.Died(f"model load failed: {exc}"))

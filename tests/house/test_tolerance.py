@@ -101,8 +101,8 @@ def test_shared_blocks_against_a_contiguous_session(llama, monkeypatch):
     right = b.decode([clone], [11])
     real = attention.partial
     monkeypatch.setattr(attention, "partial",
-                        lambda grouped, runs, scale: real(grouped, [(k[:, 1:], v[:, 1:]) for k, v in runs[:1]] + runs[1:],
-                                                          scale))
+                        lambda grouped, runs, scale, storage: real(
+                            grouped, [(k[:, 1:], v[:, 1:]) for k, v in runs[:1]] + runs[1:], scale, storage))
     wrong = b.decode([twin], [11])
     monkeypatch.undo()
     check(b, right, wrong, want, Kind.BLOCKS, context=701)

@@ -34,6 +34,8 @@ def kvfork(*args: str, **kw) -> subprocess.CompletedProcess:
     (["--api-keys-file", "/no/such/keys"], "--api-keys-file"),
     (["--prefix-cache-warm", "/no/such/prompts.json"], "--prefix-cache-warm"),
     (["--prefix-cache-disk-bytes", "-1"], "--prefix-cache-disk-bytes"),
+    (["--kv-cache-dtype", "int3"], "--kv-cache-dtype"),
+    (["--kv-group-size", "48"], "--kv-group-size"),
     (["--model", "no-such-org/no-such-model"], "--model"),  # a hub id the (offline) hub cannot give
 ])
 def test_invalid_values_exit_2_with_one_line(args, flag):
@@ -115,12 +117,24 @@ def test_serve_prints_what_it_loaded_and_where_and_stops_on_sigint(tiny_model_di
         assert process.returncode == 0 and "shutting down" in rest
 
 
+@pytest.mark.parametrize("backend, dtype, says", [
+    ("torch", "int8", "--kv-cache-dtype int8: head size 16 is not a multiple of --kv-group-size 64"),
+    ("mlx", "float16", "--kv-cache-dtype float16: MLXBackend stores KV in the weights' dtype only"),
+])
+def test_a_kv_cache_dtype_the_model_or_backend_cannot_take_exits_2_with_one_line(tiny_model_dir, backend, dtype, says):
+    with started("--model", tiny_model_dir("llama"), "--backend", backend, "--port", "0",
+                 "--kv-cache-dtype", dtype) as (process, text):
+        assert process.wait(timeout=60) == 2
+    refusal = [line for line in text.splitlines() if line.startswith("kvfork serve: error:")]
+    assert refusal == [f"kvfork serve: error: {says}"]
+
+
 def test_a_start_prints_the_budget_it_chose_and_why_and_refuses_one_too_small(tiny_model_dir):
     model = tiny_model_dir("llama")
     with started("--model", model, "--backend", "mlx", "--port", "0") as (_, text):
         # the device's rule: physical memory on a CPU, Metal's working set on Apple Silicon; a tiny model's weights
-        budget = re.search(r"kvfork: KV budget (\S+) GiB: (0\.75 of \S+ GiB physical memory|\S+'s recommended "
-                           r"working set) .* - 0\.00 GiB weights - \S+ GiB headroom", text)
+        budget = re.search(r"kvfork: KV budget (\S+) GiB = \S+ tokens in float32: (0\.75 of \S+ GiB physical memory|"
+                           r"\S+'s recommended working set) .* - 0\.00 GiB weights - \S+ GiB headroom", text)
         assert budget is not None, text
         assert f"set aside {budget.group(1)} GiB for KV state" in text
     with started("--model", model, "--backend", "mlx", "--port", "0", "--kv-budget-bytes", "4KiB") as (process, text):

@@ -1,0 +1,123 @@
+"""KV state stored as --kv-cache-dtype says on the torch backend (backends/torch/kv_storage.py): what a
+row holds and costs, the head sizes refused, and every reuse path (a clone by reference, a clone that
+prefills the rest, a saved state, a verify pass rolled back) answering as the session that wrote the
+rows, at each storage. The tiny models' heads are 64 wide here: groups of 64 divide them."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import backend_fixtures
+from backend_fixtures import assert_greedy_close, continue_greedy, fresh, lent, prompt, release_all
+from kvfork.backends.base import KVStorage, KVStorageRefused
+from kvfork.backends.torch import kv_storage
+from kvfork.backends.torch.backend import TorchBackend
+from tiny_models import write_model
+from tolerance import Kind
+
+DEVICE = os.environ.get("KVFORK_DEVICE", "cpu")
+STORED = ("float16", "bfloat16", "fp8", "int8", "int4")
+WIDE_HEADS = dict(head_dim=64)
+
+
+@pytest.fixture(scope="module")
+def wide_model_dir(tmp_path_factory):
+    """arch -> a tiny model folder whose heads are 64 wide (written once per module)."""
+    made: dict[str, str] = {}
+
+    def get(arch: str) -> str:
+        if arch not in made:
+            made[arch] = str(write_model(tmp_path_factory.mktemp(f"wide-{arch}"), arch, **WIDE_HEADS))
+        return made[arch]
+
+    return get
+
+
+def load(folder: str, dtype: str, group: int = 64) -> TorchBackend:
+    b = TorchBackend(DEVICE)
+    b.set_kv_storage(KVStorage.named(dtype, group))
+    return backend_fixtures.load(b, folder)
+
+
+@pytest.mark.parametrize("bits,group", [(8, 32), (8, 64), (4, 64), (4, 128)])
+def test_a_grouped_row_decodes_within_half_a_step_of_what_was_written(bits, group):
+    x = torch.randn(2, 300, 128) * torch.linspace(0.1, 30, 128)  # groups of very different ranges
+    x[0, 5, 7] = 400.0  # an outlier widens its own group only
+    storage = kv_storage.Grouped(bits, group, 128, torch.float32)
+    stored = storage.encode(x)
+    assert stored.dtype == torch.uint8 and stored.shape == (2, 300, 128 * bits // 8 + 4 * (128 // group))
+    back = storage.decode(stored)
+    spans = x.view(2, 300, -1, group)
+    half_step = (spans.amax(-1) - spans.amin(-1)) / (2**bits - 1) / 2
+    # float16 scale and bias: their own rounding, 2^-11 of the group's largest magnitude
+    slack = half_step + spans.abs().amax(-1) * 2.0**-10
+    assert ((back - x).view(2, 300, -1, group).abs().amax(-1) <= slack).all()
+    assert torch.equal(storage.decode(stored[:, 100:200]), back[:, 100:200])  # a slice of rows decodes alone
+
+
+@pytest.mark.parametrize("dtype,row", [("auto", 256), ("float16", 128), ("bfloat16", 128), ("fp8", 64),
+                                       ("int8", 64 + 4), ("int4", 32 + 4)])
+def test_the_budget_prices_the_rows_as_stored(wide_model_dir, dtype, row):
+    """Bytes per token: 2 layers x keys and values x 2 KV heads x one row (scales and biases included);
+    the backend's own count is KVCost's, exactly, for a session and its clone."""
+    b = load(wide_model_dir("llama"), dtype)
+    assert b.info.kv.full_bytes_per_token == 2 * 2 * 2 * row
+    assert dict(b.info.kv_token_bytes) == {"float32": 2048, "float16": 1024, "bfloat16": 1024, "fp8": 512,
+                                           "int8 (groups of 64)": 544, "int4 (groups of 64)": 288}
+    donor, _ = fresh(b, prompt(700, seed=1))
+    clone = b.clone(donor, 600)
+    cost = b.info.kv
+    assert b.session_bytes(donor) == cost.bytes_for(700)
+    assert b.session_bytes(clone) == cost.bytes_for(600, shared=cost.shared(600), start=600)
+    release_all(b, donor, clone)
+
+
+def test_a_head_size_the_group_does_not_divide_is_refused_at_load(tiny_model_dir, wide_model_dir):
+    with pytest.raises(KVStorageRefused, match="head size 16 is not a multiple of --kv-group-size 32"):
+        load(tiny_model_dir("llama"), "int8", 32)
+    with pytest.raises(KVStorageRefused, match="head size 64 is not a multiple of --kv-group-size 128"):
+        load(wide_model_dir("llama"), "int4", 128)
+    assert load(tiny_model_dir("llama"), "float16").info.kv_dtype == "float16"  # floats take any head
+    with pytest.raises(KVStorageRefused, match="unknown --kv-cache-dtype 'int3'"):
+        KVStorage.named("int3")
+    assert KVStorage.named("int4_per_token_head") == KVStorage("int4")
+
+
+@pytest.fixture(params=STORED)
+def stored(request, wide_model_dir):
+    """(arch, a loaded backend storing KV as the param says); llama and gemma3 (sliding rings)."""
+    arch = "gemma3" if request.param in ("fp8", "int4") else "llama"
+    for b in lent(request, ("torch-kv", arch, request.param), lambda: load(wide_model_dir(arch), request.param)):
+        yield arch, b
+
+
+def test_every_reuse_path_answers_as_the_session_that_wrote_the_rows(stored):
+    """A clone at the end, a clone that prefills the rest (llama: a ring no longer holds its start), a saved
+    state imported, and a verify pass rolled back: the same greedy tokens as the session itself."""
+    arch, b = stored
+    tokens = prompt(600, seed=2)
+    donor, logits = fresh(b, tokens)
+    clone, saved = b.clone(donor, 600), b.export_state(donor)
+    layer = saved.layers[-1]
+    assert layer.arrays[0].dtype == np.dtype(np.uint16 if b.info.kv_dtype == "bfloat16" else
+                                             np.float16 if b.info.kv_dtype == "float16" else np.uint8)
+    restored = b.import_state(saved)
+    want = continue_greedy(b, donor, logits, 8)
+    assert_greedy_close(b, continue_greedy(b, clone, logits, 8), want, Kind.CLONE, context=608)
+    assert_greedy_close(b, continue_greedy(b, restored, logits, 8), want, Kind.DISK, context=608)
+    if arch == "llama":  # a prefix cache hit: whole blocks shared, the rest prefilled
+        early = b.clone(restored, 520)
+        again = b.prefill([early], [tokens[520:]])
+        assert_greedy_close(b, continue_greedy(b, early, again, 8), want, Kind.CLONE, context=608)
+        release_all(b, early)
+    drafted, (first, *rest) = b.open_session(), want[0]
+    b.prefill([drafted], [tokens])
+    verified = b.verify([drafted], [[first, *rest[:2], 7]], [4])  # the last draft is wrong
+    b.truncate(drafted, 603)
+    assert_greedy_close(b, continue_greedy(b, drafted, verified[2:3], 5), (want[0][3:], want[1][3:]), Kind.CLONE,
+                        context=608)
+    release_all(b, donor, clone, restored, drafted)

@@ -1,0 +1,140 @@
+"""How far each --kv-cache-dtype moves the model's next-token distributions from full precision, on the
+torch backend and the default model's real weights (docs/kv-budget.md has the table).
+
+    python -m kvfork.tools.kv_accuracy_bench [--model FOLDER] [--contexts 512,2048] [--scored 64] [--texts readme]
+
+The texts ship with the repository: its README, its docs and the engine's sources, each tokenized
+whole. For each text and context length N, a session is prefilled with the text's first N tokens (in
+chunks of 512, as the engine prefills), then one verify pass reads the logits of the next `--scored`
+positions (teacher forcing), and a clone at N decodes `--greedy` tokens greedily. Against float32 KV
+(`auto` on the CPU), per storage: the mean and 99th percentile of KL(full || stored) over all scored
+positions, top-1 agreement, and the mean length of greedy output identical to full precision's.
+
+`+rot` rows store x @ H instead of x (H the normalised Sylvester Hadamard matrix: orthogonal and its
+own inverse) and decode by multiplying back, keys and values alike: an outlier is spread over the
+whole head before the groups take their scales. Measured here, not part of the product.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvfork.backends.base import KVStorage
+from kvfork.backends.default_model import default_model_dir
+from kvfork.backends.torch import kv
+from kvfork.backends.torch.backend import TorchBackend
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXTS = {"readme": ["README.md"], "docs": sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")),
+         "engine": sorted(str(p.relative_to(ROOT)) for p in (ROOT / "server" / "engine").glob("*.py"))}
+STORAGES = ("float16", "bfloat16", "fp8", "int8", "int4", "int8+rot", "int4+rot")
+CHUNK = 512
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """The normalised n x n Sylvester Hadamard matrix (n a power of two): symmetric, H @ H = I."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    if h.shape[0] != n:
+        raise ValueError(f"no Sylvester Hadamard matrix of size {n}")
+    return h / math.sqrt(n)
+
+
+class Rotated:
+    """`inner`'s storage of x @ H, decoded as inner.decode(.) @ H."""
+
+    exact = False
+
+    def __init__(self, inner, head_dim: int, compute: torch.dtype):
+        self.inner, self.dtype, self.h = inner, inner.dtype, hadamard(head_dim).to(compute)
+
+    def width(self, head_dim: int) -> int:
+        return self.inner.width(head_dim)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.encode(x @ self.h.to(x.dtype))
+
+    def decode(self, stored: torch.Tensor) -> torch.Tensor:
+        return self.inner.decode(stored) @ self.h
+
+
+def backend_for(model: str, storage: str, group: int) -> TorchBackend:
+    b = TorchBackend("cpu")
+    b.set_kv_storage(KVStorage.named(storage.removesuffix("+rot"), group))
+    b.load(model, "float32")
+    if storage.endswith("+rot"):  # the pool is the storage's one home: a new one, before any session
+        p = b.pool
+        b.pool = kv.BlockPool(p.full_layers, p.kv_heads, p.head_dim, Rotated(p.storage, p.head_dim, b.dtype), b.device)
+    return b
+
+
+def run_text(b: TorchBackend, tokens: list[int], n: int, scored: int, greedy: int) -> tuple[np.ndarray, list[int]]:
+    """Log-probabilities of the `scored` positions after the first n tokens, and `greedy` tokens decoded from n."""
+    s = b.open_session()
+    for at in range(0, n, CHUNK):
+        b.prefill([s], [tokens[at:min(n, at + CHUNK)]])
+    clone = b.clone(s, n)
+    logits = b.verify([s], [tokens[n:n + scored]], [scored])
+    out, last = [], b.prefill([clone], [[tokens[n]]])
+    for _ in range(greedy):
+        out.append(int(last[0].argmax()))
+        last = b.decode([clone], [out[-1]])
+    b.release(s)
+    b.release(clone)
+    return torch.log_softmax(logits.double(), -1).numpy(), out
+
+
+def identical(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=str(default_model_dir()))
+    parser.add_argument("--contexts", default="512,2048", help="context lengths, comma-separated")
+    parser.add_argument("--scored", type=int, default=64, help="positions scored after each context")
+    parser.add_argument("--greedy", type=int, default=32, help="tokens decoded greedily after each context")
+    parser.add_argument("--group", type=int, default=64, help="--kv-group-size")
+    parser.add_argument("--storages", default=",".join(STORAGES))
+    parser.add_argument("--texts", default=",".join(TEXTS), help="which of the texts, comma-separated")
+    args = parser.parse_args()
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
+    texts = {name: tokenizer.encode("\n".join((ROOT / f).read_text() for f in files)).ids
+             for name, files in TEXTS.items() if name in args.texts.split(",")}
+    contexts = [int(c) for c in args.contexts.split(",")]
+    cases = [(name, n) for n in contexts for name, ids in texts.items() if len(ids) > n + args.scored]
+    reference = backend_for(args.model, "auto", args.group)
+    want = {case: run_text(reference, texts[case[0]], case[1], args.scored, args.greedy) for case in cases}
+    report = {"model": Path(args.model).name, "scored": args.scored, "greedy": args.greedy, "group": args.group,
+              "texts": {name: len(ids) for name, ids in texts.items()}, "rows": []}
+    del reference
+    for storage in args.storages.split(","):
+        b = backend_for(args.model, storage, args.group)
+        for n in contexts:
+            kl, top1, same = [], [], []
+            for case in [c for c in cases if c[1] == n]:
+                (ref, ref_greedy), (got, got_greedy) = want[case], run_text(b, texts[case[0]], n, args.scored,
+                                                                            args.greedy)
+                kl.extend((np.exp(ref) * (ref - got)).sum(-1).tolist())
+                top1.extend((ref.argmax(-1) == got.argmax(-1)).tolist())
+                same.append(identical(got_greedy, ref_greedy))
+            row = {"storage": storage, "context": n, "bytes_per_token": b.info.kv.full_bytes_per_token,
+                   "kl_mean": float(np.mean(kl)), "kl_p99": float(np.percentile(kl, 99)),
+                   "top1": float(np.mean(top1)), "greedy_identical": float(np.mean(same))}
+            report["rows"].append(row)
+            print(json.dumps(row), flush=True)
+        del b
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
