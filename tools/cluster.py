@@ -52,7 +52,7 @@ from kvfork.backends.device_memory import weights_on_disk
 from kvfork.server.engine.memory_plan import shared_host_plan
 from kvfork.server.isolated import module_command
 from kvfork.server.kv_events import loopback
-from kvfork.backends.model_path import kvfork_home
+from kvfork.backends.home import kvfork_home
 
 HOST = "127.0.0.1"  # replicas and the gateway: loopback only (several machines: the README's recipe)
 ASSIGNMENTS = ("min_group", "min_load", "random", "delegate")

@@ -26,7 +26,7 @@ from typing import Callable
 
 from kvfork.backends.gguf.convert import CONVERTER_VERSION, convert_gguf
 from kvfork.backends.gguf.reader import UnservableGGUF
-from kvfork.backends.model_path import kvfork_home
+from kvfork.backends.home import kvfork_home
 from kvfork.backends.private_files import SECRET, private_folder, secret
 
 STAMP = "kvfork-converted.json"

@@ -67,7 +67,7 @@ from safetensors.numpy import load as load_tensors
 from safetensors.numpy import save as save_tensors
 
 from kvfork.backends.base import SavedLayer, SavedState
-from kvfork.backends.model_path import kvfork_home
+from kvfork.backends.home import kvfork_home
 from kvfork.backends.private_files import FILE_MODE, SECRET, open_private, own_folder, private_folder, secret
 from kvfork.server.engine.index import Entry, Index
 

@@ -4,11 +4,13 @@ refused on every backend."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from backend_fixtures import continue_greedy, fresh, load, logits_np, model_of, prompt, release_all
 from tiny_models import write_model
-from tolerance import Kind, assert_logits_close, assert_same_greedy
+from tolerance import Kind, assert_arrays_close, assert_logits_close, assert_same_greedy
 
 from kvfork.backends import create_backend
 from kvfork.backends.model_info import model_facts
@@ -45,11 +47,17 @@ def test_frequencies_and_attention_factor_are_transformers(kind):
     reference = LlamaRotaryEmbedding(LlamaConfig(**config))
     positions = torch.arange(1100)[None]
     want_cos, want_sin = reference(torch.zeros(1, 1, 16), positions)
-    inv_freq, scale = inverse_frequencies(parse_config(config).rope_full, 16)
+    rope = parse_config(config).rope_full
+    inv_freq, scale = inverse_frequencies(rope, 16)
     assert scale == pytest.approx(reference.attention_scaling) and (scale != 1.0) == (kind in ("yarn", "longrope"))
+    # Each frequency apart, a power of theta: its exponent's rounding amplified by at most ln(theta).
+    assert_arrays_close(inv_freq.numpy(), reference.inv_freq.numpy(), kind=Kind.FORMS, reductions=(1,), each=True,
+                        condition=math.log(rope.theta))
     cos, sin = angles(positions, inv_freq, scale)
-    torch.testing.assert_close(cos[0, :, 0], want_cos[0, :, :HALF], rtol=0, atol=2e-5)
-    torch.testing.assert_close(sin[0, :, 0], want_sin[0, :, :HALF], rtol=0, atol=2e-5)
+    # An angle carries its frequency's rounding times its size: cos and sin amplify it by the largest angle.
+    largest = float(positions.max() * inv_freq.max())
+    for got, want in ((cos[0, :, 0], want_cos[0, :, :HALF]), (sin[0, :, 0], want_sin[0, :, :HALF])):
+        assert_arrays_close(got.numpy(), want.numpy(), kind=Kind.FORMS, reductions=(1,), condition=largest)
 
 
 @pytest.fixture(scope="module", params=[("llama", k) for k in SCALINGS] + [("qwen3", "yarn")],

@@ -14,7 +14,8 @@ from kvfork.backends.base import SavedLayer, SavedState
 from kvfork.backends.torch import attention
 from kvfork.backends.torch.backend import TorchBackend
 import tolerance
-from tolerance import Kind, Model, assert_logits_close, assert_same_greedy, bound, top_two_margin
+from tolerance import (Kind, Model, assert_dequantized_close, assert_logits_close, assert_logprobs_close,
+                       assert_same_greedy, bound, top_two_margin)
 
 # A wrong path must miss by this many bounds at least: a bound loosened tenfold still catches each.
 CAUGHT_BY = 10
@@ -197,3 +198,24 @@ def test_the_bound_grows_with_the_sums_and_the_magnitude(tiny_model_dir, tiny_hy
     assert bound(1.0, (64,), "bfloat16") > 1000 * bound(1.0, (64,))
     # float32: about 3e-5 of max |logit| for the llama test model at 40 tokens
     assert 1e-5 < short < 1e-4
+
+
+def test_logprobs_and_dequantized_weights_catch_a_wrong_path():
+    """A float32 log-softmax holds against float64, one missing its largest term from the normaliser is
+    caught; a Q8_0 grid holds against the weights it rounds, one value two steps off is caught."""
+    rows = np.random.default_rng(0).standard_normal((2, 512)) * 8
+    exact = rows - rows.max(-1, keepdims=True)
+    exact -= np.log(np.exp(exact).sum(-1, keepdims=True))
+    single = rows.astype(np.float32) - rows.max(-1, keepdims=True).astype(np.float32)
+    single -= np.log(np.exp(single).sum(-1, keepdims=True))
+    assert_logprobs_close(single, exact, vocab=512)
+    short = np.sort(exact, -1)[:, :-1]
+    with pytest.raises(AssertionError, match="logprobs"):
+        assert_logprobs_close(short - np.log(np.exp(short).sum(-1, keepdims=True)), short, vocab=512)
+    weights = rows[:, :64]
+    step = np.abs(weights.reshape(2, 2, 32)).max(-1, keepdims=True) / 127
+    grid = (np.round(weights.reshape(2, 2, 32) / step) * step).reshape(weights.shape)
+    assert_dequantized_close(grid, weights, "Q8_0")
+    grid[0, 5] += 2 * step[0, 0, 0]
+    with pytest.raises(AssertionError, match="Q8_0"):
+        assert_dequantized_close(grid, weights, "Q8_0")

@@ -23,7 +23,7 @@ from kvfork.tools.clients.model import write_tiny_long_model
 from kvfork.tools.clients.proxy import TURN, Proxy, Subagents, ToolCall
 from kvfork.tools.bench.text import words
 from kvfork.backends.default_model import ensure_default_model
-from kvfork.backends.model_path import kvfork_home
+from kvfork.backends.home import kvfork_home
 
 PROMPTS = (
     f"{TURN}1 Read the file notes.txt in this folder and tell me what it says.",
