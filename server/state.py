@@ -84,7 +84,7 @@ class AppState:
         """The context of the model a request names, where it is known before the model is acquired (a body
         over it is refused without loading anything); None: checked once the model is acquired."""
         if self.pool is not None:
-            return await self.pool.context(requested)
+            return self.pool.context(requested)
         return self.context if self.ready else None
 
     async def counting(self, request: web.Request, requested: str | None) -> tuple[PromptTokenizer, int]:

@@ -120,6 +120,10 @@ class ModelPool:
         config = base.config
         self.base, self.engine_config, self.make_backend, self.budget = base, engine_config, make_backend, budget
         self.slots = {s.name: Slot(s, s.name in config.pin, budget.footprint(s)) for s in specs}
+        for slot in self.slots.values():  # read once, here: a request's checks then never wait for a file
+            stated = _folder_context(slot.spec.path) if slot.spec.fetch is None else None
+            if stated is not None:
+                slot.context = min(engine_config.max_context or stated, stated)
         self.default = specs[0].name
         self.switch_timeout, self.ttl = config.model_switch_timeout, config.model_ttl
         self._queue: list[Claim] = []  # waiting requests, in arrival order
@@ -190,18 +194,15 @@ class ModelPool:
         assert slot.served is not None
         return slot.served.state
 
-    async def context(self, requested: str | None) -> int | None:
+    def context(self, requested: str | None) -> int | None:
         """The context a request naming `requested` gets, known without loading the model (its folder's
-        config and --max-context, as its engine resolves them), so that a body over it is refused before
-        anything loads; None where the model's files are not here yet (or say no context)."""
+        config and --max-context, as its engine resolves them, read when the pool was made), so that a body
+        over it is refused before anything loads; None where the model's files are not here yet (or say no
+        context). Never waits: requests reach `acquire` in the order they came."""
         slot = self.slot(requested)
         if slot.ready:
             assert slot.served is not None
             return slot.served.state.context
-        if slot.context is None and slot.spec.fetch is None:
-            stated = await asyncio.to_thread(_folder_context, slot.spec.path)
-            if stated is not None:
-                slot.context = min(self.engine_config.max_context or stated, stated)
         return slot.context
 
     async def counting(self, request: web.Request, requested: str | None) -> tuple[PromptTokenizer, int]:
@@ -212,7 +213,7 @@ class ModelPool:
         if slot.ready:
             state = await self.acquire(request, requested, False)
             return state.require_ready(), state.context
-        context = await self.context(requested)
+        context = self.context(requested)
         if context is None:
             raise ApiError(503, f"model {slot.spec.name!r} is not on this machine yet: a request for it downloads "
                            "and loads it", code="not_ready", param="model")
