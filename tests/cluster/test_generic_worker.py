@@ -85,8 +85,8 @@ async def test_the_gauges_a_gateway_scrapes_follow_the_queue(tiny_model_dir, htt
     async with serving(tiny_model_dir("llama"), engine=dict(inference_slots=1)) as d:
         read = lambda: metrics(http, d.url)  # noqa: E731
         clients = [aiohttp.ClientSession() for _ in range(2)]
+        streams: list[aiohttp.ClientResponse] = []
         try:
-            streams = []
             for client in clients:  # one decodes, the other waits for the only slot
                 streams.append(await client.post(d.url + CHAT, json=chat_body(
                     f"request {len(streams)}", max_tokens=LONG_RUN, ignore_eos=True, stream=True)))
@@ -98,6 +98,8 @@ async def test_the_gauges_a_gateway_scrapes_follow_the_queue(tiny_model_dir, htt
             assert (rank["num_running_reqs"], rank["num_waiting_reqs"]) == (1, 1)
             assert rank["num_waiting_uncached_tokens"] > 0
         finally:
+            for stream in streams:
+                stream.release()
             for client in clients:
                 await client.close()
         await until(read, lambda m: m["kvfork_running_requests"] == 0 and m["kvfork_waiting_requests"] == 0,

@@ -182,14 +182,16 @@ async def test_a_clone_taken_from_a_speculating_request_holds_only_what_it_commi
     folder = tiny_model_dir("qwen3")
     shared, tail = prompt(40, seed=7), prompt(6, seed=8)
     off = await engine_of(backend_name, folder, prefix_cache_entries=0, active_prefix_reuse_min_tokens=0)
-    donor_want, _ = await run(off, shared, 60, ignore_eos=True)
+    donor_want, _ = await run(off, shared, 200, ignore_eos=True)
     recipient_want, _ = await run(off, shared + donor_want[:20] + tail, 10, ignore_eos=True)
     await off.shutdown(1)
     drafts = ScriptedDrafts()
-    drafts.seen['["", null]'] = [shared + donor_want]  # the default scope: drafts the donor's whole output
+    # the default scope: drafts the donor's first 40 tokens, a run each step; its 160 more, one a step, keep it
+    # running (in steps, whatever the machine's speed) while the recipient is placed
+    drafts.seen['["", null]'] = [shared + donor_want[:40]]
     on = await engine_of(backend_name, folder, drafts, prefix_cache_entries=0, active_prefix_reuse_min_tokens=8,
                          follow=False)
-    donor = on.submit(request(shared, 60, rid="donor", ignore_eos=True))
+    donor = on.submit(request(shared, 200, rid="donor", ignore_eos=True))
     got = []
     async for event in donor:
         if hasattr(event, "token"):
