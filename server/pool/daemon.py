@@ -46,6 +46,7 @@ class PoolDaemon(Listening):
         budget = PoolBudget.of(device_reading(backend), engine_config, config.memory_budget_bytes, max_loaded,
                                len(specs))
         self.pool = self.state.pool = ModelPool(self.state, specs, engine_config, make_backend, budget)
+        self.speculative = engine_config.speculative
         self.port = config.port
 
     async def load(self) -> None:
@@ -77,7 +78,13 @@ class PoolDaemon(Listening):
         cap = f", at most {budget.max_loaded} loaded" if budget.max_loaded else ""
         return (f"kvfork: serving {len(self.pool.slots)} models: {names}\n"
                 f"kvfork: memory budget {budget.total_bytes / 1024**3:.2f} GiB for weights and KV: "
-                f"{budget.reason}{cap}")
+                f"{budget.reason}{cap}\n"
+                f"kvfork: speculative decoding {self._speculation()}")
+
+    def _speculation(self) -> str:
+        if self.speculative == "off":
+            return "off"
+        return f"{self.speculative} on each model that can roll drafted tokens back (--speculative off turns it off)"
 
     async def close(self) -> None:
         await self.pool.shutdown(self.config.shutdown_grace)
