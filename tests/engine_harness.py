@@ -15,7 +15,9 @@ from kvfork.server.engine.request import RequestHandle
 from kvfork.server.metrics import Registry
 
 # Small enough for scripted prompts, and an explicit budget so no test depends on the machine's memory.
-TEST_CONFIG = dict(prefix_cache_min_tokens=8, kv_budget_bytes=1 << 30)
+# Plain decode steps (one row per request) unless a test asks for speculative decoding: the daemon's own
+# default (suffix) runs in the HTTP tests.
+TEST_CONFIG = dict(prefix_cache_min_tokens=8, kv_budget_bytes=1 << 30, speculative="off")
 # Every reuse path off: the reference the reuse paths must equal.
 REUSE_OFF = dict(prefix_cache_entries=0, active_prefix_reuse_min_tokens=0)
 # The daemon's own prefill chunk: each of a test's prompts prefills in one step (real_engine's is 16).

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from backend_fixtures import backend_name  # noqa: F401  (fixture: each importable backend)
-from engine_harness import collect, request, run, settled
+from engine_harness import TEST_CONFIG, collect, request, run, settled
 from kvfork.backends import create_backend
 from kvfork.backends.base import SamplingParams
 from kvfork.server.engine.config import EngineConfig
@@ -30,7 +30,7 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 async def engine_of(name: str, folder: str, drafts=None, **config) -> Engine:
-    settings = dict(prefix_cache_min_tokens=8, kv_budget_bytes=1 << 30, prefill_chunk=16)
+    settings = dict(TEST_CONFIG, prefill_chunk=16)  # speculative decoding only where `drafts` are given
     engine = Engine(create_backend(name), folder, "float32", EngineConfig(**{**settings, **config}), Registry(),
                     drafts=drafts)
     await engine.start()
