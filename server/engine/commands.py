@@ -1,6 +1,6 @@
 """The control loop's commands, as the runner thread runs them: a request's Start (a clone from the
 prefix cache, a session resumed, or an empty one), its Cancel or Finish, its Pause and Resume (out of the
-batch and back, everything it holds kept), and the sessions the loop lets go (Release), spills to disk
+batch and back, everything it holds kept), and the sessions the loop lets go (ReleaseSessions), spills to disk
 (Spill) and loads back (LoadState).
 
 A part of `Runner` (runner.py), whose state it reads: the inbox, the running requests, the executor.
@@ -46,7 +46,7 @@ class Commands:
                     self._running[rid] = self._paused.pop(rid)
                 case m.CloneDonor() as order:
                     self._clone_donor(order)
-                case m.Release(sids=sids):
+                case m.ReleaseSessions(sids=sids):
                     self._run(e.Release(sids))
                     self._releases += 1
                 case m.Spill() as spill:
