@@ -53,7 +53,7 @@ class Commands:
                     self._spill(spill)
                 case m.LoadState() as load:
                     self._load_state(load)
-                case m.Stop():
+                case m.StopRunner():
                     self._orders = CloneOrders()  # nobody is left to hand anything over to
                     for s in [*self._running.values(), *self._paused.values()]:
                         self._end(s, "cancelled")

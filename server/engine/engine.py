@@ -106,7 +106,7 @@ class Engine:
         serving = self._serving
         if serving is not None:
             await self._stop_serving(serving, grace_s)
-        self._runner.send(m.Stop())
+        self._runner.send(m.StopRunner())
         await asyncio.to_thread(self._runner.thread.join, STOP_WAIT_S)
         self._drain()  # the cache's last spills go to the disk tier here
         if serving is not None and serving.disk is not None:

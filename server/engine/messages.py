@@ -123,7 +123,7 @@ class LoadState:
 
 
 @dataclass
-class Stop:
+class StopRunner:
     pass
 
 
