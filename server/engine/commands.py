@@ -1,5 +1,5 @@
 """The control loop's commands, as the runner thread runs them: a request's Start (a clone from the
-prefix cache, a session resumed, or an empty one), its Cancel or Finish, its Pause and Resume (out of the
+prefix cache, a session resumed, or an empty one), its Cancel or Finish, its Pause and Unpause (out of the
 batch and back, everything it holds kept), and the sessions the loop lets go (ReleaseSessions), spills to disk
 (Spill) and loads back (LoadState).
 
@@ -42,7 +42,7 @@ class Commands:
                     self._stop(rid, "stop")
                 case m.Pause(rid=rid) if rid in self._running:  # one that ended meanwhile is not paused
                     self._paused[rid] = self._running.pop(rid)
-                case m.Resume(rid=rid) if rid in self._paused:
+                case m.Unpause(rid=rid) if rid in self._paused:
                     self._running[rid] = self._paused.pop(rid)
                 case m.CloneDonor() as order:
                     self._clone_donor(order)

@@ -92,7 +92,7 @@ class Pause:
 
 
 @dataclass
-class Resume:
+class Unpause:
     """A paused request decodes on from where it stopped."""
 
     rid: int

@@ -172,7 +172,7 @@ class Serving(Parking, Progress, Ending):
         while (r := adm.next()) is not None:
             if isinstance(r.phase, Paused):
                 phase.resume(r)
-                self._send(m.Resume(r.rid))
+                self._send(m.Unpause(r.rid))
                 continue
             if r.expiry is not None:
                 r.expiry.cancel()
