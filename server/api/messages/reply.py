@@ -16,7 +16,7 @@ import msgspec
 from kvfork.server.api.diagnosis import Report
 from kvfork.server.chat_output import ChatOutput, ChatOutputParser, collect
 from kvfork.server.errors import ApiError
-from kvfork.server.generation import Finished, Piece
+from kvfork.server.generation import ChoiceFinished, Piece
 from kvfork.server.api.messages.protocol import (
     ContentBlockDelta,
     ContentBlockStart,
@@ -173,7 +173,7 @@ class MessagesReply:
         self.diagnostics = diagnostics
         self.stream = MessageStream(id, model)
         self.events: list[Event] = []
-        self.done: Finished | None = None
+        self.done: ChoiceFinished | None = None
         self.started = False
 
     def start(self) -> list[StreamEvent]:
@@ -185,7 +185,7 @@ class MessagesReply:
         self.events += events
         return out + self.stream.events(events)
 
-    def finish(self, done: Finished) -> list[StreamEvent]:
+    def finish(self, done: ChoiceFinished) -> list[StreamEvent]:
         self.done = done
         out = self._start(done.usage.reused_tokens) if not self.started else []
         events = self.parser.finish()
