@@ -45,11 +45,11 @@ class ChoiceFinished:
     stop_string: str | None = None  # the stop string that ended the text, if one did
 
 
-class KeepAlive:
+class KeepAliveTick:
     """Nothing arrived for a while (a long prefill or a queue wait)."""
 
 
-KEEP_ALIVE = KeepAlive()
+KEEP_ALIVE = KeepAliveTick()
 
 
 class ChoiceFailed(ApiError):
@@ -63,7 +63,7 @@ class ChoiceFailed(ApiError):
 @asynccontextmanager
 async def generation(engine, request: GenerateRequest, tokenizer: PromptTokenizer, stops: list[str],
                      keepalive_s: float | None = None, markup: bool = False
-                     ) -> AsyncIterator[AsyncIterator[tuple[int, Piece | ChoiceFinished] | KeepAlive]]:
+                     ) -> AsyncIterator[AsyncIterator[tuple[int, Piece | ChoiceFinished] | KeepAliveTick]]:
     """Submit now (an engine refusal raises here, before any response starts); yield (choice, event)
     pairs, and KeepAlives while nothing arrives. `markup`: the text keeps the model's markup tokens, for
     an output parser to read (PromptTokenizer.decode_markup)."""
@@ -95,7 +95,7 @@ async def generation(engine, request: GenerateRequest, tokenizer: PromptTokenize
 
 
 async def _merged(arrived: asyncio.Queue, n: int,
-                  keepalive_s: float | None) -> AsyncIterator[tuple[int, Piece | ChoiceFinished] | KeepAlive]:
+                  keepalive_s: float | None) -> AsyncIterator[tuple[int, Piece | ChoiceFinished] | KeepAliveTick]:
     running, failures = n, []
     while running:
         try:

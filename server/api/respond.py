@@ -32,7 +32,7 @@ from kvfork.server.api.content_encoding import coding_of, decoded
 from kvfork.server.api.diagnosis import Report
 from kvfork.server.engine.api import GenerateRequest, Usage
 from kvfork.server.errors import ApiError, from_decode, client_text
-from kvfork.server.generation import ChoiceFinished, KeepAlive, Piece, generation
+from kvfork.server.generation import ChoiceFinished, KeepAliveTick, Piece, generation
 from kvfork.server.api.openai import PromptTokensDetails, UsageInfo, encoder
 from kvfork.server.api.sse import EventStream
 from kvfork.server.limits import Limits, check_depth
@@ -214,7 +214,7 @@ async def respond(request: web.Request, state: AppState, job: Job, reply: Reply 
             await out.send_all(choices.start())
             async for event in events:
                 match event:
-                    case KeepAlive():
+                    case KeepAliveTick():
                         await out.keep_alive()
                     case (index, Piece() as piece):
                         await out.send_all(choices.piece(index, piece))
