@@ -135,7 +135,7 @@ class CountTokensRequest(Struct, kw_only=True):
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
-class Usage(Struct):
+class AnthropicUsage(Struct):
     input_tokens: int  # prompt tokens not read from the cache, as Anthropic counts them
     output_tokens: int
     cache_read_input_tokens: int = 0
@@ -164,7 +164,7 @@ class MessageReply(Struct, kw_only=True):
     id: str
     model: str
     content: list[ContentOut]
-    usage: Usage
+    usage: AnthropicUsage
     stop_reason: StopReason | None = None
     stop_sequence: str | None = None
     type: Literal["message"] = "message"
@@ -218,7 +218,7 @@ class StopDelta(Struct):
 
 class MessageDelta(Struct, tag_field="type", tag="message_delta"):
     delta: StopDelta
-    usage: Usage
+    usage: AnthropicUsage
     kvfork_cache: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET  # server/api/diagnosis.py
 
 
