@@ -250,18 +250,18 @@ ERROR_TYPES = {
 }
 
 
-class ErrorDetail(Struct):
+class AnthropicErrorDetail(Struct):
     type: str
     message: str
 
 
 class ErrorReply(Struct, tag_field="type", tag="error"):
-    error: ErrorDetail
+    error: AnthropicErrorDetail
 
 
 def error_reply(status: int, message: str) -> ErrorReply:
-    return ErrorReply(ErrorDetail(ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error"),
-                                  message))
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return ErrorReply(AnthropicErrorDetail(kind, message))
 
 
 def error_body(status: int, message: str) -> bytes:
