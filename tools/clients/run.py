@@ -20,7 +20,7 @@ from kvfork.server.engine.config import EngineConfig
 from kvfork.server.serve import Daemon, pick_backend
 from kvfork.tools.clients.clients import CLIENTS, MODEL, Client
 from kvfork.tools.clients.model import write_tiny_long_model
-from kvfork.tools.clients.proxy import TURN, Proxy, Subagents, ToolCall
+from kvfork.tools.clients.proxy import TURN, Proxy, ScriptedCall, Subagents
 from kvfork.tools.bench.text import words
 from kvfork.backends.default_model import ensure_default_model
 from kvfork.backends.home import kvfork_home
@@ -113,7 +113,7 @@ async def run_client(client: Client, kvfork_url: str, context: int, turns: int, 
                      timeout_s: float, work: Path | None = None, label: str | None = None,
                      root: Path | None = None, prompts: tuple[str, ...] = PROMPTS,
                      subagents: Subagents | None = None, note_first: bool = False,
-                     read: ToolCall | None = None) -> Row:
+                     read: ScriptedCall | None = None) -> Row:
     """One session of `client` (`label` in the table) in `work` (default: a project of its own), its user's
     home and configuration under `root` (default: a folder of its own): `turns` of `prompts`, in which
     the proxy has it start `subagents` (Claude Code); the requests of note (the second table) are the
