@@ -110,7 +110,7 @@ def ttft_bound(solo_median: float) -> float:
 
 
 @dataclass
-class Outcome:
+class WaveOutcome:
     solo: list[float]
     shapes: list[ShapeResult]
     survived: dict[str, bool]
@@ -523,11 +523,11 @@ async def models_daemon(config: HostileConfig):
 
 
 async def run_wave(config: HostileConfig, backend: Any = None, out=sys.stdout,
-                   shapes: list[str] | None = None) -> Outcome:
+                   shapes: list[str] | None = None) -> WaveOutcome:
     """Every shape (or `shapes`): those of one model on its daemon, then the several-models ones on theirs."""
     names = shapes or list(SHAPES)
     one, several = [n for n in names if n not in SEVERAL], [n for n in names if n in SEVERAL]
-    outcome = Outcome([], [], {}, {})
+    outcome = WaveOutcome([], [], {}, {})
     if one:
         async with hostile_daemon(config, backend) as d:
             await _section(d, d.state.context, config, one, outcome, out, keeps=True)
@@ -538,7 +538,7 @@ async def run_wave(config: HostileConfig, backend: Any = None, out=sys.stdout,
     return outcome
 
 
-async def _section(d: Any, context: int, config: HostileConfig, names: list[str], outcome: Outcome, out,
+async def _section(d: Any, context: int, config: HostileConfig, names: list[str], outcome: WaveOutcome, out,
                    keeps: bool) -> None:
     """The innocent's solo TTFTs on daemon `d`, then each shape of `names` against them, into `outcome`;
     `keeps`: the innocent's stored response and named session are checked too."""
@@ -571,7 +571,7 @@ async def _section(d: Any, context: int, config: HostileConfig, names: list[str]
                 outcome.metrics[key] = outcome.metrics.get(key, 0) + value
 
 
-def checks(outcome: Outcome) -> list[tuple[str, str, str, bool]]:
+def checks(outcome: WaveOutcome) -> list[tuple[str, str, str, bool]]:
     """(name, measured, wanted, ok) rows for the soak's table."""
     rows = []
     worst = max(outcome.shapes, key=lambda s: s.median / s.bound)
@@ -605,7 +605,7 @@ def checks(outcome: Outcome) -> list[tuple[str, str, str, bool]]:
     return rows
 
 
-def table(outcome: Outcome) -> str:
+def table(outcome: WaveOutcome) -> str:
     lines = ["| shape | innocent TTFT, median | x solo | hostile statuses |", "|---|---|---|---|",
              f"| (alone) | {outcome.solo_median * 1000:.0f} ms | 1.00 | |"]
     for s in outcome.shapes:
