@@ -126,7 +126,7 @@ class WaveOutcome:
 
 
 @dataclass
-class Target:
+class AttackTarget:
     """What the hostile process knows of the daemon it attacks."""
 
     url: str
@@ -141,7 +141,7 @@ class Target:
 
 
 class Ctx:
-    def __init__(self, http: aiohttp.ClientSession, target: Target):
+    def __init__(self, http: aiohttp.ClientSession, target: AttackTarget):
         self.http, self.target = http, target
         self.url, self.port = target.url, target.port
         self._encoded: dict[str, bytes] = {}
@@ -441,7 +441,7 @@ async def attack(ctx: Ctx, name: str, concurrency: int, samples: int, solo: list
     return result
 
 
-async def _attacking(name: str, target: Target, concurrency: int) -> list[int | None]:
+async def _attacking(name: str, target: AttackTarget, concurrency: int) -> list[int | None]:
     """The hostile process: the shape, `concurrency` at once, until its stdin closes."""
     statuses: list[int | None] = []
     stopping = False
@@ -549,9 +549,9 @@ async def _section(d: Any, context: int, config: HostileConfig, names: list[str]
     connector = aiohttp.TCPConnector(keepalive_timeout=config.timeouts_s / 2)
     async with aiohttp.ClientSession(connector=connector) as http:
         limits = d.config
-        target = Target(d.url, d.port, limits.max_stop_chars, limits.max_stop_sequences,
-                        limits.prompt_chars(context), limits.max_body_bytes, config.timeouts_s,
-                        config.max_stored_responses, config.max_named_sessions)
+        target = AttackTarget(d.url, d.port, limits.max_stop_chars, limits.max_stop_sequences,
+                              limits.prompt_chars(context), limits.max_body_bytes, config.timeouts_s,
+                              config.max_stored_responses, config.max_named_sessions)
         ctx = Ctx(http, target)
         await innocent_ttft(ctx, 0)  # warm: the system prompt's first prefill is no solo sample
         solo = [await innocent_ttft(ctx, 1 + i) for i in range(config.innocent_samples)]
@@ -632,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.attack:
-        statuses = asyncio.run(_attacking(args.attack, Target(**json.loads(args.target)), args.concurrency))
+        statuses = asyncio.run(_attacking(args.attack, AttackTarget(**json.loads(args.target)), args.concurrency))
         print(json.dumps(statuses), flush=True)
         return 0
     from kvfork.backends.default_model import ensure_default_model
