@@ -153,7 +153,7 @@ class Check:
 # ---- the workload ----
 
 
-class Workload:
+class SoakWorkload:
     """Seeded request specs, one wave at a time (named-session turns depend on earlier replies)."""
 
     def __init__(self, config: SoakConfig, vocab_size: int):
@@ -531,7 +531,7 @@ async def _soak(c: SoakConfig, faulty: FaultyBackend, report: Report, request_lo
         d.engine.submit = recorder.submit  # type: ignore[method-assign]
         info = d.engine.info
         assert info is not None
-        workload = Workload(c, info.vocab_size)
+        workload = SoakWorkload(c, info.vocab_size)
         faulty.enabled = True
         moments = Moments(recorder, faulty)
         outcomes: list[Outcome] = []
@@ -568,7 +568,7 @@ async def _soak(c: SoakConfig, faulty: FaultyBackend, report: Report, request_lo
     return outcomes, fuzzed, hostile
 
 
-def _hostile(workload: Workload, rng: random.Random) -> Spec:
+def _hostile(workload: SoakWorkload, rng: random.Random) -> Spec:
     """A valid completion with a sampling value that breaks a naive sampler; its prompt ids are its own."""
     workload.count += 1
     body = {"prompt": [rng.randrange(3, workload.vocab) for _ in range(rng.randint(4, 24))], "max_tokens": 2,
