@@ -10,7 +10,7 @@ from aiohttp import web
 
 from kvfork.server.config import ServerConfig
 from kvfork.server.engine.api import EngineError, Scope
-from kvfork.server.engine.load import TokenRate
+from kvfork.server.engine.utilization import TokenRate
 from kvfork.server.errors import ApiError
 from kvfork.server.grammar import GrammarCompiler
 from kvfork.server.images import Images
