@@ -58,7 +58,7 @@ import numpy as np
 
 from kvfork.server.engine.api import Scope
 from kvfork.server.errors import ApiError
-from kvfork.server.fair import FairWorkers
+from kvfork.server.fair_workers import FairWorkers
 from kvfork.server.grammar_worker import write_message
 from kvfork.server.reasoning import FORMATS
 from kvfork.server.toolcalls import PARSERS
@@ -323,7 +323,7 @@ class GrammarCompiler:
 
     The cache is keyed by scope (tenant and cache_salt) as every other cache is: a grammar another
     tenant compiled would otherwise come back in 0.15 s instead of 2, telling which schemas it uses.
-    Compiles run on worker threads shared by tenants in turn (server/fair.py), each trying a new grammar
+    Compiles run on worker threads shared by tenants in turn (server/fair_workers.py), each trying a new grammar
     past GUARDED_TEXT first in its own process that is killed past the timeout (CompileProcess)."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], timeout_s: float):

@@ -12,7 +12,7 @@ operator's), and a loop in it would hold the loop; past the limit the render is 
 stays on the loop.
 
 Long work (a render, or text past a few thousand characters to encode) runs on two worker threads
-shared by tenants in turn, a tenant one job at a time (server/fair.py): the
+shared by tenants in turn, a tenant one job at a time (server/fair_workers.py): the
 routes pass the tenant, so another tenant never waits for the first one's long
 job. Each thread renders and encodes with its own copy of the tokenizer (a Rust
 tokenizer is not meant to be used by two threads at once). A job's size is
@@ -30,7 +30,7 @@ import threading
 from typing import Any, Callable, Sequence
 
 from kvfork.server.errors import ApiError
-from kvfork.server.fair import FairWorkers
+from kvfork.server.fair_workers import FairWorkers
 from kvfork.server.limits import Limits
 from kvfork.server.text.template import TemplateVariables
 
