@@ -87,7 +87,7 @@ class PromptTokenizer:
         added = getattr(tokenizer, "added_tokens_decoder", {})
         # The added tokens' texts: some tool-call and thinking formats are told by them (Kimi K3's XTML).
         self.vocabulary = frozenset(t.content for t in added.values())
-        # Special tokens, text -> id: a grammar refers to markup tokens by id (server/toolcalls/lark.py).
+        # Special tokens, text -> id: a grammar refers to markup tokens by id (server/toolcalls/grammar_pieces.py).
         self.specials = {t.content: i for i, t in added.items() if t.special}
         self._hidden: frozenset[int] | None = None  # special ids decode drops when some are kept
         named = getattr(tokenizer, "init_kwargs", {}).get("tool_parser_type")

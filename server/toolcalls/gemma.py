@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from kvfork.server.toolcalls.lark import CallGrammar, joined, parameter_rules
+from kvfork.server.toolcalls.grammar_pieces import CallGrammar, joined, parameter_rules
 from kvfork.server.toolcalls.reference import ReferenceParser
 
 

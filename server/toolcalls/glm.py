@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from kvfork.server.toolcalls.lark import CallGrammar, in_order, parameter_rules
+from kvfork.server.toolcalls.grammar_pieces import CallGrammar, in_order, parameter_rules
 from kvfork.server.toolcalls.reference import ReferenceParser
 
 

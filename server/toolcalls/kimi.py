@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from kvfork.server.toolcalls.lark import CallGrammar, json_value, markup, parameters
+from kvfork.server.toolcalls.grammar_pieces import CallGrammar, json_value, markup, parameters
 from kvfork.server.toolcalls.reference import ReferenceParser
 
 _SECTION = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")

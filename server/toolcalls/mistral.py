@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from kvfork.server.toolcalls.lark import CallGrammar, json_value, parameters
+from kvfork.server.toolcalls.grammar_pieces import CallGrammar, json_value, parameters
 from kvfork.server.toolcalls.reference import ReferenceParser
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from kvfork.server.toolcalls.lark import CallGrammar, joined, json_value, properties
+from kvfork.server.toolcalls.grammar_pieces import CallGrammar, joined, json_value, properties
 from kvfork.server.toolcalls.reference import ReferenceParser
 
 _BLOCK = ("<|tool_call_start|>", "<|tool_call_end|>")

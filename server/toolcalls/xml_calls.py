@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
-from kvfork.server.toolcalls.lark import CallGrammar, in_order, parameter_rules
+from kvfork.server.toolcalls.grammar_pieces import CallGrammar, in_order, parameter_rules
 from kvfork.server.toolcalls.reference import ReferenceParser
 
 
