@@ -533,7 +533,7 @@ async def run_wave(config: HostileConfig, backend: Any = None, out=sys.stdout,
             await _section(d, d.state.context, config, one, outcome, out, keeps=True)
     if several:
         async with models_daemon(config) as d:
-            context = d.pool.slot(None).served.state.context  # type: ignore[union-attr]  (loaded first)
+            context = d.pool.model(None).served.state.context  # type: ignore[union-attr]  (loaded first)
             await _section(d, context, config, several, outcome, out, keeps=False)
     return outcome
 
