@@ -9,8 +9,8 @@ Switching: one load or unload runs at a time (`_switching`), so two requests wan
 different models never wait on each other: the second's switch starts when the first's has ended. The next
 switch is to the model of the longest waiting request, and a request for a loaded model never waits behind
 a switch, so A B A C runs as A A B C. Making room unloads the least recently used unpinned model, idle ones
-first; a model still running requests stops taking new ones and gives them `--model-switch-timeout` seconds
-to finish, after which the engine cancels the rest. Between tenants (turns.py): a switch waits for the
+first (the rule, as pure decisions: switching.py); a model still running requests stops taking new ones and
+gives them `--model-switch-timeout` seconds to finish, after which the engine cancels the rest. Between tenants (turns.py): a switch waits for the
 other tenants' requests on the model it unloads to end (never cancelled for it), and a tenant's switches
 that unload a model another tenant used are --model-switch-interval seconds apart; its request waits
 meanwhile, and the other tenants' switches go first. Unloading shuts the engine down, which spills its prefix
@@ -40,6 +40,7 @@ from kvfork.server.pool.keepalive import KeepAlive, error_in_stream
 from kvfork.server.pool.loadable import check_folder, folder_state
 from kvfork.server.pool.served import ServedModel
 from kvfork.server.pool.specs import ModelSpec
+from kvfork.server.pool.switching import expired, next_switch, victims
 from kvfork.server.pool.turns import SwitchTurns, disrupts, waits_for
 from kvfork.server.model_load import load_tokenizer
 from kvfork.server.state import AppState, tenant_of
@@ -276,9 +277,16 @@ class ModelPool:
         self._changed = asyncio.Event()
 
     def _next(self) -> Claim | None:
-        """The request the next switch is for: the longest waiting whose model is not ready and whose tenant
-        may switch now."""
-        return next((c for c in self._queue if not c.model.ready and not self._held_back(c)), None)
+        """The request the next switch is for (switching.next_switch)."""
+        chosen = next_switch([(c.model, self._held_back(c) > 0) for c in self._queue])
+        return None if chosen is None else self._queue[chosen]
+
+    def _wanted(self) -> set[PooledModel]:
+        """The models requests wait for."""
+        return {c.model for c in self._queue}
+
+    def _loaded(self) -> list[PooledModel]:
+        return [m for m in self.models.values() if m.served is not None]
 
     def _held_back(self, claim: Claim) -> float:
         """Seconds before `claim`'s tenant may make the switch it needs (turns.py); 0: now (or none needed)."""
@@ -288,24 +296,8 @@ class ModelPool:
 
     def _disrupts(self, claim: Claim) -> bool:
         """Whether loading `claim`'s model would unload one another tenant used (as room is made now)."""
-        return disrupts(claim.tenant, [(s.tenants, s.last_tenant) for s in self._victims(claim.model)])
-
-    def _victims(self, model: PooledModel) -> list[PooledModel]:
-        """The models loading `model` would unload, by `_victim`'s rule, as things are now."""
-        loaded, out = [s for s in self.models.values() if s.served is not None], []
-        while (victim := self._victim(model, loaded)) is not None:
-            out.append(victim)
-            loaded.remove(victim)
-        return out
-
-    def _victim(self, model: PooledModel, loaded: list[PooledModel]) -> PooledModel | None:
-        """The next model to unload so `model` fits beside `loaded`; None: it fits (or nothing may go)."""
-        if self.budget.fits(model.footprint, [s.footprint for s in loaded]):
-            return None
-        candidates = [s for s in loaded if not s.pinned and s is not model]
-        wanted = {c.model for c in self._queue}
-        idle = [s for s in candidates if s.users == 0 and s not in wanted]
-        return min(idle or candidates, key=lambda s: s.used, default=None)
+        going = victims(claim.model, self._loaded(), self._wanted(), self.budget.fits)
+        return disrupts(claim.tenant, [(s.tenants, s.last_tenant) for s in going])
 
     async def _switch_to(self, model: PooledModel, tenant: str | None = None) -> None:
         files, stage = None, "files"
@@ -365,13 +357,14 @@ class ModelPool:
         """Unload least recently used unpinned models until `model` fits the budget and --max-loaded-models;
         ValueError with the numbers when it cannot fit beside the pinned ones."""
         deadline = time.monotonic() + self.switch_timeout
-        while True:
-            loaded = [s for s in self.models.values() if s.served is not None]
-            victim = self._victim(model, loaded)
-            if victim is None and self.budget.fits(model.footprint, [s.footprint for s in loaded]):
+        while True:  # one at a time: each unload waits, and what is loaded and wanted changes meanwhile
+            loaded = self._loaded()
+            going = victims(model, loaded, self._wanted(), self.budget.fits)
+            if not going and self.budget.fits(model.footprint, [s.footprint for s in loaded]):
                 return
-            if victim is None:
+            if not going:
                 raise ValueError(self.budget.refusal(model.footprint, [s.footprint for s in loaded if s.pinned]))
+            victim = going[0]
             await self._unload(victim, deadline, f"to load {model.spec.name!r}", tenant)
             self.unloads.inc(model_name=victim.spec.name, why="room")
 
@@ -413,14 +406,12 @@ class ModelPool:
             self._expiry = asyncio.create_task(self._expire())
 
     async def _expire(self) -> None:
-        """Unload models idle for --model-ttl seconds (never a pinned one)."""
+        """Unload models idle for --model-ttl seconds (switching.expired), one at a time."""
         while True:
             await asyncio.sleep(max(0.05, min(1.0, self.ttl / 4)))
-            now = time.monotonic()
-            for model in self.models.values():
-                if (self._switching is None and model.ready and not model.pinned and not model.users
-                        and model not in {c.model for c in self._queue} and now - model.used >= self.ttl):
-                    self._switching = asyncio.create_task(self._idle_unload(model))
+            due = expired(self.models.values(), self._wanted(), time.monotonic(), self.ttl)
+            if self._switching is None and due:
+                self._switching = asyncio.create_task(self._idle_unload(due[0]))
 
     async def _idle_unload(self, model: PooledModel) -> None:
         try:
