@@ -84,7 +84,7 @@ class Admission:
     def __init__(self, config: EngineConfig, info: ModelInfo, index: Index, named: NamedSessions,
                  disk: DiskTier | None, send: Callable[[Any], None], ledger: LoopLedger):
         self._config, self._kv, self._recurrent = config, info.kv, info.recurrent
-        self._budget: int = config.kv_budget_bytes  # type: ignore[assignment]  (resolved)
+        self._budget: int = config.kv_budget_bytes  # type: ignore[assignment]  # resolved
         self._index, self._named, self._disk, self._send, self._ledger = index, named, disk, send, ledger
         self._queue: collections.deque[Request] = collections.deque()
         self._in_slots: dict[int, Request] = {}  # rid -> request holding an inference slot

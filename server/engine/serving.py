@@ -231,7 +231,7 @@ class Serving(Parking, Progress, Ending):
         match p:
             case Resume(sid=sid, upto=upto, named=named):
                 if named:  # the request owns its state now; it comes back at the end
-                    self._named.take(r.named)  # type: ignore[arg-type]  (placed as named: it has one)
+                    self._named.take(r.named)  # type: ignore[arg-type]  # placed as named: it has one
                 self._start(r, p.cached, resume=(sid, upto))
             case CloneRunning(donor=donor, upto=upto):
                 self._start(r, p.cached, donor=(donor, upto))
