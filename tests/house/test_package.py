@@ -240,3 +240,18 @@ def test_make_refuses_a_python_too_old_in_one_sentence(tmp_path):
     first = made.stderr.splitlines()[0]
     assert first.startswith(f"kvfork needs Python 3.11 or newer, and {old} is Python 3.10.12: install Python 3.11+")
     assert first.endswith("run make again with PYTHON=python3.12 (or python3.11).")
+
+
+def test_every_tool_imports():
+    """Each module under tools/ imports (a tool nothing runs in the suite would otherwise break unseen);
+    only an optional third-party package that is not installed may stop one."""
+    modules = sorted("kvfork.tools." + ".".join(p.relative_to(ROOT / "tools").with_suffix("").parts)
+                     for p in (ROOT / "tools").rglob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    code = ("import importlib, json\nbroken = {}\n"
+            f"for m in {modules!r}:\n"
+            "    try:\n        importlib.import_module(m)\n"
+            "    except ModuleNotFoundError as e:\n"
+            "        if (e.name or '').split('.')[0] == 'kvfork':\n            broken[m] = str(e)\n"
+            "    except ImportError as e:\n        broken[m] = str(e)\n"
+            "print(json.dumps(broken))")
+    assert json.loads(run_python(code, ROOT).stdout.strip().splitlines()[-1]) == {}
