@@ -418,10 +418,21 @@ class Backend(abc.ABC):
     # pass (torch). The runner then sends a step's decode rows and prefill chunks in one `prefill`
     # call; otherwise (MLX: mlx-lm has no varlen batch) it calls `decode`, then `prefill`.
     mixed_batches: bool = False
+    reusable: Any = None  # what `reuse` handed over, taken by the next `load` (a backend that cannot use it ignores it)
 
     @abc.abstractmethod
     def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
         """Load a Hugging Face style folder. dtype None: float32 on the CPU, bf16/fp16 on a GPU."""
+
+    def built(self) -> Any:
+        """The model `load` built, for another backend of this process to `reuse` (None: nothing to hand over).
+        A model's weights are read-only once built, so a later load of the same folder can start from them."""
+        return None
+
+    def reuse(self, built: Any) -> None:
+        """Let the next `load` start from `built` (another backend's `built()`) where it was built from the same
+        folder and dtype, neither reading nor converting the weights again; otherwise `load` reads them."""
+        self.reusable = built
 
     @abc.abstractmethod
     def open_session(self) -> Session:

@@ -26,7 +26,8 @@ from kvfork.backends.model_path import resolve_model
 from kvfork.backends.torch import hybrid, kv, kv_storage, loading, parallel, sampling, saved
 from kvfork.backends.torch.config import ArchConfig, HybridConfig
 from kvfork.backends.torch.gated_delta import RecurrentState
-from kvfork.backends.torch.model import VarlenRow
+from kvfork.backends.torch.hybrid import HybridTransformer
+from kvfork.backends.torch.model import Transformer, VarlenRow
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,6 +62,7 @@ class TorchBackend(Backend):
         self._copy_stream: torch.cuda.Stream | None = None
         self.clone_mode: kv.CloneMode = "share"
         self.kv_storage = KVStorage()
+        self._source: tuple[str, str | None, str] | None = None  # (folder, dtype asked, device) of the loaded model
 
     def set_kv_storage(self, storage: KVStorage) -> None:
         self.kv_storage = storage
@@ -72,8 +74,18 @@ class TorchBackend(Backend):
 
     def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
         path = resolve_model(folder)
+        source, kept, self.reusable = (str(path), dtype, str(self.device)), self.reusable, None
+        if isinstance(kept, loading.Built) and kept.source == source:
+            self.dtype, self._source = kept.model_dtype, source
+            storage = kv_storage.storage_for(self.kv_storage, self.dtype, kept.cfg.head_dim)
+            self._adopt(kept.model, kept.cfg, path.name, read_model_facts(path), storage)
+            return self.info
         cfg, weights, split = loading.read(path, self.device, self.shards)
+        self._source = source if self.shards is None else None  # a rank's part is not handed over
         return self.install(cfg, weights, path.name, read_model_facts(path), dtype, split)
+
+    def built(self) -> loading.Built | None:
+        return loading.Built(self._source, self.dtype, self.model, self.cfg) if self._source is not None else None
 
     def install(self, cfg: ArchConfig | HybridConfig, weights: dict[str, torch.Tensor], name: str, facts: ModelFacts,
                 dtype: str | None = None, split: bool = False) -> ModelInfo:
@@ -81,15 +93,21 @@ class TorchBackend(Backend):
         rank's parts, parallel.local_weight); `load` reads them from a folder, tools/gpu_check.py makes
         random ones of realistic shapes."""
         self.dtype = DTYPES[dtype] if dtype else default_dtype(self.device)
-        storage = kv_storage.storage_for(self.kv_storage, self.dtype, cfg.head_dim)
+        storage = kv_storage.storage_for(self.kv_storage, self.dtype, cfg.head_dim)  # refused before the build
         if self.kv_storage.dtype == "fp8" and not hasattr(torch, "float8_e4m3fn"):
             raise KVStorageRefused(f"--kv-cache-dtype fp8: torch {torch.__version__} has no float8 type")
-        self.model, self.cfg = loading.build(cfg, weights, self.device, self.dtype, self.shards, split)
+        model, cfg = loading.build(cfg, weights, self.device, self.dtype, self.shards, split)
+        self._adopt(model, cfg, name, facts, storage)
+        return self.info
+
+    def _adopt(self, model: Transformer | HybridTransformer, cfg: ArchConfig | HybridConfig, name: str,
+               facts: ModelFacts, storage: kv_storage.Storage) -> None:
+        """Serve `model` (built, in eval mode): a KV pool of its layout in `storage` and its description."""
+        self.model, self.cfg = model, cfg
         self.pool = kv.BlockPool(loading.full_layers(self.cfg), self.cfg.num_kv_heads, self.cfg.head_dim, storage,
                                  self.device)
         self.info = loading.describe(self.cfg, name, facts, self.dtype, self.device, self.clone_mode == "share",
                                      storage, self.kv_storage)
-        return self.info
 
     def memory(self, step_tokens: int) -> DeviceMemory:
         """On CUDA the device's own memory, with a step's activation peak measured as vLLM profiles it."""

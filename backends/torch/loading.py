@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,6 +25,17 @@ from kvfork.backends.torch import checkpoints, hybrid, kv, kv_storage, packed_li
 from kvfork.backends.torch.config import ArchConfig, HybridConfig, read_config
 from kvfork.backends.torch.hybrid import HybridTransformer
 from kvfork.backends.torch.model import Transformer
+
+
+@dataclass(frozen=True)
+class Built:
+    """A model built from a folder (its weights read, converted and packed), for another backend of the process
+    to serve (TorchBackend.reuse): nothing in it changes after `build`."""
+
+    source: tuple[str, str | None, str]  # (folder, the dtype a load asked for, device)
+    model_dtype: torch.dtype
+    model: Transformer | HybridTransformer
+    cfg: ArchConfig | HybridConfig
 
 
 def read(folder: Path, device: torch.device,
