@@ -8,12 +8,14 @@ Its verbs are the only way in (its parts are private: tests/house/test_engine_bo
   reserve(r, nbytes) -> bool          hold more of the budget only if it fits (the cache gives way), less always
   leave_slot(r) / let_go(r) / release(r)    give back a slot and its bytes / the bytes / everything
   take_named(r, nbytes)               a named session's state becomes its request's to hold
+  lend(key, nbytes, call_back) -> end | None   lend bytes no one holds to something outside the engine
+                                      (loans.py), called back before anything else gives way
   capture_done(r)                     a capture's bytes go back
   keep_snapshot(...) / release_sessions(sids) / drain()    what joins the prefix cache / what the runner
                                       releases / everything, at shutdown
   request_bytes, choice_bytes, clone_bytes, checkpoints     prices (the backend's KVCost)
   held(), holds(r), in_slot(r), has_capture(r), budget, reserved, queued, paused, queued_tokens, slots_used,
-  captures_in_use                     reads (Engine.snapshot(), metrics)
+  captures_in_use, lent              reads (Engine.snapshot(), metrics)
 
 What the runner holds beyond those holders (pooled blocks, releases in transit, abandoned orders, spilling
 entries) is counted by the LoopLedger (ledger.py) that Serving hands it and enters the runner's answers in;
@@ -58,7 +60,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 from kvfork.backends.base import ModelInfo
 from kvfork.server.engine import messages as m
@@ -68,6 +70,7 @@ from kvfork.server.engine.disk import DiskTier
 from kvfork.server.engine.fair_share import give_way, next_in_line, preempt
 from kvfork.server.engine.index import Entry, Index
 from kvfork.server.engine.ledger import LoopLedger
+from kvfork.server.engine.loans import Loans
 from kvfork.server.engine.request import Decoding, Paused, Request
 from kvfork.server.engine.scheduler import clamp_max_tokens, fit_admission
 from kvfork.server.engine.sessions import NamedSessions, check_session_id
@@ -91,6 +94,7 @@ class Admission:
         self._holds: dict[int, int] = {}  # rid -> bytes it holds: its slot's, or its landing clone's
         self._captures: dict[int, int] = {}  # rid -> bytes of the snapshot its capture may take
         self._reserved = 0  # what requests and captures hold
+        self._loans = Loans()  # lent while no one here needs them
 
     # ---- reads ----
 
@@ -126,9 +130,13 @@ class Admission:
     def captures_in_use(self) -> int:
         return len(self._captures)
 
+    @property
+    def lent(self) -> int:
+        return self._loans.nbytes
+
     def held(self) -> int:
         return (self._reserved + self._padding() + self._index.nbytes("memory") + self._named.idle_bytes()
-                + self._ledger.nbytes)
+                + self._ledger.nbytes + self._loans.nbytes)
 
     def in_slot(self, request: Request) -> bool:
         return request.rid in self._in_slots
@@ -254,7 +262,7 @@ class Admission:
         """Whether the bytes `head` and its choices take with a slot fit now (the cache and idle named sessions
         giving way), nothing evicted yet."""
         extra = sum(self._slot_bytes(r) - self.holds(r) for r in [head, *head.waiting_siblings])
-        evictable = self._index.nbytes("memory") + self._named.idle_bytes()
+        evictable = self._index.nbytes("memory") + self._named.idle_bytes() + self._loans.nbytes
         return fit_admission(extra, self.held(), evictable, self._budget).admit
 
     def _slot_bytes(self, request: Request) -> int:
@@ -312,6 +320,14 @@ class Admission:
         self.withdraw(request)
         self._holds.pop(request.rid, None)
 
+    def lend(self, key: Hashable, nbytes: int, call_back: Callable[[], None]) -> Callable[[], None] | None:
+        """Lend `nbytes` of the budget to `key`'s holder (loans.py) where no one holds them (nothing is evicted for
+        a loan; None: refused); `call_back()` drops what the holder keeps in them when the engine needs the bytes.
+        Returns what the holder calls to give them back of its own accord."""
+        if not fit_admission(nbytes, self.held(), 0, self._budget).admit:
+            return None
+        return self._loans.lend(key, nbytes, call_back)
+
     def take_named(self, request: Request, nbytes: int) -> None:
         """`request` acquired its named session: the `nbytes` of state it keeps, counted by the table while
         idle, are the request's to hold from now on (queued, it is not idle: nobody may evict it), until it
@@ -341,19 +357,20 @@ class Admission:
         return sum(max(0, row - (r.need_bytes if r.rid in joined else self.holds(r))) for r in rows)
 
     def _evict_for(self, need: int) -> bool:
-        """Make room for `need` more bytes: the prefix cache gives way first, then idle named sessions.
-        False (nothing evicted) when even that would not make room."""
+        """Make room for `need` more bytes: loans are called back first, then the prefix cache gives way, then
+        idle named sessions. False (nothing evicted) when even that would not make room."""
         idle = self._named.idle_bytes()
-        fit = fit_admission(need, self.held(), self._index.nbytes("memory") + idle, self._budget)
+        fit = fit_admission(need, self.held(), self._index.nbytes("memory") + idle + self._loans.nbytes,
+                            self._budget)
         if not fit.admit:
             return False
-        if not fit.evict_bytes:
+        if not fit.evict_bytes or self._loans.recall(fit.evict_bytes) >= fit.evict_bytes:
             return True
         # A snapshot's own bytes are never read by another session (a clone of it reads below its own
         # block): evicting it frees them all (a spilled one once its file is written); the pooled blocks
         # it was the last to read go once the runner reports the release.
         spilling = self._ledger.spilling
-        self._drop_entries(self._index.evict_memory(fit.evict_bytes))
+        self._drop_entries(self._index.evict_memory(self.held() + need - self._budget))
         spilled = self._ledger.spilling - spilling  # free once written: no named session goes for them
         short = self._budget - (self.held() - spilled) - need
         if short < 0:

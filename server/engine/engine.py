@@ -191,7 +191,8 @@ class Engine:
             return EngineLoad()
         admission = serving.admission
         per_token = max(1, info.kv.full_bytes_per_token)
-        pinned = max(0, admission.held() - serving.index.nbytes("memory") - serving.named.idle_bytes())
+        evictable = serving.index.nbytes("memory") + serving.named.idle_bytes() + admission.lent
+        pinned = max(0, admission.held() - evictable)
         prompts = self.metrics.prompt_tokens.get()
         reused = sum(self.metrics.reused_tokens.values.values())
         return EngineLoad(running=admission.slots_used, waiting=self.waiting(),

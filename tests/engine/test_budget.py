@@ -117,6 +117,31 @@ async def test_an_expired_head_lets_the_request_behind_it_in_at_once():
     await engine.shutdown(1)
 
 
+async def test_a_loan_gives_way_before_the_prefix_cache():
+    """Bytes lent out of the budget (a pool's kept model, loans.py) count as held, never as a request's, and are
+    called back as soon as a request needs them, before any cache entry is evicted."""
+    backend = ScriptedBackend()
+    engine = await start_engine(backend, kv_budget_bytes=100 * KIB, prefix_cache_min_tokens=16, queue_timeout=30)
+    cached = prompt_of(30, start=1)
+    await run(engine, cached, 10)
+    await until(lambda: engine.snapshot().cached == 1)
+    held, called = engine.snapshot().held, []
+    assert engine.admission.lend("too big", 100 * KIB - held + 1, lambda: called.append("too big")) is None
+    end = engine.admission.lend("kept", 30 * KIB, lambda: called.append("kept"))
+    assert end is not None
+    assert engine.snapshot().held == held + 30 * KIB and engine.utilization().used_tokens == 0
+    tokens, done = await run(engine, prompt_of(10, start=2), 20)  # 30 tokens fit beside the loan and the cache
+    assert called == [] and done.finish_reason == "length"
+    short = prompt_of(10, start=3)
+    tokens, done = await run(engine, short, 50)  # 60 do not: the loan goes, the cache stays
+    assert called == ["kept"] and engine.snapshot().cached == 1
+    assert done.finish_reason == "length" and tokens == backend.greedy(short, 50)
+    end()  # called back already: nothing to end
+    await settled(engine, backend)
+    assert engine.snapshot().held == backend.total_bytes()
+    await engine.shutdown(1)
+
+
 def test_a_report_above_the_budget_is_counted():
     from kvfork.server.engine.telemetry import EngineMetrics
     from kvfork.server.metrics import Registry
