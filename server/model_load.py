@@ -22,11 +22,16 @@ def load_tokenizer(config: ServerConfig, path: str) -> PromptTokenizer:
     return PromptTokenizer.load(path, template, config.template_timeout)
 
 
-async def load_model(state: AppState, path: str) -> None:
-    """Load `path` into `state.engine` and `state.tokenizer`, warm the prefix cache, and enter "ready"."""
+async def load_model(state: AppState, path: str, tokenizer: PromptTokenizer | None = None) -> None:
+    """Load `path` into `state.engine` and `state.tokenizer` (`tokenizer`: the one an earlier load of this folder
+    made, rather than loading it again), warm the prefix cache, and enter "ready"."""
     config, progress = state.config, state.progress
     progress.enter("loading", Path(path).name)
-    _, state.tokenizer = await asyncio.gather(state.engine.start(), asyncio.to_thread(load_tokenizer, config, path))
+    if tokenizer is None:
+        _, state.tokenizer = await asyncio.gather(state.engine.start(), asyncio.to_thread(load_tokenizer, config, path))
+    else:
+        state.tokenizer = tokenizer
+        await state.engine.start()
     warning = start_formats(state.tokenizer, config.tool_parser, config.reasoning_parser)
     if warning:
         log.warning(warning)

@@ -64,9 +64,10 @@ class AppState:
         self.images.close()
         self.close_model()
 
-    def close_model(self) -> None:
-        """Stop the model's own worker threads (its tokenizer's, its grammars'); a pool's copies share the rest."""
-        if self.tokenizer is not None:
+    def close_model(self, tokenizer: bool = True) -> None:
+        """Stop the model's own worker threads (its tokenizer's unless `tokenizer` is False: kept for the model's
+        next load, its grammars'); a pool's copies share the rest."""
+        if tokenizer and self.tokenizer is not None:
             self.tokenizer.close()
         if self._grammars is not None:
             self._grammars.close()

@@ -4,8 +4,8 @@ The budget: --memory-budget-bytes, else the device's rule of docs/kv-budget.md b
 (what the device holds less its headroom). A model takes its weights (the size of its weight files) and its
 KV budget: --kv-budget-bytes when given, else an equal share of the budget among the models that may be
 loaded at once (--max-loaded-models, else every model served) less its weights. A model fits when the
-footprints of the loaded models and its own sum to the budget at most, and fewer than --max-loaded-models are
-loaded.
+footprints of the loaded models, the weights kept of closed ones and its own sum to the budget at most, and
+fewer than --max-loaded-models are loaded.
 """
 
 from __future__ import annotations
@@ -59,8 +59,14 @@ class PoolBudget:
         """The model's engine settings: the daemon's, with the model's KV budget."""
         return dataclasses.replace(config, kv_budget_bytes=self.kv(spec))
 
-    def fits(self, need: int, loaded: list[int]) -> bool:
-        return sum(loaded) + need <= self.total_bytes and not (self.max_loaded and len(loaded) >= self.max_loaded)
+    def fits(self, need: int, loaded: list[int], kept: int = 0) -> bool:
+        """Whether `need` bytes more fit beside the loaded models' footprints and `kept` bytes of closed models'
+        weights kept for their next load (pool.py), within the count of --max-loaded-models."""
+        return self.holds(need, loaded, kept) and not (self.max_loaded and len(loaded) >= self.max_loaded)
+
+    def holds(self, need: int, loaded: list[int], kept: int = 0) -> bool:
+        """Whether the bytes fit, whatever the count (kept weights are not loaded models)."""
+        return sum(loaded) + kept + need <= self.total_bytes
 
     def refusal(self, need: int, pinned: list[int]) -> str:
         """Why a model of `need` bytes cannot be loaded beside the pinned models' `pinned` bytes."""

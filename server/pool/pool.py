@@ -15,6 +15,10 @@ other tenants' requests on the model it unloads to end (never cancelled for it),
 that unload a model another tenant used are --model-switch-interval seconds apart; its request waits
 meanwhile, and the other tenants' switches go first. Unloading shuts the engine down, which spills its prefix
 cache to the disk tier: loading the model again finds those files and restores from them.
+
+Unloading keeps the model's built weights and its tokenizer (kept.py) in the budget's room or, lent, in a loaded
+model's KV budget: its next load starts from them while its folder is unchanged. Kept weights count in the
+budget and are the first thing dropped when a load or a request needs the bytes.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from kvfork.server.api.sse import OPENED
 from kvfork.server.pool.budget import PoolBudget
 from kvfork.server.pool.keepalive import KeepAlive, error_in_stream
 from kvfork.server.pool.loadable import check_folder, folder_state
+from kvfork.server.pool.kept import Kept, KeptModels
 from kvfork.server.pool.served import ServedModel
 from kvfork.server.pool.specs import ModelSpec
 from kvfork.server.pool.switching import expired, next_switch, victims
@@ -76,6 +81,7 @@ class PooledModel:
     budget_refused: bool = False  # the last load failed for the budget (its numbers), not the model's files
     context: int | None = None  # the context its requests get, from its folder, known before it loads
     counter: asyncio.Task | None = None  # its tokenizer loaded alone, for count_tokens
+    files: tuple | None = None  # its folder's files when it loaded (loadable.folder_state)
 
     @property
     def ready(self) -> bool:
@@ -125,6 +131,7 @@ class ModelPool:
             stated = _folder_context(model.spec.path) if model.spec.fetch is None else None
             if stated is not None:
                 model.context = min(engine_config.max_context or stated, stated)
+        self.kept = KeptModels(budget)  # what unloaded models left for their next load
         self.default = specs[0].name
         self.switch_timeout, self.ttl = config.model_switch_timeout, config.model_ttl
         self._queue: list[Claim] = []  # waiting requests, in arrival order
@@ -306,7 +313,7 @@ class ModelPool:
             stage = "room"
             await self._make_room(model, tenant)
             stage = "load"
-            await self._load(model)
+            await self._load(model, files)
             model.error = model.failed_on = None
             self.loads.inc(model_name=model.spec.name, outcome="loaded")
         except Exception as e:  # the other models keep serving
@@ -320,7 +327,7 @@ class ModelPool:
         finally:
             model.attempts += 1
             self._switching = self._switching_to = None
-            self._notify()
+            self._settle()
 
     @staticmethod
     def _loadable(model: PooledModel) -> tuple | None:
@@ -336,10 +343,11 @@ class ModelPool:
         check_folder(model.spec.path)
         return files
 
-    async def _load(self, model: PooledModel) -> None:
+    async def _load(self, model: PooledModel, files: tuple | None) -> None:
         t0 = time.monotonic()
+        kept = self.kept.take(model.spec.name, files)
         served = ServedModel(model.spec, self.base, self.budget.engine_config(self.engine_config, model.spec),
-                             self.make_backend())
+                             self.make_backend(), kept)
         try:
             await served.load()
             refusal = served.engine.memory.refusal if served.engine.memory is not None else None
@@ -348,10 +356,10 @@ class ModelPool:
         except BaseException:
             await self._close(served, 0)  # a load cut short (shutdown too) leaves nothing behind
             raise
-        model.spec = served.spec
+        model.spec, model.files = served.spec, files
         model.served, model.used = served, time.monotonic()
-        log.info("loaded model %s in %.1f s (%s)", model.spec.name, time.monotonic() - t0,
-                 self.budget.describe(model.footprint))
+        log.info("loaded model %s in %.1f s (%s%s)", model.spec.name, time.monotonic() - t0,
+                 self.budget.describe(model.footprint), ", from what its last unload kept" if kept else "")
 
     async def _make_room(self, model: PooledModel, tenant: str | None) -> None:
         """Unload least recently used unpinned models until `model` fits the budget and --max-loaded-models;
@@ -359,9 +367,13 @@ class ModelPool:
         deadline = time.monotonic() + self.switch_timeout
         while True:  # one at a time: each unload waits, and what is loaded and wanted changes meanwhile
             loaded = self._loaded()
-            going = victims(model, loaded, self._wanted(), self.budget.fits)
-            if not going and self.budget.fits(model.footprint, [s.footprint for s in loaded]):
+            footprints, kept = [s.footprint for s in loaded], self.kept.nbytes(but=model.spec.name)
+            if self.budget.fits(model.footprint, footprints, kept):
                 return
+            if kept and not self.budget.holds(model.footprint, footprints, kept):
+                self.kept.drop_oldest(model.spec.name, f"to load {model.spec.name!r}")
+                continue
+            going = victims(model, loaded, self._wanted(), self.budget.fits)
             if not going:
                 raise ValueError(self.budget.refusal(model.footprint, [s.footprint for s in loaded if s.pinned]))
             victim = going[0]
@@ -386,18 +398,20 @@ class ModelPool:
             if model.users:
                 log.warning("unloading model %s %s: %d requests still running are cancelled "
                             "(--model-switch-timeout)", model.spec.name, why, model.users)
-            await self._close(served, max(0.0, deadline - time.monotonic()))
+            left = await self._close(served, max(0.0, deadline - time.monotonic()), keep=True)
+            self.kept.keep(model.spec.name, left, model.files, self.budget.weights(model.spec))
             log.info("unloaded model %s %s", model.spec.name, why)
         finally:  # cut short before its close began, the model stays loaded for `shutdown` to close
             model.leaving = False
             self._notify()
 
-    async def _close(self, served: ServedModel, grace_s: float) -> None:
-        """Close `served`; a switch cancelled meanwhile leaves the close running, for `shutdown` to await."""
-        task = asyncio.create_task(served.close(grace_s))
+    async def _close(self, served: ServedModel, grace_s: float, keep: bool = False) -> Kept | None:
+        """Close `served` (`keep`: what it leaves for its next load); a switch cancelled meanwhile leaves the close
+        running, for `shutdown` to await."""
+        task = asyncio.create_task(served.close(grace_s, keep))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
-        await asyncio.shield(task)
+        return await asyncio.shield(task)
 
     # ---- lifecycle ----
 
@@ -419,11 +433,19 @@ class ModelPool:
             self.unloads.inc(model_name=model.spec.name, why="ttl")
         finally:
             self._switching = None
-            self._notify()
+            self._settle()
+
+    def _settle(self) -> None:
+        """A switch is over: what its unloads kept is placed (kept.py), and the waiting requests look again."""
+        loaded = self._loaded()
+        self.kept.settle({m.spec.name: m.served.engine.admission for m in loaded if m.served is not None},
+                         [m.footprint for m in loaded])
+        self._notify()
 
     async def shutdown(self, grace_s: float) -> None:
         """The daemon's shutdown: a load in progress is cut short (the model it made closed), every model closes."""
         self._closed = True
+        self.kept.close()
         if self._expiry is not None:
             self._expiry.cancel()
         if self._switching is not None:

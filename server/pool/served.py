@@ -1,5 +1,6 @@
 """One model of a pool: its engine (with its runner thread and backend), its tokenizer, and the AppState its
-requests read: a copy of the daemon's, sharing everything but what belongs to the model."""
+requests read: a copy of the daemon's, sharing everything but what belongs to the model. Its close can leave
+what its next load starts from (kept.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from kvfork.server.engine.disk import kv_root
 from kvfork.server.engine.engine import Engine
 from kvfork.server.metrics import Registry
 from kvfork.server.observe import register_vllm_names
+from kvfork.server.pool.kept import Kept
 from kvfork.server.pool.specs import ModelSpec
 from kvfork.server.start_progress import StartProgress
 from kvfork.server.model_load import load_model
@@ -20,13 +22,17 @@ from kvfork.server.state import AppState
 
 
 class ServedModel:
-    def __init__(self, spec: ModelSpec, base: AppState, engine_config: EngineConfig, backend: Backend):
-        self.spec = spec
+    def __init__(self, spec: ModelSpec, base: AppState, engine_config: EngineConfig, backend: Backend,
+                 kept: Kept | None = None):
+        """`kept`: what a close of this model left, its folder unchanged since."""
+        self.spec, self.kept = spec, kept
         self.registry = Registry()  # the model's own metrics, rendered with its model_name label
         # each model's disk tier in a folder of its own: a tier removes the files of other fingerprints it finds
         models = kv_root() / "models"
         for folder in (kv_root(), models):  # its files hold tenants' prompts: private, as the tier's folders are
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if kept is not None:
+            backend.reuse(kept.built)
         self.engine = Engine(backend, spec.path, base.config.dtype, engine_config, self.registry,
                              kv_dir=models / spec.name.replace("/", "--"))
         self.state = copy.copy(base)
@@ -42,13 +48,18 @@ class ServedModel:
         if self.spec.fetch is not None:
             path = self.engine.model_path = await asyncio.to_thread(self.spec.fetch, self.state.progress)
             self.spec = dataclasses.replace(self.spec, path=path, fetch=None)
-        await load_model(self.state, path)
+        await load_model(self.state, path, self.kept.tokenizer if self.kept is not None else None)
 
-    async def close(self, grace_s: float) -> None:
+    async def close(self, grace_s: float, keep: bool = False) -> Kept | None:
         """Let running requests finish within `grace_s`, cancel the rest; the prefix cache spills to the disk
-        tier (the engine's shutdown), so loading the model again restores it."""
+        tier (the engine's shutdown), so loading the model again restores it. `keep`: hand back the built model
+        and the tokenizer (None where the backend has nothing to hand over)."""
         await self.engine.shutdown(grace_s)
-        self.state.close_model()
+        built = self.engine.backend.built() if keep and self.state.tokenizer is not None else None
+        self.state.close_model(tokenizer=built is None)
+        if self.kept is not None and self.state.tokenizer is not self.kept.tokenizer:
+            self.kept.drop()  # a load cut short before it took the kept tokenizer
+        return Kept(built, self.state.tokenizer) if built is not None else None  # type: ignore[arg-type]
 
     @property
     def weights_bytes(self) -> int:
