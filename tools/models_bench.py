@@ -98,7 +98,7 @@ async def pooled(models: dict[str, str], loaded: int, args) -> tuple[list[float]
     """TTFTs of the returns to A in a daemon holding `loaded` models at once, and the messages of each."""
     config = ServerConfig(model=[f"{n}={p}" for n, p in models.items()], port=0, max_loaded_models=loaded,
                           backend=args.backend, shutdown_grace=1.0)
-    engine = EngineConfig(kv_budget_bytes=args.kv_budget, inference_slots=2)
+    engine = EngineConfig(kv_budget_bytes=args.kv_budget or None, inference_slots=2)
     daemon = PoolDaemon(config, engine, model_specs(config.model, None), args.backend,
                         lambda: create_backend(args.backend))
     talks = {name: Conversation(system_prompt(args.tokens)) for name in models}
@@ -124,9 +124,10 @@ async def restart(model: str, messages: list, args, folder: Path) -> float:
     """From starting a fresh `kvfork serve` process of A alone, on an empty KVFORK_HOME, to the first token
     of `messages`: the process's imports, the load and the whole prefill (its readiness polled each 0.5 s)."""
     home = Path(tempfile.mkdtemp(prefix="kvfork-restart-"))
+    budget = ["--kv-budget-bytes", str(args.kv_budget)] if args.kv_budget else []
     server = ServerProcess("kvfork", [sys.executable, "-m", "kvfork", "serve", "--model", model, "--port", "{port}",
-                                      "--backend", args.backend, "--served-model-name", "A", "--kv-budget-bytes",
-                                      str(args.kv_budget), "--inference-slots", "2"],
+                                      "--backend", args.backend, "--served-model-name", "A", *budget,
+                                      "--inference-slots", "2"],
                            folder / "restart.log", env={"KVFORK_HOME": str(home)}, scratch=home)
     t0 = time.perf_counter()
     with server:
@@ -143,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--switches", type=int, default=3, help="returns to A (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=2000, help="the conversation's system prompt, about")
     p.add_argument("--max-tokens", type=int, default=32, help="each answer's tokens")
-    p.add_argument("--kv-budget", type=int, default=1 << 30, help="each model's KV budget, bytes")
+    p.add_argument("--kv-budget", type=int, default=1 << 30,
+                   help="each model's KV budget, bytes (0: the daemon's default, a share of the memory budget)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvfork-models-bench-") as folder:
         models = {"A": args.model, "B": str(random_twin(Path(args.model), Path(folder) / "B"))}
