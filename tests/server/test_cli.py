@@ -119,7 +119,8 @@ def test_serve_prints_what_it_loaded_and_where_and_stops_on_sigint(tiny_model_di
 
 @pytest.mark.parametrize("backend, dtype, says", [
     ("torch", "int8", "--kv-cache-dtype int8: head size 16 is not a multiple of --kv-group-size 64"),
-    ("mlx", "float16", "--kv-cache-dtype float16: MLXBackend stores KV in the weights' dtype only"),
+    ("mlx", "fp8", "--kv-cache-dtype fp8: MLX has no such storage; choose int8 (as small, with a scale and bias "
+                   "per group)"),
 ])
 def test_a_kv_cache_dtype_the_model_or_backend_cannot_take_exits_2_with_one_line(tiny_model_dir, backend, dtype, says):
     with started("--model", tiny_model_dir("llama"), "--backend", backend, "--port", "0",
