@@ -146,9 +146,10 @@ class Tree:
             shutil.copy(HERE, tool)
         self.root = root
         self.name = str(root) if kv_cache_dtype == "auto" else f"{root} {kv_cache_dtype}"
+        storage = ["--kv-cache-dtypes", kv_cache_dtype] if kv_cache_dtype != "auto" else []  # an older tree: auto
         self.proc = subprocess.Popen([sys.executable, "-m", f"kvfork.tools.{HERE.stem}", "--serve", "--backend", backend,
-                                      "--model", model, *(["--kv-cache-dtypes", kv_cache_dtype]
-                                                          if kv_cache_dtype != "auto" else [])], cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      "--model", model, *storage], cwd=root, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE,
                                      text=True, env={**os.environ, "PYTHONPATH": str(root)})
         self._read()
 

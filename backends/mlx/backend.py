@@ -6,7 +6,9 @@ persistent decode batch (batch.py). A hybrid's recurrent layers keep an
 `ArraysCache` (recurrent.py), and a session may keep checkpoints of those
 states at chosen positions (`keep_at`, the recurrent rule, base.clone_positions). Prefill runs
 standalone; decode runs the batch; clone copies from either into a new
-standalone session (kvcopy.py).
+standalone session (kvcopy.py). Under --kv-cache-dtype every KV cache of a
+session holds its rows as kv_storage.py stores them (`stored`), and every
+copy moves those rows.
 """
 
 from __future__ import annotations

@@ -134,8 +134,10 @@ def test_a_start_prints_the_budget_it_chose_and_why_and_refuses_one_too_small(ti
     model = tiny_model_dir("llama")
     with started("--model", model, "--backend", "mlx", "--port", "0") as (_, text):
         # the device's rule: physical memory on a CPU, Metal's working set on Apple Silicon; a tiny model's weights
-        budget = re.search(r"kvfork: KV budget (\S+) GiB = \S+ tokens in float32: (0\.75 of \S+ GiB physical memory|"
-                           r"\S+'s recommended working set) .* - 0\.00 GiB weights - \S+ GiB headroom", text)
+        # (and in the 16-bit storages; its heads of 16 cannot be grouped)
+        budget = re.search(r"kvfork: KV budget (\S+) GiB = \S+ tokens in float32 \(float16: \S+, bfloat16: \S+\): "
+                           r"(0\.75 of \S+ GiB physical memory|\S+'s recommended working set) .* - 0\.00 GiB weights - "
+                           r"\S+ GiB headroom", text)
         assert budget is not None, text
         assert f"set aside {budget.group(1)} GiB for KV state" in text
     with started("--model", model, "--backend", "mlx", "--port", "0", "--kv-budget-bytes", "4KiB") as (process, text):
