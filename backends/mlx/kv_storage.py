@@ -56,8 +56,6 @@ class Plain:
 
 
 class Grouped:
-    dtype = mx.uint32
-
     def __init__(self, bits: int, group: int, compute: mx.Dtype):
         self.bits, self.group, self.compute = bits, group, compute
 

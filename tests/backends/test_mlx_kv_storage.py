@@ -11,6 +11,7 @@ import pytest
 
 import backend_fixtures
 from backend_fixtures import assert_close, assert_greedy_close, continue_greedy, fresh, lent, prompt, release_all
+from tiny_hybrid_models import write_hybrid_model
 from tiny_models import write_model
 from tolerance import Kind
 
@@ -169,3 +170,17 @@ def test_every_reuse_path_answers_as_the_session_that_wrote_the_rows(stored):
                             Kind.CLONE, context=610)
         release_all(b, early, drafted)
     release_all(b, donor, clone, restored)
+
+
+def test_a_hybrid_keeps_its_recurrent_state_in_full_precision_and_its_attention_quantized(tmp_path):
+    """qwen3_next at int4: attention layers store rotated grouped rows, recurrent states stay float32; a clone
+    at the position decodes beside its donor as the donor does."""
+    b = load(str(write_hybrid_model(tmp_path, "qwen3_next", head_dim=64)), "int4")
+    donor, _ = fresh(b, prompt(100, seed=3, vocab=400))
+    clone = b.clone(donor, 100)
+    kinds = {type(c).__name__: c for c in clone.caches}
+    assert set(kinds) == {"StoredKV", "ArraysCache"}
+    assert kinds["StoredKV"].keys.dtype == mx.uint32 and kinds["ArraysCache"].cache[-1].dtype == mx.float32
+    both = b.decode([donor, clone], [5, 5])
+    assert_close(b, both[1:], both[:1], Kind.CLONE, context=101)
+    release_all(b, donor, clone)
