@@ -80,8 +80,8 @@ Storage = Plain | Grouped
 
 
 def rotates_keys(spec: KVStorage) -> bool:
-    """int4 stores keys rotated, whose 15 levels an outlier channel would otherwise spend; keys only, as on
-    torch (tools/kv_accuracy_bench measured rotating values too)."""
+    """int4 stores keys rotated, whose 15 levels an outlier channel would otherwise spend; values are stored as
+    they are (rotated, the attention's output would need the rotation back)."""
     return spec.bits == 4
 
 
