@@ -6,14 +6,14 @@ their batch forms) grow, pad, roll, merge, filter and slice it along the token a
 keys, and so do kvfork's clones (kvcopy.py), the decode batch (batch.py) and saved states, without
 knowing what a row holds.
 
-- `Plain`: float16 or bfloat16 elements; attention reads them cast to the weights' dtype.
-- `Grouped`: `mx.quantize`'s `bits`-bit integers in groups of `group` along the head (packed in
+- `FloatRows`: float16 or bfloat16 elements; attention reads them cast to the weights' dtype.
+- `QuantizedRows`: `mx.quantize`'s `bits`-bit integers in groups of `group` along the head (packed in
   uint32 words), then each group's float16 scale and bias as one uint32 word (x = q * scale + bias),
   as mlx-lm's `QuantizedKVCache` groups them. Attention reads the stored rows directly: a cache
   holding them has `bits` and `group_size`, so mlx-lm's attention takes its
   `quantized_scaled_dot_product_attention` (`mx.quantized_matmul` over the integers).
 
-The caches here (`Stored`) encode what a layer writes and hand attention what it reads from the
+The caches here (`StoredCache`) encode what a layer writes and hand attention what it reads from the
 stored rows, the positions just written included, so what a query attends depends only on the stored
 rows: a clone, a prefix cache entry or a saved file, holding the same rows, answers as the session
 that wrote them.
@@ -39,7 +39,7 @@ FLOAT16_MAX = 65504.0
 FLOATS = {"float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
-class Plain:
+class FloatRows:
     bits = None
 
     def __init__(self, stored: mx.Dtype, compute: mx.Dtype):
@@ -55,7 +55,7 @@ class Plain:
         return stored.astype(self.compute)
 
 
-class Grouped:
+class QuantizedRows:
     def __init__(self, bits: int, group: int, compute: mx.Dtype):
         self.bits, self.group, self.compute = bits, group, compute
 
@@ -76,7 +76,7 @@ class Grouped:
         return stored[..., :words], pairs[..., 0::2], pairs[..., 1::2]
 
 
-Storage = Plain | Grouped
+Storage = FloatRows | QuantizedRows
 
 
 def rotates_keys(spec: KVStorage) -> bool:
@@ -91,7 +91,7 @@ def storage_for(spec: KVStorage, compute: mx.Dtype, dims: tuple[int, ...]) -> St
     if spec.dtype == "auto" or (spec.dtype in FLOATS and FLOATS[spec.dtype] == compute):
         return None
     if spec.dtype in FLOATS:
-        return Plain(FLOATS[spec.dtype], compute)
+        return FloatRows(FLOATS[spec.dtype], compute)
     if spec.bits is None:
         raise KVStorageRefused(f"--kv-cache-dtype {spec.dtype}: MLX has no such storage; choose int8 (as small, "
                                "with a scale and bias per group)")
@@ -102,7 +102,7 @@ def storage_for(spec: KVStorage, compute: mx.Dtype, dims: tuple[int, ...]) -> St
     if rotates_keys(spec) and dims[0] & (dims[0] - 1):
         raise KVStorageRefused(f"--kv-cache-dtype {spec.dtype}: head size {dims[0]} is not a power of two, "
                                "which its keys' Hadamard rotation needs")
-    return Grouped(spec.bits, spec.group, compute)
+    return QuantizedRows(spec.bits, spec.group, compute)
 
 
 def row_bytes(storage: Storage | None, compute: mx.Dtype, dim: int) -> int:
@@ -110,34 +110,36 @@ def row_bytes(storage: Storage | None, compute: mx.Dtype, dim: int) -> int:
     return dim * compute.size if storage is None else storage.row_bytes(dim)
 
 
-class Stored:
+class StoredCache:
     """An mlx-lm KV cache holding rows as `storage` writes them (`stored` makes one)."""
 
     storage: Storage
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
-        keys, values = super().update_and_fetch(self.storage.encode(keys), self.storage.encode(values))
+        # a mixin: the mlx-lm cache class it comes before in each class below has update_and_fetch
+        keys, values = super().update_and_fetch(  # type: ignore[misc]
+            self.storage.encode(keys), self.storage.encode(values))
         return self.storage.attended(keys), self.storage.attended(values)
 
 
-class StoredKV(Stored, KVCache):
+class StoredKV(StoredCache, KVCache):
     @classmethod
     def merge(cls, caches):
         return stored(StoredBatchKV.merge(caches), caches[0].storage)
 
 
-class StoredRing(Stored, RotatingKVCache):
+class StoredRing(StoredCache, RotatingKVCache):
     @classmethod
     def merge(cls, caches):
         return stored(StoredBatchRing.merge(caches), caches[0].storage)
 
 
-class StoredBatchKV(Stored, BatchKVCache):
+class StoredBatchKV(StoredCache, BatchKVCache):
     def extract(self, idx):
         return stored(super().extract(idx), self.storage)
 
 
-class StoredBatchRing(Stored, BatchRotatingKVCache):
+class StoredBatchRing(StoredCache, BatchRotatingKVCache):
     def extract(self, idx):
         return stored(super().extract(idx), self.storage)
 
@@ -151,7 +153,7 @@ def stored(cache: Any, storage: Storage | None) -> Any:
     the cache itself where storage is None (the weights' dtype)."""
     if storage is None or not isinstance(cache, tuple(STORED)):
         return cache
-    if not isinstance(cache, Stored):
+    if not isinstance(cache, StoredCache):
         kind = STORED[type(cache)]
         adopted = kind.__new__(kind)
         adopted.__dict__.update(vars(cache))

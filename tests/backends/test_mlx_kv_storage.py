@@ -51,7 +51,7 @@ def test_a_grouped_row_is_read_within_a_step_of_what_was_written(bits, group):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, 2, 300, 128)) * np.linspace(0.1, 30, 128)  # groups of very different ranges
     x[0, 0, 5, 7] = 400.0  # an outlier widens its own group only
-    storage = kv_storage.Grouped(bits, group, mx.float32)
+    storage = kv_storage.QuantizedRows(bits, group, mx.float32)
     stored = storage.encode(mx.array(x, mx.float32))
     assert stored.dtype == mx.uint32 and stored.shape == (1, 2, 300, 128 * bits // 32 + 128 // group)
     assert storage.row_bytes(128) == stored[..., :1, :].nbytes // 2
@@ -89,7 +89,7 @@ def test_rotated_int4_keys_score_closer_to_full_precision_than_unrotated_on_an_o
     keys[..., 3] *= 40.0  # one channel of outliers, as real keys have
     queries = rng.standard_normal((1, 1, 8, 64)).astype(np.float32)
     want = queries @ keys.swapaxes(-1, -2)
-    storage = kv_storage.Grouped(4, 64, mx.float32)
+    storage = kv_storage.QuantizedRows(4, 64, mx.float32)
 
     def scores(rotate: bool) -> np.ndarray:
         turn = (lambda a: mx.hadamard_transform(a, scale=64**-0.5)) if rotate else (lambda a: a)
