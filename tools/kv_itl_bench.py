@@ -6,7 +6,7 @@ Every storage's backend is loaded in this one process and given a session prefil
 `--context` tokens (chunks of 512) and three clones of it 8, 16 and 24 tokens shorter. Then, round after
 round, each storage decodes one step of 1 row and one of 4 rows (the batch formed by an untimed step
 first), the storages in turn and in alternating order, so a busy moment of a shared machine lands on
-every storage alike (decode_bench.py measures each storage's steps in one block instead). Prints the
+every storage alike (decode_bench.py measures each source tree's steps in one block instead). Prints the
 median ITL (ms, logits on the host) per storage and row count.
 """
 
