@@ -55,14 +55,14 @@ _ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor":
 _VISION = {"depth": 1, "hidden_size": 16, "out_hidden_size": 64, "patch_size": 16}
 
 
-def hybrid_config(arch: str, eos: int) -> dict:
-    """config.json as the hub has it."""
+def hybrid_config(arch: str, eos: int, head_dim: int = _TEXT["head_dim"]) -> dict:
+    """config.json as the hub has it (attention heads `head_dim` wide)."""
     if arch == "qwen3_next":
-        return dict(_TEXT, **_MOE, model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], rope_theta=10000.0,
+        return dict(_TEXT, **_MOE, head_dim=head_dim, model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], rope_theta=10000.0,
                     partial_rotary_factor=0.25, decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True,
                     eos_token_id=eos, torch_dtype="float32")
     moe = arch == "qwen3_5_moe"
-    text = dict(_TEXT, **(_MOE if moe else {}), model_type=f"{arch}_text", rope_parameters=dict(_ROPE),
+    text = dict(_TEXT, **(_MOE if moe else {}), head_dim=head_dim, model_type=f"{arch}_text", rope_parameters=dict(_ROPE),
                 eos_token_id=eos)
     return {
         "model_type": arch,
@@ -156,7 +156,8 @@ def _layout(arch: str, layout: str, config: dict, canonical: dict[str, np.ndarra
     return w
 
 
-def write_hybrid_model(folder: Path, arch: str, layout: str = "hf", seed: int = 0) -> Path:
+def write_hybrid_model(folder: Path, arch: str, layout: str = "hf", seed: int = 0,
+                       head_dim: int = _TEXT["head_dim"]) -> Path:
     """Write a tiny `arch` model in `layout` ("hf" or "mlx") into `folder`; returns the folder.
     The same seed gives the same model in both layouts."""
     from safetensors.numpy import save_file
@@ -164,7 +165,7 @@ def write_hybrid_model(folder: Path, arch: str, layout: str = "hf", seed: int = 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     eos = write_tokenizer(folder, _TEXT["vocab_size"], _TEXT["max_position_embeddings"])
-    config = hybrid_config(arch, eos)
+    config = hybrid_config(arch, eos, head_dim)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     weights = _layout(arch, layout, config, _canonical_weights(config, seed), np.random.default_rng(seed + 1))
     weights = {name: np.ascontiguousarray(w) for name, w in weights.items()}  # safetensors writes raw buffers

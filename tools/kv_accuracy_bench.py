@@ -2,6 +2,10 @@
 torch backend and the default model's real weights (docs/kv-budget.md has the table).
 
     python -m kvfork.tools.kv_accuracy_bench [--model FOLDER] [--contexts 512,2048] [--scored 64] [--texts readme]
+    python -m kvfork.tools.kv_accuracy_bench --backend mlx --storages float16,int8,int4,int4-unrotated
+
+`--backend mlx` measures the MLX backend's storages against its own float32 KV (`int4-unrotated`: int4
+with the keys' rotation taken off after load, in the bench only).
 
 The texts ship with the repository: its README, its docs and the engine's sources, each tokenized
 whole. For each text and context length N, a session is prefilled with the text's first N tokens (in
@@ -75,6 +79,20 @@ def backend_for(model: str, storage: str, group: int) -> TorchBackend:
     return b
 
 
+def mlx_backend_for(model: str, storage: str, group: int):
+    from kvfork.backends.mlx.backend import MLXBackend
+    from kvfork.backends.mlx.kv_storage import RotatedRoPE
+
+    b = MLXBackend()
+    b.set_kv_storage(KVStorage.named(storage.removesuffix("-unrotated"), group))
+    b.load(model, "float32")
+    if storage.endswith("-unrotated"):  # before any session: each attention's own RoPE back
+        for _, module in b.model.named_modules():
+            if isinstance(module.get("rope"), RotatedRoPE):
+                module["rope"] = module["rope"].rope
+    return b
+
+
 def run_text(b: TorchBackend, tokens: list[int], n: int, scored: int, greedy: int) -> tuple[np.ndarray, list[int]]:
     """Log-probabilities of the `scored` positions after the first n tokens, and `greedy` tokens decoded from n."""
     s = b.open_session()
@@ -88,7 +106,7 @@ def run_text(b: TorchBackend, tokens: list[int], n: int, scored: int, greedy: in
         last = b.decode([clone], [out[-1]])
     b.release(s)
     b.release(clone)
-    return torch.log_softmax(logits.double(), -1).numpy(), out
+    return torch.log_softmax(torch.from_numpy(b.to_numpy(logits)).double(), -1).numpy(), out
 
 
 def identical(a: list[int], b: list[int]) -> int:
@@ -102,6 +120,7 @@ def main() -> None:
     parser.add_argument("--scored", type=int, default=64, help="positions scored after each context")
     parser.add_argument("--greedy", type=int, default=32, help="tokens decoded greedily after each context")
     parser.add_argument("--group", type=int, default=64, help="--kv-group-size")
+    parser.add_argument("--backend", default="torch", choices=("torch", "mlx"))
     parser.add_argument("--storages", default=",".join(STORAGES))
     parser.add_argument("--texts", default=",".join(TEXTS), help="which of the texts, comma-separated")
     args = parser.parse_args()
@@ -112,13 +131,14 @@ def main() -> None:
              for name, files in TEXTS.items() if name in args.texts.split(",")}
     contexts = [int(c) for c in args.contexts.split(",")]
     cases = [(name, n) for n in contexts for name, ids in texts.items() if len(ids) > n + args.scored]
-    reference = backend_for(args.model, "auto", args.group)
+    make = mlx_backend_for if args.backend == "mlx" else backend_for
+    reference = make(args.model, "auto", args.group)
     want = {case: run_text(reference, texts[case[0]], case[1], args.scored, args.greedy) for case in cases}
     report = {"model": Path(args.model).name, "scored": args.scored, "greedy": args.greedy, "group": args.group,
               "texts": {name: len(ids) for name, ids in texts.items()}, "rows": []}
     del reference
     for storage in args.storages.split(","):
-        b = backend_for(args.model, storage, args.group)
+        b = make(args.model, storage, args.group)
         for n in contexts:
             kl, top1, same = [], [], []
             for case in [c for c in cases if c[1] == n]:

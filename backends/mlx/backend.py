@@ -6,7 +6,9 @@ persistent decode batch (batch.py). A hybrid's recurrent layers keep an
 `ArraysCache` (recurrent.py), and a session may keep checkpoints of those
 states at chosen positions (`keep_at`, the recurrent rule, base.clone_positions). Prefill runs
 standalone; decode runs the batch; clone copies from either into a new
-standalone session (kvcopy.py).
+standalone session (kvcopy.py). Under --kv-cache-dtype every KV cache of a
+session holds its rows as kv_storage.py stores them (`stored`), and every
+copy moves those rows.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-from kvfork.backends.base import (Backend, BatchFailed, CloneRefused, ModelInfo, RowState, Sampled, SamplerState,
-                           SavedLayer, SavedState, Session, check_inputs, clone_refusal)
+from kvfork.backends.base import (Backend, BatchFailed, CloneRefused, KVStorage, ModelInfo, RowState, Sampled,
+                                  SamplerState, SavedLayer, SavedState, Session, check_inputs, clone_refusal)
 from kvfork.backends.device_memory import DeviceMemory, cpu_memory, metal_memory
 from kvfork.backends.mlx import kvcopy, recurrent, sampling
+from kvfork.backends.mlx.kv_storage import stored
 from kvfork.backends.mlx.batch import DecodeBatch, cache_marks, unmoved
 from kvfork.backends.mlx.last_token import last_logits, supports_last_position
 from kvfork.backends.mlx.loading import load_model
@@ -42,9 +45,13 @@ class MLXBackend(Backend):
     def __init__(self, group: Any = None):
         """`group`: an `mx.distributed` group to split the model over (loading.load_model); None: one rank."""
         self.group = group
+        self.kv_storage = KVStorage()
+
+    def set_kv_storage(self, storage: KVStorage) -> None:
+        self.kv_storage = storage  # load refuses what MLX or the model's heads cannot take (kv_storage.py)
 
     def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
-        self.model, self.tokenizer, self.info = load_model(folder, dtype, self.group)
+        self.model, self.tokenizer, self.info, self._storage = load_model(folder, dtype, self.group, self.kv_storage)
         self._windows = list(self.info.sliding_windows)
         self._sessions: dict[int, MLXSession] = {}
         self._batch = DecodeBatch(self.model)
@@ -57,7 +64,8 @@ class MLXBackend(Backend):
         return metal_memory(weights) if mx.metal.is_available() else cpu_memory(weights)
 
     def open_session(self) -> MLXSession:
-        return self._track(MLXSession(make_prompt_cache(self.model), [0] * len(self._windows)))
+        caches = [stored(c, self._storage) for c in make_prompt_cache(self.model)]
+        return self._track(MLXSession(caches, [0] * len(self._windows)))
 
     def release(self, session: MLXSession) -> None:
         if self._sessions.pop(session.id, None) is None:
@@ -192,11 +200,12 @@ class MLXBackend(Backend):
                 case "recurrent":
                     caches.append(next(states))
                 case "full":
-                    caches.append(kvcopy.clone_full(self._view(cache, row, session.position), upto))
+                    caches.append(stored(kvcopy.clone_full(self._view(cache, row, session.position), upto),
+                                         self._storage))
                 case "sliding":
                     window, held = next(sliding)
                     copy, start = kvcopy.clone_sliding(self._view(cache, row, session.position), held, upto, window)
-                    caches.append(copy)
+                    caches.append(stored(copy, self._storage))
                     held_from.append(start)
         mx.eval([kvcopy.arrays(c) for c in caches])
         clone = MLXSession(caches, held_from)
@@ -253,12 +262,13 @@ class MLXBackend(Backend):
                     cache.cache = arrays
                     caches.append(cache)
                 case "full":
-                    caches.append(kvcopy.clone_full(kvcopy.LayerView(arrays[0][None], arrays[1][None], 0), n))
+                    full = kvcopy.clone_full(kvcopy.LayerView(arrays[0][None], arrays[1][None], 0), n)
+                    caches.append(stored(full, self._storage))
                 case "sliding":
                     assert layer.window is not None
                     view = kvcopy.LayerView(arrays[0][None], arrays[1][None], saved.first)
                     cache, start = kvcopy.clone_sliding(view, saved.first, n, layer.window)
-                    caches.append(cache)
+                    caches.append(stored(cache, self._storage))
                     held_from.append(start)
         mx.eval([kvcopy.arrays(c) for c in caches])
         session = MLXSession(caches, held_from)

@@ -17,7 +17,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import load, load_model as lazy_model, sharded_load
 
-from kvfork.backends.base import KVCost, LayerAttention, ModelInfo
+from kvfork.backends.base import KV_CACHE_DTYPES, KVCost, KVStorage, KVStorageRefused, LayerAttention, ModelInfo
+from kvfork.backends.mlx import kv_storage
 from kvfork.backends.mlx.kvcopy import STEP
 from kvfork.backends.mlx.recurrent import state_bytes
 from kvfork.backends.model_info import read_model_facts
@@ -30,11 +31,13 @@ def default_dtype() -> str:
     return "bfloat16" if mx.default_device() == mx.gpu else "float32"
 
 
-def load_model(folder: str, dtype: str | None, group: Any = None) -> tuple[nn.Module, Any, ModelInfo]:
-    """(model, tokenizer, info). `folder` may also be a hub id (see backends.model_path). `group`: an
-    `mx.distributed` group of more than one rank splits the model over them, by mlx-lm's own
-    tensor-parallel sharding (`Model.shard`, through `sharded_load`); each rank then holds its share
-    of the weights and of every KV state, and `info.kv` prices a rank's share."""
+def load_model(folder: str, dtype: str | None, group: Any = None, spec: KVStorage = KVStorage()
+               ) -> tuple[nn.Module, Any, ModelInfo, kv_storage.Storage | None]:
+    """(model, tokenizer, info, how KV is stored: `spec`, --kv-cache-dtype). `folder` may also be a hub id
+    (see backends.model_path). `group`: an `mx.distributed` group of more than one rank splits the model over
+    them, by mlx-lm's own tensor-parallel sharding (`Model.shard`, through `sharded_load`); each rank then
+    holds its share of the weights and of every KV state, and `info.kv` prices a rank's share.
+    KVStorageRefused where the model's heads cannot be stored as `spec` says."""
     dtype = dtype or default_dtype()
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
@@ -49,7 +52,11 @@ def load_model(folder: str, dtype: str | None, group: Any = None) -> tuple[nn.Mo
     # Quantized weights stay packed: set_dtype casts floating parameters only.
     model.set_dtype(DTYPES[dtype])
     layers = layer_kinds(model)
-    vocab_size, per_token = _probe(model)
+    vocab_size, heads = _probe(model)
+    compute = DTYPES[dtype]
+    storage = kv_storage.storage_for(spec, compute, heads[1:]) if heads else None
+    if storage is not None and kv_storage.rotates_keys(spec):
+        kv_storage.rotate_keys(model, sum(layer.kind != "recurrent" for layer in layers), spec)
     facts = read_model_facts(path)
     info = ModelInfo(
         name=Path(folder).name or str(folder),
@@ -57,11 +64,13 @@ def load_model(folder: str, dtype: str | None, group: Any = None) -> tuple[nn.Mo
         context_length=facts.context_length,
         layers=layers,
         eos_token_ids=facts.eos_token_ids,
-        kv=kv_cost(layers, per_token, state_bytes(model)),
+        kv=kv_cost(layers, token_bytes(storage, compute, heads), state_bytes(model)),
         dtype=dtype,
         device="metal" if mx.default_device() == mx.gpu else "cpu",
+        kv_dtype=spec.label(dtype),
+        kv_token_bytes=storages_bytes(layers, compute, heads, spec.group),
     )
-    return model, tokenizer, info
+    return model, tokenizer, info, storage
 
 
 def split_refusal(path: Path, size: int) -> str | None:
@@ -115,14 +124,37 @@ def kv_cost(layers: tuple[LayerAttention, ...], per_token: int, state: int) -> K
                   tolerance=0.25, padded_rows=True)
 
 
-def _probe(model: nn.Module) -> tuple[int, int]:
-    """(vocab size, KV bytes of one token in one full layer), from one token run."""
+def token_bytes(storage: kv_storage.Storage | None, compute: mx.Dtype, heads: tuple[int, int, int] | None) -> int:
+    """KV bytes of one token in one attention layer as `storage` keeps it (scales and biases included)."""
+    if heads is None:
+        return 0
+    kv_heads, key_dim, value_dim = heads
+    return kv_heads * sum(kv_storage.row_bytes(storage, compute, dim) for dim in (key_dim, value_dim))
+
+
+def storages_bytes(layers: tuple[LayerAttention, ...], compute: mx.Dtype, heads: tuple[int, int, int] | None,
+                   group: int) -> tuple[tuple[str, int], ...]:
+    """(storage, bytes per token of the full-attention layers) for the weights' dtype and each --kv-cache-dtype
+    MLX takes for these heads with groups of `group` (ModelInfo.kv_token_bytes)."""
+    full, out = sum(layer.kind == "full" for layer in layers), {}
+    weights = next(name for name, d in DTYPES.items() if d == compute)
+    for spec in (KVStorage(), *(KVStorage(name, group) for name in KV_CACHE_DTYPES[1:])):
+        try:
+            storage = kv_storage.storage_for(spec, compute, heads[1:]) if heads else None
+        except KVStorageRefused:
+            continue
+        out[spec.label(weights)] = full * token_bytes(storage, compute, heads)
+    return tuple(out.items())
+
+
+def _probe(model: nn.Module) -> tuple[int, tuple[int, int, int] | None]:
+    """(vocab size, (KV heads, key size, value size) of an attention layer), from one token run."""
     cache = make_prompt_cache(model)
     logits = model(mx.array([[0]]), cache=cache)
     mx.eval(logits)
     # every attention layer's keys and values have one shape per token; an all-recurrent model has none
     attention = [c for c in cache if type(c) is KVCache] + [c for c in cache if type(c) is RotatingKVCache]
     if not attention:
-        return int(logits.shape[-1]), 0
+        return int(logits.shape[-1]), None
     one = attention[0]
-    return int(logits.shape[-1]), one.keys[..., :1, :].nbytes + one.values[..., :1, :].nbytes
+    return int(logits.shape[-1]), (one.keys.shape[1], one.keys.shape[-1], one.values.shape[-1])

@@ -1,5 +1,5 @@
-"""Reuse at --kv-cache-dtype int8 and int4 over HTTP, on torch and a tiny llama whose heads are 64 wide
-(groups of 64 divide them): a prefix cache hit, n choices, requests sharing a prefix while one runs, a
+"""Reuse at --kv-cache-dtype int8 and int4 over HTTP, on torch and MLX and a tiny llama whose heads are 64
+wide (groups of 64 divide them): a prefix cache hit, n choices, requests sharing a prefix while one runs, a
 named session's next turn and a restart served from the disk tier each answer as the same request with
 reuse off (another cache_salt: nothing to reuse), token for token. A restart at another storage reads
 none of the files."""
@@ -42,14 +42,15 @@ async def ask(http, daemon, messages: list[dict], salt: str = "", **extra) -> tu
     return [c["message"]["content"] for c in reply["choices"]], reply["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def daemon_at(model: str, dtype: str):
-    return serving(model, create_backend("torch"), engine=dict(ENGINE, kv_cache_dtype=dtype))
+def daemon_at(model: str, backend: str, dtype: str):
+    return serving(model, create_backend(backend), engine=dict(ENGINE, kv_cache_dtype=dtype))
 
 
-@pytest.mark.parametrize("dtype,other", [("int8", "int4"), ("int4_per_token_head", "int8")])
-async def test_reuse_answers_as_reuse_off_at_a_quantized_storage(http, wide_llama, kvfork_home, dtype, other):
+@pytest.mark.parametrize("backend,dtype,other", [("torch", "int8", "int4"), ("torch", "int4_per_token_head", "int8"),
+                                                 ("mlx", "int8", "int4"), ("mlx", "int4", "int8")])
+async def test_reuse_answers_as_reuse_off_at_a_quantized_storage(http, wide_llama, kvfork_home, backend, dtype, other):
     asked = SYSTEM + "now fix it"
-    async with daemon_at(wide_llama, dtype) as daemon:
+    async with daemon_at(wide_llama, backend, dtype) as daemon:
         assert daemon.engine.info.kv_dtype.startswith(dtype[:4])
         await ask(http, daemon, user(SYSTEM + "first read it"))
         cold, reused = await ask(http, daemon, user(asked), salt="hit")
@@ -70,10 +71,10 @@ async def test_reuse_answers_as_reuse_off_at_a_quantized_storage(http, wide_llam
         cold_turn, _ = await ask(http, daemon, turn, salt="turn")
         warm_turn, reused = await ask(http, daemon, turn, session_id="agent")
         assert reused > 0 and warm_turn == cold_turn  # the named session's state
-    async with daemon_at(wide_llama, dtype) as daemon:  # a restart: the files are the prefix cache
+    async with daemon_at(wide_llama, backend, dtype) as daemon:  # a restart: the files are the prefix cache
         restored, reused = await ask(http, daemon, user(asked))
         assert reused > 0 and restored == cold
         assert daemon.engine.snapshot().on_disk > 0
-    async with daemon_at(wide_llama, other) as daemon:  # another storage: another fingerprint
+    async with daemon_at(wide_llama, backend, other) as daemon:  # another storage: another fingerprint
         _, reused = await ask(http, daemon, user(asked))
         assert reused == 0

@@ -119,7 +119,8 @@ def test_serve_prints_what_it_loaded_and_where_and_stops_on_sigint(tiny_model_di
 
 @pytest.mark.parametrize("backend, dtype, says", [
     ("torch", "int8", "--kv-cache-dtype int8: head size 16 is not a multiple of --kv-group-size 64"),
-    ("mlx", "float16", "--kv-cache-dtype float16: MLXBackend stores KV in the weights' dtype only"),
+    ("mlx", "fp8", "--kv-cache-dtype fp8: MLX has no such storage; choose int8 (as small, with a scale and bias "
+                   "per group)"),
 ])
 def test_a_kv_cache_dtype_the_model_or_backend_cannot_take_exits_2_with_one_line(tiny_model_dir, backend, dtype, says):
     with started("--model", tiny_model_dir("llama"), "--backend", backend, "--port", "0",
@@ -133,8 +134,10 @@ def test_a_start_prints_the_budget_it_chose_and_why_and_refuses_one_too_small(ti
     model = tiny_model_dir("llama")
     with started("--model", model, "--backend", "mlx", "--port", "0") as (_, text):
         # the device's rule: physical memory on a CPU, Metal's working set on Apple Silicon; a tiny model's weights
-        budget = re.search(r"kvfork: KV budget (\S+) GiB = \S+ tokens in float32: (0\.75 of \S+ GiB physical memory|"
-                           r"\S+'s recommended working set) .* - 0\.00 GiB weights - \S+ GiB headroom", text)
+        # (and in the 16-bit storages; its heads of 16 cannot be grouped)
+        budget = re.search(r"kvfork: KV budget (\S+) GiB = \S+ tokens in float32 \(float16: \S+, bfloat16: \S+\): "
+                           r"(0\.75 of \S+ GiB physical memory|\S+'s recommended working set) .* - 0\.00 GiB weights - "
+                           r"\S+ GiB headroom", text)
         assert budget is not None, text
         assert f"set aside {budget.group(1)} GiB for KV state" in text
     with started("--model", model, "--backend", "mlx", "--port", "0", "--kv-budget-bytes", "4KiB") as (process, text):

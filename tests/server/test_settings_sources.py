@@ -142,8 +142,8 @@ def test_a_daemon_takes_its_keys_from_the_environment_and_its_config_file(tiny_m
     with started(env=env) as (process, text):
         url = re.search(r"listening on (http://127\.0\.0\.1:\d+)", text).group(1)  # type: ignore[union-attr]
         # the plan (and the tokens it holds) and why
-        assert re.search(r"KV budget 0\.06 GiB = \S+ tokens in \S+: --kv-budget-bytes 0\.06 GiB \(the device holds",
-                         text), text
+        assert re.search(r"KV budget 0\.06 GiB = \S+ tokens in \S+ \([^)]+\): --kv-budget-bytes 0\.06 GiB "
+                         r"\(the device holds", text), text
         assert "warning" not in text
         assert status_of(url + "/metrics") == 401 and status_of(url + "/metrics", "file-metrics") == 200
         assert status_of(url + "/metrics", "env-key-1") == 401  # a tenant's key does not open /metrics

@@ -1,0 +1,186 @@
+"""How the MLX backend stores a layer's keys and values (--kv-cache-dtype), inside mlx-lm's caches.
+
+Every storage keeps a head's token as one row along the last axis, so a stored array is
+[batch, kv_heads, tokens, width] like the plain one: mlx-lm's caches (`KVCache`, `RotatingKVCache` and
+their batch forms) grow, pad, roll, merge, filter and slice it along the token axis as they do plain
+keys, and so do kvfork's clones (kvcopy.py), the decode batch (batch.py) and saved states, without
+knowing what a row holds.
+
+- `FloatRows`: float16 or bfloat16 elements; attention reads them cast to the weights' dtype.
+- `QuantizedRows`: `mx.quantize`'s `bits`-bit integers in groups of `group` along the head (packed in
+  uint32 words), then each group's float16 scale and bias as one uint32 word (x = q * scale + bias),
+  as mlx-lm's `QuantizedKVCache` groups them. Attention reads the stored rows directly: a cache
+  holding them has `bits` and `group_size`, so mlx-lm's attention takes its
+  `quantized_scaled_dot_product_attention` (`mx.quantized_matmul` over the integers).
+
+The caches here (`StoredCache`) encode what a layer writes and hand attention what it reads from the
+stored rows, the positions just written included, so what a query attends depends only on the stored
+rows: a clone, a prefix cache entry or a saved file, holding the same rows, answers as the session
+that wrote them.
+
+int4 keys are stored rotated (`rotates_keys`): each head's key k as k @ H, H the normalised
+Sylvester Hadamard matrix of the head size (orthogonal), and its query as q @ H, so q @ H @ (k @ H).T =
+q @ k.T. Both pass through the attention's RoPE module, which `rotate_keys` follows with the rotation
+(`mx.hadamard_transform`): a channel with outliers is spread over the head before the groups take
+their scales. Values are stored as they are, so the attention's output needs no rotation back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
+
+from kvfork.backends.base import KVStorage, KVStorageRefused
+
+FLOAT16_MAX = 65504.0
+FLOATS = {"float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+class FloatRows:
+    bits = None
+
+    def __init__(self, stored: mx.Dtype, compute: mx.Dtype):
+        self.dtype, self.compute = stored, compute
+
+    def row_bytes(self, dim: int) -> int:
+        return dim * self.dtype.size
+
+    def encode(self, x: mx.array) -> mx.array:
+        return x.astype(self.dtype)
+
+    def attended(self, stored: mx.array) -> mx.array:
+        return stored.astype(self.compute)
+
+
+class QuantizedRows:
+    def __init__(self, bits: int, group: int, compute: mx.Dtype):
+        self.bits, self.group, self.compute = bits, group, compute
+
+    def row_bytes(self, dim: int) -> int:
+        return dim * self.bits // 8 + 4 * (dim // self.group)  # the integers; a float16 scale and bias a group
+
+    def encode(self, x: mx.array) -> mx.array:
+        x = mx.clip(x, -FLOAT16_MAX, FLOAT16_MAX).astype(mx.float16)  # scales and biases come out in float16
+        q, scales, biases = mx.quantize(x, group_size=self.group, bits=self.bits)
+        pairs = mx.stack([scales, biases], axis=-1).view(mx.uint32)[..., 0]  # one word a group
+        return mx.concatenate([q, pairs], axis=-1)
+
+    def attended(self, stored: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """(integers, scales, biases) as `mx.quantized_matmul` reads them, scales and biases in the weights' dtype."""
+        dim = stored.shape[-1] * 32 * self.group // (self.bits * self.group + 32)
+        words = dim * self.bits // 32
+        pairs = stored[..., words:].view(mx.float16).astype(self.compute)
+        return stored[..., :words], pairs[..., 0::2], pairs[..., 1::2]
+
+
+Storage = FloatRows | QuantizedRows
+
+
+def rotates_keys(spec: KVStorage) -> bool:
+    """int4 stores keys rotated, whose 15 levels an outlier channel would otherwise spend; values are stored as
+    they are (rotated, the attention's output would need the rotation back)."""
+    return spec.bits == 4
+
+
+def storage_for(spec: KVStorage, compute: mx.Dtype, dims: tuple[int, ...]) -> Storage | None:
+    """The storage `spec` names for heads of `dims` (keys', values') computed in `compute`; None where the
+    caches keep mlx-lm's own (the weights' dtype). KVStorageRefused where MLX or the head size cannot take it."""
+    if spec.dtype == "auto" or (spec.dtype in FLOATS and FLOATS[spec.dtype] == compute):
+        return None
+    if spec.dtype in FLOATS:
+        return FloatRows(FLOATS[spec.dtype], compute)
+    if spec.bits is None:
+        raise KVStorageRefused(f"--kv-cache-dtype {spec.dtype}: MLX has no such storage; choose int8 (as small, "
+                               "with a scale and bias per group)")
+    for dim in dims:
+        if dim % spec.group:
+            raise KVStorageRefused(f"--kv-cache-dtype {spec.dtype}: head size {dim} is not a multiple of "
+                                   f"--kv-group-size {spec.group}")
+    if rotates_keys(spec) and dims[0] & (dims[0] - 1):
+        raise KVStorageRefused(f"--kv-cache-dtype {spec.dtype}: head size {dims[0]} is not a power of two, "
+                               "which its keys' Hadamard rotation needs")
+    return QuantizedRows(spec.bits, spec.group, compute)
+
+
+def row_bytes(storage: Storage | None, compute: mx.Dtype, dim: int) -> int:
+    """Bytes of one head's token, one side (keys or values), as `storage` keeps it."""
+    return dim * compute.size if storage is None else storage.row_bytes(dim)
+
+
+class StoredCache:
+    """An mlx-lm KV cache holding rows as `storage` writes them (`stored` makes one)."""
+
+    storage: Storage
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        # a mixin: the mlx-lm cache class it comes before in each class below has update_and_fetch
+        keys, values = super().update_and_fetch(  # type: ignore[misc]
+            self.storage.encode(keys), self.storage.encode(values))
+        return self.storage.attended(keys), self.storage.attended(values)
+
+
+class StoredKV(StoredCache, KVCache):
+    @classmethod
+    def merge(cls, caches):
+        return stored(StoredBatchKV.merge(caches), caches[0].storage)
+
+
+class StoredRing(StoredCache, RotatingKVCache):
+    @classmethod
+    def merge(cls, caches):
+        return stored(StoredBatchRing.merge(caches), caches[0].storage)
+
+
+class StoredBatchKV(StoredCache, BatchKVCache):
+    def extract(self, idx):
+        return stored(super().extract(idx), self.storage)
+
+
+class StoredBatchRing(StoredCache, BatchRotatingKVCache):
+    def extract(self, idx):
+        return stored(super().extract(idx), self.storage)
+
+
+STORED = {KVCache: StoredKV, RotatingKVCache: StoredRing, BatchKVCache: StoredBatchKV,
+          BatchRotatingKVCache: StoredBatchRing}
+
+
+def stored(cache: Any, storage: Storage | None) -> Any:
+    """`cache` (an mlx-lm KV cache, or a recurrent state: returned as it is) writing and reading `storage`'s rows;
+    the cache itself where storage is None (the weights' dtype)."""
+    if storage is None or not isinstance(cache, tuple(STORED)):
+        return cache
+    if not isinstance(cache, StoredCache):
+        kind = STORED[type(cache)]
+        adopted = kind.__new__(kind)
+        adopted.__dict__.update(vars(cache))
+        cache = adopted
+    cache.storage = storage
+    if storage.bits:  # mlx-lm's attention reads a cache with `bits` through mx.quantized_matmul
+        cache.bits, cache.group_size = storage.bits, storage.group
+    return cache
+
+
+class RotatedRoPE(nn.Module):
+    """An attention's RoPE, then each head rotated by the normalised Hadamard matrix (queries and keys alike)."""
+
+    def __init__(self, rope: nn.Module):
+        super().__init__()
+        self.rope = rope
+
+    def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
+        return mx.hadamard_transform(self.rope(x, *args, **kwargs), scale=x.shape[-1] ** -0.5)
+
+
+def rotate_keys(model: nn.Module, attention_layers: int, spec: KVStorage) -> None:
+    """Follow every attention's RoPE module with the rotation: its queries and keys are then rotated, and
+    its keys stored so. KVStorageRefused where the model's attention layers do not each have one."""
+    owners = [m for _, m in model.named_modules() if isinstance(m.get("rope"), nn.Module)]
+    if len(owners) != attention_layers:
+        raise KVStorageRefused(f"--kv-cache-dtype {spec.dtype}: kvfork rotates keys through each attention's RoPE "
+                               f"module, and this model has {len(owners)} for {attention_layers} attention layers")
+    for owner in owners:
+        owner["rope"] = RotatedRoPE(owner["rope"])

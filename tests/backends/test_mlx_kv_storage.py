@@ -1,0 +1,186 @@
+"""KV state stored as --kv-cache-dtype says on the MLX backend (backends/mlx/kv_storage.py): what a row
+holds and costs, the head sizes and storages refused, int4's rotated keys, and every reuse path (a clone
+from the decode batch, a clone that prefills the rest, a saved state, a verify pass rolled back)
+answering as the session that wrote the rows, at each storage. The tiny models' heads are 64 wide here:
+MLX groups 32, 64 or 128 elements, so heads of 16 cannot be quantized."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import backend_fixtures
+from backend_fixtures import assert_close, assert_greedy_close, continue_greedy, fresh, lent, prompt, release_all
+from tiny_hybrid_models import write_hybrid_model
+from tiny_models import write_model
+from tolerance import Kind
+
+pytest.importorskip("mlx_lm")
+
+import mlx.core as mx  # noqa: E402
+
+from kvfork.backends.base import KVStorage, KVStorageRefused  # noqa: E402
+from kvfork.backends.mlx import kv_storage  # noqa: E402
+from kvfork.backends.mlx.backend import MLXBackend  # noqa: E402
+
+STORED = ("float16", "bfloat16", "int8", "int4")
+
+
+@pytest.fixture(scope="module")
+def wide_model_dir(tmp_path_factory):
+    """(arch, head size) -> a tiny model folder whose heads are that wide (written once per module)."""
+    made: dict[tuple[str, int], str] = {}
+
+    def get(arch: str, head_dim: int = 64) -> str:
+        if (arch, head_dim) not in made:
+            folder = tmp_path_factory.mktemp(f"wide-{arch}-{head_dim}")
+            made[arch, head_dim] = str(write_model(folder, arch, head_dim=head_dim))
+        return made[arch, head_dim]
+
+    return get
+
+
+def load(folder: str, dtype: str, group: int = 64) -> MLXBackend:
+    b = MLXBackend()
+    b.set_kv_storage(KVStorage.named(dtype, group))
+    return backend_fixtures.load(b, folder)
+
+
+@pytest.mark.parametrize("bits,group", [(8, 32), (8, 64), (4, 64), (4, 128)])
+def test_a_grouped_row_is_read_within_a_step_of_what_was_written(bits, group):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 2, 300, 128)) * np.linspace(0.1, 30, 128)  # groups of very different ranges
+    x[0, 0, 5, 7] = 400.0  # an outlier widens its own group only
+    storage = kv_storage.QuantizedRows(bits, group, mx.float32)
+    stored = storage.encode(mx.array(x, mx.float32))
+    assert stored.dtype == mx.uint32 and stored.shape == (1, 2, 300, 128 * bits // 32 + 128 // group)
+    assert storage.row_bytes(128) == stored[..., :1, :].nbytes // 2
+    q, scales, biases = storage.attended(stored)
+    assert scales.dtype == mx.float32
+    back = np.array(mx.dequantize(q, scales, biases, group_size=group, bits=bits))
+    spans, step = x.reshape(1, 2, 300, -1, group), np.abs(np.array(scales))
+    # mx.quantize makes the group's edge of larger magnitude a whole number of steps (its bias), which moves the
+    # step by at most one part in 2^(bits-1) and may clamp the other edge by up to a step
+    assert (step <= (spans.max(-1) - spans.min(-1)) / (2**bits - 1) * (1 + 2.0 ** (1 - bits) + 2.0**-10)).all()
+    # a step, and float16 elements, scale and bias rounding: 2^-10 of the group's largest magnitude
+    slack = step + np.abs(spans).max(-1) * 2.0**-9
+    assert (np.abs(back - x).reshape(1, 2, 300, -1, group).max(-1) <= slack).all()
+    part = storage.attended(stored[:, :, 100:200])  # a slice of rows is read alone
+    assert np.array_equal(np.array(mx.dequantize(*part, group_size=group, bits=bits)), back[:, :, 100:200])
+
+
+def test_the_rotation_is_the_normalised_sylvester_hadamard_matrix_and_keeps_q_dot_k():
+    n = 64
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    h /= np.sqrt(n)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, n)).astype(np.float32)
+    rotated = kv_storage.RotatedRoPE(lambda a, offset=0: a)(mx.array(x))
+    np.testing.assert_allclose(np.array(rotated), x @ h, atol=1e-5)
+    np.testing.assert_allclose(h @ h.T, np.eye(n), atol=1e-12)
+    np.testing.assert_allclose(np.array(rotated @ rotated.T), x @ x.T, rtol=1e-4, atol=1e-4)
+
+
+def test_rotated_int4_keys_score_closer_to_full_precision_than_unrotated_on_an_outlier_channel():
+    rng = np.random.default_rng(2)
+    keys = rng.standard_normal((1, 1, 256, 64)).astype(np.float32)
+    keys[..., 3] *= 40.0  # one channel of outliers, as real keys have
+    queries = rng.standard_normal((1, 1, 8, 64)).astype(np.float32)
+    want = queries @ keys.swapaxes(-1, -2)
+    storage = kv_storage.QuantizedRows(4, 64, mx.float32)
+
+    def scores(rotate: bool) -> np.ndarray:
+        turn = (lambda a: mx.hadamard_transform(a, scale=64**-0.5)) if rotate else (lambda a: a)
+        k = storage.attended(storage.encode(turn(mx.array(keys))))
+        return np.array(mx.quantized_matmul(turn(mx.array(queries)), *k, transpose=True, group_size=64, bits=4))
+
+    plain, rotated = np.abs(scores(False) - want).mean(), np.abs(scores(True) - want).mean()
+    assert rotated < plain / 2
+
+
+@pytest.mark.parametrize("dtype,row", [("auto", 256), ("float16", 128), ("bfloat16", 128), ("int8", 64 + 4),
+                                       ("int4", 32 + 4)])
+def test_the_budget_prices_the_rows_as_stored(wide_model_dir, dtype, row):
+    """Bytes per token: 2 layers x keys and values x 2 KV heads x one row (scales and biases included);
+    the backend's own count is KVCost's for a session, a clone of it and the decode batch's row."""
+    b = load(wide_model_dir("llama"), dtype)
+    assert b.info.kv.full_bytes_per_token == 2 * 2 * 2 * row
+    named = {KVStorage(name).label("float32"): size for name, size in (("auto", 2048), ("float16", 1024),
+                                                                      ("bfloat16", 1024), ("int8", 544), ("int4", 288))}
+    assert dict(b.info.kv_token_bytes) == named
+    donor, logits = fresh(b, prompt(700, seed=1))
+    clone = b.clone(donor, 600)
+    cost = b.info.kv
+    assert b.session_bytes(donor) == cost.bytes_for(700)
+    assert b.session_bytes(clone) == cost.bytes_for(600, start=600)
+    b.decode([donor], [5])  # a row of the decode batch
+    assert b.session_bytes(donor) <= cost.row_bytes(701)
+    release_all(b, donor, clone)
+
+
+def test_what_mlx_or_the_head_size_cannot_take_is_refused_at_load(tiny_model_dir, wide_model_dir):
+    with pytest.raises(KVStorageRefused, match="head size 16 is not a multiple of --kv-group-size 32"):
+        load(tiny_model_dir("llama"), "int8", 32)
+    with pytest.raises(KVStorageRefused, match="head size 64 is not a multiple of --kv-group-size 128"):
+        load(wide_model_dir("llama"), "int4", 128)
+    with pytest.raises(KVStorageRefused, match="--kv-cache-dtype fp8: MLX has no such storage"):
+        load(wide_model_dir("llama"), "fp8")
+    with pytest.raises(KVStorageRefused, match="head size 96 is not a power of two, which its keys' Hadamard"):
+        load(wide_model_dir("llama", 96), "int4", 32)
+    assert load(wide_model_dir("llama", 96), "int8", 32).info.kv_dtype == "int8 (groups of 32)"
+    assert load(tiny_model_dir("llama"), "float16").info.kv_dtype == "float16"  # floats take any head
+
+
+@pytest.fixture(params=STORED)
+def stored(request, wide_model_dir):
+    """(arch, a loaded backend storing KV as the param says); llama and gemma3 (sliding rings)."""
+    arch = "gemma3" if request.param in ("bfloat16", "int4") else "llama"
+    for b in lent(request, ("mlx-kv", arch, request.param), lambda: load(wide_model_dir(arch), request.param)):
+        yield arch, b
+
+
+def test_every_reuse_path_answers_as_the_session_that_wrote_the_rows(stored):
+    """A clone of a decoding row, a clone that prefills the rest (llama), a saved state imported, and
+    (llama) a verify pass rolled back: the same greedy tokens as the session itself."""
+    arch, b = stored
+    tokens = prompt(600, seed=2)
+    donor, logits = fresh(b, tokens, chunk=256)
+    clone, saved = b.clone(donor, 600), b.export_state(donor)
+    assert saved.layers[-1].arrays[0].dtype == {"float16": np.float16, "bfloat16": np.uint16}.get(
+        b.info.kv_dtype, np.uint32)
+    restored = b.import_state(saved)
+    want = continue_greedy(b, donor, logits, 10)
+    mid = b.clone(donor, 610)  # of a row of the decode batch
+    both = b.decode([donor, mid], [5, 5])
+    assert_close(b, both[1:], both[:1], Kind.CLONE, context=611)
+    assert_greedy_close(b, continue_greedy(b, clone, logits, 10), want, Kind.CLONE, context=610)
+    assert_greedy_close(b, continue_greedy(b, restored, logits, 10), want, Kind.DISK, context=610)
+    release_all(b, mid)
+    if arch == "llama":  # a prefix cache hit: the rest prefilled; speculation's roll-back
+        early = b.clone(restored, 520)
+        again = b.prefill([early], [tokens[520:]])
+        assert_greedy_close(b, continue_greedy(b, early, again, 10), want, Kind.CLONE, context=610)
+        drafted, (first, *rest) = b.open_session(), want[0]
+        b.prefill([drafted], [tokens])
+        verified = b.verify([drafted], [[first, *rest[:2], 7]], [4])  # the last draft is wrong
+        b.truncate(drafted, 603)
+        assert_greedy_close(b, continue_greedy(b, drafted, verified[2:3], 7), (want[0][3:], want[1][3:]),
+                            Kind.CLONE, context=610)
+        release_all(b, early, drafted)
+    release_all(b, donor, clone, restored)
+
+
+def test_a_hybrid_keeps_its_recurrent_state_in_full_precision_and_its_attention_quantized(tmp_path):
+    """qwen3_next at int4: attention layers store rotated grouped rows, recurrent states stay float32; a clone
+    at the position decodes beside its donor as the donor does."""
+    b = load(str(write_hybrid_model(tmp_path, "qwen3_next", head_dim=64)), "int4")
+    donor, _ = fresh(b, prompt(100, seed=3, vocab=400))
+    clone = b.clone(donor, 100)
+    kinds = {type(c).__name__: c for c in clone.caches}
+    assert set(kinds) == {"StoredKV", "ArraysCache"}
+    assert kinds["StoredKV"].keys.dtype == mx.uint32 and kinds["ArraysCache"].cache[-1].dtype == mx.float32
+    both = b.decode([donor, clone], [5, 5])
+    assert_close(b, both[1:], both[:1], Kind.CLONE, context=101)
+    release_all(b, donor, clone)

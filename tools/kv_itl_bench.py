@@ -1,0 +1,64 @@
+"""Decode ITL at one context length for several --kv-cache-dtype storages, their steps taken in turn.
+
+    python -m kvfork.tools.kv_itl_bench [--backend mlx] [--model FOLDER] [--context 2048] [--rounds 10]
+
+Every storage's backend is loaded in this one process and given a session prefilled with the same
+`--context` tokens (chunks of 512) and three clones of it 8, 16 and 24 tokens shorter. Then, round after
+round, each storage decodes one step of 1 row and one of 4 rows (the batch formed by an untimed step
+first), the storages in turn and in alternating order, so a busy moment of a shared machine lands on
+every storage alike (decode_bench.py measures each source tree's steps in one block instead). Prints the
+median ITL (ms, logits on the host) per storage and row count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from kvfork.backends import create_backend
+from kvfork.backends.base import KVStorage
+from kvfork.backends.default_model import default_model_dir
+
+CHUNK = 512
+ROWS = (1, 4)
+
+
+def prepared(backend: str, model: str, storage: str, tokens: list[int]):
+    b = create_backend(backend)
+    b.set_kv_storage(KVStorage.named(storage))
+    b.load(model)
+    donor = b.open_session()
+    for at in range(0, len(tokens), CHUNK):
+        b.to_numpy(b.prefill([donor], [tokens[at:at + CHUNK]]))
+    return b, [donor] + [b.clone(donor, len(tokens) - 8 * i) for i in range(1, max(ROWS))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", default="mlx", choices=("mlx", "torch"))
+    parser.add_argument("--model", default=str(default_model_dir()))
+    parser.add_argument("--storages", default="auto,int8,int4")
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=10)
+    args = parser.parse_args()
+    tokens = np.random.default_rng(0).integers(100, 30000, args.context).tolist()
+    setups = {name: prepared(args.backend, args.model, name, tokens) for name in args.storages.split(",")}
+    times: dict[tuple[str, int], list[float]] = {(name, n): [] for name in setups for n in ROWS}
+    for r in range(args.rounds):
+        for n in ROWS:
+            for name, (b, sessions) in (list(setups.items()) if r % 2 == 0 else list(setups.items())[::-1]):
+                ids = [101 + i for i in range(n)]
+                b.to_numpy(b.decode(sessions[:n], ids))
+                start = time.perf_counter()
+                b.to_numpy(b.decode(sessions[:n], ids))
+                times[name, n].append(time.perf_counter() - start)
+    for (name, n), seconds in times.items():
+        print(f"{name}: {n} rows at {args.context}: ITL p50 {statistics.median(seconds) * 1e3:.1f} ms "
+              f"(of {len(seconds)} steps)")
+
+
+if __name__ == "__main__":
+    main()
