@@ -205,8 +205,11 @@ class Rendered:
 
 
 async def render_prompt(tokenizer: PromptTokenizer, config: ServerConfig, checked: Checked, context: int,
-                        tenant: str, make_call_id: Callable[[], str] = openai_call_id) -> Rendered:
-    """Template and tokens: the prompt a checked request takes on a model of `context` tokens."""
+                        tenant: str, make_call_id: Callable[[], str] = openai_call_id,
+                        count_all: bool = False) -> Rendered:
+    """Template and tokens: the prompt a checked request takes on a model of `context` tokens. A long prompt that
+    cannot fit is refused on its prefix (ContextTooLong: PromptTokenizer.within) unless `count_all` (count_tokens
+    counts every token, past the context too)."""
     body, messages = checked.body, checked.messages
     if checked.context != context:
         check_prompt_chars(messages, body.tools, config, context)
@@ -232,7 +235,7 @@ async def render_prompt(tokenizer: PromptTokenizer, config: ServerConfig, checke
             tool_format = "hermes"
     parser = output_parser(tool_format, config.reasoning_parser, tokenizer.chat_template, text, body.tools,
                            checked.choice, checked.tool_name, make_call_id, vocabulary, named)
-    prompt = await tokenizer.encode_rendered(text, tenant)
+    prompt = await tokenizer.encode_rendered(text, tenant, None if count_all else context)
     if parser.prompt_suffix:  # encoded on its own: the prompt before it keeps the tokens other turns share
         prompt += await tokenizer.encode_rendered(parser.prompt_suffix, tenant)
     return Rendered(prompt, parser, messages, rendered, kwargs)

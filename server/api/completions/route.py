@@ -48,11 +48,12 @@ def prompt_value(raw: msgspec.Raw, context: int, limits: Limits) -> str | list[i
     return prompt
 
 
-async def prompt_tokens(prompt: str | list[int], tokenizer: PromptTokenizer, vocab_size: int,
+async def prompt_tokens(prompt: str | list[int], tokenizer: PromptTokenizer, vocab_size: int, context: int,
                         tenant: str = "") -> list[int]:
-    """A checked prompt's token ids: text tokenized, ids checked against the vocabulary."""
+    """A checked prompt's token ids: text tokenized (a long one that cannot fit `context` refused on its prefix:
+    PromptTokenizer.within), ids checked against the vocabulary."""
     if isinstance(prompt, str):
-        tokens = await tokenizer.text(prompt, tenant)
+        tokens = await tokenizer.text(prompt, tenant, context)
     else:
         tokens = prompt
         if any(not 0 <= t < vocab_size for t in tokens):
@@ -82,7 +83,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
         checked = prompt_value(body.prompt, state.context, state.config)
     vocab = state.engine.info.vocab_size
     scope = scope_of(request, body.cache_salt)
-    prompt = await prompt_tokens(checked, tokenizer, vocab, scope.tenant)
+    prompt = await prompt_tokens(checked, tokenizer, vocab, state.context, scope.tenant)
     rid = request_id("cmpl")
     generate = generate_request(
         body, prompt, rid=rid, vocab_size=vocab,

@@ -68,15 +68,15 @@ async def handle(request: web.Request) -> web.StreamResponse:
     report_dropped_tools(request, dropped_tools(body))
     state = await state.for_model(request, body.model, body.stream)
     asked = Asked(body.diagnostics.previous_message_id) if body.diagnostics is not None else None
-    job = await prepare(state, checked, request, rid, make_call_id=tool_use_id, asked=asked)
     try:
+        job = await prepare(state, checked, request, rid, make_call_id=tool_use_id, asked=asked)
         reply = MessagesReply(rid, job.model, len(job.prompt), job.parser, job.diagnostics)
         return await respond(request, state, job, reply, body.stream)
-    except ContextTooLong:
-        # Anthropic's own words: Claude Code reads the numbers out of them to compact its history.
-        # The most a prompt may hold is the context less the one token it must leave for output.
-        limit = state.engine.config.max_context - 1
-        raise ApiError(400, f"prompt is too long: {len(job.prompt)} tokens > {limit} maximum",
+    except ContextTooLong as e:
+        # Anthropic's own words: Claude Code reads the numbers out of them to compact its history. The most a
+        # prompt may hold is the context less the one token it must leave for output; a long prompt refused on
+        # its prefix says the tokens counted there (fewer than it holds, more than the maximum).
+        raise ApiError(400, f"prompt is too long: {e.tokens} tokens > {e.context - 1} maximum",
                        code="context_length_exceeded") from None
 
 
@@ -88,7 +88,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     body: CountTokensRequest = without_volatile_lines(state, await read_body(request, DECODE_COUNT))
     tokenizer, context = await state.counting(request, body.model)
     checked = await checked_chat(state, body, request, "count_tokens", context)
-    rendered = await render_prompt(tokenizer, state.config, checked, context, tenant_of(request))
+    rendered = await render_prompt(tokenizer, state.config, checked, context, tenant_of(request), count_all=True)
     return json_response(TokenCount(len(rendered.prompt)))
 
 
