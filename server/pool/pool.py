@@ -33,7 +33,8 @@ from aiohttp import web
 from kvfork.backends.base import Backend
 from kvfork.backends.model_info import read_model_facts
 from kvfork.server.engine.config import EngineConfig
-from kvfork.server.errors import ApiError
+from kvfork.server.engine.api import EngineError
+from kvfork.server.errors import ApiError, from_engine
 from kvfork.server.api.sse import OPENED
 from kvfork.server.pool.budget import PoolBudget
 from kvfork.server.pool.keepalive import KeepAlive, error_in_stream
@@ -244,8 +245,9 @@ class ModelPool:
         except Exception as e:
             if request.get(OPENED) is None or isinstance(e, ConnectionError):
                 raise
-            error = e if isinstance(e, ApiError) else ApiError(500, "internal error", code="internal_error")
-            if not isinstance(e, ApiError):
+            error = e if isinstance(e, ApiError) else from_engine(e) if isinstance(e, EngineError) else \
+                ApiError(500, "internal error", code="internal_error")
+            if not isinstance(e, (ApiError, EngineError)):
                 log.exception("unexpected error")
             return await error_in_stream(request, error)
         finally:
