@@ -27,7 +27,7 @@ async def load_model(state: AppState, path: str) -> None:
     config, progress = state.config, state.progress
     progress.enter("loading", Path(path).name)
     _, state.tokenizer = await asyncio.gather(state.engine.start(), asyncio.to_thread(load_tokenizer, config, path))
-    warning = start_formats(state.tokenizer, config.tool_parser, config.reasoning_parser)
+    warning = await start_formats(state.tokenizer, config.tool_parser, config.reasoning_parser)
     if warning:
         log.warning(warning)
     if config.prefix_cache_warm:

@@ -350,3 +350,14 @@ async def test_messages_content_blocks_are_counted_before_they_are_translated(ti
                 error = (await refused(http, d.url + path, body))["error"]
                 assert "--max-messages" in error["message"] and "content blocks" in error["message"]
     assert not translated
+
+
+async def test_the_template_probe_at_load_is_bounded(tiny_model_dir, tmp_path, http):
+    """The load's probe (does the template render tools?) renders as a request does, on a worker within
+    --template-timeout: a template that loops when given tools still loads, and serves messages without."""
+    template = tmp_path / "loop.jinja"
+    template.write_text("{% if tools %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                        "{% endfor %}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    async with serving(tiny_model_dir("llama"), chat_template=str(template), template_timeout=0.5) as d:
+        async with http.post(d.url + CHAT, json=chat_body("hi", max_tokens=1)) as r:
+            assert r.status == 200, await r.text()
