@@ -9,6 +9,8 @@ Design rules:
 - context length: the first of `CONTEXT_KEYS` in config.json (or `text_config`);
   a config stating none gets `FALLBACK_CONTEXT`, the one fallback;
 - generation defaults: generation_config.json's sampling fields, as published;
+- vocabulary size: config.json's `vocab_size` (or `text_config`'s), the width of the logits, so that a
+  request's token ids are checked before its model loads (None where the config states none);
 - a RoPE scaling whose frequencies depend on the sequence's length (dynamic NTK) is refused
   here, for every backend: reused KV would not be what the model computes (backends/rope_scaling.py).
 """
@@ -34,6 +36,7 @@ class ModelFacts:
     eos_token_ids: tuple[int, ...]
     context_length: int
     generation_defaults: dict[str, float] = field(default_factory=dict)
+    vocab_size: int | None = None
 
 
 def read_model_facts(folder: str | Path) -> ModelFacts:
@@ -58,7 +61,8 @@ def model_facts(config: dict, generation: dict | None = None, tokenizer_eos: int
                 found.append(v)
     context = next((s[k] for s in sources for k in CONTEXT_KEYS if isinstance(s.get(k), int)), FALLBACK_CONTEXT)
     defaults = {k: float(generation[k]) for k in GENERATION_FIELDS if isinstance(generation.get(k), (int, float))}
-    return ModelFacts(tuple(found), context, defaults)
+    vocab = next((s["vocab_size"] for s in sources if isinstance(s.get("vocab_size"), int)), None)
+    return ModelFacts(tuple(found), context, defaults, vocab)
 
 
 def _rope_scalings(sources: tuple[dict, ...]) -> list[dict]:

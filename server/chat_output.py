@@ -23,6 +23,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection
 
+from kvfork.server.errors import ApiError
 from kvfork.server.reasoning import FORMATS, ReasoningSplitter, resolve_reasoning, starts_in_reasoning
 from kvfork.server.toolcalls import PARSERS, resolve_tool_parser
 from kvfork.server.toolcalls.harmony import HarmonyParser
@@ -130,9 +131,10 @@ _PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": 
                                                "parameters": {"type": "object", "properties": {}}}}
 
 
-def start_formats(tokenizer: Any, tool_setting: str, reasoning_setting: str) -> str | None:
+async def start_formats(tokenizer: Any, tool_setting: str, reasoning_setting: str) -> str | None:
     """At start: keep the markup tokens of the model's formats in decoded text (the parsers read them), and
-    the warning for a template that renders tools in a markup no family reads (None when there is none)."""
+    the warning for a template that renders tools in a markup no family reads (None when there is none). The
+    probe renders as a request's do (PromptTokenizer.render_chat): on a worker, within --template-timeout."""
     template, vocabulary = tokenizer.chat_template, tokenizer.vocabulary
     tool = resolve_tool_parser(tool_setting, template, vocabulary, tokenizer.tool_parser_type)
     thinking = resolve_reasoning(reasoning_setting, template, vocabulary)
@@ -148,9 +150,9 @@ def start_formats(tokenizer: Any, tool_setting: str, reasoning_setting: str) -> 
         return None
     message = [{"role": "user", "content": "hi"}]
     try:
-        if tokenizer.render(message, [_PROBE_TOOL], {}) == tokenizer.render(message, None, {}):
+        if await tokenizer.render_chat(message, [_PROBE_TOOL]) == await tokenizer.render_chat(message):
             return None  # renders no tools: requests get the Hermes block (server/api/prepare.py)
-    except Exception:  # noqa: BLE001 - a template that refuses the probe says nothing about its markup
+    except ApiError:  # a template that refuses the probe, or runs past its time, says nothing about its markup
         return None
     return ("the chat template renders tools in a markup kvfork does not know: tool calls are not parsed "
             "(name the format with --tool-parser)")

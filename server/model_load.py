@@ -32,7 +32,7 @@ async def load_model(state: AppState, path: str, tokenizer: PromptTokenizer | No
     else:
         state.tokenizer = tokenizer
         await state.engine.start()
-    warning = start_formats(state.tokenizer, config.tool_parser, config.reasoning_parser)
+    warning = await start_formats(state.tokenizer, config.tool_parser, config.reasoning_parser)
     if warning:
         log.warning(warning)
     if config.prefix_cache_warm:

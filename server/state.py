@@ -25,6 +25,15 @@ from kvfork.server.text.tokenizer import PromptTokenizer
 from kvfork.server.origin_guard import OriginGuard
 
 
+@dataclass(frozen=True)
+class ModelBounds:
+    """What a request is checked against before its model is acquired: the context it gets, and the vocabulary its
+    token ids (logit_bias, stop_token_ids, a prompt of ids) must name (None: checked once the model is loaded)."""
+
+    context: int
+    vocab_size: int | None
+
+
 @dataclass
 class AppState:
     config: ServerConfig
@@ -81,12 +90,12 @@ class AppState:
         model's, loaded first if need be and held until the request ends)."""
         return self if self.pool is None else await self.pool.acquire(request, requested, stream)
 
-    async def known_context(self, requested: str | None) -> int | None:
-        """The context of the model a request names, where it is known before the model is acquired (a body
-        over it is refused without loading anything); None: checked once the model is acquired."""
+    def known(self, requested: str | None) -> ModelBounds | None:
+        """The context and vocabulary of the model a request names, where they are known before the model is
+        acquired (a body over them is refused without loading anything); None: checked once it is acquired."""
         if self.pool is not None:
-            return self.pool.context(requested)
-        return self.context if self.ready else None
+            return self.pool.known(requested)
+        return ModelBounds(self.context, self.engine.info.vocab_size) if self.ready else None
 
     async def counting(self, request: web.Request, requested: str | None) -> tuple[PromptTokenizer, int]:
         """The tokenizer and context a request naming `requested` would be counted with (count_tokens); with

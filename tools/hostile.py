@@ -9,7 +9,7 @@ while the innocent one keeps measuring:
     nested      a body nested 20,000 deep in a field nobody reads
     template    a chat template of its own in chat_template_kwargs
     schema      a response_format of thousands of optional properties (compiles past the timeout)
-    prompt      a message just under the characters cap (tokenized, then over the context)
+    prompt      a message just under the characters cap, over the context (refused on its prefix)
     reader      a stream of 8 choices with 20 top logprobs that it never reads
     slowloris   connections with half a request head, and bodies that never finish
     hoard       more stored responses and named sessions than its quota

@@ -4,11 +4,13 @@ The header is parsed here, over a memory map, and trusts nothing in it: every co
 an array's items, a string's bytes) is checked against the bytes left before anything is read, so
 a 100-byte file declaring 2^40 items is refused at once; a numeric array is one numpy view, a string
 array one pass of `struct` over the map (an 8 MB vocabulary in 0.36 s; the package's reader made two
-arrays per string, 40 s). Arrays of arrays, which llama.cpp refuses too, are refused rather than
-followed. The `gguf` package names the types and dequantizes (`gguf.quants`). Every fault a user can
-meet (not a GGUF, a truncated or inconsistent one, a split file, a quantisation the package cannot
-dequantize, a key of the wrong type) is an `UnservableGGUF` whose message is one sentence naming
-what is wrong.
+arrays per string, 40 s). A metadata array holds at most `MAX_ARRAY_ITEMS` items and a string array
+takes at most `MAX_STRING_ARRAY_BYTES`: transformers builds the tokenizer from them item by item (26 MB
+of tokens took 11 s), so past those bounds, far above any model's vocabulary, the start is refused.
+Arrays of arrays, which llama.cpp refuses too, are refused rather than followed. The `gguf` package
+names the types and dequantizes (`gguf.quants`). Every fault a user can meet (not a GGUF, a truncated
+or inconsistent one, a split file, a quantisation the package cannot dequantize, a key of the wrong
+type) is an `UnservableGGUF` whose message is one sentence naming what is wrong.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ _PLAIN = {GGMLQuantizationType.F16: "f2", GGMLQuantizationType.F32: "f4", GGMLQu
           GGMLQuantizationType.I8: "i1", GGMLQuantizationType.I16: "i2", GGMLQuantizationType.I32: "i4",
           GGMLQuantizationType.I64: "i8"}
 _LENGTH = struct.Struct("<Q")
+# 4 times the largest vocabulary (Gemma 3's 262,144 tokens) and 3.5 times the longest merges (Llama 3's 280,147)
+MAX_ARRAY_ITEMS = 1 << 20
+# several times the largest string array, Llama 3's merges (a few MB with their 8-byte lengths)
+MAX_STRING_ARRAY_BYTES = 32 << 20
 
 
 class UnservableGGUF(ValueError):
@@ -142,17 +148,27 @@ class _Header:
             return self.strings(key)
         if item in _SCALARS:
             dtype = np.dtype("<" + _SCALARS[GGUFValueType(item)])
-            n = self.count(dtype.itemsize, f"items in {key}")
+            n = self.items(dtype.itemsize, key)
             return np.frombuffer(self.take(n * dtype.itemsize, key), dtype).tolist()
         if item == GGUFValueType.ARRAY:
             raise UnservableGGUF(f"the GGUF's {key} is an array of arrays, which no GGUF model holds "
                                  "(llama.cpp refuses them too)")
         raise UnservableGGUF(f"the GGUF's {key} is an array of value type {item}, which GGUF does not define")
 
+    def items(self, item_bytes: int, key: str, noun: str = "items") -> int:
+        """An array's count of items (`count`), refused past MAX_ARRAY_ITEMS."""
+        n = self.count(item_bytes, f"{noun} in {key}")
+        if n > MAX_ARRAY_ITEMS:
+            raise UnservableGGUF(f"the GGUF's {key} holds {n:,} items; kvfork reads at most {MAX_ARRAY_ITEMS:,} "
+                                 "(4 times the largest vocabulary)")
+        return n
+
     def strings(self, key: str) -> list[str]:
-        """An array of strings: one pass over the map, each length checked against the bytes left."""
-        n = self.count(_LENGTH.size, f"strings in {key}")  # each at least its 8-byte length
-        view, offset, end = self.view, self.offset, len(self.view)
+        """An array of strings: one pass over the map, each length checked against the bytes left, the array's
+        bytes against MAX_STRING_ARRAY_BYTES."""
+        n = self.items(_LENGTH.size, key, "strings")  # each at least its 8-byte length
+        view, offset = self.view, self.offset
+        end = min(len(self.view), offset + MAX_STRING_ARRAY_BYTES)
         out, unpack = [], _LENGTH.unpack_from
         try:
             for _ in range(n):
@@ -165,6 +181,9 @@ class _Header:
                 out.append(str(view[offset - size:offset], "utf-8"))
         except UnicodeDecodeError:
             raise UnservableGGUF(f"the GGUF's {key} holds a string that is not UTF-8 text") from None
+        if len(out) < n and end < len(view):
+            raise UnservableGGUF(f"the GGUF's {key} takes more than {MAX_STRING_ARRAY_BYTES >> 20} MiB; kvfork reads "
+                                 "at most that (4 times the largest vocabulary)")
         if len(out) < n:
             raise UnservableGGUF(f"{self.name} ends inside its {key}: the file is cut short or not a GGUF")
         self.offset = offset

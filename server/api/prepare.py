@@ -37,7 +37,7 @@ from kvfork.server.api.diagnosis import Asked, Fingerprint, Report, fingerprint
 from kvfork.server.api.images import IMAGE_PART, image_lines
 from kvfork.server.api.respond import Job
 from kvfork.server.limits import check_count, check_prompt_chars, check_schema, json_deeper_than
-from kvfork.server.state import AppState, scope_of, tenant_of
+from kvfork.server.state import AppState, ModelBounds, scope_of, tenant_of
 from kvfork.server.toolcalls import resolve_tool_parser
 from kvfork.server.toolcalls.base import openai_call_id
 from kvfork.server.text.tokenizer import PromptTokenizer
@@ -139,17 +139,20 @@ class Checked:
 
 
 async def check_chat(state: AppState, body: ChatCompletionRequest, request: web.Request, rid: str,
-                     context: int | None = None) -> Checked:
+                     known: ModelBounds | None = None) -> Checked:
     """Chat, Messages and Responses requests alike: what a body may ask for, judged from the body, the limits
-    and the model's `context` where it is known before the model is acquired (AppState.known_context), its
-    images read (each a line of text for a text-only model: server/api/images.py). The route has checked its
-    own API's limits (stop strings, tools) before translating it."""
+    and the model's context and vocabulary where they are known before the model is acquired (AppState.known),
+    its images read (each a line of text for a text-only model: server/api/images.py). The route has checked
+    its own API's limits (stop strings, tools) before translating it."""
     config = state.config
     if body.top_logprobs and not body.logprobs:
         raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
+    if known is not None and known.vocab_size is not None:
+        token_ids(body, known.vocab_size)
     check_count("messages", body.messages, config.max_messages, "--max-messages", "messages")
     lines = await image_lines(state, body.messages, body.model, tenant_of(request), rid)
     messages = [template_message(i, m, config.max_json_depth, lines) for i, m in enumerate(body.messages)]
+    context = known.context if known is not None else None
     if context is not None:
         check_prompt_chars(messages, body.tools, config, context)
     choice, tool_name = tool_choice_of(body.tool_choice, check_tools(body.tools))
@@ -205,8 +208,11 @@ class Rendered:
 
 
 async def render_prompt(tokenizer: PromptTokenizer, config: ServerConfig, checked: Checked, context: int,
-                        tenant: str, make_call_id: Callable[[], str] = openai_call_id) -> Rendered:
-    """Template and tokens: the prompt a checked request takes on a model of `context` tokens."""
+                        tenant: str, make_call_id: Callable[[], str] = openai_call_id,
+                        count_all: bool = False) -> Rendered:
+    """Template and tokens: the prompt a checked request takes on a model of `context` tokens. A long prompt that
+    cannot fit is refused on its prefix (ContextTooLong: PromptTokenizer.within) unless `count_all` (count_tokens
+    counts every token, past the context too)."""
     body, messages = checked.body, checked.messages
     if checked.context != context:
         check_prompt_chars(messages, body.tools, config, context)
@@ -232,7 +238,7 @@ async def render_prompt(tokenizer: PromptTokenizer, config: ServerConfig, checke
             tool_format = "hermes"
     parser = output_parser(tool_format, config.reasoning_parser, tokenizer.chat_template, text, body.tools,
                            checked.choice, checked.tool_name, make_call_id, vocabulary, named)
-    prompt = await tokenizer.encode_rendered(text, tenant)
+    prompt = await tokenizer.encode_rendered(text, tenant, None if count_all else context)
     if parser.prompt_suffix:  # encoded on its own: the prompt before it keeps the tokens other turns share
         prompt += await tokenizer.encode_rendered(parser.prompt_suffix, tenant)
     return Rendered(prompt, parser, messages, rendered, kwargs)
@@ -324,9 +330,10 @@ def token_id(key: str, vocab_size: int) -> int | None:
     return token if token < vocab_size else None
 
 
-def generate_request(body: SamplingFields, prompt: list[int], *, rid: str, vocab_size: int, max_tokens: int | None,
-                     session: str | None, scope: Scope = Scope(), logprobs: bool = False,
-                     top_logprobs: int = 0) -> GenerateRequest:
+def token_ids(body: SamplingFields, vocab_size: int) -> tuple[dict[int, float], frozenset[int]]:
+    """The body's logit_bias by token id, and its stop_token_ids, each an id of a vocabulary of `vocab_size`; a
+    400 naming the field else. Checked before the model is acquired where its vocabulary is known
+    (check_chat, the completions route), and again on the loaded model's (generate_request)."""
     bias = {}
     for key, value in (body.logit_bias or {}).items():
         token = token_id(key, vocab_size)
@@ -334,11 +341,18 @@ def generate_request(body: SamplingFields, prompt: list[int], *, rid: str, vocab
             raise invalid("logit_bias", f"logit_bias keys are token ids in [0, {vocab_size}), got "
                           f"{client_text(key, 32)}")
         bias[token] = value
-    if body.seed is not None and body.seed not in SEEDS:
-        raise invalid("seed", f"seed is a signed or unsigned 64-bit integer, in [-2**63, 2**64), got {body.seed}")
     stop_ids = frozenset(body.stop_token_ids or ())
     if any(t >= vocab_size for t in stop_ids):
         raise invalid("stop_token_ids", f"stop_token_ids are token ids in [0, {vocab_size})")
+    return bias, stop_ids
+
+
+def generate_request(body: SamplingFields, prompt: list[int], *, rid: str, vocab_size: int, max_tokens: int | None,
+                     session: str | None, scope: Scope = Scope(), logprobs: bool = False,
+                     top_logprobs: int = 0) -> GenerateRequest:
+    bias, stop_ids = token_ids(body, vocab_size)
+    if body.seed is not None and body.seed not in SEEDS:
+        raise invalid("seed", f"seed is a signed or unsigned 64-bit integer, in [-2**63, 2**64), got {body.seed}")
     sampling = SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,

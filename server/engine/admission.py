@@ -157,7 +157,7 @@ class Admission:
         if n == 0:
             raise InvalidRequest("the prompt holds no tokens")
         if n >= context:
-            raise ContextTooLong(f"the prompt has {n} tokens; the context holds {context}, prompt and output together")
+            raise ContextTooLong(n, context)
         if req.session_id is not None:
             try:
                 check_session_id(req.session_id)

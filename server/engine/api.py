@@ -45,6 +45,14 @@ class SessionBusy(EngineError):
 class ContextTooLong(EngineError):
     code, status = "context_length_exceeded", 400
 
+    def __init__(self, tokens: int, context: int, counted: bool = True):
+        """`tokens`: the prompt's tokens, or, `counted` False, a lower bound of them (a long prompt refused on
+        its prefix: server/text/tokenizer.py)."""
+        at_least = "" if counted else "at least "
+        super().__init__(f"the prompt has {at_least}{tokens} tokens; the context holds {context}, prompt and output "
+                         "together")
+        self.tokens, self.context = tokens, context
+
 
 class NotReady(EngineError):
     code, status = "not_ready", 503

@@ -37,7 +37,8 @@ from aiohttp import web
 from kvfork.backends.base import Backend
 from kvfork.backends.model_info import read_model_facts
 from kvfork.server.engine.config import EngineConfig
-from kvfork.server.errors import ApiError
+from kvfork.server.engine.api import EngineError
+from kvfork.server.errors import ApiError, from_engine
 from kvfork.server.api.sse import OPENED
 from kvfork.server.pool.budget import PoolBudget
 from kvfork.server.pool.keepalive import KeepAlive, error_in_stream
@@ -48,7 +49,7 @@ from kvfork.server.pool.specs import ModelSpec
 from kvfork.server.pool.switching import expired, next_switch, victims
 from kvfork.server.pool.turns import SwitchTurns, disrupts, waits_for
 from kvfork.server.model_load import load_tokenizer
-from kvfork.server.state import AppState, tenant_of
+from kvfork.server.state import AppState, ModelBounds, tenant_of
 from kvfork.server.text.tokenizer import PromptTokenizer
 
 log = logging.getLogger("kvfork")
@@ -79,7 +80,7 @@ class PooledModel:
     failed_on: tuple | None = None  # its folder's files when the last load failed (loadable.py)
     failed_at: float = 0.0  # when (monotonic)
     budget_refused: bool = False  # the last load failed for the budget (its numbers), not the model's files
-    context: int | None = None  # the context its requests get, from its folder, known before it loads
+    known: ModelBounds | None = None  # the context and vocabulary its requests get, from its folder, before it loads
     counter: asyncio.Task | None = None  # its tokenizer loaded alone, for count_tokens
     files: tuple | None = None  # its folder's files when it loaded (loadable.folder_state)
 
@@ -110,15 +111,16 @@ class Claim:
     tenant: str
 
 
-def _folder_context(path: str) -> int | None:
-    """The context a model folder's config states (as its backend reads it); None without a readable config
-    (its load says what is wrong)."""
+def _folder_bounds(path: str, max_context: int | None) -> ModelBounds | None:
+    """The context (within --max-context) and vocabulary a model folder's config states, as its backend reads
+    them; None without a readable config (its load says what is wrong)."""
     if not (Path(path).expanduser() / "config.json").is_file():
         return None
     try:
-        return read_model_facts(Path(path).expanduser()).context_length
+        facts = read_model_facts(Path(path).expanduser())
     except (OSError, ValueError):
         return None
+    return ModelBounds(min(max_context or facts.context_length, facts.context_length), facts.vocab_size)
 
 
 class ModelPool:
@@ -128,9 +130,8 @@ class ModelPool:
         self.base, self.engine_config, self.make_backend, self.budget = base, engine_config, make_backend, budget
         self.models = {s.name: PooledModel(s, s.name in config.pin, budget.footprint(s)) for s in specs}
         for model in self.models.values():  # read once, here: a request's checks then never wait for a file
-            stated = _folder_context(model.spec.path) if model.spec.fetch is None else None
-            if stated is not None:
-                model.context = min(engine_config.max_context or stated, stated)
+            if model.spec.fetch is None:
+                model.known = _folder_bounds(model.spec.path, engine_config.max_context)
         self.kept = KeptModels(budget)  # what unloaded models left for their next load
         self.default = specs[0].name
         self.switch_timeout, self.ttl = config.model_switch_timeout, config.model_ttl
@@ -202,16 +203,16 @@ class ModelPool:
         assert model.served is not None
         return model.served.state
 
-    def context(self, requested: str | None) -> int | None:
-        """The context a request naming `requested` gets, known without loading the model (its folder's
-        config and --max-context, as its engine resolves them, read when the pool was made), so that a body
-        over it is refused before anything loads; None where the model's files are not here yet (or say no
-        context). Never waits: requests reach `acquire` in the order they came."""
+    def known(self, requested: str | None) -> ModelBounds | None:
+        """The context and vocabulary a request naming `requested` gets, known without loading the model (its
+        folder's config and --max-context, as its engine resolves them, read when the pool was made), so that a
+        body over them is refused before anything loads; None where the model's files are not here yet (or say
+        no context). Never waits: requests reach `acquire` in the order they came."""
         model = self.model(requested)
         if model.ready:
             assert model.served is not None
-            return model.served.state.context
-        return model.context
+            return model.served.state.known(None)
+        return model.known
 
     async def counting(self, request: web.Request, requested: str | None) -> tuple[PromptTokenizer, int]:
         """The tokenizer and context `requested` counts prompts with: the loaded model's (held for the request,
@@ -221,15 +222,15 @@ class ModelPool:
         if model.ready:
             state = await self.acquire(request, requested, False)
             return state.require_ready(), state.context
-        context = self.context(requested)
-        if context is None:
+        known = self.known(requested)
+        if known is None:
             raise ApiError(503, f"model {model.spec.name!r} is not on this machine yet: a request for it downloads "
                            "and loads it", code="not_ready", param="model")
         if model.counter is None:
             model.counter = asyncio.create_task(asyncio.to_thread(load_tokenizer, self.base.config, model.spec.path))
         counter = model.counter
         try:
-            return await asyncio.shield(counter), context
+            return await asyncio.shield(counter), known.context
         except Exception as e:
             if counter.done():
                 if model.counter is counter:
@@ -252,8 +253,9 @@ class ModelPool:
         except Exception as e:
             if request.get(OPENED) is None or isinstance(e, ConnectionError):
                 raise
-            error = e if isinstance(e, ApiError) else ApiError(500, "internal error", code="internal_error")
-            if not isinstance(e, ApiError):
+            error = e if isinstance(e, ApiError) else from_engine(e) if isinstance(e, EngineError) else \
+                ApiError(500, "internal error", code="internal_error")
+            if not isinstance(e, (ApiError, EngineError)):
                 log.exception("unexpected error")
             return await error_in_stream(request, error)
         finally:

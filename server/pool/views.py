@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 from typing import Any
 
 from kvfork.server.api.openai import ModelCard
 from kvfork.server.metrics import Registry
-from kvfork.server.pool.pool import ModelPool, PooledModel
+from kvfork.server.pool.pool import ModelPool
 
 _SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{(.*)\})? (.*)$")
 
@@ -19,21 +17,9 @@ class PoolModelCard(ModelCard, kw_only=True):
     pinned: bool = False  # --pin: never unloaded for another model
 
 
-def _context(model: PooledModel) -> int | None:
-    """The loaded engine's context; else what the model's config.json says it holds."""
-    if model.served is not None and model.served.engine.info is not None:
-        return model.served.engine.config.max_context
-    try:
-        config = json.loads((Path(model.spec.path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    context = config.get("max_position_embeddings", config.get("text_config", {}).get("max_position_embeddings"))
-    return context if isinstance(context, int) else None
-
-
 def pool_cards(pool: ModelPool, created: int) -> dict[str, Any]:
-    cards = [PoolModelCard(name, created, max_model_len=_context(model), loaded=model.ready, pinned=model.pinned)
-             for name, model in pool.models.items()]
+    cards = [PoolModelCard(name, created, max_model_len=known.context if (known := pool.known(name)) else None,
+                           loaded=model.ready, pinned=model.pinned) for name, model in pool.models.items()]
     return {"object": "list", "data": cards}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 
 import aiohttp
@@ -131,6 +132,37 @@ async def test_an_oversized_prompt_is_refused_before_tokenizing(daemon, http):
     # a prompt just over the context still reaches the token count and its context-length wording
     error = (await refused(http, daemon.url + CHAT, chat_body("word " * 700)))["error"]
     assert error["code"] == "context_length_exceeded"
+
+
+async def test_a_long_prompt_over_the_context_is_refused_on_its_prefix(daemon, http):
+    """A prompt of many characters a token, under --max-prompt-chars but over the context, is refused once its
+    first 8 characters a context token pass the context: the tokenizer never gets it whole (issue 45's soak,
+    the `prompt` shape). Each API says so in its own words, with the tokens counted."""
+    from kvfork.server.text.tokenizer import PREFIX_CHARS_PER_TOKEN
+
+    tokenizer = daemon.state.tokenizer
+    encoded: list[int] = []
+    real_rendered, real_text = tokenizer.encode_rendered_text, tokenizer.encode_text
+
+    def counting(real):
+        return lambda text, tok=None: encoded.append(len(text)) or real(text, tok)
+
+    tokenizer.encode_rendered_text, tokenizer.encode_text = counting(real_rendered), counting(real_text)
+    try:
+        long = "ab " * (30 * 512 // 3)  # 30 characters a token of the context of 512: under the cap of 32
+        error = (await refused(http, daemon.url + CHAT, chat_body(long)))["error"]
+        assert error["code"] == "context_length_exceeded"
+        counted = int(re.fullmatch(r"the prompt has at least (\d+) tokens; the context holds 512, prompt and "
+                                   r"output together", error["message"]).group(1))
+        assert counted >= 512
+        error = (await refused(http, daemon.url + COMPLETIONS, {"prompt": long}))["error"]
+        assert error["code"] == "context_length_exceeded" and "at least" in error["message"]
+        body = {"max_tokens": 4, "messages": [{"role": "user", "content": long}]}
+        error = (await refused(http, daemon.url + MESSAGES, body))["error"]
+        assert re.fullmatch(r"prompt is too long: \d+ tokens > 511 maximum", error["message"])
+    finally:
+        tokenizer.encode_rendered_text, tokenizer.encode_text = real_rendered, real_text
+    assert encoded and max(encoded) <= PREFIX_CHARS_PER_TOKEN * 512 < len(long)
 
 
 # ---- 4: stored responses and named sessions, per tenant ----
@@ -318,3 +350,14 @@ async def test_messages_content_blocks_are_counted_before_they_are_translated(ti
                 error = (await refused(http, d.url + path, body))["error"]
                 assert "--max-messages" in error["message"] and "content blocks" in error["message"]
     assert not translated
+
+
+async def test_the_template_probe_at_load_is_bounded(tiny_model_dir, tmp_path, http):
+    """The load's probe (does the template render tools?) renders as a request does, on a worker within
+    --template-timeout: a template that loops when given tools still loads, and serves messages without."""
+    template = tmp_path / "loop.jinja"
+    template.write_text("{% if tools %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                        "{% endfor %}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    async with serving(tiny_model_dir("llama"), chat_template=str(template), template_timeout=0.5) as d:
+        async with http.post(d.url + CHAT, json=chat_body("hi", max_tokens=1)) as r:
+            assert r.status == 200, await r.text()

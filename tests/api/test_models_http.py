@@ -39,13 +39,14 @@ def three(tmp_path_factory) -> dict[str, str]:
 
 
 @asynccontextmanager
-async def pool(models: dict[str, str], hold: int = 2, backend: str = "torch", **server):
-    """A daemon of `models` under a budget that holds `hold` of them (weights and KV)."""
+async def pool(models: dict[str, str], hold: int = 2, backend: str = "torch", engine: dict | None = None, **server):
+    """A daemon of `models` under a budget that holds `hold` of them (weights and KV); `engine`: more settings."""
     weights = max(weights_on_disk(p) for p in models.values())
     config = ServerConfig(model=[f"{n}={p}" for n, p in models.items()], port=0, shutdown_grace=1.0,
                           memory_budget_bytes=hold * (weights + KV) + KV // 2, **server)
-    engine = EngineConfig(**{**TEST_ENGINE, "kv_budget_bytes": KV})
-    daemon = PoolDaemon(config, engine, model_specs(config.model, None), backend, lambda: create_backend(backend))
+    engine_config = EngineConfig(**{**TEST_ENGINE, "kv_budget_bytes": KV, **(engine or {})})
+    daemon = PoolDaemon(config, engine_config, model_specs(config.model, None), backend,
+                        lambda: create_backend(backend))
     await daemon.listen()
     try:
         await daemon.load()
@@ -166,13 +167,18 @@ REFUSED = [  # each refused by its body, whatever model it names
 
 async def test_a_refused_request_loads_and_unloads_nothing(three):
     """Requests naming b, each refused for its body (a 400), leave a, the one model that fits, serving:
-    nothing loads or unloads for them."""
-    context = json.loads(Path(three["b"], "config.json").read_text())["max_position_embeddings"]
+    nothing loads or unloads for them, its context and vocabulary read from its folder."""
+    config = json.loads(Path(three["b"], "config.json").read_text())
+    context, vocab = config["max_position_embeddings"], config["vocab_size"]
     over_context = [(CHAT, chat_body("x" * (32 * context + 1), model="b")),  # past --max-prompt-chars
                     ("/v1/completions", {"model": "b", "prompt": list(range(context))})]
+    over_vocabulary = [(CHAT, {**chat_body(model="b"), "logit_bias": {str(vocab): 1}}),
+                       (CHAT, {**chat_body(model="b"), "stop_token_ids": [vocab]}),
+                       ("/v1/completions", {"model": "b", "prompt": "hi", "logit_bias": {str(vocab): 1}}),
+                       ("/v1/completions", {"model": "b", "prompt": [1, vocab]})]
     async with aiohttp.ClientSession() as http, pool(three, hold=1) as daemon:
         await ask(http, daemon, "a")
-        for path, body in REFUSED + over_context:
+        for path, body in REFUSED + over_context + over_vocabulary:
             async with http.post(daemon.url + path, json=body) as r:
                 assert r.status == 400, (path, await r.text())
         assert await listed(http, daemon) == {"a": True, "b": False, "c": False}
@@ -180,6 +186,15 @@ async def test_a_refused_request_loads_and_unloads_nothing(three):
         changes = {k: v for k, v in counts.items() if k.startswith(("kvfork_model_loads_total",
                                                                      "kvfork_model_unloads_total")) and v}
         assert changes == {'kvfork_model_loads_total{model_name="a",outcome="loaded"}': 1}
+
+
+async def test_the_listing_states_the_context_requests_get(three):
+    """/v1/models states each model's context as its requests get it (--max-context over its config's), the
+    one reading the pool made of its folder, loaded or not."""
+    async with aiohttp.ClientSession() as http, pool(three, hold=1, engine=dict(max_context=1024)) as daemon:
+        async with http.get(daemon.url + "/v1/models") as r:
+            cards = {card["id"]: (card["max_model_len"], card["loaded"]) for card in (await r.json())["data"]}
+    assert cards == {"a": (1024, True), "b": (1024, False), "c": (1024, False)}
 
 
 async def test_count_tokens_loads_no_model(three):

@@ -88,9 +88,10 @@ def test_one_folder_gives_the_same_eos_and_context_on_both_backends(tmp_path, ba
     (folder / "generation_config.json").write_text('{"eos_token_id": [2, 7], "temperature": 0.6}')
     facts = read_model_facts(folder)
     # config's <|im_end|>, generation_config's 7, the tokenizer's <|endoftext|>
-    assert facts == ModelFacts((2, 7, 0), FALLBACK_CONTEXT, {"temperature": 0.6})
+    assert facts == ModelFacts((2, 7, 0), FALLBACK_CONTEXT, {"temperature": 0.6}, 512)
     info = create_backend(backend_name).load(str(folder), "float32")
-    assert (info.context_length, info.eos_token_ids) == (FALLBACK_CONTEXT, (2, 7, 0))
+    # the vocabulary a request's ids are checked against before the model loads is its logits' width
+    assert (info.context_length, info.eos_token_ids, info.vocab_size) == (FALLBACK_CONTEXT, (2, 7, 0), 512)
 
 
 async def test_sessions_decoding_together_stay_inside_the_budget(backend_name, tiny_model_dir):

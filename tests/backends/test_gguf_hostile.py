@@ -19,7 +19,7 @@ from tiny_gguf import gguf_text, handmade_gguf, write_gguf
 from tiny_models import write_model
 
 from kvfork.backends.gguf.cache import STAMP, gguf_stamp
-from kvfork.backends.gguf.reader import UnservableGGUF, read_gguf
+from kvfork.backends.gguf.reader import MAX_ARRAY_ITEMS, MAX_STRING_ARRAY_BYTES, UnservableGGUF, read_gguf
 from kvfork.backends.model_path import resolve_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -61,6 +61,28 @@ def test_tensor_and_key_counts_past_the_end_are_refused(tmp_path, counts, reason
     path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, *counts) + bytes(76))
     with pytest.raises(UnservableGGUF, match=reason):
         read_gguf(path)
+
+
+def _many_tokens(tmp_path):
+    """A vocabulary of one token more than MAX_ARRAY_ITEMS, each empty: the file holds their lengths."""
+    tokens = ("tokenizer.ggml.tokens", V.ARRAY, struct.pack("<IQ", V.STRING, MAX_ARRAY_ITEMS + 1))
+    return _padded(handmade_gguf(tmp_path / "many.gguf", [LLAMA, tokens]), 8 * (MAX_ARRAY_ITEMS + 1) + 200)
+
+
+def test_a_vocabulary_past_the_bounds_is_refused_before_it_is_built(tmp_path):
+    """More items than MAX_ARRAY_ITEMS, or a string array past MAX_STRING_ARRAY_BYTES, far above any model's
+    vocabulary: transformers would build the tokenizer from them item by item (26 MB of tokens took 11 s)."""
+    with pytest.raises(UnservableGGUF, match="tokenizer.ggml.tokens holds 1,048,577 items; kvfork reads at most "
+                                             "1,048,576"):
+        read_gguf(_many_tokens(tmp_path))
+    scores = ("tokenizer.ggml.scores", V.ARRAY, struct.pack("<IQ", V.FLOAT32, MAX_ARRAY_ITEMS + 1))
+    with pytest.raises(UnservableGGUF, match="tokenizer.ggml.scores holds 1,048,577 items"):
+        read_gguf(_padded(handmade_gguf(tmp_path / "scores.gguf", [LLAMA, scores]), 4 * (MAX_ARRAY_ITEMS + 2) + 200))
+    half = MAX_STRING_ARRAY_BYTES // 2
+    two = struct.pack("<IQ", V.STRING, 2) + (struct.pack("<Q", half) + b"a" * half) * 2
+    merges = ("tokenizer.ggml.merges", V.ARRAY, two)
+    with pytest.raises(UnservableGGUF, match="tokenizer.ggml.merges takes more than 32 MiB"):
+        read_gguf(handmade_gguf(tmp_path / "merges.gguf", [LLAMA, merges]))
 
 
 def test_a_tensor_past_the_end_is_refused(tmp_path):
@@ -114,15 +136,23 @@ def test_a_value_a_model_cannot_have_is_refused(tmp_path, folder, written, reaso
         resolve_model(str(path))
 
 
-def test_serve_refuses_a_malformed_gguf_in_one_line(tmp_path):
+def _nested(tmp_path):
     nested = struct.pack("<IQ", V.ARRAY, 1) * 3000 + struct.pack("<IQ", V.UINT8, 0)
-    path = handmade_gguf(tmp_path / "nested.gguf", [LLAMA, ("general.nested", V.ARRAY, nested)])
-    done = subprocess.run([sys.executable, "-m", "kvfork.server.cli", "serve", "--model", str(path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120,
+    return handmade_gguf(tmp_path / "nested.gguf", [LLAMA, ("general.nested", V.ARRAY, nested)])
+
+
+@pytest.mark.parametrize("make, said", [
+    (_nested, "the GGUF's general.nested is an array of arrays, which no GGUF model holds (llama.cpp refuses them "
+              "too)"),
+    (_many_tokens, "the GGUF's tokenizer.ggml.tokens holds 1,048,577 items; kvfork reads at most 1,048,576 (4 "
+                   "times the largest vocabulary)"),
+])
+def test_serve_refuses_a_malformed_gguf_in_one_line(tmp_path, make, said):
+    done = subprocess.run([sys.executable, "-m", "kvfork.server.cli", "serve", "--model", str(make(tmp_path))],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, KVFORK_HOME=str(tmp_path / "home")))
     lines = [line for line in done.stderr.strip().splitlines() if not line.startswith("kvfork: gguf: ")]
-    assert done.returncode == 2 and lines == ["kvfork serve: error: --model: the GGUF's general.nested is an array "
-                                              "of arrays, which no GGUF model holds (llama.cpp refuses them too)"]
+    assert done.returncode == 2 and lines == [f"kvfork serve: error: --model: {said}"]
 
 
 def test_a_planted_conversion_is_never_served(tmp_path, folder, home):

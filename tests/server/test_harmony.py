@@ -123,13 +123,13 @@ async def test_a_template_with_unknown_tool_markup_serves_and_warns(tiny_model_d
     assert any("--tool-parser" in r.getMessage() for r in caplog.records)
 
 
-def test_markup_tokens_are_kept_for_the_parsers_only(tiny_model_dir, tmp_path):
+async def test_markup_tokens_are_kept_for_the_parsers_only(tiny_model_dir, tmp_path):
     """The chat routes' text keeps the model's markup tokens for the parsers; /v1/completions' drops them."""
     from kvfork.server.chat_output import start_formats
     from kvfork.server.text.tokenizer import PromptTokenizer
 
     tokenizer = PromptTokenizer.load(str(model_for("harmony", tiny_model_dir("llama"), tmp_path / "harmony")))
-    assert start_formats(tokenizer, "auto", "auto") is None
+    assert await start_formats(tokenizer, "auto", "auto") is None
     ids = tokenizer.tokenizer.encode("<|channel|>final<|message|>Hi<|im_end|>", add_special_tokens=False)
     assert tokenizer.decode_markup(ids) == "<|channel|>final<|message|>Hi"
     assert tokenizer.decode(ids) == "finalHi"

@@ -115,12 +115,12 @@ def draw(grammar, vocab_size: int, rng: np.random.Generator, limit: int = 400) -
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("choice", ["required", "function"])
-def test_forced_calls_from_random_tokens_are_read_by_mlx_lm(name, choice, family_dir):
+async def test_forced_calls_from_random_tokens_are_read_by_mlx_lm(name, choice, family_dir):
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(family_dir(name))
     tokenizer = PromptTokenizer(hf)
-    start_formats(tokenizer, "auto", "auto")
+    await start_formats(tokenizer, "auto", "auto")
     tool_name = "get_forecast" if choice == "function" else None
     def make():
         return output_parser("auto", "auto", tokenizer.chat_template, "", TOOLS, choice, tool_name, counting_ids(),

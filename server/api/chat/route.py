@@ -24,7 +24,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
     check_sampling(body, config)
     check_count("tools", body.tools, config.max_tools, "--max-tools", "tools")
     rid = request_id("chatcmpl")
-    checked = await check_chat(state, body, request, rid, await state.known_context(body.model))
+    checked = await check_chat(state, body, request, rid, state.known(body.model))
     state = await state.for_model(request, body.model, body.stream)
     job = await prepare(state, checked, request, rid, asked=asked_by(body.prompt_cache_options))
     include_usage = body.stream_options is not None and body.stream_options.include_usage

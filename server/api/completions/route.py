@@ -9,7 +9,7 @@ from kvfork.server.errors import ApiError, invalid, unsupported
 from kvfork.server.api.completions.reply import CompletionReply
 from kvfork.server.api.completions.protocol import CompletionRequest
 from kvfork.server.api.respond import Choices, Job, decoder, read_body, respond
-from kvfork.server.api.prepare import generate_request, request_id, session_id, stop_strings
+from kvfork.server.api.prepare import generate_request, request_id, session_id, stop_strings, token_ids
 from kvfork.server.limits import Limits, check_sampling, over
 from kvfork.server.state import scope_of, state_of
 from kvfork.server.text.tokenizer import PromptTokenizer
@@ -48,15 +48,21 @@ def prompt_value(raw: msgspec.Raw, context: int, limits: Limits) -> str | list[i
     return prompt
 
 
-async def prompt_tokens(prompt: str | list[int], tokenizer: PromptTokenizer, vocab_size: int,
+def check_ids(prompt: str | list[int], vocab_size: int) -> None:
+    """A prompt of token ids names ids of a vocabulary of `vocab_size`; a 400 else (text passes)."""
+    if isinstance(prompt, list) and any(not 0 <= t < vocab_size for t in prompt):
+        raise invalid("prompt", f"prompt token ids must be in [0, {vocab_size})")
+
+
+async def prompt_tokens(prompt: str | list[int], tokenizer: PromptTokenizer, vocab_size: int, context: int,
                         tenant: str = "") -> list[int]:
-    """A checked prompt's token ids: text tokenized, ids checked against the vocabulary."""
+    """A checked prompt's token ids: text tokenized (a long one that cannot fit `context` refused on its prefix:
+    PromptTokenizer.within), ids checked against the vocabulary."""
     if isinstance(prompt, str):
-        tokens = await tokenizer.text(prompt, tenant)
+        tokens = await tokenizer.text(prompt, tenant, context)
     else:
+        check_ids(prompt, vocab_size)
         tokens = prompt
-        if any(not 0 <= t < vocab_size for t in tokens):
-            raise invalid("prompt", f"prompt token ids must be in [0, {vocab_size})")
     if not tokens:
         raise invalid("prompt", "the prompt is empty")
     return tokens
@@ -73,16 +79,20 @@ async def handle(request: web.Request) -> web.StreamResponse:
     if body.echo and body.logprobs is not None:
         raise unsupported("echo", "echo with logprobs is not supported: prompt logprobs are not computed")
     session = session_id(body.session_id, request.headers, state.config.session_header)
-    known = await state.known_context(body.model)
-    checked = prompt_value(body.prompt, known, state.config) if known is not None else None
+    known = state.known(body.model)
+    if known is not None:
+        checked = prompt_value(body.prompt, known.context, state.config)
+        if known.vocab_size is not None:
+            token_ids(body, known.vocab_size)
+            check_ids(checked, known.vocab_size)
     state = await state.for_model(request, body.model, body.stream)  # the checks above need no loaded model
     model = state.model_name(body.model)
     tokenizer = state.require_ready()
-    if checked is None or known != state.context:
+    if known is None or known.context != state.context:
         checked = prompt_value(body.prompt, state.context, state.config)
     vocab = state.engine.info.vocab_size
     scope = scope_of(request, body.cache_salt)
-    prompt = await prompt_tokens(checked, tokenizer, vocab, scope.tenant)
+    prompt = await prompt_tokens(checked, tokenizer, vocab, state.context, scope.tenant)
     rid = request_id("cmpl")
     generate = generate_request(
         body, prompt, rid=rid, vocab_size=vocab,

@@ -26,7 +26,7 @@ from kvfork.server.api.diagnosis import Asked
 from kvfork.server.api.prepare import Checked, check_chat, prepare, render_prompt
 from kvfork.server.api.respond import decoder, json_response, read_body, report_dropped_tools, respond
 from kvfork.server.api.volatile import strip_system
-from kvfork.server.state import AppState, state_of, tenant_of
+from kvfork.server.state import AppState, ModelBounds, state_of, tenant_of
 
 PATH = "/v1/messages"
 DECODE_MESSAGES = decoder(MessagesRequest)
@@ -64,19 +64,19 @@ async def handle(request: web.Request) -> web.StreamResponse:
     limits = state.config
     check_stops("stop_sequences", body.stop_sequences, limits.max_stop_sequences, "--max-stop-sequences", limits)
     rid = message_id()
-    checked = await checked_chat(state, body, request, rid, await state.known_context(body.model))
+    checked = await checked_chat(state, body, request, rid, state.known(body.model))
     report_dropped_tools(request, dropped_tools(body))
     state = await state.for_model(request, body.model, body.stream)
     asked = Asked(body.diagnostics.previous_message_id) if body.diagnostics is not None else None
-    job = await prepare(state, checked, request, rid, make_call_id=tool_use_id, asked=asked)
     try:
+        job = await prepare(state, checked, request, rid, make_call_id=tool_use_id, asked=asked)
         reply = MessagesReply(rid, job.model, len(job.prompt), job.parser, job.diagnostics)
         return await respond(request, state, job, reply, body.stream)
-    except ContextTooLong:
-        # Anthropic's own words: Claude Code reads the numbers out of them to compact its history.
-        # The most a prompt may hold is the context less the one token it must leave for output.
-        limit = state.engine.config.max_context - 1
-        raise ApiError(400, f"prompt is too long: {len(job.prompt)} tokens > {limit} maximum",
+    except ContextTooLong as e:
+        # Anthropic's own words: Claude Code reads the numbers out of them to compact its history. The most a
+        # prompt may hold is the context less the one token it must leave for output; a long prompt refused on
+        # its prefix says the tokens counted there (fewer than it holds, more than the maximum).
+        raise ApiError(400, f"prompt is too long: {e.tokens} tokens > {e.context - 1} maximum",
                        code="context_length_exceeded") from None
 
 
@@ -87,18 +87,18 @@ async def count_tokens(request: web.Request) -> web.Response:
     state = state_of(request)
     body: CountTokensRequest = without_volatile_lines(state, await read_body(request, DECODE_COUNT))
     tokenizer, context = await state.counting(request, body.model)
-    checked = await checked_chat(state, body, request, "count_tokens", context)
-    rendered = await render_prompt(tokenizer, state.config, checked, context, tenant_of(request))
+    checked = await checked_chat(state, body, request, "count_tokens", ModelBounds(context, None))
+    rendered = await render_prompt(tokenizer, state.config, checked, context, tenant_of(request), count_all=True)
     return json_response(TokenCount(len(rendered.prompt)))
 
 
 async def checked_chat(state: AppState, body: MessagesRequest | CountTokensRequest, request: web.Request,
-                       rid: str, context: int | None) -> Checked:
-    """The chat request a Messages body means, checked (prepare.check_chat) for a model of `context` tokens
-    (None: not known yet); its messages and content blocks are counted before they are translated."""
+                       rid: str, known: ModelBounds | None) -> Checked:
+    """The chat request a Messages body means, checked (prepare.check_chat) for a model `known` before it is
+    acquired (None: not yet); its messages and content blocks are counted before they are translated."""
     limits = state.config
     count = items_over(body, limits.max_messages)
     if count is not None:
         raise over("messages", f"messages hold {count:,} or more messages and content blocks", limits.max_messages,
                    "--max-messages", "array_above_max_length")
-    return await check_chat(state, as_chat_request(body), request, rid, context)
+    return await check_chat(state, as_chat_request(body), request, rid, known)

@@ -51,7 +51,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
     try:
         try:
             chat = msgspec.convert(chat_request(body, history, session), ChatCompletionRequest)
-            checked = await check_chat(state, chat, request, rid, await state.known_context(body.model))
+            checked = await check_chat(state, chat, request, rid, state.known(body.model))
             state = await state.for_model(request, body.model, body.stream)
             job = await prepare(state, checked, request, rid, asked=asked_by(body.prompt_cache_options))
         except msgspec.ValidationError as e:
