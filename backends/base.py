@@ -134,7 +134,8 @@ class KVStorage:
     """How a backend stores KV state (--kv-cache-dtype, --kv-group-size), apart from the weights' dtype.
     auto: the weights' dtype; float16 / bfloat16 / fp8: that element type; int8 / int4: integers in
     per-token groups of `group` along the head dimension, each group with a 16-bit scale and bias
-    (x = q * scale + bias), as mlx-lm's QuantizedKVCache groups them. The state is written in this
+    (x = q * scale + bias), as mlx-lm's QuantizedKVCache groups them; int4 stores keys rotated
+    (`rotates_keys`). The state is written in this
     form and every copy of it (clones, the prefix cache, sessions, the disk tier) keeps it."""
 
     dtype: str = "auto"
@@ -153,11 +154,19 @@ class KVStorage:
         """Bits per element of a grouped integer storage; None for a floating one."""
         return {"int8": 8, "int4": 4}.get(self.dtype)
 
+    @property
+    def rotates_keys(self) -> bool:
+        """Whether keys are stored rotated by the normalised Hadamard matrix of the head size (and queries
+        rotated alike in attention): int4, whose 15 levels an outlier channel would otherwise spend."""
+        return self.bits == 4
+
     def label(self, weights_dtype: str) -> str:
         """What is stored, as the start line and the disk tier's fingerprint name it."""
         if self.dtype == "auto":
             return weights_dtype
-        return f"{self.dtype} (groups of {self.group})" if self.bits else self.dtype
+        if not self.bits:
+            return self.dtype
+        return f"{self.dtype} (groups of {self.group}{', rotated keys' if self.rotates_keys else ''})"
 
 
 @dataclass(frozen=True)

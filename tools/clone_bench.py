@@ -24,6 +24,10 @@
 - blocks: on the synthetic shape, per block size: a clone's time at 8k, and the
   time to grow a session to 8k one decode write at a time (growth copies the
   store it writes whenever a block fills; fewer, larger blocks copy less often).
+- storage: per --kv-cache-dtype (`--storages`), on a 4,000-token donor: the bytes
+  of a whole copy, a copying clone's time (--clone-mode copy), and the disk tier's
+  two halves: saving (export_state, then the file's bytes, disk.encode, written)
+  and restoring (the file read, disk.decode, import_state; page cache warm).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import time
 import numpy as np
 import torch
 
+from kvfork.backends.base import KVStorage
 from kvfork.backends.torch import attention, kv
 from kvfork.backends.torch.backend import TorchBackend
 from kvfork.backends.torch.kv_storage import Plain
@@ -60,8 +65,9 @@ def best(fn, repeat: int) -> float:
 
 
 class Bench:
-    def __init__(self, model: str, repeat: int):
+    def __init__(self, model: str, repeat: int, kv_cache_dtype: str = "auto"):
         self.b = TorchBackend()
+        self.b.set_kv_storage(KVStorage.named(kv_cache_dtype))
         self.b.load(model, "float32")
         self.vocab, self.repeat = self.b.info.vocab_size, repeat
         self._donors: dict[int, object] = {}
@@ -147,6 +153,34 @@ class Bench:
                     out[f"{chunk} join share of chunk"] = round(best(join, self.repeat) / once.seconds, 4)
                     self.release(made)
         return out
+
+
+def storage(model: str, dtypes: list[str], repeat: int, n: int = 4000) -> dict:
+    """Per storage: a copying clone of n tokens and the disk tier's save and restore of them (ms)."""
+    import tempfile
+    from pathlib import Path
+
+    from kvfork.server.engine import disk
+
+    out = {}
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "state.safetensors"
+        for dtype in dtypes:
+            bench = Bench(model, repeat, dtype)
+            donor = bench.donor(n)
+            copy = best(lambda: bench.release(bench.clones(n, "copy", 1)), repeat)
+
+            def save():
+                path.write_bytes(disk.encode(bench.b.export_state(donor), [], "", "bench"))
+
+            def restore():
+                bench.b.release(bench.b.import_state(disk.decode(path.read_bytes(), "bench")[0]))
+            saved, restored = best(save, repeat), best(restore, repeat)
+            out[bench.b.info.kv_dtype] = dict(state_mb=round(path.stat().st_size / 1e6, 1),
+                                              clone_copy_ms=round(copy * 1e3, 2), save_ms=round(saved * 1e3, 1),
+                                              restore_ms=round(restored * 1e3, 1))
+            bench.release([donor])
+    return out
 
 
 def synthetic_table(pool: kv.BlockPool, n: int) -> kv.BlockTable:
@@ -235,6 +269,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--generate", type=int, default=256, help="tokens each of the peak section's clones decodes")
     ap.add_argument("--budget-gib", type=float, default=16.0)
+    ap.add_argument("--storages", default="auto,float16,int8,int4",
+                    help="the storage section's --kv-cache-dtype values, comma separated")
     args = ap.parse_args(argv)
     sections = args.sections.split(",")
     needs_model = {"clone", "itl", "prefill", "fit"} & set(sections)
@@ -262,6 +298,8 @@ def main(argv: list[str] | None = None) -> None:
                 report[section] = bench.prefill()
             case "blocks":
                 report[section] = blocks(repeat=args.repeat)
+            case "storage":
+                report[section] = storage(args.model, args.storages.split(","), args.repeat)
             case other:
                 raise SystemExit(f"unknown section {other!r}")
         print(json.dumps({section: report[section], "seconds": round(time.perf_counter() - t0, 1)}), flush=True)

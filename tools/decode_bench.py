@@ -1,6 +1,7 @@
 """Where a step's time goes, and decode/prefill speed next to the weights-read floor.
 
-    python -m kvfork.tools.decode_bench --model FOLDER [--trees .,/tmp/old] [--profile] [--layout]
+    python -m kvfork.tools.decode_bench --model FOLDER [--trees .,/tmp/old] [--kv-cache-dtypes auto,int8,int4]
+        [--profile] [--layout]
 
 - floor: the model's weight bytes (its safetensors files) over this machine's
   measured read bandwidth (a sum over a buffer far larger than the caches, with
@@ -15,6 +16,8 @@
   an older commit), side by side in one run: each tree runs in its own worker
   process, one at a time, in alternating order. This file is copied into a tree
   that lacks it; it uses only the backend interface.
+- `--kv-cache-dtypes auto,int8,int4`: the same for each KV storage, one worker per
+  tree and storage, side by side in the same alternating order.
 - `--profile` (torch): the operators' share of decode steps, from torch.profiler.
 - `--layout` (torch CPU): decode attention over the KV layouts one could choose,
   30 layers x `--sessions` sessions at 2,048 tokens: token-major vs head-major
@@ -67,10 +70,13 @@ def _timed(fn) -> float:
 
 
 class Worker:
-    def __init__(self, backend: str, model: str):
+    def __init__(self, backend: str, model: str, kv_cache_dtype: str):
         from kvfork.backends import create_backend
+        from kvfork.backends.base import KVStorage
 
         self.b = create_backend(backend)
+        if kv_cache_dtype != "auto":
+            self.b.set_kv_storage(KVStorage.named(kv_cache_dtype))
         self.b.load(model)
 
     def decode(self, context: int, sessions: list[int], steps: int) -> dict:
@@ -135,14 +141,15 @@ class Worker:
 class Tree:
     """A worker process running this tool from another source tree."""
 
-    def __init__(self, root: Path, backend: str, model: str):
+    def __init__(self, root: Path, backend: str, model: str, kv_cache_dtype: str, name: str):
         tool = root / "tools" / HERE.name
         if not tool.exists():
             shutil.copy(HERE, tool)
-        self.root = root
-        self.proc = subprocess.Popen([sys.executable, "-m", f"kvfork.tools.{HERE.stem}", "--serve", "--backend", backend,
-                                      "--model", model], cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env={**os.environ, "PYTHONPATH": str(root)})
+        self.root, self.name = root, name
+        command = [sys.executable, "-m", f"kvfork.tools.{HERE.stem}", "--serve", "--backend", backend, "--model", model,
+                   "--kv-cache-dtypes", kv_cache_dtype]
+        self.proc = subprocess.Popen(command, cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONPATH": str(root)})
         self._read()
 
     def _read(self):
@@ -155,7 +162,7 @@ class Tree:
         self.proc.stdin.write(json.dumps({"call": call, **kwargs}) + "\n")
         self.proc.stdin.flush()
         result = self._read()
-        print(f"{self.root} {call} {kwargs}: {json.dumps(result)}", file=sys.stderr, flush=True)  # progress
+        print(f"{self.name} {call} {kwargs}: {json.dumps(result)}", file=sys.stderr, flush=True)  # progress
         return result
 
     def close(self) -> None:
@@ -230,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backend", default="torch", choices=["mlx", "torch", "auto"])
     parser.add_argument("--model", required=True, help="a Hugging Face style model folder")
     parser.add_argument("--trees", default=".", help="source trees to compare, comma separated")
+    parser.add_argument("--kv-cache-dtypes", default="auto", help="KV storages to compare, comma separated")
     parser.add_argument("--contexts", default="256,2048,8000")
     parser.add_argument("--sessions", default="1,4,8")
     parser.add_argument("--steps", type=int, default=12, help="decode steps per figure (median)")
@@ -241,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
-        Worker(args.backend, args.model).serve()
+        Worker(args.backend, args.model, args.kv_cache_dtypes).serve()
         return
 
     model = str(Path(args.model).expanduser().resolve())
@@ -251,20 +259,21 @@ def main(argv: list[str] | None = None) -> None:
                     "floor_ms": round(wbytes / bandwidth * 1e3, 1)}
     if args.layout:
         report["layout_4x2048"] = layout(max(sessions))
-    roots = [Path(t).resolve() for t in args.trees.split(",")]
-    trees = [Tree(root, args.backend, model) for root in roots]
-    results: dict = {str(root): {} for root in roots}
+    roots, dtypes = [Path(t).resolve() for t in args.trees.split(",")], args.kv_cache_dtypes.split(",")
+    trees = [Tree(root, args.backend, model, dtype, str(root) if len(dtypes) == 1 else f"{root} kv={dtype}")
+             for root in roots for dtype in dtypes]
+    results: dict = {tree.name: {} for tree in trees}
     for turn, context in enumerate(int(c) for c in args.contexts.split(",")):
         for tree in trees[:: 1 if turn % 2 == 0 else -1]:
-            results[str(tree.root)][f"decode_itl_p50_ms_at_{context}"] = tree("decode", context=context,
+            results[tree.name][f"decode_itl_p50_ms_at_{context}"] = tree("decode", context=context,
                                                                              sessions=sessions, steps=args.steps)
     for turn, n in enumerate((1, args.concurrent)):
         for tree in trees[:: 1 if turn % 2 == 0 else -1]:
-            results[str(tree.root)][f"prefill_{n}x{args.prompt}_tok_s"] = tree("prefill", length=args.prompt,
+            results[tree.name][f"prefill_{n}x{args.prompt}_tok_s"] = tree("prefill", length=args.prompt,
                                                                               concurrent=n, chunk=args.chunk)
     if args.profile:
         for tree in trees:
-            results[str(tree.root)]["profile_4x2048"] = tree("profile", context=2048, sessions=4, steps=4)
+            results[tree.name]["profile_4x2048"] = tree("profile", context=2048, sessions=4, steps=4)
     for tree in trees:
         tree.close()
     report["trees"] = results

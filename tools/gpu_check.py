@@ -1,6 +1,7 @@
 """Torch backend timings on random models of realistic shapes, built in memory (no files, no network).
 
     python -m kvfork.tools.gpu_check [--shapes 0.5b,7b] [--prompt 2048] [--steps 32] [--device cuda]
+        [--kv-cache-dtypes auto,fp8,int8,int4]
 
 Per shape: prefill tokens/s for one prompt, decode tokens/s for 1 and 8 sessions
 at that length, and the time of a clone of the whole prompt: its GB/s against
@@ -12,6 +13,10 @@ Per shape too, the memory plan on CUDA (server/engine/memory_plan.py): what the 
 reports, the weights' bytes against their parameter count, the activation peak of a full
 step measured as the daemon measures it at load, and the KV budget they leave under
 --gpu-memory-utilization 0.9.
+Then, on the first shape, each --kv-cache-dtype in turn (same seeded weights): its bytes per token,
+prefill and decode tokens/s, and how many of `--steps` greedy tokens (after the prompt, then after a
+clone of it) match `auto`'s; a clone must answer exactly as its session (reuse is exact at every storage).
+`--device cpu --shapes tiny --prompt 64 --steps 4` runs the whole script on a CPU, as a dry run.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import time
 
 import torch
 
+from kvfork.backends.base import KVStorage
 from kvfork.backends.torch import attention
 from kvfork.backends.torch.backend import DTYPES, TorchBackend, default_dtype
 from kvfork.backends.model_info import model_facts
@@ -28,8 +34,12 @@ from kvfork.backends.torch.config import parse_config
 from kvfork.backends.torch.model import Transformer
 from kvfork.server.engine.memory_plan import GiB, plan_memory
 
-# Qwen2.5-0.5B and Mistral-7B shapes (a GQA llama of 7.2B parameters).
+# Qwen2.5-0.5B and Mistral-7B shapes (a GQA llama of 7.2B parameters); "tiny" for a dry run on a CPU.
 SHAPES = {
+    "tiny": dict(
+        model_type="qwen2", vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=1e6, max_position_embeddings=4096,
+    ),
     "0.5b": dict(
         model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
         num_attention_heads=14, num_key_value_heads=2, head_dim=64, rope_theta=1e6, max_position_embeddings=32768,
@@ -153,6 +163,51 @@ def check_shape(name: str, device: torch.device, dtype: str | None, prompt_len: 
         backend.release(s)
 
 
+def greedy(backend: TorchBackend, session, logits, steps: int) -> list[int]:
+    out = []
+    for _ in range(steps):
+        out.append(int(logits[-1].argmax()))
+        logits = backend.decode([session], [out[-1]])
+    return out
+
+
+def check_kv_storages(name: str, device: torch.device, dtype: str | None, prompt_len: int, steps: int,
+                      storages: list[str]) -> None:
+    """Each KV storage on the same random weights: bytes, speed, greedy agreement with auto, clone exactness."""
+    config, clock = SHAPES[name], Clock(device)
+    weights_dtype = DTYPES[dtype] if dtype else default_dtype(device)
+    prompt = torch.randint(0, config["vocab_size"], (prompt_len,), generator=torch.Generator().manual_seed(1)).tolist()
+    reference: list[int] | None = None
+    for storage in storages:
+        backend = TorchBackend(str(device))
+        backend.set_kv_storage(KVStorage.named(storage))
+        torch.manual_seed(0)
+        backend.install(parse_config(config), random_weights(config, device, weights_dtype), name, model_facts(config),
+                        dtype)
+        session = backend.open_session()
+        backend.prefill([session], [prompt[:64]])  # warm
+        backend.release(session)
+        session = backend.open_session()
+        logits = [None]
+        prefill_s = clock(lambda: logits.__setitem__(0, backend.prefill([session], [prompt])))
+        clone = backend.clone(session, prompt_len)
+        t0 = time.perf_counter()
+        tokens = greedy(backend, session, logits[0], steps)
+        decode_s = time.perf_counter() - t0
+        cloned = greedy(backend, clone, logits[0], steps)
+        assert cloned == tokens, f"{storage}: a clone answered {cloned} where its session answered {tokens}"
+        reference = tokens if reference is None else reference
+        same = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), steps)
+        print(f"{name} KV {backend.info.kv_dtype}: {backend.info.kv.full_bytes_per_token:,} bytes/token | prefill "
+              f"{prompt_len / prefill_s:,.0f} tok/s | decode {steps / decode_s:,.1f} tok/s | greedy: {same} of {steps} "
+              f"as {storages[0]}, the clone's as its session's", flush=True)
+        for s in (session, clone):
+            backend.release(s)
+        del backend
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="0.5b,7b")
@@ -160,6 +215,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16; default: the backend's")
+    parser.add_argument("--kv-cache-dtypes", default="auto,fp8,int8,int4",
+                        help="KV storages checked on the first shape, comma separated")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -172,6 +229,8 @@ def main() -> None:
         check_shape(name, device, args.dtype, args.prompt, args.steps, copy_bps)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    check_kv_storages(args.shapes.split(",")[0], device, args.dtype, args.prompt, args.steps,
+                      args.kv_cache_dtypes.split(","))
 
 
 if __name__ == "__main__":

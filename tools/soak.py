@@ -26,7 +26,8 @@ and from past responses, verified in the step), so the table says that it drafte
 
 Then the same requests that completed run one at a time on a second daemon with
 active reuse, the prefix cache and speculative decoding off, and must return the same tokens: neither
-reuse nor another request's speculation state may change a request's output.
+reuse nor another request's speculation state may change a request's output. Both daemons store KV
+state as `--kv-cache-dtype` says (auto unless told), so that holds at a quantized storage too.
 
 Then the long-prompt wave (tools/long_prompts.py): a prompt of `--long-prompt-tokens` (24,000) is
 cached, and three prompts leave it near its start, in its middle and near its end: each must reuse what
@@ -61,6 +62,7 @@ from typing import Any, Callable
 import aiohttp
 
 from kvfork.backends import create_backend
+from kvfork.backends.base import KV_CACHE_DTYPES
 from kvfork.server.api.content_encoding import zstd
 from kvfork.server.config import ServerConfig
 from kvfork.server.engine.api import GenerateRequest
@@ -103,6 +105,7 @@ class SoakConfig:
     long_prompt_tokens: int = 24_000  # the long-prompt wave's cached prompt (tools/long_prompts.py); 0: none
     hostile_samples: int = 5  # the innocent tenant's TTFTs alone, and during each hostile shape
     speculative: str = "suffix"  # the soaked daemon's drafter (drafts.MODES); the reference daemon's is off
+    kv_cache_dtype: str = "auto"  # both daemons' KV storage (reuse on = off holds at each one)
 
 
 @dataclass
@@ -436,7 +439,7 @@ def engine_config(c: SoakConfig, reuse: bool) -> EngineConfig:
         max_queue=256, queue_timeout=c.queue_timeout, max_tokens=c.max_tokens,
         max_named_sessions=c.max_named_sessions, prefix_cache_min_tokens=16,
         prefix_cache_entries=16 if reuse else 0, active_prefix_reuse_min_tokens=c.reuse_min_tokens if reuse else 0,
-        follow_max_wait=5.0, speculative=c.speculative if reuse else "off",
+        follow_max_wait=5.0, speculative=c.speculative if reuse else "off", kv_cache_dtype=c.kv_cache_dtype,
         # Off: the fault wrapper charges a fault to the tokens a session holds, which a session loaded
         # from the disk tier does not tell it (tests/engine/test_disk_tier.py covers the tier's own faults).
         prefix_cache_disk_bytes=0,
@@ -755,6 +758,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="end with the hostile-tenant wave (tools/hostile.py)")
     ap.add_argument("--speculative", default=defaults.speculative, choices=MODES,
                     help="the soaked daemon's speculative decoding; the reference daemon's is off")
+    ap.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                    help="both daemons' KV storage (torch: int8 and int4 need heads the group size divides)")
     args = ap.parse_args(argv)
     from kvfork.backends import prepare_process
 
@@ -772,7 +777,7 @@ def main(argv: list[str] | None = None) -> int:
     config = SoakConfig(model=model, backend=args.backend, requests=args.requests, seed=args.seed,
                         fault_rate=args.fault_rate, kv_budget_bytes=args.kv_budget_bytes,
                         long_prompt_tokens=args.long_prompt_tokens, hostile=args.hostile,
-                        speculative=args.speculative)
+                        speculative=args.speculative, kv_cache_dtype=args.kv_cache_dtype)
     try:
         report = asyncio.run(run(config))
     except (OSError, RuntimeError) as e:

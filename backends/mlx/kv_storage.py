@@ -18,7 +18,7 @@ stored rows, the positions just written included, so what a query attends depend
 rows: a clone, a prefix cache entry or a saved file, holding the same rows, answers as the session
 that wrote them.
 
-int4 keys are stored rotated (`rotates_keys`): each head's key k as k @ H, H the normalised
+int4 keys are stored rotated (`KVStorage.rotates_keys`): each head's key k as k @ H, H the normalised
 Sylvester Hadamard matrix of the head size (orthogonal), and its query as q @ H, so q @ H @ (k @ H).T =
 q @ k.T. Both pass through the attention's RoPE module, which `rotate_keys` follows with the rotation
 (`mx.hadamard_transform`): a channel with outliers is spread over the head before the groups take
@@ -79,12 +79,6 @@ class QuantizedRows:
 Storage = FloatRows | QuantizedRows
 
 
-def rotates_keys(spec: KVStorage) -> bool:
-    """int4 stores keys rotated, whose 15 levels an outlier channel would otherwise spend; values are stored as
-    they are (rotated, the attention's output would need the rotation back)."""
-    return spec.bits == 4
-
-
 def storage_for(spec: KVStorage, compute: mx.Dtype, dims: tuple[int, ...]) -> Storage | None:
     """The storage `spec` names for heads of `dims` (keys', values') computed in `compute`; None where the
     caches keep mlx-lm's own (the weights' dtype). KVStorageRefused where MLX or the head size cannot take it."""
@@ -99,7 +93,7 @@ def storage_for(spec: KVStorage, compute: mx.Dtype, dims: tuple[int, ...]) -> St
         if dim % spec.group:
             raise KVStorageRefused(f"--kv-cache-dtype {spec.dtype}: head size {dim} is not a multiple of "
                                    f"--kv-group-size {spec.group}")
-    if rotates_keys(spec) and dims[0] & (dims[0] - 1):
+    if spec.rotates_keys and dims[0] & (dims[0] - 1):
         raise KVStorageRefused(f"--kv-cache-dtype {spec.dtype}: head size {dims[0]} is not a power of two, "
                                "which its keys' Hadamard rotation needs")
     return QuantizedRows(spec.bits, spec.group, compute)

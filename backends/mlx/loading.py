@@ -55,7 +55,7 @@ def load_model(folder: str, dtype: str | None, group: Any = None, spec: KVStorag
     vocab_size, heads = _probe(model)
     compute = DTYPES[dtype]
     storage = kv_storage.storage_for(spec, compute, heads[1:]) if heads else None
-    if storage is not None and kv_storage.rotates_keys(spec):
+    if storage is not None and spec.rotates_keys:
         kv_storage.rotate_keys(model, sum(layer.kind != "recurrent" for layer in layers), spec)
     facts = read_model_facts(path)
     info = ModelInfo(

@@ -27,7 +27,9 @@ dtype, they are read as they are; otherwise (--kv-cache-dtype) a decode row deco
 (`BLOCK_TOKENS` positions from the run's start, which is a block boundary) at a time inside its loop
 over runs, and a prefill chunk decodes them block by block into its joined buffer: never the whole
 cache at once. Every row reads its runs in the same blocks, so a clone, reading the same stored rows
-in more runs, computes the same scores as the session that wrote them.
+in more runs, computes the same scores as the session that wrote them. Where the storage rotates keys
+(int4), `attend_rows` rotates the queries once for all rows; values are stored unrotated, so the output
+is read as it is.
 
 On CUDA, FlashAttention (`flash_attn`) reads the same buffers through strides
 when it imports; otherwise, and on the CPU, torch's SDPA. Both give the same
@@ -203,6 +205,7 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, states: Seque
     each row's own runs by log-sum-exp."""
     written = [state.update(k[:, span], v[:, span], start) for state, span, start in zip(states, spans, starts)]
     storage = states[0].storage  # one storage for every session of a backend
+    q = storage.queries(q)  # in the keys' stored basis: rotated where they are (kv_storage.py)
     out: list[torch.Tensor | None] = [None] * len(written)
     groups: dict[tuple[int, int], list[int]] = {}
     for i, ((runs, _), span) in enumerate(zip(written, spans)):

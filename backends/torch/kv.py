@@ -35,9 +35,9 @@ Design rules:
   p % W. `held_from` is the oldest position whose entry is still valid. That is
   what base.clone_refusal judges. Rings (and recurrent states) stay copied.
 - Storage (--kv-cache-dtype, kv_storage.py): every tensor here holds rows as its storage writes
-  them, [kv_heads, tokens, width]; `FullKV.update` and `RingKV.update` encode what a pass computes and
-  return stored runs, which attention decodes (attention.py). Clones, rings' undo and saved states move
-  the stored rows as they are.
+  them, [kv_heads, tokens, width]; `FullKV.update` and `RingKV.update` encode what a pass computes (keys
+  rotated where the storage rotates them) and return stored runs, which attention decodes (attention.py).
+  Clones, rings' undo and saved states move the stored rows as they are.
 - A write past `position` into a store is invisible (reads stop at the writer's
   end, the next write overwrites it); a ring write replaces positions still
   read. So a failed call leaves a session untouched exactly when none of its
@@ -263,7 +263,7 @@ class FullKV:
     def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[Segments, int | None]:
         """Write k, v ([kv_heads, n, head_dim]) at [start, start + n), encoded; return the stored runs of
         keys and values [0, start + n) and the first key position (always 0: runs are in position order)."""
-        return self.write(self.storage.encode(k), self.storage.encode(v), start), 0
+        return self.write(self.storage.encode_keys(k), self.storage.encode(v), start), 0
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> Segments:
         """Write stored rows (a saved state's) at [start, start + n)."""
@@ -314,7 +314,7 @@ class RingKV:
         """
         n, w = k.shape[1], self.window
         end = start + n
-        k, v = self.storage.encode(k), self.storage.encode(v)
+        k, v = self.storage.encode_keys(k), self.storage.encode(v)
         if n == 1:
             self._write(k, v, start)
             filled = min(end, w)

@@ -12,12 +12,21 @@ slice and copy it along the token dimension without knowing what a row holds.
   groups them; a row is the packed integers (two 4-bit ones a byte, low nibble first), then the
   scales, then the biases, as bytes.
 
+int4 keys are stored rotated (`KVStorage.rotates_keys`): each head's key k is stored as k @ H, H the
+normalised Sylvester Hadamard matrix of the head size (orthogonal: H @ H.T = I), and attention rotates
+its queries the same way (`queries`), so q @ H @ (k @ H).T = q @ k.T. A channel with outliers, which
+would set every scale of its group, is spread over the whole head before the groups are formed. Values
+are stored as they are (tools/kv_accuracy_bench.py measured rotating them too: docs/kv-budget.md), so the
+attention's output needs no rotation back.
+
 A state is written encoded and read back decoded, the positions just written included, so what a
 query attends depends only on the stored rows: a clone, a prefix cache entry or a saved file,
 holding the same rows, answers as the session that wrote them.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -26,7 +35,35 @@ from kvfork.backends.base import KVStorage, KVStorageRefused
 FP8_MAX = 448.0  # float8 e4m3's largest finite value
 
 
-class Plain:
+def hadamard(n: int) -> torch.Tensor:
+    """The normalised n x n Sylvester Hadamard matrix (float64; n a power of two): symmetric and
+    orthogonal, so H @ H = I."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"no Sylvester Hadamard matrix of size {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h / math.sqrt(n)
+
+
+class Storage:
+    """One side's storage; keys pass through `encode_keys` and queries through `queries`, which rotate
+    them where `rotation` is set (a [head_dim, head_dim] orthogonal matrix in the compute dtype)."""
+
+    rotation: torch.Tensor | None = None
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def encode_keys(self, k: torch.Tensor) -> torch.Tensor:
+        return self.encode(k if self.rotation is None else k @ self.rotation)
+
+    def queries(self, q: torch.Tensor) -> torch.Tensor:
+        """Queries in the basis the stored keys are in."""
+        return q if self.rotation is None else q @ self.rotation
+
+
+class Plain(Storage):
     def __init__(self, stored: torch.dtype, compute: torch.dtype):
         self.dtype, self.compute = stored, compute
         self.exact = stored == compute  # decode is the stored tensor itself
@@ -41,7 +78,7 @@ class Plain:
         return stored.to(self.compute)
 
 
-class Float8:
+class Float8(Storage):
     exact = False
     dtype = torch.uint8
 
@@ -58,12 +95,14 @@ class Float8:
         return stored.view(torch.float8_e4m3fn).to(self.compute)
 
 
-class Grouped:
+class Grouped(Storage):
     exact = False
     dtype = torch.uint8
 
-    def __init__(self, bits: int, group: int, head_dim: int, compute: torch.dtype):
+    def __init__(self, bits: int, group: int, head_dim: int, compute: torch.dtype, rotates_keys: bool = False):
         self.bits, self.group, self.compute = bits, group, compute
+        if rotates_keys:
+            self.rotation = hadamard(head_dim).to(compute)
         self.groups = head_dim // group
         self.levels = 2**bits - 1
         self.packed = head_dim * bits // 8  # bytes of integers per row
@@ -94,8 +133,6 @@ class Grouped:
         return x.reshape(*lead, -1).to(self.compute)
 
 
-Storage = Plain | Float8 | Grouped
-
 FLOATS = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -112,7 +149,10 @@ def storage_for(spec: KVStorage, compute: torch.dtype, head_dim: int) -> Storage
     if head_dim % spec.group:
         raise KVStorageRefused(f"--kv-cache-dtype {spec.dtype}: head size {head_dim} is not a multiple of "
                                f"--kv-group-size {spec.group}")
-    return Grouped(spec.bits, spec.group, head_dim, compute)
+    if spec.rotates_keys and head_dim & (head_dim - 1):
+        raise KVStorageRefused(f"--kv-cache-dtype {spec.dtype}: head size {head_dim} is not a power of two, "
+                               f"which its keys' Hadamard rotation needs")
+    return Grouped(spec.bits, spec.group, head_dim, compute, spec.rotates_keys)
 
 
 def row_bytes(storage: Storage, head_dim: int) -> int:

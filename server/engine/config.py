@@ -46,8 +46,9 @@ class EngineConfig:
     kv_cache_dtype: str = setting("auto", "how KV state is stored, apart from --dtype: auto (the weights' dtype), "
                                   "float16, bfloat16, fp8 (torch), or int8 / int4 in per-token groups of "
                                   "--kv-group-size along each head with 16-bit scales and biases (vLLM's "
-                                  "int8_per_token_head / int4_per_token_head too); everything that keeps the "
-                                  "state keeps it so (docs/kv-budget.md)",
+                                  "int8_per_token_head / int4_per_token_head too; int4 stores keys rotated by a "
+                                  "Hadamard matrix, so the head size must be a power of two); everything that "
+                                  "keeps the state keeps it so (docs/kv-budget.md)",
                                   choices=KV_CACHE_DTYPES + tuple(KV_CACHE_SPELLINGS), group="model and device")
     kv_group_size: int = setting(64, "elements of a head sharing one scale and bias under --kv-cache-dtype int8 / "
                                  "int4 (the head size must be a multiple of it)", choices=KV_GROUP_SIZES,

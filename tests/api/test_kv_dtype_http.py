@@ -2,7 +2,8 @@
 wide (groups of 64 divide them): a prefix cache hit, n choices, requests sharing a prefix while one runs, a
 named session's next turn and a restart served from the disk tier each answer as the same request with
 reuse off (another cache_salt: nothing to reuse), token for token. A restart at another storage reads
-none of the files."""
+none of the files. At int8, speculative decoding (a scripted drafter; a verify pass's rejected drafts
+rolled back in the stored rows) keeps the greedy text of a daemon without it."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import asyncio
 
 import pytest
 
-from http_daemon import serving
+from http_daemon import metrics, serving
 from kvfork.backends import create_backend
+from scripted_drafts import ScriptedDrafts
 from tiny_models import write_model
 
 CHAT = "/v1/chat/completions"
@@ -78,3 +80,21 @@ async def test_reuse_answers_as_reuse_off_at_a_quantized_storage(http, wide_llam
     async with daemon_at(wide_llama, backend, other) as daemon:  # another storage: another fingerprint
         _, reused = await ask(http, daemon, user(asked))
         assert reused == 0
+
+
+async def test_greedy_text_at_int8_is_the_same_with_speculation_on(http, wide_llama):
+    prompts = [user("the capital of France"), user("a list of colours: red, green")]
+    texts = {}
+    for drafts in (None, ScriptedDrafts()):  # the drafter's second round drafts from what it wrote
+        async with serving(wide_llama, create_backend("torch"), load=False,
+                           engine=dict(prefix_cache_entries=0, kv_cache_dtype="int8")) as daemon:
+            if drafts is not None:
+                daemon.engine.drafts = drafts
+            await daemon.load()
+            rounds = 1 if drafts is None else 2
+            texts[drafts is None] = [(await ask(http, daemon, m, max_tokens=24))[0] for m in prompts * rounds]
+            read = await metrics(http, daemon.url)
+    drafted, accepted = (sum(v for k, v in read.items() if k.startswith(f"kvfork_spec_{kind}_tokens_total"))
+                         for kind in ("drafted", "accepted"))
+    assert drafted > accepted > 0  # drafts were rejected, so rolled back
+    assert texts[False] == texts[True] * 2

@@ -248,21 +248,25 @@ async def test_a_broken_model_does_not_evict_a_healthy_one(three, tmp_path, monk
         await ask(http, daemon, "misfit")
 
 
-@pytest.mark.parametrize("hybrid", [False, True], ids=["llama", "qwen3_5"])
-async def test_a_conversation_resumes_from_its_spilled_cache_after_a_switch(three, tiny_hybrid_dir, hybrid,
-                                                                            disk_beats_prefill):
+@pytest.mark.parametrize("a, kv_cache_dtype", [("llama", "auto"), ("qwen3_5", "auto"), ("wide llama", "int8")],
+                         ids=["llama", "qwen3_5", "llama-int8"])
+async def test_a_conversation_resumes_from_its_spilled_cache_after_a_switch(three, tiny_hybrid_dir, tmp_path, a,
+                                                                            kv_cache_dtype, disk_beats_prefill):
     """A -> B -> A with a budget of one model: A's prefix cache spills to its disk tier as A unloads and the
     return to A restores it: the same greedy tokens as without the switch, the prefix counted cached. A
-    hybrid A's recurrent checkpoints come back with it."""
+    hybrid A's recurrent checkpoints come back with it; KV stored in int8 (heads 64 wide, so groups of 64
+    divide them) spills and comes back in int8."""
     system = "a long shared system prompt that every request here sends, word for word, " * 3
     first = [{"role": "system", "content": system}, {"role": "user", "content": "hello there"}]
-    models = {**three, "a": tiny_hybrid_dir("qwen3_5")} if hybrid else three
-    async with aiohttp.ClientSession() as http, pool(models, hold=1) as daemon:
+    models = {"qwen3_5": {**three, "a": tiny_hybrid_dir("qwen3_5")}, "llama": three,
+              "wide llama": {name: str(write_model(tmp_path / name, "llama", seed=i, head_dim=64))
+                             for i, name in enumerate(("a", "b"))}}[a]
+    async with aiohttp.ClientSession() as http, pool(models, hold=1, engine={"kv_cache_dtype": kv_cache_dtype}) as daemon:
         answer = await ask_messages(http, daemon, "a", first)
         again = await ask_messages(http, daemon, "a", first)
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         await ask(http, daemon, "b")
-        assert await listed(http, daemon) == {"a": False, "b": True, "c": False}
+        assert await listed(http, daemon) == {name: name == "b" for name in models}
         back = await ask_messages(http, daemon, "a", first)
         assert back["choices"][0]["message"]["content"] == answer["choices"][0]["message"]["content"]
         assert back["usage"]["prompt_tokens_details"]["cached_tokens"] >= \

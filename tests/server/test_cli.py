@@ -14,6 +14,7 @@ from typing import Iterator
 import pytest
 
 from kvfork.backends.mlx.blas import find_openblas
+from tiny_models import write_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -117,14 +118,17 @@ def test_serve_prints_what_it_loaded_and_where_and_stops_on_sigint(tiny_model_di
         assert process.returncode == 0 and "shutting down" in rest
 
 
-@pytest.mark.parametrize("backend, dtype, says", [
-    ("torch", "int8", "--kv-cache-dtype int8: head size 16 is not a multiple of --kv-group-size 64"),
-    ("mlx", "fp8", "--kv-cache-dtype fp8: MLX has no such storage; choose int8 (as small, with a scale and bias "
-                   "per group)"),
+@pytest.mark.parametrize("backend, head_dim, flags, says", [
+    ("torch", 16, ["int8"], "--kv-cache-dtype int8: head size 16 is not a multiple of --kv-group-size 64"),
+    ("torch", 96, ["int4", "--kv-group-size", "32"],
+     "--kv-cache-dtype int4: head size 96 is not a power of two, which its keys' Hadamard rotation needs"),
+    ("mlx", 16, ["fp8"], "--kv-cache-dtype fp8: MLX has no such storage; choose int8 (as small, with a scale and bias "
+                         "per group)"),
 ])
-def test_a_kv_cache_dtype_the_model_or_backend_cannot_take_exits_2_with_one_line(tiny_model_dir, backend, dtype, says):
-    with started("--model", tiny_model_dir("llama"), "--backend", backend, "--port", "0",
-                 "--kv-cache-dtype", dtype) as (process, text):
+def test_a_kv_cache_dtype_the_model_or_backend_cannot_take_exits_2_with_one_line(tiny_model_dir, tmp_path, backend,
+                                                                                 head_dim, flags, says):
+    model = tiny_model_dir("llama") if head_dim == 16 else str(write_model(tmp_path, "llama", head_dim=head_dim))
+    with started("--model", model, "--backend", backend, "--port", "0", "--kv-cache-dtype", *flags) as (process, text):
         assert process.wait(timeout=60) == 2
     refusal = [line for line in text.splitlines() if line.startswith("kvfork serve: error:")]
     assert refusal == [f"kvfork serve: error: {says}"]

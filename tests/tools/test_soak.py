@@ -11,6 +11,7 @@ from backend_fixtures import backend_name  # noqa: F401  (fixture: each importab
 from kvfork.backends.base import Backend
 from kvfork.tools.faulty_backend import FaultyBackend
 from kvfork.tools.soak import MiB, SoakConfig, run
+from tiny_models import write_model
 
 
 @pytest.fixture
@@ -41,6 +42,19 @@ async def test_short_soak_passes_every_check(backend_name, one_torch_thread, tin
                                                 "completed requests equal to a reuse-off daemon",
                                                 "tokens drafted (--speculative suffix)"}
     assert any(note.startswith("disconnects by phase: ") for note in report.notes)  # reported, not checked
+
+
+@pytest.mark.long  # the short soak a second time: its 200 compared requests take 360 sent, two minutes loaded
+@pytest.mark.parametrize("backend_name", ["torch"])  # int8 KV is the torch backend's
+async def test_short_soak_at_int8_kv_passes_every_check(backend_name, one_torch_thread, tmp_path):
+    """The same soak with both daemons storing KV in int8 (a llama whose heads are 64 wide: groups of 64
+    divide them): reuse, following, sessions and speculation's roll-backs keep the reuse-off tokens."""
+    config = SoakConfig(model=str(write_model(tmp_path, "llama", head_dim=64)), backend=backend_name, requests=360,
+                        seed=1, kv_budget_bytes=4 * MiB, prompt_words=32, max_tokens=12, hostile=False,
+                        long_prompt_tokens=0, kv_cache_dtype="int8")
+    report = await run(config, io.StringIO())
+    assert report.ok, "\n" + report.table()
+    assert "completed requests equal to a reuse-off daemon" in {c.name for c in report.checks}
 
 
 @pytest.mark.long  # a wave of hostile tenants and their innocent: a minute and more on 2 cores
