@@ -13,6 +13,7 @@ through saved.py (the saved-state rule).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Collection, Sequence
 
@@ -27,6 +28,8 @@ from kvfork.backends.torch import hybrid, kv, kv_storage, loading, parallel, sam
 from kvfork.backends.torch.config import ArchConfig, HybridConfig
 from kvfork.backends.torch.gated_delta import RecurrentState
 from kvfork.backends.torch.model import Row
+from kvfork.backends.torch.vision import VisionReader, split_weights
+from kvfork.backends.vision import ImageInput, folder_family
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,6 +64,7 @@ class TorchBackend(Backend):
         self._copy_stream: torch.cuda.Stream | None = None
         self.clone_mode: kv.CloneMode = "share"
         self.kv_storage = KVStorage()
+        self.vision: VisionReader | None = None  # a model that reads images: its tower and encoder cache
 
     def set_kv_storage(self, storage: KVStorage) -> None:
         self.kv_storage = storage
@@ -73,7 +77,25 @@ class TorchBackend(Backend):
     def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
         path = resolve_model(folder)
         cfg, weights, split = loading.read(path, self.device, self.shards)
-        return self.install(cfg, weights, path.name, read_model_facts(path), dtype, split)
+        family = folder_family(path)
+        if family is None:
+            return self.install(cfg, weights, path.name, read_model_facts(path), dtype, split)
+        if self.shards is not None:
+            raise ValueError("torch backend: a model that reads images is served on one device")
+        weights, tower = split_weights(weights)
+        info = self.install(cfg, weights, path.name, read_model_facts(path), dtype, split)
+        self.vision = VisionReader(path, family, tower, self.device, self.dtype)
+        self.info = dataclasses.replace(info, reads_images=True)
+        return self.info
+
+    def encode_images(self, images: Sequence[ImageInput], scope: str) -> int:
+        if self.vision is None:
+            return super().encode_images(images, scope)
+        return self.vision.encode(images, scope)
+
+    def release_images(self, images: Sequence[int]) -> None:
+        if self.vision is not None:
+            self.vision.release(images)
 
     def install(self, cfg: ArchConfig | HybridConfig, weights: dict[str, torch.Tensor], name: str, facts: ModelFacts,
                 dtype: str | None = None, split: bool = False) -> ModelInfo:
@@ -194,6 +216,8 @@ class TorchBackend(Backend):
                  reads: list[int] | None) -> torch.Tensor:
         """One pass (pieces where checkpoints cut a chunk); each row's last logits, or its last reads[i]."""
         writes = [hybrid.in_place_writes(s.layers) for s in sessions]
+        if self.vision is not None:
+            self.vision.check(chunks)
         try:
             self._wait_for_clones(sessions)
             starts = [s.position for s in sessions]
@@ -208,12 +232,18 @@ class TorchBackend(Backend):
                 now = [i for i, p in enumerate(pieces) if piece < len(p)]
                 rows = [Row(sessions[i].layers, starts[i] + pieces[i][piece][0],
                             pieces[i][piece][1] - pieces[i][piece][0]) for i in now]
-                ids = torch.tensor([t for i in now for t in chunks[i][pieces[i][piece][0]:pieces[i][piece][1]]],
-                                   dtype=torch.long, device=self.device)
+                tokens = [chunks[i][pieces[i][piece][0]:pieces[i][piece][1]] for i in now]
+                images = None
+                if self.vision is not None:  # image keys: the placeholder's id, and the images' embeddings
+                    tokens, images = zip(*(self.vision.place(t, row.start) for t, row in zip(tokens, rows)))
+                ids = torch.tensor([t for chunk in tokens for t in chunk], dtype=torch.long, device=self.device)
                 positions = torch.tensor([row.start + j for row in rows for j in range(row.length)],
                                          device=self.device)
-                logits = self.model(ids, positions, rows) if reads is None else \
-                    self.model(ids, positions, rows, reads)  # a verify pass: no checkpoint cuts it
+                if images is not None:
+                    logits = self.model(ids, positions, rows, reads, images)
+                else:
+                    logits = self.model(ids, positions, rows) if reads is None else \
+                        self.model(ids, positions, rows, reads)  # a verify pass: no checkpoint cuts it
                 for row, i in enumerate(now):
                     end = starts[i] + pieces[i][piece][1]
                     if piece == len(pieces[i]) - 1:

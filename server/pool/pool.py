@@ -32,6 +32,7 @@ from aiohttp import web
 
 from kvfork.backends.base import Backend
 from kvfork.backends.model_info import read_model_facts
+from kvfork.backends.vision import folder_family
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.errors import ApiError
 from kvfork.server.api.sse import OPENED
@@ -74,6 +75,7 @@ class Slot:
     failed_at: float = 0.0  # when (monotonic)
     budget_refused: bool = False  # the last load failed for the budget (its numbers), not the model's files
     context: int | None = None  # the context its requests get, from its folder, known before it loads
+    reads_images: bool = False  # its folder's config names a vision family (backends/vision), known so too
     counter: asyncio.Task | None = None  # its tokenizer loaded alone, for count_tokens
 
     @property
@@ -124,6 +126,7 @@ class ModelPool:
             stated = _folder_context(slot.spec.path) if slot.spec.fetch is None else None
             if stated is not None:
                 slot.context = min(engine_config.max_context or stated, stated)
+                slot.reads_images = folder_family(Path(slot.spec.path).expanduser()) is not None
         self.default = specs[0].name
         self.switch_timeout, self.ttl = config.model_switch_timeout, config.model_ttl
         self._queue: list[Claim] = []  # waiting requests, in arrival order
@@ -204,6 +207,10 @@ class ModelPool:
             assert slot.served is not None
             return slot.served.state.context
         return slot.context
+
+    def reads_images(self, requested: str | None) -> bool:
+        """Whether the model a request names reads images, known without loading it."""
+        return self.slot(requested).reads_images
 
     async def counting(self, request: web.Request, requested: str | None) -> tuple[PromptTokenizer, int]:
         """The tokenizer and context `requested` counts prompts with: the loaded model's (held for the request,

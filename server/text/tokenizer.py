@@ -92,6 +92,7 @@ class PromptTokenizer:
         self._hidden: frozenset[int] | None = None  # special ids decode drops when some are kept
         named = getattr(tokenizer, "init_kwargs", {}).get("tool_parser_type")
         self.tool_parser_type = named if isinstance(named, str) else None  # mlx-lm's key, set by MLX conversions
+        self.vision: Any = None  # a model that reads images: its family's Processing (backends/vision)
 
     def keep_special(self, texts: Sequence[str]) -> None:
         """Keep the special tokens among `texts` in `decode_markup`'s text (the markup of the model's
