@@ -29,7 +29,7 @@ from kvfork.backends.torch.config import ArchConfig, HybridConfig
 from kvfork.backends.torch.gated_delta import RecurrentState
 from kvfork.backends.torch.model import Row
 from kvfork.backends.torch.vision import VisionReader, split_weights
-from kvfork.backends.vision import ImageInput, folder_family
+from kvfork.backends.vision import ImageInput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -77,25 +77,20 @@ class TorchBackend(Backend):
     def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
         path = resolve_model(folder)
         cfg, weights, split = loading.read(path, self.device, self.shards)
-        family = folder_family(path)
-        if family is None:
-            return self.install(cfg, weights, path.name, read_model_facts(path), dtype, split)
-        if self.shards is not None:
-            raise ValueError("torch backend: a model that reads images is served on one device")
-        weights, tower = split_weights(weights)
+        weights, tower = split_weights(path, weights, self.shards is not None)
         info = self.install(cfg, weights, path.name, read_model_facts(path), dtype, split)
-        self.vision = VisionReader(path, family, tower, self.device, self.dtype)
-        self.info = dataclasses.replace(info, reads_images=True)
+        if tower is not None:  # a model that reads images (backends/torch/vision.py)
+            self.vision = VisionReader(path, tower, self.device, self.dtype)
+            self.info = dataclasses.replace(info, reads_images=True)
         return self.info
 
     def encode_images(self, images: Sequence[ImageInput], scope: str) -> int:
-        if self.vision is None:
-            return super().encode_images(images, scope)
+        assert self.vision is not None, "the model reads no images"
         return self.vision.encode(images, scope)
 
     def release_images(self, images: Sequence[int]) -> None:
-        if self.vision is not None:
-            self.vision.release(images)
+        assert self.vision is not None, "the model reads no images"
+        self.vision.release(images)
 
     def install(self, cfg: ArchConfig | HybridConfig, weights: dict[str, torch.Tensor], name: str, facts: ModelFacts,
                 dtype: str | None = None, split: bool = False) -> ModelInfo:
@@ -239,11 +234,7 @@ class TorchBackend(Backend):
                 ids = torch.tensor([t for chunk in tokens for t in chunk], dtype=torch.long, device=self.device)
                 positions = torch.tensor([row.start + j for row in rows for j in range(row.length)],
                                          device=self.device)
-                if images is not None:
-                    logits = self.model(ids, positions, rows, reads, images)
-                else:
-                    logits = self.model(ids, positions, rows) if reads is None else \
-                        self.model(ids, positions, rows, reads)  # a verify pass: no checkpoint cuts it
+                logits = self.model(ids, positions, rows, reads, images)  # reads: a verify pass, no checkpoint cuts it
                 for row, i in enumerate(now):
                     end = starts[i] + pieces[i][piece][1]
                     if piece == len(pieces[i]) - 1:

@@ -80,7 +80,7 @@ def read_config(folder: str | Path) -> ArchConfig | HybridConfig:
 
 def parse_config(cfg: dict) -> ArchConfig | HybridConfig:
     if vision_family(cfg) is not None:  # a vision model: its text model (the tower: backends/torch/vision.py)
-        return parse_config(cfg["text_config"])
+        cfg = cfg["text_config"]
     family = cfg.get("model_type")
     if family in HYBRID_FAMILIES:
         return parse_hybrid_config(cfg)

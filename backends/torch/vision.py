@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from kvfork.backends.torch.images import PlacedImage
-from kvfork.backends.vision import ImageInput, load_processing
+from kvfork.backends.vision import FAMILIES, ImageInput, folder_family, load_processing, vision_family
 from kvfork.backends.vision.keys import IMAGE_KEY_BASE, image_of, index_of
 
 CACHE_BYTES = 256 << 20  # the encoder cache's embeddings, pinned ones aside
@@ -37,7 +37,6 @@ class Idefics3Tower(nn.Module):
         from transformers.models.idefics3.modeling_idefics3 import Idefics3Connector, Idefics3VisionTransformer
 
         cfg = Idefics3Config(**config)
-        cfg.vision_config._attn_implementation = "sdpa"
         self.vision_model = Idefics3VisionTransformer(cfg.vision_config)
         self.connector = Idefics3Connector(cfg)
         self.patch = cfg.vision_config.patch_size
@@ -55,9 +54,14 @@ class Idefics3Tower(nn.Module):
 TOWERS = {"idefics3": Idefics3Tower}
 
 
-def split_weights(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """A vision checkpoint's (text model's, tower's) weights, the text model's under the names a text
-    checkpoint gives them."""
+def split_weights(folder: Path, weights: dict[str, torch.Tensor],
+                  split: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+    """A checkpoint's (text model's, tower's) weights, the text model's under the names a text checkpoint
+    gives them; no tower for a text model. `split`: over tensor-parallel ranks, which a tower is not."""
+    if folder_family(folder) is None:
+        return weights, None
+    if split:
+        raise ValueError("torch backend: a model that reads images is served on one device")
     text, tower = {}, {}
     for name, w in weights.items():
         if name.startswith(TOWER_PREFIXES):
@@ -70,13 +74,13 @@ def split_weights(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Ten
 class VisionReader:
     """A model's tower, its processing (pixels from a picture), and the encoder cache."""
 
-    def __init__(self, folder: Path, family: str, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype, cache_bytes: int = CACHE_BYTES):
+    def __init__(self, folder: Path, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+                 cache_bytes: int = CACHE_BYTES):
         from transformers import AutoTokenizer
 
         config = json.loads((folder / "config.json").read_text())
         self.processing = load_processing(folder, AutoTokenizer.from_pretrained(str(folder)))
-        self.tower = TOWERS[family](config)
+        self.tower = TOWERS[FAMILIES[vision_family(config)]](config)
         self.tower.load_state_dict(weights, strict=True)
         self.tower.to(device, dtype).eval()
         self.device, self.dtype, self.cache_bytes = device, dtype, cache_bytes
