@@ -155,3 +155,22 @@ async def test_a_running_requests_image_prompt_is_cloned_by_a_second(smolvlm, ht
         seen = await metrics(http, d.url)
     assert cached(recipient) > 30 and seen['kvfork_reused_tokens_total{source="donor"}'] == cached(recipient)
     assert seen[ENCODED] == 1  # the recipient's image came with the donor's state
+
+
+async def test_diagnostics_name_a_changed_image_messages_changed(http, daemon):
+    def body(seed: int, previous: str | None) -> dict:
+        png = screenshot(seed).split(",", 1)[1]
+        return {"model": "tiny", "max_tokens": 2, "temperature": 0, "system": SYSTEM,
+                "diagnostics": {"previous_message_id": previous}, "messages": [{"role": "user", "content": [
+                    {"type": "text", "text": "what is on the screen?"},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}]}]}
+
+    async with http.post(daemon.url + MESSAGES, json=body(8, None)) as r:
+        first = await r.json()
+    async with http.post(daemon.url + MESSAGES, json=body(9, first["id"])) as r:
+        second = await r.json()
+    miss, account = second["diagnostics"]["cache_miss_reason"], second["kvfork_cache"]
+    prompt = first["usage"]["input_tokens"] + first["usage"]["cache_read_input_tokens"]
+    assert miss["type"] == "messages_changed"
+    assert account["shared_tokens"] + miss["cache_missed_input_tokens"] == prompt
+    assert 0 < account["shared_tokens"] < prompt - 20  # up to the image's first token
