@@ -278,7 +278,7 @@ async def prepare(state: AppState, checked: Checked, request: web.Request, rid: 
     job = Job(model, prompt, generate, stop_strings(body), parser, body.n)
     if asked is not None:
         job.diagnostics = diagnostics(state, asked, rid, await fingerprint(
-            tokenizer, scope, model, rendered.messages, body.tools, rendered.kwargs, prompt))
+            tokenizer, scope, model, rendered.messages, body.tools, rendered.kwargs, prompt, checked.images))
     return job
 
 
