@@ -99,3 +99,12 @@ def test_a_reuse_point_inside_an_image_moves_to_its_first_key():
     source = Source.entry("e", tiled, 0)
     assert usable_upto(7, tiled, source) == 3  # shared through the first tile: the image is reused whole or not
     assert usable_upto(10, tiled + [4], source) == 10
+
+
+def test_mlx_refuses_a_vision_model_naming_the_torch_backend(smolvlm):
+    pytest.importorskip("mlx.core", exc_type=ImportError)
+    from kvfork.backends.base import BackendRefused
+    from kvfork.backends.mlx.backend import MLXBackend
+
+    with pytest.raises(BackendRefused, match="--backend torch"):
+        MLXBackend().load(smolvlm)
