@@ -6,9 +6,10 @@ the next turn that carries it again, on a daemon with reuse and on one without, 
 The model is a random-weight SmolVLM at SmolVLM-256M's shapes (`kvfork.tools.vision_model --size 256m`,
 written to a temporary folder unless --model names one): its tower splits a 1280x800 screenshot into 12 tiles
 and the whole (13 x 64 image tokens). Each screen is a new screenshot (so the first turn encodes it); a turn
-is timed from its request to its one token (max_tokens 1), and each daemon first answers a text turn. The daemon without reuse has its prefix cache, disk tier and active reuse off; its
-encoder cache is on (it keeps the image's encoding, not a prompt's state), so its second turn shows what the
-prompt's reuse adds beyond not encoding again.
+is timed from its request to its one token (max_tokens 1), and each daemon first answers a text turn. The
+daemon without reuse has its prefix cache, disk tier and active reuse off; its encoder cache is on (it keeps
+the image's encoding, not a prompt's state), so its second turn shows what the prompt's reuse adds beyond not
+encoding again, and its first turn what every turn costs with nothing kept.
 """
 
 from __future__ import annotations

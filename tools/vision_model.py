@@ -74,7 +74,8 @@ def write(out: Path, size: str = "tiny", seed: int = 0) -> Path:
     text = dict(model_type="llama", vocab_size=max(shape["vocab"], len(tokenizer)), rms_norm_eps=1e-5,
                 eos_token_id=eos, pad_token_id=0, tie_word_embeddings=False, **shape["text"])
     config = Idefics3Config(text_config=text, vision_config=dict(model_type="idefics3_vision", **shape["vision"]),
-                            scale_factor=shape["scale_factor"], image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+                            scale_factor=shape["scale_factor"],
+                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
                             eos_token_id=eos, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(config).eval()

@@ -110,7 +110,7 @@ class TorchBackend(Backend):
 
     def memory(self, step_tokens: int) -> DeviceMemory:
         """On CUDA the device's own memory, with a step's activation peak measured as vLLM profiles it."""
-        weights = loading.weight_bytes(self.model)
+        weights = loading.weight_bytes(self.model, *([self.vision.tower] if self.vision else []))
         if self.device.type != "cuda":
             return cpu_memory(weights)
         return cuda_memory(self.device, weights, self._activation_peak(step_tokens) if step_tokens else 0)

@@ -51,8 +51,9 @@ def text_only(tokens: Iterable[int]) -> list[int]:
 
 def image_start(tokens: Sequence[int], upto: int) -> int:
     """`upto` (a count of leading tokens) moved back to the first key of the image whose keys it splits (the
-    token after it is one of the image's keys but its first), so a reuse point never falls inside an image (a family whose image tokens attend both ways, or are placed in
-    3-D, computes none of them alone); `upto` itself elsewhere. The walk back is bounded by the image's span:
+    token after it is one of the image's keys but its first), so a reuse point never falls inside an image
+    (a family whose image tokens attend both ways, or are placed in 3-D, computes none of them alone); `upto`
+    itself elsewhere. The walk back is bounded by the image's span:
     its first key lies at least its index back (further where text lies between its keys: Idefics3's tiles)."""
     if not 0 < upto < len(tokens) or not is_image_key(tokens[upto]) or index_of(tokens[upto]) == 0:
         return upto

@@ -57,7 +57,8 @@ def test_logits_match_transformers_idefics3(smolvlm):
     processing = tokenizer.vision
     placeholder = processing.image_token_id
     # transformers' own processor lays the prompt out the same way
-    processor = Idefics3Processor(processing.images, tokenizer.tokenizer, image_seq_len=image_seq_len(json.loads((Path(smolvlm) / "config.json").read_text())))
+    config = json.loads((Path(smolvlm) / "config.json").read_text())
+    processor = Idefics3Processor(processing.images, tokenizer.tokenizer, image_seq_len=image_seq_len(config))
     inputs = processor(text=TEXT[0] + "<image>" + TEXT[1], images=[[picture]], return_tensors="pt")
     ids = [placeholder if is_image_key(t) else t for t in prompt]
     assert inputs["input_ids"][0].tolist() == ids
