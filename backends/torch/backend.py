@@ -234,7 +234,7 @@ class TorchBackend(Backend):
                 ids = torch.tensor([t for chunk in tokens for t in chunk], dtype=torch.long, device=self.device)
                 positions = torch.tensor([row.start + j for row in rows for j in range(row.length)],
                                          device=self.device)
-                logits = self.model(ids, positions, rows, reads, images)  # reads: a verify pass, no checkpoint cuts it
+                logits = self.model(ids, positions, rows, reads=reads, images=images)  # reads: a verify pass
                 for row, i in enumerate(now):
                     end = starts[i] + pieces[i][piece][1]
                     if piece == len(pieces[i]) - 1:

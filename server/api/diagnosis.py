@@ -25,18 +25,15 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Sequence
+from typing import Any, Literal, Sequence
 
 from kvfork.backends.vision.keys import IMAGE_KEY_BASE
 from kvfork.server.engine.api import Scope, Usage
 from kvfork.server.errors import ApiError
 from kvfork.server.metrics import Registry
 from kvfork.server.api.openai import PromptCacheOptions
-from kvfork.server.api.vision import vision_prompt
+from kvfork.server.api.vision import SeenImage, vision_prompt
 from kvfork.server.text.tokenizer import PromptTokenizer
-
-if TYPE_CHECKING:
-    from kvfork.server.api.images import SeenImage
 
 # What the store keeps at most: 4M tokens of fingerprints (16 MiB), and ids of responses made without
 # diagnostics (a few MiB).
@@ -246,7 +243,7 @@ def asked_by(options: PromptCacheOptions | None) -> Asked | None:
 
 async def fingerprint(tokenizer: PromptTokenizer, scope: Scope, model: str, messages: list[dict[str, Any]],
                       tools: list[dict[str, Any]] | None, kwargs: dict[str, Any], prompt: list[int],
-                      images: Sequence["SeenImage"] = ()) -> Fingerprint:
+                      images: Sequence[SeenImage] = ()) -> Fingerprint:
     """The prompt's fingerprint; its system and tools spans are where the prompt rendered without its leading
     system messages, or without its tools, differs from it ((0, 0) when it has none, or the template refuses
     the cut). `images`: the prompt's, encoded as its keys in the cuts too (server/api/vision.py)."""
