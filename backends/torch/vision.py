@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from kvfork.backends.torch.images import PlacedImage
-from kvfork.backends.vision import FAMILIES, ImageInput, folder_family, load_processing, vision_family
+from kvfork.backends.vision import ImageInput, folder_family, load_processing, vision_family
 from kvfork.backends.vision.keys import IMAGE_KEY_BASE, image_of, index_of
 
 CACHE_BYTES = 256 << 20  # the encoder cache's embeddings, pinned ones aside
@@ -80,7 +80,7 @@ class VisionReader:
 
         config = json.loads((folder / "config.json").read_text())
         self.processing = load_processing(folder, AutoTokenizer.from_pretrained(str(folder)))
-        self.tower = TOWERS[FAMILIES[vision_family(config)]](config)
+        self.tower = TOWERS[vision_family(config)](config)
         self.tower.load_state_dict(weights, strict=True)
         self.tower.to(device, dtype).eval()
         self.device, self.dtype, self.cache_bytes = device, dtype, cache_bytes
