@@ -227,7 +227,7 @@ class TorchBackend(Backend):
                 now = [i for i, p in enumerate(pieces) if piece < len(p)]
                 rows = [VarlenRow(sessions[i].layers, starts[i] + pieces[i][piece][0],
                                   pieces[i][piece][1] - pieces[i][piece][0]) for i in now]
-                tokens = [chunks[i][pieces[i][piece][0]:pieces[i][piece][1]] for i in now]
+                tokens: Sequence[Sequence[int]] = [chunks[i][pieces[i][piece][0]:pieces[i][piece][1]] for i in now]
                 images = None
                 if self.vision is not None:  # image keys: the placeholder's id, and the images' embeddings
                     tokens, images = zip(*(self.vision.place(t, row.start) for t, row in zip(tokens, rows)))

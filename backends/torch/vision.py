@@ -80,7 +80,7 @@ class VisionReader:
 
         config = json.loads((folder / "config.json").read_text())
         self.processing = load_processing(folder, AutoTokenizer.from_pretrained(str(folder)))
-        self.tower = TOWERS[vision_family(config)](config)
+        self.tower = TOWERS[str(vision_family(config))](config)
         self.tower.load_state_dict(weights, strict=True)
         self.tower.to(device, dtype).eval()
         self.device, self.dtype, self.cache_bytes = device, dtype, cache_bytes
