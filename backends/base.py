@@ -46,6 +46,7 @@ from typing import Any, Collection, Container, Literal, Sequence
 import numpy as np
 
 from kvfork.backends.device_memory import DeviceMemory, cpu_memory
+from kvfork.backends.vision.keys import IMAGE_KEY_BASE
 
 
 class CloneRefused(Exception):
@@ -127,6 +128,10 @@ KV_GROUP_SIZES = (32, 64, 128)
 
 class KVStorageRefused(ValueError):
     """A --kv-cache-dtype the backend cannot store for this model (its head size, its device)."""
+
+
+class BackendRefused(ValueError):
+    """A model this backend does not serve and another does (--backend names the other)."""
 
 
 @dataclass(frozen=True)
@@ -243,6 +248,7 @@ class ModelInfo:
     kv_dtype: str = ""  # how KV state is stored (KVStorage.label); "" : as `dtype`
     # (storage, full_bytes_per_token) for each --kv-cache-dtype the backend could store this model's KV in
     kv_token_bytes: tuple[tuple[str, int], ...] = ()
+    reads_images: bool = False  # a prompt may hold image keys (backends/vision/keys.py): Backend.encode_images
 
     @property
     def recurrent(self) -> bool:
@@ -415,7 +421,7 @@ def check_inputs(sessions: Sequence[Session], rows: Sequence[Sequence[int]], liv
         if s.position + len(row) > info.context_length:
             raise ValueError(f"{s!r} + {len(row)} tokens exceeds the context length {info.context_length}")
         # On the host: an id out of range is a device-side assert on CUDA, fatal to the process.
-        if not all(0 <= t < info.vocab_size for t in row):
+        if not all(0 <= t < info.vocab_size or (info.reads_images and t >= IMAGE_KEY_BASE) for t in row):
             raise ValueError(f"a token id is outside the vocabulary [0, {info.vocab_size})")
 
 
@@ -526,6 +532,15 @@ class Backend(abc.ABC):
         """A new session holding `state` (the saved-state rule), at `state.position`. The caller
         has reserved its bytes (`info.kv.bytes_for(position, start=position)`) before calling."""
         raise NotImplementedError(f"{type(self).__name__} cannot load a session's state")
+
+    def encode_images(self, images: Sequence[Any], scope: str) -> int:
+        """Runner thread, as a request starts: each ImageInput (backends/vision) whose keys its prefill reads
+        gets its embeddings, from the encoder cache of `scope` or encoded now, held until `release_images`;
+        returns how many were encoded. Only a model whose `info.reads_images`."""
+        raise NotImplementedError(f"{type(self).__name__} reads no images")
+
+    def release_images(self, images: Sequence[int]) -> None:
+        """The request that `encode_images` held these images for (their ids) ended."""
 
     @property
     def state_format(self) -> str:

@@ -94,6 +94,21 @@ def source_of(url: str, allowed_domains: list[str]) -> DataUrl | RemoteUrl:
 
 def decode(payload: str, max_pixels: int) -> Image:
     """A base64 image decoded (its first frame) and hashed; ImageRefused when it is not one kvfork reads."""
+    media_type, pixels = _pixels(payload, max_pixels)
+    width, height = pixels.size
+    digest = hashlib.sha256(f"{width}x{height}:".encode())
+    digest.update(pixels.tobytes())
+    return Image(media_type, width, height, digest.hexdigest())
+
+
+def picture(payload: str, max_pixels: int):
+    """The image's pixels as a vision model's processor takes them: a Pillow image, RGB (decoded again where
+    a model must encode it: what `Images` remembers is the image's identity, not its pixels)."""
+    return _pixels(payload, max_pixels)[1].convert("RGB")
+
+
+def _pixels(payload: str, max_pixels: int):
+    """(media type, first frame as RGBA) of a base64 image; ImageRefused when it is not one kvfork reads."""
     from PIL import Image as Pillow, UnidentifiedImageError
 
     try:
@@ -118,9 +133,7 @@ def decode(payload: str, max_pixels: int) -> Image:
         except (OSError, ValueError, SyntaxError, EOFError) as e:
             raise ImageRefused(f"the {MEDIA_TYPES[picture.format]} image cannot be decoded: "
                                f"{str(e)[:120]}") from None
-        digest = hashlib.sha256(f"{width}x{height}:".encode())
-        digest.update(pixels.tobytes())
-        return Image(MEDIA_TYPES[picture.format], width, height, digest.hexdigest())
+        return MEDIA_TYPES[picture.format], pixels
 
 
 class Images:

@@ -7,6 +7,7 @@ import asyncio
 import logging
 from pathlib import Path
 
+from kvfork.backends.vision import load_processing
 from kvfork.server.chat_output import start_formats
 from kvfork.server.config import ServerConfig
 from kvfork.server.state import AppState
@@ -19,7 +20,9 @@ log = logging.getLogger("kvfork")
 def load_tokenizer(config: ServerConfig, path: str) -> PromptTokenizer:
     """The model's tokenizer, with the operator's chat template (--chat-template) where one is set."""
     template = Path(config.chat_template).read_text(encoding="utf-8") if config.chat_template else None
-    return PromptTokenizer.load(path, template, config.template_timeout)
+    tokenizer = PromptTokenizer.load(path, template, config.template_timeout)
+    tokenizer.vision = load_processing(path, tokenizer.tokenizer)
+    return tokenizer
 
 
 async def load_model(state: AppState, path: str, tokenizer: PromptTokenizer | None = None) -> None:

@@ -97,6 +97,12 @@ class AppState:
             return self.pool.known(requested)
         return ModelBounds(self.context, self.engine.info.vocab_size) if self.ready else None
 
+    def reads_images(self, requested: str | None) -> bool:
+        """Whether the model a request names reads images (its images reach it, not a line of text)."""
+        if self.pool is not None:
+            return self.pool.reads_images(requested)
+        return self.tokenizer is not None and self.tokenizer.vision is not None
+
     async def counting(self, request: web.Request, requested: str | None) -> tuple[PromptTokenizer, int]:
         """The tokenizer and context a request naming `requested` would be counted with (count_tokens); with
         several models, a model not loaded is not loaded for a count: its tokenizer alone is."""

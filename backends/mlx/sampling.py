@@ -17,6 +17,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
+from kvfork.backends.vision.keys import text_only
 from kvfork.backends.base import Sampled, SamplerState, SamplingParams, packed_masks
 
 
@@ -30,7 +31,7 @@ def shaped_logits(row: mx.array, state: SamplerState) -> mx.array:
     """Penalties and bias applied to one row of logits [vocab]."""
     p = state.params
     if p.repetition_penalty != 1.0:
-        seen = mx.array(sorted(set(state.prompt) | set(state.output)), mx.int32)
+        seen = mx.array(sorted(set(text_only(state.prompt)) | set(state.output)), mx.int32)
         if seen.size:
             picked = row[seen]
             row[seen] = mx.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)

@@ -13,6 +13,7 @@ through saved.py (the saved-state rule).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Collection, Sequence
 
@@ -28,6 +29,8 @@ from kvfork.backends.torch.config import ArchConfig, HybridConfig
 from kvfork.backends.torch.gated_delta import RecurrentState
 from kvfork.backends.torch.hybrid import HybridTransformer
 from kvfork.backends.torch.model import Transformer, VarlenRow
+from kvfork.backends.torch.vision import VisionReader, split_weights
+from kvfork.backends.vision import ImageInput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,6 +66,7 @@ class TorchBackend(Backend):
         self.clone_mode: kv.CloneMode = "share"
         self.kv_storage = KVStorage()
         self._source: tuple[str, str | None, str] | None = None  # (folder, dtype asked, device) of the loaded model
+        self.vision: VisionReader | None = None  # a model that reads images: its tower and encoder cache
 
     def set_kv_storage(self, storage: KVStorage) -> None:
         self.kv_storage = storage
@@ -74,6 +78,7 @@ class TorchBackend(Backend):
 
     def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
         path = resolve_model(folder)
+        self.vision = None
         source, kept, self.reusable = (str(path), dtype, str(self.device)), self.reusable, None
         if isinstance(kept, loading.Built) and kept.source == source:
             self.dtype, self._source = kept.model_dtype, source
@@ -81,8 +86,22 @@ class TorchBackend(Backend):
             self._adopt(kept.model, kept.cfg, path.name, read_model_facts(path), storage)
             return self.info
         cfg, weights, split = loading.read(path, self.device, self.shards)
-        self._source = source if self.shards is None else None  # a rank's part is not handed over
-        return self.install(cfg, weights, path.name, read_model_facts(path), dtype, split)
+        weights, tower = split_weights(path, weights, self.shards is not None)
+        # handed over for a later load: neither a rank's part nor a model that reads images (its tower)
+        self._source = source if self.shards is None and tower is None else None
+        info = self.install(cfg, weights, path.name, read_model_facts(path), dtype, split)
+        if tower is not None:  # a model that reads images (backends/torch/vision.py)
+            self.vision = VisionReader(path, tower, self.device, self.dtype)
+            self.info = dataclasses.replace(info, reads_images=True)
+        return self.info
+
+    def encode_images(self, images: Sequence[ImageInput], scope: str) -> int:
+        assert self.vision is not None, "the model reads no images"
+        return self.vision.encode(images, scope)
+
+    def release_images(self, images: Sequence[int]) -> None:
+        assert self.vision is not None, "the model reads no images"
+        self.vision.release(images)
 
     def built(self) -> loading.Built | None:
         return loading.Built(self._source, self.dtype, self.model, self.cfg) if self._source is not None else None
@@ -111,7 +130,7 @@ class TorchBackend(Backend):
 
     def memory(self, step_tokens: int) -> DeviceMemory:
         """On CUDA the device's own memory, with a step's activation peak measured as vLLM profiles it."""
-        weights = loading.weight_bytes(self.model)
+        weights = loading.weight_bytes(self.model, *([self.vision.tower] if self.vision else []))
         if self.device.type != "cuda":
             return cpu_memory(weights)
         return cuda_memory(self.device, weights, self._activation_peak(step_tokens) if step_tokens else 0)
@@ -212,6 +231,8 @@ class TorchBackend(Backend):
                  reads: list[int] | None) -> torch.Tensor:
         """One pass (pieces where checkpoints cut a chunk); each row's last logits, or its last reads[i]."""
         writes = [hybrid.in_place_writes(s.layers) for s in sessions]
+        if self.vision is not None:
+            self.vision.check(chunks)
         try:
             self._wait_for_clones(sessions)
             starts = [s.position for s in sessions]
@@ -226,12 +247,14 @@ class TorchBackend(Backend):
                 now = [i for i, p in enumerate(pieces) if piece < len(p)]
                 rows = [VarlenRow(sessions[i].layers, starts[i] + pieces[i][piece][0],
                                   pieces[i][piece][1] - pieces[i][piece][0]) for i in now]
-                ids = torch.tensor([t for i in now for t in chunks[i][pieces[i][piece][0]:pieces[i][piece][1]]],
-                                   dtype=torch.long, device=self.device)
+                tokens: Sequence[Sequence[int]] = [chunks[i][pieces[i][piece][0]:pieces[i][piece][1]] for i in now]
+                images = None
+                if self.vision is not None:  # image keys: the placeholder's id, and the images' embeddings
+                    tokens, images = zip(*(self.vision.place(t, row.start) for t, row in zip(tokens, rows)))
+                ids = torch.tensor([t for chunk in tokens for t in chunk], dtype=torch.long, device=self.device)
                 positions = torch.tensor([row.start + j for row in rows for j in range(row.length)],
                                          device=self.device)
-                logits = self.model(ids, positions, rows) if reads is None else \
-                    self.model(ids, positions, rows, reads)  # a verify pass: no checkpoint cuts it
+                logits = self.model(ids, positions, rows, reads=reads, images=images)  # reads: a verify pass
                 for row, i in enumerate(now):
                     end = starts[i] + pieces[i][piece][1]
                     if piece == len(pieces[i]) - 1:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvfork.backends import rope_scaling
+from kvfork.backends.vision import vision_family
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3_text")
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # Gated DeltaNet + gated attention (hybrid.py)
@@ -78,6 +79,8 @@ def read_config(folder: str | Path) -> ArchConfig | HybridConfig:
 
 
 def parse_config(cfg: dict) -> ArchConfig | HybridConfig:
+    if vision_family(cfg) is not None:  # a vision model: its text model (the tower: backends/torch/vision.py)
+        cfg = cfg["text_config"]
     family = cfg.get("model_type")
     if family in HYBRID_FAMILIES:
         return parse_hybrid_config(cfg)

@@ -150,9 +150,11 @@ class HybridTransformer(nn.Module):
             if block.linear:
                 block.linear_attn.chunked_prefill = chunked
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: Sequence[VarlenRow]) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: Sequence[VarlenRow], reads: None = None,
+                images: None = None) -> torch.Tensor:
         """tokens, positions: [tokens], the rows' end to end; row.kv[layer] is a HybridLayerState.
-        Returns each row's last-token logits, [rows, vocab]."""
+        Returns each row's last-token logits, [rows, vocab] (a hybrid verifies no drafts and reads no images)."""
+        assert reads is None and images is None
         rope = angles(positions[None], self.inv_freq, self.rope_scale)
         h = self.model.embed_tokens(tokens)
         for i, block in enumerate(self.model.layers):

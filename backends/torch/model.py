@@ -22,6 +22,7 @@ from torch import nn
 
 from kvfork.backends.torch.attention import attend_rows
 from kvfork.backends.torch.config import ArchConfig
+from kvfork.backends.torch.images import PlacedImage, scatter
 from kvfork.backends.torch.kv import LayerKV
 from kvfork.backends.torch.rope import angles, inverse_frequencies, rotate
 
@@ -150,9 +151,11 @@ class Transformer(nn.Module):
         self.inv_freq_full, self.inv_freq_sliding = inv_freq_full.to(device), inv_freq_sliding.to(device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: Sequence[VarlenRow],
-                reads: Sequence[int] | None = None) -> torch.Tensor:
+                reads: Sequence[int] | None = None,
+                images: Sequence[Sequence[PlacedImage]] | None = None) -> torch.Tensor:
         """tokens, positions: [tokens], the rows' end to end. Returns each row's last-token logits, [rows, vocab];
-        with `reads`, the last reads[i] tokens' of row i, [sum(reads), vocab] (drafted tokens verified)."""
+        with `reads`, the last reads[i] tokens' of row i, [sum(reads), vocab] (drafted tokens verified);
+        `images[i]`: the images whose embeddings take row i's slots they hold."""
         # once per pass, shared by every layer of a kind
         full = angles(positions[None], self.inv_freq_full, self.rope_scale_full)
         sliding = angles(positions[None], self.inv_freq_sliding, self.rope_scale_sliding) if any(self.cfg.sliding) \
@@ -160,6 +163,8 @@ class Transformer(nn.Module):
         h = self.model.embed_tokens(tokens)
         if self.cfg.gemma:
             h = h * torch.tensor(self.cfg.hidden_size**0.5, dtype=h.dtype)  # in the model dtype, as trained
+        if images is not None and any(images):
+            h = scatter(h, [row.start for row in rows], [row.length for row in rows], images)
         for i, block in enumerate(self.model.layers):
             h = block(h, sliding if self.cfg.sliding[i] else full, i, rows)
         h = self.model.norm(h[read_positions(rows, reads)])

@@ -1,4 +1,4 @@
-"""The images of a chat request, as a text-only model takes them (every model kvfork serves today).
+"""The images of a chat request: read by a vision model, or as a text-only model takes them.
 
 Every API's images arrive here as chat `image_url` parts: chat's own, Responses' `input_image`, and
 Messages' `image` blocks (in user turns and inside `tool_result` content), translated into them. Each is
@@ -11,16 +11,22 @@ checked before any work (their count, then each URL: server/images.py), then:
   the same screenshot is told across turns). `--images refuse` makes it a 400 too. An http(s) URL on an
   allowed domain is never fetched for it: the line names its host.
 The line is all the model sees of the image, so count_tokens counts it.
+
+A model that reads images (backends/vision) takes every image part of any turn: each is decoded and known
+by its pixel hash (server/images.py), and its pixels are decoded again only where the model must encode
+it. kvfork fetches no URL for it: an http(s) image is a 400 that says to send a data URL.
 """
 
 from __future__ import annotations
 
 import logging
+import functools
 from dataclasses import dataclass
 
 from kvfork.server.api.chat.protocol import ChatMessage
 from kvfork.server.errors import ApiError, client_text, invalid
-from kvfork.server.images import DataUrl, ImageRefused, RemoteUrl, source_of
+from kvfork.server.api.vision import SeenImage
+from kvfork.server.images import DataUrl, ImageRefused, RemoteUrl, picture, source_of
 from kvfork.server.limits import over
 from kvfork.server.state import AppState
 
@@ -62,9 +68,10 @@ def image_parts(messages: list[ChatMessage]) -> list[ImagePart]:
     return out
 
 
-async def image_lines(state: AppState, messages: list[ChatMessage], model: str, tenant: str,
-                      rid: str) -> dict[tuple[int, int], str]:
-    """The line of text standing for each image, by (message, part); a 400 for any the model cannot take."""
+async def read_images(state: AppState, messages: list[ChatMessage], model: str, tenant: str, rid: str,
+                      vision: bool) -> dict[tuple[int, int], str | SeenImage]:
+    """Each image by (message, part): for a `vision` model the image, else the line of text standing for it;
+    a 400 for any the model cannot take."""
     parts = image_parts(messages)
     if not parts:
         return {}
@@ -78,6 +85,9 @@ async def image_lines(state: AppState, messages: list[ChatMessage], model: str, 
             sources.append(source_of(part.url, config.allowed_media_domains))
         except ImageRefused as e:
             raise invalid(part.param, f"image {n}: {e}") from None
+    if vision:
+        return {(part.message, part.part): await _seen(state, source, tenant, n, part)
+                for n, (part, source) in enumerate(zip(parts, sources), 1)}
     for n, part in enumerate(parts, 1):
         if not part.in_tool_result or config.images == "refuse":
             where = "inside a tool result" if part.in_tool_result else f"in a {part.role} message"
@@ -93,6 +103,18 @@ async def image_lines(state: AppState, messages: list[ChatMessage], model: str, 
              rid, client_text(model), ", ".join(logged), more)
     return {(part.message, part.part): f"[{what}: not shown, this model reads text only]"
             for part, (what, _, _) in zip(parts, described)}
+
+
+async def _seen(state: AppState, source: DataUrl | RemoteUrl, tenant: str, n: int, part: ImagePart) -> SeenImage:
+    if isinstance(source, RemoteUrl):
+        raise invalid(part.param, f"image {n}: kvfork fetches no image for a model to read; send it as a data URL "
+                      "(data:image/png;base64,...)")
+    max_pixels = state.config.max_image_pixels
+    try:
+        image = await state.images.read(tenant, source, max_pixels)
+    except ImageRefused as e:
+        raise invalid(part.param, f"image {n}: {e}") from None
+    return SeenImage(image, functools.partial(picture, source.payload, max_pixels))
 
 
 async def _describe(state: AppState, source: DataUrl | RemoteUrl, tenant: str, n: int,

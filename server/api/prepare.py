@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping, Sequence
 from aiohttp import web
 
 from kvfork.backends.base import SEEDS, SamplingParams
+from kvfork.backends.vision import ImageInput
 from kvfork.server.chat_output import ChatOutputParser, output_parser
 from kvfork.server.config import ServerConfig
 from kvfork.server.engine.api import GenerateRequest, Scope
@@ -34,7 +35,8 @@ from kvfork.server.grammar import request_ask
 from kvfork.server.api.chat.protocol import ChatCompletionRequest, ChatMessage
 from kvfork.server.api.openai import SamplingFields
 from kvfork.server.api.diagnosis import Asked, Fingerprint, Report, fingerprint
-from kvfork.server.api.images import IMAGE_PART, image_lines
+from kvfork.server.api.images import IMAGE_PART, read_images
+from kvfork.server.api.vision import SeenImage, image_mark, vision_prompt
 from kvfork.server.api.respond import Job
 from kvfork.server.limits import check_count, check_prompt_chars, check_schema, json_deeper_than
 from kvfork.server.state import AppState, ModelBounds, scope_of, tenant_of
@@ -98,15 +100,17 @@ def template_tool_calls(calls: list[dict[str, Any]], max_depth: int) -> list[dic
 
 
 def template_message(index: int, message: ChatMessage, max_depth: int,
-                     image_lines: Mapping[tuple[int, int], str]) -> dict[str, Any]:
-    """A message as chat templates expect it: text content (each image as its line: server/api/images.py), the
-    other fields passed through."""
+                     images: Mapping[tuple[int, int], str | SeenImage]) -> dict[str, Any]:
+    """A message as chat templates expect it: text content (each image as its line for a text-only model:
+    server/api/images.py; as its mark for a model that reads it: server/api/vision.py), the other fields
+    passed through."""
     content = message.content
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
             if part.type == IMAGE_PART:
-                texts.append(image_lines[index, j])
+                image = images[index, j]
+                texts.append(image if isinstance(image, str) else image_mark(image))
             elif part.type == "text":
                 texts.append(part.text or "")
             else:
@@ -136,6 +140,7 @@ class Checked:
     tool_name: str | None  # the function a named tool_choice names
     session: str | None
     context: int | None  # the context its characters were checked for (None: not yet)
+    images: list[SeenImage]  # for a model that reads them, in the messages' order
 
 
 async def check_chat(state: AppState, body: ChatCompletionRequest, request: web.Request, rid: str,
@@ -150,8 +155,9 @@ async def check_chat(state: AppState, body: ChatCompletionRequest, request: web.
     if known is not None and known.vocab_size is not None:
         token_ids(body, known.vocab_size)
     check_count("messages", body.messages, config.max_messages, "--max-messages", "messages")
-    lines = await image_lines(state, body.messages, body.model, tenant_of(request), rid)
-    messages = [template_message(i, m, config.max_json_depth, lines) for i, m in enumerate(body.messages)]
+    images = await read_images(state, body.messages, body.model, tenant_of(request), rid,
+                               state.reads_images(body.model))
+    messages = [template_message(i, m, config.max_json_depth, images) for i, m in enumerate(body.messages)]
     context = known.context if known is not None else None
     if context is not None:
         check_prompt_chars(messages, body.tools, config, context)
@@ -161,7 +167,8 @@ async def check_chat(state: AppState, body: ChatCompletionRequest, request: web.
     if body.tools and body.tool_choice != "none":  # a tool grammar is built from their parameters
         check_schema("tools", [tool["function"].get("parameters") for tool in body.tools], config)
     session = session_id(body.session_id, request.headers, config.session_header)
-    return Checked(body, messages, choice, tool_name, session, context)
+    seen = [image for _, image in sorted(images.items()) if isinstance(image, SeenImage)]
+    return Checked(body, messages, choice, tool_name, session, context, seen)
 
 
 def inline_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -205,6 +212,7 @@ class Rendered:
     messages: list[dict[str, Any]]  # as rendered (system messages inlined where the template wants them)
     template_input: tuple[list[dict[str, Any]], list[dict[str, Any]] | None]  # messages and tools (Hermes block)
     kwargs: dict[str, Any]  # the template's own variables
+    images: tuple[ImageInput, ...] = ()  # the images its prompt's keys name (a model that reads them)
 
 
 async def render_prompt(tokenizer: PromptTokenizer, config: ServerConfig, checked: Checked, context: int,
@@ -238,10 +246,14 @@ async def render_prompt(tokenizer: PromptTokenizer, config: ServerConfig, checke
             tool_format = "hermes"
     parser = output_parser(tool_format, config.reasoning_parser, tokenizer.chat_template, text, body.tools,
                            checked.choice, checked.tool_name, make_call_id, vocabulary, named)
-    prompt = await tokenizer.encode_rendered(text, tenant, None if count_all else context)
+    images: tuple[ImageInput, ...] = ()
+    if checked.images:
+        prompt, images = await vision_prompt(tokenizer, text, checked.images, tenant)
+    else:
+        prompt = await tokenizer.encode_rendered(text, tenant, None if count_all else context)
     if parser.prompt_suffix:  # encoded on its own: the prompt before it keeps the tokens other turns share
         prompt += await tokenizer.encode_rendered(parser.prompt_suffix, tenant)
-    return Rendered(prompt, parser, messages, rendered, kwargs)
+    return Rendered(prompt, parser, messages, rendered, kwargs, images)
 
 
 async def prepare(state: AppState, checked: Checked, request: web.Request, rid: str,
@@ -259,6 +271,7 @@ async def prepare(state: AppState, checked: Checked, request: web.Request, rid: 
         max_tokens=body.max_completion_tokens or body.max_tokens, session=checked.session,
         scope=scope, logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
     )
+    generate.images = rendered.images
     ask = request_ask(body.response_format, parser.call_format, body.tools,
                       checked.choice, checked.tool_name, parser.prompt_suffix,  # type: ignore[arg-type]
                       parallel=body.parallel_tool_calls is not False, specials=tokenizer.specials)
@@ -271,7 +284,7 @@ async def prepare(state: AppState, checked: Checked, request: web.Request, rid: 
     job = Job(model, prompt, generate, stop_strings(body), parser, body.n)
     if asked is not None:
         job.diagnostics = diagnostics(state, asked, rid, await fingerprint(
-            tokenizer, scope, model, rendered.messages, body.tools, rendered.kwargs, prompt))
+            tokenizer, scope, model, rendered.messages, body.tools, rendered.kwargs, prompt, checked.images))
     return job
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 from kvfork.backends.base import SamplingParams
+from kvfork.backends.vision import ImageInput
 
 if TYPE_CHECKING:
     from kvfork.server.engine.constraints import Constraint
@@ -99,6 +100,9 @@ class GenerateRequest:
     # layers keeps checkpoints (--recurrent-checkpoints), for a later prompt that shares them.
     boundaries: tuple[int, ...] = ()
     n: int = 1  # choices: the prompt is prefilled once, choice i samples with seed + i (Engine.submit_choices)
+    # The images whose keys the prompt holds (backends/vision/keys.py), in order: a model that reads images
+    # encodes those its start did not reuse (Backend.encode_images)
+    images: tuple[ImageInput, ...] = ()
 
 
 def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
@@ -120,6 +124,7 @@ class Usage:
     prefill_s: float = 0.0
     ttft_s: float = 0.0
     decode_s: float = 0.0
+    images_encoded: int = 0  # images of the prompt the vision tower ran for (the rest: reused or cached)
     decision: dict = field(default_factory=dict)  # the placement's decision and its inputs (the log line's)
 
 

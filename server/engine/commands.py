@@ -20,6 +20,7 @@ import time
 
 from kvfork.backends import effects as e
 from kvfork.backends.base import CloneRefused, SamplerState
+from kvfork.backends.vision.keys import text_only
 from kvfork.server.engine import messages as m
 from kvfork.server.engine import plan as p
 from kvfork.server.engine.clone_orders import CloneOrders
@@ -90,14 +91,27 @@ class Commands:
                 self._run(e.Open(sid))
             if start.keep_at:
                 self._keep_at(sid, start.keep_at)
+            images, encoded = self._encode(start, sid, reused)
         except Exception as exc:
             log.exception("start failed")
             self.events.append(m.Started(start.rid, 0, None, refused))
             for rid in [start.rid] + [choice.rid for choice in start.choices]:
                 self.events.append(m.Ended(rid, "error", 0, 0, error=f"start failed: {exc}"))
             return
-        self._open(start, sid, list(start.choices))
-        self.events.append(m.Started(start.rid, reused, index, refused, clone_s))
+        self._open(start, sid, list(start.choices)).images = tuple(image.image for image in images)
+        self.events.append(m.Started(start.rid, reused, index, refused, clone_s, encoded))
+
+    def _encode(self, start: m.Start, sid: int, reused: int) -> tuple[tuple, int]:
+        """The images its prefill reads (past `reused`), held by the backend for it, and how many were encoded
+        (the others were cached); a failure releases its session and fails its start."""
+        images = tuple(image for image in start.images if image.end > reused)
+        if not images:
+            return images, 0
+        try:
+            return images, self.backend.encode_images(images, start.scope)
+        except BaseException:
+            self._run(e.Release([sid]))
+            raise
 
     def _open(self, start: m.Start, sid: int, choices: list[m.Choice], planned: bool = False) -> Seq:
         """`start`'s request takes its slot on session `sid`, with its sampler and its grammar's matcher
@@ -111,7 +125,7 @@ class Commands:
         self._rows.start(start.rid, start.constraint)
         if self._draft_cap and self._drafts is not None:
             try:
-                s.drafts = self._drafts.open(start.scope, start.prompt)
+                s.drafts = self._drafts.open(start.scope, text_only(start.prompt) if start.images else start.prompt)
             except Exception as exc:  # optional work: it decodes without
                 log.warning("opening a drafter for request %d failed: %r", start.rid, exc)
         return s

@@ -56,6 +56,7 @@ class Start:
     donor: tuple[int, int] | None = None
     keep_at: tuple[int, ...] = ()  # positions its session keeps the recurrent state at (Backend.keep_at)
     scope: str = ""  # whose drafts corpus it reads and adds to (drafts.Drafts.open): its tenant and cache_salt
+    images: tuple[Any, ...] = ()  # backends.vision.ImageInput: its prompt's images, encoded past what it reuses
 
 
 @dataclass
@@ -143,6 +144,7 @@ class Started:
     clone_index: int | None  # which `clone_from` candidate served it, if one did
     refused: list[str] = field(default_factory=list)  # reasons, for the candidates tried before it
     clone_s: float = 0.0  # how long the clone that served it took
+    encoded: int = 0  # images the vision tower ran for at its start (Backend.encode_images)
 
 
 @dataclass

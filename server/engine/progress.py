@@ -24,6 +24,9 @@ class Progress:
         donor_upto, candidates = p.donor_upto, p.candidates
         phase.started(r, ev.reused)
         r.reused = ev.reused
+        r.images_encoded = ev.encoded
+        if ev.encoded:
+            self.metrics.images_encoded.inc(ev.encoded)
         self._index.moved(r.rid, ev.reused, ())
         if donor_upto:
             self._observe_clone("donor", [], ev.reused, ev.clone_s, r, p.cached)

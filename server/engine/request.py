@@ -162,6 +162,7 @@ class Request:
     # usage
     reused: int = 0
     reuse_source: ReuseSource | None = None
+    images_encoded: int = 0
     prefilled: int = 0
     generated: int = 0
     submitted_at: float = field(default_factory=time.monotonic)
@@ -201,6 +202,7 @@ class Request:
             reuse_source=self.reuse_source,
             prefilled_tokens=self.prefilled,
             generated_tokens=self.generated,
+            images_encoded=self.images_encoded,
             queue_s=started - self.submitted_at,
             prefill_s=max(0.0, first - started),
             ttft_s=(self.first_token_at - self.submitted_at) if self.first_token_at else 0.0,

@@ -292,6 +292,8 @@ class Runner(Commands, Cloning, Speculation):
         self._paused.pop(s.rid, None)
         self._rows.end(s.rid)
         self._close_drafts(s, reason)
+        if s.images:
+            self.backend.release_images(s.images)
         named_sid, held, nbytes, frees = None, [], 0, 0
         if s.start.keep_session and reason != "error" and self._roll_back(s):
             named_sid = s.sid

@@ -31,6 +31,7 @@ class Seq:
     acceptance: Acceptance = field(default_factory=Acceptance)  # its recent drafts' (draft_policy.py)
     # steps in a row it did not draft in, where the policy said they would not pay (it starts with a probe)
     skipped: int = PROBE_EVERY
+    images: tuple[int, ...] = ()  # the ids of the images the backend holds for it (Backend.encode_images)
 
     @property
     def rid(self) -> int:

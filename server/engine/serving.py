@@ -262,7 +262,7 @@ class Serving(Parking, Progress, Ending):
                            keep_session=r.named is not None, resume=sid, resume_at=at,
                            clone_from=[(c.entry.sid, c.upto) for c in candidates or ()], donor=donor,
                            constraint=r.req.constraint, choices=choices, keep_at=adm.checkpoints(r.req),
-                           scope=json.dumps([r.req.scope.tenant, r.req.scope.salt])))
+                           scope=json.dumps([r.req.scope.tenant, r.req.scope.salt]), images=r.req.images))
         for sibling in r.waiting_siblings:
             sibling.sent = True
         self._index.run(r.rid, r.prompt, r.req.scope, r.rid)

@@ -57,6 +57,8 @@ class EngineMetrics:
                              "prefill tokens active reuse saved beyond the best cached match")
         self.preemptions = c("preemptions_total", "decoding requests paused to give their slot to a tenant below "
                              "its share (fair_share.preempt)")
+        self.images_encoded = c("images_encoded_total", "images a vision model's tower encoded (an image reused "
+                                 "in a prompt's state, or in the encoder cache of its tenant, is not)")
         self.follow = c("follow_decisions_total", "reuse decisions for anonymous requests, by choice")
         self.step_seconds = c("runner_step_seconds_total", "wall time of runner steps")
         self.backend_seconds = c("runner_backend_seconds_total", "time of runner steps spent in backend calls")

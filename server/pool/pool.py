@@ -36,6 +36,7 @@ from aiohttp import web
 
 from kvfork.backends.base import Backend
 from kvfork.backends.model_info import read_model_facts
+from kvfork.backends.vision import folder_family
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.api import EngineError
 from kvfork.server.errors import ApiError, from_engine
@@ -81,6 +82,7 @@ class PooledModel:
     failed_at: float = 0.0  # when (monotonic)
     budget_refused: bool = False  # the last load failed for the budget (its numbers), not the model's files
     known: ModelBounds | None = None  # the context and vocabulary its requests get, from its folder, before it loads
+    reads_images: bool = False  # its folder's config names a vision family (backends/vision), known so too
     counter: asyncio.Task | None = None  # its tokenizer loaded alone, for count_tokens
     files: tuple | None = None  # its folder's files when it loaded (loadable.folder_state)
 
@@ -132,6 +134,7 @@ class ModelPool:
         for model in self.models.values():  # read once, here: a request's checks then never wait for a file
             if model.spec.fetch is None:
                 model.known = _folder_bounds(model.spec.path, engine_config.max_context)
+                model.reads_images = folder_family(Path(model.spec.path).expanduser()) is not None
         self.kept = KeptModels(budget)  # what unloaded models left for their next load
         self.default = specs[0].name
         self.switch_timeout, self.ttl = config.model_switch_timeout, config.model_ttl
@@ -213,6 +216,10 @@ class ModelPool:
             assert model.served is not None
             return model.served.state.known(None)
         return model.known
+
+    def reads_images(self, requested: str | None) -> bool:
+        """Whether the model a request names reads images, known without loading it."""
+        return self.model(requested).reads_images
 
     async def counting(self, request: web.Request, requested: str | None) -> tuple[PromptTokenizer, int]:
         """The tokenizer and context `requested` counts prompts with: the loaded model's (held for the request,

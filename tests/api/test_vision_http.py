@@ -1,0 +1,181 @@
+"""A model that reads images, over HTTP (a tiny random SmolVLM on torch, one daemon for the file): an image
+in a user turn (chat) and inside a Messages tool_result; the same image next turn reuses the prompt up to the
+new text and is not encoded again; a changed image misses from its first token; two tenants share nothing;
+restarted from the disk tier, the same tokens."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import aiohttp
+import numpy as np
+import pytest
+import pytest_asyncio
+from PIL import Image
+
+from http_daemon import metrics, serving
+from kvfork.backends import create_backend
+from kvfork.tools.vision_model import write
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+CHAT, MESSAGES = "/v1/chat/completions", "/v1/messages"
+SYSTEM = "you read the screen of a user and answer what is on it, first the window then the button " * 2
+ENCODED = "kvfork_images_encoded_total"
+
+
+def screenshot(seed: int, width: int = 50, height: int = 40) -> str:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return f"data:image/png;base64,{base64.b64encode(out.getvalue()).decode()}"
+
+
+def turn(image: str, text: str = "what is on the screen?") -> list[dict]:
+    return [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": [{"type": "text", "text": text},
+                                         {"type": "image_url", "image_url": {"url": image}}]}]
+
+
+@pytest.fixture(scope="module")
+def smolvlm(tmp_path_factory):
+    return str(write(tmp_path_factory.mktemp("smolvlm")))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def daemon(smolvlm):
+    async with serving(smolvlm, create_backend("torch"), served_model_name=["tiny"]) as d:
+        yield d
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def http():
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def chat(http, daemon, messages: list[dict], **extra) -> dict:
+    body = {"messages": messages, "temperature": 0, "max_tokens": 4, **extra}
+    async with http.post(daemon.url + CHAT, json=body) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+def cached(reply: dict) -> int:
+    return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+async def encoded(http, daemon) -> float:
+    return (await metrics(http, daemon.url)).get(ENCODED, 0.0)
+
+
+async def test_the_same_image_next_turn_is_reused_and_not_encoded_again(http, daemon):
+    image = screenshot(1)
+    before = await encoded(http, daemon)
+    first = await chat(http, daemon, turn(image), cache_salt="reuse")
+    assert await encoded(http, daemon) == before + 1
+    answer = first["choices"][0]["message"]["content"]
+    follow_up = turn(image) + [{"role": "assistant", "content": answer},
+                               {"role": "user", "content": "and the button?"}]
+    second = await chat(http, daemon, follow_up, cache_salt="reuse")
+    assert cached(second) >= first["usage"]["prompt_tokens"] - 1  # all of the first turn's prompt
+    assert await encoded(http, daemon) == before + 1  # reused with its state: never encoded again
+    cold = await chat(http, daemon, follow_up, cache_salt="cold")  # no reuse: the same answer
+    assert cached(cold) == 0
+    assert cold["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
+
+
+async def test_a_changed_image_misses_from_its_first_token(http, daemon):
+    first = await chat(http, daemon, turn(screenshot(2)), cache_salt="changed")
+    same_size = await chat(http, daemon, turn(screenshot(3)), cache_salt="changed")
+    text_before = await chat(http, daemon, turn(screenshot(2))[:1] + [{"role": "user", "content": "x"}],
+                             cache_salt="probe")
+    assert 0 < cached(same_size) < first["usage"]["prompt_tokens"] - 20  # the text before it, its tile marks
+    assert cached(text_before) == 0
+    again = await chat(http, daemon, turn(screenshot(2)), cache_salt="changed")
+    assert cached(again) == first["usage"]["prompt_tokens"] - 1
+
+
+async def test_two_tenants_share_nothing(http, daemon):
+    image = screenshot(4)
+    before = await encoded(http, daemon)
+    await chat(http, daemon, turn(image), cache_salt="tenant-a")
+    other = await chat(http, daemon, turn(image), cache_salt="tenant-b")
+    assert cached(other) == 0
+    assert await encoded(http, daemon) == before + 2  # the encoder's cache is not shared either
+
+
+async def test_an_image_inside_a_messages_tool_result(http, daemon):
+    png = screenshot(5).split(",", 1)[1]
+    body = {"model": "tiny", "max_tokens": 4, "temperature": 0, "messages": [
+        {"role": "user", "content": "take a screenshot"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "screenshot", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}]}]}],
+        "tools": [{"name": "screenshot", "description": "the screen", "input_schema": {"type": "object"}}]}
+    before = await encoded(http, daemon)
+    async with http.post(daemon.url + MESSAGES, json=body) as r:
+        assert r.status == 200, await r.text()
+        reply = await r.json()
+    assert reply["usage"]["input_tokens"] > 20  # the image's tokens are in the prompt
+    assert await encoded(http, daemon) == before + 1
+    count = {k: v for k, v in body.items() if k not in ("max_tokens", "temperature")}
+    async with http.post(daemon.url + MESSAGES + "/count_tokens", json=count) as r:
+        assert r.status == 200, await r.text()
+        assert (await r.json())["input_tokens"] == reply["usage"]["input_tokens"]  # counted without encoding
+    assert await encoded(http, daemon) == before + 1
+
+
+async def test_an_image_url_is_refused_for_a_vision_model(http, daemon):
+    messages = turn("https://example.com/a.png")
+    async with http.post(daemon.url + CHAT, json={"messages": messages, "max_tokens": 2}) as r:
+        assert r.status == 400
+        assert "data URL" in (await r.json())["error"]["message"]
+
+
+@pytest.mark.usefixtures("disk_beats_prefill")
+async def test_restart_from_the_disk_tier_gives_the_same_tokens(smolvlm, http):
+    messages = turn(screenshot(6))
+    async with serving(smolvlm, create_backend("torch")) as first:
+        want = await chat(http, first, messages, max_tokens=6)
+    async with serving(smolvlm, create_backend("torch")) as second:  # the first one's cache spilled at its close
+        got = await chat(http, second, messages, max_tokens=6)
+        assert cached(got) > 0
+        assert await encoded(http, second) == 0
+    assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+
+
+async def test_a_running_requests_image_prompt_is_cloned_by_a_second(smolvlm, http):
+    engine = dict(prefix_cache_entries=0, active_prefix_reuse_min_tokens=1)  # no cache: reuse can only be a donor
+    image = screenshot(7)
+    async with serving(smolvlm, create_backend("torch"), engine=engine) as d:
+        body = {"messages": turn(image), "max_tokens": 3000, "ignore_eos": True, "temperature": 0,
+                "logprobs": True, "stream": True, "stream_options": {"include_usage": True}}
+        async with http.post(d.url + CHAT, json=body) as donor:
+            frames = (line async for line in donor.content if line.startswith(b"data: "))
+            await anext(frames)
+            await anext(frames)  # its first token: its prompt is committed, and it decodes for seconds more
+            recipient = await chat(http, d, turn(image) + [{"role": "assistant", "content": "a window"},
+                                                           {"role": "user", "content": "and the button?"}])
+        seen = await metrics(http, d.url)
+    assert cached(recipient) > 30 and seen['kvfork_reused_tokens_total{source="donor"}'] == cached(recipient)
+    assert seen[ENCODED] == 1  # the recipient's image came with the donor's state
+
+
+async def test_diagnostics_name_a_changed_image_messages_changed(http, daemon):
+    def body(seed: int, previous: str | None) -> dict:
+        png = screenshot(seed).split(",", 1)[1]
+        return {"model": "tiny", "max_tokens": 2, "temperature": 0, "system": SYSTEM,
+                "diagnostics": {"previous_message_id": previous}, "messages": [{"role": "user", "content": [
+                    {"type": "text", "text": "what is on the screen?"},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}]}]}
+
+    async with http.post(daemon.url + MESSAGES, json=body(8, None)) as r:
+        first = await r.json()
+    async with http.post(daemon.url + MESSAGES, json=body(9, first["id"])) as r:
+        second = await r.json()
+    miss, account = second["diagnostics"]["cache_miss_reason"], second["kvfork_cache"]
+    prompt = first["usage"]["input_tokens"] + first["usage"]["cache_read_input_tokens"]
+    assert miss["type"] == "messages_changed"
+    assert account["shared_tokens"] + miss["cache_missed_input_tokens"] == prompt
+    assert 0 < account["shared_tokens"] < prompt - 20  # up to the image's first token

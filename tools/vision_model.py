@@ -1,0 +1,110 @@
+"""Write a random-weight vision model folder in the hub layout, with its processor files, so a vision model
+can be served here without a download: transformers' own model class, initialised at random (the text
+model's weights scaled so its logits are peaked, as tests/tiny_models.py's), saved as it saves them.
+
+    python -m kvfork.tools.vision_model --family smolvlm --out FOLDER [--size tiny|256m]
+
+Families: smolvlm (Idefics3ForConditionalGeneration; its text model is llama). Sizes: `tiny` for tests
+(tiles of 32 pixels, 4 tokens a tile), `256m` at SmolVLM-256M's shapes (the replay benchmark's). The
+tokenizer is a small byte-level BPE trained here, with the family's image tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+# SmolVLM-256M's shapes (its config.json), and a tiny model of the same layout
+SIZES = {
+    "tiny": dict(
+        text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=4096),
+        vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    image_size=32, patch_size=8),
+        scale_factor=2, longest_edge=64, vocab=512),
+    "256m": dict(
+        text=dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                  num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rope_theta=100000.0),
+        vision=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                    image_size=512, patch_size=16),
+        scale_factor=4, longest_edge=2048, vocab=49280),
+}
+FAMILIES = ("smolvlm",)
+IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>",
+                *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *IMAGE_TOKENS]
+# SmolVLM's turn layout, its content read as text (kvfork writes each image part as a mark in the text)
+TEMPLATE = ("<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}"
+            "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
+_WORDS = ("the a of to in is was for on that with as by at from it this be are or have user assistant tool "
+          "call result file screen button window click open close page image picture text shows what see read "
+          "describe left right top bottom red green blue number first next").split()
+
+
+def _tokenizer(vocab: int):
+    """A byte-level BPE trained on a few words, with the special tokens first."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    rng = random.Random(0)
+    lines = [" ".join(rng.choices(_WORDS, k=12)) + f" {rng.randrange(1000)}." for _ in range(400)]
+    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=min(vocab, 1024), special_tokens=SPECIALS,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                       show_progress=False))
+    return tok
+
+
+def write(out: Path, size: str = "tiny", seed: int = 0) -> Path:
+    import torch
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, PreTrainedTokenizerFast
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    shape = SIZES[size]
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=_tokenizer(shape["vocab"]), eos_token="<end_of_utterance>",
+                                        pad_token="<|endoftext|>", chat_template=TEMPLATE,
+                                        additional_special_tokens=IMAGE_TOKENS)
+    tokenizer.save_pretrained(str(out))
+    eos = tokenizer.convert_tokens_to_ids("<end_of_utterance>")
+    text = dict(model_type="llama", vocab_size=max(shape["vocab"], len(tokenizer)), rms_norm_eps=1e-5,
+                eos_token_id=eos, pad_token_id=0, tie_word_embeddings=False, **shape["text"])
+    config = Idefics3Config(text_config=text, vision_config=dict(model_type="idefics3_vision", **shape["vision"]),
+                            scale_factor=shape["scale_factor"],
+                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+                            eos_token_id=eos, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # peaked logits: near-ties would flip greedy tokens between two exact paths
+        for name, p in model.named_parameters():
+            if not name.startswith(("model.text_model.", "lm_head.")) or p.dim() < 2:
+                continue
+            std = 1.0 if "embed_tokens" in name else p.shape[-1] ** -0.5
+            p.normal_(0.0, std)
+    model.save_pretrained(str(out))
+    vision = shape["vision"]
+    Idefics3ImageProcessorPil(size={"longest_edge": shape["longest_edge"]},
+                              max_image_size={"longest_edge": vision["image_size"]}).save_pretrained(str(out))
+    tokens = (vision["image_size"] // vision["patch_size"]) ** 2 // shape["scale_factor"] ** 2
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": "Idefics3Processor",
+                                                          "image_seq_len": tokens}, indent=2))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--family", required=True, choices=FAMILIES, help="the vision family")
+    parser.add_argument("--out", required=True, help="folder to write")
+    parser.add_argument("--size", default="tiny", choices=list(SIZES), help="tiny (tests) or 256m (SmolVLM-256M's "
+                        "shapes, for benchmarks)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    print(write(Path(args.out), args.size, args.seed))
+
+
+if __name__ == "__main__":
+    main()
