@@ -23,9 +23,10 @@ from kvfork.backends.base import (Backend, BatchFailed, BlockStats, KVStorage, K
 from kvfork.backends.device_memory import DeviceMemory, cpu_memory, cuda_memory
 from kvfork.backends.model_info import ModelFacts, read_model_facts
 from kvfork.backends.model_path import resolve_model
-from kvfork.backends.torch import hybrid, kv, kv_storage, loading, parallel, sampling, saved
+from kvfork.backends.torch import hybrid, images, kv, kv_storage, loading, parallel, sampling, saved
 from kvfork.backends.torch.config import ArchConfig, HybridConfig
 from kvfork.backends.torch.gated_delta import RecurrentState
+from kvfork.backends.torch.images import PlacedImage
 from kvfork.backends.torch.model import Row
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,6 +38,7 @@ class TorchSession(Session):
         self.table: kv.BlockTable | None = None  # its full layers' blocks (None once released)
         self.layers: list[kv.LayerKV | hybrid.HybridLayerState] = []
         self.ready: torch.cuda.Event | None = None  # a clone's copy this session's next use must wait for
+        self.rope_shifts: images.RopeShifts = ()  # M-RoPE: where the next text position is not the slot (images.py)
 
 
 def default_device() -> torch.device:
@@ -154,11 +156,13 @@ class TorchBackend(Backend):
     mixed_batches = True
 
     @torch.inference_mode()
-    def prefill(self, sessions: Sequence[TorchSession], chunks: Sequence[Sequence[int]]) -> torch.Tensor:
+    def prefill(self, sessions: Sequence[TorchSession], chunks: Sequence[Sequence[int]],
+                placed: Sequence[Sequence[PlacedImage]] | None = None) -> torch.Tensor:
+        """`placed[i]`: the images with tokens in chunk i (images.py), their embeddings in place of those tokens'."""
         check_inputs(sessions, chunks, self._sessions, self.info)
         if not sessions:
             return torch.zeros((0, self.info.vocab_size), device=self.device)
-        return self._forward(sessions, chunks, None)
+        return self._forward(sessions, chunks, None, placed)
 
     # Speculative decoding: a verify pass is one prefill pass reading more positions' logits. A full
     # layer rolls back by its position alone (writes past it are invisible); a ring first keeps the
@@ -171,7 +175,7 @@ class TorchBackend(Backend):
 
     @torch.inference_mode()
     def verify(self, sessions: Sequence[TorchSession], chunks: Sequence[Sequence[int]],
-               reads: Sequence[int]) -> torch.Tensor:
+               reads: Sequence[int], placed: Sequence[Sequence[PlacedImage]] | None = None) -> torch.Tensor:
         check_inputs(sessions, chunks, self._sessions, self.info)
         if not self.rolls_back:
             raise ValueError("a model with recurrent layers cannot roll drafted tokens back")
@@ -179,7 +183,7 @@ class TorchBackend(Backend):
             raise ValueError("each row reads between 1 and all of its positions")
         for s, chunk in zip(sessions, chunks):
             kv.keep_ring_undo(s.layers, s.position, len(chunk))
-        return self._forward(sessions, chunks, list(reads))
+        return self._forward(sessions, chunks, list(reads), placed)
 
     @torch.inference_mode()
     def truncate(self, session: TorchSession, position: int) -> None:
@@ -189,14 +193,18 @@ class TorchBackend(Backend):
             raise ValueError(f"cannot roll {session!r} back to {position}")
         kv.undo_rings(session.layers, position)
         session.position = position
+        session.rope_shifts = images.shifts_upto(session.rope_shifts, position)
 
     def _forward(self, sessions: Sequence[TorchSession], chunks: Sequence[Sequence[int]],
-                 reads: list[int] | None) -> torch.Tensor:
+                 reads: list[int] | None, placed: Sequence[Sequence[PlacedImage]] | None) -> torch.Tensor:
         """One pass (pieces where checkpoints cut a chunk); each row's last logits, or its last reads[i]."""
         writes = [hybrid.in_place_writes(s.layers) for s in sessions]
+        placed = [tuple(row) for row in placed] if placed else [()] * len(sessions)
+        shifts = [s.rope_shifts for s in sessions]
+        starts = [s.position for s in sessions]
+        images.check_rows(self.cfg, starts, chunks, placed)  # a refusal, before anything is written
         try:
             self._wait_for_clones(sessions)
-            starts = [s.position for s in sessions]
             pieces = [self._pieces(s, len(chunk)) for s, chunk in zip(sessions, chunks)]
             for s, chunk in zip(sessions, chunks):
                 kv.reserve(s.layers, s.position + len(chunk))  # every allocation before the first write
@@ -207,11 +215,12 @@ class TorchBackend(Backend):
             for piece in range(max(len(p) for p in pieces)):
                 now = [i for i, p in enumerate(pieces) if piece < len(p)]
                 rows = [Row(sessions[i].layers, starts[i] + pieces[i][piece][0],
-                            pieces[i][piece][1] - pieces[i][piece][0]) for i in now]
+                            pieces[i][piece][1] - pieces[i][piece][0], placed[i]) for i in now]
                 ids = torch.tensor([t for i in now for t in chunks[i][pieces[i][piece][0]:pieces[i][piece][1]]],
                                    dtype=torch.long, device=self.device)
-                positions = torch.tensor([row.start + j for row in rows for j in range(row.length)],
-                                         device=self.device)
+                positions, after = images.positions(rows, [shifts[i] for i in now], self.cfg, self.device)
+                for i, row_shifts in zip(now, after):
+                    shifts[i] = row_shifts
                 logits = self.model(ids, positions, rows) if reads is None else \
                     self.model(ids, positions, rows, reads)  # a verify pass: no checkpoint cuts it
                 for row, i in enumerate(now):
@@ -224,6 +233,7 @@ class TorchBackend(Backend):
             raise BatchFailed(exc, [self._after_failure(s, w) for s, w in zip(sessions, writes)]) from exc
         for i, (s, chunk) in enumerate(zip(sessions, chunks)):
             s.position += len(chunk)
+            s.rope_shifts = shifts[i]
             s.keep(taken.get(i, {}))
         return torch.stack(out) if reads is None else torch.cat(out)  # type: ignore[arg-type]
 
@@ -276,6 +286,7 @@ class TorchBackend(Backend):
         else:
             clone = self._clone_state(session, upto)
         clone.position = upto
+        clone.rope_shifts = images.shifts_upto(session.rope_shifts, upto)
         self._sessions[clone.id] = clone
         return clone
 
@@ -338,7 +349,7 @@ class TorchBackend(Backend):
         if session.id not in self._sessions:
             raise ValueError(f"{session!r} was released")
         self._wait_for_clones([session])
-        return saved.export(session.layers, session.position, self.device)
+        return saved.export(session.layers, session.position, self.device, session.rope_shifts)
 
     @torch.inference_mode()
     def import_state(self, state: SavedState) -> TorchSession:
@@ -349,6 +360,7 @@ class TorchBackend(Backend):
             self.release(session)
             raise
         session.position = state.position
+        session.rope_shifts = state.rope_shifts
         return session
 
     # -- accounting ------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Decoder-only transformers: llama, qwen2, qwen3, gemma3 text, in one file.
+"""Decoder-only transformers: llama, qwen2, qwen3, gemma3 text, in one file; the text models of
+Qwen2.5-VL and Gemma 3 too, which read images as embeddings in place of tokens (images.py).
 
 Module names follow the Hugging Face checkpoints, so a safetensors file loads
 with `load_state_dict` as it is.
@@ -21,7 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvfork.backends.torch.attention import attend_rows
+from kvfork.backends.torch import images as image_tokens
 from kvfork.backends.torch.config import ArchConfig
+from kvfork.backends.torch.images import PlacedImage
 from kvfork.backends.torch.kv import LayerKV
 from kvfork.backends.torch.rope import angles, inverse_frequencies, rotate
 
@@ -42,11 +45,13 @@ class RMSNorm(nn.Module):
 
 @dataclass(frozen=True)
 class Row:
-    """One row of a varlen batch: `length` tokens written to `kv` (one state per layer) from `start`."""
+    """One row of a varlen batch: `length` tokens written to `kv` (one state per layer) from `start`;
+    `images`: those with tokens among them."""
 
     kv: Sequence[LayerKV]
     start: int
     length: int
+    images: Sequence[PlacedImage] = ()
 
 
 def spans(rows: Sequence[Row]) -> list[slice]:
@@ -66,6 +71,7 @@ class Attention(nn.Module):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window, self.scale = window, cfg.attn_scale
+        self.bidirectional_images = cfg.bidirectional_images
         self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
@@ -86,7 +92,7 @@ class Attention(nn.Module):
         # Head-major views [heads, tokens, head_dim], as the KV buffers hold them.
         q, k, v = (u[0].transpose(0, 1) for u in (rotate(q, *rope), rotate(k, *rope), v))
         out = attend_rows(q, k, v, [row.kv[layer] for row in rows], [row.start for row in rows], spans(rows),
-                          self.window, self.scale)
+                          self.window, self.scale, [row.images for row in rows] if self.bidirectional_images else None)
         return self.o_proj(out.view(t, -1))
 
 
@@ -151,15 +157,22 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: Sequence[Row],
                 reads: Sequence[int] | None = None) -> torch.Tensor:
-        """tokens, positions: [tokens], the rows' end to end. Returns each row's last-token logits, [rows, vocab];
-        with `reads`, the last reads[i] tokens' of row i, [sum(reads), vocab] (drafted tokens verified)."""
+        """tokens, positions: [tokens], the rows' end to end (M-RoPE: positions [3, tokens]). Returns each row's
+        last-token logits, [rows, vocab]; with `reads`, the last reads[i] tokens' of row i, [sum(reads), vocab]
+        (drafted tokens verified)."""
         # once per pass, shared by every layer of a kind
-        full = angles(positions[None], self.inv_freq_full, self.rope_scale_full)
+        if self.cfg.mrope_section:
+            full = image_tokens.mrope_angles(positions, self.inv_freq_full, self.cfg.mrope_section,
+                                             self.rope_scale_full)
+        else:
+            full = angles(positions[None], self.inv_freq_full, self.rope_scale_full)
         sliding = angles(positions[None], self.inv_freq_sliding, self.rope_scale_sliding) if any(self.cfg.sliding) \
             else full
         h = self.model.embed_tokens(tokens)
         if self.cfg.gemma:
             h = h * torch.tensor(self.cfg.hidden_size**0.5, dtype=h.dtype)  # in the model dtype, as trained
+        if any(row.images for row in rows):
+            h = image_tokens.embed(h, spans(rows), [row.start for row in rows], [row.images for row in rows])
         for i, block in enumerate(self.model.layers):
             h = block(h, sliding if self.cfg.sliding[i] else full, i, rows)
         h = self.model.norm(h[read_positions(rows, reads)])

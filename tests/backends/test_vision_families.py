@@ -1,0 +1,146 @@
+"""Qwen2.5-VL and Gemma 3 on the torch backend against transformers' own models: an image in the prompt,
+prefilled in chunks, then a decode step, a clone past the image and a state through the host (float32, CPU).
+
+The folders are tools/vision_family_models.py's tiny random models; the reference is
+Qwen2_5_VLForConditionalGeneration / Gemma3ForConditionalGeneration over the whole sequence at once, so
+kvfork's M-RoPE positions (the text after an image continuing from the image's largest position, not its
+slot) and Gemma's image attended both ways are checked against transformers' own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvfork.backends.torch.backend import TorchBackend
+from kvfork.backends.torch.images import PlacedImage
+from kvfork.backends.torch.vision_towers import VisionTower
+from kvfork.tools import vision_family_models
+from tiny_models import write_tokenizer
+from tolerance import Kind, Model, assert_logits_close
+
+pytest.importorskip("transformers")
+from PIL import Image  # noqa: E402
+
+# (width, height) of each image: Qwen's processor keeps the aspect (4 x 6 and 6 x 4 patches of 14 pixels
+# merged 2 x 2: 6 tokens each, on unequal grids), Gemma's squares it (16 tokens, more than its window of 8)
+SIZES = {"qwen2_5_vl": ((84, 56), (56, 84)), "gemma3": ((120, 90), (64, 64))}
+
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory):
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            source = tmp_path_factory.mktemp("tokenizer")
+            write_tokenizer(source, 512, 4096)
+            (source / "special_tokens_map.json").unlink()
+            made[family] = vision_family_models.write(family, tmp_path_factory.mktemp(family), source)
+        return made[family]
+
+    return get
+
+
+def _picture(seed: int, size: tuple[int, int]) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+class Case:
+    """A prompt of text, an image, text, another image, text; its images placed and encoded."""
+
+    def __init__(self, family: str, folder):
+        self.family, self.folder = family, folder
+        self.tower = VisionTower(folder, torch.device("cpu"), torch.float32)
+        config = self.tower.config
+        rng = np.random.default_rng(7)
+        pictures = [_picture(i, size) for i, size in enumerate(SIZES[family])]
+        self.pixels = [self.tower.prepare(p) for p in pictures]
+        if family == "qwen2_5_vl":
+            opening, closing = config.vision_start_token_id, config.vision_end_token_id
+        else:
+            opening, closing = config.boi_token_id, config.eoi_token_id
+        self.tokens, self.images = rng.integers(3, 500, 5).tolist(), []
+        for pixels in self.pixels:
+            self.tokens.append(opening)
+            self.images.append(PlacedImage(len(self.tokens), self.tower.encode(pixels), pixels.grid))
+            self.tokens += [config.image_token_id] * pixels.tokens + [closing] + rng.integers(3, 500, 4).tolist()
+        self.forced = int(rng.integers(3, 500))  # the decode step's token
+        self.pictures = pictures
+
+    def reference(self) -> np.ndarray:
+        """transformers' logits at every position of the prompt and the forced token."""
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_pretrained(self.folder, dtype=torch.float32).eval()
+        ids = torch.tensor([self.tokens + [self.forced]])
+        batch = self.tower.processor(images=self.pictures, return_tensors="pt")
+        is_image = (ids == self.tower.image_token_id).int()
+        with torch.inference_mode():
+            if self.family == "qwen2_5_vl":
+                out = model(input_ids=ids, pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+                            mm_token_type_ids=is_image)
+            else:
+                out = model(input_ids=ids, pixel_values=batch["pixel_values"], token_type_ids=is_image)
+        return out.logits[0].float().numpy()
+
+    def cuts(self) -> list[int]:
+        """Chunk ends: Qwen's inside an image (positions continue across), Gemma's around its images."""
+        first, second = self.images
+        if self.family == "qwen2_5_vl":
+            return [first.start + 2, second.start + 3, len(self.tokens)]
+        return [first.start - 1, first.end + 2, len(self.tokens)]
+
+    def close(self, got, want, context: int) -> None:
+        assert_logits_close(got, want, kind=Kind.FORMS, model=Model.of(self.folder), context=context)
+
+
+@pytest.fixture(scope="module", params=vision_family_models.FAMILIES)
+def case(request, family_dir):
+    made = Case(request.param, family_dir(request.param))
+    return made, made.reference()
+
+
+def _prefill(backend, session, case: Case, start: int, end: int):
+    return backend.to_numpy(backend.prefill([session], [case.tokens[start:end]], [case.images]))[0]
+
+
+@pytest.mark.numeric
+def test_chunked_prefill_and_decode_match_transformers(case):
+    case, want = case
+    backend = TorchBackend("cpu")
+    backend.load(str(case.folder), "float32")
+    session, start = backend.open_session(), 0
+    for end in case.cuts():
+        case.close(_prefill(backend, session, case, start, end), want[end - 1], end)
+        start = end
+    n = len(case.tokens)
+    case.close(backend.to_numpy(backend.decode([session], [case.forced]))[0], want[n], n + 1)
+
+
+@pytest.mark.numeric
+def test_clone_and_saved_state_continue_from_the_images_positions(case):
+    """A clone taken past the first image, and a state through the host after both, go on as transformers
+    does: their next positions are the images' shifts, not their token counts."""
+    case, want = case
+    backend = TorchBackend("cpu")
+    backend.load(str(case.folder), "float32")
+    session, n, upto = backend.open_session(), len(case.tokens), case.images[0].end + 1
+    _prefill(backend, session, case, 0, upto)
+    clone = backend.clone(session, upto)
+    case.close(_prefill(backend, clone, case, upto, n), want[n - 1], n)
+    restored = backend.import_state(backend.export_state(clone))
+    for s in (clone, restored):
+        case.close(backend.to_numpy(backend.decode([s], [case.forced]))[0], want[n], n + 1)
+
+
+def test_a_chunk_may_not_cut_an_image_attended_both_ways(family_dir):
+    case = Case("gemma3", family_dir("gemma3"))
+    backend = TorchBackend("cpu")
+    backend.load(str(case.folder), "float32")
+    session = backend.open_session()
+    with pytest.raises(Exception, match="cuts the image"):
+        _prefill(backend, session, case, 0, case.images[0].start + 3)
+    assert session.position == 0
