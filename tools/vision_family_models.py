@@ -51,8 +51,8 @@ def _tokenizer(family: str, out: Path, source: Path) -> dict[str, int]:
     config["chat_template"] = chat_template(MARKERS[family])
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     eos = config.get("eos_token")
-    ids = {t: tok.token_to_id(t) for t in tokens}
-    return dict(ids, vocab_size=tok.get_vocab_size(), eos=tok.token_to_id(eos if isinstance(eos, str) else eos["content"]))
+    eos = eos if isinstance(eos, str) else eos["content"]
+    return dict({t: tok.token_to_id(t) for t in tokens}, vocab_size=tok.get_vocab_size(), eos=tok.token_to_id(eos))
 
 
 def _qwen2_5_vl(ids: dict[str, int]):

@@ -215,14 +215,18 @@ class TorchBackend(Backend):
             for piece in range(max(len(p) for p in pieces)):
                 now = [i for i, p in enumerate(pieces) if piece < len(p)]
                 rows = [Row(sessions[i].layers, starts[i] + pieces[i][piece][0],
-                            pieces[i][piece][1] - pieces[i][piece][0], placed[i]) for i in now]
+                            pieces[i][piece][1] - pieces[i][piece][0]) for i in now]
+                row_images = [placed[i] for i in now]
                 ids = torch.tensor([t for i in now for t in chunks[i][pieces[i][piece][0]:pieces[i][piece][1]]],
                                    dtype=torch.long, device=self.device)
-                positions, after = images.positions(rows, [shifts[i] for i in now], self.cfg, self.device)
+                positions, after = images.positions(rows, [shifts[i] for i in now], row_images, self.cfg, self.device)
                 for i, row_shifts in zip(now, after):
                     shifts[i] = row_shifts
-                logits = self.model(ids, positions, rows) if reads is None else \
-                    self.model(ids, positions, rows, reads)  # a verify pass: no checkpoint cuts it
+                if any(row_images):  # images only on a model of model.py (check_rows)
+                    logits = self.model(ids, positions, rows, reads, row_images)
+                else:  # a verify pass (reads) is never cut by a checkpoint
+                    logits = self.model(ids, positions, rows) if reads is None else \
+                        self.model(ids, positions, rows, reads)
                 for row, i in enumerate(now):
                     end = starts[i] + pieces[i][piece][1]
                     if piece == len(pieces[i]) - 1:

@@ -3,7 +3,7 @@ positions of its tokens and of the text after it, and which of its tokens see ea
 
 An image stands in a session as `tokens` consecutive slots holding placeholder ids; the vision tower's
 embeddings replace those tokens' embeddings after the token embedding (and after gemma's scale), as
-transformers' `masked_scatter` does, so everything from the first layer on reads them as tokens.
+transformers' `masked_scatter` does (`scatter`), so everything from the first layer on reads them as tokens.
 
 M-RoPE (Qwen2.5-VL's multimodal rotary positions): every token has three positions, temporal, height
 and width, and the rotary frequencies come in three sections, each turned by one of them. A text token's
@@ -34,16 +34,16 @@ RopeShifts = tuple[tuple[int, int], ...]  # (slot, shift from that slot on), in 
 
 @dataclass(frozen=True)
 class PlacedImage:
-    """One image's tokens in a session: slots [start, start + tokens), `embeddings` [tokens, hidden], the
-    vision tower's output; `grid` (t, h, w), t * h * w == tokens, its tokens' layout (M-RoPE reads it)."""
+    """One image's tokens in a session: slots [start, start + tokens), `embeddings` [tokens, hidden] in the
+    text model's dtype, the projector's output; `grid` (t, h, w), t * h * w == tokens, its tokens' layout,
+    which M-RoPE places them by (None: a family that places them as text)."""
 
-    start: int
+    start: int  # the slot of its first token (it may begin before the chunk that reads it)
     embeddings: torch.Tensor
-    grid: tuple[int, int, int]
+    grid: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
-        t, h, w = self.grid
-        if t * h * w != self.tokens:
+        if self.grid is not None and self.grid[0] * self.grid[1] * self.grid[2] != self.tokens:
             raise ValueError(f"an image of {self.tokens} tokens cannot have the grid {self.grid}")
 
     @property
@@ -95,6 +95,8 @@ def mrope_positions(start: int, length: int, shifts: RopeShifts,
     out = (torch.arange(start, start + length) + shift)[None].repeat(3, 1)
     added = []
     for image in overlapping(images, start, start + length):
+        if image.grid is None:
+            raise ValueError("M-RoPE places an image by its grid, and this one has none")
         _, h, w = image.grid
         first, last = max(image.start, start), min(image.end, start + length)
         k = torch.arange(first - image.start, last - image.start)
@@ -108,13 +110,13 @@ def mrope_positions(start: int, length: int, shifts: RopeShifts,
     return out, shifts + tuple(added)
 
 
-def positions(rows: Sequence, shifts: Sequence[RopeShifts], cfg: ArchConfig | HybridConfig,
-              device) -> tuple[torch.Tensor, list[RopeShifts]]:
+def positions(rows: Sequence, shifts: Sequence[RopeShifts], images: Sequence[Sequence[PlacedImage]],
+              cfg: ArchConfig | HybridConfig, device) -> tuple[torch.Tensor, list[RopeShifts]]:
     """The positions of a pass's rows (model.Row) end to end, [tokens] (M-RoPE: [3, tokens]), and each row's
-    shifts after it."""
+    shifts after it; `images[i]`: row i's."""
     if not (isinstance(cfg, ArchConfig) and cfg.mrope_section):
         return torch.tensor([row.start + j for row in rows for j in range(row.length)], device=device), list(shifts)
-    each = [mrope_positions(row.start, row.length, shift, row.images) for row, shift in zip(rows, shifts)]
+    each = [mrope_positions(row.start, row.length, shift, placed) for row, shift, placed in zip(rows, shifts, images)]
     return torch.cat([p for p, _ in each], dim=1).to(device), [after for _, after in each]
 
 
@@ -128,16 +130,17 @@ def mrope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, section: Seque
     return theta.cos() * scale, theta.sin() * scale
 
 
-def embed(h: torch.Tensor, spans: Sequence[slice], starts: Sequence[int],
-          images: Sequence[Sequence[PlacedImage]]) -> torch.Tensor:
-    """h [tokens, hidden] (the rows' end to end, row i from slot starts[i]) with each image's embeddings in
-    place of its tokens'."""
-    for span, start, row_images in zip(spans, starts, images):
-        end = start + span.stop - span.start
-        for image in overlapping(row_images, start, end):
-            first, last = max(image.start, start), min(image.end, end)
-            at = span.start + first - start
-            h[at:at + last - first] = image.embeddings[first - image.start:last - image.start].to(h.dtype)
+def scatter(h: torch.Tensor, starts: Sequence[int], lengths: Sequence[int],
+            images: Sequence[Sequence[PlacedImage]]) -> torch.Tensor:
+    """h [tokens, hidden], rows end to end (row i: `lengths[i]` slots from `starts[i]`), with each row's
+    images' embeddings written over the slots they hold inside it."""
+    at = 0
+    for start, length, placed in zip(starts, lengths, images):
+        for image in placed:
+            lo, hi = max(start, image.start), min(start + length, image.end)
+            if lo < hi:
+                h[at + lo - start:at + hi - start] = image.embeddings[lo - image.start:hi - image.start].to(h.dtype)
+        at += length
     return h
 
 

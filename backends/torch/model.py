@@ -45,13 +45,11 @@ class RMSNorm(nn.Module):
 
 @dataclass(frozen=True)
 class Row:
-    """One row of a varlen batch: `length` tokens written to `kv` (one state per layer) from `start`;
-    `images`: those with tokens among them."""
+    """One row of a varlen batch: `length` tokens written to `kv` (one state per layer) from `start`."""
 
     kv: Sequence[LayerKV]
     start: int
     length: int
-    images: Sequence[PlacedImage] = ()
 
 
 def spans(rows: Sequence[Row]) -> list[slice]:
@@ -81,8 +79,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, offset)
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, offset)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layer: int, rows: Sequence[Row]):
-        """x: [tokens, hidden], the rows' tokens end to end."""
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layer: int, rows: Sequence[Row],
+                images: Sequence[Sequence[PlacedImage]] | None = None):
+        """x: [tokens, hidden], the rows' tokens end to end; `images[i]`: row i's images."""
         t = x.shape[0]
         q = self.q_proj(x).view(1, t, self.heads, self.head_dim)
         k = self.k_proj(x).view(1, t, self.kv_heads, self.head_dim)
@@ -92,7 +91,7 @@ class Attention(nn.Module):
         # Head-major views [heads, tokens, head_dim], as the KV buffers hold them.
         q, k, v = (u[0].transpose(0, 1) for u in (rotate(q, *rope), rotate(k, *rope), v))
         out = attend_rows(q, k, v, [row.kv[layer] for row in rows], [row.start for row in rows], spans(rows),
-                          self.window, self.scale, [row.images for row in rows] if self.bidirectional_images else None)
+                          self.window, self.scale, images if self.bidirectional_images else None)
         return self.o_proj(out.view(t, -1))
 
 
@@ -125,8 +124,8 @@ class Block(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, offset)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, offset)
 
-    def forward(self, x, rope, layer: int, rows: Sequence[Row]):
-        attn = self.self_attn(self.input_layernorm(x), rope, layer, rows)
+    def forward(self, x, rope, layer: int, rows: Sequence[Row], images: Sequence[Sequence[PlacedImage]] | None = None):
+        attn = self.self_attn(self.input_layernorm(x), rope, layer, rows, images)
         if not self.gemma:
             h = x + attn
             return h + self.mlp(self.post_attention_layernorm(h))
@@ -156,10 +155,11 @@ class Transformer(nn.Module):
         self.inv_freq_full, self.inv_freq_sliding = inv_freq_full.to(device), inv_freq_sliding.to(device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: Sequence[Row],
-                reads: Sequence[int] | None = None) -> torch.Tensor:
+                reads: Sequence[int] | None = None,
+                images: Sequence[Sequence[PlacedImage]] | None = None) -> torch.Tensor:
         """tokens, positions: [tokens], the rows' end to end (M-RoPE: positions [3, tokens]). Returns each row's
         last-token logits, [rows, vocab]; with `reads`, the last reads[i] tokens' of row i, [sum(reads), vocab]
-        (drafted tokens verified)."""
+        (drafted tokens verified); `images[i]`: the images whose embeddings take row i's slots they hold."""
         # once per pass, shared by every layer of a kind
         if self.cfg.mrope_section:
             full = image_tokens.mrope_angles(positions, self.inv_freq_full, self.cfg.mrope_section,
@@ -171,10 +171,10 @@ class Transformer(nn.Module):
         h = self.model.embed_tokens(tokens)
         if self.cfg.gemma:
             h = h * torch.tensor(self.cfg.hidden_size**0.5, dtype=h.dtype)  # in the model dtype, as trained
-        if any(row.images for row in rows):
-            h = image_tokens.embed(h, spans(rows), [row.start for row in rows], [row.images for row in rows])
+        if images is not None and any(images):
+            h = image_tokens.scatter(h, [row.start for row in rows], [row.length for row in rows], images)
         for i, block in enumerate(self.model.layers):
-            h = block(h, sliding if self.cfg.sliding[i] else full, i, rows)
+            h = block(h, sliding if self.cfg.sliding[i] else full, i, rows, images)
         h = self.model.norm(h[read_positions(rows, reads)])
         if self.lm_head is not None:
             return self.lm_head(h)

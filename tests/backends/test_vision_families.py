@@ -15,7 +15,7 @@ import torch
 
 from kvfork.backends.torch.backend import TorchBackend
 from kvfork.backends.torch.images import PlacedImage
-from kvfork.backends.torch.vision_towers import VisionTower
+from kvfork.backends.torch.vision_towers import PROCESSINGS, read_tower
 from kvfork.tools import vision_family_models
 from tiny_models import write_tokenizer
 from tolerance import Kind, Model, assert_logits_close
@@ -52,23 +52,23 @@ class Case:
     """A prompt of text, an image, text, another image, text; its images placed and encoded."""
 
     def __init__(self, family: str, folder):
+        from tokenizers import Tokenizer
+
         self.family, self.folder = family, folder
-        self.tower = VisionTower(folder, torch.device("cpu"), torch.float32)
-        config = self.tower.config
+        self.processing = PROCESSINGS[family](folder)
+        tower = read_tower(folder, torch.device("cpu"), torch.float32)
+        tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         rng = np.random.default_rng(7)
-        pictures = [_picture(i, size) for i, size in enumerate(SIZES[family])]
-        self.pixels = [self.tower.prepare(p) for p in pictures]
-        if family == "qwen2_5_vl":
-            opening, closing = config.vision_start_token_id, config.vision_end_token_id
-        else:
-            opening, closing = config.boi_token_id, config.eoi_token_id
+        self.pictures = [_picture(i, size) for i, size in enumerate(SIZES[family])]
         self.tokens, self.images = rng.integers(3, 500, 5).tolist(), []
-        for pixels in self.pixels:
-            self.tokens.append(opening)
-            self.images.append(PlacedImage(len(self.tokens), self.tower.encode(pixels), pixels.grid))
-            self.tokens += [config.image_token_id] * pixels.tokens + [closing] + rng.integers(3, 500, 4).tolist()
+        for picture in self.pictures:  # each image as the server writes it: its prompt text, its keys' embeddings
+            text = tokenizer.encode(self.processing.prompt_text(*picture.size), add_special_tokens=False).ids
+            embeddings, grid = tower.encode(self.processing.pixels(picture))
+            first = text.index(self.processing.image_token_id)
+            self.images.append(PlacedImage(len(self.tokens) + first, embeddings, grid))
+            assert text.count(self.processing.image_token_id) == len(embeddings) == self.processing.tokens(*picture.size)
+            self.tokens += text + rng.integers(3, 500, 4).tolist()
         self.forced = int(rng.integers(3, 500))  # the decode step's token
-        self.pictures = pictures
 
     def reference(self) -> np.ndarray:
         """transformers' logits at every position of the prompt and the forced token."""
@@ -76,8 +76,8 @@ class Case:
 
         model = AutoModelForImageTextToText.from_pretrained(self.folder, dtype=torch.float32).eval()
         ids = torch.tensor([self.tokens + [self.forced]])
-        batch = self.tower.processor(images=self.pictures, return_tensors="pt")
-        is_image = (ids == self.tower.image_token_id).int()
+        batch = self.processing.images(images=self.pictures, return_tensors="pt")
+        is_image = (ids == self.processing.image_token_id).int()
         with torch.inference_mode():
             if self.family == "qwen2_5_vl":
                 out = model(input_ids=ids, pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
