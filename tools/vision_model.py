@@ -15,6 +15,8 @@ import argparse
 import json
 from pathlib import Path
 
+from kvfork.tools import vision_family_models
+
 # SmolVLM-256M's shapes (its config.json), and a tiny model of the same layout
 SIZES = {
     "tiny": dict(
@@ -30,7 +32,7 @@ SIZES = {
                     image_size=512, patch_size=16),
         scale_factor=4, longest_edge=2048, vocab=49280),
 }
-FAMILIES = ("smolvlm",)
+FAMILIES = ("smolvlm", *vision_family_models.FAMILIES)
 IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>",
                 *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *IMAGE_TOKENS]
@@ -59,7 +61,18 @@ def _tokenizer(vocab: int):
     return tok
 
 
-def write(out: Path, size: str = "tiny", seed: int = 0) -> Path:
+def write(out: Path, size: str = "tiny", seed: int = 0, family: str = "smolvlm") -> Path:
+    """A random `family` model in `out`: smolvlm at `size`; qwen2_5_vl and gemma3 tiny only
+    (tools/vision_family_models.py), with this module's tokenizer."""
+    if family != "smolvlm":
+        from transformers import PreTrainedTokenizerFast
+
+        if size != "tiny":
+            raise ValueError(f"{family} is written tiny only")
+        out.mkdir(parents=True, exist_ok=True)
+        PreTrainedTokenizerFast(tokenizer_object=_tokenizer(SIZES["tiny"]["vocab"]), eos_token="<|im_end|>",
+                                pad_token="<|endoftext|>").save_pretrained(str(out))
+        return vision_family_models.write(family, out, out, seed)
     import torch
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration, PreTrainedTokenizerFast
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
@@ -102,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
                         "shapes, for benchmarks)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    print(write(Path(args.out), args.size, args.seed))
+    print(write(Path(args.out), args.size, args.seed, args.family))
 
 
 if __name__ == "__main__":

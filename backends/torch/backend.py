@@ -24,9 +24,10 @@ from kvfork.backends.base import (Backend, BatchFailed, BlockStats, KVStorage, K
 from kvfork.backends.device_memory import DeviceMemory, cpu_memory, cuda_memory
 from kvfork.backends.model_info import ModelFacts, read_model_facts
 from kvfork.backends.model_path import resolve_model
-from kvfork.backends.torch import hybrid, kv, kv_storage, loading, parallel, sampling, saved
+from kvfork.backends.torch import hybrid, images, kv, kv_storage, loading, parallel, sampling, saved
 from kvfork.backends.torch.config import ArchConfig, HybridConfig
 from kvfork.backends.torch.gated_delta import RecurrentState
+from kvfork.backends.torch.images import PlacedImage
 from kvfork.backends.torch.model import Row
 from kvfork.backends.torch.vision import VisionReader, split_weights
 from kvfork.backends.vision import ImageInput
@@ -40,6 +41,7 @@ class TorchSession(Session):
         self.table: kv.BlockTable | None = None  # its full layers' blocks (None once released)
         self.layers: list[kv.LayerKV | hybrid.HybridLayerState] = []
         self.ready: torch.cuda.Event | None = None  # a clone's copy this session's next use must wait for
+        self.rope_shifts: images.RopeShifts = ()  # M-RoPE: where the next text position is not the slot (images.py)
 
 
 def default_device() -> torch.device:
@@ -206,16 +208,21 @@ class TorchBackend(Backend):
             raise ValueError(f"cannot roll {session!r} back to {position}")
         kv.undo_rings(session.layers, position)
         session.position = position
+        session.rope_shifts = images.shifts_upto(session.rope_shifts, position)
 
     def _forward(self, sessions: Sequence[TorchSession], chunks: Sequence[Sequence[int]],
                  reads: list[int] | None) -> torch.Tensor:
         """One pass (pieces where checkpoints cut a chunk); each row's last logits, or its last reads[i]."""
         writes = [hybrid.in_place_writes(s.layers) for s in sessions]
-        if self.vision is not None:
+        shifts = [s.rope_shifts for s in sessions]
+        starts = [s.position for s in sessions]
+        placed: list[Sequence[PlacedImage]] = [()] * len(sessions)
+        if self.vision is not None:  # image keys: the placeholder's id, and the images' embeddings
             self.vision.check(chunks)
+            chunks, placed = zip(*(self.vision.place(chunk, start) for chunk, start in zip(chunks, starts)))
+            images.check_rows(self.cfg, starts, chunks, placed)  # a refusal, before anything is written
         try:
             self._wait_for_clones(sessions)
-            starts = [s.position for s in sessions]
             pieces = [self._pieces(s, len(chunk)) for s, chunk in zip(sessions, chunks)]
             for s, chunk in zip(sessions, chunks):
                 kv.reserve(s.layers, s.position + len(chunk))  # every allocation before the first write
@@ -227,14 +234,14 @@ class TorchBackend(Backend):
                 now = [i for i, p in enumerate(pieces) if piece < len(p)]
                 rows = [Row(sessions[i].layers, starts[i] + pieces[i][piece][0],
                             pieces[i][piece][1] - pieces[i][piece][0]) for i in now]
-                tokens = [chunks[i][pieces[i][piece][0]:pieces[i][piece][1]] for i in now]
-                images = None
-                if self.vision is not None:  # image keys: the placeholder's id, and the images' embeddings
-                    tokens, images = zip(*(self.vision.place(t, row.start) for t, row in zip(tokens, rows)))
-                ids = torch.tensor([t for chunk in tokens for t in chunk], dtype=torch.long, device=self.device)
-                positions = torch.tensor([row.start + j for row in rows for j in range(row.length)],
-                                         device=self.device)
-                logits = self.model(ids, positions, rows, reads, images)  # reads: a verify pass, no checkpoint cuts it
+                row_images = [placed[i] for i in now]
+                ids = torch.tensor([t for i in now for t in chunks[i][pieces[i][piece][0]:pieces[i][piece][1]]],
+                                   dtype=torch.long, device=self.device)
+                positions, after = images.positions(rows, [shifts[i] for i in now], row_images, self.cfg, self.device)
+                for i, row_shifts in zip(now, after):
+                    shifts[i] = row_shifts
+                # reads: a verify pass, no checkpoint cuts it
+                logits = self.model(ids, positions, rows, reads, row_images if any(row_images) else None)
                 for row, i in enumerate(now):
                     end = starts[i] + pieces[i][piece][1]
                     if piece == len(pieces[i]) - 1:
@@ -245,6 +252,7 @@ class TorchBackend(Backend):
             raise BatchFailed(exc, [self._after_failure(s, w) for s, w in zip(sessions, writes)]) from exc
         for i, (s, chunk) in enumerate(zip(sessions, chunks)):
             s.position += len(chunk)
+            s.rope_shifts = shifts[i]
             s.keep(taken.get(i, {}))
         return torch.stack(out) if reads is None else torch.cat(out)  # type: ignore[arg-type]
 
@@ -297,6 +305,7 @@ class TorchBackend(Backend):
         else:
             clone = self._clone_state(session, upto)
         clone.position = upto
+        clone.rope_shifts = images.shifts_upto(session.rope_shifts, upto)
         self._sessions[clone.id] = clone
         return clone
 
@@ -359,7 +368,7 @@ class TorchBackend(Backend):
         if session.id not in self._sessions:
             raise ValueError(f"{session!r} was released")
         self._wait_for_clones([session])
-        return saved.export(session.layers, session.position, self.device)
+        return saved.export(session.layers, session.position, self.device, session.rope_shifts)
 
     @torch.inference_mode()
     def import_state(self, state: SavedState) -> TorchSession:
@@ -370,6 +379,7 @@ class TorchBackend(Backend):
             self.release(session)
             raise
         session.position = state.position
+        session.rope_shifts = state.rope_shifts
         return session
 
     # -- accounting ------------------------------------------------------

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 # config.json's model_type -> the family's module in this package
-FAMILIES = {"idefics3": "idefics3", "smolvlm": "idefics3"}
+FAMILIES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_5_vl": "qwen2_5_vl", "gemma3": "gemma3"}
 
 
 @dataclass(frozen=True)
