@@ -28,6 +28,7 @@ class ImageInput:
     end: int  # past its last key (a family may lay text tokens between its keys: Idefics3's tiles)
     tokens: int  # how many keys it takes: the rows of its embeddings
     load: Callable[[], Any] = lambda: None  # the decoded picture (PIL, RGB): called only when it must be encoded
+    whole: bool = False  # its tokens attend each other both ways (Processing.bidirectional): one chunk holds them
 
 
 def vision_family(config: dict) -> str | None:
