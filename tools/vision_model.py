@@ -4,7 +4,9 @@ model's weights scaled so its logits are peaked, as tests/tiny_models.py's), sav
 
     python -m kvfork.tools.vision_model --family smolvlm --out FOLDER [--size tiny|256m]
 
-Families: smolvlm (Idefics3ForConditionalGeneration; its text model is llama). Sizes: `tiny` for tests
+Families: smolvlm (Idefics3ForConditionalGeneration; its text model is llama); qwen2_5_vl
+(Qwen2_5_VLForConditionalGeneration, M-RoPE) and gemma3 (Gemma3ForConditionalGeneration, SigLIP), tiny only,
+written by tools/vision_family_models.py with this module's tokenizer. Sizes: `tiny` for tests
 (tiles of 32 pixels, 4 tokens a tile), `256m` at SmolVLM-256M's shapes (the replay benchmark's). The
 tokenizer is a small byte-level BPE trained here, with the family's image tokens.
 """

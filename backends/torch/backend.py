@@ -27,7 +27,6 @@ from kvfork.backends.model_path import resolve_model
 from kvfork.backends.torch import hybrid, images, kv, kv_storage, loading, parallel, sampling, saved
 from kvfork.backends.torch.config import ArchConfig, HybridConfig
 from kvfork.backends.torch.gated_delta import RecurrentState
-from kvfork.backends.torch.images import PlacedImage
 from kvfork.backends.torch.model import Row
 from kvfork.backends.torch.vision import VisionReader, split_weights
 from kvfork.backends.vision import ImageInput
@@ -42,6 +41,14 @@ class TorchSession(Session):
         self.layers: list[kv.LayerKV | hybrid.HybridLayerState] = []
         self.ready: torch.cuda.Event | None = None  # a clone's copy this session's next use must wait for
         self.rope_shifts: images.RopeShifts = ()  # M-RoPE: where the next text position is not the slot (images.py)
+
+
+def checkpoint_pieces(session: TorchSession, length: int) -> list[tuple[int, int]]:
+    """A chunk of `length` cut where the session wants a checkpoint inside it: (from, to) offsets
+    (the engine's chunk ends are a hint; a checkpoint is exact wherever it falls)."""
+    start = session.position
+    cuts = sorted(p - start for p in session.wanted if start < p < start + length)
+    return list(zip([0, *cuts], [*cuts, length]))
 
 
 def default_device() -> torch.device:
@@ -214,16 +221,13 @@ class TorchBackend(Backend):
                  reads: list[int] | None) -> torch.Tensor:
         """One pass (pieces where checkpoints cut a chunk); each row's last logits, or its last reads[i]."""
         writes = [hybrid.in_place_writes(s.layers) for s in sessions]
-        shifts = [s.rope_shifts for s in sessions]
+        shifts = {i: s.rope_shifts for i, s in enumerate(sessions)}
         starts = [s.position for s in sessions]
-        placed: list[Sequence[PlacedImage]] = [()] * len(sessions)
-        if self.vision is not None:  # image keys: the placeholder's id, and the images' embeddings
-            self.vision.check(chunks)
-            chunks, placed = zip(*(self.vision.place(chunk, start) for chunk, start in zip(chunks, starts)))
-            images.check_rows(self.cfg, starts, chunks, placed)  # a refusal, before anything is written
+        # image keys as the placeholder's id, and each row's images (a refusal, before anything is written)
+        chunks, placed = self.vision.read(chunks, starts, self.cfg) if self.vision else (chunks, [()] * len(chunks))
         try:
             self._wait_for_clones(sessions)
-            pieces = [self._pieces(s, len(chunk)) for s, chunk in zip(sessions, chunks)]
+            pieces = [checkpoint_pieces(s, len(chunk)) for s, chunk in zip(sessions, chunks)]
             for s, chunk in zip(sessions, chunks):
                 kv.reserve(s.layers, s.position + len(chunk))  # every allocation before the first write
             out: list[torch.Tensor | None] = [None] * len(sessions)
@@ -238,9 +242,8 @@ class TorchBackend(Backend):
                 ids = torch.tensor([t for i in now for t in chunks[i][pieces[i][piece][0]:pieces[i][piece][1]]],
                                    dtype=torch.long, device=self.device)
                 positions, after = images.positions(rows, [shifts[i] for i in now], row_images, self.cfg, self.device)
-                for i, row_shifts in zip(now, after):
-                    shifts[i] = row_shifts
-                # reads: a verify pass, no checkpoint cuts it
+                shifts.update(zip(now, after))
+                # reads: a verify pass, no checkpoint cuts it; images: only on a model of model.py (check_rows)
                 logits = self.model(ids, positions, rows, reads, row_images if any(row_images) else None)
                 for row, i in enumerate(now):
                     end = starts[i] + pieces[i][piece][1]
@@ -258,14 +261,6 @@ class TorchBackend(Backend):
 
     def decode(self, sessions: Sequence[TorchSession], tokens: Sequence[int]) -> torch.Tensor:
         return self.prefill(sessions, [[t] for t in tokens])
-
-    @staticmethod
-    def _pieces(session: TorchSession, length: int) -> list[tuple[int, int]]:
-        """A chunk of `length` cut where the session wants a checkpoint inside it: (from, to) offsets
-        (the engine's chunk ends are a hint; a checkpoint is exact wherever it falls)."""
-        start = session.position
-        cuts = sorted(p - start for p in session.wanted if start < p < start + length)
-        return list(zip([0, *cuts], [*cuts, length]))
 
     @torch.inference_mode()
     def keep_at(self, session: TorchSession, positions: Collection[int]) -> None:

@@ -18,7 +18,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from kvfork.backends.torch import vision_towers
+from kvfork.backends.torch import images, vision_towers
+from kvfork.backends.torch.config import ArchConfig
 from kvfork.backends.torch.images import PlacedImage
 from kvfork.backends.vision import FAMILIES, ImageInput, folder_family, load_processing, vision_family
 from kvfork.backends.vision.keys import IMAGE_KEY_BASE, image_of, index_of
@@ -148,6 +149,15 @@ class VisionReader:
             for t in chunk:
                 if t >= IMAGE_KEY_BASE and image_of(t) not in self._live:
                     raise ValueError("a chunk holds an image that was not encoded (Backend.encode_images)")
+
+    def read(self, chunks: Sequence[Sequence[int]], starts: Sequence[int],
+             cfg: ArchConfig) -> tuple[Sequence[Sequence[int]], Sequence[Sequence[PlacedImage]]]:
+        """A pass's chunks (row i written from slot starts[i]) with their keys as the placeholder id, and each
+        row's images (`place`); ValueError where an image was not encoded or the model cannot read a row's."""
+        self.check(chunks)
+        chunks, placed = zip(*(self.place(chunk, start) for chunk, start in zip(chunks, starts)))
+        images.check_rows(cfg, starts, chunks, placed)
+        return chunks, placed
 
     def place(self, chunk: Sequence[int], start: int) -> tuple[list[int], list[PlacedImage]]:
         """The chunk (written from slot `start`) with its keys as the placeholder id, and its images' embeddings
