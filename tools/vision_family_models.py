@@ -2,7 +2,8 @@
 (backends/torch/vision_towers.py): Qwen2.5-VL (M-RoPE) and Gemma 3 (SigLIP, images attended both ways).
 
 Each folder is in the hub layout, as transformers writes it: config.json, model.safetensors (transformers'
-own random initialisation of Qwen2_5_VLForConditionalGeneration / Gemma3ForConditionalGeneration),
+own random initialisation of Qwen2_5_VLForConditionalGeneration / Gemma3ForConditionalGeneration, the text
+model's weights drawn wider so its logits are peaked: near-ties would flip greedy tokens between two exact paths),
 preprocessor_config.json (the family's image processor, at small sizes so an image takes a few tokens),
 and a tokenizer: another model's (`tokenizer_from`) with the family's image tokens added and a ChatML
 template that puts the family's marker where a message has an image part.
@@ -90,6 +91,17 @@ def _gemma3(ids: dict[str, int]):
     return Gemma3ForConditionalGeneration(config), processor
 
 
+def peaked(model, prefixes: tuple[str, ...]) -> None:
+    """Redraw the matrices of the parameters under `prefixes` (the text model's) so its logits are peaked:
+    embeddings at unit scale, every other matrix at 1 / sqrt(its input width)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith(prefixes) and p.dim() >= 2:
+                p.normal_(0.0, 1.0 if "embed_tokens" in name else p.shape[-1] ** -0.5)
+
+
 WRITERS = {"qwen2_5_vl": _qwen2_5_vl, "gemma3": _gemma3}
 FAMILIES = tuple(WRITERS)
 
@@ -102,6 +114,7 @@ def write(family: str, out: Path, tokenizer_from: Path, seed: int = 0) -> Path:
     ids = _tokenizer(family, out, tokenizer_from)
     torch.manual_seed(seed)
     model, processor = WRITERS[family](ids)
+    peaked(model, ("model.language_model.", "lm_head."))
     model.save_pretrained(out)
     processor.save_pretrained(out)
     return out
