@@ -132,6 +132,10 @@ class KVStorageRefused(ValueError):
     """A --kv-cache-dtype the backend cannot store for this model (its head size, its device)."""
 
 
+class BackendRefused(ValueError):
+    """A model this backend does not serve and another does (--backend names the other)."""
+
+
 @dataclass(frozen=True)
 class KVStorage:
     """How a backend stores KV state (--kv-cache-dtype, --kv-group-size), apart from the weights' dtype.

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from kvfork.backends import create_backend, default_backend
-from kvfork.backends.base import Backend, KVStorageRefused
+from kvfork.backends.base import Backend, BackendRefused, KVStorageRefused
 from kvfork.backends.lockstep.leader import LockstepBackend
 from kvfork.server.config import ServerConfig
 from kvfork.server.listening import Listening
@@ -168,7 +168,7 @@ def _announce_kv_events(pub: Any, config: ServerConfig) -> None:
 
 def _load_failure(exc: BaseException | None, model: str) -> int | None:
     """The exit code of a load that raised `exc`, its one line printed; None where it loaded."""
-    if isinstance(exc, KVStorageRefused):  # a --kv-cache-dtype this model or backend cannot take: a bad setting
+    if isinstance(exc, (KVStorageRefused, BackendRefused)):  # a --kv-cache-dtype or --backend this model cannot take
         print(f"kvfork serve: error: {exc}", file=sys.stderr, flush=True)
         return 2
     if exc is not None:  # a model the backend or the tokenizer cannot read

@@ -89,16 +89,12 @@ def write(out: Path, size: str = "tiny", seed: int = 0, family: str = "smolvlm")
     text = dict(model_type="llama", vocab_size=max(shape["vocab"], len(tokenizer)), rms_norm_eps=1e-5,
                 eos_token_id=eos, pad_token_id=0, tie_word_embeddings=False, **shape["text"])
     config = Idefics3Config(text_config=text, vision_config=dict(model_type="idefics3_vision", **shape["vision"]),
-                            scale_factor=shape["scale_factor"], image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+                            scale_factor=shape["scale_factor"],
+                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
                             eos_token_id=eos, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(config).eval()
-    with torch.no_grad():  # peaked logits: near-ties would flip greedy tokens between two exact paths
-        for name, p in model.named_parameters():
-            if not name.startswith(("model.text_model.", "lm_head.")) or p.dim() < 2:
-                continue
-            std = 1.0 if "embed_tokens" in name else p.shape[-1] ** -0.5
-            p.normal_(0.0, std)
+    vision_family_models.peaked(model, ("model.text_model.", "lm_head."))
     model.save_pretrained(str(out))
     vision = shape["vision"]
     Idefics3ImageProcessorPil(size={"longest_edge": shape["longest_edge"]},

@@ -17,11 +17,12 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import load, load_model as lazy_model, sharded_load
 
-from kvfork.backends.base import KVCost, LayerAttention, ModelInfo
+from kvfork.backends.base import BackendRefused, KVCost, LayerAttention, ModelInfo
 from kvfork.backends.mlx.kvcopy import STEP
 from kvfork.backends.mlx.recurrent import state_bytes
 from kvfork.backends.model_info import read_model_facts
 from kvfork.backends.model_path import resolve_model
+from kvfork.backends.vision import folder_family
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -39,6 +40,10 @@ def load_model(folder: str, dtype: str | None, group: Any = None) -> tuple[nn.Mo
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     path = resolve_model(str(folder))
+    family = folder_family(path)
+    if family is not None:
+        raise BackendRefused(f"{path.name} reads images ({family}): the MLX backend serves no vision model yet; "
+                             "serve it with --backend torch")
     if group is not None and group.size() > 1:
         reason = split_refusal(path, group.size())
         if reason is not None:

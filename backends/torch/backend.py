@@ -119,7 +119,7 @@ class TorchBackend(Backend):
 
     def memory(self, step_tokens: int) -> DeviceMemory:
         """On CUDA the device's own memory, with a step's activation peak measured as vLLM profiles it."""
-        weights = loading.weight_bytes(self.model)
+        weights = loading.weight_bytes(self.model, *([self.vision.tower] if self.vision else []))
         if self.device.type != "cuda":
             return cpu_memory(weights)
         return cuda_memory(self.device, weights, self._activation_peak(step_tokens) if step_tokens else 0)
@@ -244,7 +244,7 @@ class TorchBackend(Backend):
                 positions, after = images.positions(rows, [shifts[i] for i in now], row_images, self.cfg, self.device)
                 shifts.update(zip(now, after))
                 # reads: a verify pass, no checkpoint cuts it; images: only on a model of model.py (check_rows)
-                logits = self.model(ids, positions, rows, reads, row_images if any(row_images) else None)
+                logits = self.model(ids, positions, rows, reads=reads, images=row_images if any(row_images) else None)
                 for row, i in enumerate(now):
                     end = starts[i] + pieces[i][piece][1]
                     if piece == len(pieces[i]) - 1:

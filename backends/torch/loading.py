@@ -106,11 +106,11 @@ def build(cfg: ArchConfig | HybridConfig, weights: dict[str, torch.Tensor], devi
     return model.eval(), cfg
 
 
-def weight_bytes(model: Transformer | HybridTransformer) -> int:
-    """What the model's weights occupy on its device, its packed projections included."""
-    tensors = itertools.chain(model.parameters(), model.buffers())
-    return sum(t.nbytes for t in tensors) + sum(
-        m.nbytes for m in model.modules() if isinstance(m, packed_linear.PackedLinear))
+def weight_bytes(model: Transformer | HybridTransformer, *more: torch.nn.Module) -> int:
+    """What the model's weights occupy on its device, its packed projections included; with `more`
+    (a vision tower), theirs too."""
+    return sum(sum(t.nbytes for t in itertools.chain(m.parameters(), m.buffers())) + sum(
+        p.nbytes for p in m.modules() if isinstance(p, packed_linear.PackedLinear)) for m in (model, *more))
 
 
 def full_layers(cfg: ArchConfig | HybridConfig) -> int:

@@ -34,7 +34,8 @@ def penalize(row: torch.Tensor, state: SamplerState) -> torch.Tensor:
     (over output, as in OpenAI), then the request's logit bias. Returns a new row."""
     p, row = state.params, row.clone()
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(text_only(state.prompt)) | set(state.output)), dtype=torch.long, device=row.device)
+        seen = torch.tensor(sorted(set(text_only(state.prompt)) | set(state.output)), dtype=torch.long,
+                            device=row.device)
         if len(seen):
             picked = row[seen]
             row[seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)

@@ -11,7 +11,7 @@ image's embedding row (Backend.encode_images); the rest of the engine never look
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 IMAGE_KEY_BASE = 1 << 62  # above every vocabulary; a key still fits an int64
 INDEX_BITS = 20  # a token's index inside its image: at most 2**20 tokens an image
@@ -49,9 +49,16 @@ def text_only(tokens: Iterable[int]) -> list[int]:
     return [t for t in tokens if t < IMAGE_KEY_BASE]
 
 
-def image_start(tokens: list[int], upto: int) -> int:
-    """`upto` moved back to the start of the image it falls inside (a reuse point or a chunk end never
-    splits an image of a family that attends both ways inside one); `upto` itself elsewhere."""
-    if 0 < upto < len(tokens) and is_image_key(tokens[upto]):
-        return upto - index_of(tokens[upto])
-    return upto
+def image_start(tokens: Sequence[int], upto: int) -> int:
+    """`upto` (a count of leading tokens) moved back to the first key of the image whose keys it splits (the
+    token after it is one of the image's keys but its first), so a reuse point never falls inside an image
+    (a family whose image tokens attend both ways, or are placed in 3-D, computes none of them alone); `upto`
+    itself elsewhere. The walk back is bounded by the image's span:
+    its first key lies at least its index back (further where text lies between its keys: Idefics3's tiles)."""
+    if not 0 < upto < len(tokens) or not is_image_key(tokens[upto]) or index_of(tokens[upto]) == 0:
+        return upto
+    first = tokens[upto] - index_of(tokens[upto])
+    at = upto - index_of(tokens[upto])
+    while at > 0 and tokens[at] != first:
+        at -= 1
+    return at

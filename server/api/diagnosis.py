@@ -25,12 +25,14 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
+from kvfork.backends.vision.keys import IMAGE_KEY_BASE
 from kvfork.server.engine.api import Scope, Usage
 from kvfork.server.errors import ApiError
 from kvfork.server.metrics import Registry
 from kvfork.server.api.openai import PromptCacheOptions
+from kvfork.server.api.vision import SeenImage, vision_prompt
 from kvfork.server.text.tokenizer import PromptTokenizer
 
 # What the store keeps at most: 4M tokens of fingerprints (16 MiB), and ids of responses made without
@@ -240,18 +242,22 @@ def asked_by(options: PromptCacheOptions | None) -> Asked | None:
 
 
 async def fingerprint(tokenizer: PromptTokenizer, scope: Scope, model: str, messages: list[dict[str, Any]],
-                      tools: list[dict[str, Any]] | None, kwargs: dict[str, Any], prompt: list[int]) -> Fingerprint:
+                      tools: list[dict[str, Any]] | None, kwargs: dict[str, Any], prompt: list[int],
+                      images: Sequence[SeenImage] = ()) -> Fingerprint:
     """The prompt's fingerprint; its system and tools spans are where the prompt rendered without its leading
     system messages, or without its tools, differs from it ((0, 0) when it has none, or the template refuses
-    the cut)."""
+    the cut). `images`: the prompt's, encoded as its keys in the cuts too (server/api/vision.py)."""
     async def without(cut: list[dict[str, Any]], cut_tools: list[dict[str, Any]] | None) -> Span:
         try:
             text = await tokenizer.render_chat(cut, cut_tools, kwargs, scope.tenant)
         except ApiError:
             return 0, 0
+        if images:
+            return span_of(prompt, (await vision_prompt(tokenizer, text, list(images), scope.tenant))[0])
         return span_of(prompt, await tokenizer.encode_rendered(text, scope.tenant))
 
     lead = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
     system = await without(messages[lead:], tools) if lead else (0, 0)
     tool_span = await without(messages, None) if tools else (0, 0)
-    return Fingerprint(scope, model, array("I", prompt), system, tool_span)
+    wide = prompt and max(prompt) >= IMAGE_KEY_BASE  # image keys (backends/vision/keys.py) take 64 bits
+    return Fingerprint(scope, model, array("Q" if wide else "I", prompt), system, tool_span)

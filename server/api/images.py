@@ -22,11 +22,11 @@ from __future__ import annotations
 import logging
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable
 
 from kvfork.server.api.chat.protocol import ChatMessage
 from kvfork.server.errors import ApiError, client_text, invalid
-from kvfork.server.images import DataUrl, Image, ImageRefused, RemoteUrl, picture, source_of
+from kvfork.server.api.vision import SeenImage
+from kvfork.server.images import DataUrl, ImageRefused, RemoteUrl, picture, source_of
 from kvfork.server.limits import over
 from kvfork.server.state import AppState
 
@@ -66,14 +66,6 @@ def image_parts(messages: list[ChatMessage]) -> list[ImagePart]:
                               '"image_url": {"url": "data:image/png;base64,..."}}')
             out.append(ImagePart(i, j, url, message.role))
     return out
-
-
-@dataclass(frozen=True)
-class SeenImage:
-    """An image a vision model reads: what it is, and its pixels when the model must encode it."""
-
-    image: Image
-    load: Callable[[], Any]  # the decoded picture, RGB (server/images.py's `picture`)
 
 
 async def read_images(state: AppState, messages: list[ChatMessage], model: str, tenant: str, rid: str,

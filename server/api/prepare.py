@@ -35,8 +35,8 @@ from kvfork.server.grammar import request_ask
 from kvfork.server.api.chat.protocol import ChatCompletionRequest, ChatMessage
 from kvfork.server.api.openai import SamplingFields
 from kvfork.server.api.diagnosis import Asked, Fingerprint, Report, fingerprint
-from kvfork.server.api.images import IMAGE_PART, SeenImage, read_images
-from kvfork.server.api.vision import image_mark, vision_prompt
+from kvfork.server.api.images import IMAGE_PART, read_images
+from kvfork.server.api.vision import SeenImage, image_mark, vision_prompt
 from kvfork.server.api.respond import Job
 from kvfork.server.limits import check_count, check_prompt_chars, check_schema, json_deeper_than
 from kvfork.server.state import AppState, scope_of, tenant_of
@@ -278,7 +278,7 @@ async def prepare(state: AppState, checked: Checked, request: web.Request, rid: 
     job = Job(model, prompt, generate, stop_strings(body), parser, body.n)
     if asked is not None:
         job.diagnostics = diagnostics(state, asked, rid, await fingerprint(
-            tokenizer, scope, model, rendered.messages, body.tools, rendered.kwargs, prompt))
+            tokenizer, scope, model, rendered.messages, body.tools, rendered.kwargs, prompt, checked.images))
     return job
 
 

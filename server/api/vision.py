@@ -11,24 +11,31 @@ size out as (`Processing.prompt_text`), encoded, its placeholder tokens turned i
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from kvfork.backends.vision import ImageInput
 from kvfork.backends.vision.keys import image_id, image_keys
 from kvfork.server.errors import ApiError
+from kvfork.server.images import Image
 from kvfork.server.text.tokenizer import PromptTokenizer
 
-if TYPE_CHECKING:
-    from kvfork.server.api.images import SeenImage
+
+@dataclass(frozen=True)
+class SeenImage:
+    """An image a vision model reads: what it is, and its pixels when the model must encode it."""
+
+    image: Image
+    load: Callable[[], Any]  # the decoded picture, RGB (server/images.py's `picture`)
 
 _MARK = re.compile(r"<\|kvfork-image ([0-9a-f]{64})\|>")
 
 
-def image_mark(seen: "SeenImage") -> str:
+def image_mark(seen: SeenImage) -> str:
     return f"<|kvfork-image {seen.image.digest}|>"
 
 
-async def vision_prompt(tokenizer: PromptTokenizer, text: str, images: list["SeenImage"],
+async def vision_prompt(tokenizer: PromptTokenizer, text: str, images: list[SeenImage],
                         tenant: str) -> tuple[list[int], tuple[ImageInput, ...]]:
     """The rendered `text`'s tokens, each image's placeholders as its keys, and the images in prompt order."""
     processing = tokenizer.vision

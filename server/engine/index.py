@@ -237,7 +237,7 @@ class Index:
         tokens = tuple(tokens)
         for entry, shared in self._trie.candidates(tokens, found.scope):
             if entry.tier in ranked and (entry.tier != "disk" or disk):
-                upto = usable_upto(shared, len(tokens), self._source(entry))
+                upto = usable_upto(shared, tokens, self._source(entry))
                 if upto > 0:
                     ranked[entry.tier].append(Match(entry, upto))
         for matches in ranked.values():

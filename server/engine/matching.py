@@ -6,14 +6,15 @@ The engine calls:
   Source.entry(key, tokens, stamp, *, clone_floor=0, positions=None) -> Source
   window_floor(position, windows) -> int           # clone_floor of a state with sliding layers
   usable_match(prompt, source) -> int
-  usable_upto(shared, prompt_len, source) -> int  # the same rule, the shared length known (index.py)
+  usable_upto(shared, prompt, source) -> int  # the same rule, the shared length known (index.py)
   ranked_matches(prompt, sources) -> list[Match]   # prefix cache: try in order while clones are refused
   best_match(prompt, sources) -> Match | None
   choose_reuse(recipient, donors, cached, min_tokens) -> ReuseChoice   # at admission
   ReuseChoice.log_fields() -> dict                  # for the per-request log line
 
 Rules (each also stated where it binds):
-  - usable = min(common prefix, source's committed position, recipient length - 1);
+  - usable = min(common prefix, source's committed position, recipient length - 1), never inside an
+    image (rounded down to its first token: an image is reused whole or not at all);
     a donor is matched on its PROMPT only, never its generated output.
   - Longest usable match wins; ties go to the most recent (donor admission order,
     cache LRU stamp). The prefix cache and active reuse share this one rule: a
@@ -25,8 +26,9 @@ Rules (each also stated where it binds):
   - A state with recurrent layers serves only the positions it holds a state at
     (`positions`, from backends.base.clone_positions: its own position and its
     checkpoints): the match is the highest of them at or below the usable one.
-  - Only anonymous text recipients take part; named sessions and multimodal
-    prompts keep their own path. Any active text request, named or not, donates.
+  - Only anonymous recipients take part; named sessions keep their own path. Any
+    active request, named or not, donates (a prompt with images too: its images are
+    tokens of their own, backends/vision/keys.py).
   - min_tokens == 0 disables active reuse; otherwise a donor must save at least
     min_tokens prefill tokens beyond the best cached match, and an equally useful
     cached prefix wins.
@@ -39,6 +41,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Collection, Hashable, Iterable, Literal, Sequence
+
+from kvfork.backends.vision.keys import image_start
 
 _BLOCK = 64
 
@@ -107,19 +111,20 @@ def usable_match(prompt: Sequence[int], source: Source) -> int:
     """Tokens of `prompt` the source can hand over: 0 when it can hand over none (`usable_upto`)."""
     if not source.text or source.committed <= 0:  # nothing computed: skip the comparison
         return 0
-    return usable_upto(common_prefix(prompt, source.tokens), len(prompt), source)
+    return usable_upto(common_prefix(prompt, source.tokens), prompt, source)
 
 
-def usable_upto(shared: int, prompt_len: int, source: Source) -> int:
-    """What a source sharing `shared` leading tokens with a prompt of `prompt_len` can hand over.
+def usable_upto(shared: int, prompt: Sequence[int], source: Source) -> int:
+    """What a source sharing `shared` leading tokens with `prompt` can hand over.
 
-    usable = min(common prefix, source's committed position, len(prompt) - 1)
+    usable = min(common prefix, source's committed position, len(prompt) - 1), moved back to an image's
+    first token where it falls inside one (backends/vision/keys.py)
     """
     # The last prompt token always runs through the model: the recipient needs
     # its own next-token logits for its own sampler.
     if not source.text or source.committed <= 0:
         return 0
-    upto = min(shared, source.committed, prompt_len - 1)
+    upto = image_start(prompt, min(shared, source.committed, len(prompt) - 1))
     if source.positions is not None:  # a recurrent state: only where one is held
         upto = max((p for p in source.positions if p <= upto), default=0)
     return upto if upto > 0 and upto >= source.clone_floor else 0

@@ -12,7 +12,8 @@ import pytest
 from kvfork.backends.torch.backend import TorchBackend
 from kvfork.backends.vision import ImageInput, load_processing
 from kvfork.backends.vision.idefics3 import image_seq_len
-from kvfork.backends.vision.keys import IMAGE_KEY_BASE, image_keys, is_image_key
+from kvfork.backends.vision.keys import IMAGE_KEY_BASE, image_keys, image_start, is_image_key
+from kvfork.server.engine.matching import Source, usable_upto
 from kvfork.server.text.tokenizer import PromptTokenizer
 from kvfork.tools.vision_model import write
 from tolerance import Kind, Model, assert_logits_close
@@ -56,7 +57,8 @@ def test_logits_match_transformers_idefics3(smolvlm):
     processing = tokenizer.vision
     placeholder = processing.image_token_id
     # transformers' own processor lays the prompt out the same way
-    processor = Idefics3Processor(processing.images, tokenizer.tokenizer, image_seq_len=image_seq_len(json.loads((Path(smolvlm) / "config.json").read_text())))
+    config = json.loads((Path(smolvlm) / "config.json").read_text())
+    processor = Idefics3Processor(processing.images, tokenizer.tokenizer, image_seq_len=image_seq_len(config))
     inputs = processor(text=TEXT[0] + "<image>" + TEXT[1], images=[[picture]], return_tensors="pt")
     ids = [placeholder if is_image_key(t) else t for t in prompt]
     assert inputs["input_ids"][0].tolist() == ids
@@ -88,3 +90,22 @@ def test_logits_match_transformers_idefics3(smolvlm):
 def test_keys_stay_above_the_vocabulary():
     keys = image_keys(2**40 - 1, 3)
     assert all(IMAGE_KEY_BASE <= k < 2**63 for k in keys)
+
+
+def test_a_reuse_point_inside_an_image_moves_to_its_first_key():
+    keys = image_keys(IMAGE_ID, 6)
+    tiled = [1, 2, 9, *keys[:3], 9, *keys[3:], 3]  # text (9) between its tiles, as Idefics3 lays them
+    # inside: where the next token is one of its keys but the first (a text token between tiles is text)
+    assert [image_start(tiled, n) for n in range(len(tiled) + 1)] == [0, 1, 2, 3, 3, 3, 6, 3, 3, 3, 10, 11]
+    source = Source.entry("e", tiled, 0)
+    assert usable_upto(7, tiled, source) == 3  # shared through the first tile: the image is reused whole or not
+    assert usable_upto(10, tiled + [4], source) == 10
+
+
+def test_mlx_refuses_a_vision_model_naming_the_torch_backend(smolvlm):
+    pytest.importorskip("mlx.core", exc_type=ImportError)
+    from kvfork.backends.base import BackendRefused
+    from kvfork.backends.mlx.backend import MLXBackend
+
+    with pytest.raises(BackendRefused, match="--backend torch"):
+        MLXBackend().load(smolvlm)

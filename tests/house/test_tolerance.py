@@ -38,10 +38,10 @@ def check(b, right, wrong, want, kind: Kind, context: int) -> None:
 def shifted(b: TorchBackend, rows: slice | int):
     """A forward pre-hook that rotates the tokens at `rows` of the pass one position on (RoPE off by one)."""
     def hook(module, args):
-        tokens, positions, *rest = args
+        tokens, positions, row_info = args
         positions = positions.clone()
         positions[rows] += 1
-        return tokens, positions, *rest
+        return tokens, positions, row_info
     return b.model.register_forward_pre_hook(hook)
 
 
