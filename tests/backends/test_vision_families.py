@@ -66,7 +66,8 @@ class Case:
             embeddings, grid = tower.encode(self.processing.pixels(picture))
             first = text.index(self.processing.image_token_id)
             self.images.append(PlacedImage(len(self.tokens) + first, embeddings, grid))
-            assert text.count(self.processing.image_token_id) == len(embeddings) == self.processing.tokens(*picture.size)
+            count = text.count(self.processing.image_token_id)
+            assert count == len(embeddings) == self.processing.tokens(*picture.size)
             self.tokens += text + rng.integers(3, 500, 4).tolist()
         self.forced = int(rng.integers(3, 500))  # the decode step's token
 
