@@ -21,7 +21,7 @@ from torch import nn
 from kvfork.backends.torch import images, vision_towers
 from kvfork.backends.torch.config import ArchConfig
 from kvfork.backends.torch.images import PlacedImage
-from kvfork.backends.vision import FAMILIES, ImageInput, folder_family, load_processing, vision_family
+from kvfork.backends.vision import ImageInput, folder_family, load_processing, vision_family
 from kvfork.backends.vision.keys import IMAGE_KEY_BASE, image_of, index_of
 
 Encoded = tuple[torch.Tensor, tuple[int, int, int] | None]  # an image's embeddings, and its tokens' grid
@@ -94,7 +94,7 @@ class VisionReader:
 
         config = json.loads((folder / "config.json").read_text())
         self.processing = load_processing(folder, AutoTokenizer.from_pretrained(str(folder)))
-        self.tower = TOWERS[FAMILIES[vision_family(config)]](config)
+        self.tower = TOWERS[vision_family(config)](config)
         self.tower.load_state_dict(weights, strict=True)
         self.tower.to(device, dtype).eval()
         self.device, self.dtype, self.cache_bytes = device, dtype, cache_bytes

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-# config.json's model_type -> the family's module in this package
-FAMILIES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_5_vl": "qwen2_5_vl", "gemma3": "gemma3"}
+# config.json's model_type -> the family's module in this package (SmolVLM-256M, -500M and -Instruct are idefics3)
+FAMILIES = {"idefics3": "idefics3", "qwen2_5_vl": "qwen2_5_vl", "gemma3": "gemma3"}
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class ImageInput:
 
 
 def vision_family(config: dict) -> str | None:
-    """The vision family a config.json names, or None for a text model."""
+    """The vision family a config.json names (its module here), or None for a text model."""
     return FAMILIES.get(config.get("model_type", ""))
 
 
@@ -50,4 +50,4 @@ def load_processing(folder: str | Path, tokenizer: Any):
         return None
     from importlib import import_module
 
-    return import_module(f"kvfork.backends.vision.{FAMILIES[family]}").Processing(Path(folder), tokenizer)
+    return import_module(f"kvfork.backends.vision.{family}").Processing(Path(folder), tokenizer)

@@ -76,9 +76,11 @@ log = logging.getLogger("kvfork.disk")
 KV_FORMAT_VERSION = "2"  # bump when the file layout or the saved-state rule changes: old files are then dropped
 SUFFIX = ".safetensors"
 LOCK = "lock"
-# The tokenizer's files, and the converter's record (backends/default_model.py: the converter's version)
+# The tokenizer's files, the converter's record (backends/default_model.py: the converter's version), and a
+# vision model's image processor's (the pixels its images' states were computed from: backends/vision)
 _MODEL_FILES = ("kvfork-converted.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
+                "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+                "preprocessor_config.json", "processor_config.json")
 _GIVE_UP = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT)  # the tier goes off
 
 

@@ -142,6 +142,11 @@ async def test_an_image_inside_a_messages_tool_result(http, daemon, folder):
         reply = await r.json()
     assert reply["usage"]["input_tokens"] > image_tokens(folder)  # the image's tokens are in the prompt
     assert await encoded(http, daemon) == before + 1
+    count = {k: v for k, v in body.items() if k not in ("max_tokens", "temperature")}
+    async with http.post(daemon.url + MESSAGES + "/count_tokens", json=count) as r:
+        assert r.status == 200, await r.text()
+        assert (await r.json())["input_tokens"] == reply["usage"]["input_tokens"]  # counted without encoding
+    assert await encoded(http, daemon) == before + 1
 
 
 async def test_an_image_url_is_refused_for_a_vision_model(http, daemon):
