@@ -76,7 +76,7 @@ def split_weights(folder: Path, weights: dict[str, torch.Tensor],
     if split:
         raise ValueError("torch backend: a model that reads images is served on one device")
     text, tower = {}, {}
-    prefixes = TOWER_PREFIXES[FAMILIES[folder_family(folder)]]
+    prefixes = TOWER_PREFIXES[folder_family(folder)]
     for name, w in weights.items():
         if name.startswith(prefixes):
             tower[name.removeprefix("model.")] = w
