@@ -1,6 +1,6 @@
 """The vision towers of the vision-language models whose text model is ours with images (images.py):
 Qwen2.5-VL and Gemma 3, transformers' vision modules, their weights read by backends/torch/vision.py. A
-tower's `encode(arrays)` takes its family's pixel arrays (backends/vision/<family>.py's `Processing.pixels`)
+tower's `encode(arrays)` takes its family's pixel arrays (backends/vision/<family>.py's `pixels`)
 to the embeddings that replace the image's tokens' [tokens, text hidden], and the (t, h, w) grid of those
 tokens.
 

@@ -2,7 +2,7 @@
 
 A vision model's folder is a hub folder whose config.json names a vision family (`FAMILIES`): its text
 model is one kvfork's backends serve (its `text_config`), beside a vision tower and the image processor's
-files. The server expands each image of a prompt into the family's tokens (`Processing`, processing.py),
+files. The server expands each image of a prompt into the family's tokens (`ImageProcessing`, processing.py),
 whose embedding positions are image keys (keys.py); the backend encodes the image's pixels on the runner
 thread, once per tenant while its encoder cache holds it (Backend.encode_images), and reads the keys'
 rows from there.
@@ -28,7 +28,7 @@ class ImageInput:
     end: int  # past its last key (a family may lay text tokens between its keys: Idefics3's tiles)
     tokens: int  # how many keys it takes: the rows of its embeddings
     load: Callable[[], Any] = lambda: None  # the decoded picture (PIL, RGB): called only when it must be encoded
-    whole: bool = False  # its tokens attend each other both ways (Processing.bidirectional): one chunk holds them
+    whole: bool = False  # its tokens attend each other both ways (ImageProcessing.bidirectional): one chunk holds it
 
 
 def vision_family(config: dict) -> str | None:
@@ -44,10 +44,10 @@ def folder_family(folder: str | Path) -> str | None:
 
 
 def load_processing(folder: str | Path, tokenizer: Any):
-    """The family's Processing for a model folder and its loaded tokenizer; None for a text model."""
+    """The family's ImageProcessing for a model folder and its loaded tokenizer; None for a text model."""
     family = folder_family(folder)
     if family is None:
         return None
     from importlib import import_module
 
-    return import_module(f"kvfork.backends.vision.{family}").Processing(Path(folder), tokenizer)
+    return import_module(f"kvfork.backends.vision.{family}").load(Path(folder), tokenizer)

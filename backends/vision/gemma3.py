@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from kvfork.backends.vision.processing import Processing as Base
+from kvfork.backends.vision.processing import ImageProcessing
 
 
-class Processing(Base):
+class Gemma3Processing(ImageProcessing):
     bidirectional = True
 
     def __init__(self, folder: Path, tokenizer: Any = None):
@@ -37,3 +37,7 @@ class Processing(Base):
 
     def pixels(self, picture: Any) -> dict[str, np.ndarray]:
         return {"pixel_values": self.images(images=[picture], return_tensors="np")["pixel_values"]}
+
+
+def load(folder: Path, tokenizer: Any) -> Gemma3Processing:
+    return Gemma3Processing(folder, tokenizer)

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from kvfork.backends.vision.processing import Processing as Base
+from kvfork.backends.vision.processing import ImageProcessing
 
 
 def image_seq_len(config: dict) -> int:
@@ -22,7 +22,7 @@ def image_seq_len(config: dict) -> int:
     return int(patches / config.get("scale_factor", 2) ** 2)
 
 
-class Processing(Base):
+class Idefics3Processing(ImageProcessing):
     def __init__(self, folder: Path, tokenizer: Any):
         from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
         from transformers.models.idefics3.processing_idefics3 import Idefics3Processor
@@ -39,3 +39,7 @@ class Processing(Base):
     def pixels(self, picture: Any) -> dict[str, np.ndarray]:
         out = self.images(images=[[picture]], return_tensors="np")
         return {"pixel_values": out["pixel_values"][0], "pixel_attention_mask": out["pixel_attention_mask"][0]}
+
+
+def load(folder: Path, tokenizer: Any) -> Idefics3Processing:
+    return Idefics3Processing(folder, tokenizer)

@@ -1,6 +1,6 @@
 """What a vision family does on the server's side: an image as prompt text, and as pixel arrays.
 
-A family's `Processing` holds transformers' image processor for the model (its PIL path: no torchvision)
+A family's `ImageProcessing` holds transformers' image processor for the model (its PIL path: no torchvision)
 and the tokenizer's ids. The prompt's text for an image depends on its size alone, so a prompt is
 tokenized without touching a pixel; the pixel arrays are made on the runner thread, only for an image
 the encoder has not seen (Backend.encode_images).
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 
-class Processing(abc.ABC):
+class ImageProcessing(abc.ABC):
     image_token_id: int  # the placeholder whose positions take the image's embeddings (keys.py)
     bidirectional: bool = False  # an image's tokens attend each other both ways: one prefill chunk holds it
 

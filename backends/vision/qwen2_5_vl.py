@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from kvfork.backends.vision.processing import Processing as Base
+from kvfork.backends.vision.processing import ImageProcessing
 
 
-class Processing(Base):
+class Qwen2_5_VLProcessing(ImageProcessing):
     bidirectional = False
 
     def __init__(self, folder: Path, tokenizer: Any = None):
@@ -40,3 +40,7 @@ class Processing(Base):
     def pixels(self, picture: Any) -> dict[str, np.ndarray]:
         out = self.images(images=[picture], return_tensors="np")
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
+
+def load(folder: Path, tokenizer: Any) -> Qwen2_5_VLProcessing:
+    return Qwen2_5_VLProcessing(folder, tokenizer)

@@ -4,7 +4,7 @@ Each image part of a message is written into the template's input as its mark, a
 image by its pixel hash (so the text a template renders, and the diagnostics' fingerprint of the
 messages, change with the image). Once rendered, the text is cut at the marks: the pieces between are
 encoded as any rendered text, and each mark becomes the text the model's family lays an image of its
-size out as (`Processing.prompt_text`), encoded, its placeholder tokens turned into the image's keys
+size out as (`ImageProcessing.prompt_text`), encoded, its placeholder tokens turned into the image's keys
 (backends/vision/keys.py). Every reuse path then compares the image by its identity.
 """
 

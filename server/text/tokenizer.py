@@ -12,7 +12,7 @@ operator's), and a loop in it would hold the loop; past the limit the render is 
 stays on the loop.
 
 Long work (a render, or text past a few thousand characters to encode) runs on two worker threads
-shared by tenants in turn, a tenant one job at a time (server/fair.py): the
+shared by tenants in turn, a tenant one job at a time (server/fair_workers.py): the
 routes pass the tenant, so another tenant never waits for the first one's long
 job. Each thread renders and encodes with its own copy of the tokenizer (a Rust
 tokenizer is not meant to be used by two threads at once). A job's size is
@@ -30,7 +30,7 @@ import threading
 from typing import Any, Callable, Sequence
 
 from kvfork.server.errors import ApiError
-from kvfork.server.fair import FairWorkers
+from kvfork.server.fair_workers import FairWorkers
 from kvfork.server.limits import Limits
 from kvfork.server.text.template import TemplateVariables
 
@@ -87,12 +87,18 @@ class PromptTokenizer:
         added = getattr(tokenizer, "added_tokens_decoder", {})
         # The added tokens' texts: some tool-call and thinking formats are told by them (Kimi K3's XTML).
         self.vocabulary = frozenset(t.content for t in added.values())
-        # Special tokens, text -> id: a grammar refers to markup tokens by id (server/toolcalls/lark.py).
+        # Special tokens, text -> id: a grammar refers to markup tokens by id (server/toolcalls/grammar_pieces.py).
         self.specials = {t.content: i for i, t in added.items() if t.special}
         self._hidden: frozenset[int] | None = None  # special ids decode drops when some are kept
         named = getattr(tokenizer, "init_kwargs", {}).get("tool_parser_type")
         self.tool_parser_type = named if isinstance(named, str) else None  # mlx-lm's key, set by MLX conversions
-        self.vision: Any = None  # a model that reads images: its family's Processing (backends/vision)
+        self.vision: Any = None  # a model that reads images: its family's ImageProcessing (backends/vision)
+        # A template that reads a message's content only as a list of parts (vision models' templates, as
+        # SmolVLM's): each message's text is given to it as one text part. Probed once, within the render limit.
+        try:
+            self.content_as_parts = interruptible(render_timeout, _reads_parts_only, tokenizer)
+        except RenderTimeout:
+            self.content_as_parts = False
 
     def keep_special(self, texts: Sequence[str]) -> None:
         """Keep the special tokens among `texts` in `decode_markup`'s text (the markup of the model's
@@ -145,7 +151,7 @@ class PromptTokenizer:
             if len(ends) >= last:
                 break
             try:
-                text = (tok or self.tokenizer).apply_chat_template(messages[:cut], tools=tools,
+                text = (tok or self.tokenizer).apply_chat_template(self._shaped(messages[:cut]), tools=tools,
                                                                    add_generation_prompt=False, tokenize=False,
                                                                    **kwargs)
             except Exception:
@@ -171,12 +177,19 @@ class PromptTokenizer:
         kwargs = self._variables(template_kwargs)
         try:
             rendered = (tok or self.tokenizer).apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs
+                self._shaped(messages), tools=tools, add_generation_prompt=True, tokenize=False, **kwargs
             )
         except Exception as e:  # jinja raises its own errors for histories a template rejects
             raise ApiError(400, f"the chat template rejected the messages: {e}", code="invalid_value",
                            param="messages") from None
         return rendered
+
+    def _shaped(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The messages as the template reads them (`content_as_parts`)."""
+        if not self.content_as_parts:
+            return messages
+        return [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str)
+                else m for m in messages]
 
     def _variables(self, template_kwargs: dict[str, Any]) -> dict[str, Any]:
         """The template's own variables among `template_kwargs` (the routes have refused the rest with a 400:
@@ -224,6 +237,21 @@ class PromptTokenizer:
         except RenderTimeout:
             raise ApiError(400, f"the chat template took more than {self.render_timeout:g} s to render these "
                            "messages (--template-timeout)", code="template_timeout", param="messages") from None
+
+
+def _reads_parts_only(tokenizer: Any) -> bool:
+    """Whether the chat template drops a message's text given as a string, and renders it given as a list of
+    one text part."""
+    probe = "kvfork-probe-text"
+
+    def renders(content: Any) -> bool:
+        try:
+            return probe in tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                          add_generation_prompt=True)
+        except Exception:
+            return False
+
+    return bool(tokenizer.chat_template) and not renders(probe) and renders([{"type": "text", "text": probe}])
 
 
 class _Own:

@@ -109,3 +109,21 @@ def test_mlx_refuses_a_vision_model_naming_the_torch_backend(smolvlm):
 
     with pytest.raises(BackendRefused, match="--backend torch"):
         MLXBackend().load(smolvlm)
+
+
+PARTS_ONLY = ("<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}:{% for part in "
+              "message['content'] %}{% if part['type'] == 'text' %} {{ part['text'] }}{% endif %}{% endfor %}"
+              "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
+
+
+def test_a_template_that_reads_content_as_parts_gets_the_text_as_one(smolvlm):
+    as_text = PromptTokenizer.load(smolvlm)
+    as_parts = PromptTokenizer.load(smolvlm, PARTS_ONLY)  # SmolVLM's hub template reads a list of parts only
+    try:
+        assert not as_text.content_as_parts and as_parts.content_as_parts
+        messages = [{"role": "user", "content": "what is on <|kvfork-image 00|> the screen"}]
+        assert as_parts.render(messages, None, {}) == \
+            "<|im_start|>User: what is on <|kvfork-image 00|> the screen<end_of_utterance>\nAssistant:"
+    finally:
+        as_text.close()
+        as_parts.close()
