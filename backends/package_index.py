@@ -95,7 +95,7 @@ class _Redirects(urllib.request.HTTPRedirectHandler):
     """urllib's redirects, with the index's credentials put back only where they may go: urllib copies a
     request's headers to wherever a redirect points, but not its unredirected ones, which carry them."""
 
-    def __init__(self, index: Index):
+    def __init__(self, index: PackageIndex):
         super().__init__()
         self.index = index
 
@@ -124,7 +124,7 @@ class _Links(HTMLParser):
             self._href = None
 
 
-class Index:
+class PackageIndex:
     """The package index at `url` (a Simple API root)."""
 
     def __init__(self, url: str | None = None):

@@ -28,7 +28,7 @@ from kvfork.server.api.sse import CLIENT_GONE
 from kvfork.server.slow_clients import Watchdog, listen as watched_listen
 from kvfork.server.state import STATE, TENANT, AppState
 from kvfork.server.tenants import request_key
-from kvfork.server.browsers import cors_headers, is_preflight, preflight
+from kvfork.server.origin_guard import cors_headers, is_preflight, preflight
 from kvfork.server.refusals import PAUSE_S, RefusalLimiter
 
 log = logging.getLogger("kvfork.http")
@@ -114,8 +114,8 @@ def _middlewares(state: AppState, requests_total) -> list:
         return response
 
     @web.middleware
-    async def browsers(request: web.Request, handler):
-        state.browsers.check(request)  # before auth: a preflight carries no key
+    async def origin_guard(request: web.Request, handler):
+        state.origin_guard.check(request)  # before auth: a preflight carries no key
         if is_preflight(request):
             return preflight(request)
         return await handler(request)
@@ -134,7 +134,7 @@ def _middlewares(state: AppState, requests_total) -> list:
         await _slowed(limiter, _refusal_key(request))
         return await handler(request)
 
-    return [errors, browsers, auth]
+    return [errors, origin_guard, auth]
 
 
 async def _response_headers(request: web.Request, response: web.StreamResponse) -> None:

@@ -36,7 +36,7 @@ COMMANDS = {
     "smoke": ("kvfork.tools.smoke", "end-to-end check of active prefix reuse on the default model"),
     "soak": ("kvfork.tools.soak", "load, faults, hang-ups and bad input against an in-process daemon; one table of checks"),
     "cache": ("kvfork.server.cache_command", "show (ls) or empty (clear) the prefix cache's disk tier"),
-    "cluster": ("kvfork.tools.cluster", "N replicas of one model on this machine behind smg (pip install 'kvfork[cluster]')"),
+    "cluster": ("kvfork.tools.cluster", "N replicas of one model on this machine behind smg (pip install smg)"),
     "clients": ("kvfork.tools.clients", "Codex CLI, Claude Code and opencode, unchanged, in scripted sessions; one table"),
 }
 USAGE = ("usage: kvfork {serve,fetch-model,bench,smoke,soak,cache,cluster,clients} [options]   "

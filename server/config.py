@@ -129,8 +129,8 @@ class ServerConfig(Limits):
     accept_any_model: bool = setting(False, "serve requests whatever model name they send (for agents that send "
                                      "their own)")
     prefix_cache_warm: str | None = setting(None, "JSON file of chat prompts computed at start, each a messages "
-                                            "list or {\"messages\": [...], \"tenant\": NAME} (README: Prefix cache "
-                                            "on disk)", group="reuse")
+                                            "list or {\"messages\": [...], \"tenant\": NAME} (docs/serving.md: "
+                                            "Prefix cache on disk)", group="reuse")
     sse_keepalive: float = setting(5.0, "seconds of silence (a long prefill, a queue wait) before a stream sends a "
                                    "keep-alive comment", check=at_least(0.01))
     shutdown_grace: float = setting(10.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM",

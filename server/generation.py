@@ -12,7 +12,7 @@ Rules:
   cancelled), `generation` cancels every choice's engine handle on exit, so a
   slot never outlives its client;
 - n choices stream side by side, each event tagged with its choice's index; a
-  choice that fails ends alone (`Finished` with finish_reason "error") while
+  choice that fails ends alone (`ChoiceFinished` with finish_reason "error") while
   another choice lives on, and a request whose every choice failed raises its
   failure (with n = 1, as soon as it fails).
 """
@@ -39,17 +39,17 @@ class Piece:
 
 
 @dataclass
-class Finished:
+class ChoiceFinished:
     finish_reason: str  # "stop" or "length"; "error" for one failed choice of several
     usage: Usage
     stop_string: str | None = None  # the stop string that ended the text, if one did
 
 
-class KeepAlive:
+class KeepAliveTick:
     """Nothing arrived for a while (a long prefill or a queue wait)."""
 
 
-KEEP_ALIVE = KeepAlive()
+KEEP_ALIVE = KeepAliveTick()
 
 
 class ChoiceFailed(ApiError):
@@ -63,7 +63,7 @@ class ChoiceFailed(ApiError):
 @asynccontextmanager
 async def generation(engine, request: GenerateRequest, tokenizer: PromptTokenizer, stops: list[str],
                      keepalive_s: float | None = None, markup: bool = False
-                     ) -> AsyncIterator[AsyncIterator[tuple[int, Piece | Finished] | KeepAlive]]:
+                     ) -> AsyncIterator[AsyncIterator[tuple[int, Piece | ChoiceFinished] | KeepAliveTick]]:
     """Submit now (an engine refusal raises here, before any response starts); yield (choice, event)
     pairs, and KeepAlives while nothing arrives. `markup`: the text keeps the model's markup tokens, for
     an output parser to read (PromptTokenizer.decode_markup)."""
@@ -95,7 +95,7 @@ async def generation(engine, request: GenerateRequest, tokenizer: PromptTokenize
 
 
 async def _merged(arrived: asyncio.Queue, n: int,
-                  keepalive_s: float | None) -> AsyncIterator[tuple[int, Piece | Finished] | KeepAlive]:
+                  keepalive_s: float | None) -> AsyncIterator[tuple[int, Piece | ChoiceFinished] | KeepAliveTick]:
     running, failures = n, []
     while running:
         try:
@@ -108,14 +108,14 @@ async def _merged(arrived: asyncio.Queue, n: int,
             failures.append(event)
             if len(failures) == n:
                 raise failures[0]
-            event = Finished("error", event.usage)
-        if isinstance(event, Finished):
+            event = ChoiceFinished("error", event.usage)
+        if isinstance(event, ChoiceFinished):
             running -= 1
         yield index, event
 
 
 async def _events(handle, tokenizer: PromptTokenizer, stops: list[str],
-                  markup: bool) -> AsyncIterator[Piece | Finished]:
+                  markup: bool) -> AsyncIterator[Piece | ChoiceFinished]:
     detokenizer = IncrementalDetokenizer(tokenizer.decode_markup if markup else tokenizer.decode)
     matcher = StopMatcher(stops)
     stopped = False
@@ -138,7 +138,7 @@ async def _events(handle, tokenizer: PromptTokenizer, stops: list[str],
             if text:
                 yield Piece(text, reused=handle.reused)
             stopped = tail.stopped
-        yield Finished("stop" if stopped else event.finish_reason, event.usage, matcher.matched)
+        yield ChoiceFinished("stop" if stopped else event.finish_reason, event.usage, matcher.matched)
         return
 
 

@@ -15,7 +15,7 @@ What gets constrained (`Ask`, built by the routes):
   exactly one call to it, each call's arguments valid against its `parameters`,
   written in the markup of the request's tool-call family: each family's module
   in server/toolcalls/ writes one call (`call_grammar`), special tokens of the
-  markup as token references (toolcalls/lark.py);
+  markup as token references (toolcalls/grammar_pieces.py);
 - `tool_choice: auto`: a lazy grammar: text is free until the family's opening
   markup, then the call's body is constrained (llama3: a reply that opens with
   `{` is a call); only for models that write their markup as text
@@ -58,11 +58,11 @@ import numpy as np
 
 from kvfork.server.engine.api import Scope
 from kvfork.server.errors import ApiError
-from kvfork.server.fair import FairWorkers
+from kvfork.server.fair_workers import FairWorkers
 from kvfork.server.grammar_worker import write_message
 from kvfork.server.reasoning import FORMATS
 from kvfork.server.toolcalls import PARSERS
-from kvfork.server.toolcalls.lark import JSON_OPTIONS, CallGrammar, closed, markup, text_until
+from kvfork.server.toolcalls.grammar_pieces import JSON_OPTIONS, CallGrammar, closed, markup, text_until
 from kvfork.server.isolated import module_command
 from kvfork.server.config import ServerConfig
 from kvfork.server.settings import without_secrets
@@ -323,7 +323,7 @@ class GrammarCompiler:
 
     The cache is keyed by scope (tenant and cache_salt) as every other cache is: a grammar another
     tenant compiled would otherwise come back in 0.15 s instead of 2, telling which schemas it uses.
-    Compiles run on worker threads shared by tenants in turn (server/fair.py), each trying a new grammar
+    Compiles run on worker threads shared by tenants in turn (server/fair_workers.py), each trying a new grammar
     past GUARDED_TEXT first in its own process that is killed past the timeout (CompileProcess)."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], timeout_s: float):

@@ -6,7 +6,7 @@ an http(s) URL is refused unless its host is one the operator allowed (`--allowe
 text-only model fetches none even then (server/api/images.py).
 
 Decoding is Pillow's, for PNG, JPEG, WebP and GIF only (the first frame of an animation), on worker
-threads that tenants share in turn (server/fair.py, as the tokenizer's long work): a tenant decodes one
+threads that tenants share in turn (server/fair_workers.py, as the tokenizer's long work): a tenant decodes one
 image at a time, so another tenant's request never waits behind its queue. The work is bounded before it
 starts: the body by `--max-body-bytes`, the count by `--max-images`, and the pixels by
 `--max-image-pixels`, checked on the header before any pixel is decoded (a decompression bomb is refused
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from yarl import URL
 
 from kvfork.server.errors import client_text
-from kvfork.server.fair import FairWorkers
+from kvfork.server.fair_workers import FairWorkers
 from kvfork.server.metrics import Registry
 
 # Pillow's format names -> the media types kvfork reads

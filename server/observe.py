@@ -46,9 +46,9 @@ def register_vllm_names(registry: Registry, engine: Any, model_name: str) -> Non
                           "spec_decode_num_accepted_tokens)", metrics(lambda m: sum(m.spec_accepted.values.values())),
                           labels)
     registry.gauge("num_requests_running", "requests holding an inference slot (vLLM's num_requests_running)",
-                   lambda: engine.load().running, labels)
+                   lambda: engine.utilization().running, labels)
     registry.gauge("num_requests_waiting", "requests waiting for a slot: queued, or parked behind a prefilling "
-                   "leader (vLLM's num_requests_waiting)", lambda: engine.load().waiting, labels)
+                   "leader (vLLM's num_requests_waiting)", lambda: engine.utilization().waiting, labels)
 
 
 @dataclass
@@ -68,7 +68,7 @@ def totals(engine: Any) -> Totals:
 
 def stats_line(before: Totals, now: Totals, engine: Any) -> str | None:
     """The line for the interval from `before` to `now`; None when the daemon was idle all along."""
-    load = engine.load()
+    load = engine.utilization()
     moved = (now.prefilled, now.generated, now.prompt) != (before.prefilled, before.generated, before.prompt)
     if not moved and not load.running and not load.waiting:
         return None

@@ -103,8 +103,18 @@ class Daemon(Listening):
             f"kvfork: KV budget {c.kv_budget_bytes / GiB:.2f} GiB{_held_tokens(plan.tokens)}: {plan.reason}\n"
             f"kvfork: set aside {c.kv_budget_bytes / GiB:.2f} GiB for KV state ({info.kv.full_bytes_per_token} "
             f"bytes/token): {c.inference_slots} inference slots, {c.max_captures} pending captures, prefix cache "
-            f"of {c.prefix_cache_entries} entries ({cache_cap}){self._disk_line()}"
+            f"of {c.prefix_cache_entries} entries ({cache_cap}){self._disk_line()}\n"
+            f"kvfork: speculative decoding {self._speculation()}"
         )
+
+    def _speculation(self) -> str:
+        """The mode that runs: the one asked, unless the backend cannot roll drafted tokens back on this model."""
+        mode = self.engine.config.speculative
+        if mode == "off":
+            return "off"
+        if not self.engine.backend.rolls_back:
+            return f"off ({mode} asked, but drafted tokens cannot be rolled back on this model)"
+        return f"{mode} (--speculative off turns it off)"
 
     def _disk_line(self) -> str:
         disk = self.engine.disk

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from kvfork.server.config import ServerConfig
 from kvfork.server.engine.api import EngineError, Scope
-from kvfork.server.engine.load import TokenRate
+from kvfork.server.engine.utilization import TokenRate
 from kvfork.server.errors import ApiError
 from kvfork.server.grammar import GrammarCompiler
 from kvfork.server.images import Images
@@ -22,7 +22,7 @@ from kvfork.server.reuse import ReuseLog
 from kvfork.server.slow_clients import SlowClients
 from kvfork.server.tenants import key_tenants, KeyTable, request_key
 from kvfork.server.text.tokenizer import PromptTokenizer
-from kvfork.server.browsers import Browsers
+from kvfork.server.origin_guard import OriginGuard
 
 
 @dataclass
@@ -43,7 +43,7 @@ class AppState:
     reuse: ReuseLog = field(default_factory=ReuseLog)  # what the reuse page shows (server/reuse.py)
     volatile_lines: Counter = field(init=False)  # server/api/volatile.py's lines taken out of prompts
     metrics_keys: KeyTable = field(init=False)  # --metrics-key's, for /metrics and /v1/loads' every figure
-    browsers: Browsers = field(init=False)  # which hosts and pages may reach the daemon
+    origin_guard: OriginGuard = field(init=False)  # which hosts and pages may reach the daemon
     images: Images = field(init=False)  # decoding requests' images (server/images.py)
     pool: Any = None  # several models (server/pool/pool.ModelPool): `engine` is None, `for_model` picks one
 
@@ -56,7 +56,7 @@ class AppState:
         self.fingerprints = Fingerprints(self.registry)
         self.volatile_lines = self.registry.counter("volatile_lines_removed_total", "volatile client lines taken "
                                                     "out of prompts (--keep-volatile-lines), by line")
-        self.browsers = Browsers.of(self.config.host, self.config.allowed_hosts, self.config.allowed_origins)
+        self.origin_guard = OriginGuard.of(self.config.host, self.config.allowed_hosts, self.config.allowed_origins)
         self.images = Images(self.registry)
 
     def close(self) -> None:

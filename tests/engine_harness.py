@@ -6,16 +6,22 @@ import asyncio
 import importlib
 from typing import Sequence
 
+import pytest
+
 from kvfork.backends import BACKENDS
 from kvfork.backends.base import Backend, SamplingParams
 from kvfork.server.engine.api import DoneEvent, GenerateRequest, TokenEvent
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.engine import Engine
+from kvfork.server.engine.plan import StepPlan
 from kvfork.server.engine.request import RequestHandle
 from kvfork.server.metrics import Registry
+from scripted_drafts import ScriptedDrafts
 
 # Small enough for scripted prompts, and an explicit budget so no test depends on the machine's memory.
-TEST_CONFIG = dict(prefix_cache_min_tokens=8, kv_budget_bytes=1 << 30)
+# Plain decode steps (one row per request) unless a test asks for speculative decoding: the daemon's own
+# default (suffix) runs in the HTTP tests.
+TEST_CONFIG = dict(prefix_cache_min_tokens=8, kv_budget_bytes=1 << 30, speculative="off")
 # Every reuse path off: the reference the reuse paths must equal.
 REUSE_OFF = dict(prefix_cache_entries=0, active_prefix_reuse_min_tokens=0)
 # The daemon's own prefill chunk: each of a test's prompts prefills in one step (real_engine's is 16).
@@ -23,9 +29,10 @@ WHOLE_PROMPTS = dict(prefill_chunk=EngineConfig().prefill_chunk)
 
 
 async def start_engine(backend: Backend, model_path: str = "scripted", dtype: str | None = None, plans=None,
-                       **config) -> Engine:
-    """`plans`: handed each step's plan (Engine)."""
-    engine = Engine(backend, model_path, dtype, EngineConfig(**{**TEST_CONFIG, **config}), Registry(), plans=plans)
+                       drafts=None, **config) -> Engine:
+    """`plans`: handed each step's plan; `drafts`: the drafter (Engine)."""
+    engine = Engine(backend, model_path, dtype, EngineConfig(**{**TEST_CONFIG, **config}), Registry(), plans=plans,
+                    drafts=drafts)
     await engine.start()
     return engine
 
@@ -123,3 +130,23 @@ async def references(backend: str | Backend, folder: str, prompts, max_tokens: i
     out = [(await run(engine, p, max_tokens, ignore_eos=ignore_eos))[0] for p in prompts]
     await engine.shutdown(1)
     return out
+
+
+async def drafted_plans(backend: Backend, folder: str, prompts: Sequence[Sequence[int]],
+                        max_tokens: int = 20) -> tuple[list[StepPlan], list[int], list[list[int]]]:
+    """The step plans of a run that drafts (scripted_drafts.ScriptedDrafts) on `backend` and a tiny model
+    folder: each prompt run alone, then all at once, recorded: (the plans, the second run's request ids,
+    each prompt's tokens), the two runs' tokens checked equal and some row checked to carry drafts. Skips
+    where the backend cannot roll drafts back on this model (it never drafts there)."""
+    plans: list[StepPlan] = []
+    engine = await real_engine(backend, folder, plans=plans.append, drafts=ScriptedDrafts(), prefix_cache_entries=0)
+    if not engine.backend.rolls_back:
+        await engine.shutdown(1)
+        pytest.skip(f"{type(backend).__name__} does not roll back (so does not draft) on {folder}")
+    want = [(await run(engine, p, max_tokens, ignore_eos=True))[0] for p in prompts]
+    handles = [engine.submit(request(p, max_tokens, rid=f"again{i}", ignore_eos=True)) for i, p in enumerate(prompts)]
+    rids = [next(r.rid for r in engine.requests() if r.handle is h) for h in handles]
+    assert [(await collect(h))[0] for h in handles] == want
+    await engine.shutdown(1)
+    assert any(row.reads > 1 for plan in plans for row in plan.decode)
+    return plans, rids, want

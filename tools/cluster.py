@@ -20,7 +20,7 @@ take it out meanwhile and back in after. Ctrl-C (or SIGTERM) stops them all:
 each replica gets one SIGTERM, so it finishes in-flight requests and spills its
 prefix cache to its disk tier (`--shutdown-grace`).
 
-smg is optional (`pip install 'kvfork[cluster]'`) and never imported here: it runs
+smg is optional (`pip install '.[cluster]'` from a checkout, or `pip install smg`) and never imported here: it runs
 in a process of its own, in Python's isolated mode. Its control plane (worker
 registration and removal, /workers, /get_loads) is closed: the cluster makes a key
 at each start (`--control-plane-api-keys`, role admin), hands it to smg through a
@@ -58,7 +58,7 @@ HOST = "127.0.0.1"  # replicas and the gateway: loopback only (several machines:
 ASSIGNMENTS = ("min_group", "min_load", "random", "delegate")
 POLICIES = ("cache_aware", "round_robin", "prefix_hash", "consistent_hashing", "power_of_two", "least_load",
             "random")
-INSTALL_HINT = "smg is not installed: pip install 'kvfork[cluster]' (or pip install smg)"
+INSTALL_HINT = "smg is not installed: pip install smg (from a checkout's root: pip install '.[cluster]')"
 READY_TIMEOUT_S = 600.0  # a first run may fetch and convert the default model
 STOP_TIMEOUT_S = 30.0  # after SIGTERM: the replicas' --shutdown-grace (10 s) and their disk spills
 QUICK_EXIT_S = 30.0  # a replica that exits this soon after starting, three times running, stays down

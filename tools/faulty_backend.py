@@ -64,7 +64,7 @@ class Fault:
 
 
 @dataclass
-class Watch:
+class FaultLog:
     """What the wrapper saw on the runner thread."""
 
     faults: list[Fault] = field(default_factory=list)
@@ -81,7 +81,7 @@ class FaultyBackend(Backend):
         self.inner, self.rate, self.budget_bytes = inner, rate, budget_bytes
         self.rng = random.Random(seed)  # drawn from on the runner thread only
         self.enabled = False  # off for the warm-up and the drain; the soak turns it on
-        self.watch = Watch()
+        self.watch = FaultLog()
         self._history: dict[int, list[int]] = {}  # session id -> committed tokens
         self._corrupt: set[int] = set()
         # id -> (the sampler, the fault that charged it); by id: SamplerState compares by value

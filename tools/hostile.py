@@ -110,7 +110,7 @@ def ttft_bound(solo_median: float) -> float:
 
 
 @dataclass
-class Outcome:
+class WaveOutcome:
     solo: list[float]
     shapes: list[ShapeResult]
     survived: dict[str, bool]
@@ -126,7 +126,7 @@ class Outcome:
 
 
 @dataclass
-class Target:
+class AttackTarget:
     """What the hostile process knows of the daemon it attacks."""
 
     url: str
@@ -141,7 +141,7 @@ class Target:
 
 
 class Ctx:
-    def __init__(self, http: aiohttp.ClientSession, target: Target):
+    def __init__(self, http: aiohttp.ClientSession, target: AttackTarget):
         self.http, self.target = http, target
         self.url, self.port = target.url, target.port
         self._encoded: dict[str, bytes] = {}
@@ -441,7 +441,7 @@ async def attack(ctx: Ctx, name: str, concurrency: int, samples: int, solo: list
     return result
 
 
-async def _attacking(name: str, target: Target, concurrency: int) -> list[int | None]:
+async def _attacking(name: str, target: AttackTarget, concurrency: int) -> list[int | None]:
     """The hostile process: the shape, `concurrency` at once, until its stdin closes."""
     statuses: list[int | None] = []
     stopping = False
@@ -523,22 +523,22 @@ async def models_daemon(config: HostileConfig):
 
 
 async def run_wave(config: HostileConfig, backend: Any = None, out=sys.stdout,
-                   shapes: list[str] | None = None) -> Outcome:
+                   shapes: list[str] | None = None) -> WaveOutcome:
     """Every shape (or `shapes`): those of one model on its daemon, then the several-models ones on theirs."""
     names = shapes or list(SHAPES)
     one, several = [n for n in names if n not in SEVERAL], [n for n in names if n in SEVERAL]
-    outcome = Outcome([], [], {}, {})
+    outcome = WaveOutcome([], [], {}, {})
     if one:
         async with hostile_daemon(config, backend) as d:
             await _section(d, d.state.context, config, one, outcome, out, keeps=True)
     if several:
         async with models_daemon(config) as d:
-            context = d.pool.slot(None).served.state.context  # type: ignore[union-attr]  (loaded first)
+            context = d.pool.model(None).served.state.context  # type: ignore[union-attr]  (loaded first)
             await _section(d, context, config, several, outcome, out, keeps=False)
     return outcome
 
 
-async def _section(d: Any, context: int, config: HostileConfig, names: list[str], outcome: Outcome, out,
+async def _section(d: Any, context: int, config: HostileConfig, names: list[str], outcome: WaveOutcome, out,
                    keeps: bool) -> None:
     """The innocent's solo TTFTs on daemon `d`, then each shape of `names` against them, into `outcome`;
     `keeps`: the innocent's stored response and named session are checked too."""
@@ -549,9 +549,9 @@ async def _section(d: Any, context: int, config: HostileConfig, names: list[str]
     connector = aiohttp.TCPConnector(keepalive_timeout=config.timeouts_s / 2)
     async with aiohttp.ClientSession(connector=connector) as http:
         limits = d.config
-        target = Target(d.url, d.port, limits.max_stop_chars, limits.max_stop_sequences,
-                        limits.prompt_chars(context), limits.max_body_bytes, config.timeouts_s,
-                        config.max_stored_responses, config.max_named_sessions)
+        target = AttackTarget(d.url, d.port, limits.max_stop_chars, limits.max_stop_sequences,
+                              limits.prompt_chars(context), limits.max_body_bytes, config.timeouts_s,
+                              config.max_stored_responses, config.max_named_sessions)
         ctx = Ctx(http, target)
         await innocent_ttft(ctx, 0)  # warm: the system prompt's first prefill is no solo sample
         solo = [await innocent_ttft(ctx, 1 + i) for i in range(config.innocent_samples)]
@@ -571,7 +571,7 @@ async def _section(d: Any, context: int, config: HostileConfig, names: list[str]
                 outcome.metrics[key] = outcome.metrics.get(key, 0) + value
 
 
-def checks(outcome: Outcome) -> list[tuple[str, str, str, bool]]:
+def checks(outcome: WaveOutcome) -> list[tuple[str, str, str, bool]]:
     """(name, measured, wanted, ok) rows for the soak's table."""
     rows = []
     worst = max(outcome.shapes, key=lambda s: s.median / s.bound)
@@ -605,7 +605,7 @@ def checks(outcome: Outcome) -> list[tuple[str, str, str, bool]]:
     return rows
 
 
-def table(outcome: Outcome) -> str:
+def table(outcome: WaveOutcome) -> str:
     lines = ["| shape | innocent TTFT, median | x solo | hostile statuses |", "|---|---|---|---|",
              f"| (alone) | {outcome.solo_median * 1000:.0f} ms | 1.00 | |"]
     for s in outcome.shapes:
@@ -632,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.attack:
-        statuses = asyncio.run(_attacking(args.attack, Target(**json.loads(args.target)), args.concurrency))
+        statuses = asyncio.run(_attacking(args.attack, AttackTarget(**json.loads(args.target)), args.concurrency))
         print(json.dumps(statuses), flush=True)
         return 0
     from kvfork.backends.default_model import ensure_default_model

@@ -153,7 +153,7 @@ class Check:
 # ---- the workload ----
 
 
-class Workload:
+class SoakWorkload:
     """Seeded request specs, one wave at a time (named-session turns depend on earlier replies)."""
 
     def __init__(self, config: SoakConfig, vocab_size: int):
@@ -450,7 +450,7 @@ def daemon(c: SoakConfig, backend: Any, reuse: bool) -> contextlib.AbstractAsync
 
 
 @dataclass
-class Report:
+class SoakReport:
     checks: list[Check] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -484,10 +484,10 @@ def hit_by(outcome: Outcome, prompt: list[int] | None, faults: list[Fault]) -> l
     return out
 
 
-async def run(c: SoakConfig, out=sys.stdout) -> Report:
+async def run(c: SoakConfig, out=sys.stdout) -> SoakReport:
     backend_name, inner = pick_backend(c.backend)
     faulty = FaultyBackend(inner, c.seed, c.fault_rate, c.kv_budget_bytes)
-    report = Report()
+    report = SoakReport()
     request_log = RequestLog()
     kvfork_log = logging.getLogger("kvfork")
     saved = kvfork_log.level, kvfork_log.propagate
@@ -512,7 +512,7 @@ async def run(c: SoakConfig, out=sys.stdout) -> Report:
     return report
 
 
-async def _hostile_wave(c: SoakConfig, report: Report, out) -> None:
+async def _hostile_wave(c: SoakConfig, report: SoakReport, out) -> None:
     from kvfork.tools.hostile import HostileConfig, checks, run_wave, table
 
     print("soak: the hostile-tenant wave", file=out, flush=True)
@@ -523,7 +523,7 @@ async def _hostile_wave(c: SoakConfig, report: Report, out) -> None:
     print(table(outcome), file=out, flush=True)
 
 
-async def _soak(c: SoakConfig, faulty: FaultyBackend, report: Report, request_log: RequestLog, backend_name: str,
+async def _soak(c: SoakConfig, faulty: FaultyBackend, report: SoakReport, request_log: RequestLog, backend_name: str,
                 out) -> tuple[list[Outcome], list[Fuzzed], list[Outcome]]:
     rng = random.Random(c.seed + 1)
     async with daemon(c, faulty, reuse=True) as d, aiohttp.ClientSession() as http:
@@ -531,7 +531,7 @@ async def _soak(c: SoakConfig, faulty: FaultyBackend, report: Report, request_lo
         d.engine.submit = recorder.submit  # type: ignore[method-assign]
         info = d.engine.info
         assert info is not None
-        workload = Workload(c, info.vocab_size)
+        workload = SoakWorkload(c, info.vocab_size)
         faulty.enabled = True
         moments = Moments(recorder, faulty)
         outcomes: list[Outcome] = []
@@ -568,7 +568,7 @@ async def _soak(c: SoakConfig, faulty: FaultyBackend, report: Report, request_lo
     return outcomes, fuzzed, hostile
 
 
-def _hostile(workload: Workload, rng: random.Random) -> Spec:
+def _hostile(workload: SoakWorkload, rng: random.Random) -> Spec:
     """A valid completion with a sampling value that breaks a naive sampler; its prompt ids are its own."""
     workload.count += 1
     body = {"prompt": [rng.randrange(3, workload.vocab) for _ in range(rng.randint(4, 24))], "max_tokens": 2,
@@ -616,7 +616,7 @@ async def _quiesce(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
     return await read_metrics(http, url)
 
 
-def _checks(c: SoakConfig, report: Report, d: Daemon, recorder: Recorder, request_log: RequestLog,
+def _checks(c: SoakConfig, report: SoakReport, d: Daemon, recorder: Recorder, request_log: RequestLog,
             faulty: FaultyBackend, outcomes: list[Outcome], fuzzed: list[Fuzzed], hostile: list[Outcome],
             m: dict[str, float], backend_name: str, rss_warm: int, rss_end: int, seconds: float) -> None:
     faults = faulty.watch.faults
@@ -717,7 +717,7 @@ def _prompt(recorder: Recorder, o: Outcome) -> list[int] | None:
     return list(req.prompt) if req is not None else None
 
 
-async def _compare(c: SoakConfig, backend_name: str, outcomes: list[Outcome], report: Report, out) -> None:
+async def _compare(c: SoakConfig, backend_name: str, outcomes: list[Outcome], report: SoakReport, out) -> None:
     """Every completed request, again, one at a time, on a daemon with reuse and the cache off."""
     completed = [o for o in outcomes if o.completed]
     print(f"soak: replaying {len(completed)} completed requests on a reuse-off daemon", file=out, flush=True)

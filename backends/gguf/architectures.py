@@ -68,7 +68,7 @@ def unpermute_rope(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def restore(g: GGUFFile, gguf_name: str, value: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+def as_checkpoint(g: GGUFFile, gguf_name: str, value: np.ndarray, config: dict[str, Any]) -> np.ndarray:
     """A dequantized tensor as the Hugging Face checkpoint held it."""
     for kind, heads in (("q", config["num_attention_heads"]), ("k", config["num_key_value_heads"])):
         if g.arch in PERMUTED and re.search(rf"\.attn_{kind}\.(weight|bias)$", gguf_name):

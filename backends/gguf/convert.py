@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from safetensors.numpy import save_file
 
-from kvfork.backends.gguf.architectures import ROPE_FREQS, hf_config, hf_name, restore
+from kvfork.backends.gguf.architectures import ROPE_FREQS, as_checkpoint, hf_config, hf_name
 from kvfork.backends.gguf.reader import GGUFFile, dequantized, read_gguf
 from kvfork.backends.gguf.tokenizer import end_of_generation_ids, special_token_ids, write_tokenizer
 
@@ -41,7 +41,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, log: Log = print) -> None:
     index: dict[str, str] = {}
     for i, shard in enumerate(shards):
         file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        weights = {hf_name(g.arch, name): restore(g, name, dequantized(g.tensors[name]), config) for name in shard}
+        weights = {hf_name(g.arch, name): as_checkpoint(g, name, dequantized(g.tensors[name]), config)
+                   for name in shard}
         save_file(weights, str(out_dir / file), metadata={"format": "pt"})
         index.update(dict.fromkeys(weights, file))
     if len(shards) > 1:

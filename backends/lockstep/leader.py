@@ -67,7 +67,7 @@ class LockstepBackend(Backend):
         self.failed: str | None = None
         self.stopped = False  # a Stop went round: every rank has left
         self.broadcast_seconds = 0.0  # time spent sending effects (docs/benchmarks.md: the overhead of ranks)
-        self._watchdog = Watchdog(timeout, self._stalled)
+        self._watchdog = StallWatchdog(timeout, self._stalled)
         self.on_fault: Callable[[str], None] = lambda reason: None  # told, from any thread, when the group fails
 
     @property
@@ -266,7 +266,7 @@ def _gist(exc: BaseException) -> str:
     return text.split(". ")[0][:200]
 
 
-class Watchdog:
+class StallWatchdog:
     """Calls `on_stall(seconds)` once when a watched section runs past `timeout` seconds."""
 
     def __init__(self, timeout: float, on_stall: Callable[[float], None]):

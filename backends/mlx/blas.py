@@ -41,10 +41,13 @@ def install_openblas() -> None:
         print("kvfork: no OpenBLAS and cannot install it (needs root and apt); MLX will be slow on the CPU")
         return
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    if subprocess.call(["apt-get", "install", "-y", "-q", "libopenblas0-pthread"], **quiet) != 0:
-        subprocess.call(["apt-get", "update", "-q"], **quiet)
-        subprocess.call(["apt-get", "install", "-y", "-q", "libopenblas0-pthread"], **quiet)
+
+    def apt_get(*args: str) -> int:
+        return subprocess.call(["apt-get", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+
+    if apt_get("install", "-y", "-q", "libopenblas0-pthread") != 0:
+        apt_get("update", "-q")
+        apt_get("install", "-y", "-q", "libopenblas0-pthread")
     if not find_openblas():
         print("kvfork: installing libopenblas0-pthread failed; MLX will be slow on the CPU")
 

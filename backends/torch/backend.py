@@ -27,7 +27,7 @@ from kvfork.backends.torch import hybrid, images, kv, kv_storage, loading, paral
 from kvfork.backends.torch.config import ArchConfig, HybridConfig
 from kvfork.backends.torch.gated_delta import RecurrentState
 from kvfork.backends.torch.images import PlacedImage
-from kvfork.backends.torch.model import Row
+from kvfork.backends.torch.model import VarlenRow
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -145,7 +145,7 @@ class TorchBackend(Backend):
     # -- compute ---------------------------------------------------------
 
     # One forward pass per call: prefill takes rows of any length (one-token decode rows too) and
-    # runs them all in one varlen batch (model.Row), so a step that decodes some sessions and
+    # runs them all in one varlen batch (model.VarlenRow), so a step that decodes some sessions and
     # prefills others reads the weights once (`mixed_batches`).
     #
     # Fault contract (base.BatchFailed): one pass writes every row, so a failure leaves each
@@ -214,8 +214,8 @@ class TorchBackend(Backend):
             # further passes, each taking the recurrent states where a piece ends on a wanted position.
             for piece in range(max(len(p) for p in pieces)):
                 now = [i for i, p in enumerate(pieces) if piece < len(p)]
-                rows = [Row(sessions[i].layers, starts[i] + pieces[i][piece][0],
-                            pieces[i][piece][1] - pieces[i][piece][0]) for i in now]
+                rows = [VarlenRow(sessions[i].layers, starts[i] + pieces[i][piece][0],
+                                  pieces[i][piece][1] - pieces[i][piece][0]) for i in now]
                 row_images = [placed[i] for i in now]
                 ids = torch.tensor([t for i in now for t in chunks[i][pieces[i][piece][0]:pieces[i][piece][1]]],
                                    dtype=torch.long, device=self.device)

@@ -7,7 +7,7 @@ layout to these). Norms are zero-centred, x * (1 + w), except the gated norm
 inside the DeltaNet layer.
 
 Same calling convention as model.Transformer: one varlen batch of rows
-(model.Row), each row with its own per-layer state (kv.FullKV for attention
+(model.VarlenRow), each row with its own per-layer state (kv.FullKV for attention
 layers, RecurrentState for the DeltaNet ones) and start position, decode rows
 and prefill chunks mixed in one pass. Projections, MLPs and experts run over all
 tokens at once; attention and the DeltaNet recurrence run row by row, over each
@@ -27,7 +27,7 @@ from kvfork.backends.torch.attention import attend_rows
 from kvfork.backends.torch.config import HybridConfig
 from kvfork.backends.torch.gated_delta import GatedDeltaNet, RecurrentState
 from kvfork.backends.torch.kv import BlockTable, FullKV
-from kvfork.backends.torch.model import RMSNorm, Row, read_positions, spans
+from kvfork.backends.torch.model import RMSNorm, VarlenRow, read_positions, spans
 from kvfork.backends.torch.moe import GLU, SparseMoE
 from kvfork.backends.torch.rope import angles, inverse_frequencies, rotate
 
@@ -79,7 +79,7 @@ class GatedAttention(nn.Module):
         turned, kept = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
         return torch.cat((rotate(turned, *rope), kept), dim=-1)
 
-    def forward(self, x: torch.Tensor, rope, layer: int, rows: Sequence[Row]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, layer: int, rows: Sequence[VarlenRow]) -> torch.Tensor:
         """x: [tokens, hidden], the rows' tokens end to end."""
         t = x.shape[0]
         q, gate = self.q_proj(x).view(1, t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
@@ -105,13 +105,13 @@ class HybridBlock(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, 1.0)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, 1.0)
 
-    def forward(self, x, rope, layer: int, rows: Sequence[Row]):
+    def forward(self, x, rope, layer: int, rows: Sequence[VarlenRow]):
         normed = self.input_layernorm(x)
         mixed = self._recurrence(normed, layer, rows) if self.linear else self.self_attn(normed, rope, layer, rows)
         h = x + mixed
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def _recurrence(self, x: torch.Tensor, layer: int, rows: Sequence[Row]) -> torch.Tensor:
+    def _recurrence(self, x: torch.Tensor, layer: int, rows: Sequence[VarlenRow]) -> torch.Tensor:
         """The DeltaNet layer over each row's own state: all one-token (decode) rows as one batch,
         each longer chunk alone (rows of different lengths do not stack)."""
         out = torch.empty_like(x)
@@ -150,7 +150,7 @@ class HybridTransformer(nn.Module):
             if block.linear:
                 block.linear_attn.chunked_prefill = chunked
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: Sequence[VarlenRow]) -> torch.Tensor:
         """tokens, positions: [tokens], the rows' end to end; row.kv[layer] is a HybridLayerState.
         Returns each row's last-token logits, [rows, vocab]."""
         rope = angles(positions[None], self.inv_freq, self.rope_scale)

@@ -44,7 +44,7 @@ class RMSNorm(nn.Module):
 
 
 @dataclass(frozen=True)
-class Row:
+class VarlenRow:
     """One row of a varlen batch: `length` tokens written to `kv` (one state per layer) from `start`."""
 
     kv: Sequence[LayerKV]
@@ -52,13 +52,13 @@ class Row:
     length: int
 
 
-def spans(rows: Sequence[Row]) -> list[slice]:
+def spans(rows: Sequence[VarlenRow]) -> list[slice]:
     """Each row's tokens in the varlen batch."""
     ends = list(itertools.accumulate(row.length for row in rows))
     return [slice(end - row.length, end) for row, end in zip(rows, ends)]
 
 
-def read_positions(rows: Sequence[Row], reads: Sequence[int] | None = None) -> list[int]:
+def read_positions(rows: Sequence[VarlenRow], reads: Sequence[int] | None = None) -> list[int]:
     """The tokens of the varlen batch whose logits are read: each row's last, or its last `reads[i]`."""
     counts = reads if reads is not None else [1] * len(rows)
     return [i for span, n in zip(spans(rows), counts) for i in range(span.stop - n, span.stop)]
@@ -79,7 +79,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, offset)
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, offset)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layer: int, rows: Sequence[Row],
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layer: int, rows: Sequence[VarlenRow],
                 images: Sequence[Sequence[PlacedImage]] | None = None):
         """x: [tokens, hidden], the rows' tokens end to end; `images[i]`: row i's images."""
         t = x.shape[0]
@@ -124,7 +124,8 @@ class Block(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, offset)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, offset)
 
-    def forward(self, x, rope, layer: int, rows: Sequence[Row], images: Sequence[Sequence[PlacedImage]] | None = None):
+    def forward(self, x, rope, layer: int, rows: Sequence[VarlenRow],
+                images: Sequence[Sequence[PlacedImage]] | None = None):
         attn = self.self_attn(self.input_layernorm(x), rope, layer, rows, images)
         if not self.gemma:
             h = x + attn
@@ -154,7 +155,7 @@ class Transformer(nn.Module):
         inv_freq_sliding, self.rope_scale_sliding = inverse_frequencies(self.cfg.rope_sliding, self.cfg.head_dim)
         self.inv_freq_full, self.inv_freq_sliding = inv_freq_full.to(device), inv_freq_sliding.to(device)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: Sequence[Row],
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: Sequence[VarlenRow],
                 reads: Sequence[int] | None = None,
                 images: Sequence[Sequence[PlacedImage]] | None = None) -> torch.Tensor:
         """tokens, positions: [tokens], the rows' end to end (M-RoPE: positions [3, tokens]). Returns each row's

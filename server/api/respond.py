@@ -32,7 +32,7 @@ from kvfork.server.api.content_encoding import coding_of, decoded
 from kvfork.server.api.diagnosis import Report
 from kvfork.server.engine.api import GenerateRequest, Usage
 from kvfork.server.errors import ApiError, from_decode, client_text
-from kvfork.server.generation import Finished, KeepAlive, Piece, generation
+from kvfork.server.generation import ChoiceFinished, KeepAliveTick, Piece, generation
 from kvfork.server.api.openai import PromptTokensDetails, UsageInfo, encoder
 from kvfork.server.api.sse import EventStream
 from kvfork.server.limits import Limits, check_depth
@@ -129,7 +129,7 @@ class Reply(Protocol):
 
     def piece(self, piece: Piece) -> list[Any]: ...
 
-    def finish(self, done: Finished) -> list[Any]: ...
+    def finish(self, done: ChoiceFinished) -> list[Any]: ...
 
     def whole(self) -> Any: ...
 
@@ -152,7 +152,7 @@ class Choices:
     def __init__(self, replies: list[Any], include_usage: bool = False):
         self.replies, self.include_usage = replies, include_usage
         self.stream_type = replies[0].stream_type
-        self.done: list[Finished | None] = [None] * len(replies)
+        self.done: list[ChoiceFinished | None] = [None] * len(replies)
         self.ended: Callable[[Usage], None] | None = None  # told choice 0's usage (it holds the prompt's)
 
     def start(self) -> list[Any]:
@@ -161,7 +161,7 @@ class Choices:
     def piece(self, index: int, piece: Piece) -> list[Any]:
         return self.replies[index].piece(piece)
 
-    def finish(self, index: int, done: Finished) -> list[Any]:
+    def finish(self, index: int, done: ChoiceFinished) -> list[Any]:
         self.done[index] = done
         if index == 0 and self.ended is not None:
             self.ended(done.usage)
@@ -205,7 +205,7 @@ async def respond(request: web.Request, state: AppState, job: Job, reply: Reply 
                 match event:
                     case (index, Piece() as piece):
                         choices.piece(index, piece)
-                    case (index, Finished() as done):
+                    case (index, ChoiceFinished() as done):
                         choices.finish(index, done)
             if not all(choices.done):
                 raise ApiError(503, "the engine ended the request without a result", code="engine_error")
@@ -214,11 +214,11 @@ async def respond(request: web.Request, state: AppState, job: Job, reply: Reply 
             await out.send_all(choices.start())
             async for event in events:
                 match event:
-                    case KeepAlive():
+                    case KeepAliveTick():
                         await out.keep_alive()
                     case (index, Piece() as piece):
                         await out.send_all(choices.piece(index, piece))
                         await out.keep_alive_if_quiet(keepalive)
-                    case (index, Finished() as done):
+                    case (index, ChoiceFinished() as done):
                         await out.send_all(choices.finish(index, done))
         return out.response

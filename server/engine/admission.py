@@ -51,7 +51,7 @@ Design rules:
   the rest, the blocks whose writer is gone that others still read (the ledger's
   `pooled`). Releasing a session frees at once only what nobody else reads
   (`frees`); what others read stays counted (the ledger's `in_transit`) until
-  the runner reports the Release run, when it is pooled.
+  the runner reports the ReleaseSessions run, when it is pooled.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class Admission:
     def __init__(self, config: EngineConfig, info: ModelInfo, index: Index, named: NamedSessions,
                  disk: DiskTier | None, send: Callable[[Any], None], ledger: LoopLedger):
         self._config, self._kv, self._recurrent = config, info.kv, info.recurrent
-        self._budget: int = config.kv_budget_bytes  # type: ignore[assignment]  (resolved)
+        self._budget: int = config.kv_budget_bytes  # type: ignore[assignment]  # resolved
         self._index, self._named, self._disk, self._send, self._ledger = index, named, disk, send, ledger
         self._queue: collections.deque[Request] = collections.deque()
         self._in_slots: dict[int, Request] = {}  # rid -> request holding an inference slot
@@ -364,9 +364,9 @@ class Admission:
 
     def release_sessions(self, sids: Sequence[int], still_read: int = 0) -> None:
         """Release `sids`, the engine having stopped counting them; `still_read`: what of their own
-        bytes others still read, counted until the runner has run the Release (then it is pooled)."""
+        bytes others still read, counted until the runner has run the ReleaseSessions (then it is pooled)."""
         if sids:
-            self._send(m.Release(list(sids)))
+            self._send(m.ReleaseSessions(list(sids)))
             self._ledger.released(still_read)
 
     def _drop_entries(self, entries: list[Entry]) -> None:

@@ -1,6 +1,6 @@
 """The control loop's commands, as the runner thread runs them: a request's Start (a clone from the
-prefix cache, a session resumed, or an empty one), its Cancel or Finish, its Pause and Resume (out of the
-batch and back, everything it holds kept), and the sessions the loop lets go (Release), spills to disk
+prefix cache, a session resumed, or an empty one), its Cancel or Finish, its Pause and Unpause (out of the
+batch and back, everything it holds kept), and the sessions the loop lets go (ReleaseSessions), spills to disk
 (Spill) and loads back (LoadState).
 
 A part of `Runner` (runner.py), whose state it reads: the inbox, the running requests, the executor.
@@ -42,18 +42,18 @@ class Commands:
                     self._stop(rid, "stop")
                 case m.Pause(rid=rid) if rid in self._running:  # one that ended meanwhile is not paused
                     self._paused[rid] = self._running.pop(rid)
-                case m.Resume(rid=rid) if rid in self._paused:
+                case m.Unpause(rid=rid) if rid in self._paused:
                     self._running[rid] = self._paused.pop(rid)
                 case m.CloneDonor() as order:
                     self._clone_donor(order)
-                case m.Release(sids=sids):
+                case m.ReleaseSessions(sids=sids):
                     self._run(e.Release(sids))
                     self._releases += 1
                 case m.Spill() as spill:
                     self._spill(spill)
                 case m.LoadState() as load:
                     self._load_state(load)
-                case m.Stop():
+                case m.StopRunner():
                     self._orders = CloneOrders()  # nobody is left to hand anything over to
                     for s in [*self._running.values(), *self._paused.values()]:
                         self._end(s, "cancelled")

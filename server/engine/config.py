@@ -95,9 +95,11 @@ class EngineConfig:
     follow: bool = setting(True, "with active reuse on, let a request wait for a prefilling donor to commit the "
                            "shared prefix (--no-follow: clone-now: clone only what is already committed)",
                            group="reuse")
-    speculative: str = setting("off", "model-free speculative decoding: prompt (drafts from the request's own "
+    speculative: str = setting("suffix", "model-free speculative decoding: prompt (drafts from the request's own "
                                "prompt and output), suffix (also from the earlier responses of its tenant and "
-                               "cache_salt, prompt lookup as the fallback), or off", choices=SPECULATIVE_MODES)
+                               "cache_salt, prompt lookup as the fallback), or off (the same tokens either way; "
+                               "suffix is at or above off on every workload measured, docs/benchmarks.md)",
+                               choices=SPECULATIVE_MODES)
     speculative_tokens: int = setting(16, "most tokens one draft proposes (each request adapts its own draft length "
                                       "below it)", check=at_least(1), aliases=("--num-speculative-tokens",))
     speculative_corpus_bytes: int = setting(64 * 1024**2, "bytes the suffix corpora of past responses may hold, "

@@ -34,7 +34,7 @@ from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.disk import DiskTier, fingerprint, tier_secret
 from kvfork.server.engine.drafts import Drafts
 from kvfork.server.engine.index import Index
-from kvfork.server.engine.load import EngineLoad
+from kvfork.server.engine.utilization import EngineLoad
 from kvfork.server.engine.memory_plan import MemoryPlan
 from kvfork.server.engine.rates import RateTracker
 from kvfork.server.engine.request import Request, RequestHandle
@@ -106,7 +106,7 @@ class Engine:
         serving = self._serving
         if serving is not None:
             await self._stop_serving(serving, grace_s)
-        self._runner.send(m.Stop())
+        self._runner.send(m.StopRunner())
         await asyncio.to_thread(self._runner.thread.join, STOP_WAIT_S)
         self._drain()  # the cache's last spills go to the disk tier here
         if serving is not None and serving.disk is not None:
@@ -184,8 +184,8 @@ class Engine:
         if self._serving is not None:
             self._serving.rates = tracker
 
-    def load(self) -> EngineLoad:
-        """What it carries now (load.py); all zeros until the model is loaded."""
+    def utilization(self) -> EngineLoad:
+        """What it carries now (utilization.py); all zeros until the model is loaded."""
         serving, info = self._serving, self.info
         if serving is None or info is None:
             return EngineLoad()

@@ -7,9 +7,9 @@ exist on the runner; each term below counts such bytes until the runner's answer
 
 - pooled: blocks whose writer was released that other sessions still read, as the runner's last Ledger
   reported them (`Backend.pooled_bytes`). No session's holder counts them any more, yet they exist.
-- in transit: what a released session wrote that others still read, from the loop's Release until the
-  runner reports that Release run (`Ledger.releases`); from then on the pool counts it. Without this
-  term those blocks would be counted by no one while the Release waits in the runner's queue.
+- in transit: what a released session wrote that others still read, from the loop's ReleaseSessions until the
+  runner reports that ReleaseSessions run (`Ledger.releases`); from then on the pool counts it. Without this
+  term those blocks would be counted by no one while the ReleaseSessions waits in the runner's queue.
 - abandoned: each clone or state load ordered from the runner that its request stopped waiting for (it
   left, or its follow timed out), until the runner answers the order (CloneDone, StateLoaded): the runner
   may have made the session already, or may still. Several orders of one request are answered oldest first.
@@ -30,7 +30,7 @@ class LoopLedger:
     def __init__(self) -> None:
         self._runner = m.Ledger()  # the runner's last report
         self._releases_sent = 0
-        self._in_transit: collections.deque[tuple[int, int]] = collections.deque()  # (Release number, bytes)
+        self._in_transit: collections.deque[tuple[int, int]] = collections.deque()  # (ReleaseSessions number, bytes)
         self._abandoned: dict[int, collections.deque[int]] = {}  # rid -> bytes of each order, oldest first
         self._spilling = 0
 
@@ -66,7 +66,7 @@ class LoopLedger:
     # ---- the loop's entries ----
 
     def released(self, still_read: int) -> None:
-        """One Release command was sent; `still_read`: what of its sessions' own bytes others still read."""
+        """One ReleaseSessions command was sent; `still_read`: what of its sessions' own bytes others still read."""
         self._releases_sent += 1
         if still_read:
             self._in_transit.append((self._releases_sent, still_read))

@@ -7,8 +7,8 @@ The engine calls:
   window_floor(position, windows) -> int           # clone_floor of a state with sliding layers
   usable_match(prompt, source) -> int
   usable_upto(shared, prompt_len, source) -> int  # the same rule, the shared length known (index.py)
-  ranked_matches(prompt, sources) -> list[Match]   # prefix cache: try in order while clones are refused
-  best_match(prompt, sources) -> Match | None
+  ranked_matches(prompt, sources) -> list[SourceMatch]   # prefix cache: try in order while clones are refused
+  best_match(prompt, sources) -> SourceMatch | None
   choose_reuse(recipient, donors, cached, min_tokens) -> ReuseChoice   # at admission
   ReuseChoice.log_fields() -> dict                  # for the per-request log line
 
@@ -126,26 +126,26 @@ def usable_upto(shared: int, prompt_len: int, source: Source) -> int:
 
 
 @dataclass(frozen=True)
-class Match:
+class SourceMatch:
     key: Hashable
     upto: int  # clone [0, upto): fixed here, the donor's committed prompt prefix never changes
     recency: int
 
 
-def _matches(prompt: Sequence[int], sources: Iterable[Source]) -> Iterable[Match]:
-    return (Match(s.key, u, s.recency) for s in sources if (u := usable_match(prompt, s)) > 0)
+def _matches(prompt: Sequence[int], sources: Iterable[Source]) -> Iterable[SourceMatch]:
+    return (SourceMatch(s.key, u, s.recency) for s in sources if (u := usable_match(prompt, s)) > 0)
 
 
-def _rank(m: Match) -> tuple[int, int]:
+def _rank(m: SourceMatch) -> tuple[int, int]:
     return m.upto, m.recency  # the longest match wins; ties go to the most recent
 
 
-def ranked_matches(prompt: Sequence[int], sources: Iterable[Source]) -> list[Match]:
+def ranked_matches(prompt: Sequence[int], sources: Iterable[Source]) -> list[SourceMatch]:
     """Every usable match, best first."""
     return sorted(_matches(prompt, sources), key=_rank, reverse=True)
 
 
-def best_match(prompt: Sequence[int], sources: Iterable[Source]) -> Match | None:
+def best_match(prompt: Sequence[int], sources: Iterable[Source]) -> SourceMatch | None:
     return max(_matches(prompt, sources), key=_rank, default=None)
 
 
@@ -182,7 +182,7 @@ def choose_reuse(recipient: Recipient, donors: Iterable[Source], cached: int, mi
     `donors` are the active requests (prefilling or decoding, named or not);
     `cached` is the best prefix-cache match for the recipient (0 if none).
     """
-    def choice(kind: ReuseKind, reason: ReuseReason, match: Match | None = None) -> ReuseChoice:
+    def choice(kind: ReuseKind, reason: ReuseReason, match: SourceMatch | None = None) -> ReuseChoice:
         donor_match = match.upto if match else 0
         upto = donor_match if kind == "donor" else cached if kind == "cache" else 0
         return ReuseChoice(kind, upto, match.key if kind == "donor" and match else None,

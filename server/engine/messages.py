@@ -92,15 +92,15 @@ class Pause:
 
 
 @dataclass
-class Resume:
+class Unpause:
     """A paused request decodes on from where it stopped."""
 
     rid: int
 
 
 @dataclass
-class Release:
-    """Release these sessions. The runner counts the Releases it has run (`Ledger.releases`), so the
+class ReleaseSessions:
+    """Release these sessions. The runner counts the ReleaseSessions it has run (`Ledger.releases`), so the
     loop knows when the blocks they wrote that others still read have reached the pool."""
 
     sids: list[int]
@@ -123,7 +123,7 @@ class LoadState:
 
 
 @dataclass
-class Stop:
+class StopRunner:
     pass
 
 
@@ -170,7 +170,7 @@ class Ledger:
     live_sessions: int = 0  # sessions open (Backend.live_sessions)
     total_bytes: int = 0  # bytes of KV state they hold, each counted once (Backend.total_bytes)
     pooled_bytes: int = 0  # blocks whose writer was released that others still read (Backend.pooled_bytes)
-    releases: int = 0  # Release commands run so far: their blocks others read are in `pooled_bytes`
+    releases: int = 0  # ReleaseSessions commands run so far: their blocks others read are in `pooled_bytes`
     blocks: BlockStats | None = None  # a backend with blocks (Backend.block_stats)
 
 

@@ -6,7 +6,7 @@ The engine takes the view (`take_view`, over its requests and the index) and
 applies what comes back (serving.Serving._apply). The placements:
 - Resume(sid, upto): a session it holds already: its named session's (warm resume),
   or a clone that landed for it while it waited (a follow, a disk read);
-- Clone(donor, upto): a clone of what a running request has committed now (clone-now);
+- CloneRunning(donor, upto): a clone of what a running request has committed now (clone-now);
 - Cached(matches): a clone of the first prefix cache entry the backend agrees to, else
   an empty session;
 - Follow(leader, target): park, holding no slot, until the leader has committed `target`;
@@ -130,7 +130,7 @@ class Resume(_Placed):
 
 
 @dataclass(frozen=True)
-class Clone(_Placed):
+class CloneRunning(_Placed):
     donor: int
     upto: int
 
@@ -162,7 +162,7 @@ class Wait(_Placed):
     pass
 
 
-Placement = Resume | Clone | Cached | Follow | Restore | Fresh | Wait
+Placement = Resume | CloneRunning | Cached | Follow | Restore | Fresh | Wait
 
 
 def place(r: Request, view: View) -> Placement:
@@ -191,7 +191,7 @@ def place(r: Request, view: View) -> Placement:
     if decided.follow:
         return Follow(decided.leader, decided.target, decided, **why)  # type: ignore[arg-type]
     if decided.now.kind == "donor":
-        return Clone(decided.now.donor, decided.now.upto, **why)  # type: ignore[arg-type]
+        return CloneRunning(decided.now.donor, decided.now.upto, **why)  # type: ignore[arg-type]
     return _cached(found, **why)
 
 

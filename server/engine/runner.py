@@ -78,7 +78,7 @@ class Runner(Commands, Cloning, Speculation):
         self._stopping = False
         self._constrained: ConstrainedRows | None = None  # once the model is loaded (it knows the vocabulary)
         self._info: ModelInfo | None = None  # once loaded
-        self._releases = 0  # Release commands run (m.Ledger.releases)
+        self._releases = 0  # ReleaseSessions commands run (m.Ledger.releases)
         self._drafts, self._speculative_max_batch = drafts, speculative_max_batch
         self._draft_cap = 0  # most tokens a row drafts on the loaded model (0: it does not speculate)
         self._policy = DraftPolicy()  # which rows draft in a step (draft_policy.py)

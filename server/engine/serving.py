@@ -30,8 +30,8 @@ from kvfork.server.engine.ending import Ending
 from kvfork.server.engine.index import Index
 from kvfork.server.engine.ledger import LoopLedger
 from kvfork.server.engine.parking import Parking
-from kvfork.server.engine.placement import (Cached, Clone, Follow, Fresh, Placement, Restore, Resume, View, Wait, place,
-                                            place_without_reuse, take_view)
+from kvfork.server.engine.placement import (Cached, CloneRunning, Follow, Fresh, Placement, Restore, Resume, View, Wait,
+                                            place, place_without_reuse, take_view)
 from kvfork.server.engine.rates import RateTracker
 from kvfork.server.engine.request import Following, Paused, Queued, Request, RequestHandle
 from kvfork.server.engine.progress import Progress
@@ -172,7 +172,7 @@ class Serving(Parking, Progress, Ending):
         while (r := adm.next()) is not None:
             if isinstance(r.phase, Paused):
                 phase.resume(r)
-                self._send(m.Resume(r.rid))
+                self._send(m.Unpause(r.rid))
                 continue
             if r.expiry is not None:
                 r.expiry.cancel()
@@ -231,9 +231,9 @@ class Serving(Parking, Progress, Ending):
         match p:
             case Resume(sid=sid, upto=upto, named=named):
                 if named:  # the request owns its state now; it comes back at the end
-                    self._named.take(r.named)  # type: ignore[arg-type]  (placed as named: it has one)
+                    self._named.take(r.named)  # type: ignore[arg-type]  # placed as named: it has one
                 self._start(r, p.cached, resume=(sid, upto))
-            case Clone(donor=donor, upto=upto):
+            case CloneRunning(donor=donor, upto=upto):
                 self._start(r, p.cached, donor=(donor, upto))
             case Cached(matches=matches):
                 self._start(r, p.cached, candidates=list(matches))

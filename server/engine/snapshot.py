@@ -29,7 +29,7 @@ class EngineSnapshot:
     reserved: int = 0  # of those, what requests and captures reserve
     # the loop's ledger of the runner's bytes (ledger.LoopLedger)
     pooled: int = 0  # blocks no one session holds that others still read, as the runner last reported
-    in_transit: int = 0  # what released sessions wrote that others read, until the runner ran the Release
+    in_transit: int = 0  # what released sessions wrote that others read, until the runner ran the ReleaseSessions
     spilling: int = 0  # evicted cache entries on their way to disk
     abandoned: int = 0  # clone or load orders no one waits for that the runner has not answered yet (a count)
     # the backend, as the runner last reported (messages.Ledger)

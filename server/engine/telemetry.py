@@ -14,7 +14,7 @@ from typing import Protocol
 from kvfork.server.engine import messages as m
 from kvfork.server.engine.api import DoneEvent
 from kvfork.server.engine.disk import DiskTier
-from kvfork.server.engine.load import EngineLoad
+from kvfork.server.engine.utilization import EngineLoad
 from kvfork.server.engine.request import Request
 from kvfork.server.engine.snapshot import EngineSnapshot
 from kvfork.server.metrics import Registry
@@ -26,7 +26,7 @@ class Readings(Protocol):
     def snapshot(self) -> EngineSnapshot: ...
     @property
     def disk(self) -> DiskTier | None: ...
-    def load(self) -> EngineLoad: ...
+    def utilization(self) -> EngineLoad: ...
 
 
 log = logging.getLogger("kvfork.requests")
@@ -94,9 +94,9 @@ class EngineMetrics:
         # The Gateway API Inference Extension's model-server protocol: TotalQueuedRequests, TotalRunningRequests
         # (running_requests above) and KVCacheUtilization, in vLLM's meaning (docs/cluster.md).
         g("waiting_requests", "requests waiting: queued for a slot, or parked behind a prefilling leader",
-          lambda: engine.load().waiting)
+          lambda: engine.utilization().waiting)
         g("kv_cache_usage_perc", "fraction of the KV budget in use, 0 to 1 (the prefix cache and idle named "
-          "sessions give way, so they are not counted)", lambda: engine.load().kv_usage)
+          "sessions give way, so they are not counted)", lambda: engine.utilization().kv_usage)
         g("live_sessions", "backend sessions open", snap(lambda s: s.live_sessions))
         g("kv_bytes", "bytes of KV state the backend holds", snap(lambda s: s.total_bytes))
         g("kv_budget_held_bytes", "bytes of the KV budget held: reservations, prefix cache, idle named sessions, "

@@ -46,6 +46,7 @@ class PoolDaemon(Listening):
         budget = PoolBudget.of(device_reading(backend), engine_config, config.memory_budget_bytes, max_loaded,
                                len(specs))
         self.pool = self.state.pool = ModelPool(self.state, specs, engine_config, make_backend, budget)
+        self.speculative = engine_config.speculative
         self.port = config.port
 
     async def load(self) -> None:
@@ -53,19 +54,19 @@ class PoolDaemon(Listening):
         if not self.memory_fits():
             raise ValueError("a model does not fit the memory budget (above)")
         self.pool.start()
-        first = [s for s in self.pool.slots.values() if s.pinned] or [self.pool.slot(None)]
-        for slot in first:
-            await self.pool.take(slot)
-            self.pool.release(slot)
+        first = [s for s in self.pool.models.values() if s.pinned] or [self.pool.model(None)]
+        for model in first:
+            await self.pool.take(model)
+            self.pool.release(model)
 
     def memory_fits(self) -> bool:
         """Whether each model fits the budget alone, and the pinned ones together (else why not, on stderr)."""
-        budget, slots = self.pool.budget, list(self.pool.slots.values())
-        pinned = [s.footprint for s in slots if s.pinned]
-        for slot in slots:
-            if not budget.fits(slot.footprint, []) or (slot.pinned and not budget.fits(0, pinned)):
-                refusal = budget.refusal(slot.footprint, [p for p in pinned if not slot.pinned])
-                print(f"kvfork serve: error: model {slot.spec.name!r} cannot be served: {refusal}", file=sys.stderr,
+        budget, models = self.pool.budget, list(self.pool.models.values())
+        pinned = [s.footprint for s in models if s.pinned]
+        for model in models:
+            if not budget.fits(model.footprint, []) or (model.pinned and not budget.fits(0, pinned)):
+                refusal = budget.refusal(model.footprint, [p for p in pinned if not model.pinned])
+                print(f"kvfork serve: error: model {model.spec.name!r} cannot be served: {refusal}", file=sys.stderr,
                       flush=True)
                 return False
         return True
@@ -73,11 +74,17 @@ class PoolDaemon(Listening):
     def loaded_line(self) -> str:
         budget = self.pool.budget
         names = ", ".join(f"{s.spec.name}{' (loaded)' if s.served else ''}{' (pinned)' if s.pinned else ''}"
-                          for s in self.pool.slots.values())
+                          for s in self.pool.models.values())
         cap = f", at most {budget.max_loaded} loaded" if budget.max_loaded else ""
-        return (f"kvfork: serving {len(self.pool.slots)} models: {names}\n"
+        return (f"kvfork: serving {len(self.pool.models)} models: {names}\n"
                 f"kvfork: memory budget {budget.total_bytes / 1024**3:.2f} GiB for weights and KV: "
-                f"{budget.reason}{cap}")
+                f"{budget.reason}{cap}\n"
+                f"kvfork: speculative decoding {self._speculation()}")
+
+    def _speculation(self) -> str:
+        if self.speculative == "off":
+            return "off"
+        return f"{self.speculative} on each model that can roll drafted tokens back (--speculative off turns it off)"
 
     async def close(self) -> None:
         await self.pool.shutdown(self.config.shutdown_grace)

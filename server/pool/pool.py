@@ -9,8 +9,8 @@ Switching: one load or unload runs at a time (`_switching`), so two requests wan
 different models never wait on each other: the second's switch starts when the first's has ended. The next
 switch is to the model of the longest waiting request, and a request for a loaded model never waits behind
 a switch, so A B A C runs as A A B C. Making room unloads the least recently used unpinned model, idle ones
-first; a model still running requests stops taking new ones and gives them `--model-switch-timeout` seconds
-to finish, after which the engine cancels the rest. Between tenants (turns.py): a switch waits for the
+first (the rule, as pure decisions: switching.py); a model still running requests stops taking new ones and
+gives them `--model-switch-timeout` seconds to finish, after which the engine cancels the rest. Between tenants (turns.py): a switch waits for the
 other tenants' requests on the model it unloads to end (never cancelled for it), and a tenant's switches
 that unload a model another tenant used are --model-switch-interval seconds apart; its request waits
 meanwhile, and the other tenants' switches go first. Unloading shuts the engine down, which spills its prefix
@@ -40,6 +40,7 @@ from kvfork.server.pool.keepalive import KeepAlive, error_in_stream
 from kvfork.server.pool.loadable import check_folder, folder_state
 from kvfork.server.pool.served import ServedModel
 from kvfork.server.pool.specs import ModelSpec
+from kvfork.server.pool.switching import expired, next_switch, victims
 from kvfork.server.pool.turns import SwitchTurns, disrupts, waits_for
 from kvfork.server.model_load import load_tokenizer
 from kvfork.server.state import AppState, tenant_of
@@ -57,7 +58,7 @@ class StillBroken(Exception):
 
 
 @dataclass(eq=False)
-class Slot:
+class PooledModel:
     """One model the daemon serves, loaded or not."""
 
     spec: ModelSpec
@@ -99,7 +100,7 @@ class Slot:
 class Claim:
     """A request's claim on a model (waiting for it, then holding it): which, and whose."""
 
-    slot: Slot
+    model: PooledModel
     tenant: str
 
 
@@ -119,17 +120,17 @@ class ModelPool:
                  make_backend: Callable[[], Backend], budget: PoolBudget):
         config = base.config
         self.base, self.engine_config, self.make_backend, self.budget = base, engine_config, make_backend, budget
-        self.slots = {s.name: Slot(s, s.name in config.pin, budget.footprint(s)) for s in specs}
-        for slot in self.slots.values():  # read once, here: a request's checks then never wait for a file
-            stated = _folder_context(slot.spec.path) if slot.spec.fetch is None else None
+        self.models = {s.name: PooledModel(s, s.name in config.pin, budget.footprint(s)) for s in specs}
+        for model in self.models.values():  # read once, here: a request's checks then never wait for a file
+            stated = _folder_context(model.spec.path) if model.spec.fetch is None else None
             if stated is not None:
-                slot.context = min(engine_config.max_context or stated, stated)
+                model.context = min(engine_config.max_context or stated, stated)
         self.default = specs[0].name
         self.switch_timeout, self.ttl = config.model_switch_timeout, config.model_ttl
         self._queue: list[Claim] = []  # waiting requests, in arrival order
         self._turns = SwitchTurns(config.model_switch_interval)
         self._switching: asyncio.Task | None = None
-        self._switching_to: Slot | None = None  # the model the switch loads (None: an idle unload)
+        self._switching_to: PooledModel | None = None  # the model the switch loads (None: an idle unload)
         self._changed = asyncio.Event()
         self._expiry: asyncio.Task | None = None
         self._closed = False
@@ -141,98 +142,98 @@ class ModelPool:
 
     # ---- what routes call ----
 
-    def slot(self, requested: str | None) -> Slot:
+    def model(self, requested: str | None) -> PooledModel:
         """The model a request names; the first model when it names none (or, under --accept-any-model, one
         the daemon does not serve); else 404 model_not_found listing what there is."""
         if requested is None:
-            return self.slots[self.default]
-        slot = self.slots.get(requested)
-        if slot is not None:
-            return slot
+            return self.models[self.default]
+        model = self.models.get(requested)
+        if model is not None:
+            return model
         if self.base.config.accept_any_model:
-            return self.slots[self.default]
+            return self.models[self.default]
         raise ApiError(404, f"the model {requested!r} does not exist; this server serves "
-                       f"{', '.join(repr(n) for n in self.slots)}", code="model_not_found", param="model")
+                       f"{', '.join(repr(n) for n in self.models)}", code="model_not_found", param="model")
 
     async def acquire(self, request: web.Request, requested: str | None, stream: bool) -> AppState:
         """The named model's state, loaded first if need be; held for the request (`release`). A streaming
         request hears keep-alives while it waits (keepalive.py)."""
         if self._closed:
             raise ApiError(503, "the server is shutting down", code="not_ready")
-        slot = self.slot(requested)
-        beat = KeepAlive(request, self.base.config.sse_keepalive) if stream and not slot.ready else None
+        model = self.model(requested)
+        beat = KeepAlive(request, self.base.config.sse_keepalive) if stream and not model.ready else None
         tenant = tenant_of(request)
         try:
-            state = await self.take(slot, tenant)
+            state = await self.take(model, tenant)
         finally:
             if beat is not None:
                 await beat.stop()
-        request[LEASE] = Claim(slot, tenant)
+        request[LEASE] = Claim(model, tenant)
         return state
 
-    async def take(self, slot: Slot, tenant: str = "") -> AppState:
-        """Wait until `slot` is loaded (starting its load when its turn comes), then hold it for `tenant`."""
-        seen, me = slot.attempts, Claim(slot, tenant)
+    async def take(self, model: PooledModel, tenant: str = "") -> AppState:
+        """Wait until `model` is loaded (starting its load when its turn comes), then hold it for `tenant`."""
+        seen, me = model.attempts, Claim(model, tenant)
         self._queue.append(me)
         try:
-            while not slot.ready:
-                if slot.attempts > seen and slot.error is not None:
-                    raise ApiError(503, slot.refusal, code="model_load_failed", param="model")
+            while not model.ready:
+                if model.attempts > seen and model.error is not None:
+                    raise ApiError(503, model.refusal, code="model_load_failed", param="model")
                 if self._closed:
                     raise ApiError(503, "the server is shutting down", code="not_ready")
                 if self._switching is None and self._next() is me:
                     if self._disrupts(me):
                         self._turns.charge(tenant, time.monotonic())
-                    self._switching, self._switching_to = asyncio.create_task(self._switch_to(slot, tenant)), slot
+                    self._switching, self._switching_to = asyncio.create_task(self._switch_to(model, tenant)), model
                 held = self._held_back(me)  # its tenant's turn to switch comes later: look again then
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), held or None)
         finally:
             self._queue.remove(me)
-        slot.tenants[tenant] += 1
-        slot.last_tenant, slot.used = tenant, time.monotonic()
-        assert slot.served is not None
-        return slot.served.state
+        model.tenants[tenant] += 1
+        model.last_tenant, model.used = tenant, time.monotonic()
+        assert model.served is not None
+        return model.served.state
 
     def context(self, requested: str | None) -> int | None:
         """The context a request naming `requested` gets, known without loading the model (its folder's
         config and --max-context, as its engine resolves them, read when the pool was made), so that a body
         over it is refused before anything loads; None where the model's files are not here yet (or say no
         context). Never waits: requests reach `acquire` in the order they came."""
-        slot = self.slot(requested)
-        if slot.ready:
-            assert slot.served is not None
-            return slot.served.state.context
-        return slot.context
+        model = self.model(requested)
+        if model.ready:
+            assert model.served is not None
+            return model.served.state.context
+        return model.context
 
     async def counting(self, request: web.Request, requested: str | None) -> tuple[PromptTokenizer, int]:
         """The tokenizer and context `requested` counts prompts with: the loaded model's (held for the request,
         as `acquire` holds it), else its tokenizer loaded alone (kept), so a count never loads a model nor
         unloads another tenant's."""
-        slot = self.slot(requested)
-        if slot.ready:
+        model = self.model(requested)
+        if model.ready:
             state = await self.acquire(request, requested, False)
             return state.require_ready(), state.context
         context = self.context(requested)
         if context is None:
-            raise ApiError(503, f"model {slot.spec.name!r} is not on this machine yet: a request for it downloads "
+            raise ApiError(503, f"model {model.spec.name!r} is not on this machine yet: a request for it downloads "
                            "and loads it", code="not_ready", param="model")
-        if slot.counter is None:
-            slot.counter = asyncio.create_task(asyncio.to_thread(load_tokenizer, self.base.config, slot.spec.path))
-        counter = slot.counter
+        if model.counter is None:
+            model.counter = asyncio.create_task(asyncio.to_thread(load_tokenizer, self.base.config, model.spec.path))
+        counter = model.counter
         try:
             return await asyncio.shield(counter), context
         except Exception as e:
             if counter.done():
-                if slot.counter is counter:
-                    slot.counter = None  # tried again on the next count
-                log.warning("model %s: its tokenizer could not be loaded for count_tokens: %s", slot.spec.name, e)
-                raise ApiError(503, slot.refusal, code="model_load_failed", param="model") from None
+                if model.counter is counter:
+                    model.counter = None  # tried again on the next count
+                log.warning("model %s: its tokenizer could not be loaded for count_tokens: %s", model.spec.name, e)
+                raise ApiError(503, model.refusal, code="model_load_failed", param="model") from None
             raise
 
-    def release(self, slot: Slot, tenant: str = "") -> None:
-        slot.tenants[tenant] -= 1
-        slot.used = time.monotonic()
+    def release(self, model: PooledModel, tenant: str = "") -> None:
+        model.tenants[tenant] -= 1
+        model.used = time.monotonic()
         self._notify()
 
     @web.middleware
@@ -251,7 +252,7 @@ class ModelPool:
         finally:
             lease = request.get(LEASE)
             if isinstance(lease, Claim):
-                self.release(lease.slot, lease.tenant)
+                self.release(lease.model, lease.tenant)
 
     @property
     def loading(self) -> str | None:
@@ -259,14 +260,14 @@ class ModelPool:
         return self._switching_to.spec.name if self._switching_to is not None else None
 
     def loaded(self) -> list[ServedModel]:
-        return [s.served for s in self.slots.values() if s.served is not None]
+        return [s.served for s in self.models.values() if s.served is not None]
 
     def engines(self) -> list:
         return [served.engine for served in self.loaded()]
 
     def recent(self) -> AppState | None:
         """The state of the model a request used last (what /v1/loads and /debug/reuse show), if any is loaded."""
-        ready = [s for s in self.slots.values() if s.ready]
+        ready = [s for s in self.models.values() if s.ready]
         return max(ready, key=lambda s: s.used).served.state if ready else None  # type: ignore[union-attr]
 
     # ---- switching ----
@@ -276,77 +277,68 @@ class ModelPool:
         self._changed = asyncio.Event()
 
     def _next(self) -> Claim | None:
-        """The request the next switch is for: the longest waiting whose model is not ready and whose tenant
-        may switch now."""
-        return next((c for c in self._queue if not c.slot.ready and not self._held_back(c)), None)
+        """The request the next switch is for (switching.next_switch)."""
+        chosen = next_switch([(c.model, self._held_back(c) > 0) for c in self._queue])
+        return None if chosen is None else self._queue[chosen]
+
+    def _wanted(self) -> set[PooledModel]:
+        """The models requests wait for."""
+        return {c.model for c in self._queue}
+
+    def _loaded(self) -> list[PooledModel]:
+        return [m for m in self.models.values() if m.served is not None]
 
     def _held_back(self, claim: Claim) -> float:
         """Seconds before `claim`'s tenant may make the switch it needs (turns.py); 0: now (or none needed)."""
-        if claim.slot.ready:
+        if claim.model.ready:
             return 0.0
         return self._turns.wait(claim.tenant, self._disrupts(claim), time.monotonic())
 
     def _disrupts(self, claim: Claim) -> bool:
         """Whether loading `claim`'s model would unload one another tenant used (as room is made now)."""
-        return disrupts(claim.tenant, [(s.tenants, s.last_tenant) for s in self._victims(claim.slot)])
+        going = victims(claim.model, self._loaded(), self._wanted(), self.budget.fits)
+        return disrupts(claim.tenant, [(s.tenants, s.last_tenant) for s in going])
 
-    def _victims(self, slot: Slot) -> list[Slot]:
-        """The models loading `slot` would unload, by `_victim`'s rule, as things are now."""
-        loaded, out = [s for s in self.slots.values() if s.served is not None], []
-        while (victim := self._victim(slot, loaded)) is not None:
-            out.append(victim)
-            loaded.remove(victim)
-        return out
-
-    def _victim(self, slot: Slot, loaded: list[Slot]) -> Slot | None:
-        """The next model to unload so `slot` fits beside `loaded`; None: it fits (or nothing may go)."""
-        if self.budget.fits(slot.footprint, [s.footprint for s in loaded]):
-            return None
-        candidates = [s for s in loaded if not s.pinned and s is not slot]
-        wanted = {c.slot for c in self._queue}
-        idle = [s for s in candidates if s.users == 0 and s not in wanted]
-        return min(idle or candidates, key=lambda s: s.used, default=None)
-
-    async def _switch_to(self, slot: Slot, tenant: str | None = None) -> None:
+    async def _switch_to(self, model: PooledModel, tenant: str | None = None) -> None:
         files, stage = None, "files"
         try:
-            files = await asyncio.to_thread(self._loadable, slot)
+            files = await asyncio.to_thread(self._loadable, model)
             stage = "room"
-            await self._make_room(slot, tenant)
+            await self._make_room(model, tenant)
             stage = "load"
-            await self._load(slot)
-            slot.error = slot.failed_on = None
-            self.loads.inc(model_name=slot.spec.name, outcome="loaded")
+            await self._load(model)
+            model.error = model.failed_on = None
+            self.loads.inc(model_name=model.spec.name, outcome="loaded")
         except Exception as e:  # the other models keep serving
             if not isinstance(e, StillBroken):
-                slot.error = f"model {slot.spec.name!r} could not be loaded: {e}"
-                slot.budget_refused = stage == "room"  # the budget's numbers, no path: said to every caller
-                slot.failed_on = files if stage == "load" else None  # a load's failure, not the budget's: remembered
-                slot.failed_at = time.monotonic()
-            self.loads.inc(model_name=slot.spec.name, outcome="failed")
-            log.warning("%s", slot.error)
+                model.error = f"model {model.spec.name!r} could not be loaded: {e}"
+                model.budget_refused = stage == "room"  # the budget's numbers, no path: said to every caller
+                model.failed_on = files if stage == "load" else None  # a load's failure, not the budget's: remembered
+                model.failed_at = time.monotonic()
+            self.loads.inc(model_name=model.spec.name, outcome="failed")
+            log.warning("%s", model.error)
         finally:
-            slot.attempts += 1
+            model.attempts += 1
             self._switching = self._switching_to = None
             self._notify()
 
     @staticmethod
-    def _loadable(slot: Slot) -> tuple | None:
+    def _loadable(model: PooledModel) -> tuple | None:
         """Refuse, before anything unloads for it, a model whose folder is unchanged since its last load
         failed less than FAILED_LOAD_HOLD_S ago (StillBroken) or whose config or weights' headers cannot be
         read; its folder's files (loadable.folder_state), None where it is not a local folder."""
-        if slot.spec.fetch is not None:
+        if model.spec.fetch is not None:
             return None
-        files = folder_state(slot.spec.path)
-        recent = time.monotonic() - slot.failed_at < FAILED_LOAD_HOLD_S
-        if files is not None and files == slot.failed_on and recent:
-            raise StillBroken(slot.error)
-        check_folder(slot.spec.path)
+        files = folder_state(model.spec.path)
+        recent = time.monotonic() - model.failed_at < FAILED_LOAD_HOLD_S
+        if files is not None and files == model.failed_on and recent:
+            raise StillBroken(model.error)
+        check_folder(model.spec.path)
         return files
 
-    async def _load(self, slot: Slot) -> None:
+    async def _load(self, model: PooledModel) -> None:
         t0 = time.monotonic()
-        served = ServedModel(slot.spec, self.base, self.budget.engine_config(self.engine_config, slot.spec),
+        served = ServedModel(model.spec, self.base, self.budget.engine_config(self.engine_config, model.spec),
                              self.make_backend())
         try:
             await served.load()
@@ -356,47 +348,48 @@ class ModelPool:
         except BaseException:
             await self._close(served, 0)  # a load cut short (shutdown too) leaves nothing behind
             raise
-        slot.spec = served.spec
-        slot.served, slot.used = served, time.monotonic()
-        log.info("loaded model %s in %.1f s (%s)", slot.spec.name, time.monotonic() - t0,
-                 self.budget.describe(slot.footprint))
+        model.spec = served.spec
+        model.served, model.used = served, time.monotonic()
+        log.info("loaded model %s in %.1f s (%s)", model.spec.name, time.monotonic() - t0,
+                 self.budget.describe(model.footprint))
 
-    async def _make_room(self, slot: Slot, tenant: str | None) -> None:
-        """Unload least recently used unpinned models until `slot` fits the budget and --max-loaded-models;
+    async def _make_room(self, model: PooledModel, tenant: str | None) -> None:
+        """Unload least recently used unpinned models until `model` fits the budget and --max-loaded-models;
         ValueError with the numbers when it cannot fit beside the pinned ones."""
         deadline = time.monotonic() + self.switch_timeout
-        while True:
-            loaded = [s for s in self.slots.values() if s.served is not None]
-            victim = self._victim(slot, loaded)
-            if victim is None and self.budget.fits(slot.footprint, [s.footprint for s in loaded]):
+        while True:  # one at a time: each unload waits, and what is loaded and wanted changes meanwhile
+            loaded = self._loaded()
+            going = victims(model, loaded, self._wanted(), self.budget.fits)
+            if not going and self.budget.fits(model.footprint, [s.footprint for s in loaded]):
                 return
-            if victim is None:
-                raise ValueError(self.budget.refusal(slot.footprint, [s.footprint for s in loaded if s.pinned]))
-            await self._unload(victim, deadline, f"to load {slot.spec.name!r}", tenant)
+            if not going:
+                raise ValueError(self.budget.refusal(model.footprint, [s.footprint for s in loaded if s.pinned]))
+            victim = going[0]
+            await self._unload(victim, deadline, f"to load {model.spec.name!r}", tenant)
             self.unloads.inc(model_name=victim.spec.name, why="room")
 
-    async def _unload(self, slot: Slot, deadline: float, why: str, tenant: str | None = None) -> None:
-        """Stop `slot` taking requests, wait for the other tenants' it runs to end (turns.waits_for), give the
+    async def _unload(self, model: PooledModel, deadline: float, why: str, tenant: str | None = None) -> None:
+        """Stop `model` taking requests, wait for the other tenants' it runs to end (turns.waits_for), give the
         rest until `deadline`, then shut its engine down (its prefix cache spills to the disk tier)."""
-        slot.leaving = True
+        model.leaving = True
         self._notify()
         try:
-            while waits_for(tenant, slot.tenants):
+            while waits_for(tenant, model.tenants):
                 await self._changed.wait()
-            while slot.users and time.monotonic() < deadline:
+            while model.users and time.monotonic() < deadline:
                 try:
                     await asyncio.wait_for(self._changed.wait(), deadline - time.monotonic())
                 except TimeoutError:
                     break
-            served, slot.served = slot.served, None
+            served, model.served = model.served, None
             assert served is not None
-            if slot.users:
+            if model.users:
                 log.warning("unloading model %s %s: %d requests still running are cancelled "
-                            "(--model-switch-timeout)", slot.spec.name, why, slot.users)
+                            "(--model-switch-timeout)", model.spec.name, why, model.users)
             await self._close(served, max(0.0, deadline - time.monotonic()))
-            log.info("unloaded model %s %s", slot.spec.name, why)
+            log.info("unloaded model %s %s", model.spec.name, why)
         finally:  # cut short before its close began, the model stays loaded for `shutdown` to close
-            slot.leaving = False
+            model.leaving = False
             self._notify()
 
     async def _close(self, served: ServedModel, grace_s: float) -> None:
@@ -413,19 +406,17 @@ class ModelPool:
             self._expiry = asyncio.create_task(self._expire())
 
     async def _expire(self) -> None:
-        """Unload models idle for --model-ttl seconds (never a pinned one)."""
+        """Unload models idle for --model-ttl seconds (switching.expired), one at a time."""
         while True:
             await asyncio.sleep(max(0.05, min(1.0, self.ttl / 4)))
-            now = time.monotonic()
-            for slot in self.slots.values():
-                if (self._switching is None and slot.ready and not slot.pinned and not slot.users
-                        and slot not in {c.slot for c in self._queue} and now - slot.used >= self.ttl):
-                    self._switching = asyncio.create_task(self._idle_unload(slot))
+            due = expired(self.models.values(), self._wanted(), time.monotonic(), self.ttl)
+            if self._switching is None and due:
+                self._switching = asyncio.create_task(self._idle_unload(due[0]))
 
-    async def _idle_unload(self, slot: Slot) -> None:
+    async def _idle_unload(self, model: PooledModel) -> None:
         try:
-            await self._unload(slot, time.monotonic(), f"after {self.ttl:g} s idle (--model-ttl)")
-            self.unloads.inc(model_name=slot.spec.name, why="ttl")
+            await self._unload(model, time.monotonic(), f"after {self.ttl:g} s idle (--model-ttl)")
+            self.unloads.inc(model_name=model.spec.name, why="ttl")
         finally:
             self._switching = None
             self._notify()
@@ -440,9 +431,9 @@ class ModelPool:
             await asyncio.gather(self._switching, return_exceptions=True)
         self._notify()
         await asyncio.gather(*self._closing, *(served.close(grace_s) for served in self.loaded()))
-        for slot in self.slots.values():
-            slot.served = None
-            if slot.counter is not None:
-                counter, slot.counter = slot.counter, None
+        for model in self.models.values():
+            model.served = None
+            if model.counter is not None:
+                counter, model.counter = model.counter, None
                 with contextlib.suppress(Exception):
                     (await counter).close()

@@ -9,7 +9,7 @@ from typing import Any
 
 from kvfork.server.api.openai import ModelCard
 from kvfork.server.metrics import Registry
-from kvfork.server.pool.pool import ModelPool, Slot
+from kvfork.server.pool.pool import ModelPool, PooledModel
 
 _SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{(.*)\})? (.*)$")
 
@@ -19,12 +19,12 @@ class PoolModelCard(ModelCard, kw_only=True):
     pinned: bool = False  # --pin: never unloaded for another model
 
 
-def _context(slot: Slot) -> int | None:
+def _context(model: PooledModel) -> int | None:
     """The loaded engine's context; else what the model's config.json says it holds."""
-    if slot.served is not None and slot.served.engine.info is not None:
-        return slot.served.engine.config.max_context
+    if model.served is not None and model.served.engine.info is not None:
+        return model.served.engine.config.max_context
     try:
-        config = json.loads((Path(slot.spec.path) / "config.json").read_text())
+        config = json.loads((Path(model.spec.path) / "config.json").read_text())
     except (OSError, ValueError):
         return None
     context = config.get("max_position_embeddings", config.get("text_config", {}).get("max_position_embeddings"))
@@ -32,16 +32,16 @@ def _context(slot: Slot) -> int | None:
 
 
 def pool_cards(pool: ModelPool, created: int) -> dict[str, Any]:
-    cards = [PoolModelCard(name, created, max_model_len=_context(slot), loaded=slot.ready, pinned=slot.pinned)
-             for name, slot in pool.slots.items()]
+    cards = [PoolModelCard(name, created, max_model_len=_context(model), loaded=model.ready, pinned=model.pinned)
+             for name, model in pool.models.items()]
     return {"object": "list", "data": cards}
 
 
 def pool_health(pool: ModelPool, detailed: bool) -> dict[str, Any]:
     """Each model's state; a failed load's own error (its paths, a parser's words) only where `detailed` (the
     caller holds --metrics-key), else that it failed."""
-    models = {name: {"loaded": slot.ready, "error": slot.error if slot.error is None or detailed else slot.refusal}
-              for name, slot in pool.slots.items()}
+    models = {name: {"loaded": model.ready, "error": model.error if model.error is None or detailed else model.refusal}
+              for name, model in pool.models.items()}
     return {"status": "ok", "phase": "ready", "memory_budget_bytes": pool.budget.total_bytes, "loading": pool.loading,
             "models": models}
 
@@ -51,9 +51,9 @@ def pool_metrics(pool: ModelPool) -> str:
     name whichever models have it."""
     lines = pool.base.registry.render().splitlines()
     families: dict[str, list[str]] = {}
-    for slot in pool.slots.values():
-        if slot.served is not None:
-            _labelled(slot.served.registry, slot.spec.name, families)
+    for model in pool.models.values():
+        if model.served is not None:
+            _labelled(model.served.registry, model.spec.name, families)
     for rows in families.values():
         lines += rows
     return "\n".join(lines) + "\n"

@@ -28,7 +28,7 @@ PATH = "/v1/loads"
 
 async def handle(request: web.Request) -> web.Response:
     state = state_of(request).current()
-    load = state.engine.load()
+    load = state.engine.utilization()
     generated = state.engine.metrics.generated_tokens.get() if state.ready else 0.0
     full = not state.metrics_keys or holds_metrics_key(request)
     if not full:

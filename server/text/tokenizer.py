@@ -12,7 +12,7 @@ operator's), and a loop in it would hold the loop; past the limit the render is 
 stays on the loop.
 
 Long work (a render, or text past a few thousand characters to encode) runs on two worker threads
-shared by tenants in turn, a tenant one job at a time (server/fair.py): the
+shared by tenants in turn, a tenant one job at a time (server/fair_workers.py): the
 routes pass the tenant, so another tenant never waits for the first one's long
 job. Each thread renders and encodes with its own copy of the tokenizer (a Rust
 tokenizer is not meant to be used by two threads at once). A job's size is
@@ -30,7 +30,7 @@ import threading
 from typing import Any, Callable, Sequence
 
 from kvfork.server.errors import ApiError
-from kvfork.server.fair import FairWorkers
+from kvfork.server.fair_workers import FairWorkers
 from kvfork.server.limits import Limits
 from kvfork.server.text.template import TemplateVariables
 
@@ -87,7 +87,7 @@ class PromptTokenizer:
         added = getattr(tokenizer, "added_tokens_decoder", {})
         # The added tokens' texts: some tool-call and thinking formats are told by them (Kimi K3's XTML).
         self.vocabulary = frozenset(t.content for t in added.values())
-        # Special tokens, text -> id: a grammar refers to markup tokens by id (server/toolcalls/lark.py).
+        # Special tokens, text -> id: a grammar refers to markup tokens by id (server/toolcalls/grammar_pieces.py).
         self.specials = {t.content: i for i, t in added.items() if t.special}
         self._hidden: frozenset[int] | None = None  # special ids decode drops when some are kept
         named = getattr(tokenizer, "init_kwargs", {}).get("tool_parser_type")

@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from kvfork.server.toolcalls.lark import CallGrammar
+from kvfork.server.toolcalls.grammar_pieces import CallGrammar
 
 
 @dataclass(frozen=True)

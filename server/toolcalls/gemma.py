@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from kvfork.server.toolcalls.lark import CallGrammar, joined, parameter_rules
-from kvfork.server.toolcalls.reference import ReferenceParser
+from kvfork.server.toolcalls.grammar_pieces import CallGrammar, joined, parameter_rules
+from kvfork.server.toolcalls.mlx_lm_parsers import MlxLmParser
 
 
 def _arguments(function: dict[str, Any], index: int, quote: str, specials: Mapping[str, int]) -> tuple[str, list[str]]:
@@ -22,7 +22,7 @@ def _arguments(function: dict[str, Any], index: int, quote: str, specials: Mappi
     return joined(required, optional, ","), rules
 
 
-class Gemma4Parser(ReferenceParser):
+class Gemma4Parser(MlxLmParser):
     name = "gemma4"
     reference = "gemma4"
     quote = '<|"|>'

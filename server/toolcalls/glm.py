@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from kvfork.server.toolcalls.lark import CallGrammar, in_order, parameter_rules
-from kvfork.server.toolcalls.reference import ReferenceParser
+from kvfork.server.toolcalls.grammar_pieces import CallGrammar, in_order, parameter_rules
+from kvfork.server.toolcalls.mlx_lm_parsers import MlxLmParser
 
 
-class GlmParser(ReferenceParser):
+class GlmParser(MlxLmParser):
     name = "glm47"
     aliases = ("glm45", "laguna")
     reference = "glm47"

@@ -35,7 +35,7 @@ from kvfork.server.toolcalls.base import (
     held_prefix,
     json_object,
 )
-from kvfork.server.toolcalls.lark import CallGrammar, json_value, parameters
+from kvfork.server.toolcalls.grammar_pieces import CallGrammar, json_value, parameters
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>", START)  # what ends a message's body

@@ -9,7 +9,7 @@ import json
 from typing import Any, Mapping
 
 from kvfork.server.toolcalls.base import MarkupToolParser, ParsedCall, call_from_json, json_object
-from kvfork.server.toolcalls.lark import CallGrammar, json_value, parameters
+from kvfork.server.toolcalls.grammar_pieces import CallGrammar, json_value, parameters
 
 
 class HermesParser(MarkupToolParser):

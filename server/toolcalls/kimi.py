@@ -19,14 +19,14 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from kvfork.server.toolcalls.lark import CallGrammar, json_value, markup, parameters
-from kvfork.server.toolcalls.reference import ReferenceParser
+from kvfork.server.toolcalls.grammar_pieces import CallGrammar, json_value, markup, parameters
+from kvfork.server.toolcalls.mlx_lm_parsers import MlxLmParser
 
 _SECTION = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
 _CALL, _ARGUMENTS, _END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 
 
-class KimiK2Parser(ReferenceParser):
+class KimiK2Parser(MlxLmParser):
     name = "kimi_k2"
     reference = "kimi_k2"
     markers = (_SECTION,)
@@ -46,7 +46,7 @@ _TOOLS = ("<|open|>tools<|sep|>", "<|close|>tools<|sep|>")
 XTML = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")  # the vocabulary that says K3
 
 
-class KimiK3Parser(ReferenceParser):
+class KimiK3Parser(MlxLmParser):
     name = "kimi_k3"
     reference = "kimi_k3"
     markers = (_TOOLS,)

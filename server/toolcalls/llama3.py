@@ -13,7 +13,7 @@ import re
 from typing import Any, Mapping
 
 from kvfork.server.toolcalls.base import Event, ParsedCall, ToolParser, call_from_json, held_prefix
-from kvfork.server.toolcalls.lark import CallGrammar, json_value, parameters
+from kvfork.server.toolcalls.grammar_pieces import CallGrammar, json_value, parameters
 
 PYTHON_TAG = "<|python_tag|>"
 # Deeper than any call's arguments: past it the reply is text, before Python's JSON reader recurses that deep.

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from kvfork.server.toolcalls.lark import CallGrammar, json_value, parameters
-from kvfork.server.toolcalls.reference import ReferenceParser
+from kvfork.server.toolcalls.grammar_pieces import CallGrammar, json_value, parameters
+from kvfork.server.toolcalls.mlx_lm_parsers import MlxLmParser
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 
 
-class MistralParser(ReferenceParser):
+class MistralParser(MlxLmParser):
     name = "mistral"
     reference = "mistral"
     markers = ((TOOL_CALLS, ""),)

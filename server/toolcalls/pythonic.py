@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from kvfork.server.toolcalls.lark import CallGrammar, joined, json_value, properties
-from kvfork.server.toolcalls.reference import ReferenceParser
+from kvfork.server.toolcalls.grammar_pieces import CallGrammar, joined, json_value, properties
+from kvfork.server.toolcalls.mlx_lm_parsers import MlxLmParser
 
 _BLOCK = ("<|tool_call_start|>", "<|tool_call_end|>")
 
 
-class PythonicParser(ReferenceParser):
+class PythonicParser(MlxLmParser):
     name = "pythonic"
     reference = "pythonic"
     markers = (_BLOCK,)

@@ -19,7 +19,7 @@ import re
 from typing import Any, Mapping
 
 from kvfork.server.toolcalls.base import MarkupToolParser, ParsedCall, json_object
-from kvfork.server.toolcalls.lark import CallGrammar, in_order, parameter_rules
+from kvfork.server.toolcalls.grammar_pieces import CallGrammar, in_order, parameter_rules
 
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)

@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
-from kvfork.server.toolcalls.lark import CallGrammar, in_order, parameter_rules
-from kvfork.server.toolcalls.reference import ReferenceParser
+from kvfork.server.toolcalls.grammar_pieces import CallGrammar, in_order, parameter_rules
+from kvfork.server.toolcalls.mlx_lm_parsers import MlxLmParser
 
 
-class NamedElementsParser(ReferenceParser):
+class NamedElementsParser(MlxLmParser):
     """`call_tag` opens with the text before the quoted name and closes the call; `parameter_tag` likewise
     for each parameter; `spacing` goes before each parameter and the call's close, `trail` after it."""
 

@@ -277,7 +277,7 @@ async def test_a_running_request_finishes_before_its_model_unloads(three):
     """A long answer on a, then a request for b (one model fits): a's answer completes whole, then b loads."""
     async with aiohttp.ClientSession() as http, pool(three, hold=1) as daemon:
         long = asyncio.create_task(ask_long(http, daemon))
-        while not daemon.pool.slots["a"].users:
+        while not daemon.pool.models["a"].users:
             await asyncio.sleep(0.01)
         other = await ask(http, daemon, "b")
         answer = await long
@@ -350,7 +350,7 @@ async def test_another_tenants_switch_waits_for_the_running_request_whatever_the
     async with aiohttp.ClientSession() as http, pool(three, hold=1, api_keys_file=keys_file,
                                                      model_switch_timeout=0.0) as daemon:
         long = asyncio.create_task(ask_as(http, daemon, "key-innocent", "a", max_tokens=64))
-        while not daemon.pool.slots["a"].users:
+        while not daemon.pool.models["a"].users:
             await asyncio.sleep(0.01)
         other = await ask_as(http, daemon, "key-hostile", "b")
         answer = await long

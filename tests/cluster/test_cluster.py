@@ -1,7 +1,7 @@
 """`kvfork cluster`: two replicas of a tiny model behind a real smg, end to end. One test, one cluster (it
 takes a few seconds to start): bearer keys through the gateway, /v1/loads read with keys set, stored state
 that lives on one replica, a replica killed mid-stream and started again, and one stopped and brought back
-with its disk tier. Skips when smg is not installed (pip install 'kvfork[cluster]'); CI installs it."""
+with its disk tier. Skips when smg is not installed (pip install '.[cluster]'); CI installs it."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import pytest
 from http_daemon import until as wait_until
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("smg") is None,
-                                reason="smg is not installed: pip install 'kvfork[cluster]'")
+                                reason="smg is not installed: pip install '.[cluster]'")
 
 KEY = "cluster-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -64,7 +64,7 @@ def test_bad_flags_exit_2_before_anything_starts(tiny_model_dir, capsys, argv, s
 def test_without_smg_it_says_how_to_install_it(tiny_model_dir, monkeypatch, capsys):
     monkeypatch.setattr(cluster.importlib.util, "find_spec", lambda name: None)
     assert cluster.main(["--model", tiny_model_dir("llama")]) == 1
-    assert "pip install 'kvfork[cluster]'" in capsys.readouterr().err
+    assert "pip install smg" in capsys.readouterr().err
 
 
 def test_each_replica_publishes_kv_events_on_ports_of_its_own(tiny_model_dir):

@@ -2,7 +2,7 @@
 shape kvfork accepts may be one smg refuses. Each shape goes to a daemon directly and through a real smg in
 front of it; the two must answer alike, except the shapes smg refuses itself (SMG_REFUSES, listed in
 docs/cluster.md). Also: the headers smg forwards, and kvfork's own body fields (session_id, cache_salt,
-top_k ...) reaching the daemon on chat. Skips without smg (pip install 'kvfork[cluster]')."""
+top_k ...) reaching the daemon on chat. Skips without smg (pip install '.[cluster]')."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from http_daemon import metrics, serving
 from kvfork.tools.bench.serve import free_port
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("smg") is None,
-                                reason="smg is not installed: pip install 'kvfork[cluster]'")
+                                reason="smg is not installed: pip install '.[cluster]'")
 
 M = "tiny"
 USER = [{"role": "user", "content": "the capital of France"}]

@@ -117,28 +117,12 @@ async def test_plans_with_drafts_replayed_through_rank_0_give_the_same_tokens_on
     """Recorded plans with drafted rows (verify passes, row-picked sampling, roll backs) replayed through
     rank 0's LockstepBackend give the engine's tokens, and a follower running its broadcasts computes
     every pass's logits as rank 0 did: the rows rank 0 sampled give the same tokens there."""
-    from engine_harness import collect, request, run
+    from engine_harness import drafted_plans
     from kvfork.server.engine import plan as p
-    from kvfork.server.engine.config import EngineConfig
-    from kvfork.server.engine.engine import Engine
-    from kvfork.server.metrics import Registry
-    from scripted_drafts import ScriptedDrafts
 
-    folder, plans = tiny_model_dir("llama"), []
-    settings = dict(prefix_cache_min_tokens=8, kv_budget_bytes=1 << 30, prefill_chunk=16, prefix_cache_entries=0)
-    engine = Engine(create_backend(backend_name), folder, "float32", EngineConfig(**settings), Registry(),
-                    plans=plans.append, drafts=ScriptedDrafts())
-    await engine.start()
-    if not engine.backend.rolls_back:
-        await engine.shutdown(1)
-        pytest.skip(f"{backend_name} does not speculate on llama")
-    prompts = [prompt(20, seed=12), prompt(26, seed=13)]
-    want = [(await run(engine, q, 20, ignore_eos=True))[0] for q in prompts]
-    handles = [engine.submit(request(q, 20, rid=f"again{i}", ignore_eos=True)) for i, q in enumerate(prompts)]
-    rids = [next(r.rid for r in engine.requests() if r.handle is h) for h in handles]
-    assert [(await collect(h))[0] for h in handles] == want
-    await engine.shutdown(1)
-    assert any(row.reads > 1 for plan in plans for row in plan.decode)
+    folder = tiny_model_dir("llama")
+    plans, rids, want = await drafted_plans(create_backend(backend_name), folder,
+                                            [prompt(20, seed=12), prompt(26, seed=13)])
 
     passes: dict[str, list[np.ndarray]] = {"leader": [], "follower": []}
 

@@ -9,7 +9,7 @@ import pytest
 
 from http_daemon import chat_body, first_token, metrics, serving, until
 from kvfork.server.app import build_app
-from kvfork.server.engine.load import TokenRate
+from kvfork.server.engine.utilization import TokenRate
 
 CHAT = "/v1/chat/completions"
 LOADS = "/v1/loads?include=core,disagg,queues,memory"  # what smg asks for

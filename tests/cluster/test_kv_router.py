@@ -1,7 +1,7 @@
 """KV events checked by a real consumer: vllm-router's kv_aware policy over two daemons publishing them routes a
 repeated prompt to the replica that holds it, where its round_robin alternates. vllm-router routes on token ids
 (it renders chat only for workers it knows the model files of), so the prompts are token ids on
-/v1/completions. Skips when vllm-router is not installed (pip install 'kvfork[kv-router]', Linux)."""
+/v1/completions. Skips when vllm-router is not installed (pip install '.[kv-router]', Linux)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from kvfork.tools.bench.serve import free_port
 
 ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
 pytestmark = pytest.mark.skipif(not Path(ROUTER).exists(), reason="vllm-router is not installed: "
-                                "pip install 'kvfork[kv-router]'")
+                                "pip install '.[kv-router]'")
 pytest.importorskip("zmq")
 START_S = 120.0
 

@@ -12,7 +12,7 @@ from kvfork.server.engine.api import GenerateRequest
 from kvfork.server.engine.follow import FollowPolicy, Leader
 from kvfork.server.engine.index import Entry, Found, Match
 from kvfork.server.engine.matching import Source
-from kvfork.server.engine.placement import (Cached, Clone, Follow, Fresh, Restore, Resume, View, Wait, place,
+from kvfork.server.engine.placement import (Cached, CloneRunning, Follow, Fresh, Restore, Resume, View, Wait, place,
                                             place_without_reuse)
 from kvfork.server.engine.rates import Rates
 from kvfork.server.engine.request import Landed, Queued, Request, RequestHandle
@@ -90,7 +90,7 @@ def test_active_reuse_off_takes_the_cache_and_never_a_donor_nor_a_leader(memory)
 
 def test_a_donor_holding_more_than_the_minimum_is_cloned():
     placed = place(request(), view(source=donor(committed=150)))
-    assert isinstance(placed, Clone) and (placed.donor, placed.upto) == (DONOR, 150)
+    assert isinstance(placed, CloneRunning) and (placed.donor, placed.upto) == (DONOR, 150)
     assert placed.log["donor"] == "donor-request"  # named as the client named it
 
 
@@ -100,12 +100,12 @@ def test_a_donor_serves_at_most_the_shared_prefix_and_never_the_last_prompt_toke
     assert place(request(), view(source=whole)).upto == len(PROMPT) - 1
 
 
-@pytest.mark.parametrize("committed, kind", [(MIN, Clone), (MIN - 1, Fresh)])
+@pytest.mark.parametrize("committed, kind", [(MIN, CloneRunning), (MIN - 1, Fresh)])
 def test_the_minimum_is_what_a_donor_must_save(committed, kind):
     assert type(place(request(), view(source=donor(committed)))) is kind
 
 
-@pytest.mark.parametrize("committed, kind", [(100 + MIN, Clone), (100 + MIN - 1, Cached)])
+@pytest.mark.parametrize("committed, kind", [(100 + MIN, CloneRunning), (100 + MIN - 1, Cached)])
 def test_the_minimum_is_counted_beyond_the_best_cached_match(committed, kind):
     placed = place(request(), view(memory=[cached(100)], source=donor(committed)))
     assert type(placed) is kind
@@ -154,7 +154,7 @@ def test_a_leader_is_not_followed_when(case, why):
 
 def test_a_leader_that_already_holds_the_target_is_cloned_now_not_followed():
     placed = place(request(), view(source=donor(180), leaders=[leader(180)]))
-    assert isinstance(placed, Clone) and placed.upto == 180 and placed.follow_choice == "no_leader"
+    assert isinstance(placed, CloneRunning) and placed.upto == 180 and placed.follow_choice == "no_leader"
 
 
 # ---- restore: the disk tier, when reading the file beats computing it ----

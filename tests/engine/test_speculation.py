@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from backend_fixtures import backend_name  # noqa: F401  (fixture: each importable backend)
-from engine_harness import collect, request, run, settled
+from engine_harness import TEST_CONFIG, collect, drafted_plans, request, run, settled
 from kvfork.backends import create_backend
 from kvfork.backends.base import SamplingParams
 from kvfork.server.engine.config import EngineConfig
@@ -30,7 +30,7 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 async def engine_of(name: str, folder: str, drafts=None, **config) -> Engine:
-    settings = dict(prefix_cache_min_tokens=8, kv_budget_bytes=1 << 30, prefill_chunk=16)
+    settings = dict(TEST_CONFIG, prefill_chunk=16)  # speculative decoding only where `drafts` are given
     engine = Engine(create_backend(name), folder, "float32", EngineConfig(**{**settings, **config}), Registry(),
                     drafts=drafts)
     await engine.start()
@@ -247,18 +247,9 @@ async def test_plans_with_drafts_replay_on_a_fresh_backend_to_the_same_tokens(ba
     from kvfork.backends import effects as e
     from kvfork.server.engine import plan as p
 
-    folder, plans = tiny_model_dir("llama"), []
-    settings = dict(prefix_cache_min_tokens=8, kv_budget_bytes=1 << 30, prefill_chunk=16, prefix_cache_entries=0)
-    engine = Engine(create_backend(backend_name), folder, "float32", EngineConfig(**settings), Registry(),
-                    plans=plans.append, drafts=ScriptedDrafts())
-    await engine.start()
-    prompts = [prompt(20, seed=12), prompt(26, seed=13)]
-    want = [(await run(engine, q, 20, ignore_eos=True))[0] for q in prompts]
-    handles = [engine.submit(request(q, 20, rid=f"again{i}", ignore_eos=True)) for i, q in enumerate(prompts)]
-    rids = [next(r.rid for r in engine.requests() if r.handle is h) for h in handles]
-    assert [(await collect(h))[0] for h in handles] == want
-    await engine.shutdown(1)
-    assert any(row.reads > 1 for plan in plans for row in plan.decode)
+    folder = tiny_model_dir("llama")
+    plans, rids, want = await drafted_plans(create_backend(backend_name), folder,
+                                            [prompt(20, seed=12), prompt(26, seed=13)])
     assert any(isinstance(op, e.Truncate) for plan in plans for op in plan.ops)
     fresh = create_backend(backend_name)
     fresh.load(folder, "float32")

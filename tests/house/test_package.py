@@ -73,11 +73,22 @@ def test_no_module_is_importable_under_two_names():
     assert run_python(code, ROOT).stdout.strip() == "[]"
 
 
+def test_the_subpackages_are_links_a_reader_follows():
+    """kvfork/server, kvfork/backends and kvfork/tools are links to the top-level folders, committed as links,
+    so a tool that runs no code (an editor, the type checker) resolves `kvfork.server.x` to server/x.py."""
+    links = {path.name: path for path in (ROOT / "kvfork").iterdir() if path.is_symlink()}
+    assert sorted(links) == sorted(kvfork.SUBPACKAGES)
+    assert all(path.resolve() == ROOT / name for name, path in links.items())
+    staged = subprocess.run(["git", "ls-files", "-s", "kvfork"], cwd=ROOT, capture_output=True, text=True, check=True)
+    modes = {line.split("\t")[1]: line.split()[0] for line in staged.stdout.splitlines()}
+    assert {f"kvfork/{name}": "120000" for name in kvfork.SUBPACKAGES}.items() <= modes.items()
+
+
 def test_a_checkout_imports_its_own_folders():
     """From a checkout's root its own folders are kvfork's subpackages, whichever checkout the environment
     has installed (a worktree tested with another's virtual environment runs its own code)."""
     code = "import kvfork.server, kvfork.backends.base, kvfork.tools.bench; print(kvfork.server.__file__)"
-    assert Path(run_python(code, ROOT).stdout.strip()) == ROOT / "server" / "__init__.py"
+    assert Path(run_python(code, ROOT).stdout.strip()).resolve() == ROOT / "server" / "__init__.py"
     for name in ("tests", "build", "docs"):
         missing = subprocess.run([sys.executable, "-c", f"import kvfork.{name}"], cwd=ROOT, capture_output=True)
         assert missing.returncode != 0, name
@@ -94,7 +105,7 @@ def test_an_editable_install_imports_its_checkout_from_anywhere(tmp_path):
     ran = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0, f"the editable install of {checkout} is stale (make install redoes it): {ran.stderr}"
     module_file, module_version = ran.stdout.split()
-    assert Path(module_file) == checkout / "server" / "cli.py"
+    assert Path(module_file).resolve() == checkout.resolve() / "server" / "cli.py"
     script = Path(sys.executable).parent / "kvfork"
     if script.exists():
         assert subprocess.run([script, "--version"], cwd=tmp_path, capture_output=True, text=True,

@@ -13,7 +13,8 @@ PRODUCT = ("server", "backends", "tools")
 BOUNDED = {
     "server/settings.py:_base_type": "a type hint's nesting, written in the code",
     "server/settings.py:_toml_value": "a setting's value: a list of scalars, one level",
-    "server/toolcalls/lark.py:closed": "a schema's nesting, refused past --max-json-depth before it is compiled",
+    "server/toolcalls/grammar_pieces.py:closed": "a schema's nesting, refused past --max-json-depth before it is "
+                                                 "compiled",
     "server/engine/faults.py:sample": "retries each row alone once (retried=True stops it)",
     "server/engine/ending.py:complete": "a request ends its choices, which have none of their own",
     "tools/clients/fixtures.py:scrub": "a recorded request's JSON nesting",

@@ -19,7 +19,7 @@ class Load:
 
 
 class Idle:
-    def load(self):
+    def utilization(self):
         return Load()
 
 

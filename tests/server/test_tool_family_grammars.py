@@ -20,7 +20,7 @@ from kvfork.server.grammar import GrammarCompiler, grammar_text, request_ask
 from kvfork.server.reasoning import detect_reasoning
 from kvfork.server.text.tokenizer import PromptTokenizer
 from kvfork.server.toolcalls import PARSERS, detect_tool_parser
-from kvfork.server.toolcalls.reference import ReferenceParser, reference_module
+from kvfork.server.toolcalls.mlx_lm_parsers import MlxLmParser, mlx_lm_module
 from streaming_helpers import counting_ids, parse_every_way
 
 FORECAST = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]},
@@ -32,7 +32,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_forecast", "parameters":
          {"type": "function", "function": {"name": "get_alerts", "parameters": ALERTS}}]
 SCHEMAS = {"get_forecast": FORECAST, "get_alerts": ALERTS}
 NAMES = (*FAMILIES, "harmony")
-REFERENCES = sorted({p.reference for p in PARSERS.values() if issubclass(p, ReferenceParser)})
+REFERENCES = sorted({p.reference for p in PARSERS.values() if issubclass(p, MlxLmParser)})
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def family_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("reference", REFERENCES)
 def test_the_markers_are_mlx_lms(reference):
-    module = reference_module(reference)
+    module = mlx_lm_module(reference)
     (family,) = {p for p in PARSERS.values() if getattr(p, "reference", None) == reference}
     assert family.markers[0] == (module.tool_call_start, module.tool_call_end)
     assert callable(module.parse_tool_call)
@@ -89,7 +89,7 @@ def reference_calls(name: str, text: str) -> list[dict]:
         return [{"name": name, "arguments": json.loads(body.split("<|call|>")[0])}]
     family = PARSERS[name]
     start, end = family.markers[0]
-    parse = reference_module(getattr(family, "reference", name)).parse_tool_call  # qwen3_coder: ours, and mlx-lm's
+    parse = mlx_lm_module(getattr(family, "reference", name)).parse_tool_call  # qwen3_coder: ours, and mlx-lm's
     calls = []
     for chunk in text.split(start)[1:]:
         body = chunk.split(end)[0] if end else chunk

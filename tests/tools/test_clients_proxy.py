@@ -10,12 +10,12 @@ import copy
 import json
 from pathlib import Path
 
-from kvfork.tools.clients.proxy import END_SCHEMA, SUBAGENT, ToolCall, steer
+from kvfork.tools.clients.proxy import END_SCHEMA, SUBAGENT, ScriptedCall, steer
 from kvfork.tools.clients.run import SUBAGENTS, SUBAGENTS_PROMPT
 
 MAIN, FIRST, _ = (r["body"] for r in json.loads(
     (Path(__file__).parents[1] / "fixtures/clients/subagents/claude.json").read_text())["requests"])
-READ = ToolCall("Read", {"file_path": "/work/notes.txt"})
+READ = ScriptedCall("Read", {"file_path": "/work/notes.txt"})
 
 
 def main_agent(answered: int) -> dict:

@@ -115,7 +115,7 @@ def plot_ttft(path: Path, passes: list[Pass]) -> str | None:
         import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
     except ImportError:
-        return "matplotlib is not installed (pip install 'kvfork[bench]'): no plot"
+        return "matplotlib is not installed (pip install matplotlib): no plot"
     presets = list(dict.fromkeys(p.preset for p in passes))
     fig, axes = plt.subplots(len(presets), 1, figsize=(9, 3.2 * len(presets)), squeeze=False)
     for ax, preset in zip(axes[:, 0], presets):

@@ -31,7 +31,7 @@ class Events:
             ev.set()
 
 
-class Progress:
+class ReplayProgress:
     """One status line: rewritten in place on a terminal, every 10% otherwise."""
 
     def __init__(self, label: str, total: int, out=sys.stderr):
@@ -82,7 +82,7 @@ async def replay(workload: Workload, target: Target, label: str = "run", logprob
     gate = asyncio.Semaphore(workload.root_concurrency) if workload.root_concurrency else None
     gated = set(workload.roots) if gate else set()
     placed: set[str] = set()  # root sessions holding a place now
-    progress = Progress(label, len(workload.calls), progress_out)
+    progress = ReplayProgress(label, len(workload.calls), progress_out)
     records = {c.id: Record(c.id, c.session, c.tag) for c in workload.calls}
     t0 = time.monotonic()
 

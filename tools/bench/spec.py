@@ -35,7 +35,7 @@ from kvfork.tools.bench import paired
 from kvfork.tools.bench.client import Record, Target, request_body, stream_chat
 from kvfork.tools.bench.serve import ServerProcess, exit_on_sigterm, scrape_metrics
 from kvfork.tools.bench.spec_replay import Replay
-from kvfork.tools.bench.spec_workloads import WORKLOADS, Job, jobs
+from kvfork.tools.bench.spec_workloads import WORKLOADS, SpecJob, jobs
 
 # The daemon's speculation counters (labelled by source), read where it has them.
 DRAFTED, ACCEPTED = "kvfork_spec_drafted_tokens_total", "kvfork_spec_accepted_tokens_total"
@@ -83,7 +83,7 @@ def _daemon(mode: str, model: str, extra: list[str], out: Path) -> ServerProcess
                          env={"KVFORK_HOME": str(home)}, scratch=home)
 
 
-async def _wave(url: str, wave: list[Job]) -> tuple[list[Record], float]:
+async def _wave(url: str, wave: list[SpecJob]) -> tuple[list[Record], float]:
     """Send the jobs together; their records and decode tokens/s."""
     target, t0 = Target(url), time.monotonic()
     async with aiohttp.ClientSession() as http:

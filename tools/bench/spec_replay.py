@@ -11,7 +11,7 @@ tokenizer's tokens of the text: the same tokens as the model's wherever its text
 from __future__ import annotations
 
 from kvfork.server.engine.drafts import Drafts
-from kvfork.tools.bench.spec_workloads import Job
+from kvfork.tools.bench.spec_workloads import SpecJob
 
 
 def replay_one(drafts: Drafts, scope: str, prompt: list[int], reply: list[int], limit: int) -> tuple[dict, int]:
@@ -48,7 +48,7 @@ class Replay:
         self.counts: dict[str, dict[str, list[int]]] = {}
         self.tokens: dict[str, list[int]] = {}  # workload -> [reply tokens after the first, steps]
 
-    def add(self, workload: str, replies: list[tuple[Job, str]]) -> None:
+    def add(self, workload: str, replies: list[tuple[SpecJob, str]]) -> None:
         """Replies in the order they finished, each with the job it answers."""
         drafts = self.drafts.setdefault(workload, Drafts(self.mode, max_tokens=self.limit))
         for job, text in replies:

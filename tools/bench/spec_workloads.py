@@ -25,7 +25,7 @@ _VERBS = "load parse merge split check build read write flush trim sort scan".sp
 
 
 @dataclass(frozen=True)
-class Job:
+class SpecJob:
     messages: list[dict]
     max_tokens: int
     reference: str = ""  # the reply a model that does as asked writes (code-edit, agent), for offline acceptance
@@ -59,7 +59,7 @@ def code_file(rng: random.Random, lines: int = 150) -> tuple[str, list[str]]:
     return "\n".join(out), names
 
 
-def code_edit(seed: int, count: int, lines: int, max_tokens: int) -> list[Job]:
+def code_edit(seed: int, count: int, lines: int, max_tokens: int) -> list[SpecJob]:
     jobs = []
     for i in range(count):
         rng = random.Random(f"{seed}:code-edit:{i}")
@@ -68,31 +68,32 @@ def code_edit(seed: int, count: int, lines: int, max_tokens: int) -> list[Job]:
         ask = (f"Here is src/mod_{i}.py:\n```python\n{text}\n```\nRename the function `{old}` to `{old}_v2` and "
                f"change the default limit of `{limited}` to 128. Reply with the whole updated file in one code block.")
         edited = re.sub(rf"(def {limited}\(.*limit: int = )\d+", r"\g<1>128", text.replace(f"def {old}(", f"def {old}_v2("))
-        jobs.append(Job([{"role": "user", "content": ask}], max_tokens, f"```python\n{edited}\n```"))
+        jobs.append(SpecJob([{"role": "user", "content": ask}], max_tokens, f"```python\n{edited}\n```"))
     return jobs
 
 
-def agent(seed: int, count: int, max_tokens: int) -> list[Job]:
+def agent(seed: int, count: int, max_tokens: int) -> list[SpecJob]:
     """`count` calls of the agent preset (its sessions' histories, in order)."""
     opts = Options(seed=seed, scale=1.0, max_tokens=(max_tokens, max_tokens))
     calls = agentic("agentx-mini", opts, sessions=max(1, count // 4), total_calls=count).calls[:count]
     # a call's reference: the assistant turn its session's script says next
     after = {c.id: n for c, n in zip(calls, calls[1:]) if n.session == c.session and len(n.messages) > len(c.messages)}
-    return [Job(c.messages, c.max_tokens, after[c.id].messages[len(c.messages)]["content"] if c.id in after else "")
+    return [SpecJob(c.messages, c.max_tokens,
+                    after[c.id].messages[len(c.messages)]["content"] if c.id in after else "")
             for c in calls]
 
 
-def prose(seed: int, count: int, max_tokens: int) -> list[Job]:
+def prose(seed: int, count: int, max_tokens: int) -> list[SpecJob]:
     jobs = []
     for i in range(count):
         rng = random.Random(f"{seed}:prose:{i}")
         topic = f"a {rng.choice(_NOUNS)} keeper who finds {words(rng, 4).lower().rstrip('.')}"
-        jobs.append(Job([{"role": "user", "content": f"Write an original short story about {topic}."}], max_tokens))
+        jobs.append(SpecJob([{"role": "user", "content": f"Write an original short story about {topic}."}], max_tokens))
     return jobs
 
 
 def jobs(workload: str, seed: int, count: int, *, code_lines: int, code_tokens: int, agent_tokens: int,
-         prose_tokens: int) -> list[Job]:
+         prose_tokens: int) -> list[SpecJob]:
     if workload == "code-edit":
         return code_edit(seed, count, code_lines, code_tokens)
     if workload == "agent":

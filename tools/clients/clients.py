@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfork.tools.clients.proxy import ToolCall
+from kvfork.tools.clients.proxy import ScriptedCall
 
 MODEL = "tiny"  # the name every client asks for; kvfork runs with --accept-any-model anyway
 KEY = "kvfork-local"  # a dummy key: kvfork runs without keys, the clients want one to start
@@ -21,7 +21,7 @@ class Client:
     binary: str
     api: str
 
-    def read_tool(self, work: Path) -> ToolCall:
+    def read_tool(self, work: Path) -> ScriptedCall:
         raise NotImplementedError
 
     def configure(self, root: Path, base_url: str, context: int) -> dict[str, str]:
@@ -42,10 +42,10 @@ def _base_env(root: Path) -> dict[str, str]:
 
 
 class Codex(Client):
-    def read_tool(self, work: Path) -> ToolCall:
+    def read_tool(self, work: Path) -> ScriptedCall:
         # Codex reads files through its shell tool; the command is the script's, fixed by the grammar,
         # and runs in Codex's read-only sandbox.
-        return ToolCall("exec_command", {"cmd": "cat notes.txt"})
+        return ScriptedCall("exec_command", {"cmd": "cat notes.txt"})
 
     def configure(self, root: Path, base_url: str, context: int) -> dict[str, str]:
         env = _base_env(root)
@@ -87,8 +87,8 @@ enabled = false
 class ClaudeCode(Client):
     flags: tuple[str, ...] = ()  # more of its own, before the allowed tools (run.py: the two-projects step)
 
-    def read_tool(self, work: Path) -> ToolCall:
-        return ToolCall("Read", {"file_path": str(work / "notes.txt")})
+    def read_tool(self, work: Path) -> ScriptedCall:
+        return ScriptedCall("Read", {"file_path": str(work / "notes.txt")})
 
     def configure(self, root: Path, base_url: str, context: int) -> dict[str, str]:
         env = _base_env(root)
@@ -107,8 +107,8 @@ class ClaudeCode(Client):
 
 
 class Opencode(Client):
-    def read_tool(self, work: Path) -> ToolCall:
-        return ToolCall("read", {"filePath": str(work / "notes.txt")})
+    def read_tool(self, work: Path) -> ScriptedCall:
+        return ScriptedCall("read", {"filePath": str(work / "notes.txt")})
 
     def configure(self, root: Path, base_url: str, context: int) -> dict[str, str]:
         env = _base_env(root)

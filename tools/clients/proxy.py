@@ -36,7 +36,7 @@ SUBAGENT = "cc_is_subagent=true;"  # in the billing line of a Claude Code subage
 
 
 @dataclass(frozen=True)
-class ToolCall:
+class ScriptedCall:
     """One of the client's tools and the one call the script lets the model make to it."""
 
     name: str
@@ -55,7 +55,7 @@ class Subagents:
     turn: int
     prompts: tuple[str, ...]
 
-    def next_call(self, api: str, body: dict) -> ToolCall | None:
+    def next_call(self, api: str, body: dict) -> ScriptedCall | None:
         """The Agent call this request of the main agent must make, if any is left."""
         text = _conversation(api, body)
         mark = f"{TURN}{self.turn}"
@@ -64,7 +64,7 @@ class Subagents:
         started = text[text.rindex(mark):].count('"tool_result"')
         if started >= len(self.prompts):
             return None
-        return ToolCall("Agent", {"description": f"subagent {started + 1}", "prompt": self.prompts[started]})
+        return ScriptedCall("Agent", {"description": f"subagent {started + 1}", "prompt": self.prompts[started]})
 
 
 @dataclass
@@ -100,7 +100,7 @@ def _tool_name(api: str, tool: dict) -> str | None:
     return tool.get("name")
 
 
-def _force(api: str, body: dict, call: ToolCall, wanted: bool) -> bool:
+def _force(api: str, body: dict, call: ScriptedCall, wanted: bool) -> bool:
     """Give `call`'s tool its scripted schema where `body` offers it; with `wanted`, name it in
     `tool_choice`. True when the call is forced."""
     offered = False
@@ -122,7 +122,7 @@ def _force(api: str, body: dict, call: ToolCall, wanted: bool) -> bool:
     return False
 
 
-def steer(api: str, body: dict, read: ToolCall, subagents: Subagents | None = None) -> bool:
+def steer(api: str, body: dict, read: ScriptedCall, subagents: Subagents | None = None) -> bool:
     """Rewrite `body` in place; True when it forces a call (the read, or starting a subagent)."""
     tools = body.get("tools") or []
     if _force(api, body, read, _wants_call(api, body)):
@@ -211,7 +211,8 @@ def count(api: str, status: int, raw: bytes, tally: Tally, subagent: bool = Fals
 class Proxy:
     """Listens on a loopback port and forwards to `upstream` (kvfork), steering and counting."""
 
-    def __init__(self, upstream: str, read: ToolCall, record: Path | None = None, subagents: Subagents | None = None):
+    def __init__(self, upstream: str, read: ScriptedCall, record: Path | None = None,
+                 subagents: Subagents | None = None):
         self.upstream, self.read, self.record, self.subagents = upstream.rstrip("/"), read, record, subagents
         self.tally = Tally()
         self.session: aiohttp.ClientSession | None = None

@@ -20,7 +20,7 @@ from kvfork.server.engine.config import EngineConfig
 from kvfork.server.serve import Daemon, pick_backend
 from kvfork.tools.clients.clients import CLIENTS, MODEL, Client
 from kvfork.tools.clients.model import write_tiny_long_model
-from kvfork.tools.clients.proxy import TURN, Proxy, Subagents, ToolCall
+from kvfork.tools.clients.proxy import TURN, Proxy, ScriptedCall, Subagents
 from kvfork.tools.bench.text import words
 from kvfork.backends.default_model import ensure_default_model
 from kvfork.backends.home import kvfork_home
@@ -40,7 +40,7 @@ EXCLUDE_DYNAMIC = "--exclude-dynamic-system-prompt-sections"
 
 
 @dataclass
-class Row:
+class ClientResult:
     client: str
     version: str
     turns: int = 0
@@ -113,7 +113,7 @@ async def run_client(client: Client, kvfork_url: str, context: int, turns: int, 
                      timeout_s: float, work: Path | None = None, label: str | None = None,
                      root: Path | None = None, prompts: tuple[str, ...] = PROMPTS,
                      subagents: Subagents | None = None, note_first: bool = False,
-                     read: ToolCall | None = None) -> Row:
+                     read: ScriptedCall | None = None) -> ClientResult:
     """One session of `client` (`label` in the table) in `work` (default: a project of its own), its user's
     home and configuration under `root` (default: a folder of its own): `turns` of `prompts`, in which
     the proxy has it start `subagents` (Claude Code); the requests of note (the second table) are the
@@ -123,7 +123,7 @@ async def run_client(client: Client, kvfork_url: str, context: int, turns: int, 
     root = root or Path(tempfile.mkdtemp(prefix=f"kvfork-{client.name}-"))
     work = work or project(root)
     path = binary(client)
-    row = Row(label, "not installed", asked=turns)
+    row = ClientResult(label, "not installed", asked=turns)
     if path is None:
         row.errors.append("not installed: run `kvfork clients --install`")
         return row
@@ -170,7 +170,7 @@ async def run_client(client: Client, kvfork_url: str, context: int, turns: int, 
     return row
 
 
-def table(rows: list[Row]) -> str:
+def table(rows: list[ClientResult]) -> str:
     lines = ["| client | version | turns | tool calls | cached tokens | requests | errors |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -184,7 +184,7 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-async def serve_and_run(args: argparse.Namespace, names: list[str]) -> list[Row]:
+async def serve_and_run(args: argparse.Namespace, names: list[str]) -> list[ClientResult]:
     default = ensure_default_model()
     model = str(default if args.model == "default" else
                 write_tiny_long_model(kvfork_home() / "models" / "tiny-llama-64k", default)
@@ -214,7 +214,7 @@ async def serve_and_run(args: argparse.Namespace, names: list[str]) -> list[Row]
         await daemon.close()
 
 
-async def shared_project(kvfork_url: str, context: int, args: argparse.Namespace) -> list[Row]:
+async def shared_project(kvfork_url: str, context: int, args: argparse.Namespace) -> list[ClientResult]:
     """Two Claude Code sessions of one user, one after the other, in one project with a large CLAUDE.md:
     the second's first request shares the first's system prompt and tools (its memory path is the user's
     and the project's), which reuse must serve (a long cached prompt once made every later session
@@ -230,7 +230,7 @@ async def shared_project(kvfork_url: str, context: int, args: argparse.Namespace
         shutil.rmtree(folder, ignore_errors=True)
 
 
-async def two_projects(kvfork_url: str, context: int, args: argparse.Namespace) -> list[Row]:
+async def two_projects(kvfork_url: str, context: int, args: argparse.Namespace) -> list[ClientResult]:
     """Claude Code sessions of one user in two projects, one after the other: as it starts by default,
     the project's folder and memory path sit early in the system prompt, before the tools, so the second
     project shares little of the first's first request; with --exclude-dynamic-system-prompt-sections

@@ -9,7 +9,7 @@ import msgspec
 
 from kvfork.server.chat_output import ChatOutput, ChatOutputParser, collect
 from kvfork.server.engine.api import TokenEvent, Usage
-from kvfork.server.generation import Finished, Piece
+from kvfork.server.generation import ChoiceFinished, Piece
 from kvfork.server.api.chat.protocol import (
     AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChoiceLogprobs, ChunkChoice, Delta,
     FunctionCall, FunctionDelta, TokenLogprob, ToolCallDelta, ToolCallOut, TopLogprob,
@@ -74,7 +74,7 @@ class ChatReply:
         self.events: list[Event] = []
         self.logprobs: list[TokenLogprob] = []
         self.calls = False
-        self.done: Finished | None = None
+        self.done: ChoiceFinished | None = None
         self.diagnostics = job.diagnostics if index == 0 else None  # said once, by choice 0
 
     def start(self) -> list[ChatCompletionChunk]:
@@ -92,7 +92,7 @@ class ChatReply:
         # the piece's logprobs ride on its first chunk
         return [self._chunk(delta, logprobs=logprobs if i == 0 else None) for i, delta in enumerate(out)]
 
-    def finish(self, done: Finished) -> list[ChatCompletionChunk]:
+    def finish(self, done: ChoiceFinished) -> list[ChatCompletionChunk]:
         self.done = done
         events = self.parser.finish()
         self.events += events

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from kvfork.server.generation import Finished, Piece
+from kvfork.server.generation import ChoiceFinished, Piece
 from kvfork.server.api.completions.protocol import Completion, CompletionChoice, CompletionLogprobs
 from kvfork.server.engine.api import Usage
 from kvfork.server.api.respond import Job, usage_info
@@ -25,7 +25,7 @@ class CompletionReply:
         self.offset = len(echo)
         self.texts = [echo]
         self.all_logprobs = CompletionLogprobs([], [], [], [])
-        self.done: Finished | None = None
+        self.done: ChoiceFinished | None = None
 
     def start(self) -> list[Completion]:
         return [self._chunk(self.echo)] if self.echo else []
@@ -35,7 +35,7 @@ class CompletionReply:
         logprobs = self._logprobs_of(piece) if self.logprobs else None
         return [self._chunk(piece.text, logprobs=logprobs)] if piece.text or logprobs else []
 
-    def finish(self, done: Finished) -> list[Completion]:
+    def finish(self, done: ChoiceFinished) -> list[Completion]:
         self.done = done
         out = [self._chunk("", done.finish_reason)]
         if self.include_usage:

@@ -135,7 +135,7 @@ class CountTokensRequest(Struct, kw_only=True):
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
-class Usage(Struct):
+class AnthropicUsage(Struct):
     input_tokens: int  # prompt tokens not read from the cache, as Anthropic counts them
     output_tokens: int
     cache_read_input_tokens: int = 0
@@ -164,7 +164,7 @@ class MessageReply(Struct, kw_only=True):
     id: str
     model: str
     content: list[ContentOut]
-    usage: Usage
+    usage: AnthropicUsage
     stop_reason: StopReason | None = None
     stop_sequence: str | None = None
     type: Literal["message"] = "message"
@@ -218,7 +218,7 @@ class StopDelta(Struct):
 
 class MessageDelta(Struct, tag_field="type", tag="message_delta"):
     delta: StopDelta
-    usage: Usage
+    usage: AnthropicUsage
     kvfork_cache: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET  # server/api/diagnosis.py
 
 
@@ -250,18 +250,18 @@ ERROR_TYPES = {
 }
 
 
-class ErrorDetail(Struct):
+class AnthropicErrorDetail(Struct):
     type: str
     message: str
 
 
 class ErrorReply(Struct, tag_field="type", tag="error"):
-    error: ErrorDetail
+    error: AnthropicErrorDetail
 
 
 def error_reply(status: int, message: str) -> ErrorReply:
-    return ErrorReply(ErrorDetail(ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error"),
-                                  message))
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return ErrorReply(AnthropicErrorDetail(kind, message))
 
 
 def error_body(status: int, message: str) -> bytes:

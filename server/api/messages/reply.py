@@ -16,8 +16,9 @@ import msgspec
 from kvfork.server.api.diagnosis import Report
 from kvfork.server.chat_output import ChatOutput, ChatOutputParser, collect
 from kvfork.server.errors import ApiError
-from kvfork.server.generation import Finished, Piece
+from kvfork.server.generation import ChoiceFinished, Piece
 from kvfork.server.api.messages.protocol import (
+    AnthropicUsage,
     ContentBlockDelta,
     ContentBlockStart,
     ContentBlockStop,
@@ -35,7 +36,6 @@ from kvfork.server.api.messages.protocol import (
     ThinkingDeltaOut,
     ThinkingOut,
     ToolUseOut,
-    Usage,
     error_reply,
     Ping,
     sse,
@@ -52,9 +52,9 @@ def tool_use_id() -> str:
     return "toolu_" + uuid.uuid4().hex[:24]
 
 
-def usage(prompt_tokens: int, reused_tokens: int, output_tokens: int) -> Usage:
+def usage(prompt_tokens: int, reused_tokens: int, output_tokens: int) -> AnthropicUsage:
     # Anthropic's input_tokens leaves out what was read from the cache.
-    return Usage(prompt_tokens - reused_tokens, output_tokens, cache_read_input_tokens=reused_tokens)
+    return AnthropicUsage(prompt_tokens - reused_tokens, output_tokens, cache_read_input_tokens=reused_tokens)
 
 
 def stop_reason(finish_reason: str, has_tool_calls: bool, stop_sequence: str | None) -> StopReason:
@@ -71,7 +71,7 @@ def _tool_input(arguments: str) -> dict:
 
 
 def message_reply(
-    id: str, model: str, output: ChatOutput, finish_reason: str, stop_sequence: str | None, usage: Usage
+    id: str, model: str, output: ChatOutput, finish_reason: str, stop_sequence: str | None, usage: AnthropicUsage
 ) -> MessageReply:
     content: list[ContentOut] = []
     if output.reasoning:
@@ -93,7 +93,7 @@ class MessageStream:
         self._open: str | None = None  # kind of the open block: "thinking", "text" or "tool_use"
         self._tool_calls = 0
 
-    def start(self, usage: Usage) -> list[StreamEvent]:
+    def start(self, usage: AnthropicUsage) -> list[StreamEvent]:
         return [MessageStart(MessageReply(id=self.id, model=self.model, content=[], usage=usage))]
 
     def events(self, events: list[Event]) -> list[StreamEvent]:
@@ -113,7 +113,7 @@ class MessageStream:
                 out.append(ContentBlockDelta(self._index, InputJsonDelta(event.text)))
         return out
 
-    def finish(self, finish_reason: str, stop_sequence: str | None, usage: Usage,
+    def finish(self, finish_reason: str, stop_sequence: str | None, usage: AnthropicUsage,
                kvfork_cache: dict | None = None) -> list[StreamEvent]:
         out: list[StreamEvent] = []
         self._close(out)
@@ -173,7 +173,7 @@ class MessagesReply:
         self.diagnostics = diagnostics
         self.stream = MessageStream(id, model)
         self.events: list[Event] = []
-        self.done: Finished | None = None
+        self.done: ChoiceFinished | None = None
         self.started = False
 
     def start(self) -> list[StreamEvent]:
@@ -185,7 +185,7 @@ class MessagesReply:
         self.events += events
         return out + self.stream.events(events)
 
-    def finish(self, done: Finished) -> list[StreamEvent]:
+    def finish(self, done: ChoiceFinished) -> list[StreamEvent]:
         self.done = done
         out = self._start(done.usage.reused_tokens) if not self.started else []
         events = self.parser.finish()
@@ -210,7 +210,7 @@ class MessagesReply:
             body.kvfork_cache = self.diagnostics.account or msgspec.UNSET
         return body
 
-    def _usage(self) -> Usage:
+    def _usage(self) -> AnthropicUsage:
         assert self.done is not None
         used = self.done.usage
         return usage(used.prompt_tokens, used.reused_tokens, used.generated_tokens)

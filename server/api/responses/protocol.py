@@ -51,7 +51,7 @@ class ResponsesRequest(Struct, kw_only=True):
 # ---- input items ----------------------------------------------------------
 
 
-class ContentPart(Struct, kw_only=True):
+class ResponsesContentPart(Struct, kw_only=True):
     type: str
     text: str | None = None
     image_url: str | None = None  # input_image: a data URL, or an http(s) one (server/images.py)
@@ -59,7 +59,7 @@ class ContentPart(Struct, kw_only=True):
 
 class MessageItem(Struct, kw_only=True):
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[ContentPart]
+    content: str | list[ResponsesContentPart]
 
 
 class FunctionCallItem(Struct, kw_only=True):
@@ -71,12 +71,12 @@ class FunctionCallItem(Struct, kw_only=True):
 
 class FunctionCallOutputItem(Struct, kw_only=True):
     call_id: str
-    output: str | list[ContentPart]
+    output: str | list[ResponsesContentPart]
 
 
 class ReasoningItem(Struct, kw_only=True):
-    summary: list[ContentPart] = field(default_factory=list)
-    content: list[ContentPart] | None = None
+    summary: list[ResponsesContentPart] = field(default_factory=list)
+    content: list[ResponsesContentPart] | None = None
 
 
 # ---- output ---------------------------------------------------------------

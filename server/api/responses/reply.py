@@ -18,7 +18,7 @@ import msgspec
 from kvfork.server.errors import ApiError
 from kvfork.server.api.diagnosis import Report
 from kvfork.server.chat_output import ChatOutputParser
-from kvfork.server.generation import Finished, Piece
+from kvfork.server.generation import ChoiceFinished, Piece
 from kvfork.server.api.responses.protocol import (
     ArgumentsDelta, ArgumentsDone, ContentPartAdded, ContentPartDone, ErrorEvent, Event, FunctionCallOut,
     IncompleteDetails, InputTokensDetails, OutputItem, OutputItemAdded, OutputItemDone, OutputMessage, OutputText,
@@ -112,7 +112,7 @@ class ResponsesReply:
     def piece(self, piece: Piece) -> list[Event]:
         return self._events(self.parser.feed(piece.text))
 
-    def finish(self, done: Finished) -> list[Event]:
+    def finish(self, done: ChoiceFinished) -> list[Event]:
         out = self._events(self.parser.finish())
         self._close(out)
         usage = done.usage

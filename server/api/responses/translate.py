@@ -26,11 +26,11 @@ import msgspec
 
 from kvfork.server.errors import ApiError, client_text, from_decode, invalid
 from kvfork.server.api.responses.protocol import (
-    ContentPart,
     FunctionCallItem,
     FunctionCallOutputItem,
     MessageItem,
     ReasoningItem,
+    ResponsesContentPart,
     ResponsesRequest,
 )
 
@@ -45,7 +45,7 @@ def _convert(raw: dict, kind: type, where: str):
         raise invalid(f"{where}.{error.param}" if error.param else where, f"{where}: {error.message}") from None
 
 
-def _parts(parts: list[ContentPart], where: str) -> list[dict[str, Any]]:
+def _parts(parts: list[ResponsesContentPart], where: str) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for j, part in enumerate(parts):
         if part.type == "input_image" and part.image_url is not None:

@@ -1,4 +1,4 @@
-"""Browsers: a web page may not drive the daemon, unless the operator allows its origin.
+"""The Origin and Host guard: a web page may not drive the daemon, unless the operator allows its origin.
 
 A page any site serves can send a request to a daemon on the user's machine: a cross-site POST
 with a `text/plain` or form body needs no CORS preflight, and a page whose name is re-pointed at
@@ -62,7 +62,7 @@ def _is_ip(name: str) -> bool:
 
 
 @dataclass(frozen=True)
-class Browsers:
+class OriginGuard:
     """The checks, as one daemon's flags set them."""
 
     listen_host: str
@@ -70,9 +70,9 @@ class Browsers:
     allowed_origins: frozenset[str]  # scheme://host[:port], lowercase; "*": any
 
     @staticmethod
-    def of(listen_host: str, allowed_hosts: list[str], allowed_origins: list[str]) -> "Browsers":
-        return Browsers(listen_host.lower(), frozenset(h.lower() for h in allowed_hosts),
-                        frozenset(o.lower().rstrip("/") for o in allowed_origins))
+    def of(listen_host: str, allowed_hosts: list[str], allowed_origins: list[str]) -> "OriginGuard":
+        return OriginGuard(listen_host.lower(), frozenset(h.lower() for h in allowed_hosts),
+                           frozenset(o.lower().rstrip("/") for o in allowed_origins))
 
     def host_allowed(self, name: str) -> bool:
         name = name.lower().rstrip(".")

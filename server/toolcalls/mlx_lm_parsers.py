@@ -2,7 +2,7 @@
 
 Each of those modules has `parse_tool_call(text, tools)` and its markers
 `tool_call_start` / `tool_call_end`; they parse a finished call, not a stream.
-`ReferenceParser` is the stream around one: kvfork's hold-back finds the
+`MlxLmParser` is the stream around one: kvfork's hold-back finds the
 markers (written out in each family's module, pinned against mlx-lm's by
 tests/server/test_tool_family_grammars.py), and the text between them goes to mlx-lm's
 parser. A body it refuses, one that names no offered tool, or one the reply
@@ -27,7 +27,7 @@ from kvfork.server.toolcalls.base import MarkupToolParser, ParsedCall, openai_ca
 _PACKAGE = "kvfork_mlx_tool_parsers"
 
 
-def reference_module(name: str) -> ModuleType:
+def mlx_lm_module(name: str) -> ModuleType:
     """mlx-lm's parser module `name` (glm47, kimi_k2, ...)."""
     if _PACKAGE not in sys.modules:
         spec = importlib.util.find_spec("mlx_lm")  # finds the folder without importing the package
@@ -57,7 +57,7 @@ def as_calls(parsed: Any) -> list[ParsedCall] | None:
     return calls or None
 
 
-class ReferenceParser(MarkupToolParser):
+class MlxLmParser(MarkupToolParser):
     """A family read by mlx-lm's parser `reference` (a module name in mlx_lm/tool_parsers/)."""
 
     reference = ""
@@ -66,11 +66,11 @@ class ReferenceParser(MarkupToolParser):
     def __init__(self, tools: list[dict] | None = None, make_id: Callable[[], str] = openai_call_id):
         super().__init__(tools, make_id)
         self.tool_list = [t for t in tools or () if t.get("type") == "function"]
-        self._parse = reference_module(self.reference).parse_tool_call
+        self._parse = mlx_lm_module(self.reference).parse_tool_call
 
     @classmethod
     def prepare(cls) -> None:
-        reference_module(cls.reference)
+        mlx_lm_module(cls.reference)
 
     def parse_call(self, opening: str, body: str) -> list[ParsedCall] | None:
         try:

@@ -1,6 +1,6 @@
 """What the engine is carrying right now, as a gateway in front of several replicas reads it.
 
-The engine takes one snapshot (engine.Engine.load) for both readers: `GET /v1/loads`
+The engine takes one snapshot (engine.Engine.utilization) for both readers: `GET /v1/loads`
 (smg's load-aware policies, routes/loads.py) and the gauges of `/metrics` that the
 Gateway API Inference Extension scrapes (telemetry.py). Aggregates only: no prompt,
 tenant or session.
