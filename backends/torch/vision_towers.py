@@ -120,7 +120,7 @@ class Gemma3Tower(nn.Module):
 
 
 PROCESSINGS = {"qwen2_5_vl": Qwen2_5_VLProcessing, "gemma3": Gemma3Processing}
-TOWERS = {"qwen2_5_vl": Qwen2_5_VLTower, "gemma3": Gemma3Tower}
+TOWERS: dict[str, type[nn.Module]] = {"qwen2_5_vl": Qwen2_5_VLTower, "gemma3": Gemma3Tower}
 # each family's tower weights: transformers 5's names, then the hub's older ones (both read into the Tower)
 TOWER_PREFIXES = {"qwen2_5_vl": (("model.visual.", "visual."), ("visual.", "visual.")),
                   "gemma3": (("model.vision_tower.", "vision_tower."), ("vision_tower.", "vision_tower."),
