@@ -25,7 +25,7 @@ from pathlib import Path
 
 from kvfork.backends import create_backend
 from kvfork.backends.base import SamplingParams
-from kvfork.server.engine import reuse
+from kvfork.server.engine import placement
 from kvfork.server.engine.api import GenerateRequest
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.engine import Engine
@@ -93,13 +93,13 @@ async def main_async(args) -> None:
             recompute = await one(args, kv_dir, prompt, False, warmup)
             how = drop_page_cache(kv_dir)
             chosen = await one(args, kv_dir, prompt, True, warmup)
-            real = reuse.choose_restore
-            reuse.choose_restore = lambda *a: replace(real(*a), restore=True, reason="restore")  # forced
+            real = placement.choose_restore
+            placement.choose_restore = lambda *a: replace(real(*a), restore=True, reason="restore")  # forced
             try:
                 drop_page_cache(kv_dir)
                 forced = await one(args, kv_dir, prompt, True, warmup)
             finally:
-                reuse.choose_restore = real
+                placement.choose_restore = real
         row = {"tokens": size, "file_MB": round(file_bytes / 1e6, 1), "page_cache": how,
                "recompute": recompute, "cost_model": chosen, "restore_forced": forced}
         rows.append(row)

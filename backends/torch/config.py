@@ -155,6 +155,8 @@ def parse_vision_text_config(cfg: dict) -> ArchConfig:
                 params["rope_type"] = "default"
             text[key] = params
     arch = parse_config(text)
+    if not isinstance(arch, ArchConfig):
+        raise ValueError(f"torch backend: {family!r} has a text model of another kind than {FAMILIES}")
     if section and sum(section) != arch.head_dim // 2:
         raise ValueError(f"torch backend: mrope_section {list(section)} does not cover head_dim {arch.head_dim} / 2")
     return dataclasses.replace(arch, family=family, mrope_section=section, bidirectional_images=arch.gemma)

@@ -112,7 +112,7 @@ def mrope_positions(start: int, length: int, shifts: RopeShifts,
 
 def positions(rows: Sequence, shifts: Sequence[RopeShifts], images: Sequence[Sequence[PlacedImage]],
               cfg: ArchConfig | HybridConfig, device) -> tuple[torch.Tensor, list[RopeShifts]]:
-    """The positions of a pass's rows (model.Row) end to end, [tokens] (M-RoPE: [3, tokens]), and each row's
+    """The positions of a pass's rows (model.VarlenRow) end to end, [tokens] (M-RoPE: [3, tokens]), and each row's
     shifts after it; `images[i]`: row i's."""
     if not (isinstance(cfg, ArchConfig) and cfg.mrope_section):
         return torch.tensor([row.start + j for row in rows for j in range(row.length)], device=device), list(shifts)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from collections import Counter, OrderedDict
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -64,19 +64,20 @@ class Idefics3Tower(nn.Module):
         return self(pixels, torch.from_numpy(arrays["pixel_attention_mask"]).to(param.device)), None
 
 
-TOWERS = {"idefics3": Idefics3Tower, **vision_towers.TOWERS}
+TOWERS: dict[str, type[nn.Module]] = {"idefics3": Idefics3Tower, **vision_towers.TOWERS}
 
 
 def split_weights(folder: Path, weights: dict[str, torch.Tensor],
                   split: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
     """A checkpoint's (text model's, tower's) weights, the text model's under the names a text checkpoint
     gives them; no tower for a text model. `split`: over tensor-parallel ranks, which a tower is not."""
-    if folder_family(folder) is None:
+    family = folder_family(folder)
+    if family is None:
         return weights, None
     if split:
         raise ValueError("torch backend: a model that reads images is served on one device")
     text, tower = {}, {}
-    prefixes = TOWER_PREFIXES[folder_family(folder)]
+    prefixes = TOWER_PREFIXES[family]
     for name, w in weights.items():
         if name.startswith(prefixes):
             tower[name.removeprefix("model.")] = w
@@ -93,8 +94,10 @@ class VisionReader:
         from transformers import AutoTokenizer
 
         config = json.loads((folder / "config.json").read_text())
+        family = vision_family(config)
+        assert family is not None, f"{folder} is no vision model"
         self.processing = load_processing(folder, AutoTokenizer.from_pretrained(str(folder)))
-        self.tower = TOWERS[vision_family(config)](config)
+        self.tower: Any = TOWERS[family](config)  # its family's: encode(arrays) -> (embeddings, grid)
         self.tower.load_state_dict(weights, strict=True)
         self.tower.to(device, dtype).eval()
         self.device, self.dtype, self.cache_bytes = device, dtype, cache_bytes

@@ -72,4 +72,4 @@ class Gemma3Tower(nn.Module):
         return out.reshape(-1, out.shape[-1]), (out.shape[0], self.side, self.side)
 
 
-TOWERS = {"qwen2_5_vl": Qwen2_5_VLTower, "gemma3": Gemma3Tower}
+TOWERS: dict[str, type[nn.Module]] = {"qwen2_5_vl": Qwen2_5_VLTower, "gemma3": Gemma3Tower}
