@@ -103,6 +103,8 @@ class SavedState:
 
     position: int
     layers: tuple[SavedLayer, ...]
+    # M-RoPE's (slot, shift) pairs (backends/torch/images.py): where the next position is not the slot
+    rope_shifts: tuple[tuple[int, int], ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -118,7 +120,7 @@ class SavedState:
                                f"upto={upto}, saved at {self.position}")
         layers = tuple(SavedLayer(layer.kind, tuple(a[:, : upto - layer.first] for a in layer.arrays), layer.first)
                        for layer in self.layers)
-        return SavedState(upto, layers)
+        return SavedState(upto, layers, tuple(s for s in self.rope_shifts if s[0] <= upto))
 
 
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "int8", "int4")

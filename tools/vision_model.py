@@ -4,7 +4,9 @@ model's weights scaled so its logits are peaked, as tests/tiny_models.py's), sav
 
     python -m kvfork.tools.vision_model --family smolvlm --out FOLDER [--size tiny|256m]
 
-Families: smolvlm (Idefics3ForConditionalGeneration; its text model is llama). Sizes: `tiny` for tests
+Families: smolvlm (Idefics3ForConditionalGeneration; its text model is llama); qwen2_5_vl
+(Qwen2_5_VLForConditionalGeneration, M-RoPE) and gemma3 (Gemma3ForConditionalGeneration, SigLIP), tiny only,
+written by tools/vision_family_models.py with this module's tokenizer. Sizes: `tiny` for tests
 (tiles of 32 pixels, 4 tokens a tile), `256m` at SmolVLM-256M's shapes (the replay benchmark's). The
 tokenizer is a small byte-level BPE trained here, with the family's image tokens.
 """
@@ -14,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from kvfork.tools import vision_family_models
 
 # SmolVLM-256M's shapes (its config.json), and a tiny model of the same layout
 SIZES = {
@@ -30,7 +34,7 @@ SIZES = {
                     image_size=512, patch_size=16),
         scale_factor=4, longest_edge=2048, vocab=49280),
 }
-FAMILIES = ("smolvlm",)
+FAMILIES = ("smolvlm", *vision_family_models.FAMILIES)
 IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>",
                 *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *IMAGE_TOKENS]
@@ -59,7 +63,18 @@ def _tokenizer(vocab: int):
     return tok
 
 
-def write(out: Path, size: str = "tiny", seed: int = 0) -> Path:
+def write(out: Path, size: str = "tiny", seed: int = 0, family: str = "smolvlm") -> Path:
+    """A random `family` model in `out`: smolvlm at `size`; qwen2_5_vl and gemma3 tiny only
+    (tools/vision_family_models.py), with this module's tokenizer."""
+    if family != "smolvlm":
+        from transformers import PreTrainedTokenizerFast
+
+        if size != "tiny":
+            raise ValueError(f"{family} is written tiny only")
+        out.mkdir(parents=True, exist_ok=True)
+        PreTrainedTokenizerFast(tokenizer_object=_tokenizer(SIZES["tiny"]["vocab"]), eos_token="<|im_end|>",
+                                pad_token="<|endoftext|>").save_pretrained(str(out))
+        return vision_family_models.write(family, out, out, seed)
     import torch
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration, PreTrainedTokenizerFast
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
@@ -79,12 +94,7 @@ def write(out: Path, size: str = "tiny", seed: int = 0) -> Path:
                             eos_token_id=eos, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(config).eval()
-    with torch.no_grad():  # peaked logits: near-ties would flip greedy tokens between two exact paths
-        for name, p in model.named_parameters():
-            if not name.startswith(("model.text_model.", "lm_head.")) or p.dim() < 2:
-                continue
-            std = 1.0 if "embed_tokens" in name else p.shape[-1] ** -0.5
-            p.normal_(0.0, std)
+    vision_family_models.peaked(model, ("model.text_model.", "lm_head."))
     model.save_pretrained(str(out))
     vision = shape["vision"]
     Idefics3ImageProcessorPil(size={"longest_edge": shape["longest_edge"]},
@@ -103,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
                         "shapes, for benchmarks)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    print(write(Path(args.out), args.size, args.seed))
+    print(write(Path(args.out), args.size, args.seed, args.family))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ def from_bytes(like: SavedState, buffer: np.ndarray) -> SavedState:
             arrays.append(buffer[at:at + a.nbytes].view(a.dtype).reshape(a.shape))
             at += a.nbytes
         layers.append(SavedLayer(layer.kind, tuple(arrays), layer.first))
-    return SavedState(like.position, tuple(layers))
+    return SavedState(like.position, tuple(layers), like.rope_shifts)
 
 
 def join(shards: list[SavedState]) -> SavedState:
@@ -40,11 +40,11 @@ def join(shards: list[SavedState]) -> SavedState:
     layers = tuple(SavedLayer(layer.kind, tuple(np.concatenate(parts, axis=0) for parts in
                                                 zip(*(s.layers[i].arrays for s in shards))), layer.first)
                    for i, layer in enumerate(first.layers))
-    return SavedState(first.position, layers)
+    return SavedState(first.position, layers, first.rope_shifts)
 
 
 def shard(state: SavedState, rank: int, size: int) -> SavedState:
     """Rank `rank`'s part of a whole state: axis 0 of every array split in `size`."""
     layers = tuple(SavedLayer(layer.kind, tuple(np.ascontiguousarray(np.split(a, size)[rank]) for a in layer.arrays),
                               layer.first) for layer in state.layers)
-    return SavedState(state.position, layers)
+    return SavedState(state.position, layers, state.rope_shifts)

@@ -33,7 +33,9 @@ is read as it is.
 
 On CUDA, FlashAttention (`flash_attn`) reads the same buffers through strides
 when it imports; otherwise, and on the CPU, torch's SDPA. Both give the same
-masks: causal aligned to the last key, and for sliding layers the window.
+masks: causal aligned to the last key, and for sliding layers the window. A
+prefill row holding an image whose tokens attend each other both ways (Gemma 3,
+images.py) takes SDPA with that mask, built for the row.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from kvfork.backends.torch.cpu_attention import attention_with_lse
+from kvfork.backends.torch.images import PlacedImage, image_mask
 from kvfork.backends.torch.kv import BLOCK_TOKENS
 from kvfork.backends.torch.kv_storage import Storage
 
@@ -70,16 +73,23 @@ def window_mask(first_key: int, start: int, n: int, n_keys: int, window: int, de
 
 
 def attend(q: torch.Tensor, runs: Runs, start: int, first_key: int | None, window: int | None, scale: float,
-           storage: Storage) -> torch.Tensor:
+           storage: Storage, images: Sequence[PlacedImage] = ()) -> torch.Tensor:
     """q: [heads, n, head_dim] for positions [start, start + n); runs: (keys, values) [kv_heads, n_keys,
     width] each as `storage` holds them, in position order, the first key at position `first_key` (None: a
-    ring's unordered slots, all visible to the single query). Returns [n, heads, head_dim]."""
+    ring's unordered slots, all visible to the single query); `images`: the row's images whose tokens
+    attend each other both ways. Returns [n, heads, head_dim]."""
     if q.shape[1] == 1 and (len(runs) > 1 or not storage.exact):
         return decode_runs(q, runs, scale, storage)
     if len(runs) > 1 or not storage.exact:
         keys, values = join(runs, storage, q)
     else:
         (keys, values), = runs
+    if images and q.shape[1] > 1:
+        assert first_key is not None  # a chunk's keys are in position order
+        mask = image_mask(images, start, q.shape[1], first_key, keys.shape[1], window, q.device)
+        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, scale=scale,
+                                             enable_gqa=True)
+        return out[0].transpose(0, 1)
     kernel = flash_attention() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
     if kernel is not None:
         return flash(kernel, q, keys, values, window, scale)
@@ -194,11 +204,13 @@ CASCADE = True  # decode rows sharing a first run read it together (tools/clone_
 
 
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, states: Sequence, starts: Sequence[int],
-                spans: Sequence[slice], window: int | None, scale: float) -> torch.Tensor:
+                spans: Sequence[slice], window: int | None, scale: float,
+                images: Sequence[Sequence[PlacedImage]] | None = None) -> torch.Tensor:
     """A layer's attention for every row of a varlen batch: each row's new keys and values
     (head-major [kv_heads, tokens, head_dim], the rows' end to end) written to its layer state
     (`states[i].update`, from `starts[i]`), then its queries ([heads, tokens, head_dim]) attended over
-    what that state returns. Returns [tokens, heads, head_dim].
+    what that state returns; `images[i]`: row i's images whose tokens attend each other both ways.
+    Returns [tokens, heads, head_dim].
 
     Cascade: decode rows whose first run is the same blocks (a prefix they share by reference) read
     it once for the group: one product of all their queries against the shared keys, merged with
@@ -218,7 +230,7 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, states: Seque
                 out[i] = o
     for i, ((runs, first_key), span, start) in enumerate(zip(written, spans, starts)):
         if out[i] is None:
-            out[i] = attend(q[:, span], runs, start, first_key, window, scale, storage)
+            out[i] = attend(q[:, span], runs, start, first_key, window, scale, storage, images[i] if images else ())
     return torch.cat(out)  # type: ignore[arg-type]
 
 

@@ -24,7 +24,7 @@ from kvfork.backends.base import (Backend, BatchFailed, BlockStats, KVStorage, K
 from kvfork.backends.device_memory import DeviceMemory, cpu_memory, cuda_memory
 from kvfork.backends.model_info import ModelFacts, read_model_facts
 from kvfork.backends.model_path import resolve_model
-from kvfork.backends.torch import hybrid, kv, kv_storage, loading, parallel, sampling, saved
+from kvfork.backends.torch import hybrid, images, kv, kv_storage, loading, parallel, sampling, saved
 from kvfork.backends.torch.config import ArchConfig, HybridConfig
 from kvfork.backends.torch.gated_delta import RecurrentState
 from kvfork.backends.torch.hybrid import HybridTransformer
@@ -41,6 +41,15 @@ class TorchSession(Session):
         self.table: kv.BlockTable | None = None  # its full layers' blocks (None once released)
         self.layers: list[kv.LayerKV | hybrid.HybridLayerState] = []
         self.ready: torch.cuda.Event | None = None  # a clone's copy this session's next use must wait for
+        self.rope_shifts: images.RopeShifts = ()  # M-RoPE: where the next text position is not the slot (images.py)
+
+
+def checkpoint_pieces(session: TorchSession, length: int) -> list[tuple[int, int]]:
+    """A chunk of `length` cut where the session wants a checkpoint inside it: (from, to) offsets
+    (the engine's chunk ends are a hint; a checkpoint is exact wherever it falls)."""
+    start = session.position
+    cuts = sorted(p - start for p in session.wanted if start < p < start + length)
+    return list(zip([0, *cuts], [*cuts, length]))
 
 
 def default_device() -> torch.device:
@@ -226,17 +235,19 @@ class TorchBackend(Backend):
             raise ValueError(f"cannot roll {session!r} back to {position}")
         kv.undo_rings(session.layers, position)
         session.position = position
+        session.rope_shifts = images.shifts_upto(session.rope_shifts, position)
 
     def _forward(self, sessions: Sequence[TorchSession], chunks: Sequence[Sequence[int]],
                  reads: list[int] | None) -> torch.Tensor:
         """One pass (pieces where checkpoints cut a chunk); each row's last logits, or its last reads[i]."""
         writes = [hybrid.in_place_writes(s.layers) for s in sessions]
-        if self.vision is not None:
-            self.vision.check(chunks)
+        shifts = {i: s.rope_shifts for i, s in enumerate(sessions)}
+        starts = [s.position for s in sessions]
+        # image keys as the placeholder's id, and each row's images (a refusal, before anything is written)
+        chunks, placed = self.vision.read(chunks, starts, self.cfg) if self.vision else (chunks, [()] * len(chunks))
         try:
             self._wait_for_clones(sessions)
-            starts = [s.position for s in sessions]
-            pieces = [self._pieces(s, len(chunk)) for s, chunk in zip(sessions, chunks)]
+            pieces = [checkpoint_pieces(s, len(chunk)) for s, chunk in zip(sessions, chunks)]
             for s, chunk in zip(sessions, chunks):
                 kv.reserve(s.layers, s.position + len(chunk))  # every allocation before the first write
             out: list[torch.Tensor | None] = [None] * len(sessions)
@@ -247,14 +258,13 @@ class TorchBackend(Backend):
                 now = [i for i, p in enumerate(pieces) if piece < len(p)]
                 rows = [VarlenRow(sessions[i].layers, starts[i] + pieces[i][piece][0],
                                   pieces[i][piece][1] - pieces[i][piece][0]) for i in now]
-                tokens: Sequence[Sequence[int]] = [chunks[i][pieces[i][piece][0]:pieces[i][piece][1]] for i in now]
-                images = None
-                if self.vision is not None:  # image keys: the placeholder's id, and the images' embeddings
-                    tokens, images = zip(*(self.vision.place(t, row.start) for t, row in zip(tokens, rows)))
-                ids = torch.tensor([t for chunk in tokens for t in chunk], dtype=torch.long, device=self.device)
-                positions = torch.tensor([row.start + j for row in rows for j in range(row.length)],
-                                         device=self.device)
-                logits = self.model(ids, positions, rows, reads=reads, images=images)  # reads: a verify pass
+                row_images = [placed[i] for i in now]
+                ids = torch.tensor([t for i in now for t in chunks[i][pieces[i][piece][0]:pieces[i][piece][1]]],
+                                   dtype=torch.long, device=self.device)
+                positions, after = images.positions(rows, [shifts[i] for i in now], row_images, self.cfg, self.device)
+                shifts.update(zip(now, after))
+                # reads: a verify pass, no checkpoint cuts it; images: only on a model of model.py (check_rows)
+                logits = self.model(ids, positions, rows, reads=reads, images=row_images if any(row_images) else None)
                 for row, i in enumerate(now):
                     end = starts[i] + pieces[i][piece][1]
                     if piece == len(pieces[i]) - 1:
@@ -265,19 +275,12 @@ class TorchBackend(Backend):
             raise BatchFailed(exc, [self._after_failure(s, w) for s, w in zip(sessions, writes)]) from exc
         for i, (s, chunk) in enumerate(zip(sessions, chunks)):
             s.position += len(chunk)
+            s.rope_shifts = shifts[i]
             s.keep(taken.get(i, {}))
         return torch.stack(out) if reads is None else torch.cat(out)  # type: ignore[arg-type]
 
     def decode(self, sessions: Sequence[TorchSession], tokens: Sequence[int]) -> torch.Tensor:
         return self.prefill(sessions, [[t] for t in tokens])
-
-    @staticmethod
-    def _pieces(session: TorchSession, length: int) -> list[tuple[int, int]]:
-        """A chunk of `length` cut where the session wants a checkpoint inside it: (from, to) offsets
-        (the engine's chunk ends are a hint; a checkpoint is exact wherever it falls)."""
-        start = session.position
-        cuts = sorted(p - start for p in session.wanted if start < p < start + length)
-        return list(zip([0, *cuts], [*cuts, length]))
 
     @torch.inference_mode()
     def keep_at(self, session: TorchSession, positions: Collection[int]) -> None:
@@ -317,6 +320,7 @@ class TorchBackend(Backend):
         else:
             clone = self._clone_state(session, upto)
         clone.position = upto
+        clone.rope_shifts = images.shifts_upto(session.rope_shifts, upto)
         self._sessions[clone.id] = clone
         return clone
 
@@ -379,7 +383,7 @@ class TorchBackend(Backend):
         if session.id not in self._sessions:
             raise ValueError(f"{session!r} was released")
         self._wait_for_clones([session])
-        return saved.export(session.layers, session.position, self.device)
+        return saved.export(session.layers, session.position, self.device, session.rope_shifts)
 
     @torch.inference_mode()
     def import_state(self, state: SavedState) -> TorchSession:
@@ -390,6 +394,7 @@ class TorchBackend(Backend):
             self.release(session)
             raise
         session.position = state.position
+        session.rope_shifts = state.rope_shifts
         return session
 
     # -- accounting ------------------------------------------------------

@@ -7,6 +7,7 @@ one `ArchConfig` carries them and one model file reads them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,8 @@ from kvfork.backends import rope_scaling
 from kvfork.backends.vision import vision_family
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3_text")
+# Vision-language models whose text model is one of FAMILIES and reads images in its own way (images.py)
+VISION_FAMILIES = {"qwen2_5_vl": "qwen2", "gemma3": "gemma3_text"}
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # Gated DeltaNet + gated attention (hybrid.py)
 # Mamba-style and short-convolution hybrids: served by the MLX backend through mlx-lm only.
 MLX_ONLY_FAMILIES = ("lfm2", "lfm2_moe", "nemotron_h", "granitemoehybrid", "falcon_h1", "jamba", "mamba2")
@@ -46,6 +49,10 @@ class ArchConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     gemma: bool = False  # (1 + w) norms, sandwich norms, gelu-tanh MLP, scaled embeddings
+    # M-RoPE (Qwen2.5-VL): the rotary frequencies in three sections turned by a token's temporal, height and
+    # width positions (images.py); empty: one position per token
+    mrope_section: tuple[int, ...] = ()
+    bidirectional_images: bool = False  # an image's tokens attend each other both ways (Gemma 3)
 
 
 def _rope(params: dict | None, theta: float | None, scaling: dict | None, max_positions: int = 0) -> Rope:
@@ -79,6 +86,8 @@ def read_config(folder: str | Path) -> ArchConfig | HybridConfig:
 
 
 def parse_config(cfg: dict) -> ArchConfig | HybridConfig:
+    if cfg.get("model_type") in VISION_FAMILIES:  # their text models read images in their own ways
+        return parse_vision_text_config(cfg)
     if vision_family(cfg) is not None:  # a vision model: its text model (the tower: backends/torch/vision.py)
         cfg = cfg["text_config"]
     family = cfg.get("model_type")
@@ -125,6 +134,32 @@ def parse_config(cfg: dict) -> ArchConfig | HybridConfig:
         qk_norm=family in ("qwen3", "gemma3_text"),
         gemma=gemma,
     )
+
+
+def parse_vision_text_config(cfg: dict) -> ArchConfig:
+    """A vision-language model's text model: its `text_config` over the top level (older checkpoints keep
+    the text model's settings there), read as its text family, with M-RoPE's sections taken out of its
+    rope parameters (transformers spells their type 'mrope' or 'default')."""
+    family = cfg["model_type"]
+    text = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
+    text |= cfg.get("text_config") or {}
+    text["model_type"] = VISION_FAMILIES[family]
+    section: tuple[int, ...] = ()
+    for key in ("rope_scaling", "rope_parameters"):
+        params = dict(text.get(key) or {})
+        if "mrope_section" in params:
+            section = tuple(params.pop("mrope_section"))
+            params.pop("mrope_interleaved", None)
+            if params.get("rope_type", params.get("type")) in ("mrope", "default"):
+                params.pop("type", None)
+                params["rope_type"] = "default"
+            text[key] = params
+    arch = parse_config(text)
+    if not isinstance(arch, ArchConfig):
+        raise ValueError(f"torch backend: {family!r} has a text model of another kind than {FAMILIES}")
+    if section and sum(section) != arch.head_dim // 2:
+        raise ValueError(f"torch backend: mrope_section {list(section)} does not cover head_dim {arch.head_dim} / 2")
+    return dataclasses.replace(arch, family=family, mrope_section=section, bidirectional_images=arch.gemma)
 
 
 # -- hybrids: Gated DeltaNet layers beside gated full attention ----------------

@@ -63,13 +63,21 @@ def read_weights(folder: Path, device: torch.device,
     for path in files:
         with safe_open(str(path), framework="pt", device=str(device)) as f:
             for name in f.keys():
-                key = name.removeprefix("language_model.")
+                key = text_name(name)
                 if part is None:
                     weights[key] = f.get_tensor(name)
                 else:
                     piece = f.get_slice(name)
                     weights[key] = part(key, piece, piece.get_shape())
     return weights
+
+
+def text_name(name: str) -> str:
+    """A weight's name in our text model: a vision-language checkpoint nests its text model under
+    `language_model` (transformers 5: `model.language_model.`; older ones: `language_model.model.`)."""
+    if name.startswith("model.language_model."):
+        return "model." + name.removeprefix("model.language_model.")
+    return name.removeprefix("language_model.")
 
 
 def refuse_split(cfg: ArchConfig | HybridConfig, shards: parallel.Shards) -> None:

@@ -1,4 +1,5 @@
-"""Decoder-only transformers: llama, qwen2, qwen3, gemma3 text, in one file.
+"""Decoder-only transformers: llama, qwen2, qwen3, gemma3 text, in one file; the text models of
+Qwen2.5-VL and Gemma 3 too, which read images as embeddings in place of tokens (images.py).
 
 Module names follow the Hugging Face checkpoints, so a safetensors file loads
 with `load_state_dict` as it is.
@@ -21,8 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvfork.backends.torch.attention import attend_rows
+from kvfork.backends.torch import images as image_tokens
 from kvfork.backends.torch.config import ArchConfig
-from kvfork.backends.torch.images import PlacedImage, scatter
+from kvfork.backends.torch.images import PlacedImage
 from kvfork.backends.torch.kv import LayerKV
 from kvfork.backends.torch.rope import angles, inverse_frequencies, rotate
 
@@ -67,6 +69,7 @@ class Attention(nn.Module):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window, self.scale = window, cfg.attn_scale
+        self.bidirectional_images = cfg.bidirectional_images
         self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
@@ -76,8 +79,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, offset)
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, offset)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layer: int, rows: Sequence[VarlenRow]):
-        """x: [tokens, hidden], the rows' tokens end to end."""
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layer: int, rows: Sequence[VarlenRow],
+                images: Sequence[Sequence[PlacedImage]] | None = None):
+        """x: [tokens, hidden], the rows' tokens end to end; `images[i]`: row i's images."""
         t = x.shape[0]
         q = self.q_proj(x).view(1, t, self.heads, self.head_dim)
         k = self.k_proj(x).view(1, t, self.kv_heads, self.head_dim)
@@ -87,7 +91,7 @@ class Attention(nn.Module):
         # Head-major views [heads, tokens, head_dim], as the KV buffers hold them.
         q, k, v = (u[0].transpose(0, 1) for u in (rotate(q, *rope), rotate(k, *rope), v))
         out = attend_rows(q, k, v, [row.kv[layer] for row in rows], [row.start for row in rows], spans(rows),
-                          self.window, self.scale)
+                          self.window, self.scale, images if self.bidirectional_images else None)
         return self.o_proj(out.view(t, -1))
 
 
@@ -120,8 +124,9 @@ class Block(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, offset)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, offset)
 
-    def forward(self, x, rope, layer: int, rows: Sequence[VarlenRow]):
-        attn = self.self_attn(self.input_layernorm(x), rope, layer, rows)
+    def forward(self, x, rope, layer: int, rows: Sequence[VarlenRow],
+                images: Sequence[Sequence[PlacedImage]] | None = None):
+        attn = self.self_attn(self.input_layernorm(x), rope, layer, rows, images)
         if not self.gemma:
             h = x + attn
             return h + self.mlp(self.post_attention_layernorm(h))
@@ -153,20 +158,24 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: Sequence[VarlenRow],
                 reads: Sequence[int] | None = None,
                 images: Sequence[Sequence[PlacedImage]] | None = None) -> torch.Tensor:
-        """tokens, positions: [tokens], the rows' end to end. Returns each row's last-token logits, [rows, vocab];
-        with `reads`, the last reads[i] tokens' of row i, [sum(reads), vocab] (drafted tokens verified);
-        `images[i]`: the images whose embeddings take row i's slots they hold."""
+        """tokens, positions: [tokens], the rows' end to end (M-RoPE: positions [3, tokens]). Returns each row's
+        last-token logits, [rows, vocab]; with `reads`, the last reads[i] tokens' of row i, [sum(reads), vocab]
+        (drafted tokens verified); `images[i]`: the images whose embeddings take row i's slots they hold."""
         # once per pass, shared by every layer of a kind
-        full = angles(positions[None], self.inv_freq_full, self.rope_scale_full)
+        if self.cfg.mrope_section:
+            full = image_tokens.mrope_angles(positions, self.inv_freq_full, self.cfg.mrope_section,
+                                             self.rope_scale_full)
+        else:
+            full = angles(positions[None], self.inv_freq_full, self.rope_scale_full)
         sliding = angles(positions[None], self.inv_freq_sliding, self.rope_scale_sliding) if any(self.cfg.sliding) \
             else full
         h = self.model.embed_tokens(tokens)
         if self.cfg.gemma:
             h = h * torch.tensor(self.cfg.hidden_size**0.5, dtype=h.dtype)  # in the model dtype, as trained
         if images is not None and any(images):
-            h = scatter(h, [row.start for row in rows], [row.length for row in rows], images)
+            h = image_tokens.scatter(h, [row.start for row in rows], [row.length for row in rows], images)
         for i, block in enumerate(self.model.layers):
-            h = block(h, sliding if self.cfg.sliding[i] else full, i, rows)
+            h = block(h, sliding if self.cfg.sliding[i] else full, i, rows, images)
         h = self.model.norm(h[read_positions(rows, reads)])
         if self.lm_head is not None:
             return self.lm_head(h)

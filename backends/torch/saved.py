@@ -17,10 +17,13 @@ import torch
 from kvfork.backends.base import SavedLayer, SavedState
 from kvfork.backends.torch import kv
 from kvfork.backends.torch.gated_delta import RecurrentState
+from kvfork.backends.torch.images import RopeShifts
 
 
-def export(layers: Sequence[kv.LayerKV | RecurrentState], position: int, device: torch.device) -> SavedState:
-    """The state of [0, position) held by `layers` (a session's, in model order), as host arrays."""
+def export(layers: Sequence[kv.LayerKV | RecurrentState], position: int, device: torch.device,
+           rope_shifts: RopeShifts = ()) -> SavedState:
+    """The state of [0, position) held by `layers` (a session's, in model order), as host arrays, with its
+    M-RoPE shifts."""
     n, saved = position, []
     for layer in layers:
         match layer:
@@ -33,7 +36,7 @@ def export(layers: Sequence[kv.LayerKV | RecurrentState], position: int, device:
                 saved.append(SavedLayer("sliding", held, first))
             case RecurrentState():
                 saved.append(SavedLayer("recurrent", (_host(layer.conv), _host(layer.ssm))))
-    return SavedState(n, tuple(saved))
+    return SavedState(n, tuple(saved), rope_shifts)
 
 
 def import_into(layers: Sequence[kv.LayerKV | RecurrentState], state: SavedState, device: torch.device) -> None:

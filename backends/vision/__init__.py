@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 # config.json's model_type -> the family's module in this package (SmolVLM-256M, -500M and -Instruct are idefics3)
-FAMILIES = {"idefics3": "idefics3"}
+FAMILIES = {"idefics3": "idefics3", "qwen2_5_vl": "qwen2_5_vl", "gemma3": "gemma3"}
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class ImageInput:
     end: int  # past its last key (a family may lay text tokens between its keys: Idefics3's tiles)
     tokens: int  # how many keys it takes: the rows of its embeddings
     load: Callable[[], Any] = lambda: None  # the decoded picture (PIL, RGB): called only when it must be encoded
+    whole: bool = False  # its tokens attend each other both ways (ImageProcessing.bidirectional): one chunk holds it
 
 
 def vision_family(config: dict) -> str | None:

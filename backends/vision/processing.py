@@ -16,6 +16,7 @@ import numpy as np
 
 class ImageProcessing(abc.ABC):
     image_token_id: int  # the placeholder whose positions take the image's embeddings (keys.py)
+    bidirectional: bool = False  # an image's tokens attend each other both ways: one prefill chunk holds it
 
     @abc.abstractmethod
     def prompt_text(self, width: int, height: int) -> str:

@@ -55,6 +55,6 @@ async def vision_prompt(tokenizer: PromptTokenizer, text: str, images: list[Seen
         start = len(prompt) + layout.index(processing.image_token_id)
         end = len(prompt) + len(layout) - layout[::-1].index(processing.image_token_id)
         prompt += [next(keys) if t == processing.image_token_id else t for t in layout]
-        placed.append(ImageInput(image_id(seen.image.digest), start, end, count, seen.load))
+        placed.append(ImageInput(image_id(seen.image.digest), start, end, count, seen.load, processing.bidirectional))
     prompt += await tokenizer.encode_rendered(pieces[-1], tenant)
     return prompt, tuple(placed)

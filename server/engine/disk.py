@@ -149,7 +149,8 @@ def encode(state: SavedState, tokens: Sequence[int], scope: str, fp: str) -> byt
             tensors[f"layers.{i}.{layer.kind}.{j}.{layer.first}-{state.position}"] = np.ascontiguousarray(a)
     meta = {"kvfork_kv": KV_FORMAT_VERSION, "fingerprint": fp, "position": str(state.position),
             "tokens": json.dumps(list(tokens)), "scope": scope,
-            "layers": json.dumps([[layer.kind, layer.first, len(layer.arrays)] for layer in state.layers])}
+            "layers": json.dumps([[layer.kind, layer.first, len(layer.arrays)] for layer in state.layers]),
+            "rope_shifts": json.dumps(state.rope_shifts)}
     meta["checksum"] = _checksum(meta, tensors)
     return save_tensors(tensors, metadata=meta)
 
@@ -173,7 +174,8 @@ def decode(data: bytes, fp: str) -> tuple[SavedState, list[int], str]:
             # safetensors hands out writable arrays of their own: a backend may take them as they are
             arrays = tuple(tensors[f"layers.{i}.{kind}.{j}.{first}-{position}"] for j in range(count))
             layers.append(SavedLayer(kind, arrays, first))
-        return SavedState(position, tuple(layers)), json.loads(meta["tokens"]), meta["scope"]
+        shifts = tuple((int(slot), int(shift)) for slot, shift in json.loads(meta.get("rope_shifts", "[]")))
+        return SavedState(position, tuple(layers), shifts), json.loads(meta["tokens"]), meta["scope"]
     except Exception as exc:
         raise CorruptFile(f"inconsistent: {exc!r}") from None
 

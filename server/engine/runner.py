@@ -140,7 +140,7 @@ class Runner(Commands, Cloning, Speculation):
     def plan(self) -> p.StepPlan:
         """The scheduler's rows for this step, with the ops run since the last plan."""
         running = [Running(rid, s.prefill_left, s.prefill_cap(self._orders.prefill_cap(rid, s.session.position,
-                                                                                       s.prefill_left)))
+                                                                                       s.prefill_left)), s.whole())
                    for rid, s in self._running.items()]
         rates = self._rates.rates
         budget = TimeBudget(self.max_step_s, rates.decode_s, rates.step_s_per_token) if self.max_step_s else None

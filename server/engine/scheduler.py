@@ -14,7 +14,10 @@ Design rules:
   always progresses (no starving), its TTFT stays within about 2x of no budget,
   and the decoders' steps stay near the budget where it can be kept. Chunk ends by
   precedence: a follower's clone point, then the time budget, within
-  --prefill-chunk and --max-batch-tokens (hard caps);
+  --prefill-chunk and --max-batch-tokens (hard caps); then off any image it would
+  cut whose tokens attend each other both ways (Gemma 3): back to the image's
+  start, or, where the image begins the chunk, on to its end (one image is one
+  chunk, whatever the caps: its tokens cannot be computed apart);
 - admission is first come, first served: a head that does not fit the KV budget
   waits (the prefix cache gives way first), one that never could is refused.
 """
@@ -32,6 +35,8 @@ class Running:
     rid: int  # admission order: smaller is older
     prefill_left: int  # prompt tokens not yet committed; 0 once decoding
     prefill_cap: int | None = None  # most tokens this step: a follower's clone point stops the chunk
+    # [start, end) of each image a chunk must hold whole, counted from the next prompt token, in order
+    whole: tuple[tuple[int, int], ...] = ()
 
 
 # The floor of prefill progress in a step that decodes, whatever the measured rates say: a rate
@@ -89,11 +94,20 @@ def plan_step(running: Sequence[Running], max_batch_tokens: int, prefill_chunk: 
     for r in waiting:
         if budget <= 0:
             break
-        n = min(prefill_chunk, r.prefill_left, budget, r.prefill_cap or r.prefill_left)
+        n = chunk_outside(min(prefill_chunk, r.prefill_left, budget, r.prefill_cap or r.prefill_left), r.whole)
         schedule.prefill.append((r.rid, n))
         schedule.last_prefilled = r.rid
         budget -= n
     return schedule
+
+
+def chunk_outside(n: int, whole: Sequence[tuple[int, int]]) -> int:
+    """A chunk of `n` tokens moved off the first span of `whole` it would cut: its end back to the span's
+    start, or on to the span's end where the span begins the chunk."""
+    for start, end in whole:
+        if start < n < end:
+            return start if start > 0 else end
+    return n
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,12 @@ class Seq:
     def prefill_left(self) -> int:
         return max(0, len(self.start.prompt) - self.session.position)
 
+    def whole(self) -> tuple[tuple[int, int], ...]:
+        """Its prompt's images that one chunk must hold whole and are still to prefill, counted from its next
+        token (scheduler.chunk_outside)."""
+        position = self.session.position
+        return tuple((i.start - position, i.end - position) for i in self.start.images if i.whole and i.end > position)
+
     def prefill_cap(self, orders: int | None) -> int | None:
         """Most tokens it may prefill this step: up to a follower's target (`orders`), and up to its capture."""
         position = self.session.position

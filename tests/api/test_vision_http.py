@@ -1,4 +1,4 @@
-"""A model that reads images, over HTTP (a tiny random SmolVLM on torch, one daemon for the file): an image
+"""A model that reads images, over HTTP (a tiny random model of each family on torch, one daemon a family): an image
 in a user turn (chat) and inside a Messages tool_result; the same image next turn reuses the prompt up to the
 new text and is not encoded again; a changed image misses from its first token; two tenants share nothing;
 restarted from the disk tier, the same tokens."""
@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import base64
 import io
+import json
+from pathlib import Path
 
 import aiohttp
 import numpy as np
@@ -16,7 +18,8 @@ from PIL import Image
 
 from http_daemon import metrics, serving
 from kvfork.backends import create_backend
-from kvfork.tools.vision_model import write
+from kvfork.backends.vision import load_processing
+from kvfork.tools.vision_model import FAMILIES, write
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 CHAT, MESSAGES = "/v1/chat/completions", "/v1/messages"
@@ -37,14 +40,15 @@ def turn(image: str, text: str = "what is on the screen?") -> list[dict]:
                                          {"type": "image_url", "image_url": {"url": image}}]}]
 
 
-@pytest.fixture(scope="module")
-def smolvlm(tmp_path_factory):
-    return str(write(tmp_path_factory.mktemp("smolvlm")))
+@pytest.fixture(scope="module", params=FAMILIES)
+def folder(request, tmp_path_factory):
+    """Each family's tiny model in turn (SmolVLM's, Qwen2.5-VL's, Gemma 3's)."""
+    return str(write(tmp_path_factory.mktemp(request.param), family=request.param))
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def daemon(smolvlm):
-    async with serving(smolvlm, create_backend("torch"), served_model_name=["tiny"]) as d:
+async def daemon(folder):
+    async with serving(folder, create_backend("torch"), served_model_name=["tiny"]) as d:
         yield d
 
 
@@ -52,6 +56,23 @@ async def daemon(smolvlm):
 async def http():
     async with aiohttp.ClientSession() as session:
         yield session
+
+
+def image_tokens(folder: str, width: int = 50, height: int = 40) -> int:
+    """The tokens an image of this size takes in the family's prompt (its keys)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    processing = load_processing(folder, tokenizer)
+    return tokenizer.encode(processing.prompt_text(width, height), add_special_tokens=False).count(
+        processing.image_token_id)
+
+
+def sliding(folder: str) -> bool:
+    """Whether the model has sliding-window layers (the tiny Gemma 3's window is 8): a state of one serves a
+    clone only near its end, so a prompt sharing just the text before an image reuses nothing."""
+    return "sliding_attention" in json.loads(Path(folder, "config.json").read_text())["text_config"].get(
+        "layer_types", [])
 
 
 async def chat(http, daemon, messages: list[dict], **extra) -> dict:
@@ -85,12 +106,14 @@ async def test_the_same_image_next_turn_is_reused_and_not_encoded_again(http, da
     assert cold["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
 
 
-async def test_a_changed_image_misses_from_its_first_token(http, daemon):
+async def test_a_changed_image_misses_from_its_first_token(http, daemon, folder):
     first = await chat(http, daemon, turn(screenshot(2)), cache_salt="changed")
     same_size = await chat(http, daemon, turn(screenshot(3)), cache_salt="changed")
     text_before = await chat(http, daemon, turn(screenshot(2))[:1] + [{"role": "user", "content": "x"}],
                              cache_salt="probe")
-    assert 0 < cached(same_size) < first["usage"]["prompt_tokens"] - 20  # the text before it, its tile marks
+    # the text before it (SmolVLM: and its first tile's marks), none of its keys
+    assert cached(same_size) <= first["usage"]["prompt_tokens"] - image_tokens(folder)
+    assert cached(same_size) > 0 or sliding(folder)
     assert cached(text_before) == 0
     again = await chat(http, daemon, turn(screenshot(2)), cache_salt="changed")
     assert cached(again) == first["usage"]["prompt_tokens"] - 1
@@ -105,7 +128,7 @@ async def test_two_tenants_share_nothing(http, daemon):
     assert await encoded(http, daemon) == before + 2  # the encoder's cache is not shared either
 
 
-async def test_an_image_inside_a_messages_tool_result(http, daemon):
+async def test_an_image_inside_a_messages_tool_result(http, daemon, folder):
     png = screenshot(5).split(",", 1)[1]
     body = {"model": "tiny", "max_tokens": 4, "temperature": 0, "messages": [
         {"role": "user", "content": "take a screenshot"},
@@ -117,7 +140,7 @@ async def test_an_image_inside_a_messages_tool_result(http, daemon):
     async with http.post(daemon.url + MESSAGES, json=body) as r:
         assert r.status == 200, await r.text()
         reply = await r.json()
-    assert reply["usage"]["input_tokens"] > 20  # the image's tokens are in the prompt
+    assert reply["usage"]["input_tokens"] > image_tokens(folder)  # the image's tokens are in the prompt
     assert await encoded(http, daemon) == before + 1
     count = {k: v for k, v in body.items() if k not in ("max_tokens", "temperature")}
     async with http.post(daemon.url + MESSAGES + "/count_tokens", json=count) as r:
@@ -134,21 +157,21 @@ async def test_an_image_url_is_refused_for_a_vision_model(http, daemon):
 
 
 @pytest.mark.usefixtures("disk_beats_prefill")
-async def test_restart_from_the_disk_tier_gives_the_same_tokens(smolvlm, http):
+async def test_restart_from_the_disk_tier_gives_the_same_tokens(folder, http):
     messages = turn(screenshot(6))
-    async with serving(smolvlm, create_backend("torch")) as first:
+    async with serving(folder, create_backend("torch")) as first:
         want = await chat(http, first, messages, max_tokens=6)
-    async with serving(smolvlm, create_backend("torch")) as second:  # the first one's cache spilled at its close
+    async with serving(folder, create_backend("torch")) as second:  # the first one's cache spilled at its close
         got = await chat(http, second, messages, max_tokens=6)
         assert cached(got) > 0
         assert await encoded(http, second) == 0
     assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
 
 
-async def test_a_running_requests_image_prompt_is_cloned_by_a_second(smolvlm, http):
+async def test_a_running_requests_image_prompt_is_cloned_by_a_second(folder, http):
     engine = dict(prefix_cache_entries=0, active_prefix_reuse_min_tokens=1)  # no cache: reuse can only be a donor
     image = screenshot(7)
-    async with serving(smolvlm, create_backend("torch"), engine=engine) as d:
+    async with serving(folder, create_backend("torch"), engine=engine) as d:
         body = {"messages": turn(image), "max_tokens": 3000, "ignore_eos": True, "temperature": 0,
                 "logprobs": True, "stream": True, "stream_options": {"include_usage": True}}
         async with http.post(d.url + CHAT, json=body) as donor:
@@ -158,11 +181,11 @@ async def test_a_running_requests_image_prompt_is_cloned_by_a_second(smolvlm, ht
             recipient = await chat(http, d, turn(image) + [{"role": "assistant", "content": "a window"},
                                                            {"role": "user", "content": "and the button?"}])
         seen = await metrics(http, d.url)
-    assert cached(recipient) > 30 and seen['kvfork_reused_tokens_total{source="donor"}'] == cached(recipient)
+    assert cached(recipient) > image_tokens(folder) and seen['kvfork_reused_tokens_total{source="donor"}'] == cached(recipient)
     assert seen[ENCODED] == 1  # the recipient's image came with the donor's state
 
 
-async def test_diagnostics_name_a_changed_image_messages_changed(http, daemon):
+async def test_diagnostics_name_a_changed_image_messages_changed(http, daemon, folder):
     def body(seed: int, previous: str | None) -> dict:
         png = screenshot(seed).split(",", 1)[1]
         return {"model": "tiny", "max_tokens": 2, "temperature": 0, "system": SYSTEM,
@@ -178,4 +201,4 @@ async def test_diagnostics_name_a_changed_image_messages_changed(http, daemon):
     prompt = first["usage"]["input_tokens"] + first["usage"]["cache_read_input_tokens"]
     assert miss["type"] == "messages_changed"
     assert account["shared_tokens"] + miss["cache_missed_input_tokens"] == prompt
-    assert 0 < account["shared_tokens"] < prompt - 20  # up to the image's first token
+    assert 0 < account["shared_tokens"] <= prompt - image_tokens(folder)  # up to the image's first token

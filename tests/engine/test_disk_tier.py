@@ -304,6 +304,21 @@ def test_bfloat16_states_round_trip_through_a_file(tiny_model_dir):
     np.testing.assert_array_equal(logits[0], logits[1])
 
 
+def test_a_states_m_rope_shifts_round_trip_through_a_file_and_a_prefix():
+    """Where M-RoPE's next position is not the slot (after an image, backends/torch/images.py) travels with the
+    state: through a disk file, and cut to what a prefix holds."""
+    import numpy as np
+
+    from kvfork.backends.base import SavedLayer, SavedState
+    from kvfork.server.engine.disk import decode, encode
+
+    keys = np.zeros((1, 40, 2), np.float32)
+    state = SavedState(40, (SavedLayer("full", (keys, keys)),), ((12, -3), (30, -5)))
+    back, _, _ = decode(encode(state, list(range(40)), "scope-digest", "fp"), "fp")
+    assert back.rope_shifts == ((12, -3), (30, -5))
+    assert state.prefix(20).rope_shifts == ((12, -3),)
+
+
 async def test_a_spill_holds_its_bytes_until_its_file_is_written(tiny_model_dir, monkeypatch):
     import threading
 

@@ -34,6 +34,16 @@ def test_prefill_rotates_so_no_prompt_starves():
     assert third.prefill == [(2, 512), (3, 88)]
 
 
+def test_a_chunk_never_cuts_an_image_that_must_be_whole():
+    """Gemma 3's image (tokens 100..356 from here): a chunk ending inside it ends at its start; one the image
+    begins runs to its end, past the chunk size; one that holds it whole or stops before it is left alone."""
+    image = ((100, 356),)
+    assert plan_step([Running(1, 1000, whole=image)], 2048, 256).prefill == [(1, 100)]
+    assert plan_step([Running(1, 1000, whole=((0, 256 + 40),))], 2048, 256).prefill == [(1, 296)]
+    assert plan_step([Running(1, 1000, whole=image)], 2048, 512).prefill == [(1, 512)]
+    assert plan_step([Running(1, 1000, whole=image)], 2048, 100).prefill == [(1, 100)]
+
+
 def test_rotation_survives_the_last_served_request_leaving():
     plan = plan_step([Running(1, 10), Running(5, 10)], max_batch_tokens=10, prefill_chunk=10, last_prefilled=3)
     assert plan.prefill == [(5, 10)]
