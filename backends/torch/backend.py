@@ -142,22 +142,7 @@ class TorchBackend(Backend):
         weights = loading.weight_bytes(self.model, *([self.vision.tower] if self.vision else []))
         if self.device.type != "cuda":
             return cpu_memory(weights)
-        return cuda_memory(self.device, weights, self._activation_peak(step_tokens) if step_tokens else 0)
-
-    def _activation_peak(self, tokens: int) -> int:
-        """Peak bytes one prefill of `tokens` tokens allocates beyond what was allocated before and the KV it
-        keeps: run on a session released after."""
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        session = self.open_session()
-        try:
-            self.prefill([session], [[0] * min(tokens, self.info.context_length)])
-            torch.cuda.synchronize(self.device)
-            kept = self.session_bytes(session)
-        finally:
-            self.release(session)
-        return max(0, torch.cuda.max_memory_allocated(self.device) - before - kept)
+        return cuda_memory(self.device, weights, activation_peak(self, step_tokens) if step_tokens else 0)
 
     # -- sessions --------------------------------------------------------
 
@@ -426,3 +411,20 @@ class TorchBackend(Backend):
 
     def to_numpy(self, logits: torch.Tensor):
         return logits.float().cpu().numpy()
+
+
+def activation_peak(backend: TorchBackend, tokens: int) -> int:
+    """Peak bytes one prefill of `tokens` tokens allocates on `backend`'s CUDA device beyond what was allocated
+    before and the KV it keeps: run on a session released after."""
+    device = backend.device
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    session = backend.open_session()
+    try:
+        backend.prefill([session], [[0] * min(tokens, backend.info.context_length)])
+        torch.cuda.synchronize(device)
+        kept = backend.session_bytes(session)
+    finally:
+        backend.release(session)
+    return max(0, torch.cuda.max_memory_allocated(device) - before - kept)

@@ -51,8 +51,17 @@ class Storage:
     them where `rotation` is set (a [head_dim, head_dim] orthogonal matrix in the compute dtype)."""
 
     rotation: torch.Tensor | None = None
+    dtype: torch.dtype  # the stored tensors' elements
+    exact: bool = False  # whether `decode` gives the stored tensor itself
+
+    def width(self, head_dim: int) -> int:
+        """Elements of a stored row holding one head's `head_dim` values."""
+        raise NotImplementedError
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode(self, stored: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def encode_keys(self, k: torch.Tensor) -> torch.Tensor:
