@@ -288,7 +288,7 @@ class Admission:
         if self.slots_used + len(choices) > self._config.inference_slots:
             return None
         padding = self._padding(choices) - self._padding()
-        if not self._hold_together([(r, self._slot_bytes(r)) for r in choices], also=padding):
+        if not self._hold_together([(r, self._slot_bytes(r)) for r in choices], also=padding, admitting=head):
             return None
         del self._queue[at]
         for r in choices:
@@ -335,10 +335,12 @@ class Admission:
         self._reserved += nbytes
         self._holds[request.rid] = self.holds(request) + nbytes
 
-    def _hold_together(self, holds: list[tuple[Request, int]], also: int = 0) -> bool:
-        """All of `holds` (request, bytes), with `also` fitting beside them, or none."""
+    def _hold_together(self, holds: list[tuple[Request, int]], also: int = 0, admitting: Request | None = None
+                       ) -> bool:
+        """All of `holds` (request, bytes), with `also` fitting beside them, or none (`admitting`: the request
+        they admit, whose own cache matches give way last)."""
         extra = sum(nbytes - self.holds(request) for request, nbytes in holds)
-        if extra + also > 0 and not self._evict_for(extra + also):
+        if extra + also > 0 and not self._evict_for(extra + also, admitting):
             return False
         for request, nbytes in holds:
             self._reserved += nbytes - self.holds(request)
@@ -356,9 +358,10 @@ class Admission:
         joined = {r.rid for r in joining}
         return sum(max(0, row - (r.need_bytes if r.rid in joined else self.holds(r))) for r in rows)
 
-    def _evict_for(self, need: int) -> bool:
-        """Make room for `need` more bytes: loans are called back first, then the prefix cache gives way, then
-        idle named sessions. False (nothing evicted) when even that would not make room."""
+    def _evict_for(self, need: int, admitting: Request | None = None) -> bool:
+        """Make room for `need` more bytes: loans are called back first, then the prefix cache gives way (the
+        entries `admitting` could start from last: evicting them to admit it would undo its reuse), then idle
+        named sessions. False (nothing evicted) when even that would not make room."""
         idle = self._named.idle_bytes()
         fit = fit_admission(need, self.held(), self._index.nbytes("memory") + idle + self._loans.nbytes,
                             self._budget)
@@ -370,7 +373,9 @@ class Admission:
         # block): evicting it frees them all (a spilled one once its file is written); the pooled blocks
         # it was the last to read go once the runner reports the release.
         spilling = self._ledger.spilling
-        self._drop_entries(self._index.evict_memory(self.held() + need - self._budget))
+        spare = [] if admitting is None else \
+            [m.entry for m in self._index.best(admitting.prompt, admitting.req.scope, disk=False).memory]
+        self._drop_entries(self._index.evict_memory(self.held() + need - self._budget, spare))
         spilled = self._ledger.spilling - spilling  # free once written: no named session goes for them
         short = self._budget - (self.held() - spilled) - need
         if short < 0:

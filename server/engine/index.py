@@ -34,7 +34,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Hashable, Iterator, Literal, Protocol, Sequence
+from typing import Collection, Hashable, Iterator, Literal, Protocol, Sequence
 
 from kvfork.backends.base import ModelInfo, clone_positions
 from kvfork.server.engine.api import Scope
@@ -288,12 +288,18 @@ class Index:
         self._remove(entry)
         return entry
 
-    def evict_memory(self, need: int) -> list[Entry]:
-        """Least recently used memory entries until `need` bytes are freed (or none is left)."""
+    def evict_memory(self, need: int, spare: Collection[Entry] = ()) -> list[Entry]:
+        """Least recently used memory entries until `need` bytes are freed (or none is left); the `spare`
+        ones (what the request making room would reuse) last."""
+        spared = {id(e) for e in spare}
+        order = sorted(self._tiers["memory"].values(), key=lambda e: id(e) in spared)  # stable: LRU within each
         out, freed = [], 0
-        while self._tiers["memory"] and freed < need:
-            out.append(self.evict_oldest("memory"))
-            freed += out[-1].nbytes
+        for entry in order:
+            if freed >= need:
+                break
+            self._remove(entry)
+            out.append(entry)
+            freed += entry.nbytes
         return out
 
     # ---- the disk tier's files (disk.py does the file work) ----

@@ -275,3 +275,21 @@ def test_byte_gauges_render_exactly():
 
     assert Gauge("kvfork_kv_bytes", "bytes", lambda: 3_014_656).render()[-1] == "kvfork_kv_bytes 3014656"
     assert Gauge("x", "ratio", lambda: 0.25).render()[-1] == "x 0.25"
+
+
+async def test_admission_evicts_the_entry_a_request_reuses_last():
+    """Room for a returning request is made from the cache entries it does not start from first: evicting
+    its own match (the least recently used) to admit it would turn its reuse into a full prefill."""
+    backend = ScriptedBackend()
+    a, b = prompt_of(60, start=1), prompt_of(60, start=2)
+    engine = await start_engine(backend, kv_budget_bytes=192 * KIB, queue_timeout=30)
+    for p in (a, b):
+        await run(engine, p, 10)
+        await settled(engine, backend)
+    assert engine.snapshot().cached == 2  # both kept; a is the least recently used
+    tokens, done = await run(engine, a + [7, 8, 9], 10)
+    assert done.usage.reused_tokens >= 59  # b gave way, not a
+    assert tokens == backend.greedy(a + [7, 8, 9], 10)
+    await settled(engine, backend)
+    assert engine.snapshot().held == backend.total_bytes()
+    await engine.shutdown(1)
