@@ -171,6 +171,22 @@ class FaultyBackend(Backend):
         self.info = self.inner.load(folder, dtype)
         return self.info
 
+    @property
+    def reusable(self) -> Any:  # what the real backend's next load starts from
+        return self.inner.reusable
+
+    def built(self) -> Any:
+        return self.inner.built()
+
+    def reuse(self, built: Any) -> None:
+        self.inner.reuse(built)
+
+    def encode_images(self, images: Sequence[Any], scope: str) -> int:
+        return self.inner.encode_images(images, scope)
+
+    def release_images(self, images: Sequence[int]) -> None:
+        self.inner.release_images(images)
+
     def open_session(self) -> Session:
         session = self.inner.open_session()
         self._history[session.id] = []

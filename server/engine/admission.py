@@ -335,10 +335,8 @@ class Admission:
         self._reserved += nbytes
         self._holds[request.rid] = self.holds(request) + nbytes
 
-    def _hold_together(self, holds: list[tuple[Request, int]], also: int = 0, admitting: Request | None = None
-                       ) -> bool:
-        """All of `holds` (request, bytes), with `also` fitting beside them, or none (`admitting`: the request
-        they admit, whose own cache matches give way last)."""
+    def _hold_together(self, holds: list[tuple[Request, int]], also: int = 0, admitting: Request | None = None) -> bool:
+        """All of `holds` (request, bytes), with `also` fitting beside them, or none (`admitting`: _evict_for)."""
         extra = sum(nbytes - self.holds(request) for request, nbytes in holds)
         if extra + also > 0 and not self._evict_for(extra + also, admitting):
             return False
@@ -373,9 +371,8 @@ class Admission:
         # block): evicting it frees them all (a spilled one once its file is written); the pooled blocks
         # it was the last to read go once the runner reports the release.
         spilling = self._ledger.spilling
-        spare = [] if admitting is None else \
-            [m.entry for m in self._index.best(admitting.prompt, admitting.req.scope, disk=False).memory]
-        self._drop_entries(self._index.evict_memory(self.held() + need - self._budget, spare))
+        spare = admitting and self._index.best(admitting.prompt, admitting.req.scope, disk=False).memory
+        self._drop_entries(self._index.evict_memory(self.held() + need - self._budget, [m.entry for m in spare or ()]))
         spilled = self._ledger.spilling - spilling  # free once written: no named session goes for them
         short = self._budget - (self.held() - spilled) - need
         if short < 0:
