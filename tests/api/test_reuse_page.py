@@ -36,7 +36,8 @@ def chat(user: str, **extra) -> dict:
 async def test_the_page_shows_a_burst_with_a_clone_live(agent_model, tmp_path):
     # the burst's prompts are under the cache's minimum, so the second clones the first while it runs;
     # the longer prompts after it are kept in the cache
-    engine = dict(active_prefix_reuse_min_tokens=1, prefix_cache_min_tokens=200)
+    # the donor decodes one token a step (drafts would let the tiny model's repetitive reply end in a blink)
+    engine = dict(active_prefix_reuse_min_tokens=1, prefix_cache_min_tokens=200, speculative="off")
     async with serving(agent_model, served_model_name=["tiny"], engine=engine) as daemon, \
             aiohttp.ClientSession() as http, browser(daemon.url + "/", tmp_path / "profile") as page:
         async with http.post(daemon.url + "/v1/chat/completions",
