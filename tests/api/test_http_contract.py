@@ -166,7 +166,8 @@ async def test_named_session_resumes_warm_then_reset_and_delete(daemon, http):
 async def test_cached_tokens_report_active_reuse_from_a_running_request(tiny_model_dir, http):
     system = {"role": "system", "content": LONG}
     async with serving(tiny_model_dir("llama"), engine=dict(prefix_cache_entries=0,
-                                                            active_prefix_reuse_min_tokens=1)) as d:
+                                                            active_prefix_reuse_min_tokens=1,
+                                                            speculative="off")) as d:
         donor = {"messages": [system, {"role": "user", "content": "a"}], "max_tokens": 3000, "ignore_eos": True,
                  "stream": True, "temperature": 0}
         async with http.post(d.url + "/v1/chat/completions", json=donor) as running:

@@ -51,7 +51,8 @@ OPENAI_TOOL = {"type": "function", "function": {"name": "read_file", "descriptio
 
 
 async def test_a_request_while_its_history_runs_reuses_the_running_state(agent_model, sdk):
-    engine = dict(prefix_cache_entries=0, active_prefix_reuse_min_tokens=1)  # no cache: reuse can only be a donor
+    # no cache: reuse can only be a donor, which decodes without drafts so it is still running when asked
+    engine = dict(prefix_cache_entries=0, active_prefix_reuse_min_tokens=1, speculative="off")
     async with serving(agent_model, served_model_name=["tiny"], engine=engine) as daemon, \
             aiohttp.ClientSession() as http:
         donor_body = {"model": "tiny", "messages": OPENAI_TWIN, "tools": [OPENAI_TOOL], "max_tokens": 3000,

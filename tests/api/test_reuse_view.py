@@ -43,7 +43,8 @@ def test_the_tree_joins_entries_at_the_prefixes_they_share():
 async def test_a_burst_with_a_clone_shows_live_requests_decisions_and_the_cache(agent_model):
     # the burst's prompts are under the cache's minimum: the second can only clone the first, running;
     # a longer prompt after it is kept in the cache
-    engine = dict(active_prefix_reuse_min_tokens=1, prefix_cache_min_tokens=200)
+    # the donor decodes without drafts, so it is still running when the others arrive
+    engine = dict(active_prefix_reuse_min_tokens=1, prefix_cache_min_tokens=200, speculative="off")
     async with serving(agent_model, served_model_name=["tiny"], engine=engine) as daemon, \
             aiohttp.ClientSession() as http:
         async with http.post(daemon.url + "/v1/chat/completions",

@@ -171,7 +171,8 @@ async def test_restart_from_the_disk_tier_gives_the_same_tokens(folder, http):
 async def test_a_running_requests_image_prompt_is_cloned_by_a_second(folder, http):
     if sliding(folder):  # its window of 8 is overwritten by the donor's first 8 decode steps: no clone is possible
         pytest.skip("a sliding-window donor that has decoded past its window holds no state at the shared prefix")
-    engine = dict(prefix_cache_entries=0, active_prefix_reuse_min_tokens=1)  # no cache: reuse can only be a donor
+    # no cache: reuse can only be a donor, which decodes without drafts so it is still running when asked
+    engine = dict(prefix_cache_entries=0, active_prefix_reuse_min_tokens=1, speculative="off")
     image = screenshot(7)
     async with serving(folder, create_backend("torch"), engine=engine) as d:
         body = {"messages": turn(image), "max_tokens": 3000, "ignore_eos": True, "temperature": 0,
