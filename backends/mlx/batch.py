@@ -10,6 +10,15 @@ only when the set of decoding sessions changes; a step then writes in place.
 The batch is the set of sessions of the last decode call: a row left out of a
 call leaves the batch, back to a standalone cache of its own.
 
+Rows of several positions (speculation's verify rows) share the step: every row
+writes the step's longest chunk, a shorter one right-padded, and then forgets
+its padding: mlx-lm's `prepare(right_padding=...)`/`finalize()` shift each row
+right by what it forgets, so every row stays right-aligned at the write index
+and the forgotten positions become left padding, masked. A row rolled back
+(`forget`) forgets its last positions the same way. Once every row has
+`COMPACT_PADDING` positions of left padding, they are cut (`filter`), so the
+cache grows with the longest row's positions, not with the steps' paddings.
+
 Fault rule: mlx-lm caches advance their offsets inside the model call, layer by
 layer, and a failed `mx.eval` leaves them pointing at arrays that never came to
 be. So a failed step (or join) is undone only when no cache moved (`unmoved`);
@@ -47,6 +56,11 @@ def unmoved(before: list[Any], after: list[Any]) -> bool:
                                              for x, y in zip(before, after))
 
 
+# Left padding every row holds before it is cut: cutting copies the batch's caches (a gather), so it
+# waits until the masked positions every step attends over are worth more than one copy.
+COMPACT_PADDING = 64
+
+
 class DecodeBatch:
     def __init__(self, model: nn.Module):
         self.model = model
@@ -77,10 +91,30 @@ class DecodeBatch:
         index = {id(r): i for i, r in enumerate(self.rows)}
         return [index[id(s)] for s in sessions]
 
-    def step(self, row_tokens: Sequence[int]) -> mx.array:
-        """One decode step of every row; logits [rows, vocab]."""
-        logits = self.model(mx.array(row_tokens)[:, None], cache=self.caches)
-        return logits[:, -1, :]
+    def step(self, row_chunks: Sequence[Sequence[int]]) -> mx.array:
+        """One step of every row, each writing its chunk (one token, or a token and its draft);
+        logits [rows, longest chunk, vocab], a row's own positions first."""
+        longest = max(len(chunk) for chunk in row_chunks)
+        padded = [[*chunk, *[0] * (longest - len(chunk))] for chunk in row_chunks]
+        logits = self.model(mx.array(padded), cache=self.caches)
+        self._forget_last([longest - len(chunk) for chunk in row_chunks])
+        return logits
+
+    def forget(self, session, n: int) -> None:
+        """Roll a row back: it forgets its last `n` positions (full-attention layers only: `rolls_back`)."""
+        counts = [0] * len(self.rows)
+        counts[self.row(session)] = n
+        self._forget_last(counts)
+
+    def _forget_last(self, counts: list[int]) -> None:
+        if not any(counts):
+            return
+        assert self.caches is not None
+        for cache in self.caches:
+            cache.prepare(right_padding=counts)
+            cache.finalize()
+            if min(cache.left_padding.tolist()) >= COMPACT_PADDING:
+                cache.filter(mx.arange(len(self.rows)))
 
     def marks(self) -> list[Any]:
         return cache_marks(self.caches or ())
