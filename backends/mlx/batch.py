@@ -15,9 +15,12 @@ writes the step's longest chunk, a shorter one right-padded, and then forgets
 its padding: mlx-lm's `prepare(right_padding=...)`/`finalize()` shift each row
 right by what it forgets, so every row stays right-aligned at the write index
 and the forgotten positions become left padding, masked. A row rolled back
-(`forget`) forgets its last positions the same way. Once every row has
-`COMPACT_PADDING` positions of left padding, they are cut (`filter`), so the
-cache grows with the longest row's positions, not with the steps' paddings.
+(`forget`) forgets its last positions the same way. The shift copies every
+row's caches, so the positions to forget are held (`_forgotten`) and shifted
+once, when the caches are next read: a verify step and the roll backs after it
+cost one copy. Once every row has `COMPACT_PADDING` positions of left padding,
+they are cut (`filter`), so the cache grows with the longest row's positions,
+not with the steps' paddings.
 
 Fault rule: mlx-lm caches advance their offsets inside the model call, layer by
 layer, and a failed `mx.eval` leaves them pointing at arrays that never came to
@@ -65,8 +68,21 @@ class DecodeBatch:
     def __init__(self, model: nn.Module):
         self.model = model
         self.rows: list[Any] = []  # sessions, in row order
-        self.caches: list[Any] | None = None  # one batch cache per layer
+        self._caches: list[Any] | None = None  # one batch cache per layer
+        self._forgotten: list[int] | None = None  # per row: its last positions to forget, not yet shifted out
         self.dead: set[int] = set()  # rows of released sessions, dropped at the next compaction
+
+    @property
+    def caches(self) -> list[Any] | None:
+        """The batch caches, every row right-aligned at the write index (what was forgotten shifted out)."""
+        if self._forgotten is not None:
+            self._shift_out(self._forgotten)
+            self._forgotten = None
+        return self._caches
+
+    @caches.setter
+    def caches(self, caches: list[Any] | None) -> None:
+        self._caches, self._forgotten = caches, None
 
     def has(self, session) -> bool:
         return any(r is session for r in self.rows)
@@ -107,14 +123,18 @@ class DecodeBatch:
         self._forget_last(counts)
 
     def _forget_last(self, counts: list[int]) -> None:
-        if not any(counts):
-            return
-        assert self.caches is not None
-        for cache in self.caches:
+        if any(counts):
+            held = self._forgotten or [0] * len(counts)
+            self._forgotten = [a + b for a, b in zip(held, counts)]
+
+    def _shift_out(self, counts: list[int]) -> None:
+        assert self._caches is not None
+        for cache in self._caches:
             cache.prepare(right_padding=counts)
             cache.finalize()
-            if min(cache.left_padding.tolist()) >= COMPACT_PADDING:
-                cache.filter(mx.arange(len(self.rows)))
+        if min(self._caches[0].left_padding.tolist()) >= COMPACT_PADDING:  # every layer pads its rows alike
+            for cache in self._caches:
+                cache.filter(mx.arange(len(counts)))
 
     def marks(self) -> list[Any]:
         return cache_marks(self.caches or ())
