@@ -12,8 +12,8 @@ call leaves the batch, back to a standalone cache of its own.
 
 Rows of several positions (speculation's verify rows) share the step: every row
 writes the step's longest chunk, a shorter one right-padded, and then forgets
-its padding: mlx-lm's `prepare(right_padding=...)`/`finalize()` shift each row
-right by what it forgets, so every row stays right-aligned at the write index
+its padding: each row shifts right by what it forgets (as mlx-lm's
+`prepare(right_padding=...)`/`finalize()` do: mlx_lm_caches.forget_last), so every row stays right-aligned at the write index
 and the forgotten positions become left padding, masked. A row rolled back
 (`forget`) forgets its last positions the same way. The shift copies every
 row's caches, so the positions to forget are held (`_forgotten`) and shifted
@@ -38,7 +38,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
 from kvfork.backends.mlx import recurrent
-from kvfork.backends.mlx.mlx_lm_caches import write_index
+from kvfork.backends.mlx.mlx_lm_caches import forget_last, write_index
 
 
 def cache_marks(caches: Sequence[Any]) -> list[Any]:
@@ -130,8 +130,7 @@ class DecodeBatch:
     def _shift_out(self, counts: list[int]) -> None:
         assert self._caches is not None
         for cache in self._caches:
-            cache.prepare(right_padding=counts)
-            cache.finalize()
+            forget_last(cache, counts)
         if min(self._caches[0].left_padding.tolist()) >= COMPACT_PADDING:  # every layer pads its rows alike
             for cache in self._caches:
                 cache.filter(mx.arange(len(counts)))
