@@ -40,7 +40,7 @@ def forget_last(cache: Any, counts: list[int]) -> None:
     """Each row of a BatchKVCache forgets its last counts[i] positions: the row shifts right by as
     many, staying right-aligned at the write index, and the forgotten positions become left padding."""
     shift = mx.array(counts)
-    cache.keys, cache.values = (mx.concatenate([mx.roll(a[i:i + 1], n, axis=2) if n else a[i:i + 1]
+    cache.keys, cache.values = (mx.concatenate([mx.roll(a[i:i + 1], n, 2) if n else a[i:i + 1]
                                                 for i, n in enumerate(counts)]) for a in (cache.keys, cache.values))
     cache.offset = cache.offset - shift
     cache.left_padding = cache.left_padding + shift
