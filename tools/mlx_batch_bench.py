@@ -1,9 +1,14 @@
-"""The two MLX design measurements behind backends/mlx, side by side in one run:
+"""The MLX design measurements behind backends/mlx, side by side in one run:
 
 1. decode of N sessions: merging every session's cache into a batch on each
    step (and extracting it back) against the persistent batch rows join/leave;
 2. a clone copied tightly against one copied with room, each followed by its
-   first write (a one-token prefill).
+   first write (a one-token prefill);
+3. speculation's decode step of N sessions, `--drafted` of them carrying `--draft` tokens
+   and keeping `--accepted` (the rest rolled back: Backend.truncate): the drafted rows
+   verified in the decode pass (`shared`: one verify call of every row) against the plain
+   rows' decode pass followed by the drafted rows' verify pass (`separate`). Per step, its
+   milliseconds and the tokens it commits per second.
 
     python -m kvfork.tools.mlx_batch_bench --model FOLDER
 """
@@ -87,6 +92,36 @@ def bench_clone_room(b: MLXBackend, upto: int, repeat: int) -> dict:
     return out
 
 
+def bench_verify(b: MLXBackend, n: int, context: int, drafted: int, draft: int, accepted: int, steps: int,
+                 repeat: int) -> dict:
+    out: dict = {"sessions": n, "context": context, "drafted_rows": drafted, "draft": draft, "accepted": accepted}
+    committed = n - drafted + drafted * (1 + accepted)
+    for mode in ("separate", "shared"):
+        sessions = [b.open_session() for _ in range(n)]
+        for i, s in enumerate(sessions):
+            b.prefill([s], [prompt(context + 8 * i, b.info.vocab_size, seed=i)])
+        plain, rows = sessions[:n - drafted], sessions[n - drafted:]
+        chunks = [[101 + i, *range(200, 200 + draft)] for i in range(drafted)]
+
+        def step():
+            if mode == "shared":
+                b.to_numpy(b.verify(sessions, [[7]] * len(plain) + chunks, [1] * len(plain) + [draft + 1] * drafted))
+            else:
+                if plain:
+                    b.to_numpy(b.decode(plain, [7] * len(plain)))
+                b.to_numpy(b.verify(rows, chunks, [draft + 1] * drafted))
+            for s in rows:
+                b.truncate(s, s.position - draft + accepted)
+
+        seconds = best(lambda: [step() for _ in range(steps)], repeat) / steps
+        out[f"{mode}_step_ms"] = round(seconds * 1e3, 2)
+        out[f"{mode}_tokens_per_s"] = round(committed / seconds, 1)
+        for s in sessions:
+            b.release(s)
+    out["shared_over_separate"] = round(out["shared_tokens_per_s"] / out["separate_tokens_per_s"], 2)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True)
@@ -95,6 +130,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--clone", type=int, default=2047)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--drafted", type=int, default=2, help="speculation: rows drafting (of --sessions)")
+    parser.add_argument("--draft", type=int, default=8, help="speculation: tokens a drafted row carries")
+    parser.add_argument("--accepted", type=int, default=4, help="speculation: drafted tokens a row keeps")
     args = parser.parse_args(argv)
     b = MLXBackend()
     b.load(args.model)
@@ -103,6 +141,9 @@ def main(argv: list[str] | None = None) -> None:
         report["decode"].append(bench_decode(b, args.sessions, context, args.steps, args.repeat))
     if all(layer.kind == "full" for layer in b.info.layers):
         report["clone_room"] = bench_clone_room(b, args.clone, args.repeat)
+    if b.rolls_back:
+        report["verify"] = [bench_verify(b, args.sessions, int(c), args.drafted, args.draft, args.accepted,
+                                         args.steps, args.repeat) for c in args.contexts.split(",") if c]
     print(json.dumps(report, indent=2))
 
 

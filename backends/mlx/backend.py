@@ -5,10 +5,9 @@ A session is either standalone (its own mlx-lm cache per layer: `KVCache`,
 persistent decode batch (batch.py). A hybrid's recurrent layers keep an
 `ArraysCache` (recurrent.py), and a session may keep checkpoints of those
 states at chosen positions (`keep_at`, the recurrent rule, base.clone_positions). Prefill runs
-standalone; decode runs the batch; clone copies from either into a new
-standalone session (kvcopy.py). Under --kv-cache-dtype every KV cache of a
-session holds its rows as kv_storage.py stores them (`stored`), and every
-copy moves those rows.
+standalone; decode and verify (speculation's drafted rows) run the batch; clone copies from either into a new
+standalone session (kvcopy.py). Under --kv-cache-dtype every KV cache of a session holds its rows as
+kv_storage.py stores them (`stored`), and every copy moves those rows.
 """
 
 from __future__ import annotations
@@ -84,12 +83,13 @@ class MLXBackend(Backend):
         check_inputs(sessions, chunks, self._sessions, self.info)
         if not sessions:
             return mx.zeros((0, self.info.vocab_size), mx.float32)
-        return mx.stack(self._standalone(sessions, chunks, self._run_chunk)).astype(mx.float32)
+        return mx.stack(self._standalone(sessions, chunks)).astype(mx.float32)
 
-    # Speculative decoding, on models of full layers alone: a verify row runs standalone (it leaves the
-    # decode batch, as a prefill chunk does) reading its last positions' logits, and `truncate` trims
-    # its caches (mlx-lm's KVCache.trim). A rotating (sliding) cache past its window and a recurrent
-    # state cannot trim: those models do not speculate.
+    # Speculative decoding, on models of full layers alone: verify rows are rows of the decode batch,
+    # sharing its step with the plain decode rows (batch.DecodeBatch.step: each row writes its own
+    # positions, padded to the longest), and `truncate` makes a row forget its last positions (a
+    # standalone session trims its caches: mlx-lm's KVCache.trim). A rotating (sliding) cache past its
+    # window and a recurrent state cannot be rolled back: those models do not speculate.
 
     @property
     def rolls_back(self) -> bool:
@@ -103,25 +103,28 @@ class MLXBackend(Backend):
             raise ValueError("each row reads between 1 and all of its positions")
         if not sessions:
             return mx.zeros((0, self.info.vocab_size), mx.float32)
-        read = dict(zip((s.id for s in sessions), reads))
 
-        def run(session: MLXSession, chunk: Sequence[int]) -> tuple[mx.array, dict]:
-            return self.model(mx.array(chunk)[None], cache=session.caches)[0, -read[session.id]:], {}
+        def run(rows: list[int], row_chunks: list[Sequence[int]]) -> tuple[mx.array, dict]:
+            logits = self._batch.step(row_chunks)
+            return mx.concatenate([logits[row, len(chunk) - n:len(chunk)]
+                                   for row, chunk, n in zip(rows, chunks, reads)]), {}
 
-        return mx.concatenate(self._standalone(sessions, chunks, run)).astype(mx.float32)
+        return self._batched(sessions, chunks, run)
 
     def truncate(self, session: MLXSession, position: int) -> None:
-        if session.id not in self._sessions or session.caches is None:
-            raise ValueError(f"{session!r} was released or is a row of the decode batch")
+        if session.id not in self._sessions or session.lost:
+            raise ValueError(f"{session!r} was released or lost")
         if not self.rolls_back or position > session.position:
             raise ValueError(f"cannot roll {session!r} back to {position}")
-        for cache in session.caches:
-            cache.trim(session.position - position)
+        if self._batch.has(session):
+            self._batch.forget(session, session.position - position)
+        else:
+            for cache in session.caches or ():
+                cache.trim(session.position - position)
         session.position = position
 
-    def _standalone(self, sessions: Sequence[MLXSession], chunks: Sequence[Sequence[int]],
-                    run: Callable[[MLXSession, Sequence[int]], tuple[mx.array, dict]]) -> list[mx.array]:
-        """Each session out of the decode batch runs its chunk (`run`: its logits, the checkpoints taken)."""
+    def _standalone(self, sessions: Sequence[MLXSession], chunks: Sequence[Sequence[int]]) -> list[mx.array]:
+        """Each session out of the decode batch runs its chunk (`_run_chunk`): its last logits."""
         self._refuse_lost(sessions)
         rows: list[mx.array] = []
         for session, chunk in zip(sessions, chunks):
@@ -130,7 +133,7 @@ class MLXBackend(Backend):
                 if self._batch.has(session):
                     self._batch.leave(session)
                 marks = cache_marks(session.caches)
-                logits, taken = run(session, chunk)
+                logits, taken = self._run_chunk(session, chunk)
                 mx.eval(logits, self._arrays(taken))
             except Exception as exc:
                 if marks is None:  # failed while leaving the batch: the batch is not trustworthy
@@ -138,8 +141,8 @@ class MLXBackend(Backend):
                 kept = bool(marks) and unmoved(marks, cache_marks(session.caches))
                 failed = RowState.UNTOUCHED if kept else RowState.CORRUPT
                 later = [RowState.CORRUPT if s.lost else RowState.UNTOUCHED for s in sessions[len(rows) + 1:]]
-                done = None  # the committed rows' logits (a verify call's come in rows of several: none)
-                if rows and rows[0].ndim == 1:
+                done = None  # the committed rows' logits, zeros after them
+                if rows:
                     done = mx.stack([*rows, *[mx.zeros_like(rows[0])] * (len(sessions) - len(rows))])
                 raise BatchFailed(exc, [RowState.COMMITTED] * len(rows) + [failed] + later,
                                   None if done is None else done.astype(mx.float32)) from exc
@@ -152,25 +155,37 @@ class MLXBackend(Backend):
         check_inputs(sessions, [[t] for t in tokens], self._sessions, self.info)
         if not sessions:
             return mx.zeros((0, self.info.vocab_size), mx.float32)
+
+        def run(rows: list[int], row_chunks: list[Sequence[int]]) -> tuple[mx.array, dict]:
+            logits = self._batch.step(row_chunks)[mx.array(rows), 0]
+            taken = {s: {s.position + 1: self._states(self._batch.caches, row)}
+                     for s, row in zip(sessions, rows) if s.position + 1 in s.wanted}
+            return logits, taken
+
+        return self._batched(sessions, [[t] for t in tokens], run)
+
+    def _batched(self, sessions: Sequence[MLXSession], chunks: Sequence[Sequence[int]],
+                 run: Callable[[list[int], list[Sequence[int]]], tuple[mx.array, dict]]) -> mx.array:
+        """The sessions as the decode batch's rows run one step, each writing its chunk (`run`, given
+        their rows and the rows' chunks, the batch's rows left out writing none: its logits, the
+        checkpoints taken per session)."""
         self._refuse_lost(sessions)
         marks = None
         try:
             rows = self._batch.sync(sessions)
             marks = self._batch.marks()
-            row_tokens = [0] * len(rows)
-            for row, token in zip(rows, tokens):
-                row_tokens[row] = token
-            logits = self._batch.step(row_tokens)
-            logits = logits[mx.array(rows)].astype(mx.float32)
-            taken = {s: {s.position + 1: self._states(self._batch.caches, row)}
-                     for s, row in zip(sessions, rows) if s.position + 1 in s.wanted}
+            row_chunks: list[Sequence[int]] = [[0]] * len(rows)
+            for row, chunk in zip(rows, chunks):
+                row_chunks[row] = chunk
+            logits, taken = run(rows, row_chunks)
+            logits = logits.astype(mx.float32)
             mx.eval(logits, [self._arrays(t) for t in taken.values()])
         except Exception as exc:
             if marks is None or not unmoved(marks, self._batch.marks()):
                 self._batch.abandon()  # joiners not yet absorbed keep their own caches: untouched
             raise BatchFailed(exc, [RowState.CORRUPT if s.lost else RowState.UNTOUCHED for s in sessions]) from exc
-        for session in sessions:
-            self._advance(session, 1)
+        for session, chunk in zip(sessions, chunks):
+            self._advance(session, len(chunk))
             session.keep(taken.get(session, {}))
         return logits
 

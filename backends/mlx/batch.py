@@ -10,6 +10,18 @@ only when the set of decoding sessions changes; a step then writes in place.
 The batch is the set of sessions of the last decode call: a row left out of a
 call leaves the batch, back to a standalone cache of its own.
 
+Rows of several positions (speculation's verify rows) share the step: every row
+writes the step's longest chunk, a shorter one right-padded, and then forgets
+its padding: each row shifts right by what it forgets (as mlx-lm's
+`prepare(right_padding=...)`/`finalize()` do: mlx_lm_caches.forget_last), so every row stays right-aligned at the write index
+and the forgotten positions become left padding, masked. A row rolled back
+(`forget`) forgets its last positions the same way. The shift copies every
+row's caches, so the positions to forget are held (`_forgotten`) and shifted
+once, when the caches are next read: a verify step and the roll backs after it
+cost one copy. Once every row has `COMPACT_PADDING` positions of left padding,
+they are cut (`filter`), so the cache grows with the longest row's positions,
+not with the steps' paddings.
+
 Fault rule: mlx-lm caches advance their offsets inside the model call, layer by
 layer, and a failed `mx.eval` leaves them pointing at arrays that never came to
 be. So a failed step (or join) is undone only when no cache moved (`unmoved`);
@@ -26,7 +38,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
 from kvfork.backends.mlx import recurrent
-from kvfork.backends.mlx.mlx_lm_caches import write_index
+from kvfork.backends.mlx.mlx_lm_caches import forget_last, write_index
 
 
 def cache_marks(caches: Sequence[Any]) -> list[Any]:
@@ -47,12 +59,30 @@ def unmoved(before: list[Any], after: list[Any]) -> bool:
                                              for x, y in zip(before, after))
 
 
+# Left padding every row holds before it is cut: cutting copies the batch's caches (a gather), so it
+# waits until the masked positions every step attends over are worth more than one copy.
+COMPACT_PADDING = 64
+
+
 class DecodeBatch:
     def __init__(self, model: nn.Module):
         self.model = model
         self.rows: list[Any] = []  # sessions, in row order
-        self.caches: list[Any] | None = None  # one batch cache per layer
+        self._caches: list[Any] | None = None  # one batch cache per layer
+        self._forgotten: list[int] | None = None  # per row: its last positions to forget, not yet shifted out
         self.dead: set[int] = set()  # rows of released sessions, dropped at the next compaction
+
+    @property
+    def caches(self) -> list[Any] | None:
+        """The batch caches, every row right-aligned at the write index (what was forgotten shifted out)."""
+        if self._forgotten is not None:
+            self._shift_out(self._forgotten)
+            self._forgotten = None
+        return self._caches
+
+    @caches.setter
+    def caches(self, caches: list[Any] | None) -> None:
+        self._caches, self._forgotten = caches, None
 
     def has(self, session) -> bool:
         return any(r is session for r in self.rows)
@@ -77,10 +107,33 @@ class DecodeBatch:
         index = {id(r): i for i, r in enumerate(self.rows)}
         return [index[id(s)] for s in sessions]
 
-    def step(self, row_tokens: Sequence[int]) -> mx.array:
-        """One decode step of every row; logits [rows, vocab]."""
-        logits = self.model(mx.array(row_tokens)[:, None], cache=self.caches)
-        return logits[:, -1, :]
+    def step(self, row_chunks: Sequence[Sequence[int]]) -> mx.array:
+        """One step of every row, each writing its chunk (one token, or a token and its draft);
+        logits [rows, longest chunk, vocab], a row's own positions first."""
+        longest = max(len(chunk) for chunk in row_chunks)
+        padded = [[*chunk, *[0] * (longest - len(chunk))] for chunk in row_chunks]
+        logits = self.model(mx.array(padded), cache=self.caches)
+        self._forget_last([longest - len(chunk) for chunk in row_chunks])
+        return logits
+
+    def forget(self, session, n: int) -> None:
+        """Roll a row back: it forgets its last `n` positions (full-attention layers only: `rolls_back`)."""
+        counts = [0] * len(self.rows)
+        counts[self.row(session)] = n
+        self._forget_last(counts)
+
+    def _forget_last(self, counts: list[int]) -> None:
+        if any(counts):
+            held = self._forgotten or [0] * len(counts)
+            self._forgotten = [a + b for a, b in zip(held, counts)]
+
+    def _shift_out(self, counts: list[int]) -> None:
+        assert self._caches is not None
+        for cache in self._caches:
+            forget_last(cache, counts)
+        if min(self._caches[0].left_padding.tolist()) >= COMPACT_PADDING:  # every layer pads its rows alike
+            for cache in self._caches:
+                cache.filter(mx.arange(len(counts)))
 
     def marks(self) -> list[Any]:
         return cache_marks(self.caches or ())

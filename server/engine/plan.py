@@ -15,7 +15,8 @@ Design rules:
   in the plan; a clone that ran after the last pass of step k (a capture, a choice, a
   follower's order, a release) is among step k + 1's `ops`, which run before its pass;
 - the rows of a pass: every decode row and prefill chunk in one `prefill` call on a
-  backend with `mixed_batches` (torch), else the decode rows, then the prefill chunks;
+  backend with `mixed_batches` (torch), else the decode rows (drafted ones among them), then the
+  prefill chunks;
 - the plan is what the runner decided before its forward pass; a forward pass that fails
   is recovered from by faults.py (the plan is not rewritten for it: the ranks of one model
   follow the backend calls themselves, backends/lockstep, retries included);
@@ -23,7 +24,7 @@ Design rules:
   commits, so the next step runs from the plan alone;
 - speculation: a decode row may carry drafted tokens after the one it commits (`Row.reads`
   = 1 + drafted) and its pass is one `verify` call reading each of their positions' logits
-  (on a backend without mixed_batches, the drafted decode rows are a pass of their own); its
+  (with the plain decode rows, whether or not the backend has mixed_batches); its
   sampler walks them while the draw equals the draft, and the rest is rolled back by a
   `Truncate` op, among the next step's ops like every op run after a pass.
 """
@@ -80,8 +81,7 @@ class StepPlan(msgspec.Struct):
     def passes(self) -> list[list[Row]]:
         if self.mixed:
             return [self.decode + self.prefill] if self.decode or self.prefill else []
-        plain = [row for row in self.decode if row.reads == 1]
-        return [rows for rows in (plain, [row for row in self.decode if row.reads > 1], self.prefill) if rows]
+        return [rows for rows in (self.decode, self.prefill) if rows]
 
     @property
     def prefill_tokens(self) -> int:

@@ -132,6 +132,29 @@ def test_a_decode_that_fails_midway_is_classified_and_leaves_the_backend_consist
     release_all(b, *fresh_sessions)
 
 
+@pytest.mark.numeric
+@pytest.mark.parametrize("layer", [0, 1])
+def test_a_failed_verify_is_classified_as_one_pass(backend, backend_name, layer):
+    """A verify call of a drafted row and a plain one (one pass on both backends: on MLX the decode
+    batch's step) fails at `layer`: before any state moved both are UNTOUCHED and run again as if it
+    never happened; after, the rows are CORRUPT alike (MLX abandons its batch)."""
+    b = backend
+    if not b.rolls_back:
+        pytest.skip("this model does not roll drafted tokens back here")
+    sessions = sessions_at_prefix(b, 2)
+    chunks = [[5, 6, 7], [8]]
+    with failing_layer(b, backend_name, layer, on_call=1), pytest.raises(BatchFailed) as failed:
+        b.verify(sessions, chunks, [3, 1])
+    touched = layer > 0 and first_layer_writes(b, backend_name)
+    assert failed.value.rows == [RowState.CORRUPT if touched else RowState.UNTOUCHED] * 2
+    assert [s.position for s in sessions] == [PREFIX] * 2
+    if not touched:
+        out = logits_np(b, b.verify(sessions, chunks, [3, 1]))
+        assert_close(b, out[2:3], reference(b, 0, chunks[0]), Kind.BATCHED, context=PREFIX + 3)
+        assert_close(b, out[3:4], reference(b, 1, chunks[1]), Kind.BATCHED, context=PREFIX + 1)
+    release_all(b, *sessions)
+
+
 @pytest.mark.parametrize("layer", [0, 1])
 async def test_a_failed_decode_step_through_the_engine(backend_name, arch, tiny_model_dir, layer):
     """One decode step of three requests fails at `layer`: requests the backend left untouched

@@ -13,7 +13,8 @@ mx = pytest.importorskip("mlx.core")
 from mlx_lm.models.cache import BatchKVCache, RotatingKVCache  # noqa: E402
 from packaging.specifiers import SpecifierSet  # noqa: E402
 
-from kvfork.backends.mlx.mlx_lm_caches import MLX_LM_VERSIONS, in_time_order, set_write_index, write_index  # noqa: E402
+from kvfork.backends.mlx.mlx_lm_caches import (MLX_LM_VERSIONS, forget_last, in_time_order, set_write_index,  # noqa: E402
+                                               write_index)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,3 +52,22 @@ def test_a_batch_cache_reports_where_it_writes_next():
     assert write_index(cache) == 0
     cache.update_and_fetch(mx.zeros((1, 1, 3, 1)), mx.zeros((1, 1, 3, 1)))
     assert write_index(cache) == 3 and write_index(object()) is None
+
+
+def test_a_batch_cache_forgets_its_rows_last_positions_as_mlx_lm_right_padding_does():
+    """forget_last gives what mlx-lm's prepare(right_padding=...) and finalize() give: each row shifted
+    right by its count, right-aligned at the write index, the forgotten positions become left padding."""
+    ours, theirs = BatchKVCache(left_padding=[1, 0, 2]), BatchKVCache(left_padding=[1, 0, 2])
+    step = mx.arange(3 * 6, dtype=mx.float32).reshape(3, 1, 6, 1)
+    for cache in (ours, theirs):
+        cache.update_and_fetch(step, step)
+    forget_last(ours, [2, 0, 3])
+    theirs.prepare(right_padding=[2, 0, 3])
+    theirs.finalize()
+    idx = write_index(ours)
+    assert idx == write_index(theirs) == 6
+    assert ours.left_padding.tolist() == theirs.left_padding.tolist() == [3, 0, 5]
+    assert ours.offset.tolist() == theirs.offset.tolist() == [3, 6, 1]
+    for row, pad in enumerate([3, 0, 5]):  # what each row holds after its padding: the same positions
+        for a, b in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
+            assert a[row, 0, pad:idx, 0].tolist() == b[row, 0, pad:idx, 0].tolist()

@@ -52,6 +52,48 @@ def test_verify_then_truncate_decodes_as_without_drafts(backend_name, arch, tiny
     b.release(s)
 
 
+@pytest.mark.numeric
+def test_rows_of_one_verify_call_read_and_roll_back_as_each_alone(backend_name, tiny_model_dir, monkeypatch):
+    """Drafted rows of several lengths and plain rows in one verify call (one pass: on MLX the decode
+    batch's step, each row padded to the longest) give each row the logits it has alone, each rolled
+    back by its own count decodes on as without drafts, and a clone of one holds only what it kept.
+    The padding the rows forget is cut early here (COMPACT_PADDING), so the cut runs too."""
+    monkeypatch.setattr("kvfork.backends.mlx.batch.COMPACT_PADDING", 3)
+    b = load(backend_name, tiny_model_dir("llama"))
+    prompts = [list(range(5, 25)), list(range(40, 52)), list(range(100, 131))]
+    refs = [reference(b, p, 64) for p in prompts]
+    sessions = [b.open_session() for _ in prompts]
+    for s, p in zip(sessions, prompts):
+        b.prefill([s], [p])
+    at = [0] * len(prompts)  # refs[i][0][at[i]] is the committed token row i feeds next
+    for step in range(12):
+        chunks, right = [], []
+        for i, ((picks, _), a) in enumerate(zip(refs, at)):
+            drafted = (step + i) % 5  # 0: a plain row
+            good = min(drafted, (step * (i + 1)) % 4)
+            wrong = (picks[a + 1 + good] + 1) % 500
+            chunks.append([picks[a], *picks[a + 1:a + 1 + good], *[wrong] * (drafted - good)])
+            right.append(good)
+        out = logits_np(b, b.verify(sessions, chunks, [len(c) for c in chunks]))
+        assert out.shape[0] == sum(len(c) for c in chunks)
+        first = 0
+        for s, p, (_, want), a, chunk, good in zip(sessions, prompts, refs, at, chunks, right):
+            for j in range(good + 1):
+                assert_close(b, out[first + j], want[a + 1 + j], Kind.BATCHED, context=len(p) + a + j + 1)
+            first += len(chunk)
+            b.truncate(s, len(p) + a + good + 1)  # the committed token and the right drafts
+        at = [a + good + 1 for a, good in zip(at, right)]
+    out = logits_np(b, b.decode(sessions, [picks[a] for (picks, _), a in zip(refs, at)]))
+    for row, p, (_, want), a in zip(out, prompts, refs, at):
+        assert_close(b, row, want[a + 1], Kind.BATCHED, context=len(p) + a + 1)
+    clone = b.clone(sessions[0], sessions[0].position)
+    picks, want = refs[0]
+    after = logits_np(b, b.decode([clone], [picks[at[0] + 1]]))[0]
+    assert_close(b, after, want[at[0] + 2], Kind.BATCHED, context=len(prompts[0]) + at[0] + 2)
+    for s in [*sessions, clone]:
+        b.release(s)
+
+
 def test_truncate_refuses_what_it_cannot_undo(backend_name, tiny_model_dir):
     b = load(backend_name, tiny_model_dir("llama"))
     if not b.rolls_back:

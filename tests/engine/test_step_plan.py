@@ -56,6 +56,14 @@ def test_the_passes_of_a_plan_follow_the_backends_batching():
     assert [p.pass_of(rows) for rows in plan.passes()] == [e.Decode([1], [17]), e.Prefill([6], [[1, 2, 3]])]
 
 
+def test_a_drafted_row_shares_the_decode_pass_on_either_batching():
+    plan = every_kind_of_plan()
+    plan.decode = [*plan.decode, p.Row(2, 7, [30, 31, 32], True, False, 3)]
+    plan.mixed = False
+    assert [p.pass_of(rows) for rows in plan.passes()] == [e.Verify([1, 7], [[17], [30, 31, 32]], [1, 3]),
+                                                          e.Prefill([6], [[1, 2, 3]])]
+
+
 @pytest.mark.parametrize("array", [
     {"dtype": "|O", "shape": [1], "data": bytes(8)},  # objects: nothing but numbers is built from a plan
     {"dtype": "<f4", "shape": [3], "data": bytes(8)},  # a shape its bytes do not fill
