@@ -82,12 +82,14 @@ async def test_reuse_answers_as_reuse_off_at_a_quantized_storage(http, wide_llam
         assert reused == 0
 
 
-async def test_greedy_text_at_int8_is_the_same_with_speculation_on(http, wide_llama):
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+async def test_greedy_text_at_int8_is_the_same_with_speculation_on(http, wide_llama, backend):
     prompts = [user("the capital of France"), user("a list of colours: red, green")]
     texts = {}
     for drafts in (None, ScriptedDrafts()):  # the drafter's second round drafts from what it wrote
-        async with serving(wide_llama, create_backend("torch"), load=False,
-                           engine=dict(prefix_cache_entries=0, kv_cache_dtype="int8")) as daemon:
+        speculative = "off" if drafts is None else "suffix"
+        engine = dict(prefix_cache_entries=0, kv_cache_dtype="int8", speculative=speculative)
+        async with serving(wide_llama, create_backend(backend), load=False, engine=engine) as daemon:
             if drafts is not None:
                 daemon.engine.drafts = drafts
             await daemon.load()
