@@ -9,7 +9,8 @@ and the whole (13 x 64 image tokens). Each screen is a new screenshot (so the fi
 is timed from its request to its one token (max_tokens 1), and each daemon first answers a text turn. The
 daemon without reuse has its prefix cache, disk tier and active reuse off; its encoder cache is on (it keeps
 the image's encoding, not a prompt's state), so its second turn shows what the prompt's reuse adds beyond not
-encoding again, and its first turn what every turn costs with nothing kept.
+encoding again, and its first turn what every turn costs with nothing kept. Each daemon runs on a fresh
+temporary KVFORK_HOME, so no turn starts from an earlier run's disk tier.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import asyncio
 import base64
 import io
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -83,6 +85,19 @@ async def timed(http: aiohttp.ClientSession, url: str, messages: list[dict]) -> 
 
 
 async def one_daemon(model: str, backend: str, engine: dict, screens: list[str]) -> list[dict]:
+    with tempfile.TemporaryDirectory(prefix="kvfork-home-") as home:
+        previous = os.environ.get("KVFORK_HOME")
+        os.environ["KVFORK_HOME"] = home
+        try:
+            return await served(model, backend, engine, screens)
+        finally:
+            if previous is None:
+                del os.environ["KVFORK_HOME"]
+            else:
+                os.environ["KVFORK_HOME"] = previous
+
+
+async def served(model: str, backend: str, engine: dict, screens: list[str]) -> list[dict]:
     config = ServerConfig(model=model, port=0, served_model_name=["vision"], max_body_bytes=64 << 20)
     daemon = Daemon(config, EngineConfig(**engine), model, create_backend(backend))
     out = []
