@@ -90,54 +90,61 @@ class ChatOutputParser:
         return out
 
 
-def output_parser(
-    tool_parser_setting: str,
-    reasoning_setting: str,
-    chat_template: str | None,
-    prompt_text: str,
-    tools: list[dict] | None,
-    tool_choice: str = "auto",
-    tool_name: str | None = None,
-    make_id: Callable[[], str] = openai_call_id,
-    vocabulary: Collection[str] = (),
-    named: str | None = None,
-) -> ChatOutputParser:
-    """The parser for one request: tools are parsed only when offered and not turned off.
+@dataclass(frozen=True)
+class ModelFormats:
+    """What a model's chat template and vocabulary say of its replies, resolved once when its tokenizer loads:
+    the tool-call family its calls are parsed as and the reasoning format its thinking is split by (None:
+    none), each as --tool-parser and --reasoning-parser name it or, `auto`, as the template teaches it."""
 
-    `tool_choice` is auto, none, required or function (then `tool_name` names it); `vocabulary` is the
-    tokenizer's added tokens, which say some families (Kimi K3) where the template does not; `named` the
-    checkpoint's own `tool_parser_type`.
-    """
-    name = resolve_tool_parser(tool_parser_setting, chat_template, vocabulary, named)
-    calls = bool(name and tools and tool_choice != "none")
-    thinking = resolve_reasoning(reasoning_setting, chat_template, vocabulary)
-    tool_parser: ToolParser | None = None
-    splitter = None
-    in_reasoning = False
-    if "harmony" in (name, thinking):  # one parser reads Harmony's channels: reasoning, content and calls
-        tool_parser = HarmonyParser(tools, make_id, calls=calls and name == "harmony")
-    else:
-        tool_parser = PARSERS[name](tools, make_id) if calls and name else None
-        if thinking:
-            in_reasoning = starts_in_reasoning(prompt_text, FORMATS[thinking])
-            splitter = ReasoningSplitter(in_reasoning, FORMATS[thinking])
-    forced = ""
-    if tool_parser and tool_parser.parse_calls and tool_choice in ("required", "function") and not in_reasoning:
-        forced = tool_parser.opening(tool_name if tool_choice == "function" else None)
-    return ChatOutputParser(tool_parser, splitter, forced)
+    tool: str | None
+    reasoning: str | None
+
+    @classmethod
+    def of(cls, tokenizer: Any, tool_setting: str, reasoning_setting: str) -> "ModelFormats":
+        """A PromptTokenizer's formats."""
+        return cls.resolve(tool_setting, reasoning_setting, tokenizer.chat_template, tokenizer.vocabulary,
+                           tokenizer.tool_parser_type)
+
+    @classmethod
+    def resolve(cls, tool_setting: str, reasoning_setting: str, chat_template: str | None,
+                vocabulary: Collection[str] = (), named: str | None = None) -> "ModelFormats":
+        """The formats the settings mean for a template; `vocabulary` is the tokenizer's added tokens, which say
+        some families (Kimi K3) where the template does not; `named` the checkpoint's own `tool_parser_type`."""
+        return cls(resolve_tool_parser(tool_setting, chat_template, vocabulary, named),
+                   resolve_reasoning(reasoning_setting, chat_template, vocabulary))
+
+    def parser(self, prompt_text: str, tools: list[dict] | None, tool_choice: str = "auto",
+               tool_name: str | None = None, make_id: Callable[[], str] = openai_call_id) -> ChatOutputParser:
+        """The parser for one request: tools are parsed only when offered and not turned off.
+
+        `tool_choice` is auto, none, required or function (then `tool_name` names it)."""
+        name, thinking = self.tool, self.reasoning
+        calls = bool(name and tools and tool_choice != "none")
+        tool_parser: ToolParser | None = None
+        splitter = None
+        in_reasoning = False
+        if "harmony" in (name, thinking):  # one parser reads Harmony's channels: reasoning, content and calls
+            tool_parser = HarmonyParser(tools, make_id, calls=calls and name == "harmony")
+        else:
+            tool_parser = PARSERS[name](tools, make_id) if calls and name else None
+            if thinking:
+                in_reasoning = starts_in_reasoning(prompt_text, FORMATS[thinking])
+                splitter = ReasoningSplitter(in_reasoning, FORMATS[thinking])
+        forced = ""
+        if tool_parser and tool_parser.parse_calls and tool_choice in ("required", "function") and not in_reasoning:
+            forced = tool_parser.opening(tool_name if tool_choice == "function" else None)
+        return ChatOutputParser(tool_parser, splitter, forced)
 
 
 _PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "probe",
                                                "parameters": {"type": "object", "properties": {}}}}
 
 
-async def start_formats(tokenizer: Any, tool_setting: str, reasoning_setting: str) -> str | None:
-    """At start: keep the markup tokens of the model's formats in decoded text (the parsers read them), and
+async def start_formats(tokenizer: Any, formats: ModelFormats, tool_setting: str) -> str | None:
+    """At start: keep the markup tokens of the model's `formats` in decoded text (the parsers read them), and
     the warning for a template that renders tools in a markup no family reads (None when there is none). The
     probe renders as a request's do (PromptTokenizer.render_chat): on a worker, within --template-timeout."""
-    template, vocabulary = tokenizer.chat_template, tokenizer.vocabulary
-    tool = resolve_tool_parser(tool_setting, template, vocabulary, tokenizer.tool_parser_type)
-    thinking = resolve_reasoning(reasoning_setting, template, vocabulary)
+    tool, thinking = formats.tool, formats.reasoning
     if tool:
         PARSERS[tool].prepare()
     markers = [*(PARSERS[tool].special_markers if tool else ())]

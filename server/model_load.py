@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 from kvfork.backends.vision import load_processing
-from kvfork.server.chat_output import start_formats
+from kvfork.server.chat_output import ModelFormats, start_formats
 from kvfork.server.config import ServerConfig
 from kvfork.server.state import AppState
 from kvfork.server.text.tokenizer import PromptTokenizer
@@ -25,17 +25,23 @@ def load_tokenizer(config: ServerConfig, path: str) -> PromptTokenizer:
     return tokenizer
 
 
+def tokenizer_alone(config: ServerConfig, path: str) -> tuple[PromptTokenizer, ModelFormats]:
+    """A model's tokenizer and its formats, loaded without its weights (a pool's count_tokens)."""
+    tokenizer = load_tokenizer(config, path)
+    return tokenizer, ModelFormats.of(tokenizer, config.tool_parser, config.reasoning_parser)
+
+
 async def load_model(state: AppState, path: str, tokenizer: PromptTokenizer | None = None) -> None:
     """Load `path` into `state.engine` and `state.tokenizer` (`tokenizer`: the one an earlier load of this folder
     made, rather than loading it again), warm the prefix cache, and enter "ready"."""
     config, progress = state.config, state.progress
     progress.enter("loading", Path(path).name)
     if tokenizer is None:
-        _, state.tokenizer = await asyncio.gather(state.engine.start(), asyncio.to_thread(load_tokenizer, config, path))
+        _, tokenizer = await asyncio.gather(state.engine.start(), asyncio.to_thread(load_tokenizer, config, path))
     else:
-        state.tokenizer = tokenizer
         await state.engine.start()
-    warning = await start_formats(state.tokenizer, config.tool_parser, config.reasoning_parser)
+    state.tokenizer, state.formats = tokenizer, ModelFormats.of(tokenizer, config.tool_parser, config.reasoning_parser)
+    warning = await start_formats(tokenizer, state.formats, config.tool_parser)
     if warning:
         log.warning(warning)
     if config.prefix_cache_warm:

@@ -8,6 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvfork.server.chat_output import ModelFormats
 from kvfork.server.config import ServerConfig
 from kvfork.server.engine.api import EngineError, Scope
 from kvfork.server.engine.utilization import TokenRate
@@ -41,6 +42,7 @@ class AppState:
     served_names: list[str]
     registry: Registry
     tokenizer: PromptTokenizer | None = None  # set once loaded
+    formats: ModelFormats | None = None  # the tokenizer's tool-call and reasoning formats, resolved with it
     progress: StartProgress = field(default_factory=StartProgress)  # the start's phase, for /health
     created: int = field(default_factory=lambda: int(time.time()))
     _grammars: GrammarCompiler | None = None  # built on the first constrained request
@@ -103,13 +105,15 @@ class AppState:
             return self.pool.reads_images(requested)
         return self.tokenizer is not None and self.tokenizer.vision is not None
 
-    async def counting(self, request: web.Request, requested: str | None) -> tuple[PromptTokenizer, int]:
-        """The tokenizer and context a request naming `requested` would be counted with (count_tokens); with
+    async def counting(self, request: web.Request, requested: str | None
+                       ) -> tuple[PromptTokenizer, ModelFormats, int]:
+        """The tokenizer, its formats and the context a request naming `requested` would be counted with
+        (count_tokens); with
         several models, a model not loaded is not loaded for a count: its tokenizer alone is."""
         if self.pool is not None:
             return await self.pool.counting(request, requested)
         self.model_name(requested)
-        return self.require_ready(), self.context
+        return self.require_ready(), self.require_formats(), self.context
 
     def current(self) -> AppState:
         """The state a route naming no model reads: this one; with several models, that of the model a request
@@ -155,6 +159,12 @@ class AppState:
             raise ApiError(503, reason, code="not_ready")
         assert self.tokenizer is not None
         return self.tokenizer
+
+    def require_formats(self) -> ModelFormats:
+        """The loaded model's formats (they are resolved with its tokenizer: set whenever it is)."""
+        self.require_ready()
+        assert self.formats is not None
+        return self.formats
 
     @property
     def context(self) -> int:

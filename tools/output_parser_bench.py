@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 
-from kvfork.server.chat_output import collect, output_parser
+from kvfork.server.chat_output import ModelFormats, collect
 
 TOOLS = [{"type": "function", "function": {"name": "write", "parameters": {"type": "object", "properties": {
     "path": {"type": "string"}, "content": {"type": "string"}}}}}]
@@ -41,9 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     for family, (template, reply) in replies().items():
         pieces = [reply[i : i + 4] for i in range(0, len(reply), 4)]
         best = float("inf")
+        formats = ModelFormats.resolve("auto", "auto", template)  # once per model, as the daemon does at load
         for _ in range(5):
             start = time.perf_counter()
-            parser = output_parser("auto", "auto", template, "assistant\n", TOOLS)
+            parser = formats.parser("assistant\n", TOOLS)
             events = [event for piece in pieces for event in parser.feed(piece)] + parser.finish()
             best = min(best, time.perf_counter() - start)
         out = collect(events)

@@ -9,7 +9,6 @@ backends/torch/vision_towers.py's `Gemma3Tower`.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -21,19 +20,11 @@ from kvfork.backends.vision.processing import ImageProcessing
 class Gemma3Processing(ImageProcessing):
     bidirectional = True
 
-    def __init__(self, folder: Path, tokenizer: Any = None):
-        from transformers import AutoImageProcessor
-
-        config = json.loads((folder / "config.json").read_text())
-        self.images = AutoImageProcessor.from_pretrained(str(folder))
-        self.image_token_id = config.get("image_token_index", config.get("image_token_id"))
-        self.per_image = config.get("mm_tokens_per_image", 256)
-
     def tokens(self, width: int, height: int) -> int:
-        return self.per_image
+        return self.config.get("mm_tokens_per_image", 256)
 
     def prompt_text(self, width: int, height: int) -> str:
-        return f"\n\n<start_of_image>{'<image_soft_token>' * self.per_image}<end_of_image>\n\n"
+        return f"\n\n<start_of_image>{'<image_soft_token>' * self.tokens(width, height)}<end_of_image>\n\n"
 
     def pixels(self, picture: Any) -> dict[str, np.ndarray]:
         return {"pixel_values": self.images(images=[picture], return_tensors="np")["pixel_values"]}

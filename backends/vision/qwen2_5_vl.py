@@ -10,7 +10,6 @@ backends/torch/vision_towers.py's `Qwen2_5_VLTower`.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -22,17 +21,10 @@ from kvfork.backends.vision.processing import ImageProcessing
 class Qwen2_5_VLProcessing(ImageProcessing):
     bidirectional = False
 
-    def __init__(self, folder: Path, tokenizer: Any = None):
-        from transformers import AutoImageProcessor
-
-        config = json.loads((folder / "config.json").read_text())
-        self.images = AutoImageProcessor.from_pretrained(str(folder))
-        self.image_token_id = config["image_token_id"]
-        self.merge = config["vision_config"].get("spatial_merge_size", 2)
-
     def tokens(self, width: int, height: int) -> int:
         """The image's tokens: its patches after the processor's resize, merged merge x merge."""
-        return self.images.get_number_of_image_patches(height, width, {}) // self.merge**2
+        merge = self.config["vision_config"].get("spatial_merge_size", 2)
+        return self.images.get_number_of_image_patches(height, width, {}) // merge**2
 
     def prompt_text(self, width: int, height: int) -> str:
         return f"<|vision_start|>{'<|image_pad|>' * self.tokens(width, height)}<|vision_end|>"

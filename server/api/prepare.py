@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 from aiohttp import web
 
 from kvfork.backends.base import SEEDS, SamplingParams
 from kvfork.backends.vision import ImageInput
-from kvfork.server.chat_output import ChatOutputParser, output_parser
+from kvfork.server.chat_output import ChatOutputParser, ModelFormats
 from kvfork.server.config import ServerConfig
 from kvfork.server.engine.api import GenerateRequest, Scope
 from kvfork.server.engine.sessions import check_session_id
@@ -40,7 +40,6 @@ from kvfork.server.api.vision import SeenImage, image_mark, vision_prompt
 from kvfork.server.api.respond import Job
 from kvfork.server.limits import check_count, check_prompt_chars, check_schema, json_deeper_than
 from kvfork.server.state import AppState, ModelBounds, scope_of, tenant_of
-from kvfork.server.toolcalls import resolve_tool_parser
 from kvfork.server.toolcalls.base import openai_call_id
 from kvfork.server.text.tokenizer import PromptTokenizer
 from kvfork.server.toolcalls.hermes import with_tools_block
@@ -215,10 +214,11 @@ class Rendered:
     images: tuple[ImageInput, ...] = ()  # the images its prompt's keys name (a model that reads them)
 
 
-async def render_prompt(tokenizer: PromptTokenizer, config: ServerConfig, checked: Checked, context: int,
-                        tenant: str, make_call_id: Callable[[], str] = openai_call_id,
+async def render_prompt(tokenizer: PromptTokenizer, formats: ModelFormats, config: ServerConfig, checked: Checked,
+                        context: int, tenant: str, make_call_id: Callable[[], str] = openai_call_id,
                         count_all: bool = False) -> Rendered:
-    """Template and tokens: the prompt a checked request takes on a model of `context` tokens. A long prompt that
+    """Template and tokens: the prompt a checked request takes on a model of `context` tokens and `formats`
+    (its tokenizer's, resolved at its load). A long prompt that
     cannot fit is refused on its prefix (ContextTooLong: PromptTokenizer.within) unless `count_all` (count_tokens
     counts every token, past the context too)."""
     body, messages = checked.body, checked.messages
@@ -234,18 +234,14 @@ async def render_prompt(tokenizer: PromptTokenizer, config: ServerConfig, checke
         messages = inlined
         text = await tokenizer.render_chat(messages, body.tools, kwargs, tenant)
     rendered = messages, body.tools
-    tool_format = config.tool_parser
-    vocabulary, named = tokenizer.vocabulary, tokenizer.tool_parser_type
-    if body.tools and tool_format == "auto" and not resolve_tool_parser("auto", tokenizer.chat_template, vocabulary,
-                                                                          named):
+    if body.tools and config.tool_parser == "auto" and formats.tool is None:
         # A template that teaches no tool format may still render tools its own way; only one that
         # renders none at all (the text is the same without them) gets the Hermes block.
         if text == await tokenizer.render_chat(messages, None, kwargs, tenant):
             rendered = with_tools_block(messages, body.tools), None
             text = await tokenizer.render_chat(*rendered, kwargs, tenant)
-            tool_format = "hermes"
-    parser = output_parser(tool_format, config.reasoning_parser, tokenizer.chat_template, text, body.tools,
-                           checked.choice, checked.tool_name, make_call_id, vocabulary, named)
+            formats = replace(formats, tool="hermes")
+    parser = formats.parser(text, body.tools, checked.choice, checked.tool_name, make_call_id)
     images: tuple[ImageInput, ...] = ()
     if checked.images:
         prompt, images = await vision_prompt(tokenizer, text, checked.images, tenant)
@@ -264,7 +260,8 @@ async def prepare(state: AppState, checked: Checked, request: web.Request, rid: 
     model = state.model_name(body.model)
     scope = scope_of(request, body.cache_salt)
     tenant = scope.tenant
-    rendered = await render_prompt(tokenizer, state.config, checked, state.context, tenant, make_call_id)
+    rendered = await render_prompt(tokenizer, state.require_formats(), state.config, checked, state.context, tenant,
+                                   make_call_id)
     prompt, parser = rendered.prompt, rendered.parser
     generate = generate_request(
         body, prompt, rid=rid, vocab_size=state.engine.info.vocab_size,

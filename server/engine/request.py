@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from kvfork.server.engine.api import DoneEvent, GenerateRequest, ReuseSource, TokenEvent, Usage
 from kvfork.server.engine.follow import FollowOrder
@@ -128,6 +128,7 @@ class Finished:
 Phase = Queued | Following | Restoring | Prefilling | Decoding | Paused | Finished
 Waiting = (Queued, Following, Restoring)  # holding no slot, nothing with the runner
 InSlot = (Prefilling, Decoding)  # holding a slot, with the runner
+_Holding = TypeVar("_Holding", Decoding, Paused)  # a phase whose session the runner holds
 WithRunner = (Prefilling, Decoding, Paused)  # the runner holds its session
 
 
@@ -261,28 +262,28 @@ def started(r: Request, reused: int) -> Prefilling:
     return r.phase
 
 
+def _hand_on(r: Request, source: type[Prefilling | Decoding | Paused], into: type[_Holding]) -> _Holding:
+    """From `source` into `into`, with what the runner last published of its session."""
+    _leave(r, source)
+    held = r.phase
+    assert isinstance(held, (Prefilling, Decoding, Paused))
+    r.phase = phase = into(held.committed, held.checkpoints)
+    return phase
+
+
 def decode(r: Request) -> Decoding:
     """Its first token is sampled."""
-    _leave(r, Prefilling)
-    assert isinstance(r.phase, Prefilling)
-    r.phase = Decoding(r.phase.committed, r.phase.checkpoints)
-    return r.phase
+    return _hand_on(r, Prefilling, Decoding)
 
 
 def pause(r: Request) -> Paused:
     """It gives its slot to another tenant's request; the runner keeps its session as it is."""
-    _leave(r, Decoding)
-    assert isinstance(r.phase, Decoding)
-    r.phase = Paused(r.phase.committed, r.phase.checkpoints)
-    return r.phase
+    return _hand_on(r, Decoding, Paused)
 
 
 def resume(r: Request) -> Decoding:
     """It has a slot again, and decodes on."""
-    _leave(r, Paused)
-    assert isinstance(r.phase, Paused)
-    r.phase = Decoding(r.phase.committed, r.phase.checkpoints)
-    return r.phase
+    return _hand_on(r, Paused, Decoding)
 
 
 def finish(r: Request, reason: str, error: str | None = None) -> Finished:

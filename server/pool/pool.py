@@ -49,7 +49,8 @@ from kvfork.server.pool.served import ServedModel
 from kvfork.server.pool.specs import ModelSpec
 from kvfork.server.pool.switching import expired, next_switch, victims
 from kvfork.server.pool.turns import SwitchTurns, disrupts, waits_for
-from kvfork.server.model_load import load_tokenizer
+from kvfork.server.chat_output import ModelFormats
+from kvfork.server.model_load import tokenizer_alone
 from kvfork.server.state import AppState, ModelBounds, tenant_of
 from kvfork.server.text.tokenizer import PromptTokenizer
 
@@ -83,7 +84,7 @@ class PooledModel:
     budget_refused: bool = False  # the last load failed for the budget (its numbers), not the model's files
     known: ModelBounds | None = None  # the context and vocabulary its requests get, from its folder, before it loads
     reads_images: bool = False  # its folder's config names a vision family (backends/vision), known so too
-    counter: asyncio.Task | None = None  # its tokenizer loaded alone, for count_tokens
+    counter: asyncio.Task[tuple[PromptTokenizer, ModelFormats]] | None = None  # its tokenizer alone, for count_tokens
     files: tuple | None = None  # its folder's files when it loaded (loadable.folder_state)
 
     @property
@@ -221,23 +222,24 @@ class ModelPool:
         """Whether the model a request names reads images, known without loading it."""
         return self.model(requested).reads_images
 
-    async def counting(self, request: web.Request, requested: str | None) -> tuple[PromptTokenizer, int]:
-        """The tokenizer and context `requested` counts prompts with: the loaded model's (held for the request,
-        as `acquire` holds it), else its tokenizer loaded alone (kept), so a count never loads a model nor
-        unloads another tenant's."""
+    async def counting(self, request: web.Request, requested: str | None
+                       ) -> tuple[PromptTokenizer, ModelFormats, int]:
+        """The tokenizer, its formats and the context `requested` counts prompts with: the loaded model's (held
+        for the request, as `acquire` holds it), else its tokenizer loaded alone (kept), so a count never loads
+        a model nor unloads another tenant's."""
         model = self.model(requested)
         if model.ready:
             state = await self.acquire(request, requested, False)
-            return state.require_ready(), state.context
+            return state.require_ready(), state.require_formats(), state.context
         known = self.known(requested)
         if known is None:
             raise ApiError(503, f"model {model.spec.name!r} is not on this machine yet: a request for it downloads "
                            "and loads it", code="not_ready", param="model")
         if model.counter is None:
-            model.counter = asyncio.create_task(asyncio.to_thread(load_tokenizer, self.base.config, model.spec.path))
+            model.counter = asyncio.create_task(asyncio.to_thread(tokenizer_alone, self.base.config, model.spec.path))
         counter = model.counter
         try:
-            return await asyncio.shield(counter), known.context
+            return *await asyncio.shield(counter), known.context
         except Exception as e:
             if counter.done():
                 if model.counter is counter:
@@ -467,4 +469,4 @@ class ModelPool:
             if model.counter is not None:
                 counter, model.counter = model.counter, None
                 with contextlib.suppress(Exception):
-                    (await counter).close()
+                    (await counter)[0].close()

@@ -38,7 +38,7 @@ class ServedModel:
         self.state = copy.copy(base)
         self.state.engine, self.state.served_names, self.state.pool = self.engine, [spec.name], None
         self.state.progress = StartProgress()
-        self.state.tokenizer = None
+        self.state.tokenizer, self.state.formats = None, None
         self.state.reset_grammars()
         register_vllm_names(self.registry, self.engine, spec.name)
 

@@ -13,6 +13,7 @@ from scripted_replies import recording, scripted
 from kvfork.server.cli import serve_parser
 from kvfork.server.config import ServerConfig
 from kvfork.server.settings import from_args
+from kvfork.server import chat_output
 from kvfork.server.api.sse import EventStream
 
 
@@ -42,6 +43,22 @@ async def test_chat_tool_calls_streaming_deltas(oai):
         finish = chunk.choices[0].finish_reason or finish
     assert content == "" and finish == "tool_calls"
     assert [json.loads(a) for a in calls.values()] == [{"city": "Paris"}, {"city": "Oslo"}]
+
+
+async def test_the_model_s_formats_are_resolved_once_at_its_load(daemon, oai, monkeypatch):
+    """The tool-call family and the reasoning format depend on the template and vocabulary alone: resolved when
+    the model loads, then read by every request, never resolved again."""
+    formats = daemon.state.formats
+    assert formats == chat_output.ModelFormats("hermes", "think")
+    resolved: list[tuple] = []
+    monkeypatch.setattr(chat_output, "resolve_tool_parser", lambda *given: resolved.append(given))
+    monkeypatch.setattr(chat_output, "resolve_reasoning", lambda *given: resolved.append(given))
+    done = await oai.chat.completions.create(model="tiny", messages=user("weather?"), tools=[WEATHER])
+    assert done.choices[0].message.tool_calls
+    stream = await oai.chat.completions.create(model="tiny", messages=user("two calls"), tools=[WEATHER],
+                                               stream=True)
+    assert [chunk async for chunk in stream]
+    assert resolved == [] and daemon.state.formats is formats
 
 
 async def test_tool_result_round_trip(oai):

@@ -39,11 +39,13 @@ def three(tmp_path_factory) -> dict[str, str]:
 
 
 @asynccontextmanager
-async def pool(models: dict[str, str], hold: int = 2, backend: str = "torch", engine: dict | None = None, **server):
-    """A daemon of `models` under a budget that holds `hold` of them (weights and KV); `engine`: more settings."""
+async def pool(models: dict[str, str], hold: int = 2, backend: str = "torch", engine: dict | None = None,
+               budget: int | None = None, **server):
+    """A daemon of `models` under a budget that holds `hold` of them (weights and KV), or of `budget` bytes;
+    `engine`: more settings."""
     weights = max(weights_on_disk(p) for p in models.values())
     config = ServerConfig(model=[f"{n}={p}" for n, p in models.items()], port=0, shutdown_grace=1.0,
-                          memory_budget_bytes=hold * (weights + KV) + KV // 2, **server)
+                          memory_budget_bytes=budget or hold * (weights + KV) + KV // 2, **server)
     engine_config = EngineConfig(**{**TEST_ENGINE, "kv_budget_bytes": KV, **(engine or {})})
     daemon = PoolDaemon(config, engine_config, model_specs(config.model, None), backend,
                         lambda: create_backend(backend))

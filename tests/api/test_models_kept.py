@@ -7,31 +7,17 @@ from __future__ import annotations
 
 import json
 import os
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from http_daemon import TEST_ENGINE, chat_body
-from kvfork.backends import create_backend
+from http_daemon import chat_body
 from kvfork.backends.device_memory import weights_on_disk
 from kvfork.backends.torch import loading
-from kvfork.server.config import ServerConfig
-from kvfork.server.engine.config import EngineConfig
-from kvfork.server.pool.daemon import PoolDaemon
-from kvfork.server.pool.specs import model_specs
 from kvfork.server.text.tokenizer import PromptTokenizer
+from test_models_http import KV, pool, three  # noqa: F401 (three: the fixture)
 from tiny_models import write_model
-
-KV = 32 * 1024 * 1024
-
-
-@pytest.fixture(scope="module")
-def three(tmp_path_factory) -> dict[str, str]:
-    return {name: str(write_model(tmp_path_factory.mktemp(name), "llama", seed=i))
-            for i, name in enumerate(("a", "b", "c"))}
-
 
 @pytest.fixture
 def reads(monkeypatch) -> list[str]:
@@ -65,20 +51,11 @@ def weights(models: dict[str, str]) -> int:
     return max(weights_on_disk(p) for p in models.values())
 
 
-@asynccontextmanager
-async def one_at_a_time(models: dict[str, str], kept: int, kv: int = KV, **engine_config):
+def one_at_a_time(models: dict[str, str], kept: int, kv: int = KV, **engine_config):
     """A daemon loading one model at a time, each with a KV budget of `kv`, and room in its budget for `kept`
     models' weights beside it."""
-    config = ServerConfig(model=[f"{n}={p}" for n, p in models.items()], port=0, shutdown_grace=1.0,
-                          max_loaded_models=1, memory_budget_bytes=weights(models) + kv + kept * weights(models))
-    engine = EngineConfig(**{**TEST_ENGINE, "kv_budget_bytes": kv, **engine_config})
-    daemon = PoolDaemon(config, engine, model_specs(config.model, None), "torch", lambda: create_backend("torch"))
-    await daemon.listen()
-    try:
-        await daemon.load()
-        yield daemon
-    finally:
-        await daemon.close()
+    return pool(models, engine={"kv_budget_bytes": kv, **engine_config}, max_loaded_models=1,
+                budget=weights(models) + kv + kept * weights(models))
 
 
 async def answer(http, daemon, model: str, text: str = "the capital of France") -> str:

@@ -73,35 +73,48 @@ def test_without_contention_the_order_is_first_come():
     assert next_in_line(["a", "a", "b"], {"a": 8}) == 2  # b holds none: its first request goes first
 
 
-async def test_one_tenant_cannot_shut_another_out_of_slots_and_queue():
-    """Tenant A fills the 2 slots and the queue of 4; B still gets in (A's newest queued request gives way
-    with a 429), and the next free slot is B's."""
-    backend = ScriptedBackend()
-    gate = backend.gates["decode"] = Gate()
-    engine = await start_engine(backend, inference_slots=2, max_queue=4, prefix_cache_entries=0,
-                                active_prefix_reuse_min_tokens=0)
-    a, b = Scope("tenant-a"), Scope("tenant-b")
-    try:
-        handles = [engine.submit(request(prompt_of(20, 100 * i), 4, rid=f"a{i}", scope=a)) for i in range(6)]
-        await asyncio.to_thread(gate.reached.wait, 30)
-        with pytest.raises(CapacityExhausted):  # alone at a full queue: refused as before
-            engine.submit(request(prompt_of(20, 700), 4, rid="a6", scope=a))
-        b_handle = engine.submit(request(prompt_of(20, 900), 4, rid="b0", scope=b))
-        _, gave = await collect(handles[5])
-        assert gave.finish_reason == "error" and gave.gave_way  # A's newest waiting request
-        order: list[str] = []
+@pytest.fixture
+async def gated():
+    """Makes an engine over a scripted backend whose decode steps wait at a gate, with `slots` inference slots
+    and no prefix reuse; each is opened and shut down after the test."""
+    made = []
 
-        async def track(rid, handle):
-            await collect(handle)
-            order.append(rid)
+    async def make(slots: int, **config):
+        backend = ScriptedBackend()
+        gate = backend.gates["decode"] = Gate()
+        engine = await start_engine(backend, inference_slots=slots, prefix_cache_entries=0,
+                                    active_prefix_reuse_min_tokens=0, **config)
+        made.append((engine, gate))
+        return engine, backend, gate
 
-        gate.open()
-        await asyncio.gather(*(track(f"a{i}", h) for i, h in enumerate(handles[:5])), track("b0", b_handle))
-        # b0 took the first slot that came free: it ended before A's last queued requests
-        assert order.index("b0") < order.index("a4")
-    finally:
+    yield make
+    for engine, gate in made:
         gate.open()
         await engine.shutdown(1)
+
+
+async def test_one_tenant_cannot_shut_another_out_of_slots_and_queue(gated):
+    """Tenant A fills the 2 slots and the queue of 4; B still gets in (A's newest queued request gives way
+    with a 429), and the next free slot is B's."""
+    engine, backend, gate = await gated(2, max_queue=4)
+    a, b = Scope("tenant-a"), Scope("tenant-b")
+    handles = [engine.submit(request(prompt_of(20, 100 * i), 4, rid=f"a{i}", scope=a)) for i in range(6)]
+    await asyncio.to_thread(gate.reached.wait, 30)
+    with pytest.raises(CapacityExhausted):  # alone at a full queue: refused as before
+        engine.submit(request(prompt_of(20, 700), 4, rid="a6", scope=a))
+    b_handle = engine.submit(request(prompt_of(20, 900), 4, rid="b0", scope=b))
+    _, gave = await collect(handles[5])
+    assert gave.finish_reason == "error" and gave.gave_way  # A's newest waiting request
+    order: list[str] = []
+
+    async def track(rid, handle):
+        await collect(handle)
+        order.append(rid)
+
+    gate.open()
+    await asyncio.gather(*(track(f"a{i}", h) for i, h in enumerate(handles[:5])), track("b0", b_handle))
+    # b0 took the first slot that came free: it ended before A's last queued requests
+    assert order.index("b0") < order.index("a4")
 
 
 def test_preempt_over_every_small_batch():
@@ -143,133 +156,102 @@ def _phase(engine, rid):
     return next((r.phase for r in engine.requests() if r.req.request_id == rid), None)
 
 
-async def test_a_hog_pauses_a_request_for_the_innocent_and_it_decodes_on_unchanged():
+async def test_a_hog_pauses_a_request_for_the_innocent_and_it_decodes_on_unchanged(gated):
     """A holds both slots with long generations (one of them seeded); B's request gets a slot at once: A's
     newest pauses (its session kept), B's first token comes before A's requests end, and A's paused request
     then decodes on to exactly the tokens it generates alone."""
-    backend = ScriptedBackend()
-    gate = backend.gates["decode"] = Gate()
-    engine = await start_engine(backend, inference_slots=2, prefix_cache_entries=0,
-                                active_prefix_reuse_min_tokens=0)
+    engine, backend, gate = await gated(2)
     a, b = Scope("tenant-a"), Scope("tenant-b")
     seeded = SamplingParams(temperature=0.8, seed=7)
-    try:
-        hog = [engine.submit(request(prompt_of(20, 100 * i), 40, rid=f"a{i}", scope=a,
-                                     **({"sampling": seeded} if i else {}))) for i in range(2)]
-        await reached(gate)
-        await until(lambda: all(isinstance(_phase(engine, f"a{i}"), Decoding) for i in range(2)))
-        innocent = engine.submit(request(prompt_of(20, 900), 4, rid="b0", scope=b))
-        assert isinstance(_phase(engine, "a1"), Paused)  # the newest, at once: no end awaited
-        snap = engine.snapshot()
-        assert (snap.paused, snap.queued, snap.slots_used) == (1, 0, 2)
-        gate.open()
-        (a0, _), (a1, done1), (b0, _) = await asyncio.gather(*(collect(h) for h in (*hog, innocent)))
-        # in the runner's calls: b0 prefilled and decoded beside a0 while a1 sat out, then a1 decoded on
-        prefills = [sid for call in backend.calls if call[0] == "prefill" for sid, _ in call[1]]
-        s0, s1, sb = prefills
-        decodes = [set(call[1]) for call in backend.calls if call[0] == "decode"]
-        with_b = [i for i, rows in enumerate(decodes) if sb in rows]
-        assert with_b and all(decodes[i] == {s0, sb} for i in with_b)
-        assert s1 in decodes[0] and any(s1 in rows for rows in decodes[with_b[-1] + 1:])
-        assert engine.metrics.preemptions.get() == 1
-        assert a0 == backend.greedy(prompt_of(20, 0), 40) and b0 == backend.greedy(prompt_of(20, 900), 4)
-        assert a1 == backend.greedy(prompt_of(20, 100), 40) and done1.finish_reason == "length"
-        assert done1.usage.prefilled_tokens == 20  # resumed from its own session: nothing prefilled again
-        await settled(engine, backend)
-        assert backend.live_sessions() == 0
-    finally:
-        gate.open()
-        await engine.shutdown(1)
-
-
-async def test_a_paused_request_cancelled_leaves_nothing_behind():
-    backend = ScriptedBackend()
-    gate = backend.gates["decode"] = Gate()
-    engine = await start_engine(backend, inference_slots=2, prefix_cache_entries=0,
-                                active_prefix_reuse_min_tokens=0)
-    a = Scope("tenant-a")
-    try:
-        hog = [engine.submit(request(prompt_of(20, 100 * i), 10_000, rid=f"a{i}", scope=a)) for i in range(3)]
-        await reached(gate)
-        await until(lambda: all(isinstance(_phase(engine, f"a{i}"), Decoding) for i in range(2)))
-        innocent = engine.submit(request(prompt_of(20, 900), 10_000, rid="b0", scope=Scope("tenant-b")))
-        assert isinstance(_phase(engine, "a1"), Paused)
-        hog[1].cancel()  # the client of the paused request goes away
-        gate.open()
-        _, done = await collect(hog[1])
-        assert done.finish_reason == "cancelled"
-        await until(lambda: backend.live_sessions() == 2)  # a0's and b0's: a1's session was released
-        snap = engine.snapshot()
-        assert (snap.paused, snap.queued, snap.slots_used) == (0, 1, 2)  # a2 waits: each tenant holds its share
-        engine.submit(request(prompt_of(20, 500), 10_000, rid="b1", scope=Scope("tenant-b")))
-        assert engine.snapshot().paused == 0  # b at its share: nobody pauses for its second request
-        engine.submit(request(prompt_of(20, 700), 10_000, rid="c0", scope=Scope("tenant-c")))
-        assert engine.snapshot().paused == 0  # three tenants over two slots: a share of 1, nobody above it
-    finally:
-        gate.open()
-        await engine.shutdown(1)  # everything still running or paused is cancelled and released
+    hog = [engine.submit(request(prompt_of(20, 100 * i), 40, rid=f"a{i}", scope=a,
+                                 **({"sampling": seeded} if i else {}))) for i in range(2)]
+    await reached(gate)
+    await until(lambda: all(isinstance(_phase(engine, f"a{i}"), Decoding) for i in range(2)))
+    innocent = engine.submit(request(prompt_of(20, 900), 4, rid="b0", scope=b))
+    assert isinstance(_phase(engine, "a1"), Paused)  # the newest, at once: no end awaited
+    snap = engine.snapshot()
+    assert (snap.paused, snap.queued, snap.slots_used) == (1, 0, 2)
+    gate.open()
+    (a0, _), (a1, done1), (b0, _) = await asyncio.gather(*(collect(h) for h in (*hog, innocent)))
+    # in the runner's calls: b0 prefilled and decoded beside a0 while a1 sat out, then a1 decoded on
+    prefills = [sid for call in backend.calls if call[0] == "prefill" for sid, _ in call[1]]
+    s0, s1, sb = prefills
+    decodes = [set(call[1]) for call in backend.calls if call[0] == "decode"]
+    with_b = [i for i, rows in enumerate(decodes) if sb in rows]
+    assert with_b and all(decodes[i] == {s0, sb} for i in with_b)
+    assert s1 in decodes[0] and any(s1 in rows for rows in decodes[with_b[-1] + 1:])
+    assert engine.metrics.preemptions.get() == 1
+    assert a0 == backend.greedy(prompt_of(20, 0), 40) and b0 == backend.greedy(prompt_of(20, 900), 4)
+    assert a1 == backend.greedy(prompt_of(20, 100), 40) and done1.finish_reason == "length"
+    assert done1.usage.prefilled_tokens == 20  # resumed from its own session: nothing prefilled again
+    await settled(engine, backend)
     assert backend.live_sessions() == 0
 
 
-async def test_a_shutdown_ends_a_paused_request():
-    backend = ScriptedBackend()
-    gate = backend.gates["decode"] = Gate()
-    engine = await start_engine(backend, inference_slots=2, prefix_cache_entries=0,
-                                active_prefix_reuse_min_tokens=0)
-    try:
-        hog = [engine.submit(request(prompt_of(20, 100 * i), 10_000, rid=f"a{i}", scope=Scope("tenant-a")))
-               for i in range(2)]
-        await reached(gate)
-        await until(lambda: all(isinstance(_phase(engine, f"a{i}"), Decoding) for i in range(2)))
-        engine.submit(request(prompt_of(20, 900), 10_000, rid="b0", scope=Scope("tenant-b")))
-        assert engine.snapshot().paused == 1
-    finally:
-        gate.open()
-        await engine.shutdown(1)
+async def test_a_paused_request_cancelled_leaves_nothing_behind(gated):
+    engine, backend, gate = await gated(2)
+    a = Scope("tenant-a")
+    hog = [engine.submit(request(prompt_of(20, 100 * i), 10_000, rid=f"a{i}", scope=a)) for i in range(3)]
+    await reached(gate)
+    await until(lambda: all(isinstance(_phase(engine, f"a{i}"), Decoding) for i in range(2)))
+    innocent = engine.submit(request(prompt_of(20, 900), 10_000, rid="b0", scope=Scope("tenant-b")))
+    assert isinstance(_phase(engine, "a1"), Paused)
+    hog[1].cancel()  # the client of the paused request goes away
+    gate.open()
+    _, done = await collect(hog[1])
+    assert done.finish_reason == "cancelled"
+    await until(lambda: backend.live_sessions() == 2)  # a0's and b0's: a1's session was released
+    snap = engine.snapshot()
+    assert (snap.paused, snap.queued, snap.slots_used) == (0, 1, 2)  # a2 waits: each tenant holds its share
+    engine.submit(request(prompt_of(20, 500), 10_000, rid="b1", scope=Scope("tenant-b")))
+    assert engine.snapshot().paused == 0  # b at its share: nobody pauses for its second request
+    engine.submit(request(prompt_of(20, 700), 10_000, rid="c0", scope=Scope("tenant-c")))
+    assert engine.snapshot().paused == 0  # three tenants over two slots: a share of 1, nobody above it
+    gate.open()
+    await engine.shutdown(1)  # everything still running or paused is cancelled and released
+    assert backend.live_sessions() == 0
+
+
+async def test_a_shutdown_ends_a_paused_request(gated):
+    engine, backend, gate = await gated(2)
+    hog = [engine.submit(request(prompt_of(20, 100 * i), 10_000, rid=f"a{i}", scope=Scope("tenant-a")))
+           for i in range(2)]
+    await reached(gate)
+    await until(lambda: all(isinstance(_phase(engine, f"a{i}"), Decoding) for i in range(2)))
+    engine.submit(request(prompt_of(20, 900), 10_000, rid="b0", scope=Scope("tenant-b")))
+    assert engine.snapshot().paused == 1
+    gate.open()
+    await engine.shutdown(1)
     _, done = await collect(hog[1])
     assert done.finish_reason == "cancelled" and backend.live_sessions() == 0
 
 
-async def test_choices_get_every_slot_they_need_or_nobody_pauses():
+async def test_choices_get_every_slot_they_need_or_nobody_pauses(gated):
     """4 slots, all the hog's, decoding: a request of 3 choices cannot get 3 (its share is 2): nobody pauses
     for it. One of 2 choices can: two of the hog's pause, and its choices take both slots at once."""
-    backend = ScriptedBackend()
-    gate = backend.gates["decode"] = Gate()
-    engine = await start_engine(backend, inference_slots=4, prefix_cache_entries=0,
-                                active_prefix_reuse_min_tokens=0)
-    try:
-        for i in range(4):
-            engine.submit(request(prompt_of(20, 100 * i), 10_000, rid=f"a{i}", scope=Scope("tenant-a")))
-        await reached(gate)
-        await until(lambda: all(isinstance(_phase(engine, f"a{i}"), Decoding) for i in range(4)))
-        engine.submit_choices(request(prompt_of(20, 900), 4, rid="b3", scope=Scope("tenant-b"), n=3))
-        assert (engine.snapshot().paused, engine.snapshot().queued) == (0, 1)
-        engine.submit_choices(request(prompt_of(20, 800), 4, rid="c2", scope=Scope("tenant-c"), n=2))
-        snap = engine.snapshot()  # b's is still next in line, and three tenants make a share of 1 each
-        assert (snap.paused, snap.queued) == (0, 2)
-    finally:
-        gate.open()
-        await engine.shutdown(1)
+    engine, backend, gate = await gated(4)
+    for i in range(4):
+        engine.submit(request(prompt_of(20, 100 * i), 10_000, rid=f"a{i}", scope=Scope("tenant-a")))
+    await reached(gate)
+    await until(lambda: all(isinstance(_phase(engine, f"a{i}"), Decoding) for i in range(4)))
+    engine.submit_choices(request(prompt_of(20, 900), 4, rid="b3", scope=Scope("tenant-b"), n=3))
+    assert (engine.snapshot().paused, engine.snapshot().queued) == (0, 1)
+    engine.submit_choices(request(prompt_of(20, 800), 4, rid="c2", scope=Scope("tenant-c"), n=2))
+    snap = engine.snapshot()  # b's is still next in line, and three tenants make a share of 1 each
+    assert (snap.paused, snap.queued) == (0, 2)
 
 
-async def test_two_choices_take_the_slots_two_pauses_give():
-    backend = ScriptedBackend()
-    gate = backend.gates["decode"] = Gate()
-    engine = await start_engine(backend, inference_slots=4, prefix_cache_entries=0,
-                                active_prefix_reuse_min_tokens=0)
-    try:
-        for i in range(4):
-            engine.submit(request(prompt_of(20, 100 * i), 10_000, rid=f"a{i}", scope=Scope("tenant-a")))
-        await reached(gate)
-        await until(lambda: all(isinstance(_phase(engine, f"a{i}"), Decoding) for i in range(4)))
-        handles = engine.submit_choices(request(prompt_of(20, 900), 4, rid="b2", scope=Scope("tenant-b"), n=2))
-        snap = engine.snapshot()
-        assert (snap.paused, snap.queued, snap.slots_used) == (2, 0, 4)
-        assert {type(_phase(engine, f"a{i}")) for i in (2, 3)} == {Paused}  # the newest two
-        gate.open()
-        for handle in handles:
-            tokens, done = await collect(handle)
-            assert done.finish_reason == "length" and len(tokens) == 4
-    finally:
-        gate.open()
-        await engine.shutdown(1)
+async def test_two_choices_take_the_slots_two_pauses_give(gated):
+    engine, backend, gate = await gated(4)
+    for i in range(4):
+        engine.submit(request(prompt_of(20, 100 * i), 10_000, rid=f"a{i}", scope=Scope("tenant-a")))
+    await reached(gate)
+    await until(lambda: all(isinstance(_phase(engine, f"a{i}"), Decoding) for i in range(4)))
+    handles = engine.submit_choices(request(prompt_of(20, 900), 4, rid="b2", scope=Scope("tenant-b"), n=2))
+    snap = engine.snapshot()
+    assert (snap.paused, snap.queued, snap.slots_used) == (2, 0, 4)
+    assert {type(_phase(engine, f"a{i}")) for i in (2, 3)} == {Paused}  # the newest two
+    gate.open()
+    for handle in handles:
+        tokens, done = await collect(handle)
+        assert done.finish_reason == "length" and len(tokens) == 4

@@ -8,7 +8,7 @@ import logging
 
 from family_models import HARMONY, model_for
 from http_daemon import serving
-from kvfork.server.chat_output import output_parser
+from kvfork.server.chat_output import ModelFormats
 from kvfork.server.reasoning import FORMATS, resolve_reasoning
 from kvfork.server.toolcalls import resolve_tool_parser
 from streaming_helpers import collect, counting_ids, parse_every_way, run
@@ -18,8 +18,8 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 
 
 def harmony(tools=(WEATHER,), choice="auto", name=None):
-    return lambda: output_parser("auto", "auto", HARMONY, "<|start|>assistant", list(tools) or None, choice, name,
-                                 counting_ids())
+    return lambda: ModelFormats.resolve("auto", "auto", HARMONY).parser("<|start|>assistant", list(tools) or None,
+                                                                choice, name, counting_ids())
 
 
 def test_analysis_is_reasoning_and_final_is_content():
@@ -64,7 +64,7 @@ def test_a_forced_call_opens_in_the_template_s_layout():
 
 def thinking(fmt: str, in_reasoning: bool = False):
     prompt = "x" + (FORMATS[fmt].open if in_reasoning else "")
-    return lambda: output_parser("none", fmt, None, prompt, None)
+    return lambda: ModelFormats.resolve("none", fmt, None).parser(prompt, None)
 
 
 def test_each_thinking_format_splits_and_never_loses_content():
@@ -82,7 +82,7 @@ def test_setting_names_resolve():
 
 
 def family_parser(name: str):
-    return lambda: output_parser(name, "none", None, "", [WEATHER], make_id=counting_ids())
+    return lambda: ModelFormats.resolve(name, "none", None).parser("", [WEATHER], make_id=counting_ids())
 
 
 def test_kimi_keeps_the_model_s_call_ids():
@@ -125,11 +125,11 @@ async def test_a_template_with_unknown_tool_markup_serves_and_warns(tiny_model_d
 
 async def test_markup_tokens_are_kept_for_the_parsers_only(tiny_model_dir, tmp_path):
     """The chat routes' text keeps the model's markup tokens for the parsers; /v1/completions' drops them."""
-    from kvfork.server.chat_output import start_formats
+    from kvfork.server.chat_output import ModelFormats, start_formats
     from kvfork.server.text.tokenizer import PromptTokenizer
 
     tokenizer = PromptTokenizer.load(str(model_for("harmony", tiny_model_dir("llama"), tmp_path / "harmony")))
-    assert await start_formats(tokenizer, "auto", "auto") is None
+    assert await start_formats(tokenizer, ModelFormats.of(tokenizer, "auto", "auto"), "auto") is None
     ids = tokenizer.tokenizer.encode("<|channel|>final<|message|>Hi<|im_end|>", add_special_tokens=False)
     assert tokenizer.decode_markup(ids) == "<|channel|>final<|message|>Hi"
     assert tokenizer.decode(ids) == "finalHi"

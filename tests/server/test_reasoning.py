@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kvfork.server.chat_output import ChatOutputParser, ToolCall, output_parser
+from kvfork.server.chat_output import ChatOutputParser, ModelFormats, ToolCall
 from kvfork.server.reasoning import ReasoningSplitter, detect_reasoning, starts_in_reasoning
 from kvfork.server.toolcalls import PARSERS
 from kvfork.server.toolcalls.base import ReasoningDelta, TextDelta
@@ -67,7 +67,7 @@ def test_reasoning_then_tool_call_through_the_pipeline():
     )
 
     def make():
-        return output_parser("auto", "auto", QWEN3_TEMPLATE, "assistant\n", TOOLS, "auto", make_id=counting_ids())
+        return ModelFormats.resolve("auto", "auto", QWEN3_TEMPLATE).parser("assistant\n", TOOLS, "auto", make_id=counting_ids())
 
     out = parse_every_way(make, text)
     # a call written inside the reasoning is thought, not made
@@ -78,7 +78,7 @@ def test_reasoning_then_tool_call_through_the_pipeline():
 
 def test_pipeline_choices():
     def parts(settings=("auto", "auto"), template=QWEN3_TEMPLATE, tools=TOOLS, choice="auto"):
-        p = output_parser(*settings, template, "x", tools, choice)
+        p = ModelFormats.resolve(*settings, template).parser("x", tools, choice)
         return type(p.tool_parser).__name__ if p.tool_parser else None, p.reasoning is not None
 
     assert parts() == ("HermesParser", True)
@@ -97,7 +97,7 @@ def test_pipeline_without_parsers_passes_text_through():
 
 def test_required_and_named_choices_force_the_opening():
     def make(choice, name=None, template=QWEN3_TEMPLATE, prompt="assistant\n"):
-        return lambda: output_parser("auto", "auto", template, prompt, TOOLS, choice, name, counting_ids())
+        return lambda: ModelFormats.resolve("auto", "auto", template).parser(prompt, TOOLS, choice, name, counting_ids())
 
     assert make("required")().prompt_suffix == "<tool_call>\n"
     out = parse_every_way(make("required"), '{"name": "ls", "arguments": {}}\n</tool_call>')

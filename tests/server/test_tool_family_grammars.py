@@ -15,7 +15,7 @@ from backend_fixtures import backend_name  # noqa: F401  (fixture: each importab
 from family_models import FAMILIES, model_for
 from kvfork.backends import create_backend
 from http_daemon import serving
-from kvfork.server.chat_output import output_parser, start_formats
+from kvfork.server.chat_output import ModelFormats, start_formats
 from kvfork.server.grammar import GrammarCompiler, grammar_text, request_ask
 from kvfork.server.reasoning import detect_reasoning
 from kvfork.server.text.tokenizer import PromptTokenizer
@@ -120,11 +120,11 @@ async def test_forced_calls_from_random_tokens_are_read_by_mlx_lm(name, choice, 
 
     hf = AutoTokenizer.from_pretrained(family_dir(name))
     tokenizer = PromptTokenizer(hf)
-    await start_formats(tokenizer, "auto", "auto")
+    formats = ModelFormats.of(tokenizer, "auto", "auto")
+    await start_formats(tokenizer, formats, "auto")
     tool_name = "get_forecast" if choice == "function" else None
     def make():
-        return output_parser("auto", "auto", tokenizer.chat_template, "", TOOLS, choice, tool_name, counting_ids(),
-                             tokenizer.vocabulary)
+        return formats.parser("", TOOLS, choice, tool_name, counting_ids())
 
     parser = make()
     assert parser.call_format == name and parser.prompt_suffix

@@ -86,9 +86,10 @@ async def count_tokens(request: web.Request) -> web.Response:
     (AppState.counting)."""
     state = state_of(request)
     body: CountTokensRequest = without_volatile_lines(state, await read_body(request, DECODE_COUNT))
-    tokenizer, context = await state.counting(request, body.model)
+    tokenizer, formats, context = await state.counting(request, body.model)
     checked = await checked_chat(state, body, request, "count_tokens", ModelBounds(context, None))
-    rendered = await render_prompt(tokenizer, state.config, checked, context, tenant_of(request), count_all=True)
+    rendered = await render_prompt(tokenizer, formats, state.config, checked, context, tenant_of(request),
+                                   count_all=True)
     return json_response(TokenCount(len(rendered.prompt)))
 
 
