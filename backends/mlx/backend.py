@@ -12,6 +12,7 @@ kv_storage.py stores them (`stored`), and every copy moves those rows.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Callable, Collection, Sequence
 
 import mlx.core as mx
@@ -340,13 +341,14 @@ class MLXBackend(Backend):
         it (the engine's chunk ends are a hint; a checkpoint is exact wherever it falls); the
         recurrent states taken there, not yet kept: a chunk that fails keeps none."""
         start, taken = session.position, {}
-        tokens, embedded = self.vision.inputs(chunk, start) if self.vision else (mx.array(chunk)[None], None)
         cuts = sorted(p - start for p in session.wanted if start < p < start + len(chunk))
-        for a, b in zip([0, *cuts], [*cuts, len(chunk)]):
-            logits = last_logits(self.model, tokens[:, a:b], session.caches, self._last_only,
-                                 None if embedded is None else embedded[:, a:b])[0]
-            if start + b in session.wanted:
-                taken[start + b] = self._states(session.caches, None)
+        inputs = self.vision.reading(chunk, start) if self.vision else nullcontext((mx.array(list(chunk))[None], None))
+        with inputs as (tokens, embedded):  # a vision model's keys as embeddings (vision.py)
+            for a, b in zip([0, *cuts], [*cuts, len(chunk)]):
+                logits = last_logits(self.model, tokens[:, a:b], session.caches, self._last_only,
+                                     None if embedded is None else embedded[:, a:b])[0]
+                if start + b in session.wanted:
+                    taken[start + b] = self._states(session.caches, None)
         return logits, taken
 
     def _states(self, caches: Sequence[Any], row: int | None) -> list[ArraysCache]:

@@ -23,7 +23,7 @@ from kvfork.backends.vision import load_processing
 from kvfork.tools.vision_model import FAMILIES, write
 
 # (family, backend): every family on torch; on MLX those it reads images of (backends/mlx/vision.py SERVED)
-CASES = [*((family, "torch") for family in FAMILIES), ("smolvlm", "mlx")]
+CASES = [*((family, "torch") for family in FAMILIES), ("smolvlm", "mlx"), ("gemma3", "mlx")]
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 CHAT, MESSAGES = "/v1/chat/completions", "/v1/messages"
