@@ -71,6 +71,7 @@ class MLXBackend(Backend):
     def memory(self, step_tokens: int) -> DeviceMemory:
         """Apple Silicon's unified memory (MLX's wired limit raised to Metal's working set), else the CPU's."""
         weights = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+        weights += self.vision.weight_bytes() if self.vision else 0  # a vision tower's, beside them (vision.py)
         return metal_memory(weights) if mx.metal.is_available() else cpu_memory(weights)
 
     def open_session(self) -> MLXSession:

@@ -147,6 +147,10 @@ class MLXVisionReader:
         if getattr(model, "model_type", None) == "gemma3_text":  # as mlx-lm's Gemma3Model: sqrt(hidden) in bfloat16
             self.scale = mx.array(model.args.hidden_size**0.5, mx.bfloat16).astype(self.dtype)
 
+    def weight_bytes(self) -> int:
+        """The tower's weights (torch's, on the host)."""
+        return sum(t.nbytes for t in (*self.reader.tower.parameters(), *self.reader.tower.buffers()))
+
     def encode(self, images: Sequence[ImageInput], scope: str) -> int:
         return self.reader.encode(images, scope)
 
