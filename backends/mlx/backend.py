@@ -12,6 +12,7 @@ kv_storage.py stores them (`stored`), and every copy moves those rows.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Callable, Collection, Sequence
 
 import mlx.core as mx
@@ -28,6 +29,7 @@ from kvfork.backends.mlx.batch import DecodeBatch, cache_marks, unmoved
 from kvfork.backends.mlx.last_token import last_logits, supports_last_position
 from kvfork.backends.mlx.loading import load_model
 from kvfork.backends.mlx.mlx_lm_caches import write_index
+from kvfork.backends.vision import ImageInput
 
 
 class MLXSession(Session):
@@ -50,16 +52,26 @@ class MLXBackend(Backend):
         self.kv_storage = storage  # load refuses what MLX or the model's heads cannot take (kv_storage.py)
 
     def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
-        self.model, self.tokenizer, self.info, self._storage = load_model(folder, dtype, self.group, self.kv_storage)
+        self.model, self.tokenizer, self.info, self._storage, self.vision = load_model(folder, dtype, self.group,
+                                                                                      self.kv_storage)
         self._windows = list(self.info.sliding_windows)
         self._sessions: dict[int, MLXSession] = {}
         self._batch = DecodeBatch(self.model)
         self._last_only = supports_last_position(self.model)
         return self.info
 
+    def encode_images(self, images: Sequence[ImageInput], scope: str) -> int:
+        assert self.vision is not None, "the model reads no images"
+        return self.vision.encode(images, scope)
+
+    def release_images(self, images: Sequence[int]) -> None:
+        assert self.vision is not None, "the model reads no images"
+        self.vision.release(images)
+
     def memory(self, step_tokens: int) -> DeviceMemory:
         """Apple Silicon's unified memory (MLX's wired limit raised to Metal's working set), else the CPU's."""
         weights = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+        weights += self.vision.weight_bytes() if self.vision else 0  # a vision tower's, beside them (vision.py)
         return metal_memory(weights) if mx.metal.is_available() else cpu_memory(weights)
 
     def open_session(self) -> MLXSession:
@@ -81,6 +93,8 @@ class MLXBackend(Backend):
 
     def prefill(self, sessions: Sequence[MLXSession], chunks: Sequence[Sequence[int]]) -> mx.array:
         check_inputs(sessions, chunks, self._sessions, self.info)
+        if self.vision is not None:
+            self.vision.check(chunks)  # a refusal before anything is written
         if not sessions:
             return mx.zeros((0, self.info.vocab_size), mx.float32)
         return mx.stack(self._standalone(sessions, chunks)).astype(mx.float32)
@@ -329,10 +343,13 @@ class MLXBackend(Backend):
         recurrent states taken there, not yet kept: a chunk that fails keeps none."""
         start, taken = session.position, {}
         cuts = sorted(p - start for p in session.wanted if start < p < start + len(chunk))
-        for a, b in zip([0, *cuts], [*cuts, len(chunk)]):
-            logits = last_logits(self.model, mx.array(chunk[a:b])[None], session.caches, self._last_only)[0]
-            if start + b in session.wanted:
-                taken[start + b] = self._states(session.caches, None)
+        inputs = self.vision.reading(chunk, start) if self.vision else nullcontext((mx.array(list(chunk))[None], None))
+        with inputs as (tokens, embedded):  # a vision model's keys as embeddings (vision.py)
+            for a, b in zip([0, *cuts], [*cuts, len(chunk)]):
+                logits = last_logits(self.model, tokens[:, a:b], session.caches, self._last_only,
+                                     None if embedded is None else embedded[:, a:b])[0]
+                if start + b in session.wanted:
+                    taken[start + b] = self._states(session.caches, None)
         return logits, taken
 
     def _states(self, caches: Sequence[Any], row: int | None) -> list[ArraysCache]:

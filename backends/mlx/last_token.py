@@ -39,12 +39,12 @@ def _owner(model: nn.Module) -> nn.Module:
     return text if isinstance(text, nn.Module) else model
 
 
-def _with_last_position(model: nn.Module, tokens: mx.array, cache) -> mx.array:
+def _with_last_position(model: nn.Module, tokens: mx.array, cache, embedded: mx.array | None = None) -> mx.array:
     owner = _owner(model)
     inner = owner["model"]
     owner["model"] = _LastPosition(inner)
     try:
-        return model(tokens, cache=cache)[:, -1]
+        return _call(model, tokens, cache, embedded)[:, -1]
     finally:
         owner["model"] = inner
 
@@ -62,8 +62,16 @@ def supports_last_position(model: nn.Module) -> bool:
     return fast.shape == plain.shape and mx.abs(fast - plain).max().item() <= 1e-2 * (mx.abs(plain).max().item() + 1)
 
 
-def last_logits(model: nn.Module, tokens: mx.array, cache, last_only: bool) -> mx.array:
-    """Logits [batch, vocab] of the last position of `tokens`, committing them to `cache`."""
+def _call(model: nn.Module, tokens: mx.array, cache, embedded: mx.array | None) -> mx.array:
+    if embedded is None:
+        return model(tokens, cache=cache)
+    return model(tokens, cache=cache, input_embeddings=embedded)
+
+
+def last_logits(model: nn.Module, tokens: mx.array, cache, last_only: bool,
+                embedded: mx.array | None = None) -> mx.array:
+    """Logits [batch, vocab] of the last position of `tokens`, committing them to `cache`; `embedded`: the
+    tokens' input embeddings, where they are not the token embedding's alone (an image's: vision.py)."""
     if last_only:
-        return _with_last_position(model, tokens, cache)
-    return model(tokens, cache=cache)[:, -1]
+        return _with_last_position(model, tokens, cache, embedded)
+    return _call(model, tokens, cache, embedded)[:, -1]

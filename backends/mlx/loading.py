@@ -19,9 +19,10 @@ from mlx_lm.utils import load, load_model as lazy_model, sharded_load
 
 from kvfork.backends.base import (BackendRefused, KV_CACHE_DTYPES, KVCost, KVStorage, KVStorageRefused,
                                   LayerAttention, ModelInfo)
-from kvfork.backends.mlx import kv_storage
+from kvfork.backends.mlx import kv_storage, vision
 from kvfork.backends.mlx.kvcopy import STEP
 from kvfork.backends.mlx.recurrent import state_bytes
+from kvfork.backends.mlx.vision import MLXVisionReader
 from kvfork.backends.model_info import read_model_facts
 from kvfork.backends.model_path import resolve_model
 from kvfork.backends.vision import folder_family
@@ -34,8 +35,9 @@ def default_dtype() -> str:
 
 
 def load_model(folder: str, dtype: str | None, group: Any = None, spec: KVStorage = KVStorage()
-               ) -> tuple[nn.Module, Any, ModelInfo, kv_storage.Storage | None]:
-    """(model, tokenizer, info, how KV is stored: `spec`, --kv-cache-dtype). `folder` may also be a hub id
+               ) -> tuple[nn.Module, Any, ModelInfo, kv_storage.Storage | None, MLXVisionReader | None]:
+    """(model, tokenizer, info, how KV is stored: `spec`, --kv-cache-dtype, the tower of a model that reads images:
+    vision.py). `folder` may also be a hub id
     (see backends.model_path). `group`: an `mx.distributed` group of more than one rank splits the model over
     them, by mlx-lm's own tensor-parallel sharding (`Model.shard`, through `sharded_load`); each rank then
     holds its share of the weights and of every KV state, and `info.kv` prices a rank's share.
@@ -46,9 +48,13 @@ def load_model(folder: str, dtype: str | None, group: Any = None, spec: KVStorag
     path = resolve_model(str(folder))
     family = folder_family(path)
     if family is not None:
-        raise BackendRefused(f"{path.name} reads images ({family}): the MLX backend serves no vision model yet; "
-                             "serve it with --backend torch")
-    if group is not None and group.size() > 1:
+        reason = vision.refusal(path, family)
+        if reason is None and group is not None and group.size() > 1:
+            reason = f"{path.name} reads images: a model that reads images is served on one rank"
+        if reason is not None:
+            raise BackendRefused(reason)
+        model, tokenizer = vision.load_text_model(path)
+    elif group is not None and group.size() > 1:
         reason = split_refusal(path, group.size())
         if reason is not None:
             raise ValueError(f"mlx backend: cannot split the model over {group.size()} ranks: {reason}")
@@ -75,8 +81,9 @@ def load_model(folder: str, dtype: str | None, group: Any = None, spec: KVStorag
         device="metal" if mx.default_device() == mx.gpu else "cpu",
         kv_dtype=spec.label(dtype),
         kv_token_bytes=storages_bytes(layers, compute, heads, spec.group),
+        reads_images=family is not None,
     )
-    return model, tokenizer, info, storage
+    return model, tokenizer, info, storage, None if family is None else MLXVisionReader(path, model)
 
 
 def split_refusal(path: Path, size: int) -> str | None:

@@ -1,4 +1,5 @@
-"""A model that reads images, over HTTP (a tiny random model of each family on torch, one daemon a family): an image
+"""A model that reads images, over HTTP (a tiny random model of each family on torch, and of each family MLX reads
+images of on MLX: one daemon a family and backend): an image
 in a user turn (chat) and inside a Messages tool_result; the same image next turn reuses the prompt up to the
 new text and is not encoded again; a changed image misses from its first token; two tenants share nothing;
 restarted from the disk tier, the same tokens."""
@@ -21,6 +22,9 @@ from kvfork.backends import create_backend
 from kvfork.backends.vision import load_processing
 from kvfork.tools.vision_model import FAMILIES, write
 
+# (family, backend): every family on torch; on MLX those it reads images of (backends/mlx/vision.py SERVED)
+CASES = [*((family, "torch") for family in FAMILIES), ("smolvlm", "mlx"), ("gemma3", "mlx")]
+
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 CHAT, MESSAGES = "/v1/chat/completions", "/v1/messages"
 SYSTEM = "you read the screen of a user and answer what is on it, first the window then the button " * 2
@@ -40,15 +44,25 @@ def turn(image: str, text: str = "what is on the screen?") -> list[dict]:
                                          {"type": "image_url", "image_url": {"url": image}}]}]
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def folder(request, tmp_path_factory):
+@pytest.fixture(scope="module", params=CASES, ids=lambda case: "-".join(case))
+def case(request) -> tuple[str, str]:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def backend(case) -> str:
+    return case[1]
+
+
+@pytest.fixture(scope="module")
+def folder(case, tmp_path_factory):
     """Each family's tiny model in turn (SmolVLM's, Qwen2.5-VL's, Gemma 3's)."""
-    return str(write(tmp_path_factory.mktemp(request.param), family=request.param))
+    return str(write(tmp_path_factory.mktemp(case[0]), family=case[0]))
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def daemon(folder):
-    async with serving(folder, create_backend("torch"), served_model_name=["tiny"]) as d:
+async def daemon(folder, backend):
+    async with serving(folder, create_backend(backend), served_model_name=["tiny"]) as d:
         yield d
 
 
@@ -157,24 +171,24 @@ async def test_an_image_url_is_refused_for_a_vision_model(http, daemon):
 
 
 @pytest.mark.usefixtures("disk_beats_prefill")
-async def test_restart_from_the_disk_tier_gives_the_same_tokens(folder, http):
+async def test_restart_from_the_disk_tier_gives_the_same_tokens(folder, backend, http):
     messages = turn(screenshot(6))
-    async with serving(folder, create_backend("torch")) as first:
+    async with serving(folder, create_backend(backend)) as first:
         want = await chat(http, first, messages, max_tokens=6)
-    async with serving(folder, create_backend("torch")) as second:  # the first one's cache spilled at its close
+    async with serving(folder, create_backend(backend)) as second:  # the first one's cache spilled at its close
         got = await chat(http, second, messages, max_tokens=6)
         assert cached(got) > 0
         assert await encoded(http, second) == 0
     assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
 
 
-async def test_a_running_requests_image_prompt_is_cloned_by_a_second(folder, http):
+async def test_a_running_requests_image_prompt_is_cloned_by_a_second(folder, backend, http):
     if sliding(folder):  # its window of 8 is overwritten by the donor's first 8 decode steps: no clone is possible
         pytest.skip("a sliding-window donor that has decoded past its window holds no state at the shared prefix")
     # no cache: reuse can only be a donor, which decodes without drafts so it is still running when asked
     engine = dict(prefix_cache_entries=0, active_prefix_reuse_min_tokens=1, speculative="off")
     image = screenshot(7)
-    async with serving(folder, create_backend("torch"), engine=engine) as d:
+    async with serving(folder, create_backend(backend), engine=engine) as d:
         body = {"messages": turn(image), "max_tokens": 3000, "ignore_eos": True, "temperature": 0,
                 "logprobs": True, "stream": True, "stream_options": {"include_usage": True}}
         async with http.post(d.url + CHAT, json=body) as donor:

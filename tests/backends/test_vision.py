@@ -102,15 +102,6 @@ def test_a_reuse_point_inside_an_image_moves_to_its_first_key():
     assert usable_upto(10, tiled + [4], source) == 10
 
 
-def test_mlx_refuses_a_vision_model_naming_the_torch_backend(smolvlm):
-    pytest.importorskip("mlx.core", exc_type=ImportError)
-    from kvfork.backends.base import BackendRefused
-    from kvfork.backends.mlx.backend import MLXBackend
-
-    with pytest.raises(BackendRefused, match="--backend torch"):
-        MLXBackend().load(smolvlm)
-
-
 PARTS_ONLY = ("<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}:{% for part in "
               "message['content'] %}{% if part['type'] == 'text' %} {{ part['text'] }}{% endif %}{% endfor %}"
               "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
