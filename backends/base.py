@@ -1,7 +1,6 @@
 """The backend interface every kvfork backend implements.
 
-Every call, `load` included, runs on one thread: the engine's runner. A backend
-never needs locks of its own.
+Every call, `load` included, runs on one thread: the engine's runner. A backend never needs locks of its own.
 
 Sessions hold the KV state of one token sequence. `position` is the number of
 tokens committed to that state. The engine decides chunking and batching; the
@@ -251,6 +250,7 @@ class ModelInfo:
     # (storage, full_bytes_per_token) for each --kv-cache-dtype the backend could store this model's KV in
     kv_token_bytes: tuple[tuple[str, int], ...] = ()
     reads_images: bool = False  # a prompt may hold image keys (backends/vision/keys.py): Backend.encode_images
+    image_token_bytes: int = 0  # one image token's embeddings, held from encode_images to release_images
 
     @property
     def recurrent(self) -> bool:
@@ -536,9 +536,8 @@ class Backend(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot load a session's state")
 
     def encode_images(self, images: Sequence[Any], scope: str) -> int:
-        """Runner thread, as a request starts: each ImageInput (backends/vision) whose keys its prefill reads
-        gets its embeddings, from the encoder cache of `scope` or encoded now, held until `release_images`;
-        returns how many were encoded. Only a model whose `info.reads_images`."""
+        """Runner thread, as a request starts: each ImageInput (backends/vision) its prefill reads gets its embeddings
+        (from `scope`'s encoder cache or encoded now) held until `release_images`; how many it encoded."""
         raise NotImplementedError(f"{type(self).__name__} reads no images")
 
     def release_images(self, images: Sequence[int]) -> None:
@@ -546,8 +545,7 @@ class Backend(abc.ABC):
 
     @property
     def state_format(self) -> str:
-        """What saved states (export_state) are named by on disk: a state of one format imports into any
-        backend of the same format."""
+        """What saved states are named by on disk: a state of one format imports into a backend of that format."""
         return type(self).__name__
 
     def set_kv_storage(self, storage: KVStorage) -> None:
@@ -557,10 +555,12 @@ class Backend(abc.ABC):
             raise KVStorageRefused(f"--kv-cache-dtype {storage.dtype}: {type(self).__name__} stores KV in the "
                                    "weights' dtype only")
 
+    def set_encoder_cache_bytes(self, nbytes: int) -> None:
+        """Before `load`: bytes of encoder output kept for images sent again (--encoder-cache-bytes; 0: none)."""
+
     def set_clone_mode(self, mode: Literal["share", "copy"]) -> None:
-        """Before `load`: whether `clone` shares the whole blocks below `upto` by reference ("share")
-        or copies them ("copy"). `info.kv.shares` says which one is in effect; a backend that can only
-        copy (MLX) keeps copying."""
+        """Before `load`: whether `clone` shares the whole blocks below `upto` by reference ("share") or copies
+        them ("copy"). `info.kv.shares` says which is in effect; a backend that can only copy (MLX) copies."""
 
     @abc.abstractmethod
     def session_bytes(self, session: Session) -> int:

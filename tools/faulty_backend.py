@@ -299,6 +299,9 @@ class FaultyBackend(Backend):
     def set_kv_storage(self, storage) -> None:
         self.inner.set_kv_storage(storage)
 
+    def set_encoder_cache_bytes(self, nbytes: int) -> None:
+        self.inner.set_encoder_cache_bytes(nbytes)
+
     def session_bytes(self, session: Session) -> int:
         return self.inner.session_bytes(session)
 

@@ -73,12 +73,15 @@ class TorchBackend(Backend):
         self._sessions: dict[int, TorchSession] = {}
         self._copy_stream: torch.cuda.Stream | None = None
         self.clone_mode: kv.CloneMode = "share"
-        self.kv_storage = KVStorage()
+        self.kv_storage, self.encoder_cache_bytes = KVStorage(), 0  # as set before `load`
         self._source: tuple[str, str | None, str] | None = None  # (folder, dtype asked, device) of the loaded model
         self.vision: VisionReader | None = None  # a model that reads images: its tower and encoder cache
 
     def set_kv_storage(self, storage: KVStorage) -> None:
         self.kv_storage = storage
+
+    def set_encoder_cache_bytes(self, nbytes: int) -> None:
+        self.encoder_cache_bytes = nbytes
 
     def set_clone_mode(self, mode: kv.CloneMode) -> None:
         self.clone_mode = mode
@@ -100,8 +103,8 @@ class TorchBackend(Backend):
         self._source = source if self.shards is None and tower is None else None
         info = self.install(cfg, weights, path.name, read_model_facts(path), dtype, split)
         if tower is not None:  # a model that reads images (backends/torch/vision.py)
-            self.vision = VisionReader(path, tower, self.device, self.dtype)
-            self.info = dataclasses.replace(info, reads_images=True)
+            self.vision = VisionReader(path, tower, self.device, self.dtype, self.encoder_cache_bytes, cfg.hidden_size)
+            self.info = dataclasses.replace(info, reads_images=True, image_token_bytes=self.vision.token_bytes)
         return self.info
 
     def encode_images(self, images: Sequence[ImageInput], scope: str) -> int:
@@ -310,12 +313,9 @@ class TorchBackend(Backend):
         return clone
 
     def _clone_aside(self, donor: TorchSession, upto: int) -> TorchSession:
-        """Copy on the side stream, after every write already queued to the donor.
-
-        The donor waits too: its ring entries are read by the copy and rewritten by
-        its next step. record_stream keeps the allocator from handing either
-        side's memory to another stream while the copy may still touch it.
-        """
+        """Copy on the side stream, after every write already queued to the donor. The donor waits too: its ring
+        entries are read by the copy and rewritten by its next step; record_stream keeps the allocator from
+        handing either side's memory to another stream while the copy may still touch it."""
         main = torch.cuda.current_stream(self.device)
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)

@@ -3,9 +3,11 @@ encoder cache, and a chunk's image keys turned into the embeddings the text mode
 
 The tower runs on the runner thread, at a request's start, for the images whose keys lie past what it
 reused (Backend.encode_images): an image already in the reused state is never encoded. Its output is kept
-by (scope, image), least recently used first, within `CACHE_BYTES`, so a screenshot an agent resends
-next turn is not encoded again; another tenant's encoding is never reused (its timing would tell one
-tenant what another sent). The images of running requests are pinned until they end.
+by (scope, image), least recently used first, within --encoder-cache-bytes (reserved out of the KV budget,
+server/engine/memory_plan.py), so a screenshot an agent resends next turn is not encoded again; another
+tenant's encoding is never reused (its timing would tell one tenant what another sent). The images of
+running requests are pinned until they end, counted in their requests' KV reservations
+(ModelInfo.image_token_bytes a token).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from kvfork.backends.vision import ImageInput, folder_family, load_processing, v
 from kvfork.backends.vision.keys import IMAGE_KEY_BASE, image_of, index_of
 
 Encoded = tuple[torch.Tensor, tuple[int, int, int] | None]  # an image's embeddings, and its tokens' grid
-CACHE_BYTES = 256 << 20  # the encoder cache's embeddings, pinned ones aside
 # each family's tower weights (transformers 5's names; the hub's older ones without `model.`), by family module
 TOWER_PREFIXES = {"idefics3": ("model.vision_model.", "model.connector."),
                   "qwen2_5_vl": ("model.visual.", "visual."),
@@ -90,7 +91,9 @@ class VisionReader:
     """A model's tower, its processing (pixels from a picture), and the encoder cache."""
 
     def __init__(self, folder: Path, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                 cache_bytes: int = CACHE_BYTES):
+                 cache_bytes: int, hidden_size: int):
+        """`cache_bytes`: the most embeddings kept for images sent again (0: none); `hidden_size`: the text
+        model's, each image token's embedding width."""
         from transformers import AutoTokenizer
 
         config = json.loads((folder / "config.json").read_text())
@@ -101,6 +104,7 @@ class VisionReader:
         self.tower.load_state_dict(weights, strict=True)
         self.tower.to(device, dtype).eval()
         self.device, self.dtype, self.cache_bytes = device, dtype, cache_bytes
+        self.token_bytes = hidden_size * dtype.itemsize  # one image token's embedding
         self.image_token_id = self.processing.image_token_id
         # (embeddings, grid of their tokens or None), least recently used first
         self._kept: OrderedDict[tuple[str, int], Encoded] = OrderedDict()
@@ -133,7 +137,7 @@ class VisionReader:
 
     def _keep(self, key: tuple[str, int], encoded: Encoded) -> None:
         self._kept[key] = encoded
-        while len(self._kept) > 1 and self.cached_bytes() > self.cache_bytes:
+        while self._kept and self.cached_bytes() > self.cache_bytes:
             self._kept.popitem(last=False)
 
     def cached_bytes(self) -> int:

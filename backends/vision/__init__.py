@@ -37,10 +37,13 @@ def vision_family(config: dict) -> str | None:
 
 
 def folder_family(folder: str | Path) -> str | None:
+    """The vision family a model folder's config names; None for a text model, or without a readable config
+    (its load says what is wrong)."""
     path = Path(folder) / "config.json"
-    if not path.is_file():
+    try:
+        return vision_family(json.loads(path.read_text()))
+    except (OSError, ValueError):
         return None
-    return vision_family(json.loads(path.read_text()))
 
 
 def load_processing(folder: str | Path, tokenizer: Any):

@@ -44,6 +44,11 @@ def index_of(key: int) -> int:
     return key & (MAX_IMAGE_TOKENS - 1)
 
 
+def image_tokens(tokens: Iterable[int]) -> int:
+    """How many of the tokens are image keys."""
+    return sum(1 for t in tokens if t >= IMAGE_KEY_BASE)
+
+
 def text_only(tokens: Iterable[int]) -> list[int]:
     """The tokens without image keys (what a sampler's penalties and the drafters read)."""
     return [t for t in tokens if t < IMAGE_KEY_BASE]

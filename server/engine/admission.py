@@ -63,6 +63,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Sequence
 
 from kvfork.backends.base import ModelInfo
+from kvfork.backends.vision.keys import image_tokens
 from kvfork.server.engine import messages as m
 from kvfork.server.engine.api import CapacityExhausted, ContextTooLong, GenerateRequest, InvalidRequest, Scope
 from kvfork.server.engine.config import EngineConfig
@@ -86,7 +87,7 @@ class Sizes:
 class Admission:
     def __init__(self, config: EngineConfig, info: ModelInfo, index: Index, named: NamedSessions,
                  disk: DiskTier | None, send: Callable[[Any], None], ledger: LoopLedger):
-        self._config, self._kv, self._recurrent = config, info.kv, info.recurrent
+        self._config, self._kv, self._recurrent, self._info = config, info.kv, info.recurrent, info
         self._budget: int = config.kv_budget_bytes  # type: ignore[assignment]  # resolved
         self._index, self._named, self._disk, self._send, self._ledger = index, named, disk, send, ledger
         self._queue: collections.deque[Request] = collections.deque()
@@ -169,8 +170,8 @@ class Admission:
         if req.n > 1 and req.session_id is not None:
             raise InvalidRequest("a named session runs one choice; send n = 1 with session_id")
         max_tokens = clamp_max_tokens(req.max_tokens, self._config.max_tokens, n, context)
-        sizes = Sizes(max_tokens, self.request_bytes(n, max_tokens, checkpoints=len(self.checkpoints(req))),
-                      self.choice_bytes(n, max_tokens))
+        need = self.request_bytes(n, max_tokens, None, len(self.checkpoints(req)), image_tokens(req.prompt))
+        sizes = Sizes(max_tokens, need, self.choice_bytes(n, max_tokens))
         total = sizes.need + (req.n - 1) * sizes.choice_need
         rows = req.n * self._kv.row_bytes(n + max_tokens)  # each choice a padded row, where rows are padded
         if fit_admission(max(total, rows), 0, 0, self._budget).never:
@@ -187,15 +188,16 @@ class Admission:
 
     # ---- prices ----
 
-    def request_bytes(self, prompt_len: int, max_tokens: int, start: int | None = None, checkpoints: int = 0) -> int:
+    def request_bytes(self, prompt_len: int, max_tokens: int, start: int | None = None, checkpoints: int = 0,
+                      images: int = 0) -> int:
         """What a request's session grows to: opened at `start` (an empty session 0, a clone its
         `upto`, holding the blocks below it by reference where clones share); None, not yet known:
         the dearest start, empty or a clone of all but the prompt's last token; with the recurrent
-        checkpoints it keeps."""
-        kv = self._kv
+        checkpoints it keeps, and the embeddings of the `images` image tokens its prefill reads (held meanwhile)."""
+        kv, pinned = self._kv, images * self._info.image_token_bytes
         starts = (0, prompt_len - 1) if start is None else (start,)
-        return max(kv.bytes_for(prompt_len + max_tokens, shared=kv.shared(at), start=at, checkpoints=checkpoints)
-                   for at in starts)
+        return pinned + max(kv.bytes_for(prompt_len + max_tokens, shared=kv.shared(at), start=at,
+                                         checkpoints=checkpoints) for at in starts)
 
     def checkpoints(self, req: GenerateRequest) -> tuple[int, ...]:
         """Where a request keeps its recurrent state (a model with recurrent layers): its last

@@ -43,6 +43,11 @@ class EngineConfig:
                                             "use (weights, activations and KV), as vLLM's flag",
                                             check=between(0.01, 1),
                                             group="model and device")
+    encoder_cache_bytes: int = setting(256 * 1024**2, "bytes of vision-encoder output a model that reads images "
+                                       "keeps by (tenant, image), so an image sent again is not encoded again "
+                                       "(vLLM's --mm-processor-cache-gb; 0: none kept); reserved out of the KV "
+                                       "budget at load (docs/kv-budget.md)", check=at_least(0), size=True,
+                                       group="model and device")
     kv_cache_dtype: str = setting("auto", "how KV state is stored, apart from --dtype: auto (the weights' dtype), "
                                   "float16, bfloat16, fp8 (torch), or int8 / int4 in per-token groups of "
                                   "--kv-group-size along each head with 16-bit scales and biases (vLLM's "
@@ -122,7 +127,8 @@ class EngineConfig:
         its KV budget comes from."""
         context = min(self.max_context or info.context_length, info.context_length)
         plan = plan_memory(device, kv_budget_bytes=self.kv_budget_bytes, request_bytes=info.kv.bytes_for(context),
-                           gpu_memory_utilization=self.gpu_memory_utilization)
+                           gpu_memory_utilization=self.gpu_memory_utilization,
+                           encoder_cache_bytes=self.encoder_cache_bytes if info.reads_images else 0)
         budget = plan.kv_budget_bytes
         captures = self.max_captures
         if captures is None:

@@ -12,6 +12,8 @@ real machines (tests/engine/test_memory_plan.py) and printed at start and in /he
 
 Headroom, where activations are not measured, is HEADROOM_FRACTION of the memory the rule starts
 from and at least HEADROOM_MIN: a step's activations and the runtime's own buffers.
+A model that reads images keeps its vision encoder's output (--encoder-cache-bytes) beside the KV state:
+those bytes are taken from what the rule leaves before the KV budget is decided.
 `sharers` processes with their own weights dividing one machine's memory (kvfork cluster's
 replicas, ranks on one host) each get an equal share of what is left.
 """
@@ -54,7 +56,7 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
-def _available(device: DeviceMemory, utilization: float, sharers: int) -> tuple[int, str]:
+def _available(device: DeviceMemory, utilization: float, sharers: int, encoder_cache: int) -> tuple[int, str]:
     """The bytes the device leaves for KV, and how that figure was reached."""
     weights = device.weights_bytes * sharers
     if device.kind == "cuda":
@@ -70,16 +72,18 @@ def _available(device: DeviceMemory, utilization: float, sharers: int) -> tuple[
             start = f"{CPU_SHARE:g} of {_gib(device.total_bytes)} physical memory ({device.name})"
         spare = max(device.activation_bytes, HEADROOM_MIN, int(HEADROOM_FRACTION * base))
         spare_text = f"{_gib(spare)} headroom"
-    left = max(0, base - weights - spare) // sharers
+    left = max(0, base - weights - spare - encoder_cache * sharers) // sharers
     share = f", split {sharers} ways" if sharers > 1 else ""
-    return left, f"{start} - {_gib(weights)} weights - {spare_text}{share}"
+    encoder = f" - {_gib(encoder_cache)} encoder cache (--encoder-cache-bytes)" if encoder_cache else ""
+    return left, f"{start} - {_gib(weights)} weights - {spare_text}{encoder}{share}"
 
 
 def plan_memory(device: DeviceMemory, *, kv_budget_bytes: int | None, gpu_memory_utilization: float,
-                request_bytes: int, sharers: int = 1) -> MemoryPlan:
+                request_bytes: int, sharers: int = 1, encoder_cache_bytes: int = 0) -> MemoryPlan:
     """The KV budget. `kv_budget_bytes`: --kv-budget-bytes (None: the device's rule); `request_bytes`: one
-    request at the full context, which the budget must hold for the daemon to start."""
-    available, how = _available(device, gpu_memory_utilization, sharers)
+    request at the full context, which the budget must hold for the daemon to start; `encoder_cache_bytes`:
+    the vision encoder's cache each process keeps beside its KV state."""
+    available, how = _available(device, gpu_memory_utilization, sharers, encoder_cache_bytes)
     warning = None
     if kv_budget_bytes is not None:
         budget = kv_budget_bytes

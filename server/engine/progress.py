@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+from kvfork.backends.vision.keys import image_tokens
 from kvfork.server.engine import messages as m
 from kvfork.server.engine import request as phase
 from kvfork.server.engine.api import TokenEvent
@@ -34,7 +35,8 @@ class Progress:
         # (a named session is always opened empty; a clone at `reused`).
         adm = self._admission
         start = 0 if r.named is not None else ev.reused
-        adm.reserve(r, adm.request_bytes(len(r.prompt), r.max_tokens, start, len(adm.checkpoints(r.req))))
+        adm.reserve(r, adm.request_bytes(len(r.prompt), r.max_tokens, start, len(adm.checkpoints(r.req)),
+                                         image_tokens(r.prompt[start:])))
         if r.parent is not None:  # a choice's clone of its parent: the prompt is counted once, on choice 0
             r.reused = 0
             return

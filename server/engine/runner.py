@@ -54,11 +54,11 @@ class Runner(Commands, Cloning, Speculation):
                  max_batch_tokens: int, prefill_chunk: int, max_step_s: float, notify: Callable[[], None],
                  clone_mode: str = "share", plans: Callable[[p.StepPlan], None] | None = None,
                  drafts: Drafts | None = None, speculative_max_batch: int = 0,
-                 kv_storage: KVStorage = KVStorage()):
+                 kv_storage: KVStorage = KVStorage(), encoder_cache_bytes: int = 0):
         """`plans`: handed each step's plan before its forward pass runs. `drafts`: the drafters of
         speculative decoding (None: off), used while a step decodes at most `speculative_max_batch` rows."""
         self.backend, self.model_path, self.dtype, self.clone_mode = backend, model_path, dtype, clone_mode
-        self.kv_storage = kv_storage
+        self.kv_storage, self.encoder_cache_bytes = kv_storage, encoder_cache_bytes
         self.max_batch_tokens, self.prefill_chunk, self.max_step_s = max_batch_tokens, prefill_chunk, max_step_s
         # The step budget's own rates, from the step timings measured here (the
         # control loop keeps the cost model's, from the same StepStats).
@@ -94,6 +94,7 @@ class Runner(Commands, Cloning, Speculation):
         try:
             self.backend.set_clone_mode(self.clone_mode)  # type: ignore[arg-type]
             self.backend.set_kv_storage(self.kv_storage)
+            self.backend.set_encoder_cache_bytes(self.encoder_cache_bytes)
             info = self._info = self.backend.load(self.model_path, self.dtype)
             self._constrained = ConstrainedRows(info.vocab_size)
             self._draft_cap = self._draft_cap_for(info)

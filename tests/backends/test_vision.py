@@ -69,6 +69,7 @@ def test_logits_match_transformers_idefics3(smolvlm):
                          pixel_attention_mask=inputs["pixel_attention_mask"]).logits[0].numpy()
 
     backend = TorchBackend("cpu")
+    backend.set_encoder_cache_bytes(1 << 20)
     info = backend.load(smolvlm, "float32")
     assert info.reads_images
     assert backend.encode_images([image], "tenant") == 1
@@ -85,6 +86,19 @@ def test_logits_match_transformers_idefics3(smolvlm):
     backend.release_images([IMAGE_ID] * 3)
     with pytest.raises(ValueError, match="not encoded"):
         backend.prefill([backend.open_session()], [prompt])
+
+
+def test_an_encoder_cache_of_0_keeps_nothing_but_pins_a_running_requests_images(smolvlm):
+    prompt, image, _ = _prompt(smolvlm, _picture(20, 20))
+    backend = TorchBackend("cpu")
+    backend.set_encoder_cache_bytes(0)
+    info = backend.load(smolvlm, "float32")
+    hidden = json.loads((Path(smolvlm) / "config.json").read_text())["text_config"]["hidden_size"]
+    assert info.image_token_bytes == hidden * 4  # float32 embeddings, counted in a request's reservation
+    assert backend.encode_images([image], "tenant") == 1
+    assert backend.encode_images([image], "tenant") == 1  # nothing kept for an image sent again
+    backend.prefill([backend.open_session()], [prompt])  # the pinned encoding is read all the same
+    backend.release_images([IMAGE_ID] * 2)
 
 
 def test_keys_stay_above_the_vocabulary():

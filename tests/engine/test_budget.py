@@ -2,11 +2,14 @@
 was reserved before it existed, and what the budget holds never blocks admission for good."""
 
 import asyncio
+import dataclasses
 
 import pytest
 
 from engine_harness import collect, prompt_of, reached, request, run, settled, start_engine, until
 from scripted_backend import BYTES_PER_TOKEN as KIB, Gate, ScriptedBackend
+from kvfork.backends.vision import ImageInput
+from kvfork.backends.vision.keys import image_keys
 from kvfork.server.engine.api import CapacityExhausted
 from kvfork.server.engine.request import Following, Prefilling, Queued
 
@@ -292,4 +295,35 @@ async def test_admission_evicts_the_entry_a_request_reuses_last():
     assert tokens == backend.greedy(a + [7, 8, 9], 10)
     await settled(engine, backend)
     assert engine.snapshot().held == backend.total_bytes()
+    await engine.shutdown(1)
+
+
+class ReadsImages(ScriptedBackend):
+    """A model that reads images: each image token's embeddings take EMBEDDING bytes while its request runs."""
+
+    EMBEDDING = 300
+
+    def load(self, folder, dtype=None):
+        self.info = dataclasses.replace(super().load(folder, dtype), reads_images=True,
+                                        image_token_bytes=self.EMBEDDING)
+        return self.info
+
+    def encode_images(self, images, scope):
+        return len(images)
+
+
+async def test_a_running_requests_pinned_images_are_counted_in_its_reservation():
+    backend = ReadsImages()
+    gate = backend.gates["decode"] = Gate()
+    engine = await start_engine(backend, prefix_cache_entries=0)
+    keys = image_keys(0x1234, 40)
+    prompt = prompt_of(10) + keys + prompt_of(5)
+    handle = engine.submit(request(prompt, 4, images=(ImageInput(0x1234, 10, 50, 40),)))
+    await reached(gate)
+    adm = engine.admission
+    assert engine.snapshot().reserved == adm.request_bytes(len(prompt), 4, start=0) + 40 * ReadsImages.EMBEDDING
+    gate.open()
+    await collect(handle)
+    await settled(engine, backend)
+    assert engine.snapshot().reserved == 0
     await engine.shutdown(1)

@@ -72,6 +72,15 @@ def test_an_explicit_budget_wins_and_one_beyond_the_device_is_warned_of():
     assert p.kv_budget_bytes == 64 * GiB and "more than this device holds for KV (6.03 GiB" in p.warning
 
 
+def test_a_model_that_reads_images_reserves_its_encoder_cache_out_of_the_kv_budget():
+    text = plan(RTX_4090)
+    vision = plan_memory(RTX_4090, kv_budget_bytes=None, gpu_memory_utilization=0.9, request_bytes=0,
+                         encoder_cache_bytes=256 * MiB)
+    assert text.kv_budget_bytes - vision.kv_budget_bytes == 256 * MiB
+    assert "- 0.25 GiB encoder cache (--encoder-cache-bytes)" in vision.reason
+    assert "encoder cache" not in text.reason
+
+
 def test_processes_sharing_one_machine_split_what_all_their_weights_leave():
     one, two = plan(CPU_23GB), plan(CPU_23GB, sharers=2)
     assert two.kv_budget_bytes == (one.kv_budget_bytes - CPU_23GB.weights_bytes) // 2
