@@ -4,7 +4,8 @@ model's weights scaled so its logits are peaked, as tests/tiny_models.py's), sav
 
     python -m kvfork.tools.vision_model --family smolvlm --out FOLDER [--size tiny|256m]
 
-Families: smolvlm (Idefics3ForConditionalGeneration; its text model is llama); qwen2_5_vl
+Families: smolvlm (Idefics3ForConditionalGeneration; its text model is llama), smolvlm2
+(SmolVLMForConditionalGeneration, `model_type: smolvlm`: the same architecture under SmolVLM2's names); qwen2_5_vl
 (Qwen2_5_VLForConditionalGeneration, M-RoPE) and gemma3 (Gemma3ForConditionalGeneration, SigLIP), tiny only,
 written by tools/vision_family_models.py with this module's tokenizer. Sizes: `tiny` for tests
 (tiles of 32 pixels, 4 tokens a tile), `256m` at SmolVLM-256M's shapes (the replay benchmark's). The
@@ -34,7 +35,12 @@ SIZES = {
                     image_size=512, patch_size=16),
         scale_factor=4, longest_edge=2048, vocab=49280),
 }
-FAMILIES = ("smolvlm", *vision_family_models.FAMILIES)
+# a SmolVLM family -> transformers' (config, model, image processor, processor) class names, its vision model_type
+SMOLVLM = {"smolvlm": (("Idefics3Config", "Idefics3ForConditionalGeneration", "Idefics3ImageProcessorPil",
+                        "Idefics3Processor"), "idefics3_vision"),
+           "smolvlm2": (("SmolVLMConfig", "SmolVLMForConditionalGeneration", "SmolVLMImageProcessorPil",
+                         "SmolVLMProcessor"), "smolvlm_vision")}
+FAMILIES = (*SMOLVLM, *vision_family_models.FAMILIES)
 IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>",
                 *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *IMAGE_TOKENS]
@@ -64,9 +70,9 @@ def _tokenizer(vocab: int):
 
 
 def write(out: Path, size: str = "tiny", seed: int = 0, family: str = "smolvlm") -> Path:
-    """A random `family` model in `out`: smolvlm at `size`; qwen2_5_vl and gemma3 tiny only
+    """A random `family` model in `out`: smolvlm and smolvlm2 at `size`; qwen2_5_vl and gemma3 tiny only
     (tools/vision_family_models.py), with this module's tokenizer."""
-    if family != "smolvlm":
+    if family not in SMOLVLM:
         from transformers import PreTrainedTokenizerFast
 
         if size != "tiny":
@@ -76,9 +82,10 @@ def write(out: Path, size: str = "tiny", seed: int = 0, family: str = "smolvlm")
                                 pad_token="<|endoftext|>").save_pretrained(str(out))
         return vision_family_models.write(family, out, out, seed)
     import torch
-    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, PreTrainedTokenizerFast
-    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+    import transformers
+    from transformers import PreTrainedTokenizerFast
 
+    (config_class, model_class, images_class, processor_class), vision_type = SMOLVLM[family]
     shape = SIZES[size]
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=_tokenizer(shape["vocab"]), eos_token="<end_of_utterance>",
@@ -88,19 +95,19 @@ def write(out: Path, size: str = "tiny", seed: int = 0, family: str = "smolvlm")
     eos = tokenizer.convert_tokens_to_ids("<end_of_utterance>")
     text = dict(model_type="llama", vocab_size=max(shape["vocab"], len(tokenizer)), rms_norm_eps=1e-5,
                 eos_token_id=eos, pad_token_id=0, tie_word_embeddings=False, **shape["text"])
-    config = Idefics3Config(text_config=text, vision_config=dict(model_type="idefics3_vision", **shape["vision"]),
-                            scale_factor=shape["scale_factor"],
-                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
-                            eos_token_id=eos, tie_word_embeddings=False)
+    config = getattr(transformers, config_class)(
+        text_config=text, vision_config=dict(model_type=vision_type, **shape["vision"]),
+        scale_factor=shape["scale_factor"], image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        eos_token_id=eos, tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(config).eval()
+    model = getattr(transformers, model_class)(config).eval()
     vision_family_models.peaked(model, ("model.text_model.", "lm_head."))
     model.save_pretrained(str(out))
     vision = shape["vision"]
-    Idefics3ImageProcessorPil(size={"longest_edge": shape["longest_edge"]},
-                              max_image_size={"longest_edge": vision["image_size"]}).save_pretrained(str(out))
+    getattr(transformers, images_class)(size={"longest_edge": shape["longest_edge"]},
+                                        max_image_size={"longest_edge": vision["image_size"]}).save_pretrained(str(out))
     tokens = (vision["image_size"] // vision["patch_size"]) ** 2 // shape["scale_factor"] ** 2
-    (out / "processor_config.json").write_text(json.dumps({"processor_class": "Idefics3Processor",
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": processor_class,
                                                           "image_seq_len": tokens}, indent=2))
     return out
 

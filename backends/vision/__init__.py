@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-# config.json's model_type -> the family's module in this package (SmolVLM-256M, -500M and -Instruct are idefics3)
-FAMILIES = {"idefics3": "idefics3", "qwen2_5_vl": "qwen2_5_vl", "gemma3": "gemma3"}
+# config.json's model_type -> the family's module in this package (SmolVLM-256M, -500M and -Instruct are idefics3;
+# SmolVLM2's `smolvlm` is the same architecture, transformers' SmolVLM modules subclassing Idefics3's)
+FAMILIES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_5_vl": "qwen2_5_vl", "gemma3": "gemma3"}
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""A vision model on torch: kvfork's prompt and logits equal transformers' Idefics3 (SmolVLM) own, an image
-in the prompt, prefilled in chunks that cut the image, then decoded."""
+"""A vision model on torch: kvfork's prompt and logits equal transformers' Idefics3 (SmolVLM) and SmolVLM
+(SmolVLM2) own, an image in the prompt, prefilled in chunks that cut the image, then decoded."""
 
 from __future__ import annotations
 
@@ -46,23 +46,32 @@ def _prompt(folder: str, picture) -> tuple[list[int], ImageInput, PromptTokenize
                                               len(first), lambda: picture), tokenizer
 
 
+@pytest.fixture(scope="module")
+def smolvlm2(tmp_path_factory):
+    return str(write(tmp_path_factory.mktemp("smolvlm2"), family="smolvlm2"))
+
+
 @pytest.mark.numeric
-def test_logits_match_transformers_idefics3(smolvlm):
+@pytest.mark.parametrize("family", ["smolvlm", "smolvlm2"])
+def test_logits_match_transformers_idefics3(family, request):
     import torch
-    from transformers import Idefics3ForConditionalGeneration
+    import transformers
     from transformers.models.idefics3.processing_idefics3 import Idefics3Processor
+
+    smolvlm = request.getfixturevalue(family)
 
     picture = _picture(50, 40)  # larger than a tile (32): split in 2x2 tiles and the whole, downsized
     prompt, image, tokenizer = _prompt(smolvlm, picture)
     processing = tokenizer.vision
     placeholder = processing.image_token_id
-    # transformers' own processor lays the prompt out the same way
+    # transformers' own processor lays the prompt out the same way (SmolVLM's is Idefics3's but for its videos)
     config = json.loads((Path(smolvlm) / "config.json").read_text())
     processor = Idefics3Processor(processing.images, tokenizer.tokenizer, image_seq_len=image_seq_len(config))
     inputs = processor(text=TEXT[0] + "<image>" + TEXT[1], images=[[picture]], return_tensors="pt")
     ids = [placeholder if is_image_key(t) else t for t in prompt]
     assert inputs["input_ids"][0].tolist() == ids
-    reference = Idefics3ForConditionalGeneration.from_pretrained(smolvlm, dtype=torch.float32).eval()
+    model_class = getattr(transformers, json.loads((Path(smolvlm) / "config.json").read_text())["architectures"][0])
+    reference = model_class.from_pretrained(smolvlm, dtype=torch.float32).eval()
     forced = 7
     with torch.no_grad():
         want = reference(input_ids=torch.tensor([ids + [forced]]), pixel_values=inputs["pixel_values"],
