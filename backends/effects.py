@@ -64,7 +64,8 @@ class MoveCheckpoints(msgspec.Struct, tag="move_checkpoints", frozen=True):
 
 
 class Truncate(msgspec.Struct, tag="truncate", frozen=True):
-    sid: int  # roll back to `position`: drafted tokens past the accepted run (Backend.truncate)
+    sid: int  # roll back to `position` (Backend.truncate): drafted tokens past the accepted run, or a named
+    # session that stopped inside an image back to its first token
     position: int
 
 

@@ -26,6 +26,7 @@ forbids gives way to the lowest one it allows.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -206,3 +207,23 @@ class ScriptedBackend(Backend):
             out.append(t)
             seq.append(t)
         return out
+
+
+class ReadsImages(ScriptedBackend):
+    """A model that reads images: each image token's embeddings take EMBEDDING bytes while its request runs; its
+    sessions roll back (a named session stopped inside an image)."""
+
+    EMBEDDING = 300
+
+    def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
+        self.info = dataclasses.replace(super().load(folder, dtype), reads_images=True,
+                                        image_token_bytes=self.EMBEDDING)
+        return self.info
+
+    def encode_images(self, images: Sequence[Any], scope: str) -> int:
+        return len(images)
+
+    def truncate(self, session: Session, position: int) -> None:
+        assert isinstance(session, ScriptedSession) and position <= session.position
+        session.tokens = session.tokens[:position]
+        session.position = position

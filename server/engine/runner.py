@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 
 from kvfork.backends import effects as e
 from kvfork.backends.base import Backend, KVStorage, KVStorageRefused, ModelInfo, Sampled
+from kvfork.backends.vision.keys import image_start
 from kvfork.server.engine import faults
 from kvfork.server.engine import messages as m
 from kvfork.server.engine import plan as p
@@ -285,6 +286,20 @@ class Runner(Commands, Cloning, Speculation):
             log.warning("request %d failed: %s", rid, error)
             self._end(s, "error", error=error)
 
+    def _off_image(self, s: Seq) -> bool:
+        """A named session that stopped inside an image (its request ended mid-prefill) back to the image's first
+        token: its next request resumes where every reuse point lies (keys.image_start), never inside an image,
+        whatever its family computes an image's tokens together. False: it could not, and keeps nothing."""
+        at = image_start(s.start.prompt, s.session.position)
+        if at == s.session.position:
+            return True
+        try:
+            self._run(e.Truncate(s.sid, at))
+        except Exception as exc:
+            log.warning("request %d: its named session could not go back to its image's start: %r", s.rid, exc)
+            return False
+        return True
+
     def _end(self, s: Seq, reason: str, error: str | None = None, grammar_failed: bool = False) -> None:
         self._hand_over(s, usable=reason != "error")
         for choice in s.choices:  # it left before its prompt was in: its choices go with it
@@ -296,7 +311,7 @@ class Runner(Commands, Cloning, Speculation):
         if s.images:
             self.backend.release_images(s.images)
         named_sid, held, nbytes, frees = None, [], 0, 0
-        if s.start.keep_session and reason != "error" and self._roll_back(s):
+        if s.start.keep_session and reason != "error" and self._roll_back(s) and self._off_image(s):
             named_sid = s.sid
             if s.session.kept or s.start.keep_at:  # an idle named session is priced without checkpoints
                 self._keep_at(s.sid, ())

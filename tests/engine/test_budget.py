@@ -2,12 +2,11 @@
 was reserved before it existed, and what the budget holds never blocks admission for good."""
 
 import asyncio
-import dataclasses
 
 import pytest
 
 from engine_harness import collect, prompt_of, reached, request, run, settled, start_engine, until
-from scripted_backend import BYTES_PER_TOKEN as KIB, Gate, ScriptedBackend
+from scripted_backend import BYTES_PER_TOKEN as KIB, Gate, ReadsImages, ScriptedBackend
 from kvfork.backends.vision import ImageInput
 from kvfork.backends.vision.keys import image_keys
 from kvfork.server.engine.api import CapacityExhausted
@@ -296,20 +295,6 @@ async def test_admission_evicts_the_entry_a_request_reuses_last():
     await settled(engine, backend)
     assert engine.snapshot().held == backend.total_bytes()
     await engine.shutdown(1)
-
-
-class ReadsImages(ScriptedBackend):
-    """A model that reads images: each image token's embeddings take EMBEDDING bytes while its request runs."""
-
-    EMBEDDING = 300
-
-    def load(self, folder, dtype=None):
-        self.info = dataclasses.replace(super().load(folder, dtype), reads_images=True,
-                                        image_token_bytes=self.EMBEDDING)
-        return self.info
-
-    def encode_images(self, images, scope):
-        return len(images)
 
 
 async def test_a_running_requests_pinned_images_are_counted_in_its_reservation():

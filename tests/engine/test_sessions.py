@@ -2,8 +2,10 @@
 
 import pytest
 
-from engine_harness import collect, prompt_of, request, run, settled, start_engine, stored_sessions, until
-from scripted_backend import ScriptedBackend
+from engine_harness import collect, prompt_of, reached, request, run, settled, start_engine, stored_sessions, until
+from scripted_backend import Gate, ReadsImages, ScriptedBackend
+from kvfork.backends.vision import ImageInput
+from kvfork.backends.vision.keys import image_keys
 from kvfork.server.engine.api import SessionBusy
 
 
@@ -101,3 +103,23 @@ def test_the_cap_is_per_tenant_and_a_tenant_whose_sessions_are_all_busy_runs_wit
     named.give_back(a1)
     a3, _ = named.acquire("a3", "A")  # A's new session evicts A's idle one, never B's
     assert a3 is not None and named.get("a1", "A") is None and named.get("b1", "B") is b1
+
+
+async def test_a_named_session_stopped_inside_an_image_resumes_from_the_images_first_token():
+    backend = ReadsImages()
+    gate = backend.gates["prefill"] = Gate(lambda sessions, chunks: sessions[0].position > 0)  # its second chunk
+    engine = await start_engine(backend, prefill_chunk=8, prefix_cache_entries=0)
+    prompt = prompt_of(4) + image_keys(0x1234, 40) + prompt_of(5, start=9)
+    images = (ImageInput(0x1234, 4, 44, 40),)
+    handle = engine.submit(request(prompt, 4, session_id="s", images=images))
+    await reached(gate)
+    handle.cancel()
+    gate.open()
+    await collect(handle)
+    await until(lambda: not engine.named.get("s").busy)
+    assert engine.named.get("s").state.tokens == tuple(prompt[:4])  # it stopped at 16, inside the image
+    warm, _ = await run(engine, prompt, 4, session_id="s", images=images)
+    cold, _ = await run(engine, prompt, 4, images=images)
+    assert warm == cold
+    await settled(engine, backend, extra=0)
+    await engine.shutdown(1)
