@@ -8,6 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvfork.backends.vision import folder_family
 from kvfork.server.chat_output import ModelFormats
 from kvfork.server.config import ServerConfig
 from kvfork.server.engine.api import EngineError, Scope
@@ -103,7 +104,9 @@ class AppState:
         """Whether the model a request names reads images (its images reach it, not a line of text)."""
         if self.pool is not None:
             return self.pool.reads_images(requested)
-        return self.tokenizer is not None and self.tokenizer.vision is not None
+        if self.tokenizer is None:  # still loading: its folder says (a request then waits, or hears not_ready)
+            return folder_family(self.engine.model_path) is not None
+        return self.tokenizer.vision is not None
 
     async def counting(self, request: web.Request, requested: str | None
                        ) -> tuple[PromptTokenizer, ModelFormats, int]:

@@ -134,8 +134,7 @@ class ModelPool:
         self.models = {s.name: PooledModel(s, s.name in config.pin, budget.footprint(s)) for s in specs}
         for model in self.models.values():  # read once, here: a request's checks then never wait for a file
             if model.spec.fetch is None:
-                model.known = _folder_bounds(model.spec.path, engine_config.max_context)
-                model.reads_images = folder_family(Path(model.spec.path).expanduser()) is not None
+                self._read_folder(model)
         self.kept = KeptModels(budget)  # what unloaded models left for their next load
         self.default = specs[0].name
         self.switch_timeout, self.ttl = config.model_switch_timeout, config.model_ttl
@@ -219,8 +218,14 @@ class ModelPool:
         return model.known
 
     def reads_images(self, requested: str | None) -> bool:
-        """Whether the model a request names reads images, known without loading it."""
+        """Whether the model a request names reads images, known without loading it (its folder's config, read
+        as `known`); a model still to be downloaded reads none until its first load has fetched it."""
         return self.model(requested).reads_images
+
+    def _read_folder(self, model: PooledModel) -> None:
+        """What its folder's config says (`known`, `reads_images`), read once its files are here."""
+        model.known = _folder_bounds(model.spec.path, self.engine_config.max_context)
+        model.reads_images = folder_family(Path(model.spec.path).expanduser()) is not None
 
     async def counting(self, request: web.Request, requested: str | None
                        ) -> tuple[PromptTokenizer, ModelFormats, int]:
@@ -368,6 +373,7 @@ class ModelPool:
             await self._close(served, 0)  # a load cut short (shutdown too) leaves nothing behind
             raise
         model.spec, model.files = served.spec, files
+        self._read_folder(model)  # a model fetched for this load: its folder is here now
         model.served, model.used = served, time.monotonic()
         log.info("loaded model %s in %.1f s (%s%s)", model.spec.name, time.monotonic() - t0,
                  self.budget.describe(model.footprint), ", from what its last unload kept" if kept else "")

@@ -17,13 +17,19 @@ import pytest
 import pytest_asyncio
 from PIL import Image
 
-from http_daemon import metrics, serving
+from http_daemon import TEST_ENGINE, metrics, serving
 from kvfork.backends import create_backend
 from kvfork.backends.vision import load_processing
+from kvfork.server.config import ServerConfig
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.pool.daemon import PoolDaemon
+from kvfork.server.pool.specs import ModelSpec
 from kvfork.tools.vision_model import FAMILIES, write
+from tiny_models import write_model
 
 # (family, backend): every family on torch; on MLX those it reads images of (backends/mlx/vision.py SERVED)
-CASES = [*((family, "torch") for family in FAMILIES), ("smolvlm", "mlx"), ("gemma3", "mlx")]
+# (SmolVLM2 is SmolVLM's architecture under other names: tests/backends/test_vision.py)
+CASES = [*((family, "torch") for family in FAMILIES if family != "smolvlm2"), ("smolvlm", "mlx"), ("gemma3", "mlx")]
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 CHAT, MESSAGES = "/v1/chat/completions", "/v1/messages"
@@ -89,10 +95,10 @@ def sliding(folder: str) -> bool:
         "layer_types", [])
 
 
-async def chat(http, daemon, messages: list[dict], **extra) -> dict:
+async def chat(http, daemon, messages: list[dict], status: int = 200, **extra) -> dict:
     body = {"messages": messages, "temperature": 0, "max_tokens": 4, **extra}
     async with http.post(daemon.url + CHAT, json=body) as r:
-        assert r.status == 200, await r.text()
+        assert r.status == status, await r.text()
         return await r.json()
 
 
@@ -219,3 +225,35 @@ async def test_diagnostics_name_a_changed_image_messages_changed(http, daemon, f
     assert miss["type"] == "messages_changed"
     assert account["shared_tokens"] + miss["cache_missed_input_tokens"] == prompt
     assert 0 < account["shared_tokens"] <= prompt - image_tokens(folder)  # up to the image's first token
+
+
+async def test_a_pool_model_fetched_at_its_first_load_reads_images_from_then_on(tmp_path, http):
+    """Several models: a vision model still to be downloaded is unknown until its first load fetches it; from
+    then on its folder says it reads images (read again at each load, kept while it is unloaded)."""
+    vision = str(write(tmp_path / "vision", family="smolvlm"))
+    specs = [ModelSpec("text", str(write_model(tmp_path / "text", "llama"))),
+             ModelSpec("vision", "org/vision", fetch=lambda progress: vision)]
+    daemon = PoolDaemon(ServerConfig(port=0, shutdown_grace=1.0), EngineConfig(**TEST_ENGINE),
+                        specs, "torch", lambda: create_backend("torch"))
+    await daemon.listen()
+    try:
+        await daemon.load()
+        refused = await chat(http, daemon, turn(screenshot(10)), status=400, model="vision")  # not here yet
+        assert refused["error"]["code"] == "unsupported_content"
+        await chat(http, daemon, [{"role": "user", "content": "hello"}], model="vision")  # fetched and loaded
+        await chat(http, daemon, turn(screenshot(10)), model="vision")
+    finally:
+        await daemon.close()
+
+
+async def test_a_daemon_still_loading_its_vision_model_knows_it_reads_images(folder):
+    """Its requests' checks run before the model is acquired: an image waits for it (or hears not_ready), never
+    refused as a text model's."""
+    from types import SimpleNamespace
+
+    from kvfork.server.metrics import Registry
+    from kvfork.server.state import AppState
+
+    state = AppState(ServerConfig(), SimpleNamespace(model_path=folder), ["tiny"], Registry())
+    assert state.tokenizer is None and state.reads_images(None)
+    state.close()
