@@ -46,14 +46,17 @@ class MLXBackend(Backend):
     def __init__(self, group: Any = None):
         """`group`: an `mx.distributed` group to split the model over (loading.load_model); None: one rank."""
         self.group = group
-        self.kv_storage = KVStorage()
+        self.kv_storage, self.encoder_cache_bytes = KVStorage(), 0  # as set before `load`
 
     def set_kv_storage(self, storage: KVStorage) -> None:
         self.kv_storage = storage  # load refuses what MLX or the model's heads cannot take (kv_storage.py)
 
+    def set_encoder_cache_bytes(self, nbytes: int) -> None:
+        self.encoder_cache_bytes = nbytes
+
     def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
-        self.model, self.tokenizer, self.info, self._storage, self.vision = load_model(folder, dtype, self.group,
-                                                                                      self.kv_storage)
+        self.model, self.tokenizer, self.info, self._storage, self.vision = load_model(
+            folder, dtype, self.group, self.kv_storage, self.encoder_cache_bytes)
         self._windows = list(self.info.sliding_windows)
         self._sessions: dict[int, MLXSession] = {}
         self._batch = DecodeBatch(self.model)

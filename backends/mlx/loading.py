@@ -34,10 +34,11 @@ def default_dtype() -> str:
     return "bfloat16" if mx.default_device() == mx.gpu else "float32"
 
 
-def load_model(folder: str, dtype: str | None, group: Any = None, spec: KVStorage = KVStorage()
+def load_model(folder: str, dtype: str | None, group: Any = None, spec: KVStorage = KVStorage(),
+               encoder_cache_bytes: int = 0
                ) -> tuple[nn.Module, Any, ModelInfo, kv_storage.Storage | None, MLXVisionReader | None]:
     """(model, tokenizer, info, how KV is stored: `spec`, --kv-cache-dtype, the tower of a model that reads images:
-    vision.py). `folder` may also be a hub id
+    vision.py, its encoder cache of `encoder_cache_bytes`). `folder` may also be a hub id
     (see backends.model_path). `group`: an `mx.distributed` group of more than one rank splits the model over
     them, by mlx-lm's own tensor-parallel sharding (`Model.shard`, through `sharded_load`); each rank then
     holds its share of the weights and of every KV state, and `info.kv` prices a rank's share.
@@ -70,6 +71,7 @@ def load_model(folder: str, dtype: str | None, group: Any = None, spec: KVStorag
     if storage is not None and spec.rotates_keys:
         kv_storage.rotate_keys(model, sum(layer.kind != "recurrent" for layer in layers), spec)
     facts = read_model_facts(path)
+    reader = None if family is None else MLXVisionReader(path, model, encoder_cache_bytes)
     info = ModelInfo(
         name=Path(folder).name or str(folder),
         vocab_size=vocab_size,
@@ -81,9 +83,10 @@ def load_model(folder: str, dtype: str | None, group: Any = None, spec: KVStorag
         device="metal" if mx.default_device() == mx.gpu else "cpu",
         kv_dtype=spec.label(dtype),
         kv_token_bytes=storages_bytes(layers, compute, heads, spec.group),
-        reads_images=family is not None,
+        reads_images=reader is not None,
+        image_token_bytes=reader.token_bytes if reader is not None else 0,
     )
-    return model, tokenizer, info, storage, None if family is None else MLXVisionReader(path, model)
+    return model, tokenizer, info, storage, reader
 
 
 def split_refusal(path: Path, size: int) -> str | None:

@@ -129,7 +129,8 @@ class BothWays(nn.Module):
 class MLXVisionReader:
     """The torch backend's tower and encoder cache, its embeddings handed to the text model as mx arrays."""
 
-    def __init__(self, folder: Path, model: nn.Module):
+    def __init__(self, folder: Path, model: nn.Module, cache_bytes: int):
+        """`cache_bytes`: --encoder-cache-bytes (torch/vision.py's VisionReader)."""
         import torch
 
         from kvfork.backends.torch.loading import read_weights
@@ -137,8 +138,10 @@ class MLXVisionReader:
 
         _, tower = split_weights(folder, read_weights(folder, torch.device("cpu")), False)
         assert tower is not None, f"{folder} is no vision model"
-        self.reader = VisionReader(folder, tower, torch.device("cpu"), torch.float32)
         self.embed = model.model.embed_tokens  # mlx-lm's text models: an inner `model` with `embed_tokens`
+        self.reader = VisionReader(folder, tower, torch.device("cpu"), torch.float32, cache_bytes,
+                                   self.embed.weight.shape[-1])
+        self.token_bytes = self.reader.token_bytes  # one image token's embedding, held as torch's on the host
         self.dtype = self.embed.weight.dtype
         self.spans = Spans()
         self.scale: float | mx.array = 1.0  # what the text model multiplies its input embeddings by (Gemma's sqrt(hidden))

@@ -1,4 +1,4 @@
-"""A vision model on MLX (backends/mlx/vision.py): the tiny SmolVLM and Gemma 3 give the same logits and greedy
+"""A vision model on MLX (backends/mlx/vision.py): the tiny SmolVLM (SmolVLM2 too) and Gemma 3 give the same logits and greedy
 tokens on MLX as on torch, their images in the prompt prefilled in chunks (SmolVLM's cutting its tiles, Gemma's
 around its images, whose tokens attend each other both ways), then decoded; a clone after the image and a saved
 state continue alike; the family MLX does not read images of is refused, naming --backend torch."""
@@ -10,7 +10,7 @@ import json
 import pytest
 
 from kvfork.backends.vision.keys import is_image_key
-from test_vision import _picture, _prompt, smolvlm  # noqa: F401  (its fixture)
+from test_vision import _picture, _prompt, smolvlm, smolvlm2  # noqa: F401  (its fixtures)
 from test_vision_families import Case, family_dir  # noqa: F401  (its fixture)
 from tolerance import Kind, Model, assert_logits_close, assert_same_greedy
 
@@ -54,7 +54,9 @@ def _same(mlx, torch_backend, folder, prompt: list[int], images: list, cuts: tup
     assert after[0] == after[1] == after[2]
 
 
-def test_smolvlm_on_mlx_gives_torchs_tokens(smolvlm):
+@pytest.mark.parametrize("family", ["smolvlm", "smolvlm2"])
+def test_smolvlm_on_mlx_gives_torchs_tokens(family, request):
+    smolvlm = request.getfixturevalue(family)
     prompt, image, _ = _prompt(smolvlm, _picture(50, 40))
     mlx, torch_backend = MLXBackend(), TorchBackend("cpu")
     for backend in (mlx, torch_backend):
