@@ -74,6 +74,7 @@ def _qwen2_5_vl(ids: dict[str, int]):
 
 
 def _gemma3(ids: dict[str, int]):
+    import torch
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
@@ -88,7 +89,11 @@ def _gemma3(ids: dict[str, int]):
                           boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
                           image_token_index=ids["<image_soft_token>"])
     processor = Gemma3ImageProcessorPil(size={"height": 112, "width": 112})
-    return Gemma3ForConditionalGeneration(config), processor
+    model = Gemma3ForConditionalGeneration(config)
+    projection = model.model.multi_modal_projector.mm_input_projection_weight  # transformers starts it at zero
+    with torch.no_grad():
+        projection.normal_(0.0, projection.shape[0] ** -0.5)  # so an image's pixels reach the text model
+    return model, processor
 
 
 def peaked(model, prefixes: tuple[str, ...]) -> None:

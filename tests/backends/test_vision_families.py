@@ -70,14 +70,15 @@ class Case:
         self.backend.load(str(folder), "float32")
         assert self.backend.encode_images(self.inputs, "tenant") == len(self.inputs)
 
-    def reference(self) -> np.ndarray:
-        """transformers' logits at every position of the prompt and the forced token."""
+    def reference(self, pictures: list[Image.Image] | None = None) -> np.ndarray:
+        """transformers' logits at every position of the prompt and the forced token (with `pictures` in place
+        of the prompt's own, where given)."""
         from transformers import AutoModelForImageTextToText
 
         model = AutoModelForImageTextToText.from_pretrained(self.folder, dtype=torch.float32).eval()
         ids = torch.tensor([[self.processing.image_token_id if is_image_key(t) else t
                              for t in self.tokens + [self.forced]]])
-        batch = self.processing.images(images=self.pictures, return_tensors="pt")
+        batch = self.processing.images(images=pictures or self.pictures, return_tensors="pt")
         is_image = (ids == self.processing.image_token_id).int()
         with torch.inference_mode():
             if self.family == "qwen2_5_vl":
@@ -118,6 +119,16 @@ def test_chunked_prefill_and_decode_match_transformers(case):
         start = end
     n = len(case.tokens)
     case.close(backend.to_numpy(backend.decode([session], [case.forced]))[0], want[n], n + 1)
+
+
+@pytest.mark.numeric
+def test_the_images_pixels_reach_the_text_model(case):
+    """Other pictures of the same sizes change the logits after them (a tower or projector that output zeros
+    would make the comparisons above blind to the images)."""
+    case, want = case
+    other = case.reference([_picture(100 + i, p.size) for i, p in enumerate(case.pictures)])
+    after = case.inputs[0].end
+    assert np.abs(other[after:] - want[after:]).max() > 1e-2
 
 
 @pytest.mark.numeric
