@@ -333,7 +333,7 @@ class GrammarCompiler:
         self._tokenizer_lock = threading.Lock()
         self._cache: collections.OrderedDict[tuple[Scope, str], Grammar] = collections.OrderedDict()
         self._cache_lock = threading.Lock()
-        self._workers = FairWorkers(COMPILE_THREADS, "kvfork-grammar", lambda: CompileProcess(self._setup))
+        self._workers = FairWorkers(COMPILE_THREADS, "kvfork-grammar", lambda: CompileProcess(self.setup))
 
     def tokenizer(self) -> Any:
         """The llguidance view of the tokenizer: built once, on first use (about a second)."""
@@ -349,7 +349,8 @@ class GrammarCompiler:
                                                          eos_token=self.eos_ids)
             return self._tokenizer
 
-    def _setup(self) -> dict[str, Any]:
+    def setup(self) -> dict[str, Any]:
+        """The compile process's first message (grammar_worker.py)."""
         self.tokenizer()
         return {"tokenizer": self._tokenizer_json, "vocab_size": self.vocab_size, "eos": self.eos_ids,
                 "limits": {k: v for k, v in PARSER_LIMITS.items()}}

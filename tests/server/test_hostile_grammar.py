@@ -4,12 +4,16 @@ timeout is stopped (its process killed), and llguidance's limits hold for every 
 from __future__ import annotations
 
 import asyncio
+import os
 import resource
+import subprocess
 
 import pytest
 
 from kvfork.server.engine.api import Scope
 from kvfork.server.grammar import PARSER_LIMITS, GrammarCompiler, GrammarError, JsonSchema
+from kvfork.server.grammar_worker import read_message, write_message
+from kvfork.server.isolated import module_command
 
 WIDE = JsonSchema({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(6000)}})
 SMALL = JsonSchema({"type": "object", "properties": {"n": {"type": "integer"}}})
@@ -54,6 +58,25 @@ async def test_a_compile_past_its_timeout_stops_and_another_compiles_meanwhile(h
         # nothing goes on compiling in this process once the 400s are out (on main: a thread burned on)
         assert _cpu_s() - before < 0.2
     finally:
+        grammars.close()
+
+
+def test_the_compile_process_runs_below_the_daemons_cpu_priority(hf):
+    """A compile takes what CPU the daemon leaves: another tenant's decode keeps its core (issue 45)."""
+    grammars = GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=30.0)
+    proc = subprocess.Popen(module_command("kvfork.server.grammar_worker"), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE)
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        write_message(proc.stdin, grammars.setup())
+        assert read_message(proc.stdout) == {"ready": True}
+        assert os.getpriority(os.PRIO_PROCESS, proc.pid) > os.getpriority(os.PRIO_PROCESS, 0)
+    finally:
+        proc.kill()
+        proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()
         grammars.close()
 
 
