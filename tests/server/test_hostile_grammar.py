@@ -11,7 +11,8 @@ import subprocess
 import pytest
 
 from kvfork.server.engine.api import Scope
-from kvfork.server.grammar import PARSER_LIMITS, GrammarCompiler, GrammarError, JsonSchema
+from kvfork.server.errors import ApiError
+from kvfork.server.grammar import PARSER_LIMITS, CompileCooling, GrammarCompiler, GrammarError, JsonSchema
 from kvfork.server.grammar_worker import read_message, write_message
 from kvfork.server.isolated import module_command
 
@@ -49,14 +50,32 @@ async def test_a_compile_past_its_timeout_stops_and_another_compiles_meanwhile(h
         await grammars.compile(SMALL, Scope("warm"))  # both compile processes' start is not a grammar's cost
         slow = [asyncio.ensure_future(grammars.compile(WIDE, Scope("hostile"))) for _ in range(3)]
         assert await grammars.compile(SMALL, Scope("innocent")) is not None  # a thread is always free for it
-        for task in slow:
-            with pytest.raises(GrammarError) as refused:
+        for task, status in zip(slow, (400, 429, 429)):  # the first times out, the others find the tenant cooling
+            with pytest.raises(ApiError) as refused:
                 await task
-            assert "--grammar-compile-timeout" in refused.value.message
+            assert refused.value.status == status and "--grammar-compile-timeout" in refused.value.message
         before = _cpu_s()
         await asyncio.sleep(2.0)
         # nothing goes on compiling in this process once the 400s are out (on main: a thread burned on)
         assert _cpu_s() - before < 0.2
+    finally:
+        grammars.close()
+
+
+async def test_a_tenant_whose_compile_timed_out_has_its_next_large_grammars_refused(hf):
+    """Compile seconds past the timeout are a budget: the tenant cools down, another does not (issue 45)."""
+    grammars = GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=0.3)
+    try:
+        with pytest.raises(GrammarError):
+            await grammars.compile(WIDE, Scope("hostile"))
+        with pytest.raises(CompileCooling) as cooling:  # refused before any compile process runs
+            await grammars.compile(WIDE, Scope("hostile"))
+        assert cooling.value.status == 429 and cooling.value.code == "rate_limit_exceeded"
+        assert "--grammar-compile-timeout" in cooling.value.message
+        assert 0 < cooling.value.retry_after <= 10 * 0.3
+        assert await grammars.compile(SMALL, Scope("hostile")) is not None  # small grammars build as before
+        with pytest.raises(GrammarError):  # another tenant's compile is tried
+            await grammars.compile(WIDE, Scope("innocent"))
     finally:
         grammars.close()
 
