@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 from aiohttp import web
 
@@ -49,9 +50,13 @@ ACCESS_FORMAT = '%a "%r" %s %b %Tf'
 def _error_response(error: ApiError, path: str) -> web.Response:
     """The error in the shape of the API the path belongs to: Anthropic's on /v1/messages, else OpenAI's."""
     if path.startswith(messages.PATH):
-        return web.Response(status=error.status, body=error_body(error.status, error.message),
-                            content_type="application/json")
-    return json_response(error.body(), status=error.status)
+        response = web.Response(status=error.status, body=error_body(error.status, error.message),
+                                content_type="application/json")
+    else:
+        response = json_response(error.body(), status=error.status)
+    if error.retry_after is not None:
+        response.headers["Retry-After"] = str(max(1, math.ceil(error.retry_after)))
+    return response
 
 
 def _api_error(e: BaseException) -> ApiError:

@@ -43,9 +43,13 @@ ERROR_TYPES = {
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None):
+    """`retry_after`: seconds after which the request may succeed (a 429's Retry-After header)."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
+                 retry_after: float | None = None):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
+        self.retry_after = retry_after
 
     def body(self) -> ErrorBody:
         kind = ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")

@@ -34,13 +34,16 @@ Design rules:
 - every matcher runs under llguidance's limits (PARSER_LIMITS), so no mask step
   is unbounded; a new grammar past GUARDED_TEXT is first built in a process
   killed past --grammar-compile-timeout (grammar_worker.py): past it, or on a bad
-  schema, a 400 naming the problem;
+  schema, a 400 naming the problem; a tenant whose compile ran past it has its
+  next new grammars past GUARDED_TEXT refused with a 429 for COOLDOWN_TIMEOUTS
+  timeouts (Retry-After), so its compiles take a bounded share of a core;
 - a schema is bounded before any of this: its size (--max-schema-bytes) and
   nesting (--max-json-depth), checked by the routes (server/limits.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import copy
 import json
@@ -64,6 +67,7 @@ from kvfork.server.reasoning import FORMATS
 from kvfork.server.toolcalls import PARSERS
 from kvfork.server.toolcalls.grammar_pieces import JSON_OPTIONS, CallGrammar, closed, markup, text_until
 from kvfork.server.isolated import module_command
+from kvfork.server.refusals import PAUSE_S
 from kvfork.server.config import ServerConfig
 from kvfork.server.settings import without_secrets
 
@@ -101,6 +105,16 @@ class GrammarError(ApiError):
 
     def __init__(self, param: str, message: str):
         super().__init__(400, message, code="invalid_grammar", param=param)
+
+
+class CompileCooling(ApiError):
+    """A tenant's new large grammar while it cools down from a compile past the timeout: 429, Retry-After."""
+
+    def __init__(self, param: str, timeout_s: float, left_s: float):
+        super().__init__(429, f"a grammar of this tenant took longer than {timeout_s:g} s to compile "
+                         f"(--grammar-compile-timeout); its new grammars of more than {GUARDED_TEXT // 1024} KiB "
+                         f"are refused for {left_s:.0f} s more", code="rate_limit_exceeded", param=param,
+                         retry_after=left_s)
 
 
 # ---- what each ask compiles to ----
@@ -250,6 +264,10 @@ COMPILE_THREADS = 2  # a tenant compiles one grammar at a time: with two, anothe
 # typical tool schema is a few hundred characters and builds in a millisecond, where the round trip to the
 # process would cost twenty.
 GUARDED_TEXT = 8 * 1024
+# After a tenant's compile runs past the timeout, its new grammars past GUARDED_TEXT are refused for this many
+# timeouts: compiles past the timeout take at most 1/(1 + COOLDOWN_TIMEOUTS) of a core per tenant (and run at
+# the lowest priority: grammar_worker.NICENESS). A schema that compiles in time is never refused.
+COOLDOWN_TIMEOUTS = 10
 
 
 def _parser_limits() -> Any:
@@ -324,7 +342,8 @@ class GrammarCompiler:
     The cache is keyed by scope (tenant and cache_salt) as every other cache is: a grammar another
     tenant compiled would otherwise come back in 0.15 s instead of 2, telling which schemas it uses.
     Compiles run on worker threads shared by tenants in turn (server/fair_workers.py), each trying a new grammar
-    past GUARDED_TEXT first in its own process that is killed past the timeout (CompileProcess)."""
+    past GUARDED_TEXT first in its own process that is killed past the timeout (CompileProcess); a tenant whose
+    compile was killed cools down (COOLDOWN_TIMEOUTS) before its next one there."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], timeout_s: float):
         self._hf, self.vocab_size, self.eos_ids, self.timeout_s = hf_tokenizer, vocab_size, list(eos_ids), timeout_s
@@ -333,7 +352,8 @@ class GrammarCompiler:
         self._tokenizer_lock = threading.Lock()
         self._cache: collections.OrderedDict[tuple[Scope, str], Grammar] = collections.OrderedDict()
         self._cache_lock = threading.Lock()
-        self._workers = FairWorkers(COMPILE_THREADS, "kvfork-grammar", lambda: CompileProcess(self._setup))
+        self._cooling: dict[str, float] = {}  # tenant -> when (monotonic) its new large grammars are tried again
+        self._workers = FairWorkers(COMPILE_THREADS, "kvfork-grammar", lambda: CompileProcess(self.setup))
 
     def tokenizer(self) -> Any:
         """The llguidance view of the tokenizer: built once, on first use (about a second)."""
@@ -349,14 +369,19 @@ class GrammarCompiler:
                                                          eos_token=self.eos_ids)
             return self._tokenizer
 
-    def _setup(self) -> dict[str, Any]:
+    def setup(self) -> dict[str, Any]:
+        """The compile process's first message (grammar_worker.py)."""
         self.tokenizer()
         return {"tokenizer": self._tokenizer_json, "vocab_size": self.vocab_size, "eos": self.eos_ids,
                 "limits": {k: v for k, v in PARSER_LIMITS.items()}}
 
     async def compile(self, ask: Ask, scope: Scope = Scope()) -> Grammar:
         """`ask`'s grammar for a request of `scope`: from its scope's cache, or compiled (GrammarError: 400)."""
-        return await self._workers.run(scope.tenant, self._compile, ask, scope)
+        try:
+            return await self._workers.run(scope.tenant, self._compile, ask, scope)
+        except CompileCooling:
+            await asyncio.sleep(PAUSE_S)  # as refusals past --refusal-rate: a client sending them fast is slowed
+            raise
 
     def close(self) -> None:
         self._workers.close()
@@ -371,9 +396,13 @@ class GrammarCompiler:
                 return cached
         param = param_of(ask)
         if len(text) > GUARDED_TEXT:
+            left_s = self._cooldown_left(scope.tenant)
+            if left_s > 0:
+                raise CompileCooling(param, self.timeout_s, left_s)
             try:
                 error = process.check(text, self.timeout_s)
             except TimeoutError:
+                self._cool(scope.tenant)
                 raise GrammarError(param, f"the grammar took longer than {self.timeout_s:g} s to compile "
                                    "(--grammar-compile-timeout); simplify the schema") from None
             if error:
@@ -384,6 +413,16 @@ class GrammarCompiler:
             if len(self._cache) > _CACHE_ENTRIES:
                 self._cache.popitem(last=False)
         return grammar
+
+    def _cooldown_left(self, tenant: str) -> float:
+        with self._cache_lock:
+            return self._cooling.get(tenant, 0.0) - time.monotonic()
+
+    def _cool(self, tenant: str) -> None:
+        now = time.monotonic()
+        with self._cache_lock:
+            self._cooling = {t: until for t, until in self._cooling.items() if until > now}  # the cooled drop out
+            self._cooling[tenant] = now + COOLDOWN_TIMEOUTS * self.timeout_s
 
     def build(self, text: str, param: str) -> Grammar:
         """Grammar `text` built on the calling thread: no process, no cache (what `compile` does once it

@@ -6,6 +6,8 @@ thread cannot be stopped. So the daemon first builds each new grammar here, with
 under --grammar-compile-timeout: past it this process is killed (and another started for the next
 grammar), and the request gets a 400; a grammar built here in time is built again in the daemon,
 where it takes the same bounded time. A grammar that crashes llguidance crashes only this process.
+The process runs at the lowest CPU priority (NICENESS): while it compiles, every other tenant's decode keeps
+its core, and the compile gets what they leave.
 
 Wire: 4-byte little-endian lengths, each followed by that much JSON. First the setup
 {"tokenizer": <tokenizer.json text>, "vocab_size", "eos", "limits": {...}}, answered {"ready": true};
@@ -15,9 +17,12 @@ then a grammar per message {"grammar": text}, answered {"error": text or null}.
 from __future__ import annotations
 
 import json
+import os
 import struct
 import sys
 from typing import Any, BinaryIO
+
+NICENESS = 19  # the lowest priority: a compile takes the CPU the daemon's threads leave
 
 
 def read_message(stream: BinaryIO) -> Any:
@@ -35,6 +40,7 @@ def write_message(stream: BinaryIO, message: Any) -> None:
 
 
 def main() -> None:
+    os.nice(NICENESS)
     import llguidance
     import numpy as np
 

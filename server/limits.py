@@ -74,7 +74,8 @@ class Limits:
                                              check=at_least(1024), size=True)
     grammar_compile_timeout: float = setting(5.0, "most seconds a request's grammar (response_format, "
                                              "tool_choice) may take to compile, in a process that is killed "
-                                             "past it; the request then gets a 400", check=at_least(0.001))
+                                             "past it; the request then gets a 400, and its tenant's new grammars "
+                                             "past 8 KiB a 429 for ten times this", check=at_least(0.001))
     template_timeout: float = setting(10.0, "most seconds a chat template may take to render one request's "
                                       "messages (on a worker thread, interrupted past it); the request then gets a "
                                       "400", check=at_least(0.001))

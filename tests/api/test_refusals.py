@@ -50,3 +50,17 @@ async def test_a_flood_of_bad_requests_slows_its_tenant_alone(tiny_model_dir, tm
 async def _status(http, url: str, headers: dict, body: dict | None = None) -> int:
     async with http.post(url, json=body or chat_body(max_tokens=1), headers=headers) as r:
         return r.status
+
+
+async def test_a_tenant_whose_grammar_timed_out_gets_a_429_with_retry_after(tiny_model_dir):
+    """The grammar compiler's cooldown (issue 45) in the API's shape: a 429 naming the limit, and when to retry."""
+    wide = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(6000)}}}}
+    async with serving(tiny_model_dir("llama"), engine=dict(max_context=256), grammar_compile_timeout=0.3) as d, \
+            aiohttp.ClientSession() as http:
+        url = d.url + "/v1/chat/completions"
+        assert await _status(http, url, {}, chat_body(max_tokens=1, response_format=wide)) == 400
+        async with http.post(url, json=chat_body(max_tokens=1, response_format=wide)) as r:
+            error = (await r.json())["error"]
+            assert r.status == 429 and error["code"] == "rate_limit_exceeded" and error["param"] == "response_format"
+            assert "--grammar-compile-timeout" in error["message"] and 1 <= int(r.headers["Retry-After"]) <= 3
