@@ -193,7 +193,7 @@ class DraftPolicy:
         padded pass, whether it proposes a draft for `common_length` to trim (it clears the floor)."""
         return draft_pays(self.expected(own), batch, None if padded else self.ratio(batch), skipped)
 
-    def common_length(self, rows: Sequence[tuple[Acceptance, int, bool]], batch: int) -> int:
+    def padded_length(self, rows: Sequence[tuple[Acceptance, int, bool]], batch: int) -> int:
         """`common_length` of a padded step's proposed drafts: (acceptance, tokens drafted, probing) each."""
         return common_length([self.expected(own) for own, _, _ in rows], [d for _, d, _ in rows],
                              [probe for _, _, probe in rows], batch, self.ratio(batch))

@@ -103,7 +103,7 @@ class Speculation:
         """A padded pass's drafts, (request, steps it had skipped) each: all trimmed to the length that pays for
         the batch (draft_policy.common_length); a row trimmed to none skipped this step."""
         rows = [(s.acceptance, len(s.draft.tokens), skipped >= PROBE_EVERY) for s, skipped in proposed if s.draft]
-        length = self._policy.common_length(rows, batch)
+        length = self._policy.padded_length(rows, batch)
         for s, skipped in proposed:
             assert s.draft is not None
             s.draft = replace(s.draft, tokens=s.draft.tokens[:length]) if length else None
