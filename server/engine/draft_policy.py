@@ -153,7 +153,7 @@ def common_length(expected: Sequence[float], drafted: Sequence[int], probing: Se
     def rate(length: int) -> float:
         return (batch + sum(p * min(d, length) for p, d in zip(expected, drafted))) / (1 + cost * length)
 
-    return max(sorted({least, *(d for d in drafted if d > least)}), key=lambda length: (rate(length), -length))
+    return max({least, *(d for d in drafted if d > least)}, key=lambda length: (rate(length), -length))
 
 
 class DraftPolicy:
