@@ -2,9 +2,8 @@
 
 Every call, `load` included, runs on one thread: the engine's runner. A backend never needs locks of its own.
 
-Sessions hold the KV state of one token sequence. `position` is the number of
-tokens committed to that state. The engine decides chunking and batching; the
-backend runs what it is asked to, in as few forward passes as it can.
+Sessions hold the KV state of one token sequence. `position` is the number of tokens committed to that state.
+The engine decides chunking and batching; the backend runs what it is asked to, in as few passes as it can.
 
 Sliding-window rule (every backend obeys it, `clone_refusal` states it):
   a sliding layer of window W keeps a ring of the last `capacity = W` positions
@@ -435,6 +434,8 @@ class Backend(abc.ABC):
     # pass (torch). The runner then sends a step's decode rows and prefill chunks in one `prefill`
     # call; otherwise (MLX: mlx-lm has no varlen batch) it calls `decode`, then `prefill`.
     mixed_batches: bool = False
+    # True when `verify` runs every row at the longest row's length (MLX), False when ragged (torch): draft_policy.py
+    pads_verify: bool = False
     reusable: Any = None  # what `reuse` handed over, taken by the next `load` (a backend that cannot use it ignores it)
 
     @abc.abstractmethod

@@ -58,7 +58,7 @@ def peers(size: int) -> str:
 class LockstepBackend(Backend):
     def __init__(self, local: Backend, channel: Channel, timeout: float):
         self.local, self.channel = local, channel
-        self.mixed_batches = local.mixed_batches
+        self.mixed_batches, self.pads_verify = local.mixed_batches, local.pads_verify
         self._live: set[int] = set()  # the ids of the sessions it handed out, their sids on every rank
         self._pending: list[e.Effect] = []
         self._sent = itertools.count(1)

@@ -107,6 +107,7 @@ class MLXBackend(Backend):
     # positions, padded to the longest), and `truncate` makes a row forget its last positions (a
     # standalone session trims its caches: mlx-lm's KVCache.trim). A rotating (sliding) cache past its
     # window and a recurrent state cannot be rolled back: those models do not speculate.
+    pads_verify = True
 
     @property
     def rolls_back(self) -> bool:

@@ -15,11 +15,12 @@ sum((p_i - b c / T0) d_i) > 0. So each row's drafts pay on their own when
 
 and a row below it skips drafting in that step (other rows still draft). The two sides:
 - c / T0 per batch size (`StepCost`): a least-squares line through the steps that decoded b rows
-  and prefilled nothing, seconds against drafted tokens, over exponentially weighted moments (the
-  step budget's fit, rates.fit_line). Until `MIN_STEPS` such steps are seen, or where the line has
-  no slope yet, the cost is unknown and only `FLOOR` applies: drafting is how the slope is learnt.
-  Steps that all draft alike cannot fix a slope either: then every `PROBE_EVERY`-th step of that
-  batch size drafts nothing (`baseline`), which gives the line its other end.
+  and prefilled nothing, seconds against the positions their drafts made the pass compute
+  (`computed`), over exponentially weighted moments (the step budget's fit, rates.fit_line). Until
+  `MIN_STEPS` such steps are seen, or where the line has no slope yet, the cost is unknown and only
+  `FLOOR` applies: drafting is how the slope is learnt. Steps that all draft alike cannot fix a
+  slope either: then every `PROBE_EVERY`-th step of that batch size drafts nothing (`baseline`),
+  which gives the line its other end.
 - p_i (`Acceptance`): the request's recent drafted and accepted tokens (each verified draft decays
   the older ones by `RECENT`), shrunk towards the recent acceptance of all requests by `PRIOR_TOKENS`
   tokens' weight. A new request starts from what the batch's text has been doing (prose after prose
@@ -34,6 +35,20 @@ and a row below it skips drafting in that step (other rows still draft). The two
   drafting back on after a few accepted probes. A new request's first draft is such a probe, so its
   own record starts at once, whatever the requests before it did.
 
+Padded passes (`Backend.pads_verify`: MLX, whose batch runs every row at the longest row's length).
+There a step whose longest draft is L computes b L positions beyond its b, whatever the other rows
+draft, so the cost line is fitted on those positions (`computed`) and a row's draft costs what it adds
+to the longest, not its own length: once one row pays for L, the others' drafts up to L are free. The
+step's drafts are chosen together (`common_length`): every row whose drafts clear `FLOOR` proposes
+its draft, and all are trimmed to the one length L that gives the most tokens per second,
+
+    (b + sum(p_i min(d_i, L))) / (T0 + c b L)       over L in {0} and the drafts' lengths,
+
+so a step drafts only when enough of its rows' drafts pay, and a long draft that few rows could use
+is cut to what the batch can afford. A probing row still drafts, at most `PROBE_TOKENS` when nothing
+else pays: its probe costs every row of the pass those positions. With ragged passes (torch) this is
+the rule above: each row by its own break-even, at its full length.
+
 A step that prefills drafts nothing (Speculation._draft_all): its pass is compute-bound by the prompt
 chunks, so a drafted position there costs what a prompt token costs, comes out of the step's token
 budget, and lengthens the step that every prefilling request waits on. The requests it delays are
@@ -47,6 +62,7 @@ Drafting or not never changes a token: verification keeps only what the request'
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Sequence
 
 from kvfork.server.engine.rates import fit_line
 
@@ -57,6 +73,7 @@ PRIOR_RECENT = 0.9  # all requests' older drafts decay by this per verified draf
 PRIOR_TOKENS = 4.0  # how many drafted tokens' weight the prior has in a request's estimate
 FLOOR = 0.1  # acceptance below which drafting never pays
 PROBE_EVERY = 8  # a row that skipped this many steps in a row drafts once
+PROBE_TOKENS = 4  # most tokens a probe drafts where it alone pads a pass (Backend.pads_verify)
 
 
 @dataclass(frozen=True)
@@ -79,8 +96,9 @@ class Acceptance:
 
 @dataclass(frozen=True)
 class StepCost:
-    """Seconds of the steps that decoded one batch size against their drafted tokens: EMA moments
-    of (1, x, y, x*x, x*y), x the drafted tokens and y the seconds, and how many steps were seen."""
+    """Seconds of the steps that decoded one batch size against the positions their drafts made the pass
+    compute (`computed`): EMA moments of (1, x, y, x*x, x*y), x those positions and y the seconds, and
+    how many steps were seen."""
 
     moments: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
     steps: int = 0
@@ -93,7 +111,7 @@ class StepCost:
         return StepCost(moments, self.steps + 1)  # type: ignore[arg-type]
 
     def ratio(self) -> float | None:
-        """c / T0: what a drafted token adds to the step, as a share of the step without drafts;
+        """c / T0: what a computed position adds to the step, as a share of the step without drafts;
         None while unknown (too few steps, or drafted counts that cannot fix a slope)."""
         fit = fit_line(self.moments) if self.steps >= MIN_STEPS else None
         if fit is None:
@@ -115,6 +133,29 @@ def draft_pays(expected: float, batch: int, ratio: float | None, skipped: int) -
     return expected > break_even(batch, ratio) or skipped >= PROBE_EVERY
 
 
+def computed(drafted: Sequence[int], padded: bool) -> int:
+    """Positions a verify pass computes beyond one per row, its rows carrying `drafted` tokens: their sum
+    when the pass is ragged, the longest for every row when it pads to the longest row."""
+    return len(drafted) * max(drafted, default=0) if padded else sum(drafted)
+
+
+def common_length(expected: Sequence[float], drafted: Sequence[int], probing: Sequence[bool],
+                  batch: int, ratio: float | None) -> int:
+    """The length every draft of a padded pass is trimmed to: the one of most expected tokens per second,
+    rows drafting `drafted` tokens each accepted at `expected`, `ratio` what a computed position adds
+    to a step of `batch` rows; at least `PROBE_TOKENS` (or a shorter probe's own length) where a row
+    probes. The shorter length on a tie."""
+    least = max((min(d, PROBE_TOKENS) for d, probe in zip(drafted, probing) if probe), default=0)
+    if ratio == float("inf"):
+        return least
+    cost = batch * (ratio or 0.0)
+
+    def rate(length: int) -> float:
+        return (batch + sum(p * min(d, length) for p, d in zip(expected, drafted))) / (1 + cost * length)
+
+    return max({least, *(d for d in drafted if d > least)}, key=lambda length: (rate(length), -length))
+
+
 class DraftPolicy:
     """The runner's view (one per runner thread): each batch size's step cost and all requests'
     recent acceptance. A request's own acceptance and skipped steps live on its Seq."""
@@ -124,10 +165,11 @@ class DraftPolicy:
         # it starts as if PRIOR_TOKENS drafted tokens had all been accepted, forgotten as drafts are verified
         self.prior = Acceptance(PRIOR_TOKENS, PRIOR_TOKENS, PRIOR_RECENT)
 
-    def step(self, batch: int, drafted: int, seconds: float) -> None:
-        """A step that decoded `batch` rows carrying `drafted` tokens beyond their own, and prefilled nothing."""
+    def step(self, batch: int, positions: int, seconds: float) -> None:
+        """A step that decoded `batch` rows, computing `positions` beyond one a row (`computed`), and prefilled
+        nothing."""
         if batch > 0 and seconds > 0:
-            self.costs[batch] = self.costs.get(batch, StepCost()).observe(drafted, seconds)
+            self.costs[batch] = self.costs.get(batch, StepCost()).observe(positions, seconds)
 
     def baseline(self, batch: int) -> bool:
         """Whether no row drafts in this step of `batch` rows: one without drafts, for a cost that has none to compare."""
@@ -138,8 +180,20 @@ class DraftPolicy:
     def verified(self, drafted: int, accepted: int) -> None:
         self.prior = self.prior.after(drafted, accepted)
 
-    def allows(self, own: Acceptance, batch: int, skipped: int) -> bool:
-        """Whether a row with this acceptance of its own drafts in a step of `batch` decode rows."""
+    def expected(self, own: Acceptance) -> float:
+        """A row's expected acceptance: its own record, shrunk towards all requests'."""
+        return own.share(self.prior.share(), PRIOR_TOKENS)
+
+    def ratio(self, batch: int) -> float | None:
         cost = self.costs.get(batch)
-        expected = own.share(self.prior.share(), PRIOR_TOKENS)
-        return draft_pays(expected, batch, cost.ratio() if cost is not None else None, skipped)
+        return cost.ratio() if cost is not None else None
+
+    def allows(self, own: Acceptance, batch: int, skipped: int, padded: bool = False) -> bool:
+        """Whether a row with this acceptance of its own drafts in a step of `batch` decode rows; in a
+        padded pass, whether it proposes a draft for `common_length` to trim (it clears the floor)."""
+        return draft_pays(self.expected(own), batch, None if padded else self.ratio(batch), skipped)
+
+    def padded_length(self, rows: Sequence[tuple[Acceptance, int, bool]], batch: int) -> int:
+        """`common_length` of a padded step's proposed drafts: (acceptance, tokens drafted, probing) each."""
+        return common_length([self.expected(own) for own, _, _ in rows], [d for _, d, _ in rows],
+                             [probe for _, _, probe in rows], batch, self.ratio(batch))

@@ -37,6 +37,7 @@ from typing import Any, Sequence
 from kvfork.backends import effects as e
 from kvfork.backends.base import ModelInfo
 from kvfork.server.engine import plan as p
+from kvfork.server.engine.draft_policy import PROBE_EVERY, computed
 from kvfork.server.engine.drafts import Draft
 from kvfork.server.engine.sequence import Seq
 
@@ -76,25 +77,43 @@ class Speculation:
         batch = len(decoding)
         prefilling = any(s.prefill_left > 0 for s in self._running.values())
         on = 0 < batch <= self._speculative_max_batch and not prefilling and not self._policy.baseline(batch)
-        total = 0
+        padded, proposed = self.backend.pads_verify, []
         for rid in decoding:
             s = self._running[rid]
             s.draft = None
             if on and s.drafts is not None and s.drafts.active:
-                pays = self._policy.allows(s.acceptance, batch, s.skipped)
-                s.skipped = 0 if pays else s.skipped + 1
+                pays = self._policy.allows(s.acceptance, batch, s.skipped, padded)
                 s.draft = self._propose(s) if pays else None
+                if s.draft is not None:
+                    proposed.append((s, s.skipped))
+                s.skipped = 0 if pays else s.skipped + 1
             s.draft_from = s.generated
+        if padded and proposed:
+            self._trim_drafts(proposed, batch)
+        total = 0
+        for rid in decoding:
+            s = self._running[rid]
             if s.draft is not None:
                 total += len(s.draft.tokens)
                 counts = s.speculated.setdefault(s.draft.source, [0, 0])
                 counts[0] += len(s.draft.tokens)
         return total
 
+    def _trim_drafts(self, proposed: list[tuple[Seq, int]], batch: int) -> None:
+        """A padded pass's drafts, (request, steps it had skipped) each: all trimmed to the length that pays for
+        the batch (draft_policy.common_length); a row trimmed to none skipped this step."""
+        rows = [(s.acceptance, len(s.draft.tokens), skipped >= PROBE_EVERY) for s, skipped in proposed if s.draft]
+        length = self._policy.padded_length(rows, batch)
+        for s, skipped in proposed:
+            assert s.draft is not None
+            s.draft = replace(s.draft, tokens=s.draft.tokens[:length]) if length else None
+            s.skipped = 0 if length else skipped + 1
+
     def _timed(self, plan: p.StepPlan, seconds: float) -> None:
-        """A step that decoded and prefilled nothing, into its batch size's cost of a drafted token."""
+        """A step that decoded and prefilled nothing, into its batch size's cost of a computed position."""
         if self._draft_cap and plan.decode and not plan.prefill:
-            self._policy.step(len(plan.decode), sum(row.reads - 1 for row in plan.decode), seconds)
+            drafted = [row.reads - 1 for row in plan.decode]
+            self._policy.step(len(plan.decode), computed(drafted, self.backend.pads_verify), seconds)
 
     def _propose(self, s: Seq) -> Draft | None:
         """Its drafter's guess, cut to what may be verified: within its max_tokens (whose positions its

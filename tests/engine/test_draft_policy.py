@@ -143,3 +143,64 @@ def test_costs_are_kept_per_batch_size():
     rows = Acceptance().after(10, 5)  # 50% accepted
     assert policy.allows(rows, 1, 0) and not policy.allows(rows, 4, 0)
     assert policy.allows(rows, 2, 0)  # no steps of two rows seen: only the floor applies
+
+
+def test_computed_positions_follow_the_pass_layout():
+    """A ragged pass computes each row's drafted tokens; a padded one every row at the longest draft."""
+    for drafted in itertools.product(range(4), repeat=3):
+        assert dp.computed(drafted, padded=False) == sum(drafted)
+        assert dp.computed(drafted, padded=True) == 3 * max(drafted)
+    assert dp.computed([], padded=True) == dp.computed([], padded=False) == 0
+
+
+def padded_rate(expected, drafted, length, batch, ratio):
+    """Tokens per T0 of a padded step whose drafts are trimmed to `length`."""
+    if length == 0:
+        return float(batch)
+    return (batch + sum(p * min(d, length) for p, d in zip(expected, drafted))) / (1 + ratio * batch * length)
+
+
+def test_common_length_gives_the_most_tokens_per_second_and_never_fewer_than_off():
+    """Exhaustive over two or three drafted rows (acceptance, length) in batches up to 4 and the costs: the
+    length chosen is the best of every length, drafts trimmed to it, a tie to the shorter; without a probe
+    it never gives fewer tokens per second than not drafting, and it drafts whenever drafting gains."""
+    shares, lengths = [0.155, 0.455, 0.955], [1, 3, 8]  # off the break evens, which float rounding decides
+    for rows, batch, ratio in itertools.product([2, 3], range(3, 5), RATIOS[:-1]):
+        r = ratio or 0.0
+        for expected in itertools.product(shares, repeat=rows):
+            for drafted in itertools.product(lengths, repeat=rows):
+                got = dp.common_length(expected, drafted, [False] * rows, batch, ratio)
+                rates = [padded_rate(expected, drafted, n, batch, r) for n in range(max(drafted) + 1)]
+                best = max(rates)
+                assert got == rates.index(best), (expected, drafted, batch, ratio)
+                assert rates[got] >= batch and (got > 0) == (best > batch)
+
+
+def test_a_probe_drafts_a_few_tokens_where_nothing_else_pays():
+    """A probing row drafts at least min(its length, PROBE_TOKENS) tokens, more where that pays; an
+    unbounded cost drafts only the probe."""
+    probe = dp.PROBE_TOKENS
+    assert dp.common_length([0.0], [16], [True], 4, 1.0) == probe
+    assert dp.common_length([0.0], [2], [True], 4, 1.0) == 2
+    assert dp.common_length([0.0, 0.0], [16, 16], [False, False], 4, 1.0) == 0
+    assert dp.common_length([0.0, 0.99], [16, 16], [True, False], 4, 0.001) == 16
+    assert dp.common_length([0.99, 0.99], [16, 16], [True, False], 4, float("inf")) == probe
+    assert dp.common_length([0.99, 0.99], [16, 16], [False, False], 4, float("inf")) == 0
+    assert dp.common_length([0.2, 0.3], [5, 9], [False, False], 4, None) == 9  # an unknown cost: all of every draft
+
+
+def test_a_ragged_pass_decides_each_row_by_its_own_break_even():
+    """Torch's decisions (ragged passes) are the per-row rule whatever `padded` adds: `allows` without it is
+    draft_pays at the batch's learnt ratio; with it (a padded pass) only the floor and probes decide, and
+    common_length decides the rest."""
+    policy = DraftPolicy()
+    for _ in range(dp.MIN_STEPS):
+        for x in (0, 8):
+            policy.step(4, x, 0.1 + 0.005 * x)
+    ratio = policy.costs[4].ratio()
+    assert ratio == pytest.approx(0.05)
+    for drafted, accepted, skipped in itertools.product(range(1, 12, 2), range(0, 12, 2), range(dp.PROBE_EVERY + 1)):
+        own = Acceptance().after(drafted, min(drafted, accepted))
+        expected = policy.expected(own)
+        assert policy.allows(own, 4, skipped) == draft_pays(expected, 4, ratio, skipped)
+        assert policy.allows(own, 4, skipped, padded=True) == draft_pays(expected, 4, None, skipped)

@@ -19,7 +19,7 @@ from kvfork.backends.base import SamplingParams
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.engine import Engine
 from kvfork.server.metrics import Registry
-from scripted_drafts import ScriptedDrafts
+from scripted_drafts import RequestDrafts, ScriptedDrafts
 from tiny_hybrid_models import HYBRID_ARCHS
 
 ARCHS = ["llama", "qwen3", "gemma3"]
@@ -300,3 +300,42 @@ async def test_no_row_drafts_in_a_step_that_prefills(backend_name, tiny_model_di
     assert not any(d and plan.prefill for d, plan in zip(drafting, plans))
     mixed = [i for i, plan in enumerate(plans) if plan.prefill and plan.decode]
     assert mixed and any(drafting[mixed[-1] + 1:])  # it decoded beside the prefill, and drafted after
+
+
+async def test_a_padded_pass_trims_its_drafts_to_one_length_and_a_ragged_one_keeps_them(backend_name, tiny_model_dir,
+                                                                                        monkeypatch):
+    """Draft lengths follow the verify pass's layout (draft_policy.py): on a backend whose pass pads every
+    row to the longest (`pads_verify`, MLX) each step's drafts are the drafter's proposals trimmed to one
+    length; on a ragged one (torch) every proposal is verified whole, as before the layout was known. The
+    tokens are those of each request alone."""
+    folder, plans, proposed = tiny_model_dir("llama"), [], {}
+    drafts = ScriptedDrafts(spoil_every=2)
+    engine = Engine(create_backend(backend_name), folder, "float32",
+                    EngineConfig(**dict(TEST_CONFIG, prefill_chunk=16, prefix_cache_entries=0)), Registry(),
+                    plans=plans.append, drafts=drafts)
+    await engine.start()
+    if not engine.backend.rolls_back:
+        pytest.skip(f"{backend_name} does not speculate on llama")
+    prompts, lengths = [prompt(12, seed=50 + i) for i in range(3)], [14, 22, 30]
+    want = [(await run(engine, q, n, ignore_eos=True))[0] for q, n in zip(prompts, lengths)]  # seeds the drafter
+    plans.clear()
+    propose = RequestDrafts.propose
+
+    def recorded(self, output, limit):
+        draft = propose(self, output, limit)
+        if draft is not None:
+            proposed.setdefault(len(plans), []).append(len(draft.tokens))
+        return draft
+
+    monkeypatch.setattr(RequestDrafts, "propose", recorded)
+    got = await asyncio.gather(*(run(engine, q, n, ignore_eos=True) for q, n in zip(prompts, lengths)))
+    await engine.shutdown(1)
+    assert [tokens for tokens, _ in got] == want
+    for i, plan in enumerate(plans):
+        drafted = sorted(row.reads - 1 for row in plan.decode if row.reads > 1)
+        longest = max(drafted, default=0)
+        if engine.backend.pads_verify:
+            assert drafted == sorted(n for d in proposed.get(i, []) if (n := min(d, longest)) > 0), i
+        else:
+            assert drafted == sorted(proposed.get(i, [])), i
+    assert any(len(set(d)) > 1 for d in proposed.values())  # some step's proposals differed in length
