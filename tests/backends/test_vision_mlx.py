@@ -89,6 +89,15 @@ def test_qwen2_5_vl_on_mlx_gives_torchs_tokens(family_dir):
     mlx = MLXBackend()
     mlx.load(str(case.folder), "float32")
     _same(mlx, case.backend, case.folder, case.tokens, case.inputs, (0, *case.cuts()))
+    # decode rows of other shifts in one batch step: the image prompt's and a text prompt's, each as alone
+    sessions = [mlx.open_session() for _ in range(2)]
+    for session, prompt in zip(sessions, (case.tokens, [5, 6, 7])):
+        mlx.prefill([session], [prompt])
+    clones = [mlx.clone(s, s.position) for s in sessions]
+    together = mlx.to_numpy(mlx.decode(sessions, [9, 9]))
+    for row, clone in enumerate(clones):
+        assert_logits_close(together[row], mlx.to_numpy(mlx.decode([clone], [9]))[0], kind=Kind.BATCHED,
+                            model=Model.of(case.folder), context=clone.position)
 
 
 def test_mlx_refuses_the_families_it_reads_no_images_of(tmp_path, monkeypatch):
