@@ -30,6 +30,7 @@ from kvfork.backends.mlx.last_token import last_logits, supports_last_position
 from kvfork.backends.mlx.loading import load_model
 from kvfork.backends.mlx.mlx_lm_caches import write_index
 from kvfork.backends.vision import ImageInput
+from kvfork.backends.vision.positions import RopeShifts, shifts_upto
 
 
 class MLXSession(Session):
@@ -40,6 +41,7 @@ class MLXSession(Session):
         # a clone made one short of its donor's position holds one less than the window.
         self.held_from = held_from
         self.lost = False  # its state went with an abandoned decode batch (batch.py): corrupt
+        self.rope_shifts: RopeShifts = ()  # M-RoPE: where the next text position is not the slot (vision.py)
 
 
 class MLXBackend(Backend):
@@ -140,6 +142,7 @@ class MLXBackend(Backend):
             for cache in session.caches or ():
                 cache.trim(session.position - position)
         session.position = position
+        session.rope_shifts = shifts_upto(session.rope_shifts, position)
 
     def _standalone(self, sessions: Sequence[MLXSession], chunks: Sequence[Sequence[int]]) -> list[mx.array]:
         """Each session out of the decode batch runs its chunk (`_run_chunk`): its last logits."""
@@ -151,7 +154,7 @@ class MLXBackend(Backend):
                 if self._batch.has(session):
                     self._batch.leave(session)
                 marks = cache_marks(session.caches)
-                logits, taken = self._run_chunk(session, chunk)
+                logits, taken, shifts = self._run_chunk(session, chunk)
                 mx.eval(logits, self._arrays(taken))
             except Exception as exc:
                 if marks is None:  # failed while leaving the batch: the batch is not trustworthy
@@ -165,6 +168,7 @@ class MLXBackend(Backend):
                 raise BatchFailed(exc, [RowState.COMMITTED] * len(rows) + [failed] + later,
                                   None if done is None else done.astype(mx.float32)) from exc
             self._advance(session, len(chunk))
+            session.rope_shifts = shifts
             session.keep(taken)
             rows.append(logits)
         return rows
@@ -193,9 +197,11 @@ class MLXBackend(Backend):
             rows = self._batch.sync(sessions)
             marks = self._batch.marks()
             row_chunks: list[Sequence[int]] = [[0]] * len(rows)
-            for row, chunk in zip(rows, chunks):
-                row_chunks[row] = chunk
-            logits, taken = run(rows, row_chunks)
+            row_shifts: list[tuple[RopeShifts, int]] = [((), 0)] * len(rows)
+            for row, chunk, session in zip(rows, chunks, sessions):
+                row_chunks[row], row_shifts[row] = chunk, (session.rope_shifts, session.position)
+            with self.vision.decoding(row_shifts) if self.vision else nullcontext():
+                logits, taken = run(rows, row_chunks)
             logits = logits.astype(mx.float32)
             mx.eval(logits, [self._arrays(t) for t in taken.values()])
         except Exception as exc:
@@ -243,6 +249,7 @@ class MLXBackend(Backend):
         mx.eval([kvcopy.arrays(c) for c in caches])
         clone = MLXSession(caches, held_from)
         clone.position = upto
+        clone.rope_shifts = shifts_upto(session.rope_shifts, upto)
         return self._track(clone)
 
     def keep_at(self, session: MLXSession, positions: Collection[int]) -> None:
@@ -277,7 +284,7 @@ class MLXBackend(Backend):
                     case "full" | "sliding":
                         v = kvcopy.view(cache)
                         layers.append(SavedLayer(layer.kind, (_host(v.keys[0]), _host(v.values[0])), v.first))
-            return SavedState(session.position, tuple(layers))
+            return SavedState(session.position, tuple(layers), session.rope_shifts)
         finally:
             self.release(copy)
 
@@ -306,6 +313,7 @@ class MLXBackend(Backend):
         mx.eval([kvcopy.arrays(c) for c in caches])
         session = MLXSession(caches, held_from)
         session.position = n
+        session.rope_shifts = state.rope_shifts
         return self._track(session)
 
     def session_bytes(self, session: MLXSession) -> int:
@@ -341,20 +349,23 @@ class MLXBackend(Backend):
         # A full layer's row is right-aligned at the batch's write index.
         return kvcopy.view(cache, row, position, (write_index(cache) or 0) - position)
 
-    def _run_chunk(self, session: MLXSession, chunk: Sequence[int]) -> tuple[mx.array, dict[int, list[ArraysCache]]]:
+    def _run_chunk(self, session: MLXSession,
+                   chunk: Sequence[int]) -> tuple[mx.array, dict[int, list[ArraysCache]], RopeShifts]:
         """The chunk's last logits, running it in pieces that end at the wanted checkpoints inside
         it (the engine's chunk ends are a hint; a checkpoint is exact wherever it falls); the
-        recurrent states taken there, not yet kept: a chunk that fails keeps none."""
+        recurrent states taken there, not yet kept: a chunk that fails keeps none; the session's M-RoPE
+        shifts after it."""
         start, taken = session.position, {}
         cuts = sorted(p - start for p in session.wanted if start < p < start + len(chunk))
-        inputs = self.vision.reading(chunk, start) if self.vision else nullcontext((mx.array(list(chunk))[None], None))
-        with inputs as (tokens, embedded):  # a vision model's keys as embeddings (vision.py)
+        inputs = self.vision.reading(chunk, start, session.rope_shifts) if self.vision \
+            else nullcontext((mx.array(list(chunk))[None], None, session.rope_shifts))
+        with inputs as (tokens, embedded, shifts):  # a vision model's keys as embeddings (vision.py)
             for a, b in zip([0, *cuts], [*cuts, len(chunk)]):
                 logits = last_logits(self.model, tokens[:, a:b], session.caches, self._last_only,
                                      None if embedded is None else embedded[:, a:b])[0]
                 if start + b in session.wanted:
                     taken[start + b] = self._states(session.caches, None)
-        return logits, taken
+        return logits, taken, shifts
 
     def _states(self, caches: Sequence[Any], row: int | None) -> list[ArraysCache]:
         """Copies of the recurrent layers' states of a standalone session (row None) or a batch row."""

@@ -11,8 +11,8 @@ dependency (pyproject.toml): where it does not import, a vision model is refused
 Families: idefics3 (SmolVLM; llama text, its image tokens placed as text) and gemma3 (an image's tokens attend
 each other both ways in prefill: each layer is wrapped to add the image's block to mlx-lm's causal mask,
 `BothWays`; Gemma scales its input embeddings by sqrt(hidden), which the image's rows do not take, so they
-enter divided by it). Qwen2.5-VL places its image tokens by M-RoPE, which mlx-lm's qwen2 takes no positions
-for: it is refused, naming --backend torch.
+enter divided by it) and qwen2_5_vl (Qwen2.5-VL: qwen2 text, its tokens placed by M-RoPE, each layer's rope
+wrapped to take their positions, mrope.py; a session keeps its M-RoPE shifts, backends/vision/positions.py).
 """
 
 from __future__ import annotations
@@ -29,10 +29,12 @@ import numpy as np
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.utils import MODEL_REMAPPING, load_model, load_tokenizer
 
+from kvfork.backends.mlx import mrope
 from kvfork.backends.vision import ImageInput
+from kvfork.backends.vision.positions import RopeShifts, shift_at
 from kvfork.backends.vision.keys import IMAGE_KEY_BASE
 
-SERVED = ("idefics3", "gemma3")  # the vision families (backends/vision FAMILIES) MLX reads images of
+SERVED = ("idefics3", "gemma3", "qwen2_5_vl")  # the vision families (backends/vision FAMILIES) MLX reads images of
 
 
 def refusal(folder: Path, family: str) -> str | None:
@@ -75,7 +77,12 @@ def load_text_model(folder: Path) -> tuple[nn.Module, Any]:
 def mlx_lm_config(text: dict) -> dict:
     """A text_config as mlx-lm's ModelArgs read it: transformers 5 writes Gemma 3's layer pattern as `layer_types`
     and its RoPE bases and scaling in `rope_parameters`, where mlx-lm reads `sliding_window_pattern`, `rope_theta`,
-    `rope_local_base_freq` and `rope_scaling`."""
+    `rope_local_base_freq` and `rope_scaling`. Qwen2.5-VL's text model is mlx-lm's qwen2, its M-RoPE sections
+    left to mrope.py."""
+    if text.get("model_type") == "qwen2_5_vl_text":
+        theta = text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta")
+        plain = {k: v for k, v in text.items() if k not in ("rope_parameters", "rope_scaling")}
+        return {**plain, "model_type": "qwen2", **({"rope_theta": theta} if theta else {})}
     if text.get("model_type") != "gemma3_text" or not text.get("layer_types"):
         return text
     rope = text.get("rope_parameters") or {}
@@ -149,6 +156,8 @@ class MLXVisionReader:
             model.model.layers = [BothWays(layer, self.spans) for layer in model.model.layers]
         if getattr(model, "model_type", None) == "gemma3_text":  # as mlx-lm's Gemma3Model: sqrt(hidden) in bfloat16
             self.scale = mx.array(model.args.hidden_size**0.5, mx.bfloat16).astype(self.dtype)
+        section = mrope.mrope_section(json.loads((folder / "config.json").read_text())["text_config"])
+        self.placement = mrope.wrap(model, section, model.args.rope_theta) if section else None
 
     def weight_bytes(self) -> int:
         """The tower's weights (torch's, on the host)."""
@@ -165,26 +174,51 @@ class MLXVisionReader:
         self.reader.check(chunks)
 
     @contextmanager
-    def reading(self, chunk: Sequence[int], start: int) -> Iterator[tuple[mx.array, mx.array | None]]:
-        """While a chunk written from position `start` runs (it was `check`ed): its ids [1, n] (keys as the image
-        placeholder) and, where it holds image keys, its input embeddings [1, n, hidden] (the tokens' own, the
-        images' rows at their keys); the layers see its images both ways where the family's do."""
-        if all(t < IMAGE_KEY_BASE for t in chunk):
-            yield mx.array(list(chunk))[None], None
-            return
-        ids, placed = self.reader.place(chunk, start)
+    def reading(self, chunk: Sequence[int], start: int,
+                shifts: RopeShifts) -> Iterator[tuple[mx.array, mx.array | None, RopeShifts]]:
+        """While a chunk written from position `start` runs (it was `check`ed) on a session of M-RoPE `shifts`: its
+        ids [1, n] (keys as the image placeholder), where it holds image keys its input embeddings [1, n, hidden]
+        (the tokens' own, the images' rows at their keys), and the session's shifts after it; the layers see its
+        images both ways where the family's do, and turn its tokens by their M-RoPE positions where it has them."""
+        ids, placed = self.reader.place(chunk, start) if any(t >= IMAGE_KEY_BASE for t in chunk) else (list(chunk), [])
         tokens = mx.array(ids)[None]
-        rows = np.zeros((len(chunk), self.embed.weight.shape[-1]), np.float32)
-        seen = np.zeros((len(chunk), 1), bool)
-        spans = []
-        for image in placed:  # a run of keys (grid None), or a whole image from its first key (place)
-            at = image.start - start
-            rows[at:at + image.tokens] = image.embeddings.float().numpy()
-            seen[at:at + image.tokens] = True
-            spans.append((at, at + image.tokens))
-        image_rows = mx.array(rows).astype(self.dtype) / self.scale
-        self.spans.now = tuple(spans) if self.reader.processing.bidirectional else ()
+        if self.placement is not None:
+            from kvfork.backends.torch.images import mrope_positions
+
+            positions, shifts = mrope_positions(start, len(chunk), shifts, placed)
+            self.placement.chunk = (start, mx.array(positions.numpy()).astype(mx.float32))
         try:
-            yield tokens, mx.where(mx.array(seen), image_rows, self.embed(tokens)[0])[None]
+            yield tokens, self._embedded(tokens, start, placed) if placed else None, shifts
         finally:
             self.spans.now = ()
+            if self.placement is not None:
+                self.placement.chunk = None
+
+    def _embedded(self, tokens: mx.array, start: int, placed: Sequence[Any]) -> mx.array:
+        """The chunk's input embeddings [1, n, hidden]: its images' rows over the slots they hold in it (an image
+        placed by M-RoPE may begin in an earlier chunk); sets the spans seen both ways where the family's are."""
+        n = tokens.shape[1]
+        rows = np.zeros((n, self.embed.weight.shape[-1]), np.float32)
+        seen = np.zeros((n, 1), bool)
+        spans = []
+        for image in placed:  # a run of keys (grid None), or a whole image from its first key (place)
+            lo, hi = max(image.start, start), min(image.end, start + n)
+            rows[lo - start:hi - start] = image.embeddings[lo - image.start:hi - image.start].float().numpy()
+            seen[lo - start:hi - start] = True
+            spans.append((lo - start, hi - start))
+        image_rows = mx.array(rows).astype(self.dtype) / self.scale
+        self.spans.now = tuple(spans) if self.reader.processing.bidirectional else ()
+        return mx.where(mx.array(seen), image_rows, self.embed(tokens)[0])[None]
+
+    @contextmanager
+    def decoding(self, rows: Sequence[tuple[RopeShifts, int]]) -> Iterator[None]:
+        """While a decode batch's step runs, its rows' (M-RoPE shifts, position) in row order: each row turned
+        at its cache's offset plus its shift."""
+        if self.placement is None:
+            yield
+            return
+        self.placement.shift = mx.array([shift_at(shifts, position) for shifts, position in rows])
+        try:
+            yield
+        finally:
+            self.placement.shift = 0

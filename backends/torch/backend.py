@@ -31,6 +31,7 @@ from kvfork.backends.torch.hybrid import HybridTransformer
 from kvfork.backends.torch.model import Transformer, VarlenRow
 from kvfork.backends.torch.vision import VisionReader, split_weights
 from kvfork.backends.vision import ImageInput
+from kvfork.backends.vision.positions import RopeShifts, shifts_upto
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,7 +42,7 @@ class TorchSession(Session):
         self.table: kv.BlockTable | None = None  # its full layers' blocks (None once released)
         self.layers: list[kv.LayerKV | hybrid.HybridLayerState] = []
         self.ready: torch.cuda.Event | None = None  # a clone's copy this session's next use must wait for
-        self.rope_shifts: images.RopeShifts = ()  # M-RoPE: where the next text position is not the slot (images.py)
+        self.rope_shifts: RopeShifts = ()  # M-RoPE: where the next text position is not the slot (vision/positions.py)
 
 
 def checkpoint_pieces(session: TorchSession, length: int) -> list[tuple[int, int]]:
@@ -223,7 +224,7 @@ class TorchBackend(Backend):
             raise ValueError(f"cannot roll {session!r} back to {position}")
         kv.undo_rings(session.layers, position)
         session.position = position
-        session.rope_shifts = images.shifts_upto(session.rope_shifts, position)
+        session.rope_shifts = shifts_upto(session.rope_shifts, position)
 
     def _forward(self, sessions: Sequence[TorchSession], chunks: Sequence[Sequence[int]],
                  reads: list[int] | None) -> torch.Tensor:
@@ -308,7 +309,7 @@ class TorchBackend(Backend):
         else:
             clone = self._clone_state(session, upto)
         clone.position = upto
-        clone.rope_shifts = images.shifts_upto(session.rope_shifts, upto)
+        clone.rope_shifts = shifts_upto(session.rope_shifts, upto)
         self._sessions[clone.id] = clone
         return clone
 

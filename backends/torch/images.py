@@ -8,10 +8,8 @@ transformers' `masked_scatter` does (`scatter`), so everything from the first la
 M-RoPE (Qwen2.5-VL's multimodal rotary positions): every token has three positions, temporal, height
 and width, and the rotary frequencies come in three sections, each turned by one of them. A text token's
 three are equal; an image's token at row i, column j of its (t, h, w) grid has (b + t, b + i, b + j),
-b being where the image starts; the text after it continues from b + max(h, w), not from its slot. A
-session so keeps its `rope_shifts`: (slot, shift) pairs, the shift (next position minus slot) holding
-from that slot on, one pair where an image ends. Reuse points never fall inside an image, so a clone at
-`upto` keeps the pairs at or below it, and decode rows need nothing else.
+b being where the image starts; the text after it continues from b + max(h, w), not from its slot: a
+session keeps its `rope_shifts` (backends/vision/positions.py), and decode rows need nothing else.
 
 Gemma 3 lets an image's tokens attend each other both ways (causal elsewhere, and within a sliding
 layer's window): its mask is the layer's, or'ed with "same image". A row must then hold the image
@@ -21,15 +19,14 @@ ending inside such an image is refused.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from kvfork.backends.torch.config import ArchConfig, HybridConfig
+from kvfork.backends.vision.positions import RopeShifts, shift_at
 
-RopeShifts = tuple[tuple[int, int], ...]  # (slot, shift from that slot on), in slot order
 
 
 @dataclass(frozen=True)
@@ -74,17 +71,6 @@ def check_rows(cfg: ArchConfig | HybridConfig, starts: Sequence[int], chunks: Se
             if image.start < start < image.end or image.start < end < image.end:
                 raise ValueError(f"a prefill chunk [{start}, {end}) cuts the image at [{image.start}, {image.end}): "
                                  "its tokens attend each other both ways, so one chunk holds all of them")
-
-
-def shift_at(shifts: RopeShifts, slot: int) -> int:
-    """The M-RoPE shift in force at `slot`."""
-    at = bisect.bisect_right(shifts, (slot, float("inf"))) - 1
-    return shifts[at][1] if at >= 0 else 0
-
-
-def shifts_upto(shifts: RopeShifts, upto: int) -> RopeShifts:
-    """The shifts of the state of [0, upto)."""
-    return tuple(s for s in shifts if s[0] <= upto)
 
 
 def mrope_positions(start: int, length: int, shifts: RopeShifts,

@@ -17,7 +17,7 @@ import torch
 from kvfork.backends.base import SavedLayer, SavedState
 from kvfork.backends.torch import kv
 from kvfork.backends.torch.gated_delta import RecurrentState
-from kvfork.backends.torch.images import RopeShifts
+from kvfork.backends.vision.positions import RopeShifts
 
 
 def export(layers: Sequence[kv.LayerKV | RecurrentState], position: int, device: torch.device,

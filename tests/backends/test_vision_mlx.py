@@ -1,7 +1,8 @@
-"""A vision model on MLX (backends/mlx/vision.py): the tiny SmolVLM (SmolVLM2 too) and Gemma 3 give the same logits and greedy
-tokens on MLX as on torch, their images in the prompt prefilled in chunks (SmolVLM's cutting its tiles, Gemma's
-around its images, whose tokens attend each other both ways), then decoded; a clone after the image and a saved
-state continue alike; the family MLX does not read images of is refused, naming --backend torch."""
+"""A vision model on MLX (backends/mlx/vision.py): the tiny SmolVLM (SmolVLM2 too), Gemma 3 and Qwen2.5-VL give
+the same logits and greedy tokens on MLX as on torch, their images in the prompt prefilled in chunks (SmolVLM's
+cutting its tiles, Gemma's around its images, whose tokens attend each other both ways, Qwen's inside its images,
+placed by M-RoPE), then decoded; a clone after the image and a saved state continue alike; a family MLX does not
+read images of is refused, naming --backend torch."""
 
 from __future__ import annotations
 
@@ -81,8 +82,29 @@ def test_gemma3_on_mlx_gives_torchs_tokens(family_dir):
     _same(mlx, case.backend, case.folder, case.tokens, case.inputs, (0, *case.cuts()))
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl"])
-def test_mlx_refuses_the_families_it_reads_no_images_of(family, tmp_path):
+def test_qwen2_5_vl_on_mlx_gives_torchs_tokens(family_dir):
+    """M-RoPE: the text after each image continues from the image's positions, in prefill, decode, a clone and
+    a restored state (whose shifts travel with it)."""
+    case = Case("qwen2_5_vl", family_dir("qwen2_5_vl"))
+    mlx = MLXBackend()
+    mlx.load(str(case.folder), "float32")
+    _same(mlx, case.backend, case.folder, case.tokens, case.inputs, (0, *case.cuts()))
+    # decode rows of other shifts in one batch step: the image prompt's and a text prompt's, each as alone
+    sessions = [mlx.open_session() for _ in range(2)]
+    for session, prompt in zip(sessions, (case.tokens, [5, 6, 7])):
+        mlx.prefill([session], [prompt])
+    clones = [mlx.clone(s, s.position) for s in sessions]
+    together = mlx.to_numpy(mlx.decode(sessions, [9, 9]))
+    for row, clone in enumerate(clones):
+        assert_logits_close(together[row], mlx.to_numpy(mlx.decode([clone], [9]))[0], kind=Kind.BATCHED,
+                            model=Model.of(case.folder), context=clone.position)
+
+
+def test_mlx_refuses_the_families_it_reads_no_images_of(tmp_path, monkeypatch):
+    from kvfork.backends.mlx import vision
+
+    family = "qwen2_5_vl"
+    monkeypatch.setattr(vision, "SERVED", tuple(f for f in vision.SERVED if f != family))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": family, "text_config": {}}))
     with pytest.raises(BackendRefused, match=f"{family}.*--backend torch"):
         MLXBackend().load(str(tmp_path))
