@@ -434,8 +434,7 @@ class Backend(abc.ABC):
     # pass (torch). The runner then sends a step's decode rows and prefill chunks in one `prefill`
     # call; otherwise (MLX: mlx-lm has no varlen batch) it calls `decode`, then `prefill`.
     mixed_batches: bool = False
-    # True when `verify` runs every row at the longest row's length (MLX), False when ragged (torch): draft_policy.py
-    pads_verify: bool = False
+    pads_verify: bool = False  # `verify` runs every row at the longest row's length (MLX), not ragged: draft_policy
     reusable: Any = None  # what `reuse` handed over, taken by the next `load` (a backend that cannot use it ignores it)
 
     @abc.abstractmethod
