@@ -55,7 +55,7 @@ class Entry:
     owner: Hashable = None  # disk: the file name; named: (tenant, name); running: the request's rid
     sid: int | None = None  # memory, named: the runner's session holding the state
     nbytes: int = 0  # memory, named: the session's own bytes; disk: the file's
-    reads: int = 0  # memory: bytes of the blocks it reads by reference (its writer's), freed with it once it is their last reader
+    reads: int = 0  # memory: bytes of the writer's store it reads by reference, freed with it once it is its last reader
     kept: tuple[int, ...] = ()  # positions it holds a recurrent checkpoint at
     position: int = -1  # -1: len(tokens)
     stamp: int = 0  # recency: higher is more recent
@@ -279,7 +279,7 @@ class Index:
         tier or releases."""
         kv = self._info.kv
         entry = Entry("memory", self.digest(scope), tuple(tokens), sid=sid, nbytes=nbytes, kept=kept,
-                      reads=kv.shared(len(tokens)) * kv.full_bytes_per_token)
+                      reads=kv.positions(len(tokens)) * kv.full_bytes_per_token if kv.shares else 0)
         held = self._tiers["memory"].get(entry.key)
         if held is not None:  # the same prompt again: refresh it, keep the older snapshot
             self.touch(held)
