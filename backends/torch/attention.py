@@ -23,11 +23,13 @@ run, the common case, is read as it is. Several:
   several times the copy itself on the CPU.
 
 A row's runs hold keys and values as its layer stores them (kv_storage.py). Stored in the weights'
-dtype, they are read as they are; otherwise (--kv-cache-dtype) a decode row decodes them one block
-(`BLOCK_TOKENS` positions from the run's start, which is a block boundary) at a time inside its loop
-over runs, and a prefill chunk decodes them block by block into its joined buffer: never the whole
-cache at once. Every row reads its runs in the same blocks, so a clone, reading the same stored rows
-in more runs, computes the same scores as the session that wrote them. Where the storage rotates keys
+dtype, they are read as they are; otherwise (--kv-cache-dtype) a decode row reads them a piece
+(`PIECE_TOKENS` positions from the run's start, which is a block boundary) at a time inside its loop
+over runs, through the storage's `scores` and `weighted` (int8 and int4: from the integers, with no
+dequantized copy), and a prefill chunk decodes them block by block into its joined buffer: never the
+whole cache at once. The values' products are summed per block of `BLOCK_TOKENS` in one reduction, so
+a clone, reading the same stored rows in more runs, computes the same output as the session that
+wrote them. Where the storage rotates keys
 (int4), `attend_rows` rotates the queries once for all rows; values are stored unrotated, so the output
 is read as it is.
 

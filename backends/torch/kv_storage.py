@@ -10,7 +10,7 @@ slice and copy it along the token dimension without knowing what a row holds.
 - `Grouped`: `bits`-bit integers in groups of `group` along the head dimension, each group with a
   float16 scale and bias (x = q * scale + bias, q in [0, 2^bits)), as mlx-lm's QuantizedKVCache
   groups them; a row is the packed integers (two 4-bit ones a byte, low nibble first), then the
-  scales, then the biases, as bytes.
+  scales, then the biases, as bytes. Attention reads it without a dequantized copy (`scores`, `weighted`).
 
 int4 keys are stored rotated (`KVStorage.rotates_keys`): each head's key k is stored as k @ H, H the
 normalised Sylvester Hadamard matrix of the head size (orthogonal: H @ H.T = I), and attention rotates
