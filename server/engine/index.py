@@ -55,7 +55,7 @@ class Entry:
     owner: Hashable = None  # disk: the file name; named: (tenant, name); running: the request's rid
     sid: int | None = None  # memory, named: the runner's session holding the state
     nbytes: int = 0  # memory, named: the session's own bytes; disk: the file's
-    reads: int = 0  # memory: bytes of the writer's store it reads by reference, freed with it once it is its last reader
+    reads: int = 0  # memory: bytes of its writer's store it reads by reference (freed with its last reader)
     kept: tuple[int, ...] = ()  # positions it holds a recurrent checkpoint at
     position: int = -1  # -1: len(tokens)
     stamp: int = 0  # recency: higher is more recent

@@ -64,6 +64,11 @@ class LoopLedger:
         """Pooled bytes the ReleaseSessions sent and not yet run are expected to free."""
         return sum(nbytes for _, nbytes in self._freeing)
 
+    def reclaimable(self, reads: int) -> int:
+        """Of `reads` bytes of blocks read by reference, what releasing their readers may free: at most the pool
+        and what is on its way to it, less what releases sent already free (a writer still running frees none)."""
+        return max(0, min(reads, self.pooled + self.in_transit - self.freeing))
+
     @property
     def abandoned(self) -> int:
         """How many orders no one waits for the runner has not answered yet."""
