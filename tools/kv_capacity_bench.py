@@ -2,7 +2,7 @@
 returning to the first one costs, side by side in one run (torch backend, an engine in process).
 
     python -m kvfork.tools.kv_capacity_bench [--model FOLDER] [--kv-budget-bytes 350MB] [--prompts 8]
-        [--tokens 6000] [--dtypes auto,float16,int8,int4]
+        [--tokens 6000] [--dtypes auto,float16,int8,int4] [--queue-timeout 300]
 
 Per storage, a fresh engine under `--kv-budget-bytes` (no disk tier, so an evicted prompt is gone)
 is sent `--prompts` distinct agent-shaped prompts of about `--tokens` tokens (instructions then tool
@@ -55,7 +55,7 @@ async def ask(engine: Engine, name: str, prompt: list[int]):
 async def one_storage(args, dtype: str, prompts: list[list[int]]) -> dict:
     config = EngineConfig(kv_budget_bytes=args.kv_budget_bytes, kv_cache_dtype=dtype, prefix_cache_disk_bytes=0,
                           prefix_cache_entries=len(prompts) + 1, max_context=args.tokens + 64,
-                          max_batch_tokens=2048, prefill_chunk=2048)
+                          max_batch_tokens=2048, prefill_chunk=2048, queue_timeout=args.queue_timeout)
     engine = Engine(create_backend("torch"), args.model, None, config, Registry())
     await engine.start()
     try:
@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=8, help="distinct prompts sent before returning to the first")
     parser.add_argument("--tokens", type=int, default=6000, help="tokens per prompt")
     parser.add_argument("--dtypes", default="auto,float16,int8,int4", help="--kv-cache-dtype values, comma-separated")
+    parser.add_argument("--queue-timeout", type=float, default=EngineConfig.queue_timeout,
+                        help="the engine's --queue-timeout (s): raise it where one prefill may take longer (a loaded machine)")
     args = parser.parse_args(argv)
     args.model = args.model or str(default_model_dir())
     asyncio.run(main_async(args))

@@ -23,11 +23,13 @@ run, the common case, is read as it is. Several:
   several times the copy itself on the CPU.
 
 A row's runs hold keys and values as its layer stores them (kv_storage.py). Stored in the weights'
-dtype, they are read as they are; otherwise (--kv-cache-dtype) a decode row decodes them one block
-(`BLOCK_TOKENS` positions from the run's start, which is a block boundary) at a time inside its loop
-over runs, and a prefill chunk decodes them block by block into its joined buffer: never the whole
-cache at once. Every row reads its runs in the same blocks, so a clone, reading the same stored rows
-in more runs, computes the same scores as the session that wrote them. Where the storage rotates keys
+dtype, they are read as they are; otherwise (--kv-cache-dtype) a decode row reads them a piece
+(`PIECE_TOKENS` positions from the run's start, which is a block boundary) at a time inside its loop
+over runs, through the storage's `scores` and `weighted` (int8 and int4: from the integers, with no
+dequantized copy), and a prefill chunk decodes them block by block into its joined buffer: never the
+whole cache at once. The values' products are summed per block of `BLOCK_TOKENS` in one reduction, so
+a clone, reading the same stored rows in more runs, computes the same output as the session that
+wrote them. Where the storage rotates keys
 (int4), `attend_rows` rotates the queries once for all rows; values are stored unrotated, so the output
 is read as it is.
 
@@ -101,13 +103,24 @@ def attend(q: torch.Tensor, runs: Runs, start: int, first_key: int | None, windo
 _joined: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def pieces(runs: Runs, storage: Storage) -> Runs:
-    """The runs as attention reads them: as they are where stored in the weights' dtype, else in blocks,
-    each decoded when read."""
+def pieces(runs: Runs, storage: Storage, size: int = BLOCK_TOKENS) -> Runs:
+    """The runs as attention reads them: as they are where stored in the weights' dtype, else in pieces of
+    `size` positions from each run's start (a multiple of BLOCK_TOKENS), each decoded when read."""
     if storage.exact:
         return runs
-    return [(k[:, at:at + BLOCK_TOKENS], v[:, at:at + BLOCK_TOKENS]) for k, v in runs
-            for at in range(0, k.shape[1], BLOCK_TOKENS)]
+    return [(k[:, at:at + size], v[:, at:at + size]) for k, v in runs for at in range(0, k.shape[1], size)]
+
+
+def blocks(w: torch.Tensor, v: torch.Tensor, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Weights [kv_heads, n, t] and values [kv_heads, t, width] in blocks of `size` positions (the last may be
+    shorter): ([kv_heads, blocks, n, size], [kv_heads, blocks, size, width]) for the whole ones, then the rest."""
+    whole, t = v.shape[1] // size * size, v.shape[1]
+    out = []
+    if whole:
+        out.append((w[..., :whole].unflatten(-1, (-1, size)).transpose(1, 2), v[:, :whole].unflatten(1, (-1, size))))
+    if whole < t:
+        out.append((w[..., whole:][:, None], v[:, whole:][:, None]))
+    return out
 
 
 def join(runs: Runs, storage: Storage, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,23 +186,29 @@ def flash(kernel, q, keys, values, window, scale) -> torch.Tensor:
     return out[0]
 
 
+# Positions a decode row reads in one piece where its storage is not the weights' dtype: the integers' float32
+# copy stays bounded (3 MB a side at the default model's 3 key heads of 64), and fewer, larger pieces measured
+# faster than blocks of 256, whose per-call costs dominated (docs/benchmarks.md, "KV storage")
+PIECE_TOKENS = 16 * BLOCK_TOKENS
+
+
 def partial(grouped: torch.Tensor, runs: Runs, scale: float, storage: Storage):
     """Grouped queries [kv_heads, q, head_dim] over keys in runs read where they lie: the scores against
-    each run (each block, decoded, where stored otherwise than in the weights' dtype), one softmax over all
-    of them (float32), each run's values weighted by its part. Returns the output [kv_heads, q, head_dim]
-    (float32) and the log-sum-exp of the scores [kv_heads, q, 1]."""
-    runs = pieces(runs, storage)
-    scores = torch.cat([torch.matmul(grouped, storage.decode(k).transpose(1, 2)) for k, _ in runs],
-                       dim=-1).float() * scale
+    each run (in pieces of PIECE_TOKENS, read from the stored rows, where stored otherwise than in the weights'
+    dtype), one softmax over all of them (float32), then each block's values weighted by its part, the blocks'
+    sums added in one reduction. A block of BLOCK_TOKENS is the unit of that sum wherever it is read (a run
+    starts at a block boundary), so a clone reading the same rows in more runs adds the same terms. Returns
+    the output [kv_heads, q, head_dim] (float32) and the log-sum-exp of the scores [kv_heads, q, 1]."""
+    runs = pieces(runs, storage, PIECE_TOKENS)
+    scores = torch.cat([storage.scores(grouped, k) for k, _ in runs], dim=-1).float() * scale
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     weights = torch.exp(scores - lse).to(grouped.dtype)
-    out, at = None, 0
+    parts, at = [], 0
     for _, v in runs:
-        part = torch.matmul(weights[..., at:at + v.shape[1]], storage.decode(v)).float()
-        out = part if out is None else out + part
+        size = v.shape[1] if storage.exact else BLOCK_TOKENS
+        parts += [storage.weighted(w, b) for w, b in blocks(weights[..., at:at + v.shape[1]], v, size)]
         at += v.shape[1]
-    assert out is not None
-    return out, lse
+    return torch.cat(parts, dim=1).sum(1), lse
 
 
 def decode_runs(q: torch.Tensor, runs: Runs, scale: float, storage: Storage) -> torch.Tensor:

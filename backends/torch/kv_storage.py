@@ -10,7 +10,7 @@ slice and copy it along the token dimension without knowing what a row holds.
 - `Grouped`: `bits`-bit integers in groups of `group` along the head dimension, each group with a
   float16 scale and bias (x = q * scale + bias, q in [0, 2^bits)), as mlx-lm's QuantizedKVCache
   groups them; a row is the packed integers (two 4-bit ones a byte, low nibble first), then the
-  scales, then the biases, as bytes.
+  scales, then the biases, as bytes. Attention reads it without a dequantized copy (`scores`, `weighted`).
 
 int4 keys are stored rotated (`KVStorage.rotates_keys`): each head's key k is stored as k @ H, H the
 normalised Sylvester Hadamard matrix of the head size (orthogonal: H @ H.T = I), and attention rotates
@@ -63,6 +63,14 @@ class Storage:
 
     def decode(self, stored: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def scores(self, q: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+        """q [kv_heads, n, head_dim] against stored keys [kv_heads, t, width]: q @ k.T, [kv_heads, n, t]."""
+        return torch.matmul(q, self.decode(stored).transpose(-1, -2))
+
+    def weighted(self, w: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+        """Weights [..., n, t] of stored values [..., t, width]: w @ v, [..., n, head_dim] (float32)."""
+        return torch.matmul(w, self.decode(stored)).float()
 
     def encode_keys(self, k: torch.Tensor) -> torch.Tensor:
         return self.encode(k if self.rotation is None else k @ self.rotation)
@@ -131,15 +139,39 @@ class Grouped(Storage):
             q = q[..., 0::2] | (q[..., 1::2] << 4)
         return torch.cat((q, scale.view(torch.uint8), bias.view(torch.uint8)), dim=-1)
 
-    def decode(self, stored: torch.Tensor) -> torch.Tensor:
-        lead = stored.shape[:-1]
+    def integers(self, stored: torch.Tensor) -> torch.Tensor:
+        """The rows' integers as float32, [..., groups, group]."""
         q = stored[..., : self.packed]
         if self.bits == 4:
-            q = torch.stack((q & 15, q >> 4), dim=-1)
-        scale = stored[..., self.packed : self.packed + 2 * self.groups].contiguous().view(torch.float16)
-        bias = stored[..., self.packed + 2 * self.groups :].contiguous().view(torch.float16)
-        x = q.reshape(*lead, self.groups, self.group).float() * scale.float()[..., None] + bias.float()[..., None]
-        return x.reshape(*lead, -1).to(self.compute)
+            q = torch.stack((q & 15, q >> 4), dim=-1).flatten(-2)
+        return q.float().unflatten(-1, (self.groups, self.group))
+
+    def scales(self, stored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' scales and biases as float32, [..., groups] each."""
+        both = stored[..., self.packed :].contiguous().view(torch.float16).float()
+        return both[..., : self.groups], both[..., self.groups :]
+
+    def decode(self, stored: torch.Tensor) -> torch.Tensor:
+        scale, bias = self.scales(stored)
+        x = self.integers(stored) * scale[..., None] + bias[..., None]
+        return x.flatten(-2).to(self.compute)
+
+    # Attention reads the integers without a dequantized copy (x = q * scale + bias, per group g):
+    # k . x = sum_g scale_g (k_g . q_g) + bias_g sum(k_g), and sum_t w_t x_t = sum_t (w_t scale_t) q_t
+    # + sum_t w_t bias_t: the integers are cast, and the scales and biases multiply scores, not elements.
+
+    def scores(self, q: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+        scale, bias = (x.transpose(-1, -2)[..., None, :] for x in self.scales(stored))  # [kv, groups, 1, t]
+        grouped = q.float().unflatten(-1, (self.groups, self.group)).transpose(-3, -2)  # [kv, groups, n, group]
+        dots = torch.matmul(grouped, self.integers(stored).permute(0, 2, 3, 1))  # [kv, groups, n, t]
+        return torch.addcmul(dots * scale, grouped.sum(-1, keepdim=True), bias).sum(-3)
+
+    def weighted(self, w: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+        scale, bias = (x.transpose(-1, -2)[..., None, :] for x in self.scales(stored))  # [..., groups, 1, t]
+        w = w.float()[..., None, :, :]  # [..., 1, n, t]
+        out = torch.matmul(w * scale, self.integers(stored).transpose(-3, -2))  # [..., groups, n, group]
+        out += (w * bias).sum(-1, keepdim=True)
+        return out.transpose(-3, -2).flatten(-2)
 
 
 FLOATS = {"float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -105,8 +105,7 @@ class Admission:
 
     @property
     def queued(self) -> int:
-        """Requests waiting for their first slot (a paused one was admitted: it does not count against
-        --max-queue)."""
+        """Requests waiting for their first slot (a paused one was admitted: not counted against --max-queue)."""
         return len(self._queue) - self.paused
 
     @property
@@ -264,8 +263,11 @@ class Admission:
         """Whether the bytes `head` and its choices take with a slot fit now (the cache and idle named sessions
         giving way), nothing evicted yet."""
         extra = sum(self._slot_bytes(r) - self.holds(r) for r in [head, *head.waiting_siblings])
-        evictable = self._index.nbytes("memory") + self._named.idle_bytes() + self._loans.nbytes
-        return fit_admission(extra, self.held(), evictable, self._budget).admit
+        return fit_admission(extra, self.held() - self._ledger.freeing, self._evictable(), self._budget).admit
+
+    def _evictable(self) -> int:
+        reads = self._ledger.reclaimable(self._index.reads("memory"))
+        return self._index.nbytes("memory") + reads + self._named.idle_bytes() + self._loans.nbytes
 
     def _slot_bytes(self, request: Request) -> int:
         """What it holds with a slot: its reservation, or, paused, what it held before."""
@@ -360,35 +362,33 @@ class Admission:
 
     def _evict_for(self, need: int, admitting: Request | None = None) -> bool:
         """Make room for `need` more bytes: loans are called back first, then the prefix cache gives way (the
-        entries `admitting` could start from last: evicting them to admit it would undo its reuse), then idle
-        named sessions. False (nothing evicted) when even that would not make room."""
-        idle = self._named.idle_bytes()
-        fit = fit_admission(need, self.held(), self._index.nbytes("memory") + idle + self._loans.nbytes,
-                            self._budget)
+        entries `admitting` could start from last: evicting them would undo its reuse), then idle named sessions.
+        False when that would not make room, or the room is pool bytes being freed (LoopLedger.freeing): waits."""
+        fit = fit_admission(need, self.held() - self._ledger.freeing, self._evictable(), self._budget)
         if not fit.admit:
             return False
         if not fit.evict_bytes or self._loans.recall(fit.evict_bytes) >= fit.evict_bytes:
-            return True
-        # A snapshot's own bytes are never read by another session (a clone of it reads below its own
-        # block): evicting it frees them all (a spilled one once its file is written); the pooled blocks
-        # it was the last to read go once the runner reports the release.
+            return self.held() + need <= self._budget
+        # A snapshot's own bytes are never read by another session: evicting it frees them (a spilled one once
+        # written), and the pooled blocks it was the last to read once the runner reports the release (freeing).
         spilling = self._ledger.spilling
         spare = admitting and self._index.best(admitting.prompt, admitting.req.scope, disk=False).memory
-        self._drop_entries(self._index.evict_memory(self.held() + need - self._budget, [m.entry for m in spare or ()]))
+        self._drop_entries(self._index.evict_memory(self.held() - self._ledger.freeing + need - self._budget,
+                                                    [m.entry for m in spare or ()]))
         spilled = self._ledger.spilling - spilling  # free once written: no named session goes for them
-        short = self._budget - (self.held() - spilled) - need
+        short = self._budget - (self.held() - spilled - self._ledger.freeing) - need
         if short < 0:
             self.release_sessions(*self._named.evict_bytes(-short))
         return self.held() + need <= self._budget
 
     # ---- the runner's sessions ----
 
-    def release_sessions(self, sids: Sequence[int], still_read: int = 0) -> None:
-        """Release `sids`, the engine having stopped counting them; `still_read`: what of their own
-        bytes others still read, counted until the runner has run the ReleaseSessions (then it is pooled)."""
+    def release_sessions(self, sids: Sequence[int], still_read: int = 0, freeing: int = 0) -> None:
+        """Release `sids`, the engine having stopped counting them; `still_read`: what of their own bytes others
+        still read, counted until the runner has run the ReleaseSessions (then pooled); `freeing`: LoopLedger's."""
         if sids:
             self._send(m.ReleaseSessions(list(sids)))
-            self._ledger.released(still_read)
+            self._ledger.released(still_read, freeing)
 
     def _drop_entries(self, entries: list[Entry]) -> None:
         """Entries the prefix cache let go: each spills to the disk tier, or is released."""
@@ -400,7 +400,8 @@ class Admission:
                 self._send(m.Spill((entry.tokens, entry.scope, entry.nbytes), entry.sid))
             else:
                 released.append(entry.sid)
-        self.release_sessions(released)
+        reads = sum(e.reads for e in entries if e.sid in released)  # the blocks they read, pooled or soon
+        self.release_sessions(released, freeing=self._ledger.reclaimable(reads))
 
     # ---- snapshots for the prefix cache ----
 

@@ -55,6 +55,7 @@ class Entry:
     owner: Hashable = None  # disk: the file name; named: (tenant, name); running: the request's rid
     sid: int | None = None  # memory, named: the runner's session holding the state
     nbytes: int = 0  # memory, named: the session's own bytes; disk: the file's
+    reads: int = 0  # memory: bytes of its writer's store it reads by reference (freed with its last reader)
     kept: tuple[int, ...] = ()  # positions it holds a recurrent checkpoint at
     position: int = -1  # -1: len(tokens)
     stamp: int = 0  # recency: higher is more recent
@@ -169,6 +170,7 @@ class Index:
         self._trie = _Trie()
         self._tiers: dict[Tier, OrderedDict[Hashable, Entry]] = {t: OrderedDict() for t in Tier.__args__}
         self._bytes: dict[Tier, int] = {t: 0 for t in Tier.__args__}
+        self._reads: dict[Tier, int] = {t: 0 for t in Tier.__args__}
         self._watchers: dict[Tier, Watcher] = {}
         self._clock = 0
 
@@ -181,6 +183,7 @@ class Index:
         self._trie.add(entry)
         self._tiers[entry.tier][self._name(entry)] = entry
         self._bytes[entry.tier] += entry.nbytes
+        self._reads[entry.tier] += entry.reads
         if (watcher := self._watchers.get(entry.tier)) is not None:
             watcher.stored(entry.tokens, entry.scope)
 
@@ -188,6 +191,7 @@ class Index:
         self._trie.remove(entry)
         del self._tiers[entry.tier][self._name(entry)]
         self._bytes[entry.tier] -= entry.nbytes
+        self._reads[entry.tier] -= entry.reads
         if (watcher := self._watchers.get(entry.tier)) is not None:
             watcher.removed(entry.tokens, entry.scope)
 
@@ -214,6 +218,10 @@ class Index:
 
     def nbytes(self, tier: Tier) -> int:
         return self._bytes[tier]
+
+    def reads(self, tier: Tier) -> int:
+        """Bytes of blocks the tier's entries read by reference (`Entry.reads`; pooled once their writers end)."""
+        return self._reads[tier]
 
     def entries(self, tier: Tier) -> list[Entry]:
         """A tier's entries, least recently used first."""
@@ -269,7 +277,9 @@ class Index:
         whether it was kept (not: the same prompt is held already, refreshed instead, or it could never
         fit) and the least recently used entries it pushed out, which the caller offers to the disk
         tier or releases."""
-        entry = Entry("memory", self.digest(scope), tuple(tokens), sid=sid, nbytes=nbytes, kept=kept)
+        kv = self._info.kv
+        entry = Entry("memory", self.digest(scope), tuple(tokens), sid=sid, nbytes=nbytes, kept=kept,
+                      reads=kv.positions(len(tokens)) * kv.full_bytes_per_token if kv.shares else 0)
         held = self._tiers["memory"].get(entry.key)
         if held is not None:  # the same prompt again: refresh it, keep the older snapshot
             self.touch(held)
@@ -289,8 +299,9 @@ class Index:
         return entry
 
     def evict_memory(self, need: int, spare: Collection[Entry] = ()) -> list[Entry]:
-        """Least recently used memory entries until `need` bytes are freed (or none is left); the `spare`
-        ones (what the request making room would reuse) last."""
+        """Least recently used memory entries until `need` bytes are freed (or none is left), each freeing its
+        own bytes and the blocks it reads (`Entry.reads`); the `spare` ones (what the request making room would
+        reuse) last."""
         spared = {id(e) for e in spare}
         order = sorted(self._tiers["memory"].values(), key=lambda e: id(e) in spared)  # stable: LRU within each
         out, freed = [], 0
@@ -299,7 +310,7 @@ class Index:
                 break
             self._remove(entry)
             out.append(entry)
-            freed += entry.nbytes
+            freed += entry.nbytes + entry.reads
         return out
 
     # ---- the disk tier's files (disk.py does the file work) ----

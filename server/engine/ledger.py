@@ -13,6 +13,10 @@ exist on the runner; each term below counts such bytes until the runner's answer
 - abandoned: each clone or state load ordered from the runner that its request stopped waiting for (it
   left, or its follow timed out), until the runner answers the order (CloneDone, StateLoaded): the runner
   may have made the session already, or may still. Several orders of one request are answered oldest first.
+- freeing: not a term of `nbytes` but a credit against it: what the pool is expected to lose once the runner
+  runs a ReleaseSessions of prefix cache entries (the blocks they read, `Entry.reads`), until the runner
+  reports that ReleaseSessions run. Eviction counts it as freed already, so it waits for the runner's
+  report instead of evicting more entries for bytes that are on their way out.
 - spilling: prefix cache entries evicted to the disk tier, from their eviction until their file is written
   (or fails): the runner exports them to host arrays, which live until the disk thread is done.
 
@@ -31,6 +35,7 @@ class LoopLedger:
         self._runner = m.Ledger()  # the runner's last report
         self._releases_sent = 0
         self._in_transit: collections.deque[tuple[int, int]] = collections.deque()  # (ReleaseSessions number, bytes)
+        self._freeing: collections.deque[tuple[int, int]] = collections.deque()  # (ReleaseSessions number, bytes)
         self._abandoned: dict[int, collections.deque[int]] = {}  # rid -> bytes of each order, oldest first
         self._spilling = 0
 
@@ -55,6 +60,16 @@ class LoopLedger:
         return sum(nbytes for _, nbytes in self._in_transit)
 
     @property
+    def freeing(self) -> int:
+        """Pooled bytes the ReleaseSessions sent and not yet run are expected to free."""
+        return sum(nbytes for _, nbytes in self._freeing)
+
+    def reclaimable(self, reads: int) -> int:
+        """Of `reads` bytes of blocks read by reference, what releasing their readers may free: at most the pool
+        and what is on its way to it, less what releases sent already free (a writer still running frees none)."""
+        return max(0, min(reads, self.pooled + self.in_transit - self.freeing))
+
+    @property
     def abandoned(self) -> int:
         """How many orders no one waits for the runner has not answered yet."""
         return sum(len(orders) for orders in self._abandoned.values())
@@ -65,11 +80,14 @@ class LoopLedger:
 
     # ---- the loop's entries ----
 
-    def released(self, still_read: int) -> None:
-        """One ReleaseSessions command was sent; `still_read`: what of its sessions' own bytes others still read."""
+    def released(self, still_read: int, freeing: int = 0) -> None:
+        """One ReleaseSessions command was sent; `still_read`: what of its sessions' own bytes others still read;
+        `freeing`: what of the pool it is expected to free."""
         self._releases_sent += 1
         if still_read:
             self._in_transit.append((self._releases_sent, still_read))
+        if freeing:
+            self._freeing.append((self._releases_sent, freeing))
 
     def abandon(self, rid: int, nbytes: int) -> None:
         """Request `rid` stopped waiting for an order of `nbytes` it sent the runner."""
@@ -99,5 +117,6 @@ class LoopLedger:
     def update(self, ledger: m.Ledger) -> None:
         """The runner's report, read in the order it was sent: the Releases it had run are in its pool."""
         self._runner = ledger
-        while self._in_transit and self._in_transit[0][0] <= ledger.releases:
-            self._in_transit.popleft()
+        for pending in (self._in_transit, self._freeing):
+            while pending and pending[0][0] <= ledger.releases:
+                pending.popleft()

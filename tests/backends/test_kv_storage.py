@@ -14,7 +14,7 @@ import torch
 import backend_fixtures
 from backend_fixtures import assert_greedy_close, continue_greedy, fresh, lent, prompt, release_all
 from kvfork.backends.base import KVStorage, KVStorageRefused
-from kvfork.backends.torch import attention, kv_storage
+from kvfork.backends.torch import attention, kv, kv_storage
 from kvfork.backends.torch.backend import TorchBackend
 from tiny_models import write_model
 from tolerance import Kind, assert_arrays_close
@@ -87,6 +87,26 @@ def test_rotated_int4_keys_attend_closer_to_full_precision_than_unrotated_ones_w
     unrotated = error(kv_storage.Grouped(4, 64, 64, torch.float32))
     rotated = error(kv_storage.storage_for(KVStorage("int4", 64), torch.float32, 64))
     assert rotated < unrotated / 2, (rotated, unrotated)
+
+
+@pytest.mark.parametrize("bits,group", [(8, 64), (4, 64), (4, 32)])
+def test_attention_reads_the_integers_as_the_dequantized_rows_say_and_alike_in_any_runs(bits, group):
+    """A decode row's scores and values computed from the integers, scales and biases (no dequantized copy)
+    equal the products over the decoded rows; and a clone reading the same rows in two runs (the shared
+    blocks, then its own) gets exactly the output of the session reading them in one."""
+    gen = torch.Generator().manual_seed(1)
+    storage = kv_storage.Grouped(bits, group, 64, torch.float32)
+    n = 2 * attention.PIECE_TOKENS + 300  # pieces, whole blocks and a partial one
+    k, v = storage.encode(torch.randn(3, n, 64, generator=gen)), storage.encode(torch.randn(3, n, 64, generator=gen))
+    q, w = torch.randn(3, 3, 64, generator=gen), torch.rand(3, 2, 3, n // 2, generator=gen)
+    assert_arrays_close(storage.scores(q, k), q @ storage.decode(k).transpose(1, 2), kind=Kind.FORMS,
+                        reductions=[64])
+    halves = v[:, : n // 2 * 2].unflatten(1, (2, n // 2))
+    assert_arrays_close(storage.weighted(w, halves), w @ storage.decode(halves), kind=Kind.FORMS, reductions=[n // 2])
+    one, lse = attention.partial(q, [(k, v)], 0.125, storage)
+    cut = 3 * kv.BLOCK_TOKENS
+    two, lse_two = attention.partial(q, [(k[:, :cut], v[:, :cut]), (k[:, cut:], v[:, cut:])], 0.125, storage)
+    assert torch.equal(one, two) and torch.equal(lse, lse_two)
 
 
 @pytest.mark.parametrize("dtype,row", [("auto", 256), ("float16", 128), ("bfloat16", 128), ("fp8", 64),

@@ -126,3 +126,28 @@ async def test_n_choices_over_one_prefix_reserve_it_once(mode, tiny_model_dir):
         assert all(tokens == want[0] for tokens, _ in results)  # greedy: every choice is the lone answer
         assert engine.metrics.budget_exceeded.get() == 0
     await engine.shutdown(1)
+
+
+async def test_a_tight_budget_keeps_the_cached_prompts_it_holds(tiny_model_dir):
+    """A cached prompt is mostly its request's store, read by reference (pooled once the request ended),
+    and a short tail of its own: making room for a request counts both, so under a budget holding three
+    cached prompts the fourth prompt evicts only the least recently used one (counting its own bytes
+    alone evicted them all), and returning to the second is a cache hit."""
+    folder = tiny_model_dir("llama")
+    probe = TorchBackend("cpu")
+    probe.set_clone_mode("share")
+    cost = probe.load(folder, "float32").kv
+    p, max_tokens = 300, 4
+    store, tail = cost.positions(p), cost.positions(p, start=p) - kv.floor_block(p)  # 512 and 256 positions
+    budget = (3 * (store + tail) + 1) * cost.full_bytes_per_token  # three cached, or two beside a request
+    engine = await engine_on(folder, kv_budget_bytes=budget, clone_mode="share", max_context=1024, queue_timeout=60)
+    prompts = [prompt(p, seed=20 + i) for i in range(4)]
+    for text in prompts:
+        await run(engine, text, max_tokens)
+        await settled(engine, engine.backend)
+    assert engine.snapshot().cached == 3
+    _, done = await run(engine, prompts[1], max_tokens)
+    assert done.usage.reused_tokens == p - 1
+    await settled(engine, engine.backend)
+    assert engine.metrics.budget_exceeded.get() == 0
+    await engine.shutdown(1)

@@ -20,6 +20,17 @@ def test_a_release_others_still_read_is_counted_until_a_report_shows_it_run():
     assert (ledger.in_transit, ledger.pooled, ledger.nbytes) == (0, 800, 800)
 
 
+def test_what_a_release_frees_of_the_pool_is_a_credit_until_a_report_shows_it_run():
+    """Evicted prefix cache entries free the pooled blocks they read once the runner runs their release: until
+    its report, `freeing` says so (eviction counts it as free), and it is no term of `nbytes`."""
+    ledger = LoopLedger()
+    ledger.update(m.Ledger(live_sessions=3, total_bytes=3000, pooled_bytes=2000, releases=0))
+    ledger.released(0, freeing=1000)  # Release 1
+    assert (ledger.freeing, ledger.nbytes) == (1000, 2000)
+    ledger.update(m.Ledger(live_sessions=1, total_bytes=1200, pooled_bytes=1000, releases=1))
+    assert (ledger.freeing, ledger.nbytes) == (0, 1000)
+
+
 def test_the_runners_last_report_is_what_it_holds():
     ledger = LoopLedger()
     assert ledger.runner == m.Ledger() and ledger.nbytes == 0
