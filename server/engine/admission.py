@@ -189,10 +189,9 @@ class Admission:
 
     def request_bytes(self, prompt_len: int, max_tokens: int, start: int | None = None, checkpoints: int = 0,
                       images: int = 0) -> int:
-        """What a request's session grows to: opened at `start` (an empty session 0, a clone its
-        `upto`, holding the blocks below it by reference where clones share); None, not yet known:
-        the dearest start, empty or a clone of all but the prompt's last token; with the recurrent
-        checkpoints it keeps, and the embeddings of the `images` image tokens its prefill reads (held meanwhile)."""
+        """What a request's session grows to: opened at `start` (an empty session 0, a clone its `upto`, holding
+        the blocks below it by reference where clones share); None, not yet known: the dearest start, empty or a
+        clone of all but the prompt's last token; with its recurrent checkpoints and its prefill's image tokens."""
         kv, pinned = self._kv, images * self._info.image_token_bytes
         starts = (0, prompt_len - 1) if start is None else (start,)
         return pinned + max(kv.bytes_for(prompt_len + max_tokens, shared=kv.shared(at), start=at,
