@@ -90,7 +90,7 @@ class Ending:
     def on_ended(self, ev: m.Ended) -> None:
         r = self._requests.get(ev.rid)
         if ev.ledger is not None:  # with its reservation let go below: its blocks others read are pooled
-            self.on_ledger(ev.ledger)
+            self._progress.on_ledger(ev.ledger)
         if r is None:
             self._admission.release_sessions([ev.sid] if ev.sid is not None else [], max(0, ev.nbytes - ev.frees))
             return

@@ -36,7 +36,7 @@ from kvfork.server.engine.drafts import Drafts
 from kvfork.server.engine.index import Index
 from kvfork.server.engine.utilization import EngineLoad
 from kvfork.server.engine.memory_plan import MemoryPlan
-from kvfork.server.engine.rates import RateTracker
+from kvfork.server.engine.rates import LiveRates, RateTracker
 from kvfork.server.engine.request import Request, RequestHandle
 from kvfork.server.engine.runner import Runner
 from kvfork.server.engine.serving import Serving
@@ -72,7 +72,7 @@ class Engine:
         self._runner: Runner | None = None
         self._loaded: asyncio.Future | None = None
         self._serving: Serving | None = None  # the state machine, once the model is loaded
-        self._rates = RateTracker()  # the cost model's until it is loaded (tools may set a simulated machine's)
+        self._rates = LiveRates()  # the cost model's (tools may set a simulated machine's)
         self.metrics = EngineMetrics(registry, self)
 
     # ---- lifecycle ----
@@ -176,13 +176,11 @@ class Engine:
     @property
     def rates(self) -> RateTracker:
         """The cost model's measured rates (tools and tests may set a simulated machine's)."""
-        return self._serving.rates if self._serving is not None else self._rates
+        return self._rates.tracker
 
     @rates.setter
     def rates(self, tracker: RateTracker) -> None:
-        self._rates = tracker
-        if self._serving is not None:
-            self._serving.rates = tracker
+        self._rates.tracker = tracker
 
     def utilization(self) -> EngineLoad:
         """What it carries now (utilization.py); all zeros until the model is loaded."""

@@ -69,8 +69,9 @@ class Parking:
         now, (seen_at, seen) = time.monotonic(), following.seen
         committed = leader.committed_prompt
         progress = (committed - seen) / (now - seen_at) if now > seen_at else 0.0
-        decided = at_deadline(len(f.prompt), following.order.target, committed, progress, self.rates.rates,
-                              prefilling(self._requests.values()), self.config.follow_max_wait)
+        decided = at_deadline(len(f.prompt), following.order.target, committed, progress,
+                              self._rates.tracker.rates, prefilling(self._requests.values()),
+                              self.config.follow_max_wait)
         f.decision.update(follow_extended=decided.keep, ttft_follow_left_s=round(decided.ttft_follow_s, 4),
                           ttft_clone_now_s=round(decided.ttft_now_s, 4))
         if not decided.keep:
@@ -135,7 +136,7 @@ class Parking:
         if r is None or not isinstance(r.phase, Restoring) or r.phase.match is not match:
             return  # it left meanwhile
         if state is not None:
-            self.rates = self.rates.observe_read(match.entry.nbytes, seconds)
+            self._rates.tracker = self._rates.tracker.observe_read(match.entry.nbytes, seconds)
             try:
                 state = state.prefix(match.upto)
             except Exception as exc:  # the lookup's rules admit it; a file that disagrees is dropped, r prefills
@@ -171,7 +172,7 @@ class Parking:
         assert r is not None
         cached = r.phase.cached  # type: ignore[union-attr]
         if ev.sid is not None:
-            self._observe_clone("donor", [], ev.upto, ev.seconds, r, cached)
+            self._progress.observe_clone("donor", [], ev.upto, ev.seconds, r, cached)
         else:
             self.metrics.clone("donor", [ev.reason] if ev.reason != "leader_gone" else [], False)
         if isinstance(r.phase, Prefilling):  # its Start's donor clone was refused: the runner did not start it

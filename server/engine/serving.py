@@ -32,7 +32,7 @@ from kvfork.server.engine.ledger import LoopLedger
 from kvfork.server.engine.parking import Parking
 from kvfork.server.engine.placement import (Cached, CloneRunning, Follow, Fresh, Placement, Restore, Resume, View, Wait,
                                             place, place_without_reuse, take_view)
-from kvfork.server.engine.rates import RateTracker
+from kvfork.server.engine.rates import LiveRates
 from kvfork.server.engine.request import Following, Paused, Queued, Request, RequestHandle
 from kvfork.server.engine.progress import Progress
 from kvfork.server.engine.sessions import NamedSessions
@@ -42,11 +42,12 @@ from kvfork.server.engine.telemetry import EngineMetrics
 log = logging.getLogger("kvfork.engine")
 
 
-class Serving(Parking, Progress, Ending):
+class Serving(Parking, Ending):
     def __init__(self, config: EngineConfig, info: ModelInfo, index: Index, disk: DiskTier | None,
-                 send: Callable[[Any], None], metrics: EngineMetrics, rates: RateTracker):
-        """`config` resolved for the loaded model; `disk`: the prefix cache's disk tier, None when it is off."""
-        self.config, self.info, self.metrics, self.rates = config, info, metrics, rates
+                 send: Callable[[Any], None], metrics: EngineMetrics, rates: LiveRates):
+        """`config` resolved for the loaded model; `disk`: the prefix cache's disk tier, None when it is off;
+        `rates`: the cost model's, which its parts observe into."""
+        self.config, self.info, self.metrics, self._rates = config, info, metrics, rates
         self._send = send
         self._index, self._disk = index, disk
         self._named = NamedSessions(config.max_named_sessions, index)
@@ -59,6 +60,14 @@ class Serving(Parking, Progress, Ending):
         self._followers: dict[int, Request] = {}  # parked behind a leader, in park order
         self._reuse_errors_logged: set[tuple[str, str]] = set()  # (stage, exception type) logged once
         self._next_rid = 0
+        self._progress = Progress(self._requests, self._admission, index, self._ledger, disk, config, metrics, rates,
+                                  self.admit)
+        p = self._progress
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            m.Started: p.on_started, m.Token: p.on_token, m.Captured: p.on_captured, m.Exported: p.on_exported,
+            m.Ledger: p.on_ledger, m.StepStats: p.on_step_stats,
+            m.CloneDone: self.on_clone_done, m.StateLoaded: self.on_state_loaded, m.Ended: self.on_ended,
+        }
 
     # ---- what the engine reads ----
 
@@ -217,8 +226,8 @@ class Serving(Parking, Progress, Ending):
 
     def _view(self, r: Request, slot: bool) -> View:
         disk = self._disk is not None and self._disk.on
-        return take_view(r, self._requests.values(), self._followers.values(), self._index, self.rates.rates,
-                         self.config, disk, slot, time.monotonic())
+        return take_view(r, self._requests.values(), self._followers.values(), self._index,
+                         self._rates.tracker.rates, self.config, disk, slot, time.monotonic())
 
     def _apply(self, r: Request, p: Placement) -> None:
         """Do what `place` decided for `r` (which holds a slot, unless it is a Wait or a Follow on arrival)."""
@@ -284,10 +293,4 @@ class Serving(Parking, Progress, Ending):
         handler = self._handlers.get(type(event))
         if handler is None:
             raise TypeError(f"unknown runner event {event!r}")
-        handler(self, event)
-
-    _handlers: dict[type, Callable[["Serving", Any], None]] = {
-        m.Started: Progress.on_started, m.Token: Progress.on_token, m.Captured: Progress.on_captured,
-        m.Exported: Progress.on_exported, m.Ledger: Progress.on_ledger, m.StepStats: Progress.on_step_stats,
-        m.CloneDone: Parking.on_clone_done, m.StateLoaded: Parking.on_state_loaded, m.Ended: Ending.on_ended,
-    }
+        handler(event)
