@@ -53,10 +53,10 @@ class Ending:
         """Everything `r` holds on the loop goes back: its slot, bytes, capture, named session, landed clone."""
         adm = self._admission
         if isinstance(r.phase, Following):  # first: a clone order it abandons keeps its bytes held
-            self._unpark(r)
+            self._parking.unpark(r)
         if isinstance(r.phase, Restoring) and r.phase.sent:  # the runner may have loaded it already
-            self._abandon(r, adm.clone_bytes(r.phase.match.upto))
-        self._leader_left(r)
+            self._parking.abandon(r, adm.clone_bytes(r.phase.match.upto))
+        self._parking.leader_left(r)
         adm.release(r)
         if r.named is not None and r.named.busy:
             self._named.give_back(r.named)

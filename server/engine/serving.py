@@ -27,7 +27,7 @@ from kvfork.server.engine.api import CapacityExhausted, GenerateRequest, choice_
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.disk import DiskTier
 from kvfork.server.engine.ending import Ending
-from kvfork.server.engine.index import Index
+from kvfork.server.engine.index import Index, Match
 from kvfork.server.engine.ledger import LoopLedger
 from kvfork.server.engine.parking import Parking
 from kvfork.server.engine.placement import (Cached, CloneRunning, Follow, Fresh, Placement, Restore, Resume, View, Wait,
@@ -42,7 +42,7 @@ from kvfork.server.engine.telemetry import EngineMetrics
 log = logging.getLogger("kvfork.engine")
 
 
-class Serving(Parking, Ending):
+class Serving(Ending):
     def __init__(self, config: EngineConfig, info: ModelInfo, index: Index, disk: DiskTier | None,
                  send: Callable[[Any], None], metrics: EngineMetrics, rates: LiveRates):
         """`config` resolved for the loaded model; `disk`: the prefix cache's disk tier, None when it is off;
@@ -57,16 +57,17 @@ class Serving(Parking, Ending):
         self.idle = asyncio.Event()  # set while it holds no request
         self.idle.set()
         self._requests: dict[int, Request] = {}
-        self._followers: dict[int, Request] = {}  # parked behind a leader, in park order
         self._reuse_errors_logged: set[tuple[str, str]] = set()  # (stage, exception type) logged once
         self._next_rid = 0
         self._progress = Progress(self._requests, self._admission, index, self._ledger, disk, config, metrics, rates,
                                   self.admit)
-        p = self._progress
+        self._parking = Parking(self._requests, self._admission, self._ledger, disk, send, config, metrics, rates,
+                                self._progress, self)
+        p, parked = self._progress, self._parking
         self._handlers: dict[type, Callable[[Any], None]] = {
             m.Started: p.on_started, m.Token: p.on_token, m.Captured: p.on_captured, m.Exported: p.on_exported,
             m.Ledger: p.on_ledger, m.StepStats: p.on_step_stats,
-            m.CloneDone: self.on_clone_done, m.StateLoaded: self.on_state_loaded, m.Ended: self.on_ended,
+            m.CloneDone: parked.on_clone_done, m.StateLoaded: parked.on_state_loaded, m.Ended: self.on_ended,
         }
 
     # ---- what the engine reads ----
@@ -89,7 +90,7 @@ class Serving(Parking, Ending):
 
     @property
     def following(self) -> int:
-        return len(self._followers)
+        return len(self._parking.followers)
 
     def requests(self) -> list[Request]:
         """The requests it holds now, in admission order (read, never changed)."""
@@ -133,7 +134,7 @@ class Serving(Parking, Ending):
         adm.enqueue(r)
         self.admit()
         if isinstance(r.phase, Queued):
-            self._expire_at(r, r.submitted_at + self.config.queue_timeout)
+            self.expire_at(r, r.submitted_at + self.config.queue_timeout)
             self._arrive(r)
         if isinstance(r.phase, Following) and not adm.can_wait(self.waiting() - 1):
             # A follower waits like a queued request: it counts against --max-queue when it parks.
@@ -151,7 +152,7 @@ class Serving(Parking, Ending):
 
     def waiting(self) -> int:
         """Requests waiting: queued, and parked behind a leader."""
-        return self._admission.queued + len(self._followers)
+        return self._admission.queued + self.following
 
     def drop_session(self, session_id: str, forget: bool, tenant: str) -> bool:
         """Reset (forget False: it starts cold next time) or delete a named session; False: none such."""
@@ -205,18 +206,18 @@ class Serving(Parking, Ending):
         try:
             return place(r, self._view(r, slot))
         except Exception as exc:
-            self._reuse_failed("placement", exc)
+            self.reuse_failed("placement", exc)
             return place_without_reuse(r, slot)
 
-    def _cached_matches(self, r: Request) -> list:
+    def cached_matches(self, r: Request) -> list[Match]:
         """The prefix cache's matches for `r`'s prompt, best first; none when the lookup raises."""
         try:
             return self._index.best(r.prompt, r.req.scope, disk=False).memory
         except Exception as exc:
-            self._reuse_failed("placement", exc)
+            self.reuse_failed("placement", exc)
             return []
 
-    def _reuse_failed(self, stage: str, exc: Exception) -> None:
+    def reuse_failed(self, stage: str, exc: Exception) -> None:
         """Counted each time; logged with its traceback the first time each stage fails this way."""
         self.metrics.reuse_errors.inc(stage=stage)
         seen = (stage, type(exc).__name__)
@@ -226,7 +227,7 @@ class Serving(Parking, Ending):
 
     def _view(self, r: Request, slot: bool) -> View:
         disk = self._disk is not None and self._disk.on
-        return take_view(r, self._requests.values(), self._followers.values(), self._index,
+        return take_view(r, self._requests.values(), self._parking.followers, self._index,
                          self._rates.tracker.rates, self.config, disk, slot, time.monotonic())
 
     def _apply(self, r: Request, p: Placement) -> None:
@@ -241,23 +242,23 @@ class Serving(Parking, Ending):
             case Resume(sid=sid, upto=upto, named=named):
                 if named:  # the request owns its state now; it comes back at the end
                     self._named.take(r.named)  # type: ignore[arg-type]  # placed as named: it has one
-                self._start(r, p.cached, resume=(sid, upto))
+                self.start(r, p.cached, resume=(sid, upto))
             case CloneRunning(donor=donor, upto=upto):
-                self._start(r, p.cached, donor=(donor, upto))
+                self.start(r, p.cached, donor=(donor, upto))
             case Cached(matches=matches):
-                self._start(r, p.cached, candidates=list(matches))
+                self.start(r, p.cached, candidates=list(matches))
             case Fresh():
                 if r.named is not None:  # a named session that does not resume starts cold
                     self._admission.release_sessions(*self._named.take(r.named))
-                self._start(r, p.cached)
+                self.start(r, p.cached)
             case Follow():
-                self._follow(r, p)
+                self._parking.follow(r, p)
             case Restore(match=match):
-                self._read_from_disk(r, match)
+                self._parking.read_from_disk(r, match)
             case Wait():
                 pass
 
-    def _start(self, r: Request, cached: int = 0, resume: tuple[int, int] | None = None,
+    def start(self, r: Request, cached: int = 0, resume: tuple[int, int] | None = None,
                donor: tuple[int, int] | None = None, candidates: list | None = None) -> None:
         """Hand `r`, which holds a slot, to the runner."""
         adm = self._admission
@@ -275,11 +276,9 @@ class Serving(Parking, Ending):
         for sibling in r.waiting_siblings:
             sibling.sent = True
         self._index.run(r.rid, r.prompt, r.req.scope, r.rid)
-        for f in self._followers.values():  # the clone orders of its followers can go to the runner now
-            if isinstance(f.phase, Following) and f.phase.order.leader == r.rid and not f.phase.registered:
-                self._register(f)
+        self._parking.leader_started(r.rid)
 
-    def _expire_at(self, r: Request, deadline: float) -> None:
+    def expire_at(self, r: Request, deadline: float) -> None:
         """(Re)arm the queue timeout of a waiting request, at `deadline` on the monotonic clock."""
         if r.expiry is not None:
             r.expiry.cancel()
