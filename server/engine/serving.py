@@ -42,7 +42,7 @@ from kvfork.server.engine.telemetry import EngineMetrics
 log = logging.getLogger("kvfork.engine")
 
 
-class Serving(Ending):
+class Serving:
     def __init__(self, config: EngineConfig, info: ModelInfo, index: Index, disk: DiskTier | None,
                  send: Callable[[Any], None], metrics: EngineMetrics, rates: LiveRates):
         """`config` resolved for the loaded model; `disk`: the prefix cache's disk tier, None when it is off;
@@ -63,11 +63,14 @@ class Serving(Ending):
                                   self.admit)
         self._parking = Parking(self._requests, self._admission, self._ledger, disk, send, config, metrics, rates,
                                 self._progress, self)
+        self._ending = Ending(self._requests, self._admission, index, self._named, self._parking, self._progress,
+                              send, config, metrics, self.admit, self.idle)
         p, parked = self._progress, self._parking
         self._handlers: dict[type, Callable[[Any], None]] = {
             m.Started: p.on_started, m.Token: p.on_token, m.Captured: p.on_captured, m.Exported: p.on_exported,
             m.Ledger: p.on_ledger, m.StepStats: p.on_step_stats,
-            m.CloneDone: parked.on_clone_done, m.StateLoaded: parked.on_state_loaded, m.Ended: self.on_ended,
+            m.CloneDone: parked.on_clone_done, m.StateLoaded: parked.on_state_loaded,
+            m.Ended: self._ending.on_ended,
         }
 
     # ---- what the engine reads ----
@@ -115,7 +118,7 @@ class Serving(Ending):
         reuse sees), the others start from clones of it (runner.py)."""
         adm = self._admission
         if self.waiting() >= self.config.max_queue and (victim := adm.give_way(req.scope.tenant)) is not None:
-            self.complete(victim, "error", "turned away from a full queue for another tenant's request: this "
+            self._ending.complete(victim, "error", "turned away from a full queue for another tenant's request: this "
                           "tenant holds more than its share of --max-queue", gave_way=True)
         sizes = adm.check(req, waiting=self.waiting())
         named = None
@@ -138,7 +141,7 @@ class Serving(Ending):
             self._arrive(r)
         if isinstance(r.phase, Following) and not adm.can_wait(self.waiting() - 1):
             # A follower waits like a queued request: it counts against --max-queue when it parks.
-            self._withdraw(r)
+            self._ending.withdraw(r)
             raise CapacityExhausted(f"{self.waiting()} requests are already waiting")
         return [r.handle] + [s.handle for s in r.siblings]
 
@@ -146,9 +149,17 @@ class Serving(Ending):
                      **kw: Any) -> Request:
         self._next_rid += 1
         rid = self._next_rid
-        handle = RequestHandle(req.request_id, lambda: self.cancel(rid), lambda: self._finish(rid))
+        handle = RequestHandle(req.request_id, lambda: self._ending.cancel(rid), lambda: self._ending.finish(rid))
         r = self._requests[rid] = Request(rid, req, handle, max_tokens, stop_ids, need, **kw)
         return r
+
+    def cancel(self, rid: int) -> None:
+        """Cancel request `rid`, wherever it is (ending.py)."""
+        self._ending.cancel(rid)
+
+    def complete(self, r: Request, reason: str, error: str | None = None) -> None:
+        """End `r` now with `reason`, and give back everything it holds (ending.py)."""
+        self._ending.complete(r, reason, error)
 
     def waiting(self) -> int:
         """Requests waiting: queued, and parked behind a leader."""
@@ -283,7 +294,7 @@ class Serving(Ending):
         if r.expiry is not None:
             r.expiry.cancel()
         loop = asyncio.get_running_loop()
-        r.expiry = loop.call_later(max(0.0, deadline - time.monotonic()), self._expire, r.rid)
+        r.expiry = loop.call_later(max(0.0, deadline - time.monotonic()), self._ending.expire, r.rid)
 
 
     # ---- the runner's events ----
