@@ -34,7 +34,7 @@ and a row below it skips drafting in that step (other rows still draft). The two
   drafting back on after a few accepted probes. A new request's first draft is such a probe, so its
   own record starts at once, whatever the requests before it did.
 
-A step that prefills drafts nothing (Speculation._draft_all): its pass is compute-bound by the prompt
+A step that prefills drafts nothing (Speculation.draft_all): its pass is compute-bound by the prompt
 chunks, so a drafted position there costs what a prompt token costs, comes out of the step's token
 budget, and lengthens the step that every prefilling request waits on. The requests it delays are
 not in the rule above, and they decide a batch's end: on the agent workload at four requests (a

@@ -30,14 +30,12 @@ from typing import Any, Callable, Sequence
 
 from kvfork.backends import effects as e
 from kvfork.backends.base import Backend, KVStorage, KVStorageRefused, ModelInfo, Sampled, SamplerState
-from kvfork.backends.vision.keys import text_only
 from kvfork.server.engine import faults
 from kvfork.server.engine import messages as m
 from kvfork.server.engine import plan as p
 from kvfork.server.engine.cloning import Cloning
 from kvfork.server.engine.commands import Commands
 from kvfork.server.engine.constraints import ConstrainedRows
-from kvfork.server.engine.draft_policy import DraftPolicy
 from kvfork.server.engine.drafts import Drafts
 from kvfork.server.engine.rates import RateTracker, split_pass
 from kvfork.server.engine.scheduler import Running, TimeBudget, plan_step
@@ -47,10 +45,10 @@ from kvfork.server.engine.speculation import Speculation
 log = logging.getLogger("kvfork.engine")
 
 
-class Runner(Speculation):
-    """The runner thread: its step, here; the loop's commands (`Commands`, commands.py) and the clones of running
-    sessions (`Cloning`, cloning.py), parts it builds once the model is loaded with their own state; speculative
-    decoding (speculation.py), a part over the runner's own fields."""
+class Runner:
+    """The runner thread: its step, here; its parts, built once the model is loaded, each with its own state: the
+    loop's commands (`Commands`, commands.py), the clones of running sessions (`Cloning`, cloning.py) and
+    speculative decoding (`Speculation`, speculation.py)."""
 
     def __init__(self, backend: Backend, model_path: str, dtype: str | None,
                  max_batch_tokens: int, prefill_chunk: int, max_step_s: float, notify: Callable[[], None],
@@ -80,9 +78,8 @@ class Runner(Speculation):
         self._info: ModelInfo | None = None  # once loaded
         self._cloning: Cloning  # its parts, once the model is loaded
         self._commands: Commands
+        self._speculation: Speculation
         self._drafts, self._speculative_max_batch = drafts, speculative_max_batch
-        self._draft_cap = 0  # most tokens a row drafts on the loaded model (0: it does not speculate)
-        self._policy = DraftPolicy()  # which rows draft in a step (draft_policy.py)
         self.thread = threading.Thread(target=self._main, name="kvfork-runner", daemon=True)
 
     def send(self, command: Any) -> None:
@@ -97,7 +94,9 @@ class Runner(Speculation):
             self.backend.set_kv_storage(self.kv_storage)
             info = self._info = self.backend.load(self.model_path, self.dtype)
             self._constrained = ConstrainedRows(info.vocab_size)
-            self._draft_cap = self._draft_cap_for(info)
+            self._speculation = Speculation(self.backend, info, self._constrained, self._drafts,
+                                            self._speculative_max_batch, self._running, self._run, self.sample,
+                                            self._fail)
             self._cloning = Cloning(self.backend, self._ex, self._run, self._running, self._paused, self.events, info,
                                     self._open, self.sample)
             self._commands = Commands(self.inbox, self.events, self._notify, self.backend, self._ex, self._run,
@@ -137,7 +136,7 @@ class Runner(Speculation):
             for group, logits in self.forward(rows):
                 self.commit(plan, group, logits)
             pass_s = self._ex.seconds - before
-        self._timed(plan, time.perf_counter() - t0)
+        self._speculation.timed(plan, time.perf_counter() - t0)
         prefill_s = self._observe(plan, self._ex.seconds - backend_s, pass_s)
         self._cloning.serve_orders()
         self.publish(plan, took, time.perf_counter() - t0, self._ex.seconds - backend_s, prefill_s)
@@ -150,7 +149,7 @@ class Runner(Speculation):
                    for rid, s in self._running.items()]
         rates = self._rates.rates
         budget = TimeBudget(self.max_step_s, rates.decode_s, rates.step_s_per_token) if self.max_step_s else None
-        drafted = self._draft_all([r.rid for r in running if r.prefill_left == 0])
+        drafted = self._speculation.draft_all([r.rid for r in running if r.prefill_left == 0])
         batch = plan_step(running, self.max_batch_tokens, self.prefill_chunk, self._rotation, budget, drafted)
         self._rotation = batch.last_prefilled
         decode = [self._decode_row(self._running[rid]) for rid in batch.decode]
@@ -181,11 +180,7 @@ class Runner(Speculation):
         if not planned:
             self._opened.append(p.Sampler(start.rid, start.sampling, start.prompt))
         self._rows.start(start.rid, start.constraint)
-        if self._draft_cap and self._drafts is not None:
-            try:
-                s.drafts = self._drafts.open(start.scope, text_only(start.prompt) if start.images else start.prompt)
-            except Exception as exc:  # optional work: it decodes without
-                log.warning("opening a drafter for request %d failed: %r", start.rid, exc)
+        self._speculation.open_drafts(s)
         return s
 
     def _decode_row(self, s: Seq) -> p.Row:
@@ -220,7 +215,7 @@ class Runner(Speculation):
         walking = [(s, row, s.generated) for row, s in sorted(ready.items()) if s.draft is not None]
         if ready:
             self.sample(logits, ready)
-        self._walk(logits, walking)
+        self._speculation.walk(logits, walking)
 
     def publish(self, plan: p.StepPlan, took: bool, step_s: float, backend_s: float, prefill_s: float) -> None:
         """Events for the loop: a step's StepStats and Ledger, or, after commands alone, the Ledger."""
@@ -289,7 +284,7 @@ class Runner(Speculation):
             self._end(s, "error", error=failure, grammar_failed=True)
             return
         s.generated += 1  # the backend's sampler has appended the token to `sampler.output`
-        if self._accepts(s, pick.token):  # counted before it may end
+        if self._speculation.accepts(s, pick.token):  # counted before it may end
             s.speculated[s.draft.source][1] += 1  # type: ignore[union-attr]
         if pick.token in s.start.stop_ids:
             self._end(s, "stop")
@@ -314,11 +309,11 @@ class Runner(Speculation):
         self._running.pop(s.rid, None)
         self._paused.pop(s.rid, None)
         self._rows.end(s.rid)
-        self._close_drafts(s, reason)
+        self._speculation.close_drafts(s, reason)
         if s.images:
             self.backend.release_images(s.images)
         named_sid, held, nbytes, frees = None, [], 0, 0
-        if s.start.keep_session and reason != "error" and self._roll_back(s):
+        if s.start.keep_session and reason != "error" and self._speculation.roll_back(s):
             named_sid = s.sid
             if s.session.kept or s.start.keep_at:  # an idle named session is priced without checkpoints
                 self._commands.keep_at(s.sid, ())
