@@ -108,7 +108,9 @@ class Serving:
             live_sessions=runner.live_sessions, total_bytes=runner.total_bytes, blocks=runner.blocks,
             slots_used=adm.slots_used, queued=adm.queued, paused=adm.paused, following=self.following,
             captures_in_use=adm.captures_in_use, cached=index.count("memory"), cached_bytes=index.nbytes("memory"),
-            on_disk=index.count("disk"), disk_on=disk is not None and disk.on, named_sessions=len(named),
+            on_disk=index.count("disk"), disk_bytes=disk.nbytes if disk is not None else 0,
+            disk_spilled=disk.stats.spilled if disk is not None else 0,
+            disk_corrupt=disk.stats.corrupt if disk is not None else 0, disk_on=disk is not None and disk.on, named_sessions=len(named),
             named_holding=named.holding())
 
     # ---- requests ----
