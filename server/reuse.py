@@ -68,7 +68,7 @@ class ReuseLog:
         def mine(owner: str) -> bool:
             return tenant is None or owner == tenant
 
-        index = engine.index
+        index = engine.serving.index if engine.loaded else None
         scopes = None if tenant is None else set(self.scopes.get(tenant, ()))
         entries = [] if index is None else [e for tier in ("memory", "disk") for e in index.entries(tier)
                                             if scopes is None or e.scope in scopes]

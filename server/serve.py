@@ -117,7 +117,7 @@ class Daemon(Listening):
         return f"{mode} (--speculative off turns it off)"
 
     def _disk_line(self) -> str:
-        disk = self.engine.disk
+        disk = self.engine.serving.disk if self.engine.loaded else None
         if disk is None or not disk.on:
             return ", no disk tier"
         return (f", disk tier of {disk.max_bytes / GiB:.2f} GiB at {disk.folder} ({disk.files} entries, "

@@ -191,7 +191,7 @@ async def respond(request: web.Request, state: AppState, job: Job, reply: Reply 
     keepalive = state.config.sse_keepalive if stream else None
     choices = reply if isinstance(reply, Choices) else Choices([reply])
     scope, rid = job.generate.scope, job.generate.request_id
-    digest = state.engine.index.digest(scope) if state.engine.index is not None else scope.tenant_hash
+    digest = state.engine.serving.index.digest(scope) if state.engine.loaded else scope.tenant_hash
     choices.ended = lambda usage: state.reuse.ended(rid, scope, digest, usage)
     async with generation(state.engine, job.generate, tokenizer, job.stops, keepalive_s=keepalive,
                           markup=job.parser is not None) as events:

@@ -1,7 +1,12 @@
 """The clones the runner thread takes of its running requests' sessions: a follower's, a capture's
 and a choice's.
 
-A part of `Runner` (runner.py), whose state it reads: the running requests, the clone orders.
+A part of `Runner` (runner.py) that owns the followers' clone orders (clone_orders.py), built once the model is
+loaded with what else it reads and writes: the backend, its executor and `run` (a session op that goes into the next
+plan), the running and paused requests (read), the events for the loop, the model, and the runner's `open` and
+`sample` (a choice's clone starts and samples its first token). Its surface: `clone` (every clone is one Clone op),
+`clone_of`, `clone_donor`, `serve_orders`, `hand_over`, `capture`, `open_choice`, and the orders' `prefill_cap`,
+`drop_recipient`, `drop_all`.
 
 Design rules:
 - a follower's clone order is served the moment its donor has committed the target (the donor's
@@ -27,40 +32,69 @@ Design rules:
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 from kvfork.backends import effects as e
-from kvfork.backends.base import CloneRefused, clone_positions
+from kvfork.backends.base import Backend, CloneRefused, ModelInfo, clone_positions
 from kvfork.server.engine import messages as m
+from kvfork.server.engine.clone_orders import CloneOrders
 from kvfork.server.engine.sequence import Seq
 
 log = logging.getLogger("kvfork.engine")
 
 
 class Cloning:
-    def _clone_donor(self, command: m.CloneDonor) -> None:
+    def __init__(self, backend: Backend, ex: e.Executor, run: Callable[[e.Op], Any], running: dict[int, Seq],
+                 paused: dict[int, Seq], events: collections.deque, info: ModelInfo,
+                 open: Callable[[m.Start, int, list[m.Choice], bool], Seq],
+                 sample: Callable[[Any, dict[int, Seq]], None]):
+        """`running`, `paused`: the runner's requests by id (read, never changed here)."""
+        self._backend, self._ex, self._run, self._running, self._paused = backend, ex, run, running, paused
+        self._events, self._info, self._open, self._sample = events, info, open, sample
+        self._orders = CloneOrders()
+
+    def clone(self, source: int, upto: int) -> int:
+        """A new session holding [0, upto) of session `source` (raises CloneRefused and the rest)."""
+        sid = self._ex.new_sid()
+        self._run(e.Clone(sid, source, upto))
+        return sid
+
+    def prefill_cap(self, rid: int, position: int, left: int) -> int | None:
+        """Where `rid`'s next prefill chunk must stop for a clone order on it to be served (clone_orders.py)."""
+        return self._orders.prefill_cap(rid, position, left)
+
+    def drop_recipient(self, rid: int) -> bool:
+        """Drop the clone order `rid` waits for, if any (the caller answers it)."""
+        return self._orders.drop_recipient(rid)
+
+    def drop_all(self) -> None:
+        """The runner stops: nobody is left to hand anything over to."""
+        self._orders = CloneOrders()
+
+    def clone_donor(self, command: m.CloneDonor) -> None:
         donor = self._running.get(command.donor) or self._paused.get(command.donor)
         if donor is None:
-            self.events.append(m.CloneDone(command.rid, None, reason="donor_gone"))
+            self._events.append(m.CloneDone(command.rid, None, reason="donor_gone"))
         elif donor.session.position < command.upto:
             self._orders.add(command)
         else:
             self._clone_for(command.rid, donor, command.upto)
 
-    def _clone_of(self, donor_rid: int, upto: int) -> tuple[int, int, None] | tuple[None, int, str]:
+    def clone_of(self, donor_rid: int, upto: int) -> tuple[int, int, None] | tuple[None, int, str]:
         """`[0, upto)` of a running request's session (at most: a recurrent donor gives the highest
         state it holds at or below), with what it holds, or why not (a clone fails soft)."""
         donor = self._running.get(donor_rid) or self._paused.get(donor_rid)
         if donor is None:
             return None, 0, "donor_gone"
-        if self._info is not None and self._info.recurrent:
+        if self._info.recurrent:
             held = clone_positions(donor.session.position, self._info, donor.session.kept)
             upto = max((q for q in held if q <= upto), default=upto)  # none below: the clone is refused
         try:
-            return self._clone(donor.sid, upto), upto, None
+            return self.clone(donor.sid, upto), upto, None
         except CloneRefused as refusal:
             return None, 0, refusal.reason
         except Exception as exc:
@@ -69,36 +103,36 @@ class Cloning:
 
     def _clone_for(self, rid: int, donor: Seq, upto: int, refused_reason: str | None = None) -> None:
         t0 = time.perf_counter()
-        sid, upto, reason = self._clone_of(donor.rid, upto)
+        sid, upto, reason = self.clone_of(donor.rid, upto)
         if sid is not None:
-            self.events.append(m.CloneDone(rid, sid, upto, seconds=time.perf_counter() - t0))
+            self._events.append(m.CloneDone(rid, sid, upto, seconds=time.perf_counter() - t0))
         else:
-            self.events.append(m.CloneDone(rid, None, reason=refused_reason or reason))
+            self._events.append(m.CloneDone(rid, None, reason=refused_reason or reason))
 
-    def _serve_orders(self) -> None:
+    def serve_orders(self) -> None:
         for order in self._orders.due({rid: s.session.position for rid, s in self._running.items()}):
             self._clone_for(order.rid, self._running[order.donor], order.upto)
 
-    def _hand_over(self, s: Seq, usable: bool) -> None:
+    def hand_over(self, s: Seq, usable: bool) -> None:
         """A donor with followers waiting is leaving: its heir gets what it committed, the rest plan again."""
         committed = min(s.session.position, len(s.start.prompt))
         heir, upto, others = self._orders.leaving(s.rid, committed, usable)
         if heir is not None:
             self._clone_for(heir.rid, s, upto, refused_reason="leader_gone")
         for order in others:
-            self.events.append(m.CloneDone(order.rid, None, reason="leader_gone"))
+            self._events.append(m.CloneDone(order.rid, None, reason="leader_gone"))
 
-    def _capture(self, s: Seq) -> None:
+    def capture(self, s: Seq) -> None:
         prompt = s.start.prompt[:s.capture_at]
         try:
-            snapshot = self._clone(s.sid, len(prompt))
+            snapshot = self.clone(s.sid, len(prompt))
         except CloneRefused as refusal:
             log.info("capture of request %d refused: %s", s.rid, refusal)
-            self.events.append(m.Captured(s.rid, prompt, None))
+            self._events.append(m.Captured(s.rid, prompt, None))
             return
         except Exception as exc:  # optional work: the request goes on without a snapshot
             log.warning("capture of request %d failed: %r", s.rid, exc)
-            self.events.append(m.Captured(s.rid, prompt, None, failed=True))
+            self._events.append(m.Captured(s.rid, prompt, None, failed=True))
             return
         if s.session.kept:  # its message-boundary checkpoints go with the snapshot, which serves them
             try:
@@ -106,21 +140,21 @@ class Cloning:
             except Exception as exc:  # optional work: the snapshot serves its own length only
                 log.warning("moving checkpoints of request %d to its snapshot failed: %r", s.rid, exc)
         session = self._ex.sessions[snapshot]
-        self.events.append(m.Captured(s.rid, prompt, snapshot, self.backend.session_bytes(session),
+        self._events.append(m.Captured(s.rid, prompt, snapshot, self._backend.session_bytes(session),
                                       kept=session.kept))
 
-    def _open_choice(self, lead: Seq, rid: int, logits: Any, row: int) -> None:
+    def open_choice(self, lead: Seq, rid: int, logits: Any, row: int) -> None:
         """`lead`'s prompt is in and row `row` of `logits` is its last: choice `rid` starts from a clone at
         the prompt's full length (before `lead` decodes) and samples its first token from that row."""
         choice = next(c for c in lead.choices if c.rid == rid)
         lead.choices.remove(choice)
         start = replace(lead.start, rid=rid, sampling=choice.sampling, capture=False, choices=[])
         try:
-            sid = self._clone(lead.sid, len(start.prompt))
+            sid = self.clone(lead.sid, len(start.prompt))
         except Exception as exc:  # the clone of one choice fails that choice alone
             log.warning("the clone for choice request %d failed: %r", rid, exc)
-            self.events.append(m.Ended(rid, "error", 0, 0, error=f"its clone failed: {exc!r}"))
+            self._events.append(m.Ended(rid, "error", 0, 0, error=f"its clone failed: {exc!r}"))
             return
-        s = self._open(start, sid, [], planned=True)
-        self.events.append(m.Started(rid, len(start.prompt), None))
-        self.sample(logits, {row: s})
+        s = self._open(start, sid, [], True)
+        self._events.append(m.Started(rid, len(start.prompt), None))
+        self._sample(logits, {row: s})

@@ -3,7 +3,11 @@ prefix cache, a session resumed, or an empty one), its Cancel or Finish, its Pau
 batch and back, everything it holds kept), and the sessions the loop lets go (ReleaseSessions), spills to disk
 (Spill) and loads back (LoadState).
 
-A part of `Runner` (runner.py), whose state it reads: the inbox, the running requests, the executor.
+A part of `Runner` (runner.py), built once the model is loaded with what it reads and writes: the inbox, the events
+for the loop and `notify`, the backend, its executor and `run` (a session op that goes into the next plan), the
+running and paused requests (a Pause moves one across), the grammar rows, Cloning (every clone), and the runner's
+`open` and `end` (a request takes its slot, and leaves it). Its surface: `take_commands`, `keep_at`, and what it
+counted: `releases`, `stopping`.
 
 Design rules:
 - commands run in the order the loop sent them, at the top of a step, before it is planned;
@@ -15,26 +19,38 @@ Design rules:
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
+from typing import Any, Callable
 
 from kvfork.backends import effects as e
-from kvfork.backends.base import CloneRefused, SamplerState
-from kvfork.backends.vision.keys import text_only
+from kvfork.backends.base import Backend, CloneRefused
 from kvfork.server.engine import messages as m
-from kvfork.server.engine import plan as p
-from kvfork.server.engine.clone_orders import CloneOrders
+from kvfork.server.engine.cloning import Cloning
+from kvfork.server.engine.constraints import ConstrainedRows
 from kvfork.server.engine.sequence import Seq
 
 log = logging.getLogger("kvfork.engine")
 
 
 class Commands:
+    def __init__(self, inbox: collections.deque, events: collections.deque, notify: Callable[[], None],
+                 backend: Backend, ex: e.Executor, run: Callable[[e.Op], Any], running: dict[int, Seq],
+                 paused: dict[int, Seq], rows: ConstrainedRows, cloning: Cloning,
+                 open: Callable[[m.Start, int, list[m.Choice]], Seq], end: Callable[[Seq, str], None]):
+        """`open`, `end`: the runner's, a request taking its slot and leaving it."""
+        self._inbox, self._events, self._notify, self._backend, self._ex = inbox, events, notify, backend, ex
+        self._run, self._running, self._paused, self._rows = run, running, paused, rows
+        self._cloning, self._open, self._end = cloning, open, end
+        self.releases = 0  # ReleaseSessions commands run (m.Ledger.releases)
+        self.stopping = False  # a StopRunner ran: the thread stops
+
     def take_commands(self) -> bool:
         """Run what the loop sent, in order; whether there was anything."""
-        took = bool(self.inbox)
-        while self.inbox:
-            match self.inbox.popleft():
+        took = bool(self._inbox)
+        while self._inbox:
+            match self._inbox.popleft():
                 case m.Start() as start:
                     self._start(start)
                 case m.Cancel(rid=rid):
@@ -46,22 +62,22 @@ class Commands:
                 case m.Unpause(rid=rid) if rid in self._paused:
                     self._running[rid] = self._paused.pop(rid)
                 case m.CloneDonor() as order:
-                    self._clone_donor(order)
+                    self._cloning.clone_donor(order)
                 case m.ReleaseSessions(sids=sids):
                     self._run(e.Release(sids))
-                    self._releases += 1
+                    self.releases += 1
                 case m.Spill() as spill:
                     self._spill(spill)
                 case m.LoadState() as load:
                     self._load_state(load)
                 case m.StopRunner():
-                    self._orders = CloneOrders()  # nobody is left to hand anything over to
+                    self._cloning.drop_all()
                     for s in [*self._running.values(), *self._paused.values()]:
                         self._end(s, "cancelled")
                     self._rows.close()
-                    self._stopping = True
-        self._serve_orders()
-        if self.events:
+                    self.stopping = True
+        self._cloning.serve_orders()
+        if self._events:
             self._notify()
         return took
 
@@ -69,16 +85,17 @@ class Commands:
         sid, reused, index, refused, clone_s = start.resume, start.resume_at, None, [], 0.0
         if start.donor is not None:
             t0 = time.perf_counter()
-            sid, reused, reason = self._clone_of(*start.donor)
+            sid, reused, reason = self._cloning.clone_of(*start.donor)
             if sid is None:
-                self.events.append(m.CloneDone(start.rid, None, reason=reason))
+                assert reason is not None  # clone_of says why when it gives no session
+                self._events.append(m.CloneDone(start.rid, None, reason=reason))
                 return
             clone_s = time.perf_counter() - t0
         try:
             for i, (source, upto) in enumerate(start.clone_from if sid is None else ()):
                 try:
                     t0 = time.perf_counter()
-                    sid, reused, index = self._clone(source, upto), upto, i
+                    sid, reused, index = self._cloning.clone(source, upto), upto, i
                     clone_s = time.perf_counter() - t0
                     break
                 except CloneRefused as refusal:
@@ -90,16 +107,16 @@ class Commands:
                 sid, reused = self._ex.new_sid(), 0
                 self._run(e.Open(sid))
             if start.keep_at:
-                self._keep_at(sid, start.keep_at)
+                self.keep_at(sid, start.keep_at)
             images, encoded = self._encode(start, sid, reused)
         except Exception as exc:
             log.exception("start failed")
-            self.events.append(m.Started(start.rid, 0, None, refused))
+            self._events.append(m.Started(start.rid, 0, None, refused))
             for rid in [start.rid] + [choice.rid for choice in start.choices]:
-                self.events.append(m.Ended(rid, "error", 0, 0, error=f"start failed: {exc}"))
+                self._events.append(m.Ended(rid, "error", 0, 0, error=f"start failed: {exc}"))
             return
         self._open(start, sid, list(start.choices)).images = tuple(image.image for image in images)
-        self.events.append(m.Started(start.rid, reused, index, refused, clone_s, encoded))
+        self._events.append(m.Started(start.rid, reused, index, refused, clone_s, encoded))
 
     def _encode(self, start: m.Start, sid: int, reused: int) -> tuple[tuple, int]:
         """The images its prefill reads (past `reused`), held by the backend for it, and how many were encoded
@@ -108,38 +125,15 @@ class Commands:
         if not images:
             return images, 0
         try:
-            return images, self.backend.encode_images(images, start.scope)
+            return images, self._backend.encode_images(images, start.scope)
         except BaseException:
             self._run(e.Release([sid]))
             raise
 
-    def _open(self, start: m.Start, sid: int, choices: list[m.Choice], planned: bool = False) -> Seq:
-        """`start`'s request takes its slot on session `sid`, with its sampler and its grammar's matcher
-        (`planned`: the plan named its sampler already)."""
-        capture_at = len(start.prompt) - 1 if self._info is not None and self._info.recurrent else len(start.prompt)
-        s = self._running[start.rid] = Seq(start, sid, self._ex.sessions[sid],
-                                           SamplerState(start.sampling, prompt=start.prompt), choices=choices,
-                                           capture_at=capture_at if start.capture else 0)
-        if not planned:
-            self._opened.append(p.Sampler(start.rid, start.sampling, start.prompt))
-        self._rows.start(start.rid, start.constraint)
-        if self._draft_cap and self._drafts is not None:
-            try:
-                s.drafts = self._drafts.open(start.scope, text_only(start.prompt) if start.images else start.prompt)
-            except Exception as exc:  # optional work: it decodes without
-                log.warning("opening a drafter for request %d failed: %r", start.rid, exc)
-        return s
-
-    def _clone(self, source: int, upto: int) -> int:
-        """A new session holding [0, upto) of session `source` (raises CloneRefused and the rest)."""
-        sid = self._ex.new_sid()
-        self._run(e.Clone(sid, source, upto))
-        return sid
-
     def _stop(self, rid: int, reason: str) -> None:
         """Cancel or Finish: the request leaves (a clone order it waits for is dropped, and answered)."""
-        if self._orders.drop_recipient(rid):  # every order is answered, a dropped one too
-            self.events.append(m.CloneDone(rid, None, reason="cancelled"))
+        if self._cloning.drop_recipient(rid):  # every order is answered, a dropped one too
+            self._events.append(m.CloneDone(rid, None, reason="cancelled"))
         s = self._running.get(rid) or self._paused.get(rid)
         if s is not None:
             self._end(s, reason)
@@ -154,7 +148,7 @@ class Commands:
         except Exception as exc:
             log.warning("exporting a prefix cache entry failed: %r", exc)
         self._run(e.Release([command.sid]))
-        self.events.append(m.Exported(command.key, state))
+        self._events.append(m.Exported(command.key, state))
 
     def _load_state(self, command: m.LoadState) -> None:
         """Optional work: a state that fails to load leaves its request to prefill."""
@@ -163,11 +157,11 @@ class Commands:
             self._run(e.Import(sid, command.state))
         except Exception as exc:
             log.warning("loading a saved state for request %d failed: %r", command.rid, exc)
-            self.events.append(m.StateLoaded(command.rid, None))
+            self._events.append(m.StateLoaded(command.rid, None))
             return
-        self.events.append(m.StateLoaded(command.rid, sid, self._ex.sessions[sid].position, time.perf_counter() - t0))
+        self._events.append(m.StateLoaded(command.rid, sid, self._ex.sessions[sid].position, time.perf_counter() - t0))
 
-    def _keep_at(self, sid: int, positions: tuple[int, ...]) -> None:
+    def keep_at(self, sid: int, positions: tuple[int, ...]) -> None:
         """Checkpoints at message boundaries are optional work: a backend that fails them runs on without."""
         try:
             self._run(e.KeepAt(sid, tuple(positions)))
@@ -179,5 +173,5 @@ class Commands:
         for s in self._running.values():
             if any(choice.rid == rid for choice in s.choices):
                 s.choices = [choice for choice in s.choices if choice.rid != rid]
-                self.events.append(m.Ended(rid, reason, 0, 0))
+                self._events.append(m.Ended(rid, reason, 0, 0))
                 return

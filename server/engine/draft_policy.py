@@ -49,7 +49,7 @@ is cut to what the batch can afford. A probing row still drafts, at most `PROBE_
 else pays: its probe costs every row of the pass those positions. With ragged passes (torch) this is
 the rule above: each row by its own break-even, at its full length.
 
-A step that prefills drafts nothing (Speculation._draft_all): its pass is compute-bound by the prompt
+A step that prefills drafts nothing (Speculation.draft_all): its pass is compute-bound by the prompt
 chunks, so a drafted position there costs what a prompt token costs, comes out of the step's token
 budget, and lengthens the step that every prefilling request waits on. The requests it delays are
 not in the rule above, and they decide a batch's end: on the agent workload at four requests (a

@@ -28,7 +28,6 @@ from kvfork.backends.base import Backend, KVStorageRefused, ModelInfo
 from kvfork.backends.model_path import resolve_model
 from kvfork.server.engine import messages as m
 from kvfork.server.engine import request as phase
-from kvfork.server.engine.admission import Admission
 from kvfork.server.engine.api import GenerateRequest, NotReady
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.disk import DiskTier, fingerprint, tier_secret
@@ -36,11 +35,10 @@ from kvfork.server.engine.drafts import Drafts
 from kvfork.server.engine.index import Index
 from kvfork.server.engine.utilization import EngineLoad
 from kvfork.server.engine.memory_plan import MemoryPlan
-from kvfork.server.engine.rates import RateTracker
+from kvfork.server.engine.rates import LiveRates, RateTracker
 from kvfork.server.engine.request import Request, RequestHandle
 from kvfork.server.engine.runner import Runner
 from kvfork.server.engine.serving import Serving
-from kvfork.server.engine.sessions import NamedSessions
 from kvfork.server.engine.snapshot import EngineSnapshot
 from kvfork.server.engine.telemetry import EngineMetrics
 from kvfork.server.metrics import Registry
@@ -72,7 +70,7 @@ class Engine:
         self._runner: Runner | None = None
         self._loaded: asyncio.Future | None = None
         self._serving: Serving | None = None  # the state machine, once the model is loaded
-        self._rates = RateTracker()  # the cost model's until it is loaded (tools may set a simulated machine's)
+        self._rates = LiveRates()  # the cost model's (tools may set a simulated machine's)
         self.metrics = EngineMetrics(registry, self)
 
     # ---- lifecycle ----
@@ -95,22 +93,34 @@ class Engine:
         await self._loaded
 
     @property
+    def loaded(self) -> bool:
+        """Whether the model is loaded: from then on `serving` is there."""
+        return self._serving is not None
+
+    @property
+    def serving(self) -> Serving:
+        """The state machine over requests (serving.py) and its managers (`admission`, `index`, `named`, `disk`),
+        handed out once the model is loaded; before that it raises NotReady."""
+        if self._serving is None:
+            raise NotReady("the model is still loading")
+        return self._serving
+
+    @property
     def ready(self) -> bool:
-        return self._serving is not None and not self.dead and not self._closing
+        return self.loaded and not self.dead and not self._closing
 
     async def shutdown(self, grace_s: float) -> None:
         """Stop admitting, let running requests finish within `grace_s`, cancel the rest, release everything."""
         if self._runner is None or self._closing:
             return
         self._closing = True
-        serving = self._serving
-        if serving is not None:
-            await self._stop_serving(serving, grace_s)
+        if self.loaded:
+            await self._stop_serving(self.serving, grace_s)
         self._runner.send(m.StopRunner())
         await asyncio.to_thread(self._runner.thread.join, STOP_WAIT_S)
         self._drain()  # the cache's last spills go to the disk tier here
-        if serving is not None and serving.disk is not None:
-            await serving.disk.close()  # after the last spills have been answered
+        if self.loaded and self.serving.disk is not None:
+            await self.serving.disk.close()  # after the last spills have been answered
 
     async def _stop_serving(self, serving: Serving, grace_s: float) -> None:
         serving.closing = True
@@ -136,59 +146,34 @@ class Engine:
             except TimeoutError:
                 pass
 
-    # ---- what telemetry, tools and tests read (None or nothing until the model is loaded) ----
-
-    @property
-    def serving(self) -> Serving | None:
-        return self._serving
-
-    @property
-    def admission(self) -> Admission | None:
-        return self._serving.admission if self._serving is not None else None
-
-    @property
-    def index(self) -> Index | None:
-        return self._serving.index if self._serving is not None else None
-
-    @property
-    def named(self) -> NamedSessions | None:
-        return self._serving.named if self._serving is not None else None
-
-    @property
-    def disk(self) -> DiskTier | None:
-        return self._serving.disk if self._serving is not None else None
-
-    @property
-    def following(self) -> int:
-        return self._serving.following if self._serving is not None else 0
+    # ---- what telemetry, tools and tests read (nothing until the model is loaded; its managers: `serving`) ----
 
     def requests(self) -> list[Request]:
         """The requests it holds now, in admission order (read, never changed: the reuse page's)."""
-        return self._serving.requests() if self._serving is not None else []
+        return self.serving.requests() if self.loaded else []
 
     def request(self, rid: int) -> Request | None:
         return next((r for r in self.requests() if r.rid == rid), None)
 
     def snapshot(self) -> EngineSnapshot:
         """What it holds now, as one frozen value (snapshot.py): what tests, tools and metrics read."""
-        return self._serving.snapshot() if self._serving is not None else EngineSnapshot()
+        return self.serving.snapshot() if self.loaded else EngineSnapshot()
 
     @property
     def rates(self) -> RateTracker:
         """The cost model's measured rates (tools and tests may set a simulated machine's)."""
-        return self._serving.rates if self._serving is not None else self._rates
+        return self._rates.tracker
 
     @rates.setter
     def rates(self, tracker: RateTracker) -> None:
-        self._rates = tracker
-        if self._serving is not None:
-            self._serving.rates = tracker
+        self._rates.tracker = tracker
 
     def utilization(self) -> EngineLoad:
         """What it carries now (utilization.py); all zeros until the model is loaded."""
-        serving, info = self._serving, self.info
-        if serving is None or info is None:
+        info = self.info
+        if not self.loaded or info is None:
             return EngineLoad()
+        serving = self.serving
         admission = serving.admission
         per_token = max(1, info.kv.full_bytes_per_token)
         evictable = serving.index.nbytes("memory") + serving.named.idle_bytes() + admission.lent
@@ -209,9 +194,9 @@ class Engine:
     def submit_choices(self, req: GenerateRequest) -> list[RequestHandle]:
         """`req.n` choices over one prompt, admitted together; choice 0 prefills it (and is the request
         reuse sees), the others start from clones of it (runner.py)."""
-        if not self.ready or self._serving is None:
+        if not self.ready:
             raise NotReady("the engine is not running" if self.info is not None else "the model is still loading")
-        return self._serving.submit_choices(req)
+        return self.serving.submit_choices(req)
 
     @property
     def recurrent_checkpoints(self) -> int:
@@ -223,13 +208,13 @@ class Engine:
 
     def waiting(self) -> int:
         """Requests waiting: queued, and parked behind a leader."""
-        return self._serving.waiting() if self._serving is not None else 0
+        return self.serving.waiting() if self.loaded else 0
 
     def reset_session(self, session_id: str, tenant: str = "") -> bool:
-        return self._serving is not None and self._serving.drop_session(session_id, False, tenant)
+        return self.loaded and self.serving.drop_session(session_id, False, tenant)
 
     def delete_session(self, session_id: str, tenant: str = "") -> bool:
-        return self._serving is not None and self._serving.drop_session(session_id, True, tenant)
+        return self.loaded and self.serving.drop_session(session_id, True, tenant)
 
     # ---- the runner's events ----
 
@@ -243,12 +228,10 @@ class Engine:
                 self._on_loaded(event)
             elif isinstance(event, m.Died):
                 self._on_died(event)
-            elif self._serving is not None:
-                self._serving.handle(event)
             else:
-                raise TypeError(f"runner event {event!r} before the model loaded")
-        if self._serving is not None:
-            self._serving.admit()
+                self.serving.handle(event)  # the runner sends nothing else before Loaded
+        if self.loaded:
+            self.serving.admit()
         self.metrics.control_seconds.inc(time.perf_counter() - t0)
 
     def _on_loaded(self, ev: m.Loaded) -> None:
@@ -300,6 +283,5 @@ class Engine:
         self.dead, self.failure = True, ev.error
         if self._loaded is not None and not self._loaded.done():
             self._loaded.set_exception(KVStorageRefused(ev.error) if ev.refused else RuntimeError(ev.error))
-        if self._serving is not None:
-            for r in self._serving.requests():
-                self._serving.complete(r, "error", ev.error)
+        for r in self.requests():
+            self.serving.complete(r, "error", ev.error)

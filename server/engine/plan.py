@@ -136,7 +136,7 @@ def replay(plans: Sequence[StepPlan], backend: Backend) -> dict[int, list[int]]:
             for s in plan.samples:
                 if s.row in at:
                     i, draft = at[s.row]
-                    for j in range(len(draft) + 1):  # a drafted row: while the draw equals the draft (Speculation._walk)
+                    for j in range(len(draft) + 1):  # a drafted row: while the draw equals the draft (Speculation.walk)
                         picked.setdefault(s.rid, []).append(ex.sample(logits, [samplers[s.rid]], [i + j])[0].token)
                         if j == len(draft) or picked[s.rid][-1] != draft[j]:
                             break

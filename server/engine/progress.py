@@ -1,21 +1,39 @@
 """The running phases, Prefilling, Decoding and Paused: the runner's events about a request it runs (its start, its
 tokens, its capture, the positions it committed) and about the whole batch (the bytes it holds, a spill's state).
 
-A part of `Serving` (serving.py), whose state it reads: the requests, the managers, the metrics.
+A part of `Serving` (serving.py), built with what it reads and writes: the request table (read), the managers it
+tells (Admission, Index, the ledger, the disk tier), the metrics, the shared rates, and `admit` to call once bytes
+come back. Its surface: the `on_*` handlers and `observe_clone` (a donor's clone landed, which parking.py reports too).
 """
 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from kvfork.backends.vision.keys import image_tokens
 from kvfork.server.engine import messages as m
 from kvfork.server.engine import request as phase
+from kvfork.server.engine.admission import Admission
 from kvfork.server.engine.api import TokenEvent
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.engine.disk import DiskTier
+from kvfork.server.engine.index import Index
+from kvfork.server.engine.ledger import LoopLedger
+from kvfork.server.engine.rates import LiveRates
 from kvfork.server.engine.request import Prefilling, Request, WithRunner
+from kvfork.server.engine.telemetry import EngineMetrics
 
 
 class Progress:
+    def __init__(self, requests: dict[int, Request], admission: Admission, index: Index, ledger: LoopLedger,
+                 disk: DiskTier | None, config: EngineConfig, metrics: EngineMetrics, rates: LiveRates,
+                 admit: Callable[[], None]):
+        """`requests`: the state machine's table of requests, by id (read, never changed here)."""
+        self._requests, self._admission, self._index = requests, admission, index
+        self._ledger, self._disk = ledger, disk
+        self._config, self._metrics, self._rates, self._admit = config, metrics, rates, admit
+
     def on_started(self, ev: m.Started) -> None:
         r = self._requests.get(ev.rid)
         if r is None:
@@ -27,10 +45,10 @@ class Progress:
         r.reused = ev.reused
         r.images_encoded = ev.encoded
         if ev.encoded:
-            self.metrics.images_encoded.inc(ev.encoded)
+            self._metrics.images_encoded.inc(ev.encoded)
         self._index.moved(r.rid, ev.reused, ())
         if donor_upto:
-            self._observe_clone("donor", [], ev.reused, ev.clone_s, r, p.cached)
+            self.observe_clone("donor", [], ev.reused, ev.clone_s, r, p.cached)
         # Where its session starts is known now: its reservation shrinks to what that session grows to
         # (a named session is always opened empty; a clone at `reused`).
         adm = self._admission
@@ -45,22 +63,22 @@ class Progress:
             r.reuse_source = "session" if ev.reused else None
         elif ev.clone_index is not None:
             r.reuse_source = "cache"
-            self.rates = self.rates.observe_clone(ev.reused, ev.clone_s)
+            self._rates.tracker = self._rates.tracker.observe_clone(ev.reused, ev.clone_s)
             self._index.touch(candidates[ev.clone_index].entry)
         elif not ev.reused:
             r.reuse_source = None
         if r.named is None and r.reuse_source != "donor":
-            self.metrics.cache_admissions.inc(outcome="hit" if ev.clone_index is not None else "miss")
+            self._metrics.cache_admissions.inc(outcome="hit" if ev.clone_index is not None else "miss")
         if candidates:
-            self.metrics.clone("cache", ev.refused, ev.clone_index is not None)
+            self._metrics.clone("cache", ev.refused, ev.clone_index is not None)
 
-    def _observe_clone(self, source: str, refused: list[str], upto: int, seconds: float, r: Request,
+    def observe_clone(self, source: str, refused: list[str], upto: int, seconds: float, r: Request,
                        cached: int) -> None:
         """A donor's clone landed for `r` (`cached`: the best prefix cache match it had instead)."""
-        self.metrics.clone(source, refused, True)
-        self.rates = self.rates.observe_clone(upto, seconds)
+        self._metrics.clone(source, refused, True)
+        self._rates.tracker = self._rates.tracker.observe_clone(upto, seconds)
         r.reuse_source = "donor"
-        self.metrics.donor_saved.inc(max(0, upto - cached))
+        self._metrics.donor_saved.inc(max(0, upto - cached))
 
     def on_token(self, ev: m.Token) -> None:
         r = self._requests.get(ev.rid)
@@ -69,7 +87,7 @@ class Progress:
         if isinstance(r.phase, Prefilling):
             phase.decode(r)
         now = time.monotonic()
-        self.metrics.token(r, now)
+        self._metrics.token(r, now)
         r.first_token_at = r.first_token_at or now
         r.last_token_at = now
         r.handle.put(TokenEvent(ev.sampled.token, ev.sampled.logprob, ev.sampled.top_logprobs))
@@ -80,12 +98,12 @@ class Progress:
         if r is not None:
             adm.capture_done(r)
         if ev.sid is None:
-            self.metrics.captures.inc(outcome="failed" if ev.failed else "refused")
+            self._metrics.captures.inc(outcome="failed" if ev.failed else "refused")
         elif r is None or r.ending == "cancelled":  # a capture of a cancelled request is discarded
-            self.metrics.captures.inc(outcome="discarded")
+            self._metrics.captures.inc(outcome="discarded")
             adm.release_sessions([ev.sid])
         else:
-            self.metrics.captures.inc(outcome="stored")
+            self._metrics.captures.inc(outcome="stored")
             adm.keep_snapshot(r, ev.tokens, ev.sid, ev.nbytes, r.req.scope, ev.kept)
 
     def on_exported(self, ev: m.Exported) -> None:
@@ -94,7 +112,7 @@ class Progress:
 
         def written(_: bool) -> None:
             self._ledger.spilled(nbytes)
-            self.admit()
+            self._admit()
 
         if ev.state is None or self._disk is None:
             written(False)
@@ -104,11 +122,11 @@ class Progress:
     def on_ledger(self, ev: m.Ledger) -> None:
         """What the backend holds (after a step, commands, or an end): the loop's byte view follows it."""
         self._ledger.update(ev)
-        self.metrics.holding(ev.total_bytes, self.config.kv_budget_bytes)
+        self._metrics.holding(ev.total_bytes, self._config.kv_budget_bytes)
 
     def on_step_stats(self, ev: m.StepStats) -> None:
-        self.metrics.step(ev)
-        self.rates = self.rates.observe_prefill(ev.prefill_tokens, ev.prefill_s)
+        self._metrics.step(ev)
+        self._rates.tracker = self._rates.tracker.observe_prefill(ev.prefill_tokens, ev.prefill_s)
         for rid, position in ev.committed.items():
             r = self._requests.get(rid)
             if r is not None and isinstance(r.phase, WithRunner):

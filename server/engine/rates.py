@@ -15,7 +15,7 @@ The engine calls:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -176,3 +176,11 @@ def fit_line(moments: tuple[float, ...]) -> tuple[float, float] | None:
         return None
     slope = max(0.0, cov / var)
     return my - slope * mx, slope
+
+
+@dataclass
+class LiveRates:
+    """The cost model's tracker as the control loop holds it: one holder its parts share (serving.py's parts
+    observe into it, placement reads it), each observation replacing `tracker`."""
+
+    tracker: RateTracker = field(default_factory=RateTracker)

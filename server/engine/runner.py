@@ -16,7 +16,8 @@ Design rules:
 - grammar-constrained rows (constraints.py) join their mask just before a sample and hand the
   sampled token over just after it; nothing else here knows them;
 - the commands (commands.py), the clones of running sessions (cloning.py) and speculation
-  (speculation.py) state their own rules.
+  (speculation.py) state their own rules; the commands and the clones are parts with their own state,
+  built once the model is loaded, and the step calls them through their public verbs.
 """
 
 from __future__ import annotations
@@ -28,16 +29,14 @@ import time
 from typing import Any, Callable, Sequence
 
 from kvfork.backends import effects as e
-from kvfork.backends.base import Backend, KVStorage, KVStorageRefused, ModelInfo, Sampled
+from kvfork.backends.base import Backend, KVStorage, KVStorageRefused, ModelInfo, Sampled, SamplerState
 from kvfork.backends.vision.keys import image_start
 from kvfork.server.engine import faults
 from kvfork.server.engine import messages as m
 from kvfork.server.engine import plan as p
-from kvfork.server.engine.clone_orders import CloneOrders
 from kvfork.server.engine.cloning import Cloning
 from kvfork.server.engine.commands import Commands
 from kvfork.server.engine.constraints import ConstrainedRows
-from kvfork.server.engine.draft_policy import DraftPolicy
 from kvfork.server.engine.drafts import Drafts
 from kvfork.server.engine.rates import RateTracker, split_pass
 from kvfork.server.engine.scheduler import Running, TimeBudget, plan_step
@@ -47,9 +46,10 @@ from kvfork.server.engine.speculation import Speculation
 log = logging.getLogger("kvfork.engine")
 
 
-class Runner(Commands, Cloning, Speculation):
-    """The runner thread: its step, here; the loop's commands (commands.py), the clones of running
-    sessions (cloning.py) and speculative decoding (speculation.py), in their parts."""
+class Runner:
+    """The runner thread: its step, here; its parts, built once the model is loaded, each with its own state: the
+    loop's commands (`Commands`, commands.py), the clones of running sessions (`Cloning`, cloning.py) and
+    speculative decoding (`Speculation`, speculation.py)."""
 
     def __init__(self, backend: Backend, model_path: str, dtype: str | None,
                  max_batch_tokens: int, prefill_chunk: int, max_step_s: float, notify: Callable[[], None],
@@ -73,16 +73,14 @@ class Runner(Commands, Cloning, Speculation):
         self._running: dict[int, Seq] = {}
         self._paused: dict[int, Seq] = {}  # out of the batch, their sessions kept (m.Pause)
         self._opened: list[p.Sampler] = []  # samplers opened since the last plan
-        self._orders = CloneOrders()
         self._rotation: int | None = None
         self._steps = 0
-        self._stopping = False
         self._constrained: ConstrainedRows | None = None  # once the model is loaded (it knows the vocabulary)
         self._info: ModelInfo | None = None  # once loaded
-        self._releases = 0  # ReleaseSessions commands run (m.Ledger.releases)
+        self._cloning: Cloning  # its parts, once the model is loaded
+        self._commands: Commands
+        self._speculation: Speculation
         self._drafts, self._speculative_max_batch = drafts, speculative_max_batch
-        self._draft_cap = 0  # most tokens a row drafts on the loaded model (0: it does not speculate)
-        self._policy = DraftPolicy()  # which rows draft in a step (draft_policy.py)
         self.thread = threading.Thread(target=self._main, name="kvfork-runner", daemon=True)
 
     def send(self, command: Any) -> None:
@@ -98,7 +96,14 @@ class Runner(Commands, Cloning, Speculation):
             self.backend.set_encoder_cache_bytes(self.encoder_cache_bytes)
             info = self._info = self.backend.load(self.model_path, self.dtype)
             self._constrained = ConstrainedRows(info.vocab_size)
-            self._draft_cap = self._draft_cap_for(info)
+            self._speculation = Speculation(self.backend, info, self._constrained, self._drafts,
+                                            self._speculative_max_batch, self._running, self._run, self.sample,
+                                            self._fail)
+            self._cloning = Cloning(self.backend, self._ex, self._run, self._running, self._paused, self.events, info,
+                                    self._open, self.sample)
+            self._commands = Commands(self.inbox, self.events, self._notify, self.backend, self._ex, self._run,
+                                      self._running, self._paused, self._constrained, self._cloning, self._open,
+                                      self._end)
             self._publish(m.Loaded(info, self.backend.memory(self.max_batch_tokens)))
         except KVStorageRefused as exc:  # a setting this model or backend cannot take: the start's own error
             self._publish(m.Died(str(exc), refused=True))
@@ -108,7 +113,7 @@ class Runner(Commands, Cloning, Speculation):
             self._publish(m.Died(f"model load failed: {exc}"))
             return
         try:
-            while not self._stopping:
+            while not self._commands.stopping:
                 self._wake.clear()
                 if self.inbox or self._running:
                     self.step()
@@ -122,7 +127,7 @@ class Runner(Commands, Cloning, Speculation):
 
     def step(self) -> p.StepPlan:
         """One cycle: take the loop's commands, plan, forward, commit (each row's progress; its token sampled), publish. Returns the plan it ran."""
-        took = self.take_commands()
+        took = self._commands.take_commands()
         t0, backend_s = time.perf_counter(), self._ex.seconds
         plan = self.plan()
         if self._plans is not None:
@@ -133,20 +138,20 @@ class Runner(Commands, Cloning, Speculation):
             for group, logits in self.forward(rows):
                 self.commit(plan, group, logits)
             pass_s = self._ex.seconds - before
-        self._timed(plan, time.perf_counter() - t0)
+        self._speculation.timed(plan, time.perf_counter() - t0)
         prefill_s = self._observe(plan, self._ex.seconds - backend_s, pass_s)
-        self._serve_orders()
+        self._cloning.serve_orders()
         self.publish(plan, took, time.perf_counter() - t0, self._ex.seconds - backend_s, prefill_s)
         return plan
 
     def plan(self) -> p.StepPlan:
         """The scheduler's rows for this step, with the ops run since the last plan."""
-        running = [Running(rid, s.prefill_left, s.prefill_cap(self._orders.prefill_cap(rid, s.session.position,
-                                                                                       s.prefill_left)), s.whole())
+        running = [Running(rid, s.prefill_left, s.prefill_cap(self._cloning.prefill_cap(rid, s.session.position,
+                                                                                        s.prefill_left)), s.whole())
                    for rid, s in self._running.items()]
         rates = self._rates.rates
         budget = TimeBudget(self.max_step_s, rates.decode_s, rates.step_s_per_token) if self.max_step_s else None
-        drafted = self._draft_all([r.rid for r in running if r.prefill_left == 0])
+        drafted = self._speculation.draft_all([r.rid for r in running if r.prefill_left == 0])
         batch = plan_step(running, self.max_batch_tokens, self.prefill_chunk, self._rotation, budget, drafted)
         self._rotation = batch.last_prefilled
         decode = [self._decode_row(self._running[rid]) for rid in batch.decode]
@@ -167,6 +172,19 @@ class Runner(Commands, Cloning, Speculation):
         opened, self._opened = self._opened, []
         return p.StepPlan(self._steps, ops, opened, decode, prefill, samples, self.backend.mixed_batches)
 
+    def _open(self, start: m.Start, sid: int, choices: list[m.Choice], planned: bool = False) -> Seq:
+        """`start`'s request takes its slot on session `sid`, with its sampler and its grammar's matcher
+        (`planned`: the plan named its sampler already)."""
+        capture_at = len(start.prompt) - 1 if self._info is not None and self._info.recurrent else len(start.prompt)
+        s = self._running[start.rid] = Seq(start, sid, self._ex.sessions[sid],
+                                           SamplerState(start.sampling, prompt=start.prompt), choices=choices,
+                                           capture_at=capture_at if start.capture else 0)
+        if not planned:
+            self._opened.append(p.Sampler(start.rid, start.sampling, start.prompt))
+        self._rows.start(start.rid, start.constraint)
+        self._speculation.open_drafts(s)
+        return s
+
     def _decode_row(self, s: Seq) -> p.Row:
         tokens = [s.next_token, *(s.draft.tokens if s.draft is not None else ())]
         return p.Row(s.rid, s.sid, tokens, True, False, len(tokens))  # type: ignore[list-item]
@@ -186,7 +204,7 @@ class Runner(Commands, Cloning, Speculation):
             if row.prefill:  # type: ignore[union-attr]
                 s.prefilled += len(row.tokens)  # type: ignore[union-attr]
                 if s.session.position == s.capture_at:
-                    self._capture(s)
+                    self._cloning.capture(s)
         own = set()
         for sample in plan.samples:
             if sample.row not in at or sample.row not in self._running:
@@ -194,12 +212,12 @@ class Runner(Commands, Cloning, Speculation):
             if sample.rid == sample.row:
                 own.add(sample.rid)
             else:
-                self._open_choice(self._running[sample.row], sample.rid, logits, at[sample.row])
+                self._cloning.open_choice(self._running[sample.row], sample.rid, logits, at[sample.row])
         ready = {at[rid]: self._running[rid] for rid in own & at.keys()}
         walking = [(s, row, s.generated) for row, s in sorted(ready.items()) if s.draft is not None]
         if ready:
             self.sample(logits, ready)
-        self._walk(logits, walking)
+        self._speculation.walk(logits, walking)
 
     def publish(self, plan: p.StepPlan, took: bool, step_s: float, backend_s: float, prefill_s: float) -> None:
         """Events for the loop: a step's StepStats and Ledger, or, after commands alone, the Ledger."""
@@ -245,7 +263,7 @@ class Runner(Commands, Cloning, Speculation):
     def _ledger(self) -> m.Ledger:
         """What the backend holds now, for the loop's byte view."""
         b = self.backend
-        return m.Ledger(b.live_sessions(), b.total_bytes(), b.pooled_bytes(), self._releases, b.block_stats())
+        return m.Ledger(b.live_sessions(), b.total_bytes(), b.pooled_bytes(), self._commands.releases, b.block_stats())
 
     # ---- sampling ----
 
@@ -268,7 +286,7 @@ class Runner(Commands, Cloning, Speculation):
             self._end(s, "error", error=failure, grammar_failed=True)
             return
         s.generated += 1  # the backend's sampler has appended the token to `sampler.output`
-        if self._accepts(s, pick.token):  # counted before it may end
+        if self._speculation.accepts(s, pick.token):  # counted before it may end
             s.speculated[s.draft.source][1] += 1  # type: ignore[union-attr]
         if pick.token in s.start.stop_ids:
             self._end(s, "stop")
@@ -301,20 +319,20 @@ class Runner(Commands, Cloning, Speculation):
         return True
 
     def _end(self, s: Seq, reason: str, error: str | None = None, grammar_failed: bool = False) -> None:
-        self._hand_over(s, usable=reason != "error")
+        self._cloning.hand_over(s, usable=reason != "error")
         for choice in s.choices:  # it left before its prompt was in: its choices go with it
             self.events.append(m.Ended(choice.rid, reason, 0, 0, error, grammar_failed=grammar_failed))
         self._running.pop(s.rid, None)
         self._paused.pop(s.rid, None)
         self._rows.end(s.rid)
-        self._close_drafts(s, reason)
+        self._speculation.close_drafts(s, reason)
         if s.images:
             self.backend.release_images(s.images)
         named_sid, held, nbytes, frees = None, [], 0, 0
-        if s.start.keep_session and reason != "error" and self._roll_back(s) and self._off_image(s):
+        if s.start.keep_session and reason != "error" and self._speculation.roll_back(s) and self._off_image(s):
             named_sid = s.sid
             if s.session.kept or s.start.keep_at:  # an idle named session is priced without checkpoints
-                self._keep_at(s.sid, ())
+                self._commands.keep_at(s.sid, ())
             held = (s.start.prompt + s.sampler.output)[:s.session.position]
             nbytes, frees = self.backend.session_bytes(s.session), self.backend.release_frees(s.session)
         else:

@@ -27,12 +27,12 @@ from kvfork.server.engine.api import CapacityExhausted, GenerateRequest, choice_
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.disk import DiskTier
 from kvfork.server.engine.ending import Ending
-from kvfork.server.engine.index import Index
+from kvfork.server.engine.index import Index, Match
 from kvfork.server.engine.ledger import LoopLedger
 from kvfork.server.engine.parking import Parking
 from kvfork.server.engine.placement import (Cached, CloneRunning, Follow, Fresh, Placement, Restore, Resume, View, Wait,
                                             place, place_without_reuse, take_view)
-from kvfork.server.engine.rates import RateTracker
+from kvfork.server.engine.rates import LiveRates
 from kvfork.server.engine.request import Following, Paused, Queued, Request, RequestHandle
 from kvfork.server.engine.progress import Progress
 from kvfork.server.engine.sessions import NamedSessions
@@ -42,11 +42,12 @@ from kvfork.server.engine.telemetry import EngineMetrics
 log = logging.getLogger("kvfork.engine")
 
 
-class Serving(Parking, Progress, Ending):
+class Serving:
     def __init__(self, config: EngineConfig, info: ModelInfo, index: Index, disk: DiskTier | None,
-                 send: Callable[[Any], None], metrics: EngineMetrics, rates: RateTracker):
-        """`config` resolved for the loaded model; `disk`: the prefix cache's disk tier, None when it is off."""
-        self.config, self.info, self.metrics, self.rates = config, info, metrics, rates
+                 send: Callable[[Any], None], metrics: EngineMetrics, rates: LiveRates):
+        """`config` resolved for the loaded model; `disk`: the prefix cache's disk tier, None when it is off;
+        `rates`: the cost model's, which its parts observe into."""
+        self.config, self.info, self.metrics, self._rates = config, info, metrics, rates
         self._send = send
         self._index, self._disk = index, disk
         self._named = NamedSessions(config.max_named_sessions, index)
@@ -56,9 +57,21 @@ class Serving(Parking, Progress, Ending):
         self.idle = asyncio.Event()  # set while it holds no request
         self.idle.set()
         self._requests: dict[int, Request] = {}
-        self._followers: dict[int, Request] = {}  # parked behind a leader, in park order
         self._reuse_errors_logged: set[tuple[str, str]] = set()  # (stage, exception type) logged once
         self._next_rid = 0
+        self._progress = Progress(self._requests, self._admission, index, self._ledger, disk, config, metrics, rates,
+                                  self.admit)
+        self._parking = Parking(self._requests, self._admission, self._ledger, disk, send, config, metrics, rates,
+                                self._progress, self)
+        self._ending = Ending(self._requests, self._admission, index, self._named, self._parking, self._progress,
+                              send, config, metrics, self.admit, self.idle)
+        p, parked = self._progress, self._parking
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            m.Started: p.on_started, m.Token: p.on_token, m.Captured: p.on_captured, m.Exported: p.on_exported,
+            m.Ledger: p.on_ledger, m.StepStats: p.on_step_stats,
+            m.CloneDone: parked.on_clone_done, m.StateLoaded: parked.on_state_loaded,
+            m.Ended: self._ending.on_ended,
+        }
 
     # ---- what the engine reads ----
 
@@ -80,7 +93,7 @@ class Serving(Parking, Progress, Ending):
 
     @property
     def following(self) -> int:
-        return len(self._followers)
+        return len(self._parking.followers)
 
     def requests(self) -> list[Request]:
         """The requests it holds now, in admission order (read, never changed)."""
@@ -95,7 +108,9 @@ class Serving(Parking, Progress, Ending):
             live_sessions=runner.live_sessions, total_bytes=runner.total_bytes, blocks=runner.blocks,
             slots_used=adm.slots_used, queued=adm.queued, paused=adm.paused, following=self.following,
             captures_in_use=adm.captures_in_use, cached=index.count("memory"), cached_bytes=index.nbytes("memory"),
-            on_disk=index.count("disk"), disk_on=disk is not None and disk.on, named_sessions=len(named),
+            on_disk=index.count("disk"), disk_bytes=disk.nbytes if disk is not None else 0,
+            disk_spilled=disk.stats.spilled if disk is not None else 0,
+            disk_corrupt=disk.stats.corrupt if disk is not None else 0, disk_on=disk is not None and disk.on, named_sessions=len(named),
             named_holding=named.holding())
 
     # ---- requests ----
@@ -105,7 +120,7 @@ class Serving(Parking, Progress, Ending):
         reuse sees), the others start from clones of it (runner.py)."""
         adm = self._admission
         if self.waiting() >= self.config.max_queue and (victim := adm.give_way(req.scope.tenant)) is not None:
-            self.complete(victim, "error", "turned away from a full queue for another tenant's request: this "
+            self._ending.complete(victim, "error", "turned away from a full queue for another tenant's request: this "
                           "tenant holds more than its share of --max-queue", gave_way=True)
         sizes = adm.check(req, waiting=self.waiting())
         named = None
@@ -124,11 +139,11 @@ class Serving(Parking, Progress, Ending):
         adm.enqueue(r)
         self.admit()
         if isinstance(r.phase, Queued):
-            self._expire_at(r, r.submitted_at + self.config.queue_timeout)
+            self.expire_at(r, r.submitted_at + self.config.queue_timeout)
             self._arrive(r)
         if isinstance(r.phase, Following) and not adm.can_wait(self.waiting() - 1):
             # A follower waits like a queued request: it counts against --max-queue when it parks.
-            self._withdraw(r)
+            self._ending.withdraw(r)
             raise CapacityExhausted(f"{self.waiting()} requests are already waiting")
         return [r.handle] + [s.handle for s in r.siblings]
 
@@ -136,13 +151,21 @@ class Serving(Parking, Progress, Ending):
                      **kw: Any) -> Request:
         self._next_rid += 1
         rid = self._next_rid
-        handle = RequestHandle(req.request_id, lambda: self.cancel(rid), lambda: self._finish(rid))
+        handle = RequestHandle(req.request_id, lambda: self._ending.cancel(rid), lambda: self._ending.finish(rid))
         r = self._requests[rid] = Request(rid, req, handle, max_tokens, stop_ids, need, **kw)
         return r
 
+    def cancel(self, rid: int) -> None:
+        """Cancel request `rid`, wherever it is (ending.py)."""
+        self._ending.cancel(rid)
+
+    def complete(self, r: Request, reason: str, error: str | None = None) -> None:
+        """End `r` now with `reason`, and give back everything it holds (ending.py)."""
+        self._ending.complete(r, reason, error)
+
     def waiting(self) -> int:
         """Requests waiting: queued, and parked behind a leader."""
-        return self._admission.queued + len(self._followers)
+        return self._admission.queued + self.following
 
     def drop_session(self, session_id: str, forget: bool, tenant: str) -> bool:
         """Reset (forget False: it starts cold next time) or delete a named session; False: none such."""
@@ -196,18 +219,18 @@ class Serving(Parking, Progress, Ending):
         try:
             return place(r, self._view(r, slot))
         except Exception as exc:
-            self._reuse_failed("placement", exc)
+            self.reuse_failed("placement", exc)
             return place_without_reuse(r, slot)
 
-    def _cached_matches(self, r: Request) -> list:
+    def cached_matches(self, r: Request) -> list[Match]:
         """The prefix cache's matches for `r`'s prompt, best first; none when the lookup raises."""
         try:
             return self._index.best(r.prompt, r.req.scope, disk=False).memory
         except Exception as exc:
-            self._reuse_failed("placement", exc)
+            self.reuse_failed("placement", exc)
             return []
 
-    def _reuse_failed(self, stage: str, exc: Exception) -> None:
+    def reuse_failed(self, stage: str, exc: Exception) -> None:
         """Counted each time; logged with its traceback the first time each stage fails this way."""
         self.metrics.reuse_errors.inc(stage=stage)
         seen = (stage, type(exc).__name__)
@@ -217,8 +240,8 @@ class Serving(Parking, Progress, Ending):
 
     def _view(self, r: Request, slot: bool) -> View:
         disk = self._disk is not None and self._disk.on
-        return take_view(r, self._requests.values(), self._followers.values(), self._index, self.rates.rates,
-                         self.config, disk, slot, time.monotonic())
+        return take_view(r, self._requests.values(), self._parking.followers, self._index,
+                         self._rates.tracker.rates, self.config, disk, slot, time.monotonic())
 
     def _apply(self, r: Request, p: Placement) -> None:
         """Do what `place` decided for `r` (which holds a slot, unless it is a Wait or a Follow on arrival)."""
@@ -232,23 +255,23 @@ class Serving(Parking, Progress, Ending):
             case Resume(sid=sid, upto=upto, named=named):
                 if named:  # the request owns its state now; it comes back at the end
                     self._named.take(r.named)  # type: ignore[arg-type]  # placed as named: it has one
-                self._start(r, p.cached, resume=(sid, upto))
+                self.start(r, p.cached, resume=(sid, upto))
             case CloneRunning(donor=donor, upto=upto):
-                self._start(r, p.cached, donor=(donor, upto))
+                self.start(r, p.cached, donor=(donor, upto))
             case Cached(matches=matches):
-                self._start(r, p.cached, candidates=list(matches))
+                self.start(r, p.cached, candidates=list(matches))
             case Fresh():
                 if r.named is not None:  # a named session that does not resume starts cold
                     self._admission.release_sessions(*self._named.take(r.named))
-                self._start(r, p.cached)
+                self.start(r, p.cached)
             case Follow():
-                self._follow(r, p)
+                self._parking.follow(r, p)
             case Restore(match=match):
-                self._read_from_disk(r, match)
+                self._parking.read_from_disk(r, match)
             case Wait():
                 pass
 
-    def _start(self, r: Request, cached: int = 0, resume: tuple[int, int] | None = None,
+    def start(self, r: Request, cached: int = 0, resume: tuple[int, int] | None = None,
                donor: tuple[int, int] | None = None, candidates: list | None = None) -> None:
         """Hand `r`, which holds a slot, to the runner."""
         adm = self._admission
@@ -266,16 +289,14 @@ class Serving(Parking, Progress, Ending):
         for sibling in r.waiting_siblings:
             sibling.sent = True
         self._index.run(r.rid, r.prompt, r.req.scope, r.rid)
-        for f in self._followers.values():  # the clone orders of its followers can go to the runner now
-            if isinstance(f.phase, Following) and f.phase.order.leader == r.rid and not f.phase.registered:
-                self._register(f)
+        self._parking.leader_started(r.rid)
 
-    def _expire_at(self, r: Request, deadline: float) -> None:
+    def expire_at(self, r: Request, deadline: float) -> None:
         """(Re)arm the queue timeout of a waiting request, at `deadline` on the monotonic clock."""
         if r.expiry is not None:
             r.expiry.cancel()
         loop = asyncio.get_running_loop()
-        r.expiry = loop.call_later(max(0.0, deadline - time.monotonic()), self._expire, r.rid)
+        r.expiry = loop.call_later(max(0.0, deadline - time.monotonic()), self._ending.expire, r.rid)
 
 
     # ---- the runner's events ----
@@ -284,10 +305,4 @@ class Serving(Parking, Progress, Ending):
         handler = self._handlers.get(type(event))
         if handler is None:
             raise TypeError(f"unknown runner event {event!r}")
-        handler(self, event)
-
-    _handlers: dict[type, Callable[["Serving", Any], None]] = {
-        m.Started: Progress.on_started, m.Token: Progress.on_token, m.Captured: Progress.on_captured,
-        m.Exported: Progress.on_exported, m.Ledger: Progress.on_ledger, m.StepStats: Progress.on_step_stats,
-        m.CloneDone: Parking.on_clone_done, m.StateLoaded: Parking.on_state_loaded, m.Ended: Ending.on_ended,
-    }
+        handler(event)

@@ -9,7 +9,8 @@ field says where it comes from. Before the model has loaded every figure is 0 an
     snap.live_sessions, snap.total_bytes, snap.blocks   # the backend, as the runner last reported (messages.Ledger)
     snap.slots_used, snap.queued, snap.paused, snap.following, snap.captures_in_use
     snap.cached, snap.cached_bytes            # the prefix cache's memory tier (Index)
-    snap.on_disk, snap.disk_on                # the disk tier's files (Index), whether the tier is writing
+    snap.on_disk, snap.disk_bytes, snap.disk_on  # the disk tier's files (Index), their bytes, whether it writes
+    snap.disk_spilled, snap.disk_corrupt      # files it wrote, and bad files it removed, since start
     snap.named_sessions, snap.named_holding   # named sessions kept, and those holding state
 """
 
@@ -46,6 +47,9 @@ class EngineSnapshot:
     cached: int = 0  # prefix cache entries in memory
     cached_bytes: int = 0
     on_disk: int = 0  # the disk tier's files
+    disk_bytes: int = 0  # their bytes (what the tier says it holds)
+    disk_spilled: int = 0  # entries written to the disk tier since start
+    disk_corrupt: int = 0  # its files found torn, corrupt or malformed, and removed, since start
     disk_on: bool = False  # the disk tier is open and writing
     named_sessions: int = 0
     named_holding: int = 0  # named sessions holding KV state

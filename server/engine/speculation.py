@@ -2,7 +2,7 @@
 
 The drafters (server/engine/drafts.py) guess tokens from text the request can see; the runner
 verifies them inside its batched step (runner.py: a decode row carries its draft, the pass reads
-every position's logits, `Speculation._walk` accepts the longest run the sampler agrees with, and the
+every position's logits, `Speculation.walk` accepts the longest run the sampler agrees with, and the
 session is rolled back past it: Backend.truncate).
 
 Design rules:
@@ -32,13 +32,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from kvfork.backends import effects as e
-from kvfork.backends.base import ModelInfo
+from kvfork.backends.base import Backend, ModelInfo
+from kvfork.backends.vision.keys import text_only
 from kvfork.server.engine import plan as p
-from kvfork.server.engine.draft_policy import PROBE_EVERY, computed
-from kvfork.server.engine.drafts import Draft
+from kvfork.server.engine.constraints import ConstrainedRows
+from kvfork.server.engine.draft_policy import PROBE_EVERY, DraftPolicy, computed
+from kvfork.server.engine.drafts import Draft, Drafts
 from kvfork.server.engine.sequence import Seq
 
 log = logging.getLogger("kvfork.engine")
@@ -56,9 +58,32 @@ def draft_cap(windows: Sequence[int]) -> int:
 
 
 class Speculation:
-    """A part of `Runner` (runner.py), whose state it reads: the drafting before a step is planned
-    (`_draft_all`), the walk over the drafted rows after their first token is sampled (`_walk`),
-    and the roll back past what was not accepted."""
+    """A part of `Runner` (runner.py) that owns the draft policy (draft_policy.py) and the model's draft cap, built
+    once the model is loaded with what else it reads and writes: the backend, the model, the grammar rows, the
+    drafters, the running requests (read), and the runner's `run` (a session op), `sample` and `fail`. Its surface:
+    a starting request's drafter (`open_drafts`), the drafting before a step is planned (`draft_all`), the step's
+    time (`timed`), the walk over the drafted rows after their first token is sampled (`walk`, `accepts`), the roll
+    back past what was not accepted (`roll_back`), and a finished request's drafter (`close_drafts`)."""
+
+    def __init__(self, backend: Backend, info: ModelInfo, rows: ConstrainedRows, drafts: Drafts | None,
+                 speculative_max_batch: int, running: dict[int, Seq], run: Callable[[e.Op], Any],
+                 sample: Callable[[Any, dict[int, Seq]], None], fail: Callable[[int, str], None]):
+        """`drafts`: None, off; used while a step decodes at most `speculative_max_batch` rows. `running`: the
+        runner's requests by id (read, never changed here)."""
+        self.backend, self._info, self._rows, self._drafts = backend, info, rows, drafts
+        self._speculative_max_batch, self._running = speculative_max_batch, running
+        self._run, self.sample, self._fail = run, sample, fail
+        self._policy = DraftPolicy()  # which rows draft in a step (draft_policy.py)
+        self._draft_cap = self._draft_cap_for(info)  # most tokens a row drafts (0: it does not speculate)
+
+    def open_drafts(self, s: Seq) -> None:
+        """A starting request's drafter, where this model speculates."""
+        start = s.start
+        if self._draft_cap and self._drafts is not None:
+            try:
+                s.drafts = self._drafts.open(start.scope, text_only(start.prompt) if start.images else start.prompt)
+            except Exception as exc:  # optional work: it decodes without
+                log.warning("opening a drafter for request %d failed: %r", start.rid, exc)
 
     def _draft_cap_for(self, info: ModelInfo) -> int:
         """Most tokens a row drafts on this model; 0, said once, where the backend cannot roll it back."""
@@ -70,7 +95,7 @@ class Speculation:
             return 0
         return draft_cap(info.sliding_windows)
 
-    def _draft_all(self, decoding: list[int]) -> int:
+    def draft_all(self, decoding: list[int]) -> int:
         """Each decoding request's draft for this step: none in a step over --speculative-max-batch rows or
         while a running request has prompt left to prefill, and none for a row whose drafts would not pay at
         this batch size (draft_policy.py). The tokens drafted."""
@@ -109,7 +134,7 @@ class Speculation:
             s.draft = replace(s.draft, tokens=s.draft.tokens[:length]) if length else None
             s.skipped = 0 if length else skipped + 1
 
-    def _timed(self, plan: p.StepPlan, seconds: float) -> None:
+    def timed(self, plan: p.StepPlan, seconds: float) -> None:
         """A step that decoded and prefilled nothing, into its batch size's cost of a computed position."""
         if self._draft_cap and plan.decode and not plan.prefill:
             drafted = [row.reads - 1 for row in plan.decode]
@@ -136,7 +161,7 @@ class Speculation:
         tokens = tokens[:self._rows.admissible(s.rid, tokens)]
         return replace(draft, tokens=tokens) if tokens else None  # type: ignore[type-var]
 
-    def _walk(self, logits: Any, walking: list[tuple[Seq, int, int]]) -> None:
+    def walk(self, logits: Any, walking: list[tuple[Seq, int, int]]) -> None:
         """The drafted rows after their first token (sampled with the rest): while the last draw equals
         the draft, the next row is sampled (speculation.py: greedy, or the rejection rule), and only
         those rows are (a position past a rejected draft is never sampled); then each is rolled back
@@ -148,7 +173,7 @@ class Speculation:
             going = []
             for s, at, before in walking:
                 assert s.draft is not None
-                took = s.generated == before + 1 and self._accepts(s, s.sampler.output[-1])
+                took = s.generated == before + 1 and self.accepts(s, s.sampler.output[-1])
                 accepted[s.rid] += took
                 if took and s.rid in self._running:
                     going.append((s, at, s.generated))
@@ -159,7 +184,7 @@ class Speculation:
                 self.sample(logits, {at + j: s for s, at, _ in walking})
 
     @staticmethod
-    def _accepts(s: Seq, token: int) -> bool:
+    def accepts(s: Seq, token: int) -> bool:
         """Whether `token`, its latest, is the drafted one its row's position guessed."""
         j = s.generated - s.draft_from - 1
         return s.draft is not None and j < len(s.draft.tokens) and token == s.draft.tokens[j]
@@ -172,10 +197,10 @@ class Speculation:
         if s.rid in self._running:
             if s.drafts is not None:
                 s.drafts.verified(s.draft, accepted)
-            self._roll_back(s)
+            self.roll_back(s)
         s.draft = None
 
-    def _roll_back(self, s: Seq) -> bool:
+    def roll_back(self, s: Seq) -> bool:
         """Its session back to the tokens it has committed, past any drafted ones it did not accept."""
         committed = len(s.start.prompt) + s.generated - 1
         if s.generated == 0 or s.session.position <= committed:
@@ -188,7 +213,7 @@ class Speculation:
             return False
         return True
 
-    def _close_drafts(self, s: Seq, reason: str) -> None:
+    def close_drafts(self, s: Seq, reason: str) -> None:
         """A finished output joins its scope's corpus (optional work)."""
         drafts, s.drafts = s.drafts, None
         if drafts is not None and reason != "error":

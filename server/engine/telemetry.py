@@ -13,7 +13,6 @@ from typing import Protocol
 
 from kvfork.server.engine import messages as m
 from kvfork.server.engine.api import DoneEvent
-from kvfork.server.engine.disk import DiskTier
 from kvfork.server.engine.utilization import EngineLoad
 from kvfork.server.engine.request import Request
 from kvfork.server.engine.snapshot import EngineSnapshot
@@ -24,8 +23,6 @@ class Readings(Protocol):
     """What the gauges read (engine.Engine is one): its snapshot (all zeros until the model is loaded)."""
 
     def snapshot(self) -> EngineSnapshot: ...
-    @property
-    def disk(self) -> DiskTier | None: ...
     def utilization(self) -> EngineLoad: ...
 
 
@@ -120,15 +117,12 @@ class EngineMetrics:
         g("prefix_cache_entries", "snapshots in the prefix cache", snap(lambda s: s.cached))
         g("prefix_cache_bytes", "bytes of the prefix cache", snap(lambda s: s.cached_bytes))
 
-        def disk(read):  # a gauge over the disk tier, 0 while it is off or not open
-            return lambda: read(engine.disk) if engine.disk is not None else 0
-
         g("prefix_cache_disk_entries", "files in the prefix cache's disk tier", snap(lambda s: s.on_disk))
-        g("prefix_cache_disk_bytes", "bytes of the prefix cache's disk tier", disk(lambda d: d.nbytes))
-        g("prefix_cache_disk_on", "1 while the disk tier is on", disk(lambda d: int(d.on)))
-        g("prefix_cache_disk_spilled", "entries written to the disk tier since start", disk(lambda d: d.stats.spilled))
+        g("prefix_cache_disk_bytes", "bytes of the prefix cache's disk tier", snap(lambda s: s.disk_bytes))
+        g("prefix_cache_disk_on", "1 while the disk tier is on", snap(lambda s: int(s.disk_on)))
+        g("prefix_cache_disk_spilled", "entries written to the disk tier since start", snap(lambda s: s.disk_spilled))
         registry.counter_view("disk_corrupt_files_total", "disk tier files found torn, corrupt or malformed and "
-                              "removed", disk(lambda d: d.stats.corrupt))
+                              "removed", snap(lambda s: s.disk_corrupt))
         g("prefix_cache_disk_spilling_bytes", "bytes of evicted entries held until their file is written",
           snap(lambda s: s.spilling))
 

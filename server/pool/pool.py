@@ -455,7 +455,8 @@ class ModelPool:
     def _settle(self) -> None:
         """A switch is over: what its unloads kept is placed (kept.py), and the waiting requests look again."""
         loaded = self._loaded()
-        self.kept.settle({m.spec.name: m.served.engine.admission for m in loaded if m.served is not None},
+        self.kept.settle({m.spec.name: m.served.engine.serving.admission if m.served.engine.loaded else None
+                          for m in loaded if m.served is not None},
                          [m.footprint for m in loaded])
         self._notify()
 

@@ -108,7 +108,7 @@ async def test_sessions_are_opt_in_and_a_busy_one_never_refuses(agent_model):
     header kvfork does not own opens no session, and two requests of one session both run."""
     async with serving(agent_model, scripted(agent_model, reply), session_header=["x-opencode-session"]) as d, \
             aiohttp.ClientSession() as http:
-        named = d.engine.named
+        named = d.engine.serving.named
         body = {"messages": [{"role": "user", "content": LONG + "go on"}], "max_tokens": 200}
         await _held(http, d.url, {"X-Session-ID": "ses_1", "x-session-affinity": "ses_1"}, body)
         assert named.get("ses_1") is None and len(named) == 0
@@ -134,7 +134,7 @@ def test_session_header_flag():
 
 async def test_the_body_session_id_works_on_messages_and_responses(agent_model):
     async with serving(agent_model, scripted(agent_model, reply)) as d, aiohttp.ClientSession() as http:
-        named = d.engine.named
+        named = d.engine.serving.named
         async with http.post(d.url + "/v1/messages", json={"max_tokens": 5, "messages": user("hi"),
                                                            "session_id": "m1"}) as r:
             assert r.status == 200

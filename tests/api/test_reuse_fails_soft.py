@@ -75,7 +75,7 @@ async def test_a_disk_entry_whose_use_raises_is_dropped_and_never_served_again(t
 
             monkeypatch.setattr(SavedState, "prefix", broken)
             assert cached(await complete(http, daemon.url, PROMPT + [7])) == 0
-            assert tuple(PROMPT) not in [e.tokens for e in daemon.engine.index.entries("disk")]  # never again
+            assert tuple(PROMPT) not in [e.tokens for e in daemon.engine.serving.index.entries("disk")]  # never again
             found = await metrics(http, daemon.url)
             assert found['kvfork_reuse_errors_total{stage="disk"}'] == 1
             assert found['kvfork_prefix_cache_disk_restores_total{outcome="corrupt"}'] == 1

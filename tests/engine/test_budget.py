@@ -51,7 +51,7 @@ async def test_idle_named_sessions_give_way_and_their_owners_start_cold():
     # a newcomer needs 40 of the 22 left: the least recently used idle session gives way, at once
     tokens, done = await run(engine, prompt_of(30, start=3), 10)
     assert done.finish_reason == "length" and done.usage.queue_s < 30
-    assert engine.named.get("a").state is None and engine.named.get("b").state is not None
+    assert engine.serving.named.get("a").state is None and engine.serving.named.get("b").state is not None
     # a's owner gets a cold start, never an error; b resumes warm
     tokens, done = await run(engine, a + [7], 4, session_id="a")
     assert done.finish_reason == "length" and done.usage.reused_tokens == 0
@@ -128,8 +128,8 @@ async def test_a_loan_gives_way_before_the_prefix_cache():
     await run(engine, cached, 10)
     await until(lambda: engine.snapshot().cached == 1)
     held, called = engine.snapshot().held, []
-    assert engine.admission.lend("too big", 100 * KIB - held + 1, lambda: called.append("too big")) is None
-    end = engine.admission.lend("kept", 30 * KIB, lambda: called.append("kept"))
+    assert engine.serving.admission.lend("too big", 100 * KIB - held + 1, lambda: called.append("too big")) is None
+    end = engine.serving.admission.lend("kept", 30 * KIB, lambda: called.append("kept"))
     assert end is not None
     assert engine.snapshot().held == held + 30 * KIB and engine.utilization().used_tokens == 0
     tokens, done = await run(engine, prompt_of(10, start=2), 20)  # 30 tokens fit beside the loan and the cache

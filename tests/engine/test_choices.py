@@ -65,7 +65,7 @@ async def test_choices_are_admitted_together_with_every_byte_reserved():
     await reached(gate)
     handles = engine.submit_choices(request(PROMPT, 8, n=3))
     await asyncio.sleep(0.05)
-    adm = engine.admission
+    adm = engine.serving.admission
     snap = engine.snapshot()
     assert snap.slots_used == 1 and snap.queued == 1  # two slots free: three choices wait for three
     decoding = backend.gates["decode"] = Gate()  # the blocker makes one token: it never decodes

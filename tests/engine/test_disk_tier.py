@@ -31,7 +31,7 @@ async def start(model: str, backend_name: str = "torch", dtype: str = "float32",
 
 
 def files(engine_or_dir) -> list[Path]:
-    folder = engine_or_dir.disk.folder if isinstance(engine_or_dir, Engine) else engine_or_dir
+    folder = engine_or_dir.serving.disk.folder if isinstance(engine_or_dir, Engine) else engine_or_dir
     return sorted(p for p in folder.iterdir() if p.name.endswith(SUFFIX))
 
 
@@ -40,7 +40,7 @@ async def spill_and_stop(model: str, prompt: list[int], backend_name: str = "tor
     engine = await start(model, backend_name, **config)
     tokens, done = await run(engine, prompt, 6)
     assert done.finish_reason == "length"
-    folder = engine.disk.folder
+    folder = engine.serving.disk.folder
     await engine.shutdown(1.0)
     assert files(folder), "the cache entry was written at shutdown"
     return tokens
@@ -116,17 +116,17 @@ async def test_two_daemons_on_one_home_never_touch_each_others_files(tiny_model_
         await run(first, prompt_of(40), 2)
         second = await start(model)
         try:
-            assert not second.disk.on  # the folder is locked by the first
+            assert not second.serving.disk.on  # the folder is locked by the first
             other = await start(tiny_model_dir("qwen3"))  # another model: may not remove a held folder
             try:
-                assert first.disk.folder.exists()
+                assert first.serving.disk.folder.exists()
             finally:
                 await other.shutdown(1.0)
         finally:
             await second.shutdown(1.0)
     finally:
         await first.shutdown(1.0)
-    assert files(first.disk.folder)
+    assert files(first.serving.disk.folder)
 
 
 def _truncate(path: Path) -> None:
@@ -159,7 +159,7 @@ async def test_a_damaged_file_is_refused_removed_and_counted(tiny_model_dir, dam
         assert done.error is None and done.usage.reuse_source is None  # it prefilled instead
         assert tokens == fresh
         assert not path.exists()
-        assert engine.disk.stats.corrupt == 1
+        assert engine.serving.disk.stats.corrupt == 1
         assert "kvfork_disk_corrupt_files_total 1" in engine.registry.render()
     finally:
         await engine.shutdown(1.0)
@@ -367,9 +367,9 @@ async def test_a_longer_prompt_replaces_the_files_of_prompts_it_begins_with(tiny
         await run(engine, prompt_of(50, 900), 2)  # spills `longer`, which replaces `short`'s file
         await until(lambda: engine.snapshot().spilling == 0 and engine.snapshot().on_disk == 1)
         await until(lambda: len(files(engine)) == 1)
-        (entry,) = engine.index.entries("disk")
+        (entry,) = engine.serving.index.entries("disk")
         assert entry.tokens == tuple(longer)
-        assert not engine.disk.worth(short, engine.index.digest(Scope()))  # served by the longer file
+        assert not engine.serving.disk.worth(short, engine.serving.index.digest(Scope()))  # served by the longer file
         tokens, done = await run(engine, short, 4)  # the same prompt comes back from the longer file
         assert done.usage.reuse_source == "disk" and done.usage.reused_tokens == len(short) - 1
     finally:

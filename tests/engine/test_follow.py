@@ -366,9 +366,9 @@ async def test_a_follower_past_its_wait_takes_the_seed_path():
     leader = engine.submit(request(PROMPTS[0], 4))
     await reached(gate)  # the leader is stuck inside a chunk
     follower = engine.submit(request(PROMPTS[1], 4))
-    assert engine.following
+    assert engine.serving.following
     await asyncio.sleep(0.3)  # past its follow deadline: it stops following, nothing waits forever
-    assert not engine.following
+    assert not engine.serving.following
     gate.open()
     tokens, done = await collect(follower)
     assert tokens == backend.greedy(PROMPTS[1], 4)
@@ -390,7 +390,7 @@ async def test_a_follower_whose_leader_slows_down_goes_on_following_while_that_i
     leader = engine.submit(request(PROMPTS[0], 4))
     await reached(gate)
     follower = engine.submit(request(PROMPTS[1], 4))
-    assert engine.following  # the measured rate puts the leader's target well within the wait
+    assert engine.serving.following  # the measured rate puts the leader's target well within the wait
     backend.delay["prefill"] = 0.3  # the machine slows down: the rest (5 chunks) takes three times the wait
     gate.open()
     tokens, done = await collect(follower)
@@ -466,7 +466,7 @@ async def test_races_repeated():
         await settled(engine, backend)
         snap = engine.snapshot()
         assert snap.slots_used == 0 and snap.reserved == 0 and not snap.abandoned
-        assert not engine.following
+        assert not engine.serving.following
         await engine.shutdown(1)
         assert backend.live_sessions() == 0
 
@@ -478,7 +478,7 @@ async def test_followers_count_against_the_queue_and_its_timeout():
     leader = engine.submit(request(PROMPTS[0], 4))
     await reached(gate)
     follower = engine.submit(request(PROMPTS[1], 4))
-    assert engine.following  # parked, holding no slot
+    assert engine.serving.following  # parked, holding no slot
     with pytest.raises(CapacityExhausted):
         engine.submit(request(PROMPTS[2], 4))  # the slot is taken and the follower fills the queue
     tokens, done = await collect(follower)  # the leader is stuck past the queue timeout
@@ -496,7 +496,7 @@ async def test_cache_entries_on_a_sliding_model_never_block_following():
     backend = slow_prefill(ScriptedBackend(window=16))
     engine = await start_engine(backend, **{**FOLLOW, "prefix_cache_entries": 16})
     tokens, _ = await collect(engine.submit(request(PROMPTS[5], 4)))
-    assert engine.index.count("memory") == 1  # SHARED + 5 tokens, longer than the window
+    assert engine.serving.index.count("memory") == 1  # SHARED + 5 tokens, longer than the window
     _, results = await burst(engine, PROMPTS[:4])
     for p, (tokens, done) in zip(PROMPTS, results):
         assert tokens == backend.greedy(p, 4) and done.finish_reason == "length"

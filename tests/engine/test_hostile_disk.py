@@ -31,7 +31,7 @@ def _header_file(meta: dict) -> bytes:
 async def test_a_malformed_file_is_removed_counted_and_never_blocks_start(tiny_model_dir, case):
     model = tiny_model_dir("llama")
     probe = await start(model)  # the tier's folder, and what a well-formed header says
-    folder, fp = probe.disk.folder, probe.disk.fp
+    folder, fp = probe.serving.disk.folder, probe.serving.disk.fp
     await probe.shutdown(1.0)
     base = {"kvfork_kv": disk.KV_FORMAT_VERSION, "fingerprint": fp, "position": "3", "scope": "x", "layers": "[]"}
     contents = WRONG + [_header_file({**base, "tokens": "5"}), _header_file({**base, "tokens": '["a"]'}),
@@ -55,7 +55,7 @@ async def test_files_are_private_and_name_their_scope_by_a_keyed_hash(tiny_model
     scope = Scope("tenant-a", "salt")
     try:
         await run(engine, prompt_of(40), 2, scope=scope)
-        folder = engine.disk.folder
+        folder = engine.serving.disk.folder
     finally:
         await engine.shutdown(1.0)
     (path,) = files(folder)
@@ -83,8 +83,8 @@ async def one_file(model: str):
     engine = await start(model)
     await run(engine, prompt_of(40), 2)
     await engine.shutdown(1.0)
-    (path,) = files(engine.disk.folder)
-    return engine.disk.folder, path
+    (path,) = files(engine.serving.disk.folder)
+    return engine.serving.disk.folder, path
 
 
 async def test_older_loose_permissions_are_narrowed_at_start(tiny_model_dir):
@@ -111,7 +111,7 @@ async def test_the_spill_at_shutdown_lands_before_the_pool_closes(tiny_model_dir
         for extra in (0, 100, 200):
             tokens, done = await collect(engine.submit(request(p + prompt_of(extra, 300), 2)))
             assert done.finish_reason == "length"
-        folder = engine.disk.folder
+        folder = engine.serving.disk.folder
         await engine.shutdown(1.0)
     assert [disk.read_header(f)["tokens"] for f in files(folder)] == [json.dumps(p + prompt_of(200, 300))]
     assert not [r for r in caplog.records if "after shutdown" in r.getMessage() or r.exc_info]
@@ -191,7 +191,7 @@ async def test_a_bad_secret_is_replaced_with_a_warning(tiny_model_dir, kvfork_ho
     with caplog.at_level(logging.WARNING, logger="kvfork.private"):
         engine = await start(model)
     try:
-        assert engine.disk is not None and engine.snapshot().disk_on
+        assert engine.serving.disk is not None and engine.snapshot().disk_on
         assert any("replacing the secret" in r.getMessage() for r in caplog.records)
         assert not secret.is_symlink() and len(secret.read_bytes()) == 32 and secret.read_bytes() != b"s" * 32
         assert stat.S_IMODE(secret.stat().st_mode) == 0o600

@@ -87,9 +87,9 @@ async def test_a_prompt_sharing_a_running_conversation_to_a_message_end_clones_i
     backend = engine.backend
     gate = backend.gates["decode"] = Gate()
     asked = request(conversation, 12, rid="donor", boundaries=(24, 48), ignore_eos=True)
-    assert engine.admission.checkpoints(asked) == (24, 48)
-    priced = engine.admission.request_bytes(64, 12, checkpoints=2)
-    assert priced == engine.admission.request_bytes(64, 12) + 2 * engine.info.kv.state_bytes > 0
+    assert engine.serving.admission.checkpoints(asked) == (24, 48)
+    priced = engine.serving.admission.request_bytes(64, 12, checkpoints=2)
+    assert priced == engine.serving.admission.request_bytes(64, 12) + 2 * engine.info.kv.state_bytes > 0
     donor = engine.submit(asked)
     await reached(gate)  # its prompt is in, checkpoints at 24 and 48 kept; held in its first decode
     taker = engine.submit(request(recipient, 12, rid="taker", ignore_eos=True))
@@ -174,7 +174,7 @@ async def test_checkpoints_moved_into_a_snapshot_leave_the_requests_hold(backend
     """A request's message-boundary checkpoints go with its prompt's snapshot into the prefix cache, which
     counts them from then on: the still-decoding request's hold lets their bytes go (never counted twice)."""
     engine = await real_engine(backend_name, folder, **ON)
-    backend, adm = engine.backend, engine.admission
+    backend, adm = engine.backend, engine.serving.admission
     gate = backend.gates["decode"] = Gate()
     asked = request(prompt(64, seed=60), 8, rid="talker", boundaries=(24, 48), ignore_eos=True)
     handle = engine.submit(asked)

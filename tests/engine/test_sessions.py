@@ -48,7 +48,7 @@ async def test_a_busy_session_runs_a_second_request_without_it_and_is_freed_when
     tokens, done = await run(engine, prompt + [7], 3, session_id="s")
     assert tokens == backend.greedy(prompt + [7], 3)
     assert done.usage.reuse_source == "donor" and done.usage.reused_tokens == len(prompt)
-    assert engine.named.get("s").busy  # still the first request's
+    assert engine.serving.named.get("s").busy  # still the first request's
     with pytest.raises(SessionBusy):
         engine.reset_session("s")
     handle.cancel()
@@ -63,7 +63,7 @@ async def test_session_cap_evicts_the_least_recently_used():
     engine = await start_engine(backend, max_named_sessions=2, prefix_cache_entries=0)
     for name in ("a", "b", "c"):
         await run(engine, prompt_of(10), 2, session_id=name)
-    assert engine.named.get("a") is None and engine.snapshot().named_sessions == 2
+    assert engine.serving.named.get("a") is None and engine.snapshot().named_sessions == 2
     await settled(engine, backend)
     assert backend.live_sessions() == 2
     await engine.shutdown(1)
@@ -77,7 +77,7 @@ async def test_reset_and_delete():
     out, _ = await run(engine, prompt, 3, session_id="s")
     assert engine.reset_session("s") is True
     await settled(engine, backend)
-    assert backend.live_sessions() == 0 and engine.named.get("s") is not None
+    assert backend.live_sessions() == 0 and engine.serving.named.get("s") is not None
     _, done = await run(engine, prompt + out + [5], 3, session_id="s")
     assert done.usage.reused_tokens == 0  # reset: nothing to resume
     assert engine.delete_session("s") is True

@@ -96,7 +96,7 @@ async def test_a_session_id_names_a_session_per_tenant():
     # tenant b's "chat" is another session: it starts cold, and leaves a's state alone
     tokens, done = await run(engine, follow_up, 4, session_id="chat", scope=B)
     assert tokens == backend.greedy(follow_up, 4) and done.usage.reused_tokens == 0
-    assert engine.named.get("chat", "tenant-a").state is not None
+    assert engine.serving.named.get("chat", "tenant-a").state is not None
     assert engine.reset_session("chat", "tenant-b") and engine.delete_session("chat", "tenant-b")
     assert not engine.reset_session("chat", "tenant-b")
     _, warm = await run(engine, follow_up, 4, session_id="chat", scope=A)  # a's is still warm
