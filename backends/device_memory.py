@@ -1,4 +1,4 @@
-"""What a device reports about its memory, read where the backend runs (server/engine/memory_plan.py
+"""What a device reports about its memory, read where the backend runs (server/engine/policy/memory_plan.py
 turns it into the KV budget).
 
 Apple Silicon: the GPU shares the machine's memory, and Metal recommends a working set

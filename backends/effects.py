@@ -7,7 +7,7 @@
               a backend call
     encode(value) -> bytes, decoder(kind)(data) -> value     msgpack through msgspec
 
-Both plans are built of these values: the engine's step plan (server/engine/plan.py: a step's
+Both plans are built of these values: the engine's step plan (server/engine/worker/plan.py: a step's
 ops, then its rows) and what rank 0 sends every other rank of one model (backends/lockstep:
 each effect its backend ran, in order), which each rank runs through its own Executor.
 

@@ -1,7 +1,7 @@
 """Files only this user may read or change: a secret made once, files opened without following a link,
 folders made 0700.
 
-The disk tier (server/engine/disk.py) names a scope's files by an HMAC under the secret, and a GGUF's
+The disk tier (server/engine/cache/disk.py) names a scope's files by an HMAC under the secret, and a GGUF's
 conversion (backends/gguf/cache.py) its folder: names no one without the secret can compute, in
 folders no one else can enter or plant into.
 """

@@ -3,7 +3,7 @@
 Every serve flag comes from a config dataclass (ServerConfig here, EngineConfig
 in the engine), so a flag's default, check and help live in one place; each is
 settable as a flag, as KVFORK_<FLAG> in the environment, or in a TOML file
-(--config), in that order of precedence (server/settings.py). A bad value from
+(--config), in that order of precedence (server/common/settings.py). A bad value from
 any of them exits with code 2 and one line saying why, before anything loads.
 """
 
@@ -19,14 +19,14 @@ from typing import NoReturn
 
 from kvfork import __version__
 from kvfork.backends import prepare_process
-from kvfork.server.config import ServerConfig
+from kvfork.server.common.config import ServerConfig
+from kvfork.server.common.settings import Layered, add_arguments, describe, from_args, layered, on_command_line
 from kvfork.server.engine.config import EngineConfig
-from kvfork.server.model_source import Fetch, model_source
+from kvfork.server.guard.tenants import key_tenants
+from kvfork.server.launch.model_source import Fetch, model_source
+from kvfork.server.launch.start_progress import StartProgress
+from kvfork.server.launch.warm import read_warm_file
 from kvfork.server.pool.specs import ModelSpec, model_specs, pool_refusal, several
-from kvfork.server.start_progress import StartProgress
-from kvfork.server.settings import Layered, add_arguments, describe, from_args, layered, on_command_line
-from kvfork.server.tenants import key_tenants
-from kvfork.server.warm import read_warm_file
 
 # Commands are imported only when asked for: each pulls its own dependencies. bench, smoke and soak are
 # tools (entry points that import the product, never the reverse): a checkout without tools/ lacks them.
@@ -35,7 +35,7 @@ COMMANDS = {
     "bench": ("kvfork.tools.bench", "replay benchmark against a running daemon"),
     "smoke": ("kvfork.tools.smoke", "end-to-end check of active prefix reuse on the default model"),
     "soak": ("kvfork.tools.soak", "load, faults, hang-ups and bad input against an in-process daemon; one table of checks"),
-    "cache": ("kvfork.server.cache_command", "show (ls) or empty (clear) the prefix cache's disk tier"),
+    "cache": ("kvfork.server.launch.cache_command", "show (ls) or empty (clear) the prefix cache's disk tier"),
     "cluster": ("kvfork.tools.cluster", "N replicas of one model on this machine behind smg (pip install smg)"),
     "clients": ("kvfork.tools.clients", "Codex CLI, Claude Code and opencode, unchanged, in scripted sessions; one table"),
 }
@@ -112,10 +112,10 @@ def serve(argv: list[str]) -> int:
         parser.error(f"--model: {e}")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if config.distributed:
-        from kvfork.server.distributed import serve as serve_ranks
+        from kvfork.server.launch.distributed import serve as serve_ranks
 
         return serve_ranks(config, engine_config, _fetched(model, fetch))
-    from kvfork.server.serve import run  # the engine and backends load only for a valid command line
+    from kvfork.server.launch.serve import run  # the engine and backends load only for a valid command line
 
     try:
         return asyncio.run(run(config, engine_config, model, fetch=fetch, specs=specs))

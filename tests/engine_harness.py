@@ -12,10 +12,10 @@ from kvfork.backends import BACKENDS
 from kvfork.backends.base import Backend, SamplingParams
 from kvfork.server.engine.api import DoneEvent, GenerateRequest, TokenEvent
 from kvfork.server.engine.config import EngineConfig
-from kvfork.server.engine.engine import Engine
-from kvfork.server.engine.plan import StepPlan
-from kvfork.server.engine.request import RequestHandle
-from kvfork.server.metrics import Registry
+from kvfork.server.engine.loop.engine import Engine
+from kvfork.server.engine.loop.request import RequestHandle
+from kvfork.server.engine.worker.plan import StepPlan
+from kvfork.server.watch.metrics import Registry
 from scripted_drafts import ScriptedDrafts
 
 # Small enough for scripted prompts, and an explicit budget so no test depends on the machine's memory.

@@ -12,9 +12,9 @@ import aiohttp
 
 from kvfork.backends import create_backend
 from kvfork.backends.base import Backend
-from kvfork.server.config import ServerConfig
+from kvfork.server.common.config import ServerConfig
 from kvfork.server.engine.config import EngineConfig
-from kvfork.server.serve import Daemon
+from kvfork.server.launch.serve import Daemon
 
 # Small budgets keep test runs light on a shared 2-core machine.
 TEST_ENGINE = dict(kv_budget_bytes=256 * 1024 * 1024, inference_slots=4, prefix_cache_min_tokens=16)

@@ -1,4 +1,4 @@
-"""A drafter double with drafts.Drafts' interface (server/engine/drafts.py), for the runner's tests:
+"""A drafter double with drafts.Drafts' interface (server/engine/worker/drafts.py), for the runner's tests:
 it drafts from the outputs it has seen in a scope (like suffix decoding over past responses),
 else from the request's own text (a one-token prompt lookup), and spoils some drafts on purpose
 so verification has to reject them."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Callable
 
-from kvfork.server.chat_output import ChatOutput, collect
+from kvfork.server.generate.chat_output import ChatOutput, collect
 from kvfork.server.toolcalls.base import Event
 
 

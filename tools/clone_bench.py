@@ -160,7 +160,7 @@ def storage(model: str, dtypes: list[str], repeat: int, n: int = 4000) -> dict:
     import tempfile
     from pathlib import Path
 
-    from kvfork.server.engine import disk
+    from kvfork.server.engine.cache import disk
 
     out = {}
     with tempfile.TemporaryDirectory() as folder:

@@ -49,10 +49,10 @@ from typing import NoReturn
 import aiohttp
 
 from kvfork.backends.device_memory import weights_on_disk
-from kvfork.server.engine.memory_plan import shared_host_plan
-from kvfork.server.isolated import module_command
-from kvfork.server.kv_events import loopback
 from kvfork.backends.home import kvfork_home
+from kvfork.server.engine.policy.memory_plan import shared_host_plan
+from kvfork.server.generate.isolated import module_command
+from kvfork.server.watch.kv_events import loopback
 
 HOST = "127.0.0.1"  # replicas and the gateway: loopback only (several machines: the README's recipe)
 ASSIGNMENTS = ("min_group", "min_load", "random", "delegate")

@@ -25,12 +25,12 @@ from pathlib import Path
 
 from kvfork.backends import create_backend
 from kvfork.backends.base import SamplingParams
-from kvfork.server.engine import placement
+from kvfork.backends.default_model import default_model_dir
 from kvfork.server.engine.api import GenerateRequest
 from kvfork.server.engine.config import EngineConfig
-from kvfork.server.engine.engine import Engine
-from kvfork.server.metrics import Registry
-from kvfork.backends.default_model import default_model_dir
+from kvfork.server.engine.loop.engine import Engine
+from kvfork.server.engine.policy import placement
+from kvfork.server.watch.metrics import Registry
 
 
 def drop_page_cache(folder: Path) -> str:

@@ -34,12 +34,12 @@ import time
 
 from kvfork.backends import create_backend
 from kvfork.backends.base import SamplingParams
+from kvfork.backends.default_model import default_model_dir
 from kvfork.server.engine.api import GenerateRequest, TokenEvent
 from kvfork.server.engine.config import EngineConfig
-from kvfork.server.engine.engine import Engine
-from kvfork.server.metrics import Registry
+from kvfork.server.engine.loop.engine import Engine
+from kvfork.server.watch.metrics import Registry
 from kvfork.tools.bench.stats import percentile
-from kvfork.backends.default_model import default_model_dir
 
 
 async def decode_round(engine: Engine, concurrent: int, prompt_len: int, tokens: int, seed: int) -> dict:

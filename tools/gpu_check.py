@@ -9,7 +9,7 @@ the device's own measured copy bandwidth, and its time against the prefill's.
 First, where FlashAttention imports: its attention against torch's SDPA on the
 backend's own KV layout (decode, a causal chunk, a sliding chunk), values and time.
 Random weights give meaningless tokens but the same work as trained ones.
-Per shape too, the memory plan on CUDA (server/engine/memory_plan.py): what the device
+Per shape too, the memory plan on CUDA (server/engine/policy/memory_plan.py): what the device
 reports, the weights' bytes against their parameter count, the activation peak of a full
 step measured as the daemon measures it at load, and the KV budget they leave under
 --gpu-memory-utilization 0.9.
@@ -27,12 +27,12 @@ import time
 import torch
 
 from kvfork.backends.base import KVStorage
+from kvfork.backends.model_info import model_facts
 from kvfork.backends.torch import attention
 from kvfork.backends.torch.backend import DTYPES, TorchBackend, default_dtype
-from kvfork.backends.model_info import model_facts
 from kvfork.backends.torch.config import parse_config
 from kvfork.backends.torch.model import Transformer
-from kvfork.server.engine.memory_plan import GiB, plan_memory
+from kvfork.server.engine.policy.memory_plan import GiB, plan_memory
 
 # Qwen2.5-0.5B and Mistral-7B shapes (a GQA llama of 7.2B parameters); "tiny" for a dry run on a CPU.
 SHAPES = {

@@ -16,7 +16,7 @@ The document is tokenized once by the model's tokenizer and fed to both engines.
 
     .venv/bin/python -m kvfork.tools.grammar_bench --guard [--repeats 5]
 
-kvfork's compile path (server/grammar.py) against building the matcher in the
+kvfork's compile path (server/generate/grammar.py) against building the matcher in the
 daemon alone, side by side, each compile cold (a new scope): what trying each new
 grammar first in the killable process costs, for the typical tool schema and the
 agent preset's union; then a schema of 3,000 optional properties under a 0.5 s
@@ -180,9 +180,9 @@ async def measure_itl(args: argparse.Namespace) -> None:
 
     from kvfork.backends import create_backend
     from kvfork.server.engine.config import EngineConfig
-    from kvfork.server.engine.engine import Engine
-    from kvfork.server.grammar import GrammarCompiler, JsonSchema
-    from kvfork.server.metrics import Registry
+    from kvfork.server.engine.loop.engine import Engine
+    from kvfork.server.generate.grammar import GrammarCompiler, JsonSchema
+    from kvfork.server.watch.metrics import Registry
 
     hf = AutoTokenizer.from_pretrained(args.model)
     config = EngineConfig(prefix_cache_entries=0, kv_budget_bytes=8 << 30, inference_slots=8)
@@ -212,7 +212,7 @@ async def measure_guard(hf, tools: list[dict[str, Any]], repeats: int) -> None:
     import resource
 
     from kvfork.server.engine.api import Scope
-    from kvfork.server.grammar import GrammarCompiler, GrammarError, JsonSchema, grammar_text
+    from kvfork.server.generate.grammar import GrammarCompiler, GrammarError, JsonSchema, grammar_text
 
     compiler = GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=30.0)
     try:

@@ -65,7 +65,7 @@ from typing import Any, Awaitable, Callable
 
 import aiohttp
 
-from kvfork.server.isolated import module_command
+from kvfork.server.generate.isolated import module_command
 
 CHAT, COMPLETIONS, MESSAGES, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"
 HOSTILE, INNOCENT = "key-hostile", "key-innocent"
@@ -464,7 +464,7 @@ async def _attacking(name: str, target: AttackTarget, concurrency: int) -> list[
 
 
 def _server_config(config: HostileConfig, keys: Path, model: Any, **extra: Any):
-    from kvfork.server.config import ServerConfig
+    from kvfork.server.common.config import ServerConfig
 
     t = config.timeouts_s
     return ServerConfig(model=model, port=0, host="127.0.0.1", shutdown_grace=1.0, dtype="float32",
@@ -491,7 +491,7 @@ def _keys_file():
 
 @contextlib.asynccontextmanager
 async def hostile_daemon(config: HostileConfig, backend: Any = None):
-    from kvfork.server.serve import Daemon, pick_backend
+    from kvfork.server.launch.serve import Daemon, pick_backend
 
     with _keys_file() as keys:
         if backend is None:
@@ -505,7 +505,7 @@ async def hostile_daemon(config: HostileConfig, backend: Any = None):
 async def models_daemon(config: HostileConfig):
     """The daemon of two models, `main` (the innocent's, loaded first) and `other`, one loaded at a time."""
     from kvfork.backends import create_backend, default_backend
-    from kvfork.server.pool.daemon import PoolDaemon
+    from kvfork.server.launch.pool_daemon import PoolDaemon
     from kvfork.server.pool.specs import model_specs
 
     name = default_backend() if config.backend == "auto" else config.backend

@@ -25,9 +25,9 @@ from typing import Any
 
 import aiohttp
 
-from kvfork.server.config import ServerConfig
+from kvfork.server.common.config import ServerConfig
 from kvfork.server.engine.config import EngineConfig
-from kvfork.server.serve import Daemon
+from kvfork.server.launch.serve import Daemon
 
 MIN_TOKENS = 64  # the daemon's default --prefix-cache-min-tokens
 TAIL = 24  # tokens each parting adds of its own

@@ -32,9 +32,9 @@ import numpy as np
 
 from kvfork.backends import create_backend
 from kvfork.backends.default_model import default_model_dir
-from kvfork.server.config import ServerConfig
+from kvfork.server.common.config import ServerConfig
 from kvfork.server.engine.config import EngineConfig
-from kvfork.server.pool.daemon import PoolDaemon
+from kvfork.server.launch.pool_daemon import PoolDaemon
 from kvfork.server.pool.specs import model_specs
 from kvfork.tools.bench.serve import ServerProcess
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 
-from kvfork.server.chat_output import ModelFormats, collect
+from kvfork.server.generate.chat_output import ModelFormats, collect
 
 TOOLS = [{"type": "function", "function": {"name": "write", "parameters": {"type": "object", "properties": {
     "path": {"type": "string"}, "content": {"type": "string"}}}}}]

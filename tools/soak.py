@@ -64,11 +64,11 @@ import aiohttp
 from kvfork.backends import create_backend
 from kvfork.backends.base import KV_CACHE_DTYPES
 from kvfork.server.api.content_encoding import zstd
-from kvfork.server.config import ServerConfig
+from kvfork.server.common.config import ServerConfig
 from kvfork.server.engine.api import GenerateRequest
 from kvfork.server.engine.config import EngineConfig
-from kvfork.server.engine.drafts import MODES
-from kvfork.server.serve import Daemon, pick_backend
+from kvfork.server.engine.worker.drafts import MODES
+from kvfork.server.launch.serve import Daemon, pick_backend
 from kvfork.tools.bench.serve import parse_metrics
 from kvfork.tools.bench.text import words
 from kvfork.tools.faulty_backend import FaultyBackend, Fault

@@ -1,7 +1,7 @@
 """Logits rows sampled per step with speculative decoding on: the work row-picked sampling saves.
 
 A verify pass reads k + 1 logits rows for a decode row carrying k drafted tokens, and the walk
-(server/engine/speculation.py) samples a row only while the draws before it equal the draft. Each
+(server/engine/worker/speculation.py) samples a row only while the draws before it equal the draft. Each
 sampling call picks its rows from the pass's logits (Backend.select_rows); this counts, per call,
 the rows the pass gave (`rows_in_pass`: what sampling every row at each draft depth sampled) and
 the rows sampled (`rows_sampled`). Work, not seconds: a loaded machine gives the same counts.
@@ -29,8 +29,8 @@ from kvfork.backends.base import Backend, SamplingParams
 from kvfork.backends.default_model import default_model_dir
 from kvfork.server.engine.api import GenerateRequest, TokenEvent
 from kvfork.server.engine.config import EngineConfig
-from kvfork.server.engine.engine import Engine
-from kvfork.server.metrics import Registry
+from kvfork.server.engine.loop.engine import Engine
+from kvfork.server.watch.metrics import Registry
 
 
 class RowCounts:

@@ -30,9 +30,9 @@ import aiohttp
 import numpy as np
 
 from kvfork.backends import create_backend
-from kvfork.server.config import ServerConfig
+from kvfork.server.common.config import ServerConfig
 from kvfork.server.engine.config import EngineConfig
-from kvfork.server.serve import Daemon
+from kvfork.server.launch.serve import Daemon
 
 SYSTEM = ("You are a computer-use agent. You see the user's screen through the screenshot tool and act on it "
           "with clicks and keystrokes; say what you see before you act. ") * 8

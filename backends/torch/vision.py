@@ -4,7 +4,7 @@ encoder cache, and a chunk's image keys turned into the embeddings the text mode
 The tower runs on the runner thread, at a request's start, for the images whose keys lie past what it
 reused (Backend.encode_images): an image already in the reused state is never encoded. Its output is kept
 by (scope, image), least recently used first, within --encoder-cache-bytes (reserved out of the KV budget,
-server/engine/memory_plan.py), so a screenshot an agent resends next turn is not encoded again; another
+server/engine/policy/memory_plan.py), so a screenshot an agent resends next turn is not encoded again; another
 tenant's encoding is never reused (its timing would tell one tenant what another sent). The images of
 running requests are pinned until they end, counted in their requests' KV reservations
 (ModelInfo.image_token_bytes a token).

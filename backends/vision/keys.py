@@ -3,7 +3,7 @@
 Every reuse path (the prefix cache, a running request's clone, following, named sessions, the disk
 tier, cache diagnostics) compares plain lists of ints. An image's embedding positions are written as
 keys above every vocabulary, each naming the image (40 bits of the SHA-256 kvfork computed over its
-decoded pixels, server/images.py) and the token's index inside it. So the same image at the same place
+decoded pixels, server/generate/images.py) and the token's index inside it. So the same image at the same place
 is the same tokens, a changed image differs from its first token on, and whatever separates tenants for
 text (the scope) separates them for images. A backend that reads images turns a key back into its
 image's embedding row (Backend.encode_images); the rest of the engine never looks inside one.

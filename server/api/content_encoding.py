@@ -25,7 +25,7 @@ import zlib
 from types import ModuleType
 from typing import Any
 
-from kvfork.server.errors import ApiError, client_text
+from kvfork.server.guard.errors import ApiError, client_text
 
 CODINGS = ("gzip", "deflate", "zstd")
 _ALIASES = {"x-gzip": "gzip"}

@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
 from kvfork.backends.vision.keys import IMAGE_KEY_BASE
-from kvfork.server.engine.api import Scope, Usage
-from kvfork.server.errors import ApiError
-from kvfork.server.metrics import Registry
 from kvfork.server.api.openai import PromptCacheOptions
 from kvfork.server.api.vision import SeenImage, vision_prompt
+from kvfork.server.engine.api import Scope, Usage
+from kvfork.server.guard.errors import ApiError
 from kvfork.server.text.tokenizer import PromptTokenizer
+from kvfork.server.watch.metrics import Registry
 
 # What the store keeps at most: 4M tokens of fingerprints (16 MiB), and ids of responses made without
 # diagnostics (a few MiB).

@@ -2,7 +2,7 @@
 
 Every API's images arrive here as chat `image_url` parts: chat's own, Responses' `input_image`, and
 Messages' `image` blocks (in user turns and inside `tool_result` content), translated into them. Each is
-checked before any work (their count, then each URL: server/images.py), then:
+checked before any work (their count, then each URL: server/generate/images.py), then:
 - an image in a user's message (or any turn but a tool result) is a 400 naming the model, as OpenAI
   answers a model that reads no images;
 - an image inside a tool result (an agent reading a screenshot) is decoded and replaced by one line of
@@ -13,7 +13,7 @@ checked before any work (their count, then each URL: server/images.py), then:
 The line is all the model sees of the image, so count_tokens counts it.
 
 A model that reads images (backends/vision) takes every image part of any turn: each is decoded and known
-by its pixel hash (server/images.py), and its pixels are decoded again only where the model must encode
+by its pixel hash (server/generate/images.py), and its pixels are decoded again only where the model must encode
 it. kvfork fetches no URL for it: an http(s) image is a 400 that says to send a data URL.
 """
 
@@ -24,11 +24,11 @@ import functools
 from dataclasses import dataclass
 
 from kvfork.server.api.chat.protocol import ChatMessage
-from kvfork.server.errors import ApiError, client_text, invalid
 from kvfork.server.api.vision import SeenImage
-from kvfork.server.images import DataUrl, ImageRefused, RemoteUrl, picture, source_of
-from kvfork.server.limits import over
-from kvfork.server.state import AppState
+from kvfork.server.common.state import AppState
+from kvfork.server.generate.images import DataUrl, ImageRefused, RemoteUrl, picture, source_of
+from kvfork.server.guard.errors import ApiError, client_text, invalid
+from kvfork.server.guard.limits import over
 
 log = logging.getLogger("kvfork.http")
 IMAGE_PART = "image_url"

@@ -26,22 +26,22 @@ from aiohttp import web
 
 from kvfork.backends.base import SEEDS, SamplingParams
 from kvfork.backends.vision import ImageInput
-from kvfork.server.chat_output import ChatOutputParser, ModelFormats
-from kvfork.server.config import ServerConfig
-from kvfork.server.engine.api import GenerateRequest, Scope
-from kvfork.server.engine.sessions import check_session_id
-from kvfork.server.errors import ApiError, invalid, client_text
-from kvfork.server.grammar import request_ask
 from kvfork.server.api.chat.protocol import ChatCompletionRequest, ChatMessage
-from kvfork.server.api.openai import SamplingFields
 from kvfork.server.api.diagnosis import Asked, Fingerprint, Report, fingerprint
 from kvfork.server.api.images import IMAGE_PART, read_images
-from kvfork.server.api.vision import SeenImage, image_mark, vision_prompt
+from kvfork.server.api.openai import SamplingFields
 from kvfork.server.api.respond import Job
-from kvfork.server.limits import check_count, check_prompt_chars, check_schema, json_deeper_than
-from kvfork.server.state import AppState, ModelBounds, scope_of, tenant_of
-from kvfork.server.toolcalls.base import openai_call_id
+from kvfork.server.api.vision import SeenImage, image_mark, vision_prompt
+from kvfork.server.common.config import ServerConfig
+from kvfork.server.common.state import AppState, ModelBounds, scope_of, tenant_of
+from kvfork.server.engine.api import GenerateRequest, Scope
+from kvfork.server.engine.cache.sessions import check_session_id
+from kvfork.server.generate.chat_output import ChatOutputParser, ModelFormats
+from kvfork.server.generate.grammar import request_ask
+from kvfork.server.guard.errors import ApiError, invalid, client_text
+from kvfork.server.guard.limits import check_count, check_prompt_chars, check_schema, json_deeper_than
 from kvfork.server.text.tokenizer import PromptTokenizer
+from kvfork.server.toolcalls.base import openai_call_id
 from kvfork.server.toolcalls.hermes import with_tools_block
 
 

@@ -27,16 +27,16 @@ from typing import Any, Callable, Protocol
 import msgspec
 from aiohttp import hdrs, web
 
-from kvfork.server.chat_output import ChatOutputParser
 from kvfork.server.api.content_encoding import coding_of, decoded
 from kvfork.server.api.diagnosis import Report
-from kvfork.server.engine.api import GenerateRequest, Usage
-from kvfork.server.errors import ApiError, from_decode, client_text
-from kvfork.server.generation import ChoiceFinished, KeepAliveTick, Piece, generation
 from kvfork.server.api.openai import PromptTokensDetails, UsageInfo, encoder
 from kvfork.server.api.sse import EventStream
-from kvfork.server.limits import Limits, check_depth
-from kvfork.server.state import AppState, state_of
+from kvfork.server.common.state import AppState, state_of
+from kvfork.server.engine.api import GenerateRequest, Usage
+from kvfork.server.generate.chat_output import ChatOutputParser
+from kvfork.server.generate.generation import ChoiceFinished, KeepAliveTick, Piece, generation
+from kvfork.server.guard.errors import ApiError, from_decode, client_text
+from kvfork.server.guard.limits import Limits, check_depth
 
 # Bodies larger than this are checked and decoded on a thread: a 16 MiB body takes tens of milliseconds.
 OFF_LOOP_BYTES = 256 * 1024

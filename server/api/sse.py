@@ -12,8 +12,8 @@ import time
 
 from aiohttp import web
 
-from kvfork.server.errors import ApiError
 from kvfork.server.api.openai import encoder
+from kvfork.server.guard.errors import ApiError
 
 log = logging.getLogger("kvfork.http")
 CLIENT_GONE = web.RequestKey("client_gone", bool)  # set when a write found the connection closed

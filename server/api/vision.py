@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 from kvfork.backends.vision import ImageInput
 from kvfork.backends.vision.keys import image_id, image_keys
-from kvfork.server.errors import ApiError
-from kvfork.server.images import Image
+from kvfork.server.generate.images import Image
+from kvfork.server.guard.errors import ApiError
 from kvfork.server.text.tokenizer import PromptTokenizer
 
 
@@ -26,7 +26,7 @@ class SeenImage:
     """An image a vision model reads: what it is, and its pixels when the model must encode it."""
 
     image: Image
-    load: Callable[[], Any]  # the decoded picture, RGB (server/images.py's `picture`)
+    load: Callable[[], Any]  # the decoded picture, RGB (server/generate/images.py's `picture`)
 
 _MARK = re.compile(r"<\|kvfork-image ([0-9a-f]{64})\|>")
 

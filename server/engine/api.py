@@ -18,7 +18,7 @@ from kvfork.backends.base import SamplingParams
 from kvfork.backends.vision import ImageInput
 
 if TYPE_CHECKING:
-    from kvfork.server.engine.constraints import Constraint
+    from kvfork.server.engine.worker.constraints import Constraint
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 ReuseSource = Literal["cache", "donor", "session", "disk"]
@@ -94,7 +94,7 @@ class GenerateRequest:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     session_id: str | None = None  # named session: warm resume, never a reuse recipient
-    constraint: "Constraint | None" = None  # a grammar the output must follow (server/grammar.py makes them)
+    constraint: "Constraint | None" = None  # a grammar the output must follow (server/generate/grammar.py makes them)
     scope: Scope = Scope()  # whose state it may reuse; a session_id names a session of scope.tenant
     # Token offsets in `prompt` where a message ends (the chat renderer's): where a model with recurrent
     # layers keeps checkpoints (--recurrent-checkpoints), for a later prompt that shares them.

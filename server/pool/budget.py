@@ -18,7 +18,7 @@ from pathlib import Path
 from kvfork.backends.device_memory import DeviceMemory, weights_on_disk
 from kvfork.backends.vision import folder_family
 from kvfork.server.engine.config import EngineConfig
-from kvfork.server.engine.memory_plan import plan_memory
+from kvfork.server.engine.policy.memory_plan import plan_memory
 from kvfork.server.pool.specs import ModelSpec
 
 GiB = 1024**3

@@ -13,7 +13,7 @@ from aiohttp import web
 from kvfork.server.api.messages.protocol import error_body
 from kvfork.server.api.messages.route import PATH as MESSAGES_PATH
 from kvfork.server.api.sse import OPENED, SSE_HEADERS
-from kvfork.server.errors import ApiError
+from kvfork.server.guard.errors import ApiError
 
 
 class KeepAlive:

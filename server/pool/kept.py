@@ -4,7 +4,7 @@ and converted to the device's layout) and its tokenizer, while its folder's file
 Kept weights count in the pool's memory budget at their files' size, as a loaded model's do. Once the switch
 that unloaded the model is over (`settle`), they are held where the budget has room beside the loaded models,
 else in a loaded model's KV budget, lent by its engine while its requests and prefix cache leave those bytes
-free (server/engine/loans.py), else dropped. Either way they are the first thing to go: kept in the budget's
+free (server/engine/loop/loans.py), else dropped. Either way they are the first thing to go: kept in the budget's
 room, least recently kept first, when a load needs the bytes (pool.py's `_make_room`); lent, as soon as the
 engine that lent them needs them, before its prefix cache gives way. So nothing is kept that a load or a
 request needs, and the default budget (one model's footprint the whole of it) keeps a model's weights for its
@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from kvfork.server.engine.admission import Admission
+from kvfork.server.engine.loop.admission import Admission
 from kvfork.server.pool.budget import PoolBudget
 from kvfork.server.text.tokenizer import PromptTokenizer
 

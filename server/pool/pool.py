@@ -37,21 +37,21 @@ from aiohttp import web
 from kvfork.backends.base import Backend
 from kvfork.backends.model_info import read_model_facts
 from kvfork.backends.vision import folder_family
-from kvfork.server.engine.config import EngineConfig
-from kvfork.server.engine.api import EngineError
-from kvfork.server.errors import ApiError, from_engine
 from kvfork.server.api.sse import OPENED
+from kvfork.server.common.state import AppState, ModelBounds, tenant_of
+from kvfork.server.engine.api import EngineError
+from kvfork.server.engine.config import EngineConfig
+from kvfork.server.generate.chat_output import ModelFormats
+from kvfork.server.guard.errors import ApiError, from_engine
+from kvfork.server.launch.model_load import tokenizer_alone
 from kvfork.server.pool.budget import PoolBudget
 from kvfork.server.pool.keepalive import KeepAlive, error_in_stream
-from kvfork.server.pool.loadable import check_folder, folder_state
 from kvfork.server.pool.kept import Kept, KeptModels
+from kvfork.server.pool.loadable import check_folder, folder_state
 from kvfork.server.pool.served import ServedModel
 from kvfork.server.pool.specs import ModelSpec
 from kvfork.server.pool.switching import expired, next_switch, victims
 from kvfork.server.pool.turns import SwitchTurns, disrupts, waits_for
-from kvfork.server.chat_output import ModelFormats
-from kvfork.server.model_load import tokenizer_alone
-from kvfork.server.state import AppState, ModelBounds, tenant_of
 from kvfork.server.text.tokenizer import PromptTokenizer
 
 log = logging.getLogger("kvfork")

@@ -9,16 +9,16 @@ import copy
 import dataclasses
 
 from kvfork.backends.base import Backend
+from kvfork.server.common.state import AppState
+from kvfork.server.engine.cache.disk import kv_root
 from kvfork.server.engine.config import EngineConfig
-from kvfork.server.engine.disk import kv_root
-from kvfork.server.engine.engine import Engine
-from kvfork.server.metrics import Registry
-from kvfork.server.observe import register_vllm_names
+from kvfork.server.engine.loop.engine import Engine
+from kvfork.server.launch.model_load import load_model
+from kvfork.server.launch.start_progress import StartProgress
 from kvfork.server.pool.kept import Kept
 from kvfork.server.pool.specs import ModelSpec
-from kvfork.server.start_progress import StartProgress
-from kvfork.server.model_load import load_model
-from kvfork.server.state import AppState
+from kvfork.server.watch.metrics import Registry
+from kvfork.server.watch.observe import register_vllm_names
 
 
 class ServedModel:

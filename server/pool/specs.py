@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfork.server.model_source import Fetch, model_source
+from kvfork.server.launch.model_source import Fetch, model_source
 
 
 @dataclass(frozen=True)

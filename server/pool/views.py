@@ -6,8 +6,8 @@ import re
 from typing import Any
 
 from kvfork.server.api.openai import ModelCard
-from kvfork.server.metrics import Registry
 from kvfork.server.pool.pool import ModelPool
+from kvfork.server.watch.metrics import Registry
 
 _SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{(.*)\})? (.*)$")
 

@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 from aiohttp import web
 
 from kvfork.server.api.respond import json_response
-from kvfork.server.state import holds_metrics_key, state_of
+from kvfork.server.common.state import holds_metrics_key, state_of
 
 PATH = "/v1/loads"
 

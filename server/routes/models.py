@@ -7,9 +7,9 @@ from aiohttp import web
 
 from kvfork.server.api.openai import Health, ModelCard, ModelList
 from kvfork.server.api.respond import json_response
-from kvfork.server.errors import ApiError
+from kvfork.server.common.state import holds_metrics_key, state_of
+from kvfork.server.guard.errors import ApiError
 from kvfork.server.pool.views import pool_cards, pool_health, pool_metrics
-from kvfork.server.state import holds_metrics_key, state_of
 
 PATH = "/v1/models"
 

@@ -1,4 +1,4 @@
-"""GET /debug/reuse (the reuse page's JSON: server/reuse.py) and GET / (the page to a browser, a plain
+"""GET /debug/reuse (the reuse page's JSON: server/watch/reuse.py) and GET / (the page to a browser, a plain
 `kvfork` to a probe: Claude Code sends HEAD / before its first request).
 
 Who sees what: with no keys at all, anyone on the listener (loopback by default) sees everything;
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from kvfork.server.errors import ApiError
 from kvfork.server.api.respond import json_response
+from kvfork.server.common.state import holds_metrics_key, state_of
+from kvfork.server.guard.errors import ApiError
+from kvfork.server.guard.tenants import request_key
 from kvfork.server.routes.reuse_page import PAGE
-from kvfork.server.state import holds_metrics_key, state_of
-from kvfork.server.tenants import request_key
 
 PATH = "/debug/reuse"
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from kvfork.server.errors import ApiError
 from kvfork.server.api.openai import SessionReply
-from kvfork.server.api.respond import json_response
 from kvfork.server.api.prepare import session_id
-from kvfork.server.state import state_of, tenant_of
+from kvfork.server.api.respond import json_response
+from kvfork.server.common.state import state_of, tenant_of
+from kvfork.server.guard.errors import ApiError
 
 
 async def reset(request: web.Request) -> web.Response:

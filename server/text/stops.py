@@ -6,7 +6,7 @@ text is released). Matching runs over held text plus the new piece, so a stop
 string split across any number of tokens is still found.
 
 It runs on the event loop for every token, so its cost is bounded by the limits
-on stop strings (server/limits.py: how many, how long) and kept small: one
+on stop strings (server/guard/limits.py: how many, how long) and kept small: one
 `str.find` per stop string over fewer than their longest length plus the piece,
 and the held-back tail found by bisecting the sorted stop strings, not by
 trying each one (about 0.1 ms a token at 256 stop strings of 256 characters).

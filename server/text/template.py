@@ -26,8 +26,8 @@ import jinja2.meta
 from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 
-from kvfork.server.errors import invalid
-from kvfork.server.limits import over
+from kvfork.server.guard.errors import invalid
+from kvfork.server.guard.limits import over
 
 # What the renderer itself sets, whatever the template reads.
 RENDERER_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token"})

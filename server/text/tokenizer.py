@@ -22,11 +22,11 @@ default model: 21 ms of CPU instead of 136 ms, its render included); one that fi
 before, unless it is longer than 4 characters a context token and packs more than 4 into a token.
 
 Long work (a render, or text past a few thousand characters to encode) runs on two worker threads
-shared by tenants in turn, a tenant one job at a time (server/fair_workers.py): the
+shared by tenants in turn, a tenant one job at a time (server/guard/fair_workers.py): the
 routes pass the tenant, so another tenant never waits for the first one's long
 job. Each thread renders and encodes with its own copy of the tokenizer (a Rust
 tokenizer is not meant to be used by two threads at once). A job's size is
-bounded before it gets here (server/limits.py: characters, messages), and the
+bounded before it gets here (server/guard/limits.py: characters, messages), and the
 template is the model's or the operator's, never a client's (text/template.py).
 Every method that does the work takes `tok`: the thread's copy, or (on the loop)
 the tokenizer itself.
@@ -40,9 +40,9 @@ import threading
 from typing import Any, Callable, Sequence
 
 from kvfork.server.engine.api import ContextTooLong
-from kvfork.server.errors import ApiError
-from kvfork.server.fair_workers import FairWorkers
-from kvfork.server.limits import Limits
+from kvfork.server.guard.errors import ApiError
+from kvfork.server.guard.fair_workers import FairWorkers
+from kvfork.server.guard.limits import Limits
 from kvfork.server.text.template import TemplateVariables
 
 # Prompts longer than this (characters) are tokenized on the worker thread: a

@@ -2,7 +2,7 @@
 unless `--tool-parser` names one.
 
 Each family's module says how it is detected (below, in order), parsed (its parser, most of them
-mlx-lm's own: mlx_lm_parsers.py) and constrained (its `call_grammar`, joined by server/grammar.py).
+mlx-lm's own: mlx_lm_parsers.py) and constrained (its `call_grammar`, joined by server/generate/grammar.py).
 """
 
 from __future__ import annotations

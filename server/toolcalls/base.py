@@ -84,7 +84,7 @@ MAX_HELD_WS = 4
 class ToolParser:
     """Base: holds the event bookkeeping; subclasses decide where calls are.
 
-    A family's module also says how its calls are constrained (server/grammar.py joins them):
+    A family's module also says how its calls are constrained (server/generate/grammar.py joins them):
     `call_grammar` writes one call to one function, `separator` goes between parallel calls, `block`
     wraps a turn's calls where the family writes them in one (Kimi's section), and `trigger` is the text
     that opens a call when tool_choice is auto (None: the whole reply is calls).

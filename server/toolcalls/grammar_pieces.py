@@ -1,7 +1,7 @@
 """The pieces a family's constraint grammar is written with (llguidance's Lark dialect).
 
 Each family module says how one call to one function is written (`CallGrammar`:
-literal head, constrained body, literal tail); server/grammar.py joins the calls
+literal head, constrained body, literal tail); server/generate/grammar.py joins the calls
 into the grammar a request's tool_choice asks for.
 
 Markup that is a special token of the model's tokenizer (Kimi's

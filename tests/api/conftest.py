@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from kvfork.server.engine import placement, restore
+from kvfork.server.engine.policy import placement, restore
 
 
 @pytest.fixture

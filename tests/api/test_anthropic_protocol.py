@@ -8,11 +8,11 @@ import msgspec
 import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 
-from kvfork.server.chat_output import ChatOutputParser, collect
+from kvfork.server.api.messages.protocol import CountTokensRequest, MessagesRequest, error_body, sse
 from kvfork.server.api.messages.reply import MessageStream, message_reply, usage
 from kvfork.server.api.messages.translate import UnsupportedContent, chat_request
-from kvfork.server.api.messages.protocol import CountTokensRequest, MessagesRequest, error_body, sse
-from kvfork.server.reasoning import ReasoningSplitter
+from kvfork.server.generate.chat_output import ChatOutputParser, collect
+from kvfork.server.generate.reasoning import ReasoningSplitter
 from kvfork.server.toolcalls import PARSERS
 from streaming_helpers import counting_ids
 

@@ -13,7 +13,7 @@ import pytest
 
 from agent_server import agent_model  # noqa: F401 (fixture)
 from http_daemon import data_frames, metrics, serving, sse_events, until
-from kvfork.server.engine.rates import Rates, RateTracker
+from kvfork.server.engine.policy.rates import Rates, RateTracker
 
 SYSTEM = "You are a careful coding agent. Read before you write, and test what you change. " * 4
 TOOL = {"name": "read_file", "description": "Read a file of the workspace and return its text. " * 3,

@@ -10,11 +10,11 @@ import pytest
 from agent_server import CLAUDE_TOOL, REPLIES, WEATHER, agent_model, daemon, oai, reply, user  # noqa: F401 (fixtures)
 from http_daemon import serving
 from scripted_replies import recording, scripted
-from kvfork.server.cli import serve_parser
-from kvfork.server.config import ServerConfig
-from kvfork.server.settings import from_args
-from kvfork.server import chat_output
 from kvfork.server.api.sse import EventStream
+from kvfork.server.cli import serve_parser
+from kvfork.server.common.config import ServerConfig
+from kvfork.server.common.settings import from_args
+from kvfork.server.generate import chat_output
 
 
 async def test_chat_tool_call_non_streaming(oai):

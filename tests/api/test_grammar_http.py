@@ -116,7 +116,7 @@ async def test_json_schema_on_the_default_model(sdk):
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_grammar_past_llguidance_limits_while_generating_is_the_requests_error(oai, stream):
     """600 optional properties compile in time, but after `{` a parser row holds ~2,400 items, past
-    llguidance's max_items_in_row (server/grammar.py PARSER_LIMITS): the request's own grammar ended it,
+    llguidance's max_items_in_row (server/generate/grammar.py PARSER_LIMITS): the request's own grammar ended it,
     so it is invalid_grammar, a 400 (an error event once a stream has begun), never a server error
     that a client would retry."""
     wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(600)}}

@@ -11,10 +11,10 @@ import logging
 import pytest
 from aiohttp import web
 from http_daemon import chat_body, serving
-from kvfork.server.limits import Limits
-from kvfork.server.metrics import Registry
-from kvfork.server.slow_clients import MIN_DRAINED, SlowClients
-from kvfork.server.slow_clients import listen as watched_listen
+from kvfork.server.guard.limits import Limits
+from kvfork.server.guard.slow_clients import MIN_DRAINED, SlowClients
+from kvfork.server.guard.slow_clients import listen as watched_listen
+from kvfork.server.watch.metrics import Registry
 
 CHAT, COMPLETIONS, MESSAGES, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"
 

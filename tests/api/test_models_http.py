@@ -19,10 +19,10 @@ import pytest
 from http_daemon import TEST_ENGINE, chat_body, metrics, sse_events
 from kvfork.backends import create_backend
 from kvfork.backends.device_memory import weights_on_disk
-from kvfork.server.config import ServerConfig
+from kvfork.server.common.config import ServerConfig
 from kvfork.server.engine.config import EngineConfig
+from kvfork.server.launch.pool_daemon import PoolDaemon
 from kvfork.server.pool import pool as pool_module
-from kvfork.server.pool.daemon import PoolDaemon
 from kvfork.server.pool.specs import model_specs
 from tiny_models import write_model
 

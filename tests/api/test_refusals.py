@@ -6,7 +6,7 @@ from __future__ import annotations
 import aiohttp
 
 from http_daemon import chat_body, serving
-from kvfork.server.refusals import BURST_S, RefusalLimiter
+from kvfork.server.guard.refusals import BURST_S, RefusalLimiter
 
 KEYS = "key-hostile hostile\nkey-innocent innocent\n"
 

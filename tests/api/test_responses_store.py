@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvfork.server.errors import ApiError
 from kvfork.server.api.responses.protocol import Response
 from kvfork.server.api.responses.store import ResponseStore
 from kvfork.server.api.responses.translate import chat_messages
+from kvfork.server.guard.errors import ApiError
 
 
 def made(rid: str) -> Response:

@@ -11,7 +11,7 @@ import pytest
 from kvfork.backends import create_backend
 from engine_harness import until
 from http_daemon import metrics, serving
-from kvfork.server.engine.index import Index
+from kvfork.server.engine.cache.index import Index
 
 PROMPT = list(range(3, 203))  # 200 token ids, over the matching minimum
 ENGINE = dict(prefix_cache_min_tokens=64, prefix_cache_disk_bytes=1 << 30, prefix_cache_entries=1)
@@ -58,7 +58,7 @@ async def test_a_disk_entry_whose_use_raises_is_dropped_and_never_served_again(t
     from dataclasses import replace
 
     from kvfork.backends.base import SavedState
-    from kvfork.server.engine import placement, restore
+    from kvfork.server.engine.policy import placement, restore
 
     def choose(upto, nbytes, memory, rates, prefilling):  # restore, whatever the tiny model's prefill costs
         return restore.choose_restore(upto, nbytes, memory, replace(rates, prefill_tps=1.0), prefilling)

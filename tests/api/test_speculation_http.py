@@ -70,7 +70,7 @@ REPEATING = ["one two three four five one two three four five one two three four
 
 @pytest.mark.parametrize("mode", ["prompt", "suffix"])
 async def test_the_daemons_own_drafters_keep_greedy_text(backend_name, mode, tiny_model_dir):
-    """--speculative builds the real drafters (server/engine/drafts.py): prompts that repeat, and a
+    """--speculative builds the real drafters (server/engine/worker/drafts.py): prompts that repeat, and a
     tiny random model that loops, give prompt lookup matches to draft from; the text stays the same."""
     folder = tiny_model_dir("llama")
     want, _ = await texts(folder, backend_name, None, REPEATING + REPEATING)

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from http_daemon import serving
-from kvfork.server.tenants import KeyTable, key_tenants, read_keys_file
+from kvfork.server.guard.tenants import KeyTable, key_tenants, read_keys_file
 
 CHAT = "/v1/chat/completions"
 PROMPT = "a long shared system prompt that every request here sends, word for word, " * 3
@@ -120,7 +120,7 @@ def test_a_key_is_found_in_constant_work_among_100000(monkeypatch):
     timed)."""
     import hmac
 
-    from kvfork.server import tenants
+    from kvfork.server.guard import tenants
 
     keys = KeyTable({f"key-{i}": f"tenant-{i % 7}" for i in range(100_000)})
     compares: list[int] = []

@@ -12,7 +12,7 @@ from agent_server import CLAUDE_TOOL, WEATHER, user
 from family_models import FAMILIES, model_for
 from http_daemon import serving
 from scripted_backend import EOS, ScriptedBackend
-from kvfork.server.grammar import auto_constrained
+from kvfork.server.generate.grammar import auto_constrained
 
 NAMES = (*FAMILIES, "harmony")
 REASONING = "The user wants the weather."

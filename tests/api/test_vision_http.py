@@ -20,9 +20,9 @@ from PIL import Image
 from http_daemon import TEST_ENGINE, metrics, serving
 from kvfork.backends import create_backend
 from kvfork.backends.vision import load_processing
-from kvfork.server.config import ServerConfig
+from kvfork.server.common.config import ServerConfig
 from kvfork.server.engine.config import EngineConfig
-from kvfork.server.pool.daemon import PoolDaemon
+from kvfork.server.launch.pool_daemon import PoolDaemon
 from kvfork.server.pool.specs import ModelSpec
 from kvfork.tools.vision_model import FAMILIES, write
 from tiny_models import write_model
@@ -251,8 +251,8 @@ async def test_a_daemon_still_loading_its_vision_model_knows_it_reads_images(fol
     refused as a text model's."""
     from types import SimpleNamespace
 
-    from kvfork.server.metrics import Registry
-    from kvfork.server.state import AppState
+    from kvfork.server.common.state import AppState
+    from kvfork.server.watch.metrics import Registry
 
     state = AppState(ServerConfig(), SimpleNamespace(model_path=folder), ["tiny"], Registry())
     assert state.tokenizer is None and state.reads_images(None)

@@ -13,8 +13,8 @@ from kvfork.backends import create_backend
 from kvfork.backends.model_info import FALLBACK_CONTEXT, ModelFacts, read_model_facts
 from engine_harness import run, settled, start_engine
 from kvfork.server.engine.config import EngineConfig
-from kvfork.server.engine.engine import Engine
-from kvfork.server.metrics import Registry
+from kvfork.server.engine.loop.engine import Engine
+from kvfork.server.watch.metrics import Registry
 from tiny_models import write_model
 
 

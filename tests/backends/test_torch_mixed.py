@@ -15,8 +15,8 @@ from kvfork.backends.base import BatchFailed, RowState
 from kvfork.backends.torch.backend import TorchBackend
 from engine_harness import run
 from kvfork.server.engine.config import EngineConfig
-from kvfork.server.engine.engine import Engine
-from kvfork.server.metrics import Registry
+from kvfork.server.engine.loop.engine import Engine
+from kvfork.server.watch.metrics import Registry
 from tiny_hybrid_models import HYBRID_ARCHS
 from tolerance import Kind
 

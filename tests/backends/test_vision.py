@@ -13,7 +13,7 @@ from kvfork.backends.torch.backend import TorchBackend
 from kvfork.backends.vision import ImageInput, load_processing
 from kvfork.backends.vision.idefics3 import image_seq_len
 from kvfork.backends.vision.keys import IMAGE_KEY_BASE, image_keys, image_start, is_image_key
-from kvfork.server.engine.matching import Source, usable_upto
+from kvfork.server.engine.policy.matching import Source, usable_upto
 from kvfork.server.text.tokenizer import PromptTokenizer
 from kvfork.tools.vision_model import write
 from tolerance import Kind, Model, assert_logits_close

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvfork.server.isolated import module_command
+from kvfork.server.generate.isolated import module_command
 from kvfork.tools import cluster
 
 
@@ -108,7 +108,7 @@ def test_keys_reach_the_replicas_in_their_environment_never_on_a_command_line(ti
 
 def test_without_a_budget_each_replica_gets_its_share_of_what_the_weights_leave(tiny_model_dir):
     from kvfork.backends.device_memory import weights_on_disk
-    from kvfork.server.engine.memory_plan import shared_host_plan
+    from kvfork.server.engine.policy.memory_plan import shared_host_plan
 
     model = tiny_model_dir("llama")
     p = cluster.plan(["--replicas", "2", "--model", model])

@@ -118,7 +118,7 @@ async def test_plans_with_drafts_replayed_through_rank_0_give_the_same_tokens_on
     rank 0's LockstepBackend give the engine's tokens, and a follower running its broadcasts computes
     every pass's logits as rank 0 did: the rows rank 0 sampled give the same tokens there."""
     from engine_harness import drafted_plans
-    from kvfork.server.engine import plan as p
+    from kvfork.server.engine.worker import plan as p
 
     folder = tiny_model_dir("llama")
     plans, rids, want = await drafted_plans(create_backend(backend_name), folder,

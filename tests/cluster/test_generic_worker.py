@@ -8,8 +8,8 @@ import aiohttp
 import pytest
 
 from http_daemon import chat_body, first_token, metrics, serving, until
-from kvfork.server.app import build_app
-from kvfork.server.engine.utilization import TokenRate
+from kvfork.server.engine.loop.utilization import TokenRate
+from kvfork.server.launch.app import build_app
 
 CHAT = "/v1/chat/completions"
 LOADS = "/v1/loads?include=core,disagg,queues,memory"  # what smg asks for
@@ -39,9 +39,9 @@ async def test_a_gateway_classifies_kvfork_as_a_generic_worker(tiny_model_dir, h
 
 
 def build_app_for_routes():
-    from kvfork.server.config import ServerConfig
-    from kvfork.server.metrics import Registry
-    from kvfork.server.state import AppState
+    from kvfork.server.common.config import ServerConfig
+    from kvfork.server.common.state import AppState
+    from kvfork.server.watch.metrics import Registry
 
     class Idle:  # the routes are all that is read
         ready, dead, info = False, False, None

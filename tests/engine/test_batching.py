@@ -143,8 +143,8 @@ async def test_a_failing_request_fails_alone():
 async def test_submit_before_start_and_after_shutdown_is_not_ready():
     backend = ScriptedBackend()
     from kvfork.server.engine.config import EngineConfig
-    from kvfork.server.engine.engine import Engine
-    from kvfork.server.metrics import Registry
+    from kvfork.server.engine.loop.engine import Engine
+    from kvfork.server.watch.metrics import Registry
     engine = Engine(backend, "x", None, EngineConfig(), Registry())
     with pytest.raises(NotReady):
         engine.submit(request(prompt_of(4), 1))

@@ -11,8 +11,8 @@ from kvfork.backends.torch import kv
 from kvfork.backends.torch.backend import TorchBackend
 from engine_harness import collect, real_engine, references, request, run, settled, until
 from kvfork.server.engine.api import CapacityExhausted
-from kvfork.server.engine.engine import Engine
-from kvfork.server.engine.request import Following, Phase
+from kvfork.server.engine.loop.engine import Engine
+from kvfork.server.engine.loop.request import Following, Phase
 
 SHARED = 600  # two whole blocks and part of a third
 

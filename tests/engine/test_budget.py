@@ -10,7 +10,7 @@ from scripted_backend import BYTES_PER_TOKEN as KIB, Gate, ReadsImages, Scripted
 from kvfork.backends.vision import ImageInput
 from kvfork.backends.vision.keys import image_keys
 from kvfork.server.engine.api import CapacityExhausted
-from kvfork.server.engine.request import Following, Prefilling, Queued
+from kvfork.server.engine.loop.request import Following, Prefilling, Queued
 
 S, T = 200, 5
 SHARED = prompt_of(S, start=3)
@@ -145,8 +145,8 @@ async def test_a_loan_gives_way_before_the_prefix_cache():
 
 
 def test_a_report_above_the_budget_is_counted():
-    from kvfork.server.engine.telemetry import EngineMetrics
-    from kvfork.server.metrics import Registry
+    from kvfork.server.engine.loop.telemetry import EngineMetrics
+    from kvfork.server.watch.metrics import Registry
 
     class Idle:  # the gauges read nothing in this test
         admission = reuse = None
@@ -273,7 +273,7 @@ async def test_a_queued_request_holds_its_named_sessions_state():
 
 def test_byte_gauges_render_exactly():
     """The soak compares the backend's bytes with the budget's to the byte, read from /metrics."""
-    from kvfork.server.metrics import Gauge
+    from kvfork.server.watch.metrics import Gauge
 
     assert Gauge("kvfork_kv_bytes", "bytes", lambda: 3_014_656).render()[-1] == "kvfork_kv_bytes 3014656"
     assert Gauge("x", "ratio", lambda: 0.25).render()[-1] == "x 0.25"

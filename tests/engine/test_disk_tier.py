@@ -1,4 +1,4 @@
-"""The prefix cache's disk tier (server/engine/disk.py): restart, safety, corrupt files, the cost model.
+"""The prefix cache's disk tier (server/engine/cache/disk.py): restart, safety, corrupt files, the cost model.
 
 Every test runs under its own KVFORK_HOME (conftest.py); engines here get the tier folder explicitly."""
 
@@ -13,12 +13,12 @@ import pytest
 from kvfork.backends import create_backend
 from engine_harness import collect, prompt_of, request, run, until
 from kvfork.server.engine.api import Scope
+from kvfork.server.engine.cache.disk import SUFFIX, kv_root
 from kvfork.server.engine.config import EngineConfig
-from kvfork.server.engine.disk import SUFFIX, kv_root
-from kvfork.server.engine.engine import Engine
-from kvfork.server.engine.rates import Rates
-from kvfork.server.engine.restore import choose_restore
-from kvfork.server.metrics import Registry
+from kvfork.server.engine.loop.engine import Engine
+from kvfork.server.engine.policy.rates import Rates
+from kvfork.server.engine.policy.restore import choose_restore
+from kvfork.server.watch.metrics import Registry
 
 CONFIG = dict(prefix_cache_min_tokens=8, kv_budget_bytes=1 << 30, prefix_cache_disk_bytes=1 << 30)
 
@@ -167,7 +167,7 @@ async def test_a_damaged_file_is_refused_removed_and_counted(tiny_model_dir, dam
 
 @pytest.mark.parametrize("error", [28, 30])  # ENOSPC (a full disk), EROFS (a read-only folder)
 async def test_a_full_disk_or_read_only_folder_turns_the_tier_off_once(tiny_model_dir, monkeypatch, caplog, error):
-    from kvfork.server.engine import disk
+    from kvfork.server.engine.cache import disk
 
     def refuse(folder, name, data):
         raise OSError(error, os.strerror(error))
@@ -190,7 +190,7 @@ async def test_a_full_disk_or_read_only_folder_turns_the_tier_off_once(tiny_mode
 
 
 async def test_a_read_only_folder_at_start_leaves_the_tier_off(tiny_model_dir, monkeypatch, caplog):
-    from kvfork.server.engine import disk
+    from kvfork.server.engine.cache import disk
 
     def refuse(*args, **kwargs):
         raise OSError(30, "Read-only file system")
@@ -223,7 +223,7 @@ def test_the_cost_model_restores_only_when_reading_beats_prefilling():
 
 @pytest.mark.parametrize("read_bps, restored", [(1e12, True), (1.0, False)])
 async def test_the_engine_follows_the_cost_model(tiny_model_dir, read_bps, restored):
-    from kvfork.server.engine.rates import RateTracker
+    from kvfork.server.engine.policy.rates import RateTracker
 
     model, prompt = tiny_model_dir("llama"), prompt_of(80)
     fresh = await spill_and_stop(model, prompt)
@@ -242,7 +242,7 @@ async def test_the_engine_follows_the_cost_model(tiny_model_dir, read_bps, resto
 async def test_a_slow_restore_never_stalls_a_running_request(tiny_model_dir, monkeypatch):
     import threading
 
-    from kvfork.server.engine import disk
+    from kvfork.server.engine.cache import disk
 
     model, cached, other = tiny_model_dir("llama"), prompt_of(80), prompt_of(40, 300)
     fresh = await spill_and_stop(model, cached)
@@ -287,7 +287,7 @@ async def test_a_slow_restore_never_stalls_a_running_request(tiny_model_dir, mon
 def test_bfloat16_states_round_trip_through_a_file(tiny_model_dir):
     import numpy as np
 
-    from kvfork.server.engine.disk import decode, encode
+    from kvfork.server.engine.cache.disk import decode, encode
 
     backend = create_backend("torch")
     backend.load(tiny_model_dir("gemma3"), "bfloat16")
@@ -310,7 +310,7 @@ def test_a_states_m_rope_shifts_round_trip_through_a_file_and_a_prefix():
     import numpy as np
 
     from kvfork.backends.base import SavedLayer, SavedState
-    from kvfork.server.engine.disk import decode, encode
+    from kvfork.server.engine.cache.disk import decode, encode
 
     keys = np.zeros((1, 40, 2), np.float32)
     state = SavedState(40, (SavedLayer("full", (keys, keys)),), ((12, -3), (30, -5)))
@@ -322,7 +322,7 @@ def test_a_states_m_rope_shifts_round_trip_through_a_file_and_a_prefix():
 async def test_a_spill_holds_its_bytes_until_its_file_is_written(tiny_model_dir, monkeypatch):
     import threading
 
-    from kvfork.server.engine import disk
+    from kvfork.server.engine.cache import disk
 
     gate, writing = threading.Event(), threading.Event()
     real = disk._write_file

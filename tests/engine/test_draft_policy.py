@@ -1,4 +1,4 @@
-"""Speculative decoding's batch-level policy (server/engine/draft_policy.py): which rows draft in a
+"""Speculative decoding's batch-level policy (server/engine/policy/draft_policy.py): which rows draft in a
 step, from their acceptance and what a drafted token costs at the step's batch size. No backend."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from kvfork.server.engine import draft_policy as dp
-from kvfork.server.engine.draft_policy import Acceptance, DraftPolicy, StepCost, break_even, draft_pays
+from kvfork.server.engine.policy import draft_policy as dp
+from kvfork.server.engine.policy.draft_policy import Acceptance, DraftPolicy, StepCost, break_even, draft_pays
 
 BATCHES = range(1, 9)
 RATIOS = [None, 0.0, 0.01, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0, float("inf")]

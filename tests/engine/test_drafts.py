@@ -1,4 +1,4 @@
-"""The model-free drafters (server/engine/drafts.py): prompt lookup, suffix corpora by scope, adaptation."""
+"""The model-free drafters (server/engine/worker/drafts.py): prompt lookup, suffix corpora by scope, adaptation."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from kvfork.server.engine import drafts as d
-from kvfork.server.engine.drafts import Draft, Drafts
+from kvfork.server.engine.worker import drafts as d
+from kvfork.server.engine.worker.drafts import Draft, Drafts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

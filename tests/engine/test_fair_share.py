@@ -1,4 +1,4 @@
-"""Fair shares between tenants (issue 33, finding 8): the pure policy (server/engine/fair_share.py), over every
+"""Fair shares between tenants (issue 33, finding 8): the pure policy (server/engine/policy/fair_share.py), over every
 small case, and the engine applying it: a tenant alone uses every slot and the whole queue; under contention,
 a full queue makes room for a tenant below its share, free slots go to the tenant holding fewest, and a tenant
 above its share of the slots pauses a decoding request for one waiting below its own (issue 45): the waiting
@@ -13,10 +13,10 @@ import pytest
 
 from engine_harness import collect, prompt_of, reached, request, settled, start_engine, until
 from scripted_backend import Gate, ScriptedBackend
-from kvfork.server.engine.api import CapacityExhausted, Scope
 from kvfork.backends.base import SamplingParams
-from kvfork.server.engine.fair_share import give_way, next_in_line, preempt, share
-from kvfork.server.engine.request import Decoding, Paused
+from kvfork.server.engine.api import CapacityExhausted, Scope
+from kvfork.server.engine.loop.request import Decoding, Paused
+from kvfork.server.engine.policy.fair_share import give_way, next_in_line, preempt, share
 
 TENANTS = ("a", "b", "c")
 

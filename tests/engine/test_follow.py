@@ -11,10 +11,10 @@ from dataclasses import replace
 
 import pytest
 
-from kvfork.server.engine.follow import FollowDecision, FollowPolicy, FollowOrder, Leader, at_deadline, leader_views
-from kvfork.server.engine import follow as following
-from kvfork.server.engine.matching import Recipient, Source, choose_reuse, common_prefix
-from kvfork.server.engine.rates import Rates
+from kvfork.server.engine.policy import follow as following
+from kvfork.server.engine.policy.follow import FollowDecision, FollowPolicy, FollowOrder, Leader, at_deadline, leader_views
+from kvfork.server.engine.policy.matching import Recipient, Source, choose_reuse, common_prefix
+from kvfork.server.engine.policy.rates import Rates
 from engine_harness import collect, prompt_of, reached, request, settled, start_engine, until
 from scripted_backend import Gate, ScriptedBackend
 from kvfork.server.engine.api import CapacityExhausted

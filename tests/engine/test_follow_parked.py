@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvfork.server.engine.follow import FollowPolicy, FollowOrder, Leader, Promotion, chunk_end, leader_views, promote
-from kvfork.server.engine.matching import Recipient, Source
-from kvfork.server.engine.rates import Rates
+from kvfork.server.engine.policy.follow import FollowPolicy, FollowOrder, Leader, Promotion, chunk_end, leader_views, promote
+from kvfork.server.engine.policy.matching import Recipient, Source
+from kvfork.server.engine.policy.rates import Rates
 from test_follow import FREE_CLONES, ON, active, decide
 
 

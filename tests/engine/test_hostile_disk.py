@@ -15,8 +15,8 @@ import struct
 import pytest
 
 from engine_harness import prompt_of, request, collect, run
-from kvfork.server.engine import disk
 from kvfork.server.engine.api import Scope
+from kvfork.server.engine.cache import disk
 from test_disk_tier import files, start
 
 WRONG = [b"[]", json.dumps({"__metadata__": None}).encode(), json.dumps({"__metadata__": [1]}).encode()]
@@ -121,7 +121,7 @@ async def test_the_spill_at_shutdown_lands_before_the_pool_closes(tiny_model_dir
 
 
 def test_cache_clear_never_follows_a_link(kvfork_home, tmp_path, capsys):
-    from kvfork.server.cache_command import main
+    from kvfork.server.launch.cache_command import main
 
     outside = tmp_path / "outside"
     outside.mkdir()

@@ -12,7 +12,7 @@ import pytest
 
 from backend_fixtures import backend_name, prompt  # noqa: F401  (fixture: each importable backend)
 from engine_harness import REUSE_OFF, collect, reached, real_engine, references, request, run, settled, until
-from kvfork.server.engine.request import Following
+from kvfork.server.engine.loop.request import Following
 from scripted_backend import Gate
 
 ON = dict(prefix_cache_entries=8, active_prefix_reuse_min_tokens=8)

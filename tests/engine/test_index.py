@@ -1,4 +1,4 @@
-"""The index of reusable states (server/engine/index.py): the trie against a brute-force scan, the prefix
+"""The index of reusable states (server/engine/cache/index.py): the trie against a brute-force scan, the prefix
 cache's recency and eviction, the disk tier's files, running donors, and the one place entries change."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import random
 
 from kvfork.backends.base import KVCost, LayerAttention, ModelInfo
 from kvfork.server.engine.api import Scope
-from kvfork.server.engine.index import BLOCK, Entry, Index
-from kvfork.server.engine.matching import Source, ranked_matches, usable_match, window_floor
+from kvfork.server.engine.cache.index import BLOCK, Entry, Index
+from kvfork.server.engine.policy.matching import Source, ranked_matches, usable_match, window_floor
 
 FULL = ModelInfo("t", 512, 4096, (LayerAttention("full"),), (2,), KVCost(1024), "float32", "cpu")
 SLIDING = ModelInfo("t", 512, 4096, (LayerAttention("sliding", 8), LayerAttention("full")), (2,), KVCost(1024),
@@ -264,7 +264,7 @@ def test_each_walk_visits_nodes_linear_in_the_blocks_without_recursing(monkeypat
     import inspect
     import sys
 
-    from kvfork.server.engine import index as index_module
+    from kvfork.server.engine.cache import index as index_module
 
     visits = 0
 

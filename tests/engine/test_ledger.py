@@ -1,9 +1,9 @@
-"""The loop's ledger of the runner's bytes (server/engine/ledger.py), driven directly: what the loop has let go
+"""The loop's ledger of the runner's bytes (server/engine/loop/ledger.py), driven directly: what the loop has let go
 of stays counted until the runner's report or answer shows it gone, and `nbytes` is everything it counts."""
 
 from kvfork.backends.base import BlockStats
 from kvfork.server.engine import messages as m
-from kvfork.server.engine.ledger import LoopLedger
+from kvfork.server.engine.loop.ledger import LoopLedger
 
 
 def test_a_release_others_still_read_is_counted_until_a_report_shows_it_run():

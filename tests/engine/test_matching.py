@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from kvfork.server.engine.matching import (Recipient, Source, best_match, choose_reuse, common_prefix, ranked_matches,
+from kvfork.server.engine.policy.matching import (Recipient, Source, best_match, choose_reuse, common_prefix, ranked_matches,
                                     usable_match, window_floor)
 
 

@@ -1,4 +1,4 @@
-"""The KV budget each device gets (server/engine/memory_plan.py), from readings of real machines: what
+"""The KV budget each device gets (server/engine/policy/memory_plan.py), from readings of real machines: what
 Metal, CUDA and the kernel report on them, with the weights of a model each would serve."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvfork.backends.device_memory import DeviceMemory, cpu_memory
-from kvfork.server.engine.memory_plan import GiB, plan_memory
+from kvfork.server.engine.policy.memory_plan import GiB, plan_memory
 
 MiB = 1024**2
 # (device, weights): readings as each machine reports them

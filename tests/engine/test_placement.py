@@ -1,4 +1,4 @@
-"""Where a request starts (server/engine/placement.py): `place` over hand-built Views, without a backend
+"""Where a request starts (server/engine/policy/placement.py): `place` over hand-built Views, without a backend
 or an engine. Each rule in turn: fresh, cached, clone (clone-now), follow, restore (the disk tier), a named
 session's resume and a landed clone's, and `place_without_reuse`; with the boundaries of each (the
 minimum a reuse must save, a donor too short, a file's read against recomputing it)."""
@@ -9,14 +9,14 @@ import pytest
 
 from kvfork.backends.base import SamplingParams
 from kvfork.server.engine.api import GenerateRequest
-from kvfork.server.engine.follow import FollowPolicy, Leader
-from kvfork.server.engine.index import Entry, Found, Match
-from kvfork.server.engine.matching import Source
-from kvfork.server.engine.placement import (Cached, CloneRunning, Follow, Fresh, Restore, Resume, View, Wait, place,
+from kvfork.server.engine.cache.index import Entry, Found, Match
+from kvfork.server.engine.policy.follow import FollowPolicy, Leader
+from kvfork.server.engine.policy.matching import Source
+from kvfork.server.engine.policy.placement import (Cached, CloneRunning, Follow, Fresh, Restore, Resume, View, Wait, place,
                                             place_without_reuse)
-from kvfork.server.engine.rates import Rates
-from kvfork.server.engine.request import Landed, Queued, Request, RequestHandle
-from kvfork.server.engine.sessions import NamedSession
+from kvfork.server.engine.cache.sessions import NamedSession
+from kvfork.server.engine.loop.request import Landed, Queued, Request, RequestHandle
+from kvfork.server.engine.policy.rates import Rates
 
 SCOPE = "scope-a"
 MIN = 64  # --active-prefix-reuse-min-tokens and --prefix-cache-min-tokens, as the daemon's defaults

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvfork.server.engine.rates import Rates, RateTracker
+from kvfork.server.engine.policy.rates import Rates, RateTracker
 
 def test_rate_tracker_starts_from_the_prior_and_follows_measurements():
     tracker = RateTracker(prior=Rates(prefill_tps=123.0, clone_fixed_s=0.5, clone_s_per_token=0.25))

@@ -13,7 +13,7 @@ from backend_fixtures import backend_name, prompt  # noqa: F401  (fixture: each 
 from engine_harness import WHOLE_PROMPTS, collect, real_engine, references, request, run, settled
 from scripted_backend import Gate
 from kvfork.backends.base import SamplingParams
-from kvfork.server.engine.matching import common_prefix
+from kvfork.server.engine.policy.matching import common_prefix
 
 
 async def test_batched_requests_equal_lone_runs_and_the_cache_serves_exactly(backend_name, arch, tiny_model_dir):

@@ -1,13 +1,13 @@
-"""Every transition of a request's phase (server/engine/request.py), each the one way into its phase: what
+"""Every transition of a request's phase (server/engine/loop/request.py), each the one way into its phase: what
 it keeps, what it carries across, and the phases it refuses to leave from (an engine bug, WrongPhase)."""
 
 import pytest
 
 from kvfork.backends.base import SamplingParams
-from kvfork.server.engine import request as rq
 from kvfork.server.engine.api import GenerateRequest
-from kvfork.server.engine.follow import FollowOrder
-from kvfork.server.engine.index import Match
+from kvfork.server.engine.cache.index import Match
+from kvfork.server.engine.loop import request as rq
+from kvfork.server.engine.policy.follow import FollowOrder
 
 
 def fresh(rid: int = 1) -> rq.Request:

@@ -7,8 +7,8 @@ import time
 
 from engine_harness import collect, prompt_of, reached, request, run, settled, start_engine, until
 from scripted_backend import Gate, ScriptedBackend
-from kvfork.server.engine.request import Prefilling
 from kvfork.server.engine.api import TokenEvent
+from kvfork.server.engine.loop.request import Prefilling
 
 
 SHARED = prompt_of(60, start=11)

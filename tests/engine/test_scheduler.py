@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvfork.server.engine.scheduler import Running, clamp_max_tokens, fit_admission, plan_step
+from kvfork.server.engine.policy.scheduler import Running, clamp_max_tokens, fit_admission, plan_step
 
 
 def test_every_decoding_request_decodes_before_any_prefill():
@@ -84,8 +84,8 @@ def test_max_tokens_default_and_clamp_to_context():
 
 # ---- the time budget (--max-step-ms), on simulated rates ----
 
-from kvfork.server.engine.rates import RateTracker  # noqa: E402
-from kvfork.server.engine.scheduler import MIN_PREFILL_TOKENS, STRETCH, TimeBudget  # noqa: E402
+from kvfork.server.engine.policy.rates import RateTracker  # noqa: E402
+from kvfork.server.engine.policy.scheduler import MIN_PREFILL_TOKENS, STRETCH, TimeBudget  # noqa: E402
 
 
 class SimulatedBackend:

@@ -89,8 +89,8 @@ async def test_reset_and_delete():
 
 def test_the_cap_is_per_tenant_and_a_tenant_whose_sessions_are_all_busy_runs_without_one():
     """Issue 22: one tenant's sessions never evict another's; issue 23: a busy cap never refuses."""
-    from kvfork.server.engine.index import Index
-    from kvfork.server.engine.sessions import NamedSessions
+    from kvfork.server.engine.cache.index import Index
+    from kvfork.server.engine.cache.sessions import NamedSessions
     from test_index import FULL, KEY
 
     named = NamedSessions(2, Index(FULL, 0, None, 1, KEY))

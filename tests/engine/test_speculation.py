@@ -17,8 +17,8 @@ from engine_harness import TEST_CONFIG, collect, drafted_plans, request, run, se
 from kvfork.backends import create_backend
 from kvfork.backends.base import SamplingParams
 from kvfork.server.engine.config import EngineConfig
-from kvfork.server.engine.engine import Engine
-from kvfork.server.metrics import Registry
+from kvfork.server.engine.loop.engine import Engine
+from kvfork.server.watch.metrics import Registry
 from scripted_drafts import RequestDrafts, ScriptedDrafts
 from tiny_hybrid_models import HYBRID_ARCHS
 
@@ -245,7 +245,7 @@ async def test_plans_with_drafts_replay_on_a_fresh_backend_to_the_same_tokens(ba
     """Verification is part of the step plan: its verify passes and roll backs (Truncate ops) run
     again from the recorded plans alone, to the same tokens."""
     from kvfork.backends import effects as e
-    from kvfork.server.engine import plan as p
+    from kvfork.server.engine.worker import plan as p
 
     folder = tiny_model_dir("llama")
     plans, rids, want = await drafted_plans(create_backend(backend_name), folder,
@@ -261,7 +261,7 @@ async def test_rows_whose_drafts_are_all_rejected_draft_only_to_probe(backend_na
     """The batch-level policy (draft_policy.py): four requests whose drafter proposes a token the model
     never picks stop drafting after their first few drafts, but for a probe every PROBE_EVERY steps,
     whatever the steps' timings; their tokens are those of speculation off."""
-    from kvfork.server.engine.draft_policy import PROBE_EVERY
+    from kvfork.server.engine.policy.draft_policy import PROBE_EVERY
 
     folder, n = tiny_model_dir("llama"), 64
     prompts = [prompt(20, seed=30 + i) for i in range(4)]

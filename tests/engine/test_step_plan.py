@@ -1,4 +1,4 @@
-"""The step as data (server/engine/plan.py, its ops backends/effects.py's): a step's plan is a plain value
+"""The step as data (server/engine/worker/plan.py, its ops backends/effects.py's): a step's plan is a plain value
 that round-trips through msgspec, and the plans an engine ran, replayed on a fresh backend from themselves
 alone, give the same tokens, with every reuse path in play (prefix cache, donor clone, following, n
 choices, named session)."""
@@ -16,7 +16,7 @@ from kvfork.backends import create_backend
 from kvfork.backends import effects as e
 from kvfork.backends.base import KVStorage, SamplingParams, SavedLayer, SavedState
 from engine_harness import collect, real_engine, request, until
-from kvfork.server.engine import plan as p
+from kvfork.server.engine.worker import plan as p
 from tiny_models import write_model
 
 

@@ -86,10 +86,10 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_every_kind_of_import():
     edges = graph()
-    assert "kvfork.server.engine.runner" in edges["kvfork.server.engine.engine"]  # a plain from-import
+    assert "kvfork.server.engine.worker.runner" in edges["kvfork.server.engine.loop.engine"]  # a plain from-import
     # `from kvfork.server.engine import messages`:
-    assert "kvfork.server.engine.messages" in edges["kvfork.server.engine.admission"]
-    assert "kvfork.backends.default_model" in edges["kvfork.server.model_source"]  # an import inside a function
+    assert "kvfork.server.engine.messages" in edges["kvfork.server.engine.loop.admission"]
+    assert "kvfork.backends.default_model" in edges["kvfork.server.launch.model_source"]  # an import inside a function
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

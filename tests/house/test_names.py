@@ -26,7 +26,7 @@ def class_definitions() -> dict[str, list[str]]:
 
 def test_the_scan_sees_every_class():
     where = class_definitions()
-    assert [place.partition(":")[0] for place in where["Engine"]] == ["server/engine/engine.py"]
+    assert [place.partition(":")[0] for place in where["Engine"]] == ["server/engine/loop/engine.py"]
     assert len(where) > 300 and "Row" in where
 
 

@@ -66,7 +66,7 @@ def test_no_module_is_importable_under_two_names():
     root: none of server/, backends/ or tools/ is in sys.modules under its folder's name."""
     from kvfork.server.cli import COMMANDS
 
-    modules = ["kvfork.server.serve", "kvfork.server.distributed", "kvfork.backends.mlx.backend",
+    modules = ["kvfork.server.launch.serve", "kvfork.server.launch.distributed", "kvfork.backends.mlx.backend",
                "kvfork.backends.torch.backend", *(module for module, _ in COMMANDS.values())]
     code = (f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
             f"print(sorted(m for m in sys.modules if m.split('.')[0] in {kvfork.SUBPACKAGES!r} + ('tests',)))")

@@ -11,12 +11,12 @@ ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = ("server", "backends", "tools")
 
 BOUNDED = {
-    "server/settings.py:_base_type": "a type hint's nesting, written in the code",
-    "server/settings.py:_toml_value": "a setting's value: a list of scalars, one level",
+    "server/common/settings.py:_base_type": "a type hint's nesting, written in the code",
+    "server/common/settings.py:_toml_value": "a setting's value: a list of scalars, one level",
     "server/toolcalls/grammar_pieces.py:closed": "a schema's nesting, refused past --max-json-depth before it is "
                                                  "compiled",
-    "server/engine/faults.py:sample": "retries each row alone once (retried=True stops it)",
-    "server/engine/ending.py:complete": "a request ends its choices, which have none of their own",
+    "server/engine/worker/faults.py:sample": "retries each row alone once (retried=True stops it)",
+    "server/engine/loop/ending.py:complete": "a request ends its choices, which have none of their own",
     "tools/clients/fixtures.py:scrub": "a recorded request's JSON nesting",
 }
 # not recursion: each hands on to a method of the same name of another type, or calls a module's function
@@ -24,10 +24,10 @@ HANDS_ON = {
     "backends/torch/kv.py:reserve": "each layer's reserve",
     "server/api/respond.py:start": "each reply's start",
     "server/api/respond.py:whole": "each reply's whole",
-    "server/grammar.py:close": "each worker stream's close",
-    "server/metrics.py:render": "each metric's render",
-    "server/listening.py:listen": "server/app.py's listen",
-    "server/engine/admission.py:give_way": "server/engine/fair_share.py's give_way, the policy it asks",
+    "server/generate/grammar.py:close": "each worker stream's close",
+    "server/watch/metrics.py:render": "each metric's render",
+    "server/launch/listening.py:listen": "server/launch/app.py's listen",
+    "server/engine/loop/admission.py:give_way": "server/engine/policy/fair_share.py's give_way, the policy it asks",
 }
 
 

@@ -131,7 +131,7 @@ def test_a_state_restored_from_disk_against_recomputing_it(backend_name, tiny_mo
     """A prompt's state written to the disk tier's format and read back, less its last token (as the engine
     restores a hit), which is then prefilled on it, against the whole prompt prefilled; the file missing
     one KV row (a middle one) is caught."""
-    from kvfork.server.engine.disk import decode, encode
+    from kvfork.server.engine.cache.disk import decode, encode
 
     pytest.importorskip(backend_name)
     b, tokens = load(backend_name, tiny_model_dir("llama")), prompt(60, seed=6)

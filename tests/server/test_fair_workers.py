@@ -1,4 +1,4 @@
-"""Worker threads tenants share in turn (server/fair_workers.py): a queue of one tenant's jobs never holds another's
+"""Worker threads tenants share in turn (server/guard/fair_workers.py): a queue of one tenant's jobs never holds another's
 back by more than the jobs already running; a job not started when its caller leaves is dropped."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import threading
 
-from kvfork.server.fair_workers import FairWorkers
+from kvfork.server.guard.fair_workers import FairWorkers
 
 
 def test_another_tenant_goes_next_however_many_jobs_one_has_queued():

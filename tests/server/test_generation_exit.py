@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvfork.server.generation import generation
+from kvfork.server.generate.generation import generation
 
 
 class SilentHandle:

@@ -16,10 +16,10 @@ from scripted_backend import ScriptedBackend
 from kvfork.backends import create_backend
 from kvfork.backends.base import SamplingParams
 from kvfork.server.engine.config import EngineConfig
-from kvfork.server.engine.engine import Engine
-from kvfork.server.grammar import GrammarCompiler, GrammarError, JsonObject, JsonSchema, ToolCalls
-from kvfork.server.metrics import Registry
+from kvfork.server.engine.loop.engine import Engine
+from kvfork.server.generate.grammar import GrammarCompiler, GrammarError, JsonObject, JsonSchema, ToolCalls
 from kvfork.server.toolcalls import PARSERS
+from kvfork.server.watch.metrics import Registry
 
 # ---- a grammar the engine tests can steer: a fixed set of tokens, until it dies ----
 

@@ -8,8 +8,8 @@ import logging
 
 from family_models import HARMONY, model_for
 from http_daemon import serving
-from kvfork.server.chat_output import ModelFormats
-from kvfork.server.reasoning import FORMATS, resolve_reasoning
+from kvfork.server.generate.chat_output import ModelFormats
+from kvfork.server.generate.reasoning import FORMATS, resolve_reasoning
 from kvfork.server.toolcalls import resolve_tool_parser
 from streaming_helpers import collect, counting_ids, parse_every_way, run
 
@@ -125,7 +125,7 @@ async def test_a_template_with_unknown_tool_markup_serves_and_warns(tiny_model_d
 
 async def test_markup_tokens_are_kept_for_the_parsers_only(tiny_model_dir, tmp_path):
     """The chat routes' text keeps the model's markup tokens for the parsers; /v1/completions' drops them."""
-    from kvfork.server.chat_output import ModelFormats, start_formats
+    from kvfork.server.generate.chat_output import ModelFormats, start_formats
     from kvfork.server.text.tokenizer import PromptTokenizer
 
     tokenizer = PromptTokenizer.load(str(model_for("harmony", tiny_model_dir("llama"), tmp_path / "harmony")))
@@ -145,8 +145,8 @@ def test_a_checkpoint_that_names_its_parser_gets_it():
 
 def test_every_family_and_thinking_format_is_a_flag_value():
     from kvfork.server.cli import serve_parser
-    from kvfork.server.config import ServerConfig
-    from kvfork.server.settings import from_args
+    from kvfork.server.common.config import ServerConfig
+    from kvfork.server.common.settings import from_args
 
     for tool, thinking in [("glm47", "think"), ("harmony", "harmony"), ("kimi_k3", "kimi_k3"), ("mistral", "mistral"),
                            ("minimax_m2", "gemma4"), ("laguna", "longcat")]:

@@ -11,10 +11,10 @@ import subprocess
 import pytest
 
 from kvfork.server.engine.api import Scope
-from kvfork.server.errors import ApiError
-from kvfork.server.grammar import PARSER_LIMITS, CompileCooling, GrammarCompiler, GrammarError, JsonSchema
-from kvfork.server.grammar_worker import read_message, write_message
-from kvfork.server.isolated import module_command
+from kvfork.server.generate.grammar import PARSER_LIMITS, CompileCooling, GrammarCompiler, GrammarError, JsonSchema
+from kvfork.server.generate.grammar_worker import read_message, write_message
+from kvfork.server.generate.isolated import module_command
+from kvfork.server.guard.errors import ApiError
 
 WIDE = JsonSchema({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(6000)}})
 SMALL = JsonSchema({"type": "object", "properties": {"n": {"type": "integer"}}})
@@ -83,7 +83,7 @@ async def test_a_tenant_whose_compile_timed_out_has_its_next_large_grammars_refu
 def test_the_compile_process_runs_below_the_daemons_cpu_priority(hf):
     """A compile takes what CPU the daemon leaves: another tenant's decode keeps its core (issue 45)."""
     grammars = GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=30.0)
-    proc = subprocess.Popen(module_command("kvfork.server.grammar_worker"), stdin=subprocess.PIPE,
+    proc = subprocess.Popen(module_command("kvfork.server.generate.grammar_worker"), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE)
     try:
         assert proc.stdin is not None and proc.stdout is not None

@@ -1,4 +1,4 @@
-"""Images read and known by their pixels (server/images.py): the four formats (a GIF's first frame), the same
+"""Images read and known by their pixels (server/generate/images.py): the four formats (a GIF's first frame), the same
 pixels the same identity whatever the encoding, any changed pixel another one; URLs kvfork takes; a
 decompression bomb refused by its header before a pixel is decoded."""
 
@@ -12,9 +12,9 @@ import zlib
 import pytest
 from PIL import Image as Pillow
 
-from kvfork.server import images
-from kvfork.server.images import DataUrl, ImageRefused, Images, RemoteUrl, decode, source_of
-from kvfork.server.metrics import Registry
+from kvfork.server.generate import images
+from kvfork.server.generate.images import DataUrl, ImageRefused, Images, RemoteUrl, decode, source_of
+from kvfork.server.watch.metrics import Registry
 
 BIG = 1 << 24
 

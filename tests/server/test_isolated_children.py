@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvfork.server.engine.api import Scope
-from kvfork.server.grammar import GrammarCompiler, JsonSchema
-from kvfork.server.isolated import module_command
+from kvfork.server.generate.grammar import GrammarCompiler, JsonSchema
+from kvfork.server.generate.isolated import module_command
 from kvfork.tools import cluster
 
 
@@ -76,7 +76,7 @@ def test_the_marker_would_have_been_written_by_a_plain_child(hostile_folder):
 
 def test_the_grammar_worker_gets_no_key(monkeypatch):
     """The grammar worker serves no request: it is started without KVFORK_API_KEY and KVFORK_METRICS_KEY."""
-    from kvfork.server import grammar
+    from kvfork.server.generate import grammar
 
     monkeypatch.setenv("KVFORK_API_KEY", "tenant-secret")
     monkeypatch.setenv("KVFORK_METRICS_KEY", "metrics-secret")

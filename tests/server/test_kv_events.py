@@ -1,4 +1,4 @@
-"""KV events in vLLM's format (server/kv_events.py): the ledger's announcements, the chained hashes, and the
+"""KV events in vLLM's format (server/watch/kv_events.py): the ledger's announcements, the chained hashes, and the
 wire, decoded by a real ZMQ subscriber with structs written here from vLLM's published definitions (field
 order matters in msgpack arrays), replay included."""
 
@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from kvfork.server.engine.api import Scope
-from kvfork.server.kv_events import (FORMATS, MEDIUM_DISK, MEDIUM_MEMORY, AllBlocksCleared, BlockLedger, BlockRemoved,
+from kvfork.server.watch.kv_events import (FORMATS, MEDIUM_DISK, MEDIUM_MEMORY, AllBlocksCleared, BlockLedger, BlockRemoved,
                               BlockStored, KVEventBatch, chain_hashes, encode_batch, wire_hash)
 
 zmq = pytest.importorskip("zmq")
@@ -156,7 +156,7 @@ def test_media_are_counted_apart_and_a_scope_is_an_opaque_extra_key():
 
 @pytest.fixture
 def publisher():
-    from kvfork.server.kv_events import KVEventPublisher
+    from kvfork.server.watch.kv_events import KVEventPublisher
 
     pub = KVEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", topic="kv")
     yield pub
@@ -258,7 +258,7 @@ async def test_a_daemon_publishes_what_its_prefix_cache_and_disk_tier_hold(tiny_
     import aiohttp
 
     from http_daemon import chat_body, serving
-    from kvfork.server.engine.disk import SECRET, kv_root
+    from kvfork.server.engine.cache.disk import SECRET, kv_root
 
     async with serving(tiny_model_dir("llama"), engine=dict(prefix_cache_entries=1),
                        kv_events_endpoint="tcp://127.0.0.1:0", kv_events_block_size=4) as d:
@@ -324,7 +324,7 @@ async def test_a_daemon_publishes_what_its_prefix_cache_and_disk_tier_hold(tiny_
 
 
 def test_a_keyed_daemon_publishes_only_where_the_operator_said_who_reads(tmp_path):
-    from kvfork.server.kv_events import readers, refusal
+    from kvfork.server.watch.kv_events import readers, refusal
 
     tcp = "tcp://127.0.0.1:5557"
     assert refusal(tcp, keyed=False, public=False, hashes_only=False) is None  # one tenant: nobody else's prompts
@@ -358,7 +358,7 @@ async def test_a_keyed_daemon_refuses_an_open_endpoint_at_start(tiny_model_dir, 
 
 
 def test_hashes_only_publishes_no_token_ids_nor_scope_keys():
-    from kvfork.server.kv_events import KVEvents
+    from kvfork.server.watch.kv_events import KVEvents
 
     class Collect:
         def __init__(self):
@@ -379,7 +379,7 @@ def test_hashes_only_publishes_no_token_ids_nor_scope_keys():
 
 
 def test_inbound_messages_and_queues_are_capped(publisher):
-    from kvfork.server.kv_events import MAX_INBOUND, QUEUE_BATCHES
+    from kvfork.server.watch.kv_events import MAX_INBOUND, QUEUE_BATCHES
 
     for sock in (publisher._pub, publisher._replay):  # noqa: SLF001  the sockets' options, read back
         assert sock.getsockopt(zmq.MAXMSGSIZE) == MAX_INBOUND

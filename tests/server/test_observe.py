@@ -1,5 +1,5 @@
-"""Observability in the field's terms (server/observe.py): vLLM's metric names and units with its
-model_name label, the stats line while busy, and the access log (server/app.py)."""
+"""Observability in the field's terms (server/watch/observe.py): vLLM's metric names and units with its
+model_name label, the stats line while busy, and the access log (server/launch/app.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from agent_server import agent_model  # noqa: F401 (fixture)
 from http_daemon import chat_body, metrics, serving
-from kvfork.server.observe import Totals, log_stats, stats_line
+from kvfork.server.watch.observe import Totals, log_stats, stats_line
 
 
 class Load:

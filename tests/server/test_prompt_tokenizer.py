@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from kvfork.server.errors import ApiError
+from kvfork.server.guard.errors import ApiError
 from kvfork.server.text.tokenizer import PromptTokenizer
 
 TEMPLATE = (

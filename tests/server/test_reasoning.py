@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from kvfork.server.chat_output import ChatOutputParser, ModelFormats, ToolCall
-from kvfork.server.reasoning import ReasoningSplitter, detect_reasoning, starts_in_reasoning
+from kvfork.server.generate.chat_output import ChatOutputParser, ModelFormats, ToolCall
+from kvfork.server.generate.reasoning import ReasoningSplitter, detect_reasoning, starts_in_reasoning
 from kvfork.server.toolcalls import PARSERS
 from kvfork.server.toolcalls.base import ReasoningDelta, TextDelta
 from streaming_helpers import counting_ids, parse_every_way, run

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from kvfork.server.cli import read_settings, serve_parser
-from kvfork.server.settings import parse_size
+from kvfork.server.common.settings import parse_size
 from test_cli import kvfork, started
 
 
@@ -108,8 +108,8 @@ def test_bad_input_exits_2_with_one_line_naming_what_to_change(tmp_path, file, e
 @pytest.mark.parametrize("file", ['metrics-key = ["s3cret-value"]\n', 'api-key = {key = "s3cret-value"}\n',
                                   'metrics-key = {value = "s3cret-value"}\n'])
 def test_a_secret_of_the_wrong_type_is_not_echoed(tmp_path, file):
-    from kvfork.server.config import ServerConfig
-    from kvfork.server.settings import read_config_file
+    from kvfork.server.common.config import ServerConfig
+    from kvfork.server.common.settings import read_config_file
 
     config = tmp_path / "kvfork.toml"
     config.write_text(file)

@@ -15,9 +15,9 @@ from backend_fixtures import backend_name  # noqa: F401  (fixture: each importab
 from family_models import FAMILIES, model_for
 from kvfork.backends import create_backend
 from http_daemon import serving
-from kvfork.server.chat_output import ModelFormats, start_formats
-from kvfork.server.grammar import GrammarCompiler, grammar_text, request_ask
-from kvfork.server.reasoning import detect_reasoning
+from kvfork.server.generate.chat_output import ModelFormats, start_formats
+from kvfork.server.generate.grammar import GrammarCompiler, grammar_text, request_ask
+from kvfork.server.generate.reasoning import detect_reasoning
 from kvfork.server.text.tokenizer import PromptTokenizer
 from kvfork.server.toolcalls import PARSERS, detect_tool_parser
 from kvfork.server.toolcalls.mlx_lm_parsers import MlxLmParser, mlx_lm_module

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvfork.server.chat_output import ToolCall
+from kvfork.server.generate.chat_output import ToolCall
 from kvfork.server.toolcalls import PARSERS, detect_tool_parser, resolve_tool_parser
 from kvfork.server.toolcalls.base import TextDelta, ToolCallArguments, ToolCallStart
 from streaming_helpers import collect, counting_ids, parse_every_way, run

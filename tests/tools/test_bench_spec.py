@@ -7,7 +7,7 @@ import random
 import sys
 from pathlib import Path
 
-from kvfork.server.engine.drafts import Drafts
+from kvfork.server.engine.worker.drafts import Drafts
 from kvfork.tools.bench import main, paired, spec
 from kvfork.tools.bench.spec_replay import replay_one
 from kvfork.tools.bench.spec_workloads import WORKLOADS, code_file, jobs

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import aiohttp
 
-from kvfork.server.isolated import module_command
+from kvfork.server.generate.isolated import module_command
 from kvfork.tools.bench.client import Record, Target, request_body, stream_chat
 from kvfork.tools.bench.runner import replay
 from kvfork.tools.bench.serve import ServerProcess, exit_on_sigterm, free_port

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from kvfork.server.isolated import module_command
+from kvfork.server.generate.isolated import module_command
 from kvfork.tools.bench import report
 from kvfork.tools.bench.client import Target
 from kvfork.tools.bench.runner import replay
@@ -38,7 +38,7 @@ MODES = {
     "disk-off": lambda k: [*_threshold(k), "--prefix-cache-disk-bytes", "0"],  # "on" without the disk tier
 }
 
-# kvfork's counters (server/engine/telemetry.py): cross-checks of the usage figures.
+# kvfork's counters (server/engine/loop/telemetry.py): cross-checks of the usage figures.
 PREFILLED, REUSED = "kvfork_prefilled_tokens_total", "kvfork_reused_tokens_total"
 
 

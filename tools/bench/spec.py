@@ -11,7 +11,7 @@ medians.
 
 Acceptance, two ways:
 - served: the daemon's drafted and accepted counters per source, where /metrics has them;
-- offline: the drafters (server/engine/drafts.py) replayed over the off daemon's greedy replies,
+- offline: the drafters (server/engine/worker/drafts.py) replayed over the off daemon's greedy replies,
   token by token as verification would take them (a draft's accepted run is its common prefix
   with the reply; the step then commits one more token). Tokens per step is the reply's length
   over the steps it then takes: the most a speedup can be when a verify step costs one decode.

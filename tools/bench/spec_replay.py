@@ -10,7 +10,7 @@ tokenizer's tokens of the text: the same tokens as the model's wherever its text
 
 from __future__ import annotations
 
-from kvfork.server.engine.drafts import Drafts
+from kvfork.server.engine.worker.drafts import Drafts
 from kvfork.tools.bench.spec_workloads import SpecJob
 
 

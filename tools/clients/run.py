@@ -15,15 +15,15 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from kvfork.server.config import ServerConfig
+from kvfork.backends.default_model import ensure_default_model
+from kvfork.backends.home import kvfork_home
+from kvfork.server.common.config import ServerConfig
 from kvfork.server.engine.config import EngineConfig
-from kvfork.server.serve import Daemon, pick_backend
+from kvfork.server.launch.serve import Daemon, pick_backend
+from kvfork.tools.bench.text import words
 from kvfork.tools.clients.clients import CLIENTS, MODEL, Client
 from kvfork.tools.clients.model import write_tiny_long_model
 from kvfork.tools.clients.proxy import TURN, Proxy, ScriptedCall, Subagents
-from kvfork.tools.bench.text import words
-from kvfork.backends.default_model import ensure_default_model
-from kvfork.backends.home import kvfork_home
 
 PROMPTS = (
     f"{TURN}1 Read the file notes.txt in this folder and tell me what it says.",

@@ -7,9 +7,9 @@ import time
 
 import msgspec
 
-from kvfork.server.chat_output import ChatOutput, ChatOutputParser, collect
 from kvfork.server.engine.api import TokenEvent, Usage
-from kvfork.server.generation import ChoiceFinished, Piece
+from kvfork.server.generate.chat_output import ChatOutput, ChatOutputParser, collect
+from kvfork.server.generate.generation import ChoiceFinished, Piece
 from kvfork.server.api.chat.protocol import (
     AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChoiceLogprobs, ChunkChoice, Delta,
     FunctionCall, FunctionDelta, TokenLogprob, ToolCallDelta, ToolCallOut, TopLogprob,

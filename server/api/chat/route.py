@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from kvfork.server.api.chat.reply import ChatReply
 from kvfork.server.api.chat.protocol import ChatCompletionRequest
+from kvfork.server.api.chat.reply import ChatReply
 from kvfork.server.api.diagnosis import asked_by
 from kvfork.server.api.prepare import check_chat, prepare, request_id
 from kvfork.server.api.respond import Choices, decoder, read_body, respond
-from kvfork.server.limits import check_count, check_sampling
-from kvfork.server.state import state_of
+from kvfork.server.common.state import state_of
+from kvfork.server.guard.limits import check_count, check_sampling
 
 DECODE = decoder(ChatCompletionRequest)
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import time
 
-from kvfork.server.generation import ChoiceFinished, Piece
 from kvfork.server.api.completions.protocol import Completion, CompletionChoice, CompletionLogprobs
-from kvfork.server.engine.api import Usage
 from kvfork.server.api.respond import Job, usage_info
 from kvfork.server.api.sse import EventStream
+from kvfork.server.engine.api import Usage
+from kvfork.server.generate.generation import ChoiceFinished, Piece
 from kvfork.server.text.tokenizer import PromptTokenizer
 
 

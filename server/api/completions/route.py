@@ -5,13 +5,13 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from kvfork.server.errors import ApiError, invalid, unsupported
-from kvfork.server.api.completions.reply import CompletionReply
 from kvfork.server.api.completions.protocol import CompletionRequest
-from kvfork.server.api.respond import Choices, Job, decoder, read_body, respond
+from kvfork.server.api.completions.reply import CompletionReply
 from kvfork.server.api.prepare import generate_request, request_id, session_id, stop_strings, token_ids
-from kvfork.server.limits import Limits, check_sampling, over
-from kvfork.server.state import scope_of, state_of
+from kvfork.server.api.respond import Choices, Job, decoder, read_body, respond
+from kvfork.server.common.state import scope_of, state_of
+from kvfork.server.guard.errors import ApiError, invalid, unsupported
+from kvfork.server.guard.limits import Limits, check_sampling, over
 from kvfork.server.text.tokenizer import PromptTokenizer
 
 DECODE = decoder(CompletionRequest)

@@ -14,9 +14,9 @@ import uuid
 import msgspec
 
 from kvfork.server.api.diagnosis import Report
-from kvfork.server.chat_output import ChatOutput, ChatOutputParser, collect
-from kvfork.server.errors import ApiError
-from kvfork.server.generation import ChoiceFinished, Piece
+from kvfork.server.generate.chat_output import ChatOutput, ChatOutputParser, collect
+from kvfork.server.generate.generation import ChoiceFinished, Piece
+from kvfork.server.guard.errors import ApiError
 from kvfork.server.api.messages.protocol import (
     AnthropicUsage,
     ContentBlockDelta,

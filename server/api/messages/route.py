@@ -15,18 +15,18 @@ from typing import TypeVar
 import msgspec
 from aiohttp import web
 
-from kvfork.server.errors import ApiError, from_decode, invalid
-from kvfork.server.limits import check_stops, over
-from kvfork.server.api.messages.reply import MessagesReply, message_id, tool_use_id
-from kvfork.server.engine.api import ContextTooLong
-from kvfork.server.api.messages.translate import UnsupportedContent, chat_request, dropped_tools, items_over
-from kvfork.server.api.messages.protocol import CountTokensRequest, MessagesRequest, TokenCount
 from kvfork.server.api.chat.protocol import ChatCompletionRequest
 from kvfork.server.api.diagnosis import Asked
+from kvfork.server.api.messages.protocol import CountTokensRequest, MessagesRequest, TokenCount
+from kvfork.server.api.messages.reply import MessagesReply, message_id, tool_use_id
+from kvfork.server.api.messages.translate import UnsupportedContent, chat_request, dropped_tools, items_over
 from kvfork.server.api.prepare import Checked, check_chat, prepare, render_prompt
 from kvfork.server.api.respond import decoder, json_response, read_body, report_dropped_tools, respond
 from kvfork.server.api.volatile import strip_system
-from kvfork.server.state import AppState, ModelBounds, state_of, tenant_of
+from kvfork.server.common.state import AppState, ModelBounds, state_of, tenant_of
+from kvfork.server.engine.api import ContextTooLong
+from kvfork.server.guard.errors import ApiError, from_decode, invalid
+from kvfork.server.guard.limits import check_stops, over
 
 PATH = "/v1/messages"
 DECODE_MESSAGES = decoder(MessagesRequest)

@@ -54,7 +54,7 @@ class ResponsesRequest(Struct, kw_only=True):
 class ResponsesContentPart(Struct, kw_only=True):
     type: str
     text: str | None = None
-    image_url: str | None = None  # input_image: a data URL, or an http(s) one (server/images.py)
+    image_url: str | None = None  # input_image: a data URL, or an http(s) one (server/generate/images.py)
 
 
 class MessageItem(Struct, kw_only=True):

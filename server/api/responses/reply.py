@@ -15,10 +15,10 @@ from typing import Callable
 
 import msgspec
 
-from kvfork.server.errors import ApiError
 from kvfork.server.api.diagnosis import Report
-from kvfork.server.chat_output import ChatOutputParser
-from kvfork.server.generation import ChoiceFinished, Piece
+from kvfork.server.generate.chat_output import ChatOutputParser
+from kvfork.server.generate.generation import ChoiceFinished, Piece
+from kvfork.server.guard.errors import ApiError
 from kvfork.server.api.responses.protocol import (
     ArgumentsDelta, ArgumentsDone, ContentPartAdded, ContentPartDone, ErrorEvent, Event, FunctionCallOut,
     IncompleteDetails, InputTokensDetails, OutputItem, OutputItemAdded, OutputItemDone, OutputMessage, OutputText,

@@ -13,16 +13,16 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from kvfork.server.errors import ApiError, from_decode
 from kvfork.server.api.chat.protocol import ChatCompletionRequest
-from kvfork.server.api.responses.protocol import Response, ResponseDeleted, ResponsesRequest
-from kvfork.server.api.responses.reply import ResponsesReply, response_id
-from kvfork.server.api.responses.translate import chat_messages, chat_request, tool_functions, tool_count
 from kvfork.server.api.diagnosis import asked_by
 from kvfork.server.api.prepare import check_chat, prepare
 from kvfork.server.api.respond import decoder, json_response, read_body, report_dropped_tools, respond
-from kvfork.server.limits import check_count, over
-from kvfork.server.state import state_of, tenant_of
+from kvfork.server.api.responses.protocol import Response, ResponseDeleted, ResponsesRequest
+from kvfork.server.api.responses.reply import ResponsesReply, response_id
+from kvfork.server.api.responses.translate import chat_messages, chat_request, tool_functions, tool_count
+from kvfork.server.common.state import state_of, tenant_of
+from kvfork.server.guard.errors import ApiError, from_decode
+from kvfork.server.guard.limits import check_count, over
 
 PATH = "/v1/responses"
 DECODE = decoder(ResponsesRequest)

@@ -35,9 +35,9 @@ from typing import Any, Callable
 
 import msgspec
 
-from kvfork.server.errors import ApiError
 from kvfork.server.api.responses.protocol import Response
-from kvfork.server.limits import over
+from kvfork.server.guard.errors import ApiError
+from kvfork.server.guard.limits import over
 
 
 @dataclass

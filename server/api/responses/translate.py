@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from kvfork.server.errors import ApiError, client_text, from_decode, invalid
+from kvfork.server.guard.errors import ApiError, client_text, from_decode, invalid
 from kvfork.server.api.responses.protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
