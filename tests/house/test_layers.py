@@ -155,7 +155,6 @@ UPWARD = {
     ("kvfork.server.pool.served", "kvfork.server.launch.model_load"),
     ("kvfork.server.pool.served", "kvfork.server.launch.start_progress"),
     ("kvfork.server.pool.specs", "kvfork.server.launch.model_source"),
-    ("kvfork.server.pool.daemon", "kvfork.server.launch.listening"),
 }
 
 
