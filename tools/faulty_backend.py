@@ -164,6 +164,10 @@ class FaultyBackend(Backend):
         return self.inner.mixed_batches
 
     @property
+    def pads_verify(self) -> bool:  # the policy prices drafts as the real backend runs them
+        return self.inner.pads_verify
+
+    @property
     def state_format(self) -> str:  # its saved states are the real backend's
         return self.inner.state_format
 

@@ -218,8 +218,7 @@ class ModelPool:
         return model.known
 
     def reads_images(self, requested: str | None) -> bool:
-        """Whether the model a request names reads images, known without loading it (its folder's config, read
-        as `known`); a model still to be downloaded reads none until its first load has fetched it."""
+        """Whether the model a request names reads images, from its folder's config (none until downloaded)."""
         return self.model(requested).reads_images
 
     def _read_folder(self, model: PooledModel) -> None:

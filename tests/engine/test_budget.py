@@ -305,7 +305,7 @@ async def test_a_running_requests_pinned_images_are_counted_in_its_reservation()
     prompt = prompt_of(10) + keys + prompt_of(5)
     handle = engine.submit(request(prompt, 4, images=(ImageInput(0x1234, 10, 50, 40),)))
     await reached(gate)
-    adm = engine.admission
+    adm = engine.serving.admission
     assert engine.snapshot().reserved == adm.request_bytes(len(prompt), 4, start=0) + 40 * ReadsImages.EMBEDDING
     gate.open()
     await collect(handle)

@@ -116,8 +116,8 @@ async def test_a_named_session_stopped_inside_an_image_resumes_from_the_images_f
     handle.cancel()
     gate.open()
     await collect(handle)
-    await until(lambda: not engine.named.get("s").busy)
-    assert engine.named.get("s").state.tokens == tuple(prompt[:4])  # it stopped at 16, inside the image
+    await until(lambda: not engine.serving.named.get("s").busy)
+    assert engine.serving.named.get("s").state.tokens == tuple(prompt[:4])  # it stopped at 16, inside the image
     warm, _ = await run(engine, prompt, 4, session_id="s", images=images)
     cold, _ = await run(engine, prompt, 4, images=images)
     assert warm == cold
