@@ -46,7 +46,8 @@ def refusal(folder: Path, family: str) -> str | None:
         import torch  # noqa: F401  (the tower's)
     except ImportError:
         return (f"{folder.name} reads images ({family}): its vision tower runs on torch (transformers' modules), "
-                "which does not import here; serve it with --backend torch where torch is installed")
+                "which does not import here: install it (pip install 'kvfork[vision]') or serve it with "
+                "--backend torch")
     return None
 
 
