@@ -10,6 +10,7 @@ from scripted_backend import BYTES_PER_TOKEN as KIB, Gate, ReadsImages, Scripted
 from kvfork.backends.vision import ImageInput
 from kvfork.backends.vision.keys import image_keys
 from kvfork.server.engine.api import CapacityExhausted
+from kvfork.server.engine.cache.index import Index
 from kvfork.server.engine.loop.request import Following, Prefilling, Queued
 
 S, T = 200, 5
@@ -279,7 +280,7 @@ def test_byte_gauges_render_exactly():
     assert Gauge("x", "ratio", lambda: 0.25).render()[-1] == "x 0.25"
 
 
-async def test_admission_evicts_the_entry_a_request_reuses_last():
+async def test_admission_evicts_the_entry_a_request_reuses_last(monkeypatch):
     """Room for a returning request is made from the cache entries it does not start from first: evicting
     its own match (the least recently used) to admit it would turn its reuse into a full prefill."""
     backend = ScriptedBackend()
@@ -289,7 +290,10 @@ async def test_admission_evicts_the_entry_a_request_reuses_last():
         await run(engine, p, 10)
         await settled(engine, backend)
     assert engine.snapshot().cached == 2  # both kept; a is the least recently used
+    lookups, best = [], Index.best
+    monkeypatch.setattr(Index, "best", lambda i, *args, **kw: lookups.append(args) or best(i, *args, **kw))
     tokens, done = await run(engine, a + [7, 8, 9], 10)
+    assert len(lookups) == 1  # placement starts from the lookup admission made room with (Request.found)
     assert done.usage.reused_tokens >= 59  # b gave way, not a
     assert tokens == backend.greedy(a + [7, 8, 9], 10)
     await settled(engine, backend)
