@@ -15,7 +15,7 @@ Its verbs are the only way in (its parts are private: tests/house/test_engine_bo
                                       releases / everything, at shutdown
   request_bytes, choice_bytes, clone_bytes, checkpoints     prices (the backend's KVCost)
   held(), holds(r), in_slot(r), has_capture(r), budget, reserved, queued, paused, queued_tokens, slots_used,
-  captures_in_use, lent              reads (Engine.snapshot(), metrics)
+  captures_in_use, lent              reads (Engine.stats(), metrics)
 
 What the runner holds beyond those holders (pooled blocks, releases in transit, abandoned orders, spilling
 entries) is counted by the LoopLedger (ledger.py) that Serving hands it and enters the runner's answers in;
