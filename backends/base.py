@@ -6,32 +6,26 @@ Sessions hold the KV state of one token sequence. `position` is the number of to
 The engine decides chunking and batching; the backend runs what it is asked to, in as few passes as it can.
 
 Sliding-window rule (every backend obeys it, `clone_refusal` states it):
-  a sliding layer of window W keeps a ring of the last `capacity = W` positions
-  it was written (a backend may transiently hold more, never less). A query at
-  position p attends keys [p - W + 1, p], so a clone at `upto` needs the layer
-  to still hold [max(0, upto - W + 1), upto). With capacity W, a snapshot taken
-  at prompt length L can serve a clone at L - 1, so an identical prompt sent
-  again is served from it. A donor that has moved on further than that has
-  overwritten what the clone needs, and the clone is refused.
+  a sliding layer of window W keeps a ring of the last `capacity = W` positions it was written (a backend may
+  transiently hold more, never less). A query at position p attends keys [p - W + 1, p], so a clone at `upto` needs
+  the layer to still hold [max(0, upto - W + 1), upto). With capacity W, a snapshot taken at prompt length L can serve
+  a clone at L - 1, so an identical prompt sent again is served from it. A donor that has moved on further than that
+  has overwritten what the clone needs, and the clone is refused.
 
 Recurrent rule (every backend obeys it, `clone_positions` states it):
-  a recurrent layer (Gated DeltaNet, Mamba, short convolution) keeps one
-  fixed-size state, that of the session's position. The state at 1,000 cannot
-  give the state at 900, so a session with such layers can be cloned at its
-  position, or at a checkpoint: a position where `keep_at` asked the backend to
-  keep a copy of the recurrent state (`Session.kept`), each costing
-  `ModelInfo.kv.state_bytes`.
+  a recurrent layer (Gated DeltaNet, Mamba, short convolution) keeps one fixed-size state, that of the session's
+  position. The state at 1,000 cannot give the state at 900, so a session with such layers can be cloned at its
+  position, or at a checkpoint: a position where `keep_at` asked the backend to keep a copy of the recurrent state
+  (`Session.kept`), each costing `ModelInfo.kv.state_bytes`.
 
 Saved-state rule (the disk tier's, `export_state` / `import_state` state it):
-  a session's state leaves the device as host arrays in one layout for every
-  backend, layer by layer in model order: a full layer its keys and values for
-  positions [0, position), a sliding layer those it holds, [first, position), a
-  recurrent layer its state arrays (held at `position` only). Keys and values are
-  [kv_heads, tokens, head_dim] in temporal order, in the model's dtype (bfloat16
-  as its uint16 bits: numpy has none), or as the backend stores them under
-  --kv-cache-dtype (`KVStorage`; its `label` is in the disk tier's fingerprint, so a
-  file of another storage is never read). A state imported is a new session that
-  clones and runs exactly as the one exported would have; checkpoints stay behind.
+  a session's state leaves the device as host arrays in one layout for every backend, layer by layer in model order: a
+  full layer its keys and values for positions [0, position), a sliding layer those it holds, [first, position), a
+  recurrent layer its state arrays (held at `position` only). Keys and values are [kv_heads, tokens, head_dim] in
+  temporal order, in the model's dtype (bfloat16 as its uint16 bits: numpy has none), or as the backend stores them
+  under --kv-cache-dtype (`KVStorage`; its `label` is in the disk tier's fingerprint, so a file of another storage is
+  never read). A state imported is a new session that clones and runs exactly as the one exported would have;
+  checkpoints stay behind.
 """
 
 from __future__ import annotations
@@ -44,6 +38,7 @@ from typing import Any, Collection, Container, Literal, Sequence
 import numpy as np
 
 from kvfork.backends.device_memory import DeviceMemory, cpu_memory
+from kvfork.backends.vision import ImageInput, ImageReader
 from kvfork.backends.vision.keys import IMAGE_KEY_BASE
 
 
@@ -64,14 +59,13 @@ class RowState(enum.Enum):
 
 
 class BatchFailed(Exception):
-    """Fault contract of `prefill` and `decode`: a call that fails after it may have changed
-    state raises this, saying per session what it did. (A ValueError from `check_inputs`
-    means every session is untouched.) Anything else a backend raises is a bug, and the
-    engine treats every session of that call as corrupt.
+    """Fault contract of `prefill` and `decode`: a call that fails after it may have changed state raises this,
+    saying per session what it did. (A ValueError from `check_inputs` means every session is untouched.) Anything
+    else a backend raises is a bug, and the engine treats every session of that call as corrupt.
 
-    `logits`, when not None, has one row per session of the call, in call order; only the
-    rows of COMMITTED sessions are valid, so a runner can go on with them without computing
-    anything twice. A COMMITTED session's `position` has advanced; an UNTOUCHED one's has not.
+    `logits`, when not None, has one row per session of the call, in call order; only the rows of COMMITTED
+    sessions are valid, so a runner can go on with them without computing anything twice. A COMMITTED session's
+    `position` has advanced; an UNTOUCHED one's has not.
     """
 
     def __init__(self, cause: BaseException, rows: Sequence[RowState], logits: Any = None):
@@ -140,8 +134,8 @@ class KVStorage:
     auto: the weights' dtype; float16 / bfloat16 / fp8: that element type; int8 / int4: integers in
     per-token groups of `group` along the head dimension, each group with a 16-bit scale and bias
     (x = q * scale + bias), as mlx-lm's QuantizedKVCache groups them; int4 stores keys rotated
-    (`rotates_keys`). The state is written in this
-    form and every copy of it (clones, the prefix cache, sessions, the disk tier) keeps it."""
+    (`rotates_keys`). The state is written in this form and every copy of it (clones, the prefix cache,
+    sessions, the disk tier) keeps it."""
 
     dtype: str = "auto"
     group: int = 64
@@ -311,13 +305,12 @@ class Sampled:
 class SamplerState:
     """One request's sampling settings and its own random stream.
 
-    `rng` is backend-owned (an MLX key or a torch Generator) and is created
-    lazily from `params.seed`, so a seeded request replays exactly.
+    `rng` is backend-owned (an MLX key or a torch Generator) and is created lazily from `params.seed`, so a seeded
+    request replays exactly.
 
-    `allowed` constrains the next pick (a grammar): a packed bitmask, numpy int32
-    [ceil(vocab / 32)], bit t of word t // 32 set when token t may be picked, at
-    least one bit set. The backend masks the row before anything else, on the
-    device; None (the common case) costs nothing.
+    `allowed` constrains the next pick (a grammar): a packed bitmask, numpy int32 [ceil(vocab / 32)], bit t of word
+    t // 32 set when token t may be picked, at least one bit set. The backend masks the row before anything else,
+    on the device; None (the common case) costs nothing.
     """
 
     params: SamplingParams
@@ -436,6 +429,7 @@ class Backend(abc.ABC):
     mixed_batches: bool = False
     pads_verify: bool = False  # `verify` runs every row at the longest row's length (MLX), not ragged: draft_policy
     reusable: Any = None  # what `reuse` handed over, taken by the next `load` (a backend that cannot use it ignores it)
+    vision: ImageReader | None = None  # a model that reads images: its tower and encoder cache (`load` sets it)
 
     @abc.abstractmethod
     def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
@@ -535,13 +529,17 @@ class Backend(abc.ABC):
         has reserved its bytes (`info.kv.bytes_for(position, start=position)`) before calling."""
         raise NotImplementedError(f"{type(self).__name__} cannot load a session's state")
 
-    def encode_images(self, images: Sequence[Any], scope: str) -> int:
-        """Runner thread, as a request starts: each ImageInput (backends/vision) its prefill reads gets its embeddings
-        (from `scope`'s encoder cache or encoded now) held until `release_images`; how many it encoded."""
-        raise NotImplementedError(f"{type(self).__name__} reads no images")
+    def encode_images(self, images: Sequence[ImageInput], scope: str) -> int:
+        """Runner thread, as a request starts: each image its prefill reads gets its embeddings (from `scope`'s
+        encoder cache or encoded now) held until `release_images`; how many it encoded."""
+        if self.vision is None:
+            raise NotImplementedError(f"{type(self).__name__} reads no images")
+        return self.vision.encode(images, scope)
 
     def release_images(self, images: Sequence[int]) -> None:
         """The request that `encode_images` held these images for (their ids) ended."""
+        if self.vision is not None:
+            self.vision.release(images)
 
     @property
     def state_format(self) -> str:

@@ -78,7 +78,7 @@ def prompt_of(n: int, start: int = 3) -> list[int]:
 
 def stored_sessions(engine: Engine) -> int:
     """Sessions the engine keeps on purpose: prefix cache snapshots and named sessions' state."""
-    return engine.snapshot().cached + engine.snapshot().named_holding
+    return engine.stats().cached + engine.stats().named_holding
 
 
 async def settled(engine: Engine, backend, extra: int = 0) -> None:

@@ -56,7 +56,8 @@ least one equal to 1: its relative error u * sqrt(V) becomes an absolute one thr
 logprob is off by u * sqrt(V) of 1 plus its own magnitude (`assert_logprobs_close`). A weight stored in
 a block quantization (GGUF's Q8_0, Q4_0, ...) is rounded to a grid of steps of its block's largest
 magnitude (or range) over the format's levels: off by half a step, a whole one where the top level
-clips, plus the scale's rounding to float16 (`assert_dequantized_close`, a bound that holds always).
+clips, plus the scale's rounding to float16 (`assert_dequantized_close`, a bound that holds always); KV state
+stored in int8 / int4 groups is the same grid per token (`assert_grouped_close`).
 
 "The same greedy tokens" (the user's contract, GUIDE.md) is asserted as tokens plus logits:
 the logits each token was picked from within the bound, and the tokens equal wherever the
@@ -232,3 +233,25 @@ def assert_same_greedy(got: tuple[Sequence[int], Sequence], want: tuple[Sequence
                 f"margin of {margin:.3g}: more than twice the bound {allowed:.3g}")
             return step  # a near tie: both are right, and the continuations part here
     return len(want_tokens)
+
+
+def assert_grouped_close(got, want, *, bits: int, group: int, to_grid: bool = False) -> float:
+    """KV state stored as `bits`-bit integers in groups of `group` values along the last axis, each group with a
+    scale and bias of float16 or wider (--kv-cache-dtype int8 / int4), read back (`got`) against what was written:
+    within half a step of the group (its range over 2^bits - 1 levels) where each value takes the nearest level,
+    plus the scale's and bias's roundings, 2^-10 of the group's largest magnitude. With `to_grid` (mx.quantize) the
+    group's edge of larger magnitude is a whole number of steps (the bias), which widens the step by up to
+    2^(1 - bits) and may clamp the other edge by a step: within a whole step, plus the values' own float16
+    rounding besides, 2^-9. Returns the largest difference against it (1 = at the bound)."""
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape and want.size, f"int{bits}: shapes {got.shape} and {want.shape}"
+    groups = want.reshape(*want.shape[:-1], -1, group)
+    step = np.ptp(groups, axis=-1) / (2**bits - 1)
+    u = UNIT_ROUNDOFF["float16"]
+    steps = step * (1 + 2.0 ** (1 - bits) + 2 * u) if to_grid else step / 2
+    allowed = steps + (4 if to_grid else 2) * u * np.abs(groups).max(axis=-1)
+    diff = np.abs(got - want).reshape(groups.shape).max(axis=-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = float(np.where(diff == 0, 0.0, diff / allowed).max())
+    assert ratio <= 1, f"int{bits}, groups of {group}: off by {diff.max():.3g}, {ratio:.1f}x the bound (tolerance.py)"
+    return ratio

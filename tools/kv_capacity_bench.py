@@ -61,10 +61,10 @@ async def one_storage(args, dtype: str, prompts: list[list[int]]) -> dict:
     try:
         cold = [await ask(engine, f"p{i}", p) for i, p in enumerate(prompts)]
         for _ in range(100):  # the last prompt's capture lands in the cache just after its answer
-            if engine.snapshot().captures_in_use == 0:
+            if engine.stats().captures_in_use == 0:
                 break
             await asyncio.sleep(0.05)
-        kept = engine.snapshot().cached
+        kept = engine.stats().cached
         back = await ask(engine, "back", prompts[0])
         info = engine.info
         assert info is not None

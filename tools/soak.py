@@ -687,17 +687,17 @@ def _checks(c: SoakConfig, report: SoakReport, d: Daemon, recorder: Recorder, re
                         + f" (+{landed_elsewhere} elsewhere)")
 
     # what is held once the clients are gone (gauges where /metrics has them; else the engine, in-process)
-    snap = d.engine.snapshot()
-    live, cache, named = m.get("kvfork_live_sessions", -1), snap.cached, snap.named_holding
+    stats = d.engine.stats()
+    live, cache, named = m.get("kvfork_live_sessions", -1), stats.cached, stats.named_holding
     report.add("live sessions = cache entries + named sessions", f"{live:g} = {cache} + {named}",
                "equal", live == cache + named)
     reserved = m.get("kvfork_kv_reserved_bytes", -1)
     report.add("reserved bytes", f"{reserved:g}", "0", reserved == 0)
     # The backend's published KVCost says how far its own count may stray: exact on torch; on MLX a
     # fraction of the figure plus one step of slots per session it holds.
-    held, view, kv = m.get("kvfork_kv_bytes", -1), snap.held, d.engine.info.kv
+    held, view, kv = m.get("kvfork_kv_bytes", -1), stats.held, d.engine.info.kv
     slack = kv.tolerance * view + (live * kv.step * kv.full_bytes_per_token if kv.tolerance else 0)
-    report.add("backend bytes = budget's view (snapshot().held)", f"{held:g} vs {view}",
+    report.add("backend bytes = budget's view (stats().held)", f"{held:g} vs {view}",
                "equal" if not kv.tolerance else f"within {kv.tolerance:.0%} + a step per session",
                abs(held - view) <= slack)
     report.add("calls after which the backend held > --kv-budget-bytes", f"{faulty.watch.over_budget} "

@@ -29,7 +29,7 @@ from kvfork.backends.mlx.batch import DecodeBatch, cache_marks, unmoved
 from kvfork.backends.mlx.last_token import last_logits, supports_last_position
 from kvfork.backends.mlx.loading import load_model
 from kvfork.backends.mlx.mlx_lm_caches import write_index
-from kvfork.backends.vision import ImageInput
+from kvfork.backends.mlx.vision import MLXVisionReader
 from kvfork.backends.vision.positions import RopeShifts, shifts_upto
 
 
@@ -49,6 +49,7 @@ class MLXBackend(Backend):
         """`group`: an `mx.distributed` group to split the model over (loading.load_model); None: one rank."""
         self.group = group
         self.kv_storage, self.encoder_cache_bytes = KVStorage(), 0  # as set before `load`
+        self.vision: MLXVisionReader | None = None  # a model that reads images (vision.py)
 
     def set_kv_storage(self, storage: KVStorage) -> None:
         self.kv_storage = storage  # load refuses what MLX or the model's heads cannot take (kv_storage.py)
@@ -64,14 +65,6 @@ class MLXBackend(Backend):
         self._batch = DecodeBatch(self.model)
         self._last_only = supports_last_position(self.model)
         return self.info
-
-    def encode_images(self, images: Sequence[ImageInput], scope: str) -> int:
-        assert self.vision is not None, "the model reads no images"
-        return self.vision.encode(images, scope)
-
-    def release_images(self, images: Sequence[int]) -> None:
-        assert self.vision is not None, "the model reads no images"
-        self.vision.release(images)
 
     def memory(self, step_tokens: int) -> DeviceMemory:
         """Apple Silicon's unified memory (MLX's wired limit raised to Metal's working set), else the CPU's."""

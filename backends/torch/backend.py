@@ -30,7 +30,6 @@ from kvfork.backends.torch.gated_delta import RecurrentState
 from kvfork.backends.torch.hybrid import HybridTransformer
 from kvfork.backends.torch.model import Transformer, VarlenRow
 from kvfork.backends.torch.vision import VisionReader, split_weights
-from kvfork.backends.vision import ImageInput
 from kvfork.backends.vision.positions import RopeShifts, shifts_upto
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -107,14 +106,6 @@ class TorchBackend(Backend):
             self.vision = VisionReader(path, tower, self.device, self.dtype, self.encoder_cache_bytes, cfg.hidden_size)
             self.info = dataclasses.replace(info, reads_images=True, image_token_bytes=self.vision.token_bytes)
         return self.info
-
-    def encode_images(self, images: Sequence[ImageInput], scope: str) -> int:
-        assert self.vision is not None, "the model reads no images"
-        return self.vision.encode(images, scope)
-
-    def release_images(self, images: Sequence[int]) -> None:
-        assert self.vision is not None, "the model reads no images"
-        self.vision.release(images)
 
     def built(self) -> loading.Built | None:
         return loading.Built(self._source, self.dtype, self.model, self.cfg) if self._source is not None else None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, Sequence
 
 # config.json's model_type -> the family's module in this package (SmolVLM-256M, -500M and -Instruct are idefics3;
 # SmolVLM2's `smolvlm` is the same architecture, transformers' SmolVLM modules subclassing Idefics3's)
@@ -30,6 +30,16 @@ class ImageInput:
     tokens: int  # how many keys it takes: the rows of its embeddings
     load: Callable[[], Any] = lambda: None  # the decoded picture (PIL, RGB): called only when it must be encoded
     whole: bool = False  # its tokens attend each other both ways (ImageProcessing.bidirectional): one chunk holds it
+
+
+class ImageReader(Protocol):
+    """A loaded model's tower and encoder cache, as a backend holds it (Backend.vision)."""
+
+    def encode(self, images: Sequence[ImageInput], scope: str) -> int:
+        """Hold each image's embeddings until `release`, encoding those `scope`'s cache lacks; how many it encoded."""
+
+    def release(self, images: Sequence[int]) -> None:
+        """The request these images (their ids) were held for ended."""
 
 
 def vision_family(config: dict) -> str | None:

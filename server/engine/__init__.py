@@ -7,7 +7,7 @@ Its contracts, here:
 
 Its rooms (docs/architecture.md walks one request through them; each room's __init__ lists its modules):
 - loop/: the control loop's state machine. engine.py: the lifecycle (the runner thread, load, failure,
-  shutdown) and `Engine.snapshot()` (snapshot.py); serving.py: the state machine over requests, built once
+  shutdown) and `Engine.stats()` (stats.py); serving.py: the state machine over requests, built once
   the model has loaded; its parts, objects with their own state, by the phases they move: parking.py
   (Following, Restoring), progress.py (Prefilling, Decoding), ending.py (Finished); request.py: one request, a state per phase;
   admission.py: the KV budget and the queue; ledger.py, loans.py: bytes the runner holds or a pool borrows;

@@ -157,7 +157,7 @@ async def test_messages_a_disk_copy_dearer_to_read_than_to_compute_says_so(agent
                            stream, headers={})
         other = messages_body(system="Another agent entirely. " * 12)
         await post(http, daemon.url, "/v1/messages", other, stream, headers={})  # its entry evicts the first's
-        await until(lambda: asyncio.sleep(0, daemon.engine.snapshot().on_disk), lambda n: n >= 1, "the first on disk")
+        await until(lambda: asyncio.sleep(0, daemon.engine.stats().on_disk), lambda n: n >= 1, "the first on disk")
         daemon.engine.rates = RateTracker(prior=Rates(read_bps=1.0))  # a disk far slower than computing
         second = await post(http, daemon.url, "/v1/messages",
                             messages_body(diagnostics={"previous_message_id": first["id"]}), stream, headers={})

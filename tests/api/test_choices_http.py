@@ -132,7 +132,7 @@ async def test_a_disconnect_cancels_every_choice(tiny_model_dir, http):
             response.close()
         await until(read, lambda m: m.get('kvfork_requests_total{finish_reason="cancelled"}') == 3
                     and m["kvfork_running_requests"] == 0, "every choice cancelled")
-        stored = d.state.engine.snapshot().cached
+        stored = d.state.engine.stats().cached
         await until(read, lambda m: m["kvfork_live_sessions"] == stored and m["kvfork_kv_reserved_bytes"] == 0,
                     "every session released")
         assert backend.live_sessions() == stored

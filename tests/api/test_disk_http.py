@@ -28,7 +28,7 @@ async def cached(http, daemon, text: str = PROMPT, key: str | None = None) -> in
 
 
 async def spilled(daemon) -> None:
-    await until(lambda: daemon.engine.snapshot().spilling == 0)
+    await until(lambda: daemon.engine.stats().spilling == 0)
 
 
 pytestmark = pytest.mark.usefixtures("disk_beats_prefill")  # conftest.py: the tier is worth reading
@@ -42,7 +42,7 @@ async def test_an_evicted_prompt_comes_back_from_disk_then_after_a_restart(tiny_
             assert await cached(http, daemon) == 0
             assert await cached(http, daemon, "something else entirely, long enough to be kept " * 3) == 0
             await spilled(daemon)  # the first prompt left memory for disk
-            assert daemon.engine.snapshot().on_disk == 1
+            assert daemon.engine.stats().on_disk == 1
             assert await cached(http, daemon) > 0
         lines = [json.loads(r.getMessage().split(" ", 1)[1]) for r in caplog.records if r.name == "kvfork.requests"]
         assert lines[-1]["reuse_source"] == "disk" and lines[-1]["disk"] == "restore"

@@ -76,7 +76,7 @@ async def test_reuse_answers_as_reuse_off_at_a_quantized_storage(http, wide_llam
     async with daemon_at(wide_llama, backend, dtype) as daemon:  # a restart: the files are the prefix cache
         restored, reused = await ask(http, daemon, user(asked))
         assert reused > 0 and restored == cold
-        assert daemon.engine.snapshot().on_disk > 0
+        assert daemon.engine.stats().on_disk > 0
     async with daemon_at(wide_llama, backend, other) as daemon:  # another storage: another fingerprint
         _, reused = await ask(http, daemon, user(asked))
         assert reused == 0

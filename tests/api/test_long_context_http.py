@@ -60,8 +60,8 @@ async def test_prompts_leaving_a_long_cached_one_reuse_it_before_and_after_a_res
     async with aiohttp.ClientSession(timeout=timeout) as http:
         async with serving(long_context_model, create_backend(backend), engine=ENGINE) as daemon:
             assert await complete(http, daemon.url, long) == 0
-            await until(lambda: daemon.engine.snapshot().cached == 1)  # its snapshot is in the cache
+            await until(lambda: daemon.engine.stats().cached == 1)  # its snapshot is in the cache
             assert await cached_everywhere(http, daemon.url, cases) == want
         async with serving(long_context_model, create_backend(backend), engine=ENGINE) as daemon:  # a restart
-            assert daemon.engine.snapshot().on_disk >= 1  # the cache went to disk at shutdown
+            assert daemon.engine.stats().on_disk >= 1  # the cache went to disk at shutdown
             assert await cached_everywhere(http, daemon.url, after_restart) == want

@@ -35,7 +35,7 @@ async def test_an_index_that_raises_leaves_the_request_to_a_fresh_prefill(tiny_m
     async with aiohttp.ClientSession() as http:
         async with serving(tiny_model_dir("llama"), create_backend(backend), engine=ENGINE) as daemon:
             first = await complete(http, daemon.url, PROMPT)
-            await until(lambda: daemon.engine.snapshot().cached == 1)
+            await until(lambda: daemon.engine.stats().cached == 1)
             reused = await complete(http, daemon.url, PROMPT + [7])
             assert cached(reused) == len(PROMPT)
 
@@ -68,7 +68,7 @@ async def test_a_disk_entry_whose_use_raises_is_dropped_and_never_served_again(t
         async with serving(tiny_model_dir("llama"), create_backend("torch"), engine=ENGINE) as daemon:
             await complete(http, daemon.url, PROMPT)
             await complete(http, daemon.url, [9] * 100)  # pushes PROMPT out of memory, onto disk
-            await until(lambda: daemon.engine.snapshot().on_disk == 1 and daemon.engine.snapshot().spilling == 0)
+            await until(lambda: daemon.engine.stats().on_disk == 1 and daemon.engine.stats().spilling == 0)
 
             def broken(self, upto):
                 raise ValueError("a state that disagrees with its file")

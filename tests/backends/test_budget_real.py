@@ -67,8 +67,8 @@ async def test_after_a_run_the_budget_holds_what_the_backend_holds(backend_name,
                          run(engine, prompt(30, seed=8), 12, session_id="b"))
     await run(engine, prompts[0] + [5, 6], 4)  # served from the cache
     await settled(engine, backend)
-    held, holds = engine.snapshot().held, backend.total_bytes()
-    assert engine.snapshot().reserved == 0 and engine.snapshot().cached >= 3 and engine.snapshot().named_holding == 2
+    held, holds = engine.stats().held, backend.total_bytes()
+    assert engine.stats().reserved == 0 and engine.stats().cached >= 3 and engine.stats().named_holding == 2
     if kv.tolerance == 0:
         assert held == holds
     else:

@@ -13,7 +13,7 @@ import backend_fixtures
 from backend_fixtures import assert_close, assert_greedy_close, continue_greedy, fresh, lent, prompt, release_all
 from tiny_hybrid_models import write_hybrid_model
 from tiny_models import write_model
-from tolerance import Kind
+from tolerance import Kind, assert_arrays_close, assert_grouped_close
 
 pytest.importorskip("mlx_lm")
 
@@ -58,13 +58,7 @@ def test_a_grouped_row_is_read_within_a_step_of_what_was_written(bits, group):
     q, scales, biases = storage.attended(stored)
     assert scales.dtype == mx.float32
     back = np.array(mx.dequantize(q, scales, biases, group_size=group, bits=bits))
-    spans, step = x.reshape(1, 2, 300, -1, group), np.abs(np.array(scales))
-    # mx.quantize makes the group's edge of larger magnitude a whole number of steps (its bias), which moves the
-    # step by at most one part in 2^(bits-1) and may clamp the other edge by up to a step
-    assert (step <= (spans.max(-1) - spans.min(-1)) / (2**bits - 1) * (1 + 2.0 ** (1 - bits) + 2.0**-10)).all()
-    # a step, and float16 elements, scale and bias rounding: 2^-10 of the group's largest magnitude
-    slack = step + np.abs(spans).max(-1) * 2.0**-9
-    assert (np.abs(back - x).reshape(1, 2, 300, -1, group).max(-1) <= slack).all()
+    assert_grouped_close(back, x, bits=bits, group=group, to_grid=True)
     part = storage.attended(stored[:, :, 100:200])  # a slice of rows is read alone
     assert np.array_equal(np.array(mx.dequantize(*part, group_size=group, bits=bits)), back[:, :, 100:200])
 
@@ -78,9 +72,9 @@ def test_the_rotation_is_the_normalised_sylvester_hadamard_matrix_and_keeps_q_do
     rng = np.random.default_rng(1)
     x = rng.standard_normal((3, n)).astype(np.float32)
     rotated = kv_storage.RotatedRoPE(lambda a, offset=0: a)(mx.array(x))
-    np.testing.assert_allclose(np.array(rotated), x @ h, atol=1e-5)
-    np.testing.assert_allclose(h @ h.T, np.eye(n), atol=1e-12)
-    np.testing.assert_allclose(np.array(rotated @ rotated.T), x @ x.T, rtol=1e-4, atol=1e-4)
+    assert_arrays_close(np.array(rotated), x @ h, kind=Kind.FORMS, reductions=(n,))
+    np.testing.assert_array_equal(h @ h.T, np.eye(n))  # entries of +-1/8: every product and sum exact
+    assert_arrays_close(np.array(rotated @ rotated.T), x @ x.T, kind=Kind.FORMS, reductions=(n, n))
 
 
 def test_rotated_int4_keys_score_closer_to_full_precision_than_unrotated_on_an_outlier_channel():

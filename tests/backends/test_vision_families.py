@@ -123,12 +123,13 @@ def test_chunked_prefill_and_decode_match_transformers(case):
 
 @pytest.mark.numeric
 def test_the_images_pixels_reach_the_text_model(case):
-    """Other pictures of the same sizes change the logits after them (a tower or projector that output zeros
-    would make the comparisons above blind to the images)."""
+    """Other pictures of the same sizes change the logits after them past what rounding explains (a tower or
+    projector that output zeros would make the comparisons above blind to the images)."""
     case, want = case
     other = case.reference([_picture(100 + i, p.size) for i, p in enumerate(case.pictures)])
     after = case.inputs[0].end
-    assert np.abs(other[after:] - want[after:]).max() > 1e-2
+    with pytest.raises(AssertionError, match=Kind.FORMS.value):
+        case.close(other[after:], want[after:], len(case.tokens))
 
 
 @pytest.mark.numeric

@@ -92,9 +92,9 @@ async def test_requests_sharing_a_long_prefix_hold_it_once_and_answer_as_reuse_o
     assert max(seen) >= 2, "no block was ever shared"
 
     await settled(engine, backend)
-    snap = engine.snapshot()
-    assert snap.reserved == 0 and not snap.in_transit
-    assert snap.held == backend.total_bytes()
+    stats = engine.stats()
+    assert stats.reserved == 0 and not stats.in_transit
+    assert stats.held == backend.total_bytes()
     assert engine.metrics.budget_exceeded.get() == 0
     await engine.shutdown(1)
     assert backend.live_sessions() == 0 and not backend.pool.stores and backend.total_bytes() == 0
@@ -145,7 +145,7 @@ async def test_a_tight_budget_keeps_the_cached_prompts_it_holds(tiny_model_dir):
     for text in prompts:
         await run(engine, text, max_tokens)
         await settled(engine, engine.backend)
-    assert engine.snapshot().cached == 3
+    assert engine.stats().cached == 3
     _, done = await run(engine, prompts[1], max_tokens)
     assert done.usage.reused_tokens == p - 1
     await settled(engine, engine.backend)

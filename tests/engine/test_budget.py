@@ -10,6 +10,7 @@ from scripted_backend import BYTES_PER_TOKEN as KIB, Gate, ReadsImages, Scripted
 from kvfork.backends.vision import ImageInput
 from kvfork.backends.vision.keys import image_keys
 from kvfork.server.engine.api import CapacityExhausted
+from kvfork.server.engine.cache.index import Index
 from kvfork.server.engine.loop.request import Following, Prefilling, Queued
 
 S, T = 200, 5
@@ -47,7 +48,7 @@ async def test_idle_named_sessions_give_way_and_their_owners_start_cold():
     for name, p in (("a", a), ("b", b)):
         tokens, done = await run(engine, p, 10, session_id=name)
         assert done.finish_reason == "length"
-    assert engine.snapshot().held == 2 * 39 * KIB  # both idle, 39 tokens committed each
+    assert engine.stats().held == 2 * 39 * KIB  # both idle, 39 tokens committed each
     # a newcomer needs 40 of the 22 left: the least recently used idle session gives way, at once
     tokens, done = await run(engine, prompt_of(30, start=3), 10)
     assert done.finish_reason == "length" and done.usage.queue_s < 30
@@ -57,7 +58,7 @@ async def test_idle_named_sessions_give_way_and_their_owners_start_cold():
     assert done.finish_reason == "length" and done.usage.reused_tokens == 0
     assert tokens == backend.greedy(a + [7], 4)
     await settled(engine, backend)
-    assert engine.snapshot().held == backend.total_bytes()
+    assert engine.stats().held == backend.total_bytes()
     await engine.shutdown(1)
 
 
@@ -72,7 +73,7 @@ async def test_parked_followers_count_against_max_queue():
         except CapacityExhausted:
             refused += 1
         assert engine.waiting() <= 1
-    assert engine.snapshot().following == 1 and refused == 4  # the leader runs, one follows, the rest: 429
+    assert engine.stats().following == 1 and refused == 4  # the leader runs, one follows, the rest: 429
     for p, (tokens, done) in zip(prompts, await asyncio.gather(*(collect(h) for h in handles))):
         assert done.finish_reason == "length" and tokens == backend.greedy(p, 4)
     await engine.shutdown(1)
@@ -92,7 +93,7 @@ async def test_landed_clones_are_inside_the_budget():
     assert backend.peak <= budget
     assert engine.metrics.budget_exceeded.get() == 0
     await settled(engine, backend)
-    assert engine.snapshot().reserved == 0 and engine.snapshot().held == backend.total_bytes()
+    assert engine.stats().reserved == 0 and engine.stats().held == backend.total_bytes()
     await engine.shutdown(1)
 
 
@@ -126,21 +127,21 @@ async def test_a_loan_gives_way_before_the_prefix_cache():
     engine = await start_engine(backend, kv_budget_bytes=100 * KIB, prefix_cache_min_tokens=16, queue_timeout=30)
     cached = prompt_of(30, start=1)
     await run(engine, cached, 10)
-    await until(lambda: engine.snapshot().cached == 1)
-    held, called = engine.snapshot().held, []
+    await until(lambda: engine.stats().cached == 1)
+    held, called = engine.stats().held, []
     assert engine.serving.admission.lend("too big", 100 * KIB - held + 1, lambda: called.append("too big")) is None
     end = engine.serving.admission.lend("kept", 30 * KIB, lambda: called.append("kept"))
     assert end is not None
-    assert engine.snapshot().held == held + 30 * KIB and engine.utilization().used_tokens == 0
+    assert engine.stats().held == held + 30 * KIB and engine.utilization().used_tokens == 0
     tokens, done = await run(engine, prompt_of(10, start=2), 20)  # 30 tokens fit beside the loan and the cache
     assert called == [] and done.finish_reason == "length"
     short = prompt_of(10, start=3)
     tokens, done = await run(engine, short, 50)  # 60 do not: the loan goes, the cache stays
-    assert called == ["kept"] and engine.snapshot().cached == 1
+    assert called == ["kept"] and engine.stats().cached == 1
     assert done.finish_reason == "length" and tokens == backend.greedy(short, 50)
     end()  # called back already: nothing to end
     await settled(engine, backend)
-    assert engine.snapshot().held == backend.total_bytes()
+    assert engine.stats().held == backend.total_bytes()
     await engine.shutdown(1)
 
 
@@ -182,7 +183,7 @@ async def test_a_clone_now_order_stays_held_after_its_request_leaves():
     assert isinstance(started.phase, Prefilling) and started.phase.donor_upto  # its Start carries the donor clone
     await reached(gate)  # the runner is making the clone
     recipient.cancel()
-    assert engine.snapshot().held >= 245 * KIB + 200 * KIB  # the clone is still the runner's to hand back
+    assert engine.stats().held >= 245 * KIB + 200 * KIB  # the clone is still the runner's to hand back
     newcomer = engine.submit(request(prompt_of(20, start=9), 4, rid="newcomer"))
     assert _request_named(engine, "newcomer").phase.__class__ is Queued
     gate.open()
@@ -193,7 +194,7 @@ async def test_a_clone_now_order_stays_held_after_its_request_leaves():
     await collect(donor)
     assert backend.peak <= engine.config.kv_budget_bytes
     await settled(engine, backend)
-    assert engine.snapshot().reserved == 0 and engine.snapshot().held == backend.total_bytes()
+    assert engine.stats().reserved == 0 and engine.stats().held == backend.total_bytes()
     await engine.shutdown(1)
 
 
@@ -216,7 +217,7 @@ async def test_a_served_follow_order_stays_held_after_its_follower_leaves():
     follower.cancel()
     _, done = await collect(follower)
     assert done.finish_reason == "cancelled"
-    assert engine.snapshot().held >= 209 * KIB + 200 * KIB
+    assert engine.stats().held >= 209 * KIB + 200 * KIB
     newcomer = engine.submit(request(prompt_of(20, start=9), 4, rid="newcomer"))
     assert _request_named(engine, "newcomer").phase.__class__ is Queued
     clone.open()
@@ -225,7 +226,7 @@ async def test_a_served_follow_order_stays_held_after_its_follower_leaves():
     await collect(leader)
     assert backend.peak <= engine.config.kv_budget_bytes
     await settled(engine, backend)
-    assert engine.snapshot().reserved == 0 and engine.snapshot().held == backend.total_bytes()
+    assert engine.stats().reserved == 0 and engine.stats().held == backend.total_bytes()
     await engine.shutdown(1)
 
 
@@ -243,7 +244,7 @@ async def test_a_follower_cancelled_before_its_order_is_served_gives_its_bytes_b
     prefill.open()
     await collect(leader)
     await settled(engine, backend)
-    assert engine.snapshot().reserved == 0 and not engine.snapshot().abandoned
+    assert engine.stats().reserved == 0 and not engine.stats().abandoned
     await engine.shutdown(1)
 
 
@@ -260,14 +261,14 @@ async def test_a_queued_request_holds_its_named_sessions_state():
     await reached(gate)
     again = engine.submit(request(turn, 4, rid="again", session_id="a"))  # queued behind the blocker
     assert _request_named(engine, "again").phase.__class__ is Queued
-    assert engine.snapshot().held >= backend.total_bytes()  # the 39 tokens still live are counted
+    assert engine.stats().held >= backend.total_bytes()  # the 39 tokens still live are counted
     gate.open()
     tokens, done = await collect(again)
     assert done.finish_reason == "length" and done.usage.reused_tokens == 39
     assert tokens == backend.greedy(turn, 4)
     await collect(blocker)
     await settled(engine, backend)
-    assert engine.snapshot().reserved == 0 and engine.snapshot().held == backend.total_bytes()
+    assert engine.stats().reserved == 0 and engine.stats().held == backend.total_bytes()
     await engine.shutdown(1)
 
 
@@ -279,7 +280,7 @@ def test_byte_gauges_render_exactly():
     assert Gauge("x", "ratio", lambda: 0.25).render()[-1] == "x 0.25"
 
 
-async def test_admission_evicts_the_entry_a_request_reuses_last():
+async def test_admission_evicts_the_entry_a_request_reuses_last(monkeypatch):
     """Room for a returning request is made from the cache entries it does not start from first: evicting
     its own match (the least recently used) to admit it would turn its reuse into a full prefill."""
     backend = ScriptedBackend()
@@ -288,12 +289,15 @@ async def test_admission_evicts_the_entry_a_request_reuses_last():
     for p in (a, b):
         await run(engine, p, 10)
         await settled(engine, backend)
-    assert engine.snapshot().cached == 2  # both kept; a is the least recently used
+    assert engine.stats().cached == 2  # both kept; a is the least recently used
+    lookups, best = [], Index.best
+    monkeypatch.setattr(Index, "best", lambda i, *args, **kw: lookups.append(args) or best(i, *args, **kw))
     tokens, done = await run(engine, a + [7, 8, 9], 10)
+    assert len(lookups) == 1  # placement starts from the lookup admission made room with (Request.found)
     assert done.usage.reused_tokens >= 59  # b gave way, not a
     assert tokens == backend.greedy(a + [7, 8, 9], 10)
     await settled(engine, backend)
-    assert engine.snapshot().held == backend.total_bytes()
+    assert engine.stats().held == backend.total_bytes()
     await engine.shutdown(1)
 
 
@@ -306,9 +310,9 @@ async def test_a_running_requests_pinned_images_are_counted_in_its_reservation()
     handle = engine.submit(request(prompt, 4, images=(ImageInput(0x1234, 10, 50, 40),)))
     await reached(gate)
     adm = engine.serving.admission
-    assert engine.snapshot().reserved == adm.request_bytes(len(prompt), 4, start=0) + 40 * ReadsImages.EMBEDDING
+    assert engine.stats().reserved == adm.request_bytes(len(prompt), 4, start=0) + 40 * ReadsImages.EMBEDDING
     gate.open()
     await collect(handle)
     await settled(engine, backend)
-    assert engine.snapshot().reserved == 0
+    assert engine.stats().reserved == 0
     await engine.shutdown(1)

@@ -26,7 +26,7 @@ async def test_cancel_mid_prefill():
     assert done.usage.prefilled_tokens < 40
     await settled(engine, backend)
     assert (backend.live_sessions(), backend.total_bytes()) == base
-    assert engine.snapshot().cached == 1 and engine.metrics.captures.get(outcome="stored") == 1
+    assert engine.stats().cached == 1 and engine.metrics.captures.get(outcome="stored") == 1
     await engine.shutdown(1)
 
 
@@ -68,7 +68,7 @@ async def test_cancel_mid_capture_discards_the_snapshot():
     assert engine.metrics.captures.get(outcome="discarded") == 1
     await settled(engine, backend)
     assert (backend.live_sessions(), backend.total_bytes()) == base
-    assert engine.snapshot().captures_in_use == 0
+    assert engine.stats().captures_in_use == 0
     await engine.shutdown(1)
 
 
@@ -87,7 +87,7 @@ async def test_cancel_while_queued_and_the_slot_goes_to_the_next():
     await collect(first)
     tokens, done = await collect(third)
     assert tokens == backend.greedy(prompt_of(12), 3)
-    assert engine.snapshot().slots_used == 0 and engine.snapshot().reserved == 0
+    assert engine.stats().slots_used == 0 and engine.stats().reserved == 0
     await settled(engine, backend)
     await engine.shutdown(1)
 
@@ -116,6 +116,6 @@ async def test_cancel_storm_leaves_nothing_behind():
     dones = [await collect(h) for h in handles]
     assert all(done.finish_reason in ("cancelled", "length") for _, done in dones)
     await settled(engine, backend)
-    assert engine.snapshot().slots_used == 0 and engine.snapshot().reserved == 0
+    assert engine.stats().slots_used == 0 and engine.stats().reserved == 0
     await engine.shutdown(1)
     assert backend.live_sessions() == 0

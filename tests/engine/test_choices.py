@@ -43,7 +43,7 @@ async def test_the_prompt_is_prefilled_once_and_each_other_choice_clones_it():
     assert [u.prefilled_tokens for u in usages] == [len(PROMPT), 0, 0]
     assert [u.generated_tokens for u in usages] == [6, 6, 6]
     await settled(engine, backend)
-    assert backend.live_sessions() == 0 and engine.snapshot().reserved == 0 and engine.snapshot().slots_used == 0
+    assert backend.live_sessions() == 0 and engine.stats().reserved == 0 and engine.stats().slots_used == 0
     await engine.shutdown(1)
 
 
@@ -51,7 +51,7 @@ async def test_the_prompt_is_captured_once_and_reused_by_the_next_request():
     backend = ScriptedBackend()
     engine = await start_engine(backend)
     await asyncio.gather(*(collect(h) for h in engine.submit_choices(request(PROMPT, 4, n=2))))
-    assert engine.snapshot().cached == 1
+    assert engine.stats().cached == 1
     tokens, done = await collect(engine.submit(request(PROMPT, 4)))
     assert done.usage.reused_tokens == len(PROMPT) - 1 and tokens == backend.greedy(PROMPT, 4)
     await engine.shutdown(1)
@@ -66,8 +66,8 @@ async def test_choices_are_admitted_together_with_every_byte_reserved():
     handles = engine.submit_choices(request(PROMPT, 8, n=3))
     await asyncio.sleep(0.05)
     adm = engine.serving.admission
-    snap = engine.snapshot()
-    assert snap.slots_used == 1 and snap.queued == 1  # two slots free: three choices wait for three
+    stats = engine.stats()
+    assert stats.slots_used == 1 and stats.queued == 1  # two slots free: three choices wait for three
     decoding = backend.gates["decode"] = Gate()  # the blocker makes one token: it never decodes
     gate.open()
     await collect(blocker)
@@ -76,12 +76,12 @@ async def test_choices_are_admitted_together_with_every_byte_reserved():
     # choice 0 opened its session empty; the others are clones at the prompt's full length
     choice = adm.choice_bytes(len(PROMPT), 8)
     assert choice == backend.info.kv.bytes_for(len(PROMPT) + 8, start=len(PROMPT))
-    snap = engine.snapshot()
-    assert snap.slots_used == 3 and snap.reserved == adm.request_bytes(len(PROMPT), 8, start=0) + 2 * choice
+    stats = engine.stats()
+    assert stats.slots_used == 3 and stats.reserved == adm.request_bytes(len(PROMPT), 8, start=0) + 2 * choice
     decoding.open()
     await asyncio.gather(*(collect(h) for h in handles))
     await settled(engine, backend)
-    assert engine.snapshot().reserved == 0 and engine.snapshot().slots_used == 0
+    assert engine.stats().reserved == 0 and engine.stats().slots_used == 0
     await engine.shutdown(1)
 
 
@@ -91,7 +91,7 @@ async def test_more_choices_than_slots_or_in_a_named_session_are_refused():
         engine.submit_choices(request(PROMPT, 4, n=3))
     with pytest.raises(InvalidRequest):
         engine.submit_choices(request(PROMPT, 4, n=2, session_id="s"))
-    assert engine.snapshot().reserved == 0 and not list(engine.requests())
+    assert engine.stats().reserved == 0 and not list(engine.requests())
     await engine.shutdown(1)
 
 
@@ -110,7 +110,7 @@ async def test_a_failing_choice_fails_alone(at_output):
         else:
             assert done.finish_reason == "length" and tokens == backend.greedy(PROMPT, 6)
     await settled(engine, backend)
-    assert backend.live_sessions() == 0 and engine.snapshot().reserved == 0
+    assert backend.live_sessions() == 0 and engine.stats().reserved == 0
     await engine.shutdown(1)
 
 
@@ -123,7 +123,7 @@ async def test_a_refused_choice_clone_fails_that_choice_alone():
     for tokens, done in results[1:]:
         assert done.finish_reason == "error" and "clone" in done.error and tokens == []
     await settled(engine, backend)
-    assert backend.live_sessions() == 0 and engine.snapshot().reserved == 0
+    assert backend.live_sessions() == 0 and engine.stats().reserved == 0
     await engine.shutdown(1)
 
 
@@ -147,7 +147,7 @@ async def test_cancelling_every_choice_frees_everything(where):
     if blocker is not None:
         await collect(blocker)
     await settled(engine, backend)
-    assert engine.snapshot().reserved == 0 and engine.snapshot().slots_used == 0 and not list(engine.requests())
+    assert engine.stats().reserved == 0 and engine.stats().slots_used == 0 and not list(engine.requests())
     await engine.shutdown(1)
 
 
@@ -165,9 +165,9 @@ async def test_on_a_real_backend_the_choices_never_hold_more_than_they_reserved(
 
     async def watch() -> None:
         while any(h.done is None for h in handles):
-            snap = engine.snapshot()
-            if snap.slots_used == 3:
-                over.append(snap.total_bytes - snap.reserved)
+            stats = engine.stats()
+            if stats.slots_used == 3:
+                over.append(stats.total_bytes - stats.reserved)
             await asyncio.sleep(0.001)  # each step's report lands between two reads
 
     watcher = asyncio.create_task(watch())
@@ -175,10 +175,10 @@ async def test_on_a_real_backend_the_choices_never_hold_more_than_they_reserved(
     await watcher
     assert [len(tokens) for tokens, _ in results] == [40] * 3
     assert len({tuple(tokens) for tokens, _ in results}) == 1  # greedy: the same answer three times
-    slack = kv.tolerance * engine.snapshot().reserved
+    slack = kv.tolerance * engine.stats().reserved
     assert over and max(over) <= slack
     await settled(engine, engine.backend)
-    assert engine.snapshot().reserved == 0
+    assert engine.stats().reserved == 0
     await engine.shutdown(1)
 
 
@@ -204,7 +204,7 @@ async def test_active_reuse_serves_choices_and_is_served_by_their_prompt():
     assert results[0][0] == alone and results[1][0] == alone[1:]  # choice 1's first token was read above
     await collect(donor)
     await settled(engine, backend)
-    assert backend.live_sessions() == 0 and engine.snapshot().reserved == 0
+    assert backend.live_sessions() == 0 and engine.stats().reserved == 0
     await engine.shutdown(1)
 
 
@@ -225,5 +225,5 @@ async def test_choices_whose_donor_clone_is_refused_go_to_the_runner_with_the_ne
     donor.cancel()
     await collect(donor)
     await settled(engine, backend)
-    assert engine.snapshot().reserved == 0 and engine.snapshot().slots_used == 0
+    assert engine.stats().reserved == 0 and engine.stats().slots_used == 0
     await engine.shutdown(1)

@@ -54,7 +54,7 @@ async def test_restart_restores_an_entry_with_the_same_tokens(tiny_model_dir, ar
     fresh = await spill_and_stop(model, prompt, backend_name)
     engine = await start(model, backend_name)
     try:
-        assert engine.snapshot().on_disk == 1  # rebuilt from the headers
+        assert engine.stats().on_disk == 1  # rebuilt from the headers
         tokens, done = await run(engine, prompt, 6)
         assert done.usage.reuse_source == "disk" and done.usage.reused_tokens == len(prompt) - 1
         assert tokens == fresh
@@ -101,7 +101,7 @@ async def test_another_models_or_dtypes_entries_are_ignored_and_removed(tiny_mod
     for model, dtype in ((tiny_model_dir("qwen3"), "float32"), (tiny_model_dir("llama"), "bfloat16")):
         engine = await start(model, dtype=dtype)
         try:
-            assert engine.snapshot().on_disk == 0
+            assert engine.stats().on_disk == 0
             assert not old.exists()  # no daemon held it: removed, and nothing outside kv/ touched
             _, done = await run(engine, prompt, 2)
             assert done.usage.reuse_source is None
@@ -179,8 +179,8 @@ async def test_a_full_disk_or_read_only_folder_turns_the_tier_off_once(tiny_mode
         for i in range(4):
             _, done = await run(engine, prompt_of(30, i * 50), 2)
             assert done.error is None
-        await until(lambda: engine.snapshot().spilling == 0)
-        assert not engine.snapshot().disk_on
+        await until(lambda: engine.stats().spilling == 0)
+        assert not engine.stats().disk_on
         warnings = [r for r in caplog.records if "disk tier off" in r.getMessage()]
         assert len(warnings) == 1
         _, done = await run(engine, prompt_of(30, 999), 2)  # serving goes on
@@ -198,7 +198,7 @@ async def test_a_read_only_folder_at_start_leaves_the_tier_off(tiny_model_dir, m
     monkeypatch.setattr(disk, "_try_lock", refuse)
     engine = await start(tiny_model_dir("llama"))
     try:
-        assert not engine.snapshot().disk_on
+        assert not engine.stats().disk_on
         assert len([r for r in caplog.records if "disk tier off" in r.getMessage()]) == 1
         _, done = await run(engine, prompt_of(30), 2)
         assert done.finish_reason == "length"
@@ -345,13 +345,13 @@ async def test_a_spill_holds_its_bytes_until_its_file_is_written(tiny_model_dir,
         await run(engine, prompt_of(60), 4)  # its snapshot stays in the cache
         second = engine.submit(request(prompt_of(300, 400), 4, rid="second"))
         assert await asyncio.to_thread(writing.wait, 30)  # the first entry is spilling...
-        snap = engine.snapshot()
-        assert snap.spilling > 0 and snap.held <= snap.budget
-        assert snap.queued == 1  # ...and the second waits for its bytes
+        stats = engine.stats()
+        assert stats.spilling > 0 and stats.held <= stats.budget
+        assert stats.queued == 1  # ...and the second waits for its bytes
         gate.set()
         tokens, done = await collect(second)
-        assert done.finish_reason == "length" and engine.snapshot().spilling == 0
-        assert engine.snapshot().on_disk == 1
+        assert done.finish_reason == "length" and engine.stats().spilling == 0
+        assert engine.stats().on_disk == 1
     finally:
         gate.set()
         await engine.shutdown(1.0)
@@ -365,7 +365,7 @@ async def test_a_longer_prompt_replaces_the_files_of_prompts_it_begins_with(tiny
         await run(engine, short, 2)
         await run(engine, longer, 2)  # spills `short`
         await run(engine, prompt_of(50, 900), 2)  # spills `longer`, which replaces `short`'s file
-        await until(lambda: engine.snapshot().spilling == 0 and engine.snapshot().on_disk == 1)
+        await until(lambda: engine.stats().spilling == 0 and engine.stats().on_disk == 1)
         await until(lambda: len(files(engine)) == 1)
         (entry,) = engine.serving.index.entries("disk")
         assert entry.tokens == tuple(longer)

@@ -169,8 +169,8 @@ async def test_a_hog_pauses_a_request_for_the_innocent_and_it_decodes_on_unchang
     await until(lambda: all(isinstance(_phase(engine, f"a{i}"), Decoding) for i in range(2)))
     innocent = engine.submit(request(prompt_of(20, 900), 4, rid="b0", scope=b))
     assert isinstance(_phase(engine, "a1"), Paused)  # the newest, at once: no end awaited
-    snap = engine.snapshot()
-    assert (snap.paused, snap.queued, snap.slots_used) == (1, 0, 2)
+    stats = engine.stats()
+    assert (stats.paused, stats.queued, stats.slots_used) == (1, 0, 2)
     gate.open()
     (a0, _), (a1, done1), (b0, _) = await asyncio.gather(*(collect(h) for h in (*hog, innocent)))
     # in the runner's calls: b0 prefilled and decoded beside a0 while a1 sat out, then a1 decoded on
@@ -201,12 +201,12 @@ async def test_a_paused_request_cancelled_leaves_nothing_behind(gated):
     _, done = await collect(hog[1])
     assert done.finish_reason == "cancelled"
     await until(lambda: backend.live_sessions() == 2)  # a0's and b0's: a1's session was released
-    snap = engine.snapshot()
-    assert (snap.paused, snap.queued, snap.slots_used) == (0, 1, 2)  # a2 waits: each tenant holds its share
+    stats = engine.stats()
+    assert (stats.paused, stats.queued, stats.slots_used) == (0, 1, 2)  # a2 waits: each tenant holds its share
     engine.submit(request(prompt_of(20, 500), 10_000, rid="b1", scope=Scope("tenant-b")))
-    assert engine.snapshot().paused == 0  # b at its share: nobody pauses for its second request
+    assert engine.stats().paused == 0  # b at its share: nobody pauses for its second request
     engine.submit(request(prompt_of(20, 700), 10_000, rid="c0", scope=Scope("tenant-c")))
-    assert engine.snapshot().paused == 0  # three tenants over two slots: a share of 1, nobody above it
+    assert engine.stats().paused == 0  # three tenants over two slots: a share of 1, nobody above it
     gate.open()
     await engine.shutdown(1)  # everything still running or paused is cancelled and released
     assert backend.live_sessions() == 0
@@ -219,7 +219,7 @@ async def test_a_shutdown_ends_a_paused_request(gated):
     await reached(gate)
     await until(lambda: all(isinstance(_phase(engine, f"a{i}"), Decoding) for i in range(2)))
     engine.submit(request(prompt_of(20, 900), 10_000, rid="b0", scope=Scope("tenant-b")))
-    assert engine.snapshot().paused == 1
+    assert engine.stats().paused == 1
     gate.open()
     await engine.shutdown(1)
     _, done = await collect(hog[1])
@@ -235,10 +235,10 @@ async def test_choices_get_every_slot_they_need_or_nobody_pauses(gated):
     await reached(gate)
     await until(lambda: all(isinstance(_phase(engine, f"a{i}"), Decoding) for i in range(4)))
     engine.submit_choices(request(prompt_of(20, 900), 4, rid="b3", scope=Scope("tenant-b"), n=3))
-    assert (engine.snapshot().paused, engine.snapshot().queued) == (0, 1)
+    assert (engine.stats().paused, engine.stats().queued) == (0, 1)
     engine.submit_choices(request(prompt_of(20, 800), 4, rid="c2", scope=Scope("tenant-c"), n=2))
-    snap = engine.snapshot()  # b's is still next in line, and three tenants make a share of 1 each
-    assert (snap.paused, snap.queued) == (0, 2)
+    stats = engine.stats()  # b's is still next in line, and three tenants make a share of 1 each
+    assert (stats.paused, stats.queued) == (0, 2)
 
 
 async def test_two_choices_take_the_slots_two_pauses_give(gated):
@@ -248,8 +248,8 @@ async def test_two_choices_take_the_slots_two_pauses_give(gated):
     await reached(gate)
     await until(lambda: all(isinstance(_phase(engine, f"a{i}"), Decoding) for i in range(4)))
     handles = engine.submit_choices(request(prompt_of(20, 900), 4, rid="b2", scope=Scope("tenant-b"), n=2))
-    snap = engine.snapshot()
-    assert (snap.paused, snap.queued, snap.slots_used) == (2, 0, 4)
+    stats = engine.stats()
+    assert (stats.paused, stats.queued, stats.slots_used) == (2, 0, 4)
     assert {type(_phase(engine, f"a{i}")) for i in (2, 3)} == {Paused}  # the newest two
     gate.open()
     for handle in handles:

@@ -53,7 +53,7 @@ async def test_a_sample_failure_in_a_decode_batch_fails_only_its_request():
     decodes = [c for c in backend.calls if c[0] == "decode"]
     assert all(len(set(ids)) == len(ids) for _, ids in decodes)
     await settled(engine, backend)
-    assert backend.live_sessions() == 0 and engine.snapshot().reserved == 0
+    assert backend.live_sessions() == 0 and engine.stats().reserved == 0
     await engine.shutdown(1)
 
 
@@ -99,7 +99,7 @@ async def test_a_forward_failure_retries_untouched_keeps_committed_and_fails_cor
     assert done1.finish_reason == "error" and "partly written" in done1.error
     assert tokens1 == backend.greedy(PROMPTS[1], len(tokens1)) and len(tokens1) < 8
     await settled(engine, backend)
-    assert backend.live_sessions() == 0 and engine.snapshot().reserved == 0
+    assert backend.live_sessions() == 0 and engine.stats().reserved == 0
     await engine.shutdown(1)
 
 
@@ -153,10 +153,10 @@ async def test_a_capture_that_runs_out_of_memory_leaves_the_request_whole():
     prompt = prompt_of(40)
     tokens, done = await run(engine, prompt, 6)
     assert done.finish_reason == "length" and tokens == backend.greedy(prompt, 6)
-    assert engine.snapshot().cached == 0
+    assert engine.stats().cached == 0
     assert engine.metrics.captures.get(outcome="failed") == 1
     await settled(engine, backend)
-    assert backend.live_sessions() == 0 and engine.snapshot().reserved == 0
+    assert backend.live_sessions() == 0 and engine.stats().reserved == 0
     await engine.shutdown(1)
 
 
@@ -165,7 +165,7 @@ async def test_a_cache_clone_that_raises_falls_back_to_a_cold_start():
     engine = await start_engine(backend)
     prompt = prompt_of(40)
     await run(engine, prompt, 6)
-    assert engine.snapshot().cached == 1
+    assert engine.stats().cached == 1
     backend.fail = lambda kind, sessions, inputs: MemoryError("out of memory") if kind == "clone" else False
     tokens, done = await run(engine, prompt + [5, 6, 7], 6)
     assert done.finish_reason == "length" and tokens == backend.greedy(prompt + [5, 6, 7], 6)

@@ -354,8 +354,8 @@ async def test_leader_cancelled_at_every_phase(cancel_at):
     assert total == S + 5 * T + max(0, leader_prefilled - S)
     await settled(engine, backend)
     assert backend.live_sessions() == 0
-    snap = engine.snapshot()
-    assert snap.slots_used == 0 and snap.reserved == 0 and not snap.abandoned
+    stats = engine.stats()
+    assert stats.slots_used == 0 and stats.reserved == 0 and not stats.abandoned
     await engine.shutdown(1)
 
 
@@ -464,8 +464,8 @@ async def test_races_repeated():
             assert done.finish_reason in ("length", "cancelled"), (repeat, done)
             assert tokens == backend.greedy(p, len(tokens)), (repeat, done.usage)
         await settled(engine, backend)
-        snap = engine.snapshot()
-        assert snap.slots_used == 0 and snap.reserved == 0 and not snap.abandoned
+        stats = engine.stats()
+        assert stats.slots_used == 0 and stats.reserved == 0 and not stats.abandoned
         assert not engine.serving.following
         await engine.shutdown(1)
         assert backend.live_sessions() == 0

@@ -40,7 +40,7 @@ async def test_a_malformed_file_is_removed_counted_and_never_blocks_start(tiny_m
     path.write_bytes(contents[case])
     engine = await asyncio.wait_for(start(model), 120)  # on main: never ready (503 forever)
     try:
-        assert engine.ready and engine.snapshot().disk_on
+        assert engine.ready and engine.stats().disk_on
         assert not path.exists()
         assert "kvfork_disk_corrupt_files_total 1" in engine.registry.render()
         _, done = await run(engine, prompt_of(20), 2)
@@ -159,7 +159,7 @@ async def test_the_tier_follows_no_link_in_its_folder(tiny_model_dir, tmp_path):
     path.symlink_to(outside)
     engine = await start(model)
     try:
-        assert engine.snapshot().disk_on and not path.exists() and not path.is_symlink()  # the link removed, alone
+        assert engine.stats().disk_on and not path.exists() and not path.is_symlink()  # the link removed, alone
         assert stat.S_IMODE(outside.stat().st_mode) == 0o640 and outside.exists()  # never chmodded
         _, done = await run(engine, prompt_of(40), 2)
         assert done.usage.reuse_source != "disk"  # never read through the link
@@ -170,7 +170,7 @@ async def test_the_tier_follows_no_link_in_its_folder(tiny_model_dir, tmp_path):
     (folder / disk.LOCK).symlink_to(outside)
     engine = await start(model)
     try:
-        assert not engine.snapshot().disk_on and stat.S_IMODE(outside.stat().st_mode) == 0o640
+        assert not engine.stats().disk_on and stat.S_IMODE(outside.stat().st_mode) == 0o640
     finally:
         await engine.shutdown(1.0)
     (folder / disk.LOCK).unlink()
@@ -191,7 +191,7 @@ async def test_a_bad_secret_is_replaced_with_a_warning(tiny_model_dir, kvfork_ho
     with caplog.at_level(logging.WARNING, logger="kvfork.private"):
         engine = await start(model)
     try:
-        assert engine.serving.disk is not None and engine.snapshot().disk_on
+        assert engine.serving.disk is not None and engine.stats().disk_on
         assert any("replacing the secret" in r.getMessage() for r in caplog.records)
         assert not secret.is_symlink() and len(secret.read_bytes()) == 32 and secret.read_bytes() != b"s" * 32
         assert stat.S_IMODE(secret.stat().st_mode) == 0o600

@@ -141,7 +141,7 @@ async def test_a_prompt_sharing_a_finished_conversation_to_a_message_end_is_serv
     assert (done.usage.reuse_source, done.usage.reused_tokens) == ("cache", 48)
     await settled(engine, engine.backend)
     held = engine.backend.total_bytes()
-    assert held == engine.snapshot().cached_bytes  # the snapshots' bytes, checkpoints included, are the cache's
+    assert held == engine.stats().cached_bytes  # the snapshots' bytes, checkpoints included, are the cache's
     await engine.shutdown(1)
     assert engine.backend.live_sessions() == 0
 
@@ -179,9 +179,9 @@ async def test_checkpoints_moved_into_a_snapshot_leave_the_requests_hold(backend
     asked = request(prompt(64, seed=60), 8, rid="talker", boundaries=(24, 48), ignore_eos=True)
     handle = engine.submit(asked)
     await reached(gate)  # the prompt is in and captured; held in its first decode
-    await until(lambda: engine.snapshot().cached == 1)
+    await until(lambda: engine.stats().cached == 1)
     talker = next(r for r in engine.requests() if r.req.request_id == "talker")
-    assert engine.snapshot().cached_bytes == adm.clone_bytes(63) + 2 * engine.info.kv.state_bytes
+    assert engine.stats().cached_bytes == adm.clone_bytes(63) + 2 * engine.info.kv.state_bytes
     assert adm.holds(talker) == adm.request_bytes(64, 8, start=0)  # its checkpoints are the cache's now
     gate.open()
     await collect(handle)

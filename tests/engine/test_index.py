@@ -132,6 +132,20 @@ def test_evict_memory_frees_at_least_what_is_asked():
     assert i.nbytes("memory") == 20
 
 
+def test_a_lookup_less_what_gave_way_is_the_lookup_made_after():
+    """The entries a prompt could start from give way last; what admission found before evicting, less what
+    it evicted, is what the index finds after (placement starts from it: Request.found)."""
+    i, prompt = index(), list(range(1, 40))
+    for sid, n in enumerate((10, 20, 30)):
+        cached(i, prompt[:n], sid, 10)
+    cached(i, [99, 98], 3, 10)
+    before = i.best(prompt, Scope(), disk=False)
+    gone = i.evict_memory(25, before)
+    assert [e.sid for e in gone] == [3, 0, 1]  # the one it does not start from first, then the oldest
+    after = i.best(prompt, Scope(), disk=False)
+    assert before.without(gone) == after and [m.entry.sid for m in after.memory] == [2]
+
+
 def test_a_disabled_prefix_cache_keeps_nothing():
     i = index(entries=0)
     assert not i.worth_capturing(1000)

@@ -81,7 +81,7 @@ async def test_requests_beyond_the_slots_wait_their_turn_exactly(backend_name, t
     prompts = [prompt(20 + i, seed=20 + i) for i in range(5)]
     alone = [(await run(engine, p, 6))[0] for p in prompts]
     handles = [engine.submit(request(p, 6)) for p in prompts]
-    assert engine.snapshot().queued == 3  # two slots: the rest wait
+    assert engine.stats().queued == 3  # two slots: the rest wait
     together = await asyncio.gather(*(collect(h) for h in handles))
     assert [tokens for tokens, _ in together] == alone
     await engine.shutdown(1)

@@ -187,11 +187,11 @@ async def test_a_recipient_cancelled_while_its_clone_is_pending_leaks_nothing():
     gate.open()
     tokens, done = await collect(recipient)
     assert done.finish_reason == "cancelled" and tokens == []
-    assert engine.snapshot().slots_used == 1  # its slot went back with it
+    assert engine.stats().slots_used == 1  # its slot went back with it
     donor.cancel()
     await collect(donor)
     await settled(engine, backend)
-    assert backend.live_sessions() == 0 and engine.snapshot().reserved == 0
+    assert backend.live_sessions() == 0 and engine.stats().reserved == 0
     await engine.shutdown(1)
 
 
@@ -243,7 +243,7 @@ async def test_races_repeated():
                 assert done.finish_reason == "cancelled"
                 assert tokens == backend.greedy(p, len(tokens))
         await settled(engine, backend)
-        assert engine.snapshot().slots_used == 0 and engine.snapshot().reserved == 0
+        assert engine.stats().slots_used == 0 and engine.stats().reserved == 0
         await engine.shutdown(1)
         assert backend.live_sessions() == 0
 
@@ -282,7 +282,7 @@ async def test_capture_runs_after_the_last_prefill_chunk_and_before_the_first_de
     capture = first_index(backend.calls, lambda c: c == ("clone", sid, 40))
     first_decode = first_index(backend.calls, lambda c: c[0] == "decode" and sid in c[1])
     assert last_chunk < capture < first_decode
-    assert engine.snapshot().cached == 1
+    assert engine.stats().cached == 1
     await engine.shutdown(1)
 
 
@@ -319,7 +319,7 @@ async def test_short_prompts_are_not_captured():
     backend = ScriptedBackend()
     engine = await start_engine(backend, prefix_cache_min_tokens=20)
     await run(engine, prompt_of(19), 3)
-    assert engine.snapshot().cached == 0 and backend.live_sessions() == 0
+    assert engine.stats().cached == 0 and backend.live_sessions() == 0
     await engine.shutdown(1)
 
 
@@ -350,7 +350,7 @@ async def test_a_refused_clone_falls_back_to_an_older_entry_then_to_a_full_prefi
     assert tokens == backend.greedy(base + [5], 7)
     assert (done.usage.reused_tokens, done.usage.reuse_source) == (30, "cache")
     assert engine.metrics.clone_refusals.get(source="cache", reason="no_memory") == 1
-    assert engine.snapshot().cached == 3  # the refused entry stays (and the new prompt was captured)
+    assert engine.stats().cached == 3  # the refused entry stays (and the new prompt was captured)
 
     backend.refuse = lambda session, upto: "no_memory"
     tokens, done = await run(engine, base + [6], 4)
@@ -366,7 +366,7 @@ async def test_cache_eviction_by_entries_releases_snapshots():
     for i in range(4):
         await run(engine, prompt_of(20, start=i * 50), 2)
     await settled(engine, backend)
-    assert engine.snapshot().cached == 2 and backend.live_sessions() == 2
+    assert engine.stats().cached == 2 and backend.live_sessions() == 2
     await engine.shutdown(1)
     assert backend.live_sessions() == 0
 
@@ -376,8 +376,8 @@ async def test_metrics_report_the_cache_and_what_the_backend_holds_at_rest():
     engine = await start_engine(backend, prefix_cache_entries=1)
     await run(engine, prompt_of(20, start=1), 2)
     await run(engine, prompt_of(30, start=200), 2)  # its snapshot evicts the first one
-    await until(lambda: engine.snapshot().live_sessions == 1)  # the eviction's release, reported at rest
-    assert engine.snapshot().total_bytes == backend.total_bytes() == 30 * 1024
+    await until(lambda: engine.stats().live_sessions == 1)  # the eviction's release, reported at rest
+    assert engine.stats().total_bytes == backend.total_bytes() == 30 * 1024
     text = engine.registry.render()
     for line in ("kvfork_prefix_cache_entries 1", f"kvfork_prefix_cache_bytes {30 * 1024}", "kvfork_live_sessions 1",
                  'kvfork_prefix_cache_captures_total{outcome="stored"} 2',

@@ -63,7 +63,7 @@ async def test_session_cap_evicts_the_least_recently_used():
     engine = await start_engine(backend, max_named_sessions=2, prefix_cache_entries=0)
     for name in ("a", "b", "c"):
         await run(engine, prompt_of(10), 2, session_id=name)
-    assert engine.serving.named.get("a") is None and engine.snapshot().named_sessions == 2
+    assert engine.serving.named.get("a") is None and engine.stats().named_sessions == 2
     await settled(engine, backend)
     assert backend.live_sessions() == 2
     await engine.shutdown(1)

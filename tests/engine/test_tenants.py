@@ -36,7 +36,7 @@ async def test_the_prefix_cache_serves_only_its_own_scope(other):
     else:
         assert (done.usage.reuse_source, done.usage.reused_tokens, done.usage.prefilled_tokens) == (None, 0, 40)
         assert clones_only_its_own(backend, since)
-        assert engine.snapshot().cached == 2  # one entry per scope, the same tokens
+        assert engine.stats().cached == 2  # one entry per scope, the same tokens
     await engine.shutdown(1)
 
 

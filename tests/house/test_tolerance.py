@@ -14,8 +14,8 @@ from kvfork.backends.base import SavedLayer, SavedState
 from kvfork.backends.torch import attention
 from kvfork.backends.torch.backend import TorchBackend
 import tolerance
-from tolerance import (Kind, Model, assert_dequantized_close, assert_logits_close, assert_logprobs_close,
-                       assert_same_greedy, bound, top_two_margin)
+from tolerance import (Kind, Model, assert_dequantized_close, assert_grouped_close, assert_logits_close,
+                       assert_logprobs_close, assert_same_greedy, bound, top_two_margin)
 
 # A wrong path must miss by this many bounds at least: a bound loosened tenfold still catches each.
 CAUGHT_BY = 10
@@ -219,3 +219,19 @@ def test_logprobs_and_dequantized_weights_catch_a_wrong_path():
     grid[0, 5] += 2 * step[0, 0, 0]
     with pytest.raises(AssertionError, match="Q8_0"):
         assert_dequantized_close(grid, weights, "Q8_0")
+
+
+def test_grouped_kv_catches_a_value_a_step_off():
+    """An int4 grid in groups of 32 (the nearest of 15 steps from the group's minimum) holds against what it
+    rounds, within half a step; one value two steps off is caught (and, to the grid, three steps off)."""
+    x = np.random.default_rng(1).standard_normal((4, 64)) * np.linspace(0.1, 30, 64)
+    groups = x.reshape(4, 2, 32)
+    low, step = groups.min(-1, keepdims=True), np.ptp(groups, -1, keepdims=True) / 15
+    grid = (np.round((groups - low) / step) * step + low).reshape(x.shape)
+    assert_grouped_close(grid, x, bits=4, group=32)
+    grid[2, 40] += 2 * step[2, 1, 0]
+    with pytest.raises(AssertionError, match="int4"):
+        assert_grouped_close(grid, x, bits=4, group=32)
+    grid[2, 40] += step[2, 1, 0]
+    with pytest.raises(AssertionError, match="int4"):
+        assert_grouped_close(grid, x, bits=4, group=32, to_grid=True)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Collection, Hashable, Iterator, Literal, Protocol, Sequence
 
 from kvfork.backends.base import ModelInfo, clone_positions
@@ -96,6 +96,11 @@ class Found:
     @property
     def cached(self) -> int:
         return self.memory[0].upto if self.memory else 0
+
+    def without(self, gone: Collection[Entry]) -> Found:
+        """This lookup once the `gone` entries left the index: the same walk would find the rest in this order."""
+        left = {id(e) for e in gone}
+        return replace(self, memory=[m for m in self.memory if id(m.entry) not in left])
 
 
 class _Node:
@@ -298,11 +303,11 @@ class Index:
         self._remove(entry)
         return entry
 
-    def evict_memory(self, need: int, spare: Collection[Entry] = ()) -> list[Entry]:
+    def evict_memory(self, need: int, spare: Found | None = None) -> list[Entry]:
         """Least recently used memory entries until `need` bytes are freed (or none is left), each freeing its
-        own bytes and the blocks it reads (`Entry.reads`); the `spare` ones (what the request making room would
-        reuse) last."""
-        spared = {id(e) for e in spare}
+        own bytes and the blocks it reads (`Entry.reads`); `spare`'s matches (the lookup of the request making
+        room: what it would reuse) last."""
+        spared = {id(m.entry) for m in spare.memory} if spare else set()
         order = sorted(self._tiers["memory"].values(), key=lambda e: id(e) in spared)  # stable: LRU within each
         out, freed = [], 0
         for entry in order:

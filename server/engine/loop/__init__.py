@@ -18,8 +18,8 @@ views and metrics it publishes.
 - loans.py: Bytes of an engine's KV budget lent to something outside it while the engine does not need them: a
   pool's model kept for its next load (server/pool/kept.py) lives in the KV budget of the model loaded in its
   place
-- snapshot.py: What the engine holds at one moment, as one frozen value: `Engine.snapshot()` (made by
-  `Serving.snapshot`)
+- stats.py: What the engine holds at one moment, as one frozen value: `Engine.stats()` (made by
+  `Serving.stats`)
 - utilization.py: What the engine is carrying right now, as a gateway in front of several replicas reads it
 - telemetry.py: The engine's metrics and its one structured log line per request
 """

@@ -15,7 +15,7 @@ Its verbs are the only way in (its parts are private: tests/house/test_engine_bo
                                       releases / everything, at shutdown
   request_bytes, choice_bytes, clone_bytes, checkpoints     prices (the backend's KVCost)
   held(), holds(r), in_slot(r), has_capture(r), budget, reserved, queued, paused, queued_tokens, slots_used,
-  captures_in_use, lent              reads (Engine.snapshot(), metrics)
+  captures_in_use, lent              reads (Engine.stats(), metrics)
 
 What the runner holds beyond those holders (pooled blocks, releases in transit, abandoned orders, spilling
 entries) is counted by the LoopLedger (ledger.py) that Serving hands it and enters the runner's answers in;
@@ -150,8 +150,7 @@ class Admission:
     # ---- turning away ----
 
     def check(self, req: GenerateRequest, waiting: int) -> Sizes:
-        """Turn away what can never run or cannot wait. `waiting`: the queue and the parked followers,
-        who count against --max-queue alike."""
+        """Turn away what can never run or cannot wait (`waiting`: queued and parked alike, against --max-queue)."""
         n, context = len(req.prompt), self._config.max_context
         assert context is not None  # resolved
         if n == 0:
@@ -206,8 +205,7 @@ class Admission:
         return tuple(inside[-self._config.recurrent_checkpoints:])
 
     def choice_bytes(self, prompt_len: int, max_tokens: int) -> int:
-        """What one more choice over a prompt grows to: a clone at the prompt's full length (its own
-        tokens only, where clones share)."""
+        """One more choice over a prompt: a clone at its full length (its own tokens only, where clones share)."""
         return self.request_bytes(prompt_len, max_tokens, start=prompt_len)
 
     def clone_bytes(self, upto: int) -> int:
@@ -290,7 +288,7 @@ class Admission:
         choices = [head, *head.waiting_siblings]
         if self.slots_used + len(choices) > self._config.inference_slots:
             return None
-        padding = self._padding(choices) - self._padding()
+        padding, head.found = self._padding(choices) - self._padding(), None
         if not self._hold_together([(r, self._slot_bytes(r)) for r in choices], also=padding, admitting=head):
             return None
         del self._queue[at]
@@ -371,9 +369,11 @@ class Admission:
         # A snapshot's own bytes are never read by another session: evicting it frees them (a spilled one once
         # written), and the pooled blocks it was the last to read once the runner reports the release (freeing).
         spilling = self._ledger.spilling
-        spare = admitting and self._index.best(admitting.prompt, admitting.req.scope, disk=False).memory
-        self._drop_entries(self._index.evict_memory(self.held() - self._ledger.freeing + need - self._budget,
-                                                    [m.entry for m in spare or ()]))
+        found = self._index.best(admitting.prompt, admitting.req.scope, disk=False) if admitting else None
+        dropped = self._index.evict_memory(self.held() - self._ledger.freeing + need - self._budget, found)
+        if admitting:
+            admitting.found = found and found.without(dropped)  # its placement's lookup (Request.found)
+        self._drop_entries(dropped)
         spilled = self._ledger.spilling - spilling  # free once written: no named session goes for them
         short = self._budget - (self.held() - spilled - self._ledger.freeing) - need
         if short < 0:

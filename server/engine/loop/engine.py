@@ -35,7 +35,7 @@ from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.loop import request as phase
 from kvfork.server.engine.loop.request import Request, RequestHandle
 from kvfork.server.engine.loop.serving import Serving
-from kvfork.server.engine.loop.snapshot import EngineSnapshot
+from kvfork.server.engine.loop.stats import EngineStats
 from kvfork.server.engine.loop.telemetry import EngineMetrics
 from kvfork.server.engine.loop.utilization import EngineLoad
 from kvfork.server.engine.policy.memory_plan import MemoryPlan
@@ -155,9 +155,9 @@ class Engine:
     def request(self, rid: int) -> Request | None:
         return next((r for r in self.requests() if r.rid == rid), None)
 
-    def snapshot(self) -> EngineSnapshot:
-        """What it holds now, as one frozen value (snapshot.py): what tests, tools and metrics read."""
-        return self.serving.snapshot() if self.loaded else EngineSnapshot()
+    def stats(self) -> EngineStats:
+        """What it holds now, as one frozen value (stats.py): what tests, tools and metrics read."""
+        return self.serving.stats() if self.loaded else EngineStats()
 
     @property
     def rates(self) -> RateTracker:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 from kvfork.server.engine.api import DoneEvent, GenerateRequest, ReuseSource, TokenEvent, Usage
-from kvfork.server.engine.cache.index import Match
+from kvfork.server.engine.cache.index import Found, Match
 from kvfork.server.engine.cache.sessions import NamedSession
 from kvfork.server.engine.policy.follow import FollowOrder
 
@@ -160,6 +160,9 @@ class Request:
     siblings: list["Request"] = field(default_factory=list)
     sent: bool = False
     decision: dict[str, Any] = field(default_factory=dict)  # reuse decision and its inputs, for the log line
+    # Index.best for its prompt (no disk tier), looked up as admission made room for it, less what gave way:
+    # its placement starts from it instead of walking the index again (None: admitting it evicted nothing)
+    found: Found | None = None
     # usage
     reused: int = 0
     reuse_source: ReuseSource | None = None

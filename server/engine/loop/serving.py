@@ -35,7 +35,7 @@ from kvfork.server.engine.policy.placement import (Cached, CloneRunning, Follow,
 from kvfork.server.engine.cache.sessions import NamedSessions
 from kvfork.server.engine.loop.progress import Progress
 from kvfork.server.engine.loop.request import Following, Paused, Queued, Request, RequestHandle
-from kvfork.server.engine.loop.snapshot import EngineSnapshot
+from kvfork.server.engine.loop.stats import EngineStats
 from kvfork.server.engine.loop.telemetry import EngineMetrics
 from kvfork.server.engine.policy.rates import LiveRates
 
@@ -99,10 +99,10 @@ class Serving:
         """The requests it holds now, in admission order (read, never changed)."""
         return list(self._requests.values())
 
-    def snapshot(self) -> EngineSnapshot:
+    def stats(self) -> EngineStats:
         adm, ledger, index, named, disk = self._admission, self._ledger, self._index, self._named, self._disk
         runner = ledger.runner
-        return EngineSnapshot(
+        return EngineStats(
             loaded=True, budget=adm.budget, held=adm.held(), reserved=adm.reserved, pooled=ledger.pooled,
             in_transit=ledger.in_transit, spilling=ledger.spilling, abandoned=ledger.abandoned,
             live_sessions=runner.live_sessions, total_bytes=runner.total_bytes, blocks=runner.blocks,

@@ -14,15 +14,15 @@ from typing import Protocol
 from kvfork.server.engine import messages as m
 from kvfork.server.engine.api import DoneEvent
 from kvfork.server.engine.loop.request import Request
-from kvfork.server.engine.loop.snapshot import EngineSnapshot
+from kvfork.server.engine.loop.stats import EngineStats
 from kvfork.server.engine.loop.utilization import EngineLoad
 from kvfork.server.watch.metrics import Registry
 
 
 class Readings(Protocol):
-    """What the gauges read (engine.Engine is one): its snapshot (all zeros until the model is loaded)."""
+    """What the gauges read (engine.Engine is one): its stats (all zeros until the model is loaded)."""
 
-    def snapshot(self) -> EngineSnapshot: ...
+    def stats(self) -> EngineStats: ...
     def utilization(self) -> EngineLoad: ...
 
 
@@ -84,27 +84,27 @@ class EngineMetrics:
         """Gauges read at scrape time: 0 for what is not there yet (before the model loads, no disk tier)."""
         g = registry.gauge
 
-        def snap(read):
-            return lambda: read(engine.snapshot())
+        def stat(read):
+            return lambda: read(engine.stats())
 
-        g("queue_depth", "requests waiting for a slot", snap(lambda s: s.queued))
-        g("following_requests", "requests parked behind a prefilling leader", snap(lambda s: s.following))
-        g("running_requests", "requests holding an inference slot", snap(lambda s: s.slots_used))
+        g("queue_depth", "requests waiting for a slot", stat(lambda s: s.queued))
+        g("following_requests", "requests parked behind a prefilling leader", stat(lambda s: s.following))
+        g("running_requests", "requests holding an inference slot", stat(lambda s: s.slots_used))
         # The Gateway API Inference Extension's model-server protocol: TotalQueuedRequests, TotalRunningRequests
         # (running_requests above) and KVCacheUtilization, in vLLM's meaning (docs/cluster.md).
         g("waiting_requests", "requests waiting: queued for a slot, or parked behind a prefilling leader",
           lambda: engine.utilization().waiting)
         g("kv_cache_usage_perc", "fraction of the KV budget in use, 0 to 1 (the prefix cache and idle named "
           "sessions give way, so they are not counted)", lambda: engine.utilization().kv_usage)
-        g("live_sessions", "backend sessions open", snap(lambda s: s.live_sessions))
-        g("kv_bytes", "bytes of KV state the backend holds", snap(lambda s: s.total_bytes))
+        g("live_sessions", "backend sessions open", stat(lambda s: s.live_sessions))
+        g("kv_bytes", "bytes of KV state the backend holds", stat(lambda s: s.total_bytes))
         g("kv_budget_held_bytes", "bytes of the KV budget held: reservations, prefix cache, idle named sessions, "
-          "pooled blocks (compare kv_bytes)", snap(lambda s: s.held))
+          "pooled blocks (compare kv_bytes)", stat(lambda s: s.held))
         g("kv_pooled_bytes", "bytes of KV blocks whose writer is gone that other sessions still read",
-          snap(lambda s: s.pooled))
+          stat(lambda s: s.pooled))
 
         def blocks(read):  # a gauge over the backend's blocks, 0 for a backend without them
-            return snap(lambda s: read(s.blocks) if s.blocks is not None else 0)
+            return stat(lambda s: read(s.blocks) if s.blocks is not None else 0)
 
         g("kv_blocks", "blocks of full-attention KV held, each counted once", blocks(lambda b: b.blocks))
         g("kv_blocks_shared", "blocks held by more than one session, cache entry or named session",
@@ -112,19 +112,19 @@ class EngineMetrics:
         g("kv_bytes_saved_by_sharing", "bytes copying clones would hold beyond what sharing holds",
           blocks(lambda b: b.saved_bytes))
         g("kv_reserved_bytes", "bytes of the KV budget reserved by requests and captures",
-          snap(lambda s: s.reserved))
-        g("named_sessions", "named sessions kept", snap(lambda s: s.named_sessions))
-        g("prefix_cache_entries", "snapshots in the prefix cache", snap(lambda s: s.cached))
-        g("prefix_cache_bytes", "bytes of the prefix cache", snap(lambda s: s.cached_bytes))
+          stat(lambda s: s.reserved))
+        g("named_sessions", "named sessions kept", stat(lambda s: s.named_sessions))
+        g("prefix_cache_entries", "snapshots in the prefix cache", stat(lambda s: s.cached))
+        g("prefix_cache_bytes", "bytes of the prefix cache", stat(lambda s: s.cached_bytes))
 
-        g("prefix_cache_disk_entries", "files in the prefix cache's disk tier", snap(lambda s: s.on_disk))
-        g("prefix_cache_disk_bytes", "bytes of the prefix cache's disk tier", snap(lambda s: s.disk_bytes))
-        g("prefix_cache_disk_on", "1 while the disk tier is on", snap(lambda s: int(s.disk_on)))
-        g("prefix_cache_disk_spilled", "entries written to the disk tier since start", snap(lambda s: s.disk_spilled))
+        g("prefix_cache_disk_entries", "files in the prefix cache's disk tier", stat(lambda s: s.on_disk))
+        g("prefix_cache_disk_bytes", "bytes of the prefix cache's disk tier", stat(lambda s: s.disk_bytes))
+        g("prefix_cache_disk_on", "1 while the disk tier is on", stat(lambda s: int(s.disk_on)))
+        g("prefix_cache_disk_spilled", "entries written to the disk tier since start", stat(lambda s: s.disk_spilled))
         registry.counter_view("disk_corrupt_files_total", "disk tier files found torn, corrupt or malformed and "
-                              "removed", snap(lambda s: s.disk_corrupt))
+                              "removed", stat(lambda s: s.disk_corrupt))
         g("prefix_cache_disk_spilling_bytes", "bytes of evicted entries held until their file is written",
-          snap(lambda s: s.spilling))
+          stat(lambda s: s.spilling))
 
     def holding(self, backend_bytes: int, budget: int | None) -> None:
         """The runner's report of what the backend holds, checked against the budget."""

@@ -68,7 +68,8 @@ def take_view(r: Request, requests: Collection[Request], followers: Iterable[Req
     busy = prefilling(requests)
     leaders = (_leaders(r, requests, list(followers), index, rates, busy)
                if policy.min_tokens > 0 and r.named is None else [])
-    return View(index.best(r.prompt, r.req.scope, disk=restore), leaders, rates, busy, policy,
+    found = r.found if r.found is not None and not restore else index.best(r.prompt, r.req.scope, disk=restore)
+    return View(found, leaders, rates, busy, policy,
                 config.prefix_cache_min_tokens, restore, slot, {x.rid: x.req.request_id for x in requests})
 
 

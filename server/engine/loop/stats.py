@@ -1,17 +1,17 @@
-"""What the engine holds at one moment, as one frozen value: `Engine.snapshot()` (made by `Serving.snapshot`).
+"""What the engine holds at one moment, as one frozen value: `Engine.stats()` (made by `Serving.stats`).
 
 Tests, tools and the daemon read the engine through it rather than through its managers' parts; each
 field says where it comes from. Before the model has loaded every figure is 0 and `loaded` is False.
 
-    snap = engine.snapshot()
-    snap.reserved, snap.held, snap.budget     # bytes (Admission): reserved by requests, held in all, the budget
-    snap.pooled, snap.in_transit, snap.spilling, snap.abandoned   # what the loop's ledger counts (ledger.py)
-    snap.live_sessions, snap.total_bytes, snap.blocks   # the backend, as the runner last reported (messages.Ledger)
-    snap.slots_used, snap.queued, snap.paused, snap.following, snap.captures_in_use
-    snap.cached, snap.cached_bytes            # the prefix cache's memory tier (Index)
-    snap.on_disk, snap.disk_bytes, snap.disk_on  # the disk tier's files (Index), their bytes, whether it writes
-    snap.disk_spilled, snap.disk_corrupt      # files it wrote, and bad files it removed, since start
-    snap.named_sessions, snap.named_holding   # named sessions kept, and those holding state
+    stats = engine.stats()
+    stats.reserved, stats.held, stats.budget  # bytes (Admission): reserved by requests, held in all, the budget
+    stats.pooled, stats.in_transit, stats.spilling, stats.abandoned  # what the loop's ledger counts (ledger.py)
+    stats.live_sessions, stats.total_bytes, stats.blocks  # the backend, as the runner last reported (messages.Ledger)
+    stats.slots_used, stats.queued, stats.paused, stats.following, stats.captures_in_use
+    stats.cached, stats.cached_bytes  # the prefix cache's memory tier (Index)
+    stats.on_disk, stats.disk_bytes, stats.disk_on  # the disk tier's files (Index), their bytes, whether it writes
+    stats.disk_spilled, stats.disk_corrupt  # files it wrote, and bad files it removed, since start
+    stats.named_sessions, stats.named_holding  # named sessions kept, and those holding state
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from kvfork.backends.base import BlockStats
 
 
 @dataclass(frozen=True)
-class EngineSnapshot:
+class EngineStats:
     loaded: bool = False
     # the budget (Admission)
     budget: int = 0  # bytes of KV state the engine may hold
