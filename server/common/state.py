@@ -21,7 +21,7 @@ from kvfork.server.guard.errors import ApiError
 from kvfork.server.guard.origin_guard import OriginGuard
 from kvfork.server.guard.slow_clients import SlowClients
 from kvfork.server.guard.tenants import key_tenants, KeyTable, request_key
-from kvfork.server.launch.start_progress import StartProgress
+from kvfork.server.watch.start_progress import StartProgress
 from kvfork.server.text.tokenizer import PromptTokenizer
 from kvfork.server.watch.metrics import Counter, Registry
 from kvfork.server.watch.reuse import ReuseLog

@@ -14,7 +14,7 @@ from kvfork.server.engine.cache.disk import kv_root
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.loop.engine import Engine
 from kvfork.server.launch.model_load import load_model
-from kvfork.server.launch.start_progress import StartProgress
+from kvfork.server.watch.start_progress import StartProgress
 from kvfork.server.pool.kept import Kept
 from kvfork.server.pool.specs import ModelSpec
 from kvfork.server.watch.metrics import Registry
