@@ -9,7 +9,7 @@ command.
 - listening.py: What a daemon (one model's, server/launch/serve.py, or several models', server/launch/pool_daemon.py)
   listens with: its state's application on the configured host and port
 - distributed.py: `kvfork serve --distributed`: the same command on every rank, started by a launcher
-- model_load.py: Loading a model into an AppState: the engine's weights and the tokenizer together, then the
+- model_load.py: Loading a model into its ModelState: the engine's weights and the tokenizer together, then the
   prefix cache's warm prompts; the daemon's one model and each model of a pool load so
 - model_source.py: Where `serve`'s model comes from: a folder on this machine, a hub id already in the local
   cache, or one still to download (the default model: to fetch and convert)

@@ -145,8 +145,6 @@ UPWARD = {
     ("kvfork.server.engine.loop.telemetry", "kvfork.server.watch.metrics"),
     ("kvfork.server.engine.loop.engine", "kvfork.server.watch.metrics"),
     ("kvfork.server.engine.loop.engine", "kvfork.server.common.settings"),
-    ("kvfork.server.common.state", "kvfork.server.api.responses.store"),
-    ("kvfork.server.common.state", "kvfork.server.api.diagnosis"),
     ("kvfork.server.generate.grammar", "kvfork.server.common.settings"),
     ("kvfork.server.generate.grammar", "kvfork.server.common.config"),
     ("kvfork.server.guard.limits", "kvfork.server.common.settings"),
