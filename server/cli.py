@@ -24,7 +24,7 @@ from kvfork.server.common.settings import Layered, add_arguments, describe, from
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.guard.tenants import key_tenants
 from kvfork.server.launch.model_source import Fetch, model_source
-from kvfork.server.launch.start_progress import StartProgress
+from kvfork.server.watch.start_progress import StartProgress
 from kvfork.server.launch.warm import read_warm_file
 from kvfork.server.pool.specs import ModelSpec, model_specs, pool_refusal, several
 

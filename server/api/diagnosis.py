@@ -27,6 +27,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
+from aiohttp import web
+
 from kvfork.backends.vision.keys import IMAGE_KEY_BASE
 from kvfork.server.api.openai import PromptCacheOptions
 from kvfork.server.api.vision import SeenImage, vision_prompt
@@ -198,6 +200,9 @@ class Fingerprints:
     def count_state(self, state: dict[str, Any] | None) -> None:
         if state is not None:
             self.states.inc(state=state["state"])
+
+
+FINGERPRINTS = web.AppKey("fingerprints", Fingerprints)  # the daemon's, on its application (server/launch/app.py)
 
 
 @dataclass

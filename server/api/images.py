@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from kvfork.server.api.chat.protocol import ChatMessage
 from kvfork.server.api.vision import SeenImage
-from kvfork.server.common.state import AppState
+from kvfork.server.common.state import Services
 from kvfork.server.generate.images import DataUrl, ImageRefused, RemoteUrl, picture, source_of
 from kvfork.server.guard.errors import ApiError, client_text, invalid
 from kvfork.server.guard.limits import over
@@ -68,14 +68,14 @@ def image_parts(messages: list[ChatMessage]) -> list[ImagePart]:
     return out
 
 
-async def read_images(state: AppState, messages: list[ChatMessage], model: str, tenant: str, rid: str,
+async def read_images(services: Services, messages: list[ChatMessage], model: str, tenant: str, rid: str,
                       vision: bool) -> dict[tuple[int, int], str | SeenImage]:
     """Each image by (message, part): for a `vision` model the image, else the line of text standing for it;
     a 400 for any the model cannot take."""
     parts = image_parts(messages)
     if not parts:
         return {}
-    config = state.config
+    config = services.config
     if len(parts) > config.max_images:
         raise over("messages", f"the request holds {len(parts):,} images", config.max_images, "--max-images",
                    "array_above_max_length")
@@ -86,17 +86,17 @@ async def read_images(state: AppState, messages: list[ChatMessage], model: str, 
         except ImageRefused as e:
             raise invalid(part.param, f"image {n}: {e}") from None
     if vision:
-        return {(part.message, part.part): await _seen(state, source, tenant, n, part)
+        return {(part.message, part.part): await _seen(services, source, tenant, n, part)
                 for n, (part, source) in enumerate(zip(parts, sources), 1)}
     for n, part in enumerate(parts, 1):
         if not part.in_tool_result or config.images == "refuse":
             where = "inside a tool result" if part.in_tool_result else f"in a {part.role} message"
             raise ApiError(400, f"the model {model!r} reads text only: image {n} ({where}) cannot be sent to it; "
                            "send text", code="unsupported_content", param=part.param)
-    described = [await _describe(state, source, tenant, n, part)
+    described = [await _describe(services, source, tenant, n, part)
                  for n, (part, source) in enumerate(zip(parts, sources), 1)]
     for _, media_type, _ in described:  # counted once every image is read: a request refused counts none
-        state.images.replaced.inc(media_type=media_type)
+        services.images.replaced.inc(media_type=media_type)
     logged = [f"image {n} {known}" for n, (_, _, known) in enumerate(described[:_LOGGED_IMAGES], 1)]
     more = f" and {len(described) - _LOGGED_IMAGES} more" if len(described) > _LOGGED_IMAGES else ""
     log.info("%s: images in tool results given to the text-only model %s as a line of text each (--images): %s%s",
@@ -105,25 +105,25 @@ async def read_images(state: AppState, messages: list[ChatMessage], model: str, 
             for part, (what, _, _) in zip(parts, described)}
 
 
-async def _seen(state: AppState, source: DataUrl | RemoteUrl, tenant: str, n: int, part: ImagePart) -> SeenImage:
+async def _seen(services: Services, source: DataUrl | RemoteUrl, tenant: str, n: int, part: ImagePart) -> SeenImage:
     if isinstance(source, RemoteUrl):
         raise invalid(part.param, f"image {n}: kvfork fetches no image for a model to read; send it as a data URL "
                       "(data:image/png;base64,...)")
-    max_pixels = state.config.max_image_pixels
+    max_pixels = services.config.max_image_pixels
     try:
-        image = await state.images.read(tenant, source, max_pixels)
+        image = await services.images.read(tenant, source, max_pixels)
     except ImageRefused as e:
         raise invalid(part.param, f"image {n}: {e}") from None
     return SeenImage(image, functools.partial(picture, source.payload, max_pixels))
 
 
-async def _describe(state: AppState, source: DataUrl | RemoteUrl, tenant: str, n: int,
+async def _describe(services: Services, source: DataUrl | RemoteUrl, tenant: str, n: int,
                     part: ImagePart) -> tuple[str, str, str]:
     """What the line says of an image, its media type (for /metrics) and what the log says of it."""
     if isinstance(source, RemoteUrl):
         return f"an image at {source.host}, not fetched", "url", f"at {source.host}"
     try:
-        image = await state.images.read(tenant, source, state.config.max_image_pixels)
+        image = await services.images.read(tenant, source, services.config.max_image_pixels)
     except ImageRefused as e:
         raise invalid(part.param, f"image {n}: {e}") from None
     return f"{image.media_type} image, {image.width}x{image.height} pixels", image.media_type, \

@@ -92,7 +92,7 @@ class ModelList(Struct):
 
 class Health(Struct):
     status: str = "ok"
-    phase: str = "ready"  # server/launch/start_progress.py's PHASES: "warming" while --prefix-cache-warm runs
+    phase: str = "ready"  # server/watch/start_progress.py's PHASES: "warming" while --prefix-cache-warm runs
     memory: Any = None  # the engine's memory_plan.MemoryPlan: where the KV budget comes from
 
 

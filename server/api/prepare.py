@@ -27,13 +27,13 @@ from aiohttp import web
 from kvfork.backends.base import SEEDS, SamplingParams
 from kvfork.backends.vision import ImageInput
 from kvfork.server.api.chat.protocol import ChatCompletionRequest, ChatMessage
-from kvfork.server.api.diagnosis import Asked, Fingerprint, Report, fingerprint
+from kvfork.server.api.diagnosis import FINGERPRINTS, Asked, Fingerprint, Fingerprints, Report, fingerprint
 from kvfork.server.api.images import IMAGE_PART, read_images
 from kvfork.server.api.openai import SamplingFields
 from kvfork.server.api.respond import Job
 from kvfork.server.api.vision import SeenImage, image_mark, vision_prompt
 from kvfork.server.common.config import ServerConfig
-from kvfork.server.common.state import AppState, ModelBounds, scope_of, tenant_of
+from kvfork.server.common.state import ModelBounds, ModelState, Services, scope_of, tenant_of
 from kvfork.server.engine.api import GenerateRequest, Scope
 from kvfork.server.engine.cache.sessions import check_session_id
 from kvfork.server.generate.chat_output import ChatOutputParser, ModelFormats
@@ -142,20 +142,20 @@ class Checked:
     images: list[SeenImage]  # for a model that reads them, in the messages' order
 
 
-async def check_chat(state: AppState, body: ChatCompletionRequest, request: web.Request, rid: str,
+async def check_chat(services: Services, body: ChatCompletionRequest, request: web.Request, rid: str,
                      known: ModelBounds | None = None) -> Checked:
     """Chat, Messages and Responses requests alike: what a body may ask for, judged from the body, the limits
-    and the model's context and vocabulary where they are known before the model is acquired (AppState.known),
+    and the model's context and vocabulary where they are known before the model is acquired (Models.known),
     its images read (each a line of text for a text-only model: server/api/images.py). The route has checked
     its own API's limits (stop strings, tools) before translating it."""
-    config = state.config
+    config = services.config
     if body.top_logprobs and not body.logprobs:
         raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
     if known is not None and known.vocab_size is not None:
         token_ids(body, known.vocab_size)
     check_count("messages", body.messages, config.max_messages, "--max-messages", "messages")
-    images = await read_images(state, body.messages, body.model, tenant_of(request), rid,
-                               state.reads_images(body.model))
+    images = await read_images(services, body.messages, body.model, tenant_of(request), rid,
+                               services.models.reads_images(body.model))
     messages = [template_message(i, m, config.max_json_depth, images) for i, m in enumerate(body.messages)]
     context = known.context if known is not None else None
     if context is not None:
@@ -252,19 +252,19 @@ async def render_prompt(tokenizer: PromptTokenizer, formats: ModelFormats, confi
     return Rendered(prompt, parser, messages, rendered, kwargs, images)
 
 
-async def prepare(state: AppState, checked: Checked, request: web.Request, rid: str,
+async def prepare(model: ModelState, checked: Checked, request: web.Request, rid: str,
                   make_call_id: Callable[[], str] = openai_call_id, asked: Asked | None = None) -> Job:
     """A checked request on its model: render, tokenize, sampling, grammar."""
     body = checked.body
-    tokenizer = state.require_ready()
-    model = state.model_name(body.model)
+    tokenizer = model.require_ready()
+    name = model.model_name(body.model)
     scope = scope_of(request, body.cache_salt)
     tenant = scope.tenant
-    rendered = await render_prompt(tokenizer, state.require_formats(), state.config, checked, state.context, tenant,
+    rendered = await render_prompt(tokenizer, model.require_formats(), model.config, checked, model.context, tenant,
                                    make_call_id)
     prompt, parser = rendered.prompt, rendered.parser
     generate = generate_request(
-        body, prompt, rid=rid, vocab_size=state.engine.info.vocab_size,
+        body, prompt, rid=rid, vocab_size=model.info.vocab_size,
         max_tokens=body.max_completion_tokens or body.max_tokens, session=checked.session,
         scope=scope, logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
     )
@@ -273,24 +273,25 @@ async def prepare(state: AppState, checked: Checked, request: web.Request, rid: 
                       checked.choice, checked.tool_name, parser.prompt_suffix,  # type: ignore[arg-type]
                       parallel=body.parallel_tool_calls is not False, specials=tokenizer.specials)
     if ask is not None:
-        generate.constraint = await state.grammars().compile(ask, scope)
-    checkpoints = state.engine.recurrent_checkpoints
+        generate.constraint = await model.grammars().compile(ask, scope)
+    checkpoints = model.engine.recurrent_checkpoints
     if checkpoints:  # a hybrid model keeps its recurrent state where messages end: find them
         generate.boundaries = await tokenizer.message_ends(*rendered.template_input, rendered.kwargs, prompt,
                                                            checkpoints, tenant)
-    job = Job(model, prompt, generate, stop_strings(body), parser, body.n)
+    job = Job(name, prompt, generate, stop_strings(body), parser, body.n)
     if asked is not None:
-        job.diagnostics = diagnostics(state, asked, rid, await fingerprint(
-            tokenizer, scope, model, rendered.messages, body.tools, rendered.kwargs, prompt, checked.images))
+        job.diagnostics = diagnostics(request.app[FINGERPRINTS], model.engine.config.prefix_cache_min_tokens, asked,
+                                      await fingerprint(tokenizer, scope, name, rendered.messages, body.tools,
+                                                        rendered.kwargs, prompt, checked.images))
     return job
 
 
-def diagnostics(state: AppState, asked: Asked, rid: str, now: Fingerprint) -> Report:
+def diagnostics(fingerprints: Fingerprints, min_tokens: int, asked: Asked, now: Fingerprint) -> Report:
     """The request's diagnostics report: compared with the response it names; its fingerprint is kept once the
     engine admits the request (respond)."""
-    report = Report(state.fingerprints, state.engine.config.prefix_cache_min_tokens, now)
+    report = Report(fingerprints, min_tokens, now)
     if asked.previous is not None:
-        report.diagnosis = state.fingerprints.compare(now, asked.previous)
+        report.diagnosis = fingerprints.compare(now, asked.previous)
     return report
 
 

@@ -28,10 +28,10 @@ import msgspec
 from aiohttp import hdrs, web
 
 from kvfork.server.api.content_encoding import coding_of, decoded
-from kvfork.server.api.diagnosis import Report
+from kvfork.server.api.diagnosis import FINGERPRINTS, Report
 from kvfork.server.api.openai import PromptTokensDetails, UsageInfo, encoder
 from kvfork.server.api.sse import EventStream
-from kvfork.server.common.state import AppState, state_of
+from kvfork.server.common.state import ModelState, services_of
 from kvfork.server.engine.api import GenerateRequest, Usage
 from kvfork.server.generate.chat_output import ChatOutputParser
 from kvfork.server.generate.generation import ChoiceFinished, KeepAliveTick, Piece, generation
@@ -52,16 +52,16 @@ def decoder(kind: type) -> msgspec.json.Decoder:
 async def read_body(request: web.Request, decode: msgspec.json.Decoder):
     """The body, decoded: within --body-timeout and --max-body-bytes (sent, and inflated from its
     Content-Encoding: content_encoding.py), nested at most --max-json-depth."""
-    state = state_of(request)
+    services = services_of(request)
     coding = coding_of(",".join(request.headers.getall(hdrs.CONTENT_ENCODING, ())))
-    raw = await state.clients.read_body(request)
+    raw = await services.clients.read_body(request)
     if coding is not None:
-        raw = await asyncio.to_thread(decoded, raw, coding, state.config.max_body_bytes)
+        raw = await asyncio.to_thread(decoded, raw, coding, services.config.max_body_bytes)
     if not raw:
         raise ApiError(400, "the request body is empty; send a JSON object", code="invalid_json")
     if len(raw) > OFF_LOOP_BYTES:
-        return await asyncio.to_thread(decode_body, raw, decode, state.config)
-    return decode_body(raw, decode, state.config)
+        return await asyncio.to_thread(decode_body, raw, decode, services.config)
+    return decode_body(raw, decode, services.config)
 
 
 def decode_body(raw: bytes, decode: msgspec.json.Decoder, limits: Limits):
@@ -183,23 +183,24 @@ class Choices:
         return body
 
 
-async def respond(request: web.Request, state: AppState, job: Job, reply: Reply | Choices,
+async def respond(request: web.Request, model: ModelState, job: Job, reply: Reply | Choices,
                   stream: bool) -> web.StreamResponse:
-    """Run `job` and answer with `reply` (one reply, or `Choices` for n > 1): one JSON body, or a
+    """Run `job` on `model` and answer with `reply` (one reply, or `Choices` for n > 1): one JSON body, or a
     stream of its frames."""
-    tokenizer = state.require_ready()
-    keepalive = state.config.sse_keepalive if stream else None
+    tokenizer = model.require_ready()
+    keepalive = model.config.sse_keepalive if stream else None
     choices = reply if isinstance(reply, Choices) else Choices([reply])
     scope, rid = job.generate.scope, job.generate.request_id
-    digest = state.engine.serving.index.digest(scope) if state.engine.loaded else scope.tenant_hash
-    choices.ended = lambda usage: state.reuse.ended(rid, scope, digest, usage)
-    async with generation(state.engine, job.generate, tokenizer, job.stops, keepalive_s=keepalive,
+    digest = model.engine.serving.index.digest(scope) if model.engine.loaded else scope.tenant_hash
+    reuse = services_of(request).reuse
+    choices.ended = lambda usage: reuse.ended(rid, scope, digest, usage)
+    async with generation(model.engine, job.generate, tokenizer, job.stops, keepalive_s=keepalive,
                           markup=job.parser is not None) as events:
         # admitted: a later request's diagnostics may name it (a fingerprint, or `unavailable` without one)
         if job.diagnostics is not None:
             job.diagnostics.keep(rid)
         else:
-            state.fingerprints.made(rid, scope.tenant)
+            request.app[FINGERPRINTS].made(rid, scope.tenant)
         if not stream:
             async for event in events:
                 match event:

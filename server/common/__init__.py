@@ -2,5 +2,6 @@
 
 - settings.py: One home per setting: a dataclass field carries its flag, default, validation and help
 - config.py: The daemon's own flags (the engine's are in server/engine/config.py); see server/common/settings.py
-- state.py: What every route reads: the engine, the tokenizer, the names the model answers to
+- state.py: What every route reads: the daemon's `Services` (one per process, on the application under SERVICES) and
+  a model's `ModelState` (its engine, tokenizer and formats), which the services' `Models` hand a request
 """

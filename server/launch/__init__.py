@@ -1,5 +1,5 @@
 """Starting the daemon: the serve command (one model, or a pool's), the aiohttp application it listens with,
-where the model comes from, loading it, the start's progress, listening, the distributed ranks and the cache
+where the model comes from, loading it, listening, the distributed ranks and the cache
 command.
 
 - serve.py: Run the daemon: listen first (so /health can say "loading"), load, serve until a signal
@@ -9,15 +9,12 @@ command.
 - listening.py: What a daemon (one model's, server/launch/serve.py, or several models', server/launch/pool_daemon.py)
   listens with: its state's application on the configured host and port
 - distributed.py: `kvfork serve --distributed`: the same command on every rank, started by a launcher
-- model_load.py: Loading a model into an AppState: the engine's weights and the tokenizer together, then the
+- model_load.py: Loading a model into its ModelState: the engine's weights and the tokenizer together, then the
   prefix cache's warm prompts; the daemon's one model and each model of a pool load so
 - model_source.py: Where `serve`'s model comes from: a folder on this machine, a hub id already in the local
   cache, or one still to download (the default model: to fetch and convert)
 - warm.py: `--prefix-cache-warm FILE`: prompts computed at start, so a team's system prompt is warm before the
   first request comes (and, with the disk tier, restored rather than computed on later starts)
-- start_progress.py: Where a start is: the phase (`/health` names it while it lasts) and its display, a line
-  redrawn in place with the time spent on a terminal, a log line when a phase starts and every LOG_EVERY_S
-  otherwise
 - cache_command.py: `kvfork cache ls` / `kvfork cache clear`: show and empty the prefix cache's disk tier
   ($KVFORK_HOME/kv)
 """

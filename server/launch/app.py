@@ -18,18 +18,21 @@ from aiohttp import web
 
 from kvfork.server.api.chat import route as chat
 from kvfork.server.api.completions import route as completions
+from kvfork.server.api.diagnosis import FINGERPRINTS, Fingerprints
 from kvfork.server.api.messages import route as messages
 from kvfork.server.api.messages.protocol import error_body
 from kvfork.server.api.respond import dropped_tools_header, json_response, DROPPED_TOOLS_HEADER
 from kvfork.server.api.responses import route as responses
+from kvfork.server.api.responses.store import RESPONSES, ResponseStore
 from kvfork.server.api.sse import CLIENT_GONE
-from kvfork.server.common.state import STATE, TENANT, AppState
+from kvfork.server.common.state import SERVICES, TENANT, Services
 from kvfork.server.engine.api import EngineError
 from kvfork.server.guard.errors import ApiError, from_engine
 from kvfork.server.guard.origin_guard import cors_headers, is_preflight, preflight
 from kvfork.server.guard.refusals import PAUSE_S, RefusalLimiter
 from kvfork.server.guard.slow_clients import Watchdog, listen as watched_listen
 from kvfork.server.guard.tenants import request_key
+from kvfork.server.pool.pool import ModelPool
 from kvfork.server.routes import loads, models, reuse, sessions
 
 log = logging.getLogger("kvfork.http")
@@ -84,8 +87,8 @@ def _refusal_key(request: web.Request) -> tuple[str, str]:
     return ("tenant", tenant) if tenant is not None else ("address", request.remote or "")
 
 
-def _middlewares(state: AppState, requests_total) -> list:
-    limiter = RefusalLimiter(state.config.refusal_rate)
+def _middlewares(services: Services, requests_total) -> list:
+    limiter = RefusalLimiter(services.config.refusal_rate)
 
     @web.middleware
     async def errors(request: web.Request, handler):
@@ -120,7 +123,7 @@ def _middlewares(state: AppState, requests_total) -> list:
 
     @web.middleware
     async def origin_guard(request: web.Request, handler):
-        state.origin_guard.check(request)  # before auth: a preflight carries no key
+        services.origin_guard.check(request)  # before auth: a preflight carries no key
         if is_preflight(request):
             return preflight(request)
         return await handler(request)
@@ -128,10 +131,10 @@ def _middlewares(state: AppState, requests_total) -> list:
     @web.middleware
     async def auth(request: web.Request, handler):
         path = request.path
-        if (state.keys and path.startswith("/v1/") and path not in OPEN_PATHS) or \
-                (state.config.metrics_key and path == METRICS):
+        if (services.keys and path.startswith("/v1/") and path not in OPEN_PATHS) or \
+                (services.config.metrics_key and path == METRICS):
             given = request_key(request.headers.get("Authorization"), request.headers.get("x-api-key"))
-            tenant = (state.keys if path != METRICS else state.metrics_keys).tenant(given)
+            tenant = (services.keys if path != METRICS else services.metrics_keys).tenant(given)
             if tenant is None:  # auth failures are counted by address: they slow the failing client alone
                 await _slowed(limiter, _refusal_key(request))
                 raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
@@ -147,13 +150,19 @@ async def _response_headers(request: web.Request, response: web.StreamResponse) 
     cors_headers(request, response, DROPPED_TOOLS_HEADER)
 
 
-def build_app(state: AppState) -> web.Application:
-    requests_total = state.registry.counter("http_requests_total", "HTTP requests answered, by route and status")
+def build_app(services: Services) -> web.Application:
+    """The routes over `services`, with what two APIs keep for the daemon: /v1/responses' stored responses and
+    the cache diagnostics' fingerprints."""
+    config, registry = services.config, services.registry
+    requests_total = registry.counter("http_requests_total", "HTTP requests answered, by route and status")
     # several models: a request's lease on its model is released after its answer (server/pool/pool.py)
-    pool = [state.pool.middleware] if state.pool is not None else []
-    app = web.Application(middlewares=_middlewares(state, requests_total) + pool,
-                          client_max_size=state.config.max_body_bytes)
-    app[STATE] = state
+    pool = [services.models.middleware] if isinstance(services.models, ModelPool) else []
+    app = web.Application(middlewares=_middlewares(services, requests_total) + pool,
+                          client_max_size=config.max_body_bytes)
+    app[SERVICES] = services
+    app[RESPONSES] = ResponseStore(config.max_stored_responses, services.forget_session,
+                                   config.max_stored_response_bytes)
+    app[FINGERPRINTS] = Fingerprints(registry)
     app.on_response_prepare.append(_response_headers)
     app.router.add_post("/v1/chat/completions", chat.handle)
     app.router.add_post("/v1/completions", completions.handle)
@@ -187,9 +196,9 @@ class Listener:
 
 async def listen(app: web.Application, host: str, port: int) -> Listener:
     """Start serving (port 0 picks a free port: Listener.port)."""
-    access = ACCESS_LOG if app[STATE].config.access_log else None
+    access = ACCESS_LOG if app[SERVICES].config.access_log else None
     # request bodies are decoded from their Content-Encoding by kvfork (api/content_encoding.py), not the parser
     runner = web.AppRunner(app, handler_cancellation=True, auto_decompress=False, access_log=access,
                            access_log_format=ACCESS_FORMAT)
     await runner.setup()
-    return Listener(runner, await watched_listen(runner, host, port, app[STATE].clients))
+    return Listener(runner, await watched_listen(runner, host, port, app[SERVICES].clients))

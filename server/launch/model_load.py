@@ -1,4 +1,4 @@
-"""Loading a model into an AppState: the engine's weights and the tokenizer together, then the prefix cache's
+"""Loading a model into its ModelState: the engine's weights and the tokenizer together, then the prefix cache's
 warm prompts; the daemon's one model and each model of a pool load so."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvfork.backends.vision import load_processing
 from kvfork.server.common.config import ServerConfig
-from kvfork.server.common.state import AppState
+from kvfork.server.common.state import ModelState
 from kvfork.server.generate.chat_output import ModelFormats, start_formats
 from kvfork.server.launch.warm import warm
 from kvfork.server.text.tokenizer import PromptTokenizer
@@ -31,7 +31,7 @@ def tokenizer_alone(config: ServerConfig, path: str) -> tuple[PromptTokenizer, M
     return tokenizer, ModelFormats.of(tokenizer, config.tool_parser, config.reasoning_parser)
 
 
-async def load_model(state: AppState, path: str, tokenizer: PromptTokenizer | None = None) -> None:
+async def load_model(state: ModelState, path: str, tokenizer: PromptTokenizer | None = None) -> None:
     """Load `path` into `state.engine` and `state.tokenizer` (`tokenizer`: the one an earlier load of this folder
     made, rather than loading it again), warm the prefix cache, and enter "ready"."""
     config, progress = state.config, state.progress

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvfork.backends.model_path import ALLOW_PATTERNS, resolve_model
-from kvfork.server.launch.start_progress import StartProgress
+from kvfork.server.watch.start_progress import StartProgress
 
 Fetch = Callable[[StartProgress], str]  # downloads (converts) the model, reporting its phases; its folder
 

@@ -9,7 +9,7 @@ from typing import Callable
 from kvfork.backends.base import Backend
 from kvfork.backends.device_memory import DeviceMemory, cpu_memory
 from kvfork.server.common.config import ServerConfig
-from kvfork.server.common.state import AppState
+from kvfork.server.common.state import Services
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.launch.listening import Listening
 from kvfork.server.pool.budget import PoolBudget
@@ -41,11 +41,11 @@ class PoolDaemon(Listening):
         self.config = config
         self.registry = Registry()
         self.kv_events = None
-        self.state = AppState(config, None, [s.name for s in specs], self.registry)
         max_loaded = 1 if backend == "mlx" else config.max_loaded_models
         budget = PoolBudget.of(device_reading(backend), engine_config, config.memory_budget_bytes, max_loaded,
                                len(specs))
-        self.pool = self.state.pool = ModelPool(self.state, specs, engine_config, make_backend, budget)
+        self.pool = ModelPool(config, self.registry, specs, engine_config, make_backend, budget)
+        self.services = Services(config, self.registry, self.pool)
         self.speculative = engine_config.speculative
         self.port = config.port
 
@@ -90,4 +90,4 @@ class PoolDaemon(Listening):
         await self.pool.shutdown(self.config.shutdown_grace)
         if self.listener is not None:
             await self.listener.close()
-        self.state.close()
+        self.services.close()

@@ -20,7 +20,7 @@ from kvfork.backends import create_backend, default_backend
 from kvfork.backends.base import Backend, BackendRefused, KVStorageRefused
 from kvfork.backends.lockstep.leader import LockstepBackend
 from kvfork.server.common.config import ServerConfig
-from kvfork.server.common.state import AppState
+from kvfork.server.common.state import ModelState, OneModel, Services
 from kvfork.server.engine.cache.disk import kv_root
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.loop.engine import Engine
@@ -47,7 +47,8 @@ class Daemon(Listening):
         self.engine = Engine(backend, model, config.dtype, engine_config, self.registry, kv_dir=kv_root(),
                              kv_events=self.kv_events)
         names = list(config.served_model_name) or [Path(model).name]
-        self.state = AppState(config, self.engine, names, self.registry)
+        self.state = ModelState(config, self.engine, names)  # the one model's
+        self.services = Services(config, self.registry, OneModel(self.state))
         register_vllm_names(self.registry, self.engine, names[0])
         self.stats: asyncio.Task | None = None  # the stats line's (--log-stats)
         self.port = config.port
@@ -79,6 +80,7 @@ class Daemon(Listening):
         if self.listener is not None:
             await self.listener.close()
         self.state.close()
+        self.services.close()
         if self.kv_events is not None:
             self.kv_events.close()
 

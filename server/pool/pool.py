@@ -1,4 +1,5 @@
-"""The models a daemon serves, loaded on demand under one memory budget.
+"""The models a daemon serves, loaded on demand under one memory budget: `ModelPool`, the daemon's `Models`
+(server/common/state.py) when it serves several.
 
 Each loaded model is a `ServedModel`: its own engine, runner thread and backend, so everything an engine
 does (admission, the prefix cache, tenants, limits, metrics) stays per model. A request names its model;
@@ -38,9 +39,11 @@ from kvfork.backends.base import Backend
 from kvfork.backends.model_info import read_model_facts
 from kvfork.backends.vision import folder_family
 from kvfork.server.api.sse import OPENED
-from kvfork.server.common.state import AppState, ModelBounds, tenant_of
+from kvfork.server.common.config import ServerConfig
+from kvfork.server.common.state import ModelBounds, ModelState, tenant_of
 from kvfork.server.engine.api import EngineError
 from kvfork.server.engine.config import EngineConfig
+from kvfork.server.engine.loop.engine import Engine
 from kvfork.server.generate.chat_output import ModelFormats
 from kvfork.server.guard.errors import ApiError, from_engine
 from kvfork.server.launch.model_load import tokenizer_alone
@@ -53,6 +56,7 @@ from kvfork.server.pool.specs import ModelSpec
 from kvfork.server.pool.switching import expired, next_switch, victims
 from kvfork.server.pool.turns import SwitchTurns, disrupts, waits_for
 from kvfork.server.text.tokenizer import PromptTokenizer
+from kvfork.server.watch.metrics import Registry
 
 log = logging.getLogger("kvfork")
 LEASE = web.RequestKey("model_lease", object)
@@ -127,10 +131,10 @@ def _folder_bounds(path: str, max_context: int | None) -> ModelBounds | None:
 
 
 class ModelPool:
-    def __init__(self, base: AppState, specs: list[ModelSpec], engine_config: EngineConfig,
+    def __init__(self, config: ServerConfig, registry: Registry, specs: list[ModelSpec], engine_config: EngineConfig,
                  make_backend: Callable[[], Backend], budget: PoolBudget):
-        config = base.config
-        self.base, self.engine_config, self.make_backend, self.budget = base, engine_config, make_backend, budget
+        self.config, self.registry, self.engine_config = config, registry, engine_config
+        self.make_backend, self.budget = make_backend, budget
         self.models = {s.name: PooledModel(s, s.name in config.pin, budget.footprint(s)) for s in specs}
         for model in self.models.values():  # read once, here: a request's checks then never wait for a file
             if model.spec.fetch is None:
@@ -146,10 +150,9 @@ class ModelPool:
         self._expiry: asyncio.Task | None = None
         self._closed = False
         self._closing: set[asyncio.Task] = set()  # models shutting down, awaited by `shutdown` even when cut short
-        self.loads = base.registry.counter("model_loads_total", "models loaded (several served), by model_name and "
-                                           "outcome")
-        self.unloads = base.registry.counter("model_unloads_total", "models unloaded (several served), by "
-                                             "model_name and why: room, ttl")
+        self.loads = registry.counter("model_loads_total", "models loaded (several served), by model_name and outcome")
+        self.unloads = registry.counter("model_unloads_total", "models unloaded (several served), by model_name and "
+                                        "why: room, ttl")
 
     # ---- what routes call ----
 
@@ -161,18 +164,18 @@ class ModelPool:
         model = self.models.get(requested)
         if model is not None:
             return model
-        if self.base.config.accept_any_model:
+        if self.config.accept_any_model:
             return self.models[self.default]
         raise ApiError(404, f"the model {requested!r} does not exist; this server serves "
                        f"{', '.join(repr(n) for n in self.models)}", code="model_not_found", param="model")
 
-    async def acquire(self, request: web.Request, requested: str | None, stream: bool) -> AppState:
+    async def acquire(self, request: web.Request, requested: str | None, stream: bool) -> ModelState:
         """The named model's state, loaded first if need be; held for the request (`release`). A streaming
         request hears keep-alives while it waits (keepalive.py)."""
         if self._closed:
             raise ApiError(503, "the server is shutting down", code="not_ready")
         model = self.model(requested)
-        beat = KeepAlive(request, self.base.config.sse_keepalive) if stream and not model.ready else None
+        beat = KeepAlive(request, self.config.sse_keepalive) if stream and not model.ready else None
         tenant = tenant_of(request)
         try:
             state = await self.take(model, tenant)
@@ -182,7 +185,7 @@ class ModelPool:
         request[LEASE] = Claim(model, tenant)
         return state
 
-    async def take(self, model: PooledModel, tenant: str = "") -> AppState:
+    async def take(self, model: PooledModel, tenant: str = "") -> ModelState:
         """Wait until `model` is loaded (starting its load when its turn comes), then hold it for `tenant`."""
         seen, me = model.attempts, Claim(model, tenant)
         self._queue.append(me)
@@ -214,7 +217,7 @@ class ModelPool:
         model = self.model(requested)
         if model.ready:
             assert model.served is not None
-            return model.served.state.known(None)
+            return model.served.state.bounds()
         return model.known
 
     def reads_images(self, requested: str | None) -> bool:
@@ -240,7 +243,7 @@ class ModelPool:
             raise ApiError(503, f"model {model.spec.name!r} is not on this machine yet: a request for it downloads "
                            "and loads it", code="not_ready", param="model")
         if model.counter is None:
-            model.counter = asyncio.create_task(asyncio.to_thread(tokenizer_alone, self.base.config, model.spec.path))
+            model.counter = asyncio.create_task(asyncio.to_thread(tokenizer_alone, self.config, model.spec.path))
         counter = model.counter
         try:
             return *await asyncio.shield(counter), known.context
@@ -284,10 +287,10 @@ class ModelPool:
     def loaded(self) -> list[ServedModel]:
         return [s.served for s in self.models.values() if s.served is not None]
 
-    def engines(self) -> list:
+    def engines(self) -> list[Engine]:
         return [served.engine for served in self.loaded()]
 
-    def recent(self) -> AppState | None:
+    def recent(self) -> ModelState | None:
         """The state of the model a request used last (what /v1/loads and /debug/reuse show), if any is loaded."""
         ready = [s for s in self.models.values() if s.ready]
         return max(ready, key=lambda s: s.used).served.state if ready else None  # type: ignore[union-attr]
@@ -361,7 +364,7 @@ class ModelPool:
     async def _load(self, model: PooledModel, files: tuple | None) -> None:
         t0 = time.monotonic()
         kept = self.kept.take(model.spec.name, files)
-        served = ServedModel(model.spec, self.base, self.budget.engine_config(self.engine_config, model.spec),
+        served = ServedModel(model.spec, self.config, self.budget.engine_config(self.engine_config, model.spec),
                              self.make_backend(), kept)
         try:
             await served.load()

@@ -1,20 +1,18 @@
-"""One model of a pool: its engine (with its runner thread and backend), its tokenizer, and the AppState its
-requests read: a copy of the daemon's, sharing everything but what belongs to the model. Its close can leave
-what its next load starts from (kept.py)."""
+"""One model of a pool: its engine (with its runner thread and backend) and the ModelState its requests read
+(its tokenizer, formats and grammars). Its close can leave what its next load starts from (kept.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 
 from kvfork.backends.base import Backend
-from kvfork.server.common.state import AppState
+from kvfork.server.common.config import ServerConfig
+from kvfork.server.common.state import ModelState
 from kvfork.server.engine.cache.disk import kv_root
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.loop.engine import Engine
 from kvfork.server.launch.model_load import load_model
-from kvfork.server.launch.start_progress import StartProgress
 from kvfork.server.pool.kept import Kept
 from kvfork.server.pool.specs import ModelSpec
 from kvfork.server.watch.metrics import Registry
@@ -22,7 +20,7 @@ from kvfork.server.watch.observe import register_vllm_names
 
 
 class ServedModel:
-    def __init__(self, spec: ModelSpec, base: AppState, engine_config: EngineConfig, backend: Backend,
+    def __init__(self, spec: ModelSpec, config: ServerConfig, engine_config: EngineConfig, backend: Backend,
                  kept: Kept | None = None):
         """`kept`: what a close of this model left, its folder unchanged since."""
         self.spec, self.kept = spec, kept
@@ -33,13 +31,9 @@ class ServedModel:
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         if kept is not None:
             backend.reuse(kept.built)
-        self.engine = Engine(backend, spec.path, base.config.dtype, engine_config, self.registry,
+        self.engine = Engine(backend, spec.path, config.dtype, engine_config, self.registry,
                              kv_dir=models / spec.name.replace("/", "--"))
-        self.state = copy.copy(base)
-        self.state.engine, self.state.served_names, self.state.pool = self.engine, [spec.name], None
-        self.state.progress = StartProgress()
-        self.state.tokenizer, self.state.formats = None, None
-        self.state.reset_grammars()
+        self.state = ModelState(config, self.engine, [spec.name])
         register_vllm_names(self.registry, self.engine, spec.name)
 
     async def load(self) -> None:
@@ -56,7 +50,7 @@ class ServedModel:
         and the tokenizer (None where the backend has nothing to hand over)."""
         await self.engine.shutdown(grace_s)
         built = self.engine.backend.built() if keep and self.state.tokenizer is not None else None
-        self.state.close_model(tokenizer=built is None)
+        self.state.close(tokenizer=built is None)
         if self.kept is not None and self.state.tokenizer is not self.kept.tokenizer:
             self.kept.drop()  # a load cut short before it took the kept tokenizer
         return Kept(built, self.state.tokenizer) if built is not None else None  # type: ignore[arg-type]

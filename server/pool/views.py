@@ -35,7 +35,7 @@ def pool_health(pool: ModelPool, detailed: bool) -> dict[str, Any]:
 def pool_metrics(pool: ModelPool) -> str:
     """The daemon's metrics, then each loaded model's under its `model_name` label (vLLM's), one family per
     name whichever models have it."""
-    lines = pool.base.registry.render().splitlines()
+    lines = pool.registry.render().splitlines()
     families: dict[str, list[str]] = {}
     for model in pool.models.values():
         if model.served is not None:

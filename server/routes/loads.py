@@ -21,16 +21,17 @@ from datetime import datetime, timezone
 from aiohttp import web
 
 from kvfork.server.api.respond import json_response
-from kvfork.server.common.state import holds_metrics_key, state_of
+from kvfork.server.common.state import holds_metrics_key, services_of
 
 PATH = "/v1/loads"
 
 
 async def handle(request: web.Request) -> web.Response:
-    state = state_of(request).current()
-    load = state.engine.utilization()
-    generated = state.engine.metrics.generated_tokens.get() if state.ready else 0.0
-    full = not state.metrics_keys or holds_metrics_key(request)
+    services = services_of(request)
+    model = services.current()
+    load = model.engine.utilization()
+    generated = model.engine.metrics.generated_tokens.get() if model.ready else 0.0
+    full = not services.metrics_keys or holds_metrics_key(request)
     if not full:
         load = load.counts_only()
     rank = {
@@ -42,7 +43,7 @@ async def handle(request: web.Request) -> web.Response:
         "num_used_tokens": load.used_tokens,
         "max_total_num_tokens": load.budget_tokens,
         "token_usage": load.kv_usage,
-        "gen_throughput": state.generation_rate.rate(generated) if full else 0.0,
+        "gen_throughput": services.generation_rate.rate(generated) if full else 0.0,
         "cache_hit_rate": load.reused_fraction,
         "utilization": load.running / load.slots if load.slots else 0.0,
         "max_running_requests": load.slots,

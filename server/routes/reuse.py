@@ -13,7 +13,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from kvfork.server.api.respond import json_response
-from kvfork.server.common.state import holds_metrics_key, state_of
+from kvfork.server.common.state import holds_metrics_key, services_of
 from kvfork.server.guard.errors import ApiError
 from kvfork.server.guard.tenants import request_key
 from kvfork.server.routes.reuse_page import PAGE
@@ -23,22 +23,22 @@ PATH = "/debug/reuse"
 
 def caller_tenant(request: web.Request) -> str | None:
     """The tenant whose requests the caller may see; None: every tenant's."""
-    state = state_of(request)
+    services = services_of(request)
     if holds_metrics_key(request):
         return None
     given = request_key(request.headers.get("Authorization"), request.headers.get("x-api-key"))
-    if state.keys:
-        tenant = state.keys.tenant(given)
+    if services.keys:
+        tenant = services.keys.tenant(given)
         if tenant is not None:
             return tenant
-    if state.keys or state.metrics_keys:
+    if services.keys or services.metrics_keys:
         raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
     return None
 
 
 async def handle(request: web.Request) -> web.Response:
-    state = state_of(request).current()
-    response = json_response(state.reuse.view(state.engine, caller_tenant(request)))
+    services = services_of(request)
+    response = json_response(services.reuse.view(services.current().engine, caller_tenant(request)))
     response.headers["Cache-Control"] = "no-store"
     return response
 

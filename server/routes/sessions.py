@@ -8,7 +8,7 @@ from aiohttp import web
 from kvfork.server.api.openai import SessionReply
 from kvfork.server.api.prepare import session_id
 from kvfork.server.api.respond import json_response
-from kvfork.server.common.state import state_of, tenant_of
+from kvfork.server.common.state import services_of, tenant_of
 from kvfork.server.guard.errors import ApiError
 
 
@@ -24,10 +24,10 @@ async def delete(request: web.Request) -> web.Response:
 
 def _known_session(request: web.Request, verb) -> str:
     """Act on the session in every loaded model (one, unless the daemon serves several)."""
-    state = state_of(request)
-    state.current().require_ready()
+    services = services_of(request)
+    services.current().require_ready()
     name = session_id(request.match_info["session_id"])
-    found = [verb(engine)(name, tenant_of(request)) for engine in state.engines()]  # SessionBusy raises: 409
+    found = [verb(engine)(name, tenant_of(request)) for engine in services.models.engines()]  # SessionBusy raises: 409
     if not any(found):
         raise ApiError(404, f"no session named {name!r}", code="session_not_found", param="session_id")
     return name

@@ -13,6 +13,7 @@ import pytest
 
 from agent_server import agent_model  # noqa: F401 (fixture)
 from http_daemon import data_frames, metrics, serving, sse_events, until
+from kvfork.server.api.diagnosis import FINGERPRINTS
 from kvfork.server.engine.policy.rates import Rates, RateTracker
 
 SYSTEM = "You are a careful coding agent. Read before you write, and test what you change. " * 4
@@ -271,7 +272,7 @@ async def test_openai_a_response_made_without_options_is_unavailable(daemon, htt
 async def test_refused_requests_store_nothing_and_a_tenant_evicts_its_own_first(daemon, http):
     """Issue 45: fingerprints are stored once the engine admits a request, and past the store's bound the
     tenant holding the most gives up its oldest: key-a's refused and many requests never evict key-b's."""
-    fingerprints = daemon.state.fingerprints
+    fingerprints = daemon.app[FINGERPRINTS]
     theirs = await post(http, daemon.url, "/v1/messages", messages_body(diagnostics={"previous_message_id": None}),
                         False, headers={"Authorization": "Bearer key-b"})
     held = fingerprints.kept.total

@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 
 from http_daemon import chat_body, metrics, serving, until
+from kvfork.server.api.responses.store import RESPONSES as RESPONSE_STORE
 
 CHAT, COMPLETIONS, MESSAGES, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"
 KEYS = "key-a tenant-a\nkey-b tenant-b\n"
@@ -209,7 +210,7 @@ async def test_stored_response_bytes_have_a_quota(tiny_model_dir, http):
             assert (await store("y " * 2000)).status == 200
         async with http.get(f"{d.url}{RESPONSES}/{first['id']}") as r:
             assert r.status == 404  # past 16 KiB the oldest went
-        assert d.state.responses.use("").nbytes <= 16 * 1024
+        assert d.app[RESPONSE_STORE].use("").nbytes <= 16 * 1024
         r = await store("z " * 9000)  # alone over the quota: refused before it runs
         assert r.status == 400 and "--max-stored-response-bytes" in (await r.json())["error"]["message"]
 

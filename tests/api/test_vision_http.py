@@ -251,9 +251,8 @@ async def test_a_daemon_still_loading_its_vision_model_knows_it_reads_images(fol
     refused as a text model's."""
     from types import SimpleNamespace
 
-    from kvfork.server.common.state import AppState
-    from kvfork.server.watch.metrics import Registry
+    from kvfork.server.common.state import ModelState, OneModel
 
-    state = AppState(ServerConfig(), SimpleNamespace(model_path=folder), ["tiny"], Registry())
-    assert state.tokenizer is None and state.reads_images(None)
+    state = ModelState(ServerConfig(), SimpleNamespace(model_path=folder), ["tiny"])
+    assert state.tokenizer is None and OneModel(state).reads_images(None)
     state.close()

@@ -40,13 +40,14 @@ async def test_a_gateway_classifies_kvfork_as_a_generic_worker(tiny_model_dir, h
 
 def build_app_for_routes():
     from kvfork.server.common.config import ServerConfig
-    from kvfork.server.common.state import AppState
+    from kvfork.server.common.state import ModelState, OneModel, Services
     from kvfork.server.watch.metrics import Registry
 
     class Idle:  # the routes are all that is read
         ready, dead, info = False, False, None
 
-    return build_app(AppState(ServerConfig(), Idle(), ["m"], Registry()))
+    model = ModelState(ServerConfig(), Idle(), ["m"])
+    return build_app(Services(ServerConfig(), Registry(), OneModel(model)))
 
 
 def test_no_route_answers_an_engine_probe():

@@ -145,15 +145,11 @@ UPWARD = {
     ("kvfork.server.engine.loop.telemetry", "kvfork.server.watch.metrics"),
     ("kvfork.server.engine.loop.engine", "kvfork.server.watch.metrics"),
     ("kvfork.server.engine.loop.engine", "kvfork.server.common.settings"),
-    ("kvfork.server.common.state", "kvfork.server.launch.start_progress"),
-    ("kvfork.server.common.state", "kvfork.server.api.responses.store"),
-    ("kvfork.server.common.state", "kvfork.server.api.diagnosis"),
     ("kvfork.server.generate.grammar", "kvfork.server.common.settings"),
     ("kvfork.server.generate.grammar", "kvfork.server.common.config"),
     ("kvfork.server.guard.limits", "kvfork.server.common.settings"),
     ("kvfork.server.pool.pool", "kvfork.server.launch.model_load"),
     ("kvfork.server.pool.served", "kvfork.server.launch.model_load"),
-    ("kvfork.server.pool.served", "kvfork.server.launch.start_progress"),
     ("kvfork.server.pool.specs", "kvfork.server.launch.model_source"),
 }
 

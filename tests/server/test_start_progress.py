@@ -14,7 +14,7 @@ from huggingface_hub import constants
 
 from http_daemon import TEST_ENGINE, serving
 from kvfork.server.launch import model_source as source
-from kvfork.server.launch.start_progress import StartProgress
+from kvfork.server.watch.start_progress import StartProgress
 
 
 class Terminal(io.StringIO):

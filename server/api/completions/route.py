@@ -9,7 +9,7 @@ from kvfork.server.api.completions.protocol import CompletionRequest
 from kvfork.server.api.completions.reply import CompletionReply
 from kvfork.server.api.prepare import generate_request, request_id, session_id, stop_strings, token_ids
 from kvfork.server.api.respond import Choices, Job, decoder, read_body, respond
-from kvfork.server.common.state import scope_of, state_of
+from kvfork.server.common.state import scope_of, services_of
 from kvfork.server.guard.errors import ApiError, invalid, unsupported
 from kvfork.server.guard.limits import Limits, check_sampling, over
 from kvfork.server.text.tokenizer import PromptTokenizer
@@ -69,42 +69,42 @@ async def prompt_tokens(prompt: str | list[int], tokenizer: PromptTokenizer, voc
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
-    state = state_of(request)
+    services = services_of(request)
     body: CompletionRequest = await read_body(request, DECODE)
-    check_sampling(body, state.config)
+    check_sampling(body, services.config)
     if body.best_of not in (None, 1):
         raise unsupported("best_of", "best_of > 1 is not supported yet")
     if body.suffix:
         raise unsupported("suffix", "suffix (insertion) is not supported")
     if body.echo and body.logprobs is not None:
         raise unsupported("echo", "echo with logprobs is not supported: prompt logprobs are not computed")
-    session = session_id(body.session_id, request.headers, state.config.session_header)
-    known = state.known(body.model)
+    session = session_id(body.session_id, request.headers, services.config.session_header)
+    known = services.models.known(body.model)
     if known is not None:
-        checked = prompt_value(body.prompt, known.context, state.config)
+        checked = prompt_value(body.prompt, known.context, services.config)
         if known.vocab_size is not None:
             token_ids(body, known.vocab_size)
             check_ids(checked, known.vocab_size)
-    state = await state.for_model(request, body.model, body.stream)  # the checks above need no loaded model
-    model = state.model_name(body.model)
-    tokenizer = state.require_ready()
-    if known is None or known.context != state.context:
-        checked = prompt_value(body.prompt, state.context, state.config)
-    vocab = state.engine.info.vocab_size
+    model = await services.models.acquire(request, body.model, body.stream)  # the checks above need no loaded model
+    name = model.model_name(body.model)
+    tokenizer = model.require_ready()
+    if known is None or known.context != model.context:
+        checked = prompt_value(body.prompt, model.context, services.config)
+    vocab = model.info.vocab_size
     scope = scope_of(request, body.cache_salt)
-    prompt = await prompt_tokens(checked, tokenizer, vocab, state.context, scope.tenant)
+    prompt = await prompt_tokens(checked, tokenizer, vocab, model.context, scope.tenant)
     rid = request_id("cmpl")
     generate = generate_request(
         body, prompt, rid=rid, vocab_size=vocab,
         max_tokens=body.max_tokens, session=session, scope=scope,
         logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
     )
-    job = Job(model, prompt, generate, stop_strings(body), n=body.n)
+    job = Job(name, prompt, generate, stop_strings(body), n=body.n)
     echo = tokenizer.decode(prompt) if body.echo else ""
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     if job.n == 1:
         reply = CompletionReply(rid, job, tokenizer, body.logprobs is not None, echo, include_usage)
-        return await respond(request, state, job, reply, body.stream)
+        return await respond(request, model, job, reply, body.stream)
     replies = [CompletionReply(rid, job, tokenizer, body.logprobs is not None, echo, False, index=i)
                for i in range(job.n)]
-    return await respond(request, state, job, Choices(replies, include_usage), body.stream)
+    return await respond(request, model, job, Choices(replies, include_usage), body.stream)

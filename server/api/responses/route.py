@@ -19,8 +19,9 @@ from kvfork.server.api.prepare import check_chat, prepare
 from kvfork.server.api.respond import decoder, json_response, read_body, report_dropped_tools, respond
 from kvfork.server.api.responses.protocol import Response, ResponseDeleted, ResponsesRequest
 from kvfork.server.api.responses.reply import ResponsesReply, response_id
+from kvfork.server.api.responses.store import RESPONSES
 from kvfork.server.api.responses.translate import chat_messages, chat_request, tool_functions, tool_count
-from kvfork.server.common.state import state_of, tenant_of
+from kvfork.server.common.state import services_of, tenant_of
 from kvfork.server.guard.errors import ApiError, from_decode
 from kvfork.server.guard.limits import check_count, over
 
@@ -31,9 +32,9 @@ _PARAMS = {"response_format": "text.format", "max_tokens": "max_output_tokens", 
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
-    state = state_of(request)
+    services = services_of(request)
     body: ResponsesRequest = await read_body(request, DECODE)
-    limits = state.config
+    limits = services.config
     if (tools := tool_count(body.tools)) > limits.max_tools:  # a namespace's functions each count
         raise over("tools", f"tools holds {tools:,} tools, counting each function of a namespace",
                    limits.max_tools, "--max-tools", "array_above_max_length")
@@ -41,7 +42,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
     if isinstance(body.input, list):  # before they are translated: each item is work on the loop
         check_count("input", body.input, limits.max_messages, "--max-messages", "items")
     rid = response_id()
-    store, tenant = state.responses, tenant_of(request)
+    store, tenant = request.app[RESPONSES], tenant_of(request)
     previous = body.previous_response_id
     history = (store.history(previous, tenant) if previous is not None else []) + chat_messages(body.input)
     if body.store:
@@ -51,9 +52,9 @@ async def handle(request: web.Request) -> web.StreamResponse:
     try:
         try:
             chat = msgspec.convert(chat_request(body, history, session), ChatCompletionRequest)
-            checked = await check_chat(state, chat, request, rid, state.known(body.model))
-            state = await state.for_model(request, body.model, body.stream)
-            job = await prepare(state, checked, request, rid, asked=asked_by(body.prompt_cache_options))
+            checked = await check_chat(services, chat, request, rid, services.models.known(body.model))
+            model = await services.models.acquire(request, body.model, body.stream)
+            job = await prepare(model, checked, request, rid, asked=asked_by(body.prompt_cache_options))
         except msgspec.ValidationError as e:
             raise _renamed(from_decode(e)) from None
         except ApiError as e:
@@ -63,20 +64,20 @@ async def handle(request: web.Request) -> web.StreamResponse:
             store.put(response, history + chat_messages(msgspec.to_builtins(response.output)), session, tenant)
 
         reply = ResponsesReply(rid, job.model, job.parser, body, keep if body.store else None, job.diagnostics)
-        return await respond(request, state, job, reply, body.stream)
+        return await respond(request, model, job, reply, body.stream)
     finally:
         if session is not None and (reply is None or not reply.finished):
             store.give_back(session, rid, previous)
 
 
 async def retrieve(request: web.Request) -> web.Response:
-    stored = state_of(request).responses.get(request.match_info["response_id"], tenant_of(request))
+    stored = request.app[RESPONSES].get(request.match_info["response_id"], tenant_of(request))
     return json_response(stored.response)
 
 
 async def delete(request: web.Request) -> web.Response:
     rid = request.match_info["response_id"]
-    state_of(request).responses.delete(rid, tenant_of(request))
+    request.app[RESPONSES].delete(rid, tenant_of(request))
     return json_response(ResponseDeleted(rid))
 
 

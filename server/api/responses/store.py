@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import msgspec
+from aiohttp import web
 
 from kvfork.server.api.responses.protocol import Response
 from kvfork.server.guard.errors import ApiError
@@ -143,3 +144,6 @@ class ResponseStore:
         if stored.session is not None and self._heads.get(stored.session) == response_id:
             del self._heads[stored.session]
             self.forget_session(stored.session, stored.tenant)
+
+
+RESPONSES = web.AppKey("responses", ResponseStore)  # the daemon's, on its application (server/launch/app.py)
