@@ -1,4 +1,4 @@
-"""Every engine flag, each with its one home (see server/common/settings.py).
+"""Every engine flag, each with its one home (see server/settings.py).
 
 Defaults that depend on the machine or the model are resolved in one place
 (`resolve`), once the model is loaded, and the rules are written next to them.
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvfork.backends.base import KV_CACHE_DTYPES, KV_CACHE_SPELLINGS, KV_GROUP_SIZES, KVStorage, ModelInfo
 from kvfork.backends.device_memory import DeviceMemory
-from kvfork.server.common.settings import at_least, between, setting
+from kvfork.server.settings import at_least, between, setting
 from kvfork.server.engine.policy.memory_plan import MemoryPlan, budget_tokens, plan_memory
 from kvfork.server.engine.worker.drafts import MODES as SPECULATIVE_MODES
 

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from kvfork.backends.base import Backend, KVStorageRefused, ModelInfo
 from kvfork.backends.model_path import resolve_model
-from kvfork.server.common.settings import validate
+from kvfork.server.settings import validate
 from kvfork.server.engine import messages as m
 from kvfork.server.engine.api import GenerateRequest, NotReady
 from kvfork.server.engine.cache.disk import DiskTier, fingerprint, tier_secret
