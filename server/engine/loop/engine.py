@@ -38,7 +38,7 @@ from kvfork.server.engine.loop.serving import Serving
 from kvfork.server.engine.loop.stats import EngineStats
 from kvfork.server.engine.loop.telemetry import EngineMetrics
 from kvfork.server.engine.loop.utilization import EngineLoad
-from kvfork.server.engine.policy.memory_plan import MemoryPlan
+from kvfork.server.engine.policy.memory_plan import MemoryPlan, resolve_config
 from kvfork.server.engine.policy.rates import LiveRates, RateTracker
 from kvfork.server.engine.worker.drafts import Drafts
 from kvfork.server.engine.worker.runner import Runner
@@ -236,7 +236,7 @@ class Engine:
 
     def _on_loaded(self, ev: m.Loaded) -> None:
         self.info = ev.info
-        self.config, self.memory = self.config.resolve(ev.info, ev.device)
+        self.config, self.memory = resolve_config(self.config, ev.info, ev.device)
         c = self.config
         disk = self._disk_identity(ev.info)
         # Scopes are named under the disk tier's secret, so its files keep their scope across restarts;
