@@ -5,7 +5,8 @@ one `DoneEvent` from the returned handle. Text concerns (detokenizing, stop
 strings, tool-call parsing) stay in the daemon: when it matches a stop string it
 calls `handle.finish()`, which ends the request as a normal `stop`. A grammar the output must
 follow reaches the engine as a `Constraint` (server/generate/grammar.py fills in the two protocols;
-the runner's worker/constraints.py drives them).
+the runner's worker/constraints.py drives them). The engine counts into the `MetricRegistry` it is
+handed; the daemon's watch room renders it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import hashlib
 import hmac
 import json
 from dataclasses import dataclass, field, replace
-from typing import Literal, Protocol
+from typing import Callable, Literal, Protocol
 
 import numpy as np
 
@@ -42,6 +43,30 @@ class TokenMatcher(Protocol):
 class Constraint(Protocol):
     def matcher(self) -> TokenMatcher:
         """A fresh matcher at the grammar's start."""
+
+
+MetricLabels = tuple[tuple[str, str], ...]
+
+
+class CounterMetric(Protocol):
+    values: dict[MetricLabels, float]  # by labels
+
+    def inc(self, amount: float = 1.0, **labels: str) -> None: ...
+    def get(self, **labels: str) -> float: ...
+
+
+class HistogramMetric(Protocol):
+    def observe(self, value: float) -> None: ...
+
+
+class MetricRegistry(Protocol):
+    """Where the engine reports what it counts: the daemon's registry (server/watch/metrics.py's `Registry`),
+    which `/metrics` renders. A gauge or a counter view is read when rendered."""
+
+    def counter(self, name: str, help: str) -> CounterMetric: ...
+    def histogram(self, name: str, help: str, buckets: tuple[float, ...]) -> HistogramMetric: ...
+    def gauge(self, name: str, help: str, read: Callable[[], float], labels: MetricLabels = ()) -> object: ...
+    def counter_view(self, name: str, help: str, read: Callable[[], float], labels: MetricLabels = ()) -> object: ...
 
 
 class EngineError(Exception):

@@ -139,8 +139,6 @@ ROOMS = (
 UPWARD = {
     ("kvfork.server.engine.policy.placement", "kvfork.server.engine.loop.request"),
     ("kvfork.server.engine.policy.placement", "kvfork.server.engine.cache.index"),
-    ("kvfork.server.engine.loop.telemetry", "kvfork.server.watch.metrics"),
-    ("kvfork.server.engine.loop.engine", "kvfork.server.watch.metrics"),
     ("kvfork.server.common.state", "kvfork.server.launch.start_progress"),
     ("kvfork.server.common.state", "kvfork.server.api.responses.store"),
     ("kvfork.server.common.state", "kvfork.server.api.diagnosis"),

@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 
 from kvfork.backends.base import SamplerState, SamplingParams
-from kvfork.server.engine.api import TokenMatcher
+from kvfork.server.engine.api import Constraint, TokenMatcher
 
 _DISCARD = SamplingParams()  # greedy, no mask: a row whose grammar is dead samples this and is thrown away
 
