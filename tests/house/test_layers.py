@@ -143,8 +143,6 @@ UPWARD = {
     ("kvfork.server.common.state", "kvfork.server.api.responses.store"),
     ("kvfork.server.common.state", "kvfork.server.api.diagnosis"),
     ("kvfork.server.generate.grammar", "kvfork.server.common.config"),
-    ("kvfork.server.pool.pool", "kvfork.server.launch.model_load"),
-    ("kvfork.server.pool.served", "kvfork.server.launch.model_load"),
     ("kvfork.server.pool.served", "kvfork.server.launch.start_progress"),
     ("kvfork.server.pool.specs", "kvfork.server.launch.model_source"),
 }
