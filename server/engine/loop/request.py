@@ -183,6 +183,11 @@ class Request:
         return isinstance(self.phase, InSlot)
 
     @property
+    def landed(self) -> Landed | None:
+        """The session a clone or a disk read landed for it while it waited, once it is queued again."""
+        return self.phase.landed if isinstance(self.phase, Queued) else None
+
+    @property
     def committed(self) -> int:
         """Prompt and output positions its session holds, as the runner last published (0 while waiting)."""
         return self.phase.committed if isinstance(self.phase, InSlot) else 0

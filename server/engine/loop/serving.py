@@ -30,8 +30,9 @@ from kvfork.server.engine.loop.admission import Admission
 from kvfork.server.engine.loop.ending import Ending
 from kvfork.server.engine.loop.ledger import LoopLedger
 from kvfork.server.engine.loop.parking import Parking
+from kvfork.server.engine.loop.placing import take_view
 from kvfork.server.engine.policy.placement import (Cached, CloneRunning, Follow, Fresh, Placement, Restore, Resume, View, Wait,
-                                            place, place_without_reuse, take_view)
+                                            place, place_without_reuse)
 from kvfork.server.engine.cache.sessions import NamedSessions
 from kvfork.server.engine.loop.progress import Progress
 from kvfork.server.engine.loop.request import Following, Paused, Queued, Request, RequestHandle
