@@ -25,7 +25,8 @@ from kvfork.server.watch.observe import register_vllm_names
 
 class ModelLoader(Protocol):
     """How a model is made and loaded, handed to the pool by the daemon that builds it (server/launch/
-    model_load.py's `Loader`, which a daemon of one model loads by too): the pool decides when, never how."""
+    model_load.py's `Loader`, over the `load_model` a daemon of one model calls): the pool decides when, never
+    how."""
 
     def backend(self) -> Backend:
         """A fresh backend, for one load."""

@@ -16,7 +16,7 @@ from typing import Any, Callable, Protocol
 
 from kvfork.server.engine import messages as m
 from kvfork.server.engine.cache.disk import DiskTier
-from kvfork.server.engine.cache.index import Match
+from kvfork.server.engine.policy.entries import Match
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.loop import request as phase
 from kvfork.server.engine.loop.admission import Admission

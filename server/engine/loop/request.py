@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 from kvfork.server.engine.api import DoneEvent, GenerateRequest, ReuseSource, TokenEvent, Usage
-from kvfork.server.engine.cache.index import Found, Match
+from kvfork.server.engine.policy.entries import Found, Match
 from kvfork.server.engine.cache.sessions import NamedSession
 from kvfork.server.engine.policy.follow import FollowOrder
 

@@ -23,7 +23,8 @@ from kvfork.backends.base import ModelInfo
 from kvfork.server.engine import messages as m
 from kvfork.server.engine.api import CapacityExhausted, GenerateRequest, choice_sampling
 from kvfork.server.engine.cache.disk import DiskTier
-from kvfork.server.engine.cache.index import Index, Match
+from kvfork.server.engine.cache.index import Index
+from kvfork.server.engine.policy.entries import Match
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.loop import request as phase
 from kvfork.server.engine.loop.admission import Admission

@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Mapping, Protocol, Sequence
 
-from kvfork.server.engine.cache.index import Found, Match
+from kvfork.server.engine.policy.entries import Entry, Found, Match
 from kvfork.server.engine.policy.follow import FollowDecision, FollowPolicy, Leader, decide
 from kvfork.server.engine.policy.matching import Recipient, choose_reuse
 from kvfork.server.engine.policy.rates import Rates
@@ -50,20 +50,11 @@ class Landing(Protocol):
     def upto(self) -> int: ...
 
 
-class HeldState(Protocol):
-    """What a named session keeps (an index entry of tier "named")."""
-
-    @property
-    def sid(self) -> int | None: ...
-    @property
-    def tokens(self) -> tuple[int, ...]: ...
-
-
 class Resumable(Protocol):
     """A request's named session (cache/sessions.py's `NamedSession`)."""
 
     @property
-    def state(self) -> HeldState | None: ...
+    def state(self) -> Entry | None: ...  # what it keeps (tier "named"), if anything
     def resumes(self, prompt: Sequence[int], scope: str) -> bool: ...
 
 
