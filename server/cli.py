@@ -3,7 +3,7 @@
 Every serve flag comes from a config dataclass (ServerConfig here, EngineConfig
 in the engine), so a flag's default, check and help live in one place; each is
 settable as a flag, as KVFORK_<FLAG> in the environment, or in a TOML file
-(--config), in that order of precedence (server/common/settings.py). A bad value from
+(--config), in that order of precedence (server/settings.py). A bad value from
 any of them exits with code 2 and one line saying why, before anything loads.
 """
 
@@ -20,7 +20,7 @@ from typing import NoReturn
 from kvfork import __version__
 from kvfork.backends import prepare_process
 from kvfork.server.common.config import ServerConfig
-from kvfork.server.common.settings import Layered, add_arguments, describe, from_args, layered, on_command_line
+from kvfork.server.settings import Layered, add_arguments, describe, from_args, layered, on_command_line
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.guard.tenants import key_tenants
 from kvfork.server.launch.model_source import Fetch, model_source

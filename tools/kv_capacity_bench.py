@@ -24,7 +24,7 @@ from pathlib import Path
 from kvfork.backends import create_backend
 from kvfork.backends.base import SamplingParams
 from kvfork.backends.default_model import default_model_dir
-from kvfork.server.common.settings import parse_size
+from kvfork.server.settings import parse_size
 from kvfork.server.engine.api import GenerateRequest
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.loop.engine import Engine

@@ -66,8 +66,7 @@ from kvfork.backends.base import KV_CACHE_DTYPES
 from kvfork.server.api.content_encoding import zstd
 from kvfork.server.common.config import ServerConfig
 from kvfork.server.engine.api import GenerateRequest
-from kvfork.server.engine.config import EngineConfig
-from kvfork.server.engine.worker.drafts import MODES
+from kvfork.server.engine.config import SPECULATIVE_MODES, EngineConfig
 from kvfork.server.launch.serve import Daemon, pick_backend
 from kvfork.tools.bench.serve import parse_metrics
 from kvfork.tools.bench.text import words
@@ -104,7 +103,7 @@ class SoakConfig:
     hostile: bool = True  # the hostile-tenant wave, after the rest
     long_prompt_tokens: int = 24_000  # the long-prompt wave's cached prompt (tools/long_prompts.py); 0: none
     hostile_samples: int = 5  # the innocent tenant's TTFTs alone, and during each hostile shape
-    speculative: str = "suffix"  # the soaked daemon's drafter (drafts.MODES); the reference daemon's is off
+    speculative: str = "suffix"  # the soaked daemon's drafter (config.SPECULATIVE_MODES); the reference daemon's is off
     kv_cache_dtype: str = "auto"  # both daemons' KV storage (reuse on = off holds at each one)
 
 
@@ -756,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the long-prompt wave's cached prompt, in tokens (0: no wave)")
     ap.add_argument("--hostile", action=argparse.BooleanOptionalAction, default=defaults.hostile,
                     help="end with the hostile-tenant wave (tools/hostile.py)")
-    ap.add_argument("--speculative", default=defaults.speculative, choices=MODES,
+    ap.add_argument("--speculative", default=defaults.speculative, choices=SPECULATIVE_MODES,
                     help="the soaked daemon's speculative decoding; the reference daemon's is off")
     ap.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                     help="both daemons' KV storage (torch: int8 and int4 need heads the group size divides)")

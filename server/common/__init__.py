@@ -1,7 +1,6 @@
-"""What every room shares: the settings mechanism, the daemon's flags and the state every route reads.
+"""What the routes share: the daemon's flags and the state every route reads.
 
-- settings.py: One home per setting: a dataclass field carries its flag, default, validation and help
-- config.py: The daemon's own flags (the engine's are in server/engine/config.py); see server/common/settings.py
+- config.py: The daemon's own flags (the engine's are in server/engine/config.py); see server/settings.py
 - state.py: What every route reads: the daemon's `Services` (one per process, on the application under SERVICES) and
   a model's `ModelState` (its engine, tokenizer and formats), which the services' `Models` hand a request
 """

@@ -1,10 +1,10 @@
-"""The daemon's own flags (the engine's are in server/engine/config.py); see server/common/settings.py."""
+"""The daemon's own flags (the engine's are in server/engine/config.py); see server/settings.py."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvfork.server.common.settings import at_least, between, setting
+from kvfork.server.settings import at_least, between, setting
 from kvfork.server.generate.reasoning import REASONING_CHOICES
 from kvfork.server.guard.limits import Limits
 from kvfork.server.guard.tenants import read_keys_file

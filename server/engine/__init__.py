@@ -19,5 +19,6 @@ Its rooms (docs/architecture.md walks one request through them; each room's __in
 - cache/: the tiers. index.py: every reusable state (prefix cache, disk tier files, named sessions, running
   requests) in one trie, one lookup (`Index.best`); disk.py: the disk tier; sessions.py: named sessions;
 - policy/: pure policies. placement.py (`place`), matching.py, follow.py, rates.py, restore.py,
-  scheduler.py, draft_policy.py, fair_share.py, memory_plan.py.
+  scheduler.py, draft_policy.py, fair_share.py, memory_plan.py; entries.py: the index's entries and what a lookup
+  finds, the values they read.
 """

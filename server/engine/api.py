@@ -3,7 +3,10 @@
 The daemon tokenizes, submits a `GenerateRequest`, and reads `TokenEvent`s then
 one `DoneEvent` from the returned handle. Text concerns (detokenizing, stop
 strings, tool-call parsing) stay in the daemon: when it matches a stop string it
-calls `handle.finish()`, which ends the request as a normal `stop`.
+calls `handle.finish()`, which ends the request as a normal `stop`. A grammar the output must
+follow reaches the engine as a `Constraint` (server/generate/grammar.py fills in the two protocols;
+the runner's worker/constraints.py drives them). The engine counts into the `MetricRegistry` it is
+handed; the daemon's watch room renders it.
 """
 
 from __future__ import annotations
@@ -12,16 +15,58 @@ import hashlib
 import hmac
 import json
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Literal
+from typing import Callable, Literal, Protocol
+
+import numpy as np
 
 from kvfork.backends.base import SamplingParams
 from kvfork.backends.vision import ImageInput
 
-if TYPE_CHECKING:
-    from kvfork.server.engine.worker.constraints import Constraint
-
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 ReuseSource = Literal["cache", "donor", "session", "disk"]
+
+
+class TokenMatcher(Protocol):
+    def advance(self, token: int) -> None:
+        """Consume a committed token (one the last mask allowed)."""
+
+    def fill_mask(self, out: np.ndarray) -> str | None:
+        """Write the next token's packed bitmask into `out`; return why no token is legal, or None."""
+
+    def fork(self) -> "TokenMatcher":
+        """An independent copy at the same point (n > 1 choices, a cloned request)."""
+
+    # Optional (speculative decoding): `validate(tokens) -> int`, how many leading tokens the grammar
+    # accepts from here, the matcher unchanged. A matcher without it gets no drafts.
+
+
+class Constraint(Protocol):
+    def matcher(self) -> TokenMatcher:
+        """A fresh matcher at the grammar's start."""
+
+
+MetricLabels = tuple[tuple[str, str], ...]
+
+
+class CounterMetric(Protocol):
+    values: dict[MetricLabels, float]  # by labels
+
+    def inc(self, amount: float = 1.0, **labels: str) -> None: ...
+    def get(self, **labels: str) -> float: ...
+
+
+class HistogramMetric(Protocol):
+    def observe(self, value: float) -> None: ...
+
+
+class MetricRegistry(Protocol):
+    """Where the engine reports what it counts: the daemon's registry (server/watch/metrics.py's `Registry`),
+    which `/metrics` renders. A gauge or a counter view is read when rendered."""
+
+    def counter(self, name: str, help: str) -> CounterMetric: ...
+    def histogram(self, name: str, help: str, buckets: tuple[float, ...]) -> HistogramMetric: ...
+    def gauge(self, name: str, help: str, read: Callable[[], float], labels: MetricLabels = ()) -> object: ...
+    def counter_view(self, name: str, help: str, read: Callable[[], float], labels: MetricLabels = ()) -> object: ...
 
 
 class EngineError(Exception):
@@ -94,7 +139,7 @@ class GenerateRequest:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     session_id: str | None = None  # named session: warm resume, never a reuse recipient
-    constraint: "Constraint | None" = None  # a grammar the output must follow (server/generate/grammar.py makes them)
+    constraint: Constraint | None = None  # a grammar the output must follow (server/generate/grammar.py makes them)
     scope: Scope = Scope()  # whose state it may reuse; a session_id names a session of scope.tenant
     # Token offsets in `prompt` where a message ends (the chat renderer's): where a model with recurrent
     # layers keeps checkpoints (--recurrent-checkpoints), for a later prompt that shares them.

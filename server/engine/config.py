@@ -1,19 +1,17 @@
-"""Every engine flag, each with its one home (see server/common/settings.py).
+"""Every engine flag, each with its one home (see server/settings.py).
 
-Defaults that depend on the machine or the model are resolved in one place
-(`resolve`), once the model is loaded, and the rules are written next to them.
+Defaults that depend on the machine or the model are resolved in one place once the model is loaded,
+with the memory plan they follow from (policy/memory_plan.py's `resolve_config`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-from kvfork.backends.base import KV_CACHE_DTYPES, KV_CACHE_SPELLINGS, KV_GROUP_SIZES, KVStorage, ModelInfo
-from kvfork.backends.device_memory import DeviceMemory
-from kvfork.server.common.settings import at_least, between, setting
-from kvfork.server.engine.policy.memory_plan import MemoryPlan, budget_tokens, plan_memory
-from kvfork.server.engine.worker.drafts import MODES as SPECULATIVE_MODES
+from kvfork.backends.base import KV_CACHE_DTYPES, KV_CACHE_SPELLINGS, KV_GROUP_SIZES, KVStorage
+from kvfork.server.settings import at_least, between, setting
+
+SPECULATIVE_MODES = ("off", "prompt", "suffix")  # the drafters (worker/drafts.py), or none
 
 # Automatic capture sizing: as many pending captures as inference slots (every request
 # that finishes its prefill in the same step can be captured), but never more than
@@ -121,18 +119,3 @@ class EngineConfig:
     @property
     def kv_storage(self) -> KVStorage:
         return KVStorage.named(self.kv_cache_dtype, self.kv_group_size)
-
-    def resolve(self, info: ModelInfo, device: DeviceMemory) -> tuple["EngineConfig", MemoryPlan]:
-        """The config with every machine- or model-dependent default filled in, and the memory plan
-        its KV budget comes from."""
-        context = min(self.max_context or info.context_length, info.context_length)
-        plan = plan_memory(device, kv_budget_bytes=self.kv_budget_bytes, request_bytes=info.kv.bytes_for(context),
-                           gpu_memory_utilization=self.gpu_memory_utilization,
-                           encoder_cache_bytes=self.encoder_cache_bytes if info.reads_images else 0)
-        budget = plan.kv_budget_bytes
-        captures = self.max_captures
-        if captures is None:
-            snapshot = max(1, info.kv.bytes_for(context, start=context))
-            captures = max(1, min(self.inference_slots, int(CAPTURE_BUDGET_FRACTION * budget) // snapshot))
-        plan = dataclasses.replace(plan, tokens=budget_tokens(budget, info))
-        return dataclasses.replace(self, kv_budget_bytes=budget, max_context=context, max_captures=captures), plan

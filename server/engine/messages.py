@@ -13,6 +13,7 @@ from typing import Any
 
 from kvfork.backends.base import BlockStats, ModelInfo, Sampled, SamplingParams
 from kvfork.backends.device_memory import DeviceMemory
+from kvfork.server.engine.api import Constraint
 
 # ---- control loop -> runner ----
 
@@ -52,7 +53,7 @@ class Start:
     resume_at: int = 0
     clone_from: list[tuple[int, int]] = field(default_factory=list)
     choices: list[Choice] = field(default_factory=list)  # n > 1: the other choices, opened when the prompt is in
-    constraint: Any = None  # a constraints.Constraint: the grammar its tokens must follow, or None
+    constraint: Constraint | None = None  # the grammar its tokens must follow, or None
     donor: tuple[int, int] | None = None
     keep_at: tuple[int, ...] = ()  # positions its session keeps the recurrent state at (Backend.keep_at)
     scope: str = ""  # whose drafts corpus it reads and adds to (drafts.Drafts.open): its tenant and cache_salt

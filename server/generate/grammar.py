@@ -60,7 +60,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 import numpy as np
 
 from kvfork.server.common.config import ServerConfig
-from kvfork.server.common.settings import without_secrets
+from kvfork.server.settings import without_secrets
 from kvfork.server.engine.api import Scope
 from kvfork.server.generate.grammar_worker import write_message
 from kvfork.server.generate.isolated import module_command

@@ -1,6 +1,6 @@
 """What one request may ask for: every limit in one table, checked before any work starts.
 
-Each limit is a setting (server/common/settings.py: flag, default, check and help together) of `Limits`,
+Each limit is a setting (server/settings.py: flag, default, check and help together) of `Limits`,
 which ServerConfig extends; docs/limits.md is the table for users. A request over a limit gets a
 400 that names the limit and its flag, in the route's own error shape, before it is tokenized,
 compiled or queued: the work a request can cost is bounded by what it is allowed to send.
@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvfork.server.common.settings import at_least, between, setting
+from kvfork.server.settings import at_least, between, setting
 from kvfork.server.guard.errors import ApiError
 
 KiB, MiB = 1024, 1024 * 1024

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import math
 
+import msgspec
 from aiohttp import web
 
 from kvfork.server.api.chat import route as chat
@@ -24,7 +25,7 @@ from kvfork.server.api.messages.protocol import error_body
 from kvfork.server.api.respond import dropped_tools_header, json_response, DROPPED_TOOLS_HEADER
 from kvfork.server.api.responses import route as responses
 from kvfork.server.api.responses.store import RESPONSES, ResponseStore
-from kvfork.server.api.sse import CLIENT_GONE
+from kvfork.server.api.sse import CLIENT_GONE, OPENED
 from kvfork.server.common.state import SERVICES, TENANT, Services
 from kvfork.server.engine.api import EngineError
 from kvfork.server.guard.errors import ApiError, from_engine
@@ -59,6 +60,25 @@ def _error_response(error: ApiError, path: str) -> web.Response:
         response = json_response(error.body(), status=error.status)
     if error.retry_after is not None:
         response.headers["Retry-After"] = str(max(1, math.ceil(error.retry_after)))
+    return response
+
+
+async def _error_reply(error: ApiError, request: web.Request) -> web.StreamResponse:
+    """`_error_response`, or, where the request's stream opened before its reply (a streaming request that waited
+    for its model: server/pool/keepalive.py), the error inside that stream in the API's shape: Anthropic's error
+    event on /v1/messages, else OpenAI's error frame and [DONE]."""
+    response = request.get(OPENED)
+    if response is None:
+        return _error_response(error, request.path)
+    if request.path.startswith(messages.PATH):
+        frame = b"event: error\ndata: " + error_body(error.status, error.message) + b"\n\n"
+    else:
+        frame = b"data: " + msgspec.json.encode(error.body()) + b"\n\ndata: [DONE]\n\n"
+    try:
+        await response.write(frame)
+        await response.write_eof()
+    except (ConnectionError, RuntimeError):  # the client went away, or the stream had ended already
+        pass
     return response
 
 
@@ -102,9 +122,9 @@ def _middlewares(services: Services, requests_total) -> list:
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            response = _error_response(_api_error(e), request.path)
+            response = await _error_reply(_api_error(e), request)
         except ApiError as e:
-            response = _error_response(e, request.path)
+            response = await _error_reply(e, request)
         except asyncio.CancelledError:  # the client went away (handler_cancellation)
             requests_total.inc(route=route, status=CLIENT_CLOSED)
             raise
@@ -112,7 +132,7 @@ def _middlewares(services: Services, requests_total) -> list:
             request[CLIENT_GONE] = True
             response = web.Response(status=499)
         except Exception as e:
-            response = _error_response(_api_error(e), request.path)
+            response = await _error_reply(_api_error(e), request)
         finally:
             if watchdog is not None:
                 watchdog.request_ended()

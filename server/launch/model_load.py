@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
+from kvfork.backends.base import Backend
 from kvfork.backends.vision import load_processing
 from kvfork.server.common.config import ServerConfig
 from kvfork.server.common.state import ModelState
@@ -48,3 +51,20 @@ async def load_model(state: ModelState, path: str, tokenizer: PromptTokenizer | 
         progress.enter("warming", config.prefix_cache_warm)
         await warm(state.engine, state.tokenizer, config.prefix_cache_warm)
     progress.enter("ready")
+
+
+@dataclass(frozen=True)
+class Loader:
+    """A pool's `ModelLoader` (server/pool/served.py): a fresh backend per load, loaded as the daemon's one model is."""
+
+    config: ServerConfig
+    make_backend: Callable[[], Backend]
+
+    def backend(self) -> Backend:
+        return self.make_backend()
+
+    async def load(self, state: ModelState, path: str, tokenizer: PromptTokenizer | None) -> None:
+        await load_model(state, path, tokenizer)
+
+    def tokenizer(self, path: str) -> tuple[PromptTokenizer, ModelFormats]:
+        return tokenizer_alone(self.config, path)

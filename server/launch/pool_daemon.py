@@ -12,6 +12,7 @@ from kvfork.server.common.config import ServerConfig
 from kvfork.server.common.state import Services
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.launch.listening import Listening
+from kvfork.server.launch.model_load import Loader
 from kvfork.server.pool.budget import PoolBudget
 from kvfork.server.pool.pool import ModelPool
 from kvfork.server.pool.specs import ModelSpec
@@ -44,7 +45,7 @@ class PoolDaemon(Listening):
         max_loaded = 1 if backend == "mlx" else config.max_loaded_models
         budget = PoolBudget.of(device_reading(backend), engine_config, config.memory_budget_bytes, max_loaded,
                                len(specs))
-        self.pool = ModelPool(config, self.registry, specs, engine_config, make_backend, budget)
+        self.pool = ModelPool(config, self.registry, specs, engine_config, Loader(config, make_backend), budget)
         self.services = Services(config, self.registry, self.pool)
         self.speculative = engine_config.speculative
         self.port = config.port

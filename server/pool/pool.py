@@ -31,27 +31,22 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from aiohttp import web
 
-from kvfork.backends.base import Backend
 from kvfork.backends.model_info import read_model_facts
 from kvfork.backends.vision import folder_family
-from kvfork.server.api.sse import OPENED
 from kvfork.server.common.config import ServerConfig
 from kvfork.server.common.state import ModelBounds, ModelState, tenant_of
-from kvfork.server.engine.api import EngineError
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.loop.engine import Engine
 from kvfork.server.generate.chat_output import ModelFormats
-from kvfork.server.guard.errors import ApiError, from_engine
-from kvfork.server.launch.model_load import tokenizer_alone
+from kvfork.server.guard.errors import ApiError
 from kvfork.server.pool.budget import PoolBudget
-from kvfork.server.pool.keepalive import KeepAlive, error_in_stream
+from kvfork.server.pool.keepalive import KeepAlive
 from kvfork.server.pool.kept import Kept, KeptModels
 from kvfork.server.pool.loadable import check_folder, folder_state
-from kvfork.server.pool.served import ServedModel
+from kvfork.server.pool.served import ModelLoader, ServedModel
 from kvfork.server.pool.specs import ModelSpec
 from kvfork.server.pool.switching import expired, next_switch, victims
 from kvfork.server.pool.turns import SwitchTurns, disrupts, waits_for
@@ -132,9 +127,9 @@ def _folder_bounds(path: str, max_context: int | None) -> ModelBounds | None:
 
 class ModelPool:
     def __init__(self, config: ServerConfig, registry: Registry, specs: list[ModelSpec], engine_config: EngineConfig,
-                 make_backend: Callable[[], Backend], budget: PoolBudget):
+                 loader: ModelLoader, budget: PoolBudget):
         self.config, self.registry, self.engine_config = config, registry, engine_config
-        self.make_backend, self.budget = make_backend, budget
+        self.loader, self.budget = loader, budget
         self.models = {s.name: PooledModel(s, s.name in config.pin, budget.footprint(s)) for s in specs}
         for model in self.models.values():  # read once, here: a request's checks then never wait for a file
             if model.spec.fetch is None:
@@ -243,7 +238,7 @@ class ModelPool:
             raise ApiError(503, f"model {model.spec.name!r} is not on this machine yet: a request for it downloads "
                            "and loads it", code="not_ready", param="model")
         if model.counter is None:
-            model.counter = asyncio.create_task(asyncio.to_thread(tokenizer_alone, self.config, model.spec.path))
+            model.counter = asyncio.create_task(asyncio.to_thread(self.loader.tokenizer, model.spec.path))
         counter = model.counter
         try:
             return *await asyncio.shield(counter), known.context
@@ -262,18 +257,10 @@ class ModelPool:
 
     @web.middleware
     async def middleware(self, request: web.Request, handler):
-        """Releases the model a request held, once its answer is written; a failure after its stream opened
-        early goes out inside the stream."""
+        """Releases the model a request held, once its handler is done (a failure, inside the stream that opened
+        early too, is the error middleware's: server/launch/app.py)."""
         try:
             return await handler(request)
-        except Exception as e:
-            if request.get(OPENED) is None or isinstance(e, ConnectionError):
-                raise
-            error = e if isinstance(e, ApiError) else from_engine(e) if isinstance(e, EngineError) else \
-                ApiError(500, "internal error", code="internal_error")
-            if not isinstance(e, (ApiError, EngineError)):
-                log.exception("unexpected error")
-            return await error_in_stream(request, error)
         finally:
             lease = request.get(LEASE)
             if isinstance(lease, Claim):
@@ -365,9 +352,9 @@ class ModelPool:
         t0 = time.monotonic()
         kept = self.kept.take(model.spec.name, files)
         served = ServedModel(model.spec, self.config, self.budget.engine_config(self.engine_config, model.spec),
-                             self.make_backend(), kept)
+                             self.loader.backend(), kept)
         try:
-            await served.load()
+            await served.load(self.loader)
             refusal = served.engine.memory.refusal if served.engine.memory is not None else None
             if refusal is not None:
                 raise ValueError(refusal)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from typing import Protocol
 
 from kvfork.backends.base import Backend
 from kvfork.server.common.config import ServerConfig
@@ -12,11 +13,28 @@ from kvfork.server.common.state import ModelState
 from kvfork.server.engine.cache.disk import kv_root
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.loop.engine import Engine
-from kvfork.server.launch.model_load import load_model
+from kvfork.server.generate.chat_output import ModelFormats
 from kvfork.server.pool.kept import Kept
 from kvfork.server.pool.specs import ModelSpec
+from kvfork.server.text.tokenizer import PromptTokenizer
 from kvfork.server.watch.metrics import Registry
 from kvfork.server.watch.observe import register_vllm_names
+
+
+class ModelLoader(Protocol):
+    """How a model is made and loaded, handed to the pool by the daemon that builds it (server/launch/
+    model_load.py's `Loader`, over the `load_model` a daemon of one model calls): the pool decides when, never
+    how."""
+
+    def backend(self) -> Backend:
+        """A fresh backend, for one load."""
+
+    async def load(self, state: ModelState, path: str, tokenizer: PromptTokenizer | None) -> None:
+        """The weights of `path` into `state.engine`, its tokenizer into `state` (`tokenizer`: the one an earlier
+        load of the folder made), until ready."""
+
+    def tokenizer(self, path: str) -> tuple[PromptTokenizer, ModelFormats]:
+        """A model's tokenizer and its formats, without its weights."""
 
 
 class ServedModel:
@@ -36,13 +54,13 @@ class ServedModel:
         self.state = ModelState(config, self.engine, [spec.name])
         register_vllm_names(self.registry, self.engine, spec.name)
 
-    async def load(self) -> None:
+    async def load(self, loader: ModelLoader) -> None:
         """Weights and tokenizer (downloaded first where the model is not here yet); raises what failed."""
         path = self.spec.path
         if self.spec.fetch is not None:
             path = self.engine.model_path = await asyncio.to_thread(self.spec.fetch, self.state.progress)
             self.spec = dataclasses.replace(self.spec, path=path, fetch=None)
-        await load_model(self.state, path, self.kept.tokenizer if self.kept is not None else None)
+        await loader.load(self.state, path, self.kept.tokenizer if self.kept is not None else None)
 
     async def close(self, grace_s: float, keep: bool = False) -> Kept | None:
         """Let running requests finish within `grace_s`, cancel the rest; the prefix cache spills to the disk

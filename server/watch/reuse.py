@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from kvfork.server.engine.api import Scope, Usage
-from kvfork.server.engine.cache.index import Entry
+from kvfork.server.engine.policy.entries import Entry
 from kvfork.server.engine.policy.matching import common_prefix
 
 DECISIONS = 300  # placement decisions kept

@@ -124,7 +124,7 @@ async def test_sessions_are_opt_in_and_a_busy_one_never_refuses(agent_model):
 def test_session_header_flag():
     from kvfork.server.cli import serve_parser
     from kvfork.server.common.config import ServerConfig
-    from kvfork.server.common.settings import from_args
+    from kvfork.server.settings import from_args
 
     args = serve_parser().parse_args(["--session-header", "x-session-id", "--session-header", "x-other"])
     assert from_args(ServerConfig, args).session_header == ["x-session-id", "x-other"]

@@ -13,7 +13,7 @@ from scripted_replies import recording, scripted
 from kvfork.server.api.sse import EventStream
 from kvfork.server.cli import serve_parser
 from kvfork.server.common.config import ServerConfig
-from kvfork.server.common.settings import from_args
+from kvfork.server.settings import from_args
 from kvfork.server.generate import chat_output
 
 

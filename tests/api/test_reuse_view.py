@@ -7,7 +7,7 @@ import aiohttp
 
 from agent_server import agent_model  # noqa: F401 (fixture)
 from http_daemon import serving, until
-from kvfork.server.engine.cache.index import Entry
+from kvfork.server.engine.policy.entries import Entry
 from kvfork.server.watch.reuse import prefix_tree
 
 SYSTEM = "You are a coding agent in a shared repository; the words of this prompt are secret. " * 4

@@ -7,7 +7,8 @@ import random
 
 from kvfork.backends.base import KVCost, LayerAttention, ModelInfo
 from kvfork.server.engine.api import Scope
-from kvfork.server.engine.cache.index import BLOCK, Entry, Index
+from kvfork.server.engine.cache.index import BLOCK, Index
+from kvfork.server.engine.policy.entries import Entry
 from kvfork.server.engine.policy.matching import Source, ranked_matches, usable_match, window_floor
 
 FULL = ModelInfo("t", 512, 4096, (LayerAttention("full"),), (2,), KVCost(1024), "float32", "cpu")

@@ -9,7 +9,7 @@ import pytest
 
 from kvfork.backends.base import SamplingParams
 from kvfork.server.engine.api import GenerateRequest
-from kvfork.server.engine.cache.index import Entry, Found, Match
+from kvfork.server.engine.policy.entries import Entry, Found, Match
 from kvfork.server.engine.policy.follow import FollowPolicy, Leader
 from kvfork.server.engine.policy.matching import Source
 from kvfork.server.engine.policy.placement import (Cached, CloneRunning, Follow, Fresh, Restore, Resume, View, Wait, place,

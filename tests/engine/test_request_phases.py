@@ -5,7 +5,7 @@ import pytest
 
 from kvfork.backends.base import SamplingParams
 from kvfork.server.engine.api import GenerateRequest
-from kvfork.server.engine.cache.index import Match
+from kvfork.server.engine.policy.entries import Match
 from kvfork.server.engine.loop import request as rq
 from kvfork.server.engine.policy.follow import FollowOrder
 

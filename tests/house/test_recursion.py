@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = ("server", "backends", "tools")
 
 BOUNDED = {
-    "server/common/settings.py:_base_type": "a type hint's nesting, written in the code",
-    "server/common/settings.py:_toml_value": "a setting's value: a list of scalars, one level",
+    "server/settings.py:_base_type": "a type hint's nesting, written in the code",
+    "server/settings.py:_toml_value": "a setting's value: a list of scalars, one level",
     "server/toolcalls/grammar_pieces.py:closed": "a schema's nesting, refused past --max-json-depth before it is "
                                                  "compiled",
     "server/engine/worker/faults.py:sample": "retries each row alone once (retried=True stops it)",

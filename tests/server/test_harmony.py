@@ -146,7 +146,7 @@ def test_a_checkpoint_that_names_its_parser_gets_it():
 def test_every_family_and_thinking_format_is_a_flag_value():
     from kvfork.server.cli import serve_parser
     from kvfork.server.common.config import ServerConfig
-    from kvfork.server.common.settings import from_args
+    from kvfork.server.settings import from_args
 
     for tool, thinking in [("glm47", "think"), ("harmony", "harmony"), ("kimi_k3", "kimi_k3"), ("mistral", "mistral"),
                            ("minimax_m2", "gemma4"), ("laguna", "longcat")]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from kvfork.server.cli import read_settings, serve_parser
-from kvfork.server.common.settings import parse_size
+from kvfork.server.settings import parse_size
 from test_cli import kvfork, started
 
 
@@ -109,7 +109,7 @@ def test_bad_input_exits_2_with_one_line_naming_what_to_change(tmp_path, file, e
                                   'metrics-key = {value = "s3cret-value"}\n'])
 def test_a_secret_of_the_wrong_type_is_not_echoed(tmp_path, file):
     from kvfork.server.common.config import ServerConfig
-    from kvfork.server.common.settings import read_config_file
+    from kvfork.server.settings import read_config_file
 
     config = tmp_path / "kvfork.toml"
     config.write_text(file)

@@ -69,7 +69,8 @@ from safetensors.numpy import save as save_tensors
 from kvfork.backends.base import SavedLayer, SavedState
 from kvfork.backends.home import kvfork_home
 from kvfork.backends.private_files import FILE_MODE, SECRET, open_private, own_folder, private_folder, secret
-from kvfork.server.engine.cache.index import Entry, Index
+from kvfork.server.engine.cache.index import Index
+from kvfork.server.engine.policy.entries import Entry
 
 log = logging.getLogger("kvfork.disk")
 

@@ -33,42 +33,15 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
-from typing import Collection, Hashable, Iterator, Literal, Protocol, Sequence
+from typing import Hashable, Iterator, Protocol, Sequence
 
 from kvfork.backends.base import ModelInfo, clone_positions
 from kvfork.server.engine.api import Scope
+from kvfork.server.engine.policy.entries import Entry, Found, Match, Tier
 from kvfork.server.engine.policy.matching import Source, common_prefix, usable_upto, window_floor
 
 BLOCK = 16  # tokens per trie node
 
-Tier = Literal["memory", "disk", "named", "running"]
-
-
-@dataclass(eq=False)
-class Entry:
-    """A reusable state. `position`: tokens it has computed (a running request: prompt and output so far)."""
-
-    tier: Tier
-    scope: str  # api.Scope.digest
-    tokens: tuple[int, ...]  # what it holds (a running request: its prompt only, never its output)
-    owner: Hashable = None  # disk: the file name; named: (tenant, name); running: the request's rid
-    sid: int | None = None  # memory, named: the runner's session holding the state
-    nbytes: int = 0  # memory, named: the session's own bytes; disk: the file's
-    reads: int = 0  # memory: bytes of its writer's store it reads by reference (freed with its last reader)
-    kept: tuple[int, ...] = ()  # positions it holds a recurrent checkpoint at
-    position: int = -1  # -1: len(tokens)
-    stamp: int = 0  # recency: higher is more recent
-    created: float = 0.0  # time.monotonic() when the index stored it
-    uses: int = 0  # times it was used since (served a request, or the same prompt was captured again)
-
-    def __post_init__(self) -> None:
-        if self.position < 0:
-            self.position = len(self.tokens)
-
-    @property
-    def key(self) -> tuple[str, tuple[int, ...]]:
-        return self.scope, self.tokens
 
 
 class Watcher(Protocol):
@@ -76,31 +49,6 @@ class Watcher(Protocol):
 
     def stored(self, tokens: Sequence[int], scope: str) -> None: ...
     def removed(self, tokens: Sequence[int], scope: str) -> None: ...
-
-
-@dataclass(frozen=True)
-class Match:
-    entry: Entry
-    upto: int  # clone [0, upto) of it
-
-
-@dataclass
-class Found:
-    """What `best` found for one prompt, tier by tier."""
-
-    scope: str  # the prompt's scope, as entries name it (Index.digest)
-    memory: list[Match] = field(default_factory=list)  # best first: the runner tries them in order
-    disk: Match | None = None
-    donor: Source | None = None  # the running request with the best usable match, as matching.py sees it
-
-    @property
-    def cached(self) -> int:
-        return self.memory[0].upto if self.memory else 0
-
-    def without(self, gone: Collection[Entry]) -> Found:
-        """This lookup once the `gone` entries left the index: the same walk would find the rest in this order."""
-        left = {id(e) for e in gone}
-        return replace(self, memory=[m for m in self.memory if id(m.entry) not in left])
 
 
 class _Node:

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kvfork.server.engine.api import Scope, SessionBusy
-from kvfork.server.engine.cache.index import Entry, Index
+from kvfork.server.engine.cache.index import Index
+from kvfork.server.engine.policy.entries import Entry
 
 MAX_SESSION_ID = 128
 

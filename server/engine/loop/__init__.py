@@ -5,6 +5,8 @@ views and metrics it publishes.
 - serving.py: The engine's state machine over requests, built once the model has loaded (engine.py builds it
   from the runner's Loaded event; before that the engine serves nothing): its managers exist from the start
 - request.py: One request as the control loop sees it: what every phase shares, and a state per phase
+- placing.py: The view a request is placed over (policy/placement.py's `View`), taken from what the engine has:
+  its requests, the parked followers, the index, the measured rates
 - admission.py: Admission: the KV budget and the queue, on the control loop
 - parking.py: The parked phases, Following and Restoring: a request that waits for a session to be handed to
   it, holding the bytes of that session and no slot (request.py), and the runner's answers that end the wait

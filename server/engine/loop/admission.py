@@ -67,7 +67,8 @@ from kvfork.backends.vision.keys import image_tokens
 from kvfork.server.engine import messages as m
 from kvfork.server.engine.api import CapacityExhausted, ContextTooLong, GenerateRequest, InvalidRequest, Scope
 from kvfork.server.engine.cache.disk import DiskTier
-from kvfork.server.engine.cache.index import Entry, Index
+from kvfork.server.engine.cache.index import Index
+from kvfork.server.engine.policy.entries import Entry
 from kvfork.server.engine.cache.sessions import NamedSessions, check_session_id
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.loop.ledger import LoopLedger

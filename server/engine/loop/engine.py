@@ -26,9 +26,9 @@ from typing import Any, Callable
 
 from kvfork.backends.base import Backend, KVStorageRefused, ModelInfo
 from kvfork.backends.model_path import resolve_model
-from kvfork.server.common.settings import validate
+from kvfork.server.settings import validate
 from kvfork.server.engine import messages as m
-from kvfork.server.engine.api import GenerateRequest, NotReady
+from kvfork.server.engine.api import GenerateRequest, MetricRegistry, NotReady
 from kvfork.server.engine.cache.disk import DiskTier, fingerprint, tier_secret
 from kvfork.server.engine.cache.index import Index
 from kvfork.server.engine.config import EngineConfig
@@ -38,11 +38,10 @@ from kvfork.server.engine.loop.serving import Serving
 from kvfork.server.engine.loop.stats import EngineStats
 from kvfork.server.engine.loop.telemetry import EngineMetrics
 from kvfork.server.engine.loop.utilization import EngineLoad
-from kvfork.server.engine.policy.memory_plan import MemoryPlan
+from kvfork.server.engine.policy.memory_plan import MemoryPlan, resolve_config
 from kvfork.server.engine.policy.rates import LiveRates, RateTracker
 from kvfork.server.engine.worker.drafts import Drafts
 from kvfork.server.engine.worker.runner import Runner
-from kvfork.server.watch.metrics import Registry
 
 log = logging.getLogger("kvfork.engine")
 
@@ -51,7 +50,7 @@ STOP_WAIT_S = 10.0  # after the grace period: how long cancelled requests get to
 
 class Engine:
     def __init__(self, backend: Backend, model_path: str, dtype: str | None, config: EngineConfig,
-                 registry: Registry, kv_dir: Path | None = None, kv_events: Any = None,
+                 registry: MetricRegistry, kv_dir: Path | None = None, kv_events: Any = None,
                  plans: Callable[[Any], None] | None = None, drafts: Drafts | None = None):
         """`kv_dir`: where the prefix cache's disk tier lives (disk.kv_root()); None: no disk tier.
         `kv_events`: told where reusable states are stored and removed (server/kv_events.KVEvents); None: off.
@@ -236,7 +235,7 @@ class Engine:
 
     def _on_loaded(self, ev: m.Loaded) -> None:
         self.info = ev.info
-        self.config, self.memory = self.config.resolve(ev.info, ev.device)
+        self.config, self.memory = resolve_config(self.config, ev.info, ev.device)
         c = self.config
         disk = self._disk_identity(ev.info)
         # Scopes are named under the disk tier's secret, so its files keep their scope across restarts;

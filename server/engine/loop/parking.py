@@ -16,16 +16,17 @@ from typing import Any, Callable, Protocol
 
 from kvfork.server.engine import messages as m
 from kvfork.server.engine.cache.disk import DiskTier
-from kvfork.server.engine.cache.index import Match
+from kvfork.server.engine.policy.entries import Match
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.loop import request as phase
 from kvfork.server.engine.loop.admission import Admission
 from kvfork.server.engine.loop.ledger import LoopLedger
+from kvfork.server.engine.loop.placing import prefilling
 from kvfork.server.engine.loop.progress import Progress
 from kvfork.server.engine.loop.request import Following, Landed, Prefilling, Queued, Request, Restoring
 from kvfork.server.engine.loop.telemetry import EngineMetrics
 from kvfork.server.engine.policy.follow import FollowOrder, at_deadline
-from kvfork.server.engine.policy.placement import Follow, prefilling
+from kvfork.server.engine.policy.placement import Follow
 from kvfork.server.engine.policy.rates import LiveRates
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 from kvfork.server.engine.api import DoneEvent, GenerateRequest, ReuseSource, TokenEvent, Usage
-from kvfork.server.engine.cache.index import Found, Match
+from kvfork.server.engine.policy.entries import Found, Match
 from kvfork.server.engine.cache.sessions import NamedSession
 from kvfork.server.engine.policy.follow import FollowOrder
 
@@ -181,6 +181,11 @@ class Request:
     @property
     def holds_slot(self) -> bool:
         return isinstance(self.phase, InSlot)
+
+    @property
+    def landed(self) -> Landed | None:
+        """The session a clone or a disk read landed for it while it waited, once it is queued again."""
+        return self.phase.landed if isinstance(self.phase, Queued) else None
 
     @property
     def committed(self) -> int:

@@ -23,15 +23,17 @@ from kvfork.backends.base import ModelInfo
 from kvfork.server.engine import messages as m
 from kvfork.server.engine.api import CapacityExhausted, GenerateRequest, choice_sampling
 from kvfork.server.engine.cache.disk import DiskTier
-from kvfork.server.engine.cache.index import Index, Match
+from kvfork.server.engine.cache.index import Index
+from kvfork.server.engine.policy.entries import Match
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.engine.loop import request as phase
 from kvfork.server.engine.loop.admission import Admission
 from kvfork.server.engine.loop.ending import Ending
 from kvfork.server.engine.loop.ledger import LoopLedger
 from kvfork.server.engine.loop.parking import Parking
+from kvfork.server.engine.loop.placing import take_view
 from kvfork.server.engine.policy.placement import (Cached, CloneRunning, Follow, Fresh, Placement, Restore, Resume, View, Wait,
-                                            place, place_without_reuse, take_view)
+                                            place, place_without_reuse)
 from kvfork.server.engine.cache.sessions import NamedSessions
 from kvfork.server.engine.loop.progress import Progress
 from kvfork.server.engine.loop.request import Following, Paused, Queued, Request, RequestHandle

@@ -12,11 +12,10 @@ import logging
 from typing import Protocol
 
 from kvfork.server.engine import messages as m
-from kvfork.server.engine.api import DoneEvent
+from kvfork.server.engine.api import DoneEvent, MetricRegistry
 from kvfork.server.engine.loop.request import Request
 from kvfork.server.engine.loop.stats import EngineStats
 from kvfork.server.engine.loop.utilization import EngineLoad
-from kvfork.server.watch.metrics import Registry
 
 
 class Readings(Protocol):
@@ -33,7 +32,7 @@ _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 
 
 
 class EngineMetrics:
-    def __init__(self, registry: Registry, engine: Readings):
+    def __init__(self, registry: MetricRegistry, engine: Readings):
         c, h = registry.counter, registry.histogram
         self.requests = c("requests_total", "requests ended, by finish_reason")
         self.prompt_tokens = c("prompt_tokens_total", "prompt tokens of ended requests")
@@ -80,7 +79,7 @@ class EngineMetrics:
         self._gauges(registry, engine)
 
     @staticmethod
-    def _gauges(registry: Registry, engine: Readings) -> None:
+    def _gauges(registry: MetricRegistry, engine: Readings) -> None:
         """Gauges read at scrape time: 0 for what is not there yet (before the model loads, no disk tier)."""
         g = registry.gauge
 

@@ -3,6 +3,8 @@ shares and the memory plan; no threads, no backend.
 
 - placement.py: Where a request starts: one pure decision over a read-only view
 - matching.py: Which computed KV state serves the start of a new request's prompt: pure policy
+- entries.py: What the prefix cache's tiers hold (`Entry`) and what a lookup finds (`Match`, `Found`): plain values
+  the policies read (placement.py decides over a `Found`); cache/index.py stores, finds and removes them
 - follow.py: Follow the leader: requests that share a prompt prefix share one prefill
 - rates.py: Measured rates the follow-the-leader cost model runs on
 - restore.py: Restore a prefix from the disk tier, or recompute it: the cost model's choice

@@ -16,14 +16,17 @@ A model that reads images keeps its vision encoder's output (--encoder-cache-byt
 those bytes are taken from what the rule leaves before the KV budget is decided.
 `sharers` processes with their own weights dividing one machine's memory (kvfork cluster's
 replicas, ranks on one host) each get an equal share of what is left.
+`resolve_config` fills in the engine's defaults that follow from the plan and the model, once it is loaded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from kvfork.backends.base import ModelInfo
 from kvfork.backends.device_memory import DeviceMemory, cpu_memory
+from kvfork.server.engine.config import CAPTURE_BUDGET_FRACTION, EngineConfig
 
 GiB = 1024**3
 CPU_SHARE = 0.75
@@ -108,3 +111,19 @@ def shared_host_plan(weights_each: int, sharers: int) -> MemoryPlan:
     weights (a replica: the model's; a rank: its part), decided before any has loaded."""
     return plan_memory(cpu_memory(weights_each), kv_budget_bytes=None, gpu_memory_utilization=1.0, request_bytes=0,
                        sharers=sharers)
+
+
+def resolve_config(config: EngineConfig, info: ModelInfo, device: DeviceMemory) -> tuple[EngineConfig, MemoryPlan]:
+    """`config` with every machine- or model-dependent default filled in (the KV budget, the context, the
+    captures), and the memory plan its KV budget comes from."""
+    context = min(config.max_context or info.context_length, info.context_length)
+    plan = plan_memory(device, kv_budget_bytes=config.kv_budget_bytes, request_bytes=info.kv.bytes_for(context),
+                       gpu_memory_utilization=config.gpu_memory_utilization,
+                       encoder_cache_bytes=config.encoder_cache_bytes if info.reads_images else 0)
+    budget = plan.kv_budget_bytes
+    captures = config.max_captures
+    if captures is None:
+        snapshot = max(1, info.kv.bytes_for(context, start=context))
+        captures = max(1, min(config.inference_slots, int(CAPTURE_BUDGET_FRACTION * budget) // snapshot))
+    plan = dataclasses.replace(plan, tokens=budget_tokens(budget, info))
+    return dataclasses.replace(config, kv_budget_bytes=budget, max_context=context, max_captures=captures), plan

@@ -2,8 +2,9 @@
 
     place(request, view) -> Placement
 
-The engine takes the view (`take_view`, over its requests and the index) and
-applies what comes back (serving.Serving._apply). The placements:
+The engine takes the view (loop/placing.py's `take_view`, over its requests and the index) and
+applies what comes back (serving.Serving._apply). `place` reads of the request only what `Placed`
+names. The placements:
 - Resume(sid, upto): a session it holds already: its named session's (warm resume),
   or a clone that landed for it while it waited (a follow, a disk read);
 - CloneRunning(donor, upto): a clone of what a running request has committed now (clone-now);
@@ -31,15 +32,45 @@ Rules (the policies cited hold the details):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Collection, Hashable, Iterable, Mapping, Sequence
+from typing import Any, Hashable, Mapping, Protocol, Sequence
 
-from kvfork.server.engine.cache.index import Found, Index, Match
-from kvfork.server.engine.config import EngineConfig
-from kvfork.server.engine.loop.request import Following, Prefilling, Queued, Request
-from kvfork.server.engine.policy.follow import FollowDecision, FollowPolicy, Leader, decide, leader_views
-from kvfork.server.engine.policy.matching import Recipient, Source, choose_reuse
+from kvfork.server.engine.policy.entries import Entry, Found, Match
+from kvfork.server.engine.policy.follow import FollowDecision, FollowPolicy, Leader, decide
+from kvfork.server.engine.policy.matching import Recipient, choose_reuse
 from kvfork.server.engine.policy.rates import Rates
 from kvfork.server.engine.policy.restore import choose_restore
+
+
+class Landing(Protocol):
+    """A session a waiting request holds already (loop/request.py's `Landed`)."""
+
+    @property
+    def sid(self) -> int: ...
+    @property
+    def upto(self) -> int: ...
+
+
+class Resumable(Protocol):
+    """A request's named session (cache/sessions.py's `NamedSession`)."""
+
+    @property
+    def state(self) -> Entry | None: ...  # what it keeps (tier "named"), if anything
+    def resumes(self, prompt: Sequence[int], scope: str) -> bool: ...
+
+
+class Placed(Protocol):
+    """What `place` reads of a request (loop/request.py's `Request` is one)."""
+
+    @property
+    def rid(self) -> int: ...
+    @property
+    def prompt(self) -> list[int]: ...
+    @property
+    def decision(self) -> dict[str, Any]: ...  # the log fields decided so far (a refused clone, an expired follow)
+    @property
+    def named(self) -> Resumable | None: ...
+    @property
+    def landed(self) -> Landing | None: ...  # a clone that landed for it while it waited
 
 
 @dataclass(frozen=True)
@@ -55,64 +86,6 @@ class View:
     restore: bool  # the disk tier may serve it
     slot: bool  # it holds an inference slot; else it waits for one
     names: Mapping[Hashable, str] = field(default_factory=dict)  # request ids by rid, for the log line
-
-
-def take_view(r: Request, requests: Collection[Request], followers: Iterable[Request], index: Index, rates: Rates,
-              config: EngineConfig, disk: bool, slot: bool, now: float) -> View:
-    """The view `r` is placed over: `requests`, all the engine has, in admission order; `followers`, the parked
-    ones, in the order they parked; `disk`: the disk tier is on."""
-    waited = now - r.tried.first_parked_at if r.tried.first_parked_at else 0.0
-    policy = FollowPolicy(config.active_prefix_reuse_min_tokens, follow=config.follow and not r.tried.no_follow,
-                          max_wait_s=max(0.0, config.follow_max_wait - waited))
-    restore = disk and not r.tried.no_disk and not r.siblings
-    busy = prefilling(requests)
-    leaders = (_leaders(r, requests, list(followers), index, rates, busy)
-               if policy.min_tokens > 0 and r.named is None else [])
-    found = r.found if r.found is not None and not restore else index.best(r.prompt, r.req.scope, disk=restore)
-    return View(found, leaders, rates, busy, policy,
-                config.prefix_cache_min_tokens, restore, slot, {x.rid: x.req.request_id for x in requests})
-
-
-def prefilling(requests: Iterable[Request]) -> int:
-    """Requests prefilling now (each choice's prompt once): they share the prefill rate."""
-    return sum(1 for x in requests if isinstance(x.phase, Prefilling) and x.committed < len(x.prompt)
-               and x.parent is None)
-
-
-def _leaders(r: Request, requests: Iterable[Request], followers: list[Request], index: Index, rates: Rates,
-             prefilling: int) -> list[Leader]:
-    """Whom `r` may follow: its scope's requests in slots, those whose clone is on its way, and the parked
-    followers (follow.leader_views), never its own followers."""
-    tps = rates.share(prefilling)  # a leader prefills at its share of the rate; a follower does not compete
-    below, scope = _followers_below(r, followers), r.req.scope
-    active = []
-    for x in requests:
-        # a request on its way out gives nothing; another scope's never; a choice is its parent's twin
-        if x is r or x.rid in below or x.ending or x.req.scope != scope or x.parent is not None:
-            continue
-        if isinstance(x.phase, Prefilling) and x.phase.donor_upto:  # holds [0, donor_upto) once cloned
-            source = Source.donor(x.rid, x.prompt, 0, x.rid)
-            active.append(Leader.starting(source, x.phase.donor_upto, rates.clone_s(x.phase.donor_upto), tps))
-        elif x.holds_slot:
-            active.append(Leader.active(index.source_of(x.rid), tps))
-        elif isinstance(x.phase, Queued) and x.phase.landed is not None:  # holds it already, waits for a slot
-            source = Source.donor(x.rid, x.prompt, 0, x.rid)
-            active.append(Leader.starting(source, x.phase.landed.upto, 0.0, tps))
-    parked = [(f.phase.order, Source.donor(f.rid, f.prompt, 0, f.rid)) for f in followers
-              if isinstance(f.phase, Following) and f.rid not in below and f is not r and f.req.scope == scope]
-    return leader_views(active, parked, rates, tps)
-
-
-def _followers_below(r: Request, followers: list[Request]) -> set[int]:
-    """Everyone following `r`, directly or down a chain: never a leader for `r`."""
-    below, grew = {r.rid}, True
-    while grew:
-        grew = False
-        for f in followers:
-            if f.rid not in below and isinstance(f.phase, Following) and f.phase.order.leader in below:
-                below.add(f.rid)
-                grew = True
-    return below - {r.rid}
 
 
 @dataclass(frozen=True)
@@ -166,7 +139,7 @@ class Wait(_Placed):
 Placement = Resume | CloneRunning | Cached | Follow | Restore | Fresh | Wait
 
 
-def place(r: Request, view: View) -> Placement:
+def place(r: Placed, view: View) -> Placement:
     if (resumed := _landed(r)) is not None:
         return resumed
     if r.named is not None:
@@ -196,7 +169,7 @@ def place(r: Request, view: View) -> Placement:
     return _cached(found, **why)
 
 
-def place_without_reuse(r: Request, slot: bool) -> Placement:
+def place_without_reuse(r: Placed, slot: bool) -> Placement:
     """Where `r` starts when looking up reuse failed (reuse is optional work): a clone that landed for
     it resumes, since it holds that session already; anything else prefills, or waits for its slot."""
     if (resumed := _landed(r)) is not None:
@@ -204,12 +177,12 @@ def place_without_reuse(r: Request, slot: bool) -> Placement:
     return Fresh() if slot else Wait()
 
 
-def _landed(r: Request) -> Resume | None:
-    landed = r.phase.landed if isinstance(r.phase, Queued) else None
+def _landed(r: Placed) -> Resume | None:
+    landed = r.landed
     return Resume(landed.sid, landed.upto, named=False) if landed is not None else None
 
 
-def _follow_decision(r: Request, view: View) -> FollowDecision:
+def _follow_decision(r: Placed, view: View) -> FollowDecision:
     recipient = Recipient(r.rid, r.prompt)
     found = view.found
     donors = [found.donor] if found.donor is not None else []

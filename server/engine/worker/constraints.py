@@ -1,6 +1,6 @@
 """Constrained rows on the runner: each holds a matcher, and its next mask is computed off the critical path.
 
-The engine knows grammars only through two small protocols (the daemon's
+The engine knows grammars only through two small protocols of its contract (engine/api.py; the daemon's
 server/generate/grammar.py implements them with llguidance): a `Constraint` makes a fresh
 `TokenMatcher` per request, and a matcher advances on each committed token and
 fills the packed allowed-token bitmask of the next one (bit t of word t // 32,
@@ -22,32 +22,14 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from kvfork.backends.base import SamplerState, SamplingParams
+from kvfork.server.engine.api import Constraint, TokenMatcher
 
 _DISCARD = SamplingParams()  # greedy, no mask: a row whose grammar is dead samples this and is thrown away
-
-
-class TokenMatcher(Protocol):
-    def advance(self, token: int) -> None:
-        """Consume a committed token (one the last mask allowed)."""
-
-    def fill_mask(self, out: np.ndarray) -> str | None:
-        """Write the next token's packed bitmask into `out`; return why no token is legal, or None."""
-
-    def fork(self) -> "TokenMatcher":
-        """An independent copy at the same point (n > 1 choices, a cloned request)."""
-
-    # Optional (speculative decoding): `validate(tokens) -> int`, how many leading tokens the grammar
-    # accepts from here, the matcher unchanged. A matcher without it gets no drafts.
-
-
-class Constraint(Protocol):
-    def matcher(self) -> TokenMatcher:
-        """A fresh matcher at the grammar's start."""
 
 
 def mask_words(vocab_size: int) -> int:

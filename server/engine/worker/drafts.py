@@ -28,7 +28,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
-MODES = ("off", "prompt", "suffix")
+from kvfork.server.engine.config import SPECULATIVE_MODES
+
 KEY_TOKENS = 2  # an n-gram of this many tokens keys the index; also the shortest match that drafts
 MIN_MATCH = KEY_TOKENS
 MAX_MATCH = 32  # a match is compared this far back at most
@@ -251,8 +252,8 @@ class Drafts:
     """One per engine: the suffix corpora by scope, bounded in bytes, evicted by age."""
 
     def __init__(self, mode: str, max_tokens: int = 16, corpus_bytes: int = 64 * 1024**2) -> None:
-        if mode not in MODES:
-            raise ValueError(f"speculative: {mode!r} is not one of {', '.join(MODES)}")
+        if mode not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative: {mode!r} is not one of {', '.join(SPECULATIVE_MODES)}")
         self.mode, self.max_tokens, self.corpus_bytes = mode, max_tokens, corpus_bytes
         self.corpora: dict[str, Corpus] = {}
         self.ages: deque[str] = deque()  # the scope of every entry, oldest first
