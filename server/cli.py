@@ -23,10 +23,10 @@ from kvfork.server.common.config import ServerConfig
 from kvfork.server.settings import Layered, add_arguments, describe, from_args, layered, on_command_line
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.guard.tenants import key_tenants
-from kvfork.server.launch.model_source import Fetch, model_source
+from kvfork.server.launch.model_source import model_source
 from kvfork.server.watch.start_progress import StartProgress
 from kvfork.server.launch.warm import read_warm_file
-from kvfork.server.pool.specs import ModelSpec, model_specs, pool_refusal, several
+from kvfork.server.pool.specs import Fetch, ModelSpec, model_specs, pool_refusal, several
 
 # Commands are imported only when asked for: each pulls its own dependencies. bench, smoke and soak are
 # tools (entry points that import the product, never the reverse): a checkout without tools/ lacks them.
@@ -128,7 +128,7 @@ def _pool_specs(parser: argparse.ArgumentParser, config: ServerConfig) -> list[M
     if not several(config.model, config.models_dir):
         return None
     try:
-        specs = model_specs(config.model, config.models_dir)
+        specs = model_specs(config.model, config.models_dir, model_source)
     except (FileNotFoundError, ValueError) as e:
         parser.error(f"--model: {e}")
     problem = pool_refusal(config, specs)

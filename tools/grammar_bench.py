@@ -181,6 +181,7 @@ async def measure_itl(args: argparse.Namespace) -> None:
     from kvfork.backends import create_backend
     from kvfork.server.engine.config import EngineConfig
     from kvfork.server.engine.loop.engine import Engine
+    from kvfork.server.common.state import child_environment
     from kvfork.server.generate.grammar import GrammarCompiler, JsonSchema
     from kvfork.server.watch.metrics import Registry
 
@@ -188,7 +189,8 @@ async def measure_itl(args: argparse.Namespace) -> None:
     config = EngineConfig(prefix_cache_entries=0, kv_budget_bytes=8 << 30, inference_slots=8)
     engine = Engine(create_backend(args.backend), args.model, args.dtype, config, Registry())
     await engine.start()
-    grammar = await GrammarCompiler(hf, engine.info.vocab_size, engine.info.eos_token_ids, 5.0).compile(
+    grammar = await GrammarCompiler(hf, engine.info.vocab_size, engine.info.eos_token_ids, 5.0,
+                                    child_environment()).compile(
         JsonSchema(TYPICAL_TOOL))
     print(f"{args.model} on {args.backend} ({engine.info.dtype}, {engine.info.device}): 8 rows, "
           f"{args.tokens} tokens each at most")
@@ -212,9 +214,10 @@ async def measure_guard(hf, tools: list[dict[str, Any]], repeats: int) -> None:
     import resource
 
     from kvfork.server.engine.api import Scope
+    from kvfork.server.common.state import child_environment
     from kvfork.server.generate.grammar import GrammarCompiler, GrammarError, JsonSchema, grammar_text
 
-    compiler = GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=30.0)
+    compiler = GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=30.0, child_env=child_environment())
     try:
         await compiler.compile(JsonSchema(TYPICAL_TOOL), Scope("warm"))  # the processes' start is not a compile
         await asyncio.gather(*(compiler.compile(JsonSchema(TYPICAL_TOOL), Scope(f"warm{i}")) for i in range(2)))
@@ -234,7 +237,7 @@ async def measure_guard(hf, tools: list[dict[str, Any]], repeats: int) -> None:
     finally:
         compiler.close()
     wide = JsonSchema({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}})
-    compiler = GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=0.5)
+    compiler = GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=0.5, child_env=child_environment())
     try:
         # start both threads' processes (a start is not a grammar's cost): grammars past the threshold, in time
         warm = JsonSchema({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(400)}})

@@ -506,13 +506,14 @@ async def models_daemon(config: HostileConfig):
     """The daemon of two models, `main` (the innocent's, loaded first) and `other`, one loaded at a time."""
     from kvfork.backends import create_backend, default_backend
     from kvfork.server.launch.pool_daemon import PoolDaemon
+    from kvfork.server.launch.model_source import model_source
     from kvfork.server.pool.specs import model_specs
 
     name = default_backend() if config.backend == "auto" else config.backend
     with _keys_file() as keys:
         server = _server_config(config, keys, [f"main={config.model}", f"other={config.model}"],
                                 max_loaded_models=1)
-        d = PoolDaemon(server, _engine_config(config), model_specs(server.model, None), name,
+        d = PoolDaemon(server, _engine_config(config), model_specs(server.model, None, model_source), name,
                        lambda: create_backend(name))
         await d.listen()
         try:

@@ -35,6 +35,7 @@ from kvfork.backends.default_model import default_model_dir
 from kvfork.server.common.config import ServerConfig
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.launch.pool_daemon import PoolDaemon
+from kvfork.server.launch.model_source import model_source
 from kvfork.server.pool.specs import model_specs
 from kvfork.tools.bench.serve import ServerProcess
 
@@ -99,7 +100,7 @@ async def pooled(models: dict[str, str], loaded: int, args) -> tuple[list[float]
     config = ServerConfig(model=[f"{n}={p}" for n, p in models.items()], port=0, max_loaded_models=loaded,
                           backend=args.backend, shutdown_grace=1.0)
     engine = EngineConfig(kv_budget_bytes=args.kv_budget or None, inference_slots=2)
-    daemon = PoolDaemon(config, engine, model_specs(config.model, None), args.backend,
+    daemon = PoolDaemon(config, engine, model_specs(config.model, None, model_source), args.backend,
                         lambda: create_backend(args.backend))
     talks = {name: Conversation(system_prompt(args.tokens)) for name in models}
     returns, asked = [], []

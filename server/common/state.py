@@ -3,6 +3,7 @@ model's `ModelState` (its engine, tokenizer and formats), which the services' `M
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -22,10 +23,17 @@ from kvfork.server.guard.errors import ApiError
 from kvfork.server.guard.origin_guard import OriginGuard
 from kvfork.server.guard.slow_clients import SlowClients
 from kvfork.server.guard.tenants import key_tenants, KeyTable, request_key
+from kvfork.server.settings import without_secrets
 from kvfork.server.text.tokenizer import PromptTokenizer
 from kvfork.server.watch.metrics import Counter, Registry
 from kvfork.server.watch.reuse import ReuseLog
 from kvfork.server.watch.start_progress import StartProgress
+
+
+def child_environment() -> dict[str, str]:
+    """The environment of a child process that serves no request (the grammar compiler's): the daemon's, less its
+    secrets (KVFORK_API_KEY, KVFORK_METRICS_KEY ...)."""
+    return without_secrets(os.environ, ServerConfig)
 
 
 @dataclass(frozen=True)
@@ -110,7 +118,7 @@ class ModelState:
             assert self.tokenizer is not None
             info = self.info
             self._grammars = GrammarCompiler(self.tokenizer.tokenizer, info.vocab_size, info.eos_token_ids,
-                                             self.config.grammar_compile_timeout)
+                                             self.config.grammar_compile_timeout, child_environment())
         return self._grammars
 
 

@@ -59,8 +59,6 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 
 import numpy as np
 
-from kvfork.server.common.config import ServerConfig
-from kvfork.server.settings import without_secrets
 from kvfork.server.engine.api import Scope
 from kvfork.server.generate.grammar_worker import write_message
 from kvfork.server.generate.isolated import module_command
@@ -279,8 +277,8 @@ def _parser_limits() -> Any:
 class CompileProcess:
     """One worker thread's grammar_worker.py process: started on first use, killed past the timeout."""
 
-    def __init__(self, setup: Callable[[], dict[str, Any]]):
-        self._setup = setup
+    def __init__(self, setup: Callable[[], dict[str, Any]], env: Mapping[str, str]):
+        self._setup, self._env = setup, env
         self._proc: subprocess.Popen | None = None
 
     def check(self, grammar: str, timeout_s: float) -> str | None:
@@ -311,7 +309,7 @@ class CompileProcess:
 
     def _start(self) -> None:
         self._proc = subprocess.Popen(module_command("kvfork.server.generate.grammar_worker"), stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, env=without_secrets(os.environ, ServerConfig))
+                                      stdout=subprocess.PIPE, env=dict(self._env))
         assert self._proc.stdin is not None
         write_message(self._proc.stdin, self._setup())
         self._reply(STARTUP_S)
@@ -343,17 +341,20 @@ class GrammarCompiler:
     tenant compiled would otherwise come back in 0.15 s instead of 2, telling which schemas it uses.
     Compiles run on worker threads shared by tenants in turn (server/guard/fair_workers.py), each trying a new grammar
     past GUARDED_TEXT first in its own process that is killed past the timeout (CompileProcess); a tenant whose
-    compile was killed cools down (COOLDOWN_TIMEOUTS) before its next one there."""
+    compile was killed cools down (COOLDOWN_TIMEOUTS) before its next one there. `child_env`: the compile
+    processes' environment, which the caller clears of the daemon's secrets (settings.without_secrets)."""
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], timeout_s: float):
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], timeout_s: float,
+                 child_env: Mapping[str, str]):
         self._hf, self.vocab_size, self.eos_ids, self.timeout_s = hf_tokenizer, vocab_size, list(eos_ids), timeout_s
+        self._child_env = child_env
         self._tokenizer: Any = None
         self._tokenizer_json: str | None = None
         self._tokenizer_lock = threading.Lock()
         self._cache: collections.OrderedDict[tuple[Scope, str], Grammar] = collections.OrderedDict()
         self._cache_lock = threading.Lock()
         self._cooling: dict[str, float] = {}  # tenant -> when (monotonic) its new large grammars are tried again
-        self._workers = FairWorkers(COMPILE_THREADS, "kvfork-grammar", lambda: CompileProcess(self.setup))
+        self._workers = FairWorkers(COMPILE_THREADS, "kvfork-grammar", lambda: CompileProcess(self.setup, self._child_env))
 
     def tokenizer(self) -> Any:
         """The llguidance view of the tokenizer: built once, on first use (about a second)."""

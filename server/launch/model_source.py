@@ -7,12 +7,10 @@ before anything starts, so a wrong path exits 2; a download happens after the da
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
 
 from kvfork.backends.model_path import ALLOW_PATTERNS, resolve_model
+from kvfork.server.pool.specs import Fetch
 from kvfork.server.watch.start_progress import StartProgress
-
-Fetch = Callable[[StartProgress], str]  # downloads (converts) the model, reporting its phases; its folder
 
 
 def _cached(name: str) -> str | None:

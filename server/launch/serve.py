@@ -27,9 +27,8 @@ from kvfork.server.engine.loop.engine import Engine
 from kvfork.server.guard.tenants import key_tenants
 from kvfork.server.launch.listening import Listening
 from kvfork.server.launch.model_load import load_model
-from kvfork.server.launch.model_source import Fetch
 from kvfork.server.launch.pool_daemon import PoolDaemon
-from kvfork.server.pool.specs import ModelSpec
+from kvfork.server.pool.specs import Fetch, ModelSpec
 from kvfork.server.watch.metrics import Registry
 from kvfork.server.watch.observe import log_stats, register_vllm_names
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from kvfork.server.launch.model_source import Fetch, model_source
+from kvfork.server.watch.start_progress import StartProgress
+
+Fetch = Callable[[StartProgress], str]  # downloads (converts) a model, reporting its phases; its folder
+Source = Callable[[str], tuple[str, Fetch | None]]  # a model's name or path -> its folder, and how to fetch it first
 
 
 @dataclass(frozen=True)
@@ -41,15 +45,15 @@ def _dir_entries(folder: str) -> list[tuple[str, str]]:
     return found
 
 
-def model_specs(models: list[str], models_dir: str | None) -> list[ModelSpec]:
-    """Every model served, in the order given; ValueError (or FileNotFoundError) names a bad one or a name
-    given twice."""
+def model_specs(models: list[str], models_dir: str | None, source: Source) -> list[ModelSpec]:
+    """Every model served, in the order given, each found by `source` (server/launch/model_source.py's
+    `model_source`); ValueError (or FileNotFoundError) names a bad one or a name given twice."""
     named = [_named(m) for m in models] + (_dir_entries(models_dir) if models_dir else [])
     specs: dict[str, ModelSpec] = {}
     for name, path in named:
         if name in specs:
             raise ValueError(f"two models are named {name!r}: name one NAME=PATH")
-        folder, fetch = model_source(path)
+        folder, fetch = source(path)
         specs[name] = ModelSpec(name, folder, fetch)
     return list(specs.values())
 

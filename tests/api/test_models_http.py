@@ -23,6 +23,7 @@ from kvfork.server.common.config import ServerConfig
 from kvfork.server.engine.config import EngineConfig
 from kvfork.server.launch.pool_daemon import PoolDaemon
 from kvfork.server.pool import pool as pool_module
+from kvfork.server.launch.model_source import model_source
 from kvfork.server.pool.specs import model_specs
 from tiny_models import write_model
 
@@ -47,7 +48,7 @@ async def pool(models: dict[str, str], hold: int = 2, backend: str = "torch", en
     config = ServerConfig(model=[f"{n}={p}" for n, p in models.items()], port=0, shutdown_grace=1.0,
                           memory_budget_bytes=budget or hold * (weights + KV) + KV // 2, **server)
     engine_config = EngineConfig(**{**TEST_ENGINE, "kv_budget_bytes": KV, **(engine or {})})
-    daemon = PoolDaemon(config, engine_config, model_specs(config.model, None), backend,
+    daemon = PoolDaemon(config, engine_config, model_specs(config.model, None, model_source), backend,
                         lambda: create_backend(backend))
     await daemon.listen()
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import jsonschema
 import numpy as np
@@ -112,7 +113,7 @@ def compiler(tiny_model_dir):
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
-    return hf, GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=5.0)
+    return hf, GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=5.0, child_env=os.environ)
 
 
 def accepts(compiler, ask, text: str) -> bool:
@@ -184,7 +185,7 @@ def test_bad_schemas_name_the_problem(compiler):
 def test_a_slow_compile_is_a_400(compiler):
     """Past the size where a build is bounded by its size (GUARDED_TEXT), a grammar compiles under the timeout."""
     hf, _ = compiler
-    impatient = GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=1e-6)
+    impatient = GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=1e-6, child_env=os.environ)
     wide = {"type": "object", "properties": {f"property_{i}": {"type": "integer"} for i in range(400)}}
     try:
         with pytest.raises(GrammarError) as slow:
@@ -226,7 +227,7 @@ async def test_tiny_model_output_validates_against_the_schema(backend_name, tiny
                     EngineConfig(kv_budget_bytes=1 << 30, max_tokens=64), Registry())
     await engine.start()
     hf = AutoTokenizer.from_pretrained(folder)
-    grammar = await GrammarCompiler(hf, engine.info.vocab_size, engine.info.eos_token_ids, 5.0).compile(
+    grammar = await GrammarCompiler(hf, engine.info.vocab_size, engine.info.eos_token_ids, 5.0, os.environ).compile(
         JsonSchema(SMALL, strict=True))
     prompts = [prompt_of(12, start=i) for i in range(3)]
     handles = [engine.submit(request(p, 64, rid=f"j{i}", constraint=grammar,
@@ -259,7 +260,7 @@ async def test_named_tool_choice_on_the_default_model():
                                   tokenize=False, add_generation_prompt=True)
     forced = PARSERS["hermes"](None).opening("get_weather")
     prompt = hf.encode(text + forced, add_special_tokens=False)
-    grammar = await GrammarCompiler(hf, engine.info.vocab_size, engine.info.eos_token_ids, 5.0).compile(
+    grammar = await GrammarCompiler(hf, engine.info.vocab_size, engine.info.eos_token_ids, 5.0, os.environ).compile(
         ToolCalls("hermes", (WEATHER, SEARCH), "function", "get_weather", forced))
     tokens, done = await collect(engine.submit(request(prompt, 96, constraint=grammar, sampling=SamplingParams())),
                                  timeout=600)

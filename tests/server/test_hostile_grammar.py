@@ -28,7 +28,7 @@ def hf(tiny_model_dir):
 
 
 async def test_the_grammar_cache_is_per_scope(hf):
-    grammars = GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=30.0)
+    grammars = GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=30.0, child_env=os.environ)
     try:
         a = await grammars.compile(SMALL, Scope("tenant-a"))
         assert await grammars.compile(SMALL, Scope("tenant-a")) is a
@@ -45,7 +45,7 @@ def _cpu_s() -> float:
 
 
 async def test_a_compile_past_its_timeout_stops_and_another_compiles_meanwhile(hf):
-    grammars = GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=0.3)
+    grammars = GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=0.3, child_env=os.environ)
     try:
         await grammars.compile(SMALL, Scope("warm"))  # both compile processes' start is not a grammar's cost
         slow = [asyncio.ensure_future(grammars.compile(WIDE, Scope("hostile"))) for _ in range(3)]
@@ -64,7 +64,7 @@ async def test_a_compile_past_its_timeout_stops_and_another_compiles_meanwhile(h
 
 async def test_a_tenant_whose_compile_timed_out_has_its_next_large_grammars_refused(hf):
     """Compile seconds past the timeout are a budget: the tenant cools down, another does not (issue 45)."""
-    grammars = GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=0.3)
+    grammars = GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=0.3, child_env=os.environ)
     try:
         with pytest.raises(GrammarError):
             await grammars.compile(WIDE, Scope("hostile"))
@@ -82,7 +82,7 @@ async def test_a_tenant_whose_compile_timed_out_has_its_next_large_grammars_refu
 
 def test_the_compile_process_runs_below_the_daemons_cpu_priority(hf):
     """A compile takes what CPU the daemon leaves: another tenant's decode keeps its core (issue 45)."""
-    grammars = GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=30.0)
+    grammars = GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=30.0, child_env=os.environ)
     proc = subprocess.Popen(module_command("kvfork.server.generate.grammar_worker"), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE)
     try:

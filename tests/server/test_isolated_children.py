@@ -4,6 +4,7 @@ working folder that holds a `kvfork/`, `server/`, `smg/` and `tools/` package of
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,7 @@ async def test_the_grammar_worker_runs_kvforks_code(hostile_folder, tiny_model_d
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
-    grammars = GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=30.0)
+    grammars = GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=30.0, child_env=os.environ)
     try:
         assert await grammars.compile(JsonSchema({"type": "integer"}), Scope()) is not None
     finally:
@@ -76,6 +77,7 @@ def test_the_marker_would_have_been_written_by_a_plain_child(hostile_folder):
 
 def test_the_grammar_worker_gets_no_key(monkeypatch):
     """The grammar worker serves no request: it is started without KVFORK_API_KEY and KVFORK_METRICS_KEY."""
+    from kvfork.server.common.state import child_environment
     from kvfork.server.generate import grammar
 
     monkeypatch.setenv("KVFORK_API_KEY", "tenant-secret")
@@ -89,7 +91,7 @@ def test_the_grammar_worker_gets_no_key(monkeypatch):
 
     monkeypatch.setattr(grammar.subprocess, "Popen", popen)
     with pytest.raises(OSError):
-        grammar.CompileProcess(lambda: {})._start()
+        grammar.CompileProcess(lambda: {}, child_environment())._start()
     env = started[0]
     assert env is not None and env.get("KVFORK_HOME") == "/kept"
     assert "KVFORK_API_KEY" not in env and "KVFORK_METRICS_KEY" not in env

@@ -5,6 +5,7 @@ tokens drawn under the grammar and from the tiny random model over HTTP."""
 from __future__ import annotations
 
 import json
+import os
 
 import jsonschema
 import numpy as np
@@ -130,7 +131,7 @@ async def test_forced_calls_from_random_tokens_are_read_by_mlx_lm(name, choice, 
     assert parser.call_format == name and parser.prompt_suffix
     ask = request_ask(None, name, TOOLS, choice, tool_name, parser.prompt_suffix, parallel=False,
                       specials=tokenizer.specials)
-    grammar = GrammarCompiler(hf, len(hf), [2], 10.0).build(grammar_text(ask), "tool_choice")
+    grammar = GrammarCompiler(hf, len(hf), [2], 10.0, os.environ).build(grammar_text(ask), "tool_choice")
     rng = np.random.default_rng(0)
     for _ in range(3):
         reply = tokenizer.decode_markup(draw(grammar, len(hf), rng))
