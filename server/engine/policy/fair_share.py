@@ -11,7 +11,8 @@ tenant waiting below its share of the slots, the tenant furthest above its own p
 (`preempt`): the slot is the waiting tenant's at once, not when a generation of the other ends (on a real
 model that is seconds). The step that brings a tenant below its share its first token is its own (`sit_out`): the
 rows of the tenants above their shares wait that step out, so the first token costs what it costs alone, not a
-step of every row the others hold. Shares of slots are over the tenants in slots or waiting. Tenants are the scope's
+step of every row the others hold. Shares of slots are over the tenants in slots or waiting (`sit_out`'s over
+those in slots: the runner's, which knows no queue). Tenants are the scope's
 (api.Scope.tenant): a daemon without keys has one, and these are first come, first served.
 """
 
