@@ -32,8 +32,8 @@ from kvfork.backends import effects as e
 from kvfork.backends.base import Backend, KVStorage, KVStorageRefused, ModelInfo, Sampled, SamplerState
 from kvfork.backends.vision.keys import image_start
 from kvfork.server.engine import messages as m
-from kvfork.server.engine.policy.rates import RateTracker, split_pass
 from kvfork.server.engine.policy.fair_share import sit_out
+from kvfork.server.engine.policy.rates import RateTracker, split_pass
 from kvfork.server.engine.policy.scheduler import Running, TimeBudget, plan_step
 from kvfork.server.engine.worker import faults
 from kvfork.server.engine.worker import plan as p
@@ -149,7 +149,8 @@ class Runner:
         return plan
 
     def plan(self) -> p.StepPlan:
-        """The scheduler's rows for this step, with the ops run since the last plan."""
+        """The scheduler's rows for this step, but those of the tenants that wait it out (fair_share.sit_out),
+        with the ops run since the last plan."""
         seqs = self._running.values()
         out = self._sat_out = sit_out([(s.tenant, s.prefill_left) for s in seqs], self.slots, self.prefill_chunk,
                                       self._sat_out)
