@@ -16,7 +16,7 @@ from scripted_backend import Gate, ScriptedBackend
 from kvfork.backends.base import SamplingParams
 from kvfork.server.engine.api import CapacityExhausted, Scope
 from kvfork.server.engine.loop.request import Decoding, Paused
-from kvfork.server.engine.policy.fair_share import give_way, next_in_line, preempt, share
+from kvfork.server.engine.policy.fair_share import give_way, next_in_line, preempt, share, sit_out
 
 TENANTS = ("a", "b", "c")
 
@@ -150,6 +150,64 @@ def test_a_hog_gives_slots_back_until_the_shares_are_even():
     assert in_slots == {"a": 8, "b": 8} and paused == 8
     assert preempt({"a": 1}, "b", 1, {"a"}) is None  # one slot: a share of 1 each, a holds no more than its own
     assert preempt({"a": 2}, "b", 2, set()) is None  # nothing a can pause (prefilling): b waits for an end
+
+
+def test_sit_out_over_every_small_batch():
+    for slots in range(1, 6):
+        for held in itertools.product(range(slots + 1), repeat=len(TENANTS)):
+            if sum(held) > slots:
+                continue
+            tenants = [t for t, n in zip(TENANTS, held) for _ in range(n)]
+            each = share(slots, len({*tenants}))
+            for lefts in itertools.product((0, 3, 9), repeat=len(tenants)):
+                rows = list(zip(tenants, lefts))
+                for k in range(len(TENANTS) + 1):
+                    for last in map(frozenset, itertools.combinations(TENANTS, k)):
+                        out = sit_out(rows, slots, 4, last)
+                        below = any(tenants.count(t) < each and 0 < left <= 4 for t, left in rows)
+                        if not below:
+                            assert out == frozenset()  # nobody below its share is one chunk from its first token
+                            continue
+                        assert out == {t for t in tenants if tenants.count(t) > each} - last
+                        assert not out & last  # never two steps in a row
+
+
+def test_a_hog_sits_out_the_innocents_first_step_only():
+    rows = [("a", 0)] * 15 + [("b", 14)]
+    assert sit_out(rows, 16, 512, frozenset()) == {"a"}
+    assert sit_out(rows, 16, 512, frozenset({"a"})) == frozenset()  # then a runs a step, whatever b has left
+    assert sit_out(rows, 16, 8, frozenset()) == frozenset()  # b's prompt is more than a chunk from its token
+    assert sit_out([("a", 0)] * 8 + [("b", 3)] * 8, 16, 512, frozenset()) == frozenset()  # even shares
+    assert sit_out([("", 0)] * 15 + [("", 3)], 16, 512, frozenset()) == frozenset()  # one tenant
+
+
+async def test_the_innocents_first_step_holds_none_of_the_hogs_rows():
+    """A holds 3 of 4 slots decoding (its newest paused for B): the step that prefills B's prompt carries no row
+    of A's, the step after it carries A's again, and every request generates the tokens it generates alone."""
+    backend, plans = ScriptedBackend(), []
+    gate = backend.gates["decode"] = Gate()
+    engine = await start_engine(backend, plans=plans.append, inference_slots=4, prefix_cache_entries=0,
+                                active_prefix_reuse_min_tokens=0)
+    try:
+        hog = [engine.submit(request(prompt_of(20, 100 * i), 12, rid=f"a{i}", scope=Scope("tenant-a")))
+               for i in range(4)]
+        await reached(gate)
+        await until(lambda: all(isinstance(_phase(engine, f"a{i}"), Decoding) for i in range(4)))
+        innocent = engine.submit(request(prompt_of(20, 900), 4, rid="b0", scope=Scope("tenant-b")))
+        assert isinstance(_phase(engine, "a3"), Paused)
+        rids = {r.req.request_id: r.rid for r in engine.requests()}
+        gate.open()
+        results = await asyncio.gather(*(collect(h) for h in (*hog, innocent)))
+    finally:
+        gate.open()
+        await engine.shutdown(1)
+    hogs = {rids[f"a{i}"] for i in range(4)}
+    first = next(i for i, plan in enumerate(plans) if any(row.rid == rids["b0"] for row in plan.prefill))
+    assert not {row.rid for row in plans[first].decode + plans[first].prefill} & hogs
+    assert {row.rid for row in plans[first + 1].decode} >= {rids[f"a{i}"] for i in range(3)}
+    for i, (tokens, done) in enumerate(results[:4]):
+        assert tokens == backend.greedy(prompt_of(20, 100 * i), 12) and done.finish_reason == "length"
+    assert results[4][0] == backend.greedy(prompt_of(20, 900), 4)
 
 
 def _phase(engine, rid):

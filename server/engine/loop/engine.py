@@ -87,7 +87,7 @@ class Engine:
         c = self.config
         self._runner = Runner(self.backend, self.model_path, self.dtype, c.max_batch_tokens, c.prefill_chunk,
                               c.max_step_ms / 1000, notify, c.clone_mode, self._plans, self.drafts,
-                              c.speculative_max_batch, c.kv_storage, c.encoder_cache_bytes)
+                              c.speculative_max_batch, c.kv_storage, c.encoder_cache_bytes, c.inference_slots)
         self._runner.thread.start()
         await self._loaded
 

@@ -9,13 +9,17 @@ full queue. A free slot goes to the earliest waiting request among those of the 
 slots (`next_in_line`), and a tenant's requests keep their order among themselves. When no slot is free for a
 tenant waiting below its share of the slots, the tenant furthest above its own pauses a running request
 (`preempt`): the slot is the waiting tenant's at once, not when a generation of the other ends (on a real
-model that is seconds). Shares of slots are over the tenants in slots or waiting. Tenants are the scope's
+model that is seconds). The step that brings a tenant below its share its first token is its own (`sit_out`): the
+rows of the tenants above their shares wait that step out, so the first token costs what it costs alone, not a
+step of every row the others hold. Shares of slots are over the tenants in slots or waiting (`sit_out`'s over
+those in slots: the runner's, which knows no queue). Tenants are the scope's
 (api.Scope.tenant): a daemon without keys has one, and these are first come, first served.
 """
 
 from __future__ import annotations
 
-from typing import Collection, Mapping, Sequence
+from collections import Counter
+from typing import AbstractSet, Collection, Mapping, Sequence
 
 
 def share(capacity: int, tenants: int) -> int:
@@ -58,3 +62,16 @@ def preempt(in_slots: Mapping[str, int], waiting: str, slots: int, pausable: Col
         return None
     over = [(n, t) for t, n in in_slots.items() if t != waiting and n > each and t in pausable]
     return max(over)[1] if over else None
+
+
+def sit_out(rows: Sequence[tuple[str, int]], slots: int, chunk: int, last: AbstractSet[str]) -> frozenset[str]:
+    """The tenants whose rows wait out this step (`rows`: each running request's tenant and the prompt tokens it
+    has left to prefill): while a tenant below its share of `slots` has a prompt within one `chunk` of its first
+    token, every tenant above its own share, except those that sat out the step before (`last`): a tenant
+    above its share runs at least every other step, whatever the others send. A row that sits out decodes the
+    same tokens a step later."""
+    held = Counter(tenant for tenant, _ in rows)
+    each = share(slots, len(held))
+    if not any(held[tenant] < each and 0 < left <= chunk for tenant, left in rows):
+        return frozenset()
+    return frozenset(t for t, n in held.items() if n > each and t not in last)

@@ -32,6 +32,7 @@ from kvfork.backends import effects as e
 from kvfork.backends.base import Backend, KVStorage, KVStorageRefused, ModelInfo, Sampled, SamplerState
 from kvfork.backends.vision.keys import image_start
 from kvfork.server.engine import messages as m
+from kvfork.server.engine.policy.fair_share import sit_out
 from kvfork.server.engine.policy.rates import RateTracker, split_pass
 from kvfork.server.engine.policy.scheduler import Running, TimeBudget, plan_step
 from kvfork.server.engine.worker import faults
@@ -55,12 +56,15 @@ class Runner:
                  max_batch_tokens: int, prefill_chunk: int, max_step_s: float, notify: Callable[[], None],
                  clone_mode: str = "share", plans: Callable[[p.StepPlan], None] | None = None,
                  drafts: Drafts | None = None, speculative_max_batch: int = 0,
-                 kv_storage: KVStorage = KVStorage(), encoder_cache_bytes: int = 0):
+                 kv_storage: KVStorage = KVStorage(), encoder_cache_bytes: int = 0, slots: int = 1):
         """`plans`: handed each step's plan before its forward pass runs. `drafts`: the drafters of
-        speculative decoding (None: off), used while a step decodes at most `speculative_max_batch` rows."""
+        speculative decoding (None: off), used while a step decodes at most `speculative_max_batch` rows.
+        `slots`: the inference slots, over which tenants' shares are counted (fair_share.sit_out)."""
         self.backend, self.model_path, self.dtype, self.clone_mode = backend, model_path, dtype, clone_mode
         self.kv_storage, self.encoder_cache_bytes = kv_storage, encoder_cache_bytes
         self.max_batch_tokens, self.prefill_chunk, self.max_step_s = max_batch_tokens, prefill_chunk, max_step_s
+        self.slots = slots
+        self._sat_out: frozenset[str] = frozenset()  # the tenants whose rows waited out the last step
         # The step budget's own rates, from the step timings measured here (the
         # control loop keeps the cost model's, from the same StepStats).
         self._rates = RateTracker()
@@ -145,10 +149,14 @@ class Runner:
         return plan
 
     def plan(self) -> p.StepPlan:
-        """The scheduler's rows for this step, with the ops run since the last plan."""
-        running = [Running(rid, s.prefill_left, s.prefill_cap(self._cloning.prefill_cap(rid, s.session.position,
-                                                                                        s.prefill_left)), s.whole())
-                   for rid, s in self._running.items()]
+        """The scheduler's rows for this step, but those of the tenants that wait it out (fair_share.sit_out),
+        with the ops run since the last plan."""
+        seqs = self._running.values()
+        out = self._sat_out = sit_out([(s.tenant, s.prefill_left) for s in seqs], self.slots, self.prefill_chunk,
+                                      self._sat_out)
+        running = [Running(s.rid, s.prefill_left, s.prefill_cap(self._cloning.prefill_cap(s.rid, s.session.position,
+                                                                                          s.prefill_left)), s.whole())
+                   for s in seqs if s.tenant not in out]
         rates = self._rates.rates
         budget = TimeBudget(self.max_step_s, rates.decode_s, rates.step_s_per_token) if self.max_step_s else None
         drafted = self._speculation.draft_all([r.rid for r in running if r.prefill_left == 0])

@@ -3,6 +3,7 @@ progress through the prompt and the output, and its draft where it speculates.""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from kvfork.backends.base import SamplerState, Session
@@ -36,6 +37,11 @@ class Seq:
     @property
     def rid(self) -> int:
         return self.start.rid
+
+    @property
+    def tenant(self) -> str:
+        """Whose request it is (Start.scope: its tenant and cache_salt, as JSON; "" where none is given)."""
+        return json.loads(self.start.scope)[0] if self.start.scope else ""
 
     @property
     def prefill_left(self) -> int:
