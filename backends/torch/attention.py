@@ -200,7 +200,8 @@ def partial(grouped: torch.Tensor, runs: Runs, scale: float, storage: Storage):
     starts at a block boundary), so a clone reading the same rows in more runs adds the same terms. Returns
     the output [kv_heads, q, head_dim] (float32) and the log-sum-exp of the scores [kv_heads, q, 1]."""
     runs = pieces(runs, storage, PIECE_TOKENS)
-    scores = torch.cat([storage.scores(grouped, k) for k, _ in runs], dim=-1).float() * scale
+    read = [storage.scores(grouped, k) for k, _ in runs]
+    scores = (read[0] if len(read) == 1 else torch.cat(read, dim=-1)).float() * scale
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     weights = torch.exp(scores - lse).to(grouped.dtype)
     parts, at = [], 0

@@ -47,8 +47,9 @@ def hadamard(n: int) -> torch.Tensor:
 
 
 class Storage:
-    """One side's storage; keys pass through `encode_keys` and queries through `queries`, which rotate
-    them where `rotation` is set (a [head_dim, head_dim] orthogonal matrix in the compute dtype)."""
+    """One side's storage; keys and values are written through `encode_kv` and queries read through
+    `queries`, which rotate keys and queries where `rotation` is set (a [head_dim, head_dim] orthogonal
+    matrix in the compute dtype)."""
 
     rotation: torch.Tensor | None = None
     dtype: torch.dtype  # the stored tensors' elements
@@ -72,8 +73,9 @@ class Storage:
         """Weights [..., n, t] of stored values [..., t, width]: w @ v, [..., n, head_dim] (float32)."""
         return torch.matmul(w, self.decode(stored)).float()
 
-    def encode_keys(self, k: torch.Tensor) -> torch.Tensor:
-        return self.encode(k if self.rotation is None else k @ self.rotation)
+    def encode_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values as stored, keys rotated where `rotation` is set."""
+        return self.encode(k if self.rotation is None else k @ self.rotation), self.encode(v)
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         """Queries in the basis the stored keys are in."""
@@ -143,16 +145,23 @@ class Grouped(Storage):
         return self.packed + 4 * self.groups  # float16 scale and bias per group
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
+        # few operations: a decode step encodes one token per layer, where each operation's fixed cost,
+        # not its elements, is the time
         lead = x.shape[:-1]
         xs = x.float().reshape(*lead, self.groups, self.group)
-        low, high = xs.amin(-1), xs.amax(-1)
-        scale = torch.where(high > low, (high - low) / self.levels, torch.ones_like(low))
-        scale, bias = scale.clamp(max=65504.0).half(), low.half()  # the 16-bit values decode reads
-        q = ((xs - bias.float()[..., None]) / scale.float()[..., None]).round_().clamp_(0, self.levels)
-        q = q.to(torch.uint8).reshape(*lead, -1)
+        low, high = torch.aminmax(xs, dim=-1)
+        scale = torch.where(high > low, (high - low) / self.levels, 1.0).clamp_(max=65504.0)
+        halves = torch.stack((scale, low), -2).half()  # [..., 2, groups]: the 16-bit values decode reads
+        scale, bias = halves.float()[..., None].unbind(-3)
+        q = xs.sub(bias).div_(scale).round_().clamp_(0, self.levels).to(torch.uint8).reshape(*lead, -1)
         if self.bits == 4:
             q = q[..., 0::2] | (q[..., 1::2] << 4)
-        return torch.cat((q, scale.view(torch.uint8), bias.view(torch.uint8)), dim=-1)
+        return torch.cat((q, halves.flatten(-2).view(torch.uint8)), dim=-1)
+
+    def encode_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values encoded together: one set of operations for both (`encode`)."""
+        k, v = self.encode(torch.stack((k if self.rotation is None else k @ self.rotation, v))).unbind(0)
+        return k, v
 
     def buffer(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
         """A [shape] view of working memory reused by every call: read it before the next call. A fresh
