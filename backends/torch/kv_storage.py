@@ -199,8 +199,9 @@ class Grouped(Storage):
 
     def decode(self, stored: torch.Tensor) -> torch.Tensor:
         scale, bias = self.scales(stored)
-        ints = self.natural(self.integers(stored) * self.unit.to(stored.device)).unflatten(-1, (self.groups, -1))
-        return (ints * scale[..., None] + bias[..., None]).flatten(-2).to(self.compute)
+        ints = self.natural(self.integers(stored) * self.unit.to(stored.device))  # [..., t, head_dim]
+        x = ints.unflatten(-1, (self.groups, -1)) * scale[..., None] + bias[..., None]
+        return x.flatten(-2).to(self.compute)
 
     # Attention reads the integers without a dequantized copy (x = q * scale + bias, per group g):
     # k . x = sum_g scale_g (k_g . q_g) + bias_g sum(k_g), and sum_t w_t x_t = sum_t (w_t scale_t) q_t
@@ -210,8 +211,9 @@ class Grouped(Storage):
         scale, bias = (x.transpose(-1, -2) for x in self.scales(stored))  # [kv, groups, t]
         head_dim = self.groups * self.group
         read = q.float() @ self.order.to(q.device)  # [kv, n, head_dim + groups]
-        grouped = read[..., :head_dim].unflatten(-1, (self.groups, self.group)).transpose(1, 2)  # [kv, groups, n, group]
-        dots = torch.matmul(grouped, self.integers(stored).transpose(-1, -2)).mul_(scale[:, :, None])  # [kv, groups, n, t]
+        grouped = read[..., :head_dim].unflatten(-1, (self.groups, -1)).transpose(1, 2)  # [kv, groups, n, group]
+        dots = torch.matmul(grouped, self.integers(stored).transpose(-1, -2))  # [kv, groups, n, t]
+        dots.mul_(scale[:, :, None])
         return torch.baddbmm(dots.sum(1) if self.groups > 1 else dots[:, 0], read[..., head_dim:], bias)
 
     def weighted(self, w: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
