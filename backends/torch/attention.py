@@ -187,8 +187,9 @@ def flash(kernel, q, keys, values, window, scale) -> torch.Tensor:
 
 
 # Positions a decode row reads in one piece where its storage is not the weights' dtype: the integers' float32
-# copy stays bounded (3 MB a side at the default model's 3 key heads of 64), and fewer, larger pieces measured
-# faster than blocks of 256, whose per-call costs dominated (docs/benchmarks.md, "KV storage")
+# copy (working memory the storage reuses, kv_storage.Grouped.buffer) stays bounded (3 MB at the default model's
+# 3 key heads of 64), and fewer, larger pieces measured faster than blocks of 256, whose per-call costs
+# dominated (docs/benchmarks.md, "KV storage")
 PIECE_TOKENS = 16 * BLOCK_TOKENS
 
 
