@@ -187,8 +187,9 @@ def flash(kernel, q, keys, values, window, scale) -> torch.Tensor:
 
 
 # Positions a decode row reads in one piece where its storage is not the weights' dtype: the integers' float32
-# copy stays bounded (3 MB a side at the default model's 3 key heads of 64), and fewer, larger pieces measured
-# faster than blocks of 256, whose per-call costs dominated (docs/benchmarks.md, "KV storage")
+# copy (working memory the storage reuses, kv_storage.Grouped.buffer) stays bounded (3 MB at the default model's
+# 3 key heads of 64), and fewer, larger pieces measured faster than blocks of 256, whose per-call costs
+# dominated (docs/benchmarks.md, "KV storage")
 PIECE_TOKENS = 16 * BLOCK_TOKENS
 
 
@@ -200,7 +201,8 @@ def partial(grouped: torch.Tensor, runs: Runs, scale: float, storage: Storage):
     starts at a block boundary), so a clone reading the same rows in more runs adds the same terms. Returns
     the output [kv_heads, q, head_dim] (float32) and the log-sum-exp of the scores [kv_heads, q, 1]."""
     runs = pieces(runs, storage, PIECE_TOKENS)
-    scores = torch.cat([storage.scores(grouped, k) for k, _ in runs], dim=-1).float() * scale
+    read = [storage.scores(grouped, k) for k, _ in runs]
+    scores = (read[0] if len(read) == 1 else torch.cat(read, dim=-1)).float() * scale
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     weights = torch.exp(scores - lse).to(grouped.dtype)
     parts, at = [], 0

@@ -263,7 +263,7 @@ class FullKV:
     def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[Segments, int | None]:
         """Write k, v ([kv_heads, n, head_dim]) at [start, start + n), encoded; return the stored runs of
         keys and values [0, start + n) and the first key position (always 0: runs are in position order)."""
-        return self.write(self.storage.encode_keys(k), self.storage.encode(v), start), 0
+        return self.write(*self.storage.encode_kv(k, v), start), 0
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> Segments:
         """Write stored rows (a saved state's) at [start, start + n)."""
@@ -314,7 +314,7 @@ class RingKV:
         """
         n, w = k.shape[1], self.window
         end = start + n
-        k, v = self.storage.encode_keys(k), self.storage.encode(v)
+        k, v = self.storage.encode_kv(k, v)
         if n == 1:
             self._write(k, v, start)
             filled = min(end, w)

@@ -47,8 +47,9 @@ def hadamard(n: int) -> torch.Tensor:
 
 
 class Storage:
-    """One side's storage; keys pass through `encode_keys` and queries through `queries`, which rotate
-    them where `rotation` is set (a [head_dim, head_dim] orthogonal matrix in the compute dtype)."""
+    """One side's storage; keys and values are written through `encode_kv` and queries read through
+    `queries`, which rotate keys and queries where `rotation` is set (a [head_dim, head_dim] orthogonal
+    matrix in the compute dtype)."""
 
     rotation: torch.Tensor | None = None
     dtype: torch.dtype  # the stored tensors' elements
@@ -72,8 +73,9 @@ class Storage:
         """Weights [..., n, t] of stored values [..., t, width]: w @ v, [..., n, head_dim] (float32)."""
         return torch.matmul(w, self.decode(stored)).float()
 
-    def encode_keys(self, k: torch.Tensor) -> torch.Tensor:
-        return self.encode(k if self.rotation is None else k @ self.rotation)
+    def encode_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values as stored, keys rotated where `rotation` is set."""
+        return self.encode(k if self.rotation is None else k @ self.rotation), self.encode(v)
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         """Queries in the basis the stored keys are in."""
@@ -123,28 +125,72 @@ class Grouped(Storage):
         self.groups = head_dim // group
         self.levels = 2**bits - 1
         self.packed = head_dim * bits // 8  # bytes of integers per row
+        # Attention reads the integers in their bytes' order (`integers`): int4's byte j holds dims 2j (low
+        # nibble) and 2j + 1 (high nibble), read as byte & 15 and byte & 240 (16x the high one), so within
+        # each group come the even dims, then the odd dims times 16. `order` takes a query to that order, the
+        # odd dims divided by 16 (a power of two: every product is the one over the plain integers), and
+        # appends each group's sum of the query (for the biases): q @ order = [q in bytes' order | sums].
+        perm = torch.arange(head_dim)
+        unit = torch.ones(head_dim, dtype=torch.float64)
+        if bits == 4:
+            perm = perm.view(self.groups, group // 2, 2).transpose(1, 2).flatten()
+            unit.view(self.groups, 2, group // 2)[:, 1] = 1 / 16
+        sums = torch.zeros(head_dim, self.groups, dtype=torch.float64)
+        sums[torch.arange(head_dim), torch.arange(head_dim) // group] = 1.0
+        self.order = torch.cat((torch.eye(head_dim, dtype=torch.float64)[:, perm] * unit, sums), 1).float()
+        self.unit = unit[:group].float()  # the factor `order` gave each dim of a group, in bytes' order
+        self.scratch: dict[tuple, torch.Tensor] = {}  # (device, dtype) -> working memory of the runner thread
 
     def width(self, head_dim: int) -> int:
         return self.packed + 4 * self.groups  # float16 scale and bias per group
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
+        # few operations: a decode step encodes one token per layer, where each operation's fixed cost,
+        # not its elements, is the time
         lead = x.shape[:-1]
         xs = x.float().reshape(*lead, self.groups, self.group)
-        low, high = xs.amin(-1), xs.amax(-1)
-        scale = torch.where(high > low, (high - low) / self.levels, torch.ones_like(low))
-        scale, bias = scale.clamp(max=65504.0).half(), low.half()  # the 16-bit values decode reads
-        q = ((xs - bias.float()[..., None]) / scale.float()[..., None]).round_().clamp_(0, self.levels)
-        q = q.to(torch.uint8).reshape(*lead, -1)
+        low, high = torch.aminmax(xs, dim=-1)
+        scale = torch.where(high > low, (high - low) / self.levels, 1.0).clamp_(max=65504.0)
+        halves = torch.stack((scale, low), -2).half()  # [..., 2, groups]: the 16-bit values decode reads
+        scale, bias = halves.float()[..., None].unbind(-3)
+        q = xs.sub(bias).div_(scale).round_().clamp_(0, self.levels).to(torch.uint8).reshape(*lead, -1)
         if self.bits == 4:
             q = q[..., 0::2] | (q[..., 1::2] << 4)
-        return torch.cat((q, scale.view(torch.uint8), bias.view(torch.uint8)), dim=-1)
+        return torch.cat((q, halves.flatten(-2).view(torch.uint8)), dim=-1)
+
+    def encode_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values encoded together: one set of operations for both (`encode`)."""
+        k, v = self.encode(torch.stack((k if self.rotation is None else k @ self.rotation, v))).unbind(0)
+        return k, v
+
+    def buffer(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        """A [shape] view of working memory reused by every call: read it before the next call. A fresh
+        tensor per call faults its pages in first, which costs more than the copy into it on the CPU."""
+        key, count = (torch.device(device), dtype), math.prod(shape)
+        held = self.scratch.get(key)
+        if held is None or held.numel() < count:
+            held = self.scratch[key] = torch.empty(count, dtype=dtype, device=device)
+        return held[:count].view(shape)
 
     def integers(self, stored: torch.Tensor) -> torch.Tensor:
-        """The rows' integers as float32, [..., groups, group]."""
-        q = stored[..., : self.packed]
+        """The rows' integers ([..., t, width] stored) as float32 in their bytes' order (`order`), group-major,
+        [..., groups, t, group]: a view of working memory (`buffer`)."""
+        lead, t = stored.shape[:-2], stored.shape[-2]
+        q = stored[..., : self.packed].unflatten(-1, (self.groups, -1))  # [..., t, groups, bytes]
+        out = self.buffer((*lead, self.groups, t, self.group), torch.float32, stored.device)
         if self.bits == 4:
-            q = torch.stack((q & 15, q >> 4), dim=-1).flatten(-2)
-        return q.float().unflatten(-1, (self.groups, self.group))
+            nibbles = self.buffer((*lead, t, self.groups, 2, self.group // 2), torch.uint8, stored.device)
+            torch.bitwise_and(q, 15, out=nibbles[..., 0, :])
+            torch.bitwise_and(q, 240, out=nibbles[..., 1, :])
+            q = nibbles.flatten(-2)
+        out.transpose(-3, -2).copy_(q)
+        return out
+
+    def natural(self, x: torch.Tensor) -> torch.Tensor:
+        """Values over the integers in their bytes' order, [..., groups, n, group], in the dims' own order:
+        [..., n, head_dim] (one copy)."""
+        x = x.unflatten(-1, (2, -1)).transpose(-1, -2) if self.bits == 4 else x[..., None]
+        return x.transpose(-4, -3).flatten(-3)
 
     def scales(self, stored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' scales and biases as float32, [..., groups] each."""
@@ -153,7 +199,8 @@ class Grouped(Storage):
 
     def decode(self, stored: torch.Tensor) -> torch.Tensor:
         scale, bias = self.scales(stored)
-        x = self.integers(stored) * scale[..., None] + bias[..., None]
+        ints = self.natural(self.integers(stored) * self.unit.to(stored.device))  # [..., t, head_dim]
+        x = ints.unflatten(-1, (self.groups, -1)) * scale[..., None] + bias[..., None]
         return x.flatten(-2).to(self.compute)
 
     # Attention reads the integers without a dequantized copy (x = q * scale + bias, per group g):
@@ -161,17 +208,20 @@ class Grouped(Storage):
     # + sum_t w_t bias_t: the integers are cast, and the scales and biases multiply scores, not elements.
 
     def scores(self, q: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
-        scale, bias = (x.transpose(-1, -2)[..., None, :] for x in self.scales(stored))  # [kv, groups, 1, t]
-        grouped = q.float().unflatten(-1, (self.groups, self.group)).transpose(-3, -2)  # [kv, groups, n, group]
-        dots = torch.matmul(grouped, self.integers(stored).permute(0, 2, 3, 1))  # [kv, groups, n, t]
-        return torch.addcmul(dots * scale, grouped.sum(-1, keepdim=True), bias).sum(-3)
+        scale, bias = (x.transpose(-1, -2) for x in self.scales(stored))  # [kv, groups, t]
+        head_dim = self.groups * self.group
+        read = q.float() @ self.order.to(q.device)  # [kv, n, head_dim + groups]
+        grouped = read[..., :head_dim].unflatten(-1, (self.groups, -1)).transpose(1, 2)  # [kv, groups, n, group]
+        dots = torch.matmul(grouped, self.integers(stored).transpose(-1, -2))  # [kv, groups, n, t]
+        dots.mul_(scale[:, :, None])
+        return torch.baddbmm(dots.sum(1) if self.groups > 1 else dots[:, 0], read[..., head_dim:], bias)
 
     def weighted(self, w: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
-        scale, bias = (x.transpose(-1, -2)[..., None, :] for x in self.scales(stored))  # [..., groups, 1, t]
-        w = w.float()[..., None, :, :]  # [..., 1, n, t]
-        out = torch.matmul(w * scale, self.integers(stored).transpose(-3, -2))  # [..., groups, n, group]
-        out += (w * bias).sum(-1, keepdim=True)
-        return out.transpose(-3, -2).flatten(-2)
+        scale, bias = self.scales(stored)  # [..., t, groups]
+        w = w.float()
+        out = torch.matmul(w[..., None, :, :] * scale.transpose(-1, -2)[..., None, :], self.integers(stored))
+        biased = torch.addcmul(torch.matmul(w, bias).transpose(-1, -2)[..., None], out, self.unit.to(out.device))
+        return self.natural(biased)  # [..., n, head_dim]
 
 
 FLOATS = {"float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -77,7 +77,7 @@ def test_rotated_int4_keys_attend_closer_to_full_precision_than_unrotated_ones_w
     full = attention.decode_runs(q, [(k, v)], 0.125, kv_storage.Plain(torch.float32, torch.float32))
 
     def error(storage) -> float:
-        runs = [(storage.encode_keys(k), storage.encode(v))]
+        runs = [storage.encode_kv(k, v)]
         return float((attention.decode_runs(storage.queries(q), runs, 0.125, storage) - full).norm() / full.norm())
 
     unrotated = error(kv_storage.Grouped(4, 64, 64, torch.float32))
