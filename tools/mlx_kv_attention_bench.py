@@ -1,0 +1,92 @@
+"""One layer's decode attention on MLX over each storage's keys and values, the cases taken in turn:
+
+    python -m kvfork.tools.mlx_kv_attention_bench [--contexts 2048,8000] [--rows 1,4] [--rounds 21]
+        [--heads 9 --kv-heads 3 --head-dim 64] [--group 64]
+
+- `float32`: `mx.fast.scaled_dot_product_attention` over float32 keys and values (`--kv-cache-dtype auto` on
+  the CPU);
+- `int8`, `int4` stored: the rows the MLX backend stores (backends/mlx/kv_storage.py's `QuantizedRows`, in an
+  array a step longer than the context, as mlx-lm's caches grow), read as it reads them (`attended`: the
+  integers, scales and biases as slices of each row) through mlx-lm's `quantized_scaled_dot_product_attention`;
+- `int8`, `int4` separate: the same integers, scales and biases as three contiguous arrays (as mlx-lm's
+  `QuantizedKVCache` holds them), through the same function: the stored case without the copy of the slices;
+- `int8`, `int4` copy: that copy alone (the slices of keys and values made contiguous).
+
+The default shape is the default model's (SmolLM2-135M: 9 query heads over 3 KV heads of 64). The cases
+alternate their order each round, so a busy moment of a shared machine lands on each alike; prints each
+case's median and best time and the median's ratio to float32's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import mlx.core as mx
+from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+from kvfork.backends.mlx.kv_storage import QuantizedRows
+
+STEP = 256  # mlx-lm's KVCache grows by this many positions
+
+
+def cases_for(args, context: int, rows: int) -> dict:
+    shape = (rows, args.kv_heads, context + STEP, args.head_dim)
+    queries = mx.random.normal((rows, args.heads, 1, args.head_dim))
+    keys, values = mx.random.normal(shape), mx.random.normal(shape)
+    scale = args.head_dim ** -0.5
+    live = (..., slice(0, context), slice(None))
+    cases = {"float32": lambda: mx.fast.scaled_dot_product_attention(queries, keys[live], values[live],
+                                                                     scale=scale, mask=None)}
+    held = [queries, keys, values]
+    for bits in (8, 4):
+        rows_of = QuantizedRows(bits, args.group, mx.float32)
+        stored = [rows_of.encode(keys), rows_of.encode(values)]
+        separate = [tuple(mx.contiguous(a) for a in rows_of.attended(s[live])) for s in stored]
+        held += [stored, separate]
+
+        def attention(k, v, bits=bits):
+            return quantized_scaled_dot_product_attention(queries, k, v, scale, None, args.group, bits)
+
+        cases[f"int{bits} stored"] = lambda s=stored, r=rows_of, f=attention: f(r.attended(s[0][live]),
+                                                                                 r.attended(s[1][live]))
+        cases[f"int{bits} separate"] = lambda s=separate, f=attention: f(*s)
+        cases[f"int{bits} copy"] = lambda s=stored, r=rows_of: [mx.contiguous(a) for side in s
+                                                                 for a in r.attended(side[live])]
+    mx.eval(held)
+    return cases
+
+
+def timed(cases: dict, rounds: int) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for r in range(rounds):
+        for name, run in (list(cases.items()) if r % 2 == 0 else list(cases.items())[::-1]):
+            mx.eval(run())
+            start = time.perf_counter()
+            mx.eval(run())
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", default="2048,8000")
+    parser.add_argument("--rows", default="1,4")
+    parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--heads", type=int, default=9)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--group", type=int, default=64)
+    args = parser.parse_args()
+    for context in (int(c) for c in args.contexts.split(",")):
+        for rows in (int(n) for n in args.rows.split(",")):
+            times = timed(cases_for(args, context, rows), args.rounds)
+            base = statistics.median(times["float32"])
+            for name, ms in times.items():
+                print(f"{context} keys, {rows} rows, {name}: p50 {statistics.median(ms):.2f} ms "
+                      f"({statistics.median(ms) / base:.2f}x float32), best {min(ms):.2f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
