@@ -168,6 +168,10 @@ class FaultyBackend(Backend):
         return self.inner.pads_verify
 
     @property
+    def vision(self) -> Any:  # the real backend's image reader (its encode_images and release_images run there)
+        return self.inner.vision
+
+    @property
     def state_format(self) -> str:  # its saved states are the real backend's
         return self.inner.state_format
 
