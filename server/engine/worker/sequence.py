@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from kvfork.backends.base import SamplerState, Session
 from kvfork.server.engine import messages as m
@@ -38,9 +39,10 @@ class Seq:
     def rid(self) -> int:
         return self.start.rid
 
-    @property
+    @cached_property
     def tenant(self) -> str:
-        """Whose request it is (Start.scope: its tenant and cache_salt, as JSON; "" where none is given)."""
+        """Whose request it is (Start.scope: its tenant and cache_salt, as JSON; "" where none is given), read once:
+        every step's plan asks (fair_share.sit_out)."""
         return json.loads(self.start.scope)[0] if self.start.scope else ""
 
     @property
