@@ -1,9 +1,11 @@
-"""Reuse at --kv-cache-dtype int8 and int4 over HTTP, on torch and MLX and a tiny llama whose heads are 64
-wide (groups of 64 divide them): a prefix cache hit, n choices, requests sharing a prefix while one runs, a
-named session's next turn and a restart served from the disk tier each answer as the same request with
-reuse off (another cache_salt: nothing to reuse), token for token. A restart at another storage reads
-none of the files. At int8, speculative decoding (a scripted drafter; a verify pass's rejected drafts
-rolled back in the stored rows) keeps the greedy text of a daemon without it."""
+"""Reuse at --kv-cache-dtype int8 and int4 over HTTP, on torch and MLX and tiny models whose heads are 64
+wide (groups of 64 divide them): llama, qwen3, gemma3 (sliding layers' rings) and a hybrid (qwen3_next:
+Gated DeltaNet layers, whose recurrent states stay in full precision, beside attention stored quantized),
+each on both backends and at both storages among them. A prefix cache hit, n choices, requests sharing a
+prefix while one runs, a named session's next turn and a restart served from the disk tier each answer as
+the same request with reuse off (another cache_salt: nothing to reuse), token for token. A restart at
+another storage reads none of the files. At int8, speculative decoding (a scripted drafter; a verify pass's
+rejected drafts rolled back in the stored rows) keeps the greedy text of a daemon without it."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 from http_daemon import metrics, serving
 from kvfork.backends import create_backend
 from scripted_drafts import ScriptedDrafts
+from tiny_hybrid_models import write_hybrid_model
 from tiny_models import write_model
 
 CHAT = "/v1/chat/completions"
@@ -25,12 +28,31 @@ pytestmark = pytest.mark.usefixtures("disk_beats_prefill")  # api/conftest.py: r
 
 
 @pytest.fixture(scope="module")
-def wide_llama(tmp_path_factory) -> str:
-    return str(write_model(tmp_path_factory.mktemp("wide-llama"), "llama", head_dim=64))
+def wide(tmp_path_factory):
+    """A function arch -> folder of a tiny model with heads 64 wide, each written once."""
+    made: dict[str, str] = {}
+
+    def get(arch: str) -> str:
+        if arch not in made:
+            folder = tmp_path_factory.mktemp(f"wide-{arch}")
+            made[arch] = str(write_hybrid_model(folder, arch, head_dim=64) if arch == "qwen3_next"
+                             else write_model(folder, arch, head_dim=64))
+        return made[arch]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def wide_llama(wide) -> str:
+    return wide("llama")
 
 
 def user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
+
+
+def chat(system: str, text: str) -> list[dict]:
+    return [{"role": "system", "content": system}, *user(text)]
 
 
 async def ask(http, daemon, messages: list[dict], salt: str = "", **extra) -> tuple[list[str], int]:
@@ -48,37 +70,50 @@ def daemon_at(model: str, backend: str, dtype: str):
     return serving(model, create_backend(backend), engine=dict(ENGINE, kv_cache_dtype=dtype))
 
 
-@pytest.mark.parametrize("backend,dtype,other", [("torch", "int8", "int4"), ("torch", "int4_per_token_head", "int8"),
-                                                 ("mlx", "int8", "int4"), ("mlx", "int4", "int8")])
-async def test_reuse_answers_as_reuse_off_at_a_quantized_storage(http, wide_llama, kvfork_home, backend, dtype, other):
-    asked = SYSTEM + "now fix it"
-    async with daemon_at(wide_llama, backend, dtype) as daemon:
+# (arch, backend, storage, another storage): every arch on both backends, at int8 on one and int4 on the other
+CASES = [("llama", "torch", "int8", "int4"), ("llama", "torch", "int4_per_token_head", "int8"),
+         ("llama", "mlx", "int8", "int4"), ("llama", "mlx", "int4", "int8"),
+         ("qwen3", "torch", "int4", "int8"), ("qwen3", "mlx", "int8", "int4"),
+         ("gemma3", "torch", "int8", "int4"), ("gemma3", "mlx", "int4", "int8"),
+         ("qwen3_next", "torch", "int8", "int4"), ("qwen3_next", "mlx", "int4", "int8")]
+# A sliding layer's ring keeps only its last window, so a prompt that forks from a cached one before its end
+# (another last message) or from a running one cannot start from it; a whole prompt again can.
+SLIDING = {"gemma3"}
+
+
+@pytest.mark.parametrize("arch,backend,dtype,other", CASES)
+async def test_reuse_answers_as_reuse_off_at_a_quantized_storage(http, wide, kvfork_home, arch, backend, dtype, other):
+    asked, model, forks = chat(SYSTEM, "now fix it"), wide(arch), arch not in SLIDING
+    async with daemon_at(model, backend, dtype) as daemon:
         assert daemon.engine.info.kv_dtype.startswith(dtype[:4])
-        await ask(http, daemon, user(SYSTEM + "first read it"))
-        cold, reused = await ask(http, daemon, user(asked), salt="hit")
+        await ask(http, daemon, chat(SYSTEM, "first read it"))
+        cold, reused = await ask(http, daemon, asked, salt="hit")
         assert reused == 0
-        hit, reused = await ask(http, daemon, user(asked))
-        assert reused > 0 and hit == cold  # the prefix cache
-        choices, _ = await ask(http, daemon, user(asked), n=3)
+        hit, reused = await ask(http, daemon, asked)  # from the first prompt's (a hybrid: its checkpoint at SYSTEM)
+        assert hit == cold and (reused > 0 or not forks)
+        again, reused = await ask(http, daemon, asked)  # the whole prompt
+        assert reused > 0 and again == cold
+        choices, _ = await ask(http, daemon, asked, n=3)
         assert choices == cold * 3  # choices 1 and 2 start from clones of choice 0's prompt
 
-        together = [user(OTHER + "one"), user(OTHER + "two, at length")]
+        together = [chat(OTHER, "one"), chat(OTHER, "two, at length")]
         alone = [(await ask(http, daemon, m, salt=f"run{i}", max_tokens=24))[0] for i, m in enumerate(together)]
         both = await asyncio.gather(*(ask(http, daemon, m, max_tokens=24) for m in together))
         assert [texts for texts, _ in both] == alone
-        assert max(reused for _, reused in both) > 0  # one followed, cloned or hit the other's prefix
+        assert max(reused for _, reused in both) > 0 or not forks  # one followed, cloned or hit the other's prefix
 
-        first, _ = await ask(http, daemon, user(SYSTEM + "a turn"), session_id="agent")
-        turn = [*user(SYSTEM + "a turn"), {"role": "assistant", "content": first[0]}, *user("and the next")]
+        # one token: the session holds the prompt alone, which the next turn extends whatever that token's text
+        first, _ = await ask(http, daemon, chat(SYSTEM, "a turn"), session_id="agent", max_tokens=1)
+        turn = [*chat(SYSTEM, "a turn"), {"role": "assistant", "content": first[0]}, *user("and the next")]
         cold_turn, _ = await ask(http, daemon, turn, salt="turn")
         warm_turn, reused = await ask(http, daemon, turn, session_id="agent")
         assert reused > 0 and warm_turn == cold_turn  # the named session's state
-    async with daemon_at(wide_llama, backend, dtype) as daemon:  # a restart: the files are the prefix cache
-        restored, reused = await ask(http, daemon, user(asked))
+    async with daemon_at(model, backend, dtype) as daemon:  # a restart: the files are the prefix cache
+        restored, reused = await ask(http, daemon, asked)
         assert reused > 0 and restored == cold
         assert daemon.engine.stats().on_disk > 0
-    async with daemon_at(wide_llama, backend, other) as daemon:  # another storage: another fingerprint
-        _, reused = await ask(http, daemon, user(asked))
+    async with daemon_at(model, backend, other) as daemon:  # another storage: another fingerprint
+        _, reused = await ask(http, daemon, asked)
         assert reused == 0
 
 
