@@ -1,6 +1,8 @@
-"""Clone by reference against copying clones, side by side in one process (torch backend).
+"""Clone by reference against copying clones, side by side in one process (torch backend; the storage
+section on either).
 
     python -m kvfork.tools.clone_bench --model FOLDER [--sections clone,synthetic,peak,fit,itl,prefill,blocks]
+        [--sections storage --storages auto,float16,int8,int4 --backend torch|mlx]
 
 - clone: time and own bytes of a clone at 2,048 and 8,000 tokens of one prefilled
   donor, --clone-mode share and copy alternately (best of --repeat).
@@ -24,8 +26,8 @@
 - blocks: on the synthetic shape, per block size: a clone's time at 8k, and the
   time to grow a session to 8k one decode write at a time (growth copies the
   store it writes whenever a block fills; fewer, larger blocks copy less often).
-- storage: per --kv-cache-dtype (`--storages`), on a 4,000-token donor: the bytes
-  of a whole copy, a copying clone's time (--clone-mode copy), and the disk tier's
+- storage: per --kv-cache-dtype (`--storages`), on `--backend`'s 4,000-token donor: the bytes
+  of a whole copy, a copying clone's time (--clone-mode copy; MLX clones copy), and the disk tier's
   two halves: saving (export_state, then the file's bytes, disk.encode, written)
   and restoring (the file read, disk.decode, import_state; page cache warm).
 """
@@ -65,9 +67,8 @@ def best(fn, repeat: int) -> float:
 
 
 class Bench:
-    def __init__(self, model: str, repeat: int, kv_cache_dtype: str = "auto"):
+    def __init__(self, model: str, repeat: int):
         self.b = TorchBackend()
-        self.b.set_kv_storage(KVStorage.named(kv_cache_dtype))
         self.b.load(model, "float32")
         self.vocab, self.repeat = self.b.info.vocab_size, repeat
         self._donors: dict[int, object] = {}
@@ -155,31 +156,37 @@ class Bench:
         return out
 
 
-def storage(model: str, dtypes: list[str], repeat: int, n: int = 4000) -> dict:
+def storage(backend: str, model: str, dtypes: list[str], repeat: int, n: int = 4000) -> dict:
     """Per storage: a copying clone of n tokens and the disk tier's save and restore of them (ms)."""
     import tempfile
     from pathlib import Path
 
+    from kvfork.backends import create_backend
     from kvfork.server.engine.cache import disk
 
     out = {}
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "state.safetensors"
         for dtype in dtypes:
-            bench = Bench(model, repeat, dtype)
-            donor = bench.donor(n)
-            copy = best(lambda: bench.release(bench.clones(n, "copy", 1)), repeat)
+            b = create_backend(backend)
+            b.set_kv_storage(KVStorage.named(dtype))
+            b.set_clone_mode("copy")
+            b.load(model)
+            donor, text = b.open_session(), prompt(n, b.info.vocab_size)
+            for at in range(0, n, 1024):
+                b.to_numpy(b.prefill([donor], [text[at:at + 1024]]))
+            copy = best(lambda: b.release(b.clone(donor, n)), repeat)
 
             def save():
-                path.write_bytes(disk.encode(bench.b.export_state(donor), [], "", "bench"))
+                path.write_bytes(disk.encode(b.export_state(donor), [], "", "bench"))
 
             def restore():
-                bench.b.release(bench.b.import_state(disk.decode(path.read_bytes(), "bench")[0]))
+                b.release(b.import_state(disk.decode(path.read_bytes(), "bench")[0]))
             saved, restored = best(save, repeat), best(restore, repeat)
-            out[bench.b.info.kv_dtype] = dict(state_mb=round(path.stat().st_size / 1e6, 1),
-                                              clone_copy_ms=round(copy * 1e3, 2), save_ms=round(saved * 1e3, 1),
-                                              restore_ms=round(restored * 1e3, 1))
-            bench.release([donor])
+            out[b.info.kv_dtype] = dict(state_mb=round(path.stat().st_size / 1e6, 1),
+                                        clone_copy_ms=round(copy * 1e3, 2), save_ms=round(saved * 1e3, 1),
+                                        restore_ms=round(restored * 1e3, 1))
+            b.release(donor)
     return out
 
 
@@ -271,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--budget-gib", type=float, default=16.0)
     ap.add_argument("--storages", default="auto,float16,int8,int4",
                     help="the storage section's --kv-cache-dtype values, comma separated")
+    ap.add_argument("--backend", default="torch", choices=("torch", "mlx"), help="the storage section's backend")
     args = ap.parse_args(argv)
     sections = args.sections.split(",")
     needs_model = {"clone", "itl", "prefill", "fit"} & set(sections)
@@ -299,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
             case "blocks":
                 report[section] = blocks(repeat=args.repeat)
             case "storage":
-                report[section] = storage(args.model, args.storages.split(","), args.repeat)
+                report[section] = storage(args.backend, args.model, args.storages.split(","), args.repeat)
             case other:
                 raise SystemExit(f"unknown section {other!r}")
         print(json.dumps({section: report[section], "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
