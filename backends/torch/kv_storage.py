@@ -137,8 +137,9 @@ class Grouped(Storage):
             unit.view(self.groups, 2, group // 2)[:, 1] = 1 / 16
         sums = torch.zeros(head_dim, self.groups, dtype=torch.float64)
         sums[torch.arange(head_dim), torch.arange(head_dim) // group] = 1.0
-        self.order = torch.cat((torch.eye(head_dim, dtype=torch.float64)[:, perm] * unit, sums), 1).float()
-        self.unit = unit[:group].float()  # the factor `order` gave each dim of a group, in bytes' order
+        order = torch.cat((torch.eye(head_dim, dtype=torch.float64)[:, perm] * unit, sums), 1).float()
+        # device -> (order, the factor `order` gave each dim of a group, in bytes' order), copied to a device once
+        self.constants = {torch.device("cpu"): (order, unit[:group].float())}
         self.scratch: dict[tuple, torch.Tensor] = {}  # (device, dtype) -> working memory of the runner thread
 
     def width(self, head_dim: int) -> int:
@@ -172,6 +173,16 @@ class Grouped(Storage):
             held = self.scratch[key] = torch.empty(count, dtype=dtype, device=device)
         return held[:count].view(shape)
 
+    def placed(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`order` and `unit` on `device`: copied there on first use, not on every call (a copy per layer and
+        step on CUDA)."""
+        device = torch.device(device)
+        held = self.constants.get(device)
+        if held is None:
+            order, unit = self.constants[torch.device("cpu")]
+            held = self.constants[device] = (order.to(device), unit.to(device))
+        return held
+
     def integers(self, stored: torch.Tensor) -> torch.Tensor:
         """The rows' integers ([..., t, width] stored) as float32 in their bytes' order (`order`), group-major,
         [..., groups, t, group]: a view of working memory (`buffer`)."""
@@ -199,7 +210,7 @@ class Grouped(Storage):
 
     def decode(self, stored: torch.Tensor) -> torch.Tensor:
         scale, bias = self.scales(stored)
-        ints = self.natural(self.integers(stored) * self.unit.to(stored.device))  # [..., t, head_dim]
+        ints = self.natural(self.integers(stored) * self.placed(stored.device)[1])  # [..., t, head_dim]
         x = ints.unflatten(-1, (self.groups, -1)) * scale[..., None] + bias[..., None]
         return x.flatten(-2).to(self.compute)
 
@@ -210,7 +221,7 @@ class Grouped(Storage):
     def scores(self, q: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
         scale, bias = (x.transpose(-1, -2) for x in self.scales(stored))  # [kv, groups, t]
         head_dim = self.groups * self.group
-        read = q.float() @ self.order.to(q.device)  # [kv, n, head_dim + groups]
+        read = q.float() @ self.placed(q.device)[0]  # [kv, n, head_dim + groups]
         grouped = read[..., :head_dim].unflatten(-1, (self.groups, -1)).transpose(1, 2)  # [kv, groups, n, group]
         dots = torch.matmul(grouped, self.integers(stored).transpose(-1, -2))  # [kv, groups, n, t]
         dots.mul_(scale[:, :, None])
@@ -220,7 +231,7 @@ class Grouped(Storage):
         scale, bias = self.scales(stored)  # [..., t, groups]
         w = w.float()
         out = torch.matmul(w[..., None, :, :] * scale.transpose(-1, -2)[..., None, :], self.integers(stored))
-        biased = torch.addcmul(torch.matmul(w, bias).transpose(-1, -2)[..., None], out, self.unit.to(out.device))
+        biased = torch.addcmul(torch.matmul(w, bias).transpose(-1, -2)[..., None], out, self.placed(out.device)[1])
         return self.natural(biased)  # [..., n, head_dim]
 
 
