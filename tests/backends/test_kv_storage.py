@@ -131,8 +131,6 @@ def test_a_head_size_the_group_does_not_divide_is_refused_at_load(tiny_model_dir
     with pytest.raises(KVStorageRefused, match="head size 96 is not a power of two, which its keys' Hadamard"):
         kv_storage.storage_for(KVStorage("int4", 32), torch.float32, 96)
     assert kv_storage.storage_for(KVStorage("int8", 32), torch.float32, 96).rotation is None  # int8: no rotation
-    with pytest.raises(KVStorageRefused, match="head size 4 is not a multiple of 8, which its rows' reading"):
-        kv_storage.storage_for(KVStorage("int4", 4), torch.float32, 4)
     with pytest.raises(KVStorageRefused, match="unknown --kv-cache-dtype 'int3'"):
         KVStorage.named("int3")
     assert KVStorage.named("int4_per_token_head") == KVStorage("int4")
