@@ -1,18 +1,25 @@
 """Decode ITL at one context length for several --kv-cache-dtype storages, their steps taken in turn.
 
     python -m kvfork.tools.kv_itl_bench [--backend mlx] [--model FOLDER] [--context 2048] [--rounds 10]
+        [--storages auto,int8,int4]
 
 Every storage's backend is loaded in this one process and given a session prefilled with the same
 `--context` tokens (chunks of 512) and three clones of it 8, 16 and 24 tokens shorter. Then, round after
 round, each storage decodes one step of 1 row and one of 4 rows (the batch formed by an untimed step
 first), the storages in turn and in alternating order, so a busy moment of a shared machine lands on
 every storage alike (decode_bench.py measures each source tree's steps in one block instead). Prints the
-median ITL (ms, logits on the host) per storage and row count.
+median ITL (ms, logits on the host) per storage and row count, and how long each storage's sessions took
+to prepare.
+
+On MLX, `int8-integers` and `int4-integers` (bench only) are int8 and int4 read as a GPU reads them whatever
+the device: attention over the integers (`mx.quantized_matmul`), where the CPU otherwise reads the rows
+dequantized (backends/mlx/kv_storage.py, `attends_integers`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -24,12 +31,30 @@ from kvfork.backends.default_model import default_model_dir
 
 CHUNK = 512
 ROWS = (1, 4)
+INTEGERS = "-integers"
+
+
+@contextlib.contextmanager
+def integer_attention(wanted: bool):
+    """MLX's storages loaded within read quantized rows as integers when `wanted`, on any device."""
+    if not wanted:
+        yield
+        return
+    from kvfork.backends.mlx import kv_storage
+
+    device_choice = kv_storage.attends_integers
+    kv_storage.attends_integers = lambda: True
+    try:
+        yield
+    finally:
+        kv_storage.attends_integers = device_choice
 
 
 def prepared(backend: str, model: str, storage: str, tokens: list[int]):
     b = create_backend(backend)
-    b.set_kv_storage(KVStorage.named(storage))
-    b.load(model)
+    b.set_kv_storage(KVStorage.named(storage.removesuffix(INTEGERS)))
+    with integer_attention(storage.endswith(INTEGERS)):
+        b.load(model)
     donor = b.open_session()
     for at in range(0, len(tokens), CHUNK):
         b.to_numpy(b.prefill([donor], [tokens[at:at + CHUNK]]))
@@ -45,7 +70,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     args = parser.parse_args()
     tokens = np.random.default_rng(0).integers(100, 30000, args.context).tolist()
-    setups = {name: prepared(args.backend, args.model, name, tokens) for name in args.storages.split(",")}
+    setups = {}
+    for name in args.storages.split(","):
+        start = time.perf_counter()
+        setups[name] = prepared(args.backend, args.model, name, tokens)
+        print(f"{name}: sessions of {args.context} tokens prepared in {time.perf_counter() - start:.1f} s", flush=True)
     times: dict[tuple[str, int], list[float]] = {(name, n): [] for name in setups for n in ROWS}
     for r in range(args.rounds):
         for n in ROWS:
@@ -55,9 +84,11 @@ def main() -> None:
                 start = time.perf_counter()
                 b.to_numpy(b.decode(sessions[:n], ids))
                 times[name, n].append(time.perf_counter() - start)
+    first = next(iter(setups))
     for (name, n), seconds in times.items():
-        print(f"{name}: {n} rows at {args.context}: ITL p50 {statistics.median(seconds) * 1e3:.1f} ms "
-              f"(of {len(seconds)} steps)")
+        p50 = statistics.median(seconds)
+        print(f"{name}: {n} rows at {args.context}: ITL p50 {p50 * 1e3:.1f} ms "
+              f"({p50 / statistics.median(times[first, n]):.2f}x {first}; of {len(seconds)} steps)")
 
 
 if __name__ == "__main__":

@@ -6,11 +6,15 @@
 - `float32`: `mx.fast.scaled_dot_product_attention` over float32 keys and values (`--kv-cache-dtype auto` on
   the CPU);
 - `int8`, `int4` stored: the rows the MLX backend stores (backends/mlx/kv_storage.py's `QuantizedRows`, in an
-  array a step longer than the context, as mlx-lm's caches grow), read as it reads them (`attended`: the
+  array a step longer than the context, as mlx-lm's caches grow), read as it reads them on a GPU (`parts`: the
   integers, scales and biases as slices of each row) through mlx-lm's `quantized_scaled_dot_product_attention`;
 - `int8`, `int4` separate: the same integers, scales and biases as three contiguous arrays (as mlx-lm's
   `QuantizedKVCache` holds them), through the same function: the stored case without the copy of the slices;
-- `int8`, `int4` copy: that copy alone (the slices of keys and values made contiguous).
+- `int8`, `int4` copy: that copy alone (the slices of keys and values made contiguous);
+- `int8`, `int4` dequantized: the stored rows read as the MLX backend reads them on the CPU
+  (`QuantizedRows.dequantized`: the whole layer's keys and values as float32, element by element), then
+  `mx.fast.scaled_dot_product_attention` over them;
+- `int8`, `int4` mx.dequantize: the same through MLX's `mx.dequantize` kernel.
 
 The default shape is the default model's (SmolLM2-135M: 9 query heads over 3 KV heads of 64). The cases
 alternate their order each round, so a busy moment of a shared machine lands on each alike; prints each
@@ -41,19 +45,25 @@ def cases_for(args, context: int, rows: int) -> dict:
                                                                      scale=scale, mask=None)}
     held = [queries, keys, values]
     for bits in (8, 4):
-        rows_of = QuantizedRows(bits, args.group, mx.float32)
+        rows_of = QuantizedRows(bits, args.group, mx.float32, integer_attention=True)
         stored = [rows_of.encode(keys), rows_of.encode(values)]
-        separate = [tuple(mx.contiguous(a) for a in rows_of.attended(s[live])) for s in stored]
+        separate = [tuple(mx.contiguous(a) for a in rows_of.parts(s[live])) for s in stored]
         held += [stored, separate]
 
         def attention(k, v, bits=bits):
-            return quantized_scaled_dot_product_attention(queries, k, v, scale, None, args.group, bits)
+            # a copy of the queries: mlx-lm's function scales its argument in place
+            return quantized_scaled_dot_product_attention(mx.array(queries), k, v, scale, None, args.group, bits)
 
-        cases[f"int{bits} stored"] = lambda s=stored, r=rows_of, f=attention: f(r.attended(s[0][live]),
-                                                                                 r.attended(s[1][live]))
+        cases[f"int{bits} stored"] = lambda s=stored, r=rows_of, f=attention: f(r.parts(s[0][live]),
+                                                                                 r.parts(s[1][live]))
         cases[f"int{bits} separate"] = lambda s=separate, f=attention: f(*s)
+        cases[f"int{bits} dequantized"] = lambda s=stored, r=rows_of: mx.fast.scaled_dot_product_attention(
+            queries, *(r.dequantized(side[live]) for side in s), scale=scale, mask=None)
+        cases[f"int{bits} mx.dequantize"] = lambda s=stored, r=rows_of: mx.fast.scaled_dot_product_attention(
+            queries, *(mx.dequantize(*r.parts(side[live]), group_size=r.group, bits=r.bits, dtype=mx.float32)
+                       for side in s), scale=scale, mask=None)
         cases[f"int{bits} copy"] = lambda s=stored, r=rows_of: [mx.contiguous(a) for side in s
-                                                                 for a in r.attended(side[live])]
+                                                                 for a in r.parts(side[live])]
     mx.eval(held)
     return cases
 

@@ -40,8 +40,6 @@ FLOATS = {"float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
 class FloatRows:
-    bits = None
-
     def __init__(self, stored: mx.Dtype, compute: mx.Dtype):
         self.dtype, self.compute = stored, compute
 
@@ -56,8 +54,9 @@ class FloatRows:
 
 
 class QuantizedRows:
-    def __init__(self, bits: int, group: int, compute: mx.Dtype):
+    def __init__(self, bits: int, group: int, compute: mx.Dtype, integer_attention: bool):
         self.bits, self.group, self.compute = bits, group, compute
+        self.integer_attention = integer_attention
 
     def row_bytes(self, dim: int) -> int:
         return dim * self.bits // 8 + 4 * (dim // self.group)  # the integers; a float16 scale and bias a group
@@ -68,15 +67,36 @@ class QuantizedRows:
         pairs = mx.stack([scales, biases], axis=-1).view(mx.uint32)[..., 0]  # one word a group
         return mx.concatenate([q, pairs], axis=-1)
 
-    def attended(self, stored: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    def parts(self, stored: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """(integers, scales, biases) as `mx.quantized_matmul` reads them, scales and biases in the weights' dtype."""
         dim = stored.shape[-1] * 32 * self.group // (self.bits * self.group + 32)
         words = dim * self.bits // 32
         pairs = stored[..., words:].view(mx.float16).astype(self.compute)
         return stored[..., :words], pairs[..., 0::2], pairs[..., 1::2]
 
+    def dequantized(self, stored: mx.array) -> mx.array:
+        """The rows in the weights' dtype, x = q * scale + bias: what `mx.dequantize` computes, bit for bit, in
+        elementwise operations over the integers' bytes (in half the time of its CPU kernel, measured)."""
+        words, scales, biases = self.parts(stored)
+        q = words.view(mx.uint8)  # little-endian: an int4 byte holds an element in its low half, the next in its high
+        if self.bits == 4:
+            q = mx.stack([q & 15, q >> 4], axis=-1)
+        q = q.reshape(*scales.shape, self.group).astype(self.compute)
+        return (q * scales[..., None] + biases[..., None]).reshape(*stored.shape[:-1], -1)
+
+    def attended(self, stored: mx.array) -> mx.array | tuple[mx.array, mx.array, mx.array]:
+        """What attention reads: the parts for `mx.quantized_matmul` (integer_attention), else the dequantized rows."""
+        return self.parts(stored) if self.integer_attention else self.dequantized(stored)
+
 
 Storage = FloatRows | QuantizedRows
+
+
+def attends_integers() -> bool:
+    """Whether attention reads quantized rows as integers (`mx.quantized_matmul`): on a GPU, where its kernel is
+    the fast one; on the CPU the rows are dequantized and read by `mx.fast.scaled_dot_product_attention`
+    (docs/kv-budget.md has the measurements)."""
+    return mx.default_device() == mx.gpu
 
 
 def storage_for(spec: KVStorage, compute: mx.Dtype, dims: tuple[int, ...]) -> Storage | None:
@@ -96,7 +116,7 @@ def storage_for(spec: KVStorage, compute: mx.Dtype, dims: tuple[int, ...]) -> St
     if spec.rotates_keys and dims[0] & (dims[0] - 1):
         raise KVStorageRefused(f"--kv-cache-dtype {spec.dtype}: head size {dims[0]} is not a power of two, "
                                "which its keys' Hadamard rotation needs")
-    return QuantizedRows(spec.bits, spec.group, compute)
+    return QuantizedRows(spec.bits, spec.group, compute, integer_attention=attends_integers())
 
 
 def row_bytes(storage: Storage | None, compute: mx.Dtype, dim: int) -> int:
@@ -153,7 +173,8 @@ def stored(cache: Any, storage: Storage | None) -> Any:
         adopted.__dict__.update(vars(cache))
         cache = adopted
     cache.storage = storage
-    if storage.bits:  # mlx-lm's attention reads a cache with `bits` through mx.quantized_matmul
+    if isinstance(storage, QuantizedRows) and storage.integer_attention:
+        # mlx-lm's attention reads a cache with `bits` through mx.quantized_matmul
         cache.bits, cache.group_size = storage.bits, storage.group
     return cache
 

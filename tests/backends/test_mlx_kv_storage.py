@@ -51,7 +51,7 @@ def test_a_grouped_row_is_read_within_a_step_of_what_was_written(bits, group):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, 2, 300, 128)) * np.linspace(0.1, 30, 128)  # groups of very different ranges
     x[0, 0, 5, 7] = 400.0  # an outlier widens its own group only
-    storage = kv_storage.QuantizedRows(bits, group, mx.float32)
+    storage = kv_storage.QuantizedRows(bits, group, mx.float32, integer_attention=True)
     stored = storage.encode(mx.array(x, mx.float32))
     assert stored.dtype == mx.uint32 and stored.shape == (1, 2, 300, 128 * bits // 32 + 128 // group)
     assert storage.row_bytes(128) == stored[..., :1, :].nbytes // 2
@@ -61,6 +61,11 @@ def test_a_grouped_row_is_read_within_a_step_of_what_was_written(bits, group):
     assert_grouped_close(back, x, bits=bits, group=group, to_grid=True)
     part = storage.attended(stored[:, :, 100:200])  # a slice of rows is read alone
     assert np.array_equal(np.array(mx.dequantize(*part, group_size=group, bits=bits)), back[:, :, 100:200])
+    for compute in (mx.float32, mx.bfloat16):  # the CPU's reading: mx.dequantize's values, bit for bit
+        on_cpu = kv_storage.QuantizedRows(bits, group, compute, integer_attention=False)
+        rows = stored[:, :, 100:200]
+        want = mx.dequantize(*on_cpu.parts(rows), group_size=group, bits=bits)
+        assert on_cpu.attended(rows).dtype == compute and mx.array_equal(on_cpu.attended(rows), want).item()
 
 
 def test_the_rotation_is_the_normalised_sylvester_hadamard_matrix_and_keeps_q_dot_k():
@@ -83,11 +88,11 @@ def test_rotated_int4_keys_score_closer_to_full_precision_than_unrotated_on_an_o
     keys[..., 3] *= 40.0  # one channel of outliers, as real keys have
     queries = rng.standard_normal((1, 1, 8, 64)).astype(np.float32)
     want = queries @ keys.swapaxes(-1, -2)
-    storage = kv_storage.QuantizedRows(4, 64, mx.float32)
+    storage = kv_storage.QuantizedRows(4, 64, mx.float32, integer_attention=True)
 
     def scores(rotate: bool) -> np.ndarray:
         turn = (lambda a: mx.hadamard_transform(a, scale=64**-0.5)) if rotate else (lambda a: a)
-        k = storage.attended(storage.encode(turn(mx.array(keys))))
+        k = storage.parts(storage.encode(turn(mx.array(keys))))
         return np.array(mx.quantized_matmul(turn(mx.array(queries)), *k, transpose=True, group_size=64, bits=4))
 
     plain, rotated = np.abs(scores(False) - want).mean(), np.abs(scores(True) - want).mean()
@@ -125,6 +130,24 @@ def test_what_mlx_or_the_head_size_cannot_take_is_refused_at_load(tiny_model_dir
         load(wide_model_dir("llama", 96), "int4", 32)
     assert load(wide_model_dir("llama", 96), "int8", 32).info.kv_dtype == "int8 (groups of 32)"
     assert load(tiny_model_dir("llama"), "float16").info.kv_dtype == "float16"  # floats take any head
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_attention_over_the_integers_and_over_the_dequantized_rows_agree(wide_model_dir, monkeypatch, dtype):
+    """The GPU's reading (mx.quantized_matmul over the integers, mlx-lm's quantized attention: the cache has
+    `bits`) and the CPU's (the rows dequantized, then scaled_dot_product_attention) of the same stored rows: the
+    same logits within the tolerance of two forms of one computation, and the same greedy tokens."""
+    runs = {}
+    for integers in (True, False):
+        monkeypatch.setattr(kv_storage, "attends_integers", lambda integers=integers: integers)
+        b = load(wide_model_dir("llama"), dtype)
+        s, logits = fresh(b, prompt(300, seed=4), chunk=128)
+        assert all(hasattr(c, "bits") == integers for c in s.caches)
+        runs[integers] = b, logits, continue_greedy(b, s, logits, 6)
+        release_all(b, s)
+    (b, on_gpu, gpu_tokens), (_, on_cpu, cpu_tokens) = runs[True], runs[False]
+    assert_close(b, on_cpu, on_gpu, Kind.FORMS, context=300)
+    assert_greedy_close(b, cpu_tokens, gpu_tokens, Kind.FORMS, context=306)
 
 
 @pytest.fixture(params=STORED)
