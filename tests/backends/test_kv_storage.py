@@ -131,7 +131,8 @@ def test_a_cascade_gives_each_row_what_it_reads_alone(dtype, gathered, monkeypat
     B = kv.BLOCK_TOKENS
 
     def stored(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return storage.encode(torch.randn(3, n, 64, generator=gen)), storage.encode(torch.randn(3, n, 64, generator=gen))
+        keys, values = torch.randn(2, 3, n, 64, generator=gen)
+        return storage.encode(keys), storage.encode(values)
 
     k, v = stored(3 * B + 40)  # the session's one run: 3 blocks and 40 keys, its new one last
     rows = [[(k, v)], [(k[:, :3 * B], v[:, :3 * B]), stored(17)], [(k[:, :2 * B], v[:, :2 * B]), stored(B + 5)],
