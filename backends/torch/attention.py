@@ -10,12 +10,15 @@ run, the common case, is read as it is. Several:
 - a decode row reads each run where it lies: its scores against every run, one
   softmax over them all, and each run's values weighted by its part (no copy of
   the keys; the scores are a few floats per key);
-- decode rows whose first run is the same blocks (clones of one prefix) read
-  those blocks once per step for the group (cascade: one product of all their
-  queries against the shared keys, merged with each row's own runs by
-  log-sum-exp), measured faster than row by row at 8 sessions sharing 4k
-  (docs/benchmarks.md); FlashInfer's cascade kernels are not wired in yet, so CUDA
-  runs this plain path too;
+- decode rows whose first run starts in the same store (clones of one prefix, and
+  the session they were cloned from, whose one run holds those blocks) read the
+  whole blocks all of them hold once per step for the group (cascade: one product
+  of all their queries against the shared keys, merged with each row's own keys
+  by log-sum-exp), measured faster than row by row at 8 sessions sharing 4k
+  (docs/benchmarks.md); the rows' own keys, where short (a clone's few tokens
+  past the prefix), are read in one padded batch of the group's rows, since a
+  read's fixed costs, not its bytes, are then its time. FlashInfer's cascade
+  kernels are not wired in yet, so CUDA runs this plain path too;
 - a prefill chunk attends over the runs joined into one buffer (`join`), a copy
   of the session's keys measured against the chunk's forward time
   (tools/clone_bench.py, `prefill` section). The buffer is reused across layers
@@ -43,6 +46,7 @@ images.py) takes SDPA with that mask, built for the row.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Sequence
 
 import torch
@@ -117,7 +121,9 @@ def blocks(w: torch.Tensor, v: torch.Tensor, size: int) -> list[tuple[torch.Tens
     whole, t = v.shape[1] // size * size, v.shape[1]
     out = []
     if whole:
-        out.append((w[..., :whole].unflatten(-1, (-1, size)).transpose(1, 2), v[:, :whole].unflatten(1, (-1, size))))
+        # contiguous once: the storage's products would each copy the transposed weights
+        w_blocks = w[..., :whole].unflatten(-1, (-1, size)).transpose(1, 2).contiguous()
+        out.append((w_blocks, v[:, :whole].unflatten(1, (-1, size))))
     if whole < t:
         out.append((w[..., whole:][:, None], v[:, whole:][:, None]))
     return out
@@ -193,24 +199,31 @@ def flash(kernel, q, keys, values, window, scale) -> torch.Tensor:
 PIECE_TOKENS = 16 * BLOCK_TOKENS
 
 
-def partial(grouped: torch.Tensor, runs: Runs, scale: float, storage: Storage):
+def partial(grouped: torch.Tensor, runs: Runs, scale: float, storage: Storage, valid: torch.Tensor | None = None):
     """Grouped queries [kv_heads, q, head_dim] over keys in runs read where they lie: the scores against
     each run (in pieces of PIECE_TOKENS, read from the stored rows, where stored otherwise than in the weights'
     dtype), one softmax over all of them (float32), then each block's values weighted by its part, the blocks'
     sums added in one reduction. A block of BLOCK_TOKENS is the unit of that sum wherever it is read (a run
-    starts at a block boundary), so a clone reading the same rows in more runs adds the same terms. Returns
-    the output [kv_heads, q, head_dim] (float32) and the log-sum-exp of the scores [kv_heads, q, 1]."""
+    starts at a block boundary), so a clone reading the same rows in more runs adds the same terms. `valid`
+    (boolean, broadcast against the scores [kv_heads, q, keys]): the keys each query sees, where not all
+    (`gather`'s padding). Returns the output [kv_heads, q, head_dim] (float32) and the log-sum-exp of the
+    scores [kv_heads, q, 1]."""
     runs = pieces(runs, storage, PIECE_TOKENS)
     read = [storage.scores(grouped, k) for k, _ in runs]
-    scores = (read[0] if len(read) == 1 else torch.cat(read, dim=-1)).float() * scale
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    weights = torch.exp(scores - lse).to(grouped.dtype)
+    # the softmax in place: the scores are a fresh tensor, and at a few queries its operations' time is
+    # their outputs' pages, not their arithmetic
+    scores = (read[0] if len(read) == 1 else torch.cat(read, dim=-1)).float().mul_(scale)
+    if valid is not None:
+        scores.masked_fill_(~valid, -math.inf)
+    top = scores.amax(dim=-1, keepdim=True)
+    total = scores.sub_(top).exp_().sum(dim=-1, keepdim=True)
+    weights = scores.div_(total).to(grouped.dtype)
     parts, at = [], 0
     for _, v in runs:
         size = v.shape[1] if storage.exact else BLOCK_TOKENS
         parts += [storage.weighted(w, b) for w, b in blocks(weights[..., at:at + v.shape[1]], v, size)]
         at += v.shape[1]
-    return torch.cat(parts, dim=1).sum(1), lse
+    return torch.cat(parts, dim=1).sum(1), total.log_().add_(top)
 
 
 def decode_runs(q: torch.Tensor, runs: Runs, scale: float, storage: Storage) -> torch.Tensor:
@@ -223,31 +236,38 @@ def decode_runs(q: torch.Tensor, runs: Runs, scale: float, storage: Storage) -> 
 
 CASCADE = True  # decode rows sharing a first run read it together (tools/clone_bench.py measures both)
 
+# A row of a cascade whose own keys (those past the shared ones) are at most this many is read with the
+# group's other such rows in one padded batch (`gather`), where the fixed costs of a read, not its bytes, are
+# the time; a longer one is read where it lies, alone (docs/benchmarks.md, "KV storage")
+GATHERED_TOKENS = 4 * BLOCK_TOKENS
+
 
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, states: Sequence, starts: Sequence[int],
                 spans: Sequence[slice], window: int | None, scale: float,
                 images: Sequence[Sequence[PlacedImage]] | None = None) -> torch.Tensor:
     """A layer's attention for every row of a varlen batch: each row's new keys and values
-    (head-major [kv_heads, tokens, head_dim], the rows' end to end) written to its layer state
-    (`states[i].update`, from `starts[i]`), then its queries ([heads, tokens, head_dim]) attended over
+    (head-major [kv_heads, tokens, head_dim], the rows' end to end) encoded as stored and written to its
+    layer state (`states[i].update`, from `starts[i]`), then its queries ([heads, tokens, head_dim]) attended over
     what that state returns; `images[i]`: row i's images whose tokens attend each other both ways.
     Returns [tokens, heads, head_dim].
 
-    Cascade: decode rows whose first run is the same blocks (a prefix they share by reference) read
-    it once for the group: one product of all their queries against the shared keys, merged with
-    each row's own runs by log-sum-exp."""
-    written = [state.update(k[:, span], v[:, span], start) for state, span, start in zip(states, spans, starts)]
+    Cascade: decode rows whose first run starts in the same store (clones of one prefix, and the
+    session they were cloned from) read the leading blocks all of them hold once for the group: one
+    product of all their queries against the shared keys, merged with each row's own keys by log-sum-exp."""
     storage = states[0].storage  # one storage for every session of a backend
+    k, v = storage.encode_kv(k, v, spans)  # every row's at once: a decode step's fixed costs paid once
+    written = [state.update(k[:, span], v[:, span], start) for state, span, start in zip(states, spans, starts)]
     q = storage.queries(q)  # in the keys' stored basis: rotated where they are (kv_storage.py)
     out: list[torch.Tensor | None] = [None] * len(written)
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i, ((runs, _), span) in enumerate(zip(written, spans)):
-        if CASCADE and span.stop - span.start == 1 and len(runs) > 1:
-            groups.setdefault((runs[0][0].data_ptr(), runs[0][0].shape[1]), []).append(i)
+    groups: dict[int, list[int]] = {}
+    for i, ((runs, first_key), span) in enumerate(zip(written, spans)):
+        if CASCADE and span.stop - span.start == 1 and first_key is not None:
+            groups.setdefault(runs[0][0].data_ptr(), []).append(i)
     for group in groups.values():
-        if len(group) > 1:
-            for i, o in zip(group, cascade(q, [spans[i] for i in group], [written[i][0] for i in group], scale,
-                                           storage)):
+        shared = min(shareable(written[i][0]) for i in group)
+        if len(group) > 1 and shared:
+            for i, o in zip(group, cascade(q, [spans[i] for i in group], [written[i][0] for i in group], shared,
+                                           scale, storage)):
                 out[i] = o
     for i, ((runs, first_key), span, start) in enumerate(zip(written, spans, starts)):
         if out[i] is None:
@@ -255,22 +275,76 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, states: Seque
     return torch.cat(out)  # type: ignore[arg-type]
 
 
-def cascade(q: torch.Tensor, spans: Sequence[slice], row_runs: list[Runs], scale: float,
+def cascade(q: torch.Tensor, spans: Sequence[slice], row_runs: list[Runs], shared: int, scale: float,
             storage: Storage) -> list[torch.Tensor]:
-    """Decode rows (one query each, at `spans` of q) whose first run is the same: that run read once
-    for all of them, each row's other runs alone, merged by log-sum-exp. Returns [1, heads, head_dim]
-    per row."""
-    (shared_k, shared_v), kv_heads, head_dim = row_runs[0][0], row_runs[0][0][0].shape[0], q.shape[-1]
+    """Decode rows (one query each, at `spans` of q) whose first runs hold the same `shared` leading keys
+    (whole blocks): those read once for all of them, each row's keys after them (`own`) read in one padded
+    batch with the other rows' where short (`GATHERED_TOKENS`), else alone, merged by log-sum-exp. Returns
+    [1, heads, head_dim] per row."""
+    (first_k, first_v), kv_heads, head_dim = row_runs[0][0], row_runs[0][0][0].shape[0], q.shape[-1]
     rows = len(spans)
     queries = torch.stack([q[:, span][:, 0] for span in spans])  # [rows, heads, head_dim]
     grouped = queries.view(rows, kv_heads, -1, head_dim).transpose(0, 1).reshape(kv_heads, -1, head_dim)
-    together, lse_together = partial(grouped, [(shared_k, shared_v)], scale, storage)
+    together, lse_together = partial(grouped, [(first_k[:, :shared], first_v[:, :shared])], scale, storage)
     group = together.shape[1] // rows
-    out = []
-    for r, runs in enumerate(row_runs):
-        at = slice(r * group, (r + 1) * group)
-        own, lse_own = partial(q[:, spans[r]].reshape(kv_heads, -1, head_dim), runs[1:], scale, storage)
-        lse = torch.logaddexp(lse_together[:, at], lse_own)
-        merged = together[:, at] * torch.exp(lse_together[:, at] - lse) + own * torch.exp(lse_own - lse)
-        out.append(merged.to(q.dtype).reshape(1, -1, head_dim))
-    return out
+    by_row = grouped.view(kv_heads, rows, group, head_dim)
+    own = [own_runs(runs, shared) for runs in row_runs]
+    short = [r for r in range(rows) if sum(k.shape[1] for k, _ in own[r]) <= GATHERED_TOKENS]
+    parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    if short:
+        keys, values, valid = gather([own[r] for r in short])
+        read, lse = partial(by_row[:, short].reshape(-1, group, head_dim), [(keys, values)], scale, storage, valid)
+        parts.update(zip(short, zip(read.view(kv_heads, len(short), group, head_dim).unbind(1),
+                                    lse.view(kv_heads, len(short), group, 1).unbind(1))))
+    for r in range(rows):
+        if r not in parts:
+            parts[r] = partial(by_row[:, r], own[r], scale, storage)
+    own_out = torch.stack([parts[r][0] for r in range(rows)], 1).view_as(together)
+    lse_own = torch.stack([parts[r][1] for r in range(rows)], 1).view_as(lse_together)
+    lse = torch.logaddexp(lse_together, lse_own)
+    merged = (together * torch.exp(lse_together - lse) + own_out * torch.exp(lse_own - lse)).to(q.dtype)
+    return list(merged.view(kv_heads, rows, group, head_dim).transpose(0, 1).reshape(rows, 1, -1, head_dim).unbind(0))
+
+
+def shareable(runs: Runs) -> int:
+    """The keys of a decode row's first run that a cascade may read for a group: whole blocks, and some of
+    its keys left after them (its new one is)."""
+    n = runs[0][0].shape[1]
+    return (n if len(runs) > 1 else n - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+
+
+def own_runs(runs: Runs, shared: int) -> Runs:
+    """A row's runs after its first `shared` keys (a run starts at a block boundary, so each of these does)."""
+    (k, v), rest = runs[0], runs[1:]
+    return [(k[:, shared:], v[:, shared:])] + rest if k.shape[1] > shared else rest
+
+
+# (device, dtype) -> working memory of the runner thread holding rows' runs side by side (`gather`)
+_gathered: dict[tuple, torch.Tensor] = {}
+
+
+def gather(rows: list[Runs]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's runs end to end as stored, the rows side by side, zero-padded to the longest row: keys and
+    values [kv_heads * rows, tokens, width] (row r of key head h at h * rows + r: a view of working memory,
+    read it before the next call) and which positions each row holds, [kv_heads * rows, 1, tokens]. Zeros
+    decode to zero in every storage, so a padding position weighs nothing."""
+    (k0, _), n = rows[0][0], len(rows)
+    lengths = [sum(k.shape[1] for k, _ in runs) for runs in rows]
+    tokens = max(lengths)
+    shape = (2, k0.shape[0], n, tokens, k0.shape[2])
+    key, count = (k0.device, k0.dtype), math.prod(shape)
+    held = _gathered.get(key)
+    if held is None or held.numel() < count:
+        held = _gathered[key] = torch.empty(count, dtype=k0.dtype, device=k0.device)
+    both = held[:count].view(shape)
+    for r, runs in enumerate(rows):
+        at = 0
+        for k, v in runs:
+            both[0, :, r, at:at + k.shape[1]].copy_(k)
+            both[1, :, r, at:at + k.shape[1]].copy_(v)
+            at += k.shape[1]
+        both[:, :, r, at:].zero_()
+    held_positions = torch.arange(tokens, device=k0.device) < torch.tensor(lengths, device=k0.device)[:, None]
+    valid = held_positions.expand(k0.shape[0], n, tokens).reshape(-1, 1, tokens)
+    keys, values = both.flatten(1, 2).unbind(0)
+    return keys, values, valid

@@ -35,8 +35,9 @@ Design rules:
   p % W. `held_from` is the oldest position whose entry is still valid. That is
   what base.clone_refusal judges. Rings (and recurrent states) stay copied.
 - Storage (--kv-cache-dtype, kv_storage.py): every tensor here holds rows as its storage writes
-  them, [kv_heads, tokens, width]; `FullKV.update` and `RingKV.update` encode what a pass computes (keys
-  rotated where the storage rotates them) and return stored runs, which attention decodes (attention.py).
+  them, [kv_heads, tokens, width]; attention encodes what a pass computes (keys rotated where the storage
+  rotates them, `Storage.encode_kv`), `FullKV.update` and `RingKV.update` write those rows and return
+  stored runs, which attention decodes (attention.py).
   Clones, rings' undo and saved states move the stored rows as they are.
 - A write past `position` into a store is invisible (reads stop at the writer's
   end, the next write overwrites it); a ring write replaces positions still
@@ -261,9 +262,10 @@ class FullKV:
         self.table.reserve(end)
 
     def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[Segments, int | None]:
-        """Write k, v ([kv_heads, n, head_dim]) at [start, start + n), encoded; return the stored runs of
-        keys and values [0, start + n) and the first key position (always 0: runs are in position order)."""
-        return self.write(*self.storage.encode_kv(k, v), start), 0
+        """Write stored rows k, v ([kv_heads, n, width], `Storage.encode_kv`'s) at [start, start + n); return the
+        stored runs of keys and values [0, start + n) and the first key position (always 0: runs are in
+        position order)."""
+        return self.write(k, v, start), 0
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> Segments:
         """Write stored rows (a saved state's) at [start, start + n)."""
@@ -304,8 +306,8 @@ class RingKV:
         """A ring never grows."""
 
     def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[Segments, int | None]:
-        """Write k, v ([kv_heads, n, head_dim]) at [start, start + n), encoded; return the stored keys the
-        new queries may attend (one run).
+        """Write stored rows k, v ([kv_heads, n, width], `Storage.encode_kv`'s) at [start, start + n); return
+        the stored keys the new queries may attend (one run).
 
         One token (decode): the ring itself after the write, entries unordered but
         all inside the window; first position None means "no mask needed".
@@ -314,7 +316,6 @@ class RingKV:
         """
         n, w = k.shape[1], self.window
         end = start + n
-        k, v = self.storage.encode_kv(k, v)
         if n == 1:
             self._write(k, v, start)
             filled = min(end, w)

@@ -27,6 +27,7 @@ holding the same rows, answers as the session that wrote them.
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 
@@ -74,9 +75,20 @@ class Storage:
         """Weights [..., n, t] of stored values [..., t, width]: w @ v, [..., n, head_dim] (float32)."""
         return torch.matmul(w, self.decode(stored)).float()
 
-    def encode_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values as stored, keys rotated where `rotation` is set."""
-        return self.encode(k if self.rotation is None else k @ self.rotation), self.encode(v)
+    def encode_kv(self, k: torch.Tensor, v: torch.Tensor,
+                  rows: Sequence[slice] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ([kv_heads, tokens, head_dim]) as stored, keys rotated where `rotation` is set."""
+        return self.encode(self.rotated(k, rows)), self.encode(v)
+
+    def rotated(self, k: torch.Tensor, rows: Sequence[slice] = ()) -> torch.Tensor:
+        """Keys in the basis they are stored in: rotated where `rotation` is set, row by row where `rows` (a
+        pass's rows, at slices of the token dimension) are given, since a product's rounding depends on its
+        shape and a row's stored bytes are to be those it gets in any batch."""
+        if self.rotation is None:
+            return k
+        if len(rows) < 2:
+            return k @ self.rotation
+        return torch.cat([k[:, row] @ self.rotation for row in rows], dim=1)
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         """Queries in the basis the stored keys are in."""
@@ -174,9 +186,10 @@ class Grouped(Storage):
             q = q[..., 0::2] | (q[..., 1::2] << 4)
         return torch.cat((q, halves.flatten(-2).view(torch.uint8)), dim=-1)
 
-    def encode_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode_kv(self, k: torch.Tensor, v: torch.Tensor,
+                  rows: Sequence[slice] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values encoded together: one set of operations for both (`encode`)."""
-        k, v = self.encode(torch.stack((k if self.rotation is None else k @ self.rotation, v))).unbind(0)
+        k, v = self.encode(torch.stack((self.rotated(k, rows), v))).unbind(0)
         return k, v
 
     def buffer(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:

@@ -105,6 +105,52 @@ def test_attention_reads_the_integers_as_the_dequantized_rows_say_and_alike_in_a
     assert torch.equal(one, two) and torch.equal(lse, lse_two)
 
 
+@pytest.mark.parametrize("dtype", ["auto", *STORED])
+def test_a_pass_encodes_each_row_as_it_would_alone(dtype):
+    """Attention encodes a pass's rows in one call (Storage.encode_kv with the rows): each row's stored bytes
+    are those it gets alone, int4's rotated keys too (a product's rounding depends on its shape)."""
+    gen = torch.Generator().manual_seed(4)
+    storage = kv_storage.storage_for(KVStorage.named(dtype), torch.float32, 64)
+    k, v = 3 * torch.randn(3, 40, 64, generator=gen), torch.randn(3, 40, 64, generator=gen)
+    rows = [slice(0, 1), slice(1, 2), slice(2, 30), slice(30, 40)]
+    keys, values = storage.encode_kv(k, v, rows)
+    for row in rows:
+        alone_keys, alone_values = storage.encode_kv(k[:, row], v[:, row])
+        assert torch.equal(keys[:, row], alone_keys) and torch.equal(values[:, row], alone_values)
+
+
+@pytest.mark.parametrize("dtype", ["auto", "int8", "int4"])
+@pytest.mark.parametrize("gathered", [True, False])
+def test_a_cascade_gives_each_row_what_it_reads_alone(dtype, gathered, monkeypatch):
+    """Decode rows sharing a store's leading blocks (a session reading them in its one run, a clone holding
+    fewer of them, a clone of a grown clone with more than GATHERED_TOKENS of its own keys): the shared blocks
+    read once for the group, each row's own keys in one padded batch (gathered) or alone, each row's output
+    within the bound of what it reads alone."""
+    gen = torch.Generator().manual_seed(3)
+    storage = kv_storage.storage_for(KVStorage.named(dtype), torch.float32, 64)
+    B = kv.BLOCK_TOKENS
+
+    def stored(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = torch.randn(2, 3, n, 64, generator=gen)
+        return storage.encode(keys), storage.encode(values)
+
+    k, v = stored(3 * B + 40)  # the session's one run: 3 blocks and 40 keys, its new one last
+    rows = [[(k, v)], [(k[:, :3 * B], v[:, :3 * B]), stored(17)], [(k[:, :2 * B], v[:, :2 * B]), stored(B + 5)],
+            [(k[:, :3 * B], v[:, :3 * B]), stored(B), stored(attention.GATHERED_TOKENS + 3)]]
+    shared = min(attention.shareable(runs) for runs in rows)
+    assert shared == 2 * B
+    if not gathered:
+        monkeypatch.setattr(attention, "GATHERED_TOKENS", 0)
+    q = torch.randn(9, len(rows), 64, generator=gen)
+    spans = [slice(r, r + 1) for r in range(len(rows))]
+    got = attention.cascade(q, spans, rows, shared, 0.125, storage)
+    for r, runs in enumerate(rows):
+        n = sum(key.shape[1] for key, _ in runs)
+        alone = attention.attend(q[:, spans[r]], runs, n - 1, 0, None, 0.125, storage)
+        assert got[r].shape == alone.shape == (1, 9, 64)
+        assert_arrays_close(got[r], alone, kind=Kind.BLOCKS, reductions=[n, n])
+
+
 @pytest.mark.parametrize("dtype,row", [("auto", 256), ("float16", 128), ("bfloat16", 128), ("fp8", 64),
                                        ("int8", 64 + 4), ("int4", 32 + 4)])
 def test_the_budget_prices_the_rows_as_stored(wide_model_dir, dtype, row):

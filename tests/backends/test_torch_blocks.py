@@ -202,25 +202,29 @@ def test_a_failed_clone_holds_nothing(tiny_model_dir, monkeypatch):
 
 
 @pytest.mark.numeric
-def test_a_group_sharing_a_prefix_decodes_as_each_alone(llama, monkeypatch):
-    """Cascade: decode rows that read the same blocks read them once for the group (one product of all
-    their queries), merged with each row's own part by log-sum-exp: the logits each gets alone."""
+@pytest.mark.parametrize("gathered", ["short", "long"])
+def test_a_group_sharing_a_prefix_decodes_as_each_alone(llama, monkeypatch, gathered):
+    """Cascade: decode rows that read the same blocks (the donor, which reads them in its one run, among
+    them) read them once for the group (one product of all their queries), merged with each row's own
+    keys by log-sum-exp, read in one padded batch (short) or row by row (long): the logits each gets alone."""
     from kvfork.backends.torch import attention
 
     calls = []
     real = attention.cascade
     monkeypatch.setattr(attention, "cascade", lambda *a: calls.append(len(a[1])) or real(*a))
+    if gathered == "long":
+        monkeypatch.setattr(attention, "GATHERED_TOKENS", 0)
     prompt = tokens(10, 700)
     donor = llama.open_session()
     llama.prefill([donor], [prompt])
-    clones = [llama.clone(donor, 700 - 3 * i) for i in range(4)]
-    picks = [5, 6, 7, 8]
-    together = llama.to_numpy(llama.decode(clones, picks))
-    assert calls and calls[0] == 4  # one group of four, in every full layer
+    uptos, picks = [700, 697, 694, 691, 700], [5, 6, 7, 8, 9]
+    clones = [llama.clone(donor, upto) for upto in uptos[:4]]
+    together = llama.to_numpy(llama.decode(clones + [donor], picks))
+    assert calls and calls[0] == 5  # one group of five, in every full layer
     alone = []
-    for i in range(4):
-        again = llama.clone(donor, 700 - 3 * i)
-        alone.append(llama.to_numpy(llama.decode([again], [picks[i]]))[0])
+    for upto, pick in zip(uptos, picks):  # the donor's own step too: a clone holding what it held
+        again = llama.clone(donor, upto)
+        alone.append(llama.to_numpy(llama.decode([again], [pick]))[0])
         llama.release(again)
     assert_close(llama, together, np.array(alone), Kind.BLOCKS, context=701)
     for s in (donor, *clones):
