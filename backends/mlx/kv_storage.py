@@ -9,9 +9,11 @@ knowing what a row holds.
 - `FloatRows`: float16 or bfloat16 elements; attention reads them cast to the weights' dtype.
 - `QuantizedRows`: `mx.quantize`'s `bits`-bit integers in groups of `group` along the head (packed in
   uint32 words), then each group's float16 scale and bias as one uint32 word (x = q * scale + bias),
-  as mlx-lm's `QuantizedKVCache` groups them. Attention reads the stored rows directly: a cache
-  holding them has `bits` and `group_size`, so mlx-lm's attention takes its
-  `quantized_scaled_dot_product_attention` (`mx.quantized_matmul` over the integers).
+  as mlx-lm's `QuantizedKVCache` groups them. On a GPU attention reads the integers directly: for the
+  pass, the cache has `bits` and `group_size`, so mlx-lm's attention takes its
+  `quantized_scaled_dot_product_attention` (`mx.quantized_matmul`). On the CPU, where that kernel is
+  slower than dequantizing, a pass reads the rows dequantized through `mx.fast.scaled_dot_product_attention`,
+  but for int4's decode, whose nibbles cost more to unpack than the integers' product (`reads_integers`).
 
 The caches here (`StoredCache`) encode what a layer writes and hand attention what it reads from the
 stored rows, the positions just written included, so what a query attends depends only on the stored
@@ -49,14 +51,17 @@ class FloatRows:
     def encode(self, x: mx.array) -> mx.array:
         return x.astype(self.dtype)
 
-    def attended(self, stored: mx.array) -> mx.array:
+    def reads_integers(self, queries: int) -> bool:
+        return False
+
+    def attended(self, stored: mx.array, integers: bool = False) -> mx.array:
         return stored.astype(self.compute)
 
 
 class QuantizedRows:
     def __init__(self, bits: int, group: int, compute: mx.Dtype, integer_attention: bool):
         self.bits, self.group, self.compute = bits, group, compute
-        self.integer_attention = integer_attention
+        self.integer_attention = integer_attention  # every pass reads the integers (`attends_integers`)
 
     def row_bytes(self, dim: int) -> int:
         return dim * self.bits // 8 + 4 * (dim // self.group)  # the integers; a float16 scale and bias a group
@@ -84,18 +89,25 @@ class QuantizedRows:
         q = q.reshape(*scales.shape, self.group).astype(self.compute)
         return (q * scales[..., None] + biases[..., None]).reshape(*stored.shape[:-1], -1)
 
-    def attended(self, stored: mx.array) -> mx.array | tuple[mx.array, mx.array, mx.array]:
-        """What attention reads: the parts for `mx.quantized_matmul` (integer_attention), else the dequantized rows."""
-        return self.parts(stored) if self.integer_attention else self.dequantized(stored)
+    def reads_integers(self, queries: int) -> bool:
+        """Whether a pass of `queries` new positions a row reads the integers (`mx.quantized_matmul`): every pass
+        where `integer_attention`, else int4's one-query passes (decode), where unpacking two elements a byte into
+        a float copy costs more than the integers' product does (docs/kv-budget.md)."""
+        return self.integer_attention or (self.bits == 4 and queries == 1)
+
+    def attended(self, stored: mx.array, integers: bool) -> mx.array | tuple[mx.array, mx.array, mx.array]:
+        """What attention reads: the parts for `mx.quantized_matmul` where `integers`, else the dequantized rows."""
+        return self.parts(stored) if integers else self.dequantized(stored)
 
 
 Storage = FloatRows | QuantizedRows
 
 
 def attends_integers() -> bool:
-    """Whether attention reads quantized rows as integers (`mx.quantized_matmul`): on a GPU, where its kernel is
-    the fast one; on the CPU the rows are dequantized and read by `mx.fast.scaled_dot_product_attention`
-    (docs/kv-budget.md has the measurements)."""
+    """Whether attention reads quantized rows as integers (`mx.quantized_matmul`) in every pass: on a GPU, where
+    its kernel is the fast one; on the CPU the rows are dequantized and read by
+    `mx.fast.scaled_dot_product_attention`, but for int4's decode (`QuantizedRows.reads_integers`;
+    docs/kv-budget.md has the measurements)."""
     return mx.default_device() == mx.gpu
 
 
@@ -130,10 +142,16 @@ class StoredCache:
     storage: Storage
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        integers = self.storage.reads_integers(keys.shape[-2])
+        # mlx-lm's attention reads a cache that has `bits` through mx.quantized_matmul: this pass's reading
+        if integers:
+            self.bits, self.group_size = self.storage.bits, self.storage.group  # type: ignore[union-attr]
+        else:
+            vars(self).pop("bits", None)
         # a mixin: the mlx-lm cache class it comes before in each class below has update_and_fetch
         keys, values = super().update_and_fetch(  # type: ignore[misc]
             self.storage.encode(keys), self.storage.encode(values))
-        return self.storage.attended(keys), self.storage.attended(values)
+        return self.storage.attended(keys, integers), self.storage.attended(values, integers)
 
 
 class StoredKV(StoredCache, KVCache):
@@ -173,9 +191,6 @@ def stored(cache: Any, storage: Storage | None) -> Any:
         adopted.__dict__.update(vars(cache))
         cache = adopted
     cache.storage = storage
-    if isinstance(storage, QuantizedRows) and storage.integer_attention:
-        # mlx-lm's attention reads a cache with `bits` through mx.quantized_matmul
-        cache.bits, cache.group_size = storage.bits, storage.group
     return cache
 
 

@@ -18,6 +18,7 @@ from tolerance import Kind, assert_arrays_close, assert_grouped_close
 pytest.importorskip("mlx_lm")
 
 import mlx.core as mx  # noqa: E402
+from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from kvfork.backends.base import KVStorage, KVStorageRefused  # noqa: E402
 from kvfork.backends.mlx import kv_storage  # noqa: E402
@@ -55,17 +56,18 @@ def test_a_grouped_row_is_read_within_a_step_of_what_was_written(bits, group):
     stored = storage.encode(mx.array(x, mx.float32))
     assert stored.dtype == mx.uint32 and stored.shape == (1, 2, 300, 128 * bits // 32 + 128 // group)
     assert storage.row_bytes(128) == stored[..., :1, :].nbytes // 2
-    q, scales, biases = storage.attended(stored)
+    q, scales, biases = storage.parts(stored)
     assert scales.dtype == mx.float32
     back = np.array(mx.dequantize(q, scales, biases, group_size=group, bits=bits))
     assert_grouped_close(back, x, bits=bits, group=group, to_grid=True)
-    part = storage.attended(stored[:, :, 100:200])  # a slice of rows is read alone
+    part = storage.parts(stored[:, :, 100:200])  # a slice of rows is read alone
     assert np.array_equal(np.array(mx.dequantize(*part, group_size=group, bits=bits)), back[:, :, 100:200])
     for compute in (mx.float32, mx.bfloat16):  # the CPU's reading: mx.dequantize's values, bit for bit
         on_cpu = kv_storage.QuantizedRows(bits, group, compute, integer_attention=False)
         rows = stored[:, :, 100:200]
         want = mx.dequantize(*on_cpu.parts(rows), group_size=group, bits=bits)
-        assert on_cpu.attended(rows).dtype == compute and mx.array_equal(on_cpu.attended(rows), want).item()
+        read = on_cpu.attended(rows, integers=False)
+        assert read.dtype == compute and mx.array_equal(read, want).item()
 
 
 def test_the_rotation_is_the_normalised_sylvester_hadamard_matrix_and_keeps_q_dot_k():
@@ -135,8 +137,9 @@ def test_what_mlx_or_the_head_size_cannot_take_is_refused_at_load(tiny_model_dir
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_attention_over_the_integers_and_over_the_dequantized_rows_agree(wide_model_dir, monkeypatch, dtype):
     """The GPU's reading (mx.quantized_matmul over the integers, mlx-lm's quantized attention: the cache has
-    `bits`) and the CPU's (the rows dequantized, then scaled_dot_product_attention) of the same stored rows: the
-    same logits within the tolerance of two forms of one computation, and the same greedy tokens."""
+    `bits`) and the CPU's (the rows dequantized, then scaled_dot_product_attention; int4's decode over the
+    integers) of the same stored rows: the same logits within the tolerance of two forms of one computation,
+    and the same greedy tokens."""
     runs = {}
     for integers in (True, False):
         monkeypatch.setattr(kv_storage, "attends_integers", lambda integers=integers: integers)
@@ -148,6 +151,22 @@ def test_attention_over_the_integers_and_over_the_dequantized_rows_agree(wide_mo
     (b, on_gpu, gpu_tokens), (_, on_cpu, cpu_tokens) = runs[True], runs[False]
     assert_close(b, on_cpu, on_gpu, Kind.FORMS, context=300)
     assert_greedy_close(b, cpu_tokens, gpu_tokens, Kind.FORMS, context=306)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_on_the_cpu_only_int4_decode_reads_the_integers(bits):
+    """A pass's reading is the cache's for that pass: mlx-lm's attention takes mx.quantized_matmul where the
+    cache has `bits`. On the CPU, int4's one-query passes (decode) read the integers and every other pass the
+    dequantized rows; on a GPU every pass reads the integers."""
+    x = mx.array(np.random.default_rng(1).standard_normal((1, 2, 6, 64)), mx.float32)
+    for on_gpu in (False, True):
+        cache = kv_storage.stored(KVCache(), kv_storage.QuantizedRows(bits, 64, mx.float32, integer_attention=on_gpu))
+        keys, _ = cache.update_and_fetch(x[:, :, :5], x[:, :, :5])  # a prefill chunk
+        assert hasattr(cache, "bits") == on_gpu and isinstance(keys, tuple) == on_gpu
+        keys, _ = cache.update_and_fetch(x[:, :, 5:], x[:, :, 5:])  # a decode step
+        integers = on_gpu or bits == 4
+        assert hasattr(cache, "bits") == integers and isinstance(keys, tuple) == integers
+        assert (keys[0] if integers else keys).shape[-2] == 6  # what was written before is read too
 
 
 @pytest.fixture(params=STORED)
