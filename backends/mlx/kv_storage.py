@@ -39,6 +39,11 @@ from kvfork.backends.base import KVStorage, KVStorageRefused
 
 FLOAT16_MAX = 65504.0
 FLOATS = {"float16": mx.float16, "bfloat16": mx.bfloat16}
+# The most bytes a pass's dequantized copy of one layer's keys and values (for the rows in the pass) may take;
+# a pass that would need more reads the integers, which need no copy: the copy is working memory beside the KV
+# budget, so its size is bounded (8 KV heads of 128 in float32 reach it at 32k tokens, the default model's 3
+# of 64 at 175k).
+DEQUANTIZED_BYTES = 256 * 2**20
 
 
 class FloatRows:
@@ -51,7 +56,7 @@ class FloatRows:
     def encode(self, x: mx.array) -> mx.array:
         return x.astype(self.dtype)
 
-    def reads_integers(self, queries: int) -> bool:
+    def reads_integers(self, queries: int, keys: mx.array, values: mx.array) -> bool:
         return False
 
     def attended(self, stored: mx.array, integers: bool = False) -> mx.array:
@@ -72,10 +77,13 @@ class QuantizedRows:
         pairs = mx.stack([scales, biases], axis=-1).view(mx.uint32)[..., 0]  # one word a group
         return mx.concatenate([q, pairs], axis=-1)
 
+    def dim(self, width: int) -> int:
+        """The head size of a stored row `width` words wide."""
+        return width * 32 * self.group // (self.bits * self.group + 32)
+
     def parts(self, stored: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """(integers, scales, biases) as `mx.quantized_matmul` reads them, scales and biases in the weights' dtype."""
-        dim = stored.shape[-1] * 32 * self.group // (self.bits * self.group + 32)
-        words = dim * self.bits // 32
+        words = self.dim(stored.shape[-1]) * self.bits // 32
         pairs = stored[..., words:].view(mx.float16).astype(self.compute)
         return stored[..., :words], pairs[..., 0::2], pairs[..., 1::2]
 
@@ -89,11 +97,13 @@ class QuantizedRows:
         q = q.reshape(*scales.shape, self.group).astype(self.compute)
         return (q * scales[..., None] + biases[..., None]).reshape(*stored.shape[:-1], -1)
 
-    def reads_integers(self, queries: int) -> bool:
-        """Whether a pass of `queries` new positions a row reads the integers (`mx.quantized_matmul`): every pass
-        where `integer_attention`, else int4's one-query passes (decode), where unpacking two elements a byte into
-        a float copy costs more than the integers' product does (docs/kv-budget.md)."""
-        return self.integer_attention or (self.bits == 4 and queries == 1)
+    def reads_integers(self, queries: int, keys: mx.array, values: mx.array) -> bool:
+        """Whether a pass of `queries` new positions a row, over these stored `keys` and `values`, reads the
+        integers (`mx.quantized_matmul`): every pass where `integer_attention`, else int4's one-query passes
+        (decode), where unpacking two elements a byte into a float copy costs more than the integers' product
+        does (docs/kv-budget.md), and a pass whose dequantized copy would pass DEQUANTIZED_BYTES."""
+        copy = sum(a.size // a.shape[-1] * self.dim(a.shape[-1]) for a in (keys, values)) * self.compute.size
+        return self.integer_attention or (self.bits == 4 and queries == 1) or copy > DEQUANTIZED_BYTES
 
     def attended(self, stored: mx.array, integers: bool) -> mx.array | tuple[mx.array, mx.array, mx.array]:
         """What attention reads: the parts for `mx.quantized_matmul` where `integers`, else the dequantized rows."""
@@ -142,15 +152,16 @@ class StoredCache:
     storage: Storage
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
-        integers = self.storage.reads_integers(keys.shape[-2])
+        queries = keys.shape[-2]
+        # a mixin: the mlx-lm cache class it comes before in each class below has update_and_fetch
+        keys, values = super().update_and_fetch(  # type: ignore[misc]
+            self.storage.encode(keys), self.storage.encode(values))
+        integers = self.storage.reads_integers(queries, keys, values)
         # mlx-lm's attention reads a cache that has `bits` through mx.quantized_matmul: this pass's reading
         if integers:
             self.bits, self.group_size = self.storage.bits, self.storage.group  # type: ignore[union-attr]
         else:
             vars(self).pop("bits", None)
-        # a mixin: the mlx-lm cache class it comes before in each class below has update_and_fetch
-        keys, values = super().update_and_fetch(  # type: ignore[misc]
-            self.storage.encode(keys), self.storage.encode(values))
         return self.storage.attended(keys, integers), self.storage.attended(values, integers)
 
 

@@ -154,10 +154,10 @@ def test_attention_over_the_integers_and_over_the_dequantized_rows_agree(wide_mo
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_on_the_cpu_only_int4_decode_reads_the_integers(bits):
+def test_on_the_cpu_only_int4_decode_and_a_copy_past_its_bound_read_the_integers(bits, monkeypatch):
     """A pass's reading is the cache's for that pass: mlx-lm's attention takes mx.quantized_matmul where the
     cache has `bits`. On the CPU, int4's one-query passes (decode) read the integers and every other pass the
-    dequantized rows; on a GPU every pass reads the integers."""
+    dequantized rows, unless their copy would pass DEQUANTIZED_BYTES; on a GPU every pass reads the integers."""
     x = mx.array(np.random.default_rng(1).standard_normal((1, 2, 6, 64)), mx.float32)
     for on_gpu in (False, True):
         cache = kv_storage.stored(KVCache(), kv_storage.QuantizedRows(bits, 64, mx.float32, integer_attention=on_gpu))
@@ -167,6 +167,11 @@ def test_on_the_cpu_only_int4_decode_reads_the_integers(bits):
         integers = on_gpu or bits == 4
         assert hasattr(cache, "bits") == integers and isinstance(keys, tuple) == integers
         assert (keys[0] if integers else keys).shape[-2] == 6  # what was written before is read too
+    cache = kv_storage.stored(KVCache(), kv_storage.QuantizedRows(bits, 64, mx.float32, integer_attention=False))
+    monkeypatch.setattr(kv_storage, "DEQUANTIZED_BYTES", 2 * 2 * 5 * 64 * 4)  # keys and values, 2 heads of 64
+    assert not isinstance(cache.update_and_fetch(x[:, :, :5], x[:, :, :5])[0], tuple)  # a copy at the bound
+    assert isinstance(cache.update_and_fetch(x[:, :, 5:], x[:, :, 5:])[0], tuple)  # past it: the integers
+    assert hasattr(cache, "bits")
 
 
 @pytest.fixture(params=STORED)
