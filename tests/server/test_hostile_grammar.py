@@ -18,6 +18,7 @@ from kvfork.server.guard.errors import ApiError
 
 WIDE = JsonSchema({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(6000)}})
 SMALL = JsonSchema({"type": "object", "properties": {"n": {"type": "integer"}}})
+LOWEST_PRIORITY = 19  # the highest nice value
 
 
 @pytest.fixture
@@ -82,6 +83,8 @@ async def test_a_tenant_whose_compile_timed_out_has_its_next_large_grammars_refu
 
 def test_the_compile_process_runs_below_the_daemons_cpu_priority(hf):
     """A compile takes what CPU the daemon leaves: another tenant's decode keeps its core (issue 45)."""
+    if os.getpriority(os.PRIO_PROCESS, 0) >= LOWEST_PRIORITY:
+        pytest.skip("the tests run at the lowest CPU priority already (nice 19): none is below it")
     grammars = GrammarCompiler(hf, len(hf), [hf.eos_token_id], timeout_s=30.0, child_env=os.environ)
     proc = subprocess.Popen(module_command("kvfork.server.generate.grammar_worker"), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE)
