@@ -250,9 +250,16 @@ class Grouped(Storage):
         _, unit, spread, _ = self.placed(stored.device)
         w = w.float()
         scaled = (w[..., None, :] * scale.transpose(-1, -2)[..., None, :, :]).flatten(-3, -2)  # [..., n * groups, t]
-        out = torch.matmul(scaled, self.integers(stored))  # [..., n * groups, columns]
-        out = out.unflatten(-2, (-1, self.groups)).flatten(-2).index_select(-1, spread)  # [..., n, head_dim]
+        out = torch.matmul(scaled, self.integers(stored)).unflatten(-2, (-1, self.groups))  # [..., n, groups, columns]
         biased = torch.matmul(w, bias)[..., None]  # [..., n, groups, 1]
+        if self.bits == 8:
+            # dim d is column d with factor 1: group g's dims are its own row's columns [g * group, (g + 1) * group),
+            # a view (the diagonal of [groups, groups, group]), where a copy through `spread` costs a pass
+            # over every query's columns
+            head_dim = self.groups * self.group
+            own = out[..., :head_dim].unflatten(-1, (self.groups, -1)).diagonal(dim1=-3, dim2=-2).transpose(-1, -2)
+            return torch.add(biased, own).flatten(-2)
+        out = out.flatten(-2).index_select(-1, spread)  # [..., n, head_dim]
         return torch.addcmul(biased, out.unflatten(-1, (self.groups, -1)), unit.view(self.groups, -1)).flatten(-2)
 
 
