@@ -56,7 +56,7 @@ from torch.nn.attention.bias import causal_lower_right
 from kvfork.backends.torch.cpu_attention import attention_with_lse
 from kvfork.backends.torch.images import PlacedImage, image_mask
 from kvfork.backends.torch.kv import BLOCK_TOKENS
-from kvfork.backends.torch.kv_storage import Storage
+from kvfork.backends.torch.kv_storage import Storage, working_memory
 
 Runs = list[tuple[torch.Tensor, torch.Tensor]]  # (keys, values) as stored, in position order
 
@@ -193,7 +193,7 @@ def flash(kernel, q, keys, values, window, scale) -> torch.Tensor:
 
 
 # Positions a decode row reads in one piece where its storage is not the weights' dtype: the integers' float32
-# copy (working memory the storage reuses, kv_storage.Grouped.buffer) stays bounded (3 MB at the default model's
+# copy (working memory the storage reuses, kv_storage.working_memory) stays bounded (3 MB at the default model's
 # 3 key heads of 64), and fewer, larger pieces measured faster than blocks of 256, whose per-call costs
 # dominated (docs/benchmarks.md, "KV storage")
 PIECE_TOKENS = 16 * BLOCK_TOKENS
@@ -331,12 +331,7 @@ def gather(rows: list[Runs]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     (k0, _), n = rows[0][0], len(rows)
     lengths = [sum(k.shape[1] for k, _ in runs) for runs in rows]
     tokens = max(lengths)
-    shape = (2, k0.shape[0], n, tokens, k0.shape[2])
-    key, count = (k0.device, k0.dtype), math.prod(shape)
-    held = _gathered.get(key)
-    if held is None or held.numel() < count:
-        held = _gathered[key] = torch.empty(count, dtype=k0.dtype, device=k0.device)
-    both = held[:count].view(shape)
+    both = working_memory(_gathered, (2, k0.shape[0], n, tokens, k0.shape[2]), k0.dtype, k0.device)
     for r, runs in enumerate(rows):
         at = 0
         for k, v in runs:

@@ -37,6 +37,18 @@ FP8_MAX = 448.0  # float8 e4m3's largest finite value
 LOW_NIBBLES, HIGH_NIBBLES = 0x0F0F0F0F, -0x0F0F0F10  # int32 masks of each byte's low and high nibble (0xF0F0F0F0)
 
 
+def working_memory(held: dict[tuple, torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype,
+                   device) -> torch.Tensor:
+    """A [shape] view of working memory kept in `held` by (device, dtype), reused by every call: read it before
+    the next call. A fresh tensor per call faults its pages in first, which costs more than the copy into it
+    on the CPU."""
+    key, count = (torch.device(device), dtype), math.prod(shape)
+    memory = held.get(key)
+    if memory is None or memory.numel() < count:
+        memory = held[key] = torch.empty(count, dtype=dtype, device=device)
+    return memory[:count].view(shape)
+
+
 def hadamard(n: int) -> torch.Tensor:
     """The normalised n x n Sylvester Hadamard matrix (float64; n a power of two): symmetric and
     orthogonal, so H @ H = I."""
@@ -192,25 +204,17 @@ class Grouped(Storage):
         k, v = self.encode(torch.stack((self.rotated(k, rows), v))).unbind(0)
         return k, v
 
-    def buffer(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-        """A [shape] view of working memory reused by every call: read it before the next call. A fresh
-        tensor per call faults its pages in first, which costs more than the copy into it on the CPU."""
-        key, count = (torch.device(device), dtype), math.prod(shape)
-        held = self.scratch.get(key)
-        if held is None or held.numel() < count:
-            held = self.scratch[key] = torch.empty(count, dtype=dtype, device=device)
-        return held[:count].view(shape)
-
     def integers(self, stored: torch.Tensor) -> torch.Tensor:
         """The rows' integers ([..., t, width] stored) as float32 columns (see `__init__`), [..., t, columns]:
-        a view of working memory (`buffer`). Each pass runs over whole rows, which lie end to end."""
-        out = self.buffer((*stored.shape[:-1], self.columns), torch.float32, stored.device)
+        a view of working memory (`working_memory`). Each pass runs over whole rows, which lie end to end."""
+        out = working_memory(self.scratch, (*stored.shape[:-1], self.columns), torch.float32, stored.device)
         if self.bits == 8:
             return out.copy_(stored)
         # four bytes an operation (an int4 row is whole 32-bit words: its head size is a multiple of a group, 32
         # or more, so its integers and its scales each fill whole words): measured 1.4x faster than the same
         # masks over bytes
-        nibbles = self.buffer((*stored.shape[:-1], 2, stored.shape[-1]), torch.uint8, stored.device)
+        nibbles = working_memory(self.scratch, (*stored.shape[:-1], 2, stored.shape[-1]), torch.uint8,
+                                 stored.device)
         words, split = stored.view(torch.int32), nibbles.view(torch.int32)
         torch.bitwise_and(words, LOW_NIBBLES, out=split[..., 0, :])
         torch.bitwise_and(words, HIGH_NIBBLES, out=split[..., 1, :])
