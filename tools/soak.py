@@ -724,14 +724,18 @@ async def _compare(c: SoakConfig, backend_name: str, outcomes: list[Outcome], re
     completed = [o for o in outcomes if o.completed]
     print(f"soak: replaying {len(completed)} completed requests on a reuse-off daemon", file=out, flush=True)
     differ: list[tuple[Outcome, tuple]] = []
+    t0 = time.monotonic()
     async with daemon(c, create_backend(backend_name), reuse=False) as d, aiohttp.ClientSession() as http:
-        for o in completed:
+        for n, o in enumerate(completed, 1):
             spec = o.spec
             body = {k: v for k, v in spec.body.items() if k not in ("session_id", "stream", "stream_options")}
             again = Outcome(Spec(spec.index, spec.route, body))
             await exchange(http, d.url, again.spec, again)
             if again.answer() != o.answer() or again.error:
                 differ.append((o, again.answer() if not again.error else (again.error,)))
+            if n % 100 == 0:
+                print(f"soak: replayed {n}/{len(completed)}, {len(differ)} differ, {time.monotonic() - t0:.0f} s",
+                      file=out, flush=True)
     report.add("completed requests equal to a reuse-off daemon", f"{len(completed) - len(differ)}/{len(completed)}",
                f"all, and >= {MIN_COMPARED}", not differ and len(completed) >= MIN_COMPARED)
     for o, ref in differ[:5]:
