@@ -1,0 +1,93 @@
+"""One-query attention over quantized rows read as their integers cast to floats (the CPU's decode reading).
+
+A stored row holds x = q * scale + bias per group of `group` elements, q the integers (kv_storage.py's
+`QuantizedRows`). Per group g of a head, for a query k and attention weights w over the keys t:
+
+    k . x = scale_g (k_g . q_g) + bias_g sum(k_g)
+    sum_t w_t x_t = sum_t (w_t scale_t,g) q_t,g + sum_t w_t bias_t,g
+
+so the integers are cast once (one pass writing a float copy of the layer's keys and values, as large as
+the dequantized rows, and bounded by DEQUANTIZED_BYTES alike) and the scales and biases multiply the
+scores and the weights, a query's width each, not every element: the dequantized reading costs two more
+passes over the copy (the multiply and the add), and MLX's CPU `quantized_matmul` is slower still
+(docs/kv-budget.md). With several groups a row, each query is lifted to one row per group (its group's
+dims, zeros elsewhere: `blocks`), so each product stays one matrix product over whole rows. int4's bytes
+hold two elements, the even one in the low nibble: the low and the high nibbles are cast as two arrays
+of columns, read by the even and the odd dims.
+
+mlx-lm's attention (`mlx_lm.models.base.scaled_dot_product_attention`, which the models call) sends a
+cache that has `bits` to `quantized_scaled_dot_product_attention`, looked up in its module at call time:
+`install` puts `attention` there, which reads a `CastIntegers` of one query a row this way and hands
+anything else to mlx-lm's function. A `CastIntegers` is the (integers, scales, biases) that function
+takes, so without the hook it reads the same rows through `mx.quantized_matmul`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+from mlx_lm.models import base
+
+MLX_LM_ATTENTION = base.quantized_scaled_dot_product_attention
+
+
+class CastIntegers(tuple):
+    """A pass's keys or values (integers, scales, biases), as `QuantizedRows.parts`, to read cast (`attention`)."""
+
+
+@functools.cache
+def blocks(groups: int, width: int, dtype: mx.Dtype) -> mx.array:
+    """[groups, width]: 1 where a column of `width` belongs to the group (whole blocks of width / groups), else 0."""
+    return (mx.arange(width)[None] // (width // groups) == mx.arange(groups)[:, None]).astype(dtype)
+
+
+def columns(words: mx.array, bits: int, dtype: mx.Dtype) -> list[mx.array]:
+    """The integers of `words` ([..., t, dim * bits / 32] uint32) in `dtype`: int8's [..., t, dim]; int4's low
+    nibbles (the even dims) and high nibbles (the odd dims), [..., t, dim / 2] each (little-endian bytes)."""
+    q = words.view(mx.uint8)
+    return [q.astype(dtype)] if bits == 8 else [(q & 15).astype(dtype), (q >> 4).astype(dtype)]
+
+
+def scores(q: mx.array, keys: CastIntegers, bits: int, group: int) -> mx.array:
+    """q . k for queries q [B, kv, n, dim] (scaled) over the keys, [B, kv, n, t]."""
+    words, scale, bias = keys
+    b, kv, n, dim = q.shape
+    groups, pieces = scale.shape[-1], columns(words, bits, q.dtype)
+    lift = blocks(groups, dim // len(pieces), q.dtype)
+    dots = sum((q[..., p :: len(pieces)][..., None, :] * lift).reshape(b, kv, n * groups, -1) @ piece.swapaxes(-1, -2)
+               for p, piece in enumerate(pieces))  # [B, kv, n * groups, t]: each group's dims alone
+    dots = (dots.reshape(b, kv, n, groups, -1) * scale.swapaxes(-1, -2)[:, :, None]).sum(-2)
+    return dots + q.reshape(b, kv, n, groups, group).sum(-1) @ bias.swapaxes(-1, -2)
+
+
+def weighted(w: mx.array, values: CastIntegers, bits: int, group: int) -> mx.array:
+    """sum_t w_t v_t for weights w [B, kv, n, t] over the values, [B, kv, n, dim]."""
+    words, scale, bias = values
+    b, kv, n, _ = w.shape
+    groups, pieces = scale.shape[-1], columns(words, bits, w.dtype)
+    scaled = (w[..., None, :] * scale.swapaxes(-1, -2)[:, :, None]).reshape(b, kv, n * groups, -1)
+    lift = blocks(groups, pieces[0].shape[-1], w.dtype)
+    # each group's row of weights against every dim, then the dims of its own group kept
+    parts = [((scaled @ piece).reshape(b, kv, n, groups, -1) * lift).sum(-2) for piece in pieces]
+    out = parts[0] if len(parts) == 1 else mx.stack(parts, axis=-1).reshape(b, kv, n, -1)
+    return out + mx.repeat(w @ bias, group, axis=-1)
+
+
+def attention(queries: mx.array, q_keys, q_values, scale: float, mask, group_size: int = 64, bits: int = 8) -> mx.array:
+    """mlx-lm's `quantized_scaled_dot_product_attention`, reading `CastIntegers` of one query a row cast."""
+    b, heads, length, dim = queries.shape
+    if not (isinstance(q_keys, CastIntegers) and length == 1):
+        return MLX_LM_ATTENTION(queries, q_keys, q_values, scale, mask, group_size, bits)
+    kv = q_keys[0].shape[-3]
+    s = scores((queries * scale).reshape(b, kv, heads // kv, dim), q_keys, bits, group_size)
+    s = s.reshape(b, heads, 1, -1)
+    if isinstance(mask, mx.array):  # a str is "causal": one query, the last position, attends every key
+        s = mx.where(mask, s, mx.finfo(s.dtype).min) if mask.dtype == mx.bool_ else s + mask
+    w = mx.softmax(s, axis=-1, precise=True).reshape(b, kv, heads // kv, -1)
+    return weighted(w, q_values, bits, group_size).reshape(b, heads, 1, -1)
+
+
+def install() -> None:
+    """mlx-lm's attention reads `CastIntegers` through `attention` from now on (the MLX backend's load calls it)."""
+    base.quantized_scaled_dot_product_attention = attention
