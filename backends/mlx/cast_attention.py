@@ -55,8 +55,10 @@ def scores(q: mx.array, keys: CastIntegers, bits: int, group: int) -> mx.array:
     b, kv, n, dim = q.shape
     groups, pieces = scale.shape[-1], columns(words, bits, q.dtype)
     lift = blocks(groups, dim // len(pieces), q.dtype)
-    dots = sum((q[..., p :: len(pieces)][..., None, :] * lift).reshape(b, kv, n * groups, -1) @ piece.swapaxes(-1, -2)
-               for p, piece in enumerate(pieces))  # [B, kv, n * groups, t]: each group's dims alone
+    # [B, kv, n * groups, t]: each group's dims alone, over each piece's columns
+    products = [(q[..., p :: len(pieces)][..., None, :] * lift).reshape(b, kv, n * groups, -1) @ piece.swapaxes(-1, -2)
+                for p, piece in enumerate(pieces)]
+    dots = sum(products[1:], products[0])
     dots = (dots.reshape(b, kv, n, groups, -1) * scale.swapaxes(-1, -2)[:, :, None]).sum(-2)
     return dots + q.reshape(b, kv, n, groups, group).sum(-1) @ bias.swapaxes(-1, -2)
 
