@@ -11,7 +11,7 @@
 - `int8`, `int4` separate: the same integers, scales and biases as three contiguous arrays (as mlx-lm's
   `QuantizedKVCache` holds them), through the same function: the stored case without the copy of the slices;
 - `int8`, `int4` copy: that copy alone (the slices of keys and values made contiguous);
-- `int8`, `int4` dequantized: the stored rows read as the MLX backend reads them on the CPU
+- `int8`, `int4` dequantized: the stored rows read as the MLX backend reads them at prefill on the CPU
   (`QuantizedRows.dequantized`: the whole layer's keys and values as float32, element by element), then
   `mx.fast.scaled_dot_product_attention` over them;
 - `int8`, `int4` mx.dequantize: the same through MLX's `mx.dequantize` kernel;
