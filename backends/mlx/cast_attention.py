@@ -30,6 +30,10 @@ import mlx.core as mx
 from mlx_lm.models import base
 
 MLX_LM_ATTENTION = base.quantized_scaled_dot_product_attention
+# The most bytes of the cast copy made at once: the integers are cast a span of keys at a time (every row and
+# head), each span read by its products while it is still in the core's cache (measured faster than one copy of
+# the layer past 1 MiB; docs/kv-budget.md)
+CHUNK_BYTES = 2**20
 
 
 class CastIntegers(tuple):
@@ -42,23 +46,31 @@ def blocks(groups: int, width: int, dtype: mx.Dtype) -> mx.array:
     return (mx.arange(width)[None] // (width // groups) == mx.arange(groups)[:, None]).astype(dtype)
 
 
-def columns(words: mx.array, bits: int, dtype: mx.Dtype) -> list[mx.array]:
-    """The integers of `words` ([..., t, dim * bits / 32] uint32) in `dtype`: int8's [..., t, dim]; int4's low
-    nibbles (the even dims) and high nibbles (the odd dims), [..., t, dim / 2] each (little-endian bytes)."""
-    q = words.view(mx.uint8)
-    return [q.astype(dtype)] if bits == 8 else [(q & 15).astype(dtype), (q >> 4).astype(dtype)]
+def chunks(words: mx.array, bits: int, dtype: mx.Dtype) -> list[tuple[slice, list[mx.array]]]:
+    """The integers of `words` ([B, kv, t, dim * bits / 32] uint32) in `dtype`, in spans of keys whose copy is at
+    most CHUNK_BYTES: (span, its columns), int8's [B, kv, keys, dim]; int4's low nibbles (the even dims) and high
+    nibbles (the odd dims), [B, kv, keys, dim / 2] each (little-endian bytes)."""
+    b, kv, t, width = words.shape
+    step = max(1, CHUNK_BYTES // (b * kv * width * 32 // bits * dtype.size))
+    out = []
+    for start in range(0, t, step):
+        span = slice(start, min(start + step, t))
+        q = words[..., span, :].view(mx.uint8)
+        out.append((span, [q.astype(dtype)] if bits == 8 else [(q & 15).astype(dtype), (q >> 4).astype(dtype)]))
+    return out
 
 
 def scores(q: mx.array, keys: CastIntegers, bits: int, group: int) -> mx.array:
     """q . k for queries q [B, kv, n, dim] (scaled) over the keys, [B, kv, n, t]."""
     words, scale, bias = keys
     b, kv, n, dim = q.shape
-    groups, pieces = scale.shape[-1], columns(words, bits, q.dtype)
-    lift = blocks(groups, dim // len(pieces), q.dtype)
-    # [B, kv, n * groups, t]: each group's dims alone, over each piece's columns
-    products = [(q[..., p :: len(pieces)][..., None, :] * lift).reshape(b, kv, n * groups, -1) @ piece.swapaxes(-1, -2)
-                for p, piece in enumerate(pieces)]
-    dots = sum(products[1:], products[0])
+    groups, pieces = scale.shape[-1], 8 // bits
+    lift = blocks(groups, dim // pieces, q.dtype)
+    # each group's dims alone, one row a group, for each piece's columns: [B, kv, n * groups, dim / pieces]
+    lifted = [(q[..., p::pieces][..., None, :] * lift).reshape(b, kv, n * groups, -1) for p in range(pieces)]
+    dots = mx.concatenate([sum((x @ c.swapaxes(-1, -2) for x, c in zip(lifted[1:], columns[1:])),
+                               lifted[0] @ columns[0].swapaxes(-1, -2))
+                           for _, columns in chunks(words, bits, q.dtype)], axis=-1)
     dots = (dots.reshape(b, kv, n, groups, -1) * scale.swapaxes(-1, -2)[:, :, None]).sum(-2)
     return dots + q.reshape(b, kv, n, groups, group).sum(-1) @ bias.swapaxes(-1, -2)
 
@@ -67,11 +79,14 @@ def weighted(w: mx.array, values: CastIntegers, bits: int, group: int) -> mx.arr
     """sum_t w_t v_t for weights w [B, kv, n, t] over the values, [B, kv, n, dim]."""
     words, scale, bias = values
     b, kv, n, _ = w.shape
-    groups, pieces = scale.shape[-1], columns(words, bits, w.dtype)
+    groups = scale.shape[-1]
     scaled = (w[..., None, :] * scale.swapaxes(-1, -2)[:, :, None]).reshape(b, kv, n * groups, -1)
-    lift = blocks(groups, pieces[0].shape[-1], w.dtype)
-    # each group's row of weights against every dim, then the dims of its own group kept
-    parts = [((scaled @ piece).reshape(b, kv, n, groups, -1) * lift).sum(-2) for piece in pieces]
+    totals: list[mx.array] = []  # a piece's: each group's row of weights against every column
+    for span, columns in chunks(words, bits, w.dtype):
+        products = [scaled[..., span] @ c for c in columns]
+        totals = [t + p for t, p in zip(totals, products)] if totals else products
+    lift = blocks(groups, totals[0].shape[-1], w.dtype)
+    parts = [(t.reshape(b, kv, n, groups, -1) * lift).sum(-2) for t in totals]  # the dims of each row's own group
     out = parts[0] if len(parts) == 1 else mx.stack(parts, axis=-1).reshape(b, kv, n, -1)
     return out + mx.repeat(w @ bias, group, axis=-1)
 

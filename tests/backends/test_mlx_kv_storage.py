@@ -136,12 +136,16 @@ def test_what_mlx_or_the_head_size_cannot_take_is_refused_at_load(tiny_model_dir
 
 
 @pytest.mark.parametrize("bits,group,dim", [(8, 64, 64), (8, 32, 128), (4, 64, 64), (4, 32, 128)])
-def test_one_query_over_the_integers_cast_agrees_with_attention_over_the_dequantized_rows(bits, group, dim):
+@pytest.mark.parametrize("chunk_keys", [None, 7])
+def test_one_query_over_the_integers_cast_agrees_with_attention_over_the_dequantized_rows(bits, group, dim,
+                                                                                          chunk_keys, monkeypatch):
     """The CPU's decode reading (cast_attention.py: the integers cast, scales and biases applied to scores and
     weights), one group and several a row, 6 query heads over 2 KV heads, a batch of 3 rows two of them
-    left-padded (the boolean mask the batch caches make), an additive mask, and mlx-lm's "causal" and None:
-    mx.fast.scaled_dot_product_attention's output over the same rows dequantized, within the tolerance of two
-    forms of one computation."""
+    left-padded (the boolean mask the batch caches make), an additive mask, and mlx-lm's "causal" and None, the
+    keys cast at once and 7 at a time (40 keys: the last span shorter): mx.fast.scaled_dot_product_attention's
+    output over the same rows dequantized, within the tolerance of two forms of one computation."""
+    if chunk_keys:
+        monkeypatch.setattr(cast_attention, "CHUNK_BYTES", 3 * 2 * dim * 4 * chunk_keys)
     rng = np.random.default_rng(5)
     storage = kv_storage.QuantizedRows(bits, group, mx.float32, integer_attention=False)
     keys, values = (storage.encode(mx.array(rng.standard_normal((3, 2, 40, dim)) * 3 + 1, mx.float32))
