@@ -221,6 +221,14 @@ def stored(cache: Any, storage: Storage | None) -> Any:
     return cache
 
 
+def refuse_sinks(model: nn.Module, spec: KVStorage) -> None:
+    """KVStorageRefused where the model's attention has sinks (gpt-oss): mlx-lm's quantized attention, which reads
+    quantized rows on a GPU and at decode on the CPU, has none (it raises at the pass)."""
+    if any("sinks" in module for _, module in model.named_modules()):
+        raise KVStorageRefused(f"--kv-cache-dtype {spec.dtype}: this model's attention has sinks, which mlx-lm's "
+                               "quantized attention does not read; choose float16 or bfloat16")
+
+
 class RotatedRoPE(nn.Module):
     """An attention's RoPE, then each head rotated by the normalised Hadamard matrix (queries and keys alike)."""
 

@@ -69,6 +69,7 @@ def load_model(folder: str, dtype: str | None, group: Any = None, spec: KVStorag
     compute = DTYPES[dtype]
     storage = kv_storage.storage_for(spec, compute, heads[1:]) if heads else None
     if isinstance(storage, kv_storage.QuantizedRows):
+        kv_storage.refuse_sinks(model, spec)
         cast_attention.install()
     if storage is not None and spec.rotates_keys:
         kv_storage.rotate_keys(model, sum(layer.kind != "recurrent" for layer in layers), spec)

@@ -18,6 +18,7 @@ from tolerance import Kind, assert_arrays_close, assert_grouped_close
 pytest.importorskip("mlx_lm")
 
 import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
 from mlx_lm.models import base as mlx_lm_base  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
@@ -133,6 +134,17 @@ def test_what_mlx_or_the_head_size_cannot_take_is_refused_at_load(tiny_model_dir
         load(wide_model_dir("llama", 96), "int4", 32)
     assert load(wide_model_dir("llama", 96), "int8", 32).info.kv_dtype == "int8 (groups of 32)"
     assert load(tiny_model_dir("llama"), "float16").info.kv_dtype == "float16"  # floats take any head
+
+
+def test_quantized_storage_is_refused_a_model_whose_attention_has_sinks():
+    """mlx-lm's quantized attention (a GPU's every pass, the CPU's decode) raises on attention sinks (gpt-oss)."""
+    attention = nn.Module()
+    attention.sinks = mx.zeros((4,))
+    model = nn.Module()
+    model.layers = [attention]
+    with pytest.raises(KVStorageRefused, match="--kv-cache-dtype int8: this model's attention has sinks"):
+        kv_storage.refuse_sinks(model, KVStorage.named("int8"))
+    kv_storage.refuse_sinks(nn.Module(), KVStorage.named("int8"))
 
 
 @pytest.mark.parametrize("bits,group,dim", [(8, 64, 64), (8, 32, 128), (4, 64, 64), (4, 32, 128)])
