@@ -1,16 +1,17 @@
 """One-query attention over quantized rows read as their integers cast to floats (the CPU's decode reading).
 
 A stored row holds x = q * scale + bias per group of `group` elements, q the integers (kv_storage.py's
-`QuantizedRows`). Per group g of a head, for a query k and attention weights w over the keys t:
+`QuantizedRows`). Per group g of a head, for a query u and attention weights w over the keys t:
 
-    k . x = scale_g (k_g . q_g) + bias_g sum(k_g)
+    u . x = scale_g (u_g . q_g) + bias_g sum(u_g)
     sum_t w_t x_t = sum_t (w_t scale_t,g) q_t,g + sum_t w_t bias_t,g
 
-so the integers are cast once (one pass writing a float copy of the layer's keys and values, as large as
-the dequantized rows, and bounded by DEQUANTIZED_BYTES alike) and the scales and biases multiply the
-scores and the weights, a query's width each, not every element: the dequantized reading costs two more
-passes over the copy (the multiply and the add), and MLX's CPU `quantized_matmul` is slower still
-(docs/kv-budget.md). With several groups a row, each query is lifted to one row per group (its group's
+so the integers are cast (one pass writing floats) and the scales and biases multiply the scores and the
+weights, a query's width each, not every element: the dequantized reading costs two more passes (the
+multiply and the add), and MLX's CPU `quantized_matmul` is slower still (docs/kv-budget.md). The cast is
+made a span of keys at a time (`CHUNK_BYTES`), each span's products reading it while it is in the core's
+cache; a pass whose whole copy would pass DEQUANTIZED_BYTES reads through `quantized_matmul` as before
+(`QuantizedRows.reading`). With several groups a row, each query is lifted to one row per group (its group's
 dims, zeros elsewhere: `blocks`), so each product stays one matrix product over whole rows. int4's bytes
 hold two elements, the even one in the low nibble: the low and the high nibbles are cast as two arrays
 of columns, read by the even and the odd dims.
@@ -31,8 +32,8 @@ from mlx_lm.models import base
 
 MLX_LM_ATTENTION = base.quantized_scaled_dot_product_attention
 # The most bytes of the cast copy made at once: the integers are cast a span of keys at a time (every row and
-# head), each span read by its products while it is still in the core's cache (measured faster than one copy of
-# the layer past 1 MiB; docs/kv-budget.md)
+# head), each span read by its products while it is still in the core's cache (faster than one copy of the
+# layer once that passes 1 MiB, and smaller: docs/benchmarks.md, "On MLX (the CPU)")
 CHUNK_BYTES = 2**20
 
 
@@ -62,25 +63,25 @@ def chunks(words: mx.array, bits: int, dtype: mx.Dtype) -> list[tuple[slice, lis
 
 def scores(q: mx.array, keys: CastIntegers, bits: int, group: int) -> mx.array:
     """q . k for queries q [B, kv, n, dim] (scaled) over the keys, [B, kv, n, t]."""
-    words, scale, bias = keys
+    words, scales, biases = keys
     b, kv, n, dim = q.shape
-    groups, pieces = scale.shape[-1], 8 // bits
+    groups, pieces = scales.shape[-1], 8 // bits
     lift = blocks(groups, dim // pieces, q.dtype)
     # each group's dims alone, one row a group, for each piece's columns: [B, kv, n * groups, dim / pieces]
     lifted = [(q[..., p::pieces][..., None, :] * lift).reshape(b, kv, n * groups, -1) for p in range(pieces)]
     dots = mx.concatenate([sum((x @ c.swapaxes(-1, -2) for x, c in zip(lifted[1:], columns[1:])),
                                lifted[0] @ columns[0].swapaxes(-1, -2))
                            for _, columns in chunks(words, bits, q.dtype)], axis=-1)
-    dots = (dots.reshape(b, kv, n, groups, -1) * scale.swapaxes(-1, -2)[:, :, None]).sum(-2)
-    return dots + q.reshape(b, kv, n, groups, group).sum(-1) @ bias.swapaxes(-1, -2)
+    dots = (dots.reshape(b, kv, n, groups, -1) * scales.swapaxes(-1, -2)[:, :, None]).sum(-2)
+    return dots + q.reshape(b, kv, n, groups, group).sum(-1) @ biases.swapaxes(-1, -2)
 
 
 def weighted(w: mx.array, values: CastIntegers, bits: int, group: int) -> mx.array:
     """sum_t w_t v_t for weights w [B, kv, n, t] over the values, [B, kv, n, dim]."""
-    words, scale, bias = values
+    words, scales, biases = values
     b, kv, n, _ = w.shape
-    groups = scale.shape[-1]
-    scaled = (w[..., None, :] * scale.swapaxes(-1, -2)[:, :, None]).reshape(b, kv, n * groups, -1)
+    groups = scales.shape[-1]
+    scaled = (w[..., None, :] * scales.swapaxes(-1, -2)[:, :, None]).reshape(b, kv, n * groups, -1)
     totals: list[mx.array] = []  # a piece's: each group's row of weights against every column
     for span, columns in chunks(words, bits, w.dtype):
         products = [scaled[..., span] @ c for c in columns]
@@ -88,7 +89,7 @@ def weighted(w: mx.array, values: CastIntegers, bits: int, group: int) -> mx.arr
     lift = blocks(groups, totals[0].shape[-1], w.dtype)
     parts = [(t.reshape(b, kv, n, groups, -1) * lift).sum(-2) for t in totals]  # the dims of each row's own group
     out = parts[0] if len(parts) == 1 else mx.stack(parts, axis=-1).reshape(b, kv, n, -1)
-    return out + mx.repeat(w @ bias, group, axis=-1)
+    return out + mx.repeat(w @ biases, group, axis=-1)
 
 
 def attention(queries: mx.array, q_keys, q_values, scale: float, mask, group_size: int = 64, bits: int = 8) -> mx.array:
