@@ -12,8 +12,9 @@ median ITL (ms, logits on the host) per storage and row count, and how long each
 to prepare.
 
 On MLX, `int8-integers` and `int4-integers` (bench only) are int8 and int4 read as a GPU reads them whatever
-the device: attention over the integers (`mx.quantized_matmul`), where the CPU otherwise reads the rows
-dequantized (backends/mlx/kv_storage.py, `attends_integers`).
+the device: attention over the integers (`mx.quantized_matmul`) in every pass (backends/mlx/kv_storage.py,
+`attends_integers`); `int8-dequantized` and `int4-dequantized` read the rows dequantized in every pass, decode
+too, where the CPU otherwise reads the integers cast at decode (`QuantizedRows.reading`).
 """
 
 from __future__ import annotations
@@ -31,29 +32,39 @@ from kvfork.backends.default_model import default_model_dir
 
 CHUNK = 512
 ROWS = (1, 4)
-INTEGERS = "-integers"
+READINGS = ("-integers", "-dequantized")  # bench-only suffixes of an MLX storage's name
 
 
 @contextlib.contextmanager
-def integer_attention(wanted: bool):
-    """MLX's storages loaded within read quantized rows as integers when `wanted`, on any device."""
-    if not wanted:
+def reading(suffix: str):
+    """MLX's quantized storages loaded within read their rows as `suffix` says: "-integers" as integers in every
+    pass, on any device; "-dequantized" dequantized in every pass that would read them cast."""
+    if suffix not in READINGS:
         yield
         return
     from kvfork.backends.mlx import kv_storage
 
-    device_choice = kv_storage.attends_integers
-    kv_storage.attends_integers = lambda: True
+    class Dequantized(kv_storage.QuantizedRows):
+        def reading(self, queries, keys, values):
+            chosen = super().reading(queries, keys, values)
+            return kv_storage.Reading.ROWS if chosen is kv_storage.Reading.CAST else chosen
+
+    device_choice, rows = kv_storage.attends_integers, kv_storage.QuantizedRows
+    if suffix == "-integers":
+        kv_storage.attends_integers = lambda: True
+    else:
+        kv_storage.QuantizedRows = Dequantized  # type: ignore[misc]
     try:
         yield
     finally:
-        kv_storage.attends_integers = device_choice
+        kv_storage.attends_integers, kv_storage.QuantizedRows = device_choice, rows  # type: ignore[misc]
 
 
 def prepared(backend: str, model: str, storage: str, tokens: list[int]):
     b = create_backend(backend)
-    b.set_kv_storage(KVStorage.named(storage.removesuffix(INTEGERS)))
-    with integer_attention(storage.endswith(INTEGERS)):
+    name, _, suffix = storage.partition("-")
+    b.set_kv_storage(KVStorage.named(name))
+    with reading(f"-{suffix}" if suffix else ""):
         b.load(model)
     donor = b.open_session()
     for at in range(0, len(tokens), CHUNK):

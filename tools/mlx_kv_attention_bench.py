@@ -11,10 +11,12 @@
 - `int8`, `int4` separate: the same integers, scales and biases as three contiguous arrays (as mlx-lm's
   `QuantizedKVCache` holds them), through the same function: the stored case without the copy of the slices;
 - `int8`, `int4` copy: that copy alone (the slices of keys and values made contiguous);
-- `int8`, `int4` dequantized: the stored rows read as the MLX backend reads them on the CPU
+- `int8`, `int4` dequantized: the stored rows read as the MLX backend reads them at prefill on the CPU
   (`QuantizedRows.dequantized`: the whole layer's keys and values as float32, element by element), then
   `mx.fast.scaled_dot_product_attention` over them;
-- `int8`, `int4` mx.dequantize: the same through MLX's `mx.dequantize` kernel.
+- `int8`, `int4` mx.dequantize: the same through MLX's `mx.dequantize` kernel;
+- `int8`, `int4` cast: the stored rows read as the MLX backend reads them at decode on the CPU
+  (backends/mlx/cast_attention.py: the integers cast, the scales and biases applied to scores and weights).
 
 The default shape is the default model's (SmolLM2-135M: 9 query heads over 3 KV heads of 64). The cases
 alternate their order each round, so a busy moment of a shared machine lands on each alike; prints each
@@ -30,7 +32,8 @@ import time
 import mlx.core as mx
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
-from kvfork.backends.mlx.kv_storage import QuantizedRows
+from kvfork.backends.mlx import cast_attention
+from kvfork.backends.mlx.kv_storage import QuantizedRows, Reading
 
 STEP = 256  # mlx-lm's KVCache grows by this many positions
 
@@ -62,6 +65,8 @@ def cases_for(args, context: int, rows: int) -> dict:
         cases[f"int{bits} mx.dequantize"] = lambda s=stored, r=rows_of: mx.fast.scaled_dot_product_attention(
             queries, *(mx.dequantize(*r.parts(side[live]), group_size=r.group, bits=r.bits, dtype=mx.float32)
                        for side in s), scale=scale, mask=None)
+        cases[f"int{bits} cast"] = lambda s=stored, r=rows_of, bits=bits: cast_attention.attention(
+            queries, *(r.attended(side[live], Reading.CAST) for side in s), scale, None, args.group, bits)
         cases[f"int{bits} copy"] = lambda s=stored, r=rows_of: [mx.contiguous(a) for side in s
                                                                  for a in r.parts(side[live])]
     mx.eval(held)

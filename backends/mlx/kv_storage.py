@@ -12,8 +12,10 @@ knowing what a row holds.
   as mlx-lm's `QuantizedKVCache` groups them. On a GPU attention reads the integers directly: for the
   pass, the cache has `bits` and `group_size`, so mlx-lm's attention takes its
   `quantized_scaled_dot_product_attention` (`mx.quantized_matmul`). On the CPU, where that kernel is
-  slower than dequantizing, a pass reads the rows dequantized through `mx.fast.scaled_dot_product_attention`,
-  but for int4's decode, whose nibbles cost more to unpack than the integers' product (`reads_integers`).
+  slow, a decode pass (one query a row) reads the integers cast to floats, the scales and biases applied
+  to the scores and the weights (cast_attention.py, which routes mlx-lm's quantized attention there), and a
+  prefill or verify pass reads the rows dequantized through `mx.fast.scaled_dot_product_attention`
+  (`QuantizedRows.reading`).
 
 The caches here (`StoredCache`) encode what a layer writes and hand attention what it reads from the
 stored rows, the positions just written included, so what a query attends depends only on the stored
@@ -29,6 +31,7 @@ their scales. Values are stored as they are, so the attention's output needs no 
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import mlx.core as mx
@@ -36,6 +39,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
 from kvfork.backends.base import KVStorage, KVStorageRefused
+from kvfork.backends.mlx.cast_attention import CastIntegers
 
 FLOAT16_MAX = 65504.0
 FLOATS = {"float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -44,6 +48,14 @@ FLOATS = {"float16": mx.float16, "bfloat16": mx.bfloat16}
 # budget, so its size is bounded (8 KV heads of 128 in float32 reach it at 32k tokens, the default model's 3
 # of 64 at 175k).
 DEQUANTIZED_BYTES = 256 * 2**20
+
+
+class Reading(enum.Enum):
+    """How one attention pass reads a layer's stored rows (`reading`)."""
+
+    ROWS = "the rows in the weights' dtype, through mx.fast.scaled_dot_product_attention"
+    QUANTIZED_MATMUL = "the integers, through mlx-lm's quantized attention (mx.quantized_matmul)"
+    CAST = "the integers cast, the scales and biases applied to scores and weights (cast_attention.py)"
 
 
 class FloatRows:
@@ -56,10 +68,10 @@ class FloatRows:
     def encode(self, x: mx.array) -> mx.array:
         return x.astype(self.dtype)
 
-    def reads_integers(self, queries: int, keys: mx.array, values: mx.array) -> bool:
-        return False
+    def reading(self, queries: int, keys: mx.array, values: mx.array) -> Reading:
+        return Reading.ROWS
 
-    def attended(self, stored: mx.array, integers: bool = False) -> mx.array:
+    def attended(self, stored: mx.array, reading: Reading = Reading.ROWS) -> mx.array:
         return stored.astype(self.compute)
 
 
@@ -97,17 +109,21 @@ class QuantizedRows:
         q = q.reshape(*scales.shape, self.group).astype(self.compute)
         return (q * scales[..., None] + biases[..., None]).reshape(*stored.shape[:-1], -1)
 
-    def reads_integers(self, queries: int, keys: mx.array, values: mx.array) -> bool:
-        """Whether a pass of `queries` new positions a row, over these stored `keys` and `values`, reads the
-        integers (`mx.quantized_matmul`): every pass where `integer_attention`, else int4's one-query passes
-        (decode), where unpacking two elements a byte into a float copy costs more than the integers' product
-        does (docs/kv-budget.md), and a pass whose dequantized copy would pass DEQUANTIZED_BYTES."""
+    def reading(self, queries: int, keys: mx.array, values: mx.array) -> Reading:
+        """How a pass of `queries` new positions a row, over these stored `keys` and `values`, reads them: the
+        integers through `mx.quantized_matmul` in every pass where `integer_attention`, and in a pass whose float
+        copy (dequantized or cast: one size) would pass DEQUANTIZED_BYTES; else one query a row (decode) reads
+        the integers cast, and more (prefill, verify) the rows dequantized (docs/kv-budget.md)."""
         copy = sum(a.size // a.shape[-1] * self.dim(a.shape[-1]) for a in (keys, values)) * self.compute.size
-        return self.integer_attention or (self.bits == 4 and queries == 1) or copy > DEQUANTIZED_BYTES
+        if self.integer_attention or copy > DEQUANTIZED_BYTES:
+            return Reading.QUANTIZED_MATMUL
+        return Reading.CAST if queries == 1 else Reading.ROWS
 
-    def attended(self, stored: mx.array, integers: bool) -> mx.array | tuple[mx.array, mx.array, mx.array]:
-        """What attention reads: the parts for `mx.quantized_matmul` where `integers`, else the dequantized rows."""
-        return self.parts(stored) if integers else self.dequantized(stored)
+    def attended(self, stored: mx.array, reading: Reading) -> mx.array | tuple[mx.array, mx.array, mx.array]:
+        """What attention reads: the dequantized rows, or the parts (`CastIntegers` to read them cast)."""
+        if reading is Reading.ROWS:
+            return self.dequantized(stored)
+        return CastIntegers(self.parts(stored)) if reading is Reading.CAST else self.parts(stored)
 
 
 Storage = FloatRows | QuantizedRows
@@ -115,9 +131,8 @@ Storage = FloatRows | QuantizedRows
 
 def attends_integers() -> bool:
     """Whether attention reads quantized rows as integers (`mx.quantized_matmul`) in every pass: on a GPU, where
-    its kernel is the fast one; on the CPU the rows are dequantized and read by
-    `mx.fast.scaled_dot_product_attention`, but for int4's decode (`QuantizedRows.reads_integers`;
-    docs/kv-budget.md has the measurements)."""
+    its kernel is the fast one; on the CPU decode reads the integers cast and prefill the rows dequantized
+    (`QuantizedRows.reading`; docs/kv-budget.md has the measurements)."""
     return mx.default_device() == mx.gpu
 
 
@@ -156,13 +171,14 @@ class StoredCache:
         # a mixin: the mlx-lm cache class it comes before in each class below has update_and_fetch
         keys, values = super().update_and_fetch(  # type: ignore[misc]
             self.storage.encode(keys), self.storage.encode(values))
-        integers = self.storage.reads_integers(queries, keys, values)
-        # mlx-lm's attention reads a cache that has `bits` through mx.quantized_matmul: this pass's reading
-        if integers:
-            self.bits, self.group_size = self.storage.bits, self.storage.group  # type: ignore[union-attr]
-        else:
+        reading = self.storage.reading(queries, keys, values)
+        # mlx-lm's attention sends a cache that has `bits` to its quantized attention (cast_attention.install
+        # routes CastIntegers from there): this pass's reading
+        if reading is Reading.ROWS:
             vars(self).pop("bits", None)
-        return self.storage.attended(keys, integers), self.storage.attended(values, integers)
+        else:
+            self.bits, self.group_size = self.storage.bits, self.storage.group  # type: ignore[union-attr]
+        return self.storage.attended(keys, reading), self.storage.attended(values, reading)
 
 
 class StoredKV(StoredCache, KVCache):
@@ -203,6 +219,14 @@ def stored(cache: Any, storage: Storage | None) -> Any:
         cache = adopted
     cache.storage = storage
     return cache
+
+
+def refuse_sinks(model: nn.Module, spec: KVStorage) -> None:
+    """KVStorageRefused where the model's attention has sinks (gpt-oss): mlx-lm's quantized attention, which reads
+    quantized rows on a GPU and at decode on the CPU, has none (it raises at the pass)."""
+    if any("sinks" in module for _, module in model.named_modules()):
+        raise KVStorageRefused(f"--kv-cache-dtype {spec.dtype}: this model's attention has sinks, which mlx-lm's "
+                               "quantized attention does not read; choose float16 or bfloat16")
 
 
 class RotatedRoPE(nn.Module):

@@ -18,10 +18,12 @@ from tolerance import Kind, assert_arrays_close, assert_grouped_close
 pytest.importorskip("mlx_lm")
 
 import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+from mlx_lm.models import base as mlx_lm_base  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from kvfork.backends.base import KVStorage, KVStorageRefused  # noqa: E402
-from kvfork.backends.mlx import kv_storage  # noqa: E402
+from kvfork.backends.mlx import cast_attention, kv_storage  # noqa: E402
 from kvfork.backends.mlx.backend import MLXBackend  # noqa: E402
 
 STORED = ("float16", "bfloat16", "int8", "int4")
@@ -66,7 +68,7 @@ def test_a_grouped_row_is_read_within_a_step_of_what_was_written(bits, group):
         on_cpu = kv_storage.QuantizedRows(bits, group, compute, integer_attention=False)
         rows = stored[:, :, 100:200]
         want = mx.dequantize(*on_cpu.parts(rows), group_size=group, bits=bits)
-        read = on_cpu.attended(rows, integers=False)
+        read = on_cpu.attended(rows, kv_storage.Reading.ROWS)
         assert read.dtype == compute and mx.array_equal(read, want).item()
 
 
@@ -134,44 +136,90 @@ def test_what_mlx_or_the_head_size_cannot_take_is_refused_at_load(tiny_model_dir
     assert load(tiny_model_dir("llama"), "float16").info.kv_dtype == "float16"  # floats take any head
 
 
+def test_quantized_storage_is_refused_a_model_whose_attention_has_sinks():
+    """mlx-lm's quantized attention (a GPU's every pass, the CPU's decode) raises on attention sinks (gpt-oss)."""
+    attention = nn.Module()
+    attention.sinks = mx.zeros((4,))
+    model = nn.Module()
+    model.layers = [attention]
+    with pytest.raises(KVStorageRefused, match="--kv-cache-dtype int8: this model's attention has sinks"):
+        kv_storage.refuse_sinks(model, KVStorage.named("int8"))
+    kv_storage.refuse_sinks(nn.Module(), KVStorage.named("int8"))
+
+
+@pytest.mark.parametrize("bits,group,dim", [(8, 64, 64), (8, 32, 128), (4, 64, 64), (4, 32, 128)])
+@pytest.mark.parametrize("chunk_keys", [None, 7])
+def test_one_query_over_the_integers_cast_agrees_with_attention_over_the_dequantized_rows(bits, group, dim,
+                                                                                          chunk_keys, monkeypatch):
+    """The CPU's decode reading (cast_attention.py: the integers cast, scales and biases applied to scores and
+    weights), one group and several a row, 6 query heads over 2 KV heads, a batch of 3 rows two of them
+    left-padded (the boolean mask the batch caches make), an additive mask, and mlx-lm's "causal" and None, the
+    keys cast at once and 7 at a time (40 keys: the last span shorter): mx.fast.scaled_dot_product_attention's
+    output over the same rows dequantized, within the tolerance of two forms of one computation."""
+    if chunk_keys:
+        monkeypatch.setattr(cast_attention, "CHUNK_BYTES", 3 * 2 * dim * 4 * chunk_keys)
+    rng = np.random.default_rng(5)
+    storage = kv_storage.QuantizedRows(bits, group, mx.float32, integer_attention=False)
+    keys, values = (storage.encode(mx.array(rng.standard_normal((3, 2, 40, dim)) * 3 + 1, mx.float32))
+                    for _ in range(2))
+    queries = mx.array(rng.standard_normal((3, 6, 1, dim)), mx.float32)
+    assert storage.reading(1, keys, values) is kv_storage.Reading.CAST
+    cast = [storage.attended(side, kv_storage.Reading.CAST) for side in (keys, values)]
+    assert all(isinstance(side, cast_attention.CastIntegers) for side in cast)
+    padded = (mx.arange(40)[None] >= mx.array([5, 17, 0])[:, None])[:, None, None]
+    additive = mx.array(rng.standard_normal((3, 1, 1, 40)), mx.float32)
+    for mask in (None, "causal", padded, additive):
+        got = cast_attention.attention(queries, *cast, dim**-0.5, mask, group, bits)
+        want = mx.fast.scaled_dot_product_attention(queries, storage.dequantized(keys), storage.dequantized(values),
+                                                    scale=dim**-0.5, mask=None if isinstance(mask, str) else mask)
+        assert_arrays_close(np.array(got), np.array(want), kind=Kind.FORMS, reductions=(dim, 40, 40))
+
+
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_attention_over_the_integers_and_over_the_dequantized_rows_agree(wide_model_dir, monkeypatch, dtype):
     """The GPU's reading (mx.quantized_matmul over the integers, mlx-lm's quantized attention: the cache has
-    `bits`) and the CPU's (the rows dequantized, then scaled_dot_product_attention; int4's decode over the
-    integers) of the same stored rows: the same logits within the tolerance of two forms of one computation,
-    and the same greedy tokens."""
-    runs = {}
+    `bits`) and the CPU's (prefill over the rows dequantized, then scaled_dot_product_attention; decode over the
+    integers cast, which mlx-lm's attention reaches through cast_attention.install: mlx-lm's own quantized
+    attention is never called) of the same stored rows: the same logits within the tolerance of two forms of one
+    computation, and the same greedy tokens."""
+    runs, cast_passes, scores = {}, [], cast_attention.scores
     for integers in (True, False):
         monkeypatch.setattr(kv_storage, "attends_integers", lambda integers=integers: integers)
+        if not integers:
+            monkeypatch.setattr(cast_attention, "MLX_LM_ATTENTION", None)  # a call would raise
+            monkeypatch.setattr(cast_attention, "scores", lambda *args: cast_passes.append(1) or scores(*args))
         b = load(wide_model_dir("llama"), dtype)
+        assert mlx_lm_base.quantized_scaled_dot_product_attention is cast_attention.attention
         s, logits = fresh(b, prompt(300, seed=4), chunk=128)
         assert all(hasattr(c, "bits") == integers for c in s.caches)
         runs[integers] = b, logits, continue_greedy(b, s, logits, 6)
         release_all(b, s)
+    assert len(cast_passes) == 2 * 6  # 2 layers, 6 decode steps
     (b, on_gpu, gpu_tokens), (_, on_cpu, cpu_tokens) = runs[True], runs[False]
     assert_close(b, on_cpu, on_gpu, Kind.FORMS, context=300)
     assert_greedy_close(b, cpu_tokens, gpu_tokens, Kind.FORMS, context=306)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_on_the_cpu_only_int4_decode_and_a_copy_past_its_bound_read_the_integers(bits, monkeypatch):
-    """A pass's reading is the cache's for that pass: mlx-lm's attention takes mx.quantized_matmul where the
-    cache has `bits`. On the CPU, int4's one-query passes (decode) read the integers and every other pass the
-    dequantized rows, unless their copy would pass DEQUANTIZED_BYTES; on a GPU every pass reads the integers."""
+def test_on_the_cpu_decode_reads_the_integers_cast_and_a_copy_past_its_bound_as_integers(bits, monkeypatch):
+    """A pass's reading is the cache's for that pass: mlx-lm's attention goes to its quantized attention where the
+    cache has `bits`. On the CPU a prefill chunk reads the rows dequantized and a decode step (one query a row)
+    the integers cast (`CastIntegers`), unless their copy would pass DEQUANTIZED_BYTES: then the integers through
+    mx.quantized_matmul, as on a GPU in every pass (`attends_integers`)."""
     x = mx.array(np.random.default_rng(1).standard_normal((1, 2, 6, 64)), mx.float32)
     for on_gpu in (False, True):
         cache = kv_storage.stored(KVCache(), kv_storage.QuantizedRows(bits, 64, mx.float32, integer_attention=on_gpu))
         keys, _ = cache.update_and_fetch(x[:, :, :5], x[:, :, :5])  # a prefill chunk
         assert hasattr(cache, "bits") == on_gpu and isinstance(keys, tuple) == on_gpu
         keys, _ = cache.update_and_fetch(x[:, :, 5:], x[:, :, 5:])  # a decode step
-        integers = on_gpu or bits == 4
-        assert hasattr(cache, "bits") == integers and isinstance(keys, tuple) == integers
-        assert (keys[0] if integers else keys).shape[-2] == 6  # what was written before is read too
+        assert hasattr(cache, "bits") and isinstance(keys, cast_attention.CastIntegers) != on_gpu
+        assert keys[0].shape[-2] == 6  # what was written before is read too
     cache = kv_storage.stored(KVCache(), kv_storage.QuantizedRows(bits, 64, mx.float32, integer_attention=False))
     monkeypatch.setattr(kv_storage, "DEQUANTIZED_BYTES", 2 * 2 * 5 * 64 * 4)  # keys and values, 2 heads of 64
     assert not isinstance(cache.update_and_fetch(x[:, :, :5], x[:, :, :5])[0], tuple)  # a copy at the bound
-    assert isinstance(cache.update_and_fetch(x[:, :, 5:], x[:, :, 5:])[0], tuple)  # past it: the integers
-    assert hasattr(cache, "bits")
+    keys, _ = cache.update_and_fetch(x[:, :, 5:], x[:, :, 5:])  # past it: the integers
+    assert type(keys) is tuple and hasattr(cache, "bits")
+    assert kv_storage.attends_integers() == (mx.default_device() == mx.gpu)
 
 
 @pytest.fixture(params=STORED)
