@@ -151,12 +151,14 @@ class Grouped(Storage):
         self.levels = 2**bits - 1
         self.packed = head_dim * bits // 8  # bytes of integers per row
         row = self.width(head_dim)
-        # Attention reads a row's integers as float32 columns (`integers`): int8's are the row's bytes, int4's
-        # the low nibble of every byte, then the high nibble of every byte in place (16x its value: byte & 240);
-        # the scales' bytes come along as columns no dim reads, so every row is copied whole. Dim d sits in
-        # column `column[d]` with factor `unit[d]` (1, or 1/16 for a high nibble: a power of two, so every
-        # product is the one over the plain integers).
-        self.columns = 2 * row if bits == 4 else row
+        # Attention reads a row's integers as float32 in `parts` (`integers`), each a row's width of columns:
+        # int8's one part is the row's bytes; int4's two are the low nibble of every byte, then the high nibble
+        # of every byte in place (16x its value: byte & 240). The scales' bytes come along as columns no dim
+        # reads, so every row is copied whole. Dim d sits in column `column[d]` of the parts side by side
+        # (part p's column c is column p * width + c) with factor `unit[d]` (1, or 1/16 for a high nibble: a
+        # power of two, so every product is the one over the plain integers).
+        self.parts = 2 if bits == 4 else 1
+        self.columns = self.parts * row
         dims = torch.arange(head_dim)
         column = dims // 2 + row * (dims % 2) if bits == 4 else dims
         unit = torch.ones(head_dim, dtype=torch.float64)
@@ -169,15 +171,15 @@ class Grouped(Storage):
         spread = dims // group * self.columns + column
         lift[dims, spread] = unit
         lift[dims, self.groups * self.columns + dims // group] = 1.0
-        self.constants = {torch.device("cpu"): (lift.float(), unit.float(), spread, column)}  # device -> them
+        self.constants = {torch.device("cpu"): (lift.float(), unit.float(), spread)}  # device -> them
         self.scratch: dict[tuple, torch.Tensor] = {}  # (device, dtype) -> working memory of the runner thread
 
     def width(self, head_dim: int) -> int:
         return self.packed + 4 * self.groups  # float16 scale and bias per group
 
     def placed(self, device) -> tuple[torch.Tensor, ...]:
-        """`lift`, `unit`, and the indices of each dim's column (among every group's columns, and among one
-        row's) on `device`: copied there once, not per call (a copy per layer and step on CUDA)."""
+        """`lift`, `unit`, and the index of each dim's column among every group's columns on `device`: copied
+        there once, not per call (a copy per layer and step on CUDA)."""
         device = torch.device(device)
         held = self.constants.get(device)
         if held is None:
@@ -190,45 +192,55 @@ class Grouped(Storage):
         lead = x.shape[:-1]
         xs = x.float().reshape(*lead, self.groups, self.group)
         low, high = torch.aminmax(xs, dim=-1)
-        scale = torch.where(high > low, (high - low) / self.levels, 1.0).clamp_(max=65504.0)
-        halves = torch.stack((scale, low), -2).half()  # [..., 2, groups]: the 16-bit values decode reads
-        scale, bias = halves.float()[..., None].unbind(-3)
-        q = xs.sub(bias).div_(scale).round_().clamp_(0, self.levels).to(torch.uint8).reshape(*lead, -1)
+        scale = torch.where(high > low, (high - low) / self.levels, 1.0).clamp_max_(65504.0)
+        halves = torch.cat((scale, low), -1).half()  # [..., 2 * groups]: the 16-bit values decode reads, as stored
+        read = halves.float()[..., None]
+        q = xs.sub(read[..., self.groups :, :]).div_(read[..., : self.groups, :]).round_().clamp_(0, self.levels)
         if self.bits == 4:
-            q = q[..., 0::2] | (q[..., 1::2] << 4)
-        return torch.cat((q, halves.flatten(-2).view(torch.uint8)), dim=-1)
+            q = torch.add(q[..., 0::2], q[..., 1::2], alpha=16)  # a byte's value: its low nibble + 16 x its high
+        return torch.cat((q.reshape(*lead, -1).to(torch.uint8), halves.view(torch.uint8)), dim=-1)
 
     def encode_kv(self, k: torch.Tensor, v: torch.Tensor,
                   rows: Sequence[slice] = ()) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values encoded together: one set of operations for both (`encode`)."""
-        k, v = self.encode(torch.stack((self.rotated(k, rows), v))).unbind(0)
-        return k, v
+        """Keys and values encoded together, the values' heads after the keys': one set of operations for both
+        (`encode`)."""
+        both = self.encode(torch.cat((self.rotated(k, rows), v)))
+        return both[: k.shape[0]], both[k.shape[0] :]
 
-    def integers(self, stored: torch.Tensor) -> torch.Tensor:
-        """The rows' integers ([..., t, width] stored) as float32 columns (see `__init__`), [..., t, columns]:
-        a view of working memory (`working_memory`). Each pass runs over whole rows, which lie end to end."""
-        out = working_memory(self.scratch, (*stored.shape[:-1], self.columns), torch.float32, stored.device)
+    def integers(self, stored: torch.Tensor, apart: bool = False) -> torch.Tensor:
+        """The rows' integers ([..., t, width] stored) as float32 (see `__init__`): each row's parts side by side,
+        [..., t, columns], or `apart`, each part's rows end to end, [parts, ..., t, width]. A view of working
+        memory (`working_memory`). Each pass runs over whole rows, which lie end to end."""
+        shape = (self.parts, *stored.shape) if apart else (*stored.shape[:-1], self.parts, stored.shape[-1])
+        out = working_memory(self.scratch, shape, torch.float32, stored.device)
         if self.bits == 8:
-            return out.copy_(stored)
-        # four bytes an operation (an int4 row is whole 32-bit words: its head size is a multiple of a group, 32
-        # or more, so its integers and its scales each fill whole words): measured 1.4x faster than the same
-        # masks over bytes
-        nibbles = working_memory(self.scratch, (*stored.shape[:-1], 2, stored.shape[-1]), torch.uint8,
-                                 stored.device)
-        words, split = stored.view(torch.int32), nibbles.view(torch.int32)
-        torch.bitwise_and(words, LOW_NIBBLES, out=split[..., 0, :])
-        torch.bitwise_and(words, HIGH_NIBBLES, out=split[..., 1, :])
-        return out.copy_(nibbles.flatten(-2))
+            out.copy_(stored.unsqueeze(0 if apart else -2))
+        else:
+            # four bytes an operation (an int4 row is whole 32-bit words: its head size is a multiple of a group,
+            # 32 or more, so its integers and its scales each fill whole words): measured 1.4x faster than the
+            # same masks over bytes, and 1.5x faster again (with the cast) where each writes its part whole
+            nibbles = working_memory(self.scratch, shape, torch.uint8, stored.device).view(torch.int32)
+            low, high = nibbles.unbind(0 if apart else -2)
+            torch.bitwise_and(stored.view(torch.int32), LOW_NIBBLES, out=low)
+            torch.bitwise_and(stored.view(torch.int32), HIGH_NIBBLES, out=high)
+            out.copy_(nibbles.view(torch.uint8))
+        return out if apart else out.flatten(-2)
 
     def scales(self, stored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows' scales and biases as float32, [..., groups] each."""
-        both = stored[..., self.packed :].contiguous().view(torch.float16).float()
+        """The rows' scales and biases as float32, [..., groups] each. A row's 16-bit scales and biases are its
+        last `groups` 32-bit words (its integers fill whole words: `integers`), gathered as words into working
+        memory: the same gather over their bytes moves a quarter as much per element, which costs more."""
+        words = stored.view(torch.int32)[..., self.packed // 4 :]
+        both = working_memory(self.scratch, words.shape, torch.int32, stored.device).copy_(words)
+        both = both.view(torch.float16).float()
         return both[..., : self.groups], both[..., self.groups :]
 
     def decode(self, stored: torch.Tensor) -> torch.Tensor:
         scale, bias = self.scales(stored)
-        _, unit, _, column = self.placed(stored.device)
-        ints = self.integers(stored).index_select(-1, column) * unit  # [..., t, head_dim]
+        unit = self.placed(stored.device)[1]
+        # dim d = parts * i + p is byte i's part p
+        ints = torch.stack([part[..., : self.packed] for part in self.integers(stored, apart=True)], -1)
+        ints = ints.flatten(-2) * unit
         x = ints.unflatten(-1, (self.groups, -1)) * scale[..., None] + bias[..., None]
         return x.flatten(-2).to(self.compute)
 
@@ -242,6 +254,7 @@ class Grouped(Storage):
         read = q.float() @ lift  # [kv, n, groups * columns + groups]
         split = self.groups * self.columns
         rows = read[..., :split].reshape(q.shape[0], -1, self.columns)  # [kv, n * groups, columns]
+        # one product over a row's parts side by side: measured faster than one per part
         dots = torch.matmul(rows, self.integers(stored).transpose(-1, -2))  # [kv, n * groups, t]
         if self.groups == 1:
             dots.mul_(scale)
@@ -251,10 +264,13 @@ class Grouped(Storage):
 
     def weighted(self, w: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
         scale, bias = self.scales(stored)  # [..., t, groups]
-        _, unit, spread, _ = self.placed(stored.device)
+        _, unit, spread = self.placed(stored.device)
         w = w.float()
         scaled = (w[..., None, :] * scale.transpose(-1, -2)[..., None, :, :]).flatten(-3, -2)  # [..., n * groups, t]
-        out = torch.matmul(scaled, self.integers(stored)).unflatten(-2, (-1, self.groups))  # [..., n, groups, columns]
+        # the parts apart, one product over them all (a part's matmul is short, and a row's parts side by side
+        # cost more to write): [parts, ..., n * groups, width], then [..., n * groups, columns]
+        out = torch.matmul(scaled, self.integers(stored, apart=True)).movedim(0, -2).flatten(-2)
+        out = out.unflatten(-2, (-1, self.groups))  # [..., n, groups, columns]
         biased = torch.matmul(w, bias)[..., None]  # [..., n, groups, 1]
         if self.bits == 8:
             # dim d is column d with factor 1: group g's dims are its own row's columns [g * group, (g + 1) * group),
