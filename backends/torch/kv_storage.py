@@ -168,18 +168,16 @@ class Grouped(Storage):
         # times their factor, zeros elsewhere), then each group's sum of the query (for the biases):
         # q @ lift = [group 0's row | group 1's row | ... | sums].
         lift = torch.zeros(head_dim, self.groups * self.columns + self.groups, dtype=torch.float64)
-        spread = dims // group * self.columns + column
-        lift[dims, spread] = unit
+        lift[dims, dims // group * self.columns + column] = unit
         lift[dims, self.groups * self.columns + dims // group] = 1.0
-        self.constants = {torch.device("cpu"): (lift.float(), unit.float(), spread)}  # device -> them
+        self.constants = {torch.device("cpu"): (lift.float(), unit.float())}  # device -> them
         self.scratch: dict[tuple, torch.Tensor] = {}  # (device, dtype) -> working memory of the runner thread
 
     def width(self, head_dim: int) -> int:
         return self.packed + 4 * self.groups  # float16 scale and bias per group
 
     def placed(self, device) -> tuple[torch.Tensor, ...]:
-        """`lift`, `unit`, and the index of each dim's column among every group's columns on `device`: copied
-        there once, not per call (a copy per layer and step on CUDA)."""
+        """`lift` and `unit` on `device`: copied there once, not per call (a copy per layer and step on CUDA)."""
         device = torch.device(device)
         held = self.constants.get(device)
         if held is None:
@@ -264,24 +262,20 @@ class Grouped(Storage):
 
     def weighted(self, w: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
         scale, bias = self.scales(stored)  # [..., t, groups]
-        _, unit, spread = self.placed(stored.device)
+        unit = self.placed(stored.device)[1]
         w = w.float()
         scaled = (w[..., None, :] * scale.transpose(-1, -2)[..., None, :, :]).flatten(-3, -2)  # [..., n * groups, t]
-        # the parts apart, one product over them all (a part's matmul is short, and a row's parts side by side
-        # cost more to write): [parts, ..., n * groups, width], then [..., n * groups, columns]
-        out = torch.matmul(scaled, self.integers(stored, apart=True)).movedim(0, -2).flatten(-2)
-        out = out.unflatten(-2, (-1, self.groups))  # [..., n, groups, columns]
+        # the parts apart, one product over them all: a row's parts side by side cost more to write
+        out = torch.matmul(scaled, self.integers(stored, apart=True)).unflatten(-2, (-1, self.groups))
         biased = torch.matmul(w, bias)[..., None]  # [..., n, groups, 1]
-        if self.bits == 8:
-            # dim d is column d with factor 1: group g's dims are its own row's columns [g * group, (g + 1) * group),
-            # a view (the diagonal of [groups, groups, group]), where a copy through `spread` costs a pass
-            # over every query's columns
-            head_dim = self.groups * self.group
-            own = out[..., :head_dim].unflatten(-1, (self.groups, -1)).diagonal(dim1=-3, dim2=-2).transpose(-1, -2)
-            return torch.add(biased, own).flatten(-2)
-        out = out.flatten(-2).index_select(-1, spread)  # [..., n, head_dim]
-        return torch.addcmul(biased, out.unflatten(-1, (self.groups, -1)), unit.view(self.groups, -1)).flatten(-2)
-
+        # out is [parts, ..., n, groups, width]: group g's dims are its own row's bytes [g * bytes, (g + 1) * bytes)
+        # of each part, a view (the diagonal of [groups, groups, bytes]), where a copy through each dim's column
+        # costs a pass over every query's columns
+        own = out[..., : self.packed].unflatten(-1, (self.groups, -1)).diagonal(dim1=-3, dim2=-2).transpose(-1, -2)
+        if self.parts == 1:  # int8: dim d is byte d with factor 1
+            return torch.add(biased, own[0]).flatten(-2)
+        # int4: dim (g, i, p) is part p of group g's byte i, times its factor
+        return torch.addcmul(biased[..., None], own.movedim(0, -1), unit.view(self.groups, -1, self.parts)).flatten(-3)
 
 FLOATS = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
