@@ -277,6 +277,7 @@ class Grouped(Storage):
         # int4: dim (g, i, p) is part p of group g's byte i, times its factor
         return torch.addcmul(biased[..., None], own.movedim(0, -1), unit.view(self.groups, -1, self.parts)).flatten(-3)
 
+
 FLOATS = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
