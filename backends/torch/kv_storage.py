@@ -205,24 +205,21 @@ class Grouped(Storage):
         both = self.encode(torch.cat((self.rotated(k, rows), v)))
         return both[: k.shape[0]], both[k.shape[0] :]
 
-    def integers(self, stored: torch.Tensor, apart: bool = False) -> torch.Tensor:
-        """The rows' integers ([..., t, width] stored) as float32 (see `__init__`): each row's parts side by side,
-        [..., t, columns], or `apart`, each part's rows end to end, [parts, ..., t, width]. A view of working
-        memory (`working_memory`). Each pass runs over whole rows, which lie end to end."""
-        shape = (self.parts, *stored.shape) if apart else (*stored.shape[:-1], self.parts, stored.shape[-1])
-        out = working_memory(self.scratch, shape, torch.float32, stored.device)
+    def integers(self, stored: torch.Tensor) -> torch.Tensor:
+        """The rows' integers ([..., t, width] stored) as float32 in their parts (see `__init__`), each part's rows
+        end to end: [parts, ..., t, width], a view of working memory (`working_memory`). Each pass runs over whole
+        rows, which lie end to end, and writes a whole part."""
+        out = working_memory(self.scratch, (self.parts, *stored.shape), torch.float32, stored.device)
         if self.bits == 8:
-            out.copy_(stored.unsqueeze(0 if apart else -2))
-        else:
-            # four bytes an operation (an int4 row is whole 32-bit words: its head size is a multiple of a group,
-            # 32 or more, so its integers and its scales each fill whole words): measured 1.4x faster than the
-            # same masks over bytes, and 1.5x faster again (with the cast) where each writes its part whole
-            nibbles = working_memory(self.scratch, shape, torch.uint8, stored.device).view(torch.int32)
-            low, high = nibbles.unbind(0 if apart else -2)
-            torch.bitwise_and(stored.view(torch.int32), LOW_NIBBLES, out=low)
-            torch.bitwise_and(stored.view(torch.int32), HIGH_NIBBLES, out=high)
-            out.copy_(nibbles.view(torch.uint8))
-        return out if apart else out.flatten(-2)
+            return out.copy_(stored)
+        # four bytes an operation (an int4 row is whole 32-bit words: its head size is a multiple of a group, 32
+        # or more, so its integers and its scales each fill whole words): measured 1.4x faster than the same
+        # masks over bytes, and 1.5x faster again (with the cast) than both nibbles side by side in each row
+        nibbles = working_memory(self.scratch, (self.parts, *stored.shape), torch.uint8, stored.device)
+        low, high = nibbles.view(torch.int32)
+        torch.bitwise_and(stored.view(torch.int32), LOW_NIBBLES, out=low)
+        torch.bitwise_and(stored.view(torch.int32), HIGH_NIBBLES, out=high)
+        return out.copy_(nibbles)
 
     def scales(self, stored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' scales and biases as float32, [..., groups] each. A row's 16-bit scales and biases are its
@@ -237,8 +234,7 @@ class Grouped(Storage):
         scale, bias = self.scales(stored)
         unit = self.placed(stored.device)[1]
         # dim d = parts * i + p is byte i's part p
-        ints = torch.stack([part[..., : self.packed] for part in self.integers(stored, apart=True)], -1)
-        ints = ints.flatten(-2) * unit
+        ints = torch.stack([part[..., : self.packed] for part in self.integers(stored)], -1).flatten(-2) * unit
         x = ints.unflatten(-1, (self.groups, -1)) * scale[..., None] + bias[..., None]
         return x.flatten(-2).to(self.compute)
 
@@ -252,8 +248,13 @@ class Grouped(Storage):
         read = q.float() @ lift  # [kv, n, groups * columns + groups]
         split = self.groups * self.columns
         rows = read[..., :split].reshape(q.shape[0], -1, self.columns)  # [kv, n * groups, columns]
-        # one product over a row's parts side by side: measured faster than one per part
-        dots = torch.matmul(rows, self.integers(stored).transpose(-1, -2))  # [kv, n * groups, t]
+        # a product per part: measured faster than one over both parts side by side in each row, which the masks
+        # write a row at a time
+        ints, width = self.integers(stored).transpose(-1, -2), stored.shape[-1]  # [parts, kv, width, t]
+        parts = rows.unflatten(-1, (self.parts, width)).movedim(-2, 0).contiguous()  # [parts, kv, n * groups, width]
+        dots = torch.bmm(parts[0], ints[0])  # [kv, n * groups, t]
+        for p in range(1, self.parts):
+            dots.baddbmm_(parts[p], ints[p])
         if self.groups == 1:
             dots.mul_(scale)
         else:
@@ -265,8 +266,7 @@ class Grouped(Storage):
         unit = self.placed(stored.device)[1]
         w = w.float()
         scaled = (w[..., None, :] * scale.transpose(-1, -2)[..., None, :, :]).flatten(-3, -2)  # [..., n * groups, t]
-        # the parts apart, one product over them all: a row's parts side by side cost more to write
-        out = torch.matmul(scaled, self.integers(stored, apart=True)).unflatten(-2, (-1, self.groups))
+        out = torch.matmul(scaled, self.integers(stored)).unflatten(-2, (-1, self.groups))  # one product, every part
         biased = torch.matmul(w, bias)[..., None]  # [..., n, groups, 1]
         # out is [parts, ..., n, groups, width]: group g's dims are its own row's bytes [g * bytes, (g + 1) * bytes)
         # of each part, a view (the diagonal of [groups, groups, bytes]), where a copy through each dim's column
