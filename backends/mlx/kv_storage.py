@@ -111,13 +111,16 @@ class QuantizedRows:
 
     def reading(self, queries: int, keys: mx.array, values: mx.array) -> Reading:
         """How a pass of `queries` new positions a row, over these stored `keys` and `values`, reads them: the
-        integers through `mx.quantized_matmul` in every pass where `integer_attention`, and in a pass whose float
-        copy (dequantized or cast: one size) would pass DEQUANTIZED_BYTES; else one query a row (decode) reads
-        the integers cast, and more (prefill, verify) the rows dequantized (docs/kv-budget.md)."""
-        copy = sum(a.size // a.shape[-1] * self.dim(a.shape[-1]) for a in (keys, values)) * self.compute.size
-        if self.integer_attention or copy > DEQUANTIZED_BYTES:
+        integers through `mx.quantized_matmul` in every pass where `integer_attention`; else one query a row
+        (decode) reads the integers cast (a span of keys at a time: `cast_attention.CHUNK_BYTES`), and more
+        (prefill, verify) the rows dequantized, but where that copy would pass DEQUANTIZED_BYTES: then the
+        integers through `mx.quantized_matmul` (docs/kv-budget.md)."""
+        if self.integer_attention:
             return Reading.QUANTIZED_MATMUL
-        return Reading.CAST if queries == 1 else Reading.ROWS
+        if queries == 1:
+            return Reading.CAST
+        copy = sum(a.size // a.shape[-1] * self.dim(a.shape[-1]) for a in (keys, values)) * self.compute.size
+        return Reading.QUANTIZED_MATMUL if copy > DEQUANTIZED_BYTES else Reading.ROWS
 
     def attended(self, stored: mx.array, reading: Reading) -> mx.array | tuple[mx.array, mx.array, mx.array]:
         """What attention reads: the dequantized rows, or the parts (`CastIntegers` to read them cast)."""

@@ -201,23 +201,26 @@ def test_attention_over_the_integers_and_over_the_dequantized_rows_agree(wide_mo
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_on_the_cpu_decode_reads_the_integers_cast_and_a_copy_past_its_bound_as_integers(bits, monkeypatch):
+def test_on_the_cpu_decode_reads_the_integers_cast_and_a_prefill_copy_past_its_bound_as_integers(bits, monkeypatch):
     """A pass's reading is the cache's for that pass: mlx-lm's attention goes to its quantized attention where the
-    cache has `bits`. On the CPU a prefill chunk reads the rows dequantized and a decode step (one query a row)
-    the integers cast (`CastIntegers`), unless their copy would pass DEQUANTIZED_BYTES: then the integers through
-    mx.quantized_matmul, as on a GPU in every pass (`attends_integers`)."""
-    x = mx.array(np.random.default_rng(1).standard_normal((1, 2, 6, 64)), mx.float32)
+    cache has `bits`. On the CPU a prefill chunk reads the rows dequantized, unless that copy would pass
+    DEQUANTIZED_BYTES: then the integers through mx.quantized_matmul, as on a GPU in every pass
+    (`attends_integers`); a decode step (one query a row) reads the integers cast (`CastIntegers`), a span at
+    a time, whatever the length."""
+    x = mx.array(np.random.default_rng(1).standard_normal((1, 2, 8, 64)), mx.float32)
     for on_gpu in (False, True):
         cache = kv_storage.stored(KVCache(), kv_storage.QuantizedRows(bits, 64, mx.float32, integer_attention=on_gpu))
         keys, _ = cache.update_and_fetch(x[:, :, :5], x[:, :, :5])  # a prefill chunk
         assert hasattr(cache, "bits") == on_gpu and isinstance(keys, tuple) == on_gpu
-        keys, _ = cache.update_and_fetch(x[:, :, 5:], x[:, :, 5:])  # a decode step
+        keys, _ = cache.update_and_fetch(x[:, :, 5:6], x[:, :, 5:6])  # a decode step
         assert hasattr(cache, "bits") and isinstance(keys, cast_attention.CastIntegers) != on_gpu
         assert keys[0].shape[-2] == 6  # what was written before is read too
     cache = kv_storage.stored(KVCache(), kv_storage.QuantizedRows(bits, 64, mx.float32, integer_attention=False))
     monkeypatch.setattr(kv_storage, "DEQUANTIZED_BYTES", 2 * 2 * 5 * 64 * 4)  # keys and values, 2 heads of 64
     assert not isinstance(cache.update_and_fetch(x[:, :, :5], x[:, :, :5])[0], tuple)  # a copy at the bound
-    keys, _ = cache.update_and_fetch(x[:, :, 5:], x[:, :, 5:])  # past it: the integers
+    keys, _ = cache.update_and_fetch(x[:, :, 5:6], x[:, :, 5:6])  # a decode step past it: cast
+    assert isinstance(keys, cast_attention.CastIntegers)
+    keys, _ = cache.update_and_fetch(x[:, :, 6:], x[:, :, 6:])  # two queries past it: the integers
     assert type(keys) is tuple and hasattr(cache, "bits")
     assert kv_storage.attends_integers() == (mx.default_device() == mx.gpu)
 
