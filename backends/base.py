@@ -121,7 +121,8 @@ KV_GROUP_SIZES = (32, 64, 128)
 
 
 class KVStorageRefused(ValueError):
-    """A --kv-cache-dtype the backend cannot store for this model (its head size, its device)."""
+    """A --kv-cache-dtype the backend cannot store for this model (its head size, its device), or a
+    --batch-invariant it cannot compute."""
 
 
 class BackendRefused(ValueError):
@@ -552,6 +553,14 @@ class Backend(abc.ABC):
         if storage.dtype != "auto":
             raise KVStorageRefused(f"--kv-cache-dtype {storage.dtype}: {type(self).__name__} stores KV in the "
                                    "weights' dtype only")
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Before `load`: compute each position's keys and values bit for bit alike in any pass (a decode row or a
+        prefill chunk, alone or in any batch), so every reuse path stores the rows reuse off would
+        (--batch-invariant, docs/kv-budget.md). `load` raises KVStorageRefused where the model or device cannot;
+        a backend that cannot at all refuses here."""
+        if on:
+            raise KVStorageRefused(f"--batch-invariant: {type(self).__name__} does not compute batch-invariantly")
 
     def set_encoder_cache_bytes(self, nbytes: int) -> None:
         """Before `load`: bytes of encoder output kept for images sent again (--encoder-cache-bytes; 0: none)."""

@@ -310,6 +310,9 @@ class FaultyBackend(Backend):
     def set_encoder_cache_bytes(self, nbytes: int) -> None:
         self.inner.set_encoder_cache_bytes(nbytes)
 
+    def set_batch_invariant(self, on: bool) -> None:
+        self.inner.set_batch_invariant(on)
+
     def session_bytes(self, session: Session) -> int:
         return self.inner.session_bytes(session)
 

@@ -14,7 +14,8 @@ to prepare.
 On MLX, `int8-integers` and `int4-integers` (bench only) are int8 and int4 read as a GPU reads them whatever
 the device: attention over the integers (`mx.quantized_matmul`) in every pass (backends/mlx/kv_storage.py,
 `attends_integers`); `int8-dequantized` and `int4-dequantized` read the rows dequantized in every pass, decode
-too, where the CPU otherwise reads the integers cast at decode (`QuantizedRows.reading`).
+too, where the CPU otherwise reads the integers cast at decode (`QuantizedRows.reading`). On torch, a storage
+with `-invariant` (`auto-invariant`, `int8-invariant`) computes batch-invariantly (--batch-invariant).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from kvfork.backends.default_model import default_model_dir
 CHUNK = 512
 ROWS = (1, 4)
 READINGS = ("-integers", "-dequantized")  # bench-only suffixes of an MLX storage's name
+INVARIANT = "-invariant"  # a torch storage computed batch-invariantly
 
 
 @contextlib.contextmanager
@@ -64,6 +66,7 @@ def prepared(backend: str, model: str, storage: str, tokens: list[int]):
     b = create_backend(backend)
     name, _, suffix = storage.partition("-")
     b.set_kv_storage(KVStorage.named(name))
+    b.set_batch_invariant(f"-{suffix}" == INVARIANT)
     with reading(f"-{suffix}" if suffix else ""):
         b.load(model)
     donor = b.open_session()

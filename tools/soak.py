@@ -105,6 +105,7 @@ class SoakConfig:
     hostile_samples: int = 5  # the innocent tenant's TTFTs alone, and during each hostile shape
     speculative: str = "suffix"  # the soaked daemon's drafter (config.SPECULATIVE_MODES); the reference daemon's is off
     kv_cache_dtype: str = "auto"  # both daemons' KV storage (reuse on = off holds at each one)
+    batch_invariant: bool = False  # both daemons' --batch-invariant
 
 
 @dataclass
@@ -439,6 +440,7 @@ def engine_config(c: SoakConfig, reuse: bool) -> EngineConfig:
         max_named_sessions=c.max_named_sessions, prefix_cache_min_tokens=16,
         prefix_cache_entries=16 if reuse else 0, active_prefix_reuse_min_tokens=c.reuse_min_tokens if reuse else 0,
         follow_max_wait=5.0, speculative=c.speculative if reuse else "off", kv_cache_dtype=c.kv_cache_dtype,
+        batch_invariant=c.batch_invariant,
         # Off: the fault wrapper charges a fault to the tokens a session holds, which a session loaded
         # from the disk tier does not tell it (tests/engine/test_disk_tier.py covers the tier's own faults).
         prefix_cache_disk_bytes=0,
@@ -763,6 +765,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the soaked daemon's speculative decoding; the reference daemon's is off")
     ap.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                     help="both daemons' KV storage (torch: int8 and int4 need heads the group size divides)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="both daemons compute batch-invariantly (torch: reuse exact under a quantized storage)")
     args = ap.parse_args(argv)
     from kvfork.backends import prepare_process
 
@@ -780,7 +784,8 @@ def main(argv: list[str] | None = None) -> int:
     config = SoakConfig(model=model, backend=args.backend, requests=args.requests, seed=args.seed,
                         fault_rate=args.fault_rate, kv_budget_bytes=args.kv_budget_bytes,
                         long_prompt_tokens=args.long_prompt_tokens, hostile=args.hostile,
-                        speculative=args.speculative, kv_cache_dtype=args.kv_cache_dtype)
+                        speculative=args.speculative, kv_cache_dtype=args.kv_cache_dtype,
+                        batch_invariant=args.batch_invariant)
     try:
         report = asyncio.run(run(config))
     except (OSError, RuntimeError) as e:

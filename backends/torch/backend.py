@@ -73,7 +73,7 @@ class TorchBackend(Backend):
         self._sessions: dict[int, TorchSession] = {}
         self._copy_stream: torch.cuda.Stream | None = None
         self.clone_mode: kv.CloneMode = "share"
-        self.kv_storage, self.encoder_cache_bytes = KVStorage(), 0  # as set before `load`
+        self.kv_storage, self.encoder_cache_bytes, self.batch_invariant = KVStorage(), 0, False  # set before `load`
         self._source: tuple[str, str | None, str] | None = None  # (folder, dtype asked, device) of the loaded model
         self.vision: VisionReader | None = None  # a model that reads images: its tower and encoder cache
 
@@ -82,6 +82,9 @@ class TorchBackend(Backend):
 
     def set_encoder_cache_bytes(self, nbytes: int) -> None:
         self.encoder_cache_bytes = nbytes
+
+    def set_batch_invariant(self, on: bool) -> None:
+        self.batch_invariant = on
 
     def set_clone_mode(self, mode: kv.CloneMode) -> None:
         self.clone_mode = mode
@@ -126,6 +129,8 @@ class TorchBackend(Backend):
     def _adopt(self, model: Transformer | HybridTransformer, cfg: ArchConfig | HybridConfig, name: str,
                facts: ModelFacts, storage: kv_storage.Storage) -> None:
         """Serve `model` (built, in eval mode): a KV pool of its layout in `storage` and its description."""
+        loading.set_batch_invariant(model, cfg, self.batch_invariant)
+        storage.invariant = self.batch_invariant
         self.model, self.cfg = model, cfg
         self.pool = kv.BlockPool(loading.full_layers(self.cfg), self.cfg.num_kv_heads, self.cfg.head_dim, storage,
                                  self.device)

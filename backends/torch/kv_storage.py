@@ -60,6 +60,12 @@ def hadamard(n: int) -> torch.Tensor:
     return h / math.sqrt(n)
 
 
+def at_least_two_columns(x: torch.Tensor) -> torch.Tensor:
+    """x [..., rows, columns] with a zero column after its one where it has one: MKL's product of a single column
+    sums in another order than its products of several, which agree with each other column by column."""
+    return torch.cat((x, torch.zeros_like(x)), -1) if x.shape[-1] == 1 else x
+
+
 class Storage:
     """One side's storage; keys and values are written through `encode_kv` and queries read through
     `queries`, which rotate keys and queries where `rotation` is set (a [head_dim, head_dim] orthogonal
@@ -68,6 +74,9 @@ class Storage:
     rotation: torch.Tensor | None = None
     dtype: torch.dtype  # the stored tensors' elements
     exact: bool = False  # whether `decode` gives the stored tensor itself
+    # rows computed and read batch-invariantly (--batch-invariant): the rotation as `turned`, attention as
+    # attention.ordered
+    invariant: bool = False
 
     def width(self, head_dim: int) -> int:
         """Elements of a stored row holding one head's `head_dim` values."""
@@ -98,13 +107,24 @@ class Storage:
         shape and a row's stored bytes are to be those it gets in any batch."""
         if self.rotation is None:
             return k
+        if self.invariant:
+            return self.turned(k)
         if len(rows) < 2:
             return k @ self.rotation
         return torch.cat([k[:, row] @ self.rotation for row in rows], dim=1)
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         """Queries in the basis the stored keys are in."""
-        return q if self.rotation is None else q @ self.rotation
+        if self.rotation is None:
+            return q
+        return self.turned(q) if self.invariant else q @ self.rotation
+
+    def turned(self, x: torch.Tensor) -> torch.Tensor:
+        """x [heads, tokens, head_dim] @ rotation, batch-invariantly: one batched product of the rotation by each
+        head's tokens as columns, two or more, so a token's rounding does not depend on how many tokens the
+        product is given, as it does where they are its rows, or where a product has one column."""
+        rotation = self.rotation.t().expand(x.shape[0], *self.rotation.shape)
+        return torch.bmm(rotation, at_least_two_columns(x.transpose(1, 2)))[..., :x.shape[1]].transpose(1, 2)
 
 
 class Plain(Storage):

@@ -118,6 +118,25 @@ def build(cfg: ArchConfig | HybridConfig, weights: dict[str, torch.Tensor], devi
     return model.eval(), cfg
 
 
+def set_batch_invariant(model: Transformer | HybridTransformer, cfg: ArchConfig | HybridConfig, on: bool) -> None:
+    """Let `model`'s linear layers compute batch-invariantly (`on`: at two rows or more, packed_linear.PackedLinear)
+    or as fast as they can; its storage's `invariant` does the same for attention. KVStorageRefused where the
+    model cannot: the order is shown for oneDNN's float32 linear layers on the CPU and for full causal
+    attention alone."""
+    if on:
+        linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, packed_linear.PackedLinear))]
+        reason = ("recurrent layers (their chunked prefill and step-wise decode add in other orders)"
+                  if isinstance(cfg, HybridConfig) else
+                  "sliding-window layers (a ring's slots are not in position order)" if any(cfg.sliding) else
+                  "linear layers other than oneDNN's (float32 weights on the CPU)"
+                  if not all(isinstance(m, packed_linear.PackedLinear) for m in linears) else None)
+        if reason is not None:
+            raise KVStorageRefused(f"--batch-invariant: not for {reason}")
+    for module in model.modules():
+        if isinstance(module, packed_linear.PackedLinear):
+            module.least_rows = 2 if on else 1
+
+
 def weight_bytes(model: Transformer | HybridTransformer, *more: torch.nn.Module) -> int:
     """What the model's weights occupy on its device, its packed projections included; with `more`
     (a vision tower), theirs too."""

@@ -65,7 +65,11 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """y = x @ w.T + b with w held in oneDNN's layout."""
+    """y = x @ w.T + b with w held in oneDNN's layout. `least_rows`: the fewest rows a pass runs at (2 where
+    batch-invariant: a row's sums are then the same at every padded row count, measured; at 1 row oneDNN sums
+    the longer rows in another order)."""
+
+    least_rows = 1
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -82,7 +86,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         n = rows.shape[0]
-        padded = padded_rows(n)
+        padded = max(padded_rows(n), self.least_rows)
         if padded != n:
             rows = F.pad(rows, (0, 0, 0, padded - n))
         y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")

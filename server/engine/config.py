@@ -53,6 +53,11 @@ class EngineConfig:
                                   "Hadamard matrix, so the head size must be a power of two); everything that "
                                   "keeps the state keeps it so (docs/kv-budget.md)",
                                   choices=KV_CACHE_DTYPES + tuple(KV_CACHE_SPELLINGS), group="model and device")
+    batch_invariant: bool = setting(False, "compute each position's keys and values bit for bit alike in any "
+                                    "batch, chunk or reuse path, so reuse on answers as reuse off under a "
+                                    "quantized --kv-cache-dtype too, where a last-bit difference can move a stored "
+                                    "level (torch on the CPU, float32 weights, full-attention models; slower: "
+                                    "docs/kv-budget.md)", group="model and device")
     kv_group_size: int = setting(64, "elements of a head sharing one scale and bias under --kv-cache-dtype int8 / "
                                  "int4 (the head size must be a multiple of it)", choices=KV_GROUP_SIZES,
                                  group="model and device")

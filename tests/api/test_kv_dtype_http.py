@@ -5,7 +5,11 @@ each on both backends and at both storages among them. A prefix cache hit, n cho
 prefix while one runs, a named session's next turn and a restart served from the disk tier each answer as
 the same request with reuse off (another cache_salt: nothing to reuse), token for token. A restart at
 another storage reads none of the files. At int8, speculative decoding (a scripted drafter; a verify pass's
-rejected drafts rolled back in the stored rows) keeps the greedy text of a daemon without it."""
+rejected drafts rolled back in the stored rows) keeps the greedy text of a daemon without it.
+
+With --batch-invariant, the same on a llama of the default model's widths (hidden 576, heads of 64, MLP 1536;
+random weights), where the kernels' order of summation changes with a pass's shapes: there reuse is exact
+because every path computes a position's keys and values bit for bit alike (tests/backends/test_batch_invariant.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ CHAT = "/v1/chat/completions"
 SYSTEM = "read the file and search the code for the error in the test then write the answer " * 24
 OTHER = "open the shared agent cache and list every long prompt token the server sent first " * 24
 ENGINE = dict(prefix_cache_entries=2, prefix_cache_disk_bytes=1 << 30)
+REAL = "llama-576"  # a llama of the default model's widths, served with --batch-invariant
+REAL_WIDTHS = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
 
 pytestmark = pytest.mark.usefixtures("disk_beats_prefill")  # api/conftest.py: restoring is worth it
 
@@ -36,6 +42,7 @@ def wide(tmp_path_factory):
         if arch not in made:
             folder = tmp_path_factory.mktemp(f"wide-{arch}")
             made[arch] = str(write_hybrid_model(folder, arch, head_dim=64) if arch == "qwen3_next"
+                             else write_model(folder, "llama", **REAL_WIDTHS) if arch == REAL
                              else write_model(folder, arch, head_dim=64))
         return made[arch]
 
@@ -66,8 +73,9 @@ async def ask(http, daemon, messages: list[dict], salt: str = "", **extra) -> tu
     return [c["message"]["content"] for c in reply["choices"]], reply["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def daemon_at(model: str, backend: str, dtype: str):
-    return serving(model, create_backend(backend), engine=dict(ENGINE, kv_cache_dtype=dtype))
+def daemon_at(model: str, backend: str, dtype: str, batch_invariant: bool = False):
+    return serving(model, create_backend(backend), engine=dict(ENGINE, kv_cache_dtype=dtype,
+                                                                batch_invariant=batch_invariant))
 
 
 # (arch, backend, storage, another storage): every arch on both backends, at int8 on one and int4 on the other
@@ -75,7 +83,8 @@ CASES = [("llama", "torch", "int8", "int4"), ("llama", "torch", "int4_per_token_
          ("llama", "mlx", "int8", "int4"), ("llama", "mlx", "int4", "int8"),
          ("qwen3", "torch", "int4", "int8"), ("qwen3", "mlx", "int8", "int4"),
          ("gemma3", "torch", "int8", "int4"), ("gemma3", "mlx", "int4", "int8"),
-         ("qwen3_next", "torch", "int8", "int4"), ("qwen3_next", "mlx", "int4", "int8")]
+         ("qwen3_next", "torch", "int8", "int4"), ("qwen3_next", "mlx", "int4", "int8"),
+         (REAL, "torch", "int8", "int4"), (REAL, "torch", "int4", "int8")]
 # A sliding layer's ring keeps only its last window, so a prompt that forks from a cached one before its end
 # (another last message) or from a running one cannot start from it; a whole prompt again can.
 SLIDING = {"gemma3"}
@@ -83,8 +92,8 @@ SLIDING = {"gemma3"}
 
 @pytest.mark.parametrize("arch,backend,dtype,other", CASES)
 async def test_reuse_answers_as_reuse_off_at_a_quantized_storage(http, wide, kvfork_home, arch, backend, dtype, other):
-    asked, model, forks = chat(SYSTEM, "now fix it"), wide(arch), arch not in SLIDING
-    async with daemon_at(model, backend, dtype) as daemon:
+    asked, model, forks, invariant = chat(SYSTEM, "now fix it"), wide(arch), arch not in SLIDING, arch == REAL
+    async with daemon_at(model, backend, dtype, invariant) as daemon:
         assert daemon.engine.info.kv_dtype.startswith(dtype[:4])
         await ask(http, daemon, chat(SYSTEM, "first read it"))
         cold, reused = await ask(http, daemon, asked, salt="hit")
@@ -108,11 +117,11 @@ async def test_reuse_answers_as_reuse_off_at_a_quantized_storage(http, wide, kvf
         cold_turn, _ = await ask(http, daemon, turn, salt="turn")
         warm_turn, reused = await ask(http, daemon, turn, session_id="agent")
         assert reused > 0 and warm_turn == cold_turn  # the named session's state
-    async with daemon_at(model, backend, dtype) as daemon:  # a restart: the files are the prefix cache
+    async with daemon_at(model, backend, dtype, invariant) as daemon:  # a restart: the files are the prefix cache
         restored, reused = await ask(http, daemon, asked)
         assert reused > 0 and restored == cold
         assert daemon.engine.stats().on_disk > 0
-    async with daemon_at(model, backend, other) as daemon:  # another storage: another fingerprint
+    async with daemon_at(model, backend, other, invariant) as daemon:  # another storage: another fingerprint
         _, reused = await ask(http, daemon, asked)
         assert reused == 0
 

@@ -92,7 +92,8 @@ def kv_root() -> Path:
 
 def fingerprint(model_dir: str | Path, dtype: str, backend: str, kv_dtype: str = "") -> str:
     """What a file's KV state depends on: the model's config, tokenizer, converter version and weights (their
-    safetensors headers and sizes, not gigabytes), dtype, KV storage (ModelInfo.kv_dtype), backend, KV format."""
+    safetensors headers and sizes, not gigabytes), dtype, KV storage (ModelInfo.kv_dtype, and whether computed
+    batch-invariantly), backend, KV format."""
     folder = Path(model_dir)
     h = hashlib.sha256()
 

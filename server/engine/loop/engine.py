@@ -87,7 +87,8 @@ class Engine:
         c = self.config
         self._runner = Runner(self.backend, self.model_path, self.dtype, c.max_batch_tokens, c.prefill_chunk,
                               c.max_step_ms / 1000, notify, c.clone_mode, self._plans, self.drafts,
-                              c.speculative_max_batch, c.kv_storage, c.encoder_cache_bytes, c.inference_slots)
+                              c.speculative_max_batch, c.kv_storage, c.encoder_cache_bytes, c.inference_slots,
+                              c.batch_invariant)
         self._runner.thread.start()
         await self._loaded
 
@@ -262,7 +263,10 @@ class Engine:
             log.warning("prefix cache disk tier off: %s cannot save sessions", type(self.backend).__name__)
             return None
         try:
-            fp = fingerprint(resolve_model(self.model_path), info.dtype, self.backend.state_format, info.kv_dtype)
+            # rows computed batch-invariantly are another computation's: a daemon of each mode reads its own files
+            computed = " batch-invariant" if self.config.batch_invariant else ""
+            fp = fingerprint(resolve_model(self.model_path), info.dtype, self.backend.state_format,
+                             info.kv_dtype + computed)
         except OSError as exc:
             log.warning("prefix cache disk tier off: cannot fingerprint the model (%r)", exc)
             return None

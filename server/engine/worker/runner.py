@@ -56,12 +56,13 @@ class Runner:
                  max_batch_tokens: int, prefill_chunk: int, max_step_s: float, notify: Callable[[], None],
                  clone_mode: str = "share", plans: Callable[[p.StepPlan], None] | None = None,
                  drafts: Drafts | None = None, speculative_max_batch: int = 0,
-                 kv_storage: KVStorage = KVStorage(), encoder_cache_bytes: int = 0, slots: int = 1):
+                 kv_storage: KVStorage = KVStorage(), encoder_cache_bytes: int = 0, slots: int = 1,
+                 batch_invariant: bool = False):
         """`plans`: handed each step's plan before its forward pass runs. `drafts`: the drafters of
         speculative decoding (None: off), used while a step decodes at most `speculative_max_batch` rows.
         `slots`: the inference slots, over which tenants' shares are counted (fair_share.sit_out)."""
         self.backend, self.model_path, self.dtype, self.clone_mode = backend, model_path, dtype, clone_mode
-        self.kv_storage, self.encoder_cache_bytes = kv_storage, encoder_cache_bytes
+        self.kv_storage, self.encoder_cache_bytes, self.batch_invariant = kv_storage, encoder_cache_bytes, batch_invariant
         self.max_batch_tokens, self.prefill_chunk, self.max_step_s = max_batch_tokens, prefill_chunk, max_step_s
         self.slots = slots
         self._sat_out: frozenset[str] = frozenset()  # the tenants whose rows waited out the last step
@@ -97,6 +98,7 @@ class Runner:
         try:
             self.backend.set_clone_mode(self.clone_mode)  # type: ignore[arg-type]
             self.backend.set_kv_storage(self.kv_storage)
+            self.backend.set_batch_invariant(self.batch_invariant)
             self.backend.set_encoder_cache_bytes(self.encoder_cache_bytes)
             info = self._info = self.backend.load(self.model_path, self.dtype)
             self._constrained = ConstrainedRows(info.vocab_size)

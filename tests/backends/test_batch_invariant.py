@@ -1,0 +1,92 @@
+"""--batch-invariant on the torch backend (loading.set_batch_invariant, attention.ordered): a position's keys and
+values, so its stored rows and the logits after them, are bit for bit the same in every pass that computes it:
+alone, beside another row, in other prefill chunks, after a clone, by decode. A quantized storage turns a
+last-bit difference into a step of its grid, so this is what makes reuse on = off exact there.
+
+The model has the default model's widths (hidden 576, 9 heads of 64 over 3 key heads, MLP 1536) with random
+weights and two layers: oneDNN's and MKL's kernels change their order of summation with the shapes a pass
+gives them, which the tiny models' 64-wide layers hide."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import backend_fixtures
+from kvfork.backends.base import KVStorage, KVStorageRefused
+from kvfork.backends.torch.backend import TorchBackend
+from tiny_models import write_model
+
+REAL_WIDTHS = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                   head_dim=64)
+PROMPT = [int(t) for t in np.random.default_rng(3).integers(1, 250, 300)]
+OTHER = [int(t) for t in np.random.default_rng(4).integers(1, 250, 170)]
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(write_model(tmp_path_factory.mktemp("real-widths"), "llama", **REAL_WIDTHS))
+
+
+def load(folder: str, dtype: str, invariant: bool = True) -> TorchBackend:
+    b = TorchBackend("cpu")
+    b.set_kv_storage(KVStorage.named(dtype))
+    b.set_batch_invariant(invariant)
+    return backend_fixtures.load(b, folder)
+
+
+def greedy(b: TorchBackend, session, logits, other=None) -> list[torch.Tensor]:
+    """The logits of STEPS greedy steps from `logits` (the prompt's last), `other` decoding beside it."""
+    out = [logits.clone()]
+    for _ in range(STEPS):
+        token = int(out[-1].argmax())
+        rows = [session] if other is None else [session, other]
+        out.append(b.decode(rows, [token] + ([7] if other is not None else []))[0].clone())
+    return out
+
+
+def paths(b: TorchBackend):
+    """name -> (the session holding PROMPT, its last logits, a session decoding beside it or None)."""
+    alone = b.open_session()
+    yield "alone", alone, b.prefill([alone], [PROMPT])[0], None
+    row, other = b.open_session(), b.open_session()
+    yield "beside another row", row, b.prefill([row, other], [PROMPT, OTHER])[0], other
+    chunked = b.open_session()
+    b.prefill([chunked], [PROMPT[:128]])
+    yield "in two chunks", chunked, b.prefill([chunked], [PROMPT[128:]])[0], None
+    donor = b.open_session()
+    b.prefill([donor], [PROMPT[:270]])
+    clone = b.clone(donor, 200)
+    yield "a clone of a longer prompt", clone, b.prefill([clone], [PROMPT[200:]])[0], None
+    decoded = b.open_session()
+    b.prefill([decoded], [PROMPT[:290]])
+    for token in PROMPT[290:-1]:
+        b.decode([decoded], [token])
+    yield "the last tokens decoded", decoded, b.decode([decoded], [PROMPT[-1]])[0], None
+
+
+@pytest.mark.parametrize("dtype", ["auto", "int8", "int4"])
+def test_every_path_to_a_position_gives_the_same_bits(model_dir, dtype):
+    b = load(model_dir, dtype)
+    reference = None
+    with torch.inference_mode():
+        for name, session, logits, other in paths(b):
+            got = greedy(b, session, logits, other)
+            if reference is None:
+                reference = got
+                continue
+            for step, (want, have) in enumerate(zip(reference, got)):
+                assert torch.equal(want, have), f"{name}, step {step}: {float((want - have).abs().max()):.3g}"
+
+
+def test_a_model_with_sliding_window_layers_is_refused(tmp_path):
+    with pytest.raises(KVStorageRefused, match="--batch-invariant: not for sliding-window layers"):
+        load(str(write_model(tmp_path, "gemma3")), "auto")
+
+
+def test_the_mlx_backend_refuses_it():
+    mlx_backend = pytest.importorskip("kvfork.backends.mlx.backend")
+    with pytest.raises(KVStorageRefused, match="--batch-invariant"):
+        mlx_backend.MLXBackend().set_batch_invariant(True)
