@@ -121,8 +121,7 @@ KV_GROUP_SIZES = (32, 64, 128)
 
 
 class KVStorageRefused(ValueError):
-    """A --kv-cache-dtype the backend cannot store for this model (its head size, its device), or a
-    --batch-invariant it cannot compute."""
+    """A --kv-cache-dtype (or --batch-invariant) the backend cannot take for this model (its head size, its device)."""
 
 
 class BackendRefused(ValueError):
@@ -548,17 +547,12 @@ class Backend(abc.ABC):
         return type(self).__name__
 
     def set_kv_storage(self, storage: KVStorage) -> None:
-        """Before `load`: how KV state is stored (--kv-cache-dtype). `load` raises KVStorageRefused where
-        the model or device cannot take it; a backend that stores only the weights' dtype refuses others here."""
+        """Before `load`: --kv-cache-dtype; `load` raises KVStorageRefused where the model or device cannot take it."""
         if storage.dtype != "auto":
-            raise KVStorageRefused(f"--kv-cache-dtype {storage.dtype}: {type(self).__name__} stores KV in the "
-                                   "weights' dtype only")
+            raise KVStorageRefused(f"--kv-cache-dtype {storage.dtype}: {type(self).__name__} stores KV in --dtype only")
 
     def set_batch_invariant(self, on: bool) -> None:
-        """Before `load`: compute each position's keys and values bit for bit alike in any pass (a decode row or a
-        prefill chunk, alone or in any batch), so every reuse path stores the rows reuse off would
-        (--batch-invariant, docs/kv-budget.md). `load` raises KVStorageRefused where the model or device cannot;
-        a backend that cannot at all refuses here."""
+        """Before `load`: --batch-invariant; `load` raises KVStorageRefused where the model cannot take it."""
         if on:
             raise KVStorageRefused(f"--batch-invariant: {type(self).__name__} does not compute batch-invariantly")
 
@@ -566,8 +560,7 @@ class Backend(abc.ABC):
         """Before `load`: bytes of encoder output kept for images sent again (--encoder-cache-bytes; 0: none)."""
 
     def set_clone_mode(self, mode: Literal["share", "copy"]) -> None:
-        """Before `load`: whether `clone` shares the whole blocks below `upto` by reference ("share") or copies
-        them ("copy"). `info.kv.shares` says which is in effect; a backend that can only copy (MLX) copies."""
+        """Before `load`: --clone-mode, "share" or "copy" (`info.kv.shares` says which is in effect; MLX copies)."""
 
     @abc.abstractmethod
     def session_bytes(self, session: Session) -> int:

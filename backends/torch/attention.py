@@ -55,8 +55,9 @@ from torch.nn.attention.bias import causal_lower_right
 
 from kvfork.backends.torch.cpu_attention import attention_with_lse
 from kvfork.backends.torch.images import PlacedImage, image_mask
-from kvfork.backends.torch.kv import BLOCK_TOKENS
-from kvfork.backends.torch.kv_storage import Storage, at_least_two_columns, working_memory
+from kvfork.backends.torch import ordered_attention
+from kvfork.backends.torch.kv import BLOCK_TOKENS, PIECE_TOKENS, own_runs, pieces, shareable
+from kvfork.backends.torch.kv_storage import Storage, working_memory
 
 Runs = list[tuple[torch.Tensor, torch.Tensor]]  # (keys, values) as stored, in position order
 
@@ -107,14 +108,6 @@ def attend(q: torch.Tensor, runs: Runs, start: int, first_key: int | None, windo
 _joined: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def pieces(runs: Runs, storage: Storage, size: int = BLOCK_TOKENS) -> Runs:
-    """The runs as attention reads them: as they are where stored in the weights' dtype, else in pieces of
-    `size` positions from each run's start (a multiple of BLOCK_TOKENS), each decoded when read."""
-    if storage.exact:
-        return runs
-    return [(k[:, at:at + size], v[:, at:at + size]) for k, v in runs for at in range(0, k.shape[1], size)]
-
-
 def blocks(w: torch.Tensor, v: torch.Tensor, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Weights [kv_heads, n, t] and values [kv_heads, t, width] in blocks of `size` positions (the last may be
     shorter): ([kv_heads, blocks, n, size], [kv_heads, blocks, size, width]) for the whole ones, then the rest."""
@@ -129,9 +122,9 @@ def blocks(w: torch.Tensor, v: torch.Tensor, size: int) -> list[tuple[torch.Tens
     return out
 
 
-def join(runs: Runs, storage: Storage, q: torch.Tensor, size: int = BLOCK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
-    """The runs' keys and values decoded (`size` positions at a time), each as one [kv_heads, tokens, head_dim]
-    view (q's dtype and head_dim) of a buffer reused by every later call (read it before the next call)."""
+def join(runs: Runs, storage: Storage, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The runs' keys and values decoded, each as one [kv_heads, tokens, head_dim] view (q's dtype and
+    head_dim) of a buffer reused by every later call (read it before the next call)."""
     kv_heads, n = runs[0][0].shape[0], sum(k.shape[1] for k, _ in runs)
     key = (q.device, q.dtype, kv_heads, q.shape[2])
     held = _joined.get(key)
@@ -139,109 +132,11 @@ def join(runs: Runs, storage: Storage, q: torch.Tensor, size: int = BLOCK_TOKENS
         shape = (kv_heads, n, q.shape[2])
         held = _joined[key] = (q.new_empty(shape), q.new_empty(shape))
     at = 0
-    for k, v in pieces(runs, storage, size):
+    for k, v in pieces(runs, storage):
         held[0][:, at:at + k.shape[1]].copy_(storage.decode(k))
         held[1][:, at:at + k.shape[1]].copy_(storage.decode(v))
         at += k.shape[1]
     return held[0][:, :n], held[1][:, :n]
-
-
-def stored_keys(runs: Runs, storage: Storage, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The runs' keys and values as one [kv_heads, tokens, head_dim] each in q's dtype: the one run itself where
-    stored in the weights' dtype, else decoded into `join`'s buffer, a decode row's piece at a time."""
-    if len(runs) > 1 or not storage.exact:
-        return join(runs, storage, q, PIECE_TOKENS)
-    return runs[0]
-
-
-# Query columns (a query of one head) one product of `ordered` reads at once: its scores are this many columns
-# for each key a block holds, so the working memory stays bounded (8 MiB at 8,000 keys)
-COLUMNS = 256
-
-
-def ordered(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-    """Batch-invariant causal attention: q [heads, n, head_dim] at positions [start, start + n) over keys and
-    values [kv_heads, start + n, head_dim] (decoded, the first at position 0). Each query's output comes from
-    the same operations at the same shapes whatever else the pass holds: a decode row or a prefill chunk, of
-    any length, in any batch, over keys in any runs. So a position's keys and values, and the KV rows stored
-    from them, are bit for bit those of any other path to it (docs/kv-budget.md, "Batch invariance").
-    Returns [n, heads, head_dim].
-
-    The keys are read in blocks of BLOCK_TOKENS aligned to position 0, the last padded with zeros, against the
-    queries as columns, COLUMNS at a time (`attend_columns`)."""
-    heads, n, head_dim = q.shape
-    kv_heads = keys.shape[0]
-    group = heads // kv_heads
-    k_blocks, v_blocks = in_blocks(keys), in_blocks(values)
-    # column c of a key head: the query at position start + c // group of its head c % group
-    queries = (q * scale).view(kv_heads, group, n, head_dim).transpose(1, 2).reshape(kv_heads, n * group, head_dim)
-    out = q.new_empty(kv_heads, n * group, head_dim)
-    for first in range(0, n * group, COLUMNS):
-        columns = queries[:, first:first + COLUMNS]
-        positions = start + torch.arange(first, first + columns.shape[1], device=q.device) // group
-        seen = int(positions[-1]) // BLOCK_TOKENS + 1  # the blocks holding a key some column sees
-        out[:, first:first + columns.shape[1]] = attend_columns(columns, first_blocks(k_blocks, seen),
-                                                                first_blocks(v_blocks, seen), positions)
-    return out.view(kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, heads, head_dim).to(q.dtype)
-
-
-def attend_columns(columns: torch.Tensor, k_blocks: list[torch.Tensor], v_blocks: list[torch.Tensor],
-                   positions: torch.Tensor) -> torch.Tensor:
-    """Each key head's queries [kv_heads, c, head_dim] (scaled) at `positions` [c] over its keys and values in
-    blocks ([kv_heads, blocks, BLOCK_TOKENS, head_dim], in position order from 0). Each block's scores are one
-    product of its keys by the columns (a product's rounding depends on the rows it is given, not on its columns,
-    two or more: measured for MKL's batched products); one maximum over all blocks; then each block's weighted
-    values and its sum of weights, and the blocks added as one product by two rows of ones (a product of one row
-    sums in an order that depends on its columns). A key after a query's position weighs exactly zero, so the
-    blocks a query does not see add nothing. Returns [kv_heads, c, head_dim]."""
-    kv_heads, wanted, head_dim = columns.shape
-    held = sum(k.shape[1] for k in k_blocks)
-    columns = at_least_two_columns(columns.transpose(1, 2))  # [kv_heads, head_dim, c]
-    positions = at_least_two_columns(positions[None])[0]
-    c = columns.shape[2]
-    scores = columns.new_empty(kv_heads, held, BLOCK_TOKENS, c)
-    at = 0
-    for k in k_blocks:
-        for h in range(kv_heads):
-            torch.bmm(k[h], columns[h].expand(k.shape[1], head_dim, c), out=scores[h, at:at + k.shape[1]])
-        at += k.shape[1]
-    first = int(positions[0]) // BLOCK_TOKENS  # blocks before it every column sees whole
-    key_positions = torch.arange(first * BLOCK_TOKENS, held * BLOCK_TOKENS, device=columns.device)
-    scores[:, first:].masked_fill_(key_positions.view(held - first, BLOCK_TOKENS, 1) > positions, -math.inf)
-    weights = scores.sub_(scores.amax(dim=(1, 2), keepdim=True)).exp_()
-    per_block = columns.new_empty(kv_heads, held, head_dim + 1, c)  # each block's weighted values, sum of weights
-    at = 0
-    for v in v_blocks:
-        for h in range(kv_heads):
-            torch.bmm(v[h].transpose(1, 2), weights[h, at:at + v.shape[1]], out=per_block[h, at:at + v.shape[1], :head_dim])
-        at += v.shape[1]
-    ones = columns.new_ones(kv_heads * held, 2, BLOCK_TOKENS)
-    per_block[:, :, head_dim:] = torch.bmm(ones, weights.view(-1, BLOCK_TOKENS, c))[:, :1].view(kv_heads, held, 1, c)
-    added = torch.bmm(columns.new_ones(kv_heads, 2, held), per_block.view(kv_heads, held, -1))[:, 0]
-    added = added.view(kv_heads, head_dim + 1, c)
-    return (added[:, :head_dim] / added[:, head_dim:]).transpose(1, 2)[:, :wanted]
-
-
-def in_blocks(x: torch.Tensor) -> list[torch.Tensor]:
-    """x [heads, tokens, width] as blocks [heads, blocks, BLOCK_TOKENS, width]: the whole ones (a view), then the
-    rest zero-padded to a block (a copy of it alone). Only whole blocks: a product's rounding depends on how many
-    rows it is given."""
-    heads, tokens, width = x.shape
-    whole, rest = divmod(tokens, BLOCK_TOKENS)
-    out = [x[:, :whole * BLOCK_TOKENS].view(heads, whole, BLOCK_TOKENS, width)] if whole else []
-    if rest:
-        out.append(torch.cat((x[:, whole * BLOCK_TOKENS:], x.new_zeros(heads, BLOCK_TOKENS - rest, width)), 1)[:, None])
-    return out
-
-
-def first_blocks(blocks: list[torch.Tensor], count: int) -> list[torch.Tensor]:
-    """The first `count` blocks of `in_blocks`'s list."""
-    out = []
-    for part in blocks:
-        if count > 0:
-            out.append(part[:, :count])
-            count -= out[-1].shape[1]
-    return out
 
 
 def sdpa(q, keys, values, start, first_key, window, scale) -> torch.Tensor:
@@ -290,11 +185,6 @@ def flash(kernel, q, keys, values, window, scale) -> torch.Tensor:
     return out[0]
 
 
-# Positions a decode row reads in one piece where its storage is not the weights' dtype: the integers' float32
-# copy (working memory the storage reuses, kv_storage.working_memory) stays bounded (3 MB at the default model's
-# 3 key heads of 64), and fewer, larger pieces measured faster than blocks of 256, whose per-call costs
-# dominated (docs/benchmarks.md, "KV storage")
-PIECE_TOKENS = 16 * BLOCK_TOKENS
 
 
 def partial(grouped: torch.Tensor, runs: Runs, scale: float, storage: Storage, valid: torch.Tensor | None = None):
@@ -357,8 +247,7 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, states: Seque
     written = [state.update(k[:, span], v[:, span], start) for state, span, start in zip(states, spans, starts)]
     q = storage.queries(q)  # in the keys' stored basis: rotated where they are (kv_storage.py)
     if storage.invariant:
-        return torch.cat([ordered(q[:, span], *stored_keys(runs, storage, q), start, scale)
-                          for (runs, _), span, start in zip(written, spans, starts)])
+        return ordered_attention.attend(q, written, spans, starts, scale, storage)
     out: list[torch.Tensor | None] = [None] * len(written)
     groups: dict[int, list[int]] = {}
     for i, ((runs, first_key), span) in enumerate(zip(written, spans)):
@@ -405,19 +294,6 @@ def cascade(q: torch.Tensor, spans: Sequence[slice], row_runs: list[Runs], share
     lse = torch.logaddexp(lse_together, lse_own)
     merged = (together * torch.exp(lse_together - lse) + own_out * torch.exp(lse_own - lse)).to(q.dtype)
     return list(merged.view(kv_heads, rows, group, head_dim).transpose(0, 1).reshape(rows, 1, -1, head_dim).unbind(0))
-
-
-def shareable(runs: Runs) -> int:
-    """The keys of a decode row's first run that a cascade may read for a group: whole blocks, and some of
-    its keys left after them (its new one is)."""
-    n = runs[0][0].shape[1]
-    return (n if len(runs) > 1 else n - 1) // BLOCK_TOKENS * BLOCK_TOKENS
-
-
-def own_runs(runs: Runs, shared: int) -> Runs:
-    """A row's runs after its first `shared` keys (a run starts at a block boundary, so each of these does)."""
-    (k, v), rest = runs[0], runs[1:]
-    return [(k[:, shared:], v[:, shared:])] + rest if k.shape[1] > shared else rest
 
 
 # (device, dtype) -> working memory of the runner thread holding rows' runs side by side (`gather`)

@@ -64,6 +64,11 @@ from kvfork.backends.base import BlockStats
 from kvfork.backends.torch.kv_storage import Storage, row_bytes
 
 BLOCK_TOKENS = 256  # tokens per block: the unit of growth, of sharing and of address (docs/benchmarks.md)
+# Positions a decode row reads in one piece where its storage is not the weights' dtype (attention.py): the
+# integers' float32 copy (working memory the storage reuses, kv_storage.working_memory) stays bounded (3 MB at
+# the default model's 3 key heads of 64), and fewer, larger pieces measured faster than blocks of 256, whose
+# per-call costs dominated (docs/benchmarks.md, "KV storage")
+PIECE_TOKENS = 16 * BLOCK_TOKENS
 
 CloneMode = Literal["share", "copy"]
 
@@ -411,3 +416,27 @@ def ring_writes(layers: Sequence) -> int:
 def layers_bytes(layers: Sequence) -> int:
     """Bytes of the layers' own tensors (rings, recurrent states); full layers are their table's."""
     return sum(t.numel() * t.element_size() for layer in layers for t in layer.tensors())
+
+
+# A row's runs as attention reads them (attention.py, ordered_attention.py): Segments in position order, each
+# run starting at a block boundary, every run but the last holding whole blocks.
+
+def pieces(runs: Segments, storage: Storage, size: int = BLOCK_TOKENS) -> Segments:
+    """The runs as attention reads them: as they are where stored in the weights' dtype, else in pieces of
+    `size` positions from each run's start (a multiple of BLOCK_TOKENS), each decoded when read."""
+    if storage.exact:
+        return runs
+    return [(k[:, at:at + size], v[:, at:at + size]) for k, v in runs for at in range(0, k.shape[1], size)]
+
+
+def shareable(runs: Segments) -> int:
+    """The keys of a decode row's first run that several rows may read together: whole blocks, and some of
+    its keys left after them (its new one is)."""
+    n = runs[0][0].shape[1]
+    return (n if len(runs) > 1 else n - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+
+
+def own_runs(runs: Segments, shared: int) -> Segments:
+    """A row's runs after its first `shared` keys (a run starts at a block boundary, so each of these does)."""
+    (k, v), rest = runs[0], runs[1:]
+    return [(k[:, shared:], v[:, shared:])] + rest if k.shape[1] > shared else rest

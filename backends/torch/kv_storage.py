@@ -123,6 +123,7 @@ class Storage:
         """x [heads, tokens, head_dim] @ rotation, batch-invariantly: one batched product of the rotation by each
         head's tokens as columns, two or more, so a token's rounding does not depend on how many tokens the
         product is given, as it does where they are its rows, or where a product has one column."""
+        assert self.rotation is not None
         rotation = self.rotation.t().expand(x.shape[0], *self.rotation.shape)
         return torch.bmm(rotation, at_least_two_columns(x.transpose(1, 2)))[..., :x.shape[1]].transpose(1, 2)
 

@@ -1,6 +1,7 @@
 """--batch-invariant on the torch backend (loading.set_batch_invariant, attention.ordered): a position's keys and
 values, so its stored rows and the logits after them, are bit for bit the same in every pass that computes it:
-alone, beside another row, in other prefill chunks, after a clone, by decode. A quantized storage turns a
+alone, beside another row, beside clones of it that read its blocks together, in other prefill chunks, after a
+clone, by decode. A quantized storage turns a
 last-bit difference into a step of its grid, so this is what makes reuse on = off exact there.
 
 The model has the default model's widths (hidden 576, 9 heads of 64 over 3 key heads, MLP 1536) with random
@@ -37,34 +38,36 @@ def load(folder: str, dtype: str, invariant: bool = True) -> TorchBackend:
     return backend_fixtures.load(b, folder)
 
 
-def greedy(b: TorchBackend, session, logits, other=None) -> list[torch.Tensor]:
-    """The logits of STEPS greedy steps from `logits` (the prompt's last), `other` decoding beside it."""
+def greedy(b: TorchBackend, session, logits, beside=()) -> list[torch.Tensor]:
+    """The logits of STEPS greedy steps from `logits` (the prompt's last), the sessions `beside` decoding with it."""
     out = [logits.clone()]
     for _ in range(STEPS):
         token = int(out[-1].argmax())
-        rows = [session] if other is None else [session, other]
-        out.append(b.decode(rows, [token] + ([7] if other is not None else []))[0].clone())
+        out.append(b.decode([session, *beside], [token] + [7] * len(beside))[0].clone())
     return out
 
 
 def paths(b: TorchBackend):
-    """name -> (the session holding PROMPT, its last logits, a session decoding beside it or None)."""
+    """name -> (the session holding PROMPT, its last logits, the sessions decoding beside it)."""
     alone = b.open_session()
-    yield "alone", alone, b.prefill([alone], [PROMPT])[0], None
+    yield "alone", alone, b.prefill([alone], [PROMPT])[0], ()
     row, other = b.open_session(), b.open_session()
-    yield "beside another row", row, b.prefill([row, other], [PROMPT, OTHER])[0], other
+    yield "beside another row", row, b.prefill([row, other], [PROMPT, OTHER])[0], (other,)
+    donor = b.open_session()
+    logits = b.prefill([donor], [PROMPT])[0]  # its clones read its first block where it lies, with it
+    yield "beside clones of it", donor, logits, (b.clone(donor, len(PROMPT)), b.clone(donor, 280))
     chunked = b.open_session()
     b.prefill([chunked], [PROMPT[:128]])
-    yield "in two chunks", chunked, b.prefill([chunked], [PROMPT[128:]])[0], None
+    yield "in two chunks", chunked, b.prefill([chunked], [PROMPT[128:]])[0], ()
     donor = b.open_session()
     b.prefill([donor], [PROMPT[:270]])
     clone = b.clone(donor, 200)
-    yield "a clone of a longer prompt", clone, b.prefill([clone], [PROMPT[200:]])[0], None
+    yield "a clone of a longer prompt", clone, b.prefill([clone], [PROMPT[200:]])[0], ()
     decoded = b.open_session()
     b.prefill([decoded], [PROMPT[:290]])
     for token in PROMPT[290:-1]:
         b.decode([decoded], [token])
-    yield "the last tokens decoded", decoded, b.decode([decoded], [PROMPT[-1]])[0], None
+    yield "the last tokens decoded", decoded, b.decode([decoded], [PROMPT[-1]])[0], ()
 
 
 @pytest.mark.parametrize("dtype", ["auto", "int8", "int4"])
@@ -72,8 +75,8 @@ def test_every_path_to_a_position_gives_the_same_bits(model_dir, dtype):
     b = load(model_dir, dtype)
     reference = None
     with torch.inference_mode():
-        for name, session, logits, other in paths(b):
-            got = greedy(b, session, logits, other)
+        for name, session, logits, beside in paths(b):
+            got = greedy(b, session, logits, beside)
             if reference is None:
                 reference = got
                 continue

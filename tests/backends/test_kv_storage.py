@@ -92,7 +92,7 @@ def test_attention_reads_the_integers_as_the_dequantized_rows_say_and_alike_in_a
     blocks, then its own) gets exactly the output of the session reading them in one."""
     gen = torch.Generator().manual_seed(1)
     storage = kv_storage.Grouped(bits, group, 64, torch.float32)
-    n = 2 * attention.PIECE_TOKENS + 300  # pieces, whole blocks and a partial one
+    n = 2 * kv.PIECE_TOKENS + 300  # pieces, whole blocks and a partial one
     k, v = storage.encode(torch.randn(3, n, 64, generator=gen)), storage.encode(torch.randn(3, n, 64, generator=gen))
     q, w = torch.randn(3, 3, 64, generator=gen), torch.rand(3, 2, 3, n // 2, generator=gen)
     assert_arrays_close(storage.scores(q, k), q @ storage.decode(k).transpose(1, 2), kind=Kind.FORMS,
@@ -137,7 +137,7 @@ def test_a_cascade_gives_each_row_what_it_reads_alone(dtype, gathered, monkeypat
     k, v = stored(3 * B + 40)  # the session's one run: 3 blocks and 40 keys, its new one last
     rows = [[(k, v)], [(k[:, :3 * B], v[:, :3 * B]), stored(17)], [(k[:, :2 * B], v[:, :2 * B]), stored(B + 5)],
             [(k[:, :3 * B], v[:, :3 * B]), stored(B), stored(attention.GATHERED_TOKENS + 3)]]
-    shared = min(attention.shareable(runs) for runs in rows)
+    shared = min(kv.shareable(runs) for runs in rows)
     assert shared == 2 * B
     if not gathered:
         monkeypatch.setattr(attention, "GATHERED_TOKENS", 0)

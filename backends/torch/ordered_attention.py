@@ -1,0 +1,200 @@
+"""Batch-invariant attention (--batch-invariant): a query's output is the same bits in every pass.
+
+The kernels beneath attention sum in an order that depends on the shapes a pass gives them, so the same
+position computed in a prefill chunk, in a decode row or beside other rows differs in its last bits, and a
+quantized storage can turn that into a whole step of its grid (docs/kv-budget.md, "Exact reuse on every model").
+Here every product is given shapes that do not depend on the pass:
+
+- a row's keys are read in blocks of BLOCK_TOKENS aligned to position 0, the last padded with zeros, and each
+  block's scores are one product of its keys (the rows) by the queries (the columns): MKL's batched products
+  give a column the same sums whatever columns, and however many, stand beside it, two or more; the rows are
+  what change them;
+- one maximum over every block (exact in any order), each block's weighted values and sum of weights, and the
+  blocks added by one product with two rows of ones (one row sums in an order that depends on its columns);
+- a key after a query's position weighs exactly zero, so the blocks a query does not see add nothing.
+
+So a query gets the same bits in a prefill chunk of any length, in a decode row, in any batch, over keys in
+any runs, and beside the other decode rows that read their shared leading blocks together (`together`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from kvfork.backends.torch.kv import BLOCK_TOKENS, PIECE_TOKENS, Segments, own_runs, pieces, shareable
+from kvfork.backends.torch.kv_storage import Storage
+
+# Query columns (a query of one head) one product reads at once: its scores are this many columns for each key
+# a block holds, so the working memory stays bounded (8 MiB at 8,000 keys)
+COLUMNS = 256
+
+
+def attend(q: torch.Tensor, written: Sequence[tuple[Segments, int | None]], spans: Sequence[slice],
+           starts: Sequence[int], scale: float, storage: Storage) -> torch.Tensor:
+    """Every row of a varlen batch: queries [heads, tokens, head_dim] (row i at spans[i], positions from
+    starts[i]) over its runs of stored keys and values (`written[i]`, from position 0). Decode rows whose first
+    run is the same store (clones of one prefix, and the session they were cloned from) read its whole blocks
+    together. Returns [tokens, heads, head_dim]."""
+    out: list[torch.Tensor | None] = [None] * len(written)
+    groups: dict[int, list[int]] = {}
+    for i, ((runs, _), span) in enumerate(zip(written, spans)):
+        if span.stop - span.start == 1:
+            groups.setdefault(runs[0][0].data_ptr(), []).append(i)
+    for group in groups.values():
+        shared = min(shareable(written[i][0]) for i in group)
+        if len(group) > 1 and shared:
+            rows = together(torch.stack([q[:, spans[i].start] for i in group], 1), [written[i][0] for i in group],
+                            [starts[i] for i in group], shared, scale, storage)
+            for i, row in zip(group, rows):
+                out[i] = row
+    for i, ((runs, _), span, start) in enumerate(zip(written, spans, starts)):
+        if out[i] is None:
+            out[i] = ordered(q[:, span], runs, start, scale, storage)
+    return torch.cat(out)  # type: ignore[arg-type]
+
+
+def ordered(q: torch.Tensor, runs: Segments, start: int, scale: float, storage: Storage) -> torch.Tensor:
+    """One row's queries [heads, n, head_dim] at positions [start, start + n) over its runs (start + n keys
+    and values as `storage` holds them, the first at position 0), COLUMNS at a time. Returns [n, heads,
+    head_dim]."""
+    heads, n, head_dim = q.shape
+    kv_heads = runs[0][0].shape[0]
+    group = heads // kv_heads
+    k_blocks, v_blocks = in_blocks(runs, storage)
+    queries = by_key_head(q * scale, kv_heads)  # column c: the query at position start + c // group
+    out = q.new_empty(kv_heads, n * group, head_dim)
+    for first in range(0, n * group, COLUMNS):
+        columns = queries[:, first:first + COLUMNS]
+        c = columns.shape[1]
+        positions = start + torch.arange(first, first + c, device=q.device) // group
+        seen = int(positions[-1]) // BLOCK_TOKENS + 1  # the blocks holding a key some column sees
+        if c == 1:  # a product of one column sums in another order than of two or more
+            columns, positions = torch.cat((columns, torch.zeros_like(columns)), 1), positions.repeat(2)
+        scores = hide_after(block_scores(columns, first_blocks(k_blocks, seen)), positions, 0)
+        weights = scores.sub_(scores.amax(dim=(1, 2), keepdim=True)).exp_()
+        out[:, first:first + c] = added(block_sums(weights, first_blocks(v_blocks, seen)))[:, :c]
+    return out.view(kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, heads, head_dim).to(q.dtype)
+
+
+def together(q: torch.Tensor, row_runs: Sequence[Segments], starts: Sequence[int], shared: int, scale: float,
+             storage: Storage) -> list[torch.Tensor]:
+    """Decode rows (one query each, q [heads, rows, head_dim]) whose first runs hold the same `shared` leading
+    keys (whole blocks): those blocks' scores and sums for every row's columns in one product each, each row's
+    own keys after them alone. Each column gets the same products as `ordered` gives it. Returns [1, heads,
+    head_dim] per row."""
+    heads, rows, head_dim = q.shape
+    (k, v), kv_heads = row_runs[0][0], row_runs[0][0][0].shape[0]
+    group = heads // kv_heads
+    width = max(group, 2)  # each row's columns: a product of one column sums in another order than of two or more
+    queries = (q * scale).view(kv_heads, group, rows, head_dim).transpose(1, 2)
+    if width > group:
+        queries = torch.cat((queries, torch.zeros_like(queries)), 2)
+    columns = queries.reshape(kv_heads, rows * width, head_dim)  # column c: row c // width
+    shared_k, shared_v = in_blocks([(k[:, :shared], v[:, :shared])], storage)
+    shared_scores = block_scores(columns, shared_k)  # every row sees every shared key
+    own, tops = [], []
+    for r, runs in enumerate(row_runs):
+        own_k, own_v = in_blocks(own_runs(runs, shared), storage)
+        mine = slice(r * width, (r + 1) * width)
+        positions = torch.full((width,), starts[r], device=q.device)
+        scores = hide_after(block_scores(columns[:, mine], own_k), positions, shared)
+        top = torch.maximum(scores.amax(dim=(1, 2), keepdim=True),
+                            shared_scores[..., mine].amax(dim=(1, 2), keepdim=True))
+        own.append(block_sums(scores.sub_(top).exp_(), own_v))
+        tops.append(top)
+    shared_sums = block_sums(shared_scores.sub_(torch.cat(tops, -1)).exp_(), shared_v)
+    out = []
+    for r, own_sums in enumerate(own):
+        per_block = torch.cat((shared_sums[..., r * width:(r + 1) * width], own_sums), 1)
+        row = added(per_block)[:, :group].reshape(1, heads, head_dim)
+        out.append(row.to(q.dtype))
+    return out
+
+
+def by_key_head(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """q [heads, n, head_dim] as each key head's columns [kv_heads, n * group, head_dim], position-major: column
+    c is the query at c // group of the group's head c % group."""
+    heads, n, head_dim = q.shape
+    return q.view(kv_heads, heads // kv_heads, n, head_dim).transpose(1, 2).reshape(kv_heads, -1, head_dim)
+
+
+def block_scores(columns: torch.Tensor, k_blocks: list[torch.Tensor]) -> torch.Tensor:
+    """Each key head's columns [kv_heads, c, head_dim], two or more, against its keys in blocks: [kv_heads,
+    blocks, BLOCK_TOKENS, c]."""
+    kv_heads, c, head_dim = columns.shape
+    columns = columns.transpose(1, 2)
+    scores = columns.new_empty(kv_heads, sum(k.shape[1] for k in k_blocks), BLOCK_TOKENS, c)
+    at = 0
+    for k in k_blocks:
+        for h in range(kv_heads):
+            torch.bmm(k[h], columns[h].expand(k.shape[1], head_dim, c), out=scores[h, at:at + k.shape[1]])
+        at += k.shape[1]
+    return scores
+
+
+def hide_after(scores: torch.Tensor, positions: torch.Tensor, first_key: int) -> torch.Tensor:
+    """Scores [kv_heads, blocks, BLOCK_TOKENS, c] of keys from position `first_key` (a block boundary) with
+    -inf where a key comes after its column's position (`positions` [c]), in place."""
+    blocks = scores.shape[1]
+    first = max(int(positions.min()) - first_key, 0) // BLOCK_TOKENS  # blocks before it every column sees whole
+    keys = torch.arange(first_key + first * BLOCK_TOKENS, first_key + blocks * BLOCK_TOKENS, device=scores.device)
+    scores[:, first:].masked_fill_(keys.view(blocks - first, BLOCK_TOKENS, 1) > positions, -math.inf)
+    return scores
+
+
+def block_sums(weights: torch.Tensor, v_blocks: list[torch.Tensor]) -> torch.Tensor:
+    """Weights [kv_heads, blocks, BLOCK_TOKENS, c] of values in blocks: each block's weighted values and its sum
+    of weights (as a product with two rows of ones), [kv_heads, blocks, head_dim + 1, c]."""
+    kv_heads, blocks, _, c = weights.shape
+    head_dim = v_blocks[0].shape[-1]
+    sums = weights.new_empty(kv_heads, blocks, head_dim + 1, c)
+    at = 0
+    for v in v_blocks:
+        for h in range(kv_heads):
+            torch.bmm(v[h].transpose(1, 2), weights[h, at:at + v.shape[1]], out=sums[h, at:at + v.shape[1], :head_dim])
+        at += v.shape[1]
+    ones = weights.new_ones(kv_heads * blocks, 2, BLOCK_TOKENS)
+    sums[:, :, head_dim:] = torch.bmm(ones, weights.view(-1, BLOCK_TOKENS, c))[:, :1].view(kv_heads, blocks, 1, c)
+    return sums
+
+
+def added(per_block: torch.Tensor) -> torch.Tensor:
+    """The blocks' weighted values and sums of weights [kv_heads, blocks, head_dim + 1, c] added block by block
+    (one product with two rows of ones) and divided: the output [kv_heads, c, head_dim]."""
+    kv_heads, blocks, width, c = per_block.shape
+    total = torch.bmm(per_block.new_ones(kv_heads, 2, blocks), per_block.reshape(kv_heads, blocks, -1))[:, 0]
+    total = total.view(kv_heads, width, c)
+    return (total[:, :-1] / total[:, -1:]).transpose(1, 2)
+
+
+def in_blocks(runs: Segments, storage: Storage) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The runs' keys and values as blocks [kv_heads, blocks, BLOCK_TOKENS, head_dim], in position order, where
+    stored in the weights' dtype views of the runs, else decoded a piece (PIECE_TOKENS) at a time; the last block
+    zero-padded (a copy of it alone). Only whole blocks: a product's rounding depends on how many rows it is
+    given. A run starts at a block boundary, so every block but the last is whole."""
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    for k, v in pieces(runs, storage, PIECE_TOKENS):
+        for x, out in ((k, keys), (v, values)):
+            x = x if storage.exact else storage.decode(x)
+            heads, tokens, width = x.shape
+            whole, rest = divmod(tokens, BLOCK_TOKENS)
+            if whole:
+                out.append(x[:, :whole * BLOCK_TOKENS].view(heads, whole, BLOCK_TOKENS, width))
+            if rest:
+                padded = torch.cat((x[:, whole * BLOCK_TOKENS:], x.new_zeros(heads, BLOCK_TOKENS - rest, width)), 1)
+                out.append(padded[:, None])
+    return keys, values
+
+
+def first_blocks(blocks: list[torch.Tensor], count: int) -> list[torch.Tensor]:
+    """The first `count` blocks of `in_blocks`'s list."""
+    out = []
+    for part in blocks:
+        if count > 0:
+            out.append(part[:, :count])
+            count -= out[-1].shape[1]
+    return out
