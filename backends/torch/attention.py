@@ -36,6 +36,9 @@ wrote them. Where the storage rotates keys
 (int4), `attend_rows` rotates the queries once for all rows; values are stored unrotated, so the output
 is read as it is.
 
+Under --batch-invariant (`Storage.invariant`) every row is read by ordered_attention.py instead, whose
+products have the same shapes in every pass, so a position's output is the same bits on every path.
+
 On CUDA, FlashAttention (`flash_attn`) reads the same buffers through strides
 when it imports; otherwise, and on the CPU, torch's SDPA. Both give the same
 masks: causal aligned to the last key, and for sliding layers the window. A
@@ -185,8 +188,6 @@ def flash(kernel, q, keys, values, window, scale) -> torch.Tensor:
     return out[0]
 
 
-
-
 def partial(grouped: torch.Tensor, runs: Runs, scale: float, storage: Storage, valid: torch.Tensor | None = None):
     """Grouped queries [kv_heads, q, head_dim] over keys in runs read where they lie: the scores against
     each run (in pieces of PIECE_TOKENS, read from the stored rows, where stored otherwise than in the weights'
@@ -237,7 +238,7 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, states: Seque
     (head-major [kv_heads, tokens, head_dim], the rows' end to end) encoded as stored and written to its
     layer state (`states[i].update`, from `starts[i]`), then its queries ([heads, tokens, head_dim]) attended over
     what that state returns; `images[i]`: row i's images whose tokens attend each other both ways; a
-    batch-invariant storage reads every row through `ordered`. Returns [tokens, heads, head_dim].
+    batch-invariant storage reads every row through ordered_attention.py instead. Returns [tokens, heads, head_dim].
 
     Cascade: decode rows whose first run starts in the same store (clones of one prefix, and the
     session they were cloned from) read the leading blocks all of them hold once for the group: one
