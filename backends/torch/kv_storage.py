@@ -60,6 +60,16 @@ def hadamard(n: int) -> torch.Tensor:
     return h / math.sqrt(n)
 
 
+def batched_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.bmm(a, b) run as a batch of two or more: torch hands a batch of one to the BLAS's sgemm, which a
+    preloaded BLAS replaces (OpenBLAS, which MLX wants: mlx/blas.py), and OpenBLAS sums a column in an order
+    that depends on how many columns it is given; a larger batch stays in torch's own batched products, which
+    do not (measured). The invariant paths' products go through here."""
+    if a.shape[0] > 1:
+        return torch.bmm(a, b)
+    return torch.bmm(a.expand(2, *a.shape[1:]), b.expand(2, *b.shape[1:]))[:1]
+
+
 def at_least_two_columns(x: torch.Tensor) -> torch.Tensor:
     """x [..., rows, columns] with a zero column after its one where it has one: MKL's product of a single column
     sums in another order than its products of several, which agree with each other column by column."""
@@ -74,8 +84,8 @@ class Storage:
     rotation: torch.Tensor | None = None
     dtype: torch.dtype  # the stored tensors' elements
     exact: bool = False  # whether `decode` gives the stored tensor itself
-    # rows computed and read batch-invariantly (--batch-invariant): the rotation as `turned`, attention as
-    # attention.ordered
+    # rows computed and read batch-invariantly (--batch-invariant): the rotation as `turned`, attention by
+    # ordered_attention.py
     invariant: bool = False
 
     def width(self, head_dim: int) -> int:
@@ -104,7 +114,8 @@ class Storage:
     def rotated(self, k: torch.Tensor, rows: Sequence[slice] = ()) -> torch.Tensor:
         """Keys in the basis they are stored in: rotated where `rotation` is set, row by row where `rows` (a
         pass's rows, at slices of the token dimension) are given, since a product's rounding depends on its
-        shape and a row's stored bytes are to be those it gets in any batch."""
+        shape and a row's stored bytes are to be those it gets in any batch (batch-invariantly: `turned`, which
+        gives each token the same bits in a product of any tokens)."""
         if self.rotation is None:
             return k
         if self.invariant:
@@ -125,7 +136,7 @@ class Storage:
         product is given, as it does where they are its rows, or where a product has one column."""
         assert self.rotation is not None
         rotation = self.rotation.t().expand(x.shape[0], *self.rotation.shape)
-        return torch.bmm(rotation, at_least_two_columns(x.transpose(1, 2)))[..., :x.shape[1]].transpose(1, 2)
+        return batched_product(rotation, at_least_two_columns(x.transpose(1, 2)))[..., :x.shape[1]].transpose(1, 2)
 
 
 class Plain(Storage):

@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from kvfork.backends.torch.kv import BLOCK_TOKENS, PIECE_TOKENS, Segments, own_runs, pieces, shareable
-from kvfork.backends.torch.kv_storage import Storage
+from kvfork.backends.torch.kv_storage import Storage, batched_product
 
 # Query columns (a query of one head) one product reads at once: its scores are this many columns for each key
 # a block holds, so the working memory stays bounded (8 MiB at 8,000 keys)
@@ -130,7 +130,7 @@ def block_scores(columns: torch.Tensor, k_blocks: list[torch.Tensor]) -> torch.T
     at = 0
     for k in k_blocks:
         for h in range(kv_heads):
-            torch.bmm(k[h], columns[h].expand(k.shape[1], head_dim, c), out=scores[h, at:at + k.shape[1]])
+            scores[h, at:at + k.shape[1]] = batched_product(k[h], columns[h].expand(k.shape[1], head_dim, c))
         at += k.shape[1]
     return scores
 
@@ -154,10 +154,11 @@ def block_sums(weights: torch.Tensor, v_blocks: list[torch.Tensor]) -> torch.Ten
     at = 0
     for v in v_blocks:
         for h in range(kv_heads):
-            torch.bmm(v[h].transpose(1, 2), weights[h, at:at + v.shape[1]], out=sums[h, at:at + v.shape[1], :head_dim])
+            weighted = batched_product(v[h].transpose(1, 2), weights[h, at:at + v.shape[1]])
+            sums[h, at:at + v.shape[1], :head_dim] = weighted
         at += v.shape[1]
     ones = weights.new_ones(kv_heads * blocks, 2, BLOCK_TOKENS)
-    sums[:, :, head_dim:] = torch.bmm(ones, weights.view(-1, BLOCK_TOKENS, c))[:, :1].view(kv_heads, blocks, 1, c)
+    sums[:, :, head_dim:] = batched_product(ones, weights.view(-1, BLOCK_TOKENS, c))[:, :1].view(kv_heads, blocks, 1, c)
     return sums
 
 
@@ -165,7 +166,7 @@ def added(per_block: torch.Tensor) -> torch.Tensor:
     """The blocks' weighted values and sums of weights [kv_heads, blocks, head_dim + 1, c] added block by block
     (one product with two rows of ones) and divided: the output [kv_heads, c, head_dim]."""
     kv_heads, blocks, width, c = per_block.shape
-    total = torch.bmm(per_block.new_ones(kv_heads, 2, blocks), per_block.reshape(kv_heads, blocks, -1))[:, 0]
+    total = batched_product(per_block.new_ones(kv_heads, 2, blocks), per_block.reshape(kv_heads, blocks, -1))[:, 0]
     total = total.view(kv_heads, width, c)
     return (total[:, :-1] / total[:, -1:]).transpose(1, 2)
 

@@ -62,7 +62,8 @@ class Runner:
         speculative decoding (None: off), used while a step decodes at most `speculative_max_batch` rows.
         `slots`: the inference slots, over which tenants' shares are counted (fair_share.sit_out)."""
         self.backend, self.model_path, self.dtype, self.clone_mode = backend, model_path, dtype, clone_mode
-        self.kv_storage, self.encoder_cache_bytes, self.batch_invariant = kv_storage, encoder_cache_bytes, batch_invariant
+        self.kv_storage, self.encoder_cache_bytes = kv_storage, encoder_cache_bytes
+        self.batch_invariant = batch_invariant
         self.max_batch_tokens, self.prefill_chunk, self.max_step_s = max_batch_tokens, prefill_chunk, max_step_s
         self.slots = slots
         self._sat_out: frozenset[str] = frozenset()  # the tenants whose rows waited out the last step
