@@ -63,6 +63,10 @@ CONFIGS: dict[str, dict] = {
     ),
 }
 ARCHS = tuple(CONFIGS)
+# The default model's widths (SmolLM2-135M: hidden 576, 9 heads of 64 over 3 key heads, MLP 1536), for random
+# weights at a real model's sizes (write_model(folder, "llama", **REAL_WIDTHS)): the kernels' order of summation
+# changes with the shapes a pass gives them at these widths, which the tiny ones hide.
+REAL_WIDTHS = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
 
 # The long tests' llama: one layer and narrow heads, so attention over 128k tokens stays affordable on two
 # cores (write_model(folder, "llama", **LONG_CONTEXT)).

@@ -21,14 +21,13 @@ from http_daemon import metrics, serving
 from kvfork.backends import create_backend
 from scripted_drafts import ScriptedDrafts
 from tiny_hybrid_models import write_hybrid_model
-from tiny_models import write_model
+from tiny_models import REAL_WIDTHS, write_model
 
 CHAT = "/v1/chat/completions"
 SYSTEM = "read the file and search the code for the error in the test then write the answer " * 24
 OTHER = "open the shared agent cache and list every long prompt token the server sent first " * 24
 ENGINE = dict(prefix_cache_entries=2, prefix_cache_disk_bytes=1 << 30)
-REAL = "llama-576"  # a llama of the default model's widths, served with --batch-invariant
-REAL_WIDTHS = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+REAL = "llama-576"  # a llama of the default model's widths (tiny_models.REAL_WIDTHS), served with --batch-invariant
 
 pytestmark = pytest.mark.usefixtures("disk_beats_prefill")  # api/conftest.py: restoring is worth it
 

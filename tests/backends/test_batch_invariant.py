@@ -1,12 +1,12 @@
-"""--batch-invariant on the torch backend (loading.set_batch_invariant, attention.ordered): a position's keys and
-values, so its stored rows and the logits after them, are bit for bit the same in every pass that computes it:
-alone, beside another row, beside clones of it that read its blocks together, in other prefill chunks, after a
-clone, by decode. A quantized storage turns a
-last-bit difference into a step of its grid, so this is what makes reuse on = off exact there.
+"""--batch-invariant on the torch backend (loading.set_batch_invariant, ordered_attention.py): a position's keys
+and values, so its stored rows and the logits after them, are bit for bit the same in every pass that computes
+it: alone, beside another row, beside clones of it that read its blocks together, in other prefill chunks, after
+a clone, by decode. A quantized storage turns a last-bit difference into a step of its grid, so this is what
+makes reuse on = off exact there.
 
-The model has the default model's widths (hidden 576, 9 heads of 64 over 3 key heads, MLP 1536) with random
-weights and two layers: oneDNN's and MKL's kernels change their order of summation with the shapes a pass
-gives them, which the tiny models' 64-wide layers hide."""
+The model has the default model's widths (tiny_models.REAL_WIDTHS) with random weights and two layers: oneDNN's
+and MKL's kernels change their order of summation with the shapes a pass gives them, which the tiny models'
+64-wide layers hide."""
 
 from __future__ import annotations
 
@@ -17,10 +17,7 @@ import torch
 import backend_fixtures
 from kvfork.backends.base import KVStorage, KVStorageRefused
 from kvfork.backends.torch.backend import TorchBackend
-from tiny_models import write_model
-
-REAL_WIDTHS = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-                   head_dim=64)
+from tiny_models import REAL_WIDTHS, write_model
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(1, 250, 300)]
 OTHER = [int(t) for t in np.random.default_rng(4).integers(1, 250, 170)]
 STEPS = 6
