@@ -70,10 +70,20 @@ def batched_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a.expand(2, *a.shape[1:]), b.expand(2, *b.shape[1:]))[:1]
 
 
-def at_least_two_columns(x: torch.Tensor) -> torch.Tensor:
-    """x [..., rows, columns] with a zero column after its one where it has one: MKL's product of a single column
-    sums in another order than its products of several, which agree with each other column by column."""
-    return torch.cat((x, torch.zeros_like(x)), -1) if x.shape[-1] == 1 else x
+# The fewest columns an invariant product is given: MKL gives a column the same bits in every product of at least
+# this many columns, wherever it stands among them, and other bits in smaller ones (measured: 2 columns on an
+# Intel Xeon, 12 on an AMD EPYC with AVX-512); ordered_attention.unordered_products checks it at load
+LEAST_COLUMNS = 16
+
+
+def at_least_columns(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """x with zero columns after its own along `dim` up to LEAST_COLUMNS, where it has fewer."""
+    short = LEAST_COLUMNS - x.shape[dim]
+    if short <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = short
+    return torch.cat((x, x.new_zeros(shape)), dim)
 
 
 class Storage:
@@ -132,11 +142,11 @@ class Storage:
 
     def turned(self, x: torch.Tensor) -> torch.Tensor:
         """x [heads, tokens, head_dim] @ rotation, batch-invariantly: one batched product of the rotation by each
-        head's tokens as columns, two or more, so a token's rounding does not depend on how many tokens the
-        product is given, as it does where they are its rows, or where a product has one column."""
+        head's tokens as columns, LEAST_COLUMNS or more, so a token's rounding does not depend on how many tokens
+        the product is given, as it does where they are its rows, or where a product has few columns."""
         assert self.rotation is not None
         rotation = self.rotation.t().expand(x.shape[0], *self.rotation.shape)
-        return batched_product(rotation, at_least_two_columns(x.transpose(1, 2)))[..., :x.shape[1]].transpose(1, 2)
+        return batched_product(rotation, at_least_columns(x.transpose(1, 2)))[..., :x.shape[1]].transpose(1, 2)
 
 
 class Plain(Storage):

@@ -21,7 +21,7 @@ from safetensors import safe_open
 
 from kvfork.backends.base import KV_CACHE_DTYPES, KVCost, KVStorage, KVStorageRefused, LayerAttention, ModelInfo
 from kvfork.backends.model_info import ModelFacts
-from kvfork.backends.torch import checkpoints, hybrid, kv, kv_storage, packed_linear, parallel
+from kvfork.backends.torch import checkpoints, hybrid, kv, kv_storage, ordered_attention, packed_linear, parallel
 from kvfork.backends.torch.config import ArchConfig, HybridConfig, read_config
 from kvfork.backends.torch.hybrid import HybridTransformer
 from kvfork.backends.torch.model import Transformer
@@ -121,8 +121,8 @@ def build(cfg: ArchConfig | HybridConfig, weights: dict[str, torch.Tensor], devi
 def set_batch_invariant(model: Transformer | HybridTransformer, cfg: ArchConfig | HybridConfig, on: bool) -> None:
     """Let `model`'s linear layers compute batch-invariantly (`on`: at two rows or more, packed_linear.PackedLinear)
     or as fast as they can; its storage's `invariant` does the same for attention. KVStorageRefused where the
-    model cannot: the order is shown for oneDNN's float32 linear layers on the CPU and for full causal
-    attention alone."""
+    model or the CPU cannot: the order is shown for oneDNN's float32 linear layers on the CPU and for full causal
+    attention alone, and the kernels' orders it rests on are tried on this CPU."""
     if on:
         linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, packed_linear.PackedLinear))]
         reason = ("recurrent layers (their chunked prefill and step-wise decode add in other orders)"
@@ -132,6 +132,9 @@ def set_batch_invariant(model: Transformer | HybridTransformer, cfg: ArchConfig 
                   if not all(isinstance(m, packed_linear.PackedLinear) for m in linears) else None)
         if reason is not None:
             raise KVStorageRefused(f"--batch-invariant: not for {reason}")
+        unordered = packed_linear.unordered_rows(linears) or ordered_attention.unordered_products(cfg.head_dim)
+        if unordered is not None:
+            raise KVStorageRefused(f"--batch-invariant: {unordered}")
     for module in model.modules():
         if isinstance(module, packed_linear.PackedLinear):
             module.least_rows = 2 if on else 1

@@ -7,10 +7,11 @@ Here every product is given shapes that do not depend on the pass:
 
 - a row's keys are read in blocks of BLOCK_TOKENS aligned to position 0, the last padded with zeros, and each
   block's scores are one product of its keys (the rows) by the queries (the columns): MKL's batched products
-  give a column the same sums whatever columns, and however many, stand beside it, two or more; the rows are
-  what change them;
-- one maximum over every block (exact in any order), each block's weighted values and sum of weights, and the
-  blocks added by one product with two rows of ones (one row sums in an order that depends on its columns);
+  give a column the same sums whatever columns, and however many, stand beside it, if there are at least
+  LEAST_COLUMNS (zeros make up the rest); the rows are what change them. `unordered_products` checks that at
+  load on the CPU the daemon runs on;
+- one maximum over every block (exact in any order), each block's weighted values by one product, and its sum
+  of weights and the blocks' sums added by halves (`halved`), in an order no kernel chooses;
 - a key after a query's position weighs exactly zero, so the blocks a query does not see add nothing.
 
 So a query gets the same bits in a prefill chunk of any length, in a decode row, in any batch, over keys in
@@ -25,7 +26,11 @@ from typing import Sequence
 import torch
 
 from kvfork.backends.torch.kv import BLOCK_TOKENS, PIECE_TOKENS, Segments, own_runs, pieces, shareable
-from kvfork.backends.torch.kv_storage import Storage, batched_product
+from kvfork.backends.torch.kv_storage import LEAST_COLUMNS, Storage, at_least_columns, batched_product
+
+# Column counts `unordered_products` tries: LEAST_COLUMNS up to past COLUMNS, since the decode rows that read
+# shared blocks together (`together`) give one product all their columns
+PROBED_COLUMNS = (LEAST_COLUMNS, LEAST_COLUMNS + 1, 23, 32, 47, 64, 100, 255, 256, 300, 769)
 
 # Query columns (a query of one head) one product reads at once: its scores are this many columns for each key
 # a block holds, so the working memory stays bounded (8 MiB at 8,000 keys)
@@ -67,12 +72,11 @@ def ordered(q: torch.Tensor, runs: Segments, start: int, scale: float, storage: 
     queries = by_key_head(q * scale, kv_heads)  # column c: the query at position start + c // group
     out = q.new_empty(kv_heads, n * group, head_dim)
     for first in range(0, n * group, COLUMNS):
-        columns = queries[:, first:first + COLUMNS]
-        c = columns.shape[1]
-        positions = start + torch.arange(first, first + c, device=q.device) // group
+        columns = at_least_columns(queries[:, first:first + COLUMNS], 1)
+        c, width = min(COLUMNS, n * group - first), columns.shape[1]
+        # a padding column takes the last query's position
+        positions = start + torch.arange(first, first + width, device=q.device).clamp_max_(first + c - 1) // group
         seen = int(positions[-1]) // BLOCK_TOKENS + 1  # the blocks holding a key some column sees
-        if c == 1:  # a product of one column sums in another order than of two or more
-            columns, positions = torch.cat((columns, torch.zeros_like(columns)), 1), positions.repeat(2)
         scores = hide_after(block_scores(columns, first_blocks(k_blocks, seen)), positions, 0)
         weights = scores.sub_(scores.amax(dim=(1, 2), keepdim=True)).exp_()
         out[:, first:first + c] = added(block_sums(weights, first_blocks(v_blocks, seen)))[:, :c]
@@ -88,29 +92,26 @@ def together(q: torch.Tensor, row_runs: Sequence[Segments], starts: Sequence[int
     heads, rows, head_dim = q.shape
     (k, v), kv_heads = row_runs[0][0], row_runs[0][0][0].shape[0]
     group = heads // kv_heads
-    width = max(group, 2)  # each row's columns: a product of one column sums in another order than of two or more
-    queries = (q * scale).view(kv_heads, group, rows, head_dim).transpose(1, 2)
-    if width > group:
-        queries = torch.cat((queries, torch.zeros_like(queries)), 2)
-    columns = queries.reshape(kv_heads, rows * width, head_dim)  # column c: row c // width
+    queries = (q * scale).view(kv_heads, group, rows, head_dim).transpose(1, 2).reshape(kv_heads, -1, head_dim)
+    columns = at_least_columns(queries, 1)  # column c < rows * group: row c // group
     shared_k, shared_v = in_blocks([(k[:, :shared], v[:, :shared])], storage)
     shared_scores = block_scores(columns, shared_k)  # every row sees every shared key
     own, tops = [], []
     for r, runs in enumerate(row_runs):
         own_k, own_v = in_blocks(own_runs(runs, shared), storage)
-        mine = slice(r * width, (r + 1) * width)
-        positions = torch.full((width,), starts[r], device=q.device)
-        scores = hide_after(block_scores(columns[:, mine], own_k), positions, shared)
-        top = torch.maximum(scores.amax(dim=(1, 2), keepdim=True),
-                            shared_scores[..., mine].amax(dim=(1, 2), keepdim=True))
-        own.append(block_sums(scores.sub_(top).exp_(), own_v))
-        tops.append(top)
-    shared_sums = block_sums(shared_scores.sub_(torch.cat(tops, -1)).exp_(), shared_v)
+        mine = slice(r * group, (r + 1) * group)
+        own_columns = at_least_columns(columns[:, mine], 1)
+        positions = torch.full((own_columns.shape[1],), starts[r], device=q.device)
+        scores = hide_after(block_scores(own_columns, own_k), positions, shared)
+        top = scores.amax(dim=(1, 2), keepdim=True)
+        top[..., :group] = torch.maximum(top[..., :group], shared_scores[..., mine].amax(dim=(1, 2), keepdim=True))
+        own.append(block_sums(scores.sub_(top).exp_(), own_v)[..., :group])
+        tops.append(top[..., :group])
+    shared_sums = block_sums(shared_scores.sub_(at_least_columns(torch.cat(tops, -1))).exp_(), shared_v)
     out = []
     for r, own_sums in enumerate(own):
-        per_block = torch.cat((shared_sums[..., r * width:(r + 1) * width], own_sums), 1)
-        row = added(per_block)[:, :group].reshape(1, heads, head_dim)
-        out.append(row.to(q.dtype))
+        per_block = torch.cat((shared_sums[..., r * group:(r + 1) * group], own_sums), 1)
+        out.append(added(per_block).reshape(1, heads, head_dim).to(q.dtype))
     return out
 
 
@@ -122,8 +123,8 @@ def by_key_head(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def block_scores(columns: torch.Tensor, k_blocks: list[torch.Tensor]) -> torch.Tensor:
-    """Each key head's columns [kv_heads, c, head_dim], two or more, against its keys in blocks: [kv_heads,
-    blocks, BLOCK_TOKENS, c]."""
+    """Each key head's columns [kv_heads, c, head_dim], LEAST_COLUMNS or more, against its keys in blocks:
+    [kv_heads, blocks, BLOCK_TOKENS, c]."""
     kv_heads, c, head_dim = columns.shape
     columns = columns.transpose(1, 2)
     scores = columns.new_empty(kv_heads, sum(k.shape[1] for k in k_blocks), BLOCK_TOKENS, c)
@@ -147,7 +148,7 @@ def hide_after(scores: torch.Tensor, positions: torch.Tensor, first_key: int) ->
 
 def block_sums(weights: torch.Tensor, v_blocks: list[torch.Tensor]) -> torch.Tensor:
     """Weights [kv_heads, blocks, BLOCK_TOKENS, c] of values in blocks: each block's weighted values and its sum
-    of weights (as a product with two rows of ones), [kv_heads, blocks, head_dim + 1, c]."""
+    of weights, [kv_heads, blocks, head_dim + 1, c]."""
     kv_heads, blocks, _, c = weights.shape
     head_dim = v_blocks[0].shape[-1]
     sums = weights.new_empty(kv_heads, blocks, head_dim + 1, c)
@@ -157,18 +158,32 @@ def block_sums(weights: torch.Tensor, v_blocks: list[torch.Tensor]) -> torch.Ten
             weighted = batched_product(v[h].transpose(1, 2), weights[h, at:at + v.shape[1]])
             sums[h, at:at + v.shape[1], :head_dim] = weighted
         at += v.shape[1]
-    ones = weights.new_ones(kv_heads * blocks, 2, BLOCK_TOKENS)
-    sums[:, :, head_dim:] = batched_product(ones, weights.view(-1, BLOCK_TOKENS, c))[:, :1].view(kv_heads, blocks, 1, c)
+    sums[:, :, head_dim:] = halved(weights, 2)
     return sums
 
 
 def added(per_block: torch.Tensor) -> torch.Tensor:
-    """The blocks' weighted values and sums of weights [kv_heads, blocks, head_dim + 1, c] added block by block
-    (one product with two rows of ones) and divided: the output [kv_heads, c, head_dim]."""
-    kv_heads, blocks, width, c = per_block.shape
-    total = batched_product(per_block.new_ones(kv_heads, 2, blocks), per_block.reshape(kv_heads, blocks, -1))[:, 0]
-    total = total.view(kv_heads, width, c)
+    """The blocks' weighted values and sums of weights [kv_heads, blocks, head_dim + 1, c] added (`halved`) and
+    divided: the output [kv_heads, c, head_dim]."""
+    total = halved(per_block, 1)[:, 0]
     return (total[:, :-1] / total[:, -1:]).transpose(1, 2)
+
+
+def halved(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x summed over `dim`, kept as a dim of 1: zero-padded to a power of two, then each half added to the
+    other until one is left. Which terms meet is set by their places alone, and zeros after the last term add
+    nothing, so a sum is the same bits at any length its zeros give it; no kernel chooses the order (a product
+    with a row of ones sums in an order that depends on its columns on some CPUs)."""
+    length = x.shape[dim]
+    whole = 1 << (length - 1).bit_length()
+    if whole > length:
+        shape = list(x.shape)
+        shape[dim] = whole - length
+        x = torch.cat((x, x.new_zeros(shape)), dim)
+    while x.shape[dim] > 1:
+        half = x.shape[dim] // 2
+        x = x.narrow(dim, 0, half) + x.narrow(dim, half, half)
+    return x
 
 
 def in_blocks(runs: Segments, storage: Storage) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -199,3 +214,26 @@ def first_blocks(blocks: list[torch.Tensor], count: int) -> list[torch.Tensor]:
             out.append(part[:, :count])
             count -= out[-1].shape[1]
     return out
+
+
+def unordered_products(head_dim: int) -> str | None:
+    """Why this CPU's products cannot serve the invariant reading, or None: a column must get the same bits in
+    a product of any count of columns from LEAST_COLUMNS and wherever it stands among them, for each product
+    this reading and the keys' rotation make (a block's keys by queries, a block's values by weights, the
+    rotation by tokens). Tried on random values: which order a kernel sums in is chosen by the shapes."""
+    generator = torch.Generator().manual_seed(0)
+    for rows, inner in ((BLOCK_TOKENS, head_dim), (head_dim, BLOCK_TOKENS), (head_dim, head_dim)):
+        a = torch.randn(2, rows, inner, generator=generator)
+        column = torch.randn(2, inner, generator=generator)
+        first = None
+        for n in PROBED_COLUMNS:
+            b = torch.randn(2, inner, n, generator=generator)
+            for at in sorted({0, n // 2, n - 1}):
+                b[:, :, at] = column
+                got = batched_product(a, b)[:, :, at]
+                if first is None:
+                    first = got
+                elif not torch.equal(got, first):
+                    return (f"this CPU's matrix products sum a column of a [{rows}, {inner}] product in another order "
+                            f"at {n} columns than at {LEAST_COLUMNS}")
+    return None

@@ -64,10 +64,15 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
+# Row counts `unordered_rows` tries: each padded differently (`padded_rows`)
+PROBED_ROWS = (2, 3, 16, 17, 80, 600)
+
+
 class PackedLinear(nn.Module):
     """y = x @ w.T + b with w held in oneDNN's layout. `least_rows`: the fewest rows a pass runs at (2 where
-    batch-invariant: a row's sums are then the same at every padded row count, measured; at 1 row oneDNN sums
-    the longer rows in another order)."""
+    batch-invariant: a row's sums are then the same at every padded row count, measured on an Intel Xeon and an
+    AMD EPYC, and checked at load by `unordered_rows`; at 1 row oneDNN sums the longer rows in another
+    order)."""
 
     least_rows = 1
 
@@ -91,6 +96,25 @@ class PackedLinear(nn.Module):
             rows = F.pad(rows, (0, 0, 0, padded - n))
         y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         return y[:n].view(*x.shape[:-1], self.out_features)
+
+
+def unordered_rows(layers: list[PackedLinear]) -> str | None:
+    """Why these layers cannot compute batch-invariantly, or None: each weight shape must give a row the same
+    bits at every row count from two (PROBED_ROWS, on random values: the order is chosen by the shapes)."""
+    generator = torch.Generator().manual_seed(0)
+    tried = set()
+    for layer in layers:
+        if (layer.out_features, layer.in_features) in tried:
+            continue
+        tried.add((layer.out_features, layer.in_features))
+        x = torch.randn(max(PROBED_ROWS), layer.in_features, generator=generator)
+        first = torch.ops.mkldnn._linear_pointwise(x[:2], layer.packed, layer.bias, "none", [], "")[0]
+        for rows in PROBED_ROWS[1:]:
+            y = torch.ops.mkldnn._linear_pointwise(x[:padded_rows(rows)], layer.packed, layer.bias, "none", [], "")
+            if not torch.equal(y[0], first):
+                return (f"oneDNN sums a row of a {layer.in_features} -> {layer.out_features} layer in another order "
+                        f"at {padded_rows(rows)} rows than at 2")
+    return None
 
 
 def pack(model: nn.Module, tied_head: torch.Tensor | None) -> None:

@@ -16,6 +16,7 @@ import torch
 
 import backend_fixtures
 from kvfork.backends.base import KVStorage, KVStorageRefused
+from kvfork.backends.torch import ordered_attention
 from kvfork.backends.torch.backend import TorchBackend
 from tiny_models import REAL_WIDTHS, write_model
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(1, 250, 300)]
@@ -90,3 +91,14 @@ def test_the_mlx_backend_refuses_it():
     mlx_backend = pytest.importorskip("kvfork.backends.mlx.backend")
     with pytest.raises(KVStorageRefused, match="--batch-invariant"):
         mlx_backend.MLXBackend().set_batch_invariant(True)
+
+
+def test_a_cpu_whose_products_sum_a_column_by_the_column_count_is_refused(model_dir, monkeypatch):
+    real = ordered_attention.batched_product
+
+    def by_column_count(a, b):  # sums in float64 from 100 columns: the same values, other roundings
+        return real(a.double(), b.double()).float() if b.shape[-1] >= 100 else real(a, b)
+
+    monkeypatch.setattr(ordered_attention, "batched_product", by_column_count)
+    with pytest.raises(KVStorageRefused, match=r"--batch-invariant: this CPU's matrix products sum a column .* at 100 "):
+        load(model_dir, "auto")
