@@ -9,6 +9,8 @@ CUDA: the device's own memory (host RAM never counts). CPU: the machine's physic
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,26 @@ class DeviceMemory:
     working_set_bytes: int = 0  # Metal's recommended working set (0 where there is none)
     weights_bytes: int = 0  # the loaded weights
     activation_bytes: int = 0  # measured peak of one full step beyond the weights and its KV (0: not measured)
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, or None where the C library has none (macOS, musl)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def give_back_free_heap() -> None:
+    """Return the pages malloc's heap holds free to the system (glibc's malloc_trim). A pass's buffers of many
+    sizes (MLX's arrays on the CPU, torch's tensors) are freed between live ones, and glibc keeps such pages
+    resident: an MLX daemon on the CPU held 340-800 MiB so after its sessions were released, all of it given
+    back by one trim (docs/kv-budget.md, "What the budget counts"). Some milliseconds where there is much to
+    give back, a tenth of one where there is none."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def host_memory_bytes() -> int:

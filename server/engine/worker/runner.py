@@ -8,7 +8,8 @@
     publish        tokens, ends, every running request's committed position: events for the loop
 
 It never waits on the loop: events go on a deque, and `notify` wakes the loop
-(`call_soon_threadsafe`).
+(`call_soon_threadsafe`). With nothing to do it waits for a command, and once it has waited IDLE_SECONDS it
+gives malloc's free pages back to the system (device_memory.give_back_free_heap).
 
 Design rules:
 - faults stay where they start (faults.py): a pass or a sample that fails is recovered row by
@@ -30,6 +31,7 @@ from typing import Any, Callable, Sequence
 
 from kvfork.backends import effects as e
 from kvfork.backends.base import Backend, KVStorage, KVStorageRefused, ModelInfo, Sampled, SamplerState
+from kvfork.backends.device_memory import give_back_free_heap
 from kvfork.backends.vision.keys import image_start
 from kvfork.server.engine import messages as m
 from kvfork.server.engine.policy.fair_share import sit_out
@@ -45,6 +47,10 @@ from kvfork.server.engine.worker.sequence import Seq
 from kvfork.server.engine.worker.speculation import Speculation
 
 log = logging.getLogger("kvfork.engine")
+
+# A runner with nothing to do for this long gives the heap's free pages back to the system (give_back_free_heap):
+# after a burst, not between its steps, where the pages would be faulted in again
+IDLE_SECONDS = 0.2
 
 
 class Runner:
@@ -124,7 +130,8 @@ class Runner:
                 self._wake.clear()
                 if self.inbox or self._running:
                     self.step()
-                else:
+                elif not self._wake.wait(IDLE_SECONDS):
+                    give_back_free_heap()
                     self._wake.wait()
         except BaseException as exc:  # the thread is dying: say so, never leave the loop waiting
             log.exception("runner died")
