@@ -76,14 +76,19 @@ def batched_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 LEAST_COLUMNS = 16
 
 
-def at_least_columns(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """x with zero columns after its own along `dim` up to LEAST_COLUMNS, where it has fewer."""
-    short = LEAST_COLUMNS - x.shape[dim]
+def zero_padded(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """x with zeros after its own along `dim` up to `size`, where it has fewer."""
+    short = size - x.shape[dim]
     if short <= 0:
         return x
     shape = list(x.shape)
     shape[dim] = short
     return torch.cat((x, x.new_zeros(shape)), dim)
+
+
+def at_least_columns(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """x with zero columns after its own along `dim` up to LEAST_COLUMNS, where it has fewer."""
+    return zero_padded(x, dim, LEAST_COLUMNS)
 
 
 class Storage:

@@ -26,7 +26,8 @@ from typing import Sequence
 import torch
 
 from kvfork.backends.torch.kv import BLOCK_TOKENS, PIECE_TOKENS, Segments, own_runs, pieces, shareable
-from kvfork.backends.torch.kv_storage import LEAST_COLUMNS, Storage, at_least_columns, batched_product
+from kvfork.backends.torch.kv_storage import (LEAST_COLUMNS, Storage, at_least_columns, batched_product,
+                                             zero_padded)
 
 # Column counts `unordered_products` tries: LEAST_COLUMNS up to past COLUMNS, since the decode rows that read
 # shared blocks together (`together`) give one product all their columns
@@ -174,12 +175,7 @@ def halved(x: torch.Tensor, dim: int) -> torch.Tensor:
     other until one is left. Which terms meet is set by their places alone, and zeros after the last term add
     nothing, so a sum is the same bits at any length its zeros give it; no kernel chooses the order (a product
     with a row of ones sums in an order that depends on its columns on some CPUs)."""
-    length = x.shape[dim]
-    whole = 1 << (length - 1).bit_length()
-    if whole > length:
-        shape = list(x.shape)
-        shape[dim] = whole - length
-        x = torch.cat((x, x.new_zeros(shape)), dim)
+    x = zero_padded(x, dim, 1 << (x.shape[dim] - 1).bit_length())
     while x.shape[dim] > 1:
         half = x.shape[dim] // 2
         x = x.narrow(dim, 0, half) + x.narrow(dim, half, half)
@@ -201,8 +197,7 @@ def in_blocks(runs: Segments, storage: Storage) -> tuple[list[torch.Tensor], lis
             if whole:
                 out.append(x[:, :whole * BLOCK_TOKENS].view(heads, whole, BLOCK_TOKENS, width))
             if rest:
-                padded = torch.cat((x[:, whole * BLOCK_TOKENS:], x.new_zeros(heads, BLOCK_TOKENS - rest, width)), 1)
-                out.append(padded[:, None])
+                out.append(zero_padded(x[:, whole * BLOCK_TOKENS:], 1, BLOCK_TOKENS)[:, None])
     return keys, values
 
 
