@@ -259,7 +259,9 @@ async def test_a_slow_restore_never_stalls_a_running_request(tiny_model_dir, mon
     monkeypatch.setattr(disk, "decode", slow_decode)
     engine = await start(model)
     try:
-        engine.rates = engine.rates.__class__(prior=Rates(read_bps=1e12))
+        # a disk that reads and loads in no time, so the restore is chosen whatever prefill rate `running`
+        # measures on this machine (a fast CPU prefills 80 tokens in less than a clone's fixed 2 ms)
+        engine.rates = engine.rates.__class__(prior=Rates(read_bps=1e12, clone_fixed_s=0.0, clone_s_per_token=0.0))
         runner_tokens: list[int] = []
         running = engine.submit(request(other, 40, rid="running", ignore_eos=True))
 
