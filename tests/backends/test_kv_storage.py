@@ -98,11 +98,12 @@ def test_attention_reads_the_integers_as_the_dequantized_rows_say_and_alike_in_a
     assert_arrays_close(storage.scores(q, k), q @ storage.decode(k).transpose(1, 2), kind=Kind.FORMS,
                         reductions=[64])
     halves = v[:, : n // 2 * 2].unflatten(1, (2, n // 2))
-    want = w @ storage.decode(halves)
+    decoded = storage.decode(halves)
+    want = w @ decoded
     # read from the integers, a value is sum_t w_t scale_t q_t plus sum_t w_t bias_t, each far larger than the
     # value: the sums' roundings are relative to those terms (the sum's condition), not to the value
     bias = storage.scales(halves)[1].repeat_interleave(group, -1)
-    terms = w @ ((storage.decode(halves) - bias).abs() + bias.abs())
+    terms = w @ ((decoded - bias).abs() + bias.abs())
     assert_arrays_close(storage.weighted(w, halves), want, kind=Kind.FORMS, reductions=[n // 2],
                         condition=float(terms.max() / want.abs().max()))
     one, lse = attention.partial(q, [(k, v)], 0.125, storage)
