@@ -18,6 +18,7 @@ for top in SUBPACKAGES:
 setup(
     packages=packages,
     package_dir={"kvfork": "kvfork", **{f"kvfork.{top}": top for top in SUBPACKAGES}},
-    # `kvfork clients --install` installs from these (tools/clients/run.py)
-    package_data={"kvfork.tools.clients": ["package.json", "package-lock.json"]},
+    # `kvfork clients --install` installs from these (tools/clients/run.py); kv_reading.c is compiled where it
+    # runs (backends/torch/integer_reading.py)
+    package_data={"kvfork.tools.clients": ["package.json", "package-lock.json"], "kvfork.backends.torch": ["kv_reading.c"]},
 )

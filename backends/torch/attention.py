@@ -111,20 +111,6 @@ def attend(q: torch.Tensor, runs: Runs, start: int, first_key: int | None, windo
 _joined: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def blocks(w: torch.Tensor, v: torch.Tensor, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Weights [kv_heads, n, t] and values [kv_heads, t, width] in blocks of `size` positions (the last may be
-    shorter): ([kv_heads, blocks, n, size], [kv_heads, blocks, size, width]) for the whole ones, then the rest."""
-    whole, t = v.shape[1] // size * size, v.shape[1]
-    out = []
-    if whole:
-        # contiguous once: the storage's products would each copy the transposed weights
-        w_blocks = w[..., :whole].unflatten(-1, (-1, size)).transpose(1, 2).contiguous()
-        out.append((w_blocks, v[:, :whole].unflatten(1, (-1, size))))
-    if whole < t:
-        out.append((w[..., whole:][:, None], v[:, whole:][:, None]))
-    return out
-
-
 def join(runs: Runs, storage: Storage, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The runs' keys and values decoded, each as one [kv_heads, tokens, head_dim] view (q's dtype and
     head_dim) of a buffer reused by every later call (read it before the next call)."""
@@ -209,8 +195,8 @@ def partial(grouped: torch.Tensor, runs: Runs, scale: float, storage: Storage, v
     weights = scores.div_(total).to(grouped.dtype)
     parts, at = [], 0
     for _, v in runs:
-        size = v.shape[1] if storage.exact else BLOCK_TOKENS
-        parts += [storage.weighted(w, b) for w, b in blocks(weights[..., at:at + v.shape[1]], v, size)]
+        parts.append(storage.block_sums(weights[..., at:at + v.shape[1]], v,
+                                        v.shape[1] if storage.exact else BLOCK_TOKENS))
         at += v.shape[1]
     return torch.cat(parts, dim=1).sum(1), total.log_().add_(top)
 

@@ -97,7 +97,7 @@ class TorchBackend(Backend):
         source, kept, self.reusable = (str(path), dtype, str(self.device)), self.reusable, None
         if isinstance(kept, loading.Built) and kept.source == source:
             self.dtype, self._source = kept.model_dtype, source
-            storage = kv_storage.storage_for(self.kv_storage, self.dtype, kept.cfg.head_dim)
+            storage = kv_storage.storage_for(self.kv_storage, self.dtype, kept.cfg.head_dim, self.device)
             self._adopt(kept.model, kept.cfg, path.name, read_model_facts(path), storage)
             return self.info
         cfg, weights, split = loading.read(path, self.device, self.shards)
@@ -119,7 +119,7 @@ class TorchBackend(Backend):
         rank's parts, parallel.local_weight); `load` reads them from a folder, tools/gpu_check.py makes
         random ones of realistic shapes."""
         self.dtype = DTYPES[dtype] if dtype else default_dtype(self.device)
-        storage = kv_storage.storage_for(self.kv_storage, self.dtype, cfg.head_dim)  # refused before the build
+        storage = kv_storage.storage_for(self.kv_storage, self.dtype, cfg.head_dim, self.device)  # refused before the build
         if self.kv_storage.dtype == "fp8" and not hasattr(torch, "float8_e4m3fn"):
             raise KVStorageRefused(f"--kv-cache-dtype fp8: torch {torch.__version__} has no float8 type")
         model, cfg = loading.build(cfg, weights, self.device, self.dtype, self.shards, split)

@@ -32,6 +32,8 @@ from typing import Sequence
 import torch
 
 from kvfork.backends.base import KVStorage, KVStorageRefused
+from kvfork.backends.torch import integer_reading
+from kvfork.backends.torch.integer_reading import MOST_DIMS, Kernel
 
 FP8_MAX = 448.0  # float8 e4m3's largest finite value
 LOW_NIBBLES, HIGH_NIBBLES = 0x0F0F0F0F, -0x0F0F0F10  # int32 masks of each byte's low and high nibble (0xF0F0F0F0)
@@ -91,6 +93,20 @@ def at_least_columns(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return zero_padded(x, dim, LEAST_COLUMNS)
 
 
+def blocks(w: torch.Tensor, v: torch.Tensor, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Weights [kv_heads, n, t] and values [kv_heads, t, width] in blocks of `size` positions (the last may be
+    shorter): ([kv_heads, blocks, n, size], [kv_heads, blocks, size, width]) for the whole ones, then the rest."""
+    whole, t = v.shape[1] // size * size, v.shape[1]
+    out = []
+    if whole:
+        # contiguous once: the storage's products would each copy the transposed weights
+        w_blocks = w[..., :whole].unflatten(-1, (-1, size)).transpose(1, 2).contiguous()
+        out.append((w_blocks, v[:, :whole].unflatten(1, (-1, size))))
+    if whole < t:
+        out.append((w[..., whole:][:, None], v[:, whole:][:, None]))
+    return out
+
+
 class Storage:
     """One side's storage; keys and values are written through `encode_kv` and queries read through
     `queries`, which rotate keys and queries where `rotation` is set (a [head_dim, head_dim] orthogonal
@@ -120,6 +136,11 @@ class Storage:
     def weighted(self, w: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
         """Weights [..., n, t] of stored values [..., t, width]: w @ v, [..., n, head_dim] (float32)."""
         return torch.matmul(w, self.decode(stored)).float()
+
+    def block_sums(self, w: torch.Tensor, stored: torch.Tensor, size: int) -> torch.Tensor:
+        """Weights [kv_heads, n, t] of stored values [kv_heads, t, width], summed per block of `size` positions
+        (`weighted` of each): [kv_heads, blocks, n, head_dim] (float32)."""
+        return torch.cat([self.weighted(wb, vb) for wb, vb in blocks(w, stored, size)], dim=1)
 
     def encode_kv(self, k: torch.Tensor, v: torch.Tensor,
                   rows: Sequence[slice] = ()) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,8 +211,11 @@ class Grouped(Storage):
     exact = False
     dtype = torch.uint8
 
-    def __init__(self, bits: int, group: int, head_dim: int, compute: torch.dtype, rotates_keys: bool = False):
-        self.bits, self.group, self.compute = bits, group, compute
+    def __init__(self, bits: int, group: int, head_dim: int, compute: torch.dtype, rotates_keys: bool = False,
+                 kernel: Kernel | None = None):
+        """`kernel`: kv_reading.c, which then reads the rows of CPU tensors at decode (integer_reading.py); torch's
+        products read them otherwise."""
+        self.bits, self.group, self.compute, self.head_dim, self.kernel = bits, group, compute, head_dim, kernel
         if rotates_keys:
             self.rotation = hadamard(head_dim).to(compute)
         self.groups = head_dim // group
@@ -290,6 +314,8 @@ class Grouped(Storage):
     # + sum_t w_t bias_t: the integers are cast, and the scales and biases multiply scores, not elements.
 
     def scores(self, q: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and stored.is_cpu:
+            return self.kernel.scores(q.float(), stored, self.bits, self.group)
         scale, bias = (x.transpose(-1, -2) for x in self.scales(stored))  # [kv, groups, t]
         lift = self.placed(q.device)[0]
         read = q.float() @ lift  # [kv, n, groups * columns + groups]
@@ -307,6 +333,11 @@ class Grouped(Storage):
         else:
             dots = (dots.unflatten(1, (-1, self.groups)) * scale[:, None]).sum(2)
         return torch.baddbmm(dots, read[..., split:], bias)
+
+    def block_sums(self, w: torch.Tensor, stored: torch.Tensor, size: int) -> torch.Tensor:
+        if self.kernel is not None and stored.is_cpu:
+            return self.kernel.block_sums(w.float(), stored, self.bits, self.group, self.head_dim, size)
+        return super().block_sums(w, stored, size)
 
     def weighted(self, w: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
         scale, bias = self.scales(stored)  # [..., t, groups]
@@ -328,9 +359,10 @@ class Grouped(Storage):
 FLOATS = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def storage_for(spec: KVStorage, compute: torch.dtype, head_dim: int) -> Storage:
+def storage_for(spec: KVStorage, compute: torch.dtype, head_dim: int, device: torch.device | None = None) -> Storage:
     """The storage `spec` names for heads of `head_dim` computed in `compute`; KVStorageRefused where
-    the head size does not take it."""
+    the head size does not take it. On the CPU (`device`) int8 and int4 are read at decode by kv_reading.c where
+    it builds (integer_reading.py)."""
     if spec.dtype == "auto":
         return Plain(compute, compute)
     if spec.dtype in FLOATS:
@@ -344,7 +376,8 @@ def storage_for(spec: KVStorage, compute: torch.dtype, head_dim: int) -> Storage
     if spec.rotates_keys and head_dim & (head_dim - 1):
         raise KVStorageRefused(f"--kv-cache-dtype {spec.dtype}: head size {head_dim} is not a power of two, "
                                f"which its keys' Hadamard rotation needs")
-    return Grouped(spec.bits, spec.group, head_dim, compute, spec.rotates_keys)
+    kernel = integer_reading.kernel() if device is not None and device.type == "cpu" and head_dim <= MOST_DIMS else None
+    return Grouped(spec.bits, spec.group, head_dim, compute, spec.rotates_keys, kernel)
 
 
 def row_bytes(storage: Storage, head_dim: int) -> int:

@@ -1,0 +1,144 @@
+"""kv_reading.c, the CPU's reading of int8 and int4 rows at decode (backends/torch/integer_reading.py): the scores
+and each block's weighted values it computes from the stored integers are torch's products over the same rows,
+within float32 rounding, for every storage, head size and query count the attention hands it, read where the
+rows lie (views of larger stores); its bits do not depend on its threads; and where it cannot be built the
+storage reads the rows through torch's products."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import subprocess
+
+import pytest
+import torch
+
+from kvfork.backends.base import KVStorage
+from kvfork.backends.torch import attention, integer_reading, kv, kv_storage
+from tolerance import Kind, assert_arrays_close
+
+
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def kernel(request, tmp_path_factory) -> integer_reading.Kernel:
+    """The kernel built for this CPU, and for AVX2 alone (8 lanes to a vector, not AVX-512's 16) where this CPU
+    runs AVX2."""
+    if request.param == "native":
+        built = integer_reading.kernel()
+        if built is None:
+            pytest.skip("kv_reading.c does not build here (no cc, or a CPU without AVX2)")
+        return built
+    cc = integer_reading.shutil.which("cc")
+    if cc is None or " avx2 " not in integer_reading.cpu_identity() + " ":
+        pytest.skip("no cc, or a CPU without AVX2")
+    flags = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in integer_reading.FLAGS)
+    return integer_reading.Kernel(ctypes.CDLL(str(integer_reading.build(cc, tmp_path_factory.mktemp("avx2"), flags))),
+                                  threaded=True)
+
+
+def stored_rows(storage: kv_storage.Grouped, heads: int, t: int, gen: torch.Generator) -> torch.Tensor:
+    """Rows of `heads` key heads and t tokens as a view inside a larger store (another head before them,
+    tokens after them), as a run of a session's blocks is."""
+    x = torch.randn(heads + 1, t + 40, storage.head_dim, generator=gen) * torch.linspace(0.2, 4, storage.head_dim)
+    return storage.encode(x)[1:, :t]
+
+
+@pytest.mark.parametrize("bits,group,head_dim", [(8, 64, 64), (8, 32, 64), (8, 128, 128), (4, 64, 64),
+                                                 (4, 32, 128), (4, 128, 256)])
+@pytest.mark.parametrize("queries", [1, 3, 11])
+def test_the_kernel_reads_the_rows_as_torchs_products_do(kernel, bits, group, head_dim, queries):
+    gen = torch.Generator().manual_seed(bits * 1000 + group + head_dim + queries)
+    with_kernel = kv_storage.Grouped(bits, group, head_dim, torch.float32, kernel=kernel)
+    products = kv_storage.Grouped(bits, group, head_dim, torch.float32)
+    t = 3 * kv.BLOCK_TOKENS + 77  # whole blocks and a partial one, tiles of the kernel's threads
+    keys, values = stored_rows(with_kernel, 3, t, gen), stored_rows(with_kernel, 3, t, gen)
+    q = torch.randn(3, queries, head_dim, generator=gen)
+    assert_arrays_close(with_kernel.scores(q, keys), products.scores(q, keys), kind=Kind.FORMS,
+                        reductions=[head_dim])
+    # weights as the attention hands them: a slice of the scores' softmax across the runs
+    w = torch.softmax(torch.randn(3, queries, t + 100, generator=gen), -1)[..., 50:50 + t]
+    got, want = with_kernel.block_sums(w, values, kv.BLOCK_TOKENS), products.block_sums(w, values, kv.BLOCK_TOKENS)
+    assert got.shape == want.shape == (3, 4, queries, head_dim)
+    # each value is sum_t w_t scale_t q_t plus sum_t w_t bias_t, rounded relative to those terms
+    decoded = products.decode(values)
+    bias = products.scales(values)[1].repeat_interleave(group, -1)
+    terms = w @ ((decoded - bias).abs() + bias.abs())
+    assert_arrays_close(got.sum(1), want.sum(1), kind=Kind.FORMS, reductions=[kv.BLOCK_TOKENS],
+                        condition=float(terms.max() / want.sum(1).abs().max()))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_clone_reading_the_rows_in_runs_gets_the_bits_of_one_run(kernel, bits):
+    """A clone reads the blocks it shares and then its own rows: with the kernel, the output and log-sum-exp
+    equal those of the session reading the same rows in one run."""
+    gen = torch.Generator().manual_seed(bits)
+    storage = kv_storage.Grouped(bits, 64, 64, torch.float32, kernel=kernel)
+    n = kv.PIECE_TOKENS + 3 * kv.BLOCK_TOKENS + 30
+    k, v = stored_rows(storage, 3, n, gen), stored_rows(storage, 3, n, gen)
+    q = torch.randn(3, 3, 64, generator=gen)
+    one, lse = attention.partial(q, [(k, v)], 0.125, storage)
+    cut = 5 * kv.BLOCK_TOKENS
+    two, lse_two = attention.partial(q, [(k[:, :cut], v[:, :cut]), (k[:, cut:], v[:, cut:])], 0.125, storage)
+    assert torch.equal(one, two) and torch.equal(lse, lse_two)
+
+
+def test_the_kernels_bits_do_not_depend_on_its_threads(kernel, monkeypatch):
+    gen = torch.Generator().manual_seed(7)
+    storage = kv_storage.Grouped(8, 64, 64, torch.float32, kernel=kernel)
+    keys, values = stored_rows(storage, 3, 2000, gen), stored_rows(storage, 3, 2000, gen)
+    q, w = torch.randn(3, 3, 64, generator=gen), torch.rand(3, 3, 2000, generator=gen)
+    read = {}
+    for threads in (1, 2, 3):
+        monkeypatch.setattr(kernel, "threads", lambda threads=threads: threads)
+        read[threads] = kernel.scores(q, keys, 8, 64), kernel.block_sums(w, values, 8, 64, 64, kv.BLOCK_TOKENS)
+    for threads in (2, 3):
+        assert all(torch.equal(a, b) for a, b in zip(read[1], read[threads]))
+
+
+def test_the_storage_reads_through_torchs_products_where_the_kernel_cannot_be_built(monkeypatch, caplog, tmp_path):
+    spec = KVStorage("int8", 64)
+    # no compiler
+    monkeypatch.setattr(integer_reading.shutil, "which", lambda name: None)
+    with caplog.at_level(logging.INFO, logger="kvfork.torch"):
+        assert integer_reading.kernel.__wrapped__() is None
+    assert "no C compiler" in caplog.text
+    # a compiler that fails
+    failing = tmp_path / "cc"
+    failing.write_text("#!/bin/sh\necho 'cc: error: this CPU has no AVX2' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    monkeypatch.setattr(integer_reading.shutil, "which", lambda name: str(failing))
+    monkeypatch.setenv("KVFORK_HOME", str(tmp_path / "home"))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvfork.torch"):
+        assert integer_reading.kernel.__wrapped__() is None
+    assert "this CPU has no AVX2" in caplog.text
+    # the storage then reads the rows through the products
+    monkeypatch.setattr(integer_reading, "kernel", lambda: None)
+    storage = kv_storage.storage_for(spec, torch.float32, 64, torch.device("cpu"))
+    assert isinstance(storage, kv_storage.Grouped) and storage.kernel is None
+    gen = torch.Generator().manual_seed(3)
+    k = storage.encode(torch.randn(3, 300, 64, generator=gen))
+    q = torch.randn(3, 2, 64, generator=gen)
+    assert_arrays_close(storage.scores(q, k), q @ storage.decode(k).transpose(1, 2), kind=Kind.FORMS,
+                        reductions=[64])
+
+
+def test_a_build_is_named_by_its_source_and_cpu_and_used_again(tmp_path, monkeypatch):
+    cc = integer_reading.shutil.which("cc")
+    if cc is None:
+        pytest.skip("no cc")
+    calls = []
+    run = subprocess.run
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(integer_reading.subprocess, "run", counted)
+    try:
+        first = integer_reading.build(cc, tmp_path)
+    except subprocess.CalledProcessError:
+        pytest.skip("kv_reading.c does not build for this CPU")
+    assert integer_reading.build(cc, tmp_path) == first and len(calls) == 1
+    monkeypatch.setattr(integer_reading, "cpu_identity", lambda: "another CPU")
+    assert integer_reading.build(cc, tmp_path) != first and len(calls) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, integer_reading.build(cc, tmp_path).name])
