@@ -15,7 +15,9 @@ On MLX, `int8-integers` and `int4-integers` (bench only) are int8 and int4 read 
 the device: attention over the integers (`mx.quantized_matmul`) in every pass (backends/mlx/kv_storage.py,
 `attends_integers`); `int8-dequantized` and `int4-dequantized` read the rows dequantized in every pass, decode
 too, where the CPU otherwise reads the integers cast at decode (`QuantizedRows.reading`). On torch, a storage
-with `-invariant` (`auto-invariant`, `int8-invariant`) computes batch-invariantly (--batch-invariant).
+with `-invariant` (`auto-invariant`, `int8-invariant`) computes batch-invariantly (--batch-invariant), and
+`int8-products` and `int4-products` (bench only) read the rows at decode through torch's products where kv_reading.c
+would (backends/torch/integer_reading.py).
 """
 
 from __future__ import annotations
@@ -35,12 +37,24 @@ CHUNK = 512
 ROWS = (1, 4)
 READINGS = ("-integers", "-dequantized")  # bench-only suffixes of an MLX storage's name
 INVARIANT = "-invariant"  # a torch storage computed batch-invariantly
+PRODUCTS = "-products"  # a torch storage read through torch's products, not kv_reading.c
 
 
 @contextlib.contextmanager
 def reading(suffix: str):
-    """MLX's quantized storages loaded within read their rows as `suffix` says: "-integers" as integers in every
-    pass, on any device; "-dequantized" dequantized in every pass that would read them cast."""
+    """Quantized storages loaded within read their rows as `suffix` says. MLX: "-integers" as integers in every
+    pass, on any device; "-dequantized" dequantized in every pass that would read them cast. torch: "-products"
+    through torch's products."""
+    if suffix == PRODUCTS:
+        from kvfork.backends.torch import integer_reading
+
+        built = integer_reading.kernel
+        integer_reading.kernel = lambda: None  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            integer_reading.kernel = built  # type: ignore[assignment]
+        return
     if suffix not in READINGS:
         yield
         return
