@@ -9,7 +9,8 @@
        score:  k . x = scale_g (k_g . q_g) + bias_g sum(k_g)
        values: sum_t w_t x_t = sum_t (w_t scale_t) q_t + sum_t w_t bias_t.
 
-   Vectors are GCC's and clang's generic vector extensions: one source, compiled for the CPU it runs on. A key's
+   Vectors are GCC's and clang's vector extensions, with x86 intrinsics where the generic form compiles to
+   lane-by-lane code (widening bytes, a vector's sum); compiled for the CPU it runs on (-march=native). A key's
    score is one fixed order of operations wherever the key stands, and a block's sum one fixed order over its
    keys, so any split of the rows into runs (a run starting at a block boundary) gives the same bits; the threads
    (OpenMP: torch's own runtime, loaded first) split the work by key tiles and blocks, never a sum. */

@@ -10,7 +10,8 @@ slice and copy it along the token dimension without knowing what a row holds.
 - `Grouped`: `bits`-bit integers in groups of `group` along the head dimension, each group with a
   float16 scale and bias (x = q * scale + bias, q in [0, 2^bits)), as mlx-lm's QuantizedKVCache
   groups them; a row is the packed integers (two 4-bit ones a byte, low nibble first), then the
-  scales, then the biases, as bytes. Attention reads it without a dequantized copy (`scores`, `weighted`).
+  scales, then the biases, as bytes. Attention reads it without a dequantized copy (`scores`, `block_sums`): on
+  the CPU through kv_reading.c where it builds (integer_reading.py), else through torch's products.
 
 int4 keys are stored rotated (`KVStorage.rotates_keys`): each head's key k is stored as k @ H, H the
 normalised Sylvester Hadamard matrix of the head size (orthogonal: H @ H.T = I), and attention rotates
@@ -311,7 +312,8 @@ class Grouped(Storage):
 
     # Attention reads the integers without a dequantized copy (x = q * scale + bias, per group g):
     # k . x = sum_g scale_g (k_g . q_g) + bias_g sum(k_g), and sum_t w_t x_t = sum_t (w_t scale_t) q_t
-    # + sum_t w_t bias_t: the integers are cast, and the scales and biases multiply scores, not elements.
+    # + sum_t w_t bias_t: the scales and biases multiply scores, not elements. kv_reading.c computes these sums
+    # in one pass over the stored bytes; torch's products (below) cast the integers first.
 
     def scores(self, q: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and stored.is_cpu:
