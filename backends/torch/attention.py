@@ -28,9 +28,9 @@ run, the common case, is read as it is. Several:
 A row's runs hold keys and values as its layer stores them (kv_storage.py). Stored in the weights'
 dtype, they are read as they are; otherwise (--kv-cache-dtype) a decode row reads them a piece
 (`PIECE_TOKENS` positions from the run's start, which is a block boundary) at a time inside its loop
-over runs, through the storage's `scores` and `weighted` (int8 and int4: from the integers, with no
-dequantized copy), and a prefill chunk decodes them block by block into its joined buffer: never the
-whole cache at once. The values' products are summed per block of `BLOCK_TOKENS` in one reduction, so
+over runs, through the storage's `scores` and `block_sums` (int8 and int4: from the integers, with no
+dequantized copy; on the CPU by kv_reading.c where it builds), and a prefill chunk decodes them a piece at a
+time into its joined buffer (`decode_into`): never the whole cache at once. The values' products are summed per block of `BLOCK_TOKENS` in one reduction, so
 a clone, reading the same stored rows in more runs, computes the same output as the session that
 wrote them. Where the storage rotates keys
 (int4), `attend_rows` rotates the queries once for all rows; values are stored unrotated, so the output
@@ -121,9 +121,9 @@ def join(runs: Runs, storage: Storage, q: torch.Tensor) -> tuple[torch.Tensor, t
         shape = (kv_heads, n, q.shape[2])
         held = _joined[key] = (q.new_empty(shape), q.new_empty(shape))
     at = 0
-    for k, v in pieces(runs, storage):
-        held[0][:, at:at + k.shape[1]].copy_(storage.decode(k))
-        held[1][:, at:at + k.shape[1]].copy_(storage.decode(v))
+    for k, v in pieces(runs, storage, PIECE_TOKENS):
+        storage.decode_into(k, held[0][:, at:at + k.shape[1]])
+        storage.decode_into(v, held[1][:, at:at + k.shape[1]])
         at += k.shape[1]
     return held[0][:, :n], held[1][:, :n]
 

@@ -1,5 +1,6 @@
-"""A decode row's reading of int8 and int4 KV rows on the CPU, by kv_reading.c: each key's score and each block's
-weighted values computed from the stored integers, scales and biases in one pass over the rows.
+"""The CPU's reading of int8 and int4 KV rows, by kv_reading.c: a decode row's scores and each block's weighted
+values computed from the stored integers, scales and biases in one pass over the rows, and a prefill chunk's
+rows decoded to floats.
 
 torch's own products need the integers cast to floats first, a copy four times the rows' bytes that the products
 then read again; on an AMD EPYC with AVX-512 (2 threads, 3 key heads of 64, 2,048 keys) that reading took 280 us
@@ -86,10 +87,11 @@ class Kernel:
 
     def __init__(self, library: ctypes.CDLL, threaded: bool):
         self.threaded = threaded
-        self._scores, self._block_sums = library.kv_scores, library.kv_block_sums
+        self._scores, self._block_sums, self._decode = library.kv_scores, library.kv_block_sums, library.kv_decode
         self._scores.argtypes = [_P, _I, _I, _I, _I, _I, _P, _I, _I, _I, _C, _I, _P, _I, _I, _C]
         self._block_sums.argtypes = [_P, _I, _I, _I, _I, _I, _P, _I, _I, _I, _C, _I, _I, _P, _C]
-        self._scores.restype = self._block_sums.restype = None
+        self._decode.argtypes = [_P, _I, _I, _I, _I, _I, _C, _I, _P, _I, _I, _C]
+        self._scores.restype = self._block_sums.restype = self._decode.restype = None
 
     def threads(self) -> int:
         return torch.get_num_threads() if self.threaded else 1
@@ -114,6 +116,13 @@ class Kernel:
         self._block_sums(w.data_ptr(), w.stride(0), w.stride(1), heads, n, dim, stored.data_ptr(), stored.stride(0),
                          stored.stride(1), t, bits, group, block, out.data_ptr(), self.threads())
         return out
+
+    def decode(self, stored: torch.Tensor, out: torch.Tensor, bits: int, group: int) -> None:
+        """Stored rows [kv_heads, t, width] decoded into `out` [kv_heads, t, head_dim] (float32, its last dim
+        contiguous)."""
+        heads, t, dim = out.shape
+        self._decode(stored.data_ptr(), stored.stride(0), stored.stride(1), heads, t, dim, bits, group,
+                     out.data_ptr(), out.stride(0), out.stride(1), self.threads())
 
 
 @functools.cache

@@ -64,10 +64,10 @@ from kvfork.backends.base import BlockStats
 from kvfork.backends.torch.kv_storage import Storage, row_bytes
 
 BLOCK_TOKENS = 256  # tokens per block: the unit of growth, of sharing and of address (docs/benchmarks.md)
-# Positions a decode row reads in one piece where its storage is not the weights' dtype (attention.py): the
-# integers' float32 copy (working memory the storage reuses, kv_storage.working_memory) stays bounded (3 MB at
-# the default model's 3 key heads of 64), and fewer, larger pieces measured faster than blocks of 256, whose
-# per-call costs dominated (docs/benchmarks.md, "KV storage")
+# Positions a decode row reads, and a prefill chunk decodes, in one piece where the storage is not the weights'
+# dtype (attention.py): the float32 copy of torch's products (working memory, kv_storage.working_memory) stays
+# bounded (3 MB at the default model's 3 key heads of 64), and fewer, larger pieces measured faster than blocks
+# of 256, whose per-call costs dominated (docs/benchmarks.md, "KV storage")
 PIECE_TOKENS = 16 * BLOCK_TOKENS
 
 CloneMode = Literal["share", "copy"]

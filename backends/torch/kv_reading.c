@@ -196,3 +196,26 @@ void kv_block_sums(const float *w, int64_t w_head, int64_t w_row, int64_t heads,
         }
     }
 }
+
+/* Rows [0, t) decoded to floats (a prefill chunk's reading): head h's key k at out + h * out_head + k * out_row. */
+void kv_decode(const uint8_t *stored, int64_t head_bytes, int64_t row_bytes, int64_t heads, int64_t t, int64_t dim,
+               int bits, int64_t group, float *out, int64_t out_head, int64_t out_row, int threads) {
+    int64_t groups = dim / group, vectors = dim / LANES, per_group = group / LANES, packed = dim * bits / 8;
+    int64_t tiles = (t + TILE - 1) / TILE;
+#pragma omp parallel for num_threads(threads) schedule(static) if (heads * t > 4 * TILE)
+    for (int64_t task = 0; task < heads * tiles; task++) {
+        int64_t h = task / tiles, first = task % tiles * TILE, last = first + TILE < t ? first + TILE : t;
+        for (int64_t k = first; k < last; k++) {
+            const uint8_t *row = stored + h * head_bytes + k * row_bytes;
+            float *o = out + h * out_head + k * out_row;
+            floats x[MOST_VECTORS];
+            integers(row, bits, vectors, x);
+            for (int64_t g = 0; g < groups; g++) {
+                float scale = half_at(row, packed, g), bias = half_at(row, packed, groups + g);
+                for (int64_t v = g * per_group; v < (g + 1) * per_group; v++) x[v] = x[v] * scale + bias;
+            }
+            for (int64_t v = 0; v < vectors; v++)
+                for (int64_t lane = 0; lane < LANES; lane++) o[lane_dim(bits, v, lane)] = x[v][lane];
+        }
+    }
+}

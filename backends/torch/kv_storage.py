@@ -130,6 +130,10 @@ class Storage:
     def decode(self, stored: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def decode_into(self, stored: torch.Tensor, out: torch.Tensor) -> None:
+        """Stored rows [kv_heads, t, width] decoded into `out` [kv_heads, t, head_dim]."""
+        out.copy_(self.decode(stored))
+
     def scores(self, q: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
         """q [kv_heads, n, head_dim] against stored keys [kv_heads, t, width]: q @ k.T, [kv_heads, n, t]."""
         return torch.matmul(q, self.decode(stored).transpose(-1, -2))
@@ -309,6 +313,12 @@ class Grouped(Storage):
         ints = torch.stack([part[..., : self.packed] for part in self.integers(stored)], -1).flatten(-2) * unit
         x = ints.unflatten(-1, (self.groups, -1)) * scale[..., None] + bias[..., None]
         return x.flatten(-2).to(self.compute)
+
+    def decode_into(self, stored: torch.Tensor, out: torch.Tensor) -> None:
+        if self.kernel is not None and stored.is_cpu and out.dtype == torch.float32 and out.stride(-1) == 1:
+            self.kernel.decode(stored, out, self.bits, self.group)
+        else:
+            out.copy_(self.decode(stored))
 
     # Attention reads the integers without a dequantized copy (x = q * scale + bias, per group g):
     # k . x = sum_g scale_g (k_g . q_g) + bias_g sum(k_g), and sum_t w_t x_t = sum_t (w_t scale_t) q_t

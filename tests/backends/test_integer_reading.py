@@ -142,3 +142,20 @@ def test_a_build_is_named_by_its_source_and_cpu_and_used_again(tmp_path, monkeyp
     monkeypatch.setattr(integer_reading, "cpu_identity", lambda: "another CPU")
     assert integer_reading.build(cc, tmp_path) != first and len(calls) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, integer_reading.build(cc, tmp_path).name])
+
+
+@pytest.mark.parametrize("bits,group,head_dim", [(8, 64, 64), (8, 32, 128), (4, 64, 64), (4, 32, 256)])
+def test_the_kernel_decodes_the_rows_as_torchs_operations_do(kernel, bits, group, head_dim):
+    """A prefill chunk's reading: the rows decoded into a view of the joined buffer."""
+    gen = torch.Generator().manual_seed(bits + group + head_dim)
+    with_kernel = kv_storage.Grouped(bits, group, head_dim, torch.float32, kernel=kernel)
+    stored = stored_rows(with_kernel, 3, kv.BLOCK_TOKENS + 50, gen)
+    buffer = torch.full((3, kv.BLOCK_TOKENS + 100, head_dim), float("nan"))
+    with_kernel.decode_into(stored, buffer[:, 20:20 + stored.shape[1]])
+    want = kv_storage.Grouped(bits, group, head_dim, torch.float32).decode(stored)
+    # x = q * scale + bias, rounded relative to its terms
+    bias = with_kernel.scales(stored)[1].repeat_interleave(group, -1)
+    terms = (want - bias).abs() + bias.abs()
+    assert_arrays_close(buffer[:, 20:20 + stored.shape[1]], want, kind=Kind.FORMS, reductions=[2],
+                        condition=float(terms.max() / want.abs().max()))
+    assert buffer[:, :20].isnan().all() and buffer[:, 20 + stored.shape[1]:].isnan().all()
