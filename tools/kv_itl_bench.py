@@ -6,10 +6,11 @@
 Every storage's backend is loaded in this one process and given a session prefilled with the same
 `--context` tokens (chunks of 512) and three clones of it 8, 16 and 24 tokens shorter. Then, round after
 round, each storage decodes one step of 1 row and one of 4 rows (the batch formed by an untimed step
-first), the storages in turn and in alternating order, so a busy moment of a shared machine lands on
-every storage alike (decode_bench.py measures each source tree's steps in one block instead). Prints the
-median ITL (ms, logits on the host) per storage and row count, and how long each storage's sessions took
-to prepare.
+first), and prefills 32 tokens on a clone of the session 64 tokens shorter (a returning request's reading of
+a cached prefix), the storages in turn and in alternating order, so a busy moment of a shared machine lands
+on every storage alike (decode_bench.py measures each source tree's steps in one block instead). Prints the
+median ITL (ms, logits on the host) per storage and row count, the median time of that prefill, and how long
+each storage's sessions took to prepare.
 
 On MLX, `int8-integers` and `int4-integers` (bench only) are int8 and int4 read as a GPU reads them whatever
 the device: attention over the integers (`mx.quantized_matmul`) in every pass (backends/mlx/kv_storage.py,
@@ -38,6 +39,7 @@ ROWS = (1, 4)
 READINGS = ("-integers", "-dequantized")  # bench-only suffixes of an MLX storage's name
 INVARIANT = "-invariant"  # a torch storage computed batch-invariantly
 PRODUCTS = "-products"  # a torch storage read through torch's products, not kv_reading.c
+SUFFIX = 32  # tokens prefilled after a cached prefix of --context less twice as many
 
 
 @contextlib.contextmanager
@@ -104,6 +106,7 @@ def main() -> None:
         setups[name] = prepared(args.backend, args.model, name, tokens)
         print(f"{name}: sessions of {args.context} tokens prepared in {time.perf_counter() - start:.1f} s", flush=True)
     times: dict[tuple[str, int], list[float]] = {(name, n): [] for name in setups for n in ROWS}
+    suffix: dict[str, list[float]] = {name: [] for name in setups}
     for r in range(args.rounds):
         for n in ROWS:
             for name, (b, sessions) in (list(setups.items()) if r % 2 == 0 else list(setups.items())[::-1]):
@@ -112,11 +115,21 @@ def main() -> None:
                 start = time.perf_counter()
                 b.to_numpy(b.decode(sessions[:n], ids))
                 times[name, n].append(time.perf_counter() - start)
+        for name, (b, sessions) in (list(setups.items()) if r % 2 == 0 else list(setups.items())[::-1]):
+            returning = b.clone(sessions[0], args.context - 2 * SUFFIX)
+            start = time.perf_counter()
+            b.to_numpy(b.prefill([returning], [list(range(200, 200 + SUFFIX))]))
+            suffix[name].append(time.perf_counter() - start)
+            b.release(returning)
     first = next(iter(setups))
     for (name, n), seconds in times.items():
         p50 = statistics.median(seconds)
         print(f"{name}: {n} rows at {args.context}: ITL p50 {p50 * 1e3:.1f} ms "
               f"({p50 / statistics.median(times[first, n]):.2f}x {first}; of {len(seconds)} steps)")
+    for name, seconds in suffix.items():
+        p50 = statistics.median(seconds)
+        print(f"{name}: {SUFFIX} tokens prefilled after {args.context - 2 * SUFFIX} cached: p50 {p50 * 1e3:.1f} ms "
+              f"({p50 / statistics.median(suffix[first]):.2f}x {first}; of {len(seconds)})")
 
 
 if __name__ == "__main__":
