@@ -83,7 +83,8 @@ def build(cc: str, folder: Path, flags: tuple[str, ...] = FLAGS) -> Path:
 
 
 class Kernel:
-    """kv_reading.c loaded: `scores` and `block_sums` over CPU tensors."""
+    """kv_reading.c loaded: `scores`, `block_sums` and `decode` over CPU tensors whose last dim is contiguous
+    (stored rows: uint8; queries, weights and decoded rows: float32)."""
 
     def __init__(self, library: ctypes.CDLL, threaded: bool):
         self.threaded = threaded
@@ -130,18 +131,17 @@ def kernel() -> Kernel | None:
     """kv_reading.c built and loaded, or None where it cannot be (said once in the log)."""
     cc = shutil.which("cc")
     if cc is None:
-        log.info("int8/int4 KV on the CPU: no C compiler (cc), so torch's products read the rows")
-        return None
-    try:
-        built = build(cc, kvfork_home() / "kernels")
-    except (OSError, subprocess.SubprocessError) as exc:
-        said = getattr(exc, "stderr", None) or repr(exc)
-        log.info("int8/int4 KV on the CPU: kv_reading.c was not built for this CPU, so torch's products read "
-                 "the rows: %s", said.strip().splitlines()[-1] if said.strip() else exc)
+        log.warning("int8/int4 KV on the CPU: no C compiler (cc), so torch's products read the rows, slower")
         return None
     before = openmp_runtimes()
-    library = ctypes.CDLL(str(built))
+    try:
+        library = ctypes.CDLL(str(build(cc, kvfork_home() / "kernels")))
+    except (OSError, subprocess.SubprocessError) as exc:
+        said = str(getattr(exc, "stderr", None) or exc).strip()
+        log.warning("int8/int4 KV on the CPU: kv_reading.c was not built for this CPU, so torch's products read "
+                    "the rows, slower: %s", said.splitlines()[-1] if said else repr(exc))
+        return None
     threaded = not (before and openmp_runtimes() - before)
     if not threaded:
-        log.info("int8/int4 KV on the CPU: the kernel's OpenMP runtime is not torch's, so it runs on one thread")
+        log.warning("int8/int4 KV on the CPU: the kernel's OpenMP runtime is not torch's, so it runs on one thread")
     return Kernel(library, threaded)
