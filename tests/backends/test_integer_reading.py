@@ -13,8 +13,12 @@ import subprocess
 import pytest
 import torch
 
+import backend_fixtures
+from backend_fixtures import assert_greedy_close, continue_greedy, prompt
 from kvfork.backends.base import KVStorage
 from kvfork.backends.torch import attention, integer_reading, kv, kv_storage
+from kvfork.backends.torch.backend import TorchBackend
+from tiny_models import write_model
 from tolerance import Kind, assert_arrays_close
 
 
@@ -159,3 +163,28 @@ def test_the_kernel_decodes_the_rows_as_torchs_operations_do(kernel, bits, group
     assert_arrays_close(buffer[:, 20:20 + stored.shape[1]], want, kind=Kind.FORMS, reductions=[2],
                         condition=float(terms.max() / want.abs().max()))
     assert buffer[:, :20].isnan().all() and buffer[:, 20 + stored.shape[1]:].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_a_cpu_backend_reads_its_rows_through_the_kernel(dtype, tmp_path):
+    """The backend's load hands its storage the kernel on the CPU, and a session's greedy decode there answers as
+    the same backend reading through torch's products."""
+    if integer_reading.kernel() is None:
+        pytest.skip("kv_reading.c does not build here (no cc, or a CPU without AVX2)")
+    folder = str(write_model(tmp_path, "llama", head_dim=64))
+    greedy = {}
+    for reading in ("kernel", "products"):
+        b = TorchBackend("cpu")
+        b.set_kv_storage(KVStorage.named(dtype))
+        if reading == "products":
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(integer_reading, "kernel", lambda: None)
+                backend_fixtures.load(b, folder)
+            assert b.pool.storage.kernel is None
+        else:
+            backend_fixtures.load(b, folder)
+            assert b.pool.storage.kernel is integer_reading.kernel()
+        s = b.open_session()
+        tokens = prompt(300, seed=5)
+        greedy[reading] = continue_greedy(b, s, b.prefill([s], [tokens]), 12)
+    assert_greedy_close(b, greedy["kernel"], greedy["products"], kind=Kind.FORMS, context=312)
