@@ -66,7 +66,8 @@ def cpu_identity() -> str:
 
 def build(cc: str, folder: Path, flags: tuple[str, ...] = FLAGS) -> Path:
     """kv_reading.c compiled for this CPU in `folder`, named by the digest of the source, the flags, the
-    compiler and the CPU (a build already there is used as it is); raises where the compiler fails."""
+    compiler and the CPU (a build already there is used as it is, and a new one replaces the folder's others:
+    earlier sources' or CPUs'); raises where the compiler fails."""
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), cc.encode(),
                                         cpu_identity().encode()])).hexdigest()[:24]
@@ -79,6 +80,9 @@ def build(cc: str, folder: Path, flags: tuple[str, ...] = FLAGS) -> Path:
         subprocess.run([cc, *flags, "-o", str(out), str(SOURCE)], check=True, capture_output=True, text=True,
                        timeout=BUILD_SECONDS)
         os.replace(out, built)  # atomic: another process building the same file meanwhile is harmless
+    for other in folder.glob("kv_reading-*.so"):
+        if other != built:
+            other.unlink(missing_ok=True)  # a process that has it loaded keeps its mapping
     return built
 
 
