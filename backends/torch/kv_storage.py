@@ -307,6 +307,10 @@ class Grouped(Storage):
         return both[..., : self.groups], both[..., self.groups :]
 
     def decode(self, stored: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and stored.is_cpu and stored.dim() == 3 and self.compute == torch.float32:
+            out = torch.empty(*stored.shape[:-1], self.head_dim)
+            self.kernel.decode(stored, out, self.bits, self.group)
+            return out
         scale, bias = self.scales(stored)
         unit = self.placed(stored.device)[1]
         # dim d = parts * i + p is byte i's part p
