@@ -20,5 +20,6 @@ setup(
     package_dir={"kvfork": "kvfork", **{f"kvfork.{top}": top for top in SUBPACKAGES}},
     # `kvfork clients --install` installs from these (tools/clients/run.py); kv_reading.c is compiled where it
     # runs (backends/torch/integer_reading.py)
-    package_data={"kvfork.tools.clients": ["package.json", "package-lock.json"], "kvfork.backends.torch": ["kv_reading.c"]},
+    package_data={"kvfork.tools.clients": ["package.json", "package-lock.json"],
+                  "kvfork.backends.torch": ["kv_reading.c"]},
 )

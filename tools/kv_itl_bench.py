@@ -17,8 +17,8 @@ the device: attention over the integers (`mx.quantized_matmul`) in every pass (b
 `attends_integers`); `int8-dequantized` and `int4-dequantized` read the rows dequantized in every pass, decode
 too, where the CPU otherwise reads the integers cast at decode (`QuantizedRows.reading`). On torch, a storage
 with `-invariant` (`auto-invariant`, `int8-invariant`) computes batch-invariantly (--batch-invariant), and
-`int8-products` and `int4-products` (bench only) read the rows at decode through torch's products where kv_reading.c
-would (backends/torch/integer_reading.py).
+`int8-products` and `int4-products` (bench only) read the rows through torch's operations where kv_reading.c would
+(decode and prefill: backends/torch/integer_reading.py).
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ dtype, they are read as they are; otherwise (--kv-cache-dtype) a decode row read
 (`PIECE_TOKENS` positions from the run's start, which is a block boundary) at a time inside its loop
 over runs, through the storage's `scores` and `block_sums` (int8 and int4: from the integers, with no
 dequantized copy; on the CPU by kv_reading.c where it builds), and a prefill chunk decodes them a piece at a
-time into its joined buffer (`decode_into`): never the whole cache at once. The values' products are summed per block of `BLOCK_TOKENS` in one reduction, so
-a clone, reading the same stored rows in more runs, computes the same output as the session that
-wrote them. Where the storage rotates keys
+time into its joined buffer (`decode_into`): never the whole cache at once. The values' products are summed
+per block of `BLOCK_TOKENS` in one reduction, so a clone, reading the same stored rows in more runs, computes
+the same output as the session that wrote them. Where the storage rotates keys
 (int4), `attend_rows` rotates the queries once for all rows; values are stored unrotated, so the output
 is read as it is.
 

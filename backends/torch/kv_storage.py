@@ -218,8 +218,8 @@ class Grouped(Storage):
 
     def __init__(self, bits: int, group: int, head_dim: int, compute: torch.dtype, rotates_keys: bool = False,
                  kernel: Kernel | None = None):
-        """`kernel`: kv_reading.c, which then reads the rows of CPU tensors at decode (integer_reading.py); torch's
-        products read them otherwise."""
+        """`kernel`: kv_reading.c, which then reads the rows of CPU tensors (a decode row's scores and sums, the
+        rows decoded: integer_reading.py); torch's operations read them otherwise."""
         self.bits, self.group, self.compute, self.head_dim, self.kernel = bits, group, compute, head_dim, kernel
         if rotates_keys:
             self.rotation = hadamard(head_dim).to(compute)
@@ -308,7 +308,7 @@ class Grouped(Storage):
 
     def decode(self, stored: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and stored.is_cpu and stored.dim() == 3 and self.compute == torch.float32:
-            out = torch.empty(*stored.shape[:-1], self.head_dim)
+            out = torch.empty(*stored.shape[:-1], self.head_dim, dtype=torch.float32)
             self.kernel.decode(stored, out, self.bits, self.group)
             return out
         scale, bias = self.scales(stored)
