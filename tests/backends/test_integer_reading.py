@@ -46,6 +46,7 @@ def stored_rows(storage: kv_storage.Grouped, heads: int, t: int, gen: torch.Gene
     return storage.encode(x)[1:, :t]
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("bits,group,head_dim", [(8, 64, 64), (8, 32, 64), (8, 128, 128), (4, 64, 64),
                                                  (4, 32, 128), (4, 128, 256)])
 @pytest.mark.parametrize("queries", [1, 3, 11])
@@ -149,6 +150,7 @@ def test_a_build_is_named_by_its_source_and_cpu_used_again_and_replaces_the_othe
     assert [p.name for p in tmp_path.iterdir()] == [other.name]  # the earlier build is removed
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("bits,group,head_dim", [(8, 64, 64), (8, 32, 128), (4, 64, 64), (4, 32, 256)])
 def test_the_kernel_decodes_the_rows_as_torchs_operations_do(kernel, bits, group, head_dim):
     """A prefill chunk's reading: the rows decoded into a view of the joined buffer."""
@@ -166,6 +168,7 @@ def test_the_kernel_decodes_the_rows_as_torchs_operations_do(kernel, bits, group
     assert buffer[:, :20].isnan().all() and buffer[:, 20 + stored.shape[1]:].isnan().all()
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_a_cpu_backend_reads_its_rows_through_the_kernel(dtype, tmp_path):
     """The backend's load hands its storage the kernel on the CPU, and a session's greedy decode there answers as
