@@ -2,8 +2,8 @@
 # kvfork installed outside the checkout, as a user gets it (CI runs this; a few minutes with a warm pip cache):
 # build the wheel from a clean copy, check its top level holds `kvfork` alone, install it into a fresh virtual
 # environment without pip (as uv and pipx make them), and there, from a folder that is not the checkout, run
-# `kvfork --version`, `kvfork fetch-model` (into $KVFORK_HOME, the test run's: fetched once) and one chat
-# completion from `kvfork serve` on the default model.
+# `kvfork --version`, `kvfork fetch-model` (into $KVFORK_HOME, the test run's: fetched once), a build of the CPU's
+# int8/int4 kernel from the wheel's source, and one chat completion from `kvfork serve` on the default model.
 #   tools/wheel_check.sh [PYTHON]    PYTHON builds and installs (its pip); default: the checkout's .venv
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -41,6 +41,12 @@ VERSION=$("$BIN/kvfork" --version)
 say "$VERSION, from $FROM"
 MODEL=$("$BIN/kvfork" fetch-model)
 say "the default model: $MODEL"
+# the wheel ships kv_reading.c, which the CPU's int8/int4 reading compiles where it runs (a temporary home)
+KERNEL=$(KVFORK_HOME="$WORK/home" "$BIN/python" -c 'import shutil
+from kvfork.backends.torch import integer_reading
+print("built" if integer_reading.kernel() else "not built (no cc)" if shutil.which("cc") is None else "FAILED")')
+case "$KERNEL" in FAILED) say "FAILED: kv_reading.c did not build from the wheel"; exit 1 ;; esac
+say "kv_reading.c from the wheel: $KERNEL"
 
 "$BIN/kvfork" serve --port 0 >"$WORK/serve.log" 2>&1 &
 SERVER=$!
