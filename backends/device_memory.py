@@ -1,5 +1,5 @@
 """What a device reports about its memory, read where the backend runs (server/engine/policy/memory_plan.py
-turns it into the KV budget).
+turns it into the KV budget), and the CPU's instruction sets (`cpu_flags`).
 
 Apple Silicon: the GPU shares the machine's memory, and Metal recommends a working set
 (`max_recommended_working_set_size`, about 3/4 of it); kvfork raises MLX's wired limit to that
@@ -45,6 +45,15 @@ def give_back_free_heap() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+def cpu_flags() -> set[str]:
+    """The instruction-set flags the CPU reports (Linux), else none."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
 
 
 def host_memory_bytes() -> int:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from kvfork.backends.device_memory import cpu_flags
 from kvfork.backends.home import kvfork_home
 
 log = logging.getLogger("kvfork.torch")
@@ -55,13 +56,8 @@ def openmp_runtimes() -> set[str]:
 
 
 def cpu_identity() -> str:
-    """What a build for `-march=native` depends on: the machine, and on Linux the CPU's model and flags."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        info = ""
-    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))][:2]
-    return "\n".join([platform.machine(), platform.processor(), *lines])
+    """What a build for `-march=native` depends on: the machine and, on Linux, the CPU's instruction sets."""
+    return " ".join([platform.machine(), *sorted(cpu_flags())])
 
 
 def build(cc: str, folder: Path, flags: tuple[str, ...] = FLAGS) -> Path:

@@ -32,6 +32,7 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
+from kvfork.backends.device_memory import cpu_flags
 from kvfork.backends.mlx.blas import find_openblas, thread_env
 from kvfork.tools.bench.paired import Contender
 from kvfork.tools.bench.serve import ServerFailed, ServerProcess
@@ -90,15 +91,6 @@ AVX512 = {"avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"}  # what ggm
 AVX512_EXTENSIONS = {"GGML_AVX512_VBMI": "avx512vbmi", "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16"}
 NEVER_ISA = ("GGML_AVX_VNNI", "GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
 ANSWER_TIMEOUT_S = 120.0  # to load the GGUF and complete a few tokens: seconds on a 135M model
-
-
-def cpu_flags() -> set[str]:
-    """The instruction-set flags the CPU reports (Linux), else none."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
 
 
 def llama_cmake_flags(cpu: set[str]) -> tuple[str, ...]:
