@@ -19,7 +19,7 @@ setup(
     packages=packages,
     package_dir={"kvfork": "kvfork", **{f"kvfork.{top}": top for top in SUBPACKAGES}},
     # `kvfork clients --install` installs from these (tools/clients/run.py); kv_reading.c is compiled where it
-    # runs (backends/torch/integer_reading.py)
+    # runs (backends/kv_reading.py)
     package_data={"kvfork.tools.clients": ["package.json", "package-lock.json"],
-                  "kvfork.backends.torch": ["kv_reading.c"]},
+                  "kvfork.backends": ["kv_reading.c"]},
 )

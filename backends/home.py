@@ -1,6 +1,6 @@
 """Where kvfork keeps its files: $KVFORK_HOME, holding the default model and GGUF conversions under
 `models`, the disk tier under `kv` and their secret (backends/private_files.py), and the CPU's build of
-kv_reading.c under `kernels` (backends/torch/integer_reading.py).
+kv_reading.c under `kernels` (backends/kv_reading.py).
 
 Its own module, below everything that keeps files there: the resolver of model names
 (model_path.py), the GGUF conversions it calls (gguf/cache.py), the disk tier and the tools.

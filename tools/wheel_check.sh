@@ -43,8 +43,8 @@ MODEL=$("$BIN/kvfork" fetch-model)
 say "the default model: $MODEL"
 # the wheel ships kv_reading.c, which the CPU's int8/int4 reading compiles where it runs (a temporary home)
 KERNEL=$(KVFORK_HOME="$WORK/home" "$BIN/python" -c 'import shutil
-from kvfork.backends.torch import integer_reading
-print("built" if integer_reading.kernel() else "not built (no cc)" if shutil.which("cc") is None else "FAILED")')
+from kvfork.backends import kv_reading
+print("built" if kv_reading.library() else "not built (no cc)" if shutil.which("cc") is None else "FAILED")')
 case "$KERNEL" in FAILED) say "FAILED: kv_reading.c did not build from the wheel"; exit 1 ;; esac
 say "kv_reading.c from the wheel: $KERNEL"
 

@@ -33,8 +33,9 @@ from typing import Sequence
 import torch
 
 from kvfork.backends.base import KVStorage, KVStorageRefused
+from kvfork.backends.kv_reading import MOST_DIMS
 from kvfork.backends.torch import integer_reading
-from kvfork.backends.torch.integer_reading import MOST_DIMS, Kernel
+from kvfork.backends.torch.integer_reading import Kernel
 
 FP8_MAX = 448.0  # float8 e4m3's largest finite value
 LOW_NIBBLES, HIGH_NIBBLES = 0x0F0F0F0F, -0x0F0F0F10  # int32 masks of each byte's low and high nibble (0xF0F0F0F0)

@@ -1,20 +1,19 @@
-"""kv_reading.c, the CPU's reading of int8 and int4 rows at decode (backends/torch/integer_reading.py): the scores
+"""kv_reading.c reading torch's int8 and int4 rows on the CPU (backends/torch/integer_reading.py): the scores
 and each block's weighted values it computes from the stored integers are torch's products over the same rows,
 within float32 rounding, for every storage, head size and query count the attention hands it, read where the
 rows lie (views of larger stores); its bits do not depend on its threads; and where it cannot be built the
-storage reads the rows through torch's products."""
+storage reads the rows through torch's products. Its build and load: test_kv_reading.py."""
 
 from __future__ import annotations
 
-import ctypes
-import logging
-import subprocess
+import shutil
 
 import pytest
 import torch
 
 import backend_fixtures
 from backend_fixtures import assert_greedy_close, continue_greedy, prompt
+from kvfork.backends import kv_reading
 from kvfork.backends.base import KVStorage
 from kvfork.backends.device_memory import cpu_flags
 from kvfork.backends.torch import attention, integer_reading, kv, kv_storage
@@ -32,12 +31,11 @@ def kernel(request, tmp_path_factory) -> integer_reading.Kernel:
         if built is None:
             pytest.skip("kv_reading.c does not build here (no cc, or a CPU without AVX2)")
         return built
-    cc = integer_reading.shutil.which("cc")
+    cc = shutil.which("cc")
     if cc is None or "avx2" not in cpu_flags():
         pytest.skip("no cc, or a CPU without AVX2")
-    flags = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in integer_reading.FLAGS)
-    return integer_reading.Kernel(ctypes.CDLL(str(integer_reading.build(cc, tmp_path_factory.mktemp("avx2"), flags))),
-                                  threaded=True)
+    flags = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in kv_reading.FLAGS)
+    return integer_reading.Kernel(kv_reading.loaded(kv_reading.build(cc, tmp_path_factory.mktemp("avx2"), flags)))
 
 
 def stored_rows(storage: kv_storage.Grouped, heads: int, t: int, gen: torch.Generator) -> torch.Tensor:
@@ -100,55 +98,19 @@ def test_the_kernels_bits_do_not_depend_on_its_threads(kernel, monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(read[1], read[threads]))
 
 
-def test_the_storage_reads_through_torchs_products_where_the_kernel_cannot_be_built(monkeypatch, caplog, tmp_path):
-    spec = KVStorage("int8", 64)
-    # no compiler
-    monkeypatch.setattr(integer_reading.shutil, "which", lambda name: None)
-    with caplog.at_level(logging.INFO, logger="kvfork.torch"):
-        assert integer_reading.kernel.__wrapped__() is None
-    assert "no C compiler" in caplog.text
-    # a compiler that fails
-    failing = tmp_path / "cc"
-    failing.write_text("#!/bin/sh\necho 'cc: error: this CPU has no AVX2' >&2\nexit 1\n")
-    failing.chmod(0o755)
-    monkeypatch.setattr(integer_reading.shutil, "which", lambda name: str(failing))
-    monkeypatch.setenv("KVFORK_HOME", str(tmp_path / "home"))
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="kvfork.torch"):
-        assert integer_reading.kernel.__wrapped__() is None
-    assert "this CPU has no AVX2" in caplog.text
-    # the storage then reads the rows through the products
+def test_the_storage_reads_through_torchs_products_where_the_kernel_cannot_be_built(monkeypatch):
+    """Without the kernel (kv_reading.library is None: test_kv_reading.py) the storage reads the rows through
+    torch's products."""
+    monkeypatch.setattr(integer_reading.kv_reading, "library", lambda: None)
+    assert integer_reading.kernel.__wrapped__() is None
     monkeypatch.setattr(integer_reading, "kernel", lambda: None)
-    storage = kv_storage.storage_for(spec, torch.float32, 64, torch.device("cpu"))
+    storage = kv_storage.storage_for(KVStorage("int8", 64), torch.float32, 64, torch.device("cpu"))
     assert isinstance(storage, kv_storage.Grouped) and storage.kernel is None
     gen = torch.Generator().manual_seed(3)
     k = storage.encode(torch.randn(3, 300, 64, generator=gen))
     q = torch.randn(3, 2, 64, generator=gen)
     assert_arrays_close(storage.scores(q, k), q @ storage.decode(k).transpose(1, 2), kind=Kind.FORMS,
                         reductions=[64])
-
-
-def test_a_build_is_named_by_its_source_and_cpu_used_again_and_replaces_the_others(tmp_path, monkeypatch):
-    cc = integer_reading.shutil.which("cc")
-    if cc is None:
-        pytest.skip("no cc")
-    calls = []
-    run = subprocess.run
-
-    def counted(*args, **kwargs):
-        calls.append(args)
-        return run(*args, **kwargs)
-
-    monkeypatch.setattr(integer_reading.subprocess, "run", counted)
-    try:
-        first = integer_reading.build(cc, tmp_path)
-    except subprocess.CalledProcessError:
-        pytest.skip("kv_reading.c does not build for this CPU")
-    assert integer_reading.build(cc, tmp_path) == first and len(calls) == 1
-    monkeypatch.setattr(integer_reading, "cpu_identity", lambda: "another CPU")
-    other = integer_reading.build(cc, tmp_path)
-    assert other != first and len(calls) == 2
-    assert [p.name for p in tmp_path.iterdir()] == [other.name]  # the earlier build is removed
 
 
 @pytest.mark.numeric

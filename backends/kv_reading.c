@@ -1,11 +1,11 @@
 /* A decode row's attention over int8 and int4 KV rows on the CPU, read where they are stored: each key's score
    and each block's weighted values computed from the integers, scales and biases in one pass over the rows, with
-   no float copy of them (backends/torch/integer_reading.py builds, loads and calls it; kv_storage.py, `Grouped`,
-   says how a row is laid out).
+   no float copy of them (backends/kv_reading.py builds and loads it; torch's integer_reading.py and MLX's
+   cpu_attention.py call it over their rows: their kv_storage.py say how a row is laid out).
 
    A row of a head's token: its integers (int8: byte d is dim d; int4: byte i holds dim 2i in its low nibble and
-   dim 2i + 1 in its high one), then `groups` float16 scales, then `groups` float16 biases; dim d of group g is
-   x = q * scale_g + bias_g. So, per group,
+   dim 2i + 1 in its high one), then each group's float16 scale and bias (`halves` says in which order); dim d of
+   group g is x = q * scale_g + bias_g. So, per group,
        score:  k . x = scale_g (k_g . q_g) + bias_g sum(k_g)
        values: sum_t w_t x_t = sum_t (w_t scale_t) q_t + sum_t w_t bias_t.
 
@@ -13,7 +13,7 @@
    lane-by-lane code (widening bytes, a vector's sum); compiled for the CPU it runs on (-march=native). A key's
    score is one fixed order of operations wherever the key stands, and a block's sum one fixed order over its
    keys, so any split of the rows into runs (a run starting at a block boundary) gives the same bits; the threads
-   (OpenMP: torch's own runtime, loaded first) split the work by key tiles and blocks, never a sum. */
+   (OpenMP: under torch, torch's own runtime, loaded first) split the work by key tiles and blocks, never a sum. */
 
 #include <stdint.h>
 #include <string.h>
@@ -67,11 +67,23 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
-/* The j-th float16 after a row's `packed` bytes of integers (scales, then biases) */
+/* Where a row keeps its groups' float16 scales and biases after its `packed` bytes of integers, counted in
+   float16s: group g's scale at g * step, its bias at bias_first + g * step (every scale then every bias: step 1,
+   bias_first the group count; each group's scale and bias side by side: step 2, bias_first 1) */
+typedef struct {
+    int64_t packed, step, bias_first;
+} halves;
+
 static inline float half_at(const uint8_t *row, int64_t packed, int64_t j) {
     uint16_t h;
     memcpy(&h, row + packed + 2 * j, 2);
     return half_to_float(h);
+}
+
+static inline float scale_of(const uint8_t *row, halves at, int64_t g) { return half_at(row, at.packed, g * at.step); }
+
+static inline float bias_of(const uint8_t *row, halves at, int64_t g) {
+    return half_at(row, at.packed, at.bias_first + g * at.step);
 }
 
 static inline float lanes_sum(floats x) {
@@ -112,8 +124,9 @@ static inline int64_t lane_dim(int bits, int64_t v, int64_t lane) {
    h's key k at stored + h * head_bytes + k * row_bytes): out + h * out_head + i * out_row + k. */
 void kv_scores(const float *q, int64_t q_head, int64_t q_row, int64_t heads, int64_t n, int64_t dim,
                const uint8_t *stored, int64_t head_bytes, int64_t row_bytes, int64_t t, int bits, int64_t group,
-               float *out, int64_t out_head, int64_t out_row, int threads) {
+               int64_t half_step, int64_t bias_first, float *out, int64_t out_head, int64_t out_row, int threads) {
     int64_t groups = dim / group, vectors = dim / LANES, per_group = group / LANES, packed = dim * bits / 8;
+    halves at = {packed, half_step, bias_first};
     int64_t tiles = (t + TILE - 1) / TILE;
 #pragma omp parallel for num_threads(threads) schedule(static) if (heads * t > 4 * TILE)
     for (int64_t task = 0; task < heads * tiles; task++) {
@@ -146,8 +159,8 @@ void kv_scores(const float *q, int64_t q_head, int64_t q_row, int64_t heads, int
                             dot += qv[v + 1] * widened(b >> 4);
                         }
                     }
-                    score += half_at(row, packed, g) * dot;
-                    biased += half_at(row, packed, groups + g) * sums[g];
+                    score += scale_of(row, at, g) * dot;
+                    biased += bias_of(row, at, g) * sums[g];
                 }
                 o[k] = lanes_sum(score) + biased;
             }
@@ -159,8 +172,9 @@ void kv_scores(const float *q, int64_t q_head, int64_t q_row, int64_t heads, int
    block of `block` keys: out [heads, blocks, n, dim], contiguous. */
 void kv_block_sums(const float *w, int64_t w_head, int64_t w_row, int64_t heads, int64_t n, int64_t dim,
                    const uint8_t *stored, int64_t head_bytes, int64_t row_bytes, int64_t t, int bits, int64_t group,
-                   int64_t block, float *out, int threads) {
+                   int64_t half_step, int64_t bias_first, int64_t block, float *out, int threads) {
     int64_t groups = dim / group, vectors = dim / LANES, per_group = group / LANES, packed = dim * bits / 8;
+    halves at = {packed, half_step, bias_first};
     int64_t blocks = (t + block - 1) / block;
 #pragma omp parallel for num_threads(threads) schedule(static) if (heads * t > 4 * TILE)
     for (int64_t task = 0; task < heads * blocks; task++) {
@@ -176,7 +190,7 @@ void kv_block_sums(const float *w, int64_t w_head, int64_t w_row, int64_t heads,
                 floats x[MOST_VECTORS];
                 integers(row, bits, vectors, x);
                 for (int64_t g = 0; g < groups; g++) {
-                    float scale = half_at(row, packed, g), bias = half_at(row, packed, groups + g);
+                    float scale = scale_of(row, at, g), bias = bias_of(row, at, g);
                     for (int64_t i = 0; i < m; i++) {
                         float weight = w[h * w_head + (i0 + i) * w_row + k];
                         floats scaled = (floats){0} + weight * scale;
@@ -199,8 +213,10 @@ void kv_block_sums(const float *w, int64_t w_head, int64_t w_row, int64_t heads,
 
 /* Rows [0, t) decoded to floats (a prefill chunk's reading): head h's key k at out + h * out_head + k * out_row. */
 void kv_decode(const uint8_t *stored, int64_t head_bytes, int64_t row_bytes, int64_t heads, int64_t t, int64_t dim,
-               int bits, int64_t group, float *out, int64_t out_head, int64_t out_row, int threads) {
+               int bits, int64_t group, int64_t half_step, int64_t bias_first, float *out, int64_t out_head,
+               int64_t out_row, int threads) {
     int64_t groups = dim / group, vectors = dim / LANES, per_group = group / LANES, packed = dim * bits / 8;
+    halves at = {packed, half_step, bias_first};
     int64_t tiles = (t + TILE - 1) / TILE;
 #pragma omp parallel for num_threads(threads) schedule(static) if (heads * t > 4 * TILE)
     for (int64_t task = 0; task < heads * tiles; task++) {
@@ -211,7 +227,7 @@ void kv_decode(const uint8_t *stored, int64_t head_bytes, int64_t row_bytes, int
             floats x[MOST_VECTORS];
             integers(row, bits, vectors, x);
             for (int64_t g = 0; g < groups; g++) {
-                float scale = half_at(row, packed, g), bias = half_at(row, packed, groups + g);
+                float scale = scale_of(row, at, g), bias = bias_of(row, at, g);
                 for (int64_t v = g * per_group; v < (g + 1) * per_group; v++) x[v] = x[v] * scale + bias;
             }
             for (int64_t v = 0; v < vectors; v++)
