@@ -15,7 +15,8 @@ each storage's sessions took to prepare.
 On MLX, `int8-integers` and `int4-integers` (bench only) are int8 and int4 read as a GPU reads them whatever
 the device: attention over the integers (`mx.quantized_matmul`) in every pass (backends/mlx/kv_storage.py,
 `attends_integers`); `int8-dequantized` and `int4-dequantized` read the rows dequantized in every pass, decode
-too, where the CPU otherwise reads the integers cast at decode (`QuantizedRows.reading`). On torch, a storage
+too, where the CPU otherwise reads them in place at decode (`QuantizedRows.reading`); `int8-cast` and
+`int4-cast` read a decode pass's integers cast, as where kv_reading.c cannot be built. On torch, a storage
 with `-invariant` (`auto-invariant`, `int8-invariant`) computes batch-invariantly (--batch-invariant), and
 `int8-products` and `int4-products` (bench only) read the rows through torch's operations where kv_reading.c would
 (decode and prefill: backends/torch/integer_reading.py).
@@ -36,7 +37,7 @@ from kvfork.backends.default_model import default_model_dir
 
 CHUNK = 512
 ROWS = (1, 4)
-READINGS = ("-integers", "-dequantized")  # bench-only suffixes of an MLX storage's name
+READINGS = ("-integers", "-dequantized", "-cast")  # bench-only suffixes of an MLX storage's name
 INVARIANT = "-invariant"  # a torch storage computed batch-invariantly
 PRODUCTS = "-products"  # a torch storage read through torch's products, not kv_reading.c
 SUFFIX = 32  # tokens prefilled after a cached prefix of --context less twice as many
@@ -45,8 +46,8 @@ SUFFIX = 32  # tokens prefilled after a cached prefix of --context less twice as
 @contextlib.contextmanager
 def reading(suffix: str):
     """Quantized storages loaded within read their rows as `suffix` says. MLX: "-integers" as integers in every
-    pass, on any device; "-dequantized" dequantized in every pass that would read them cast. torch: "-products"
-    through torch's products."""
+    pass, on any device; "-dequantized" dequantized in every pass that would read them in place; "-cast" a
+    decode pass's integers cast. torch: "-products" through torch's products."""
     if suffix == PRODUCTS:
         from kvfork.backends.torch import integer_reading
 
@@ -65,17 +66,20 @@ def reading(suffix: str):
     class Dequantized(kv_storage.QuantizedRows):
         def reading(self, queries, keys, values):
             chosen = super().reading(queries, keys, values)
-            return kv_storage.Reading.ROWS if chosen is kv_storage.Reading.CAST else chosen
+            return kv_storage.Reading.ROWS if chosen is kv_storage.Reading.IN_PLACE else chosen
 
-    device_choice, rows = kv_storage.attends_integers, kv_storage.QuantizedRows
+    device_choice, rows, kernel = kv_storage.attends_integers, kv_storage.QuantizedRows, kv_storage.in_place_kernel
     if suffix == "-integers":
         kv_storage.attends_integers = lambda: True
+    elif suffix == "-cast":
+        kv_storage.in_place_kernel = lambda dims: None
     else:
         kv_storage.QuantizedRows = Dequantized  # type: ignore[misc]
     try:
         yield
     finally:
         kv_storage.attends_integers, kv_storage.QuantizedRows = device_choice, rows  # type: ignore[misc]
+        kv_storage.in_place_kernel = kernel
 
 
 def prepared(backend: str, model: str, storage: str, tokens: list[int]):

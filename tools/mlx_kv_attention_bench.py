@@ -15,8 +15,10 @@
   (`QuantizedRows.dequantized`: the whole layer's keys and values as float32, element by element), then
   `mx.fast.scaled_dot_product_attention` over them;
 - `int8`, `int4` mx.dequantize: the same through MLX's `mx.dequantize` kernel;
-- `int8`, `int4` cast: the stored rows read as the MLX backend reads them at decode on the CPU
-  (backends/mlx/cast_attention.py: the integers cast, the scales and biases applied to scores and weights).
+- `int8`, `int4` in place: the stored rows read as the MLX backend reads them at decode on the CPU, by
+  kv_reading.c where they lie (backends/mlx/cpu_attention.py; skipped where it cannot be built);
+- `int8`, `int4` cast: its reading without the kernel (the integers cast, the scales and biases applied to scores
+  and weights).
 
 The default shape is the default model's (SmolLM2-135M: 9 query heads over 3 KV heads of 64). The cases
 alternate their order each round, so a busy moment of a shared machine lands on each alike; prints each
@@ -32,7 +34,8 @@ import time
 import mlx.core as mx
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
-from kvfork.backends.mlx import cast_attention
+from kvfork.backends import kv_reading
+from kvfork.backends.mlx import cpu_attention
 from kvfork.backends.mlx.kv_storage import QuantizedRows, Reading
 
 STEP = 256  # mlx-lm's KVCache grows by this many positions
@@ -65,7 +68,11 @@ def cases_for(args, context: int, rows: int) -> dict:
         cases[f"int{bits} mx.dequantize"] = lambda s=stored, r=rows_of: mx.fast.scaled_dot_product_attention(
             queries, *(mx.dequantize(*r.parts(side[live]), group_size=r.group, bits=r.bits, dtype=mx.float32)
                        for side in s), scale=scale, mask=None)
-        cases[f"int{bits} cast"] = lambda s=stored, r=rows_of, bits=bits: cast_attention.attention(
+        if kv_reading.library() is not None:
+            in_place = QuantizedRows(bits, args.group, mx.float32, integer_attention=False, kernel=kv_reading.library())
+            cases[f"int{bits} in place"] = lambda s=stored, r=in_place, bits=bits: cpu_attention.attention(
+                queries, *(r.attended(side[live], Reading.IN_PLACE) for side in s), scale, None, args.group, bits)
+        cases[f"int{bits} cast"] = lambda s=stored, r=rows_of, bits=bits: cpu_attention.attention(
             queries, *(r.attended(side[live], Reading.CAST) for side in s), scale, None, args.group, bits)
         cases[f"int{bits} copy"] = lambda s=stored, r=rows_of: [mx.contiguous(a) for side in s
                                                                  for a in r.parts(side[live])]

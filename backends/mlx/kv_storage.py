@@ -12,10 +12,10 @@ knowing what a row holds.
   as mlx-lm's `QuantizedKVCache` groups them. On a GPU attention reads the integers directly: for the
   pass, the cache has `bits` and `group_size`, so mlx-lm's attention takes its
   `quantized_scaled_dot_product_attention` (`mx.quantized_matmul`). On the CPU, where that kernel is
-  slow, a decode pass (one query a row) reads the integers cast to floats, the scales and biases applied
-  to the scores and the weights (cast_attention.py, which routes mlx-lm's quantized attention there), and a
-  prefill or verify pass reads the rows dequantized through `mx.fast.scaled_dot_product_attention`
-  (`QuantizedRows.reading`).
+  slow, a decode pass (one query a row) reads the rows in place through kv_reading.c, or where it cannot be
+  built their integers cast to floats, the scales and biases applied to the scores and the weights
+  (cpu_attention.py, which routes mlx-lm's quantized attention there), and a prefill or verify pass reads the
+  rows dequantized through `mx.fast.scaled_dot_product_attention` (`QuantizedRows.reading`).
 
 The caches here (`StoredCache`) encode what a layer writes and hand attention what it reads from the
 stored rows, the positions just written included, so what a query attends depends only on the stored
@@ -38,8 +38,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
+from kvfork.backends import kv_reading
 from kvfork.backends.base import KVStorage, KVStorageRefused
-from kvfork.backends.mlx.cast_attention import CastIntegers
+from kvfork.backends.mlx.cpu_attention import CastIntegers, StoredRows
 
 FLOAT16_MAX = 65504.0
 FLOATS = {"float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -55,7 +56,8 @@ class Reading(enum.Enum):
 
     ROWS = "the rows in the weights' dtype, through mx.fast.scaled_dot_product_attention"
     QUANTIZED_MATMUL = "the integers, through mlx-lm's quantized attention (mx.quantized_matmul)"
-    CAST = "the integers cast, the scales and biases applied to scores and weights (cast_attention.py)"
+    IN_PLACE = "the stored rows, read where they lie by kv_reading.c (cpu_attention.py)"
+    CAST = "the integers cast, the scales and biases applied to scores and weights (cpu_attention.py)"
 
 
 class FloatRows:
@@ -76,9 +78,11 @@ class FloatRows:
 
 
 class QuantizedRows:
-    def __init__(self, bits: int, group: int, compute: mx.Dtype, integer_attention: bool):
+    def __init__(self, bits: int, group: int, compute: mx.Dtype, integer_attention: bool,
+                 kernel: kv_reading.Library | None = None):
         self.bits, self.group, self.compute = bits, group, compute
         self.integer_attention = integer_attention  # every pass reads the integers (`attends_integers`)
+        self.kernel = kernel  # kv_reading.c, which then reads a decode pass's rows in place
 
     def row_bytes(self, dim: int) -> int:
         return dim * self.bits // 8 + 4 * (dim // self.group)  # the integers; a float16 scale and bias a group
@@ -112,24 +116,32 @@ class QuantizedRows:
     def reading(self, queries: int, keys: mx.array, values: mx.array) -> Reading:
         """How a pass of `queries` new positions a row, over these stored `keys` and `values`, reads them: the
         integers through `mx.quantized_matmul` in every pass where `integer_attention`; else one query a row
-        (decode) reads the integers cast (a span of keys at a time: `cast_attention.CHUNK_BYTES`), and more
-        (prefill, verify) the rows dequantized, but where that copy would pass DEQUANTIZED_BYTES: then the
-        integers through `mx.quantized_matmul` (docs/kv-budget.md)."""
+        (decode) reads the rows in place through the kernel, or without one the integers cast (a span of keys at
+        a time: `cpu_attention.CHUNK_BYTES`), and more (prefill, verify) the rows dequantized, but where that copy
+        would pass DEQUANTIZED_BYTES: then the integers through `mx.quantized_matmul` (docs/kv-budget.md)."""
         if self.integer_attention:
             return Reading.QUANTIZED_MATMUL
         if queries == 1:
-            return Reading.CAST
+            return Reading.CAST if self.kernel is None else Reading.IN_PLACE
         copy = sum(a.size // a.shape[-1] * self.dim(a.shape[-1]) for a in (keys, values)) * self.compute.size
         return Reading.QUANTIZED_MATMUL if copy > DEQUANTIZED_BYTES else Reading.ROWS
 
-    def attended(self, stored: mx.array, reading: Reading) -> mx.array | tuple[mx.array, mx.array, mx.array]:
-        """What attention reads: the dequantized rows, or the parts (`CastIntegers` to read them cast)."""
+    def attended(self, stored: mx.array, reading: Reading) -> mx.array | tuple:
+        """What attention reads: the dequantized rows, the stored ones (`StoredRows`), or the parts (`CastIntegers`
+        to read them cast)."""
         if reading is Reading.ROWS:
             return self.dequantized(stored)
+        if reading is Reading.IN_PLACE:
+            return StoredRows((stored, self.dim(stored.shape[-1]), self.kernel))
         return CastIntegers(self.parts(stored)) if reading is Reading.CAST else self.parts(stored)
 
 
 Storage = FloatRows | QuantizedRows
+
+
+def in_place_kernel(dims: tuple[int, ...]) -> kv_reading.Library | None:
+    """kv_reading.c where a decode pass reads the rows on the CPU and it takes heads of `dims`, else None."""
+    return None if attends_integers() or max(dims) > kv_reading.MOST_DIMS else kv_reading.library()
 
 
 def attends_integers() -> bool:
@@ -156,7 +168,8 @@ def storage_for(spec: KVStorage, compute: mx.Dtype, dims: tuple[int, ...]) -> St
     if spec.rotates_keys and dims[0] & (dims[0] - 1):
         raise KVStorageRefused(f"--kv-cache-dtype {spec.dtype}: head size {dims[0]} is not a power of two, "
                                "which its keys' Hadamard rotation needs")
-    return QuantizedRows(spec.bits, spec.group, compute, integer_attention=attends_integers())
+    return QuantizedRows(spec.bits, spec.group, compute, integer_attention=attends_integers(),
+                         kernel=in_place_kernel(dims))
 
 
 def row_bytes(storage: Storage | None, compute: mx.Dtype, dim: int) -> int:
@@ -175,8 +188,8 @@ class StoredCache:
         keys, values = super().update_and_fetch(  # type: ignore[misc]
             self.storage.encode(keys), self.storage.encode(values))
         reading = self.storage.reading(queries, keys, values)
-        # mlx-lm's attention sends a cache that has `bits` to its quantized attention (cast_attention.install
-        # routes CastIntegers from there): this pass's reading
+        # mlx-lm's attention sends a cache that has `bits` to its quantized attention (cpu_attention.install
+        # routes StoredRows and CastIntegers from there): this pass's reading
         if reading is Reading.ROWS:
             vars(self).pop("bits", None)
         else:

@@ -19,7 +19,7 @@ from mlx_lm.utils import load, load_model as lazy_model, sharded_load
 
 from kvfork.backends.base import (BackendRefused, KV_CACHE_DTYPES, KVCost, KVStorage, KVStorageRefused,
                                   LayerAttention, ModelInfo)
-from kvfork.backends.mlx import cast_attention, kv_storage, vision
+from kvfork.backends.mlx import cpu_attention, kv_storage, vision
 from kvfork.backends.mlx.kvcopy import STEP
 from kvfork.backends.mlx.recurrent import state_bytes
 from kvfork.backends.mlx.vision import MLXVisionReader
@@ -70,7 +70,7 @@ def load_model(folder: str, dtype: str | None, group: Any = None, spec: KVStorag
     storage = kv_storage.storage_for(spec, compute, heads[1:]) if heads else None
     if isinstance(storage, kv_storage.QuantizedRows):
         kv_storage.refuse_sinks(model, spec)
-        cast_attention.install()
+        cpu_attention.install()
     if storage is not None and spec.rotates_keys:
         kv_storage.rotate_keys(model, sum(layer.kind != "recurrent" for layer in layers), spec)
     facts = read_model_facts(path)

@@ -22,8 +22,9 @@ import mlx.nn as nn  # noqa: E402
 from mlx_lm.models import base as mlx_lm_base  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
+from kvfork.backends import kv_reading  # noqa: E402
 from kvfork.backends.base import KVStorage, KVStorageRefused  # noqa: E402
-from kvfork.backends.mlx import cast_attention, kv_storage  # noqa: E402
+from kvfork.backends.mlx import cpu_attention, kv_storage  # noqa: E402
 from kvfork.backends.mlx.backend import MLXBackend  # noqa: E402
 
 STORED = ("float16", "bfloat16", "int8", "int4")
@@ -147,79 +148,103 @@ def test_quantized_storage_is_refused_a_model_whose_attention_has_sinks():
     kv_storage.refuse_sinks(nn.Module(), KVStorage.named("int8"))
 
 
+def kernel_or_skip() -> kv_reading.Library:
+    library = kv_reading.library()
+    if library is None:
+        pytest.skip("kv_reading.c does not build here (no cc, or a CPU without AVX2)")
+    return library
+
+
 @pytest.mark.parametrize("bits,group,dim", [(8, 64, 64), (8, 32, 128), (4, 64, 64), (4, 32, 128)])
-@pytest.mark.parametrize("chunk_keys", [None, 7])
-def test_one_query_over_the_integers_cast_agrees_with_attention_over_the_dequantized_rows(bits, group, dim,
-                                                                                          chunk_keys, monkeypatch):
-    """The CPU's decode reading (cast_attention.py: the integers cast, scales and biases applied to scores and
-    weights), one group and several a row, 6 query heads over 2 KV heads, a batch of 3 rows two of them
-    left-padded (the boolean mask the batch caches make), an additive mask, and mlx-lm's "causal" and None, the
-    keys cast at once and 7 at a time (40 keys: the last span shorter): mx.fast.scaled_dot_product_attention's
-    output over the same rows dequantized, within the tolerance of two forms of one computation."""
-    if chunk_keys:
-        monkeypatch.setattr(cast_attention, "CHUNK_BYTES", 3 * 2 * dim * 4 * chunk_keys)
+@pytest.mark.parametrize("reading", ["in place", "cast", "cast, 7 keys a span"])
+def test_one_query_over_the_stored_rows_agrees_with_attention_over_the_dequantized_rows(bits, group, dim, reading,
+                                                                                         monkeypatch):
+    """The CPU's decode readings (cpu_attention.py: the rows read in place by kv_reading.c, or the integers cast;
+    scales and biases applied to scores and weights), one group and several a row, 6 query heads over 2 KV heads,
+    a batch of 3 rows two of them left-padded (the boolean mask the batch caches make), an additive mask, and
+    mlx-lm's "causal" and None, the rows a slice of a longer store (as a cache holds them), cast at once and 7
+    keys at a time (40 keys: the last span shorter): mx.fast.scaled_dot_product_attention's output over the same
+    rows dequantized, within the tolerance of two forms of one computation."""
+    if reading == "cast, 7 keys a span":
+        monkeypatch.setattr(cpu_attention, "CHUNK_BYTES", 3 * 2 * dim * 4 * 7)
+    kernel = kernel_or_skip() if reading == "in place" else None
     rng = np.random.default_rng(5)
-    storage = kv_storage.QuantizedRows(bits, group, mx.float32, integer_attention=False)
-    keys, values = (storage.encode(mx.array(rng.standard_normal((3, 2, 40, dim)) * 3 + 1, mx.float32))
+    storage = kv_storage.QuantizedRows(bits, group, mx.float32, integer_attention=False, kernel=kernel)
+    keys, values = (storage.encode(mx.array(rng.standard_normal((3, 2, 48, dim)) * 3 + 1, mx.float32))[..., :40, :]
                     for _ in range(2))
     queries = mx.array(rng.standard_normal((3, 6, 1, dim)), mx.float32)
-    assert storage.reading(1, keys, values) is kv_storage.Reading.CAST
-    cast = [storage.attended(side, kv_storage.Reading.CAST) for side in (keys, values)]
-    assert all(isinstance(side, cast_attention.CastIntegers) for side in cast)
+    chosen = storage.reading(1, keys, values)
+    assert chosen is (kv_storage.Reading.IN_PLACE if kernel else kv_storage.Reading.CAST)
+    read = [storage.attended(side, chosen) for side in (keys, values)]
+    assert all(isinstance(side, cpu_attention.StoredRows if kernel else cpu_attention.CastIntegers) for side in read)
     padded = (mx.arange(40)[None] >= mx.array([5, 17, 0])[:, None])[:, None, None]
     additive = mx.array(rng.standard_normal((3, 1, 1, 40)), mx.float32)
     for mask in (None, "causal", padded, additive):
-        got = cast_attention.attention(queries, *cast, dim**-0.5, mask, group, bits)
+        got = cpu_attention.attention(queries, *read, dim**-0.5, mask, group, bits)
         want = mx.fast.scaled_dot_product_attention(queries, storage.dequantized(keys), storage.dequantized(values),
                                                     scale=dim**-0.5, mask=None if isinstance(mask, str) else mask)
+        assert got.shape == want.shape and got.dtype == mx.float32
         assert_arrays_close(np.array(got), np.array(want), kind=Kind.FORMS, reductions=(dim, 40, 40))
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
-def test_attention_over_the_integers_and_over_the_dequantized_rows_agree(wide_model_dir, monkeypatch, dtype):
+@pytest.mark.parametrize("decode", ["in place", "cast"])
+def test_attention_over_the_integers_and_over_the_dequantized_rows_agree(wide_model_dir, monkeypatch, dtype, decode):
     """The GPU's reading (mx.quantized_matmul over the integers, mlx-lm's quantized attention: the cache has
     `bits`) and the CPU's (prefill over the rows dequantized, then scaled_dot_product_attention; decode over the
-    integers cast, which mlx-lm's attention reaches through cast_attention.install: mlx-lm's own quantized
-    attention is never called) of the same stored rows: the same logits within the tolerance of two forms of one
-    computation, and the same greedy tokens."""
-    runs, cast_passes, scores = {}, [], cast_attention.scores
+    rows read in place by kv_reading.c, or without it the integers cast, which mlx-lm's attention reaches through
+    cpu_attention.install: mlx-lm's own quantized attention is never called) of the same stored rows: the same
+    logits within the tolerance of two forms of one computation, and the same greedy tokens."""
+    if decode == "in place":
+        kernel_or_skip()
+    else:
+        monkeypatch.setattr(kv_storage, "in_place_kernel", lambda dims: None)
+    runs, decode_passes = {}, []
+    read = cpu_attention.read_in_place if decode == "in place" else cpu_attention.read_cast
     for integers in (True, False):
         monkeypatch.setattr(kv_storage, "attends_integers", lambda integers=integers: integers)
         if not integers:
-            monkeypatch.setattr(cast_attention, "MLX_LM_ATTENTION", None)  # a call would raise
-            monkeypatch.setattr(cast_attention, "scores", lambda *args: cast_passes.append(1) or scores(*args))
+            monkeypatch.setattr(cpu_attention, "MLX_LM_ATTENTION", None)  # a call would raise
+            monkeypatch.setattr(cpu_attention, read.__name__, lambda *args: decode_passes.append(1) or read(*args))
         b = load(wide_model_dir("llama"), dtype)
-        assert mlx_lm_base.quantized_scaled_dot_product_attention is cast_attention.attention
+        assert mlx_lm_base.quantized_scaled_dot_product_attention is cpu_attention.attention
         s, logits = fresh(b, prompt(300, seed=4), chunk=128)
         assert all(hasattr(c, "bits") == integers for c in s.caches)
         runs[integers] = b, logits, continue_greedy(b, s, logits, 6)
         release_all(b, s)
-    assert len(cast_passes) == 2 * 6  # 2 layers, 6 decode steps
+    assert len(decode_passes) == 2 * 6  # 2 layers, 6 decode steps
     (b, on_gpu, gpu_tokens), (_, on_cpu, cpu_tokens) = runs[True], runs[False]
     assert_close(b, on_cpu, on_gpu, Kind.FORMS, context=300)
     assert_greedy_close(b, cpu_tokens, gpu_tokens, Kind.FORMS, context=306)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_on_the_cpu_decode_reads_the_integers_cast_and_a_prefill_copy_past_its_bound_as_integers(bits, monkeypatch):
+def test_on_the_cpu_decode_reads_the_rows_in_place_and_a_prefill_copy_past_its_bound_as_integers(bits, monkeypatch):
     """A pass's reading is the cache's for that pass: mlx-lm's attention goes to its quantized attention where the
     cache has `bits`. On the CPU a prefill chunk reads the rows dequantized, unless that copy would pass
     DEQUANTIZED_BYTES: then the integers through mx.quantized_matmul, as on a GPU in every pass
-    (`attends_integers`); a decode step (one query a row) reads the integers cast (`CastIntegers`), a span at
-    a time, whatever the length."""
+    (`attends_integers`); a decode step (one query a row) reads the rows in place through kv_reading.c
+    (`StoredRows`), or without it the integers cast (`CastIntegers`), whatever the length."""
     x = mx.array(np.random.default_rng(1).standard_normal((1, 2, 8, 64)), mx.float32)
     for on_gpu in (False, True):
         cache = kv_storage.stored(KVCache(), kv_storage.QuantizedRows(bits, 64, mx.float32, integer_attention=on_gpu))
         keys, _ = cache.update_and_fetch(x[:, :, :5], x[:, :, :5])  # a prefill chunk
         assert hasattr(cache, "bits") == on_gpu and isinstance(keys, tuple) == on_gpu
         keys, _ = cache.update_and_fetch(x[:, :, 5:6], x[:, :, 5:6])  # a decode step
-        assert hasattr(cache, "bits") and isinstance(keys, cast_attention.CastIntegers) != on_gpu
+        assert hasattr(cache, "bits") and isinstance(keys, cpu_attention.CastIntegers) != on_gpu
         assert keys[0].shape[-2] == 6  # what was written before is read too
+    if kv_reading.library() is not None:
+        cache = kv_storage.stored(KVCache(), kv_storage.QuantizedRows(bits, 64, mx.float32, integer_attention=False,
+                                                                      kernel=kv_reading.library()))
+        cache.update_and_fetch(x[:, :, :5], x[:, :, :5])
+        keys, _ = cache.update_and_fetch(x[:, :, 5:6], x[:, :, 5:6])
+        assert isinstance(keys, cpu_attention.StoredRows) and keys[0].shape == (1, 2, 6, 64 * bits // 32 + 1)
+        assert keys[1] == 64 and keys[2] is kv_reading.library()
     cache = kv_storage.stored(KVCache(), kv_storage.QuantizedRows(bits, 64, mx.float32, integer_attention=False))
     monkeypatch.setattr(kv_storage, "DEQUANTIZED_BYTES", 2 * 2 * 5 * 64 * 4)  # keys and values, 2 heads of 64
     assert not isinstance(cache.update_and_fetch(x[:, :, :5], x[:, :, :5])[0], tuple)  # a copy at the bound
     keys, _ = cache.update_and_fetch(x[:, :, 5:6], x[:, :, 5:6])  # a decode step past it: cast
-    assert isinstance(keys, cast_attention.CastIntegers)
+    assert isinstance(keys, cpu_attention.CastIntegers)
     keys, _ = cache.update_and_fetch(x[:, :, 6:], x[:, :, 6:])  # two queries past it: the integers
     assert type(keys) is tuple and hasattr(cache, "bits")
     assert kv_storage.attends_integers() == (mx.default_device() == mx.gpu)
