@@ -146,14 +146,16 @@ def in_place_kernel(dims: tuple[int, ...]) -> kv_reading.Library | None:
 
 def attends_integers() -> bool:
     """Whether attention reads quantized rows as integers (`mx.quantized_matmul`) in every pass: on a GPU, where
-    its kernel is the fast one; on the CPU decode reads the integers cast and prefill the rows dequantized
-    (`QuantizedRows.reading`; docs/kv-budget.md has the measurements)."""
+    its kernel is the fast one; on the CPU decode reads the rows in place (or their integers cast) and prefill
+    the rows dequantized (`QuantizedRows.reading`; docs/kv-budget.md has the measurements)."""
     return mx.default_device() == mx.gpu
 
 
-def storage_for(spec: KVStorage, compute: mx.Dtype, dims: tuple[int, ...]) -> Storage | None:
+def storage_for(spec: KVStorage, compute: mx.Dtype, dims: tuple[int, ...], attended: bool = False) -> Storage | None:
     """The storage `spec` names for heads of `dims` (keys', values') computed in `compute`; None where the
-    caches keep mlx-lm's own (the weights' dtype). KVStorageRefused where MLX or the head size cannot take it."""
+    caches keep mlx-lm's own (the weights' dtype). `attended`: the storage a loaded model's attention reads,
+    given kv_reading.c where a decode pass reads its rows in place (`in_place_kernel`); a storage only priced
+    builds nothing. KVStorageRefused where MLX or the head size cannot take it."""
     if spec.dtype == "auto" or (spec.dtype in FLOATS and FLOATS[spec.dtype] == compute):
         return None
     if spec.dtype in FLOATS:
@@ -169,7 +171,7 @@ def storage_for(spec: KVStorage, compute: mx.Dtype, dims: tuple[int, ...]) -> St
         raise KVStorageRefused(f"--kv-cache-dtype {spec.dtype}: head size {dims[0]} is not a power of two, "
                                "which its keys' Hadamard rotation needs")
     return QuantizedRows(spec.bits, spec.group, compute, integer_attention=attends_integers(),
-                         kernel=in_place_kernel(dims))
+                         kernel=in_place_kernel(dims) if attended else None)
 
 
 def row_bytes(storage: Storage | None, compute: mx.Dtype, dim: int) -> int:

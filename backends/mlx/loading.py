@@ -67,7 +67,7 @@ def load_model(folder: str, dtype: str | None, group: Any = None, spec: KVStorag
     layers = layer_kinds(model)
     vocab_size, heads = _probe(model)
     compute = DTYPES[dtype]
-    storage = kv_storage.storage_for(spec, compute, heads[1:]) if heads else None
+    storage = kv_storage.storage_for(spec, compute, heads[1:], attended=True) if heads else None
     if isinstance(storage, kv_storage.QuantizedRows):
         kv_storage.refuse_sinks(model, spec)
         cpu_attention.install()

@@ -250,6 +250,22 @@ def test_on_the_cpu_decode_reads_the_rows_in_place_and_a_prefill_copy_past_its_b
     assert kv_storage.attends_integers() == (mx.default_device() == mx.gpu)
 
 
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_the_loaded_storage_reads_in_place_on_the_cpu_and_a_priced_one_builds_nothing(wide_model_dir, dtype,
+                                                                                       monkeypatch):
+    """The backend's load hands its caches' storage kv_reading.c on the CPU (a GPU reads the integers in every
+    pass); the price table's storages (`storages_bytes`, every dtype at every load) ask for no build."""
+    library = kernel_or_skip()
+    b = load(wide_model_dir("llama"), dtype)
+    s = b.open_session()
+    b.prefill([s], [prompt(20, seed=1)])
+    assert {c.storage.kernel for c in s.caches} == {None if kv_storage.attends_integers() else library}
+    release_all(b, s)
+    monkeypatch.setattr(kv_storage.kv_reading, "library", lambda: pytest.fail("a price built the kernel"))
+    for name in ("int8", "int4"):
+        assert kv_storage.storage_for(KVStorage.named(name), mx.float32, (64, 64)).kernel is None
+
+
 @pytest.fixture(params=STORED)
 def stored(request, wide_model_dir):
     """(arch, a loaded backend storing KV as the param says); llama and gemma3 (sliding rings)."""
