@@ -23,8 +23,8 @@ so the scales and biases multiply the scores and the weights, a query's width ea
   one in the low nibble: the low and the high nibbles are cast as two arrays of columns, read by the even and
   the odd dims.
 
-A pass whose dequantized copy would pass DEQUANTIZED_BYTES reads through `quantized_matmul` as before
-(`QuantizedRows.reading`). mlx-lm's attention (`mlx_lm.models.base.scaled_dot_product_attention`, which the
+A prefill or verify pass reads the rows dequantized, or through `quantized_matmul` where that copy would pass
+DEQUANTIZED_BYTES (`QuantizedRows.reading`). mlx-lm's attention (`mlx_lm.models.base.scaled_dot_product_attention`, which the
 models call) sends a cache that has `bits` to `quantized_scaled_dot_product_attention`, looked up in its module at
 call time: `install` puts `attention` there, which reads `StoredRows` and `CastIntegers` of one query a row so and
 hands anything else to mlx-lm's function. A `CastIntegers` is the (integers, scales, biases) that function takes,
@@ -48,8 +48,8 @@ CHUNK_BYTES = 2**20
 # threads spin, taking the cores from the BLAS threads of the layers between (a decode step at 2,048 tokens took
 # 286 ms on two threads against 58 ms on one; float32's took 66-72 ms)
 THREADS = 1
-# Keys whose weighted values kv_reading.c sums apart, the blocks' sums then added here (NumPy's pairwise sum):
-# shorter running sums round less than one over every key
+# Keys whose weighted values kv_reading.c sums apart, the blocks' sums then added here: shorter running sums round
+# less than one over every key
 BLOCK_TOKENS = 256
 # Each group's float16 scale and bias side by side after a row's integers, as `QuantizedRows` packs them: group g's
 # scale is float16 2g after the integers, its bias 2g + 1 (kv_reading.c's `halves`)
