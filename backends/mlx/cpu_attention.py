@@ -161,11 +161,13 @@ def read_in_place(queries: mx.array, q_keys: StoredRows, q_values: StoredRows, s
                    HALF_STEP, BIAS_FIRST, s.ctypes.data, n * t, t, THREADS)
     if isinstance(mask, mx.array):  # else "causal" or None: one query, the last position, attends every key
         m = np.asarray(mask)
-        s = np.where(m, s, np.finfo(np.float32).min) if m.dtype == np.bool_ else s + m
+        if m.dtype == np.bool_:
+            np.copyto(s, np.finfo(np.float32).min, where=~m)
+        else:
+            s += m
     s -= s.max(axis=-1, keepdims=True)
     np.exp(s, out=s)
     s /= s.sum(axis=-1, keepdims=True)
-    s = np.ascontiguousarray(s)
     blocks = np.empty((b * kv, -(-t // BLOCK_TOKENS), n, value_dim), np.float32)
     library.block_sums(s.ctypes.data, n * t, t, b * kv, n, value_dim, v.ctypes.data, v_head, v_row, t, bits, group,
                        HALF_STEP, BIAS_FIRST, BLOCK_TOKENS, blocks.ctypes.data, THREADS)
