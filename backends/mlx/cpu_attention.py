@@ -117,8 +117,8 @@ def weighted(w: mx.array, values: CastIntegers, bits: int, group: int) -> mx.arr
 
 
 def masked(s: mx.array, mask) -> mx.array:
-    """Scores [B, heads, 1, t] under mlx-lm's mask: a str is "causal", and one query, the last position, attends
-    every key."""
+    """Scores [B, heads, 1, t] (or a row of them that broadcasts) under mlx-lm's mask: a str is "causal", and one
+    query, the last position, attends every key."""
     if not isinstance(mask, mx.array):
         return s
     return mx.where(mask, s, mx.finfo(s.dtype).min) if mask.dtype == mx.bool_ else s + mask
@@ -148,9 +148,8 @@ def read_in_place(queries: mx.array, q_keys: StoredRows, q_values: StoredRows, s
     """Queries [B, heads, 1, dim] over stored keys and values read by kv_reading.c: [B, heads, 1, dim_v]."""
     (keys, dim, library), (values, value_dim, _) = q_keys, q_values
     queries = queries.astype(mx.float32)
-    if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
-        mask = mask.astype(mx.float32)  # additive
-    mx.eval(queries, keys, values, *([mask] if isinstance(mask, mx.array) else []))
+    additive = masked(mx.zeros((1, 1, 1, keys.shape[2]), mx.float32), mask)  # 0 where a key is attended
+    mx.eval(queries, keys, values, additive)
     b, heads = queries.shape[:2]
     (k, k_head, k_row), (v, v_head, v_row) = heads_of(np.asarray(keys)), heads_of(np.asarray(values))
     kv, t = k.shape[1], k.shape[2]
@@ -159,12 +158,7 @@ def read_in_place(queries: mx.array, q_keys: StoredRows, q_values: StoredRows, s
     s = np.empty((b, heads, 1, t), np.float32)
     library.scores(q.ctypes.data, n * dim, dim, b * kv, n, dim, k.ctypes.data, k_head, k_row, t, bits, group,
                    HALF_STEP, BIAS_FIRST, s.ctypes.data, n * t, t, THREADS)
-    if isinstance(mask, mx.array):  # else "causal" or None: one query, the last position, attends every key
-        m = np.asarray(mask)
-        if m.dtype == np.bool_:
-            np.copyto(s, np.finfo(np.float32).min, where=~m)
-        else:
-            s += m
+    s += np.asarray(additive)
     s -= s.max(axis=-1, keepdims=True)
     np.exp(s, out=s)
     s /= s.sum(axis=-1, keepdims=True)
