@@ -48,12 +48,13 @@ def give_back_free_heap() -> None:
 
 
 def cpu_flags() -> set[str]:
-    """The instruction-set flags the CPU reports (Linux), else none."""
+    """The instruction-set flags the CPU reports (Linux: x86's `flags`, Arm's `Features`), else none."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return set()
-    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
+    listed = (line.split(":", 1)[1] for line in text.splitlines() if line.startswith(("flags", "Features")))
+    return set(next(listed, "").split())
 
 
 def host_memory_bytes() -> int:

@@ -9,8 +9,8 @@
        score:  k . x = scale_g (k_g . q_g) + bias_g sum(k_g)
        values: sum_t w_t x_t = sum_t (w_t scale_t) q_t + sum_t w_t bias_t.
 
-   Vectors are GCC's and clang's vector extensions, with x86 intrinsics where the generic form compiles to
-   lane-by-lane code (widening bytes, a vector's sum); compiled for the CPU it runs on (-march=native). A key's
+   Vectors are GCC's and clang's vector extensions, with x86's or Arm's intrinsics where the generic form compiles
+   to lane-by-lane code (widening bytes, a vector's sum); compiled for the CPU it runs on (-march=native). A key's
    score is one fixed order of operations wherever the key stands, and a block's sum one fixed order over its
    keys, so any split of the rows into runs (a run starting at a block boundary) gives the same bits; the threads
    (OpenMP: under torch, torch's own runtime, loaded first) split the work by key tiles and blocks, never a sum. */
@@ -19,16 +19,20 @@
 #include <string.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
 #else
-#error "built for x86-64 with AVX2 or AVX-512 alone: elsewhere torch's products read the rows faster"
+#error "written for x86-64 with AVX2 or AVX-512 and for 64-bit Arm alone: elsewhere the backends read the rows"
 #endif
 
 /* LANES dims to a vector: the CPU's widest (a wider generic vector is split into pieces the compiler moves
    through memory: measured slower than torch's own products on AVX2) */
 #if defined(__AVX512F__)
 #define LANES 16
-#else
+#elif defined(__AVX2__)
 #define LANES 8
+#else /* Advanced SIMD (NEON), which every 64-bit Arm CPU has */
+#define LANES 4
 #endif
 typedef float floats __attribute__((vector_size(4 * LANES)));
 typedef uint8_t bytes __attribute__((vector_size(LANES)));
@@ -48,12 +52,21 @@ static inline floats widened(bytes b) {
 #elif defined(__AVX2__)
     __m128i x = _mm_loadl_epi64((const __m128i *)&b);
     return (floats)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x));
+#else
+    uint32_t four;
+    memcpy(&four, &b, 4);
+    uint16x8_t x = vmovl_u8(vreinterpret_u8_u32(vdup_n_u32(four)));
+    return (floats)vcvtq_f32_u32(vmovl_u16(vget_low_u16(x)));
 #endif
 }
 
 static inline float half_to_float(uint16_t h) {
 #if defined(__F16C__)
     return _cvtsh_ss(h);
+#elif defined(__aarch64__)
+    __fp16 x;
+    memcpy(&x, &h, 2);
+    return (float)x;
 #else /* AVX2 without F16C */
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
     if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24 */
@@ -89,6 +102,8 @@ static inline float bias_of(const uint8_t *row, halves at, int64_t g) {
 static inline float lanes_sum(floats x) {
 #if defined(__AVX512F__)
     return _mm512_reduce_add_ps((__m512)x);
+#elif defined(__aarch64__)
+    return vaddvq_f32((float32x4_t)x);
 #else
     float sum = 0;
     for (int lane = 0; lane < LANES; lane++) sum += x[lane];

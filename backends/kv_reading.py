@@ -9,9 +9,10 @@ an AMD EPYC with AVX-512, 2 threads, 3 key heads of 64, 2,048 keys: 100 us a lay
 280 us and float32 SDPA's 100 us; docs/kv-budget.md, "Speed"). No library ships such a kernel for the CPU (torch's
 `_weight_int8pack_mm` took 7x its float product here, MLX's CPU `quantized_matmul` 8x), so kvfork compiles its
 own: once per source and CPU, with the system's C compiler (`cc`), for the CPU it runs on, into
-$KVFORK_HOME/kernels. It is built for x86-64 with AVX2 or AVX-512 alone (`#error` elsewhere: an unvectorized
-build measured slower than torch's products). Where it cannot be built (no compiler, another CPU) the backends
-read the rows through their own array operations, the same values within float32 rounding.
+$KVFORK_HOME/kernels. It is written for x86-64 with AVX2 or AVX-512 and for 64-bit Arm's Advanced SIMD (NEON)
+alone (`#error` elsewhere: an unvectorized build measured slower than torch's products; the Arm build is checked
+under an emulator, its speed not measured). Where it cannot be built (no compiler, another CPU) the backends read
+the rows through their own array operations, the same values within float32 rounding.
 
 Its loops run on OpenMP (`libgomp.so.1`), on as many threads as the caller asks. torch's wheel has already
 loaded that runtime under that name, so under torch the kernel's threads are torch's own pool. A second OpenMP

@@ -18,25 +18,18 @@ from typing import Any, AsyncIterator
 import aiohttp
 import pytest
 
+from debian_packages import installed
+
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--no-first-run", "--remote-debugging-port=0", "--window-size=1100,1300")
 
 
 def chromium() -> str:
     """chromium's path: installed with apt first when missing and running as root; else the test skips."""
-    path = shutil.which("chromium")
-    if path is None and os.geteuid() == 0 and shutil.which("apt-get"):
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        for command in (["apt-get", "install", "-y", "chromium"], ["apt-get", "update"],
-                        ["apt-get", "install", "-y", "chromium"]):
-            subprocess.run(command, env=env, capture_output=True, timeout=900, check=False)
-            path = shutil.which("chromium")
-            if path is not None:
-                break
-    if path is None:
+    if not installed(["chromium"], ["chromium"]):
         pytest.skip("Debian's chromium is not installed (`apt-get install -y chromium`), and the tests do not "
                     "run as root to install it")
-    return path
+    return shutil.which("chromium")
 
 
 class Page:

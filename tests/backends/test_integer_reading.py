@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 
+import arm_kernel
 import backend_fixtures
 from backend_fixtures import assert_greedy_close, continue_greedy, prompt
 from kvfork.backends import kv_reading
@@ -22,15 +23,20 @@ from tiny_models import write_model
 from tolerance import Kind, assert_arrays_close
 
 
-@pytest.fixture(scope="module", params=["native", "avx2"])
+@pytest.fixture(scope="module", params=["native", "avx2", "arm"])
 def kernel(request, tmp_path_factory) -> integer_reading.Kernel:
-    """The kernel built for this CPU, and for AVX2 alone (8 lanes to a vector, not AVX-512's 16) where this CPU
-    runs AVX2."""
+    """The kernel built for this CPU; for AVX2 alone (8 lanes to a vector, not AVX-512's 16) where this CPU runs
+    AVX2; and for 64-bit Arm (4 lanes) under an emulator where a cross compiler and qemu are installed."""
     if request.param == "native":
         built = integer_reading.kernel()
         if built is None:
-            pytest.skip("kv_reading.c does not build here (no cc, or a CPU without AVX2)")
+            pytest.skip("kv_reading.c does not build here (no cc, or a CPU it is not written for)")
         return built
+    if request.param == "arm":
+        emulated = arm_kernel.library(tmp_path_factory.mktemp("arm"))
+        if emulated is None:
+            pytest.skip(arm_kernel.MISSING)
+        return integer_reading.Kernel(emulated)  # type: ignore[arg-type]
     cc = shutil.which("cc")
     if cc is None or "avx2" not in cpu_flags():
         pytest.skip("no cc, or a CPU without AVX2")
@@ -137,7 +143,7 @@ def test_a_cpu_backend_reads_its_rows_through_the_kernel(dtype, tmp_path):
     """The backend's load hands its storage the kernel on the CPU, and a session's greedy decode there answers as
     the same backend reading through torch's products."""
     if integer_reading.kernel() is None:
-        pytest.skip("kv_reading.c does not build here (no cc, or a CPU without AVX2)")
+        pytest.skip("kv_reading.c does not build here (no cc, or a CPU it is not written for)")
     folder = str(write_model(tmp_path, "llama", head_dim=64))
     greedy = {}
     for reading in ("kernel", "products"):

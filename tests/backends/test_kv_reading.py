@@ -7,10 +7,11 @@ from __future__ import annotations
 import logging
 import shutil
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 
-from kvfork.backends import kv_reading
+from kvfork.backends import device_memory, kv_reading
 
 
 def test_where_it_cannot_be_built_the_log_says_why(monkeypatch, caplog, tmp_path):
@@ -50,3 +51,15 @@ def test_a_build_is_named_by_its_source_and_cpu_used_again_and_replaces_the_othe
     other = kv_reading.build(cc, tmp_path)
     assert other != first and len(calls) == 2
     assert [p.name for p in tmp_path.iterdir()] == [other.name]  # the earlier build is removed
+
+
+@pytest.mark.parametrize("cpuinfo,flags", [
+    ("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f\nbugs\t\t: spectre_v1\n", {"fpu", "sse", "avx2", "avx512f"}),
+    ("processor\t: 0\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd sve\nCPU part\t: 0xd40\n", {"fp", "asimd", "sve"}),
+    ("processor\t: 0\n", set())])
+def test_a_build_is_named_by_the_instruction_sets_x86_or_arm_lists(monkeypatch, cpuinfo, flags):
+    """A build for -march=native runs only on CPUs with what it was built for: its name holds the CPU's
+    instruction sets, x86's `flags` line or Arm's `Features`."""
+    monkeypatch.setattr(device_memory, "Path", lambda path: SimpleNamespace(read_text=lambda: cpuinfo))
+    assert device_memory.cpu_flags() == flags
+    assert kv_reading.cpu_identity().split()[1:] == sorted(flags)

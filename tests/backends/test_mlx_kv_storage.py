@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import arm_kernel
 import backend_fixtures
 from backend_fixtures import assert_close, assert_greedy_close, continue_greedy, fresh, lent, prompt, release_all
 from tiny_hybrid_models import write_hybrid_model
@@ -151,15 +152,24 @@ def test_quantized_storage_is_refused_a_model_whose_attention_has_sinks():
 def kernel_or_skip() -> kv_reading.Library:
     library = kv_reading.library()
     if library is None:
-        pytest.skip("kv_reading.c does not build here (no cc, or a CPU without AVX2)")
+        pytest.skip("kv_reading.c does not build here (no cc, or a CPU it is not written for)")
     return library
 
 
+@pytest.fixture(scope="module")
+def arm_library(tmp_path_factory) -> arm_kernel.EmulatedLibrary:
+    emulated = arm_kernel.library(tmp_path_factory.mktemp("arm"))
+    if emulated is None:
+        pytest.skip(arm_kernel.MISSING)
+    return emulated
+
+
 @pytest.mark.parametrize("bits,group,dim", [(8, 64, 64), (8, 32, 128), (4, 64, 64), (4, 32, 128)])
-@pytest.mark.parametrize("reading", ["in place", "cast", "cast, 7 keys a span"])
+@pytest.mark.parametrize("reading", ["in place", "in place, Arm", "cast", "cast, 7 keys a span"])
 def test_one_query_over_the_stored_rows_agrees_with_attention_over_the_dequantized_rows(bits, group, dim, reading,
-                                                                                         monkeypatch):
-    """The CPU's decode readings (cpu_attention.py: the rows read in place by kv_reading.c, or the integers cast;
+                                                                                         monkeypatch, request):
+    """The CPU's decode readings (cpu_attention.py: the rows read in place by kv_reading.c, built for this CPU or
+    for 64-bit Arm under an emulator, or the integers cast;
     scales and biases applied to scores and weights), one group and several a row, 6 query heads over 2 KV heads,
     a batch of 3 rows two of them left-padded (the boolean mask the batch caches make), an additive mask, and
     mlx-lm's "causal" and None, the rows a slice of a longer store (as a cache holds them), cast at once and 7
@@ -167,7 +177,11 @@ def test_one_query_over_the_stored_rows_agrees_with_attention_over_the_dequantiz
     rows dequantized, within the tolerance of two forms of one computation."""
     if reading == "cast, 7 keys a span":
         monkeypatch.setattr(cpu_attention, "CHUNK_BYTES", 3 * 2 * dim * 4 * 7)
-    kernel = kernel_or_skip() if reading == "in place" else None
+    kernel = None
+    if reading == "in place":
+        kernel = kernel_or_skip()
+    elif reading == "in place, Arm":
+        kernel = request.getfixturevalue("arm_library")
     rng = np.random.default_rng(5)
     storage = kv_storage.QuantizedRows(bits, group, mx.float32, integer_attention=False, kernel=kernel)
     keys, values = (storage.encode(mx.array(rng.standard_normal((3, 2, 48, dim)) * 3 + 1, mx.float32))[..., :40, :]
