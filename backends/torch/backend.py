@@ -24,7 +24,7 @@ from kvfork.backends.base import (Backend, BatchFailed, BlockStats, KVStorage, K
 from kvfork.backends.device_memory import DeviceMemory, cpu_memory, cuda_memory
 from kvfork.backends.model_info import ModelFacts, read_model_facts
 from kvfork.backends.model_path import resolve_model
-from kvfork.backends.torch import hybrid, images, kv, kv_storage, loading, parallel, sampling, saved
+from kvfork.backends.torch import hybrid, images, kv, kv_storage, loading, ordered_attention, parallel, sampling, saved
 from kvfork.backends.torch.config import ArchConfig, HybridConfig
 from kvfork.backends.torch.gated_delta import RecurrentState
 from kvfork.backends.torch.hybrid import HybridTransformer
@@ -136,6 +136,15 @@ class TorchBackend(Backend):
                                  self.device)
         self.info = loading.describe(self.cfg, name, facts, self.dtype, self.device, self.clone_mode == "share",
                                      storage, self.kv_storage)
+
+    @property
+    def state_format(self) -> str:
+        """Under --batch-invariant a state's bits are those of the attention reading that computed it
+        (ordered_attention: kv_reading.c's where it reads the stored rows, torch's products elsewhere), so each
+        reading names its own files."""
+        if self.batch_invariant and ordered_attention.reads_in_place(self.pool.storage):
+            return f"{super().state_format}, rows read in place"
+        return super().state_format
 
     def memory(self, step_tokens: int) -> DeviceMemory:
         """On CUDA the device's own memory, with a step's activation peak measured as vLLM profiles it."""

@@ -120,6 +120,7 @@ class Storage:
     # rows computed and read batch-invariantly (--batch-invariant): the rotation as `turned`, attention by
     # ordered_attention.py
     invariant: bool = False
+    kernel: Kernel | None = None  # kv_reading.c, where it reads the stored rows (`Grouped` on the CPU)
 
     def width(self, head_dim: int) -> int:
         """Elements of a stored row holding one head's `head_dim` values."""

@@ -45,9 +45,10 @@ def attend(q: torch.Tensor, written: Sequence[tuple[Segments, int | None]], span
     run is the same store (clones of one prefix, and the session they were cloned from) read its whole blocks
     together. Returns [tokens, heads, head_dim]."""
     out: list[torch.Tensor | None] = [None] * len(written)
+    read = in_place if reads_in_place(storage) else ordered
     groups: dict[int, list[int]] = {}
     for i, ((runs, _), span) in enumerate(zip(written, spans)):
-        if span.stop - span.start == 1:
+        if span.stop - span.start == 1 and read is ordered:
             groups.setdefault(runs[0][0].data_ptr(), []).append(i)
     for group in groups.values():
         shared = min(shareable(written[i][0]) for i in group)
@@ -58,8 +59,54 @@ def attend(q: torch.Tensor, written: Sequence[tuple[Segments, int | None]], span
                 out[i] = row
     for i, ((runs, _), span, start) in enumerate(zip(written, spans, starts)):
         if out[i] is None:
-            out[i] = ordered(q[:, span], runs, start, scale, storage)
+            out[i] = read(q[:, span], runs, start, scale, storage)
     return torch.cat(out)  # type: ignore[arg-type]
+
+
+def reads_in_place(storage: Storage) -> bool:
+    """Whether kv_reading.c reads the stored rows (int8 and int4 on the CPU, where it builds): `in_place`."""
+    return storage.kernel is not None
+
+
+def in_place(q: torch.Tensor, runs: Segments, start: int, scale: float, storage: Storage) -> torch.Tensor:
+    """`ordered`'s output, read by kv_reading.c where the rows lie: its score of a key for a query is one order
+    of operations whatever queries and keys a call is given, and so is its sum of a block's weighted values
+    (blocks from each run's start, a block boundary), so each column reads the keys it may see, with no floor of
+    columns, no whole blocks and no decoded copy; the sums of a block's weights and of the blocks are `halved`.
+    Returns [n, heads, head_dim]."""
+    heads, n, head_dim = q.shape
+    kv_heads = runs[0][0].shape[0]
+    group = heads // kv_heads
+    queries = by_key_head(q * scale, kv_heads)  # column c: the query at position start + c // group
+    out = q.new_empty(kv_heads, n * group, head_dim)
+    for first in range(0, n * group, COLUMNS):
+        columns = queries[:, first:first + COLUMNS]
+        c = columns.shape[1]
+        positions = start + torch.arange(first, first + c, device=q.device) // group
+        seen = first_keys(runs, int(positions[-1]) + 1)
+        scores = torch.cat([storage.scores(columns, k) for k, _ in seen], -1)  # [kv_heads, c, keys]
+        keys = scores.shape[-1]
+        scores.masked_fill_(torch.arange(keys, device=q.device) > positions[:, None], -math.inf)
+        weights = scores.sub_(scores.amax(-1, keepdim=True)).exp_()
+        sums, at = [], 0
+        for _, v in seen:
+            sums.append(storage.block_sums(weights[..., at:at + v.shape[1]], v, BLOCK_TOKENS))
+            at += v.shape[1]
+        blocks = -(-keys // BLOCK_TOKENS)
+        in_blocks_of = zero_padded(weights, 2, blocks * BLOCK_TOKENS).view(kv_heads, c, blocks, BLOCK_TOKENS)
+        weight_sums = halved(halved(in_blocks_of, 3)[..., 0], 2)  # [kv_heads, c, 1]
+        out[:, first:first + c] = halved(torch.cat(sums, 1), 1)[:, 0] / weight_sums
+    return out.view(kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, heads, head_dim).to(q.dtype)
+
+
+def first_keys(runs: Segments, count: int) -> Segments:
+    """The runs' first `count` keys and values, in runs."""
+    out = []
+    for k, v in runs:
+        if count > 0:
+            out.append((k[:, :count], v[:, :count]))
+            count -= out[-1][0].shape[1]
+    return out
 
 
 def ordered(q: torch.Tensor, runs: Segments, start: int, scale: float, storage: Storage) -> torch.Tensor:

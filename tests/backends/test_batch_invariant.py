@@ -16,9 +16,11 @@ import torch
 
 import backend_fixtures
 from kvfork.backends.base import KVStorage, KVStorageRefused
-from kvfork.backends.torch import ordered_attention
+from kvfork.backends.torch import integer_reading, kv_storage, ordered_attention
 from kvfork.backends.torch.backend import TorchBackend
+from kvfork.backends.torch.kv import BLOCK_TOKENS
 from tiny_models import REAL_WIDTHS, write_model
+from tolerance import Kind, assert_arrays_close
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(1, 250, 300)]
 OTHER = [int(t) for t in np.random.default_rng(4).integers(1, 250, 170)]
 STEPS = 6
@@ -102,3 +104,36 @@ def test_a_cpu_whose_products_sum_a_column_by_the_column_count_is_refused(model_
     monkeypatch.setattr(ordered_attention, "batched_product", by_column_count)
     with pytest.raises(KVStorageRefused, match=r"--batch-invariant: this CPU's matrix products sum a column .* at 100 "):
         load(model_dir, "auto")
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("start,n", [(0, 300), (517, 1), (700, 40)])
+def test_the_kernels_reading_attends_as_the_products_do(bits, start, n):
+    """ordered_attention.in_place (kv_reading.c reads the rows) and `ordered` (the rows decoded, MKL's products)
+    are two forms of one attention: a prefill chunk's queries and a decode row's, over keys in two runs (a
+    clone's), the same within float32 rounding; and `attend` takes the kernel's reading where the storage has
+    it."""
+    kernel = integer_reading.kernel()
+    if kernel is None:
+        pytest.skip("kv_reading.c does not build here")
+    gen = torch.Generator().manual_seed(bits + start)
+    with_kernel = kv_storage.Grouped(bits, 64, 64, torch.float32, kernel=kernel)
+    keys, values = (with_kernel.encode(torch.randn(3, start + n, 64, generator=gen) * 2) for _ in range(2))
+    cut = 2 * BLOCK_TOKENS if start + n > 2 * BLOCK_TOKENS else start + n
+    runs = [(keys[:, :cut], values[:, :cut]), (keys[:, cut:], values[:, cut:])][:1 if cut == start + n else 2]
+    q = torch.randn(9, n, 64, generator=gen)
+    got = ordered_attention.in_place(q, runs, start, 0.125, with_kernel)
+    want = ordered_attention.ordered(q, runs, start, 0.125, kv_storage.Grouped(bits, 64, 64, torch.float32))
+    assert_arrays_close(got.numpy(), want.numpy(), kind=Kind.FORMS, reductions=[64, start + n])
+    read = ordered_attention.attend(q, [(runs, None)], [slice(0, n)], [start], 0.125, with_kernel)
+    assert torch.equal(read, got)
+
+
+def test_a_state_computed_through_the_kernel_names_its_files_so(model_dir):
+    """The disk tier's fingerprint takes the backend's state format: under --batch-invariant the reading that
+    computed a state (kv_reading.c's or the products') is part of what its bits depend on."""
+    plain = load(model_dir, "int8", invariant=False).state_format
+    assert load(model_dir, "auto").state_format == plain == "TorchBackend"
+    if integer_reading.kernel() is not None:
+        assert load(model_dir, "int8").state_format == "TorchBackend, rows read in place"
