@@ -554,8 +554,7 @@ class Backend(abc.ABC):
     def set_batch_invariant(self, on: bool) -> None:
         """Before `load`: --batch-invariant; `load` raises KVStorageRefused where the model cannot take it."""
         if on:
-            raise KVStorageRefused(f"--batch-invariant: {type(self).__name__} does not compute batch-invariantly "
-                                   "(--backend torch does, on the CPU)")
+            raise KVStorageRefused(f"--batch-invariant: not on {type(self).__name__} (on the CPU, --backend torch)")
 
     def set_encoder_cache_bytes(self, nbytes: int) -> None:
         """Before `load`: bytes of encoder output kept for images sent again (--encoder-cache-bytes; 0: none)."""

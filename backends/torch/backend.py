@@ -138,13 +138,8 @@ class TorchBackend(Backend):
                                      storage, self.kv_storage)
 
     @property
-    def state_format(self) -> str:
-        """Under --batch-invariant a state's bits are those of the attention reading that computed it
-        (ordered_attention: kv_reading.c's where it reads the stored rows, torch's products elsewhere), so each
-        reading names its own files."""
-        if self.batch_invariant and ordered_attention.reads_in_place(self.pool.storage):
-            return f"{super().state_format}, rows read in place"
-        return super().state_format
+    def state_format(self) -> str:  # under --batch-invariant, with the reading its bits depend on
+        return super().state_format + ordered_attention.reading_name(self.pool.storage)
 
     def memory(self, step_tokens: int) -> DeviceMemory:
         """On CUDA the device's own memory, with a step's activation peak measured as vLLM profiles it."""

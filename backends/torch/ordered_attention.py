@@ -68,6 +68,12 @@ def reads_in_place(storage: Storage) -> bool:
     return storage.kernel is not None
 
 
+def reading_name(storage: Storage) -> str:
+    """What names a saved state's reading where its bits depend on it (a batch-invariant storage's: `in_place`'s
+    are not `ordered`'s), so the disk tier keeps each one's files apart."""
+    return ", rows read in place" if storage.invariant and reads_in_place(storage) else ""
+
+
 def in_place(q: torch.Tensor, runs: Segments, start: int, scale: float, storage: Storage) -> torch.Tensor:
     """`ordered`'s output, read by kv_reading.c where the rows lie: its score of a key for a query is one order
     of operations whatever queries and keys a call is given, and so is its sum of a block's weighted values

@@ -125,7 +125,7 @@ def test_serve_prints_what_it_loaded_and_where_and_stops_on_sigint(tiny_model_di
     ("mlx", 16, ["fp8"], "--kv-cache-dtype fp8: MLX has no such storage; choose int8 (as small, with a scale and bias "
                          "per group)"),
     ("mlx", 64, ["int8", "--batch-invariant"],
-     "--batch-invariant: MLXBackend does not compute batch-invariantly (--backend torch does, on the CPU)"),
+     "--batch-invariant: not on MLXBackend (on the CPU, --backend torch)"),
 ])
 def test_a_kv_cache_dtype_the_model_or_backend_cannot_take_exits_2_with_one_line(tiny_model_dir, tmp_path, backend,
                                                                                  head_dim, flags, says):
