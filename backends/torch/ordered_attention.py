@@ -16,6 +16,11 @@ Here every product is given shapes that do not depend on the pass:
 
 So a query gets the same bits in a prefill chunk of any length, in a decode row, in any batch, over keys in
 any runs, and beside the other decode rows that read their shared leading blocks together (`together`).
+
+Where kv_reading.c reads the stored rows (int8 and int4 on the CPU), `in_place` reads every pass through it
+instead: the kernel's orders are its own, fixed per key and per block, so no product's shape matters. A decode
+step then reads the integers where they lie (about half the products' step); a prefill chunk takes longer,
+since the kernel scores each query against each key alone (docs/kv-budget.md, "What it costs").
 """
 
 from __future__ import annotations
