@@ -112,12 +112,7 @@ def in_place(q: torch.Tensor, runs: Segments, start: int, scale: float, storage:
 
 def first_keys(runs: Segments, count: int) -> Segments:
     """The runs' first `count` keys and values, in runs."""
-    out = []
-    for k, v in runs:
-        if count > 0:
-            out.append((k[:, :count], v[:, :count]))
-            count -= out[-1][0].shape[1]
-    return out
+    return list(zip(first_blocks([k for k, _ in runs], count), first_blocks([v for _, v in runs], count)))
 
 
 def ordered(q: torch.Tensor, runs: Segments, start: int, scale: float, storage: Storage) -> torch.Tensor:
@@ -260,7 +255,8 @@ def in_blocks(runs: Segments, storage: Storage) -> tuple[list[torch.Tensor], lis
 
 
 def first_blocks(blocks: list[torch.Tensor], count: int) -> list[torch.Tensor]:
-    """The first `count` blocks of `in_blocks`'s list."""
+    """The first `count` entries along dim 1 of tensors that follow each other there: blocks of `in_blocks`'s
+    list, or a row's runs of keys."""
     out = []
     for part in blocks:
         if count > 0:
