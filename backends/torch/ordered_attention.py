@@ -42,6 +42,10 @@ PROBED_COLUMNS = (LEAST_COLUMNS, LEAST_COLUMNS + 1, 23, 32, 47, 64, 100, 255, 25
 # a block holds, so the working memory stays bounded (8 MiB at 8,000 keys)
 COLUMNS = 256
 
+# Bytes of scores `in_place` holds at once: fewer columns a pass where a row's keys are many (each column reads
+# its keys alone there, so how many pass together changes no bits)
+SCORE_BYTES = 32 << 20
+
 
 def attend(q: torch.Tensor, written: Sequence[tuple[Segments, int | None]], spans: Sequence[slice],
            starts: Sequence[int], scale: float, storage: Storage) -> torch.Tensor:
@@ -90,8 +94,9 @@ def in_place(q: torch.Tensor, runs: Segments, start: int, scale: float, storage:
     group = heads // kv_heads
     queries = by_key_head(q * scale, kv_heads)  # column c: the query at position start + c // group
     out = q.new_empty(kv_heads, n * group, head_dim)
-    for first in range(0, n * group, COLUMNS):
-        columns = queries[:, first:first + COLUMNS]
+    at_once = max(1, min(COLUMNS, SCORE_BYTES // (4 * kv_heads * (start + n))))
+    for first in range(0, n * group, at_once):
+        columns = queries[:, first:first + at_once]
         c = columns.shape[1]
         positions = start + torch.arange(first, first + c, device=q.device) // group
         seen = first_keys(runs, int(positions[-1]) + 1)

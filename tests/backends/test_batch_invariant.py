@@ -130,6 +130,24 @@ def test_the_kernels_reading_attends_as_the_products_do(bits, start, n):
     assert torch.equal(read, got)
 
 
+@pytest.mark.parametrize("score_bytes", [1, 4 * 3 * 760 * 7])
+def test_the_kernels_reading_holds_fewer_columns_at_once_where_keys_are_many_with_the_same_bits(monkeypatch,
+                                                                                               score_bytes):
+    """`in_place` bounds its scores' bytes (SCORE_BYTES) by reading fewer query columns a pass, one at a time or
+    7 here: each column reads its keys alone, so the output is the same bits."""
+    kernel = integer_reading.kernel()
+    if kernel is None:
+        pytest.skip("kv_reading.c does not build here")
+    gen = torch.Generator().manual_seed(1)
+    storage = kv_storage.Grouped(8, 64, 64, torch.float32, kernel=kernel)
+    keys, values = (storage.encode(torch.randn(3, 760, 64, generator=gen)) for _ in range(2))
+    runs = [(keys[:, :512], values[:, :512]), (keys[:, 512:], values[:, 512:])]
+    q = torch.randn(9, 60, 64, generator=gen)
+    whole = ordered_attention.in_place(q, runs, 700, 0.125, storage)
+    monkeypatch.setattr(ordered_attention, "SCORE_BYTES", score_bytes)
+    assert torch.equal(ordered_attention.in_place(q, runs, 700, 0.125, storage), whole)
+
+
 def test_a_state_computed_through_the_kernel_names_its_files_so(model_dir):
     """The disk tier's fingerprint takes the backend's state format: under --batch-invariant the reading that
     computed a state (kv_reading.c's or the products') is part of what its bits depend on."""
