@@ -19,7 +19,7 @@ any runs, and beside the other decode rows that read their shared leading blocks
 
 Where kv_reading.c reads the stored rows (int8 and int4 on the CPU), `in_place` reads every pass through it
 instead: the kernel's orders are its own, fixed per key and per block, so no product's shape matters. A decode
-step then reads the integers where they lie (about half the products' step); a prefill chunk takes longer,
+step then reads the integers where they lie (a third to two thirds of the products' step); a prefill chunk takes longer,
 since the kernel scores each query against each key alone (docs/kv-budget.md, "What it costs").
 """
 
