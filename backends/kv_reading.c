@@ -16,6 +16,7 @@
    (OpenMP: under torch, torch's own runtime, loaded first) split the work by key tiles and blocks, never a sum. */
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -41,8 +42,9 @@ enum {
     MOST_DIMS = 256,
     MOST_VECTORS = MOST_DIMS / LANES,
     MOST_GROUPS = 8, /* groups of 32 */
-    QUERIES_AT_ONCE = 16, /* a block's weighted values are summed for this many queries per pass over its rows */
+    QUERIES_AT_ONCE = 4, /* a block's weighted values are summed for this many queries per pass over its rows */
     TILE = 256,          /* keys a thread scores at a time */
+    SHARED_FROM = 4,     /* queries from which a key is read once for all of them (fewer: once for each) */
 };
 
 /* LANES bytes as floats: GCC does not vectorize this from the generic form (it converts lane by lane) */
@@ -111,6 +113,39 @@ static inline float lanes_sum(floats x) {
 #endif
 }
 
+/* lanes_sum of each of LANES vectors, lane k the sum of x[k]: the same terms meet in the same tree */
+static inline floats lanes_sums(const floats *x) {
+#if defined(__AVX512F__)
+    /* _mm512_reduce_add_ps's tree: lane i + lane i + 8, then + 4, + 2, + 1 (as GCC's and clang's headers write
+       it), for 16 vectors at once, two to four of them a register */
+    __m512 eighths[8], quarters[4], halves_[2];
+    for (int j = 0; j < 8; j++) {
+        __m512 a = (__m512)x[2 * j], b = (__m512)x[2 * j + 1];
+        eighths[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)),
+                                   _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)));
+    }
+    for (int j = 0; j < 4; j++) {
+        __m512 a = eighths[2 * j], b = eighths[2 * j + 1];
+        quarters[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)),
+                                    _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)));
+    }
+    for (int j = 0; j < 2; j++) {
+        __m512 a = quarters[2 * j], b = quarters[2 * j + 1];
+        halves_[j] = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(halves_[0], halves_[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_ps(halves_[0], halves_[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* lane 4c + r holds vector 4r + c's sum */
+    return (floats)_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
+                                         sums);
+#else
+    floats out;
+    for (int k = 0; k < LANES; k++) out[k] = lanes_sum(x[k]);
+    return out;
+#endif
+}
+
 /* A row's integers as `vectors` vectors of LANES dims. int4: vector 2j holds the even dims of dims
    [2 LANES j, 2 LANES (j + 1)) and vector 2j + 1 the odd ones (`lane_dim` says which dim a lane holds). */
 static inline bytes loaded(const uint8_t *row, int bits, int64_t v) {
@@ -135,94 +170,230 @@ static inline int64_t lane_dim(int bits, int64_t v, int64_t lane) {
     return bits == 8 ? LANES * v + lane : 2 * LANES * (v / 2) + 2 * lane + (v & 1);
 }
 
+/* A key's widened integers, and its groups' scales and biases */
+static inline void key_read(const uint8_t *row, int bits, int64_t vectors, int64_t groups, halves at, floats *x,
+                            float *scales, float *biases) {
+    integers(row, bits, vectors, x);
+    for (int64_t g = 0; g < groups; g++) {
+        scales[g] = scale_of(row, at, g);
+        biases[g] = bias_of(row, at, g);
+    }
+}
+
+/* A query's score of a key (`key_read`'s) but for the sum of its lanes, which `lanes_sum` (or `lanes_sums`)
+   adds to `*biased`: one order of operations wherever the key and the query stand */
+static inline floats key_score(const floats *qi, const float *sums, const floats *x, const float *scales,
+                               const float *biases, int64_t groups, int64_t per_group, float *biased) {
+    floats score = {0};
+    float b = 0;
+    for (int64_t g = 0; g < groups; g++) {
+        floats dot = {0};
+        for (int64_t v = g * per_group; v < (g + 1) * per_group; v++) dot += qi[v] * x[v];
+        score += scales[g] * dot;
+        b += biases[g] * sums[g];
+    }
+    *biased = b;
+    return score;
+}
+
+/* `key_score` read from the stored row as it goes, its integers widened in registers: the same operations in the
+   same order */
+static inline floats row_score(const floats *qi, const float *sums, const uint8_t *row, int bits, int64_t groups,
+                               int64_t per_group, halves at, float *biased) {
+    floats score = {0};
+    float b = 0;
+    for (int64_t g = 0; g < groups; g++) {
+        floats dot = {0};
+        /* int4: a group's vectors are whole pairs (group >= 32) */
+        for (int64_t v = g * per_group; v < (g + 1) * per_group; v += bits == 8 ? 1 : 2) {
+            bytes x = loaded(row, bits, v);
+            if (bits == 8) {
+                dot += qi[v] * widened(x);
+            } else {
+                dot += qi[v] * widened(x & 15);
+                dot += qi[v + 1] * widened(x >> 4);
+            }
+        }
+        score += scale_of(row, at, g) * dot;
+        b += bias_of(row, at, g) * sums[g];
+    }
+    *biased = b;
+    return score;
+}
+
 /* Scores of queries q (head h's query i at q + h * q_head + i * q_row, `dim` floats) against keys [0, t) (head
-   h's key k at stored + h * head_bytes + k * row_bytes): out + h * out_head + i * out_row + k. */
+   h's key k at stored + h * head_bytes + k * row_bytes): out + h * out_head + i * out_row + k. For SHARED_FROM
+   queries or more, LANES keys at a time are read once and scored for every query. */
 void kv_scores(const float *q, int64_t q_head, int64_t q_row, int64_t heads, int64_t n, int64_t dim,
                const uint8_t *stored, int64_t head_bytes, int64_t row_bytes, int64_t t, int bits, int64_t group,
                int64_t half_step, int64_t bias_first, float *out, int64_t out_head, int64_t out_row, int threads) {
     int64_t groups = dim / group, vectors = dim / LANES, per_group = group / LANES, packed = dim * bits / 8;
     halves at = {packed, half_step, bias_first};
     int64_t tiles = (t + TILE - 1) / TILE;
-#pragma omp parallel for num_threads(threads) schedule(static) if (heads * t > 4 * TILE)
-    for (int64_t task = 0; task < heads * tiles; task++) {
-        int64_t h = task / tiles, first = task % tiles * TILE, last = first + TILE < t ? first + TILE : t;
+    /* each query's vectors in the order a row's integers are loaded (`lane_dim`), and its groups' sums */
+    floats *qv = aligned_alloc(sizeof(floats), sizeof(floats) * heads * n * vectors);
+    float *sums = malloc(sizeof(float) * heads * n * groups);
+    if (!qv || !sums) abort();
+    for (int64_t h = 0; h < heads; h++)
         for (int64_t i = 0; i < n; i++) {
             const float *qi = q + h * q_head + i * q_row;
-            floats qv[MOST_VECTORS];
-            float sums[MOST_GROUPS];
+            floats *to = qv + (h * n + i) * vectors;
             for (int64_t v = 0; v < vectors; v++)
-                for (int64_t lane = 0; lane < LANES; lane++) qv[v][lane] = qi[lane_dim(bits, v, lane)];
+                for (int64_t lane = 0; lane < LANES; lane++) to[v][lane] = qi[lane_dim(bits, v, lane)];
             for (int64_t g = 0; g < groups; g++) {
                 float s = 0;
                 for (int64_t d = 0; d < group; d++) s += qi[g * group + d];
-                sums[g] = s;
+                sums[(h * n + i) * groups + g] = s;
             }
-            float *o = out + h * out_head + i * out_row;
-            for (int64_t k = first; k < last; k++) {
-                const uint8_t *row = stored + h * head_bytes + k * row_bytes;
-                floats score = {0};
-                float biased = 0;
-                for (int64_t g = 0; g < groups; g++) {
-                    floats dot = {0};
-                    /* int4: a group's vectors are whole pairs (group >= 32) */
-                    for (int64_t v = g * per_group; v < (g + 1) * per_group; v += bits == 8 ? 1 : 2) {
-                        bytes b = loaded(row, bits, v);
-                        if (bits == 8) {
-                            dot += qv[v] * widened(b);
-                        } else {
-                            dot += qv[v] * widened(b & 15);
-                            dot += qv[v + 1] * widened(b >> 4);
-                        }
-                    }
-                    score += scale_of(row, at, g) * dot;
-                    biased += bias_of(row, at, g) * sums[g];
+        }
+#pragma omp parallel for num_threads(threads) schedule(static) if (heads * t > 4 * TILE)
+    for (int64_t task = 0; task < heads * tiles; task++) {
+        int64_t h = task / tiles, first = task % tiles * TILE, last = first + TILE < t ? first + TILE : t;
+        if (n < SHARED_FROM) {
+            for (int64_t i = 0; i < n; i++) {
+                const floats *qi = qv + (h * n + i) * vectors;
+                const float *sums_i = sums + (h * n + i) * groups;
+                float *o = out + h * out_head + i * out_row, biased;
+                for (int64_t k = first; k < last; k++) {
+                    floats score = row_score(qi, sums_i, stored + h * head_bytes + k * row_bytes, bits, groups,
+                                             per_group, at, &biased);
+                    o[k] = lanes_sum(score) + biased;
                 }
-                o[k] = lanes_sum(score) + biased;
+            }
+            continue;
+        }
+        for (int64_t k0 = first; k0 < last; k0 += LANES) {
+            int64_t keys = last - k0 < LANES ? last - k0 : LANES;
+            floats x[LANES][MOST_VECTORS], score[LANES];
+            float scales[LANES][MOST_GROUPS], biases[LANES][MOST_GROUPS], biased[LANES];
+            for (int64_t k = 0; k < keys; k++)
+                key_read(stored + h * head_bytes + (k0 + k) * row_bytes, bits, vectors, groups, at, x[k], scales[k],
+                         biases[k]);
+            for (int64_t i = 0; i < n; i++) {
+                const floats *qi = qv + (h * n + i) * vectors;
+                const float *sums_i = sums + (h * n + i) * groups;
+                for (int64_t k = 0; k < keys; k++)
+                    score[k] = key_score(qi, sums_i, x[k], scales[k], biases[k], groups, per_group, &biased[k]);
+                float *o = out + h * out_head + i * out_row + k0;
+                if (keys == LANES) {
+                    floats summed = lanes_sums(score);
+                    for (int64_t k = 0; k < LANES; k++) o[k] = summed[k] + biased[k];
+                } else {
+                    for (int64_t k = 0; k < keys; k++) o[k] = lanes_sum(score[k]) + biased[k];
+                }
             }
         }
     }
+    free(qv);
+    free(sums);
+}
+
+/* Queries [0, M)'s weighted values (query i's weights at w + i * w_row) of vectors v and v + 1 (in group g) over
+   keys [first, last): sum[2 i], sum[2 i + 1], each lane added key by key; and where `biased` is not NULL, each
+   query's weighted biases of group g there, added key by key. M and bits are constants where it is inlined
+   (`weighted_pairs`), so the sums stay in registers. */
+static inline __attribute__((always_inline)) void weighted_pair(int M, int bits, const float *w, int64_t w_row,
+                                                               const uint8_t *rows, int64_t row_bytes,
+                                                               int64_t first, int64_t last, int64_t v, int64_t g,
+                                                               halves at, floats *sum, float *biased) {
+    floats acc[QUERIES_AT_ONCE][2];
+    float bias_acc[QUERIES_AT_ONCE];
+    for (int i = 0; i < M; i++) {
+        acc[i][0] = acc[i][1] = (floats){0};
+        bias_acc[i] = 0;
+    }
+    for (int64_t k = first; k < last; k++) {
+        const uint8_t *row = rows + k * row_bytes;
+        floats x0, x1;
+        if (bits == 8) {
+            x0 = widened(loaded(row, 8, v));
+            x1 = widened(loaded(row, 8, v + 1));
+        } else {
+            bytes b = loaded(row, 4, v);
+            x0 = widened(b & 15);
+            x1 = widened(b >> 4);
+        }
+        float scale = scale_of(row, at, g), bias = biased ? bias_of(row, at, g) : 0;
+        for (int i = 0; i < M; i++) {
+            float weight = w[i * w_row + k];
+            floats scaled = (floats){0} + weight * scale;
+            acc[i][0] += scaled * x0;
+            acc[i][1] += scaled * x1;
+            if (biased) bias_acc[i] += weight * bias;
+        }
+    }
+    for (int i = 0; i < M; i++) {
+        sum[2 * i] = acc[i][0];
+        sum[2 * i + 1] = acc[i][1];
+        if (biased) biased[i] = bias_acc[i];
+    }
+}
+
+static void weighted_pairs(int m, int bits, const float *w, int64_t w_row, const uint8_t *rows, int64_t row_bytes,
+                           int64_t first, int64_t last, int64_t v, int64_t g, halves at, floats *sum,
+                           float *biased) {
+#define PAIR(M, BITS) weighted_pair(M, BITS, w, w_row, rows, row_bytes, first, last, v, g, at, sum, biased)
+    switch (m * 16 + bits) {
+    case 1 * 16 + 8: PAIR(1, 8); break;
+    case 2 * 16 + 8: PAIR(2, 8); break;
+    case 3 * 16 + 8: PAIR(3, 8); break;
+    case 4 * 16 + 8: PAIR(4, 8); break;
+    case 1 * 16 + 4: PAIR(1, 4); break;
+    case 2 * 16 + 4: PAIR(2, 4); break;
+    case 3 * 16 + 4: PAIR(3, 4); break;
+    default: PAIR(4, 4); break;
+    }
+#undef PAIR
+}
+
+/* The sum of x's `count` floats as ordered_attention.halved adds them: zero-padded to a power of two, then each
+   half added to the other until one is left (`tree` holds that power of two's floats) */
+static float halved_sum(const float *x, int64_t count, float *tree, int64_t power) {
+    memcpy(tree, x, sizeof(float) * count);
+    memset(tree + count, 0, sizeof(float) * (power - count));
+    for (int64_t half = power / 2; half >= 1; half /= 2)
+        for (int64_t j = 0; j < half; j++) tree[j] = tree[j] + tree[j + half];
+    return tree[0];
 }
 
 /* Weights w (head h's query i's weight of key k at w + h * w_head + i * w_row + k) of values [0, t), summed per
-   block of `block` keys: out [heads, blocks, n, dim], contiguous. */
+   block of `block` keys: out [heads, blocks, n, dim], contiguous; and, where weight_sums is not NULL, each
+   block's sum of weights (`halved_sum`) there, [heads, blocks, n]. */
 void kv_block_sums(const float *w, int64_t w_head, int64_t w_row, int64_t heads, int64_t n, int64_t dim,
                    const uint8_t *stored, int64_t head_bytes, int64_t row_bytes, int64_t t, int bits, int64_t group,
-                   int64_t half_step, int64_t bias_first, int64_t block, float *out, int threads) {
+                   int64_t half_step, int64_t bias_first, int64_t block, float *out, float *weight_sums,
+                   int threads) {
     int64_t groups = dim / group, vectors = dim / LANES, per_group = group / LANES, packed = dim * bits / 8;
     halves at = {packed, half_step, bias_first};
-    int64_t blocks = (t + block - 1) / block;
+    int64_t blocks = (t + block - 1) / block, power = 1;
+    while (power < block) power *= 2;
 #pragma omp parallel for num_threads(threads) schedule(static) if (heads * t > 4 * TILE)
     for (int64_t task = 0; task < heads * blocks; task++) {
         int64_t h = task / blocks, b = task % blocks, first = b * block, last = first + block < t ? first + block : t;
+        const uint8_t *rows = stored + h * head_bytes;
+        float *tree = weight_sums ? malloc(sizeof(float) * power) : NULL;
+        if (weight_sums && !tree) abort();
         for (int64_t i0 = 0; i0 < n; i0 += QUERIES_AT_ONCE) {
             int64_t m = n - i0 < QUERIES_AT_ONCE ? n - i0 : QUERIES_AT_ONCE;
-            floats sum[QUERIES_AT_ONCE * MOST_VECTORS];
-            float biased[QUERIES_AT_ONCE * MOST_GROUPS];
-            memset(sum, 0, sizeof(floats) * m * vectors);
-            memset(biased, 0, sizeof(float) * m * groups);
-            for (int64_t k = first; k < last; k++) {
-                const uint8_t *row = stored + h * head_bytes + k * row_bytes;
-                floats x[MOST_VECTORS];
-                integers(row, bits, vectors, x);
-                for (int64_t g = 0; g < groups; g++) {
-                    float scale = scale_of(row, at, g), bias = bias_of(row, at, g);
-                    for (int64_t i = 0; i < m; i++) {
-                        float weight = w[h * w_head + (i0 + i) * w_row + k];
-                        floats scaled = (floats){0} + weight * scale;
-                        floats *s = sum + i * vectors;
-                        for (int64_t v = g * per_group; v < (g + 1) * per_group; v++) s[v] += scaled * x[v];
-                        biased[i * groups + g] += weight * bias;
-                    }
-                }
+            const float *wi = w + h * w_head + i0 * w_row;
+            float *o = out + ((h * blocks + b) * n + i0) * dim, biased[QUERIES_AT_ONCE];
+            for (int64_t v = 0; v < vectors; v += 2) {
+                floats sum[2 * QUERIES_AT_ONCE];
+                int64_t g = v / per_group;
+                /* a group's biases are added with its first pair (a group is whole pairs) */
+                weighted_pairs((int)m, bits, wi, w_row, rows, row_bytes, first, last, v, g, at, sum,
+                               v % per_group ? NULL : biased);
+                for (int64_t i = 0; i < m; i++)
+                    for (int64_t j = 0; j < 2; j++)
+                        for (int64_t lane = 0; lane < LANES; lane++)
+                            o[i * dim + lane_dim(bits, v + j, lane)] = sum[2 * i + j][lane] + biased[i];
             }
-            float *o = out + ((h * blocks + b) * n + i0) * dim;
-            for (int64_t i = 0; i < m; i++)
-                for (int64_t v = 0; v < vectors; v++)
-                    for (int64_t lane = 0; lane < LANES; lane++) {
-                        int64_t d = lane_dim(bits, v, lane);
-                        o[i * dim + d] = sum[i * vectors + v][lane] + biased[i * groups + d / group];
-                    }
+            if (weight_sums)
+                for (int64_t i = 0; i < m; i++)
+                    weight_sums[(h * blocks + b) * n + i0 + i] = halved_sum(wi + i * w_row + first, last - first, tree,
+                                                                            power);
         }
+        free(tree);
     }
 }
 

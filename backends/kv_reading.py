@@ -92,7 +92,7 @@ class Library:
         self.threaded = threaded
         self.scores, self.block_sums, self.decode = library.kv_scores, library.kv_block_sums, library.kv_decode
         self.scores.argtypes = [_P, _I, _I, _I, _I, _I, _P, _I, _I, _I, _C, _I, _I, _I, _P, _I, _I, _C]
-        self.block_sums.argtypes = [_P, _I, _I, _I, _I, _I, _P, _I, _I, _I, _C, _I, _I, _I, _I, _P, _C]
+        self.block_sums.argtypes = [_P, _I, _I, _I, _I, _I, _P, _I, _I, _I, _C, _I, _I, _I, _I, _P, _P, _C]
         self.decode.argtypes = [_P, _I, _I, _I, _I, _I, _C, _I, _I, _I, _P, _I, _I, _C]
         self.scores.restype = self.block_sums.restype = self.decode.restype = None
 

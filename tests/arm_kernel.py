@@ -38,34 +38,37 @@ class EmulatedLibrary:
     def __init__(self, program: Path):
         self.program = program
 
-    def _run(self, which: int, args: list[int], spans: dict[int, int], out: int) -> None:
+    def _run(self, which: int, args: list[int | None], spans: dict[int, int], outputs: tuple[int, ...]) -> None:
         sent = [spans.get(i, a) for i, a in enumerate(args)]
         data = struct.pack(f"<{1 + len(args)}q", which, *sent)
-        data += b"".join(ctypes.string_at(args[i], spans[i]) for i in sorted(spans))
+        data += b"".join(ctypes.string_at(args[i], spans[i]) for i in sorted(spans) if spans[i])
         got = subprocess.run([EMULATOR, str(self.program)], input=data, capture_output=True, check=True,
                              timeout=120).stdout
-        assert len(got) == spans[out]
-        ctypes.memmove(args[out], got, len(got))
+        assert len(got) == sum(spans[out] for out in outputs)
+        for out in outputs:
+            ctypes.memmove(args[out], got[:spans[out]], spans[out])
+            got = got[spans[out]:]
 
     def scores(self, *args: int) -> None:
         q, q_head, q_row, heads, n, dim, _, head_bytes, row_bytes, t, bits, group = args[:12]
         spans = {0: _floats(q_head, q_row, heads, n, dim),
                  6: _rows(head_bytes, row_bytes, heads, t, dim, bits, group),
                  14: _floats(args[15], args[16], heads, n, t)}
-        self._run(0, list(args), spans, 14)
+        self._run(0, list(args), spans, (14,))
 
-    def block_sums(self, *args: int) -> None:
+    def block_sums(self, *args: int | None) -> None:
         _, w_head, w_row, heads, n, dim, _, head_bytes, row_bytes, t, bits, group, _, _, block = args[:15]
+        blocks = -(-t // block)
         spans = {0: _floats(w_head, w_row, heads, n, t),
                  6: _rows(head_bytes, row_bytes, heads, t, dim, bits, group),
-                 15: 4 * heads * -(-t // block) * n * dim}
-        self._run(1, list(args), spans, 15)
+                 15: 4 * heads * blocks * n * dim, 16: 4 * heads * blocks * n if args[16] else 0}
+        self._run(1, list(args), spans, (15, 16))
 
     def decode(self, *args: int) -> None:
         _, head_bytes, row_bytes, heads, t, dim, bits, group = args[:8]
         spans = {0: _rows(head_bytes, row_bytes, heads, t, dim, bits, group),
                  10: _floats(args[11], args[12], heads, t, dim)}
-        self._run(2, list(args), spans, 10)
+        self._run(2, list(args), spans, (10,))
 
 
 def library(folder: Path) -> EmulatedLibrary | None:

@@ -164,7 +164,7 @@ def read_in_place(queries: mx.array, q_keys: StoredRows, q_values: StoredRows, s
     s /= s.sum(axis=-1, keepdims=True)
     blocks = np.empty((b * kv, -(-t // BLOCK_TOKENS), n, value_dim), np.float32)
     library.block_sums(s.ctypes.data, n * t, t, b * kv, n, value_dim, v.ctypes.data, v_head, v_row, t, bits, group,
-                       HALF_STEP, BIAS_FIRST, BLOCK_TOKENS, blocks.ctypes.data, THREADS)
+                       HALF_STEP, BIAS_FIRST, BLOCK_TOKENS, blocks.ctypes.data, None, THREADS)
     return mx.array(blocks.sum(axis=1).reshape(b, heads, 1, value_dim))
 
 

@@ -34,16 +34,18 @@ class Kernel:
                             out.stride(0), out.stride(1), self.threads())
         return out
 
-    def block_sums(self, w: torch.Tensor, stored: torch.Tensor, bits: int, group: int, dim: int,
-                   block: int) -> torch.Tensor:
+    def block_sums(self, w: torch.Tensor, stored: torch.Tensor, bits: int, group: int, dim: int, block: int,
+                   weight_sums: torch.Tensor | None = None) -> torch.Tensor:
         """Weights w [kv_heads, n, t] (float32) of stored values [kv_heads, t, width], summed per `block` keys:
-        [kv_heads, blocks, n, dim]."""
+        [kv_heads, blocks, n, dim]; where `weight_sums` [kv_heads, blocks, n] (float32, contiguous) is given, each
+        block's sum of weights is written there, added by halves (ordered_attention.halved's order)."""
         w = w if w.stride(-1) == 1 else w.contiguous()
         heads, n, t = w.shape
         out = w.new_empty(heads, -(-t // block), n, dim)
         self.library.block_sums(w.data_ptr(), w.stride(0), w.stride(1), heads, n, dim, stored.data_ptr(),
                                 stored.stride(0), stored.stride(1), t, bits, group, 1, dim // group, block,
-                                out.data_ptr(), self.threads())
+                                out.data_ptr(), None if weight_sums is None else weight_sums.data_ptr(),
+                                self.threads())
         return out
 
     def decode(self, stored: torch.Tensor, out: torch.Tensor, bits: int, group: int) -> None:

@@ -17,7 +17,7 @@ from backend_fixtures import assert_greedy_close, continue_greedy, prompt
 from kvfork.backends import kv_reading
 from kvfork.backends.base import KVStorage
 from kvfork.backends.device_memory import cpu_flags
-from kvfork.backends.torch import attention, integer_reading, kv, kv_storage
+from kvfork.backends.torch import attention, integer_reading, kv, kv_storage, ordered_attention
 from kvfork.backends.torch.backend import TorchBackend
 from tiny_models import write_model
 from tolerance import Kind, assert_arrays_close
@@ -89,6 +89,32 @@ def test_a_clone_reading_the_rows_in_runs_gets_the_bits_of_one_run(kernel, bits)
     cut = 5 * kv.BLOCK_TOKENS
     two, lse_two = attention.partial(q, [(k[:, :cut], v[:, :cut]), (k[:, cut:], v[:, cut:])], 0.125, storage)
     assert torch.equal(one, two) and torch.equal(lse, lse_two)
+
+
+@pytest.mark.parametrize("bits,group,head_dim", [(8, 64, 64), (8, 32, 128), (4, 64, 64), (4, 32, 128)])
+def test_a_querys_bits_do_not_depend_on_the_queries_beside_it(kernel, bits, group, head_dim):
+    """The kernel reads a key once for many queries (SHARED_FROM or more) and once for each otherwise: a query's
+    scores and a block's weighted values are the same bits alone, among a few and among many, wherever it
+    stands; and each block's sum of weights is ordered_attention.halved's (the exact mode's reading)."""
+    gen = torch.Generator().manual_seed(bits + group + head_dim)
+    storage = kv_storage.Grouped(bits, group, head_dim, torch.float32, kernel=kernel)
+    t = 2 * kv.BLOCK_TOKENS + 37  # keys in tiles of LANES and a remainder
+    keys, values = stored_rows(storage, 2, t, gen), stored_rows(storage, 2, t, gen)
+    q, w = torch.randn(2, 40, head_dim, generator=gen), torch.rand(2, 40, t, generator=gen)
+    blocks = -(-t // kv.BLOCK_TOKENS)
+    for n in (1, 3, 4, 17, 40):
+        for at in sorted({0, n - 1}):
+            column = torch.zeros(2, 1, 1, dtype=torch.long) + torch.arange(n).roll(at)[None, :, None]
+            chosen_q, chosen_w = q.gather(1, column.expand(-1, -1, head_dim)), w.gather(1, column.expand(-1, -1, t))
+            scores = kernel.scores(chosen_q, keys, bits, group)
+            weight_sums = torch.empty(2, blocks, n)
+            sums = kernel.block_sums(chosen_w, values, bits, group, head_dim, kv.BLOCK_TOKENS, weight_sums)
+            assert torch.equal(scores[:, at], kernel.scores(q[:, :1], keys, bits, group)[:, 0])
+            assert torch.equal(sums[:, :, at], kernel.block_sums(w[:, :1], values, bits, group, head_dim,
+                                                                 kv.BLOCK_TOKENS)[:, :, 0])
+            in_blocks = torch.nn.functional.pad(chosen_w, (0, blocks * kv.BLOCK_TOKENS - t))
+            halved = ordered_attention.halved(in_blocks.view(2, n, blocks, kv.BLOCK_TOKENS), 3)[..., 0]
+            assert torch.equal(weight_sums, halved.transpose(1, 2))
 
 
 def test_the_kernels_bits_do_not_depend_on_its_threads(kernel, monkeypatch):
