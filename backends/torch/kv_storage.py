@@ -357,6 +357,16 @@ class Grouped(Storage):
             return self.kernel.block_sums(w.float(), stored, self.bits, self.group, self.head_dim, size)
         return super().block_sums(w, stored, size)
 
+    def block_and_weight_sums(self, w: torch.Tensor, stored: torch.Tensor,
+                              size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`block_sums` and each block's sum of weights ([kv_heads, blocks, n], added by halves as
+        ordered_attention.halved adds), from the kernel's one pass over the weights: where it reads the rows."""
+        assert self.kernel is not None
+        heads, n, t = w.shape
+        weight_sums = w.new_empty(heads, -(-t // size), n, dtype=torch.float32)
+        return self.kernel.block_sums(w.float(), stored, self.bits, self.group, self.head_dim, size,
+                                      weight_sums), weight_sums
+
     def weighted(self, w: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
         scale, bias = self.scales(stored)  # [..., t, groups]
         unit = self.placed(stored.device)[1]

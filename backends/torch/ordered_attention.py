@@ -31,7 +31,7 @@ from typing import Sequence
 import torch
 
 from kvfork.backends.torch.kv import BLOCK_TOKENS, PIECE_TOKENS, Segments, own_runs, pieces, shareable
-from kvfork.backends.torch.kv_storage import (LEAST_COLUMNS, Storage, at_least_columns, batched_product,
+from kvfork.backends.torch.kv_storage import (LEAST_COLUMNS, Grouped, Storage, at_least_columns, batched_product,
                                              zero_padded)
 
 # Column counts `unordered_products` tries: LEAST_COLUMNS up to past COLUMNS, since the decode rows that read
@@ -89,6 +89,7 @@ def in_place(q: torch.Tensor, runs: Segments, start: int, scale: float, storage:
     (blocks from each run's start, a block boundary), so each column reads the keys it may see, with no floor of
     columns, no whole blocks and no decoded copy; the sums of a block's weights and of the blocks are `halved`.
     Returns [n, heads, head_dim]."""
+    assert isinstance(storage, Grouped)  # the kernel reads Grouped's rows (`reads_in_place`)
     heads, n, head_dim = q.shape
     kv_heads = runs[0][0].shape[0]
     group = heads // kv_heads
@@ -100,19 +101,26 @@ def in_place(q: torch.Tensor, runs: Segments, start: int, scale: float, storage:
         c = columns.shape[1]
         positions = start + torch.arange(first, first + c, device=q.device) // group
         seen = first_keys(runs, int(positions[-1]) + 1)
-        scores = torch.cat([storage.scores(columns, k) for k, _ in seen], -1)  # [kv_heads, c, keys]
-        keys = scores.shape[-1]
-        scores.masked_fill_(torch.arange(keys, device=q.device) > positions[:, None], -math.inf)
+        scores = joined([storage.scores(columns, k) for k, _ in seen], -1)  # [kv_heads, c, keys]
+        hidden = int(positions[0]) + 1  # the first key some column does not see
+        scores[..., hidden:].masked_fill_(torch.arange(hidden, scores.shape[-1], device=q.device) > positions[:, None],
+                                          -math.inf)
         weights = scores.sub_(scores.amax(-1, keepdim=True)).exp_()
-        sums, at = [], 0
+        sums, weight_sums, at = [], [], 0
         for _, v in seen:
-            sums.append(storage.block_sums(weights[..., at:at + v.shape[1]], v, BLOCK_TOKENS))
+            run = storage.block_and_weight_sums(weights[..., at:at + v.shape[1]], v, BLOCK_TOKENS)
+            sums.append(run[0])
+            weight_sums.append(run[1])
             at += v.shape[1]
-        blocks = -(-keys // BLOCK_TOKENS)
-        in_blocks_of = zero_padded(weights, 2, blocks * BLOCK_TOKENS).view(kv_heads, c, blocks, BLOCK_TOKENS)
-        weight_sums = halved(halved(in_blocks_of, 3)[..., 0], 2)  # [kv_heads, c, 1]
-        out[:, first:first + c] = halved(torch.cat(sums, 1), 1)[:, 0] / weight_sums
+        total = halved(joined(weight_sums, 1), 1)[:, 0, :, None]  # [kv_heads, c, 1]
+        out[:, first:first + c] = halved(joined(sums, 1), 1)[:, 0] / total
     return out.view(kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, heads, head_dim).to(q.dtype)
+
+
+def joined(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """The runs' parts as one tensor along `dim`: the only one as it is (a copy of a row's scores costs as much
+    as reading them)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
 def first_keys(runs: Segments, count: int) -> Segments:
