@@ -5,8 +5,8 @@ arrays' pointers and strides).
 Array libraries read such rows only after casting their integers to floats: a copy four times the rows' bytes
 that their products then read again. The kernel computes a decode row's scores and each block's weighted values
 from the integers, scales and biases in one pass over the rows, and decodes a prefill chunk's rows to floats (on
-an AMD EPYC with AVX-512, 2 threads, 3 key heads of 64, 2,048 keys: 100 us a layer against torch's products'
-280 us and float32 SDPA's 100 us; docs/kv-budget.md, "Speed"). No library ships such a kernel for the CPU (torch's
+an AMD EPYC with AVX-512, 2 threads, 3 key heads of 64, 2,048 keys: 85-120 us a layer against float32 SDPA's
+105-110 us, and torch's products' 280 us; docs/kv-budget.md, "Speed"). No library ships such a kernel for the CPU (torch's
 `_weight_int8pack_mm` took 7x its float product here, MLX's CPU `quantized_matmul` 8x), so kvfork compiles its
 own: once per source and CPU, with the system's C compiler (`cc`), for the CPU it runs on, into
 $KVFORK_HOME/kernels. It is written for x86-64 with AVX2 or AVX-512 and for 64-bit Arm's Advanced SIMD (NEON)

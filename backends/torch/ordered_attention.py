@@ -19,8 +19,8 @@ any runs, and beside the other decode rows that read their shared leading blocks
 
 Where kv_reading.c reads the stored rows (int8 and int4 on the CPU), `in_place` reads every pass through it
 instead: the kernel's orders are its own, fixed per key and per block, so no product's shape matters. A decode
-step then reads the integers where they lie (a third to two thirds of the products' step); a prefill chunk takes longer,
-since the kernel scores each query against each key alone (docs/kv-budget.md, "What it costs").
+step then reads the integers where they lie, in a third to a half of the products' step, and a prefill chunk takes
+about as long as theirs (docs/kv-budget.md, "What it costs").
 """
 
 from __future__ import annotations
