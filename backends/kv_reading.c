@@ -16,7 +16,6 @@
    (OpenMP: under torch, torch's own runtime, loaded first) split the work by key tiles and blocks, never a sum. */
 
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -45,6 +44,8 @@ enum {
     QUERIES_AT_ONCE = 4, /* a block's weighted values are summed for this many queries per pass over its rows */
     TILE = 256,          /* keys a thread scores at a time */
     SHARED_FROM = 4,     /* queries from which a key is read once for all of them (fewer: once for each) */
+    QUERY_CHUNK = 64,    /* queries a thread reads into vectors at a time (on its stack) */
+    MOST_TREE = 4096,    /* the most floats a block's sum of weights adds (`halved_sum`), on a thread's stack */
 };
 
 /* LANES bytes as floats: GCC does not vectorize this from the generic form (it converts lane by lane) */
@@ -221,71 +222,69 @@ static inline floats row_score(const floats *qi, const float *sums, const uint8_
     return score;
 }
 
+/* A query's vectors in the order a row's integers are loaded (`lane_dim`), and its groups' sums */
+static inline void query_read(const float *qi, int bits, int64_t vectors, int64_t groups, int64_t group, floats *qv,
+                              float *sums) {
+    for (int64_t v = 0; v < vectors; v++)
+        for (int64_t lane = 0; lane < LANES; lane++) qv[v][lane] = qi[lane_dim(bits, v, lane)];
+    for (int64_t g = 0; g < groups; g++) {
+        float s = 0;
+        for (int64_t d = 0; d < group; d++) s += qi[g * group + d];
+        sums[g] = s;
+    }
+}
+
 /* Scores of queries q (head h's query i at q + h * q_head + i * q_row, `dim` floats) against keys [0, t) (head
    h's key k at stored + h * head_bytes + k * row_bytes): out + h * out_head + i * out_row + k. For SHARED_FROM
-   queries or more, LANES keys at a time are read once and scored for every query. */
+   queries or more, LANES keys at a time are read once and scored for every query (QUERY_CHUNK at a time). */
 void kv_scores(const float *q, int64_t q_head, int64_t q_row, int64_t heads, int64_t n, int64_t dim,
                const uint8_t *stored, int64_t head_bytes, int64_t row_bytes, int64_t t, int bits, int64_t group,
                int64_t half_step, int64_t bias_first, float *out, int64_t out_head, int64_t out_row, int threads) {
     int64_t groups = dim / group, vectors = dim / LANES, per_group = group / LANES, packed = dim * bits / 8;
     halves at = {packed, half_step, bias_first};
     int64_t tiles = (t + TILE - 1) / TILE;
-    /* each query's vectors in the order a row's integers are loaded (`lane_dim`), and its groups' sums */
-    floats *qv = aligned_alloc(sizeof(floats), sizeof(floats) * heads * n * vectors);
-    float *sums = malloc(sizeof(float) * heads * n * groups);
-    if (!qv || !sums) abort();
-    for (int64_t h = 0; h < heads; h++)
-        for (int64_t i = 0; i < n; i++) {
-            const float *qi = q + h * q_head + i * q_row;
-            floats *to = qv + (h * n + i) * vectors;
-            for (int64_t v = 0; v < vectors; v++)
-                for (int64_t lane = 0; lane < LANES; lane++) to[v][lane] = qi[lane_dim(bits, v, lane)];
-            for (int64_t g = 0; g < groups; g++) {
-                float s = 0;
-                for (int64_t d = 0; d < group; d++) s += qi[g * group + d];
-                sums[(h * n + i) * groups + g] = s;
-            }
-        }
 #pragma omp parallel for num_threads(threads) schedule(static) if (heads * t > 4 * TILE)
     for (int64_t task = 0; task < heads * tiles; task++) {
         int64_t h = task / tiles, first = task % tiles * TILE, last = first + TILE < t ? first + TILE : t;
-        if (n < SHARED_FROM) {
-            for (int64_t i = 0; i < n; i++) {
-                const floats *qi = qv + (h * n + i) * vectors;
-                const float *sums_i = sums + (h * n + i) * groups;
-                float *o = out + h * out_head + i * out_row, biased;
-                for (int64_t k = first; k < last; k++) {
-                    floats score = row_score(qi, sums_i, stored + h * head_bytes + k * row_bytes, bits, groups,
-                                             per_group, at, &biased);
-                    o[k] = lanes_sum(score) + biased;
+        const uint8_t *rows = stored + h * head_bytes;
+        for (int64_t i0 = 0; i0 < n; i0 += QUERY_CHUNK) {
+            int64_t m = n - i0 < QUERY_CHUNK ? n - i0 : QUERY_CHUNK;
+            floats qv[QUERY_CHUNK][MOST_VECTORS];
+            float sums[QUERY_CHUNK][MOST_GROUPS];
+            for (int64_t i = 0; i < m; i++)
+                query_read(q + h * q_head + (i0 + i) * q_row, bits, vectors, groups, group, qv[i], sums[i]);
+            if (n < SHARED_FROM) {
+                for (int64_t i = 0; i < m; i++) {
+                    float *o = out + h * out_head + (i0 + i) * out_row, biased;
+                    for (int64_t k = first; k < last; k++) {
+                        floats score = row_score(qv[i], sums[i], rows + k * row_bytes, bits, groups, per_group, at,
+                                                 &biased);
+                        o[k] = lanes_sum(score) + biased;
+                    }
                 }
+                continue;
             }
-            continue;
-        }
-        for (int64_t k0 = first; k0 < last; k0 += LANES) {
-            int64_t keys = last - k0 < LANES ? last - k0 : LANES;
-            floats x[LANES][MOST_VECTORS], score[LANES];
-            float scales[LANES][MOST_GROUPS], biases[LANES][MOST_GROUPS], biased[LANES];
-            for (int64_t k = 0; k < keys; k++)
-                key_read(stored + h * head_bytes + (k0 + k) * row_bytes, bits, vectors, groups, at, x[k], scales[k],
-                         biases[k]);
-            for (int64_t i = 0; i < n; i++) {
-                const floats *qi = qv + (h * n + i) * vectors;
-                const float *sums_i = sums + (h * n + i) * groups;
+            for (int64_t k0 = first; k0 < last; k0 += LANES) {
+                int64_t keys = last - k0 < LANES ? last - k0 : LANES;
+                floats x[LANES][MOST_VECTORS], score[LANES];
+                float scales[LANES][MOST_GROUPS], biases[LANES][MOST_GROUPS], biased[LANES];
                 for (int64_t k = 0; k < keys; k++)
-                    score[k] = key_score(qi, sums_i, x[k], scales[k], biases[k], groups, per_group, &biased[k]);
-                float *o = out + h * out_head + i * out_row + k0;
-                if (keys == LANES) {
-                    floats summed = lanes_sums(score);
-                    for (int64_t k = 0; k < LANES; k++) o[k] = summed[k] + biased[k];
-                } else {
-                    for (int64_t k = 0; k < keys; k++) o[k] = lanes_sum(score[k]) + biased[k];
+                    key_read(rows + (k0 + k) * row_bytes, bits, vectors, groups, at, x[k], scales[k], biases[k]);
+                for (int64_t i = 0; i < m; i++) {
+                    for (int64_t k = 0; k < keys; k++)
+                        score[k] = key_score(qv[i], sums[i], x[k], scales[k], biases[k], groups, per_group,
+                                             &biased[k]);
+                    float *o = out + h * out_head + (i0 + i) * out_row + k0;
+                    if (keys == LANES) {
+                        floats summed = lanes_sums(score);
+                        for (int64_t k = 0; k < LANES; k++) o[k] = summed[k] + biased[k];
+                    } else {
+                        for (int64_t k = 0; k < keys; k++) o[k] = lanes_sum(score[k]) + biased[k];
+                    }
                 }
             }
         }
     }
-    free(qv);
-    free(sums);
 }
 
 /* Queries [0, M)'s weighted values (query i's weights at w + i * w_row) of vectors v and v + 1 (in group g) over
@@ -357,8 +356,8 @@ static float halved_sum(const float *x, int64_t count, float *tree, int64_t powe
 }
 
 /* Weights w (head h's query i's weight of key k at w + h * w_head + i * w_row + k) of values [0, t), summed per
-   block of `block` keys: out [heads, blocks, n, dim], contiguous; and, where weight_sums is not NULL, each
-   block's sum of weights (`halved_sum`) there, [heads, blocks, n]. */
+   block of `block` keys: out [heads, blocks, n, dim], contiguous; and, where weight_sums is not NULL (`block` then
+   at most MOST_TREE), each block's sum of weights (`halved_sum`) there, [heads, blocks, n]. */
 void kv_block_sums(const float *w, int64_t w_head, int64_t w_row, int64_t heads, int64_t n, int64_t dim,
                    const uint8_t *stored, int64_t head_bytes, int64_t row_bytes, int64_t t, int bits, int64_t group,
                    int64_t half_step, int64_t bias_first, int64_t block, float *out, float *weight_sums,
@@ -371,8 +370,7 @@ void kv_block_sums(const float *w, int64_t w_head, int64_t w_row, int64_t heads,
     for (int64_t task = 0; task < heads * blocks; task++) {
         int64_t h = task / blocks, b = task % blocks, first = b * block, last = first + block < t ? first + block : t;
         const uint8_t *rows = stored + h * head_bytes;
-        float *tree = weight_sums ? malloc(sizeof(float) * power) : NULL;
-        if (weight_sums && !tree) abort();
+        float tree[MOST_TREE];
         for (int64_t i0 = 0; i0 < n; i0 += QUERIES_AT_ONCE) {
             int64_t m = n - i0 < QUERIES_AT_ONCE ? n - i0 : QUERIES_AT_ONCE;
             const float *wi = w + h * w_head + i0 * w_row;
@@ -393,7 +391,6 @@ void kv_block_sums(const float *w, int64_t w_head, int64_t w_row, int64_t heads,
                     weight_sums[(h * blocks + b) * n + i0 + i] = halved_sum(wi + i * w_row + first, last - first, tree,
                                                                             power);
         }
-        free(tree);
     }
 }
 

@@ -42,6 +42,7 @@ log = logging.getLogger("kvfork.backends")
 SOURCE = Path(__file__).with_name("kv_reading.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 MOST_DIMS = 256  # kv_reading.c's MOST_DIMS
+MOST_TREE = 4096  # kv_reading.c's MOST_TREE: the longest block whose sum of weights it adds
 BUILD_SECONDS = 120
 OPENMP_RUNTIMES = re.compile(r"lib(gomp|omp|iomp5)[-.\w]*\.so")
 

@@ -39,6 +39,8 @@ class Kernel:
         """Weights w [kv_heads, n, t] (float32) of stored values [kv_heads, t, width], summed per `block` keys:
         [kv_heads, blocks, n, dim]; where `weight_sums` [kv_heads, blocks, n] (float32, contiguous) is given, each
         block's sum of weights is written there, added by halves (ordered_attention.halved's order)."""
+        if weight_sums is not None and block > kv_reading.MOST_TREE:
+            raise ValueError(f"the kernel adds the weights of blocks of at most {kv_reading.MOST_TREE} keys")
         w = w if w.stride(-1) == 1 else w.contiguous()
         heads, n, t = w.shape
         out = w.new_empty(heads, -(-t // block), n, dim)

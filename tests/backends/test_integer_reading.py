@@ -100,9 +100,9 @@ def test_a_querys_bits_do_not_depend_on_the_queries_beside_it(kernel, bits, grou
     storage = kv_storage.Grouped(bits, group, head_dim, torch.float32, kernel=kernel)
     t = 2 * kv.BLOCK_TOKENS + 37  # keys in tiles of LANES and a remainder
     keys, values = stored_rows(storage, 2, t, gen), stored_rows(storage, 2, t, gen)
-    q, w = torch.randn(2, 40, head_dim, generator=gen), torch.rand(2, 40, t, generator=gen)
+    q, w = torch.randn(2, 70, head_dim, generator=gen), torch.rand(2, 70, t, generator=gen)
     blocks = -(-t // kv.BLOCK_TOKENS)
-    for n in (1, 3, 4, 17, 40):
+    for n in (1, 3, 4, 17, 70):  # 70: more than a thread's QUERY_CHUNK
         for at in sorted({0, n - 1}):
             column = torch.zeros(2, 1, 1, dtype=torch.long) + torch.arange(n).roll(at)[None, :, None]
             chosen_q, chosen_w = q.gather(1, column.expand(-1, -1, head_dim)), w.gather(1, column.expand(-1, -1, t))
