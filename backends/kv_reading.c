@@ -114,7 +114,7 @@ static inline float lanes_sum(floats x) {
 #endif
 }
 
-/* lanes_sum of each of LANES vectors, lane k the sum of x[k]: the same terms meet in the same tree */
+/* lanes_sum of each of LANES vectors, lane k the sum of x[k]: the same terms added in the same order */
 static inline floats lanes_sums(const floats *x) {
 #if defined(__AVX512F__)
     /* _mm512_reduce_add_ps's tree: lane i + lane i + 8, then + 4, + 2, + 1 (as GCC's and clang's headers write
@@ -140,6 +140,27 @@ static inline floats lanes_sums(const floats *x) {
     /* lane 4c + r holds vector 4r + c's sum */
     return (floats)_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
                                          sums);
+#elif defined(__AVX2__)
+    /* lanes_sum's order, lane 0 first: the 8 vectors transposed, then their lanes added as vectors */
+    __m256 pairs[8], quads[8], lanes[8];
+    for (int j = 0; j < 4; j++) {
+        pairs[2 * j] = _mm256_unpacklo_ps((__m256)x[2 * j], (__m256)x[2 * j + 1]);
+        pairs[2 * j + 1] = _mm256_unpackhi_ps((__m256)x[2 * j], (__m256)x[2 * j + 1]);
+    }
+    for (int j = 0; j < 2; j++) {
+        __m256 *p = pairs + 4 * j;
+        quads[4 * j] = _mm256_shuffle_ps(p[0], p[2], _MM_SHUFFLE(1, 0, 1, 0));
+        quads[4 * j + 1] = _mm256_shuffle_ps(p[0], p[2], _MM_SHUFFLE(3, 2, 3, 2));
+        quads[4 * j + 2] = _mm256_shuffle_ps(p[1], p[3], _MM_SHUFFLE(1, 0, 1, 0));
+        quads[4 * j + 3] = _mm256_shuffle_ps(p[1], p[3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int j = 0; j < 4; j++) {
+        lanes[j] = _mm256_permute2f128_ps(quads[j], quads[4 + j], 0x20);
+        lanes[4 + j] = _mm256_permute2f128_ps(quads[j], quads[4 + j], 0x31);
+    }
+    floats out = {0};
+    for (int lane = 0; lane < LANES; lane++) out += (floats)lanes[lane];
+    return out;
 #else
     floats out;
     for (int k = 0; k < LANES; k++) out[k] = lanes_sum(x[k]);
