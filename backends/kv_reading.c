@@ -1,7 +1,8 @@
-/* A decode row's attention over int8 and int4 KV rows on the CPU, read where they are stored: each key's score
-   and each block's weighted values computed from the integers, scales and biases in one pass over the rows, with
-   no float copy of them (backends/kv_reading.py builds and loads it; torch's integer_reading.py and MLX's
-   cpu_attention.py call it over their rows: their kv_storage.py say how a row is laid out).
+/* Attention over int8 and int4 KV rows on the CPU (a decode row's, and every pass of --batch-invariant's), read
+   where they are stored: each key's score and each block's weighted values computed from the integers, scales
+   and biases in one pass over the rows, with no float copy of them (backends/kv_reading.py builds and loads it;
+   torch's integer_reading.py and MLX's cpu_attention.py call it over their rows: their kv_storage.py say how a
+   row is laid out).
 
    A row of a head's token: its integers (int8: byte d is dim d; int4: byte i holds dim 2i in its low nibble and
    dim 2i + 1 in its high one), then each group's float16 scale and bias (`halves` says in which order); dim d of
@@ -102,9 +103,16 @@ static inline float bias_of(const uint8_t *row, halves at, int64_t g) {
     return half_at(row, at.packed, at.bias_first + g * at.step);
 }
 
+/* A vector's lanes added (AVX-512: lane i + lane i + 8, then + 4, + 2, + 1, written out so that no compiler's
+   lowering of a reduction chooses it; GCC's _mm512_reduce_add_ps adds so too) */
 static inline float lanes_sum(floats x) {
 #if defined(__AVX512F__)
-    return _mm512_reduce_add_ps((__m512)x);
+    __m512 v = (__m512)x;
+    __m256 eighths = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 quarters = _mm_add_ps(_mm256_castps256_ps128(eighths), _mm256_extractf128_ps(eighths, 1));
+    __m128 halves_ = _mm_add_ps(quarters, _mm_movehl_ps(quarters, quarters));
+    return _mm_cvtss_f32(_mm_add_ss(halves_, _mm_shuffle_ps(halves_, halves_, _MM_SHUFFLE(1, 1, 1, 1))));
 #elif defined(__aarch64__)
     return vaddvq_f32((float32x4_t)x);
 #else
@@ -117,8 +125,7 @@ static inline float lanes_sum(floats x) {
 /* lanes_sum of each of LANES vectors, lane k the sum of x[k]: the same terms added in the same order */
 static inline floats lanes_sums(const floats *x) {
 #if defined(__AVX512F__)
-    /* _mm512_reduce_add_ps's tree: lane i + lane i + 8, then + 4, + 2, + 1 (as GCC's and clang's headers write
-       it), for 16 vectors at once, two to four of them a register */
+    /* lanes_sum's tree for 16 vectors at once, two to four of them a register */
     __m512 eighths[8], quarters[4], halves_[2];
     for (int j = 0; j < 8; j++) {
         __m512 a = (__m512)x[2 * j], b = (__m512)x[2 * j + 1];
