@@ -390,7 +390,7 @@ void kv_block_sums(const float *w, int64_t w_head, int64_t w_row, int64_t heads,
                    const uint8_t *stored, int64_t head_bytes, int64_t row_bytes, int64_t t, int bits, int64_t group,
                    int64_t half_step, int64_t bias_first, int64_t block, float *out, float *weight_sums,
                    int threads) {
-    int64_t groups = dim / group, vectors = dim / LANES, per_group = group / LANES, packed = dim * bits / 8;
+    int64_t vectors = dim / LANES, per_group = group / LANES, packed = dim * bits / 8;
     halves at = {packed, half_step, bias_first};
     int64_t blocks = (t + block - 1) / block, power = 1;
     while (power < block) power *= 2;
