@@ -104,8 +104,8 @@ def test_a_querys_bits_do_not_depend_on_the_queries_beside_it(kernel, bits, grou
     blocks = -(-t // kv.BLOCK_TOKENS)
     for n in (1, 3, 4, 17, 70):  # 70: more than a thread's QUERY_CHUNK
         for at in sorted({0, n - 1}):
-            column = torch.zeros(2, 1, 1, dtype=torch.long) + torch.arange(n).roll(at)[None, :, None]
-            chosen_q, chosen_w = q.gather(1, column.expand(-1, -1, head_dim)), w.gather(1, column.expand(-1, -1, t))
+            order = torch.arange(n).roll(at)  # query 0 at `at`
+            chosen_q, chosen_w = q[:, order], w[:, order]
             scores = kernel.scores(chosen_q, keys, bits, group)
             weight_sums = torch.empty(2, blocks, n)
             sums = kernel.block_sums(chosen_w, values, bits, group, head_dim, kv.BLOCK_TOKENS, weight_sums)
