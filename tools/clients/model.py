@@ -1,8 +1,9 @@
 """The model `kvfork clients` serves: a tiny random llama with a 64k context.
 
-It is the tests' tiny llama (2 layers, hidden 64) with its context raised to 65,536 tokens, so
-Claude Code's first request (about 20,000 tokens of system prompt and tools) fits and prefills in
-seconds on a CPU. Its tokenizer and chat template are the default model's (SmolLM2, fetched by
+It is a tiny llama (2 layers, hidden 64) with its context raised to 65,536 tokens, so Claude Code's
+first request (about 20,000 tokens of system prompt and tools) fits and prefills in seconds on a CPU.
+Its one head of 64 is a multiple of the default --kv-group-size (64), so the clients run at every
+--kv-cache-dtype. Its tokenizer and chat template are the default model's (SmolLM2, fetched by
 `kvfork fetch-model`): the tests' 512-token vocabulary would spell a client's English prompt out
 nearly byte by byte, three times past the context.
 """
@@ -16,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 CONTEXT = 65536
-SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16)
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
+             num_key_value_heads=1, head_dim=64)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
@@ -50,18 +51,19 @@ def weights(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def write_tiny_long_model(folder: Path, tokenizer_from: Path) -> Path:
-    """Write the model into `folder` (once: an existing one is kept); returns the folder."""
+    """Write the model into `folder` (once: one already there of this shape is kept); returns the folder."""
     from safetensors.numpy import save_file
 
     folder = Path(folder)
-    if (folder / "config.json").exists():
+    source = json.loads((Path(tokenizer_from) / "config.json").read_text())
+    cfg = config(source["vocab_size"], source["eos_token_id"])
+    written = folder / "config.json"
+    if written.exists() and json.loads(written.read_text()) == cfg:
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
         if (Path(tokenizer_from) / name).exists():
             shutil.copy(Path(tokenizer_from) / name, folder / name)
-    source = json.loads((Path(tokenizer_from) / "config.json").read_text())
-    cfg = config(source["vocab_size"], source["eos_token_id"])
     tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
     tokenizer_config["model_max_length"] = CONTEXT
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))

@@ -15,6 +15,7 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from kvfork.backends.base import KV_CACHE_DTYPES, KV_CACHE_SPELLINGS, KVStorageRefused
 from kvfork.backends.default_model import ensure_default_model
 from kvfork.backends.home import kvfork_home
 from kvfork.server.common.config import ServerConfig
@@ -193,10 +194,10 @@ async def serve_and_run(args: argparse.Namespace, names: list[str]) -> list[Clie
     config = ServerConfig(model=model, backend=backend_name, port=0, served_model_name=[MODEL], accept_any_model=True,
                           log_level="warning")
     # no disk tier: each run starts cold, its cached tokens its own
-    daemon = Daemon(config, EngineConfig(prefix_cache_disk_bytes=0), model, backend)
+    daemon = Daemon(config, EngineConfig(prefix_cache_disk_bytes=0, kv_cache_dtype=args.kv_cache_dtype), model, backend)
     await daemon.listen()
     await daemon.load()
-    print(f"kvfork clients: serving {model} on {daemon.url} ({backend_name})", flush=True)
+    print(f"kvfork clients: serving {model} on {daemon.url} ({backend_name}, KV {args.kv_cache_dtype})", flush=True)
     try:
         context = daemon.engine.config.max_context
         rows = [await run_client(CLIENTS[n], daemon.url, context, args.turns, args.record, args.timeout)
@@ -264,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="tiny", help="tiny (a random llama, 64k context), default (SmolLM2, "
                         "8k), or a model folder")
     parser.add_argument("--backend", default="torch", choices=("auto", "mlx", "torch"))
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES + tuple(KV_CACHE_SPELLINGS),
+                        help="how the daemon stores KV state (serve's --kv-cache-dtype, in groups of 64; the tiny "
+                        "model's head of 64 takes every one)")
     parser.add_argument("--turns", type=int, default=len(PROMPTS), choices=range(1, len(PROMPTS) + 1))
     parser.add_argument("--record", type=Path, default=None, help="write each client's requests to DIR/CLIENT.jsonl")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one turn may take")
@@ -289,7 +293,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.record:
         args.record.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.WARNING)
-    rows = asyncio.run(serve_and_run(args, names))
+    try:
+        rows = asyncio.run(serve_and_run(args, names))
+    except KVStorageRefused as e:  # a --kv-cache-dtype the model or backend cannot take
+        print(f"kvfork clients: {e}", file=sys.stderr)
+        return 2
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps([r.__dict__ for r in rows], indent=2))
