@@ -17,8 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=4096)
+TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, rms_norm_eps=1e-6, max_position_embeddings=4096)
 IMAGE_TOKENS = {  # the family's special tokens: (opening, the image's token, closing)
     "qwen2_5_vl": ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>"),
     "gemma3": ("<start_of_image>", "<image_soft_token>", "<end_of_image>"),
@@ -56,12 +55,21 @@ def _tokenizer(family: str, out: Path, source: Path) -> dict[str, int]:
     return dict({t: tok.token_to_id(t) for t in tokens}, vocab_size=tok.get_vocab_size(), eos=tok.token_to_id(eos))
 
 
-def _qwen2_5_vl(ids: dict[str, int]):
+def text_heads(head_dim: int) -> dict[str, int]:
+    """The text model's attention in heads of `head_dim`: the hidden width (64) in query heads, half as many key
+    heads (one at least). Heads of 16 are the tests' usual; 64 can be stored at any --kv-cache-dtype."""
+    heads = TEXT["hidden_size"] // head_dim
+    return dict(head_dim=head_dim, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2))
+
+
+def _qwen2_5_vl(ids: dict[str, int], head_dim: int):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    text = dict(TEXT, vocab_size=ids["vocab_size"], eos_token_id=ids["eos"], tie_word_embeddings=True,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    sections = [head_dim // 8, head_dim * 3 // 16, head_dim * 3 // 16]  # temporal, height, width: half the head
+    text = dict(TEXT, **text_heads(head_dim), vocab_size=ids["vocab_size"], eos_token_id=ids["eos"],
+                tie_word_embeddings=True,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": sections})
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=TEXT["hidden_size"],
                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
     config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
@@ -73,15 +81,15 @@ def _qwen2_5_vl(ids: dict[str, int]):
     return Qwen2_5_VLForConditionalGeneration(config), processor
 
 
-def _gemma3(ids: dict[str, int]):
+def _gemma3(ids: dict[str, int], head_dim: int):
     import torch
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-    text = dict(TEXT, num_hidden_layers=3, vocab_size=ids["vocab_size"], eos_token_id=ids["eos"],
-                sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                query_pre_attn_scalar=16, hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None,
-                attn_logit_softcapping=None)
+    text = dict(TEXT, **text_heads(head_dim), num_hidden_layers=3, vocab_size=ids["vocab_size"],
+                eos_token_id=ids["eos"], sliding_window=8,
+                layer_types=["sliding_attention", "sliding_attention", "full_attention"], query_pre_attn_scalar=head_dim,
+                hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None, attn_logit_softcapping=None)
     # 112 pixels in 14-pixel patches: 8 x 8, pooled to 4 x 4 = 16 tokens, more than the sliding window
     vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=2, image_size=112, patch_size=14)
@@ -111,14 +119,15 @@ WRITERS = {"qwen2_5_vl": _qwen2_5_vl, "gemma3": _gemma3}
 FAMILIES = tuple(WRITERS)
 
 
-def write(family: str, out: Path, tokenizer_from: Path, seed: int = 0) -> Path:
-    """A tiny random `family` model in `out` (created), its tokenizer from the folder `tokenizer_from`."""
+def write(family: str, out: Path, tokenizer_from: Path, seed: int = 0, head_dim: int = 16) -> Path:
+    """A tiny random `family` model in `out` (created), its tokenizer from the folder `tokenizer_from`, its text
+    model's heads `head_dim` wide (`text_heads`)."""
     import torch
 
     out.mkdir(parents=True, exist_ok=True)
     ids = _tokenizer(family, out, tokenizer_from)
     torch.manual_seed(seed)
-    model, processor = WRITERS[family](ids)
+    model, processor = WRITERS[family](ids, head_dim)
     peaked(model, ("model.language_model.", "lm_head."))
     model.save_pretrained(out)
     processor.save_pretrained(out)

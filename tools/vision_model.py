@@ -23,14 +23,14 @@ from kvfork.tools import vision_family_models
 # SmolVLM-256M's shapes (its config.json), and a tiny model of the same layout
 SIZES = {
     "tiny": dict(
-        text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, max_position_embeddings=4096),
+        text=dict(vision_family_models.TEXT, rms_norm_eps=1e-5),  # its heads: `write`'s head_dim
         vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                     image_size=32, patch_size=8),
         scale_factor=2, longest_edge=64, vocab=512),
     "256m": dict(
         text=dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                  num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rope_theta=100000.0),
+                  num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rope_theta=100000.0,
+                  rms_norm_eps=1e-5),
         vision=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
                     image_size=512, patch_size=16),
         scale_factor=4, longest_edge=2048, vocab=49280),
@@ -69,9 +69,10 @@ def _tokenizer(vocab: int):
     return tok
 
 
-def write(out: Path, size: str = "tiny", seed: int = 0, family: str = "smolvlm") -> Path:
+def write(out: Path, size: str = "tiny", seed: int = 0, family: str = "smolvlm", head_dim: int = 16) -> Path:
     """A random `family` model in `out`: smolvlm and smolvlm2 at `size`; qwen2_5_vl and gemma3 tiny only
-    (tools/vision_family_models.py), with this module's tokenizer."""
+    (tools/vision_family_models.py), with this module's tokenizer. A tiny model's text heads are `head_dim` wide
+    (`vision_family_models.text_heads`: 64 can be stored at any --kv-cache-dtype)."""
     if family not in SMOLVLM:
         from transformers import PreTrainedTokenizerFast
 
@@ -80,7 +81,7 @@ def write(out: Path, size: str = "tiny", seed: int = 0, family: str = "smolvlm")
         out.mkdir(parents=True, exist_ok=True)
         PreTrainedTokenizerFast(tokenizer_object=_tokenizer(SIZES["tiny"]["vocab"]), eos_token="<|im_end|>",
                                 pad_token="<|endoftext|>").save_pretrained(str(out))
-        return vision_family_models.write(family, out, out, seed)
+        return vision_family_models.write(family, out, out, seed, head_dim)
     import torch
     import transformers
     from transformers import PreTrainedTokenizerFast
@@ -93,8 +94,9 @@ def write(out: Path, size: str = "tiny", seed: int = 0, family: str = "smolvlm")
                                         additional_special_tokens=IMAGE_TOKENS)
     tokenizer.save_pretrained(str(out))
     eos = tokenizer.convert_tokens_to_ids("<end_of_utterance>")
-    text = dict(model_type="llama", vocab_size=max(shape["vocab"], len(tokenizer)), rms_norm_eps=1e-5,
-                eos_token_id=eos, pad_token_id=0, tie_word_embeddings=False, **shape["text"])
+    heads = vision_family_models.text_heads(head_dim) if size == "tiny" else {}
+    text = dict(model_type="llama", vocab_size=max(shape["vocab"], len(tokenizer)), eos_token_id=eos, pad_token_id=0,
+                tie_word_embeddings=False, **shape["text"], **heads)
     config = getattr(transformers, config_class)(
         text_config=text, vision_config=dict(model_type=vision_type, **shape["vision"]),
         scale_factor=shape["scale_factor"], image_token_id=tokenizer.convert_tokens_to_ids("<image>"),

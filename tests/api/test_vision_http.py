@@ -2,10 +2,12 @@
 and backend): an image
 in a user turn (chat) and inside a Messages tool_result; the same image next turn reuses the prompt up to the
 new text and is not encoded again; a changed image misses from its first token; two tenants share nothing;
-restarted from the disk tier, the same tokens."""
+restarted from the disk tier, the same tokens. With the text model's heads 64 wide, the KV state stored at int8 and
+int4: a cache hit, n choices, two requests together and a restart answer as reuse off."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -256,3 +258,41 @@ async def test_a_daemon_still_loading_its_vision_model_knows_it_reads_images(fol
     state = ModelState(ServerConfig(), SimpleNamespace(model_path=folder), ["tiny"])
     assert state.tokenizer is None and OneModel(state).reads_images(None)
     state.close()
+
+
+# (family, backend, storage): each family on both backends, at int8 on one and int4 on the other
+STORED = [("smolvlm", "torch", "int8"), ("smolvlm", "mlx", "int4"), ("qwen2_5_vl", "torch", "int4"),
+          ("qwen2_5_vl", "mlx", "int8"), ("gemma3", "torch", "int8"), ("gemma3", "mlx", "int4")]
+
+
+@pytest.mark.usefixtures("disk_beats_prefill", "kvfork_home")
+@pytest.mark.parametrize("family,backend,dtype", STORED)
+async def test_an_image_prompt_reused_answers_as_reuse_off_at_a_quantized_storage(tmp_path, http, family, backend,
+                                                                                  dtype):
+    folder = str(write(tmp_path / family, family=family, head_dim=64))
+    engine = dict(prefix_cache_entries=4, prefix_cache_disk_bytes=1 << 30, kv_cache_dtype=dtype)
+    image = screenshot(8)
+    asked = turn(image) + [{"role": "assistant", "content": "a window"}, {"role": "user", "content": "and the button?"}]
+
+    async def texts(d, messages, salt: str = "", **extra) -> tuple[list[str], int]:
+        salted = {"cache_salt": f"reuse-off-{salt}".ljust(16, "-")} if salt else {}
+        reply = await chat(http, d, messages, max_tokens=8, ignore_eos=True, **salted, **extra)
+        return [c["message"]["content"] for c in reply["choices"]], cached(reply)
+
+    async with serving(folder, create_backend(backend), engine=engine) as d:
+        assert d.engine.info.kv_dtype.startswith(dtype)
+        await texts(d, turn(image))
+        cold, reused = await texts(d, asked, salt="hit")
+        assert reused == 0
+        hit, reused = await texts(d, asked)  # from the first turn's prompt, the image in it
+        assert hit == cold and (reused > image_tokens(folder) or sliding(folder))
+        choices, _ = await texts(d, asked, n=2)
+        assert choices == cold * 2  # choice 1 starts from a clone of choice 0's prompt
+        others = [turn(screenshot(9), "the window?"), turn(screenshot(9), "the window, at length?")]
+        alone = [(await texts(d, m, salt=f"run{i}"))[0] for i, m in enumerate(others)]
+        both = await asyncio.gather(*(texts(d, m) for m in others))
+        assert [t for t, _ in both] == alone
+    async with serving(folder, create_backend(backend), engine=engine) as d:  # the first one's cache spilled
+        restored, reused = await texts(d, asked)
+        assert reused > 0 and restored == cold
+        assert await encoded(http, d) == 0 or sliding(folder)
