@@ -35,6 +35,12 @@ async def serving(model: str, backend: Backend | None = None, *, load: bool = Tr
         await daemon.close()
 
 
+def reuse_off(name: str) -> dict:
+    """A body's cache_salt of its own: the request runs in a scope where nothing was computed before, so it
+    answers as the same request would with reuse off."""
+    return {"cache_salt": f"reuse-off-{name}".ljust(16, "-")}
+
+
 def chat_body(text: str = "the capital of France", **extra) -> dict:
     return {"messages": [{"role": "user", "content": text}], "temperature": 0, **extra}
 

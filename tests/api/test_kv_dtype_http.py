@@ -17,7 +17,7 @@ import asyncio
 
 import pytest
 
-from http_daemon import metrics, serving
+from http_daemon import metrics, reuse_off, serving
 from kvfork.backends import create_backend
 from scripted_drafts import ScriptedDrafts
 from tiny_hybrid_models import write_hybrid_model
@@ -65,7 +65,7 @@ async def ask(http, daemon, messages: list[dict], salt: str = "", **extra) -> tu
     """Each choice's text, and the prompt tokens reused; a salt puts the request in a scope of its own."""
     body = {"messages": messages, "temperature": 0, "max_tokens": 12, "ignore_eos": True, **extra}
     if salt:
-        body["cache_salt"] = f"reuse-off-{salt}".ljust(16, "-")
+        body.update(reuse_off(salt))
     async with http.post(daemon.url + CHAT, json=body) as r:
         assert r.status == 200, await r.text()
         reply = await r.json()

@@ -19,7 +19,7 @@ import pytest
 
 from kvfork.backends import create_backend
 from engine_harness import until
-from http_daemon import metrics, serving
+from http_daemon import metrics, reuse_off, serving
 from kvfork.tools.long_prompts import MIN_TOKENS, partings
 from tiny_models import LONG_CONTEXT, write_model
 
@@ -92,7 +92,7 @@ async def test_a_long_prompt_stored_quantized_answers_as_reuse_off(tmp_path, kvf
             assert daemon.engine.info.kv_dtype.startswith(dtype)
             await completion(http, daemon.url, long)
             await until(lambda: daemon.engine.stats().cached == 1)
-            cold, reused = await texts(http, daemon.url, cache_salt="reuse-off-long-prompt")
+            cold, reused = await texts(http, daemon.url, **reuse_off("long-prompt"))
             assert reused == 0
             warm, reused = await texts(http, daemon.url)
             assert reused >= length - 40 - 16 and warm == cold

@@ -19,7 +19,7 @@ import pytest
 import pytest_asyncio
 from PIL import Image
 
-from http_daemon import TEST_ENGINE, metrics, serving
+from http_daemon import TEST_ENGINE, metrics, reuse_off, serving
 from kvfork.backends import create_backend
 from kvfork.backends.vision import load_processing
 from kvfork.server.common.config import ServerConfig
@@ -275,8 +275,8 @@ async def test_an_image_prompt_reused_answers_as_reuse_off_at_a_quantized_storag
     asked = turn(image) + [{"role": "assistant", "content": "a window"}, {"role": "user", "content": "and the button?"}]
 
     async def texts(d, messages, salt: str = "", **extra) -> tuple[list[str], int]:
-        salted = {"cache_salt": f"reuse-off-{salt}".ljust(16, "-")} if salt else {}
-        reply = await chat(http, d, messages, max_tokens=8, ignore_eos=True, **salted, **extra)
+        reply = await chat(http, d, messages, max_tokens=8, ignore_eos=True, **(reuse_off(salt) if salt else {}),
+                           **extra)
         return [c["message"]["content"] for c in reply["choices"]], cached(reply)
 
     async with serving(folder, create_backend(backend), engine=engine) as d:
