@@ -554,7 +554,7 @@ class Backend(abc.ABC):
     def set_batch_invariant(self, on: bool) -> None:
         """Before `load`: --batch-invariant; `load` raises KVStorageRefused where the model cannot take it."""
         if on:
-            raise KVStorageRefused(f"--batch-invariant: not on {type(self).__name__} (on the CPU, --backend torch)")
+            raise KVStorageRefused(f"--batch-invariant: not on {type(self).__name__} (on the CPU, --backend torch or mlx)")
 
     def set_encoder_cache_bytes(self, nbytes: int) -> None:
         """Before `load`: bytes of encoder output kept for images sent again (--encoder-cache-bytes; 0: none)."""

@@ -16,8 +16,8 @@ On MLX, `int8-integers` and `int4-integers` (bench only) are int8 and int4 read 
 the device: attention over the integers (`mx.quantized_matmul`) in every pass (backends/mlx/kv_storage.py,
 `attends_integers`); `int8-dequantized` and `int4-dequantized` read the rows dequantized in every pass, decode
 too, where the CPU otherwise reads them in place at decode (`QuantizedRows.reading`); `int8-cast` and
-`int4-cast` read a decode pass's integers cast, as where kv_reading.c cannot be built. On torch, a storage
-with `-invariant` (`auto-invariant`, `int8-invariant`) computes batch-invariantly (--batch-invariant), and
+`int4-cast` read a decode pass's integers cast, as where kv_reading.c cannot be built. A storage with
+`-invariant` (`auto-invariant` on torch, `int8-invariant`) computes batch-invariantly (--batch-invariant), and on torch
 `int8-products` and `int4-products` (bench only) read the rows through torch's operations where kv_reading.c would
 (decode and prefill: backends/torch/integer_reading.py).
 """
@@ -38,7 +38,7 @@ from kvfork.backends.default_model import default_model_dir
 CHUNK = 512
 ROWS = (1, 4)
 READINGS = ("-integers", "-dequantized", "-cast")  # bench-only suffixes of an MLX storage's name
-INVARIANT = "-invariant"  # a torch storage computed batch-invariantly
+INVARIANT = "-invariant"  # a storage computed batch-invariantly
 PRODUCTS = "-products"  # a torch storage read through torch's products, not kv_reading.c
 SUFFIX = 32  # tokens prefilled after a cached prefix of --context less twice as many
 

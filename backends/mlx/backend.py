@@ -48,7 +48,7 @@ class MLXBackend(Backend):
     def __init__(self, group: Any = None):
         """`group`: an `mx.distributed` group to split the model over (loading.load_model); None: one rank."""
         self.group = group
-        self.kv_storage, self.encoder_cache_bytes = KVStorage(), 0  # as set before `load`
+        self.kv_storage, self.encoder_cache_bytes, self.batch_invariant = KVStorage(), 0, False  # as set before `load`
         self.vision: MLXVisionReader | None = None  # a model that reads images (vision.py)
 
     def set_kv_storage(self, storage: KVStorage) -> None:
@@ -57,9 +57,12 @@ class MLXBackend(Backend):
     def set_encoder_cache_bytes(self, nbytes: int) -> None:
         self.encoder_cache_bytes = nbytes
 
+    def set_batch_invariant(self, on: bool) -> None:
+        self.batch_invariant = on  # load refuses what MLX, the model or this CPU cannot take (ordered.py)
+
     def load(self, folder: str, dtype: str | None = None) -> ModelInfo:
         self.model, self.tokenizer, self.info, self._storage, self.vision = load_model(
-            folder, dtype, self.group, self.kv_storage, self.encoder_cache_bytes)
+            folder, dtype, self.group, self.kv_storage, self.encoder_cache_bytes, self.batch_invariant)
         self._windows = list(self.info.sliding_windows)
         self._sessions: dict[int, MLXSession] = {}
         self._batch = DecodeBatch(self.model)

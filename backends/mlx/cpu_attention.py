@@ -23,8 +23,12 @@ so the scales and biases multiply the scores and the weights, a query's width ea
   one in the low nibble: the low and the high nibbles are cast as two arrays of columns, read by the even and
   the odd dims.
 
-A prefill or verify pass reads the rows dequantized, or through `quantized_matmul` where that copy would pass
-DEQUANTIZED_BYTES (`QuantizedRows.reading`). mlx-lm's attention (`mlx_lm.models.base.scaled_dot_product_attention`, which the
+- **Ordered** (`OrderedRows`, `read_ordered`; --batch-invariant, ordered.py): every pass, prefill chunks' and
+  verify rows' queries as decode rows', reads the rows in place in one order, so a query gets the same bits in
+  any pass.
+
+Otherwise a prefill or verify pass reads the rows dequantized, or through `quantized_matmul` where that copy would
+pass DEQUANTIZED_BYTES (`QuantizedRows.reading`). mlx-lm's attention (`mlx_lm.models.base.scaled_dot_product_attention`, which the
 models call) sends a cache that has `bits` to `quantized_scaled_dot_product_attention`, looked up in its module at
 call time: `install` puts `attention` there, which reads `StoredRows` and `CastIntegers` of one query a row so and
 hands anything else to mlx-lm's function. A `CastIntegers` is the (integers, scales, biases) that function takes,
@@ -54,11 +58,18 @@ BLOCK_TOKENS = 256
 # Each group's float16 scale and bias side by side after a row's integers, as `QuantizedRows` packs them: group g's
 # scale is float16 2g after the integers, its bias 2g + 1 (kv_reading.c's `halves`)
 HALF_STEP, BIAS_FIRST = 2, 1
+# The most bytes of scores `read_ordered` holds at once: fewer query columns a call where the keys are many (which
+# changes no bits: a column's scores are its own)
+SCORE_BYTES = 32 << 20
 
 
 class StoredRows(tuple):
     """A pass's stored keys or values to read in place (`read_in_place`): (rows, dim, library), the rows
     [B, kv, t, width] uint32 as `QuantizedRows.encode` writes them, their head size, and kv_reading.c loaded."""
+
+
+class OrderedRows(StoredRows):
+    """`StoredRows` read in the order that makes a query's output the same bits in every pass (`read_ordered`)."""
 
 
 class CastIntegers(tuple):
@@ -168,9 +179,83 @@ def read_in_place(queries: mx.array, q_keys: StoredRows, q_values: StoredRows, s
     return mx.array(blocks.sum(axis=1).reshape(b, heads, 1, value_dim))
 
 
+def visible(mask, rows: int, n: int, t: int) -> tuple[np.ndarray, np.ndarray]:
+    """Under mlx-lm's `mask` for `n` queries a row over `t` keys: each row's first key [rows] and each query's last
+    [rows, n]. A mask array is boolean ([rows or 1, 1, n, t]: a decode batch's left padding, then causal); a row's
+    last query sees all of its keys."""
+    if mask is None or isinstance(mask, str):  # none: one query, every key; "causal": the last n keys are the queries'
+        return np.zeros(rows, np.int64), np.broadcast_to(np.arange(t - n, t), (rows, n))
+    if mask.dtype != mx.bool_:
+        raise ValueError("an ordered reading takes mlx-lm's boolean masks")
+    seen = np.broadcast_to(np.asarray(mask), (rows, 1, n, t))[:, 0]
+    return seen[:, -1].argmax(-1), t - 1 - seen[..., ::-1].argmax(-1)
+
+
+def halved(x: np.ndarray, axis: int) -> np.ndarray:
+    """x summed over `axis` by halves: zero-padded to a power of two, then each half added to the other until one
+    is left. Which terms meet is set by their places alone, and zeros after the last add nothing, so a sum is the
+    same bits at any length (the torch backend's `ordered_attention.halved`, and kv_reading.c's `halved_sum`)."""
+    count = x.shape[axis]
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, (1 << (count - 1).bit_length()) - count)
+    x = np.pad(x, widths)
+    while x.shape[axis] > 1:
+        first, second = np.split(x, 2, axis=axis)
+        x = first + second
+    return x.squeeze(axis)
+
+
+def read_ordered(queries: mx.array, q_keys: OrderedRows, q_values: OrderedRows, scale: float, mask, group: int,
+                 bits: int) -> mx.array:
+    """Queries [B, heads, n, dim] over stored keys and values read by kv_reading.c in one order whatever the pass:
+    [B, heads, n, dim_v]. A row's keys are read from its first (a decode batch's left padding skipped), so its
+    blocks of BLOCK_TOKENS start where its positions do; the kernel's score of a key and its sum of a block's
+    weighted values are one order of operations whatever queries and keys a call gives it; a key after a query's
+    position weighs exactly zero, adding nothing; and the blocks' sums and sums of weights are `halved`. So a query
+    gets the same bits in a prefill chunk of any length, a verify row, a decode row and any batch."""
+    (keys, dim, library), (values, value_dim, _) = q_keys, q_values
+    queries = queries.astype(mx.float32)
+    mx.eval(queries, keys, values)
+    b, heads, n, _ = queries.shape
+    kv, t = keys.shape[1], keys.shape[2]
+    group_heads = heads // kv
+    first, last = visible(mask, b, n, t)
+    # column c of a row's [kv, n * group_heads, dim]: query c // group_heads of one of the kv head's query heads
+    columns = (np.asarray(queries).reshape(b, kv, group_heads, n, dim).transpose(0, 1, 3, 2, 4)
+               .reshape(b, kv, n * group_heads, dim) * np.float32(scale))
+    out = np.empty((b, kv, n * group_heads, value_dim), np.float32)
+    for row in range(b):
+        start, end = int(first[row]), int(last[row].max()) + 1
+        (k, k_head, k_row), (v, v_head, v_row) = (heads_of(np.asarray(rows)[row:row + 1, :, start:end])
+                                                  for rows in (keys, values))
+        ends = np.repeat(last[row] - start, group_heads)  # each column's last key in the row's keys
+        q = np.ascontiguousarray(columns[row])
+        span = end - start
+        at_once = max(1, min(n * group_heads, SCORE_BYTES // (4 * kv * span)))
+        for c0 in range(0, n * group_heads, at_once):
+            c = min(at_once, n * group_heads - c0)
+            s = np.empty((kv, c, span), np.float32)
+            library.scores(q[:, c0:].ctypes.data, n * group_heads * dim, dim, kv, c, dim, k.ctypes.data, k_head,
+                           k_row, span, bits, group, HALF_STEP, BIAS_FIRST, s.ctypes.data, c * span, span, THREADS)
+            s[:, np.arange(span)[None] > ends[c0:c0 + c, None]] = -np.inf
+            s -= s.max(axis=-1, keepdims=True)
+            np.exp(s, out=s)
+            blocks = -(-span // BLOCK_TOKENS)
+            sums = np.empty((kv, blocks, c, value_dim), np.float32)
+            weights = np.empty((kv, blocks, c), np.float32)
+            library.block_sums(s.ctypes.data, c * span, span, kv, c, value_dim, v.ctypes.data, v_head, v_row, span,
+                               bits, group, HALF_STEP, BIAS_FIRST, BLOCK_TOKENS, sums.ctypes.data,
+                               weights.ctypes.data, THREADS)
+            out[row, :, c0:c0 + c] = halved(sums, 1) / halved(weights, 1)[..., None]
+    ordered = out.reshape(b, kv, n, group_heads, value_dim).transpose(0, 1, 3, 2, 4).reshape(b, heads, n, value_dim)
+    return mx.array(ordered)
+
+
 def attention(queries: mx.array, q_keys, q_values, scale: float, mask, group_size: int = 64, bits: int = 8) -> mx.array:
-    """mlx-lm's `quantized_scaled_dot_product_attention`, reading `StoredRows` and `CastIntegers` of one query a
-    row as they say; anything else through mlx-lm's."""
+    """mlx-lm's `quantized_scaled_dot_product_attention`, reading `OrderedRows` in any pass, and `StoredRows` and
+    `CastIntegers` of one query a row, as they say; anything else through mlx-lm's."""
+    if isinstance(q_keys, OrderedRows):
+        return read_ordered(queries, q_keys, q_values, scale, mask, group_size, bits).astype(queries.dtype)
     one_query = queries.shape[2] == 1
     if one_query and isinstance(q_keys, StoredRows):
         return read_in_place(queries, q_keys, q_values, scale, mask, group_size, bits).astype(queries.dtype)

@@ -15,7 +15,8 @@ knowing what a row holds.
   slow, a decode pass (one query a row) reads the rows in place through kv_reading.c, or where it cannot be
   built their integers cast to floats, the scales and biases applied to the scores and the weights
   (cpu_attention.py, which routes mlx-lm's quantized attention there), and a prefill or verify pass reads the
-  rows dequantized through `mx.fast.scaled_dot_product_attention` (`QuantizedRows.reading`).
+  rows dequantized through `mx.fast.scaled_dot_product_attention` (`QuantizedRows.reading`); with
+  --batch-invariant every pass reads them in place, in one order (`QuantizedRows.ordered`, ordered.py).
 
 The caches here (`StoredCache`) encode what a layer writes and hand attention what it reads from the
 stored rows, the positions just written included, so what a query attends depends only on the stored
@@ -40,7 +41,7 @@ from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, Rot
 
 from kvfork.backends import kv_reading
 from kvfork.backends.base import KVStorage, KVStorageRefused
-from kvfork.backends.mlx.cpu_attention import CastIntegers, StoredRows
+from kvfork.backends.mlx.cpu_attention import CastIntegers, OrderedRows, StoredRows
 
 FLOAT16_MAX = 65504.0
 FLOATS = {"float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -79,10 +80,11 @@ class FloatRows:
 
 class QuantizedRows:
     def __init__(self, bits: int, group: int, compute: mx.Dtype, integer_attention: bool,
-                 kernel: kv_reading.Library | None = None):
+                 kernel: kv_reading.Library | None = None, ordered: bool = False):
         self.bits, self.group, self.compute = bits, group, compute
         self.integer_attention = integer_attention  # every pass reads the integers (`attends_integers`)
         self.kernel = kernel  # kv_reading.c, which then reads a decode pass's rows in place
+        self.ordered = ordered  # --batch-invariant: every pass reads the rows in place, in one order (ordered.py)
 
     def row_bytes(self, dim: int) -> int:
         return dim * self.bits // 8 + 4 * (dim // self.group)  # the integers; a float16 scale and bias a group
@@ -121,7 +123,7 @@ class QuantizedRows:
         would pass DEQUANTIZED_BYTES: then the integers through `mx.quantized_matmul` (docs/kv-budget.md)."""
         if self.integer_attention:
             return Reading.QUANTIZED_MATMUL
-        if queries == 1:
+        if queries == 1 or self.ordered:
             return Reading.CAST if self.kernel is None else Reading.IN_PLACE
         copy = sum(a.size // a.shape[-1] * self.dim(a.shape[-1]) for a in (keys, values)) * self.compute.size
         return Reading.QUANTIZED_MATMUL if copy > DEQUANTIZED_BYTES else Reading.ROWS
@@ -132,7 +134,7 @@ class QuantizedRows:
         if reading is Reading.ROWS:
             return self.dequantized(stored)
         if reading is Reading.IN_PLACE:
-            return StoredRows((stored, self.dim(stored.shape[-1]), self.kernel))
+            return (OrderedRows if self.ordered else StoredRows)((stored, self.dim(stored.shape[-1]), self.kernel))
         return CastIntegers(self.parts(stored)) if reading is Reading.CAST else self.parts(stored)
 
 
@@ -151,11 +153,13 @@ def attends_integers() -> bool:
     return mx.default_device() == mx.gpu
 
 
-def storage_for(spec: KVStorage, compute: mx.Dtype, dims: tuple[int, ...], attended: bool = False) -> Storage | None:
+def storage_for(spec: KVStorage, compute: mx.Dtype, dims: tuple[int, ...], attended: bool = False,
+                ordered: bool = False) -> Storage | None:
     """The storage `spec` names for heads of `dims` (keys', values') computed in `compute`; None where the
     caches keep mlx-lm's own (the weights' dtype). `attended`: the storage a loaded model's attention reads,
     given kv_reading.c where a decode pass reads its rows in place (`in_place_kernel`); a storage only priced
-    builds nothing. KVStorageRefused where MLX or the head size cannot take it."""
+    builds nothing. `ordered`: every pass reads the rows in place, in one order (--batch-invariant).
+    KVStorageRefused where MLX or the head size cannot take it."""
     if spec.dtype == "auto" or (spec.dtype in FLOATS and FLOATS[spec.dtype] == compute):
         return None
     if spec.dtype in FLOATS:
@@ -171,7 +175,7 @@ def storage_for(spec: KVStorage, compute: mx.Dtype, dims: tuple[int, ...], atten
         raise KVStorageRefused(f"--kv-cache-dtype {spec.dtype}: head size {dims[0]} is not a power of two, "
                                "which its keys' Hadamard rotation needs")
     return QuantizedRows(spec.bits, spec.group, compute, integer_attention=attends_integers(),
-                         kernel=in_place_kernel(dims) if attended else None)
+                         kernel=in_place_kernel(dims) if attended else None, ordered=ordered)
 
 
 def row_bytes(storage: Storage | None, compute: mx.Dtype, dim: int) -> int:

@@ -19,7 +19,7 @@ from mlx_lm.utils import load, load_model as lazy_model, sharded_load
 
 from kvfork.backends.base import (BackendRefused, KV_CACHE_DTYPES, KVCost, KVStorage, KVStorageRefused,
                                   LayerAttention, ModelInfo)
-from kvfork.backends.mlx import cpu_attention, kv_storage, vision
+from kvfork.backends.mlx import cpu_attention, kv_storage, ordered, vision
 from kvfork.backends.mlx.kvcopy import STEP
 from kvfork.backends.mlx.recurrent import state_bytes
 from kvfork.backends.mlx.vision import MLXVisionReader
@@ -35,14 +35,15 @@ def default_dtype() -> str:
 
 
 def load_model(folder: str, dtype: str | None, group: Any = None, spec: KVStorage = KVStorage(),
-               encoder_cache_bytes: int = 0
+               encoder_cache_bytes: int = 0, invariant: bool = False
                ) -> tuple[nn.Module, Any, ModelInfo, kv_storage.Storage | None, MLXVisionReader | None]:
     """(model, tokenizer, info, how KV is stored: `spec`, --kv-cache-dtype, the tower of a model that reads images:
     vision.py, its encoder cache of `encoder_cache_bytes`). `folder` may also be a hub id
     (see backends.model_path). `group`: an `mx.distributed` group of more than one rank splits the model over
     them, by mlx-lm's own tensor-parallel sharding (`Model.shard`, through `sharded_load`); each rank then
-    holds its share of the weights and of every KV state, and `info.kv` prices a rank's share.
-    KVStorageRefused where the model's heads cannot be stored as `spec` says."""
+    holds its share of the weights and of every KV state, and `info.kv` prices a rank's share. `invariant`:
+    --batch-invariant (ordered.py). KVStorageRefused where the model's heads cannot be stored as `spec` says, or
+    the model or this CPU cannot be computed batch-invariantly."""
     dtype = dtype or default_dtype()
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
@@ -67,7 +68,9 @@ def load_model(folder: str, dtype: str | None, group: Any = None, spec: KVStorag
     layers = layer_kinds(model)
     vocab_size, heads = _probe(model)
     compute = DTYPES[dtype]
-    storage = kv_storage.storage_for(spec, compute, heads[1:], attended=True) if heads else None
+    storage = kv_storage.storage_for(spec, compute, heads[1:], attended=True, ordered=invariant) if heads else None
+    if invariant:
+        ordered.order(model, layers, storage, family is not None, group.size() if group else 1)
     if isinstance(storage, kv_storage.QuantizedRows):
         kv_storage.refuse_sinks(model, spec)
         cpu_attention.install()

@@ -56,8 +56,8 @@ class EngineConfig:
     batch_invariant: bool = setting(False, "compute each position's keys and values bit for bit alike in any "
                                     "batch, chunk or reuse path, so reuse on answers as reuse off under a "
                                     "quantized --kv-cache-dtype too, where a last-bit difference can move a stored "
-                                    "level (torch on the CPU, float32 weights, full-attention models; slower: "
-                                    "docs/kv-budget.md)", group="model and device")
+                                    "level (on the CPU, full-attention models: torch at float32 weights, MLX at "
+                                    "int8 or int4 KV; slower: docs/kv-budget.md)", group="model and device")
     kv_group_size: int = setting(64, "elements of a head sharing one scale and bias under --kv-cache-dtype int8 / "
                                  "int4 (the head size must be a multiple of it)", choices=KV_GROUP_SIZES,
                                  group="model and device")

@@ -9,7 +9,8 @@ rejected drafts rolled back in the stored rows) keeps the greedy text of a daemo
 
 With --batch-invariant, the same on a llama of the default model's widths (hidden 576, heads of 64, MLP 1536;
 random weights), where the kernels' order of summation changes with a pass's shapes: there reuse is exact
-because every path computes a position's keys and values bit for bit alike (tests/backends/test_batch_invariant.py)."""
+because every path computes a position's keys and values bit for bit alike (tests/backends/test_batch_invariant.py,
+test_mlx_batch_invariant.py)."""
 
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ CASES = [("llama", "torch", "int8", "int4"), ("llama", "torch", "int4_per_token_
          ("qwen3", "torch", "int4", "int8"), ("qwen3", "mlx", "int8", "int4"),
          ("gemma3", "torch", "int8", "int4"), ("gemma3", "mlx", "int4", "int8"),
          ("qwen3_next", "torch", "int8", "int4"), ("qwen3_next", "mlx", "int4", "int8"),
-         (REAL, "torch", "int8", "int4"), (REAL, "torch", "int4", "int8")]
+         (REAL, "torch", "int8", "int4"), (REAL, "torch", "int4", "int8"), (REAL, "mlx", "int8", "int4")]
 # A sliding layer's ring keeps only its last window, so a prompt that forks from a cached one before its end
 # (another last message) or from a running one cannot start from it; a whole prompt again can.
 SLIDING = {"gemma3"}

@@ -89,12 +89,6 @@ def test_a_model_with_sliding_window_layers_is_refused(tmp_path):
         load(str(write_model(tmp_path, "gemma3")), "auto")
 
 
-def test_the_mlx_backend_refuses_it():
-    mlx_backend = pytest.importorskip("kvfork.backends.mlx.backend")
-    with pytest.raises(KVStorageRefused, match="--batch-invariant"):
-        mlx_backend.MLXBackend().set_batch_invariant(True)
-
-
 def test_a_cpu_whose_products_sum_a_column_by_the_column_count_is_refused(model_dir, monkeypatch):
     real = ordered_attention.batched_product
 
