@@ -166,7 +166,8 @@ class Ctx:
 
 
 async def raw(port: int, data: bytes, hold_s: float) -> int | None:
-    """Send raw bytes and wait (bounded) for the daemon to answer or close: the status, or None."""
+    """Send raw bytes and wait (bounded) for the daemon to answer or close: the status, or None (closed, a reset
+    too)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         writer.write(data)
@@ -174,6 +175,8 @@ async def raw(port: int, data: bytes, hold_s: float) -> int | None:
         async with asyncio.timeout(hold_s):
             reply = await reader.read()
         return int(reply.split()[1]) if reply.startswith(b"HTTP/1.1 ") else None
+    except ConnectionError:
+        return None
     except TimeoutError:
         return -1  # still open: the check says so
     finally:
