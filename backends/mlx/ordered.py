@@ -10,8 +10,8 @@ grid, so this is what makes reuse on = off exact at int8 and int4 on a real mode
   and from 15 or 16 at others (the default model's). A product with at most COLUMNS tokens as its columns summed
   each of them as a token alone, at every place, at every shape measured, on one thread and on two (AMD EPYC,
   OpenBLAS 0.3, 2026-12-07), so a layer multiplies its weights by the tokens COLUMNS at a time.
-  Quantized weights (`nn.QuantizedLinear`) keep `mx.quantized_matmul`, which sums a row alike wherever it
-  stands; `unordered_tokens` checks both at load.
+  Quantized weights (`nn.QuantizedLinear`, `nn.QuantizedEmbedding`) keep `mx.quantized_matmul`, which sums a
+  row alike wherever it stands; `unordered_tokens` checks every kind at load.
 - **Attention** reads the int8 or int4 rows in place in every pass (`kv_storage.QuantizedRows.ordered`,
   `cpu_attention.read_ordered`), in one order whatever the pass.
 - **Norms, RoPE, the keys' rotation and the MLP's activation** work on each token's own elements.
@@ -70,7 +70,7 @@ def refusal(layers: tuple[LayerAttention, ...], storage: kv_storage.Storage | No
         return ("on MLX, attention reads int8 or int4 rows in place in its one order (kv_reading.c, which needs a C "
                 "compiler): --kv-cache-dtype int8 or int4, or --backend torch for any storage")
     if any(layer.kind != "full" for layer in layers):
-        return "on MLX, not for sliding-window or recurrent layers (--backend torch takes sliding windows)"
+        return "on MLX, not for sliding-window or recurrent layers"
     if any(isinstance(m, (SwitchLinear, QuantizedSwitchLinear)) for _, m in model.named_modules()):
         return "on MLX, not for a mixture of experts"
     if reads_images:
@@ -110,6 +110,8 @@ def unordered_tokens(model: nn.Module) -> str | None:
             width, dtype, run = module["weight"].shape[1] * 32 // module.bits, module["scales"].dtype, module
         elif isinstance(module, nn.Linear):
             width, dtype, run = module["weight"].shape[1], module["weight"].dtype, module
+        elif isinstance(module, nn.QuantizedEmbedding):
+            width, dtype, run = module["weight"].shape[1] * 32 // module.bits, module["scales"].dtype, module.as_linear
         elif isinstance(module, OrderedEmbedding):
             width, dtype, run = module.weight.shape[1], module.weight.dtype, module.as_linear
         else:
