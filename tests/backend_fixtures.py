@@ -147,3 +147,20 @@ def continue_greedy(b, session, logits, n: int) -> tuple[list[int], list[np.ndar
 def release_all(b, *sessions) -> None:
     for s in sessions:
         b.release(s)
+
+
+def assert_every_path_gives_the_same_bits(b: Backend, paths: Iterator[tuple], steps: int) -> None:
+    """For each (name, session, logits, sessions beside it) of `paths` (each session holding one prompt, reached
+    another way: --batch-invariant's tests), the prompt's last logits and those of `steps` greedy steps after it
+    (the sessions beside decoding with it) are bit for bit the first path's."""
+    reference = None
+    for name, session, logits, beside in paths:
+        got = [np.array(b.to_numpy(logits))]  # a copy: a backend may write its next logits where these lie
+        for _ in range(steps):
+            token = int(got[-1].argmax())
+            got.append(np.array(b.to_numpy(b.decode([session, *beside], [token] + [7] * len(beside))[0])))
+        if reference is None:
+            reference = got
+            continue
+        for step, (want, have) in enumerate(zip(reference, got)):
+            assert np.array_equal(want, have), f"{name}, step {step}: {float(np.abs(want - have).max()):.3g}"

@@ -38,15 +38,6 @@ def load(folder: str, dtype: str, invariant: bool = True) -> TorchBackend:
     return backend_fixtures.load(b, folder)
 
 
-def greedy(b: TorchBackend, session, logits, beside=()) -> list[torch.Tensor]:
-    """The logits of STEPS greedy steps from `logits` (the prompt's last), the sessions `beside` decoding with it."""
-    out = [logits.clone()]
-    for _ in range(STEPS):
-        token = int(out[-1].argmax())
-        out.append(b.decode([session, *beside], [token] + [7] * len(beside))[0].clone())
-    return out
-
-
 def paths(b: TorchBackend):
     """name -> (the session holding PROMPT, its last logits, the sessions decoding beside it)."""
     alone = b.open_session()
@@ -73,15 +64,8 @@ def paths(b: TorchBackend):
 @pytest.mark.parametrize("dtype", ["auto", "int8", "int4"])
 def test_every_path_to_a_position_gives_the_same_bits(model_dir, dtype):
     b = load(model_dir, dtype)
-    reference = None
     with torch.inference_mode():
-        for name, session, logits, beside in paths(b):
-            got = greedy(b, session, logits, beside)
-            if reference is None:
-                reference = got
-                continue
-            for step, (want, have) in enumerate(zip(reference, got)):
-                assert torch.equal(want, have), f"{name}, step {step}: {float((want - have).abs().max()):.3g}"
+        backend_fixtures.assert_every_path_gives_the_same_bits(b, paths(b), STEPS)
 
 
 def test_a_model_with_sliding_window_layers_is_refused(tmp_path):

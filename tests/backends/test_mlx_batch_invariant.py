@@ -41,15 +41,6 @@ def load(folder: str, dtype: str, invariant: bool = True) -> MLXBackend:
     return backend_fixtures.load(b, folder)
 
 
-def greedy(b: MLXBackend, session, logits, beside=()) -> list[np.ndarray]:
-    """The logits of STEPS greedy steps from `logits` (the prompt's last), the sessions `beside` decoding with it."""
-    out = [np.array(logits)]
-    for _ in range(STEPS):
-        token = int(out[-1].argmax())
-        out.append(np.array(b.decode([session, *beside], [token] + [7] * len(beside))[0]))
-    return out
-
-
 def paths(b: MLXBackend):
     """name -> (the session holding PROMPT, its last logits, the sessions decoding beside it)."""
     alone = b.open_session()
@@ -78,21 +69,14 @@ def paths(b: MLXBackend):
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_every_path_to_a_position_gives_the_same_bits(model_dir, dtype):
     b = load(model_dir, dtype)
-    reference = None
-    for name, session, logits, beside in paths(b):
-        got = greedy(b, session, logits, beside)
-        if reference is None:
-            reference = got
-            continue
-        for step, (want, have) in enumerate(zip(reference, got)):
-            assert np.array_equal(want, have), f"{name}, step {step}: {float(np.abs(want - have).max()):.3g}"
+    backend_fixtures.assert_every_path_gives_the_same_bits(b, paths(b), STEPS)
 
 
 def test_without_it_the_paths_differ(model_dir):
     """The check above can fail: the same paths at int8 without --batch-invariant give other bits somewhere."""
     b = load(model_dir, "int8", invariant=False)
-    got = [greedy(b, session, logits, beside) for _, session, logits, beside in paths(b)]
-    assert any(not np.array_equal(want, have) for other in got[1:] for want, have in zip(got[0], other))
+    with pytest.raises(AssertionError, match="step"):
+        backend_fixtures.assert_every_path_gives_the_same_bits(b, paths(b), STEPS)
 
 
 @pytest.mark.parametrize("family,dtype,refused", [
