@@ -181,6 +181,8 @@ async def raw(port: int, data: bytes, hold_s: float) -> int | None:
         return -1  # still open: the check says so
     finally:
         writer.close()
+        with contextlib.suppress(ConnectionError):  # retrieves a reset, which the stream also keeps for wait_closed
+            await writer.wait_closed()
 
 
 # ---- the shapes ----
