@@ -6,10 +6,11 @@ grid, so this is what makes reuse on = off exact at int8 and int4 on a real mode
 - **Linear layers** (`OrderedLinear`, and a tied embedding's `as_linear`: `OrderedEmbedding`): MLX's float
   products go to the BLAS's `sgemm` (OpenBLAS on Linux), which sums an output in an order set by the token's
   place in the product: with the tokens as rows, by its place in 12-row tiles and their remainders; with the
-  tokens as columns, by its place too, from 8 columns at some shapes (256, 512 or 1,024 outputs of 576 inputs)
-  and from 15 or 16 at others (the default model's). A product with at most COLUMNS tokens as its columns summed
-  each of them as a token alone, at every place, at every shape measured, on one thread and on two (AMD EPYC,
-  OpenBLAS 0.3, 2026-12-07), so a layer multiplies its weights by the tokens COLUMNS at a time.
+  tokens as columns, by its place too from 8 columns at some shapes (64 or 128 outputs of 64 inputs; 256, 512 or
+  1,024 of 576 on one thread, from 15 on two) and from 16 at the default model's (on one thread). A product with
+  at most COLUMNS tokens as its columns summed each of them as a token alone, at every place, at every shape
+  measured, on one thread and on two (AMD EPYC, OpenBLAS 0.3, 2026-12-07), so a layer multiplies its weights by
+  the tokens COLUMNS at a time.
   Quantized weights (`nn.QuantizedLinear`, `nn.QuantizedEmbedding`) keep `mx.quantized_matmul`, which sums a
   row alike wherever it stands; `unordered_tokens` checks every kind at load.
 - **Attention** reads the int8 or int4 rows in place in every pass (`kv_storage.QuantizedRows.ordered`,
