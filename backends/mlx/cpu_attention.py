@@ -27,10 +27,11 @@ so the scales and biases multiply the scores and the weights, a query's width ea
   verify rows' queries as decode rows', reads the rows in place in one order, so a query gets the same bits in
   any pass.
 
-Otherwise a prefill or verify pass reads the rows dequantized, or through `quantized_matmul` where that copy would
-pass DEQUANTIZED_BYTES (`QuantizedRows.reading`). mlx-lm's attention (`mlx_lm.models.base.scaled_dot_product_attention`, which the
-models call) sends a cache that has `bits` to `quantized_scaled_dot_product_attention`, looked up in its module at
-call time: `install` puts `attention` there, which reads `StoredRows` and `CastIntegers` of one query a row so and
+Otherwise a prefill or verify pass reads the rows dequantized, or through `quantized_matmul` where that copy
+would pass DEQUANTIZED_BYTES (`QuantizedRows.reading`). mlx-lm's attention
+(`mlx_lm.models.base.scaled_dot_product_attention`, which the models call) sends a cache that has `bits` to
+`quantized_scaled_dot_product_attention`, looked up in its module at call time: `install` puts `attention`
+there, which reads `OrderedRows`, and `StoredRows` and `CastIntegers` of one query a row, so and
 hands anything else to mlx-lm's function. A `CastIntegers` is the (integers, scales, biases) that function takes,
 so without the hook it reads the same rows through `mx.quantized_matmul`.
 """
