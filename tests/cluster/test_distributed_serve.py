@@ -168,17 +168,24 @@ async def health(url: str) -> tuple[int, str]:
             return r.status, await r.text()
 
 
+# How rank 0 learns that rank 1 died mid-stream: gloo's collective fails at once; MLX's ring sometimes waits on
+# the dead peer instead (one kill in six on a quiet machine, 2026-12-08), until --rank-timeout ends the step
+DEAD_PEER = {"torch": ("rank 1 failed or was lost",),
+             "mlx": ("rank 1 failed or was lost", "rank 1 stopped answering")}
+
+
 async def test_rank_1_killed_mid_stream_without_a_launcher(backend_name, model, tmp_path):
     """Rank 0 survives a dead peer: the stream ends with an error naming rank 1, /health names it (to the
     metrics key's holder), new requests get a 503; it still stops on SIGTERM."""
     port = free_ports(1)
-    rank0, rank1 = by_hand(backend_name, serve_command(backend_name, model, port), rank_env(backend_name, tmp_path),
-                           tmp_path)
+    rank0, rank1 = by_hand(backend_name, serve_command(backend_name, model, port, "--rank-timeout", "10"),
+                           rank_env(backend_name, tmp_path), tmp_path)
     try:
         url = f"http://127.0.0.1:{port}"
         await healthy(url, [tmp_path / "rank0.log", tmp_path / "rank1.log"])
         frames = await stream_until_error(url, rank1.kill)
-        assert "rank 1 failed or was lost" in frames[-2]["error"]["message"], frames[-2:]
+        said = frames[-2]["error"]["message"]
+        assert any(reason in said for reason in DEAD_PEER[backend_name]), frames[-2:]
         status, text = await health(url)
         assert status == 503 and "rank 1" in text, text
         async with aiohttp.ClientSession() as http:
