@@ -18,7 +18,7 @@ import mlx.core as mx  # noqa: E402
 import backend_fixtures  # noqa: E402
 from kvfork.backends import kv_reading  # noqa: E402
 from kvfork.backends.base import KVStorage, KVStorageRefused  # noqa: E402
-from kvfork.backends.mlx import ordered  # noqa: E402
+from kvfork.backends.mlx import kv_storage, ordered  # noqa: E402
 from kvfork.backends.mlx.backend import MLXBackend  # noqa: E402
 from tiny_models import REAL_WIDTHS, write_model  # noqa: E402
 
@@ -26,7 +26,12 @@ PROMPT = [int(t) for t in np.random.default_rng(3).integers(1, 250, 300)]
 OTHER = [int(t) for t in np.random.default_rng(4).integers(1, 250, 170)]
 STEPS = 6
 
-pytestmark = pytest.mark.skipif(kv_reading.library() is None, reason="kv_reading.c does not build here")
+
+@pytest.fixture(autouse=True)
+def kernel():
+    """The mode reads the rows through kv_reading.c, which these tests need built."""
+    if kv_reading.library() is None:
+        pytest.skip("kv_reading.c does not build here (no cc, or a CPU it is not written for)")
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +93,12 @@ def test_what_it_cannot_compute_so_is_refused(tmp_path, family, dtype, refused):
     folder = write_model(tmp_path, family, head_dim=64)
     with pytest.raises(KVStorageRefused, match=f"--batch-invariant: .*{refused}"):
         load(str(folder), dtype)
+
+
+def test_without_the_kernel_it_is_refused(model_dir, monkeypatch):
+    monkeypatch.setattr(kv_storage, "in_place_kernel", lambda dims: None)  # as where kv_reading.c cannot be built
+    with pytest.raises(KVStorageRefused, match=r"--batch-invariant: .*\(kv_reading.c, which needs a C compiler\)"):
+        load(model_dir, "int8")
 
 
 def test_a_cpu_whose_products_sum_a_token_by_its_place_is_refused(model_dir, monkeypatch):
