@@ -106,8 +106,9 @@ def prompt(n: int, seed: int = 0, vocab: int = 512) -> list[int]:
 
 
 def logits_np(b, logits) -> np.ndarray:
-    """The backend's logits (or rows already taken out) as a float32 numpy array."""
-    return np.asarray(logits if isinstance(logits, np.ndarray) else b.to_numpy(logits), dtype=np.float32)
+    """The backend's logits (or rows already taken out) as a float32 numpy array of their own: a copy, since a
+    backend may write its next logits where these lie."""
+    return np.array(logits if isinstance(logits, np.ndarray) else b.to_numpy(logits), dtype=np.float32)
 
 
 def assert_close(b, got, want, kind: Kind, context: int) -> None:
@@ -134,13 +135,14 @@ def fresh(b, tokens: list[int], chunk: int = 0):
     return s, logits
 
 
-def continue_greedy(b, session, logits, n: int) -> tuple[list[int], list[np.ndarray]]:
-    """n greedy steps from `logits`; the tokens, and the logits each was picked from."""
+def continue_greedy(b, session, logits, n: int, beside=()) -> tuple[list[int], list[np.ndarray]]:
+    """n greedy steps from `logits` (a batch of one row), the sessions `beside` decoding with it (token 7 each);
+    the tokens, and the logits each was picked from."""
     tokens, seen = [], []
     for _ in range(n):
         seen.append(logits_np(b, logits))
         tokens.append(greedy(b, logits)[0])
-        logits = b.decode([session], [tokens[-1]])
+        logits = b.decode([session, *beside], [tokens[-1]] + [7] * len(beside))[:1]
     return tokens, seen
 
 
@@ -155,10 +157,7 @@ def assert_every_path_gives_the_same_bits(b: Backend, paths: Iterator[tuple], st
     (the sessions beside decoding with it) are bit for bit the first path's."""
     reference = None
     for name, session, logits, beside in paths:
-        got = [np.array(b.to_numpy(logits))]  # a copy: a backend may write its next logits where these lie
-        for _ in range(steps):
-            token = int(got[-1].argmax())
-            got.append(np.array(b.to_numpy(b.decode([session, *beside], [token] + [7] * len(beside))[0])))
+        _, got = continue_greedy(b, session, logits[None], steps + 1, beside)
         if reference is None:
             reference = got
             continue

@@ -225,10 +225,10 @@ def read_ordered(queries: mx.array, q_keys: OrderedRows, q_values: OrderedRows, 
     columns = (np.asarray(queries).reshape(b, kv, group_heads, n, dim).transpose(0, 1, 3, 2, 4)
                .reshape(b, kv, n * group_heads, dim) * np.float32(scale))
     out = np.empty((b, kv, n * group_heads, value_dim), np.float32)
+    stored = np.asarray(keys), np.asarray(values)  # views of MLX's buffers
     for row in range(b):
         start, end = int(first[row]), int(last[row].max()) + 1
-        (k, k_head, k_row), (v, v_head, v_row) = (heads_of(np.asarray(rows)[row:row + 1, :, start:end])
-                                                  for rows in (keys, values))
+        (k, k_head, k_row), (v, v_head, v_row) = (heads_of(rows[row:row + 1, :, start:end]) for rows in stored)
         ends = np.repeat(last[row] - start, group_heads)  # each column's last key in the row's keys
         q = np.ascontiguousarray(columns[row])
         span = end - start
